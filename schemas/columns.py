@@ -1,0 +1,122 @@
+"""Versioned Arrow schemas, one column group per stage.
+
+Per-token columns are unpadded ``list<>`` columns with one entry per response token; padding to
+(B, T) tensors happens only when loading (``schemas.experience``). Every stage's group is keyed
+by ``sample_id`` (rollout and later) or ``prompt_id`` (prompts).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class StageSchema:
+    """An Arrow schema with the stage name and version stamped in its metadata."""
+
+    stage: str
+    version: int
+    schema: pa.Schema
+
+    @property
+    def arrow(self) -> pa.Schema:
+        """The schema with ``stage`` and ``schema_version`` metadata."""
+        return self.schema.with_metadata({"stage": self.stage, "schema_version": str(self.version)})
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 (hex, first 16) over field names, types and nullability, in order."""
+        text = ";".join(f"{f.name}:{f.type}:{f.nullable}" for f in self.schema)
+        return hashlib.sha256(f"{self.stage}/{self.version}/{text}".encode()).hexdigest()[:16]
+
+
+_tok = pa.list_(pa.int32())
+_f32 = pa.list_(pa.float32())
+
+PROMPTS = StageSchema("prompts", 1, pa.schema([
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("data_source", pa.string(), nullable=False),
+    pa.field("question", pa.string(), nullable=False),
+    pa.field("prompt_text", pa.string(), nullable=False),  # chat template applied
+    pa.field("prompt_token_ids", _tok, nullable=False),
+    pa.field("answer", pa.string(), nullable=False),  # the label the grader checks against
+    pa.field("metadata_json", pa.string(), nullable=False),  # grader's entry metadata, JSON
+]))
+
+ROLLOUT = StageSchema("rollout", 1, pa.schema([
+    pa.field("sample_id", pa.string(), nullable=False),
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("sample_index", pa.int32(), nullable=False),  # 0..G-1 inside the group
+    pa.field("prompt_token_ids", _tok, nullable=False),
+    pa.field("response_token_ids", _tok, nullable=False),
+    pa.field("response_text", pa.string(), nullable=False),
+    pa.field("rollout_logprobs", _f32, nullable=False),  # engine's log-probs of the sampled tokens
+    pa.field("action_mask", pa.list_(pa.bool_()), nullable=False),
+    pa.field("finish_reason", pa.string(), nullable=False),  # "stop" (EOS) or "length"
+]))
+
+ACTOR_LOGPROBS = StageSchema("actor_logprobs", 1, pa.schema([
+    pa.field("sample_id", pa.string(), nullable=False),
+    pa.field("old_logprobs", _f32, nullable=False),
+]))
+
+REF_LOGPROBS = StageSchema("ref_logprobs", 1, pa.schema([
+    pa.field("sample_id", pa.string(), nullable=False),
+    pa.field("ref_logprobs", _f32, nullable=False),
+]))
+
+CRITIC_VALUES = StageSchema("critic_values", 1, pa.schema([  # reserved for PPO with a critic
+    pa.field("sample_id", pa.string(), nullable=False),
+    pa.field("values", _f32, nullable=False),
+]))
+
+REWARDS = StageSchema("rewards", 1, pa.schema([
+    pa.field("sample_id", pa.string(), nullable=False),
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("rewards", pa.float32(), nullable=False),
+    pa.field("correct", pa.bool_(), nullable=False),
+    pa.field("extracted_answer", pa.string(), nullable=True),
+    pa.field("reward_metrics", pa.map_(pa.string(), pa.float32()), nullable=False),
+]))
+
+ADVANTAGES = StageSchema("advantages", 1, pa.schema([
+    pa.field("sample_id", pa.string(), nullable=False),
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("shaped_rewards", pa.float32(), nullable=False),  # reward after the KL penalty
+    pa.field("kl", _f32, nullable=False),  # per-token KL estimate vs the reference
+    pa.field("advantages", _f32, nullable=False),
+    pa.field("returns", _f32, nullable=False),
+]))
+
+PPO_UPDATE = StageSchema("ppo_update", 1, pa.schema([
+    pa.field("step", pa.int32(), nullable=False),  # optimizer step inside this update
+    pa.field("epoch", pa.int32(), nullable=False),
+    pa.field("policy_loss", pa.float32(), nullable=False),
+    pa.field("kl_loss", pa.float32(), nullable=False),
+    pa.field("clip_frac", pa.float32(), nullable=False),
+    pa.field("approx_kl", pa.float32(), nullable=False),
+    pa.field("grad_norm", pa.float32(), nullable=False),
+    pa.field("lr", pa.float32(), nullable=False),
+    pa.field("num_tokens", pa.int64(), nullable=False),
+]))
+
+STAGE_SCHEMAS: dict[str, StageSchema] = {
+    s.stage: s for s in (PROMPTS, ROLLOUT, ACTOR_LOGPROBS, REF_LOGPROBS, CRITIC_VALUES, REWARDS, ADVANTAGES, PPO_UPDATE)
+}
+
+# Per-token list columns that must have one entry per response token.
+PER_TOKEN_COLUMNS = {"rollout_logprobs", "action_mask", "old_logprobs", "ref_logprobs", "values", "kl", "advantages", "returns"}
+
+
+def schema_for(stage: str) -> StageSchema:
+    """The schema of ``stage``.
+
+    Raises:
+        KeyError: unknown stage; the message lists the known ones.
+    """
+    try:
+        return STAGE_SCHEMAS[stage]
+    except KeyError:
+        raise KeyError(f"no schema for stage {stage!r}; known stages: {', '.join(sorted(STAGE_SCHEMAS))}") from None

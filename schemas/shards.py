@@ -1,0 +1,371 @@
+"""The shard contract: atomic, manifest-committed Parquet shards under any fsspec URI.
+
+Write protocol (``write_shard`` / ``commit_files``):
+  1. refuse if ``_MANIFEST.json`` already exists (a committed stage is never overwritten);
+  2. remove leftovers of an interrupted attempt (anything in the folder without a manifest);
+  3. write each part under a temporary name, then rename it to ``part-NNNNN.parquet``;
+  4. write ``_MANIFEST.json`` last (via a temporary name and a rename): it is the commit point.
+
+A reader trusts only the manifest: rows, files, sizes, sha256 checksums, schema fingerprint,
+config hash and the inputs that produced the shard.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import io
+import json
+import uuid
+from typing import Any, Iterable, Mapping
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict
+
+from schemas.columns import StageSchema, schema_for
+
+MANIFEST_NAME = "_MANIFEST.json"
+MANIFEST_VERSION = 1
+
+
+class ShardError(ValueError):
+    """Base class: a shard cannot be used. The message names the URI and what is wrong."""
+
+
+class ShardNotCommittedError(ShardError):
+    """No manifest: the stage never finished (or was interrupted before its commit)."""
+
+
+class ShardCorruptError(ShardError):
+    """A committed file is missing, truncated, or its checksum does not match the manifest."""
+
+
+class ShardSchemaError(ShardError):
+    """A column is missing, has the wrong dtype, or the schema stage/version differs."""
+
+
+class ShardExistsError(ShardError):
+    """A committed shard already exists where a writer was asked to write."""
+
+
+class StaleShardError(ShardError):
+    """A committed shard exists but was produced with another config hash."""
+
+
+class FileEntry(BaseModel):
+    """One committed file: path relative to the shard folder, size in bytes, sha256 hex."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    path: str
+    bytes: int
+    sha256: str
+    rows: int | None = None
+
+
+class Manifest(BaseModel):
+    """The commit record of one stage's output (``_MANIFEST.json``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    manifest_version: int = MANIFEST_VERSION
+    stage: str
+    schema_version: int | None
+    schema_fingerprint: str | None
+    config_hash: str
+    num_rows: int
+    files: list[FileEntry]
+    inputs: dict[str, str]  # input name -> that input's manifest sha256
+    summary: dict[str, Any] = {}
+    created_at: str
+
+
+class ShardRef(BaseModel):
+    """A reference to a committed shard; what tasks return and flows pass on.
+
+    ``manifest_sha256`` identifies the exact content: downstream config hashes include it, so a
+    recomputed upstream stage invalidates everything after it.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    uri: str
+    stage: str
+    num_rows: int
+    config_hash: str
+    manifest_sha256: str
+
+
+def _fs(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, path = fsspec.core.url_to_fs(uri)
+    return fs, path.rstrip("/")
+
+
+def _canonical(obj: Any) -> Any:
+    if isinstance(obj, ShardRef):
+        return {"shard": obj.manifest_sha256}
+    if isinstance(obj, BaseModel):
+        return _canonical(obj.model_dump(mode="json"))
+    if isinstance(obj, Mapping):
+        return {str(k): _canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (list, tuple)):
+        return [_canonical(v) for v in obj]
+    return obj
+
+
+def config_hash(*parts: Any) -> str:
+    """sha256 (hex, first 16 chars) of the canonical JSON of ``parts``.
+
+    Pydantic models are dumped in JSON mode, ShardRefs reduce to their manifest sha256.
+    """
+    text = json.dumps(_canonical(list(parts)), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def read_manifest(uri: str) -> tuple[Manifest, str]:
+    """Read and parse ``{uri}/_MANIFEST.json``.
+
+    Returns:
+        (manifest, sha256 of the manifest bytes).
+    Raises:
+        ShardNotCommittedError: no manifest at ``uri``.
+        ShardCorruptError: the manifest is not valid JSON or not a manifest.
+    """
+    fs, path = _fs(uri)
+    mpath = f"{path}/{MANIFEST_NAME}"
+    if not fs.exists(mpath):
+        raise ShardNotCommittedError(f"{uri}: no {MANIFEST_NAME}; the stage has not committed")
+    raw = fs.cat_file(mpath)
+    try:
+        manifest = Manifest.model_validate_json(raw)
+    except Exception as exc:  # pydantic.ValidationError or JSON error
+        raise ShardCorruptError(f"{uri}/{MANIFEST_NAME}: not a valid manifest: {exc}") from exc
+    return manifest, hashlib.sha256(raw).hexdigest()
+
+
+def _ref(uri: str, manifest: Manifest, sha: str) -> ShardRef:
+    return ShardRef(uri=uri, stage=manifest.stage, num_rows=manifest.num_rows,
+                    config_hash=manifest.config_hash, manifest_sha256=sha)
+
+
+def committed_ref(uri: str, *, stage: str, config_hash: str, check_files: bool = True) -> ShardRef | None:
+    """The ShardRef of a committed stage that may be reused, or None when it must be computed.
+
+    Returns None when no manifest exists (never run, or interrupted before its commit).
+
+    Raises:
+        StaleShardError: a manifest exists with another config hash or stage; a committed
+            result is never silently overwritten (use a new run root).
+        ShardCorruptError: with ``check_files``, a committed file is missing or has another size.
+    """
+    try:
+        manifest, sha = read_manifest(uri)
+    except ShardNotCommittedError:
+        return None
+    if manifest.stage != stage or manifest.config_hash != config_hash:
+        raise StaleShardError(
+            f"{uri}: committed by stage {manifest.stage!r} with config hash {manifest.config_hash}, "
+            f"but this run asks for stage {stage!r} with config hash {config_hash}; the config or an "
+            "upstream shard changed. Use a new run root (committed results are never overwritten)."
+        )
+    if check_files:
+        fs, path = _fs(uri)
+        for entry in manifest.files:
+            fpath = f"{path}/{entry.path}"
+            if not fs.exists(fpath):
+                raise ShardCorruptError(f"{uri}: manifest lists {entry.path} but the file is missing")
+            size = fs.size(fpath)
+            if size != entry.bytes:
+                raise ShardCorruptError(f"{uri}/{entry.path}: {size} bytes, manifest says {entry.bytes}")
+    return _ref(uri, manifest, sha)
+
+
+def prepare_stage_dir(uri: str) -> None:
+    """Make ``uri`` an empty folder ready for a new attempt.
+
+    Raises:
+        ShardExistsError: the folder holds a committed manifest.
+    """
+    fs, path = _fs(uri)
+    if fs.exists(f"{path}/{MANIFEST_NAME}"):
+        raise ShardExistsError(f"{uri}: already committed; refusing to overwrite it")
+    if fs.exists(path):
+        fs.rm(path, recursive=True)  # leftovers of an interrupted attempt
+    fs.makedirs(path, exist_ok=True)
+
+
+def _atomic_put(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    parent, name = path.rsplit("/", 1)
+    tmp = f"{parent}/.tmp-{uuid.uuid4().hex}-{name}"
+    fs.pipe_file(tmp, data)
+    fs.mv(tmp, path)
+
+
+def _sha256_file(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def commit_files(
+    uri: str,
+    *,
+    stage: str,
+    config_hash: str,
+    files: Iterable[str] | None = None,
+    num_rows: int = 0,
+    inputs: Mapping[str, ShardRef] | None = None,
+    summary: Mapping[str, Any] | None = None,
+    schema: StageSchema | None = None,
+    rows_per_file: Mapping[str, int] | None = None,
+) -> ShardRef:
+    """Write the manifest for files already written under ``uri`` (the commit point).
+
+    Used directly for checkpoints (HF folders) and by ``write_shard`` for Parquet parts.
+
+    Args:
+        files: paths relative to ``uri``; default: every file below it except temporaries.
+        inputs: the ShardRefs this output was computed from (recorded by manifest sha256).
+    Raises:
+        ShardExistsError: a manifest already exists at ``uri``.
+    """
+    fs, path = _fs(uri)
+    mpath = f"{path}/{MANIFEST_NAME}"
+    if fs.exists(mpath):
+        raise ShardExistsError(f"{uri}: already committed; refusing to overwrite it")
+    if files is None:
+        found = fs.find(path)
+        files = sorted(
+            p[len(path) + 1:] for p in (f.rstrip("/") for f in found)
+            if not p.rsplit("/", 1)[-1].startswith(".tmp-") and not p.endswith(MANIFEST_NAME)
+        )
+    rows_per_file = rows_per_file or {}
+    entries = []
+    for rel in files:
+        size, sha = _sha256_file(fs, f"{path}/{rel}")
+        entries.append(FileEntry(path=rel, bytes=size, sha256=sha, rows=rows_per_file.get(rel)))
+    manifest = Manifest(
+        stage=stage,
+        schema_version=schema.version if schema else None,
+        schema_fingerprint=schema.fingerprint if schema else None,
+        config_hash=config_hash,
+        num_rows=num_rows,
+        files=entries,
+        inputs={k: v.manifest_sha256 for k, v in (inputs or {}).items()},
+        summary=dict(summary or {}),
+        created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(),
+    )
+    raw = manifest.model_dump_json(indent=1).encode()
+    _atomic_put(fs, mpath, raw)
+    return _ref(uri, manifest, hashlib.sha256(raw).hexdigest())
+
+
+def validate_table(table: pa.Table, expected: StageSchema, *, where: str) -> pa.Table:
+    """Check ``table`` against ``expected``; return it with the expected column order.
+
+    Raises:
+        ShardSchemaError: a missing column or a wrong dtype, named in the message.
+    """
+    missing = [f.name for f in expected.schema if f.name not in table.column_names]
+    if missing:
+        raise ShardSchemaError(f"{where}: missing column(s) {missing} for stage {expected.stage!r}")
+    for f in expected.schema:
+        got = table.schema.field(f.name).type
+        if got != f.type:
+            raise ShardSchemaError(f"{where}: column {f.name!r} has dtype {got}, expected {f.type}")
+        if not f.nullable and table.column(f.name).null_count:
+            raise ShardSchemaError(f"{where}: column {f.name!r} has nulls but is not nullable")
+    return table.select([f.name for f in expected.schema])
+
+
+def write_shard(
+    table: pa.Table,
+    uri: str,
+    *,
+    schema: StageSchema,
+    config_hash: str,
+    inputs: Mapping[str, ShardRef] | None = None,
+    summary: Mapping[str, Any] | None = None,
+    rows_per_part: int = 100_000,
+) -> ShardRef:
+    """Atomically write ``table`` as a committed shard of ``schema.stage`` at ``uri``.
+
+    Raises:
+        ShardSchemaError: ``table`` does not match ``schema``.
+        ShardExistsError: ``uri`` is already committed.
+    """
+    table = validate_table(table, schema, where=f"writing {uri}")
+    table = table.cast(schema.arrow)
+    prepare_stage_dir(uri)
+    fs, path = _fs(uri)
+    names, rows = [], {}
+    n_parts = max(1, -(-table.num_rows // rows_per_part))
+    for i in range(n_parts):
+        part = table.slice(i * rows_per_part, rows_per_part)
+        buf = io.BytesIO()
+        pq.write_table(part, buf, compression="zstd")
+        name = f"part-{i:05d}.parquet"
+        _atomic_put(fs, f"{path}/{name}", buf.getvalue())
+        names.append(name)
+        rows[name] = part.num_rows
+    return commit_files(uri, stage=schema.stage, config_hash=config_hash, files=names,
+                        num_rows=table.num_rows, inputs=inputs, summary=summary, schema=schema,
+                        rows_per_file=rows)
+
+
+def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = True) -> pa.Table:
+    """Read a committed shard, validating it against its manifest and its stage's schema.
+
+    Args:
+        ref: a ShardRef or the shard folder's URI.
+        stage: the stage the caller expects (default: the manifest's).
+        verify: check every file's size and sha256 against the manifest.
+    Raises:
+        ShardNotCommittedError: no manifest.
+        ShardCorruptError: missing file, wrong size or checksum, unreadable Parquet, or (for a
+            ShardRef) a manifest that changed since the ref was made.
+        ShardSchemaError: another stage, schema version or fingerprint; missing column; wrong dtype.
+    """
+    uri = ref.uri if isinstance(ref, ShardRef) else ref
+    manifest, sha = read_manifest(uri)
+    if isinstance(ref, ShardRef) and ref.manifest_sha256 != sha:
+        raise ShardCorruptError(f"{uri}: manifest changed since it was referenced (sha256 {sha[:12]}, ref {ref.manifest_sha256[:12]})")
+    want = stage or manifest.stage
+    if manifest.stage != want:
+        raise ShardSchemaError(f"{uri}: shard of stage {manifest.stage!r}, expected {want!r}")
+    expected = schema_for(want)
+    if manifest.schema_version != expected.version:
+        raise ShardSchemaError(
+            f"{uri}: schema_version {manifest.schema_version} of stage {want!r}, this code reads version {expected.version}"
+        )
+    if manifest.schema_fingerprint != expected.fingerprint:
+        raise ShardSchemaError(f"{uri}: schema fingerprint {manifest.schema_fingerprint} differs from {expected.fingerprint}")
+    fs, path = _fs(uri)
+    tables = []
+    for entry in manifest.files:
+        fpath = f"{path}/{entry.path}"
+        if not fs.exists(fpath):
+            raise ShardCorruptError(f"{uri}: manifest lists {entry.path} but the file is missing")
+        data = fs.cat_file(fpath)
+        if verify:
+            if len(data) != entry.bytes:
+                raise ShardCorruptError(f"{fpath}: {len(data)} bytes, manifest says {entry.bytes} (truncated?)")
+            if hashlib.sha256(data).hexdigest() != entry.sha256:
+                raise ShardCorruptError(f"{fpath}: sha256 does not match the manifest (corrupted)")
+        try:
+            part = pq.read_table(pa.BufferReader(data))
+        except Exception as exc:
+            raise ShardCorruptError(f"{fpath}: unreadable Parquet: {exc}") from exc
+        meta = part.schema.metadata or {}
+        if meta.get(b"stage", b"").decode() != want or meta.get(b"schema_version", b"").decode() != str(expected.version):
+            raise ShardSchemaError(
+                f"{fpath}: file metadata says stage={meta.get(b'stage')!r} schema_version={meta.get(b'schema_version')!r}, "
+                f"expected {want!r} version {expected.version}"
+            )
+        tables.append(validate_table(part, expected, where=fpath))
+    table = pa.concat_tables(tables) if tables else expected.arrow.empty_table()
+    if table.num_rows != manifest.num_rows:
+        raise ShardCorruptError(f"{uri}: {table.num_rows} rows, manifest says {manifest.num_rows}")
+    return table
