@@ -14,8 +14,11 @@ from schemas.shards import (
     commit_files,
     committed_ref,
     config_hash,
+    local_path,
+    prepare_stage_dir,
     read_manifest,
     read_shard,
+    write_parts,
     write_shard,
 )
 
@@ -32,9 +35,12 @@ __all__ = [
     "committed_ref",
     "config_hash",
     "iteration_uri",
+    "local_path",
+    "prepare_stage_dir",
     "read_manifest",
     "read_shard",
     "schema_for",
     "stage_uri",
+    "write_parts",
     "write_shard",
 ]

@@ -280,6 +280,28 @@ def validate_table(table: pa.Table, expected: StageSchema, *, where: str) -> pa.
     return table.select([f.name for f in expected.schema])
 
 
+def write_parts(table: pa.Table, uri: str, *, schema: StageSchema, rows_per_part: int = 100_000) -> dict[str, int]:
+    """Write ``table`` as Parquet parts into a prepared stage folder (no commit).
+
+    Returns:
+        {part file name: rows}, to pass on to ``commit_files``.
+    Raises:
+        ShardSchemaError: ``table`` does not match ``schema``.
+    """
+    table = validate_table(table, schema, where=f"writing {uri}").cast(schema.arrow)
+    fs, path = _fs(uri)
+    rows: dict[str, int] = {}
+    n_parts = max(1, -(-table.num_rows // rows_per_part))
+    for i in range(n_parts):
+        part = table.slice(i * rows_per_part, rows_per_part)
+        buf = io.BytesIO()
+        pq.write_table(part, buf, compression="zstd")
+        name = f"part-{i:05d}.parquet"
+        _atomic_put(fs, f"{path}/{name}", buf.getvalue())
+        rows[name] = part.num_rows
+    return rows
+
+
 def write_shard(
     table: pa.Table,
     uri: str,
@@ -293,26 +315,23 @@ def write_shard(
     """Atomically write ``table`` as a committed shard of ``schema.stage`` at ``uri``.
 
     Raises:
-        ShardSchemaError: ``table`` does not match ``schema``.
+        ShardSchemaError: ``table`` does not match ``schema`` (checked before anything is written).
         ShardExistsError: ``uri`` is already committed.
     """
-    table = validate_table(table, schema, where=f"writing {uri}")
-    table = table.cast(schema.arrow)
+    validate_table(table, schema, where=f"writing {uri}")
     prepare_stage_dir(uri)
-    fs, path = _fs(uri)
-    names, rows = [], {}
-    n_parts = max(1, -(-table.num_rows // rows_per_part))
-    for i in range(n_parts):
-        part = table.slice(i * rows_per_part, rows_per_part)
-        buf = io.BytesIO()
-        pq.write_table(part, buf, compression="zstd")
-        name = f"part-{i:05d}.parquet"
-        _atomic_put(fs, f"{path}/{name}", buf.getvalue())
-        names.append(name)
-        rows[name] = part.num_rows
-    return commit_files(uri, stage=schema.stage, config_hash=config_hash, files=names,
+    rows = write_parts(table, uri, schema=schema, rows_per_part=rows_per_part)
+    return commit_files(uri, stage=schema.stage, config_hash=config_hash, files=list(rows),
                         num_rows=table.num_rows, inputs=inputs, summary=summary, schema=schema,
                         rows_per_file=rows)
+
+
+def local_path(uri: str) -> str | None:
+    """The local filesystem path of ``uri``, or None when it is not on the local filesystem."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, path = _fs(uri)
+    return path if isinstance(fs, LocalFileSystem) else None
 
 
 def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = True) -> pa.Table:
@@ -345,6 +364,8 @@ def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = 
     fs, path = _fs(uri)
     tables = []
     for entry in manifest.files:
+        if entry.rows is None:  # not a Parquet part (e.g. a checkpoint file)
+            continue
         fpath = f"{path}/{entry.path}"
         if not fs.exists(fpath):
             raise ShardCorruptError(f"{uri}: manifest lists {entry.path} but the file is missing")

@@ -17,6 +17,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -57,6 +64,7 @@ def ensure_default_model() -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _quiet_transformers()
     gguf = default_gguf_path()
     log.info("converting %s to an HF folder at %s (once)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +145,7 @@ def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False
     """
     from transformers import AutoModelForCausalLM
 
+    _quiet_transformers()
     resolved = resolve_model_path(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(resolved, dtype=getattr(torch, dtype))

@@ -1,0 +1,59 @@
+"""One RL iteration as a flow: prompts -> rollout -> {actor, ref, rewards} -> advantages -> update."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from pydantic import BaseModel, ConfigDict
+
+import tasks
+from rft_core.config import TrainConfig
+from rft_core.metrics import iteration_metrics
+from rft_core.stages.common import PolicyRef
+from schemas import ShardRef, stage_uri
+
+
+class IterationResult(BaseModel):
+    """What one iteration hands to the next: the new policy and the iteration's metrics."""
+
+    model_config = ConfigDict(frozen=True)
+    iteration: int
+    policy: ShardRef
+    stages: dict[str, ShardRef | None]
+    metrics: dict[str, Any]
+
+
+@flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
+def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef) -> IterationResult:
+    """Run (or resume) iteration ``iteration`` starting from ``policy``."""
+    t0 = time.perf_counter()
+
+    def out(stage: str) -> str:
+        return stage_uri(cfg.run_root, iteration, stage)
+
+    dtype, temp = cfg.policy.dtype, cfg.rollout.temperature
+    prompts = tasks.prompts(cfg.data, cfg.policy.path, iteration, out("prompts"))
+    rollout = tasks.rollout(prompts, policy, cfg.rollout, iteration, out("rollout"), dtype)
+
+    # independent of each other: submitted together, run concurrently
+    futures = {"rewards": tasks.rewards.submit(rollout, prompts, cfg.reward, out("rewards"))}
+    if cfg.logprobs.recompute_old_logprobs:
+        futures["actor_logprobs"] = tasks.actor_logprobs.submit(rollout, policy, cfg.logprobs, temp, out("actor_logprobs"), dtype)
+    if cfg.kl.needs_reference:
+        futures["ref_logprobs"] = tasks.ref_logprobs.submit(rollout, cfg.reference_model.path, cfg.logprobs, temp,
+                                                            out("ref_logprobs"), cfg.reference_model.dtype)
+    parts = {name: f.result() for name, f in futures.items()}
+    actor, ref = parts.get("actor_logprobs"), parts.get("ref_logprobs")
+
+    adv = tasks.advantages(rollout, parts["rewards"], actor, ref, cfg.kl, cfg.advantage, out("advantages"))
+    new_policy = tasks.ppo_update(rollout, adv, actor, ref, policy, cfg.update, cfg.kl, temp, out("ppo_update"), dtype)
+
+    refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy}
+    metrics = iteration_metrics(iteration, refs)
+    metrics["seconds/iteration"] = round(time.perf_counter() - t0, 3)
+    create_table_artifact(key=f"metrics-iter-{iteration:06d}".replace("_", "-"), table=[metrics],
+                          description=f"Metrics of iteration {iteration}")
+    get_run_logger().info("iteration %d committed: %s", iteration, new_policy.uri)
+    return IterationResult(iteration=iteration, policy=new_policy, stages=refs, metrics=metrics)

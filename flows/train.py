@@ -1,0 +1,46 @@
+"""Training: N iterations in order, each a subflow starting from the previous checkpoint."""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from pydantic import BaseModel, ConfigDict
+
+from flows.iteration import rl_iteration
+from rft_core.config import TrainConfig
+from rft_core.metrics import format_metrics_line, write_metrics
+from schemas import ShardRef
+
+
+class TrainResult(BaseModel):
+    """Where everything of a run is."""
+
+    model_config = ConfigDict(frozen=True)
+    run_root: str
+    metrics_uri: str
+    final_policy: ShardRef
+    metrics: list[dict[str, Any]]
+
+
+@flow(name="rft-train", flow_run_name="{cfg.name}")
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run (or resume) ``cfg.iterations`` iterations under ``cfg.run_root``.
+
+    Rerunning with the same config and run root reuses every committed stage, so a crashed or
+    cancelled run resumes where it stopped.
+    """
+    logger = get_run_logger()
+    policy: str | ShardRef = cfg.policy.path
+    rows = []
+    metrics_uri = ""
+    for i in range(1, cfg.iterations + 1):
+        result = rl_iteration(cfg, i, policy)
+        policy = result.policy
+        rows.append(result.metrics)
+        metrics_uri = write_metrics(cfg.run_root, rows)
+        line = format_metrics_line(result.metrics)
+        logger.info(line)
+        print(line, flush=True)
+    create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")
+    return TrainResult(run_root=cfg.run_root, metrics_uri=metrics_uri, final_policy=policy, metrics=rows)

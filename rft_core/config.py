@@ -1,0 +1,221 @@
+"""Typed, frozen configs for every stage, composed into a training config.
+
+YAML presets live in ``configs/``; any value can be overridden with dotted keys
+(``rollout.temperature=0.7``) from the CLI or prefect.yaml. Unknown keys are errors.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rft_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
+from rft_core.models.loading import DEFAULT_MODEL
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _check_name(registry, value: str) -> str:
+    if value not in registry:
+        raise ValueError(f"unknown {registry.kind} {value!r}; valid names: {', '.join(registry.names())}")
+    return value
+
+
+class ModelConfig(_Frozen):
+    """Which model to load: the embedded default alias, a local HF folder, or a hub id."""
+
+    path: str = DEFAULT_MODEL
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class DataConfig(_Frozen):
+    """Prompts from a reasoning-gym task, seeded; each iteration takes the next slice."""
+
+    source: Literal["reasoning_gym"] = "reasoning_gym"
+    task: str = "basic_arithmetic"
+    task_config: dict[str, int | float | str | bool] = Field(default_factory=dict)
+    size: int = Field(2000, gt=0, description="number of distinct training prompts")
+    seed: int = 1234
+    prompts_per_iteration: int = Field(8, gt=0)
+    system_prompt: str = (
+        "You are a helpful assistant. Solve the problem. "
+        "Give the final answer on the last line as: Answer: <answer>"
+    )
+    max_prompt_tokens: int = Field(256, gt=0)
+    overlong_prompts: Literal["skip", "error"] = "skip"
+
+
+class RolloutConfig(_Frozen):
+    """Sampling settings of the rollout engine."""
+
+    engine: Literal["hf"] = "hf"
+    n_samples_per_prompt: int = Field(4, gt=0, description="group size G")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(128, gt=0)
+    batch_size: int = Field(32, gt=0, description="sequences generated at once")
+    seed: int = 0
+
+
+class RewardConfig(_Frozen):
+    """Outcome reward: correctness of the extracted final answer plus an optional format bonus."""
+
+    grader: Literal["dataset", "math_verify"] = "dataset"
+    correct_reward: float = 1.0
+    format_reward: float = Field(0.0, description="added when the response ends with an 'Answer:' line or <answer> tag")
+
+
+class KLConfig(_Frozen):
+    """KL regularisation against the reference model (none when kl_coef is 0)."""
+
+    kl_coef: float = Field(0.0, ge=0)
+    estimator: str = "k1"
+    mode: Literal["reward", "loss"] = "reward"
+    kl_clamp: float = Field(10.0, gt=0)
+
+    _v = field_validator("estimator")(lambda cls, v: _check_name(KL_ESTIMATORS, v))
+
+    @property
+    def needs_reference(self) -> bool:
+        """True when the reference log-prob stage must run."""
+        return self.kl_coef > 0
+
+
+class AdvantageConfig(_Frozen):
+    """Advantage estimator chosen by name from ADVANTAGE_ESTIMATORS."""
+
+    estimator: str = "grpo"
+    scale_by_std: bool = True
+    eps: float = Field(1e-6, gt=0)
+
+    _v = field_validator("estimator")(lambda cls, v: _check_name(ADVANTAGE_ESTIMATORS, v))
+
+
+class LogprobConfig(_Frozen):
+    """Per-token log-prob computation (actor and reference stages)."""
+
+    micro_batch_size: int = Field(8, gt=0, description="sequences per forward pass")
+    recompute_old_logprobs: bool = Field(
+        True, description="False: reuse the rollout engine's own log-probs and skip the actor stage"
+    )
+
+
+class UpdateConfig(_Frozen):
+    """PPO-style update of the policy: AdamW, micro-batches, gradient accumulation, clipping."""
+
+    policy_loss: str = "ppo_clip"
+    loss_agg: str = "token-mean"
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(1.0, gt=0)
+    epochs: int = Field(1, gt=0)
+    train_batch_size: int | None = Field(None, gt=0, description="sequences per optimizer step (None: the whole rollout)")
+    micro_batch_size: int = Field(4, gt=0, description="sequences per forward/backward")
+    gradient_checkpointing: bool = False
+    seed: int = 0
+
+    _p = field_validator("policy_loss")(lambda cls, v: _check_name(POLICY_LOSSES, v))
+    _a = field_validator("loss_agg")(lambda cls, v: _check_name(LOSS_AGGREGATIONS, v))
+
+
+class TrainConfig(_Frozen):
+    """A whole training run: N iterations under one run root."""
+
+    name: str = "grpo"
+    run_root: str = "runs/grpo"
+    iterations: int = Field(2, gt=0)
+    policy: ModelConfig = ModelConfig()
+    reference: ModelConfig | None = Field(None, description="None: the initial policy")
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    kl: KLConfig = KLConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    logprobs: LogprobConfig = LogprobConfig()
+    update: UpdateConfig = UpdateConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.update.train_batch_size is not None and self.update.train_batch_size < self.update.micro_batch_size:
+            raise ValueError("update.train_batch_size must be >= update.micro_batch_size")
+        return self
+
+    @property
+    def reference_model(self) -> ModelConfig:
+        """The reference model config (the initial policy unless set)."""
+        return self.reference or self.policy
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
+
+
+def _parse_value(text: str) -> Any:
+    return yaml.safe_load(text) if text.strip() else ""
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Apply dotted overrides (``["rollout.temperature=0.7"]`` or a mapping) to a raw dict.
+
+    Values are parsed as YAML scalars (``0.7`` -> float, ``true`` -> bool, ``[1,2]`` -> list).
+
+    Raises:
+        ConfigError: an override without '=' or one that descends into a non-mapping.
+    """
+    items = overrides.items() if isinstance(overrides, Mapping) else []
+    if not isinstance(overrides, Mapping):
+        parsed = []
+        for ov in overrides:
+            if "=" not in ov:
+                raise ConfigError(f"override {ov!r} must look like key.sub=value")
+            key, value = ov.split("=", 1)
+            parsed.append((key.strip(), _parse_value(value)))
+        items = parsed
+    out = dict(raw)
+    for key, value in items:
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {key!r}: {part!r} is not a section")
+            node[part] = dict(child)
+            node = node[part]
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | Mapping[str, Any] = ()) -> TrainConfig:
+    """Load a YAML preset (or the defaults when ``path`` is None) and apply overrides.
+
+    Raises:
+        ConfigError: missing/unreadable file, bad YAML, unknown key, bad value, unknown
+            registry name; the message names the key and lists valid names where it can.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: invalid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: top level must be a mapping")
+    raw = apply_overrides(raw, overrides)
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValidationError as exc:
+        lines = [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None

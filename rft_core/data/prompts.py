@@ -1,0 +1,112 @@
+"""Prompt selection from reasoning-gym tasks: a seeded, deterministic data order.
+
+Iteration i (1-based) takes global positions (i-1)*P .. i*P-1 of an endless stream; position k
+lies in epoch k // size at slot k % size of that epoch's permutation (numpy PCG64 seeded with
+(seed, epoch)). So which prompts an iteration sees depends only on (seed, size, P, i), never on
+what ran before: a resumed run sees exactly the prompts an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from schemas.columns import PROMPTS
+
+
+class DatasetError(ValueError):
+    """A dataset row or the dataset itself is unusable; the message names the row and field."""
+
+
+REQUIRED_FIELDS = ("question", "answer")
+
+
+@lru_cache(maxsize=8)
+def _dataset(task: str, size: int, seed: int, task_config_json: str):
+    import reasoning_gym
+
+    kwargs = json.loads(task_config_json)
+    try:
+        return reasoning_gym.create_dataset(task, size=size, seed=seed, **kwargs)
+    except Exception as exc:
+        raise DatasetError(f"cannot create reasoning-gym dataset {task!r} with {kwargs}: {exc}") from exc
+
+
+def load_task(task: str, *, size: int, seed: int, task_config: dict[str, Any] | None = None):
+    """The reasoning-gym dataset object (cached per arguments).
+
+    Raises:
+        DatasetError: unknown task or bad task_config.
+    """
+    return _dataset(task, size, seed, json.dumps(task_config or {}, sort_keys=True))
+
+
+def iteration_indices(iteration: int, *, per_iteration: int, size: int, seed: int) -> list[int]:
+    """Dataset indices used by ``iteration`` (1-based); see the module docstring."""
+    if iteration < 1:
+        raise ValueError(f"iterations are 1-based, got {iteration}")
+    out = []
+    cache: dict[int, np.ndarray] = {}
+    for k in range((iteration - 1) * per_iteration, iteration * per_iteration):
+        epoch, slot = divmod(k, size)
+        if epoch not in cache:
+            cache[epoch] = np.random.Generator(np.random.PCG64([seed, epoch])).permutation(size)
+        out.append(int(cache[epoch][slot]))
+    return out
+
+
+@dataclass
+class PromptBatch:
+    """The prompts of one iteration as an Arrow table plus what was skipped."""
+
+    table: pa.Table
+    skipped_overlong: list[str] = field(default_factory=list)
+
+
+def build_prompts(
+    entries: list[tuple[int, dict[str, Any]]],
+    tokenizer,
+    *,
+    data_source: str,
+    system_prompt: str,
+    max_prompt_tokens: int,
+    overlong: str = "skip",
+) -> PromptBatch:
+    """Render dataset entries with the chat template and tokenize them.
+
+    Args:
+        entries: (dataset index, entry) pairs; an entry needs ``question`` and ``answer``.
+        overlong: "skip" drops prompts longer than ``max_prompt_tokens`` and lists them in
+            ``skipped_overlong``; "error" raises.
+    Raises:
+        DatasetError: an entry misses a required field, or (overlong="error") a prompt is too long.
+    """
+    rows: dict[str, list] = {f.name: [] for f in PROMPTS.schema}
+    skipped = []
+    for index, entry in entries:
+        missing = [f for f in REQUIRED_FIELDS if f not in entry or entry[f] is None]
+        if missing:
+            raise DatasetError(f"{data_source} row {index}: missing field(s) {missing}; a row needs {list(REQUIRED_FIELDS)}")
+        prompt_id = f"{data_source}-{index:06d}"
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": str(entry["question"])}
+        ]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_tokens:
+            if overlong == "error":
+                raise DatasetError(f"{prompt_id}: prompt has {len(ids)} tokens, data.max_prompt_tokens is {max_prompt_tokens}")
+            skipped.append(prompt_id)
+            continue
+        rows["prompt_id"].append(prompt_id)
+        rows["data_source"].append(data_source)
+        rows["question"].append(str(entry["question"]))
+        rows["prompt_text"].append(text)
+        rows["prompt_token_ids"].append(ids)
+        rows["answer"].append(str(entry["answer"]))
+        rows["metadata_json"].append(json.dumps(entry.get("metadata", {}), default=str, sort_keys=True))
+    return PromptBatch(pa.table(rows, schema=PROMPTS.arrow), skipped)

@@ -1,0 +1,1 @@
+"""Rollout engines: batched generation behind one interface."""

@@ -1,0 +1,63 @@
+"""Iteration metrics gathered from the stage manifests' summaries (no recomputation)."""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+import fsspec
+
+from schemas import ShardRef, read_manifest
+
+# (metric name, stage, summary key)
+_FROM_SUMMARY = [
+    ("reward_mean", "advantages", "reward_mean"),
+    ("reward_std", "advantages", "reward_std"),
+    ("accuracy", "rewards", "accuracy"),
+    ("format_rate", "rewards", "format_rate"),
+    ("kl", "advantages", "kl_mean"),
+    ("groups_with_signal", "advantages", "groups_with_signal"),
+    ("response_length", "rollout", "response_length_mean"),
+    ("truncated_fraction", "rollout", "truncated_fraction"),
+    ("tokens_per_second", "rollout", "tokens_per_second"),
+    ("policy_loss", "ppo_update", "policy_loss"),
+    ("clip_frac", "ppo_update", "clip_frac"),
+    ("approx_kl", "ppo_update", "approx_kl"),
+    ("grad_norm", "ppo_update", "grad_norm"),
+    ("skipped_overlong", "prompts", "skipped_overlong"),
+]
+
+
+def iteration_metrics(iteration: int, refs: Mapping[str, ShardRef | None]) -> dict[str, Any]:
+    """Metrics of one iteration from its stages' manifests.
+
+    Returns:
+        flat dict: iteration, the metrics above, and ``seconds/<stage>`` for each stage run.
+    """
+    summaries = {stage: read_manifest(ref.uri)[0].summary for stage, ref in refs.items() if ref is not None}
+    out: dict[str, Any] = {"iteration": iteration}
+    for name, stage, key in _FROM_SUMMARY:
+        if stage in summaries and key in summaries[stage]:
+            out[name] = summaries[stage][key]
+    for stage, s in summaries.items():
+        if "seconds" in s:
+            out[f"seconds/{stage}"] = round(float(s["seconds"]) + float(s.get("checkpoint_seconds", 0.0)), 3)
+    return out
+
+
+def format_metrics_line(m: Mapping[str, Any]) -> str:
+    """One human-readable line per iteration."""
+    def f(key: str, fmt: str = ".3f") -> str:
+        return format(m[key], fmt) if key in m else "-"
+    stages = " ".join(f"{k.split('/', 1)[1]}={v:.1f}s" for k, v in m.items() if k.startswith("seconds/"))
+    return (f"iter {m['iteration']:>3} | reward {f('reward_mean')}±{f('reward_std')} acc {f('accuracy')} "
+            f"kl {f('kl', '.4f')} len {f('response_length', '.1f')} loss {f('policy_loss', '.4f')} "
+            f"clip {f('clip_frac')} | {stages}")
+
+
+def write_metrics(run_root: str, rows: list[Mapping[str, Any]]) -> str:
+    """(Re)write ``{run_root}/metrics.jsonl`` with one JSON line per iteration; return its URI."""
+    uri = f"{run_root.rstrip('/')}/metrics.jsonl"
+    fs, path = fsspec.core.url_to_fs(uri)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode())
+    return uri

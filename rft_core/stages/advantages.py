@@ -1,0 +1,81 @@
+"""Advantage stage: join the column groups on sample_id, shape rewards with KL, estimate advantages."""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rft_core.algorithms import ADVANTAGE_ESTIMATORS, kl_penalty, masked_mean
+from rft_core.config import AdvantageConfig, KLConfig
+from rft_core.stages.common import Timer, reuse_or_compute
+from schemas import ShardRef, config_hash, read_shard, write_shard
+from schemas.columns import ADVANTAGES
+from schemas.experience import experience_from_tables
+
+
+def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig) -> dict[str, torch.Tensor]:
+    """KL shaping and advantage estimation on a padded Experience.
+
+    KL per token k_t = estimator(old_logprobs_t, ref_logprobs_t) (zero without a reference).
+    In ``reward`` mode the sequence reward becomes r - kl_coef * sum_t k_t before the
+    estimator; in ``loss`` mode rewards are left as they are (the update adds the KL term).
+
+    Returns:
+        dict with kl, advantages, returns (B, A) float32 and shaped_rewards (B,) float32.
+    """
+    mask = exp.action_mask
+    rewards = exp.info["rewards"].to(torch.float32)
+    if exp.base_action_log_probs is not None:
+        kl = kl_penalty(exp.action_log_probs, exp.base_action_log_probs, mask, estimator=kl_cfg.estimator, kl_clamp=kl_cfg.kl_clamp)
+    else:
+        kl = torch.zeros_like(exp.action_log_probs)
+    shaped = rewards - kl_cfg.kl_coef * kl.sum(-1) if kl_cfg.mode == "reward" else rewards
+    _, group_ids = np.unique(np.asarray(exp.info["prompt_id"]), return_inverse=True)
+    adv, ret = ADVANTAGE_ESTIMATORS[adv_cfg.estimator](
+        shaped, torch.as_tensor(group_ids, dtype=torch.long), mask, scale_by_std=adv_cfg.scale_by_std, eps=adv_cfg.eps)
+    return {"kl": kl, "advantages": adv.to(torch.float32), "returns": ret.to(torch.float32), "shaped_rewards": shaped}
+
+
+def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: ShardRef | None,
+        kl_cfg: KLConfig, adv_cfg: AdvantageConfig, out: str) -> ShardRef:
+    """Write the advantages column group for every sample of the rollout.
+
+    ``actor`` None: old log-probs are the rollout engine's own. ``ref`` None: no KL.
+    """
+    chash = config_hash("advantages", kl_cfg, adv_cfg, rollout, rewards, actor, ref)
+
+    def compute() -> ShardRef:
+        r = read_shard(rollout, stage="rollout")
+        exp = experience_from_tables(
+            r, rewards=read_shard(rewards, stage="rewards"),
+            actor=read_shard(actor, stage="actor_logprobs") if actor else None,
+            ref=read_shard(ref, stage="ref_logprobs") if ref else None)
+        with Timer() as t:
+            res = compute_advantages(exp, kl_cfg=kl_cfg, adv_cfg=adv_cfg)
+        mask = exp.action_mask
+        lengths = mask.sum(-1).tolist()
+
+        def lists(x: torch.Tensor) -> pa.Array:
+            return pa.array([x[i, :n].tolist() for i, n in enumerate(lengths)], pa.list_(pa.float32()))
+
+        table = pa.table({
+            "sample_id": r.column("sample_id"), "prompt_id": r.column("prompt_id"),
+            "shaped_rewards": pa.array(res["shaped_rewards"].tolist(), pa.float32()),
+            "kl": lists(res["kl"]), "advantages": lists(res["advantages"]), "returns": lists(res["returns"]),
+        }, schema=ADVANTAGES.arrow)
+        rw = exp.info["rewards"]
+        seq_kl = res["kl"].sum(-1)
+        groups = {}
+        for pid, x in zip(exp.info["prompt_id"], rw.tolist()):
+            groups.setdefault(pid, set()).add(x)
+        summary = {
+            "seconds": t.seconds,
+            "reward_mean": float(rw.mean()), "reward_std": float(rw.std(unbiased=True)) if len(rw) > 1 else 0.0,
+            "kl_mean": float(seq_kl.mean()), "kl_token_mean": float(masked_mean(res["kl"], mask)),
+            "advantage_abs_mean": float(masked_mean(res["advantages"].abs(), mask)),
+            "groups_with_signal": sum(len(v) > 1 for v in groups.values()) / max(len(groups), 1),
+        }
+        inputs = {"rollout": rollout, "rewards": rewards, **({"actor": actor} if actor else {}), **({"ref": ref} if ref else {})}
+        return write_shard(table, out, schema=ADVANTAGES, config_hash=chash, inputs=inputs, summary=summary)
+
+    return reuse_or_compute("advantages", out, chash, compute)

@@ -1,0 +1,46 @@
+"""Actor and reference log-prob stages: per-token log-probs of the rollout's responses."""
+from __future__ import annotations
+
+import pyarrow as pa
+
+from rft_core.config import LogprobConfig
+from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.models.logprobs import batched_response_logprobs
+from rft_core.stages.common import PolicyRef, Timer, policy_model_path, reuse_or_compute
+from schemas import ShardRef, config_hash, read_shard, write_shard
+from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS
+
+_SCHEMAS = {"actor_logprobs": (ACTOR_LOGPROBS, "old_logprobs"), "ref_logprobs": (REF_LOGPROBS, "ref_logprobs")}
+
+
+def run(rollout: ShardRef, model: PolicyRef, cfg: LogprobConfig, *, stage: str, temperature: float, out: str,
+        dtype: str = "float32") -> ShardRef:
+    """Compute log-probs of every response token under ``model``; write ``stage``'s column group.
+
+    Args:
+        stage: "actor_logprobs" (the policy before the update -> old_logprobs) or
+            "ref_logprobs" (the reference -> ref_logprobs).
+        temperature: the rollout's sampling temperature (logits are divided by it).
+    Raises:
+        KeyError: unknown ``stage``.
+    """
+    if stage not in _SCHEMAS:
+        raise KeyError(f"log-prob stage must be one of {sorted(_SCHEMAS)}, got {stage!r}")
+    schema, column = _SCHEMAS[stage]
+    chash = config_hash(stage, cfg.micro_batch_size, rollout, model, temperature, dtype)
+
+    def compute() -> ShardRef:
+        table = read_shard(rollout, stage="rollout")
+        path = policy_model_path(model)
+        tok = load_tokenizer(path)
+        lm = load_causal_lm(path, dtype=dtype)
+        with Timer() as t:
+            lps = batched_response_logprobs(lm, table.column("prompt_token_ids").to_pylist(),
+                                            table.column("response_token_ids").to_pylist(), pad_token_id=tok.pad_token_id,
+                                            micro_batch_size=cfg.micro_batch_size, temperature=temperature)
+        out_table = pa.table({"sample_id": table.column("sample_id"), column: pa.array(lps, pa.list_(pa.float32()))},
+                             schema=schema.arrow)
+        return write_shard(out_table, out, schema=schema, config_hash=chash, inputs={"rollout": rollout},
+                           summary={"seconds": t.seconds})
+
+    return reuse_or_compute(stage, out, chash, compute)

@@ -1,0 +1,35 @@
+"""Prompts stage: the iteration's slice of the dataset, chat-templated and tokenized."""
+from __future__ import annotations
+
+from rft_core.config import DataConfig
+from rft_core.data.prompts import build_prompts, iteration_indices, load_task
+from rft_core.models.loading import load_tokenizer
+from rft_core.stages.common import Timer, reuse_or_compute
+from schemas import ShardRef, config_hash, write_shard
+from schemas.columns import PROMPTS
+
+
+def run(cfg: DataConfig, *, tokenizer_path: str, iteration: int, out: str) -> ShardRef:
+    """Write the prompts of ``iteration`` (1-based) to ``out``.
+
+    Raises:
+        DatasetError: bad task, bad row, or (overlong_prompts="error") an overlong prompt.
+        ShardError: ``out`` is committed with another config.
+    """
+    chash = config_hash("prompts", cfg, tokenizer_path, iteration)
+
+    def compute() -> ShardRef:
+        with Timer() as t:
+            ds = load_task(cfg.task, size=cfg.size, seed=cfg.seed, task_config=cfg.task_config)
+            idx = iteration_indices(iteration, per_iteration=cfg.prompts_per_iteration, size=cfg.size, seed=cfg.seed)
+            tok = load_tokenizer(tokenizer_path)
+            batch = build_prompts([(i, ds[i]) for i in idx], tok, data_source=cfg.task, system_prompt=cfg.system_prompt,
+                                  max_prompt_tokens=cfg.max_prompt_tokens, overlong=cfg.overlong_prompts)
+        if batch.table.num_rows == 0:
+            from rft_core.data.prompts import DatasetError
+            raise DatasetError(f"iteration {iteration}: every prompt was longer than data.max_prompt_tokens={cfg.max_prompt_tokens}")
+        summary = {"seconds": t.seconds, "skipped_overlong": len(batch.skipped_overlong),
+                   "skipped_prompt_ids": batch.skipped_overlong, "dataset_indices": idx}
+        return write_shard(batch.table, out, schema=PROMPTS, config_hash=chash, summary=summary)
+
+    return reuse_or_compute("prompts", out, chash, compute)

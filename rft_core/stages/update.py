@@ -1,0 +1,84 @@
+"""PPO update stage: train the policy on the iteration's experience; commit metrics + checkpoint."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import asdict
+
+import fsspec
+import pyarrow as pa
+
+from rft_core.config import KLConfig, UpdateConfig
+from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.stages.common import POLICY_SUBDIR, PolicyRef, Timer, policy_checkpoint_dir, policy_model_path, reuse_or_compute
+from rft_core.training.update import UpdateData, load_optimizer_state, make_optimizer, ppo_update, save_checkpoint
+from schemas import ShardRef, commit_files, config_hash, local_path, prepare_stage_dir, read_shard, write_parts
+from schemas.columns import PPO_UPDATE
+from schemas.experience import align_on_sample_id
+
+
+def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref: ShardRef | None, policy: PolicyRef,
+        cfg: UpdateConfig, kl_cfg: KLConfig, temperature: float, out: str, dtype: str = "float32") -> ShardRef:
+    """Update ``policy`` and commit ``out`` = per-step metrics parts + ``policy/`` HF checkpoint.
+
+    The optimizer state of the previous checkpoint (if ``policy`` is one) is restored, with the
+    configured learning rate.
+    """
+    use_kl_loss = kl_cfg.mode == "loss" and kl_cfg.kl_coef > 0
+    chash = config_hash("ppo_update", cfg, kl_cfg, rollout, advantages, actor, ref if use_kl_loss else None, policy,
+                        temperature, dtype)
+
+    def compute() -> ShardRef:
+        r = read_shard(rollout, stage="rollout")
+        a = align_on_sample_id(r, read_shard(advantages, stage="advantages"), name="advantages")
+        old = (align_on_sample_id(r, read_shard(actor, stage="actor_logprobs"), name="actor_logprobs").column("old_logprobs")
+               if actor else r.column("rollout_logprobs"))
+        ref_lp = None
+        if use_kl_loss:
+            if ref is None:
+                raise ValueError("kl.mode='loss' with kl_coef > 0 needs the ref_logprobs stage")
+            ref_lp = align_on_sample_id(r, read_shard(ref, stage="ref_logprobs"), name="ref_logprobs").column("ref_logprobs").to_pylist()
+        data = UpdateData(prompts=r.column("prompt_token_ids").to_pylist(), responses=r.column("response_token_ids").to_pylist(),
+                          old_logprobs=old.to_pylist(), advantages=a.column("advantages").to_pylist(), ref_logprobs=ref_lp)
+        path = policy_model_path(policy)
+        tok = load_tokenizer(path)
+        model = load_causal_lm(path, dtype=dtype, trainable=True)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        opt = make_optimizer(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        ckpt = policy_checkpoint_dir(policy)
+        if ckpt and load_optimizer_state(opt, ckpt):
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr
+        with Timer() as t:
+            steps = ppo_update(model, opt, data, pad_token_id=tok.pad_token_id, policy_loss=cfg.policy_loss,
+                               loss_agg=cfg.loss_agg, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                               kl_coef=kl_cfg.kl_coef if use_kl_loss else 0.0, kl_estimator=kl_cfg.estimator,
+                               kl_clamp=kl_cfg.kl_clamp, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
+                               micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                               temperature=temperature, seed=cfg.seed)
+        prepare_stage_dir(out)
+        with Timer() as t_save:
+            local = local_path(out)
+            if local is not None:
+                save_checkpoint(model, tok, opt, f"{local}/{POLICY_SUBDIR}")
+            else:
+                tmp = tempfile.mkdtemp(prefix="rft-ckpt-")
+                try:
+                    save_checkpoint(model, tok, opt, tmp)
+                    fs, path_ = fsspec.core.url_to_fs(out)
+                    fs.put(tmp.rstrip("/") + "/", f"{path_.rstrip('/')}/{POLICY_SUBDIR}", recursive=True)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+        table = pa.table({k: [asdict(s)[k] for s in steps] for k in PPO_UPDATE.schema.names}, schema=PPO_UPDATE.arrow)
+        rows = write_parts(table, out, schema=PPO_UPDATE)
+        last = steps[-1]
+        summary = {"seconds": t.seconds, "checkpoint_seconds": t_save.seconds, "policy_loss": sum(s.policy_loss for s in steps) / len(steps),
+                   "clip_frac": sum(s.clip_frac for s in steps) / len(steps), "approx_kl": last.approx_kl,
+                   "grad_norm": last.grad_norm, "kl_loss": last.kl_loss, "optimizer_steps": len(steps)}
+        inputs = {"rollout": rollout, "advantages": advantages, **({"actor": actor} if actor else {}),
+                  **({"ref": ref} if ref and use_kl_loss else {}), **({"policy": policy} if isinstance(policy, ShardRef) else {})}
+        return commit_files(out, stage="ppo_update", config_hash=chash, num_rows=table.num_rows, inputs=inputs,
+                            summary=summary, schema=PPO_UPDATE, rows_per_file=rows)
+
+    return reuse_or_compute("ppo_update", out, chash, compute)

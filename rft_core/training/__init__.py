@@ -1,0 +1,1 @@
+"""Policy update: optimizer, micro-batched PPO step, checkpoints."""

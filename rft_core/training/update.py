@@ -1,0 +1,185 @@
+"""The policy update of one iteration: PPO epochs over the rollout in micro-batches.
+
+Gradient accumulation is exact: each micro-batch's loss is normalised by the token (or
+sequence) count of its whole mini-batch, so the accumulated gradient equals the gradient of the
+mini-batch loss computed in one piece.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES, kl_penalty, masked_mean
+from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
+from rft_core.models.logprobs import TokenBatch, build_token_batch, response_logprobs
+
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng_state.pt"
+
+
+@dataclass(frozen=True)
+class UpdateData:
+    """Everything the update needs, per sample (unpadded lists, same order).
+
+    prompts / responses: token ids; old_logprobs, advantages: one float per response token;
+    ref_logprobs: same, or None when no KL loss term is used.
+    """
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    old_logprobs: list[list[float]]
+    advantages: list[list[float]]
+    ref_logprobs: list[list[float]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step's diagnostics (means over the step's unmasked tokens)."""
+
+    step: int
+    epoch: int
+    policy_loss: float
+    kl_loss: float
+    clip_frac: float
+    approx_kl: float
+    grad_norm: float
+    lr: float
+    num_tokens: int
+
+
+def _pad_float(rows: list[list[float]], T: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), T, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+def make_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (Loshchilov & Hutter 2019, arXiv:1711.05101)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+def ppo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: UpdateData,
+    *,
+    pad_token_id: int,
+    policy_loss: str = "ppo_clip",
+    loss_agg: str = "token-mean",
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_clamp: float = 10.0,
+    epochs: int = 1,
+    train_batch_size: int | None = None,
+    micro_batch_size: int = 4,
+    max_grad_norm: float = 1.0,
+    temperature: float = 1.0,
+    seed: int = 0,
+    on_step: Callable[[StepMetrics], None] | None = None,
+) -> list[StepMetrics]:
+    """Run PPO epochs over ``data``; mutates ``model`` and ``optimizer``.
+
+    Per token: loss_t = policy_loss_t + kl_coef * KL_t(pi || pi_ref) (the KL term only when
+    ``kl_coef`` > 0 and ``data.ref_logprobs`` is given), aggregated by ``loss_agg``.
+
+    Args:
+        train_batch_size: samples per optimizer step (None: all of ``data``).
+        micro_batch_size: samples per forward/backward pass.
+        seed: seeds the per-epoch shuffle (torch.Generator), independent of global RNG.
+    Returns:
+        One StepMetrics per optimizer step.
+    Raises:
+        ValueError: empty ``data`` or a KL term requested without ref_logprobs.
+    """
+    n = len(data)
+    if n == 0:
+        raise ValueError("ppo_update got no samples")
+    use_kl = kl_coef > 0 and data.ref_logprobs is not None
+    loss_fn = POLICY_LOSSES[policy_loss]
+    agg_fn = LOSS_AGGREGATIONS[loss_agg]
+    KL_ESTIMATORS[kl_estimator]
+    bs = train_batch_size or n
+    gen = torch.Generator().manual_seed(seed)
+    metrics: list[StepMetrics] = []
+    model.train()
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=gen).tolist()
+        for start in range(0, n, bs):
+            mini = order[start:start + bs]
+            n_tokens = sum(len(data.responses[i]) for i in mini)
+            norm = {"num_tokens": n_tokens} if loss_agg == "token-mean" else {"num_sequences": len(mini)}
+            sums = {"policy_loss": 0.0, "kl_loss": 0.0, "clipped": 0.0, "approx_kl": 0.0}
+            optimizer.zero_grad(set_to_none=True)
+            for mstart in range(0, len(mini), micro_batch_size):
+                idx = mini[mstart:mstart + micro_batch_size]
+                batch: TokenBatch = build_token_batch([data.prompts[i] for i in idx], [data.responses[i] for i in idx],
+                                                      pad_token_id=pad_token_id)
+                T = batch.num_actions
+                mask = batch.action_mask
+                old = _pad_float([data.old_logprobs[i] for i in idx], T)
+                adv = _pad_float([data.advantages[i] for i in idx], T)
+                logprobs, _ = response_logprobs(model, batch, temperature=temperature)
+                out = loss_fn(logprobs, old, adv, mask, clip_low=clip_low, clip_high=clip_high)
+                pg = agg_fn(out.token_loss, mask, **norm)
+                loss = pg
+                if use_kl:
+                    ref = _pad_float([data.ref_logprobs[i] for i in idx], T)
+                    kl = kl_penalty(logprobs, ref, mask, estimator=kl_estimator, kl_clamp=kl_clamp)
+                    kl_term = agg_fn(kl, mask, **norm)
+                    loss = loss + kl_coef * kl_term
+                    sums["kl_loss"] += float(kl_term.detach())
+                loss.backward()
+                sums["policy_loss"] += float(pg.detach())
+                sums["clipped"] += float(out.clipped.sum())
+                sums["approx_kl"] += float((0.5 * out.log_ratio.detach() ** 2)[mask].sum())
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                optimizer.zero_grad(set_to_none=True)  # skip a step with non-finite gradients
+            else:
+                optimizer.step()
+            m = StepMetrics(
+                step=len(metrics), epoch=epoch, policy_loss=sums["policy_loss"], kl_loss=sums["kl_loss"],
+                clip_frac=sums["clipped"] / max(n_tokens, 1), approx_kl=sums["approx_kl"] / max(n_tokens, 1),
+                grad_norm=float(grad_norm), lr=float(optimizer.param_groups[0]["lr"]), num_tokens=n_tokens,
+            )
+            metrics.append(m)
+            if on_step:
+                on_step(m)
+    model.eval()
+    return metrics
+
+
+def save_checkpoint(model, tokenizer, optimizer: torch.optim.Optimizer, out_dir: str | Path) -> None:
+    """Write an HF ``save_pretrained`` folder plus optimizer state and RNG states."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
+    torch.save({"torch": torch.get_rng_state()}, out / RNG_FILE)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, ckpt_dir: str | Path) -> bool:
+    """Restore optimizer state saved by ``save_checkpoint``; False when there is none."""
+    path = Path(ckpt_dir) / OPTIMIZER_FILE
+    if not path.exists():
+        return False
+    optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    return True
+
+
+def is_finite_metrics(m: StepMetrics) -> bool:
+    """True when the step's loss and gradient norm are finite."""
+    return all(math.isfinite(x) for x in (m.policy_loss, m.grad_norm))

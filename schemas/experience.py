@@ -1,0 +1,348 @@
+"""Experience batches (padded tensors) <-> per-sample items <-> shard column groups.
+
+Names and behaviour follow LightRFT's ``Experience`` / ``BufferItem`` / ``Samples`` and its
+replay-buffer helpers, with one documented difference: per-token fields of a BufferItem
+(``values``, ``returns``, ``advantages``) have shape (A), one value per action, as they are
+actually used, not (1).
+
+Layout of a batch: ``sequences`` is (B, S) = [left-padded prompt | right-padded response]
+with the responses in the last A columns; per-action tensors are (B, A), right-padded.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from schemas.columns import ACTOR_LOGPROBS, ADVANTAGES, PER_TOKEN_COLUMNS, REF_LOGPROBS, REWARDS, ROLLOUT
+from schemas.shards import ShardSchemaError
+
+
+def zero_pad_sequences(sequences: Sequence[torch.Tensor], side: str = "left", value: int | float = 0) -> torch.Tensor:
+    """Pad 1-D tensors to the longest one and stack them to (B, L).
+
+    >>> zero_pad_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], side="left")
+    tensor([[1, 2, 3],
+            [0, 4, 5]])
+
+    Raises:
+        ValueError: ``side`` is not "left" or "right", or the list is empty.
+    """
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    if len(sequences) == 0:
+        raise ValueError("zero_pad_sequences needs at least one sequence")
+    max_len = max(int(s.shape[-1]) for s in sequences)
+    out = []
+    for s in sequences:
+        pad = max_len - int(s.shape[-1])
+        out.append(torch.nn.functional.pad(s, (pad, 0) if side == "left" else (0, pad), value=value))
+    return torch.stack(out, dim=0)
+
+
+@dataclass
+class BufferItem:
+    """One sample of experience, unbatched.
+
+    Shapes: sequences (S), attention_mask (S), action_log_probs (A), base_action_log_probs (A),
+    values (A), returns (A), advantages (A), action_mask (A), action_entropy (A) or None.
+    ``info`` holds per-sample scalars and ids (reward, response_length, sample_id, ...).
+    """
+
+    sequences: torch.Tensor
+    action_log_probs: torch.Tensor
+    base_action_log_probs: torch.Tensor
+    values: torch.Tensor
+    returns: torch.Tensor
+    advantages: torch.Tensor
+    attention_mask: torch.Tensor | None
+    action_mask: torch.Tensor | None
+    info: dict | None
+    action_entropy: torch.Tensor | None = None
+
+
+@dataclass
+class Experience:
+    """A batch of experience: padded tensors, left-padded sequences.
+
+    Shapes: sequences (B, S); attention_mask (B, S) long; action_mask (B, A) bool;
+    action_log_probs, base_action_log_probs, values, returns, advantages, kl, action_entropy
+    (B, A) float32 (optional ones may be None). ``info`` maps names to (B,) tensors or lists.
+    """
+
+    sequences: torch.Tensor
+    action_log_probs: torch.Tensor
+    base_action_log_probs: torch.Tensor | None
+    values: torch.Tensor | None
+    returns: torch.Tensor | None
+    advantages: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    action_mask: torch.Tensor | None
+    info: dict = field(default_factory=dict)
+    kl: torch.Tensor | None = None
+    action_entropy: torch.Tensor | None = None
+
+    def to_device(self, device: torch.device | str) -> None:
+        """Move every tensor (and tensors in ``info``) to ``device`` in place."""
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                setattr(self, f.name, v.to(device))
+        self.info = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.info.items()}
+
+
+@dataclass
+class Samples:
+    """Generated sequences before scoring (batched layout).
+
+    Shapes: sequences (B, S), attention_mask (B, S), action_mask (B, A), num_actions int (A),
+    response_length (B,), total_length (B,); prompts and labels are lists of B strings.
+    ``packed_seq_lens`` and ``pad_len`` are for the packed layout (None here).
+    """
+
+    sequences: torch.Tensor
+    attention_mask: torch.Tensor | None
+    action_mask: torch.Tensor | None
+    num_actions: int | torch.Tensor
+    packed_seq_lens: torch.Tensor | None
+    response_length: torch.Tensor
+    total_length: torch.Tensor
+    prompts: list[str]
+    labels: list[str]
+    pad_len: int | None = None
+
+
+_ACTION_KEYS = ("action_log_probs", "base_action_log_probs", "values", "returns", "advantages", "action_mask", "action_entropy")
+
+
+def split_experience_batch(experience: Experience) -> list[BufferItem]:
+    """Split a batch into B BufferItems (still padded; see ``remove_padding_in_sequences``).
+
+    ``info`` entries are indexed per sample; ``kl`` is not carried (BufferItem has no kl).
+    """
+    B = experience.sequences.shape[0]
+    items = []
+    for i in range(B):
+        kw: dict[str, Any] = {"sequences": experience.sequences[i]}
+        kw["attention_mask"] = None if experience.attention_mask is None else experience.attention_mask[i]
+        for key in _ACTION_KEYS:
+            v = getattr(experience, key)
+            kw[key] = None if v is None else v[i]
+        kw["info"] = {k: v[i] for k, v in experience.info.items()}
+        items.append(BufferItem(**kw))
+    return items
+
+
+def make_experience_batch(items: list[BufferItem], packing_samples: bool = False) -> Experience:
+    """Batch BufferItems: sequences/attention_mask left-padded, per-action tensors right-padded.
+
+    Raises:
+        ValueError: ``items`` is empty.
+        NotImplementedError: ``packing_samples=True`` (the packed layout is not built yet).
+    """
+    if not items:
+        raise ValueError("make_experience_batch needs at least one item")
+    if packing_samples:
+        raise NotImplementedError("packing_samples=True is not implemented; use the padded layout")
+    kw: dict[str, Any] = {"sequences": zero_pad_sequences([it.sequences for it in items], "left")}
+    kw["attention_mask"] = (None if items[0].attention_mask is None
+                            else zero_pad_sequences([it.attention_mask for it in items], "left"))
+    for key in _ACTION_KEYS:
+        vals = [getattr(it, key) for it in items]
+        kw[key] = None if any(v is None for v in vals) else zero_pad_sequences(vals, "right")
+    info: dict[str, Any] = {}
+    for k in (items[0].info or {}):
+        vals = [it.info[k] for it in items]
+        info[k] = torch.stack(vals) if isinstance(vals[0], torch.Tensor) else list(vals)
+    kw["info"] = info
+    return Experience(**kw)
+
+
+def remove_padding_in_sequences(items: list[BufferItem]) -> list[BufferItem]:
+    """Strip padding from padded BufferItems.
+
+    Left padding is the run of zeros at the start of ``attention_mask``; right padding is the
+    number of False entries of ``action_mask`` (padding is only ever at the end of the
+    response). Without masks, leading/trailing zero tokens of ``sequences`` are the padding:
+    ``[0, 0, 1, 2, 3, 0, 0] -> [1, 2, 3]``.
+    """
+    out = []
+    for it in items:
+        seq = it.sequences
+        if it.attention_mask is not None:
+            left = int(it.attention_mask.long().argmax())
+        else:
+            nz = torch.nonzero(seq).flatten()
+            left = int(nz[0]) if len(nz) else len(seq)
+        if it.action_mask is not None:
+            right = int((~it.action_mask.bool()).sum())
+        else:
+            nz = torch.nonzero(seq).flatten()
+            right = len(seq) - 1 - int(nz[-1]) if len(nz) else 0
+        end = len(seq) - right
+        new = {"sequences": seq[left:end],
+               "attention_mask": None if it.attention_mask is None else it.attention_mask[left:end]}
+        for key in _ACTION_KEYS:
+            v = getattr(it, key)
+            new[key] = None if v is None else v[: v.shape[0] - right]
+        out.append(replace(it, **new))
+    return out
+
+
+def align_on_sample_id(base: pa.Table, other: pa.Table, *, name: str) -> pa.Table:
+    """Reorder ``other`` to ``base``'s ``sample_id`` order (list columns are not joinable in Arrow).
+
+    Raises:
+        ShardSchemaError: duplicate, missing or extra sample_ids, named with the stage ``name``.
+    """
+    ids = other.column("sample_id").to_pylist()
+    index = {s: i for i, s in enumerate(ids)}
+    if len(index) != len(ids):
+        raise ShardSchemaError(f"{name}: duplicate sample_id values")
+    want = base.column("sample_id").to_pylist()
+    missing = [s for s in want if s not in index]
+    if missing or len(ids) != len(want):
+        raise ShardSchemaError(f"{name}: sample_ids do not match the rollout (missing {missing[:3]}, {len(ids)} vs {len(want)} rows)")
+    return other.take(pa.array([index[s] for s in want], pa.int64()))
+
+
+def check_token_lengths(table: pa.Table, *, name: str, lengths: np.ndarray) -> None:
+    """Every per-token list column of ``table`` has one entry per response token.
+
+    Raises:
+        ShardSchemaError: naming the column and the first bad sample_id.
+    """
+    for col in table.column_names:
+        if col in PER_TOKEN_COLUMNS:
+            got = pa.compute.list_value_length(table.column(col)).to_numpy(zero_copy_only=False)
+            bad = np.nonzero(got != lengths)[0]
+            if len(bad):
+                sid = table.column("sample_id")[int(bad[0])].as_py()
+                raise ShardSchemaError(f"{name}: column {col!r} of sample {sid} has {got[bad[0]]} entries, response has {lengths[bad[0]]} tokens")
+
+
+def _pad_lists(col: pa.ChunkedArray | pa.Array, dtype: torch.dtype, side: str = "right") -> torch.Tensor:
+    rows = col.to_pylist()
+    return zero_pad_sequences([torch.tensor(r, dtype=dtype) for r in rows] + [torch.zeros(1, dtype=dtype)], side)[:-1]
+
+
+def experience_from_tables(
+    rollout: pa.Table,
+    *,
+    actor: pa.Table | None = None,
+    ref: pa.Table | None = None,
+    rewards: pa.Table | None = None,
+    advantages: pa.Table | None = None,
+    pad_token_id: int = 0,
+) -> Experience:
+    """Join stage column groups on ``sample_id`` (rollout order) and pad them into an Experience.
+
+    ``action_log_probs`` come from ``actor.old_logprobs`` when given, else from the rollout
+    engine's ``rollout_logprobs``. ``info`` holds sample_id, prompt_id (lists) and, when
+    available, rewards / shaped_rewards (B,) float32 and response_length (B,) int64.
+
+    Raises:
+        ShardSchemaError: mismatched sample_ids or per-token lengths, naming the stage.
+    """
+    lengths = pa.compute.list_value_length(rollout.column("response_token_ids")).to_numpy(zero_copy_only=False)
+    check_token_lengths(rollout, name="rollout", lengths=lengths)
+    groups = {}
+    for name, t in (("actor_logprobs", actor), ("ref_logprobs", ref), ("rewards", rewards), ("advantages", advantages)):
+        if t is not None:
+            t = align_on_sample_id(rollout, t, name=name)
+            check_token_lengths(t, name=name, lengths=lengths)
+            groups[name] = t
+    p_ids = _pad_lists(rollout.column("prompt_token_ids"), torch.long, "left")
+    p_lengths = pa.compute.list_value_length(rollout.column("prompt_token_ids")).to_pylist()
+    p_mask = _pad_lists(pa.array([[1] * int(n) for n in p_lengths]), torch.long, "left")
+    if pad_token_id:
+        p_ids = torch.where(p_mask.bool(), p_ids, torch.full_like(p_ids, pad_token_id))
+    r_ids = _pad_lists(rollout.column("response_token_ids"), torch.long)
+    action_mask = _pad_lists(rollout.column("action_mask"), torch.bool)
+    r_real = _pad_lists(pa.array([[1] * int(n) for n in lengths]), torch.long)
+    if pad_token_id:
+        r_ids = torch.where(r_real.bool(), r_ids, torch.full_like(r_ids, pad_token_id))
+    logp = groups["actor_logprobs"].column("old_logprobs") if "actor_logprobs" in groups else rollout.column("rollout_logprobs")
+    info: dict[str, Any] = {
+        "sample_id": rollout.column("sample_id").to_pylist(),
+        "prompt_id": rollout.column("prompt_id").to_pylist(),
+        "response_length": torch.tensor(lengths, dtype=torch.long),
+    }
+    if "rewards" in groups:
+        info["rewards"] = torch.tensor(groups["rewards"].column("rewards").to_numpy(), dtype=torch.float32)
+    adv = ret = kl = None
+    if "advantages" in groups:
+        g = groups["advantages"]
+        adv, ret, kl = (_pad_lists(g.column(c), torch.float32) for c in ("advantages", "returns", "kl"))
+        info["shaped_rewards"] = torch.tensor(g.column("shaped_rewards").to_numpy(), dtype=torch.float32)
+    return Experience(
+        sequences=torch.cat([p_ids, r_ids], dim=1),
+        action_log_probs=_pad_lists(logp, torch.float32),
+        base_action_log_probs=_pad_lists(groups["ref_logprobs"].column("ref_logprobs"), torch.float32) if "ref_logprobs" in groups else None,
+        values=None,
+        returns=ret,
+        advantages=adv,
+        attention_mask=torch.cat([p_mask, r_real], dim=1),
+        action_mask=action_mask,
+        info=info,
+        kl=kl,
+    )
+
+
+def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
+    """Split an Experience back into the column groups of the rollout and later stages.
+
+    Inverse of ``experience_from_tables`` for the columns an Experience carries. ``info`` must
+    hold ``sample_id`` and ``prompt_id``; optional ``response_text``, ``finish_reason``,
+    ``rewards``, ``shaped_rewards`` are used when present.
+    """
+    B, A = exp.action_mask.shape
+    S = exp.sequences.shape[1]
+    P = S - A
+    real = exp.attention_mask.bool()
+    prompt_ids = [exp.sequences[i, :P][real[i, :P]].tolist() for i in range(B)]
+    resp_real = real[:, P:]
+    def per_tok(t: torch.Tensor) -> list[list]:
+        return [t[i][resp_real[i]].tolist() for i in range(B)]
+    sid, pid = list(exp.info["sample_id"]), list(exp.info["prompt_id"])
+    text = list(exp.info.get("response_text", [""] * B))
+    finish = list(exp.info.get("finish_reason", ["stop"] * B))
+    f32 = pa.list_(pa.float32())
+    out = {"rollout": pa.table({
+        "sample_id": sid, "prompt_id": pid,
+        "sample_index": pa.array([int(s.rsplit("#", 1)[-1]) if "#" in s else 0 for s in sid], pa.int32()),
+        "prompt_token_ids": pa.array(prompt_ids, pa.list_(pa.int32())),
+        "response_token_ids": pa.array(per_tok(exp.sequences[:, P:]), pa.list_(pa.int32())),
+        "response_text": text,
+        "rollout_logprobs": pa.array(per_tok(exp.action_log_probs), f32),
+        "action_mask": pa.array(per_tok(exp.action_mask), pa.list_(pa.bool_())),
+        "finish_reason": finish,
+    }, schema=ROLLOUT.arrow)}
+    out["actor_logprobs"] = pa.table({"sample_id": sid, "old_logprobs": pa.array(per_tok(exp.action_log_probs), f32)}, schema=ACTOR_LOGPROBS.arrow)
+    if exp.base_action_log_probs is not None:
+        out["ref_logprobs"] = pa.table({"sample_id": sid, "ref_logprobs": pa.array(per_tok(exp.base_action_log_probs), f32)}, schema=REF_LOGPROBS.arrow)
+    if "rewards" in exp.info:
+        r = exp.info["rewards"].tolist()
+        out["rewards"] = pa.table({
+            "sample_id": sid, "prompt_id": pid, "rewards": pa.array(r, pa.float32()),
+            "correct": [x >= 1.0 for x in r], "extracted_answer": pa.array([None] * B, pa.string()),
+            "reward_metrics": pa.array([[] for _ in range(B)], pa.map_(pa.string(), pa.float32())),
+        }, schema=REWARDS.arrow)
+    if exp.advantages is not None:
+        shaped = exp.info.get("shaped_rewards", exp.info.get("rewards", torch.zeros(B))).tolist()
+        kl = exp.kl if exp.kl is not None else torch.zeros_like(exp.advantages)
+        out["advantages"] = pa.table({
+            "sample_id": sid, "prompt_id": pid, "shaped_rewards": pa.array(shaped, pa.float32()),
+            "kl": pa.array(per_tok(kl), f32), "advantages": pa.array(per_tok(exp.advantages), f32),
+            "returns": pa.array(per_tok(exp.returns if exp.returns is not None else torch.zeros_like(exp.advantages)), f32),
+        }, schema=ADVANTAGES.arrow)
+    return out
+
+
+def json_metadata(table: pa.Table, row: int) -> dict:
+    """Parsed ``metadata_json`` of one prompts-table row."""
+    return json.loads(table.column("metadata_json")[row].as_py())

@@ -1,0 +1,9 @@
+"""Thin Prefect tasks, one per stage: they call rft_core.stages and return a ShardRef.
+
+No math here. Result caching is off on purpose: the stage manifests are the source of truth
+(Prefect's cache would not notice deleted shards), and each stage program returns its
+committed shard at once when the config hash matches.
+"""
+from tasks.stages import actor_logprobs, advantages, ppo_update, prompts, ref_logprobs, rewards, rollout
+
+__all__ = ["actor_logprobs", "advantages", "ppo_update", "prompts", "ref_logprobs", "rewards", "rollout"]
