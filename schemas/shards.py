@@ -262,6 +262,15 @@ def commit_files(
     return _ref(uri, manifest, hashlib.sha256(raw).hexdigest())
 
 
+def _same_type(got: pa.DataType, want: pa.DataType) -> bool:
+    """Type equality that ignores the child field names of lists/maps (item vs element)."""
+    if pa.types.is_list(got) and pa.types.is_list(want):
+        return _same_type(got.value_type, want.value_type)
+    if pa.types.is_map(got) and pa.types.is_map(want):
+        return _same_type(got.key_type, want.key_type) and _same_type(got.item_type, want.item_type)
+    return got == want
+
+
 def validate_table(table: pa.Table, expected: StageSchema, *, where: str) -> pa.Table:
     """Check ``table`` against ``expected``; return it with the expected column order.
 
@@ -273,7 +282,7 @@ def validate_table(table: pa.Table, expected: StageSchema, *, where: str) -> pa.
         raise ShardSchemaError(f"{where}: missing column(s) {missing} for stage {expected.stage!r}")
     for f in expected.schema:
         got = table.schema.field(f.name).type
-        if got != f.type:
+        if not _same_type(got, f.type):
             raise ShardSchemaError(f"{where}: column {f.name!r} has dtype {got}, expected {f.type}")
         if not f.nullable and table.column(f.name).null_count:
             raise ShardSchemaError(f"{where}: column {f.name!r} has nulls but is not nullable")
@@ -385,7 +394,7 @@ def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = 
                 f"{fpath}: file metadata says stage={meta.get(b'stage')!r} schema_version={meta.get(b'schema_version')!r}, "
                 f"expected {want!r} version {expected.version}"
             )
-        tables.append(validate_table(part, expected, where=fpath))
+        tables.append(validate_table(part, expected, where=fpath).cast(expected.arrow))
     table = pa.concat_tables(tables) if tables else expected.arrow.empty_table()
     if table.num_rows != manifest.num_rows:
         raise ShardCorruptError(f"{uri}: {table.num_rows} rows, manifest says {manifest.num_rows}")

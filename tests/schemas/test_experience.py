@@ -1,0 +1,113 @@
+"""zero_pad_sequences, remove_padding_in_sequences, split/make batch as the seed documents them,
+and Experience -> Parquet shards -> Experience bit-exact with ragged responses."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from schemas import read_shard, schema_for, write_shard
+from schemas.experience import (
+    BufferItem,
+    Experience,
+    experience_from_tables,
+    experience_to_tables,
+    make_experience_batch,
+    remove_padding_in_sequences,
+    split_experience_batch,
+    zero_pad_sequences,
+)
+from schemas.shards import ShardSchemaError
+
+
+def test_zero_pad_sequences_doc_examples():
+    seqs = [torch.tensor([1, 2, 3]), torch.tensor([4, 5]), torch.tensor([6, 7, 8, 9])]
+    assert zero_pad_sequences(seqs, side="right").tolist() == [[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9]]
+    assert zero_pad_sequences(seqs, side="left").tolist() == [[0, 1, 2, 3], [0, 0, 4, 5], [6, 7, 8, 9]]
+    with pytest.raises(ValueError, match="side"):
+        zero_pad_sequences(seqs, side="middle")
+
+
+def test_remove_padding_doc_example_without_masks():
+    item = BufferItem(sequences=torch.tensor([0, 0, 1, 2, 3, 0, 0]), action_log_probs=None, base_action_log_probs=None,
+                      values=None, returns=None, advantages=None, attention_mask=None, action_mask=None, info={})
+    assert remove_padding_in_sequences([item])[0].sequences.tolist() == [1, 2, 3]
+
+
+def _experience(seed: int = 0) -> Experience:
+    """Ragged batch: prompts of 2..4 tokens, responses of 1..5 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    p_lens, r_lens = [3, 2, 4, 3], [5, 1, 3, 2]
+    prompts = [torch.randint(5, 100, (n,), generator=g) for n in p_lens]
+    resps = [torch.randint(5, 100, (n,), generator=g) for n in r_lens]
+    P, A = max(p_lens), max(r_lens)
+    seq = torch.cat([zero_pad_sequences(prompts, "left"), zero_pad_sequences(resps, "right")], 1)
+    att = torch.cat([zero_pad_sequences([torch.ones(n, dtype=torch.long) for n in p_lens], "left"),
+                     zero_pad_sequences([torch.ones(n, dtype=torch.long) for n in r_lens], "right")], 1)
+    amask = zero_pad_sequences([torch.ones(n, dtype=torch.bool) for n in r_lens], "right")
+
+    def per_tok():
+        return torch.where(amask, torch.randn(4, A, generator=g), torch.zeros(()))
+
+    return Experience(
+        sequences=seq, action_log_probs=per_tok(), base_action_log_probs=per_tok(), values=None,
+        returns=per_tok(), advantages=per_tok(), attention_mask=att, action_mask=amask, kl=per_tok(),
+        info={"sample_id": [f"p{i // 2}#{i % 2}" for i in range(4)], "prompt_id": [f"p{i // 2}" for i in range(4)],
+              "rewards": torch.tensor([1.0, 0.0, 0.5, 0.25]), "shaped_rewards": torch.tensor([0.9, 0.0, 0.5, 0.2]),
+              "response_text": ["a", "b", "c", "d"], "finish_reason": ["stop", "length", "stop", "stop"]},
+    )
+
+
+def test_split_then_make_batch_round_trip():
+    exp = _experience()
+    items = split_experience_batch(exp)
+    assert len(items) == 4 and items[1].sequences.shape == (exp.sequences.shape[1],)
+    assert items[2].info["prompt_id"] == "p1"
+    back = make_experience_batch(items)
+    for name in ("sequences", "attention_mask", "action_mask", "action_log_probs", "advantages", "returns"):
+        assert torch.equal(getattr(back, name), getattr(exp, name)), name
+    assert torch.equal(back.info["rewards"], exp.info["rewards"])
+    with pytest.raises(ValueError):
+        make_experience_batch([])
+    with pytest.raises(NotImplementedError):
+        make_experience_batch(items, packing_samples=True)
+
+
+def test_remove_padding_then_make_batch_restores_batch():
+    exp = _experience()
+    items = remove_padding_in_sequences(split_experience_batch(exp))
+    # sample 1: prompt of 2 tokens, response of 1 -> 3 tokens, 1 action
+    assert items[1].sequences.shape == (3,) and items[1].action_log_probs.shape == (1,)
+    assert items[0].sequences.shape == (3 + 5,)
+    back = make_experience_batch(items)  # left-pads the whole sequence again
+    for i, it in enumerate(items):  # whole sequences are left-padded now: each ends in the last column
+        n = len(it.sequences)
+        assert back.sequences[i, -n:].tolist() == it.sequences.tolist()
+        assert back.sequences[i, :-n].tolist() == [0] * (back.sequences.shape[1] - n)
+    assert torch.equal(back.action_log_probs, exp.action_log_probs)
+
+
+@pytest.mark.parametrize("root", ["file", "memory"])
+def test_experience_shard_round_trip_bit_exact(tmp_path, root):
+    exp = _experience(seed=5)
+    base = f"{tmp_path}/run" if root == "file" else f"memory://rt-{tmp_path.name}"
+    tables = experience_to_tables(exp)
+    refs = {s: write_shard(t, f"{base}/{s}", schema=schema_for(s), config_hash="h") for s, t in tables.items()}
+    read = {s: read_shard(r) for s, r in refs.items()}
+    # shuffle row order of a column group: the join on sample_id must undo it
+    read["advantages"] = read["advantages"].take([3, 1, 0, 2])
+    back = experience_from_tables(read["rollout"], actor=read["actor_logprobs"], ref=read["ref_logprobs"],
+                                  rewards=read["rewards"], advantages=read["advantages"])
+    for name in ("sequences", "attention_mask", "action_mask", "action_log_probs", "base_action_log_probs", "advantages", "returns", "kl"):
+        a, b = getattr(back, name), getattr(exp, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name  # bit-exact
+    assert torch.equal(back.info["rewards"], exp.info["rewards"])
+    assert back.info["sample_id"] == exp.info["sample_id"]
+
+
+def test_join_refuses_mismatched_groups():
+    tables = experience_to_tables(_experience())
+    with pytest.raises(ShardSchemaError, match="advantages: sample_ids"):
+        experience_from_tables(tables["rollout"], advantages=tables["advantages"].slice(0, 3))
+    bad = tables["actor_logprobs"].set_column(1, "old_logprobs", tables["actor_logprobs"].column("old_logprobs").take([1, 1, 2, 3]))
+    with pytest.raises(ShardSchemaError, match="old_logprobs"):
+        experience_from_tables(tables["rollout"], actor=bad)
