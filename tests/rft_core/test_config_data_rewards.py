@@ -1,0 +1,115 @@
+"""Config loading/overrides, deterministic prompt order, dataset errors, answer extraction and grading."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rft_core.config import ConfigError, TrainConfig, apply_overrides, load_config
+from rft_core.data.prompts import DatasetError, build_prompts, iteration_indices
+from rft_core.rewards.math import extract_answer, grade_math_verify, score_response
+
+
+def test_presets_load(tmp_path):
+    for name in ("grpo_demo", "grpo_gsm_symbolic"):
+        cfg = load_config(f"configs/{name}.yaml")
+        assert isinstance(cfg, TrainConfig) and cfg.name == name
+    cfg = load_config("configs/grpo_demo.yaml", ["rollout.temperature=0.5", "data.task_config.min_terms=2", "kl.kl_coef=0"])
+    assert cfg.rollout.temperature == 0.5 and cfg.data.task_config == {"min_terms": 2} and not cfg.kl.needs_reference
+
+
+@pytest.mark.parametrize("override, match", [
+    (["advantage.estimator=gae_x"], "unknown advantage estimator 'gae_x'; valid names: group_norm, grpo"),
+    (["kl.estimator=k4"], "unknown KL estimator 'k4'; valid names: k1, k2, k3"),
+    (["update.loss_agg=sum"], "valid names: seq-mean-token-mean, token-mean"),
+    (["rollout.temprature=1"], "rollout.temprature: Extra inputs are not permitted"),
+    (["rollout.temperature=-1"], "rollout.temperature"),
+    (["rollout"], "must look like key.sub=value"),
+])
+def test_bad_config_names_the_key(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, override)
+
+
+def test_bad_file_and_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("a: [1,\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_apply_overrides_parses_yaml_values():
+    out = apply_overrides({"a": {"b": 1}}, ["a.c=0.5", "a.d=true", "e=[1, 2]", "f.g=text"])
+    assert out == {"a": {"b": 1, "c": 0.5, "d": True}, "e": [1, 2], "f": {"g": "text"}}
+    with pytest.raises(ConfigError, match="'a' is not a section"):
+        apply_overrides({"a": 3}, ["a.b=1"])
+
+
+def test_iteration_indices_deterministic_and_cover_epoch():
+    a = iteration_indices(3, per_iteration=4, size=10, seed=7)
+    assert a == iteration_indices(3, per_iteration=4, size=10, seed=7)
+    first_epoch = iteration_indices(1, per_iteration=5, size=10, seed=7) + iteration_indices(2, per_iteration=5, size=10, seed=7)
+    assert sorted(first_epoch) == list(range(10))  # an epoch visits every prompt once
+    assert iteration_indices(3, per_iteration=5, size=10, seed=7) != iteration_indices(1, per_iteration=5, size=10, seed=7)
+    with pytest.raises(ValueError, match="1-based"):
+        iteration_indices(0, per_iteration=1, size=1, seed=0)
+
+
+class _Tok:
+    """Minimal tokenizer: one token per character."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_build_prompts_skips_overlong_and_rejects_bad_rows():
+    entries = [(0, {"question": "1+1?", "answer": "2", "metadata": {"k": 1}}), (1, {"question": "x" * 500, "answer": "1"})]
+    batch = build_prompts(entries, _Tok(), data_source="t", system_prompt="", max_prompt_tokens=100)
+    assert batch.table.column("prompt_id").to_pylist() == ["t-000000"] and batch.skipped_overlong == ["t-000001"]
+    assert json.loads(batch.table.column("metadata_json")[0].as_py()) == {"k": 1}
+    assert batch.table.column("prompt_token_ids")[0].as_py() == [ord(c) for c in "<user>1+1?<assistant>"]
+    # len("<user>") + 500 + len("<assistant>") = 6 + 500 + 11 = 517
+    with pytest.raises(DatasetError, match="t-000001: prompt has 517 tokens"):
+        build_prompts(entries, _Tok(), data_source="t", system_prompt="", max_prompt_tokens=100, overlong="error")
+    with pytest.raises(DatasetError, match=r"row 5: missing field\(s\) \['answer'\]"):
+        build_prompts([(5, {"question": "q"})], _Tok(), data_source="t", system_prompt="", max_prompt_tokens=100)
+
+
+@pytest.mark.parametrize("text, answer, formatted", [
+    ("so it is 12\nAnswer: 12", "12", True),
+    ("<answer> -4 </answer> and later 7", "-4", True),
+    ("**Answer:** 3.5.", "3.5", True),
+    ("first 3 then 1,234", "1234", False),
+    ("no number here", None, False),
+])
+def test_extract_answer(text, answer, formatted):
+    assert extract_answer(text) == (answer, formatted)
+
+
+def test_score_with_reasoning_gym_grader():
+    import reasoning_gym
+
+    ds = reasoning_gym.create_dataset("basic_arithmetic", size=5, seed=3)
+    e = ds[0]
+    kw = dict(source="basic_arithmetic", question=e["question"], label=e["answer"], metadata_json=json.dumps(e["metadata"]))
+    right = score_response(f"Let me compute.\nAnswer: {e['answer']}", format_reward=0.1, **kw)
+    assert right.correct and right.reward == pytest.approx(1.1) and right.metrics == {"correctness": 1.0, "format": 1.0}
+    # the first number of the text is not the answer: extraction must pick the last one
+    bare = score_response(f"{int(e['answer']) + 1} is wrong, it is {e['answer']}", format_reward=0.1, **kw)
+    assert bare.correct and bare.reward == pytest.approx(1.0)
+    wrong = score_response(f"Answer: {int(e['answer']) + 1}", format_reward=0.1, **kw)
+    assert not wrong.correct and wrong.reward == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="unknown grader"):
+        score_response("1", grader="nope", **kw)
+
+
+def test_math_verify_off_main_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as ex:  # signal.alarm would fail here without timeout=None
+        assert ex.submit(grade_math_verify, "\\frac{1}{2}", label="0.5").result() == 1.0
+        assert ex.submit(grade_math_verify, "0.4", label="0.5").result() == 0.0

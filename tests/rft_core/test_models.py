@@ -1,0 +1,146 @@
+"""Token batch layout, chunked log-probs vs a float64 reference, rollout engine EOS handling and
+seeding, and the PPO update (micro-batch invariance, direction of the change)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rft_core.engines.hf import HFEngine
+from rft_core.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, resolve_model_path
+from rft_core.models.logprobs import batched_response_logprobs, build_token_batch, response_logprobs
+from rft_core.training.update import UpdateData, ppo_update
+
+
+def test_token_batch_layout():
+    b = build_token_batch([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], pad_token_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7, 1, 2, 0], [0, 0, 8, 3, 4, 9]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
+    assert b.action_mask.tolist() == [[True, True, False], [True, True, True]]
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        build_token_batch([[1], [2]], [[3]], pad_token_id=0)
+
+
+def test_logprobs_match_float64_unpadded_reference(tiny_model):
+    model = load_causal_lm(tiny_model)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 9, 2, 6, 5)]
+    responses = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 1, 7, 4, 2)]
+    got = batched_response_logprobs(model, prompts, responses, pad_token_id=2, micro_batch_size=2, temperature=0.7)
+    ref_model = load_causal_lm(tiny_model).to(torch.float64)
+    for p, r, lp in zip(prompts, responses, got):
+        ids = torch.tensor([p + r])
+        with torch.no_grad():
+            logits = ref_model(input_ids=ids).logits[0].to(torch.float64) / 0.7
+        want = [torch.log_softmax(logits[len(p) + j - 1], -1)[t].item() for j, t in enumerate(r)]
+        assert len(lp) == len(r)
+        assert lp == pytest.approx(want, abs=2e-5)
+
+
+def test_entropy_matches_definition(tiny_model):
+    model = load_causal_lm(tiny_model)
+    b = build_token_batch([[10, 11, 12]], [[13, 14]], pad_token_id=2)
+    with torch.no_grad():
+        _, ent = response_logprobs(model, b, with_entropy=True)
+        logits = model(input_ids=b.input_ids).logits[0, 2:4].double()
+    p = torch.softmax(logits, -1)
+    torch.testing.assert_close(ent[0].double(), -(p * p.log()).sum(-1), atol=1e-4, rtol=0)
+
+
+class _FakeLM:
+    """generate() returns fixed continuations; logits make token t have probability 1/2."""
+
+    def __init__(self, continuations, vocab=8):
+        self.generation_config = SimpleNamespace(eos_token_id=2)
+        self.cont = torch.tensor(continuations)
+        self.vocab = vocab
+
+    def generate(self, input_ids, attention_mask, **kw):
+        B, T = input_ids.shape[0], self.cont.shape[1]
+        assert kw["temperature"] == 1.0 and kw["max_new_tokens"] == T
+        logits = []
+        for j in range(T):
+            lg = torch.zeros(B, self.vocab)
+            lg[torch.arange(B), self.cont[:B, j]] = torch.log(torch.tensor(float(self.vocab - 1)))
+            logits.append(lg)  # p(chosen) = (V-1) / (2(V-1)) = 1/2
+        return SimpleNamespace(sequences=torch.cat([input_ids, self.cont[:B]], 1), logits=tuple(logits))
+
+
+def test_engine_cuts_at_first_eos_and_reports_finish_reason():
+    tok = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    lm = _FakeLM([[5, 2, 0, 0], [5, 6, 7, 4], [2, 0, 0, 0]])
+    gens = HFEngine(lm, tok).generate([[9, 9], [9]], n_samples_per_prompt=1, max_new_tokens=4, batch_size=8)
+    assert [g.response_token_ids for g in gens] == [[5, 2], [5, 6, 7, 4]]
+    assert [g.finish_reason for g in gens] == ["stop", "length"]
+    for g in gens:
+        assert g.logprobs == pytest.approx([-0.6931472] * len(g.response_token_ids), abs=1e-6)
+
+
+def test_engine_groups_and_seed_reproducibility(tiny_model):
+    tok = load_tokenizer(tiny_model)
+    eng = HFEngine(load_causal_lm(tiny_model), tok)
+    prompts = [[1, 20, 30], [1, 40]]
+    a = eng.generate(prompts, n_samples_per_prompt=3, max_new_tokens=5, batch_size=4, seed=11)
+    b = eng.generate(prompts, n_samples_per_prompt=3, max_new_tokens=5, batch_size=4, seed=11)
+    assert [(g.prompt_index, g.sample_index) for g in a] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert [g.response_token_ids for g in a] == [g.response_token_ids for g in b]
+    # the engine's own log-probs equal a fresh forward pass (same positions despite left padding)
+    lps = batched_response_logprobs(eng.model, [prompts[g.prompt_index] for g in a], [g.response_token_ids for g in a],
+                                    pad_token_id=tok.pad_token_id)
+    for g, lp in zip(a, lps):
+        assert g.logprobs == pytest.approx(lp, abs=1e-4)
+
+
+def _update_data(tiny_model):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 5, 2, 4)]
+    responses = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 2, 5, 3)]
+    old = batched_response_logprobs(load_causal_lm(tiny_model), prompts, responses, pad_token_id=2)
+    adv = [[a] * len(r) for a, r in zip([1.0, -1.0, 0.5, -0.5], responses)]
+    return UpdateData(prompts, responses, old, adv)
+
+
+def test_update_micro_batch_invariance(tiny_model):
+    data = _update_data(tiny_model)
+    params = []
+    for mb in (1, 4):
+        model = load_causal_lm(tiny_model, trainable=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        steps = ppo_update(model, opt, data, pad_token_id=2, micro_batch_size=mb, max_grad_norm=1e9)
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        assert len(steps) == 1 and steps[0].num_tokens == 14
+    base = torch.cat([p.detach().flatten() for p in load_causal_lm(tiny_model).parameters()])
+    step = (params[0] - base).abs().max().item()
+    assert step > 1e-3  # the update is large compared with the float32 tolerance below
+    torch.testing.assert_close(params[0], params[1], atol=1e-5, rtol=0)
+
+
+def test_update_moves_logprobs_in_advantage_direction(tiny_model):
+    data = _update_data(tiny_model)
+    model = load_causal_lm(tiny_model, trainable=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps = ppo_update(model, opt, data, pad_token_id=2, micro_batch_size=2, epochs=2, train_batch_size=2)
+    assert len(steps) == 4 and {s.epoch for s in steps} == {0, 1}
+    new = batched_response_logprobs(model, data.prompts, data.responses, pad_token_id=2)
+    delta = [sum(n) - sum(o) for n, o in zip(new, data.old_logprobs)]
+    assert delta[0] > 0 and delta[1] < 0  # A=+1 made more likely, A=-1 less likely
+
+
+def test_update_rejects_empty_data(tiny_model):
+    model = load_causal_lm(tiny_model, trainable=True)
+    with pytest.raises(ValueError, match="no samples"):
+        ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.1), UpdateData([], [], [], []), pad_token_id=2)
+
+
+def test_unreadable_model_path_is_named(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        load_causal_lm(str(tmp_path / "empty"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="cannot load model from"):
+        load_causal_lm(str(tmp_path / "broken"))
