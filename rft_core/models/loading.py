@@ -11,11 +11,16 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
+
+# transformers builds models under a process-global "empty weights" (meta device) context, so two
+# threads loading at once (stages submitted together run in threads) corrupt each other's models.
+_LOAD_LOCK = threading.RLock()
 
 
 def _quiet_transformers() -> None:
@@ -59,6 +64,11 @@ def ensure_default_model() -> Path:
     The conversion writes to a temporary folder and renames it into place, so a crash leaves
     no half-converted model that a later call would accept.
     """
+    with _LOAD_LOCK:
+        return _ensure_default_model()
+
+
+def _ensure_default_model() -> Path:
     target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
     if (target / "config.json").exists():
         return target
@@ -122,11 +132,12 @@ def load_tokenizer(path: str):
     """
     from transformers import AutoTokenizer
 
-    resolved = resolve_model_path(path)
-    try:
-        tok = AutoTokenizer.from_pretrained(resolved)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load tokenizer from {path!r} ({resolved}): {exc}") from exc
+    with _LOAD_LOCK:
+        resolved = resolve_model_path(path)
+        try:
+            tok = AutoTokenizer.from_pretrained(resolved)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load tokenizer from {path!r} ({resolved}): {exc}") from exc
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -146,11 +157,12 @@ def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
-    resolved = resolve_model_path(path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=getattr(torch, dtype))
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load model from {path!r} ({resolved}): {exc}") from exc
+    with _LOAD_LOCK:
+        resolved = resolve_model_path(path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(resolved, dtype=getattr(torch, dtype))
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load model from {path!r} ({resolved}): {exc}") from exc
     if trainable:
         model.train()
     else:
