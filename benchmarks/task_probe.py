@@ -4,6 +4,10 @@ Usage: nice -n 10 .venv/bin/python benchmarks/task_probe.py [--prompts 24] [--sa
 Writes a markdown table + examples to docs/task_probe.md (unless --no-write).
 """
 import argparse
+import json
+import os
+import subprocess
+import sys
 import re
 import time
 
@@ -53,7 +57,7 @@ def run_variant(model, tok, label, name, kw, n_prompts, n_samples, batch, max_ne
     seq_idx = [i for i in range(n_prompts) for _ in range(n_samples)]
     torch.manual_seed(0)
     responses, lengths, hit_max = [], [], []
-    gen_time, gen_tokens = 0.0, 0
+    gen_time, gen_tokens, raw_tokens = 0.0, 0, 0
     eos = tok.eos_token_id
     for b in range(0, len(seq_idx), batch):
         idx = seq_idx[b:b + batch]
@@ -64,6 +68,7 @@ def run_variant(model, tok, label, name, kw, n_prompts, n_samples, batch, max_ne
                                  max_new_tokens=max_new, pad_token_id=eos, eos_token_id=eos)
         gen_time += time.perf_counter() - t0
         gen = out[:, enc["input_ids"].shape[1]:]
+        raw_tokens += gen.numel()  # includes padding after eos (work the batch actually did)
         for row in gen:
             ids = row.tolist()
             n = ids.index(eos) if eos in ids else len(ids)
@@ -87,6 +92,7 @@ def run_variant(model, tok, label, name, kw, n_prompts, n_samples, batch, max_ne
         mean_len=sum(lengths) / len(lengths),
         frac_max=sum(hit_max) / len(hit_max),
         tok_s=gen_tokens / gen_time,
+        raw_tok_s=raw_tokens / gen_time,
         gen_time=gen_time,
         examples=[],
     )
@@ -116,15 +122,17 @@ def to_markdown(results, args):
         "",
         "Columns: mean reward; pass@k = fraction of prompts with >=1 sample scoring 1; mixed = fraction of groups "
         "with non-identical rewards (nonzero GRPO advantage); len = mean response tokens; @max = fraction of responses "
-        "hitting max_new_tokens; tok/s = generated tokens / generate() wall time.",
+        "hitting max_new_tokens; tok/s = real (non-pad) generated tokens / generate() wall time; batch tok/s = "
+        "batch x generated steps / wall time (includes post-eos padding). Each task runs in a fresh subprocess "
+        "(a single long-lived process slowed down ~5x over time, mostly system time).",
         "",
-        "| task | config | mean reward | pass@k | mixed groups | mean len | @max | tok/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | config | mean reward | pass@k | mixed groups | mean len | @max | tok/s | batch tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         cfg = ", ".join(f"{k}={v}" for k, v in r["kw"].items()) or "default"
         lines.append(f"| {r['label']} | `{r['name']}` {cfg} | {r['mean_reward']:.3f} | {r['pass_at_k']:.2f} | "
-                     f"{r['mixed']:.2f} | {r['mean_len']:.1f} | {r['frac_max']:.2f} | {r['tok_s']:.0f} |")
+                     f"{r['mixed']:.2f} | {r['mean_len']:.1f} | {r['frac_max']:.2f} | {r['tok_s']:.0f} | {r['raw_tok_s']:.0f} |")
     lines += ["", "## Examples", ""]
     for r in results:
         lines.append(f"### {r['label']}")
@@ -148,30 +156,45 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--out", default="docs/task_probe.md")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--cache", default="/tmp/task_probe_results.json")
+    ap.add_argument("--worker", default="")
     args = ap.parse_args()
+    only = [lab for lab, _, _ in VARIANTS if not args.only or lab in args.only.split(",")]
+    if not args.worker:  # driver: one fresh subprocess per variant, results accumulated in the cache file
+        if os.path.exists(args.cache):
+            os.remove(args.cache)
+        t_all = time.perf_counter()
+        for lab in only:
+            cmd = [sys.executable, __file__, "--worker", lab, "--cache", args.cache, "--prompts", str(args.prompts),
+                   "--samples", str(args.samples), "--batch", str(args.batch), "--max-new", str(args.max_new)]
+            subprocess.run(cmd, check=True)
+        print(f"total {time.perf_counter() - t_all:.0f}s")
+        with open(args.cache) as f:
+            cached = json.load(f)
+        results = [cached[lab] for lab in only if lab in cached]
+        md = to_markdown(results, args)
+        if args.no_write:
+            print(md)
+        else:
+            with open(args.out, "w") as f:
+                f.write(md)
+        return
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(MODEL)
     tok.padding_side = "left"
     tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    only = set(filter(None, args.only.split(",")))
-    results = []
-    t_all = time.perf_counter()
     for label, name, kw in VARIANTS:
-        if only and label not in only:
+        if label != args.worker:
             continue
         r = run_variant(model, tok, label, name, kw, args.prompts, args.samples, args.batch, args.max_new)
         print(f"{label:30s} reward={r['mean_reward']:.3f} pass@k={r['pass_at_k']:.2f} mixed={r['mixed']:.2f} "
               f"len={r['mean_len']:.1f} @max={r['frac_max']:.2f} tok/s={r['tok_s']:.0f} t={r['gen_time']:.0f}s",
               flush=True)
-        results.append(r)
-    print(f"total {time.perf_counter() - t_all:.0f}s")
-    md = to_markdown(results, args)
-    if not args.no_write:
-        with open(args.out, "w") as f:
-            f.write(md)
-    else:
-        print(md)
+        cached = json.load(open(args.cache)) if os.path.exists(args.cache) else {}
+        cached[label] = r
+        with open(args.cache, "w") as f:
+            json.dump(cached, f, indent=1)
 
 
 if __name__ == "__main__":
