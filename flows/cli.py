@@ -11,6 +11,11 @@ import typer
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL fine-tuning as Prefect flows over Parquet shards.")
 
 
+@app.callback()
+def _root() -> None:
+    """RL fine-tuning as Prefect flows over Parquet shards."""
+
+
 def _resolve_run_root(run_root: str, name: str) -> str:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     root = run_root.format(timestamp=stamp, name=name)

@@ -39,8 +39,6 @@ def train(cfg: TrainConfig) -> TrainResult:
         policy = result.policy
         rows.append(result.metrics)
         metrics_uri = write_metrics(cfg.run_root, rows)
-        line = format_metrics_line(result.metrics)
-        logger.info(line)
-        print(line, flush=True)
+        logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")
     return TrainResult(run_root=cfg.run_root, metrics_uri=metrics_uri, final_policy=policy, metrics=rows)
