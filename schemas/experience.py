@@ -10,7 +10,6 @@ with the responses in the last A columns; per-action tensors are (B, A), right-p
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Sequence
 
@@ -293,6 +292,33 @@ def experience_from_tables(
     )
 
 
+def samples_from_tables(rollout: pa.Table, prompts: pa.Table | None = None, *, pad_token_id: int = 0) -> Samples:
+    """A ``Samples`` batch (batched layout) from a rollout shard table.
+
+    ``prompts`` (the prompts stage table) supplies the prompt texts and labels (answers) per
+    sample through ``prompt_id``; without it both lists hold empty strings.
+
+    Raises:
+        ShardSchemaError: a rollout prompt_id missing from ``prompts``.
+    """
+    exp = experience_from_tables(rollout, pad_token_id=pad_token_id)
+    B, A = exp.action_mask.shape
+    pids = rollout.column("prompt_id").to_pylist()
+    texts, labels = [""] * B, [""] * B
+    if prompts is not None:
+        by_id = {r["prompt_id"]: r for r in prompts.select(["prompt_id", "prompt_text", "answer"]).to_pylist()}
+        missing = sorted({p for p in pids if p not in by_id})
+        if missing:
+            raise ShardSchemaError(f"prompts: no row for prompt_id(s) {missing[:3]} of the rollout")
+        texts = [by_id[p]["prompt_text"] for p in pids]
+        labels = [by_id[p]["answer"] for p in pids]
+    return Samples(
+        sequences=exp.sequences, attention_mask=exp.attention_mask, action_mask=exp.action_mask, num_actions=A,
+        packed_seq_lens=None, response_length=exp.info["response_length"], total_length=exp.attention_mask.sum(-1),
+        prompts=texts, labels=labels, pad_len=None,
+    )
+
+
 def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
     """Split an Experience back into the column groups of the rollout and later stages.
 
@@ -341,8 +367,3 @@ def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
             "returns": pa.array(per_tok(exp.returns if exp.returns is not None else torch.zeros_like(exp.advantages)), f32),
         }, schema=ADVANTAGES.arrow)
     return out
-
-
-def json_metadata(table: pa.Table, row: int) -> dict:
-    """Parsed ``metadata_json`` of one prompts-table row."""
-    return json.loads(table.column("metadata_json")[row].as_py())

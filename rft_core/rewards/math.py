@@ -10,7 +10,6 @@ import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
 _ANSWER_LINE = re.compile(r"answer\s*[:：]\s*(.+)", re.I)
@@ -120,12 +119,3 @@ def score_response(
         raise ValueError(f"unknown grader {grader!r}; valid: dataset, math_verify")
     reward = correct_reward * score + format_reward * float(formatted)
     return RewardResult(reward, score >= 1.0, answer, {"correctness": score, "format": float(formatted)})
-
-
-def score_many(rows: list[dict[str, Any]], **kwargs: Any) -> list[RewardResult]:
-    """``score_response`` over rows holding response, source, question, label, metadata_json."""
-    return [
-        score_response(r["response"], source=r["source"], question=r["question"], label=r["label"],
-                       metadata_json=r["metadata_json"], **kwargs)
-        for r in rows
-    ]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from rft_core.config import DataConfig
-from rft_core.data.prompts import build_prompts, iteration_indices, load_task
+from rft_core.data.prompts import DatasetError, build_prompts, iteration_indices, load_task
 from rft_core.models.loading import load_tokenizer
 from rft_core.stages.common import Timer, reuse_or_compute
 from schemas import ShardRef, config_hash, write_shard
@@ -26,7 +26,6 @@ def run(cfg: DataConfig, *, tokenizer_path: str, iteration: int, out: str) -> Sh
             batch = build_prompts([(i, ds[i]) for i in idx], tok, data_source=cfg.task, system_prompt=cfg.system_prompt,
                                   max_prompt_tokens=cfg.max_prompt_tokens, overlong=cfg.overlong_prompts)
         if batch.table.num_rows == 0:
-            from rft_core.data.prompts import DatasetError
             raise DatasetError(f"iteration {iteration}: every prompt was longer than data.max_prompt_tokens={cfg.max_prompt_tokens}")
         summary = {"seconds": t.seconds, "skipped_overlong": len(batch.skipped_overlong),
                    "skipped_prompt_ids": batch.skipped_overlong, "dataset_indices": idx}

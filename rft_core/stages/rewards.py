@@ -6,7 +6,7 @@ import pyarrow as pa
 from rft_core.config import RewardConfig
 from rft_core.rewards.math import score_response
 from rft_core.stages.common import Timer, reuse_or_compute
-from schemas import ShardRef, config_hash, read_shard, write_shard
+from schemas import ShardRef, ShardSchemaError, config_hash, read_shard, write_shard
 from schemas.columns import REWARDS
 
 
@@ -26,7 +26,6 @@ def run(rollout: ShardRef, prompts: ShardRef, cfg: RewardConfig, *, out: str) ->
         with Timer() as t:
             for pid, text in zip(r.column("prompt_id").to_pylist(), r.column("response_text").to_pylist()):
                 if pid not in by_id:
-                    from schemas import ShardSchemaError
                     raise ShardSchemaError(f"{rollout.uri}: prompt_id {pid!r} is not in {prompts.uri}")
                 row = by_id[pid]
                 results.append(score_response(text, source=row["data_source"], question=row["question"], label=row["answer"],

@@ -6,14 +6,13 @@ mini-batch loss computed in one piece.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES, kl_penalty, masked_mean
+from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES, kl_penalty
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.models.logprobs import TokenBatch, build_token_batch, response_logprobs
 
@@ -108,7 +107,7 @@ def ppo_update(
     use_kl = kl_coef > 0 and data.ref_logprobs is not None
     loss_fn = POLICY_LOSSES[policy_loss]
     agg_fn = LOSS_AGGREGATIONS[loss_agg]
-    KL_ESTIMATORS[kl_estimator]
+    KL_ESTIMATORS[kl_estimator]  # fail before any work on an unknown name
     bs = train_batch_size or n
     gen = torch.Generator().manual_seed(seed)
     metrics: list[StepMetrics] = []
@@ -178,8 +177,3 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ckpt_dir: str | Path)
         return False
     optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     return True
-
-
-def is_finite_metrics(m: StepMetrics) -> bool:
-    """True when the step's loss and gradient norm are finite."""
-    return all(math.isfinite(x) for x in (m.policy_loss, m.grad_norm))

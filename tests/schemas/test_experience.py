@@ -13,6 +13,7 @@ from schemas.experience import (
     experience_to_tables,
     make_experience_batch,
     remove_padding_in_sequences,
+    samples_from_tables,
     split_experience_batch,
     zero_pad_sequences,
 )
@@ -39,7 +40,7 @@ def _experience(seed: int = 0) -> Experience:
     p_lens, r_lens = [3, 2, 4, 3], [5, 1, 3, 2]
     prompts = [torch.randint(5, 100, (n,), generator=g) for n in p_lens]
     resps = [torch.randint(5, 100, (n,), generator=g) for n in r_lens]
-    P, A = max(p_lens), max(r_lens)
+    A = max(r_lens)
     seq = torch.cat([zero_pad_sequences(prompts, "left"), zero_pad_sequences(resps, "right")], 1)
     att = torch.cat([zero_pad_sequences([torch.ones(n, dtype=torch.long) for n in p_lens], "left"),
                      zero_pad_sequences([torch.ones(n, dtype=torch.long) for n in r_lens], "right")], 1)
@@ -111,3 +112,22 @@ def test_join_refuses_mismatched_groups():
     bad = tables["actor_logprobs"].set_column(1, "old_logprobs", tables["actor_logprobs"].column("old_logprobs").take([1, 1, 2, 3]))
     with pytest.raises(ShardSchemaError, match="old_logprobs"):
         experience_from_tables(tables["rollout"], actor=bad)
+
+
+def test_samples_from_rollout_table():
+    import pyarrow as pa
+
+    from schemas.columns import PROMPTS
+
+    exp = _experience()
+    rollout = experience_to_tables(exp)["rollout"]
+    prompts = pa.table({"prompt_id": ["p0", "p1"], "data_source": ["t", "t"], "question": ["q0", "q1"],
+                        "prompt_text": ["<q0>", "<q1>"], "prompt_token_ids": [[1], [2]], "answer": ["3", "4"],
+                        "metadata_json": ["{}", "{}"]}, schema=PROMPTS.arrow)
+    s = samples_from_tables(rollout, prompts)
+    assert torch.equal(s.sequences, exp.sequences) and torch.equal(s.action_mask, exp.action_mask)
+    assert s.num_actions == 5 and s.response_length.tolist() == [5, 1, 3, 2]
+    assert s.total_length.tolist() == [3 + 5, 2 + 1, 4 + 3, 3 + 2]
+    assert s.prompts == ["<q0>", "<q0>", "<q1>", "<q1>"] and s.labels == ["3", "3", "4", "4"]
+    with pytest.raises(ShardSchemaError, match="p1"):
+        samples_from_tables(rollout, prompts.slice(0, 1))
