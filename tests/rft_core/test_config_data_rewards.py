@@ -14,8 +14,10 @@ def test_presets_load(tmp_path):
     for name in ("grpo_demo", "grpo_gsm_symbolic"):
         cfg = load_config(f"configs/{name}.yaml")
         assert isinstance(cfg, TrainConfig) and cfg.name == name
-    cfg = load_config("configs/grpo_demo.yaml", ["rollout.temperature=0.5", "data.task_config.min_terms=2", "kl.kl_coef=0"])
-    assert cfg.rollout.temperature == 0.5 and cfg.data.task_config == {"min_terms": 2} and not cfg.kl.needs_reference
+    cfg = load_config("configs/grpo_demo.yaml", ["rollout.temperature=0.5", "data.task_config.max_terms=3", "kl.kl_coef=0"])
+    assert cfg.rollout.temperature == 0.5 and not cfg.kl.needs_reference
+    # a dotted override changes one key of a mapping and keeps the preset's others
+    assert cfg.data.task_config["max_terms"] == 3 and cfg.data.task_config["min_terms"] == 2
 
 
 @pytest.mark.parametrize("override, match", [
