@@ -71,3 +71,203 @@ def group_normalized_advantages(
     advantages = torch.where(action_mask, adv[:, None], zeros)
     returns = torch.where(action_mask, rewards[:, None], zeros)
     return advantages, returns
+
+
+def _zeros_like_mask(action_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(action_mask.shape, dtype=dtype, device=action_mask.device)
+
+
+def last_token_index(action_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of the last True of each row of ``action_mask`` (-1 for an all-False row)."""
+    T = action_mask.shape[1]
+    idx = torch.arange(T, device=action_mask.device).expand_as(action_mask)
+    return torch.where(action_mask, idx, torch.full_like(idx, -1)).max(dim=1).values
+
+
+def kl_shaped_token_rewards(
+    rewards: torch.Tensor, kl: torch.Tensor, action_mask: torch.Tensor, *, kl_coef: float
+) -> torch.Tensor:
+    """Token rewards with a per-token KL penalty (Ouyang et al. 2022, arXiv:2203.02155, eq. 2;
+    REINFORCE++, Hu 2025, arXiv:2501.03262, sec. 3).
+
+    r_t = -kl_coef * kl_t for every response token, plus the outcome reward on the last one.
+    Sum over t equals rewards - kl_coef * sum_t kl_t. All-masked rows are all zero.
+
+    Args:
+        rewards: (B,) outcome rewards.
+        kl: (B, T) per-token KL estimates (zero where masked).
+        action_mask: (B, T) bool.
+    Returns:
+        (B, T) token rewards, zero where action_mask is False.
+    """
+    out = torch.where(action_mask, -kl_coef * kl.to(rewards.dtype), _zeros_like_mask(action_mask, rewards.dtype))
+    last = last_token_index(action_mask)
+    rows = torch.nonzero(last >= 0).flatten()
+    out[rows, last[rows]] += rewards[rows]
+    return out
+
+
+def discounted_returns(token_rewards: torch.Tensor, action_mask: torch.Tensor, *, gamma: float) -> torch.Tensor:
+    """G_t = sum_{k >= t, k unmasked} gamma^(k - t) r_k, the reverse discounted cumulative sum.
+
+    Masked positions contribute nothing and get G = 0; the discount counts every position
+    (responses are right-padded, so masked positions only ever follow the response).
+
+    Args:
+        token_rewards: (B, T) float.
+        action_mask: (B, T) bool.
+    Returns:
+        (B, T) returns.
+    """
+    r = torch.where(action_mask, token_rewards, _zeros_like_mask(action_mask, token_rewards.dtype))
+    out = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
+    for t in reversed(range(r.shape[1])):
+        running = r[:, t] + gamma * running
+        out[:, t] = running
+    return torch.where(action_mask, out, torch.zeros_like(out))
+
+
+def _outcome_token_rewards(rewards: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    return kl_shaped_token_rewards(rewards, _zeros_like_mask(action_mask, rewards.dtype), action_mask, kl_coef=0.0)
+
+
+def _broadcast(per_seq: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(action_mask, per_seq[:, None], _zeros_like_mask(action_mask, per_seq.dtype))
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def dr_grpo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO advantages (Liu et al. 2025, arXiv:2503.20783, sec. 3.2): A_i = r_i - mean_g(r).
+
+    No division by the group std (it biases towards too easy / too hard prompts); pair it with
+    ``update.loss_agg=seq-mean-token-sum-norm`` to also drop the length normalisation.
+    Shapes as ``group_normalized_advantages``.
+    """
+    mean, _ = group_stats(rewards, group_ids)
+    return _broadcast(rewards - mean, action_mask), _broadcast(rewards, action_mask)
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740, eq. 5).
+
+    A_i = r_i - 1/(G-1) sum_{j != i, j in g} r_j = G/(G-1) (r_i - mean_g(r)); a group of one
+    sample gets 0. Broadcast over the response tokens.
+
+    Args:
+        rewards: (B,) float; group_ids: (B,) int; action_mask: (B, T) bool.
+    Returns:
+        (advantages, returns), (B, T) each.
+    """
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    counts = torch.bincount(inverse, minlength=n_groups).to(rewards.dtype)
+    sums = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
+    n = counts[inverse]
+    baseline = (sums[inverse] - rewards) / (n - 1).clamp(min=1)
+    adv = torch.where(n > 1, rewards - baseline, torch.zeros_like(rewards))
+    return _broadcast(adv, action_mask), _broadcast(rewards, action_mask)
+
+
+def _whiten_if(adv: torch.Tensor, action_mask: torch.Tensor, whiten: bool, eps: float) -> torch.Tensor:
+    from rft_core.algorithms.masked import masked_whiten
+
+    return masked_whiten(adv, action_mask, eps=eps) if whiten else adv
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce")
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    token_rewards: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    whiten: bool = True,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262, sec. 3): discounted returns of the token rewards,
+    whitened over the whole batch (masked mean and unbiased std).
+
+    G_t = sum_{k >= t} gamma^(k-t) r_k;  A_t = (G_t - mean(G)) / sqrt(var(G) + eps).
+
+    Args:
+        token_rewards: (B, T), e.g. ``kl_shaped_token_rewards``; default: the outcome reward on
+            the last response token.
+    Returns:
+        (advantages, returns=G), (B, T) each, zero where masked.
+    """
+    tr = token_rewards if token_rewards is not None else _outcome_token_rewards(rewards, action_mask)
+    returns = discounted_returns(tr, action_mask, gamma=gamma)
+    return _whiten_if(returns, action_mask, whiten, eps), returns
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_baseline")
+def reinforce_baseline_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    token_rewards: torch.Tensor | None = None,
+    whiten: bool = True,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262 v2, sec. 3.2): subtract the group-mean
+    outcome reward, take the undiscounted (gamma = 1) return, whiten over the batch.
+
+    r'_t = token_rewards_t - 1[t = last] mean_g(r);  G_t = sum_{k >= t} r'_k;  A = whiten(G).
+
+    Returns:
+        (advantages, returns=G with the baseline removed), (B, T) each.
+    """
+    mean, _ = group_stats(rewards, group_ids)
+    tr = token_rewards if token_rewards is not None else _outcome_token_rewards(rewards, action_mask)
+    tr = tr - _outcome_token_rewards(mean, action_mask)
+    returns = discounted_returns(tr, action_mask, gamma=1.0)
+    return _whiten_if(returns, action_mask, whiten, eps), returns
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def gae_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    values: torch.Tensor,
+    token_rewards: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    gae_lambda: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438, eq. 16).
+
+    delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lambda A_{t+1};  returns = A + V.
+    V after the last response token is 0 (the episode ends). Values at masked positions are
+    replaced by 0 first, so whatever the critic put there cannot leak into the result.
+
+    Args:
+        values: (B, T) critic values V(s_t) of the response tokens.
+        token_rewards: (B, T); default: the outcome reward on the last response token.
+    Returns:
+        (advantages, returns), (B, T) each, zero where masked.
+    """
+    tr = token_rewards if token_rewards is not None else _outcome_token_rewards(rewards, action_mask)
+    zeros = _zeros_like_mask(action_mask, values.dtype)
+    v = torch.where(action_mask, values, zeros)
+    r = torch.where(action_mask, tr.to(values.dtype), zeros)
+    adv = torch.zeros_like(v)
+    next_adv = torch.zeros(v.shape[0], dtype=v.dtype, device=v.device)
+    next_v = torch.zeros_like(next_adv)
+    for t in reversed(range(v.shape[1])):
+        delta = r[:, t] + gamma * next_v - v[:, t]
+        cur = delta + gamma * gae_lambda * next_adv
+        m = action_mask[:, t]
+        adv[:, t] = torch.where(m, cur, torch.zeros_like(cur))
+        next_adv = torch.where(m, cur, next_adv)
+        next_v = torch.where(m, v[:, t], next_v)
+    returns = torch.where(action_mask, adv + v, zeros)
+    return adv, returns

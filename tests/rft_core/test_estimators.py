@@ -1,0 +1,168 @@
+"""RLOO, Dr. GRPO, REINFORCE++, REINFORCE++-baseline, GAE and KL-shaped token rewards:
+hand-computed cases (arithmetic in comments) and float64 reference loops."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rft_core.algorithms import ADVANTAGE_ESTIMATORS
+from rft_core.algorithms.advantages import (
+    discounted_returns,
+    dr_grpo_advantages,
+    gae_advantages,
+    kl_shaped_token_rewards,
+    last_token_index,
+    reinforce_baseline_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+
+D = torch.float64
+
+
+def _rand(seed, B=10, T=6):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.rand(B, generator=g, dtype=D)
+    groups = torch.randint(0, 3, (B,), generator=g)
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]  # right-padded responses, some empty
+    return g, rewards, groups, mask
+
+
+def test_kl_shaped_token_rewards_hand():
+    # r = 2, kl = [0.1, 0.2, (0.3 masked)], coef 0.5 -> [-0.05, -0.1 + 2, 0]
+    out = kl_shaped_token_rewards(torch.tensor([2.0], dtype=D), torch.tensor([[0.1, 0.2, 0.3]], dtype=D),
+                                  torch.tensor([[True, True, False]]), kl_coef=0.5)
+    torch.testing.assert_close(out, torch.tensor([[-0.05, 1.9, 0.0]], dtype=D))
+    assert last_token_index(torch.tensor([[True, True, False], [False] * 3])).tolist() == [1, -1]
+
+
+def test_rloo_hand_and_both_ways():
+    # group a: rewards 1, 0, 0, 1 -> A_0 = 1 - (0 + 0 + 1)/3 = 2/3, A_1 = 0 - (1 + 0 + 1)/3 = -2/3
+    # group b: one sample -> 0
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0], dtype=D)
+    groups = torch.tensor([0, 0, 0, 0, 9])
+    mask = torch.ones(5, 2, dtype=torch.bool)
+    adv, _ = rloo_advantages(rewards, groups, mask)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0], dtype=D))
+    # the same via G/(G-1) (r - mean), on random groups
+    _, r, gids, m = _rand(0)
+    adv, _ = rloo_advantages(r, gids, m)
+    for i in range(len(r)):
+        members = [r[j].item() for j in range(len(r)) if gids[j] == gids[i]]
+        G = len(members)
+        want = G / (G - 1) * (r[i].item() - sum(members) / G) if G > 1 else 0.0
+        loo = r[i].item() - (sum(members) - r[i].item()) / (G - 1) if G > 1 else 0.0
+        assert want == pytest.approx(loo, abs=1e-12)
+        assert adv[i].tolist() == pytest.approx([want if x else 0.0 for x in m[i]], abs=1e-12)
+
+
+def test_dr_grpo_is_mean_centering():
+    adv, ret = dr_grpo_advantages(torch.tensor([3.0, 1.0, 2.0], dtype=D), torch.tensor([0, 0, 1]),
+                                  torch.tensor([[True, False], [True, True], [True, True]]))
+    assert adv.tolist() == [[1.0, 0.0], [-1.0, -1.0], [0.0, 0.0]]
+    assert ret.tolist() == [[3.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+
+
+def test_discounted_returns_hand_and_loop():
+    # r = [0, 0, 1], gamma 0.5 -> G = [0.25, 0.5, 1]
+    g = discounted_returns(torch.tensor([[0.0, 0.0, 1.0]], dtype=D), torch.ones(1, 3, dtype=torch.bool), gamma=0.5)
+    assert g.tolist() == [[0.25, 0.5, 1.0]]
+    gen, _, _, mask = _rand(1)
+    tr = torch.randn(mask.shape, generator=gen, dtype=D)
+    out = discounted_returns(tr, mask, gamma=0.9)
+    for b in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            want = sum(0.9 ** (k - t) * tr[b, k].item() for k in range(t, mask.shape[1]) if mask[b, k]) if mask[b, t] else 0.0
+            assert out[b, t].item() == pytest.approx(want, abs=1e-12)
+
+
+def test_reinforce_pp_whitens_over_batch():
+    # outcome rewards 1 and 0 on rows of 2 tokens, gamma 1: G = [[1, 1], [0, 0]]
+    # mean 0.5, unbiased var = 4 * 0.25 / 3 = 1/3 -> A = +-0.5 / sqrt(1/3) = +-0.8660
+    adv, ret = reinforce_pp_advantages(torch.tensor([1.0, 0.0], dtype=D), torch.tensor([0, 1]),
+                                       torch.ones(2, 2, dtype=torch.bool), eps=0.0)
+    assert ret.tolist() == [[1.0, 1.0], [0.0, 0.0]]
+    torch.testing.assert_close(adv, torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=D) * 0.5 / math.sqrt(1 / 3))
+
+
+def test_reinforce_baseline_hand():
+    # group rewards 1, 0 -> baseline 0.5 -> returns [[0.5, 0.5], [-0.5, -0.5]]
+    # mean 0, unbiased var = 4 * 0.25 / 3 -> A = +-0.8660
+    adv, ret = reinforce_baseline_advantages(torch.tensor([1.0, 0.0], dtype=D), torch.tensor([4, 4]),
+                                             torch.ones(2, 2, dtype=torch.bool), eps=0.0)
+    assert ret.tolist() == [[0.5, 0.5], [-0.5, -0.5]]
+    assert adv[0, 0].item() == pytest.approx(0.5 / math.sqrt(1 / 3)) and adv[1, 1].item() == pytest.approx(-0.5 / math.sqrt(1 / 3))
+
+
+def test_reinforce_variants_float64_loop():
+    gen, rewards, groups, mask = _rand(2, B=12)
+    kl = torch.rand(mask.shape, generator=gen, dtype=D)
+    tr = kl_shaped_token_rewards(rewards, kl, mask, kl_coef=0.1)
+    for name, fn in (("reinforce", reinforce_pp_advantages), ("reinforce_baseline", reinforce_baseline_advantages)):
+        adv, _ = fn(rewards, groups, mask, token_rewards=tr, eps=1e-8)
+        B, T = mask.shape
+        G = [[0.0] * T for _ in range(B)]
+        for b in range(B):
+            base = 0.0
+            if name == "reinforce_baseline":
+                members = [rewards[j].item() for j in range(B) if groups[j] == groups[b]]
+                base = sum(members) / len(members)
+            valid = [t for t in range(T) if mask[b, t]]
+            running = 0.0
+            for t in reversed(valid):
+                r_t = tr[b, t].item() - (base if t == valid[-1] else 0.0)
+                running = r_t + running
+                G[b][t] = running
+        vals = [G[b][t] for b in range(B) for t in range(T) if mask[b, t]]
+        mean = sum(vals) / len(vals)
+        var = sum((x - mean) ** 2 for x in vals) / (len(vals) - 1)
+        for b in range(B):
+            for t in range(T):
+                want = (G[b][t] - mean) / math.sqrt(var + 1e-8) if mask[b, t] else 0.0
+                assert adv[b, t].item() == pytest.approx(want, abs=1e-9), (name, b, t)
+
+
+def test_gae_hand():
+    # r = [0, 1], V = [0.5, 0.8], gamma 1, lambda 0.5
+    # t=1: delta = 1 + 0 - 0.8 = 0.2, A_1 = 0.2;  t=0: delta = 0 + 0.8 - 0.5 = 0.3, A_0 = 0.3 + 0.5 * 0.2 = 0.4
+    adv, ret = gae_advantages(torch.tensor([1.0], dtype=D), torch.tensor([0]), torch.ones(1, 2, dtype=torch.bool),
+                              values=torch.tensor([[0.5, 0.8]], dtype=D), gamma=1.0, gae_lambda=0.5)
+    torch.testing.assert_close(adv, torch.tensor([[0.4, 0.2]], dtype=D))
+    torch.testing.assert_close(ret, torch.tensor([[0.9, 1.0]], dtype=D))
+
+
+def test_gae_reference_recurrence_ignores_masked_values():
+    gen, rewards, groups, mask = _rand(3, B=8, T=7)
+    values = torch.randn(mask.shape, generator=gen, dtype=D)
+    tr = torch.randn(mask.shape, generator=gen, dtype=D)
+    adv, ret = gae_advantages(rewards, groups, mask, values=values, token_rewards=tr, gamma=0.99, gae_lambda=0.9)
+    for b in range(mask.shape[0]):
+        valid = [t for t in range(mask.shape[1]) if mask[b, t]]
+        a_next, v_next = 0.0, 0.0
+        want = {}
+        for t in reversed(valid):
+            delta = tr[b, t].item() + 0.99 * v_next - values[b, t].item()
+            a_next = delta + 0.99 * 0.9 * a_next
+            v_next = values[b, t].item()
+            want[t] = a_next
+        for t in range(mask.shape[1]):
+            assert adv[b, t].item() == pytest.approx(want.get(t, 0.0), abs=1e-10)
+            assert ret[b, t].item() == pytest.approx(want[t] + values[b, t].item() if t in want else 0.0, abs=1e-10)
+    # arbitrary (even non-finite) values and rewards at masked positions change nothing
+    v2, tr2 = values.clone(), tr.clone()
+    v2[~mask], tr2[~mask] = float("nan"), 1e6
+    adv2, ret2 = gae_advantages(rewards, groups, mask, values=v2, token_rewards=tr2, gamma=0.99, gae_lambda=0.9)
+    assert torch.equal(adv2, adv) and torch.equal(ret2, ret)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_baseline", "gae"])
+def test_every_estimator_is_finite_on_empty_rows_and_zero_there(name):
+    gen, rewards, groups, mask = _rand(4)
+    mask[0] = False  # an all-masked row
+    kw = {"values": torch.randn(mask.shape, generator=gen, dtype=D)} if name == "gae" else {}
+    adv, ret = ADVANTAGE_ESTIMATORS[name](rewards, groups, mask, **kw)
+    assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
