@@ -6,12 +6,12 @@ YAML presets live in ``configs/``; any value can be overridden with dotted keys
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rft_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.models.loading import DEFAULT_MODEL
 
@@ -86,14 +86,63 @@ class KLConfig(_Frozen):
         return self.kl_coef > 0
 
 
-class AdvantageConfig(_Frozen):
-    """Advantage estimator chosen by name from ADVANTAGE_ESTIMATORS."""
+class GRPOAdvantage(_Frozen):
+    """GRPO / group_norm: (r - group mean) / (group std + eps)."""
 
-    estimator: str = "grpo"
+    estimator: Literal["grpo", "group_norm"] = "grpo"
     scale_by_std: bool = True
     eps: float = Field(1e-6, gt=0)
 
-    _v = field_validator("estimator")(lambda cls, v: _check_name(ADVANTAGE_ESTIMATORS, v))
+
+class DrGRPOAdvantage(_Frozen):
+    """Dr. GRPO: r - group mean (pair with update.loss_agg=seq-mean-token-sum-norm)."""
+
+    estimator: Literal["dr_grpo"] = "dr_grpo"
+
+
+class RLOOAdvantage(_Frozen):
+    """RLOO: r minus the mean of the other samples of the group."""
+
+    estimator: Literal["rloo"] = "rloo"
+
+
+class ReinforceAdvantage(_Frozen):
+    """REINFORCE++: discounted return of the (KL-shaped) token rewards, batch-whitened."""
+
+    estimator: Literal["reinforce"] = "reinforce"
+    gamma: float = Field(1.0, ge=0, le=1)
+    whiten: bool = True
+    eps: float = Field(1e-8, gt=0)
+
+
+class ReinforceBaselineAdvantage(_Frozen):
+    """REINFORCE++-baseline: group-mean baseline, gamma 1, batch-whitened."""
+
+    estimator: Literal["reinforce_baseline"] = "reinforce_baseline"
+    whiten: bool = True
+    eps: float = Field(1e-8, gt=0)
+
+
+class GAEAdvantage(_Frozen):
+    """GAE with a critic (needs the critic stage)."""
+
+    estimator: Literal["gae"] = "gae"
+    gamma: float = Field(1.0, ge=0, le=1)
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+
+
+AdvantageConfig = Annotated[
+    Union[GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, ReinforceAdvantage, ReinforceBaselineAdvantage, GAEAdvantage],
+    Field(discriminator="estimator"),
+]
+ADVANTAGE_CONFIGS = (GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, ReinforceAdvantage, ReinforceBaselineAdvantage, GAEAdvantage)
+# estimators that need critic values (and so the critic stage)
+NEEDS_CRITIC = frozenset({"gae"})
+
+
+def estimator_kwargs(cfg: "AdvantageConfig") -> dict[str, Any]:
+    """The keyword arguments of the chosen estimator function (every field but its name)."""
+    return cfg.model_dump(exclude={"estimator"})
 
 
 class LogprobConfig(_Frozen):
@@ -138,12 +187,15 @@ class TrainConfig(_Frozen):
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
     kl: KLConfig = KLConfig()
-    advantage: AdvantageConfig = AdvantageConfig()
+    advantage: AdvantageConfig = GRPOAdvantage()
     logprobs: LogprobConfig = LogprobConfig()
     update: UpdateConfig = UpdateConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
+        if self.advantage.estimator in NEEDS_CRITIC:
+            raise ValueError(f"advantage.estimator={self.advantage.estimator!r} needs critic values, and the critic "
+                             "stage is not built yet; choose one of grpo, group_norm, dr_grpo, rloo, reinforce, reinforce_baseline")
         if self.update.train_batch_size is not None and self.update.train_batch_size < self.update.micro_batch_size:
             raise ValueError("update.train_batch_size must be >= update.micro_batch_size")
         return self

@@ -1,12 +1,15 @@
 """Advantage stage: join the column groups on sample_id, shape rewards with KL, estimate advantages."""
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pyarrow as pa
 import torch
 
 from rft_core.algorithms import ADVANTAGE_ESTIMATORS, kl_penalty, masked_mean
-from rft_core.config import AdvantageConfig, KLConfig
+from rft_core.algorithms.advantages import kl_shaped_token_rewards
+from rft_core.config import AdvantageConfig, KLConfig, estimator_kwargs
 from rft_core.stages.common import Timer, reuse_or_compute
 from schemas import ShardRef, config_hash, read_shard, write_shard
 from schemas.columns import ADVANTAGES
@@ -17,8 +20,10 @@ def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig) -> di
     """KL shaping and advantage estimation on a padded Experience.
 
     KL per token k_t = estimator(old_logprobs_t, ref_logprobs_t) (zero without a reference).
-    In ``reward`` mode the sequence reward becomes r - kl_coef * sum_t k_t before the
-    estimator; in ``loss`` mode rewards are left as they are (the update adds the KL term).
+    In ``reward`` mode the KL enters the reward: outcome estimators see r - kl_coef * sum_t k_t,
+    token-level ones (reinforce, reinforce_baseline, gae) see per-token rewards
+    -kl_coef * k_t plus r on the last token. In ``loss`` mode rewards are left as they are
+    (the update adds the KL term).
 
     Returns:
         dict with kl, advantages, returns (B, A) float32 and shaped_rewards (B,) float32.
@@ -29,10 +34,20 @@ def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig) -> di
         kl = kl_penalty(exp.action_log_probs, exp.base_action_log_probs, mask, estimator=kl_cfg.estimator, kl_clamp=kl_cfg.kl_clamp)
     else:
         kl = torch.zeros_like(exp.action_log_probs)
-    shaped = rewards - kl_cfg.kl_coef * kl.sum(-1) if kl_cfg.mode == "reward" else rewards
+    coef = kl_cfg.kl_coef if kl_cfg.mode == "reward" else 0.0
+    shaped = rewards - coef * kl.sum(-1)
     _, group_ids = np.unique(np.asarray(exp.info["prompt_id"]), return_inverse=True)
-    adv, ret = ADVANTAGE_ESTIMATORS[adv_cfg.estimator](
-        shaped, torch.as_tensor(group_ids, dtype=torch.long), mask, scale_by_std=adv_cfg.scale_by_std, eps=adv_cfg.eps)
+    fn = ADVANTAGE_ESTIMATORS[adv_cfg.estimator]
+    params = inspect.signature(fn).parameters
+    kwargs = estimator_kwargs(adv_cfg)
+    if "token_rewards" in params:  # token-level estimator: the KL penalty goes on each token
+        kwargs["token_rewards"] = kl_shaped_token_rewards(rewards, kl, mask, kl_coef=coef)
+        seq_rewards = rewards
+    else:
+        seq_rewards = shaped
+    if "values" in params:
+        raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs critic values (critic stage not built yet)")
+    adv, ret = fn(seq_rewards, torch.as_tensor(group_ids, dtype=torch.long), mask, **kwargs)
     return {"kl": kl, "advantages": adv.to(torch.float32), "returns": ret.to(torch.float32), "shaped_rewards": shaped}
 
 

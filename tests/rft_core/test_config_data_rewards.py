@@ -21,7 +21,10 @@ def test_presets_load(tmp_path):
 
 
 @pytest.mark.parametrize("override, match", [
-    (["advantage.estimator=gae_x"], "unknown advantage estimator 'gae_x'; valid names: group_norm, grpo"),
+    (["advantage.estimator=gae_x"], "Input tag 'gae_x' found using 'estimator' does not match any of the expected tags: "
+                                     "'grpo', 'group_norm', 'dr_grpo', 'rloo', 'reinforce', 'reinforce_baseline', 'gae'"),
+    (["advantage.estimator=gae"], "needs critic values, and the critic stage is not built yet"),
+    (["advantage.estimator=rloo", "advantage.scale_by_std=false"], "advantage.rloo.scale_by_std: Extra inputs"),
     (["kl.estimator=k4"], "unknown KL estimator 'k4'; valid names: k1, k2, k3"),
     (["update.loss_agg=sum"], "valid names: seq-mean-token-mean, token-mean"),
     (["rollout.temprature=1"], "rollout.temprature: Extra inputs are not permitted"),
@@ -115,3 +118,30 @@ def test_math_verify_off_main_thread():
     with ThreadPoolExecutor(1) as ex:  # signal.alarm would fail here without timeout=None
         assert ex.submit(grade_math_verify, "\\frac{1}{2}", label="0.5").result() == 1.0
         assert ex.submit(grade_math_verify, "0.4", label="0.5").result() == 0.0
+
+
+def test_each_estimator_config_matches_its_function_kwargs():
+    import inspect
+
+    from rft_core.algorithms import ADVANTAGE_ESTIMATORS
+    from rft_core.config import ADVANTAGE_CONFIGS
+
+    tensor_inputs = {"token_rewards", "values"}
+    covered = set()
+    for cls in ADVANTAGE_CONFIGS:
+        names = cls.model_fields["estimator"].annotation.__args__
+        fields = set(cls.model_fields) - {"estimator"}
+        for name in names:
+            params = inspect.signature(ADVANTAGE_ESTIMATORS[name]).parameters
+            kw_only = {p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY} - tensor_inputs
+            assert fields == kw_only, (name, fields, kw_only)
+            covered.add(name)
+    assert covered == set(ADVANTAGE_ESTIMATORS.names())  # every registered estimator has a config
+
+
+def test_estimator_config_chosen_by_name():
+    from rft_core.config import ReinforceAdvantage, estimator_kwargs
+
+    cfg = load_config(None, ["advantage.estimator=reinforce", "advantage.gamma=0.9"])
+    assert isinstance(cfg.advantage, ReinforceAdvantage)
+    assert estimator_kwargs(cfg.advantage) == {"gamma": 0.9, "whiten": True, "eps": 1e-8}
