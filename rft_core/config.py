@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
-from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES
+from rft_core.algorithms import KL_ESTIMATORS
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.models.loading import DEFAULT_MODEL
 
@@ -24,6 +24,26 @@ def _check_name(registry, value: str) -> str:
     if value not in registry:
         raise ValueError(f"unknown {registry.kind} {value!r}; valid names: {', '.join(registry.names())}")
     return value
+
+
+def _tagged_union(classes: tuple, key: str, default: str, kind: str):
+    """A union of configs chosen by the field ``key`` (which may be left out: then ``default``).
+
+    Each class's ``key`` is a Literal of one or more names; an unknown name fails with the list
+    of valid names.
+    """
+    aliases = {name: c.model_fields[key].default for c in classes for name in c.model_fields[key].annotation.__args__}
+
+    def tag_of(v: Any) -> str | None:
+        name = v.get(key, default) if isinstance(v, dict) else getattr(v, key, default)
+        return aliases.get(name, name)
+
+    valid = ", ".join(aliases)
+    return Annotated[
+        Union[tuple(Annotated[c, Tag(c.model_fields[key].default)] for c in classes)],
+        Discriminator(tag_of, custom_error_type="unknown_name",
+                      custom_error_message=f"unknown {kind}; valid names: {valid}"),
+    ]
 
 
 class ModelConfig(_Frozen):
@@ -131,11 +151,8 @@ class GAEAdvantage(_Frozen):
     gae_lambda: float = Field(0.95, ge=0, le=1)
 
 
-AdvantageConfig = Annotated[
-    Union[GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, ReinforceAdvantage, ReinforceBaselineAdvantage, GAEAdvantage],
-    Field(discriminator="estimator"),
-]
 ADVANTAGE_CONFIGS = (GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, ReinforceAdvantage, ReinforceBaselineAdvantage, GAEAdvantage)
+AdvantageConfig = _tagged_union(ADVANTAGE_CONFIGS, "estimator", "grpo", "advantage estimator")
 # estimators that need critic values (and so the critic stage)
 NEEDS_CRITIC = frozenset({"gae"})
 
@@ -154,13 +171,51 @@ class LogprobConfig(_Frozen):
     )
 
 
+class PPOClipLoss(_Frozen):
+    """PPO clipped surrogate; clip_high > clip_low is DAPO's clip-higher."""
+
+    name: Literal["ppo_clip"] = "ppo_clip"
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_high: float = Field(0.2, ge=0)
+
+
+class DualClipLoss(_Frozen):
+    """Dual-clip PPO: also caps the loss of negative-advantage tokens at -clip_c * A."""
+
+    name: Literal["dual_clip"] = "dual_clip"
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_high: float = Field(0.2, ge=0)
+    clip_c: float = Field(3.0, gt=1)
+
+
+class GSPOLoss(_Frozen):
+    """GSPO: sequence-level (geometric mean) ratio with a tiny clip range."""
+
+    name: Literal["gspo"] = "gspo"
+    clip_low: float = Field(3e-4, ge=0, lt=1)
+    clip_high: float = Field(4e-4, ge=0)
+
+
+class CPGDLoss(_Frozen):
+    """CPGD: clipped log-ratio objective."""
+
+    name: Literal["cpgd"] = "cpgd"
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_high: float = Field(0.2, ge=0)
+
+
+POLICY_LOSS_CONFIGS = (PPOClipLoss, DualClipLoss, GSPOLoss, CPGDLoss)
+
+
+PolicyLossConfig = _tagged_union(POLICY_LOSS_CONFIGS, "name", "ppo_clip", "policy loss")
+
+
 class UpdateConfig(_Frozen):
     """PPO-style update of the policy: AdamW, micro-batches, gradient accumulation, clipping."""
 
-    policy_loss: str = "ppo_clip"
+    policy_loss: PolicyLossConfig = PPOClipLoss()
     loss_agg: str = "token-mean"
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.2, ge=0)
+    loss_norm_tokens: int | None = Field(None, gt=0, description="constant of seq-mean-token-sum-norm (None: longest response)")
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -171,8 +226,12 @@ class UpdateConfig(_Frozen):
     gradient_checkpointing: bool = False
     seed: int = 0
 
-    _p = field_validator("policy_loss")(lambda cls, v: _check_name(POLICY_LOSSES, v))
     _a = field_validator("loss_agg")(lambda cls, v: _check_name(LOSS_AGGREGATIONS, v))
+
+
+def policy_loss_kwargs(cfg: "PolicyLossConfig") -> dict[str, Any]:
+    """The keyword arguments of the chosen policy loss function (every field but its name)."""
+    return cfg.model_dump(exclude={"name"})
 
 
 class TrainConfig(_Frozen):
@@ -269,5 +328,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | Mapping[s
     try:
         return TrainConfig.model_validate(raw)
     except ValidationError as exc:
-        lines = [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        lines = [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] == "unknown_name" else "")
+                 for e in exc.errors()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None

@@ -8,7 +8,7 @@ from dataclasses import asdict
 import fsspec
 import pyarrow as pa
 
-from rft_core.config import KLConfig, UpdateConfig
+from rft_core.config import KLConfig, UpdateConfig, policy_loss_kwargs
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.stages.common import POLICY_SUBDIR, PolicyRef, Timer, policy_checkpoint_dir, policy_model_path, reuse_or_compute
 from rft_core.training.update import UpdateData, load_optimizer_state, make_optimizer, ppo_update, save_checkpoint
@@ -51,8 +51,9 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
             for g in opt.param_groups:
                 g["lr"] = cfg.lr
         with Timer() as t:
-            steps = ppo_update(model, opt, data, pad_token_id=tok.pad_token_id, policy_loss=cfg.policy_loss,
-                               loss_agg=cfg.loss_agg, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            steps = ppo_update(model, opt, data, pad_token_id=tok.pad_token_id, policy_loss=cfg.policy_loss.name,
+                               policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss), loss_agg=cfg.loss_agg,
+                               loss_norm_tokens=cfg.loss_norm_tokens,
                                kl_coef=kl_cfg.kl_coef if use_kl_loss else 0.0, kl_estimator=kl_cfg.estimator,
                                kl_clamp=kl_cfg.kl_clamp, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
                                micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,

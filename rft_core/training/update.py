@@ -73,9 +73,9 @@ def ppo_update(
     *,
     pad_token_id: int,
     policy_loss: str = "ppo_clip",
+    policy_loss_kwargs: dict | None = None,
     loss_agg: str = "token-mean",
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
+    loss_norm_tokens: int | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     kl_clamp: float = 10.0,
@@ -93,6 +93,9 @@ def ppo_update(
     ``kl_coef`` > 0 and ``data.ref_logprobs`` is given), aggregated by ``loss_agg``.
 
     Args:
+        policy_loss, policy_loss_kwargs: name in POLICY_LOSSES and its keyword arguments.
+        loss_agg: name in LOSS_AGGREGATIONS; ``loss_norm_tokens`` is the constant of
+            seq-mean-token-sum-norm (default: the longest response in ``data``).
         train_batch_size: samples per optimizer step (None: all of ``data``).
         micro_batch_size: samples per forward/backward pass.
         seed: seeds the per-epoch shuffle (torch.Generator), independent of global RNG.
@@ -109,6 +112,8 @@ def ppo_update(
     agg_fn = LOSS_AGGREGATIONS[loss_agg]
     KL_ESTIMATORS[kl_estimator]  # fail before any work on an unknown name
     bs = train_batch_size or n
+    # a constant for seq-mean-token-sum-norm: the longest response of the whole rollout
+    norm_tokens = loss_norm_tokens or max(len(r) for r in data.responses) or 1
     gen = torch.Generator().manual_seed(seed)
     metrics: list[StepMetrics] = []
     model.train()
@@ -117,7 +122,7 @@ def ppo_update(
         for start in range(0, n, bs):
             mini = order[start:start + bs]
             n_tokens = sum(len(data.responses[i]) for i in mini)
-            norm = {"num_tokens": n_tokens} if loss_agg == "token-mean" else {"num_sequences": len(mini)}
+            norm = {"num_tokens": n_tokens, "num_sequences": len(mini), "norm_tokens": norm_tokens}
             sums = {"policy_loss": 0.0, "kl_loss": 0.0, "clipped": 0.0, "approx_kl": 0.0}
             optimizer.zero_grad(set_to_none=True)
             for mstart in range(0, len(mini), micro_batch_size):
@@ -129,7 +134,7 @@ def ppo_update(
                 old = _pad_float([data.old_logprobs[i] for i in idx], T)
                 adv = _pad_float([data.advantages[i] for i in idx], T)
                 logprobs, _ = response_logprobs(model, batch, temperature=temperature)
-                out = loss_fn(logprobs, old, adv, mask, clip_low=clip_low, clip_high=clip_high)
+                out = loss_fn(logprobs, old, adv, mask, **(policy_loss_kwargs or {}))
                 pg = agg_fn(out.token_loss, mask, **norm)
                 loss = pg
                 if use_kl:

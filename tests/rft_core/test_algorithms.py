@@ -167,27 +167,101 @@ def test_all_masked_row_gives_finite_loss_and_grad():
     assert torch.isfinite(lp.grad).all()
 
 
-def test_micro_batches_sum_to_full_batch_loss_and_grad():
+@pytest.mark.parametrize("loss_name", ["ppo_clip", "dual_clip", "gspo", "cpgd"])
+@pytest.mark.parametrize("agg_name", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_micro_batches_sum_to_full_batch_loss_and_grad(loss_name, agg_name):
     g = torch.Generator().manual_seed(4)
     B, T = 8, 6
     base = -torch.rand(B, T, generator=g, dtype=D)
     old = base + 0.2 * torch.randn(B, T, generator=g, dtype=D)
     adv = torch.randn(B, T, generator=g, dtype=D)
     mask = torch.rand(B, T, generator=g) > 0.3
-    for agg_name, key, total in (("token-mean", "num_tokens", int(mask.sum())), ("seq-mean-token-mean", "num_sequences", B)):
-        agg = LOSS_AGGREGATIONS[agg_name]
-        full_lp = base.clone().requires_grad_(True)
-        full = agg(ppo_clip_loss(full_lp, old, adv, mask).token_loss, mask)
-        full.backward()
-        micro_lp = base.clone().requires_grad_(True)
-        acc = 0.0
-        for s in range(0, B, 3):
-            sl = slice(s, s + 3)
-            part = agg(ppo_clip_loss(micro_lp[sl], old[sl], adv[sl], mask[sl]).token_loss, mask[sl], **{key: total})
-            part.backward()
-            acc += part.item()
-        assert acc == pytest.approx(full.item(), abs=1e-12), agg_name
-        torch.testing.assert_close(micro_lp.grad, full_lp.grad, rtol=0, atol=1e-12)
+    loss_fn, agg = POLICY_LOSSES[loss_name], LOSS_AGGREGATIONS[agg_name]
+    totals = {"num_tokens": int(mask.sum()), "num_sequences": B, "norm_tokens": T}
+    full_lp = base.clone().requires_grad_(True)
+    full = agg(loss_fn(full_lp, old, adv, mask).token_loss, mask, **totals)
+    full.backward()
+    micro_lp = base.clone().requires_grad_(True)
+    acc = 0.0
+    for s in range(0, B, 3):  # micro-batches of 3, 3, 2 sequences
+        sl = slice(s, s + 3)
+        part = agg(loss_fn(micro_lp[sl], old[sl], adv[sl], mask[sl]).token_loss, mask[sl], **totals)
+        part.backward()
+        acc += part.item()
+    assert acc == pytest.approx(full.item(), abs=1e-12)
+    torch.testing.assert_close(micro_lp.grad, full_lp.grad, rtol=0, atol=1e-12)
+
+
+def test_aggregations_hand_computed():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0]], dtype=D)
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    assert LOSS_AGGREGATIONS["token-mean"](loss, mask).item() == pytest.approx(10 / 4)  # (1+2+3+4)/4
+    assert LOSS_AGGREGATIONS["seq-mean-token-mean"](loss, mask).item() == pytest.approx(3.0)  # (2 + 4)/2
+    assert LOSS_AGGREGATIONS["seq-mean-token-sum"](loss, mask).item() == pytest.approx(5.0)  # (6 + 4)/2
+    assert LOSS_AGGREGATIONS["seq-mean-token-sum-norm"](loss, mask, norm_tokens=5).item() == pytest.approx(1.0)  # 10/(2*5)
+    assert LOSS_AGGREGATIONS["seq-mean-token-sum-norm"](loss, mask).item() == pytest.approx(10 / 6)  # default T = 3
+
+
+def test_dual_clip_hand_computed():
+    # ratio 5, A=-1: PPO gives max(5, 1.2) = 5; the cap -clip_c*A = 3 wins -> 3
+    # ratio 0.5, A=-1: PPO gives 0.8 < 3 -> 0.8;  ratio 1.5, A=+1: -1.2 (positive A is not capped)
+    lp, old = _lp([[5.0, 0.5, 1.5]]), torch.zeros(1, 3, dtype=D)
+    adv, mask = torch.tensor([[-1.0, -1.0, 1.0]], dtype=D), torch.ones(1, 3, dtype=torch.bool)
+    out = POLICY_LOSSES["dual_clip"](lp, old, adv, mask, clip_c=3.0)
+    torch.testing.assert_close(out.token_loss, torch.tensor([[3.0, 0.8, -1.2]], dtype=D))
+    assert out.clipped.tolist() == [[True, True, True]]
+    with pytest.raises(ValueError, match="clip_c must be > 1"):
+        POLICY_LOSSES["dual_clip"](lp, old, adv, mask, clip_c=1.0)
+
+
+def test_gspo_hand_computed_value_and_gradient():
+    # token log-ratios ln 1.1, ln 0.9 -> s = exp(mean) = sqrt(0.99) = 0.994987; A = 1
+    # clip(s, 1 - 3e-4, 1 + 4e-4) = 0.9997 > s, so min(s, 0.9997) = s: loss -s on each token, not clipped
+    lp = _lp([[1.1, 0.9]]).requires_grad_(True)
+    old, adv, mask = torch.zeros(1, 2, dtype=D), torch.ones(1, 2, dtype=D), torch.ones(1, 2, dtype=torch.bool)
+    out = POLICY_LOSSES["gspo"](lp, old, adv, mask)
+    s_i = math.sqrt(0.99)
+    torch.testing.assert_close(out.token_loss, torch.tensor([[-s_i, -s_i]], dtype=D))
+    assert not out.clipped.any()
+    token_mean(out.token_loss, mask).backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([[-s_i / 2, -s_i / 2]], dtype=D))  # d(-s_i,t)/d logp_t = -s_i
+    # float64 loop on random data: each token's loss uses its sequence's geometric-mean ratio
+    g = torch.Generator().manual_seed(7)
+    lp = -torch.rand(4, 5, generator=g, dtype=D)
+    old = lp + 0.001 * torch.randn(4, 5, generator=g, dtype=D)
+    adv = torch.randn(4, 5, generator=g, dtype=D)
+    mask = torch.rand(4, 5, generator=g) > 0.3
+    out = POLICY_LOSSES["gspo"](lp, old, adv, mask, clip_low=3e-4, clip_high=4e-4)
+    for b in range(4):
+        toks = [t for t in range(5) if mask[b, t]]
+        s = math.exp(sum(lp[b, t].item() - old[b, t].item() for t in toks) / max(len(toks), 1))
+        for t in range(5):
+            a = adv[b, t].item()
+            want = -min(s * a, min(max(s, 1 - 3e-4), 1 + 4e-4) * a) if mask[b, t] else 0.0
+            assert out.token_loss[b, t].item() == pytest.approx(want, abs=1e-12)
+
+
+def test_cpgd_hand_computed():
+    # log-ratio ln 1.5 = 0.405465, A=+1: clip to ln 1.2 = 0.182322 -> min(0.405, 0.182) -> loss -0.182322
+    # log-ratio ln 0.5 = -0.693147, A=-1: clip to ln 0.8 = -0.223144 -> min(0.693, 0.223) -> loss -0.223144
+    lp, old = _lp([[1.5, 0.5]]), torch.zeros(1, 2, dtype=D)
+    out = POLICY_LOSSES["cpgd"](lp, old, torch.tensor([[1.0, -1.0]], dtype=D), torch.ones(1, 2, dtype=torch.bool))
+    torch.testing.assert_close(out.token_loss, torch.tensor([[-math.log(1.2), math.log(0.8)]], dtype=D))
+    assert out.clipped.tolist() == [[True, True]]
+
+
+@pytest.mark.parametrize("loss_name", ["ppo_clip", "dual_clip", "gspo", "cpgd"])
+def test_every_loss_ignores_masked_garbage(loss_name):
+    g = torch.Generator().manual_seed(8)
+    lp = -torch.rand(3, 4, generator=g, dtype=D)
+    old = lp + 0.1 * torch.randn(3, 4, generator=g, dtype=D)
+    adv = torch.randn(3, 4, generator=g, dtype=D)
+    mask = torch.tensor([[True, True, False, False], [False] * 4, [True] * 4])
+    ref = POLICY_LOSSES[loss_name](lp, old, adv, mask).token_loss
+    lp2, adv2 = lp.clone(), adv.clone()
+    lp2[~mask], adv2[~mask] = float("nan"), float("inf")
+    out = POLICY_LOSSES[loss_name](lp2, old, adv2, mask).token_loss
+    assert torch.equal(out, ref) and torch.isfinite(out).all()
 
 
 def test_masked_helpers():

@@ -21,12 +21,14 @@ def test_presets_load(tmp_path):
 
 
 @pytest.mark.parametrize("override, match", [
-    (["advantage.estimator=gae_x"], "Input tag 'gae_x' found using 'estimator' does not match any of the expected tags: "
-                                     "'grpo', 'group_norm', 'dr_grpo', 'rloo', 'reinforce', 'reinforce_baseline', 'gae'"),
+    (["advantage.estimator=gae_x"], "unknown advantage estimator; valid names: grpo, group_norm, dr_grpo, rloo, "
+                                     r"reinforce, reinforce_baseline, gae \(got \{'estimator': 'gae_x'\}\)"),
+    (["update.policy_loss.name=ppo"], "unknown policy loss; valid names: ppo_clip, dual_clip, gspo, cpgd"),
+    (["update.policy_loss.name=dual_clip", "update.policy_loss.clip_c=1"], "clip_c"),
     (["advantage.estimator=gae"], "needs critic values, and the critic stage is not built yet"),
     (["advantage.estimator=rloo", "advantage.scale_by_std=false"], "advantage.rloo.scale_by_std: Extra inputs"),
     (["kl.estimator=k4"], "unknown KL estimator 'k4'; valid names: k1, k2, k3"),
-    (["update.loss_agg=sum"], "valid names: seq-mean-token-mean, token-mean"),
+    (["update.loss_agg=sum"], "valid names: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-mean"),
     (["rollout.temprature=1"], "rollout.temprature: Extra inputs are not permitted"),
     (["rollout.temperature=-1"], "rollout.temperature"),
     (["rollout"], "must look like key.sub=value"),
@@ -145,3 +147,23 @@ def test_estimator_config_chosen_by_name():
     cfg = load_config(None, ["advantage.estimator=reinforce", "advantage.gamma=0.9"])
     assert isinstance(cfg.advantage, ReinforceAdvantage)
     assert estimator_kwargs(cfg.advantage) == {"gamma": 0.9, "whiten": True, "eps": 1e-8}
+
+
+def test_each_policy_loss_config_matches_its_function_kwargs():
+    import inspect
+
+    from rft_core.algorithms import POLICY_LOSSES
+    from rft_core.config import POLICY_LOSS_CONFIGS, policy_loss_kwargs
+
+    names = set()
+    for cls in POLICY_LOSS_CONFIGS:
+        name = cls.model_fields["name"].default
+        params = inspect.signature(POLICY_LOSSES[name]).parameters
+        kw_only = {p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY}
+        assert set(policy_loss_kwargs(cls())) == kw_only, name
+        # the config's defaults are the function's defaults
+        assert all(params[k].default == v for k, v in policy_loss_kwargs(cls()).items()), name
+        names.add(name)
+    assert names == set(POLICY_LOSSES.names())
+    cfg = load_config(None, ["update.policy_loss.clip_high=0.28"])
+    assert cfg.update.policy_loss.name == "ppo_clip" and cfg.update.policy_loss.clip_high == 0.28
