@@ -26,9 +26,14 @@ class IterationResult(BaseModel):
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
-def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef) -> IterationResult:
-    """Run (or resume) iteration ``iteration`` starting from ``policy``."""
+def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, kl_coef: float | None = None) -> IterationResult:
+    """Run (or resume) iteration ``iteration`` starting from ``policy``.
+
+    ``kl_coef``: this iteration's KL coefficient (the previous iteration's ``next_kl_coef``;
+    None: ``cfg.kl.kl_coef``).
+    """
     t0 = time.perf_counter()
+    kl = cfg.kl if kl_coef is None else cfg.kl.model_copy(update={"kl_coef": kl_coef})
 
     def out(stage: str) -> str:
         return stage_uri(cfg.run_root, iteration, stage)
@@ -41,14 +46,14 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef) -> Iterati
     futures = {"rewards": tasks.rewards.submit(rollout, prompts, cfg.reward, out("rewards"))}
     if cfg.logprobs.recompute_old_logprobs:
         futures["actor_logprobs"] = tasks.actor_logprobs.submit(rollout, policy, cfg.logprobs, temp, out("actor_logprobs"), dtype)
-    if cfg.kl.needs_reference:
+    if kl.needs_reference:
         futures["ref_logprobs"] = tasks.ref_logprobs.submit(rollout, cfg.reference_model.path, cfg.logprobs, temp,
                                                             out("ref_logprobs"), cfg.reference_model.dtype)
     parts = {name: f.result() for name, f in futures.items()}
     actor, ref = parts.get("actor_logprobs"), parts.get("ref_logprobs")
 
-    adv = tasks.advantages(rollout, parts["rewards"], actor, ref, cfg.kl, cfg.advantage, out("advantages"))
-    new_policy = tasks.ppo_update(rollout, adv, actor, ref, policy, cfg.update, cfg.kl, temp, out("ppo_update"), dtype)
+    adv = tasks.advantages(rollout, parts["rewards"], actor, ref, kl, cfg.advantage, out("advantages"))
+    new_policy = tasks.ppo_update(rollout, adv, actor, ref, policy, cfg.update, kl, temp, out("ppo_update"), dtype)
 
     refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy}
     metrics = iteration_metrics(iteration, refs)

@@ -93,10 +93,19 @@ class RewardConfig(_Frozen):
 class KLConfig(_Frozen):
     """KL regularisation against the reference model (none when kl_coef is 0)."""
 
-    kl_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="initial coefficient")
     estimator: str = "k1"
     mode: Literal["reward", "loss"] = "reward"
     kl_clamp: float = Field(10.0, gt=0)
+    controller: Literal["fixed", "adaptive"] = "fixed"
+    target: float | None = Field(None, gt=0, description="adaptive: target KL per sequence (nats)")
+    horizon: int = Field(10_000, gt=0, description="adaptive: samples over which the error is corrected")
+
+    @model_validator(mode="after")
+    def _check_adaptive(self) -> "KLConfig":
+        if self.controller == "adaptive" and self.target is None:
+            raise ValueError("kl.controller=adaptive needs kl.target")
+        return self
 
     _v = field_validator("estimator")(lambda cls, v: _check_name(KL_ESTIMATORS, v))
 

@@ -15,6 +15,8 @@ _FROM_SUMMARY = [
     ("accuracy", "rewards", "accuracy"),
     ("format_rate", "rewards", "format_rate"),
     ("kl", "advantages", "kl_mean"),
+    ("kl_coef", "advantages", "kl_coef"),
+    ("next_kl_coef", "advantages", "next_kl_coef"),
     ("groups_with_signal", "advantages", "groups_with_signal"),
     ("response_length", "rollout", "response_length_mean"),
     ("truncated_fraction", "rollout", "truncated_fraction"),

@@ -66,3 +66,33 @@ def kl_penalty(
     """
     kl = KL_ESTIMATORS[estimator](logprobs, ref_logprobs).clamp(-kl_clamp, kl_clamp)
     return torch.where(action_mask, kl, torch.zeros_like(kl))
+
+
+def next_kl_coef(
+    kl_coef: float,
+    current_kl: float,
+    *,
+    controller: str = "fixed",
+    target: float | None = None,
+    horizon: int = 10_000,
+    n_steps: int = 1,
+) -> float:
+    """The KL coefficient for the next iteration.
+
+    ``fixed``: unchanged. ``adaptive`` (Ziegler et al. 2019, arXiv:1909.08593, sec. 2.2):
+    e = clip(current_kl / target - 1, -0.2, 0.2);  kl_coef <- kl_coef * (1 + e * n_steps / horizon).
+
+    Args:
+        current_kl: the iteration's mean per-sequence KL (nats).
+        n_steps: samples in the iteration (the rollout batch size).
+    Raises:
+        ValueError: unknown controller, or adaptive without a positive target / horizon.
+    """
+    if controller == "fixed":
+        return kl_coef
+    if controller != "adaptive":
+        raise ValueError(f"unknown KL controller {controller!r}; valid: adaptive, fixed")
+    if target is None or target <= 0 or horizon <= 0:
+        raise ValueError(f"the adaptive KL controller needs target > 0 and horizon > 0, got {target}, {horizon}")
+    error = min(max(current_kl / target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * n_steps / horizon)

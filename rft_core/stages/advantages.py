@@ -8,6 +8,7 @@ import pyarrow as pa
 import torch
 
 from rft_core.algorithms import ADVANTAGE_ESTIMATORS, kl_penalty, masked_mean
+from rft_core.algorithms.kl import next_kl_coef
 from rft_core.algorithms.advantages import kl_shaped_token_rewards
 from rft_core.config import AdvantageConfig, KLConfig, estimator_kwargs
 from rft_core.stages.common import Timer, reuse_or_compute
@@ -56,6 +57,8 @@ def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: Sh
     """Write the advantages column group for every sample of the rollout.
 
     ``actor`` None: old log-probs are the rollout engine's own. ``ref`` None: no KL.
+    ``kl_cfg.kl_coef`` is this iteration's coefficient; the manifest summary records the next
+    one (``next_kl_coef``, from the KL controller), so a resumed run continues exactly.
     """
     chash = config_hash("advantages", kl_cfg, adv_cfg, rollout, rewards, actor, ref)
 
@@ -85,6 +88,9 @@ def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: Sh
             groups.setdefault(pid, set()).add(x)
         summary = {
             "seconds": t.seconds,
+            "kl_coef": kl_cfg.kl_coef,
+            "next_kl_coef": next_kl_coef(kl_cfg.kl_coef, float(seq_kl.mean()), controller=kl_cfg.controller,
+                                         target=kl_cfg.target, horizon=kl_cfg.horizon, n_steps=len(rw)),
             "reward_mean": float(rw.mean()), "reward_std": float(rw.std(unbiased=True)) if len(rw) > 1 else 0.0,
             "kl_mean": float(seq_kl.mean()), "kl_token_mean": float(masked_mean(res["kl"], mask)),
             "advantage_abs_mean": float(masked_mean(res["advantages"].abs(), mask)),

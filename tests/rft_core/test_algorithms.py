@@ -279,3 +279,17 @@ def test_policy_loss_registry():
     assert POLICY_LOSSES["ppo_clip"] is ppo_clip_loss
     with pytest.raises(UnknownNameError, match="ppo_clip"):
         POLICY_LOSSES["ppo_clipp"]
+
+
+def test_kl_controllers_hand_computed():
+    from rft_core.algorithms.kl import next_kl_coef
+
+    assert next_kl_coef(0.1, 5.0, controller="fixed") == 0.1
+    # KL 0.2 vs target 0.1: error clip(1, -0.2, 0.2) = 0.2; 32 samples / horizon 320 -> 0.1 * (1 + 0.2 * 0.1) = 0.102
+    assert next_kl_coef(0.1, 0.2, controller="adaptive", target=0.1, horizon=320, n_steps=32) == pytest.approx(0.102)
+    # KL 0.09 vs 0.1: error -0.1 -> 0.1 * (1 - 0.1 * 0.1) = 0.099
+    assert next_kl_coef(0.1, 0.09, controller="adaptive", target=0.1, horizon=320, n_steps=32) == pytest.approx(0.099)
+    with pytest.raises(ValueError, match="needs target > 0"):
+        next_kl_coef(0.1, 0.2, controller="adaptive")
+    with pytest.raises(ValueError, match="valid: adaptive, fixed"):
+        next_kl_coef(0.1, 0.2, controller="pid")
