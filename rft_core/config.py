@@ -232,6 +232,8 @@ class UpdateConfig(_Frozen):
     epochs: int = Field(1, gt=0)
     train_batch_size: int | None = Field(None, gt=0, description="sequences per optimizer step (None: the whole rollout)")
     micro_batch_size: int = Field(4, gt=0, description="sequences per forward/backward")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")
+    entropy_top_fraction: float | None = Field(None, gt=0, le=1, description="train only on this top fraction of tokens by entropy (arXiv:2506.01939); needs the actor stage")
     gradient_checkpointing: bool = False
     seed: int = 0
 
@@ -261,6 +263,8 @@ class TrainConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
+        if self.update.entropy_top_fraction is not None and not self.logprobs.recompute_old_logprobs:
+            raise ValueError("update.entropy_top_fraction needs the actor stage's entropies: set logprobs.recompute_old_logprobs=true")
         if self.advantage.estimator in NEEDS_CRITIC:
             raise ValueError(f"advantage.estimator={self.advantage.estimator!r} needs critic values, and the critic "
                              "stage is not built yet; choose one of grpo, group_norm, dr_grpo, rloo, reinforce, reinforce_baseline")

@@ -21,6 +21,7 @@ _FROM_SUMMARY = [
     ("response_length", "rollout", "response_length_mean"),
     ("truncated_fraction", "rollout", "truncated_fraction"),
     ("tokens_per_second", "rollout", "tokens_per_second"),
+    ("entropy", "actor_logprobs", "entropy_mean"),
     ("policy_loss", "ppo_update", "policy_loss"),
     ("clip_frac", "ppo_update", "clip_frac"),
     ("approx_kl", "ppo_update", "approx_kl"),

@@ -60,6 +60,7 @@ ROLLOUT = StageSchema("rollout", 1, pa.schema([
 ACTOR_LOGPROBS = StageSchema("actor_logprobs", 1, pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),
     pa.field("old_logprobs", _f32, nullable=False),
+    pa.field("action_entropy", _f32, nullable=False),  # entropy (nats) of the policy at each token
 ]))
 
 REF_LOGPROBS = StageSchema("ref_logprobs", 1, pa.schema([
@@ -107,7 +108,7 @@ STAGE_SCHEMAS: dict[str, StageSchema] = {
 }
 
 # Per-token list columns that must have one entry per response token.
-PER_TOKEN_COLUMNS = {"rollout_logprobs", "action_mask", "old_logprobs", "ref_logprobs", "values", "kl", "advantages", "returns"}
+PER_TOKEN_COLUMNS = {"rollout_logprobs", "action_mask", "old_logprobs", "action_entropy", "ref_logprobs", "values", "kl", "advantages", "returns"}
 
 
 def schema_for(stage: str) -> StageSchema:

@@ -278,7 +278,10 @@ def experience_from_tables(
         g = groups["advantages"]
         adv, ret, kl = (_pad_lists(g.column(c), torch.float32) for c in ("advantages", "returns", "kl"))
         info["shaped_rewards"] = torch.tensor(g.column("shaped_rewards").to_numpy(), dtype=torch.float32)
+    entropy = (_pad_lists(groups["actor_logprobs"].column("action_entropy"), torch.float32)
+               if "actor_logprobs" in groups else None)
     return Experience(
+        action_entropy=entropy,
         sequences=torch.cat([p_ids, r_ids], dim=1),
         action_log_probs=_pad_lists(logp, torch.float32),
         base_action_log_probs=_pad_lists(groups["ref_logprobs"].column("ref_logprobs"), torch.float32) if "ref_logprobs" in groups else None,
@@ -348,7 +351,9 @@ def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
         "action_mask": pa.array(per_tok(exp.action_mask), pa.list_(pa.bool_())),
         "finish_reason": finish,
     }, schema=ROLLOUT.arrow)}
-    out["actor_logprobs"] = pa.table({"sample_id": sid, "old_logprobs": pa.array(per_tok(exp.action_log_probs), f32)}, schema=ACTOR_LOGPROBS.arrow)
+    entropy = exp.action_entropy if exp.action_entropy is not None else torch.zeros_like(exp.action_log_probs)
+    out["actor_logprobs"] = pa.table({"sample_id": sid, "old_logprobs": pa.array(per_tok(exp.action_log_probs), f32),
+                                      "action_entropy": pa.array(per_tok(entropy), f32)}, schema=ACTOR_LOGPROBS.arrow)
     if exp.base_action_log_probs is not None:
         out["ref_logprobs"] = pa.table({"sample_id": sid, "ref_logprobs": pa.array(per_tok(exp.base_action_log_probs), f32)}, schema=REF_LOGPROBS.arrow)
     if "rewards" in exp.info:

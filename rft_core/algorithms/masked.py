@@ -66,3 +66,27 @@ def masked_whiten(
     out = (values - mean) if shift_mean else values
     out = out * torch.rsqrt(var + eps)
     return torch.where(mask, out, torch.zeros_like(out))
+
+
+def high_entropy_mask(entropy: torch.Tensor, action_mask: torch.Tensor, *, top_fraction: float) -> torch.Tensor:
+    """Keep only the top ``top_fraction`` of response tokens by entropy ("forking tokens";
+    Wang et al. 2025, arXiv:2506.01939, sec. 5: train on the top 20% of tokens of each batch).
+
+    The threshold is the (1 - top_fraction) quantile of the entropies of all unmasked tokens
+    (linear interpolation, torch.quantile); tokens at or above it are kept.
+
+    Args:
+        entropy: (B, T) float, the policy's entropy at each token.
+        action_mask: (B, T) bool.
+        top_fraction: in (0, 1].
+    Returns:
+        (B, T) bool, a subset of action_mask.
+    Raises:
+        ValueError: top_fraction outside (0, 1].
+    """
+    if not 0.0 < top_fraction <= 1.0:
+        raise ValueError(f"top_fraction must be in (0, 1], got {top_fraction}")
+    if top_fraction == 1.0 or not action_mask.any():
+        return action_mask.clone()
+    threshold = torch.quantile(entropy[action_mask].to(torch.float64), 1.0 - top_fraction)
+    return action_mask & (entropy.to(torch.float64) >= threshold)

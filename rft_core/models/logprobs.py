@@ -102,18 +102,22 @@ def batched_response_logprobs(
     pad_token_id: int,
     micro_batch_size: int = 8,
     temperature: float = 1.0,
-) -> list[list[float]]:
+    with_entropy: bool = False,
+) -> list[list[float]] | tuple[list[list[float]], list[list[float]]]:
     """Unpadded per-sample log-prob lists (len = len(response)) for any number of samples.
 
     Samples are sorted by total length before micro-batching to reduce padding; the output is in
-    the input order.
+    the input order. With ``with_entropy`` it returns (logprobs, entropies), same layout.
     """
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
     result: list[list[float]] = [[] for _ in prompts]
+    entropies: list[list[float]] = [[] for _ in prompts]
     for start in range(0, len(order), micro_batch_size):
         idx = order[start:start + micro_batch_size]
         batch = build_token_batch([prompts[i] for i in idx], [responses[i] for i in idx], pad_token_id=pad_token_id)
-        lp, _ = response_logprobs(model, batch, temperature=temperature)
+        lp, ent = response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy)
         for row, i in enumerate(idx):
             result[i] = lp[row, : len(responses[i])].tolist()
-    return result
+            if ent is not None:
+                entropies[i] = ent[row, : len(responses[i])].tolist()
+    return (result, entropies) if with_entropy else result

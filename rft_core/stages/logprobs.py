@@ -34,13 +34,23 @@ def run(rollout: ShardRef, model: PolicyRef, cfg: LogprobConfig, *, stage: str, 
         path = policy_model_path(model)
         tok = load_tokenizer(path)
         lm = load_causal_lm(path, dtype=dtype)
+        actor = stage == "actor_logprobs"
         with Timer() as t:
-            lps = batched_response_logprobs(lm, table.column("prompt_token_ids").to_pylist(),
+            res = batched_response_logprobs(lm, table.column("prompt_token_ids").to_pylist(),
                                             table.column("response_token_ids").to_pylist(), pad_token_id=tok.pad_token_id,
-                                            micro_batch_size=cfg.micro_batch_size, temperature=temperature)
-        out_table = pa.table({"sample_id": table.column("sample_id"), column: pa.array(lps, pa.list_(pa.float32()))},
-                             schema=schema.arrow)
-        return write_shard(out_table, out, schema=schema, config_hash=chash, inputs={"rollout": rollout},
-                           summary={"seconds": t.seconds})
+                                            micro_batch_size=cfg.micro_batch_size, temperature=temperature,
+                                            with_entropy=actor)
+        f32 = pa.list_(pa.float32())
+        cols = {"sample_id": table.column("sample_id")}
+        if actor:  # the policy's entropy at each token: for the entropy metrics and high-entropy filtering
+            cols.update({column: pa.array(res[0], f32), "action_entropy": pa.array(res[1], f32)})
+        else:
+            cols[column] = pa.array(res, f32)
+        out_table = pa.table(cols, schema=schema.arrow)
+        summary = {"seconds": t.seconds}
+        if actor:
+            ents = [e for row in res[1] for e in row]
+            summary["entropy_mean"] = sum(ents) / max(len(ents), 1)
+        return write_shard(out_table, out, schema=schema, config_hash=chash, inputs={"rollout": rollout}, summary=summary)
 
     return reuse_or_compute(stage, out, chash, compute)

@@ -31,15 +31,16 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
     def compute() -> ShardRef:
         r = read_shard(rollout, stage="rollout")
         a = align_on_sample_id(r, read_shard(advantages, stage="advantages"), name="advantages")
-        old = (align_on_sample_id(r, read_shard(actor, stage="actor_logprobs"), name="actor_logprobs").column("old_logprobs")
-               if actor else r.column("rollout_logprobs"))
+        actor_t = align_on_sample_id(r, read_shard(actor, stage="actor_logprobs"), name="actor_logprobs") if actor else None
+        old = actor_t.column("old_logprobs") if actor_t is not None else r.column("rollout_logprobs")
         ref_lp = None
         if use_kl_loss:
             if ref is None:
                 raise ValueError("kl.mode='loss' with kl_coef > 0 needs the ref_logprobs stage")
             ref_lp = align_on_sample_id(r, read_shard(ref, stage="ref_logprobs"), name="ref_logprobs").column("ref_logprobs").to_pylist()
         data = UpdateData(prompts=r.column("prompt_token_ids").to_pylist(), responses=r.column("response_token_ids").to_pylist(),
-                          old_logprobs=old.to_pylist(), advantages=a.column("advantages").to_pylist(), ref_logprobs=ref_lp)
+                          old_logprobs=old.to_pylist(), advantages=a.column("advantages").to_pylist(), ref_logprobs=ref_lp,
+                          entropies=actor_t.column("action_entropy").to_pylist() if actor_t is not None else None)
         path = policy_model_path(policy)
         tok = load_tokenizer(path)
         model = load_causal_lm(path, dtype=dtype, trainable=True)
@@ -53,7 +54,8 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
         with Timer() as t:
             steps = ppo_update(model, opt, data, pad_token_id=tok.pad_token_id, policy_loss=cfg.policy_loss.name,
                                policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss), loss_agg=cfg.loss_agg,
-                               loss_norm_tokens=cfg.loss_norm_tokens,
+                               loss_norm_tokens=cfg.loss_norm_tokens, entropy_coef=cfg.entropy_coef,
+                               entropy_top_fraction=cfg.entropy_top_fraction,
                                kl_coef=kl_cfg.kl_coef if use_kl_loss else 0.0, kl_estimator=kl_cfg.estimator,
                                kl_clamp=kl_cfg.kl_clamp, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
                                micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES, kl_penalty
+from rft_core.algorithms.masked import high_entropy_mask
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.models.logprobs import TokenBatch, build_token_batch, response_logprobs
 
@@ -33,6 +34,7 @@ class UpdateData:
     old_logprobs: list[list[float]]
     advantages: list[list[float]]
     ref_logprobs: list[list[float]] | None = None
+    entropies: list[list[float]] | None = None  # the actor stage's action_entropy (for filtering)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -79,6 +81,8 @@ def ppo_update(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     kl_clamp: float = 10.0,
+    entropy_coef: float = 0.0,
+    entropy_top_fraction: float | None = None,
     epochs: int = 1,
     train_batch_size: int | None = None,
     micro_batch_size: int = 4,
@@ -94,6 +98,9 @@ def ppo_update(
 
     Args:
         policy_loss, policy_loss_kwargs: name in POLICY_LOSSES and its keyword arguments.
+        entropy_coef: weight of the entropy bonus, loss -= entropy_coef * agg(entropy_t).
+        entropy_top_fraction: train only on this top fraction of tokens by ``data.entropies``
+            (``high_entropy_mask``, over the whole of ``data``); None trains on every token.
         loss_agg: name in LOSS_AGGREGATIONS; ``loss_norm_tokens`` is the constant of
             seq-mean-token-sum-norm (default: the longest response in ``data``).
         train_batch_size: samples per optimizer step (None: all of ``data``).
@@ -107,6 +114,14 @@ def ppo_update(
     n = len(data)
     if n == 0:
         raise ValueError("ppo_update got no samples")
+    keep: list[torch.Tensor] | None = None
+    if entropy_top_fraction is not None:
+        if data.entropies is None:
+            raise ValueError("entropy_top_fraction needs data.entropies (the actor stage's action_entropy)")
+        T_all = max(len(r) for r in data.responses) or 1
+        full_mask = _pad_float([[1.0] * len(r) for r in data.responses], T_all).bool()
+        kept = high_entropy_mask(_pad_float(data.entropies, T_all), full_mask, top_fraction=entropy_top_fraction)
+        keep = [kept[i, : len(r)] for i, r in enumerate(data.responses)]
     use_kl = kl_coef > 0 and data.ref_logprobs is not None
     loss_fn = POLICY_LOSSES[policy_loss]
     agg_fn = LOSS_AGGREGATIONS[loss_agg]
@@ -121,7 +136,8 @@ def ppo_update(
         order = torch.randperm(n, generator=gen).tolist()
         for start in range(0, n, bs):
             mini = order[start:start + bs]
-            n_tokens = sum(len(data.responses[i]) for i in mini)
+            n_tokens = (sum(len(data.responses[i]) for i in mini) if keep is None
+                        else sum(int(keep[i].sum()) for i in mini))
             norm = {"num_tokens": n_tokens, "num_sequences": len(mini), "norm_tokens": norm_tokens}
             sums = {"policy_loss": 0.0, "kl_loss": 0.0, "clipped": 0.0, "approx_kl": 0.0}
             optimizer.zero_grad(set_to_none=True)
@@ -131,12 +147,16 @@ def ppo_update(
                                                       pad_token_id=pad_token_id)
                 T = batch.num_actions
                 mask = batch.action_mask
+                if keep is not None:
+                    mask = mask & _pad_float([keep[i].float().tolist() for i in idx], T).bool()
                 old = _pad_float([data.old_logprobs[i] for i in idx], T)
                 adv = _pad_float([data.advantages[i] for i in idx], T)
-                logprobs, _ = response_logprobs(model, batch, temperature=temperature)
+                logprobs, entropy = response_logprobs(model, batch, temperature=temperature, with_entropy=entropy_coef > 0)
                 out = loss_fn(logprobs, old, adv, mask, **(policy_loss_kwargs or {}))
                 pg = agg_fn(out.token_loss, mask, **norm)
                 loss = pg
+                if entropy_coef > 0:
+                    loss = loss - entropy_coef * agg_fn(entropy, mask, **norm)
                 if use_kl:
                     ref = _pad_float([data.ref_logprobs[i] for i in idx], T)
                     kl = kl_penalty(logprobs, ref, mask, estimator=kl_estimator, kl_clamp=kl_clamp)

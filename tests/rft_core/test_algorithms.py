@@ -293,3 +293,16 @@ def test_kl_controllers_hand_computed():
         next_kl_coef(0.1, 0.2, controller="adaptive")
     with pytest.raises(ValueError, match="valid: adaptive, fixed"):
         next_kl_coef(0.1, 0.2, controller="pid")
+
+
+def test_high_entropy_mask_hand_computed():
+    from rft_core.algorithms.masked import high_entropy_mask
+
+    # unmasked entropies 1..8 (the 99 is masked): the 0.75 quantile of 1..8 is 6.25 -> keep 7, 8
+    ent = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0], [99.0, 0.0, 0.0, 0.0]], dtype=D)
+    mask = torch.tensor([[True] * 4, [True] * 4, [False] * 4])
+    kept = high_entropy_mask(ent, mask, top_fraction=0.25)
+    assert kept.tolist() == [[False] * 4, [False, False, True, True], [False] * 4]
+    assert torch.equal(high_entropy_mask(ent, mask, top_fraction=1.0), mask)
+    with pytest.raises(ValueError, match="top_fraction"):
+        high_entropy_mask(ent, mask, top_fraction=0.0)

@@ -144,3 +144,36 @@ def test_unreadable_model_path_is_named(tmp_path):
     (tmp_path / "broken" / "config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="cannot load model from"):
         load_causal_lm(str(tmp_path / "broken"))
+
+
+def test_update_entropy_filter_trains_only_kept_tokens(tiny_model):
+    data = _update_data(tiny_model)
+    # token 0 of each response has the highest entropy, so top_fraction 4/14 keeps exactly those 4 tokens
+    ents = [[10.0 + i] + [0.0] * (len(r) - 1) for i, r in enumerate(data.responses)]
+    filtered = UpdateData(data.prompts, data.responses, data.old_logprobs, data.advantages, entropies=ents)
+    model = load_causal_lm(tiny_model, trainable=True)
+    steps = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.1), filtered, pad_token_id=2,
+                       entropy_top_fraction=4 / 14, micro_batch_size=2)
+    assert steps[0].num_tokens == 4
+    # the same update as training on the first token of each response alone
+    first_only = UpdateData(data.prompts, [r[:1] for r in data.responses], [o[:1] for o in data.old_logprobs],
+                            [a[:1] for a in data.advantages])
+    ref = load_causal_lm(tiny_model, trainable=True)
+    ppo_update(ref, torch.optim.SGD(ref.parameters(), lr=0.1), first_only, pad_token_id=2, micro_batch_size=2)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="needs data.entropies"):
+        ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.1), data, pad_token_id=2, entropy_top_fraction=0.5)
+
+
+def test_entropy_bonus_raises_entropy(tiny_model):
+    data = _update_data(tiny_model)
+    zero_adv = UpdateData(data.prompts, data.responses, data.old_logprobs, [[0.0] * len(a) for a in data.advantages])
+    model = load_causal_lm(tiny_model, trainable=True)
+    b = build_token_batch(data.prompts, data.responses, pad_token_id=2)
+    with torch.no_grad():
+        before = response_logprobs(model, b, with_entropy=True)[1][b.action_mask].mean()
+    ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), zero_adv, pad_token_id=2, entropy_coef=1.0, epochs=3)
+    with torch.no_grad():
+        after = response_logprobs(model, b, with_entropy=True)[1][b.action_mask].mean()
+    assert after > before

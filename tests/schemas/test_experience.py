@@ -52,6 +52,7 @@ def _experience(seed: int = 0) -> Experience:
     return Experience(
         sequences=seq, action_log_probs=per_tok(), base_action_log_probs=per_tok(), values=None,
         returns=per_tok(), advantages=per_tok(), attention_mask=att, action_mask=amask, kl=per_tok(),
+        action_entropy=per_tok().abs(),
         info={"sample_id": [f"p{i // 2}#{i % 2}" for i in range(4)], "prompt_id": [f"p{i // 2}" for i in range(4)],
               "rewards": torch.tensor([1.0, 0.0, 0.5, 0.25]), "shaped_rewards": torch.tensor([0.9, 0.0, 0.5, 0.2]),
               "response_text": ["a", "b", "c", "d"], "finish_reason": ["stop", "length", "stop", "stop"]},
@@ -98,7 +99,8 @@ def test_experience_shard_round_trip_bit_exact(tmp_path, root):
     read["advantages"] = read["advantages"].take([3, 1, 0, 2])
     back = experience_from_tables(read["rollout"], actor=read["actor_logprobs"], ref=read["ref_logprobs"],
                                   rewards=read["rewards"], advantages=read["advantages"])
-    for name in ("sequences", "attention_mask", "action_mask", "action_log_probs", "base_action_log_probs", "advantages", "returns", "kl"):
+    for name in ("sequences", "attention_mask", "action_mask", "action_log_probs", "base_action_log_probs", "advantages",
+                 "returns", "kl", "action_entropy"):
         a, b = getattr(back, name), getattr(exp, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name  # bit-exact
     assert torch.equal(back.info["rewards"], exp.info["rewards"])

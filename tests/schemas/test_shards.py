@@ -23,8 +23,8 @@ from schemas.shards import ShardExistsError, StaleShardError
 
 
 def _table(n=3):
-    return pa.table({"sample_id": [f"s{i}" for i in range(n)], "old_logprobs": [[-0.5] * (i + 1) for i in range(n)]},
-                    schema=ACTOR_LOGPROBS.arrow)
+    return pa.table({"sample_id": [f"s{i}" for i in range(n)], "old_logprobs": [[-0.5] * (i + 1) for i in range(n)],
+                     "action_entropy": [[1.5] * (i + 1) for i in range(n)]}, schema=ACTOR_LOGPROBS.arrow)
 
 
 def test_layout_is_hive_style():
@@ -122,9 +122,10 @@ def test_missing_column_wrong_dtype_wrong_version(tmp_path):
     write_shard(_table(), uri, schema=ACTOR_LOGPROBS, config_hash="h")
     meta = {"stage": "actor_logprobs", "schema_version": "1"}
     _rewrite_part(tmp_path, pa.table({"sample_id": ["a"]}), metadata=meta)
-    with pytest.raises(ShardSchemaError, match=r"missing column\(s\) \['old_logprobs'\]"):
+    with pytest.raises(ShardSchemaError, match=r"missing column\(s\) \['old_logprobs', 'action_entropy'\]"):
         read_shard(uri)
-    _rewrite_part(tmp_path, pa.table({"sample_id": ["a"], "old_logprobs": [[0.5]]}), metadata=meta)  # list<double>
+    _rewrite_part(tmp_path, pa.table({"sample_id": ["a"], "old_logprobs": [[0.5]], "action_entropy": [[0.1]]}),
+                  metadata=meta)  # old_logprobs is list<double>
     with pytest.raises(ShardSchemaError, match="'old_logprobs' has dtype list<element: double>, expected list<item: float>"):
         read_shard(uri)
     _rewrite_part(tmp_path, _table(), metadata={"stage": "actor_logprobs", "schema_version": "0"})
