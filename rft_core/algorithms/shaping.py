@@ -1,0 +1,96 @@
+"""Reward and advantage shaping steps, applied by the advantages stage in this order:
+
+1. overlong-buffer penalty on the outcome reward (DAPO);
+2. running reward normalisation (Welford statistics carried across iterations);
+3. reward clipping;
+4. KL shaping and the advantage estimator (``advantages.py``);
+5. advantage whitening over the whole rollout, then advantage clipping.
+
+The advantages stage sees the whole rollout of an iteration, so LightRFT's "cross-batch"
+advantage normalisation (over all micro-batches of a step) is step 5's whitening.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def overlong_penalty(
+    response_lengths: torch.Tensor, *, max_new_tokens: int, buffer_len: int, penalty_factor: float = 1.0
+) -> torch.Tensor:
+    """Soft overlong punishment (DAPO, Yu et al. 2025, arXiv:2503.14476, eq. 13).
+
+    expected = max_new_tokens - buffer_len;  p = min(0, -(len - expected) / buffer_len * penalty_factor)
+    so p is 0 up to ``expected`` tokens and falls linearly to -penalty_factor at max_new_tokens.
+
+    Args:
+        response_lengths: (B,) int or float, tokens in each response.
+    Returns:
+        (B,) float32 penalties (<= 0), to add to the rewards.
+    Raises:
+        ValueError: buffer_len not in (0, max_new_tokens].
+    """
+    if not 0 < buffer_len <= max_new_tokens:
+        raise ValueError(f"buffer_len must be in (0, max_new_tokens={max_new_tokens}], got {buffer_len}")
+    exceed = response_lengths.to(torch.float32) - (max_new_tokens - buffer_len)
+    return torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)
+
+
+@dataclass(frozen=True)
+class RunningMoments:
+    """Count, mean and sum of squared deviations (M2) of every reward seen so far.
+
+    Merged batch by batch with Chan et al.'s parallel update (1979), the batch form of
+    Welford's algorithm (1962); ``std`` is the unbiased standard deviation.
+    """
+
+    count: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def update(self, values: torch.Tensor) -> "RunningMoments":
+        """A new RunningMoments that also covers ``values`` ((N,) float)."""
+        v = values.detach().to(torch.float64).flatten()
+        n = int(v.numel())
+        if n == 0:
+            return self
+        b_mean = float(v.mean())
+        b_m2 = float(((v - b_mean) ** 2).sum())
+        total = self.count + n
+        delta = b_mean - self.mean
+        return RunningMoments(
+            count=total,
+            mean=self.mean + delta * n / total,
+            m2=self.m2 + b_m2 + delta * delta * self.count * n / total,
+        )
+
+    @property
+    def std(self) -> float:
+        """Unbiased standard deviation (1.0 until two values were seen)."""
+        return (self.m2 / (self.count - 1)) ** 0.5 if self.count > 1 else 1.0
+
+
+def normalize_rewards(rewards: torch.Tensor, moments: RunningMoments, *, minus_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(r - mean) / (std + eps), or r / (std + eps) without ``minus_mean``, with running statistics."""
+    centred = rewards - moments.mean if minus_mean else rewards
+    return centred / (moments.std + eps)
+
+
+def clip_with_fraction(
+    values: torch.Tensor, limit: float, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, float]:
+    """Clamp to [-limit, limit]; also return the fraction of (unmasked) entries that were clipped.
+
+    Raises:
+        ValueError: limit <= 0.
+    """
+    if limit <= 0:
+        raise ValueError(f"clip limit must be > 0, got {limit}")
+    outside = values.abs() > limit
+    if mask is not None:
+        outside = outside & mask
+        n = int(mask.sum())
+    else:
+        n = values.numel()
+    return values.clamp(-limit, limit), float(outside.sum()) / max(n, 1)
