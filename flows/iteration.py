@@ -9,10 +9,10 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict
 
 import tasks
-from rft_core.config import TrainConfig
+from rft_core.config import TrainConfig, TrainState
 from rft_core.metrics import iteration_metrics
 from rft_core.stages.common import PolicyRef
-from schemas import ShardRef, stage_uri
+from schemas import ShardRef, read_manifest, stage_uri
 
 
 class IterationResult(BaseModel):
@@ -21,19 +21,18 @@ class IterationResult(BaseModel):
     model_config = ConfigDict(frozen=True)
     iteration: int
     policy: ShardRef
+    next_state: TrainState
     stages: dict[str, ShardRef | None]
     metrics: dict[str, Any]
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
-def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, kl_coef: float | None = None) -> IterationResult:
-    """Run (or resume) iteration ``iteration`` starting from ``policy``.
-
-    ``kl_coef``: this iteration's KL coefficient (the previous iteration's ``next_kl_coef``;
-    None: ``cfg.kl.kl_coef``).
-    """
+def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: TrainState | None = None) -> IterationResult:
+    """Run (or resume) iteration ``iteration`` starting from ``policy`` and ``state`` (the previous
+    iteration's ``next_state``; None: ``cfg.initial_state``)."""
     t0 = time.perf_counter()
-    kl = cfg.kl if kl_coef is None else cfg.kl.model_copy(update={"kl_coef": kl_coef})
+    state = state or cfg.initial_state
+    kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
 
     def out(stage: str) -> str:
         return stage_uri(cfg.run_root, iteration, stage)
@@ -52,7 +51,8 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, kl_coef: f
     parts = {name: f.result() for name, f in futures.items()}
     actor, ref = parts.get("actor_logprobs"), parts.get("ref_logprobs")
 
-    adv = tasks.advantages(rollout, parts["rewards"], actor, ref, kl, cfg.advantage, out("advantages"))
+    adv = tasks.advantages(rollout, parts["rewards"], actor, ref, kl, cfg.advantage, cfg.shaping, state,
+                           cfg.rollout.max_new_tokens, out("advantages"))
     new_policy = tasks.ppo_update(rollout, adv, actor, ref, policy, cfg.update, kl, temp, out("ppo_update"), dtype)
 
     refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy}
@@ -61,4 +61,5 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, kl_coef: f
     create_table_artifact(key=f"metrics-iter-{iteration:06d}".replace("_", "-"), table=[metrics],
                           description=f"Metrics of iteration {iteration}")
     get_run_logger().info("iteration %d committed: %s", iteration, new_policy.uri)
-    return IterationResult(iteration=iteration, policy=new_policy, stages=refs, metrics=metrics)
+    next_state = TrainState.model_validate(read_manifest(adv.uri)[0].summary["next_state"])
+    return IterationResult(iteration=iteration, policy=new_policy, next_state=next_state, stages=refs, metrics=metrics)

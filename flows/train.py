@@ -34,10 +34,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     policy: str | ShardRef = cfg.policy.path
     rows = []
     metrics_uri = ""
-    kl_coef = cfg.kl.kl_coef
+    state = cfg.initial_state
     for i in range(1, cfg.iterations + 1):
-        result = rl_iteration(cfg, i, policy, kl_coef)
-        policy, kl_coef = result.policy, result.metrics.get("next_kl_coef", kl_coef)
+        result = rl_iteration(cfg, i, policy, state)
+        policy, state = result.policy, result.next_state
         rows.append(result.metrics)
         metrics_uri = write_metrics(cfg.run_root, rows)
         logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI

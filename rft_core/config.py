@@ -171,6 +171,29 @@ def estimator_kwargs(cfg: "AdvantageConfig") -> dict[str, Any]:
     return cfg.model_dump(exclude={"estimator"})
 
 
+class ShapingConfig(_Frozen):
+    """Reward and advantage shaping, applied in the order of ``rft_core.algorithms.shaping``."""
+
+    overlong_buffer_len: int | None = Field(None, gt=0, description="DAPO soft overlong penalty over the last N tokens of max_new_tokens")
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    reward_running_norm: bool = False
+    reward_running_norm_minus_mean: bool = True
+    reward_clip: float | None = Field(None, gt=0)
+    advantage_whiten: bool = Field(False, description="whiten advantages over the whole rollout (cross-batch normalisation)")
+    advantage_clip: float | None = Field(None, gt=0)
+
+
+class TrainState(_Frozen):
+    """What one iteration hands to the next besides the policy: the KL coefficient and the
+    running reward statistics. Stored in each advantages manifest (``next_state``), so a
+    resumed run continues with exactly the same values."""
+
+    kl_coef: float = Field(0.0, ge=0)
+    reward_count: int = Field(0, ge=0)
+    reward_mean: float = 0.0
+    reward_m2: float = Field(0.0, ge=0)
+
+
 class LogprobConfig(_Frozen):
     """Per-token log-prob computation (actor and reference stages)."""
 
@@ -258,6 +281,7 @@ class TrainConfig(_Frozen):
     reward: RewardConfig = RewardConfig()
     kl: KLConfig = KLConfig()
     advantage: AdvantageConfig = GRPOAdvantage()
+    shaping: ShapingConfig = ShapingConfig()
     logprobs: LogprobConfig = LogprobConfig()
     update: UpdateConfig = UpdateConfig()
 
@@ -271,6 +295,11 @@ class TrainConfig(_Frozen):
         if self.update.train_batch_size is not None and self.update.train_batch_size < self.update.micro_batch_size:
             raise ValueError("update.train_batch_size must be >= update.micro_batch_size")
         return self
+
+    @property
+    def initial_state(self) -> TrainState:
+        """The state of iteration 1."""
+        return TrainState(kl_coef=self.kl.kl_coef)
 
     @property
     def reference_model(self) -> ModelConfig:

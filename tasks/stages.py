@@ -7,7 +7,17 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rft_core import stages
-from rft_core.config import AdvantageConfig, DataConfig, KLConfig, LogprobConfig, RewardConfig, RolloutConfig, UpdateConfig
+from rft_core.config import (
+    AdvantageConfig,
+    DataConfig,
+    KLConfig,
+    LogprobConfig,
+    RewardConfig,
+    RolloutConfig,
+    ShapingConfig,
+    TrainState,
+    UpdateConfig,
+)
 from rft_core.stages.common import PolicyRef
 from schemas import ShardRef
 
@@ -46,9 +56,11 @@ def rewards(rollout: ShardRef, prompts: ShardRef, cfg: RewardConfig, out: str) -
 
 @task(name="advantages", tags=["cpu"], **_opts)
 def advantages(rollout: ShardRef, rewards: ShardRef, actor: ShardRef | None, ref: ShardRef | None,
-               kl_cfg: KLConfig, adv_cfg: AdvantageConfig, out: str) -> ShardRef:
-    """Join the column groups on sample_id and estimate advantages."""
-    return stages.advantages.run(rollout, rewards, actor=actor, ref=ref, kl_cfg=kl_cfg, adv_cfg=adv_cfg, out=out)
+               kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shaping: ShapingConfig, state: TrainState,
+               max_new_tokens: int, out: str) -> ShardRef:
+    """Join the column groups on sample_id, shape rewards and estimate advantages."""
+    return stages.advantages.run(rollout, rewards, actor=actor, ref=ref, kl_cfg=kl_cfg, adv_cfg=adv_cfg, out=out,
+                                 shaping=shaping, state=state, max_new_tokens=max_new_tokens)
 
 
 @task(name="ppo_update", tags=["gpu"], **_opts)

@@ -2,23 +2,30 @@
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from rft_core.algorithms import ADVANTAGE_ESTIMATORS, kl_penalty, masked_mean
+from rft_core.algorithms import ADVANTAGE_ESTIMATORS, kl_penalty, masked_mean, masked_whiten
+from rft_core.algorithms.shaping import RunningMoments, clip_with_fraction, normalize_rewards, overlong_penalty
 from rft_core.algorithms.kl import next_kl_coef
 from rft_core.algorithms.advantages import kl_shaped_token_rewards
-from rft_core.config import AdvantageConfig, KLConfig, estimator_kwargs
+from rft_core.config import AdvantageConfig, KLConfig, ShapingConfig, TrainState, estimator_kwargs
 from rft_core.stages.common import Timer, reuse_or_compute
 from schemas import ShardRef, config_hash, read_shard, write_shard
 from schemas.columns import ADVANTAGES
 from schemas.experience import experience_from_tables
 
 
-def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig) -> dict[str, torch.Tensor]:
-    """KL shaping and advantage estimation on a padded Experience.
+def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shaping: ShapingConfig | None = None,
+                       state: TrainState | None = None, max_new_tokens: int | None = None) -> dict[str, Any]:
+    """Reward shaping, KL shaping and advantage estimation on a padded Experience.
+
+    Order (``rft_core.algorithms.shaping``): overlong penalty, running reward normalisation
+    (statistics of ``state`` updated with this batch's rewards), reward clipping, KL, the
+    estimator, advantage whitening and clipping.
 
     KL per token k_t = estimator(old_logprobs_t, ref_logprobs_t) (zero without a reference).
     In ``reward`` mode the KL enters the reward: outcome estimators see r - kl_coef * sum_t k_t,
@@ -27,10 +34,27 @@ def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig) -> di
     (the update adds the KL term).
 
     Returns:
-        dict with kl, advantages, returns (B, A) float32 and shaped_rewards (B,) float32.
+        dict with kl, advantages, returns (B, A) float32, shaped_rewards (B,) float32, the
+        next ``state`` and the shaping metrics.
     """
+    shaping = shaping or ShapingConfig()
+    state = state or TrainState(kl_coef=kl_cfg.kl_coef)
     mask = exp.action_mask
     rewards = exp.info["rewards"].to(torch.float32)
+    metrics: dict[str, float] = {}
+    if shaping.overlong_buffer_len is not None:
+        if max_new_tokens is None:
+            raise ValueError("shaping.overlong_buffer_len needs max_new_tokens")
+        penalty = overlong_penalty(mask.sum(-1), max_new_tokens=max_new_tokens, buffer_len=shaping.overlong_buffer_len,
+                                   penalty_factor=shaping.overlong_penalty_factor)
+        rewards = rewards + penalty
+        metrics["overlong_penalty_mean"] = float(penalty.mean())
+    moments = RunningMoments(state.reward_count, state.reward_mean, state.reward_m2)
+    if shaping.reward_running_norm:
+        moments = moments.update(rewards)
+        rewards = normalize_rewards(rewards, moments, minus_mean=shaping.reward_running_norm_minus_mean).to(torch.float32)
+    if shaping.reward_clip is not None:
+        rewards, metrics["reward_clip_frac"] = clip_with_fraction(rewards, shaping.reward_clip)
     if exp.base_action_log_probs is not None:
         kl = kl_penalty(exp.action_log_probs, exp.base_action_log_probs, mask, estimator=kl_cfg.estimator, kl_clamp=kl_cfg.kl_clamp)
     else:
@@ -49,18 +73,31 @@ def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig) -> di
     if "values" in params:
         raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs critic values (critic stage not built yet)")
     adv, ret = fn(seq_rewards, torch.as_tensor(group_ids, dtype=torch.long), mask, **kwargs)
-    return {"kl": kl, "advantages": adv.to(torch.float32), "returns": ret.to(torch.float32), "shaped_rewards": shaped}
+    if shaping.advantage_whiten:
+        adv = masked_whiten(adv, mask)
+    if shaping.advantage_clip is not None:
+        adv, metrics["advantage_clip_frac"] = clip_with_fraction(adv, shaping.advantage_clip, mask)
+    seq_kl = float(kl.sum(-1).mean()) if kl.numel() else 0.0
+    next_state = TrainState(
+        kl_coef=next_kl_coef(kl_cfg.kl_coef, seq_kl, controller=kl_cfg.controller, target=kl_cfg.target,
+                             horizon=kl_cfg.horizon, n_steps=len(rewards)),
+        reward_count=moments.count, reward_mean=moments.mean, reward_m2=moments.m2)
+    return {"kl": kl, "advantages": adv.to(torch.float32), "returns": ret.to(torch.float32), "shaped_rewards": shaped,
+            "state": next_state, "metrics": metrics}
 
 
 def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: ShardRef | None,
-        kl_cfg: KLConfig, adv_cfg: AdvantageConfig, out: str) -> ShardRef:
+        kl_cfg: KLConfig, adv_cfg: AdvantageConfig, out: str, shaping: ShapingConfig | None = None,
+        state: TrainState | None = None, max_new_tokens: int | None = None) -> ShardRef:
     """Write the advantages column group for every sample of the rollout.
 
     ``actor`` None: old log-probs are the rollout engine's own. ``ref`` None: no KL.
     ``kl_cfg.kl_coef`` is this iteration's coefficient; the manifest summary records the next
     one (``next_kl_coef``, from the KL controller), so a resumed run continues exactly.
     """
-    chash = config_hash("advantages", kl_cfg, adv_cfg, rollout, rewards, actor, ref)
+    shaping = shaping or ShapingConfig()
+    state = state or TrainState(kl_coef=kl_cfg.kl_coef)
+    chash = config_hash("advantages", kl_cfg, adv_cfg, shaping, state, max_new_tokens, rollout, rewards, actor, ref)
 
     def compute() -> ShardRef:
         r = read_shard(rollout, stage="rollout")
@@ -69,7 +106,8 @@ def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: Sh
             actor=read_shard(actor, stage="actor_logprobs") if actor else None,
             ref=read_shard(ref, stage="ref_logprobs") if ref else None)
         with Timer() as t:
-            res = compute_advantages(exp, kl_cfg=kl_cfg, adv_cfg=adv_cfg)
+            res = compute_advantages(exp, kl_cfg=kl_cfg, adv_cfg=adv_cfg, shaping=shaping, state=state,
+                                     max_new_tokens=max_new_tokens)
         mask = exp.action_mask
         lengths = mask.sum(-1).tolist()
 
@@ -89,8 +127,10 @@ def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: Sh
         summary = {
             "seconds": t.seconds,
             "kl_coef": kl_cfg.kl_coef,
-            "next_kl_coef": next_kl_coef(kl_cfg.kl_coef, float(seq_kl.mean()), controller=kl_cfg.controller,
-                                         target=kl_cfg.target, horizon=kl_cfg.horizon, n_steps=len(rw)),
+            "next_kl_coef": res["state"].kl_coef,
+            "next_state": res["state"].model_dump(),
+            "shaped_reward_mean": float(res["shaped_rewards"].mean()),
+            **res["metrics"],
             "reward_mean": float(rw.mean()), "reward_std": float(rw.std(unbiased=True)) if len(rw) > 1 else 0.0,
             "kl_mean": float(seq_kl.mean()), "kl_token_mean": float(masked_mean(res["kl"], mask)),
             "advantage_abs_mean": float(masked_mean(res["advantages"].abs(), mask)),

@@ -163,13 +163,23 @@ def test_each_estimator_runs_one_iteration_in_the_flow(prefect_harness, tiny_mod
     assert len(steps) == 1 and np.isfinite(steps[0]["policy_loss"]) and steps[0]["grad_norm"] > 0
 
 
-def test_adaptive_kl_coefficient_carries_across_iterations(prefect_harness, tiny_model, tmp_path, fake_rewards):
+def result_state(cfg):
+    from rft_core.config import TrainState
+
+    return TrainState.model_validate(read_manifest(f"{cfg.run_root}/iter=000002/advantages")[0].summary["next_state"])
+
+
+def test_state_kl_coefficient_and_reward_statistics_carry_across_iterations(prefect_harness, tiny_model, tmp_path, fake_rewards):
     from flows.train import train
     from rft_core.algorithms.kl import next_kl_coef
 
     cfg = _cfg(tiny_model, tmp_path / "run", iterations=2, **{"kl.controller": "adaptive", "kl.target": 1e-6,
-                                                              "kl.horizon": 24, "update.lr": 1e-2})
-    m = train(cfg).metrics
+                                                              "kl.horizon": 24, "update.lr": 1e-2,
+                                                              "shaping.reward_running_norm": True})
+    result = train(cfg)
+    m = result.metrics
+    # the running reward statistics cover both iterations' 12 + 12 rewards
+    assert result_state(cfg).reward_count == 24
     assert m[0]["kl_coef"] == 0.05 and m[0]["kl"] == 0.0  # policy == reference in iteration 1
     assert m[0]["next_kl_coef"] == pytest.approx(0.05 * (1 - 0.2 * 12 / 24))  # KL 0 < target: error -0.2
     assert m[1]["kl_coef"] == pytest.approx(m[0]["next_kl_coef"])  # iteration 2 used it

@@ -43,3 +43,40 @@ def test_normalize_and_clip_hand():
     assert x.tolist() == [[-1.0, 0.5, 1.0], [1.0, 0.0, 0.0]] and frac == pytest.approx(2 / 5)
     with pytest.raises(ValueError):
         clip_with_fraction(x, 0.0)
+
+
+def _exp(rewards, lengths, prompt_ids):
+    from schemas.experience import Experience
+
+    T = max(lengths)
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    z = torch.zeros(len(lengths), T)
+    return Experience(sequences=torch.zeros(len(lengths), T + 1, dtype=torch.long), action_log_probs=z, base_action_log_probs=None,
+                      values=None, returns=None, advantages=None, attention_mask=None, action_mask=mask,
+                      info={"rewards": torch.tensor(rewards), "prompt_id": prompt_ids})
+
+
+def test_stage_applies_shaping_in_order_and_carries_state():
+    from rft_core.config import DrGRPOAdvantage, KLConfig, ShapingConfig, TrainState
+    from rft_core.stages.advantages import compute_advantages
+
+    # rewards 1, 1, 0, 0; lengths 10, 4, 4, 4; max_new_tokens 10, buffer 4 -> expected 6:
+    #   penalty(10) = -(10 - 6)/4 = -1, others 0 -> rewards 0, 1, 0, 0
+    # reward_clip 0.5 -> 0, 0.5, 0, 0 (1 of 4 clipped)
+    # dr_grpo, groups {a: 0, 0.5}, {b: 0, 0} -> A = -0.25, 0.25, 0, 0
+    # advantage_clip 0.2 -> -0.2, 0.2, 0, 0 on every token (rows a: 10 + 4 = 14 of 22 tokens clipped)
+    exp = _exp([1.0, 1.0, 0.0, 0.0], [10, 4, 4, 4], ["a", "a", "b", "b"])
+    shaping = ShapingConfig(overlong_buffer_len=4, reward_clip=0.5, advantage_clip=0.2)
+    res = compute_advantages(exp, kl_cfg=KLConfig(), adv_cfg=DrGRPOAdvantage(), shaping=shaping,
+                             state=TrainState(), max_new_tokens=10)
+    assert res["shaped_rewards"].tolist() == [0.0, 0.5, 0.0, 0.0]
+    assert res["advantages"][:, 0].tolist() == pytest.approx([-0.2, 0.2, 0.0, 0.0])
+    assert res["metrics"] == pytest.approx({"overlong_penalty_mean": -0.25, "reward_clip_frac": 0.25, "advantage_clip_frac": 14 / 22})
+    # running normalisation: the state accumulates the (penalised) rewards of each call
+    norm = ShapingConfig(reward_running_norm=True)
+    s1 = compute_advantages(exp, kl_cfg=KLConfig(), adv_cfg=DrGRPOAdvantage(), shaping=norm, state=TrainState())["state"]
+    assert (s1.reward_count, s1.reward_mean) == (4, 0.5)
+    s2 = compute_advantages(_exp([3.0, 3.0], [2, 2], ["c", "c"]), kl_cfg=KLConfig(), adv_cfg=DrGRPOAdvantage(), shaping=norm,
+                            state=s1)["state"]
+    assert s2.reward_count == 6 and s2.reward_mean == pytest.approx(8 / 6)
+    assert RunningMoments(s2.reward_count, s2.reward_mean, s2.reward_m2).std == pytest.approx(statistics.stdev([1, 1, 0, 0, 3, 3]))
