@@ -306,3 +306,26 @@ def test_high_entropy_mask_hand_computed():
     assert torch.equal(high_entropy_mask(ent, mask, top_fraction=1.0), mask)
     with pytest.raises(ValueError, match="top_fraction"):
         high_entropy_mask(ent, mask, top_fraction=0.0)
+
+
+def test_clipped_value_loss_hand_and_loop():
+    from rft_core.algorithms.value_loss import VALUE_LOSSES
+
+    # V = 1.0, old = 0.5, R = 2.0, clip 0.2: V_clip = 0.7; max((1-2)^2, (0.7-2)^2) = 1.69 -> 0.845
+    # V = 0.6, old = 0.5, R = 0.0: V_clip = 0.6; max(0.36, 0.36) -> 0.18
+    v = torch.tensor([[1.0, 0.6, 5.0]], dtype=D)
+    old = torch.tensor([[0.5, 0.5, 0.0]], dtype=D)
+    ret = torch.tensor([[2.0, 0.0, 0.0]], dtype=D)
+    mask = torch.tensor([[True, True, False]])
+    out = VALUE_LOSSES["clipped_mse"](v, old, ret, mask, value_clip=0.2)
+    torch.testing.assert_close(out, torch.tensor([[0.845, 0.18, 0.0]], dtype=D))
+    torch.testing.assert_close(VALUE_LOSSES["clipped_mse"](v, old, ret, mask, value_clip=None),
+                               torch.tensor([[0.5, 0.18, 0.0]], dtype=D))
+    g = torch.Generator().manual_seed(9)
+    v, old, ret = (torch.randn(3, 5, generator=g, dtype=D) for _ in range(3))
+    out = VALUE_LOSSES["clipped_mse"](v, old, ret, torch.ones(3, 5, dtype=torch.bool), value_clip=0.3)
+    for b in range(3):
+        for t in range(5):
+            vc = old[b, t].item() + max(min(v[b, t].item() - old[b, t].item(), 0.3), -0.3)
+            want = 0.5 * max((v[b, t].item() - ret[b, t].item()) ** 2, (vc - ret[b, t].item()) ** 2)
+            assert out[b, t].item() == pytest.approx(want, abs=1e-12)
