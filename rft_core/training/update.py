@@ -62,6 +62,26 @@ def _pad_float(rows: list[list[float]], T: int) -> torch.Tensor:
     return out
 
 
+def minibatches(n: int, *, epochs: int, batch_size: int, seed: int):
+    """Yield (epoch, sample indices of one optimizer step): each epoch a fresh permutation
+    (torch.Generator seeded with ``seed``, independent of the global RNG), cut into batches."""
+    gen = torch.Generator().manual_seed(seed)
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=gen).tolist()
+        for start in range(0, n, batch_size):
+            yield epoch, order[start:start + batch_size]
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
+    """Clip the gradient norm, then step; a step whose gradient norm is not finite is skipped
+    (gradients dropped). Returns the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
 def make_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (Loshchilov & Hutter 2019, arXiv:1711.05101)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -129,58 +149,49 @@ def ppo_update(
     bs = train_batch_size or n
     # a constant for seq-mean-token-sum-norm: the longest response of the whole rollout
     norm_tokens = loss_norm_tokens or max(len(r) for r in data.responses) or 1
-    gen = torch.Generator().manual_seed(seed)
     metrics: list[StepMetrics] = []
     model.train()
-    for epoch in range(epochs):
-        order = torch.randperm(n, generator=gen).tolist()
-        for start in range(0, n, bs):
-            mini = order[start:start + bs]
-            n_tokens = (sum(len(data.responses[i]) for i in mini) if keep is None
-                        else sum(int(keep[i].sum()) for i in mini))
-            norm = {"num_tokens": n_tokens, "num_sequences": len(mini), "norm_tokens": norm_tokens}
-            sums = {"policy_loss": 0.0, "kl_loss": 0.0, "clipped": 0.0, "approx_kl": 0.0}
-            optimizer.zero_grad(set_to_none=True)
-            for mstart in range(0, len(mini), micro_batch_size):
-                idx = mini[mstart:mstart + micro_batch_size]
-                batch: TokenBatch = build_token_batch([data.prompts[i] for i in idx], [data.responses[i] for i in idx],
-                                                      pad_token_id=pad_token_id)
-                T = batch.num_actions
-                mask = batch.action_mask
-                if keep is not None:
-                    mask = mask & _pad_float([keep[i].float().tolist() for i in idx], T).bool()
-                old = _pad_float([data.old_logprobs[i] for i in idx], T)
-                adv = _pad_float([data.advantages[i] for i in idx], T)
-                logprobs, entropy = response_logprobs(model, batch, temperature=temperature, with_entropy=entropy_coef > 0)
-                out = loss_fn(logprobs, old, adv, mask, **(policy_loss_kwargs or {}))
-                pg = agg_fn(out.token_loss, mask, **norm)
-                loss = pg
-                if entropy_coef > 0:
-                    loss = loss - entropy_coef * agg_fn(entropy, mask, **norm)
-                if use_kl:
-                    ref = _pad_float([data.ref_logprobs[i] for i in idx], T)
-                    kl = kl_penalty(logprobs, ref, mask, estimator=kl_estimator, kl_clamp=kl_clamp)
-                    kl_term = agg_fn(kl, mask, **norm)
-                    loss = loss + kl_coef * kl_term
-                    sums["kl_loss"] += float(kl_term.detach())
-                loss.backward()
-                sums["policy_loss"] += float(pg.detach())
-                sums["clipped"] += float(out.clipped.sum())
-                sums["approx_kl"] += float((0.5 * out.log_ratio.detach() ** 2)[mask].sum())
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], max_grad_norm)
-            if not torch.isfinite(grad_norm):
-                optimizer.zero_grad(set_to_none=True)  # skip a step with non-finite gradients
-            else:
-                optimizer.step()
-            m = StepMetrics(
-                step=len(metrics), epoch=epoch, policy_loss=sums["policy_loss"], kl_loss=sums["kl_loss"],
-                clip_frac=sums["clipped"] / max(n_tokens, 1), approx_kl=sums["approx_kl"] / max(n_tokens, 1),
-                grad_norm=float(grad_norm), lr=float(optimizer.param_groups[0]["lr"]), num_tokens=n_tokens,
-            )
-            metrics.append(m)
-            if on_step:
-                on_step(m)
+    for epoch, mini in minibatches(n, epochs=epochs, batch_size=bs, seed=seed):
+        n_tokens = (sum(len(data.responses[i]) for i in mini) if keep is None
+                    else sum(int(keep[i].sum()) for i in mini))
+        norm = {"num_tokens": n_tokens, "num_sequences": len(mini), "norm_tokens": norm_tokens}
+        sums = {"policy_loss": 0.0, "kl_loss": 0.0, "clipped": 0.0, "approx_kl": 0.0}
+        optimizer.zero_grad(set_to_none=True)
+        for mstart in range(0, len(mini), micro_batch_size):
+            idx = mini[mstart:mstart + micro_batch_size]
+            batch: TokenBatch = build_token_batch([data.prompts[i] for i in idx], [data.responses[i] for i in idx],
+                                                  pad_token_id=pad_token_id)
+            T = batch.num_actions
+            mask = batch.action_mask
+            if keep is not None:
+                mask = mask & _pad_float([keep[i].float().tolist() for i in idx], T).bool()
+            old = _pad_float([data.old_logprobs[i] for i in idx], T)
+            adv = _pad_float([data.advantages[i] for i in idx], T)
+            logprobs, entropy = response_logprobs(model, batch, temperature=temperature, with_entropy=entropy_coef > 0)
+            out = loss_fn(logprobs, old, adv, mask, **(policy_loss_kwargs or {}))
+            pg = agg_fn(out.token_loss, mask, **norm)
+            loss = pg
+            if entropy_coef > 0:
+                loss = loss - entropy_coef * agg_fn(entropy, mask, **norm)
+            if use_kl:
+                ref = _pad_float([data.ref_logprobs[i] for i in idx], T)
+                kl = kl_penalty(logprobs, ref, mask, estimator=kl_estimator, kl_clamp=kl_clamp)
+                kl_term = agg_fn(kl, mask, **norm)
+                loss = loss + kl_coef * kl_term
+                sums["kl_loss"] += float(kl_term.detach())
+            loss.backward()
+            sums["policy_loss"] += float(pg.detach())
+            sums["clipped"] += float(out.clipped.sum())
+            sums["approx_kl"] += float((0.5 * out.log_ratio.detach() ** 2)[mask].sum())
+        grad_norm = clip_and_step(model, optimizer, max_grad_norm)
+        m = StepMetrics(
+            step=len(metrics), epoch=epoch, policy_loss=sums["policy_loss"], kl_loss=sums["kl_loss"],
+            clip_frac=sums["clipped"] / max(n_tokens, 1), approx_kl=sums["approx_kl"] / max(n_tokens, 1),
+            grad_norm=grad_norm, lr=float(optimizer.param_groups[0]["lr"]), num_tokens=n_tokens,
+        )
+        metrics.append(m)
+        if on_step:
+            on_step(m)
     model.eval()
     return metrics
 

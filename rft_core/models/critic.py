@@ -1,0 +1,73 @@
+"""The critic: a causal LM backbone with a scalar value head, per token.
+
+Built on transformers' ``AutoModelForTokenClassification`` with ``num_labels=1`` (its ``score``
+head is the value head), so it saves and loads with ``save_pretrained`` like any HF model.
+A critic started from a policy checkpoint gets a zero-initialised head (V = 0 everywhere at
+first, deterministic) and no classifier dropout.
+"""
+from __future__ import annotations
+
+import torch
+
+from rft_core.models.loading import _LOAD_LOCK, ModelLoadError, _quiet_transformers, resolve_model_path
+from rft_core.models.logprobs import TokenBatch, build_token_batch
+
+
+def load_critic(path: str, *, dtype: str = "float32", trainable: bool = False):
+    """Load a critic from a critic checkpoint, or start one from a policy (causal LM) checkpoint.
+
+    Raises:
+        ModelLoadError: unreadable path or weights, named in the message.
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    _quiet_transformers()
+    with _LOAD_LOCK:
+        resolved = resolve_model_path(path)
+        try:
+            cfg = AutoConfig.from_pretrained(resolved)
+            fresh = not any(a.endswith("ForTokenClassification") for a in (cfg.architectures or []))
+            cfg.num_labels = 1
+            cfg.classifier_dropout = 0.0  # the value head sees the hidden states as they are
+            model = AutoModelForTokenClassification.from_pretrained(resolved, config=cfg, dtype=getattr(torch, dtype))
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load critic from {path!r} ({resolved}): {exc}") from exc
+    if fresh:
+        with torch.no_grad():
+            model.score.weight.zero_()
+            if getattr(model.score, "bias", None) is not None:
+                model.score.bias.zero_()
+    model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    if trainable:
+        model.train()
+    else:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+def response_values(critic: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """V(s_t) for each response token t: the value head at the column before the token
+    (the state in which the token was chosen), as log-probs are aligned.
+
+    Returns:
+        (B, T) float32 (meaningless but finite where action_mask is False).
+    """
+    T = batch.num_actions
+    out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+    return out.logits[:, -T - 1:-1, 0].float()
+
+
+@torch.no_grad()
+def batched_response_values(critic: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]], *,
+                            pad_token_id: int, micro_batch_size: int = 8) -> list[list[float]]:
+    """Unpadded per-sample value lists (len = len(response)), in input order."""
+    out: list[list[float]] = [[] for _ in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
+    for start in range(0, len(order), micro_batch_size):
+        idx = order[start:start + micro_batch_size]
+        batch = build_token_batch([prompts[i] for i in idx], [responses[i] for i in idx], pad_token_id=pad_token_id)
+        v = response_values(critic, batch)
+        for row, i in enumerate(idx):
+            out[i] = v[row, : len(responses[i])].tolist()
+    return out

@@ -1,0 +1,55 @@
+"""Critic: value head loading, alignment of values with log-probs, and the critic update."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rft_core.models.critic import batched_response_values, load_critic, response_values
+from rft_core.models.logprobs import build_token_batch
+from rft_core.training.critic import CriticData, critic_update
+from rft_core.training.update import make_optimizer
+
+
+def test_fresh_critic_starts_at_zero_and_round_trips(tiny_model, tmp_path):
+    critic = load_critic(tiny_model)
+    vals = batched_response_values(critic, [[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], pad_token_id=2)
+    assert [len(v) for v in vals] == [2, 3] and all(x == 0.0 for v in vals for x in v)
+    with torch.no_grad():
+        critic.score.weight.normal_()
+    critic.save_pretrained(tmp_path / "c")
+    again = load_critic(str(tmp_path / "c"))  # a critic checkpoint keeps its head
+    assert torch.equal(again.score.weight, critic.score.weight)
+
+
+def test_values_are_taken_before_each_token_and_ignore_padding(tiny_model):
+    critic = load_critic(tiny_model)
+    with torch.no_grad():
+        critic.score.weight.normal_(generator=torch.Generator().manual_seed(0))
+    padded = batched_response_values(critic, [[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], pad_token_id=2)
+    for p, r, v in zip([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], padded):
+        with torch.no_grad():
+            alone = critic(input_ids=torch.tensor([p + r])).logits[0, :, 0]
+        # V(s_t) for response token t is the head's output at the column before it
+        assert v == pytest.approx(alone[len(p) - 1: len(p) + len(r) - 1].tolist(), abs=1e-5)
+
+
+def test_critic_update_fits_returns(tiny_model):
+    critic = load_critic(tiny_model, trainable=True)
+    prompts, responses = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], [[1, 2], [3, 4, 9], [14]]
+    old = batched_response_values(critic, prompts, responses, pad_token_id=2)
+    returns = [[1.0] * len(r) for r in responses]
+    data = CriticData(prompts, responses, old, returns)
+    opt = make_optimizer(critic, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    steps = critic_update(critic, opt, data, pad_token_id=2, value_clip=None, epochs=30, micro_batch_size=2)
+    assert steps[0].value_loss == pytest.approx(0.5)  # V = 0, R = 1: 0.5 (0 - 1)^2 on every token
+    assert steps[-1].value_loss < 0.05 and steps[0].num_tokens == 6
+    b = build_token_batch(prompts, responses, pad_token_id=2)
+    with torch.no_grad():
+        v = response_values(critic, b)[b.action_mask]
+    assert (v - 1.0).abs().max() < 0.35
+    # with clipping, one step cannot move any value further than value_clip from the old one
+    critic2 = load_critic(tiny_model, trainable=True)
+    steps = critic_update(critic2, make_optimizer(critic2, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0), data,
+                          pad_token_id=2, value_clip=0.2, epochs=1)
+    # at the first step V == V_old token for token: the stored values and the training forward are aligned
+    assert steps[0].value_clip_frac == 0.0
