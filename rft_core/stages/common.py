@@ -7,12 +7,15 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Union
+from dataclasses import asdict
+from typing import Callable, Mapping, Union
 
 import fsspec
+import pyarrow as pa
 
 from rft_core.models.loading import cache_dir
-from schemas import ShardRef, committed_ref, local_path
+from rft_core.training.update import save_checkpoint
+from schemas import ShardRef, StageSchema, commit_files, committed_ref, local_path, prepare_stage_dir, write_parts
 
 log = logging.getLogger("rft_core.stages")
 
@@ -20,6 +23,7 @@ log = logging.getLogger("rft_core.stages")
 # of a committed ppo_update stage, whose ``policy/`` sub-folder is an HF checkpoint.
 PolicyRef = Union[str, ShardRef]
 POLICY_SUBDIR = "policy"
+CRITIC_SUBDIR = "critic"
 
 
 def reuse_or_compute(stage: str, uri: str, chash: str, compute: Callable[[], ShardRef]) -> ShardRef:
@@ -46,19 +50,19 @@ class Timer:
         self.seconds = time.perf_counter() - self._t0
 
 
-def policy_model_path(policy: PolicyRef) -> str:
-    """A path ``from_pretrained`` can load for ``policy``.
+def policy_model_path(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str:
+    """A path ``from_pretrained`` can load for ``policy`` (or a critic, with ``subdir="critic"``).
 
     A checkpoint on a non-local filesystem is downloaded once into the cache, keyed by its
     manifest checksum (atomic rename, so a partial download is never used).
     """
     if isinstance(policy, str):
         return policy
-    uri = f"{policy.uri.rstrip('/')}/{POLICY_SUBDIR}"
+    uri = f"{policy.uri.rstrip('/')}/{subdir}"
     local = local_path(uri)
     if local is not None:
         return local
-    target = cache_dir() / "checkpoints" / policy.manifest_sha256
+    target = cache_dir() / "checkpoints" / f"{policy.manifest_sha256}-{subdir}"
     if not (target / "config.json").exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".dl-", dir=target.parent))
@@ -71,6 +75,31 @@ def policy_model_path(policy: PolicyRef) -> str:
     return str(target)
 
 
-def policy_checkpoint_dir(policy: PolicyRef) -> str | None:
+def policy_checkpoint_dir(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str | None:
     """Local folder of a checkpointed policy (for its optimizer state), None for an initial model."""
-    return None if isinstance(policy, str) else policy_model_path(policy)
+    return None if isinstance(policy, str) else policy_model_path(policy, subdir)
+
+
+def commit_checkpoint(out: str, *, subdir: str, model, tokenizer, optimizer, steps: list, schema: StageSchema,
+                      config_hash: str, inputs: Mapping[str, ShardRef], summary: dict) -> ShardRef:
+    """Commit a training stage: per-step metric rows (dataclasses, one per optimizer step) as
+    Parquet parts plus an HF checkpoint (with optimizer and RNG state) under ``{out}/{subdir}``,
+    all under one manifest written last. Works on any fsspec URI (remote: saved to a local temp
+    folder, then uploaded). ``summary`` gains ``checkpoint_seconds``."""
+    prepare_stage_dir(out)
+    with Timer() as t_save:
+        local = local_path(out)
+        if local is not None:
+            save_checkpoint(model, tokenizer, optimizer, f"{local}/{subdir}")
+        else:
+            tmp = tempfile.mkdtemp(prefix="rft-ckpt-")
+            try:
+                save_checkpoint(model, tokenizer, optimizer, tmp)
+                fs, path = fsspec.core.url_to_fs(out)
+                fs.put(tmp.rstrip("/") + "/", f"{path.rstrip('/')}/{subdir}", recursive=True)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    table = pa.table({k: [asdict(s)[k] for s in steps] for k in schema.schema.names}, schema=schema.arrow)
+    rows = write_parts(table, out, schema=schema)
+    return commit_files(out, stage=schema.stage, config_hash=config_hash, num_rows=table.num_rows, inputs=inputs,
+                        summary={**summary, "checkpoint_seconds": t_save.seconds}, schema=schema, rows_per_file=rows)

@@ -1,18 +1,19 @@
 """PPO update stage: train the policy on the iteration's experience; commit metrics + checkpoint."""
 from __future__ import annotations
 
-import shutil
-import tempfile
-from dataclasses import asdict
-
-import fsspec
-import pyarrow as pa
-
 from rft_core.config import KLConfig, UpdateConfig, policy_loss_kwargs
 from rft_core.models.loading import load_causal_lm, load_tokenizer
-from rft_core.stages.common import POLICY_SUBDIR, PolicyRef, Timer, policy_checkpoint_dir, policy_model_path, reuse_or_compute
-from rft_core.training.update import UpdateData, load_optimizer_state, make_optimizer, ppo_update, save_checkpoint
-from schemas import ShardRef, commit_files, config_hash, local_path, prepare_stage_dir, read_shard, write_parts
+from rft_core.stages.common import (
+    POLICY_SUBDIR,
+    PolicyRef,
+    Timer,
+    commit_checkpoint,
+    policy_checkpoint_dir,
+    policy_model_path,
+    reuse_or_compute,
+)
+from rft_core.training.update import UpdateData, load_optimizer_state, make_optimizer, ppo_update
+from schemas import ShardRef, config_hash, read_shard
 from schemas.columns import PPO_UPDATE
 from schemas.experience import align_on_sample_id
 
@@ -60,28 +61,13 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
                                kl_clamp=kl_cfg.kl_clamp, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
                                micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
                                temperature=temperature, seed=cfg.seed)
-        prepare_stage_dir(out)
-        with Timer() as t_save:
-            local = local_path(out)
-            if local is not None:
-                save_checkpoint(model, tok, opt, f"{local}/{POLICY_SUBDIR}")
-            else:
-                tmp = tempfile.mkdtemp(prefix="rft-ckpt-")
-                try:
-                    save_checkpoint(model, tok, opt, tmp)
-                    fs, path_ = fsspec.core.url_to_fs(out)
-                    fs.put(tmp.rstrip("/") + "/", f"{path_.rstrip('/')}/{POLICY_SUBDIR}", recursive=True)
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
-        table = pa.table({k: [asdict(s)[k] for s in steps] for k in PPO_UPDATE.schema.names}, schema=PPO_UPDATE.arrow)
-        rows = write_parts(table, out, schema=PPO_UPDATE)
         last = steps[-1]
-        summary = {"seconds": t.seconds, "checkpoint_seconds": t_save.seconds, "policy_loss": sum(s.policy_loss for s in steps) / len(steps),
+        summary = {"seconds": t.seconds, "policy_loss": sum(s.policy_loss for s in steps) / len(steps),
                    "clip_frac": sum(s.clip_frac for s in steps) / len(steps), "approx_kl": last.approx_kl,
                    "grad_norm": last.grad_norm, "kl_loss": last.kl_loss, "optimizer_steps": len(steps)}
         inputs = {"rollout": rollout, "advantages": advantages, **({"actor": actor} if actor else {}),
                   **({"ref": ref} if ref and use_kl_loss else {}), **({"policy": policy} if isinstance(policy, ShardRef) else {})}
-        return commit_files(out, stage="ppo_update", config_hash=chash, num_rows=table.num_rows, inputs=inputs,
-                            summary=summary, schema=PPO_UPDATE, rows_per_file=rows)
+        return commit_checkpoint(out, subdir=POLICY_SUBDIR, model=model, tokenizer=tok, optimizer=opt, steps=steps,
+                                 schema=PPO_UPDATE, config_hash=chash, inputs=inputs, summary=summary)
 
     return reuse_or_compute("ppo_update", out, chash, compute)
