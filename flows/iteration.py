@@ -21,15 +21,18 @@ class IterationResult(BaseModel):
     model_config = ConfigDict(frozen=True)
     iteration: int
     policy: ShardRef
+    critic: ShardRef | None
     next_state: TrainState
     stages: dict[str, ShardRef | None]
     metrics: dict[str, Any]
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
-def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: TrainState | None = None) -> IterationResult:
-    """Run (or resume) iteration ``iteration`` starting from ``policy`` and ``state`` (the previous
-    iteration's ``next_state``; None: ``cfg.initial_state``)."""
+def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: TrainState | None = None,
+                 critic: PolicyRef | None = None) -> IterationResult:
+    """Run (or resume) iteration ``iteration`` starting from ``policy``, ``state`` (the previous
+    iteration's ``next_state``; None: ``cfg.initial_state``) and, for estimators that need
+    values, ``critic`` (None: ``cfg.initial_critic``)."""
     t0 = time.perf_counter()
     state = state or cfg.initial_state
     kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
@@ -45,21 +48,30 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     futures = {"rewards": tasks.rewards.submit(rollout, prompts, cfg.reward, out("rewards"))}
     if cfg.logprobs.recompute_old_logprobs:
         futures["actor_logprobs"] = tasks.actor_logprobs.submit(rollout, policy, cfg.logprobs, temp, out("actor_logprobs"), dtype)
+    if cfg.needs_critic:
+        critic = critic or cfg.initial_critic
+        futures["critic_values"] = tasks.critic_values.submit(rollout, critic, cfg.critic, out("critic_values"))
     if kl.needs_reference:
         futures["ref_logprobs"] = tasks.ref_logprobs.submit(rollout, cfg.reference_model.path, cfg.logprobs, temp,
                                                             out("ref_logprobs"), cfg.reference_model.dtype)
     parts = {name: f.result() for name, f in futures.items()}
-    actor, ref = parts.get("actor_logprobs"), parts.get("ref_logprobs")
+    actor, ref, values = parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
 
-    adv = tasks.advantages(rollout, parts["rewards"], actor, ref, kl, cfg.advantage, cfg.shaping, state,
+    adv = tasks.advantages(rollout, parts["rewards"], actor, ref, values, kl, cfg.advantage, cfg.shaping, state,
                            cfg.rollout.max_new_tokens, out("advantages"))
+    # the policy and the critic train on the same experience, independently: submitted together
+    critic_future = (tasks.critic_update.submit(rollout, adv, values, critic, cfg.critic, out("critic_update"))
+                     if values is not None else None)
     new_policy = tasks.ppo_update(rollout, adv, actor, ref, policy, cfg.update, kl, temp, out("ppo_update"), dtype)
+    new_critic = critic_future.result() if critic_future is not None else None
 
-    refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy}
+    refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy,
+            **({"critic_update": new_critic} if new_critic else {})}
     metrics = iteration_metrics(iteration, refs)
     metrics["seconds/iteration"] = round(time.perf_counter() - t0, 3)
     create_table_artifact(key=f"metrics-iter-{iteration:06d}".replace("_", "-"), table=[metrics],
                           description=f"Metrics of iteration {iteration}")
     get_run_logger().info("iteration %d committed: %s", iteration, new_policy.uri)
     next_state = TrainState.model_validate(read_manifest(adv.uri)[0].summary["next_state"])
-    return IterationResult(iteration=iteration, policy=new_policy, next_state=next_state, stages=refs, metrics=metrics)
+    return IterationResult(iteration=iteration, policy=new_policy, critic=new_critic, next_state=next_state, stages=refs,
+                           metrics=metrics)

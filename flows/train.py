@@ -20,6 +20,7 @@ class TrainResult(BaseModel):
     run_root: str
     metrics_uri: str
     final_policy: ShardRef
+    final_critic: ShardRef | None = None
     metrics: list[dict[str, Any]]
 
 
@@ -35,11 +36,13 @@ def train(cfg: TrainConfig) -> TrainResult:
     rows = []
     metrics_uri = ""
     state = cfg.initial_state
+    critic: str | ShardRef | None = None
     for i in range(1, cfg.iterations + 1):
-        result = rl_iteration(cfg, i, policy, state)
-        policy, state = result.policy, result.next_state
+        result = rl_iteration(cfg, i, policy, state, critic)
+        policy, state, critic = result.policy, result.next_state, result.critic
         rows.append(result.metrics)
         metrics_uri = write_metrics(cfg.run_root, rows)
         logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")
-    return TrainResult(run_root=cfg.run_root, metrics_uri=metrics_uri, final_policy=policy, metrics=rows)
+    return TrainResult(run_root=cfg.run_root, metrics_uri=metrics_uri, final_policy=policy,
+                       final_critic=critic if isinstance(critic, ShardRef) else None, metrics=rows)

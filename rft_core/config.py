@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from rft_core.algorithms import KL_ESTIMATORS
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
+from rft_core.algorithms.value_loss import VALUE_LOSSES
 from rft_core.models.loading import DEFAULT_MODEL
 
 
@@ -268,6 +269,31 @@ def policy_loss_kwargs(cfg: "PolicyLossConfig") -> dict[str, Any]:
     return cfg.model_dump(exclude={"name"})
 
 
+class CriticConfig(_Frozen):
+    """The critic (value model), used when the advantage estimator needs values (gae)."""
+
+    model: ModelConfig | None = Field(None, description="None: start from the initial policy with a zero value head")
+    value_loss: str = "clipped_mse"
+    value_clip: float | None = Field(0.2, gt=0)
+    loss_agg: str = "token-mean"
+    lr: float = Field(5e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(1.0, gt=0)
+    epochs: int = Field(1, gt=0)
+    train_batch_size: int | None = Field(None, gt=0)
+    micro_batch_size: int = Field(4, gt=0)
+    seed: int = 0
+
+    _v = field_validator("value_loss")(lambda cls, v: _check_name(VALUE_LOSSES, v))
+    _a = field_validator("loss_agg")(lambda cls, v: _check_name(LOSS_AGGREGATIONS, v))
+
+    @property
+    def dtype(self) -> str:
+        """dtype of the critic weights."""
+        return self.model.dtype if self.model else "float32"
+
+
 class TrainConfig(_Frozen):
     """A whole training run: N iterations under one run root."""
 
@@ -284,17 +310,25 @@ class TrainConfig(_Frozen):
     shaping: ShapingConfig = ShapingConfig()
     logprobs: LogprobConfig = LogprobConfig()
     update: UpdateConfig = UpdateConfig()
+    critic: CriticConfig = CriticConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
         if self.update.entropy_top_fraction is not None and not self.logprobs.recompute_old_logprobs:
             raise ValueError("update.entropy_top_fraction needs the actor stage's entropies: set logprobs.recompute_old_logprobs=true")
-        if self.advantage.estimator in NEEDS_CRITIC:
-            raise ValueError(f"advantage.estimator={self.advantage.estimator!r} needs critic values, and the critic "
-                             "stage is not built yet; choose one of grpo, group_norm, dr_grpo, rloo, reinforce, reinforce_baseline")
         if self.update.train_batch_size is not None and self.update.train_batch_size < self.update.micro_batch_size:
             raise ValueError("update.train_batch_size must be >= update.micro_batch_size")
         return self
+
+    @property
+    def needs_critic(self) -> bool:
+        """True when the advantage estimator needs critic values (the critic stages run)."""
+        return self.advantage.estimator in NEEDS_CRITIC
+
+    @property
+    def initial_critic(self) -> str:
+        """Model path the critic starts from."""
+        return (self.critic.model or self.policy).path
 
     @property
     def initial_state(self) -> TrainState:

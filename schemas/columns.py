@@ -68,7 +68,7 @@ REF_LOGPROBS = StageSchema("ref_logprobs", 1, pa.schema([
     pa.field("ref_logprobs", _f32, nullable=False),
 ]))
 
-CRITIC_VALUES = StageSchema("critic_values", 1, pa.schema([  # reserved for PPO with a critic
+CRITIC_VALUES = StageSchema("critic_values", 1, pa.schema([  # PPO with a critic (GAE)
     pa.field("sample_id", pa.string(), nullable=False),
     pa.field("values", _f32, nullable=False),
 ]))
@@ -103,8 +103,19 @@ PPO_UPDATE = StageSchema("ppo_update", 1, pa.schema([
     pa.field("num_tokens", pa.int64(), nullable=False),
 ]))
 
+CRITIC_UPDATE = StageSchema("critic_update", 1, pa.schema([
+    pa.field("step", pa.int32(), nullable=False),
+    pa.field("epoch", pa.int32(), nullable=False),
+    pa.field("value_loss", pa.float32(), nullable=False),
+    pa.field("value_clip_frac", pa.float32(), nullable=False),
+    pa.field("grad_norm", pa.float32(), nullable=False),
+    pa.field("lr", pa.float32(), nullable=False),
+    pa.field("num_tokens", pa.int64(), nullable=False),
+]))
+
 STAGE_SCHEMAS: dict[str, StageSchema] = {
-    s.stage: s for s in (PROMPTS, ROLLOUT, ACTOR_LOGPROBS, REF_LOGPROBS, CRITIC_VALUES, REWARDS, ADVANTAGES, PPO_UPDATE)
+    s.stage: s for s in (PROMPTS, ROLLOUT, ACTOR_LOGPROBS, REF_LOGPROBS, CRITIC_VALUES, REWARDS, ADVANTAGES, PPO_UPDATE,
+                         CRITIC_UPDATE)
 }
 
 # Per-token list columns that must have one entry per response token.

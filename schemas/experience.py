@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from schemas.columns import ACTOR_LOGPROBS, ADVANTAGES, PER_TOKEN_COLUMNS, REF_LOGPROBS, REWARDS, ROLLOUT
+from schemas.columns import ACTOR_LOGPROBS, ADVANTAGES, CRITIC_VALUES, PER_TOKEN_COLUMNS, REF_LOGPROBS, REWARDS, ROLLOUT
 from schemas.shards import ShardSchemaError
 
 
@@ -236,6 +236,7 @@ def experience_from_tables(
     ref: pa.Table | None = None,
     rewards: pa.Table | None = None,
     advantages: pa.Table | None = None,
+    critic: pa.Table | None = None,
     pad_token_id: int = 0,
 ) -> Experience:
     """Join stage column groups on ``sample_id`` (rollout order) and pad them into an Experience.
@@ -250,7 +251,8 @@ def experience_from_tables(
     lengths = pa.compute.list_value_length(rollout.column("response_token_ids")).to_numpy(zero_copy_only=False)
     check_token_lengths(rollout, name="rollout", lengths=lengths)
     groups = {}
-    for name, t in (("actor_logprobs", actor), ("ref_logprobs", ref), ("rewards", rewards), ("advantages", advantages)):
+    for name, t in (("actor_logprobs", actor), ("ref_logprobs", ref), ("rewards", rewards), ("advantages", advantages),
+                    ("critic_values", critic)):
         if t is not None:
             t = align_on_sample_id(rollout, t, name=name)
             check_token_lengths(t, name=name, lengths=lengths)
@@ -285,7 +287,7 @@ def experience_from_tables(
         sequences=torch.cat([p_ids, r_ids], dim=1),
         action_log_probs=_pad_lists(logp, torch.float32),
         base_action_log_probs=_pad_lists(groups["ref_logprobs"].column("ref_logprobs"), torch.float32) if "ref_logprobs" in groups else None,
-        values=None,
+        values=_pad_lists(groups["critic_values"].column("values"), torch.float32) if "critic_values" in groups else None,
         returns=ret,
         advantages=adv,
         attention_mask=torch.cat([p_mask, r_real], dim=1),
@@ -356,6 +358,8 @@ def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
                                       "action_entropy": pa.array(per_tok(entropy), f32)}, schema=ACTOR_LOGPROBS.arrow)
     if exp.base_action_log_probs is not None:
         out["ref_logprobs"] = pa.table({"sample_id": sid, "ref_logprobs": pa.array(per_tok(exp.base_action_log_probs), f32)}, schema=REF_LOGPROBS.arrow)
+    if exp.values is not None:
+        out["critic_values"] = pa.table({"sample_id": sid, "values": pa.array(per_tok(exp.values), f32)}, schema=CRITIC_VALUES.arrow)
     if "rewards" in exp.info:
         r = exp.info["rewards"].tolist()
         out["rewards"] = pa.table({

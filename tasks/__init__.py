@@ -4,6 +4,17 @@ No math here. Result caching is off on purpose: the stage manifests are the sour
 (Prefect's cache would not notice deleted shards), and each stage program returns its
 committed shard at once when the config hash matches.
 """
-from tasks.stages import actor_logprobs, advantages, ppo_update, prompts, ref_logprobs, rewards, rollout
+from tasks.stages import (
+    actor_logprobs,
+    advantages,
+    critic_update,
+    critic_values,
+    ppo_update,
+    prompts,
+    ref_logprobs,
+    rewards,
+    rollout,
+)
 
-__all__ = ["actor_logprobs", "advantages", "ppo_update", "prompts", "ref_logprobs", "rewards", "rollout"]
+__all__ = ["actor_logprobs", "advantages", "critic_update", "critic_values", "ppo_update", "prompts", "ref_logprobs",
+           "rewards", "rollout"]

@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from rft_core import stages
 from rft_core.config import (
     AdvantageConfig,
+    CriticConfig,
     DataConfig,
     KLConfig,
     LogprobConfig,
@@ -56,11 +57,24 @@ def rewards(rollout: ShardRef, prompts: ShardRef, cfg: RewardConfig, out: str) -
 
 @task(name="advantages", tags=["cpu"], **_opts)
 def advantages(rollout: ShardRef, rewards: ShardRef, actor: ShardRef | None, ref: ShardRef | None,
-               kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shaping: ShapingConfig, state: TrainState,
-               max_new_tokens: int, out: str) -> ShardRef:
+               critic: ShardRef | None, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shaping: ShapingConfig,
+               state: TrainState, max_new_tokens: int, out: str) -> ShardRef:
     """Join the column groups on sample_id, shape rewards and estimate advantages."""
-    return stages.advantages.run(rollout, rewards, actor=actor, ref=ref, kl_cfg=kl_cfg, adv_cfg=adv_cfg, out=out,
-                                 shaping=shaping, state=state, max_new_tokens=max_new_tokens)
+    return stages.advantages.run(rollout, rewards, actor=actor, ref=ref, critic=critic, kl_cfg=kl_cfg, adv_cfg=adv_cfg,
+                                 out=out, shaping=shaping, state=state, max_new_tokens=max_new_tokens)
+
+
+@task(name="critic_values", tags=["gpu"], retries=1, **_opts)
+def critic_values(rollout: ShardRef, critic: PolicyRef, cfg: CriticConfig, out: str) -> ShardRef:
+    """Critic values of every response token; writes the `critic_values` column group."""
+    return stages.critic.run_values(rollout, critic, cfg, out=out)
+
+
+@task(name="critic_update", tags=["gpu"], **_opts)
+def critic_update(rollout: ShardRef, advantages: ShardRef, values: ShardRef, critic: PolicyRef, cfg: CriticConfig,
+                  out: str) -> ShardRef:
+    """Train the critic on the returns; commits metrics and the new critic checkpoint."""
+    return stages.critic.run_update(rollout, advantages, values, critic, cfg, out=out)
 
 
 @task(name="ppo_update", tags=["gpu"], **_opts)

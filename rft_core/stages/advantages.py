@@ -71,7 +71,9 @@ def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shapi
     else:
         seq_rewards = shaped
     if "values" in params:
-        raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs critic values (critic stage not built yet)")
+        if exp.values is None:
+            raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs critic values: run the critic_values stage")
+        kwargs["values"] = exp.values
     adv, ret = fn(seq_rewards, torch.as_tensor(group_ids, dtype=torch.long), mask, **kwargs)
     if shaping.advantage_whiten:
         adv = masked_whiten(adv, mask)
@@ -88,7 +90,7 @@ def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shapi
 
 def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: ShardRef | None,
         kl_cfg: KLConfig, adv_cfg: AdvantageConfig, out: str, shaping: ShapingConfig | None = None,
-        state: TrainState | None = None, max_new_tokens: int | None = None) -> ShardRef:
+        state: TrainState | None = None, max_new_tokens: int | None = None, critic: ShardRef | None = None) -> ShardRef:
     """Write the advantages column group for every sample of the rollout.
 
     ``actor`` None: old log-probs are the rollout engine's own. ``ref`` None: no KL.
@@ -97,14 +99,15 @@ def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: Sh
     """
     shaping = shaping or ShapingConfig()
     state = state or TrainState(kl_coef=kl_cfg.kl_coef)
-    chash = config_hash("advantages", kl_cfg, adv_cfg, shaping, state, max_new_tokens, rollout, rewards, actor, ref)
+    chash = config_hash("advantages", kl_cfg, adv_cfg, shaping, state, max_new_tokens, rollout, rewards, actor, ref, critic)
 
     def compute() -> ShardRef:
         r = read_shard(rollout, stage="rollout")
         exp = experience_from_tables(
             r, rewards=read_shard(rewards, stage="rewards"),
             actor=read_shard(actor, stage="actor_logprobs") if actor else None,
-            ref=read_shard(ref, stage="ref_logprobs") if ref else None)
+            ref=read_shard(ref, stage="ref_logprobs") if ref else None,
+            critic=read_shard(critic, stage="critic_values") if critic else None)
         with Timer() as t:
             res = compute_advantages(exp, kl_cfg=kl_cfg, adv_cfg=adv_cfg, shaping=shaping, state=state,
                                      max_new_tokens=max_new_tokens)
@@ -136,7 +139,8 @@ def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: Sh
             "advantage_abs_mean": float(masked_mean(res["advantages"].abs(), mask)),
             "groups_with_signal": sum(len(v) > 1 for v in groups.values()) / max(len(groups), 1),
         }
-        inputs = {"rollout": rollout, "rewards": rewards, **({"actor": actor} if actor else {}), **({"ref": ref} if ref else {})}
+        inputs = {"rollout": rollout, "rewards": rewards, **({"actor": actor} if actor else {}), **({"ref": ref} if ref else {}),
+                  **({"critic_values": critic} if critic else {})}
         return write_shard(table, out, schema=ADVANTAGES, config_hash=chash, inputs=inputs, summary=summary)
 
     return reuse_or_compute("advantages", out, chash, compute)

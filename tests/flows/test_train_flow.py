@@ -186,3 +186,33 @@ def test_state_kl_coefficient_and_reward_statistics_carry_across_iterations(pref
     assert m[1]["kl"] > 1e-6  # the policy moved away from the reference
     assert m[1]["next_kl_coef"] == pytest.approx(next_kl_coef(m[1]["kl_coef"], m[1]["kl"], controller="adaptive",
                                                               target=1e-6, horizon=24, n_steps=12))
+
+
+def test_ppo_with_critic_gae_two_iterations(prefect_harness, tiny_model, tmp_path, fake_rewards):
+    import numpy as np
+
+    from flows.train import train
+    from rft_core.models.critic import load_critic
+
+    cfg = _cfg(tiny_model, tmp_path / "run", iterations=2, **{"advantage.estimator": "gae", "advantage.gae_lambda": 0.9,
+                                                              "critic.lr": 1e-2})
+    result = train(cfg)
+    root = cfg.run_root
+    for it in (1, 2):
+        for stage in ("critic_values", "critic_update"):
+            read_shard(f"{root}/iter={it:06d}/{stage}")  # committed and valid
+    v1 = read_shard(f"{root}/iter=000001/critic_values").to_pandas()
+    assert all(x == 0.0 for row in v1["values"] for x in row)  # a fresh critic's value head is zero
+    adv = read_shard(f"{root}/iter=000001/advantages").to_pandas()
+    shaped = adv.set_index("sample_id").shaped_rewards
+    # V = 0 and KL = 0 (policy == reference) in iteration 1: the last token's return is the reward
+    last_ret = adv.returns.map(lambda r: r[-1])
+    np.testing.assert_allclose(last_ret.to_numpy(), shaped.loc[adv.sample_id].to_numpy(), atol=1e-5)
+    # iteration 2 reads the critic trained in iteration 1 (values no longer all zero) and records it
+    v2 = read_shard(f"{root}/iter=000002/critic_values").to_pandas()
+    assert any(abs(x) > 1e-6 for row in v2["values"] for x in row)
+    upd2, _ = read_manifest(f"{root}/iter=000002/critic_update")
+    _, sha1 = read_manifest(f"{root}/iter=000001/critic_update")
+    assert upd2.inputs["critic"] == sha1
+    assert result.final_critic is not None and result.metrics[1]["value_loss"] > 0
+    load_critic(f"{result.final_critic.uri}/critic")  # the final critic checkpoint loads

@@ -25,7 +25,7 @@ def test_presets_load(tmp_path):
                                      r"reinforce, reinforce_baseline, gae \(got \{'estimator': 'gae_x'\}\)"),
     (["update.policy_loss.name=ppo"], "unknown policy loss; valid names: ppo_clip, dual_clip, gspo, cpgd"),
     (["update.policy_loss.name=dual_clip", "update.policy_loss.clip_c=1"], "clip_c"),
-    (["advantage.estimator=gae"], "needs critic values, and the critic stage is not built yet"),
+    (["critic.value_loss=huber"], "unknown value loss 'huber'; valid names: clipped_mse"),
     (["advantage.estimator=rloo", "advantage.scale_by_std=false"], "advantage.rloo.scale_by_std: Extra inputs"),
     (["kl.estimator=k4"], "unknown KL estimator 'k4'; valid names: k1, k2, k3"),
     (["update.loss_agg=sum"], "valid names: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-mean"),

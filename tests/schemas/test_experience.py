@@ -50,7 +50,7 @@ def _experience(seed: int = 0) -> Experience:
         return torch.where(amask, torch.randn(4, A, generator=g), torch.zeros(()))
 
     return Experience(
-        sequences=seq, action_log_probs=per_tok(), base_action_log_probs=per_tok(), values=None,
+        sequences=seq, action_log_probs=per_tok(), base_action_log_probs=per_tok(), values=per_tok(),
         returns=per_tok(), advantages=per_tok(), attention_mask=att, action_mask=amask, kl=per_tok(),
         action_entropy=per_tok().abs(),
         info={"sample_id": [f"p{i // 2}#{i % 2}" for i in range(4)], "prompt_id": [f"p{i // 2}" for i in range(4)],
@@ -98,9 +98,9 @@ def test_experience_shard_round_trip_bit_exact(tmp_path, root):
     # shuffle row order of a column group: the join on sample_id must undo it
     read["advantages"] = read["advantages"].take([3, 1, 0, 2])
     back = experience_from_tables(read["rollout"], actor=read["actor_logprobs"], ref=read["ref_logprobs"],
-                                  rewards=read["rewards"], advantages=read["advantages"])
+                                  rewards=read["rewards"], advantages=read["advantages"], critic=read["critic_values"])
     for name in ("sequences", "attention_mask", "action_mask", "action_log_probs", "base_action_log_probs", "advantages",
-                 "returns", "kl", "action_entropy"):
+                 "returns", "kl", "action_entropy", "values"):
         a, b = getattr(back, name), getattr(exp, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name  # bit-exact
     assert torch.equal(back.info["rewards"], exp.info["rewards"])
