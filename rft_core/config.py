@@ -80,6 +80,7 @@ class RolloutConfig(_Frozen):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(128, gt=0)
     batch_size: int = Field(32, gt=0, description="sequences generated at once")
+    first_token_temperature: float | None = Field(None, gt=0, description="FIRE sampling (arXiv:2410.21236): temperature of the first token only")
     seed: int = 0
 
 

@@ -27,6 +27,19 @@ class Generation:
     finish_reason: str
 
 
+class StepTemperature:
+    """Logits processor: divide by ``first_token_temperature`` at the first generated step and by
+    ``temperature`` afterwards (FIRE sampling, Chen et al. 2024, arXiv:2410.21236)."""
+
+    def __init__(self, *, prompt_len: int, first_token_temperature: float, temperature: float) -> None:
+        self.prompt_len = prompt_len
+        self.first = first_token_temperature
+        self.rest = temperature
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores / (self.first if input_ids.shape[1] == self.prompt_len else self.rest)
+
+
 class HFEngine:
     """Generates with ``model.generate`` in micro-batches of left-padded prompts.
 
@@ -55,11 +68,16 @@ class HFEngine:
         top_p: float = 1.0,
         batch_size: int = 32,
         seed: int = 0,
+        first_token_temperature: float | None = None,
     ) -> list[Generation]:
         """Sample ``n_samples_per_prompt`` responses for each prompt.
 
         Args:
             prompts: token ids of each prompt (chat template applied, no padding).
+            first_token_temperature: FIRE sampling: the first token is sampled at this
+                temperature, the rest at ``temperature``; top-p applies to both. The returned
+                log-probs are the policy's at ``temperature`` for every token (what the actor
+                stage computes), not the first token's sampling distribution.
         Returns:
             len(prompts) * n_samples_per_prompt generations, grouped by prompt in input order.
         """
@@ -71,12 +89,19 @@ class HFEngine:
             P = batch.input_ids.shape[1] - batch.num_actions
             input_ids, attention_mask = batch.input_ids[:, :P], batch.attention_mask[:, :P]
             torch.manual_seed(seed + b)
+            sampling: dict = {"temperature": temperature, "top_p": top_p}
+            if first_token_temperature is not None:
+                from transformers import LogitsProcessorList, TopPLogitsWarper
+
+                procs = [StepTemperature(prompt_len=P, first_token_temperature=first_token_temperature, temperature=temperature)]
+                if top_p < 1.0:
+                    procs.append(TopPLogitsWarper(top_p))
+                sampling = {"temperature": 1.0, "top_p": 1.0, "logits_processor": LogitsProcessorList(procs)}
             gen = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 do_sample=True,
-                temperature=temperature,
-                top_p=top_p,
+                **sampling,
                 top_k=0,
                 max_new_tokens=max_new_tokens,
                 pad_token_id=self.pad_token_id,

@@ -30,7 +30,8 @@ def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: 
         with Timer() as t:
             gens = engine.generate(prompt_ids, n_samples_per_prompt=cfg.n_samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
                                    temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
-                                   seed=cfg.seed + SEED_STRIDE * iteration)
+                                   seed=cfg.seed + SEED_STRIDE * iteration,
+                                   first_token_temperature=cfg.first_token_temperature)
         pids = table.column("prompt_id").to_pylist()
         rows = {
             "sample_id": [f"{pids[g.prompt_index]}#{g.sample_index}" for g in gens],

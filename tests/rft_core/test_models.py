@@ -177,3 +177,24 @@ def test_entropy_bonus_raises_entropy(tiny_model):
     with torch.no_grad():
         after = response_logprobs(model, b, with_entropy=True)[1][b.action_mask].mean()
     assert after > before
+
+
+def test_fire_sampling_changes_only_the_first_token(tiny_model):
+    tok = load_tokenizer(tiny_model)
+    eng = HFEngine(load_causal_lm(tiny_model), tok)
+    kw = dict(n_samples_per_prompt=8, max_new_tokens=4, batch_size=8, seed=3, temperature=1e-4)
+    plain = eng.generate([[1, 20, 30]], **kw)
+    # near-greedy everywhere: all 8 samples are the same sequence
+    assert len({tuple(g.response_token_ids) for g in plain}) == 1
+    fire = eng.generate([[1, 20, 30]], first_token_temperature=1e4, **kw)
+    firsts = [g.response_token_ids[0] for g in fire]
+    assert len(set(firsts)) >= 6  # a flat first-token distribution over ~49k tokens
+    # after the first token, decoding is near-greedy again: the same first token -> the same continuation
+    greedy_after = {}
+    for g in fire:
+        assert greedy_after.setdefault(g.response_token_ids[0], g.response_token_ids) == g.response_token_ids
+    # and the reported log-probs stay the policy's at `temperature` (what the actor stage recomputes)
+    lps = batched_response_logprobs(eng.model, [[1, 20, 30]] * 8, [g.response_token_ids for g in fire],
+                                    pad_token_id=tok.pad_token_id, temperature=1e-4)
+    for g, lp in zip(fire, lps):
+        assert g.logprobs[1:] == pytest.approx(lp[1:], abs=1e-2)
