@@ -154,6 +154,16 @@ class ReinforceBaselineAdvantage(_Frozen):
     eps: float = Field(1e-8, gt=0)
 
 
+class CPGDAdvantage(_Frozen):
+    """CPGD: group-normalised summed token rewards (population std), returns = advantages."""
+
+    estimator: Literal["cpgd"] = "cpgd"
+    weight_factor: Literal["std", "clip_filter_like", "mean"] = "std"
+    eps: float = Field(1e-6, gt=0)
+    clip_eps: float = Field(3.0, gt=0)
+    lamda: float = Field(1.0, ge=0)
+
+
 class GAEAdvantage(_Frozen):
     """GAE with a critic (needs the critic stage)."""
 
@@ -162,7 +172,8 @@ class GAEAdvantage(_Frozen):
     gae_lambda: float = Field(0.95, ge=0, le=1)
 
 
-ADVANTAGE_CONFIGS = (GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, ReinforceAdvantage, ReinforceBaselineAdvantage, GAEAdvantage)
+ADVANTAGE_CONFIGS = (GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, ReinforceAdvantage, ReinforceBaselineAdvantage,
+                     CPGDAdvantage, GAEAdvantage)
 AdvantageConfig = _tagged_union(ADVANTAGE_CONFIGS, "estimator", "grpo", "advantage estimator")
 # estimators that need critic values (and so the critic stage)
 NEEDS_CRITIC = frozenset({"gae"})
@@ -183,6 +194,9 @@ class ShapingConfig(_Frozen):
     reward_clip: float | None = Field(None, gt=0)
     advantage_whiten: bool = Field(False, description="whiten advantages over the whole rollout (cross-batch normalisation)")
     advantage_clip: float | None = Field(None, gt=0)
+    clip_filter_like_weight: bool = Field(False, description="scale advantages by clip_filter_like_weights (flat groups get lamda)")
+    clip_filter_like_clip_eps: float = Field(3.0, gt=0)
+    clip_filter_like_lamda: float = Field(1.0, ge=0)
 
 
 class TrainState(_Frozen):

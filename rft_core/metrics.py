@@ -22,6 +22,7 @@ _FROM_SUMMARY = [
     ("overlong_penalty_mean", "advantages", "overlong_penalty_mean"),
     ("reward_clip_frac", "advantages", "reward_clip_frac"),
     ("advantage_clip_frac", "advantages", "advantage_clip_frac"),
+    ("clip_filter_like_weight_mean", "advantages", "clip_filter_like_weight_mean"),
     ("response_length", "rollout", "response_length_mean"),
     ("truncated_fraction", "rollout", "truncated_fraction"),
     ("tokens_per_second", "rollout", "tokens_per_second"),

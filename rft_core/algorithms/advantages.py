@@ -15,8 +15,8 @@ AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 
-def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample group mean and unbiased group std.
+def group_stats(values: torch.Tensor, group_ids: torch.Tensor, *, unbiased: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample group mean and group std (unbiased, or the population std with ``unbiased=False``).
 
     Args:
         values: (B,) float.
@@ -36,8 +36,34 @@ def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Te
     mean = sums / counts
     centered = values - mean[inverse]
     sq = torch.zeros_like(sums).index_add_(0, inverse, centered**2)
-    var = torch.where(counts > 1, sq / (counts - 1).clamp(min=1), torch.zeros_like(sq))
+    denom = (counts - 1).clamp(min=1) if unbiased else counts
+    var = torch.where(counts > 1, sq / denom, torch.zeros_like(sq))
     return mean[inverse], var.sqrt()[inverse]
+
+
+def clip_filter_like_weights(
+    rewards: torch.Tensor, group_ids: torch.Tensor, *, clip_eps: float = 3.0, lamda: float = 1.0
+) -> torch.Tensor:
+    """Per-sample weights that make up for groups without signal (LightRFT's clip-filter-like weight).
+
+    A group whose rewards are all equal (std 0, no GRPO signal) gets weight ``lamda``; every
+    other group gets min(P / (P - P0), clip_eps), with P groups of which P0 are flat, so the
+    groups with signal carry the weight of the flat ones. All groups flat: every weight is 1.
+
+    Args:
+        rewards: (B,) float; group_ids: (B,) int.
+    Returns:
+        (B,) weights, same dtype as rewards.
+    """
+    _, std = group_stats(rewards, group_ids, unbiased=False)
+    flat = std == 0
+    uniq, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = len(uniq)
+    flat_groups = int(torch.zeros(n_groups, dtype=torch.bool).index_fill_(0, inverse[flat], True).sum()) if flat.any() else 0
+    if flat_groups == n_groups:
+        return torch.ones_like(rewards)
+    w = min(n_groups / (n_groups - flat_groups), clip_eps)
+    return torch.where(flat, torch.full_like(rewards, lamda), torch.full_like(rewards, w))
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo", "group_norm")
@@ -271,3 +297,43 @@ def gae_advantages(
         next_v = torch.where(m, v[:, t], next_v)
     returns = torch.where(action_mask, adv + v, zeros)
     return adv, returns
+
+
+@ADVANTAGE_ESTIMATORS.register("cpgd")
+def cpgd_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    token_rewards: torch.Tensor | None = None,
+    weight_factor: str = "std",
+    eps: float = 1e-6,
+    clip_eps: float = 3.0,
+    lamda: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPGD advantages (Liu et al. 2025, arXiv:2505.12504; as LightRFT computes them).
+
+    s_i = sum_t token_rewards_i,t (the outcome reward with any per-token KL penalty), then per
+    group: ``std``: (s_i - mean_g s) / (std_g s + eps) with the population std;
+    ``clip_filter_like``: (s_i - mean_g s) * clip_filter_like_weights; ``mean``: s_i - mean_g s.
+    Broadcast over the response; returns equal the advantages. The groups are the prompts of
+    the whole rollout, so a group's samples are never split (LightRFT's fast path normalised
+    each micro-batch alone, which could zero every advantage).
+
+    Raises:
+        ValueError: unknown ``weight_factor``.
+    """
+    if weight_factor not in ("std", "clip_filter_like", "mean"):
+        raise ValueError(f"unknown weight_factor {weight_factor!r}; valid: std, clip_filter_like, mean")
+    tr = token_rewards if token_rewards is not None else _outcome_token_rewards(rewards, action_mask)
+    scores = torch.where(action_mask, tr, _zeros_like_mask(action_mask, tr.dtype)).sum(-1)
+    mean, std = group_stats(scores, group_ids, unbiased=False)
+    centred = scores - mean
+    if weight_factor == "std":
+        adv = centred / (std + eps)
+    elif weight_factor == "clip_filter_like":
+        adv = centred * clip_filter_like_weights(scores, group_ids, clip_eps=clip_eps, lamda=lamda)
+    else:
+        adv = centred
+    adv = _broadcast(adv, action_mask)
+    return adv, adv.clone()

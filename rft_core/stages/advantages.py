@@ -11,7 +11,7 @@ import torch
 from rft_core.algorithms import ADVANTAGE_ESTIMATORS, kl_penalty, masked_mean, masked_whiten
 from rft_core.algorithms.shaping import RunningMoments, clip_with_fraction, normalize_rewards, overlong_penalty
 from rft_core.algorithms.kl import next_kl_coef
-from rft_core.algorithms.advantages import kl_shaped_token_rewards
+from rft_core.algorithms.advantages import clip_filter_like_weights, kl_shaped_token_rewards
 from rft_core.config import AdvantageConfig, KLConfig, ShapingConfig, TrainState, estimator_kwargs
 from rft_core.stages.common import Timer, reuse_or_compute
 from schemas import ShardRef, config_hash, read_shard, write_shard
@@ -75,6 +75,11 @@ def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shapi
             raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs critic values: run the critic_values stage")
         kwargs["values"] = exp.values
     adv, ret = fn(seq_rewards, torch.as_tensor(group_ids, dtype=torch.long), mask, **kwargs)
+    if shaping.clip_filter_like_weight:
+        w = clip_filter_like_weights(rewards, torch.as_tensor(group_ids, dtype=torch.long),
+                                     clip_eps=shaping.clip_filter_like_clip_eps, lamda=shaping.clip_filter_like_lamda)
+        adv = adv * w[:, None].to(adv.dtype)
+        metrics["clip_filter_like_weight_mean"] = float(w.mean())
     if shaping.advantage_whiten:
         adv = masked_whiten(adv, mask)
     if shaping.advantage_clip is not None:

@@ -135,6 +135,7 @@ def steps_tokens(result) -> int:
     ("dr_grpo", {"update.loss_agg": "seq-mean-token-sum-norm"}),
     ("rloo", {"update.policy_loss.name": "dual_clip"}),
     ("reinforce", {"update.entropy_top_fraction": 0.2, "update.entropy_coef": 0.01}),
+    ("cpgd", {"update.policy_loss.name": "cpgd", "shaping.clip_filter_like_weight": True}),
     ("reinforce_baseline", {"update.policy_loss.name": "gspo", "update.loss_agg": "seq-mean-token-mean"}),
 ])
 def test_each_estimator_runs_one_iteration_in_the_flow(prefect_harness, tiny_model, tmp_path, fake_rewards, estimator, extra):
@@ -150,12 +151,14 @@ def test_each_estimator_runs_one_iteration_in_the_flow(prefect_harness, tiny_mod
     assert np.isfinite(flat).all() and np.abs(flat).max() > 0
     if "update.entropy_top_fraction" in extra:  # ~20% of the response tokens were trained on
         assert steps_tokens(result) <= 0.2 * sum(len(a) for a in adv.advantages) + len(adv)
-    if estimator in ("dr_grpo", "rloo"):  # outcome estimators: zero-sum within each group
+    if estimator in ("dr_grpo", "rloo", "cpgd"):  # outcome estimators: zero-sum within each group
         firsts = adv.advantages.map(lambda a: a[0])
         assert firsts.groupby(adv.prompt_id).sum().abs().max() < 1e-5
     else:  # batch-whitened token advantages: mean 0 over all response tokens
         assert abs(flat.mean()) < 1e-4
     assert rewards.rewards.nunique() > 1
+    if "shaping.clip_filter_like_weight" in extra:
+        assert result.metrics[0]["clip_filter_like_weight_mean"] > 0
     actor = read_shard(f"{cfg.run_root}/iter=000001/actor_logprobs").to_pandas()
     assert all(len(e) == len(o) and min(e) >= 0 for e, o in zip(actor.action_entropy, actor.old_logprobs))
     assert result.metrics[0]["entropy"] > 0

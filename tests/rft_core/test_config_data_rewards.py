@@ -22,7 +22,7 @@ def test_presets_load(tmp_path):
 
 @pytest.mark.parametrize("override, match", [
     (["advantage.estimator=gae_x"], "unknown advantage estimator; valid names: grpo, group_norm, dr_grpo, rloo, "
-                                     r"reinforce, reinforce_baseline, gae \(got \{'estimator': 'gae_x'\}\)"),
+                                     r"reinforce, reinforce_baseline, cpgd, gae \(got \{'estimator': 'gae_x'\}\)"),
     (["update.policy_loss.name=ppo"], "unknown policy loss; valid names: ppo_clip, dual_clip, gspo, cpgd"),
     (["update.policy_loss.name=dual_clip", "update.policy_loss.clip_c=1"], "clip_c"),
     (["critic.value_loss=huber"], "unknown value loss 'huber'; valid names: clipped_mse"),

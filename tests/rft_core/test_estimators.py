@@ -158,7 +158,7 @@ def test_gae_reference_recurrence_ignores_masked_values():
     assert torch.equal(adv2, adv) and torch.equal(ret2, ret)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_baseline", "gae"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_baseline", "cpgd", "gae"])
 def test_every_estimator_is_finite_on_empty_rows_and_zero_there(name):
     gen, rewards, groups, mask = _rand(4)
     mask[0] = False  # an all-masked row
@@ -166,3 +166,41 @@ def test_every_estimator_is_finite_on_empty_rows_and_zero_there(name):
     adv, ret = ADVANTAGE_ESTIMATORS[name](rewards, groups, mask, **kw)
     assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
     assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
+
+
+def test_cpgd_hand_and_no_collapse():
+    from rft_core.algorithms.advantages import cpgd_advantages
+
+    # group a: scores 1, 0 -> mean 0.5, population std 0.5 -> A = +-1; group b: 2, 2 -> 0
+    rewards = torch.tensor([1.0, 0.0, 2.0, 2.0], dtype=D)
+    groups = torch.tensor([0, 0, 1, 1])
+    mask = torch.tensor([[True, True], [True, False], [True, True], [True, True]])
+    adv, ret = cpgd_advantages(rewards, groups, mask, eps=0.0 + 1e-12)
+    torch.testing.assert_close(adv, torch.tensor([[1.0, 1.0], [-1.0, 0.0], [0.0, 0.0], [0.0, 0.0]], dtype=D))
+    assert torch.equal(adv, ret)
+    # token rewards are summed first: a KL penalty of 0.25 on sample 0's two tokens -> scores 0.5, 0
+    tr = kl_shaped_token_rewards(rewards, torch.tensor([[1.0, 1.0], [0, 0], [0, 0], [0, 0]], dtype=D), mask, kl_coef=0.25)
+    adv, _ = cpgd_advantages(rewards, groups, mask, token_rewards=tr, weight_factor="mean")
+    assert adv[:, 0].tolist() == pytest.approx([0.25, -0.25, 0.0, 0.0])
+    # per prompt over the whole batch: one sample per micro-batch would give 0, here it does not
+    _, r, gids, m = _rand(5, B=16)
+    m[:, 0] = True
+    adv, _ = cpgd_advantages(r, gids, m)
+    assert adv.abs().sum() > 0
+    with pytest.raises(ValueError, match="valid: std, clip_filter_like, mean"):
+        cpgd_advantages(r, gids, m, weight_factor="z")
+
+
+def test_clip_filter_like_weights_hand():
+    from rft_core.algorithms.advantages import clip_filter_like_weights
+
+    # 4 groups, 1 flat (g2): others get min(4 / 3, 3) = 1.333, the flat one lamda = 0.5
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.5], dtype=D)
+    groups = torch.tensor([0, 0, 2, 2, 5, 5, 7, 7])
+    w = clip_filter_like_weights(rewards, groups, lamda=0.5)
+    assert w.tolist() == pytest.approx([4 / 3, 4 / 3, 0.5, 0.5, 4 / 3, 4 / 3, 4 / 3, 4 / 3])
+    # 3 of 4 flat: 4 / 1 = 4, clipped to clip_eps 3
+    w = clip_filter_like_weights(torch.tensor([1.0, 1.0, 0.0, 0.0, 2.0, 2.0, 0.0, 1.0]), groups, clip_eps=3.0)
+    assert w.tolist() == [1.0] * 6 + [3.0, 3.0]
+    # all flat: ones
+    assert clip_filter_like_weights(torch.ones(4), torch.tensor([0, 0, 1, 1]), lamda=0.1).tolist() == [1.0] * 4
