@@ -27,6 +27,22 @@ class IterationResult(BaseModel):
     metrics: dict[str, Any]
 
 
+def _dynamic_sampling(cfg: TrainConfig, iteration: int, policy: PolicyRef, out) -> tuple[ShardRef, ShardRef, ShardRef]:
+    """Rollout attempts (each with its own stage folders) until enough groups have reward
+    spread or the refills run out; then the merge stage writes prompts/rollout/rewards."""
+    target = cfg.data.prompts_per_iteration
+    attempts = []
+    for attempt in range(cfg.dynamic_sampling.max_refills + 1):
+        sfx = f"-try{attempt}"
+        p = tasks.prompts(cfg.data, cfg.policy.path, iteration, out(f"prompts{sfx}"), attempt)
+        r = tasks.rollout(p, policy, cfg.rollout, iteration, out(f"rollout{sfx}"), cfg.policy.dtype, attempt)
+        w = tasks.rewards(r, p, cfg.reward, out(f"rewards{sfx}"))
+        attempts.append((p, r, w))
+        if tasks.signal_groups([a[2] for a in attempts]) >= target:
+            break
+    return tasks.dynamic_merge(attempts, target, out("prompts"), out("rollout"), out("rewards"))
+
+
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
 def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: TrainState | None = None,
                  critic: PolicyRef | None = None) -> IterationResult:
@@ -41,11 +57,17 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
         return stage_uri(cfg.run_root, iteration, stage)
 
     dtype, temp = cfg.policy.dtype, cfg.rollout.temperature
-    prompts = tasks.prompts(cfg.data, cfg.policy.path, iteration, out("prompts"))
-    rollout = tasks.rollout(prompts, policy, cfg.rollout, iteration, out("rollout"), dtype)
+    futures = {}
+    if cfg.dynamic_sampling.enabled:
+        prompts, rollout, rewards = _dynamic_sampling(cfg, iteration, policy, out)
+    else:
+        prompts = tasks.prompts(cfg.data, cfg.policy.path, iteration, out("prompts"))
+        rollout = tasks.rollout(prompts, policy, cfg.rollout, iteration, out("rollout"), dtype)
+        rewards = None
 
     # independent of each other: submitted together, run concurrently
-    futures = {"rewards": tasks.rewards.submit(rollout, prompts, cfg.reward, out("rewards"))}
+    if rewards is None:
+        futures["rewards"] = tasks.rewards.submit(rollout, prompts, cfg.reward, out("rewards"))
     if cfg.logprobs.recompute_old_logprobs:
         futures["actor_logprobs"] = tasks.actor_logprobs.submit(rollout, policy, cfg.logprobs, temp, out("actor_logprobs"), dtype)
     if cfg.needs_critic:
@@ -55,6 +77,8 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
         futures["ref_logprobs"] = tasks.ref_logprobs.submit(rollout, cfg.reference_model.path, cfg.logprobs, temp,
                                                             out("ref_logprobs"), cfg.reference_model.dtype)
     parts = {name: f.result() for name, f in futures.items()}
+    if rewards is not None:
+        parts["rewards"] = rewards
     actor, ref, values = parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
 
     adv = tasks.advantages(rollout, parts["rewards"], actor, ref, values, kl, cfg.advantage, cfg.shaping, state,

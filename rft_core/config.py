@@ -199,6 +199,14 @@ class ShapingConfig(_Frozen):
     clip_filter_like_lamda: float = Field(1.0, ge=0)
 
 
+class DynamicSamplingConfig(_Frozen):
+    """Dynamic sampling (DAPO, arXiv:2503.14476 sec. 3.2): drop groups whose rewards are all
+    equal (no GRPO signal) and refill with new prompts until the batch is full."""
+
+    enabled: bool = False
+    max_refills: int = Field(3, ge=0, description="extra rollout attempts per iteration at most")
+
+
 class TrainState(_Frozen):
     """What one iteration hands to the next besides the policy: the KL coefficient and the
     running reward statistics. Stored in each advantages manifest (``next_state``), so a
@@ -323,6 +331,7 @@ class TrainConfig(_Frozen):
     kl: KLConfig = KLConfig()
     advantage: AdvantageConfig = GRPOAdvantage()
     shaping: ShapingConfig = ShapingConfig()
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     logprobs: LogprobConfig = LogprobConfig()
     update: UpdateConfig = UpdateConfig()
     critic: CriticConfig = CriticConfig()

@@ -35,6 +35,10 @@ _FROM_SUMMARY = [
     ("approx_kl", "ppo_update", "approx_kl"),
     ("grad_norm", "ppo_update", "grad_norm"),
     ("skipped_overlong", "prompts", "skipped_overlong"),
+    ("dynamic_groups_kept", "rewards", "groups_kept"),
+    ("dynamic_groups_dropped", "rewards", "groups_dropped"),
+    ("dynamic_refills", "rewards", "refills"),
+    ("dynamic_shortfall", "rewards", "shortfall"),
 ]
 
 

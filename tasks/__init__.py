@@ -14,7 +14,9 @@ from tasks.stages import (
     ref_logprobs,
     rewards,
     rollout,
+    dynamic_merge,
+    signal_groups,
 )
 
-__all__ = ["actor_logprobs", "advantages", "critic_update", "critic_values", "ppo_update", "prompts", "ref_logprobs",
-           "rewards", "rollout"]
+__all__ = ["actor_logprobs", "advantages", "critic_update", "critic_values", "dynamic_merge", "ppo_update", "prompts",
+           "ref_logprobs", "rewards", "rollout", "signal_groups"]

@@ -26,15 +26,30 @@ _opts = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
 @task(name="prompts", tags=["cpu"], **_opts)
-def prompts(cfg: DataConfig, tokenizer_path: str, iteration: int, out: str) -> ShardRef:
+def prompts(cfg: DataConfig, tokenizer_path: str, iteration: int, out: str, attempt: int = 0) -> ShardRef:
     """Select and tokenize the iteration's prompts; writes the `prompts` column group."""
-    return stages.prompts.run(cfg, tokenizer_path=tokenizer_path, iteration=iteration, out=out)
+    return stages.prompts.run(cfg, tokenizer_path=tokenizer_path, iteration=iteration, out=out, attempt=attempt)
 
 
 @task(name="rollout", tags=["gpu"], retries=1, **_opts)
-def rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str) -> ShardRef:
+def rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str,
+            attempt: int = 0) -> ShardRef:
     """Sample a group of responses per prompt; writes the `rollout` column group."""
-    return stages.rollout.run(prompts, policy, cfg, iteration=iteration, out=out, dtype=dtype)
+    return stages.rollout.run(prompts, policy, cfg, iteration=iteration, out=out, dtype=dtype, attempt=attempt)
+
+
+@task(name="signal_groups", tags=["cpu"], **_opts)
+def signal_groups(attempt_rewards: list[ShardRef]) -> int:
+    """Dynamic sampling: how many distinct groups with reward spread the attempts hold."""
+    return stages.dynamic.count_signal_groups(attempt_rewards)
+
+
+@task(name="dynamic_merge", tags=["cpu"], **_opts)
+def dynamic_merge(attempts: list[tuple[ShardRef, ShardRef, ShardRef]], target_groups: int, out_prompts: str,
+                  out_rollout: str, out_rewards: str) -> tuple[ShardRef, ShardRef, ShardRef]:
+    """Dynamic sampling: the kept groups of all attempts as the iteration's prompts/rollout/rewards."""
+    return stages.dynamic.run_merge(attempts, target_groups=target_groups, out_prompts=out_prompts,
+                                    out_rollout=out_rollout, out_rewards=out_rewards)
 
 
 @task(name="actor_logprobs", tags=["gpu"], retries=1, **_opts)

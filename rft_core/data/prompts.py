@@ -59,6 +59,16 @@ def iteration_indices(iteration: int, *, per_iteration: int, size: int, seed: in
     return out
 
 
+def refill_indices(iteration: int, attempt: int, *, per_iteration: int, size: int, seed: int) -> list[int]:
+    """Dataset indices for dynamic-sampling refill ``attempt`` (>= 1) of ``iteration``: a stream
+    separate from the main order (PCG64 seeded with (seed, 1, iteration, attempt)), so refills
+    never shift which prompts later iterations get."""
+    if attempt < 1:
+        raise ValueError(f"refill attempts are numbered from 1, got {attempt}")
+    rng = np.random.Generator(np.random.PCG64([seed, 1, iteration, attempt]))
+    return [int(i) for i in rng.choice(size, size=min(per_iteration, size), replace=False)]
+
+
 @dataclass
 class PromptBatch:
     """The prompts of one iteration as an Arrow table plus what was skipped."""

@@ -4,6 +4,6 @@ Each ``run`` first checks for a committed manifest with the same config hash at 
 and returns that ShardRef without recomputing; otherwise it computes and commits. They never
 import prefect: tasks call them in-process, and they can run in another environment.
 """
-from rft_core.stages import advantages, critic, logprobs, prompts, rewards, rollout, update
+from rft_core.stages import advantages, critic, dynamic, logprobs, prompts, rewards, rollout, update
 
-__all__ = ["advantages", "critic", "logprobs", "prompts", "rewards", "rollout", "update"]
+__all__ = ["advantages", "critic", "dynamic", "logprobs", "prompts", "rewards", "rollout", "update"]

@@ -2,26 +2,29 @@
 from __future__ import annotations
 
 from rft_core.config import DataConfig
-from rft_core.data.prompts import DatasetError, build_prompts, iteration_indices, load_task
+from rft_core.data.prompts import DatasetError, build_prompts, iteration_indices, load_task, refill_indices
 from rft_core.models.loading import load_tokenizer
 from rft_core.stages.common import Timer, reuse_or_compute
 from schemas import ShardRef, config_hash, write_shard
 from schemas.columns import PROMPTS
 
 
-def run(cfg: DataConfig, *, tokenizer_path: str, iteration: int, out: str) -> ShardRef:
-    """Write the prompts of ``iteration`` (1-based) to ``out``.
+def run(cfg: DataConfig, *, tokenizer_path: str, iteration: int, out: str, attempt: int = 0) -> ShardRef:
+    """Write the prompts of ``iteration`` (1-based) to ``out``; ``attempt`` >= 1 takes the
+    dynamic-sampling refill stream instead of the main data order.
 
     Raises:
         DatasetError: bad task, bad row, or (overlong_prompts="error") an overlong prompt.
         ShardError: ``out`` is committed with another config.
     """
-    chash = config_hash("prompts", cfg, tokenizer_path, iteration)
+    chash = config_hash("prompts", cfg, tokenizer_path, iteration, *([attempt] if attempt else []))
 
     def compute() -> ShardRef:
         with Timer() as t:
             ds = load_task(cfg.task, size=cfg.size, seed=cfg.seed, task_config=cfg.task_config)
-            idx = iteration_indices(iteration, per_iteration=cfg.prompts_per_iteration, size=cfg.size, seed=cfg.seed)
+            idx = (iteration_indices(iteration, per_iteration=cfg.prompts_per_iteration, size=cfg.size, seed=cfg.seed)
+                   if attempt == 0 else
+                   refill_indices(iteration, attempt, per_iteration=cfg.prompts_per_iteration, size=cfg.size, seed=cfg.seed))
             tok = load_tokenizer(tokenizer_path)
             batch = build_prompts([(i, ds[i]) for i in idx], tok, data_source=cfg.task, system_prompt=cfg.system_prompt,
                                   max_prompt_tokens=cfg.max_prompt_tokens, overlong=cfg.overlong_prompts)

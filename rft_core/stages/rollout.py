@@ -11,14 +11,17 @@ from schemas import ShardRef, config_hash, read_shard, write_shard
 from schemas.columns import ROLLOUT
 
 SEED_STRIDE = 100_003  # iteration i samples with seed + i * stride: distinct, reproducible streams
+ATTEMPT_STRIDE = 7_919  # dynamic-sampling refill attempts: another offset
 
 
-def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: int, out: str, dtype: str = "float32") -> ShardRef:
+def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: int, out: str, dtype: str = "float32",
+        attempt: int = 0) -> ShardRef:
     """Generate ``cfg.n_samples_per_prompt`` responses per prompt; write the rollout shard.
 
-    sample_id = ``{prompt_id}#{k}`` with k the sample's index in its group.
+    sample_id = ``{prompt_id}#{k}`` with k the sample's index in its group. Dynamic-sampling
+    refill ``attempt`` k samples with its own seed.
     """
-    chash = config_hash("rollout", cfg, prompts, policy, iteration, dtype)
+    chash = config_hash("rollout", cfg, prompts, policy, iteration, dtype, *([attempt] if attempt else []))
 
     def compute() -> ShardRef:
         table = read_shard(prompts, stage="prompts")
@@ -30,7 +33,7 @@ def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: 
         with Timer() as t:
             gens = engine.generate(prompt_ids, n_samples_per_prompt=cfg.n_samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
                                    temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
-                                   seed=cfg.seed + SEED_STRIDE * iteration,
+                                   seed=cfg.seed + SEED_STRIDE * iteration + ATTEMPT_STRIDE * attempt,
                                    first_token_temperature=cfg.first_token_temperature)
         pids = table.column("prompt_id").to_pylist()
         rows = {

@@ -219,3 +219,31 @@ def test_ppo_with_critic_gae_two_iterations(prefect_harness, tiny_model, tmp_pat
     assert upd2.inputs["critic"] == sha1
     assert result.final_critic is not None and result.metrics[1]["value_loss"] > 0
     load_critic(f"{result.final_critic.uri}/critic")  # the final critic checkpoint loads
+
+
+def test_dynamic_sampling_keeps_only_groups_with_signal(prefect_harness, tiny_model, tmp_path, monkeypatch):
+    import numpy as np
+
+    from flows.train import train
+    from rft_core.rewards.math import RewardResult
+
+    def score(text, **kw):  # a prompt's group has spread only for some prompts: reward by prompt parity
+        r = float(zlib.crc32(kw["question"].encode()) % 2) * float(zlib.crc32(text.encode()) % 2)
+        return RewardResult(r, r >= 1.0, None, {"correctness": r, "format": 0.0})
+
+    monkeypatch.setattr("rft_core.stages.rewards.score_response", score)
+    cfg = _cfg(tiny_model, tmp_path / "run", iterations=1, **{"dynamic_sampling.enabled": True,
+                                                              "dynamic_sampling.max_refills": 3})
+    result = train(cfg)
+    m = result.metrics[0]
+    root = Path(cfg.run_root) / "iter=000001"
+    tries = sorted(p.name for p in root.iterdir() if p.name.startswith("rewards-try"))
+    assert len(tries) == m["dynamic_refills"] + 1 >= 1
+    rewards = read_shard(str(root / "rewards")).to_pandas()
+    rollout = read_shard(str(root / "rollout")).to_pandas()
+    # every kept group has reward spread, and the three merged shards agree
+    assert (rewards.groupby("prompt_id").rewards.nunique() > 1).all()
+    assert set(rollout.prompt_id) == set(rewards.prompt_id) == set(read_shard(str(root / "prompts")).to_pandas().prompt_id)
+    assert m["dynamic_groups_kept"] == rewards.prompt_id.nunique() == 3 - m["dynamic_shortfall"]
+    flat = np.concatenate([np.asarray(a) for a in read_shard(str(root / "advantages")).to_pandas().advantages])
+    assert np.abs(flat).max() > 0 and read_shard(str(root / "ppo_update")).num_rows == 1

@@ -1,0 +1,121 @@
+"""Dynamic sampling: keep only groups whose rewards differ, across rollout attempts.
+
+Each attempt has its own committed prompts/rollout/rewards shards (``prompts-try0`` ...);
+the merge stage writes the usual ``prompts``, ``rollout`` and ``rewards`` shards holding the
+kept groups, so every later stage is unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rft_core.stages.common import reuse_or_compute
+from schemas import ShardRef, config_hash, read_manifest, read_shard, write_shard
+from schemas.columns import PROMPTS, REWARDS, ROLLOUT
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which groups to keep: (attempt index, prompt_id) in order, plus the bookkeeping."""
+
+    kept: list[tuple[int, str]]
+    dropped_flat: int
+    duplicates: int
+    shortfall: int
+    fallback: bool
+
+
+def signal_prompt_ids(rewards: pa.Table) -> list[str]:
+    """prompt_ids (first-seen order) whose samples got more than one distinct reward."""
+    seen: dict[str, set] = {}
+    for pid, r in zip(rewards.column("prompt_id").to_pylist(), rewards.column("rewards").to_pylist()):
+        seen.setdefault(pid, set()).add(r)
+    return [pid for pid, vals in seen.items() if len(vals) > 1]
+
+
+def select_groups(attempt_rewards: list[pa.Table], target: int) -> Selection:
+    """Keep the first ``target`` groups with reward spread, attempt by attempt; a prompt that
+    reappears in a later attempt is skipped. With no group kept at all, fall back to every
+    group of attempt 0 (their advantages are zero: nothing to learn, nothing divided by zero).
+    """
+    kept: list[tuple[int, str]] = []
+    used: set[str] = set()
+    dropped = dups = 0
+    for a, table in enumerate(attempt_rewards):
+        signal = set(signal_prompt_ids(table))
+        for pid in dict.fromkeys(table.column("prompt_id").to_pylist()):
+            if pid in used:
+                dups += 1
+            elif pid not in signal:
+                dropped += 1
+            elif len(kept) < target:
+                kept.append((a, pid))
+                used.add(pid)
+    if not kept:
+        first = list(dict.fromkeys(attempt_rewards[0].column("prompt_id").to_pylist()))
+        return Selection([(0, pid) for pid in first], dropped, dups, target, True)
+    return Selection(kept, dropped, dups, max(target - len(kept), 0), False)
+
+
+def count_signal_groups(attempt_rewards: list[ShardRef]) -> int:
+    """Distinct prompt_ids with reward spread over all attempts so far."""
+    ids: set[str] = set()
+    for ref in attempt_rewards:
+        ids |= set(signal_prompt_ids(read_shard(ref, stage="rewards")))
+    return len(ids)
+
+
+def _take(tables: list[pa.Table], kept: list[tuple[int, str]]) -> pa.Table:
+    parts = []
+    for a, pid in kept:
+        t = tables[a]
+        parts.append(t.filter(pc.equal(t.column("prompt_id"), pid)))
+    return pa.concat_tables(parts)
+
+
+def run_merge(attempts: list[tuple[ShardRef, ShardRef, ShardRef]], *, target_groups: int, out_prompts: str,
+              out_rollout: str, out_rewards: str) -> tuple[ShardRef, ShardRef, ShardRef]:
+    """Write the kept groups of all (prompts, rollout, rewards) attempts as three shards."""
+    flat_refs = [ref for triple in attempts for ref in triple]
+    summary_cache: dict = {}
+
+    def selection() -> Selection:
+        if "sel" not in summary_cache:
+            summary_cache["sel"] = select_groups([read_shard(w, stage="rewards") for _, _, w in attempts], target_groups)
+        return summary_cache["sel"]
+
+    def merged(stage: str, schema, index: int, out: str) -> ShardRef:
+        chash = config_hash("dynamic_merge", stage, target_groups, flat_refs)
+
+        def compute() -> ShardRef:
+            sel = selection()
+            table = _take([read_shard(t[index], stage=stage) for t in attempts], sel.kept)
+            summary = {"groups_kept": len(sel.kept), "groups_dropped": sel.dropped_flat, "duplicate_groups": sel.duplicates,
+                       "refills": len(attempts) - 1, "shortfall": sel.shortfall, "fallback_unfiltered": sel.fallback}
+            tries = [read_manifest(t[index].uri)[0].summary for t in attempts]
+            if stage == "rollout":  # the usual rollout summary: lengths of the kept samples, speed of all attempts
+                lengths = pc.list_value_length(table.column("response_token_ids")).to_pylist()
+                gen = sum(s.get("generated_tokens", 0) for s in tries)
+                secs = sum(s.get("seconds", 0.0) for s in tries)
+                summary.update(seconds=secs, generated_tokens=gen, tokens_per_second=gen / max(secs, 1e-9),
+                               response_length_mean=sum(lengths) / max(len(lengths), 1),
+                               truncated_fraction=sum(f == "length" for f in table.column("finish_reason").to_pylist())
+                               / max(len(lengths), 1))
+            if stage == "prompts":
+                summary.update(seconds=sum(s.get("seconds", 0.0) for s in tries),
+                               skipped_overlong=sum(s.get("skipped_overlong", 0) for s in tries))
+            if stage == "rewards":  # the usual rewards summary, over the kept samples
+                r = table.column("rewards").to_pylist()
+                n = max(len(r), 1)
+                summary.update(reward_mean=sum(r) / n, accuracy=sum(table.column("correct").to_pylist()) / n,
+                               format_rate=sum(m.get("format", 0.0) for m in map(dict, table.column("reward_metrics").to_pylist())) / n,
+                               seconds=sum(s.get("seconds", 0.0) for s in tries))
+            return write_shard(table, out, schema=schema, config_hash=chash, summary=summary,
+                               inputs={f"{stage}-try{a}": t[index] for a, t in enumerate(attempts)})
+
+        return reuse_or_compute(stage, out, chash, compute)
+
+    return (merged("prompts", PROMPTS, 0, out_prompts), merged("rollout", ROLLOUT, 1, out_rollout),
+            merged("rewards", REWARDS, 2, out_rewards))
