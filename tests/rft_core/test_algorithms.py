@@ -329,3 +329,23 @@ def test_clipped_value_loss_hand_and_loop():
             vc = old[b, t].item() + max(min(v[b, t].item() - old[b, t].item(), 0.3), -0.3)
             want = 0.5 * max((v[b, t].item() - ret[b, t].item()) ** 2, (vc - ret[b, t].item()) ** 2)
             assert out[b, t].item() == pytest.approx(want, abs=1e-12)
+
+
+def test_dual_clip_and_cpgd_losses_against_float64_loop():
+    g = torch.Generator().manual_seed(10)
+    B, T = 6, 7
+    lp = -torch.rand(B, T, generator=g, dtype=D)
+    old = lp + 0.8 * torch.randn(B, T, generator=g, dtype=D)  # large ratios: every branch is hit
+    adv = torch.randn(B, T, generator=g, dtype=D)
+    mask = torch.rand(B, T, generator=g) > 0.25
+    dual = POLICY_LOSSES["dual_clip"](lp, old, adv, mask, clip_low=0.2, clip_high=0.3, clip_c=2.5).token_loss
+    cpgd = POLICY_LOSSES["cpgd"](lp, old, adv, mask, clip_low=0.2, clip_high=0.3).token_loss
+    for b in range(B):
+        for t in range(T):
+            x = lp[b, t].item() - old[b, t].item()
+            r, a = math.exp(x), adv[b, t].item()
+            ppo = -min(r * a, min(max(r, 0.8), 1.3) * a)
+            want_dual = min(ppo, -2.5 * a) if a < 0 else ppo
+            want_cpgd = -min(x * a, min(max(x, math.log(0.8)), math.log(1.3)) * a)
+            assert dual[b, t].item() == pytest.approx(want_dual if mask[b, t] else 0.0, abs=1e-12)
+            assert cpgd[b, t].item() == pytest.approx(want_cpgd if mask[b, t] else 0.0, abs=1e-12)

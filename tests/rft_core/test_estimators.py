@@ -204,3 +204,37 @@ def test_clip_filter_like_weights_hand():
     assert w.tolist() == [1.0] * 6 + [3.0, 3.0]
     # all flat: ones
     assert clip_filter_like_weights(torch.ones(4), torch.tensor([0, 0, 1, 1]), lamda=0.1).tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("weight_factor", ["std", "clip_filter_like", "mean"])
+def test_dr_grpo_and_cpgd_against_float64_loop(weight_factor):
+    from rft_core.algorithms.advantages import cpgd_advantages
+
+    gen, rewards, groups, mask = _rand(6, B=14)
+    kl = torch.rand(mask.shape, generator=gen, dtype=D)
+    tr = kl_shaped_token_rewards(rewards, kl, mask, kl_coef=0.3)
+    adv, _ = cpgd_advantages(rewards, groups, mask, token_rewards=tr, weight_factor=weight_factor, eps=1e-6, clip_eps=3.0, lamda=0.5)
+    dr, _ = dr_grpo_advantages(rewards, groups, mask)
+    B, T = mask.shape
+    scores = [sum(tr[b, t].item() for t in range(T) if mask[b, t]) for b in range(B)]
+    gids = sorted(set(groups.tolist()))
+    members = {g: [b for b in range(B) if groups[b] == g] for g in gids}
+    flat = {g: len({round(scores[b], 12) for b in members[g]}) == 1 for g in gids}
+    n_flat = sum(flat.values())
+    w_signal = min(len(gids) / (len(gids) - n_flat), 3.0) if n_flat < len(gids) else 1.0
+    for b in range(B):
+        g = groups[b].item()
+        s = [scores[j] for j in members[g]]
+        mean = sum(s) / len(s)
+        std = (sum((x - mean) ** 2 for x in s) / len(s)) ** 0.5  # population std
+        if weight_factor == "std":
+            want = (scores[b] - mean) / (std + 1e-6)
+        elif weight_factor == "clip_filter_like":
+            w = 1.0 if n_flat == len(gids) else (0.5 if flat[g] else w_signal)
+            want = (scores[b] - mean) * w
+        else:
+            want = scores[b] - mean
+        r = [rewards[j].item() for j in members[g]]
+        for t in range(T):
+            assert adv[b, t].item() == pytest.approx(want if mask[b, t] else 0.0, abs=1e-9)
+            assert dr[b, t].item() == pytest.approx(rewards[b].item() - sum(r) / len(r) if mask[b, t] else 0.0, abs=1e-12)
