@@ -1,0 +1,61 @@
+"""Offline replay: rerun the downstream stages (advantages, update) of a saved run with other
+settings, into a new run folder, without generating anything."""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from pydantic import BaseModel, ConfigDict
+
+import tasks
+from rft_core.config import TrainConfig, TrainState
+from rft_core.metrics import format_metrics_line, iteration_metrics, write_metrics
+from rft_core.replay import replay_sources, write_replay_record
+from schemas import ShardRef, read_manifest, stage_uri
+
+
+class ReplayResult(BaseModel):
+    """Where the replayed run is."""
+
+    model_config = ConfigDict(frozen=True)
+    run_root: str
+    source_run_root: str
+    final_policy: ShardRef
+    metrics: list[dict[str, Any]]
+
+
+@flow(name="rft-replay", flow_run_name="replay-{cfg.name}")
+def replay(source_run_root: str, cfg: TrainConfig) -> ReplayResult:
+    """For iterations 1..cfg.iterations, read the source run's prompts, rollout, log-prob and
+    reward shards and run advantages + ppo_update with ``cfg`` under ``cfg.run_root``.
+
+    The update of iteration i starts from the replay's own checkpoint of iteration i-1 (the
+    initial policy for i = 1); old log-probs are the source's, so for i > 1 the ratio corrects
+    for the policy difference like any off-policy PPO step.
+
+    Raises:
+        ShardNotCommittedError / ValueError: the source lacks a needed shard (e.g. ref_logprobs
+            for a KL coefficient > 0), named in the message.
+    """
+    logger = get_run_logger()
+    write_replay_record(cfg.run_root, source_run_root, cfg)
+    policy: str | ShardRef = cfg.policy.path
+    state: TrainState = cfg.initial_state
+    rows = []
+    for i in range(1, cfg.iterations + 1):
+        src = replay_sources(source_run_root, i, cfg)
+        kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
+        adv = tasks.advantages(src["rollout"], src["rewards"], src.get("actor_logprobs"), src.get("ref_logprobs"),
+                               src.get("critic_values"), kl, cfg.advantage, cfg.shaping, state,
+                               cfg.rollout.max_new_tokens, stage_uri(cfg.run_root, i, "advantages"))
+        policy = tasks.ppo_update(src["rollout"], adv, src.get("actor_logprobs"), src.get("ref_logprobs"), policy,
+                                  cfg.update, kl, cfg.rollout.temperature, stage_uri(cfg.run_root, i, "ppo_update"),
+                                  cfg.policy.dtype)
+        state = TrainState.model_validate(read_manifest(adv.uri)[0].summary["next_state"])
+        m = iteration_metrics(i, {**src, "advantages": adv, "ppo_update": policy})
+        rows.append(m)
+        write_metrics(cfg.run_root, rows)
+        logger.info("replay " + format_metrics_line(m))
+    create_table_artifact(key="replay-metrics", table=rows, description=f"Replay of {source_run_root} into {cfg.run_root}")
+    return ReplayResult(run_root=cfg.run_root, source_run_root=source_run_root, final_policy=policy, metrics=rows)

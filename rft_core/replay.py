@@ -1,0 +1,56 @@
+"""What a replay reads from a saved run, and the record it leaves in the new run folder."""
+from __future__ import annotations
+
+import json
+
+import fsspec
+
+from rft_core.config import TrainConfig
+from schemas import ShardNotCommittedError, ShardRef, committed_ref, read_manifest, stage_uri
+
+REPLAY_RECORD = "_REPLAY.json"
+
+
+def _ref(uri: str, stage: str) -> ShardRef | None:
+    try:
+        manifest, _ = read_manifest(uri)
+    except ShardNotCommittedError:
+        return None
+    return committed_ref(uri, stage=stage, config_hash=manifest.config_hash)
+
+
+def replay_sources(source_run_root: str, iteration: int, cfg: TrainConfig) -> dict[str, ShardRef]:
+    """Committed upstream shards of ``iteration`` in the source run that ``cfg`` needs.
+
+    Returns:
+        {"prompts", "rollout", "rewards"} plus "actor_logprobs", "ref_logprobs",
+        "critic_values" when present.
+    Raises:
+        ShardNotCommittedError: prompts, rollout or rewards missing.
+        ValueError: ``cfg`` needs ref_logprobs (kl_coef > 0) or critic values (gae) that the
+            source run did not compute.
+    """
+    out: dict[str, ShardRef] = {}
+    for stage in ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "critic_values"):
+        ref = _ref(stage_uri(source_run_root, iteration, stage), stage)
+        if ref is not None:
+            out[stage] = ref
+    for need in ("prompts", "rollout", "rewards"):
+        if need not in out:
+            raise ShardNotCommittedError(f"{stage_uri(source_run_root, iteration, need)}: not committed; nothing to replay")
+    if cfg.kl.needs_reference and "ref_logprobs" not in out:
+        raise ValueError(f"kl.kl_coef > 0 needs ref_logprobs, which {source_run_root} iteration {iteration} does not have")
+    if cfg.needs_critic and "critic_values" not in out:
+        raise ValueError(f"advantage.estimator={cfg.advantage.estimator} needs critic values, which "
+                         f"{source_run_root} iteration {iteration} does not have")
+    if not cfg.kl.needs_reference:
+        out.pop("ref_logprobs", None)
+    return out
+
+
+def write_replay_record(run_root: str, source_run_root: str, cfg: TrainConfig) -> None:
+    """``{run_root}/_REPLAY.json``: the source run and the settings of this replay."""
+    fs, path = fsspec.core.url_to_fs(f"{run_root.rstrip('/')}/{REPLAY_RECORD}")
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, json.dumps({"source_run_root": source_run_root, "config": cfg.model_dump(mode="json")},
+                                  indent=1).encode())
