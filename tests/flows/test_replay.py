@@ -5,18 +5,18 @@ import numpy as np
 import pytest
 
 from schemas import read_shard
-from tests.flows.test_train_flow import _cfg, fake_rewards  # noqa: F401  (fixture)
+from tests.flows.conftest import flow_cfg
 
 
-def test_replay_with_other_estimator_matches_direct_run(prefect_harness, tiny_model, tmp_path, fake_rewards):  # noqa: F811
+def test_replay_with_other_estimator_matches_direct_run(prefect_harness, tiny_model, tmp_path, fake_rewards):
     from flows.replay import replay
     from flows.train import train
 
-    grpo = _cfg(tiny_model, tmp_path / "grpo", iterations=2)
+    grpo = flow_cfg(tiny_model, tmp_path / "grpo", iterations=2)
     train(grpo)
-    rloo_direct = _cfg(tiny_model, tmp_path / "rloo", iterations=1, **{"advantage.estimator": "rloo"})
+    rloo_direct = flow_cfg(tiny_model, tmp_path / "rloo", iterations=1, **{"advantage.estimator": "rloo"})
     train(rloo_direct)
-    rloo_replay = _cfg(tiny_model, tmp_path / "replay", iterations=2, **{"advantage.estimator": "rloo", "update.lr": 2e-3})
+    rloo_replay = flow_cfg(tiny_model, tmp_path / "replay", iterations=2, **{"advantage.estimator": "rloo", "update.lr": 2e-3})
     result = replay(grpo.run_root, rloo_replay)
     # iteration 1: same rollout (same seeds, same initial policy) -> the replayed advantages are the direct run's
     a = read_shard(f"{rloo_direct.run_root}/iter=000001/advantages").to_pandas().set_index("sample_id")
@@ -32,17 +32,17 @@ def test_replay_with_other_estimator_matches_direct_run(prefect_harness, tiny_mo
     assert read_shard(f"{result.final_policy.uri}").num_rows == 1
 
 
-def test_replay_refuses_missing_inputs(prefect_harness, tiny_model, tmp_path, fake_rewards):  # noqa: F811
+def test_replay_refuses_missing_inputs(prefect_harness, tiny_model, tmp_path, fake_rewards):
     from flows.replay import replay
     from flows.train import train
 
-    src = _cfg(tiny_model, tmp_path / "src", iterations=1, **{"kl.kl_coef": 0.0})
+    src = flow_cfg(tiny_model, tmp_path / "src", iterations=1, **{"kl.kl_coef": 0.0})
     train(src)
     with pytest.raises(ValueError, match="needs ref_logprobs"):
-        replay(src.run_root, _cfg(tiny_model, tmp_path / "r1", iterations=1, **{"kl.kl_coef": 0.1}))
+        replay(src.run_root, flow_cfg(tiny_model, tmp_path / "r1", iterations=1, **{"kl.kl_coef": 0.1}))
     with pytest.raises(ValueError, match="needs critic values"):
-        replay(src.run_root, _cfg(tiny_model, tmp_path / "r2", iterations=1, **{"kl.kl_coef": 0.0, "advantage.estimator": "gae"}))
+        replay(src.run_root, flow_cfg(tiny_model, tmp_path / "r2", iterations=1, **{"kl.kl_coef": 0.0, "advantage.estimator": "gae"}))
     from schemas import ShardNotCommittedError
 
     with pytest.raises(ShardNotCommittedError, match="nothing to replay"):
-        replay(src.run_root, _cfg(tiny_model, tmp_path / "r3", iterations=2, **{"kl.kl_coef": 0.0}))
+        replay(src.run_root, flow_cfg(tiny_model, tmp_path / "r3", iterations=2, **{"kl.kl_coef": 0.0}))

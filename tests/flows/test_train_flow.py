@@ -11,34 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rft_core.config import load_config
 from rft_core.models.loading import load_causal_lm
 from schemas import read_manifest, read_shard
+from tests.flows.conftest import flow_cfg
 
 STAGES = ["prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update"]
-
-
-def _fake_score(text, **kw):
-    """Deterministic reward spread for a random model that never answers right: crc32 parity."""
-    from rft_core.rewards.math import RewardResult
-
-    r = float(zlib.crc32(text.encode()) % 2)
-    return RewardResult(r, r >= 1.0, None, {"correctness": r, "format": 0.0})
-
-
-@pytest.fixture
-def fake_rewards(monkeypatch):
-    monkeypatch.setattr("rft_core.stages.rewards.score_response", _fake_score)
-
-
-def _cfg(tiny_model, run_root, **extra):
-    overrides = {
-        "name": "flow-test", "run_root": str(run_root), "iterations": 2, "policy.path": tiny_model,
-        "data.prompts_per_iteration": 3, "data.size": 50, "rollout.n_samples_per_prompt": 4,
-        "rollout.max_new_tokens": 6, "rollout.batch_size": 8, "kl.kl_coef": 0.05, "update.lr": 1e-3,
-        "update.micro_batch_size": 4, **extra,
-    }
-    return load_config(None, overrides)
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
@@ -49,7 +26,7 @@ def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
 def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path, fake_rewards):
     from flows.train import train
 
-    cfg = _cfg(tiny_model, tmp_path / "run")
+    cfg = flow_cfg(tiny_model, tmp_path / "run")
     result = train(cfg)
     assert [m["iteration"] for m in result.metrics] == [1, 2]
     for it in (1, 2):
@@ -85,7 +62,7 @@ def test_crash_in_update_then_resume_reuses_committed_stages(prefect_harness, ti
     from flows.train import train
     from rft_core.stages import update as update_stage
 
-    cfg = _cfg(tiny_model, tmp_path / "run", iterations=2)
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=2)
     real = update_stage.ppo_update
     calls = {"n": 0}
 
@@ -118,11 +95,11 @@ def test_changed_config_does_not_overwrite_committed_run(prefect_harness, tiny_m
     from flows.train import train
     from schemas.shards import StaleShardError
 
-    cfg = _cfg(tiny_model, tmp_path / "run", iterations=1)
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=1)
     train(cfg)
     before = _snapshot(Path(cfg.run_root))
     with pytest.raises(StaleShardError, match="Use a new run root"):
-        train(_cfg(tiny_model, tmp_path / "run", iterations=1, **{"rollout.temperature": 0.5}))
+        train(flow_cfg(tiny_model, tmp_path / "run", iterations=1, **{"rollout.temperature": 0.5}))
     after = _snapshot(Path(cfg.run_root))
     assert {k: v for k, v in after.items() if k != "metrics.jsonl"} == {k: v for k, v in before.items() if k != "metrics.jsonl"}
 
@@ -143,7 +120,7 @@ def test_each_estimator_runs_one_iteration_in_the_flow(prefect_harness, tiny_mod
 
     from flows.train import train
 
-    cfg = _cfg(tiny_model, tmp_path / "run", iterations=1, **{"advantage.estimator": estimator, **extra})
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=1, **{"advantage.estimator": estimator, **extra})
     result = train(cfg)
     adv = read_shard(f"{cfg.run_root}/iter=000001/advantages").to_pandas()
     rewards = read_shard(f"{cfg.run_root}/iter=000001/rewards").to_pandas()
@@ -176,7 +153,7 @@ def test_state_kl_coefficient_and_reward_statistics_carry_across_iterations(pref
     from flows.train import train
     from rft_core.algorithms.kl import next_kl_coef
 
-    cfg = _cfg(tiny_model, tmp_path / "run", iterations=2, **{"kl.controller": "adaptive", "kl.target": 1e-6,
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=2, **{"kl.controller": "adaptive", "kl.target": 1e-6,
                                                               "kl.horizon": 24, "update.lr": 1e-2,
                                                               "shaping.reward_running_norm": True})
     result = train(cfg)
@@ -197,7 +174,7 @@ def test_ppo_with_critic_gae_two_iterations(prefect_harness, tiny_model, tmp_pat
     from flows.train import train
     from rft_core.models.critic import load_critic
 
-    cfg = _cfg(tiny_model, tmp_path / "run", iterations=2, **{"advantage.estimator": "gae", "advantage.gae_lambda": 0.9,
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=2, **{"advantage.estimator": "gae", "advantage.gae_lambda": 0.9,
                                                               "critic.lr": 1e-2})
     result = train(cfg)
     root = cfg.run_root
@@ -232,7 +209,7 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(prefect_harness, tiny_mo
         return RewardResult(r, r >= 1.0, None, {"correctness": r, "format": 0.0})
 
     monkeypatch.setattr("rft_core.stages.rewards.score_response", score)
-    cfg = _cfg(tiny_model, tmp_path / "run", iterations=1, **{"dynamic_sampling.enabled": True,
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=1, **{"dynamic_sampling.enabled": True,
                                                               "dynamic_sampling.max_refills": 3})
     result = train(cfg)
     m = result.metrics[0]
