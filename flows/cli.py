@@ -51,6 +51,73 @@ def train(
     typer.echo(f"resume:      rerun with --run-root {result.run_root}")
 
 
+@app.command()
+def replay(
+    source_run_root: str = typer.Argument(..., help="Run folder whose shards are replayed."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML preset with the new settings."),
+    set_: List[str] = typer.Option([], "--set", "-s", help="Dotted override, repeatable."),
+    run_root: str = typer.Option(..., "--run-root", help="New run folder for the replayed stages."),
+) -> None:
+    """Rerun advantages + update of a saved run with other settings; nothing is generated."""
+    from rft_core.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, list(set_) + [f"run_root={run_root}"])
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    cfg = cfg.model_copy(update={"run_root": _resolve_run_root(cfg.run_root, cfg.name)})
+    from flows.replay import replay as replay_flow
+
+    result = replay_flow(source_run_root, cfg)
+    typer.echo(f"replayed {source_run_root} into {result.run_root} (final policy: {result.final_policy.uri}/policy)")
+
+
+@app.command()
+def inspect(
+    run_root: str = typer.Argument(..., help="Run folder (any fsspec URI)."),
+    iteration: Optional[int] = typer.Option(None, "--iteration", "-i", help="Show this iteration's samples."),
+    stage: Optional[str] = typer.Option(None, "--stage", help="With --export: export this stage's shard instead of the sample view."),
+    samples: int = typer.Option(8, "--samples", "-n", help="How many samples to show."),
+    export: Optional[str] = typer.Option(None, "--export", help="Write the view (or --stage shard) to a .csv or .jsonl file."),
+) -> None:
+    """List iterations and stages with status, rows and sizes; show or export samples."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from rft_core.inspect import export_table, run_status, samples_view
+    from schemas import ShardError, read_shard, stage_uri
+
+    console = Console()
+    try:
+        if iteration is None:
+            rows = run_status(run_root)
+            table = Table(title=run_root)
+            for col in ("iteration", "stage", "status", "rows", "bytes", "seconds", "config_hash"):
+                table.add_column(col)
+            for r in rows:
+                secs = f"{r['seconds']:.2f}" if isinstance(r["seconds"], (int, float)) else "-"
+                table.add_row(str(r["iteration"]), r["stage"], r["status"], str(r["rows"] if r["rows"] is not None else "-"),
+                              str(r["bytes"] if r["bytes"] is not None else "-"), secs, str(r["config_hash"] or "-"))
+            console.print(table)
+            return
+        view = (read_shard(stage_uri(run_root, iteration, stage)) if stage else samples_view(run_root, iteration))
+        if export:
+            typer.echo(f"wrote {view.num_rows} rows to {export_table(view, export)}")
+            return
+        table = Table(title=f"{run_root} iteration {iteration}")
+        shown = [c for c in ("sample_id", "question", "response_text", "rewards", "correct", "advantage_mean")
+                 if c in view.column_names] or view.column_names[:6]
+        for col in shown:
+            table.add_column(col, overflow="fold")
+        for row in view.slice(0, samples).to_pylist():
+            table.add_row(*[str(row[c])[:300] for c in shown])
+        console.print(table)
+    except (ShardError, FileNotFoundError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+
+
 def main() -> None:
     """Console-script entry."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -41,7 +41,7 @@ def run(rollout: ShardRef, prompts: ShardRef, cfg: RewardConfig, *, out: str) ->
         n = max(len(results), 1)
         summary = {"seconds": t.seconds, "reward_mean": sum(x.reward for x in results) / n,
                    "accuracy": sum(x.correct for x in results) / n,
-                   "format_rate": sum(x.metrics["format"] for x in results) / n}
+                   "format_rate": sum(x.metrics.get("format", 0.0) for x in results) / n}
         return write_shard(table, out, schema=REWARDS, config_hash=chash, inputs={"rollout": rollout, "prompts": prompts},
                            summary=summary)
 

@@ -1,0 +1,110 @@
+"""Look inside a run folder: stage status, joined sample views, exports. No Prefect needed."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+
+from schemas import ShardError, read_manifest, read_shard, stage_uri
+from schemas.experience import align_on_sample_id
+from schemas.shards import MANIFEST_NAME
+
+_ITER = re.compile(r"iter=(\d{6})$")
+
+
+def run_status(run_root: str) -> list[dict[str, Any]]:
+    """One row per (iteration, stage folder): status, rows, bytes, seconds, config hash.
+
+    status: ``committed`` (manifest present and readable), ``incomplete`` (no manifest: the
+    stage was interrupted or is running), ``corrupt`` (unreadable manifest).
+    """
+    fs, root = fsspec.core.url_to_fs(run_root)
+    root = root.rstrip("/")
+    if not fs.exists(root):
+        raise FileNotFoundError(f"run folder {run_root!r} does not exist")
+    rows = []
+    for it_dir in sorted(fs.ls(root, detail=False)):
+        m = _ITER.search(it_dir.rstrip("/"))
+        if not m or not fs.isdir(it_dir):
+            continue
+        for st_dir in sorted(fs.ls(it_dir, detail=False)):
+            if not fs.isdir(st_dir):
+                continue
+            stage = st_dir.rstrip("/").rsplit("/", 1)[-1]
+            row: dict[str, Any] = {"iteration": int(m.group(1)), "stage": stage}
+            uri = stage_uri(run_root, int(m.group(1)), stage)
+            if not fs.exists(f"{st_dir.rstrip('/')}/{MANIFEST_NAME}"):
+                row.update(status="incomplete", rows=None, bytes=None, seconds=None, config_hash=None)
+            else:
+                try:
+                    man, _ = read_manifest(uri)
+                    row.update(status="committed", rows=man.num_rows, bytes=sum(f.bytes for f in man.files),
+                               seconds=man.summary.get("seconds"), config_hash=man.config_hash)
+                except ShardError as exc:
+                    row.update(status="corrupt", rows=None, bytes=None, seconds=None, config_hash=str(exc)[:80])
+            rows.append(row)
+    return rows
+
+
+def samples_view(run_root: str, iteration: int) -> pa.Table:
+    """One row per sample of an iteration: question, response, reward, correctness, advantage
+    summary. Stages that are missing leave their columns out."""
+    rollout = read_shard(stage_uri(run_root, iteration, "rollout"), stage="rollout")
+    cols: dict[str, Any] = {
+        "sample_id": rollout.column("sample_id"), "prompt_id": rollout.column("prompt_id"),
+        "response_text": rollout.column("response_text"),
+        "response_length": pc.list_value_length(rollout.column("response_token_ids")),
+        "finish_reason": rollout.column("finish_reason"),
+    }
+    try:
+        prompts = read_shard(stage_uri(run_root, iteration, "prompts"), stage="prompts")
+        q = dict(zip(prompts.column("prompt_id").to_pylist(), prompts.column("question").to_pylist()))
+        a = dict(zip(prompts.column("prompt_id").to_pylist(), prompts.column("answer").to_pylist()))
+        pids = rollout.column("prompt_id").to_pylist()
+        cols["question"] = pa.array([q.get(p) for p in pids], pa.string())
+        cols["answer"] = pa.array([a.get(p) for p in pids], pa.string())
+    except ShardError:
+        pass
+    for stage, keep in (("rewards", ("rewards", "correct", "extracted_answer")), ("advantages", ("shaped_rewards",))):
+        try:
+            t = align_on_sample_id(rollout, read_shard(stage_uri(run_root, iteration, stage), stage=stage), name=stage)
+        except ShardError:
+            continue
+        for c in keep:
+            cols[c] = t.column(c)
+        if stage == "advantages":
+            adv = t.column("advantages").to_pylist()
+            cols["advantage_mean"] = pa.array([sum(x) / len(x) if x else 0.0 for x in adv], pa.float32())
+            cols["kl_sum"] = pa.array([sum(x) for x in t.column("kl").to_pylist()], pa.float32())
+    return pa.table(cols)
+
+
+def export_table(table: pa.Table, path: str) -> str:
+    """Write ``table`` as CSV (list/map columns as JSON text) or JSONL, chosen by the suffix.
+
+    Raises:
+        ValueError: a suffix other than .csv or .jsonl.
+    """
+    suffix = Path(path).suffix.lower()
+    if suffix == ".jsonl":
+        with fsspec.open(path, "w") as f:
+            for row in table.to_pylist():
+                f.write(json.dumps(row, default=str) + "\n")
+    elif suffix == ".csv":
+        flat = {}
+        for name in table.column_names:
+            col = table.column(name)
+            if pa.types.is_list(col.type) or pa.types.is_map(col.type):
+                col = pa.array([json.dumps(v) for v in col.to_pylist()], pa.string())
+            flat[name] = col
+        with fsspec.open(path, "wb") as f:
+            pacsv.write_csv(pa.table(flat), f)
+    else:
+        raise ValueError(f"export path must end in .csv or .jsonl, got {path!r}")
+    return path
