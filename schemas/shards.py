@@ -15,6 +15,9 @@ import datetime as _dt
 import hashlib
 import io
 import json
+import os
+import socket
+import time
 import uuid
 from typing import Any, Iterable, Mapping
 
@@ -51,6 +54,82 @@ class ShardExistsError(ShardError):
 
 class StaleShardError(ShardError):
     """A committed shard exists but was produced with another config hash."""
+
+
+class ShardLockedError(ShardError):
+    """Another live writer holds the stage's lock; the message names it."""
+
+
+LOCK_NAME = ".writer.lock"
+LOCK_TTL_SECONDS = float(os.environ.get("RFT_LOCK_TTL_SECONDS", 6 * 3600))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def acquire_stage_lock(uri: str) -> str:
+    """Take the writer lock of a stage folder; return its token.
+
+    Local folders use an exclusive create (O_EXCL), so two writers can never both hold it;
+    other filesystems write the lock and read it back (best effort). A lock whose writer is
+    gone is taken over: same host and that pid no longer runs (a killed worker), or older
+    than ``RFT_LOCK_TTL_SECONDS`` (default 6 h; writers on other hosts).
+
+    Raises:
+        ShardLockedError: a live writer holds the lock (named: host, pid, since when).
+    """
+    fs, path = _fs(uri)
+    fs.makedirs(path, exist_ok=True)
+    lpath = f"{path}/{LOCK_NAME}"
+    token = uuid.uuid4().hex
+    info = {"token": token, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    data = json.dumps(info).encode()
+    local = local_path(uri) is not None
+    for _ in range(3):
+        if local:
+            try:
+                fd = os.open(lpath, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                pass
+            else:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                return token
+        elif not fs.exists(lpath):
+            fs.pipe_file(lpath, data)
+            if json.loads(fs.cat_file(lpath)).get("token") == token:
+                return token
+        try:
+            held = json.loads(fs.cat_file(lpath))
+        except (FileNotFoundError, ValueError):
+            continue  # released (or half-written) meanwhile: try again
+        stale = (held.get("host") == info["host"] and not _pid_alive(int(held.get("pid", -1)))) or \
+            time.time() - float(held.get("since", 0)) > LOCK_TTL_SECONDS
+        if not stale:
+            raise ShardLockedError(
+                f"{uri}: being written by host {held.get('host')} pid {held.get('pid')} since "
+                f"{_dt.datetime.fromtimestamp(float(held.get('since', 0))).isoformat(timespec='seconds')}; "
+                "wait for it or stop it")
+        fs.rm(lpath)
+    raise ShardLockedError(f"{uri}: could not take the writer lock")
+
+
+def release_stage_lock(uri: str, token: str) -> None:
+    """Remove the lock if ``token`` still holds it."""
+    fs, path = _fs(uri)
+    lpath = f"{path}/{LOCK_NAME}"
+    try:
+        if json.loads(fs.cat_file(lpath)).get("token") == token:
+            fs.rm(lpath)
+    except (FileNotFoundError, ValueError):
+        pass
 
 
 class FileEntry(BaseModel):
@@ -178,18 +257,30 @@ def committed_ref(uri: str, *, stage: str, config_hash: str, check_files: bool =
     return _ref(uri, manifest, sha)
 
 
-def prepare_stage_dir(uri: str) -> None:
-    """Make ``uri`` an empty folder ready for a new attempt.
+def prepare_stage_dir(uri: str) -> str:
+    """Take the stage's writer lock and clear leftovers of an interrupted attempt.
 
+    Returns:
+        the lock token, to pass to ``commit_files`` (which releases it) or to
+        ``release_stage_lock`` when the attempt fails.
     Raises:
         ShardExistsError: the folder holds a committed manifest.
+        ShardLockedError: another live writer is writing this stage.
     """
     fs, path = _fs(uri)
     if fs.exists(f"{path}/{MANIFEST_NAME}"):
         raise ShardExistsError(f"{uri}: already committed; refusing to overwrite it")
-    if fs.exists(path):
-        fs.rm(path, recursive=True)  # leftovers of an interrupted attempt
-    fs.makedirs(path, exist_ok=True)
+    token = acquire_stage_lock(uri)
+    try:
+        if fs.exists(f"{path}/{MANIFEST_NAME}"):  # committed by a writer that finished just now
+            raise ShardExistsError(f"{uri}: already committed by another writer; refusing to overwrite it")
+        for entry in fs.ls(path, detail=False):
+            if entry.rstrip("/").rsplit("/", 1)[-1] != LOCK_NAME:
+                fs.rm(entry, recursive=True)  # leftovers of an interrupted attempt (we hold the lock)
+    except BaseException:
+        release_stage_lock(uri, token)
+        raise
+    return token
 
 
 def _atomic_put(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
@@ -220,8 +311,10 @@ def commit_files(
     summary: Mapping[str, Any] | None = None,
     schema: StageSchema | None = None,
     rows_per_file: Mapping[str, int] | None = None,
+    lock_token: str | None = None,
 ) -> ShardRef:
-    """Write the manifest for files already written under ``uri`` (the commit point).
+    """Write the manifest for files already written under ``uri`` (the commit point), then
+    release the writer lock ``lock_token`` (from ``prepare_stage_dir``).
 
     Used directly for checkpoints (HF folders) and by ``write_shard`` for Parquet parts.
 
@@ -239,7 +332,7 @@ def commit_files(
         found = fs.find(path)
         files = sorted(
             p[len(path) + 1:] for p in (f.rstrip("/") for f in found)
-            if not p.rsplit("/", 1)[-1].startswith(".tmp-") and not p.endswith(MANIFEST_NAME)
+            if not p.rsplit("/", 1)[-1].startswith(".tmp-") and not p.endswith(MANIFEST_NAME) and not p.endswith(LOCK_NAME)
         )
     rows_per_file = rows_per_file or {}
     entries = []
@@ -259,6 +352,8 @@ def commit_files(
     )
     raw = manifest.model_dump_json(indent=1).encode()
     _atomic_put(fs, mpath, raw)
+    if lock_token is not None:
+        release_stage_lock(uri, lock_token)
     return _ref(uri, manifest, hashlib.sha256(raw).hexdigest())
 
 
@@ -328,11 +423,15 @@ def write_shard(
         ShardExistsError: ``uri`` is already committed.
     """
     validate_table(table, schema, where=f"writing {uri}")
-    prepare_stage_dir(uri)
-    rows = write_parts(table, uri, schema=schema, rows_per_part=rows_per_part)
-    return commit_files(uri, stage=schema.stage, config_hash=config_hash, files=list(rows),
-                        num_rows=table.num_rows, inputs=inputs, summary=summary, schema=schema,
-                        rows_per_file=rows)
+    token = prepare_stage_dir(uri)
+    try:
+        rows = write_parts(table, uri, schema=schema, rows_per_part=rows_per_part)
+        return commit_files(uri, stage=schema.stage, config_hash=config_hash, files=list(rows),
+                            num_rows=table.num_rows, inputs=inputs, summary=summary, schema=schema,
+                            rows_per_file=rows, lock_token=token)
+    except BaseException:
+        release_stage_lock(uri, token)
+        raise
 
 
 def local_path(uri: str) -> str | None:

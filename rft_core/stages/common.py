@@ -16,6 +16,7 @@ import pyarrow as pa
 from rft_core.models.loading import cache_dir
 from rft_core.training.update import save_checkpoint
 from schemas import ShardRef, StageSchema, commit_files, committed_ref, local_path, prepare_stage_dir, write_parts
+from schemas.shards import release_stage_lock
 
 log = logging.getLogger("rft_core.stages")
 
@@ -86,20 +87,25 @@ def commit_checkpoint(out: str, *, subdir: str, model, tokenizer, optimizer, ste
     Parquet parts plus an HF checkpoint (with optimizer and RNG state) under ``{out}/{subdir}``,
     all under one manifest written last. Works on any fsspec URI (remote: saved to a local temp
     folder, then uploaded). ``summary`` gains ``checkpoint_seconds``."""
-    prepare_stage_dir(out)
-    with Timer() as t_save:
-        local = local_path(out)
-        if local is not None:
-            save_checkpoint(model, tokenizer, optimizer, f"{local}/{subdir}")
-        else:
-            tmp = tempfile.mkdtemp(prefix="rft-ckpt-")
-            try:
-                save_checkpoint(model, tokenizer, optimizer, tmp)
-                fs, path = fsspec.core.url_to_fs(out)
-                fs.put(tmp.rstrip("/") + "/", f"{path.rstrip('/')}/{subdir}", recursive=True)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    table = pa.table({k: [asdict(s)[k] for s in steps] for k in schema.schema.names}, schema=schema.arrow)
-    rows = write_parts(table, out, schema=schema)
-    return commit_files(out, stage=schema.stage, config_hash=config_hash, num_rows=table.num_rows, inputs=inputs,
-                        summary={**summary, "checkpoint_seconds": t_save.seconds}, schema=schema, rows_per_file=rows)
+    token = prepare_stage_dir(out)
+    try:
+        with Timer() as t_save:
+            local = local_path(out)
+            if local is not None:
+                save_checkpoint(model, tokenizer, optimizer, f"{local}/{subdir}")
+            else:
+                tmp = tempfile.mkdtemp(prefix="rft-ckpt-")
+                try:
+                    save_checkpoint(model, tokenizer, optimizer, tmp)
+                    fs, path = fsspec.core.url_to_fs(out)
+                    fs.put(tmp.rstrip("/") + "/", f"{path.rstrip('/')}/{subdir}", recursive=True)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+        table = pa.table({k: [asdict(s)[k] for s in steps] for k in schema.schema.names}, schema=schema.arrow)
+        rows = write_parts(table, out, schema=schema)
+        return commit_files(out, stage=schema.stage, config_hash=config_hash, num_rows=table.num_rows, inputs=inputs,
+                            summary={**summary, "checkpoint_seconds": t_save.seconds}, schema=schema, rows_per_file=rows,
+                            lock_token=token)
+    except BaseException:
+        release_stage_lock(out, token)
+        raise

@@ -167,3 +167,84 @@ def test_config_hash_tracks_content():
 def test_every_stage_schema_has_distinct_fingerprint():
     fps = {s.fingerprint for s in STAGE_SCHEMAS.values()}
     assert len(fps) == len(STAGE_SCHEMAS)
+
+
+def _hold_lock_then_commit(uri, started, release):
+    """Child process: take the writer lock, signal, wait, then write and commit."""
+    from schemas.shards import prepare_stage_dir, write_parts
+
+    token = prepare_stage_dir(uri)
+    started.set()
+    release.wait(30)
+    rows = write_parts(_table(), uri, schema=ACTOR_LOGPROBS)
+    from schemas import commit_files
+
+    commit_files(uri, stage="actor_logprobs", config_hash="h", files=list(rows), num_rows=3, schema=ACTOR_LOGPROBS,
+                 rows_per_file=rows, lock_token=token)
+
+
+def test_concurrent_writers_one_wins_the_other_fails_clearly(tmp_path):
+    import multiprocessing as mp
+
+    from schemas.shards import ShardLockedError
+
+    uri = str(tmp_path / "a")
+    ctx = mp.get_context("fork")
+    started, release = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_hold_lock_then_commit, args=(uri, started, release))
+    child.start()
+    assert started.wait(30)
+    with pytest.raises(ShardLockedError, match=f"being written by host .* pid {child.pid}"):
+        write_shard(_table(5), uri, schema=ACTOR_LOGPROBS, config_hash="h2")
+    release.set()
+    child.join(30)
+    assert child.exitcode == 0
+    assert read_shard(uri).num_rows == 3  # the winner's shard, intact
+    with pytest.raises(ShardExistsError):
+        write_shard(_table(5), uri, schema=ACTOR_LOGPROBS, config_hash="h2")
+    assert not (tmp_path / "a" / ".writer.lock").exists()
+
+
+def _take_lock_and_hang(uri, started):
+    from schemas.shards import prepare_stage_dir
+
+    prepare_stage_dir(uri)
+    (__import__("pathlib").Path(uri) / "part-00000.parquet").write_bytes(b"half")
+    started.set()
+    __import__("time").sleep(60)
+
+
+def test_lock_of_a_killed_writer_is_taken_over(tmp_path):
+    import multiprocessing as mp
+    import os
+    import signal
+
+    uri = str(tmp_path / "a")
+    ctx = mp.get_context("fork")
+    started = ctx.Event()
+    child = ctx.Process(target=_take_lock_and_hang, args=(uri, started))
+    child.start()
+    assert started.wait(30)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(30)
+    assert (tmp_path / "a" / ".writer.lock").exists()
+    write_shard(_table(), uri, schema=ACTOR_LOGPROBS, config_hash="h")  # the dead writer's lock is stale
+    assert read_shard(uri).num_rows == 3
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["_MANIFEST.json", "part-00000.parquet"]
+
+
+def test_failed_write_releases_the_lock(tmp_path):
+    uri = str(tmp_path / "a")
+    bad = pa.table({"sample_id": ["a"], "old_logprobs": [[0.1]], "action_entropy": [[0.1]]}, schema=ACTOR_LOGPROBS.arrow)
+
+    from schemas import shards
+
+    orig = shards.write_parts
+    shards.write_parts = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full"))
+    try:
+        with pytest.raises(OSError, match="disk full"):
+            write_shard(bad, uri, schema=ACTOR_LOGPROBS, config_hash="h")
+    finally:
+        shards.write_parts = orig
+    assert not (tmp_path / "a" / ".writer.lock").exists()
+    write_shard(bad, uri, schema=ACTOR_LOGPROBS, config_hash="h")  # the same process can retry at once
