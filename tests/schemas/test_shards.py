@@ -189,7 +189,7 @@ def test_concurrent_writers_one_wins_the_other_fails_clearly(tmp_path):
     from schemas.shards import ShardLockedError
 
     uri = str(tmp_path / "a")
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")
     started, release = ctx.Event(), ctx.Event()
     child = ctx.Process(target=_hold_lock_then_commit, args=(uri, started, release))
     child.start()
@@ -220,7 +220,7 @@ def test_lock_of_a_killed_writer_is_taken_over(tmp_path):
     import signal
 
     uri = str(tmp_path / "a")
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")
     started = ctx.Event()
     child = ctx.Process(target=_take_lock_and_hang, args=(uri, started))
     child.start()
