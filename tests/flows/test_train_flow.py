@@ -224,3 +224,30 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(prefect_harness, tiny_mo
     assert m["dynamic_groups_kept"] == rewards.prompt_id.nunique() == 3 - m["dynamic_shortfall"]
     flat = np.concatenate([np.asarray(a) for a in read_shard(str(root / "advantages")).to_pandas().advantages])
     assert np.abs(flat).max() > 0 and read_shard(str(root / "ppo_update")).num_rows == 1
+
+
+def test_run_on_memory_filesystem(prefect_harness, tiny_model, tmp_path, fake_rewards, monkeypatch):
+    """The same training with its run folder on memory:// (checkpoints go through upload and
+    a checksum-keyed download cache)."""
+    import fsspec
+
+    from flows.train import train
+
+    monkeypatch.setenv("RFT_CACHE_DIR", str(tmp_path / "cache"))
+    root = f"memory://runs/{tmp_path.name}"
+    cfg = flow_cfg(tiny_model, root)
+    result = train(cfg)
+    fs = fsspec.filesystem("memory")
+    for it in (1, 2):
+        for stage in STAGES:
+            read_shard(f"{root}/iter={it:06d}/{stage}")
+    assert fs.exists(f"/runs/{tmp_path.name}/iter=000002/ppo_update/policy/model.safetensors")
+    assert fs.exists(f"/runs/{tmp_path.name}/metrics.jsonl")
+    # iteration 2 loaded iteration 1's checkpoint through the download cache
+    cached = list((tmp_path / "cache" / "checkpoints").iterdir())
+    assert len(cached) == 1 and (cached[0] / "config.json").exists()
+    # resume on memory:// reuses everything
+    before = {p: fs.info(p)["created"] for p in fs.find(f"/runs/{tmp_path.name}") if p.endswith("_MANIFEST.json")}
+    again = train(cfg)
+    assert again.final_policy == result.final_policy
+    assert {p: fs.info(p)["created"] for p in before} == before
