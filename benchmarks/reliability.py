@@ -40,10 +40,12 @@ def main() -> None:
         api = PREFECT_API_URL.value()
         weights, durations = baseline_run(config, d / "baseline", api)
         rng = random.Random(args.seed)
-        targets = [(s, 1) for s in STAGE_ORDER] + [("rollout", 2), ("ppo_update", 2)]
-        for target, it in targets:
+        targets = ([(s, 1, "compute") for s in STAGE_ORDER] + [(s, 1, "write") for s in STAGE_ORDER]
+                   + [("rollout", 2, "compute"), ("ppo_update", 2, "compute"), ("ppo_update", 2, "write")])
+        for target, it, phase in targets:
             for k in range(args.repeats):
-                out = run_scenario(config, d / f"run-{target}-{it}-{k}", target, it, durations, weights, api, rng)
+                out = run_scenario(config, d / f"run-{target}-{it}-{phase}-{k}", target, it, durations, weights, api, rng,
+                                   phase=phase)
                 rows.append(out)
                 print(out, flush=True)
     ok = lambda b: "yes" if b else "**NO**"  # noqa: E731
@@ -54,20 +56,24 @@ def main() -> None:
         "the same scenarios run in CI as `tests/test_faults.py`.",
         "",
         "Each row: a 2-iteration training (tiny random Llama, 4 prompts x 4 samples, KL on) runs as a",
-        "worker subprocess (`python -m flows.cli train`). Once the target stage has started (the stage",
-        "before it committed), the driver waits a random time within 1.2x that stage's measured",
-        "duration and sends SIGKILL to the worker's process group. Then the same command runs again.",
+        "worker subprocess (`python -m flows.cli train`). Phase *compute*: once the target stage can",
+        "start (the stage before it committed), the driver waits a random time within 1.2x that",
+        "stage's measured duration; phase *write*: it waits until the stage takes its writer lock",
+        "(it is writing parts or checkpoint files) plus 0-20 ms. Then it sends SIGKILL to the",
+        "worker's process group, and runs the same command again. Fast stages often finish before",
+        "the kill lands; the *interrupted* column says where it really landed.",
         "",
-        "Columns: *interrupted* = the first stage of that iteration without a manifest at the kill;",
+        "Columns: *interrupted* = the first iteration with uncommitted stages at the kill and those of",
+        "its stages that had started;",
         "*partial files* = it had left files (parts, checkpoint files or its lock) that a reader must",
         "not accept; *committed* = stages of that iteration already committed; *untouched* = every",
         "committed file has the same mtime and sha256 after the rerun; *valid* = every shard of the",
         "run passes the validating reader; *same weights* = the final policy equals an uninterrupted",
         "run's bit for bit.",
         "",
-        "| target stage | iter | kill after (s) | interrupted | partial files | committed | rerun ok | untouched | valid | same weights |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        *[f"| {o.target} | {o.iteration} | {o.delay} | {o.interrupted} | {'yes' if o.partial_files else 'no'} | "
+        "| target stage | iter | phase | kill after (s) | interrupted (iteration: stages) | partial files | committed | rerun ok | untouched | valid | same weights |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *[f"| {o.target} | {o.iteration} | {o.phase} | {o.delay} | {o.interrupted} | {'yes' if o.partial_files else 'no'} | "
           f"{o.committed_before} | {ok(o.rerun_ok)} | {ok(o.committed_untouched)} | {ok(o.all_valid)} | {ok(o.same_weights)} |"
           for o in rows],
         "",

@@ -74,6 +74,7 @@ class Outcome:
 
     target: str
     iteration: int
+    phase: str
     delay: float
     killed: bool
     interrupted: str = ""
@@ -87,31 +88,46 @@ class Outcome:
 
 
 def run_scenario(config: Path, run_root: Path, target: str, iteration: int, durations: dict[str, float],
-                 baseline: torch.Tensor, api_url: str | None, rng: random.Random, timeout: float = 300) -> Outcome:
-    """Kill the worker at a random point of ``target`` in ``iteration``, rerun, check."""
+                 baseline: torch.Tensor, api_url: str | None, rng: random.Random, timeout: float = 300,
+                 phase: str = "compute") -> Outcome:
+    """Kill the worker inside ``target`` of ``iteration``, rerun, check.
+
+    ``phase="compute"``: a random time after the stage can start (the stage before it committed),
+    within 1.2x its measured duration. ``phase="write"``: within 20 ms after the stage took its
+    writer lock, i.e. while it writes its parts or checkpoint files.
+    """
     from schemas import read_shard
 
     it_dir = run_root / f"iter={iteration:06d}"
     prev = PREVIOUS[target]
-    delay = rng.uniform(0.0, 1.2 * max(durations.get(target, 0.5), 0.2))
+    if phase == "write":
+        trigger, delay = it_dir / target / ".writer.lock", rng.uniform(0.0, 0.02)
+    else:
+        trigger = (it_dir / prev / "_MANIFEST.json") if prev else (
+            run_root / f"iter={iteration - 1:06d}" / "ppo_update" / "_MANIFEST.json" if iteration > 1 else None)
+        delay = rng.uniform(0.0, 1.2 * max(durations.get(target, 0.5), 0.2))
     proc = start_training(config, run_root, api_url)
     t0 = time.time()
-    while time.time() - t0 < timeout and proc.poll() is None:
-        started = (it_dir / prev / "_MANIFEST.json").exists() if prev else (run_root / "iter=000001").exists() or iteration == 1
-        if started:
-            break
-        time.sleep(0.01)
+    while trigger is not None and time.time() - t0 < timeout and proc.poll() is None and not trigger.exists():
+        time.sleep(0.002)
     time.sleep(delay)
-    out = Outcome(target=target, iteration=iteration, delay=round(delay, 3), killed=proc.poll() is None)
+    out = Outcome(target=target, iteration=iteration, phase=phase, delay=round(delay, 3), killed=proc.poll() is None)
     if out.killed:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    committed = {p.parent.name for p in it_dir.glob("*/_MANIFEST.json")} if it_dir.exists() else set()
-    pending = [s for s in STAGE_ORDER if s not in committed]
-    out.interrupted = pending[0] if pending else "(none: finished)"
-    out.partial_files = bool(pending) and any((it_dir / s).exists() and any((it_dir / s).iterdir()) for s in pending)
+    for it in (1, 2):
+        d = run_root / f"iter={it:06d}"
+        committed = {p.parent.name for p in d.glob("*/_MANIFEST.json")} if d.exists() else set()
+        pending = [s for s in STAGE_ORDER if s not in committed]
+        if pending:
+            out.interrupted = f"{it}: " + " + ".join(s for s in pending if s not in committed and (d / s).exists()) \
+                if any((d / s).exists() for s in pending) else f"{it}: {pending[0]} (not started)"
+            out.partial_files = any((d / s).exists() and any((d / s).iterdir()) for s in pending)
+            break
+    else:
+        out.interrupted = "(none: the run had finished)"
     before = snapshot(run_root)
-    out.committed_before = len({k.split("/")[1] for k in before if k.startswith(it_dir.name)})
+    out.committed_before = len({"/".join(k.split("/")[:2]) for k in before})
     rerun = start_training(config, run_root, api_url)
     log, _ = rerun.communicate(timeout=timeout)
     out.rerun_ok = rerun.returncode == 0

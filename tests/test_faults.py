@@ -20,11 +20,15 @@ def baseline(prefect_harness, tiny_model, tmp_path_factory):
     return config, weights, durations, PREFECT_API_URL.value(), d
 
 
-@pytest.mark.parametrize("target, iteration", [(s, 1) for s in STAGE_ORDER] + [("ppo_update", 2), ("rollout", 2)])
-def test_sigkill_then_rerun(baseline, target, iteration):
+@pytest.mark.parametrize("target, iteration, phase", [(s, 1, "compute") for s in STAGE_ORDER]
+                         + [("ppo_update", 1, "write"), ("ppo_update", 2, "compute")])
+def test_sigkill_then_rerun(baseline, target, iteration, phase):
     config, weights, durations, api_url, d = baseline
-    rng = random.Random(f"{target}-{iteration}")
-    out = run_scenario(config, d / f"run-{target}-{iteration}", target, iteration, durations, weights, api_url, rng)
+    rng = random.Random(f"{target}-{iteration}-{phase}")
+    out = run_scenario(config, d / f"run-{target}-{iteration}-{phase}", target, iteration, durations, weights, api_url, rng,
+                       phase=phase)
+    if phase == "write":  # killed while writing the checkpoint: it left files that no reader accepts
+        assert out.killed and out.partial_files and out.interrupted.startswith("1: ppo_update"), out
     assert out.rerun_ok, out.notes
     assert out.committed_untouched, "a committed stage was rewritten"
     assert out.all_valid, out.notes
