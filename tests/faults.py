@@ -121,7 +121,7 @@ def run_scenario(config: Path, run_root: Path, target: str, iteration: int, dura
         pending = [s for s in STAGE_ORDER if s not in committed]
         if pending:
             out.interrupted = f"{it}: " + " + ".join(s for s in pending if s not in committed and (d / s).exists()) \
-                if any((d / s).exists() for s in pending) else f"{it}: {pending[0]} (not started)"
+                if any((d / s).exists() for s in pending) else f"{it}: {pending[0]} (computing, no files yet)"
             out.partial_files = any((d / s).exists() and any((d / s).iterdir()) for s in pending)
             break
     else:
