@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rft_core.models.loading import _LOAD_LOCK, ModelLoadError, _quiet_transformers, resolve_model_path
+from rft_core.models.loading import load_pretrained
 from rft_core.models.logprobs import TokenBatch, build_token_batch
 
 
@@ -19,30 +19,25 @@ def load_critic(path: str, *, dtype: str = "float32", trainable: bool = False):
     Raises:
         ModelLoadError: unreadable path or weights, named in the message.
     """
-    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
 
-    _quiet_transformers()
-    with _LOAD_LOCK:
-        resolved = resolve_model_path(path)
-        try:
-            cfg = AutoConfig.from_pretrained(resolved)
-            fresh = not any(a.endswith("ForTokenClassification") for a in (cfg.architectures or []))
-            cfg.num_labels = 1
-            cfg.classifier_dropout = 0.0  # the value head sees the hidden states as they are
-            model = AutoModelForTokenClassification.from_pretrained(resolved, config=cfg, dtype=getattr(torch, dtype))
-        except Exception as exc:
-            raise ModelLoadError(f"cannot load critic from {path!r} ({resolved}): {exc}") from exc
-    if fresh:
+    seen: dict[str, bool] = {}
+
+    def as_critic(cfg):
+        seen["fresh"] = not any(a.endswith("ForTokenClassification") for a in (cfg.architectures or []))
+        cfg.num_labels = 1
+        cfg.classifier_dropout = 0.0  # the value head sees the hidden states as they are
+        if cfg.pad_token_id is None:
+            cfg.pad_token_id = 0
+        return cfg
+
+    model = load_pretrained(AutoModelForTokenClassification, path, dtype=dtype, trainable=trainable, what="critic",
+                            adjust_config=as_critic)
+    if seen["fresh"]:  # started from a policy: a zero value head, V = 0 everywhere at first
         with torch.no_grad():
             model.score.weight.zero_()
             if getattr(model.score, "bias", None) is not None:
                 model.score.bias.zero_()
-    model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    if trainable:
-        model.train()
-    else:
-        model.eval()
-        model.requires_grad_(False)
     return model
 
 

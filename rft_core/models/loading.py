@@ -144,6 +144,37 @@ def load_tokenizer(path: str):
     return tok
 
 
+def load_pretrained(auto_cls, path: str, *, dtype: str = "float32", trainable: bool = False, what: str = "model",
+                    adjust_config=None):
+    """Load ``auto_cls.from_pretrained(path)`` under the process-wide load lock.
+
+    Args:
+        auto_cls: a transformers Auto class (AutoModelForCausalLM, AutoModelForTokenClassification).
+        adjust_config: optional callable(config) -> config applied before loading.
+        trainable: False puts the model in eval mode with gradients off.
+    Raises:
+        ModelLoadError: unreadable path, config or weights, named in the message.
+    """
+    from transformers import AutoConfig
+
+    _quiet_transformers()
+    with _LOAD_LOCK:
+        resolved = resolve_model_path(path)
+        try:
+            kwargs = {}
+            if adjust_config is not None:
+                kwargs["config"] = adjust_config(AutoConfig.from_pretrained(resolved))
+            model = auto_cls.from_pretrained(resolved, dtype=getattr(torch, dtype), **kwargs)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot load {what} from {path!r} ({resolved}): {exc}") from exc
+    if trainable:
+        model.train()
+    else:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
 def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False):
     """Load a causal LM (policy or reference) on CPU.
 
@@ -156,16 +187,4 @@ def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False
     """
     from transformers import AutoModelForCausalLM
 
-    _quiet_transformers()
-    with _LOAD_LOCK:
-        resolved = resolve_model_path(path)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(resolved, dtype=getattr(torch, dtype))
-        except Exception as exc:
-            raise ModelLoadError(f"cannot load model from {path!r} ({resolved}): {exc}") from exc
-    if trainable:
-        model.train()
-    else:
-        model.eval()
-        model.requires_grad_(False)
-    return model
+    return load_pretrained(AutoModelForCausalLM, path, dtype=dtype, trainable=trainable)
