@@ -5,12 +5,13 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict
 
 import tasks
 from rft_core.config import TrainConfig, TrainState
 from rft_core.metrics import iteration_metrics
+from rft_core.observe import samples_markdown
 from rft_core.stages.common import PolicyRef
 from schemas import ShardRef, read_manifest, stage_uri
 
@@ -93,8 +94,10 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
             **({"critic_update": new_critic} if new_critic else {})}
     metrics = iteration_metrics(iteration, refs)
     metrics["seconds/iteration"] = round(time.perf_counter() - t0, 3)
-    create_table_artifact(key=f"metrics-iter-{iteration:06d}".replace("_", "-"), table=[metrics],
+    create_table_artifact(key=f"metrics-iter-{iteration:06d}", table=[metrics],
                           description=f"Metrics of iteration {iteration}")
+    create_markdown_artifact(key=f"samples-iter-{iteration:06d}", markdown=samples_markdown(cfg.run_root, iteration),
+                             description=f"Sample prompts, responses and rewards of iteration {iteration}")
     get_run_logger().info("iteration %d committed: %s", iteration, new_policy.uri)
     next_state = TrainState.model_validate(read_manifest(adv.uri)[0].summary["next_state"])
     return IterationResult(iteration=iteration, policy=new_policy, critic=new_critic, next_state=next_state, stages=refs,

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict
 from flows.iteration import rl_iteration
 from rft_core.config import TrainConfig
 from rft_core.metrics import format_metrics_line, write_metrics
+from rft_core.observe import plot_curves, write_tensorboard
 from schemas import ShardRef
 
 
@@ -42,7 +43,11 @@ def train(cfg: TrainConfig) -> TrainResult:
         policy, state, critic = result.policy, result.next_state, result.critic
         rows.append(result.metrics)
         metrics_uri = write_metrics(cfg.run_root, rows)
+        write_tensorboard(cfg.run_root, rows)
         logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")
+    curve = plot_curves(cfg.run_root, rows)
+    if curve:
+        logger.info("metrics curve: %s; TensorBoard: tensorboard --logdir %s/tensorboard", curve, cfg.run_root)
     return TrainResult(run_root=cfg.run_root, metrics_uri=metrics_uri, final_policy=policy,
                        final_critic=critic if isinstance(critic, ShardRef) else None, metrics=rows)

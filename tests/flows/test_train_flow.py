@@ -84,7 +84,8 @@ def test_crash_in_update_then_resume_reuses_committed_stages(prefect_harness, ti
     result = train(cfg)  # the same training again: resumes
     assert calls["n"] == calls_before + 1  # only iteration 2's update ran again
     after = _snapshot(root)
-    committed = {k: v for k, v in before.items() if not k.startswith("iter=000002/ppo_update") and k != "metrics.jsonl"}
+    # every stage file (derived views such as metrics.jsonl and tensorboard/ are rewritten by design)
+    committed = {k: v for k, v in before.items() if k.startswith("iter=") and not k.startswith("iter=000002/ppo_update")}
     changed = [k for k, v in committed.items() if after.get(k) != v]
     assert changed == []  # every committed file untouched (same mtime and checksum)
     assert read_shard(f"{cfg.run_root}/iter=000002/ppo_update").num_rows == 1
@@ -101,7 +102,7 @@ def test_changed_config_does_not_overwrite_committed_run(prefect_harness, tiny_m
     with pytest.raises(StaleShardError, match="Use a new run root"):
         train(flow_cfg(tiny_model, tmp_path / "run", iterations=1, **{"rollout.temperature": 0.5}))
     after = _snapshot(Path(cfg.run_root))
-    assert {k: v for k, v in after.items() if k != "metrics.jsonl"} == {k: v for k, v in before.items() if k != "metrics.jsonl"}
+    assert {k: v for k, v in after.items() if k.startswith("iter=")} == {k: v for k, v in before.items() if k.startswith("iter=")}
 
 
 def steps_tokens(result) -> int:
@@ -278,3 +279,33 @@ def test_task_retry_reuses_committed_stages(prefect_harness, tiny_model, tmp_pat
     assert rewards_manifest.inputs["rollout"] == __import__("hashlib").sha256(
         (Path(cfg.run_root) / "iter=000001/rollout/_MANIFEST.json").read_bytes()).hexdigest()
     assert rollout_manifest.num_rows == 12
+
+
+def test_observability_outputs(prefect_harness, tiny_model, tmp_path, fake_rewards):
+    """TensorBoard events hold every iteration once (also after a resume), the curve image and
+    the markdown sample artifact exist."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from flows.train import train
+
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=2)
+    train(cfg)
+    train(cfg)  # a resume rewrites, it does not duplicate
+
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("reward_mean")]
+    assert steps == [1, 2]
+    assert (tmp_path / "run" / "metrics.png").stat().st_size > 1000
+
+    async def artifact():
+        async with get_client() as client:
+            arts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["samples-iter-000001"])))
+            return arts[0].data if arts else ""
+
+    import asyncio
+
+    md = asyncio.run(artifact())
+    assert "| question | answer | response_text | rewards |" in md and md.count("\n| ") >= 8
