@@ -64,10 +64,7 @@ def run_update(rollout: ShardRef, advantages: ShardRef, values: ShardRef, critic
         tok = load_tokenizer(path)
         model = load_critic(path, dtype=cfg.dtype, trainable=True)
         opt = make_optimizer(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-        ckpt = policy_checkpoint_dir(critic, CRITIC_SUBDIR)
-        if ckpt and load_optimizer_state(opt, ckpt):
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr
+        load_optimizer_state(opt, policy_checkpoint_dir(critic, CRITIC_SUBDIR), lr=cfg.lr)
         with Timer() as t:
             steps = critic_update(model, opt, data, pad_token_id=tok.pad_token_id, value_loss=cfg.value_loss,
                                   value_clip=cfg.value_clip, loss_agg=cfg.loss_agg, epochs=cfg.epochs,

@@ -48,10 +48,7 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         opt = make_optimizer(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-        ckpt = policy_checkpoint_dir(policy)
-        if ckpt and load_optimizer_state(opt, ckpt):
-            for g in opt.param_groups:
-                g["lr"] = cfg.lr
+        load_optimizer_state(opt, policy_checkpoint_dir(policy), lr=cfg.lr)
         with Timer() as t:
             steps = ppo_update(model, opt, data, pad_token_id=tok.pad_token_id, policy_loss=cfg.policy_loss.name,
                                policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss), loss_agg=cfg.loss_agg,

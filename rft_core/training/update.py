@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
 import torch
 
 from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES, kl_penalty
@@ -18,7 +16,6 @@ from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.models.logprobs import TokenBatch, build_token_batch, response_logprobs
 
 OPTIMIZER_FILE = "optimizer.pt"
-RNG_FILE = "rng_state.pt"
 
 
 @dataclass(frozen=True)
@@ -109,7 +106,6 @@ def ppo_update(
     max_grad_norm: float = 1.0,
     temperature: float = 1.0,
     seed: int = 0,
-    on_step: Callable[[StepMetrics], None] | None = None,
 ) -> list[StepMetrics]:
     """Run PPO epochs over ``data``; mutates ``model`` and ``optimizer``.
 
@@ -190,26 +186,34 @@ def ppo_update(
             grad_norm=grad_norm, lr=float(optimizer.param_groups[0]["lr"]), num_tokens=n_tokens,
         )
         metrics.append(m)
-        if on_step:
-            on_step(m)
     model.eval()
     return metrics
 
 
 def save_checkpoint(model, tokenizer, optimizer: torch.optim.Optimizer, out_dir: str | Path) -> None:
-    """Write an HF ``save_pretrained`` folder plus optimizer state and RNG states."""
+    """Write an HF ``save_pretrained`` folder plus the optimizer state.
+
+    No RNG state is saved: every random draw of a run comes from a generator seeded with
+    (config seed, iteration, stage), so a resumed run draws the same numbers without it.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
-    torch.save({"torch": torch.get_rng_state()}, out / RNG_FILE)
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, ckpt_dir: str | Path) -> bool:
-    """Restore optimizer state saved by ``save_checkpoint``; False when there is none."""
-    path = Path(ckpt_dir) / OPTIMIZER_FILE
-    if not path.exists():
+def load_optimizer_state(optimizer: torch.optim.Optimizer, ckpt_dir: str | Path | None, *, lr: float | None = None) -> bool:
+    """Restore the optimizer state saved by ``save_checkpoint`` in ``ckpt_dir``.
+
+    ``lr``: the configured learning rate replaces the saved one (the state keeps its moments).
+    Returns False, leaving the optimizer as it is, when ``ckpt_dir`` is None or has no state.
+    """
+    path = Path(ckpt_dir) / OPTIMIZER_FILE if ckpt_dir else None
+    if path is None or not path.exists():
         return False
     optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     return True

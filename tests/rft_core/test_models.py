@@ -10,7 +10,7 @@ import torch
 from rft_core.engines.hf import HFEngine
 from rft_core.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, resolve_model_path
 from rft_core.models.logprobs import batched_response_logprobs, build_token_batch, response_logprobs
-from rft_core.training.update import UpdateData, ppo_update
+from rft_core.training.update import UpdateData, make_optimizer, ppo_update
 
 
 def test_token_batch_layout():
@@ -198,3 +198,24 @@ def test_fire_sampling_changes_only_the_first_token(tiny_model):
                                     pad_token_id=tok.pad_token_id, temperature=1e-4)
     for g, lp in zip(fire, lps):
         assert g.logprobs[1:] == pytest.approx(lp[1:], abs=1e-2)
+
+
+def test_checkpoint_restores_optimizer_state_with_configured_lr(tiny_model, tmp_path):
+    from rft_core.training.update import load_optimizer_state, save_checkpoint
+
+    data = _update_data(tiny_model)
+    model = load_causal_lm(tiny_model, trainable=True)
+    opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0)
+    ppo_update(model, opt, data, pad_token_id=2)
+    save_checkpoint(model, load_tokenizer(tiny_model), opt, tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".pt") == ["optimizer.pt"]
+
+    fresh = make_optimizer(load_causal_lm(str(tmp_path / "ckpt"), trainable=True), lr=5e-4, betas=(0.9, 0.99), weight_decay=0.0)
+    assert load_optimizer_state(fresh, tmp_path / "ckpt", lr=5e-4)
+    saved, loaded = opt.state_dict(), fresh.state_dict()
+    assert loaded["param_groups"][0]["lr"] == 5e-4  # the configured lr, not the saved 1e-3
+    for k, st in saved["state"].items():  # Adam moments and step counts carried over exactly
+        assert torch.equal(st["exp_avg"], loaded["state"][k]["exp_avg"])
+        assert torch.equal(st["exp_avg_sq"], loaded["state"][k]["exp_avg_sq"])
+        assert float(st["step"]) == float(loaded["state"][k]["step"]) == 1.0
+    assert not load_optimizer_state(fresh, None) and not load_optimizer_state(fresh, tmp_path)
