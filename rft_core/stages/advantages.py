@@ -14,6 +14,7 @@ from rft_core.algorithms.kl import next_kl_coef
 from rft_core.algorithms.advantages import clip_filter_like_weights, kl_shaped_token_rewards
 from rft_core.config import AdvantageConfig, KLConfig, ShapingConfig, TrainState, estimator_kwargs
 from rft_core.stages.common import Timer, reuse_or_compute
+from rft_core.stages.rewards import signal_prompt_ids
 from schemas import ShardRef, config_hash, read_shard, write_shard
 from schemas.columns import ADVANTAGES
 from schemas.experience import experience_from_tables
@@ -108,8 +109,9 @@ def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: Sh
 
     def compute() -> ShardRef:
         r = read_shard(rollout, stage="rollout")
+        rewards_table = read_shard(rewards, stage="rewards")
         exp = experience_from_tables(
-            r, rewards=read_shard(rewards, stage="rewards"),
+            r, rewards=rewards_table,
             actor=read_shard(actor, stage="actor_logprobs") if actor else None,
             ref=read_shard(ref, stage="ref_logprobs") if ref else None,
             critic=read_shard(critic, stage="critic_values") if critic else None)
@@ -129,9 +131,7 @@ def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: Sh
         }, schema=ADVANTAGES.arrow)
         rw = exp.info["rewards"]
         seq_kl = res["kl"].sum(-1)
-        groups = {}
-        for pid, x in zip(exp.info["prompt_id"], rw.tolist()):
-            groups.setdefault(pid, set()).add(x)
+        n_groups = len(set(exp.info["prompt_id"]))
         summary = {
             "seconds": t.seconds,
             "kl_coef": kl_cfg.kl_coef,
@@ -142,7 +142,7 @@ def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: Sh
             "reward_mean": float(rw.mean()), "reward_std": float(rw.std(unbiased=True)) if len(rw) > 1 else 0.0,
             "kl_mean": float(seq_kl.mean()), "kl_token_mean": float(masked_mean(res["kl"], mask)),
             "advantage_abs_mean": float(masked_mean(res["advantages"].abs(), mask)),
-            "groups_with_signal": sum(len(v) > 1 for v in groups.values()) / max(len(groups), 1),
+            "groups_with_signal": len(signal_prompt_ids(rewards_table)) / max(n_groups, 1),
         }
         inputs = {"rollout": rollout, "rewards": rewards, **({"actor": actor} if actor else {}), **({"ref": ref} if ref else {}),
                   **({"critic_values": critic} if critic else {})}

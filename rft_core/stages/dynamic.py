@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rft_core.stages.common import reuse_or_compute
+from rft_core.stages.rewards import rewards_summary, signal_prompt_ids
+from rft_core.stages.rollout import rollout_summary
 from schemas import ShardRef, config_hash, read_manifest, read_shard, write_shard
 from schemas.columns import PROMPTS, REWARDS, ROLLOUT
 
@@ -25,14 +27,6 @@ class Selection:
     duplicates: int
     shortfall: int
     fallback: bool
-
-
-def signal_prompt_ids(rewards: pa.Table) -> list[str]:
-    """prompt_ids (first-seen order) whose samples got more than one distinct reward."""
-    seen: dict[str, set] = {}
-    for pid, r in zip(rewards.column("prompt_id").to_pylist(), rewards.column("rewards").to_pylist()):
-        seen.setdefault(pid, set()).add(r)
-    return [pid for pid, vals in seen.items() if len(vals) > 1]
 
 
 def select_groups(attempt_rewards: list[pa.Table], target: int) -> Selection:
@@ -96,22 +90,15 @@ def run_merge(attempts: list[tuple[ShardRef, ShardRef, ShardRef]], *, target_gro
                        "refills": len(attempts) - 1, "shortfall": sel.shortfall, "fallback_unfiltered": sel.fallback}
             tries = [read_manifest(t[index].uri)[0].summary for t in attempts]
             if stage == "rollout":  # the usual rollout summary: lengths of the kept samples, speed of all attempts
-                lengths = pc.list_value_length(table.column("response_token_ids")).to_pylist()
                 gen = sum(s.get("generated_tokens", 0) for s in tries)
                 secs = sum(s.get("seconds", 0.0) for s in tries)
                 summary.update(seconds=secs, generated_tokens=gen, tokens_per_second=gen / max(secs, 1e-9),
-                               response_length_mean=sum(lengths) / max(len(lengths), 1),
-                               truncated_fraction=sum(f == "length" for f in table.column("finish_reason").to_pylist())
-                               / max(len(lengths), 1))
+                               **rollout_summary(table))
             if stage == "prompts":
                 summary.update(seconds=sum(s.get("seconds", 0.0) for s in tries),
                                skipped_overlong=sum(s.get("skipped_overlong", 0) for s in tries))
             if stage == "rewards":  # the usual rewards summary, over the kept samples
-                r = table.column("rewards").to_pylist()
-                n = max(len(r), 1)
-                summary.update(reward_mean=sum(r) / n, accuracy=sum(table.column("correct").to_pylist()) / n,
-                               format_rate=sum(m.get("format", 0.0) for m in map(dict, table.column("reward_metrics").to_pylist())) / n,
-                               seconds=sum(s.get("seconds", 0.0) for s in tries))
+                summary.update(seconds=sum(s.get("seconds", 0.0) for s in tries), **rewards_summary(table))
             return write_shard(table, out, schema=schema, config_hash=chash, summary=summary,
                                inputs={f"{stage}-try{a}": t[index] for a, t in enumerate(attempts)})
 

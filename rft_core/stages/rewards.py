@@ -10,6 +10,24 @@ from schemas import ShardRef, ShardSchemaError, config_hash, read_shard, write_s
 from schemas.columns import REWARDS
 
 
+def rewards_summary(table: pa.Table) -> dict[str, float]:
+    """Mean reward, accuracy and format rate of a rewards table."""
+    n = max(table.num_rows, 1)
+    metrics = [dict(m) for m in table.column("reward_metrics").to_pylist()]
+    return {"reward_mean": sum(table.column("rewards").to_pylist()) / n,
+            "accuracy": sum(table.column("correct").to_pylist()) / n,
+            "format_rate": sum(m.get("format", 0.0) for m in metrics) / n}
+
+
+def signal_prompt_ids(table: pa.Table) -> list[str]:
+    """prompt_ids (first-seen order) whose samples got more than one distinct reward: the groups
+    that give GRPO-style estimators a non-zero advantage."""
+    seen: dict[str, set] = {}
+    for pid, r in zip(table.column("prompt_id").to_pylist(), table.column("rewards").to_pylist()):
+        seen.setdefault(pid, set()).add(r)
+    return [pid for pid, vals in seen.items() if len(vals) > 1]
+
+
 def run(rollout: ShardRef, prompts: ShardRef, cfg: RewardConfig, *, out: str) -> ShardRef:
     """Score each sample; writes rewards, correct, extracted_answer and per-source reward_metrics.
 
@@ -38,10 +56,7 @@ def run(rollout: ShardRef, prompts: ShardRef, cfg: RewardConfig, *, out: str) ->
             "extracted_answer": pa.array([x.extracted for x in results], pa.string()),
             "reward_metrics": pa.array([list(x.metrics.items()) for x in results], pa.map_(pa.string(), pa.float32())),
         }, schema=REWARDS.arrow)
-        n = max(len(results), 1)
-        summary = {"seconds": t.seconds, "reward_mean": sum(x.reward for x in results) / n,
-                   "accuracy": sum(x.correct for x in results) / n,
-                   "format_rate": sum(x.metrics.get("format", 0.0) for x in results) / n}
+        summary = {"seconds": t.seconds, **rewards_summary(table)}
         return write_shard(table, out, schema=REWARDS, config_hash=chash, inputs={"rollout": rollout, "prompts": prompts},
                            summary=summary)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from rft_core.config import RolloutConfig
 from rft_core.engines.hf import HFEngine
@@ -12,6 +13,14 @@ from schemas.columns import ROLLOUT
 
 SEED_STRIDE = 100_003  # iteration i samples with seed + i * stride: distinct, reproducible streams
 ATTEMPT_STRIDE = 7_919  # dynamic-sampling refill attempts: another offset
+
+
+def rollout_summary(table: pa.Table) -> dict[str, float]:
+    """Mean response length (tokens) and the fraction cut at max_new_tokens, of a rollout table."""
+    n = max(table.num_rows, 1)
+    lengths = pc.list_value_length(table.column("response_token_ids")).to_pylist()
+    return {"response_length_mean": sum(lengths) / n,
+            "truncated_fraction": sum(f == "length" for f in table.column("finish_reason").to_pylist()) / n}
 
 
 def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: int, out: str, dtype: str = "float32",
@@ -47,11 +56,10 @@ def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: 
             "action_mask": [[True] * len(g.response_token_ids) for g in gens],
             "finish_reason": [g.finish_reason for g in gens],
         }
+        table_out = pa.table(rows, schema=ROLLOUT.arrow)
         n_tokens = sum(len(g.response_token_ids) for g in gens)
         summary = {"seconds": t.seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(t.seconds, 1e-9),
-                   "response_length_mean": n_tokens / max(len(gens), 1),
-                   "truncated_fraction": sum(g.finish_reason == "length" for g in gens) / max(len(gens), 1)}
-        return write_shard(pa.table(rows, schema=ROLLOUT.arrow), out, schema=ROLLOUT, config_hash=chash,
-                           inputs={"prompts": prompts}, summary=summary)
+                   **rollout_summary(table_out)}
+        return write_shard(table_out, out, schema=ROLLOUT, config_hash=chash, inputs={"prompts": prompts}, summary=summary)
 
     return reuse_or_compute("rollout", out, chash, compute)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pyarrow as pa
 
 from rft_core.data.prompts import iteration_indices, refill_indices
-from rft_core.stages.dynamic import select_groups, signal_prompt_ids
+from rft_core.stages.dynamic import select_groups
+from rft_core.stages.rewards import signal_prompt_ids
 
 
 def _rewards(rows):
@@ -36,3 +37,18 @@ def test_refill_stream_is_separate_and_deterministic():
     assert r != refill_indices(2, 2, per_iteration=4, size=100, seed=1) and len(set(r)) == 4
     # refills do not change the main order
     assert main == [iteration_indices(i, per_iteration=4, size=100, seed=1) for i in (1, 2, 3)]
+
+
+def test_stage_summaries_hand():
+    from rft_core.stages.rewards import rewards_summary
+    from rft_core.stages.rollout import rollout_summary
+
+    rewards = pa.table({"rewards": pa.array([1.0, 0.1, 0.0, 1.1], pa.float32()), "correct": [True, False, False, True],
+                        "reward_metrics": pa.array([[("format", 0.0)], [("format", 1.0)], [], [("format", 1.0)]],
+                                                   pa.map_(pa.string(), pa.float32()))})
+    s = rewards_summary(rewards)
+    # mean (1 + 0.1 + 0 + 1.1) / 4 = 0.55; 2 of 4 correct; format 2 of 4 (a source without it counts 0)
+    assert s["reward_mean"] == __import__("pytest").approx(0.55) and s["accuracy"] == 0.5 and s["format_rate"] == 0.5
+    rollout = pa.table({"response_token_ids": [[1, 2, 3], [4], [], [5, 6]], "finish_reason": ["stop", "length", "stop", "length"]})
+    # lengths 3, 1, 0, 2 -> mean 1.5; 2 of 4 cut at max_new_tokens
+    assert rollout_summary(rollout) == {"response_length_mean": 1.5, "truncated_fraction": 0.5}
