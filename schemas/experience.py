@@ -21,8 +21,9 @@ from schemas.columns import ACTOR_LOGPROBS, ADVANTAGES, CRITIC_VALUES, PER_TOKEN
 from schemas.shards import ShardSchemaError
 
 
-def zero_pad_sequences(sequences: Sequence[torch.Tensor], side: str = "left", value: int | float = 0) -> torch.Tensor:
-    """Pad 1-D tensors to the longest one and stack them to (B, L).
+def zero_pad_sequences(sequences: Sequence[torch.Tensor], side: str = "left", value: int | float = 0,
+                       min_length: int = 0) -> torch.Tensor:
+    """Pad 1-D tensors to the longest one (at least ``min_length``) and stack them to (B, L).
 
     >>> zero_pad_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], side="left")
     tensor([[1, 2, 3],
@@ -35,7 +36,7 @@ def zero_pad_sequences(sequences: Sequence[torch.Tensor], side: str = "left", va
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
     if len(sequences) == 0:
         raise ValueError("zero_pad_sequences needs at least one sequence")
-    max_len = max(int(s.shape[-1]) for s in sequences)
+    max_len = max(max(int(s.shape[-1]) for s in sequences), min_length)
     out = []
     for s in sequences:
         pad = max_len - int(s.shape[-1])
@@ -226,7 +227,7 @@ def check_token_lengths(table: pa.Table, *, name: str, lengths: np.ndarray) -> N
 
 def _pad_lists(col: pa.ChunkedArray | pa.Array, dtype: torch.dtype, side: str = "right") -> torch.Tensor:
     rows = col.to_pylist()
-    return zero_pad_sequences([torch.tensor(r, dtype=dtype) for r in rows] + [torch.zeros(1, dtype=dtype)], side)[:-1]
+    return zero_pad_sequences([torch.tensor(r, dtype=dtype) for r in rows], side, min_length=1)
 
 
 def experience_from_tables(

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rft_core.models.logprobs import build_token_batch
+from schemas.experience import zero_pad_sequences
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,10 @@ class HFEngine:
         out: list[Generation] = []
         for b, start in enumerate(range(0, len(requests), batch_size)):
             chunk = requests[start:start + batch_size]
-            batch = build_token_batch([prompts[p] for p, _ in chunk], [[] for _ in chunk], pad_token_id=self.pad_token_id)
-            P = batch.input_ids.shape[1] - batch.num_actions
-            input_ids, attention_mask = batch.input_ids[:, :P], batch.attention_mask[:, :P]
+            rows = [torch.tensor(prompts[p], dtype=torch.long) for p, _ in chunk]
+            input_ids = zero_pad_sequences(rows, side="left", value=self.pad_token_id)
+            attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in rows], side="left")
+            P = input_ids.shape[1]
             torch.manual_seed(seed + b)
             sampling: dict = {"temperature": temperature, "top_p": top_p}
             if first_token_temperature is not None:

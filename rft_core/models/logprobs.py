@@ -50,10 +50,9 @@ def build_token_batch(prompts: list[list[int]], responses: list[list[int]], *, p
     p_ids = zero_pad_sequences([torch.tensor(p, dtype=torch.long) for p in prompts], side="left", value=pad_token_id)
     p_mask = zero_pad_sequences([torch.ones(len(p), dtype=torch.long) for p in prompts], side="left")
     # a response of length 0 still gets one padded column so T >= 1
-    r_ids = zero_pad_sequences([torch.tensor(r, dtype=torch.long) for r in responses] + [torch.zeros(1, dtype=torch.long)],
-                               side="right", value=pad_token_id)[:-1]
-    r_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in responses] + [torch.zeros(1, dtype=torch.long)],
-                                side="right")[:-1]
+    r_ids = zero_pad_sequences([torch.tensor(r, dtype=torch.long) for r in responses], side="right", value=pad_token_id,
+                               min_length=1)
+    r_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in responses], side="right", min_length=1)
     attention_mask = torch.cat([p_mask, r_mask], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return TokenBatch(torch.cat([p_ids, r_ids], dim=1), attention_mask, position_ids, r_mask.bool())

@@ -26,6 +26,9 @@ def test_zero_pad_sequences_doc_examples():
     assert zero_pad_sequences(seqs, side="left").tolist() == [[0, 1, 2, 3], [0, 0, 4, 5], [6, 7, 8, 9]]
     with pytest.raises(ValueError, match="side"):
         zero_pad_sequences(seqs, side="middle")
+    # min_length widens a batch of short (even empty) rows: [[], [7]] -> width 3
+    assert zero_pad_sequences([torch.tensor([], dtype=torch.long), torch.tensor([7])], "right", min_length=3).tolist() == [
+        [0, 0, 0], [7, 0, 0]]
 
 
 def test_remove_padding_doc_example_without_masks():
