@@ -1,7 +1,6 @@
 """Command-line entry point: ``rft train --config configs/grpo_demo.yaml --set rollout.temperature=0.7``."""
 from __future__ import annotations
 
-import datetime as _dt
 import os
 from pathlib import Path
 from typing import List, Optional
@@ -16,12 +15,15 @@ def _root() -> None:
     """RL fine-tuning as Prefect flows over Parquet shards."""
 
 
-def _resolve_run_root(run_root: str, name: str) -> str:
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    root = run_root.format(timestamp=stamp, name=name)
-    if "://" not in root:
-        root = str(Path(root).expanduser().resolve())
-    return root
+def _load_or_exit(config: Optional[Path], overrides: list[str]):
+    """The resolved TrainConfig, or exit 2 with the config error on stderr."""
+    from rft_core.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides).with_resolved_run_root()
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
 
 
 @app.command()
@@ -31,15 +33,7 @@ def train(
     run_root: Optional[str] = typer.Option(None, "--run-root", help="Run folder (any fsspec URI). Reuse one to resume a run."),
 ) -> None:
     """Train with GRPO/PPO; prints one metrics line per iteration and where the results are."""
-    from rft_core.config import ConfigError, load_config
-
-    overrides = list(set_) + ([f"run_root={run_root}"] if run_root else [])
-    try:
-        cfg = load_config(config, overrides)
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
-    cfg = cfg.model_copy(update={"run_root": _resolve_run_root(cfg.run_root, cfg.name)})
+    cfg = _load_or_exit(config, list(set_) + ([f"run_root={run_root}"] if run_root else []))
     typer.echo(f"run root: {cfg.run_root}")
     from flows.train import train as train_flow
 
@@ -59,14 +53,7 @@ def replay(
     run_root: str = typer.Option(..., "--run-root", help="New run folder for the replayed stages."),
 ) -> None:
     """Rerun advantages + update of a saved run with other settings; nothing is generated."""
-    from rft_core.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(config, list(set_) + [f"run_root={run_root}"])
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
-    cfg = cfg.model_copy(update={"run_root": _resolve_run_root(cfg.run_root, cfg.name)})
+    cfg = _load_or_exit(config, list(set_) + [f"run_root={run_root}"])
     from flows.replay import replay as replay_flow
 
     result = replay_flow(source_run_root, cfg)

@@ -15,8 +15,5 @@ def train_from_preset(preset: str = "configs/grpo_demo.yaml", overrides: dict[st
 
     A ``{timestamp}`` in run_root is filled with the flow run's start time.
     """
-    import datetime as _dt
-
-    cfg = load_config(preset, overrides or {})
-    cfg = cfg.model_copy(update={"run_root": cfg.run_root.format(timestamp=_dt.datetime.now().strftime("%Y%m%d-%H%M%S"), name=cfg.name)})
+    cfg = load_config(preset, overrides or {}).with_resolved_run_root()
     return train(cfg)

@@ -5,6 +5,7 @@ YAML presets live in ``configs/``; any value can be overridden with dotted keys
 """
 from __future__ import annotations
 
+import datetime as _dt
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Union
 
@@ -343,6 +344,15 @@ class TrainConfig(_Frozen):
         if self.update.train_batch_size is not None and self.update.train_batch_size < self.update.micro_batch_size:
             raise ValueError("update.train_batch_size must be >= update.micro_batch_size")
         return self
+
+    def with_resolved_run_root(self, now: "_dt.datetime | None" = None) -> "TrainConfig":
+        """A copy whose run_root has ``{timestamp}`` (YYYYmmdd-HHMMSS) and ``{name}`` filled in
+        and, for a local path, is made absolute."""
+        stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
+        root = self.run_root.format(timestamp=stamp, name=self.name)
+        if "://" not in root:
+            root = str(Path(root).expanduser().resolve())
+        return self.model_copy(update={"run_root": root})
 
     @property
     def needs_critic(self) -> bool:

@@ -167,3 +167,13 @@ def test_each_policy_loss_config_matches_its_function_kwargs():
     assert names == set(POLICY_LOSSES.names())
     cfg = load_config(None, ["update.policy_loss.clip_high=0.28"])
     assert cfg.update.policy_loss.name == "ppo_clip" and cfg.update.policy_loss.clip_high == 0.28
+
+
+def test_run_root_placeholders_resolved(tmp_path, monkeypatch):
+    import datetime as dt
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["name=exp", "run_root=runs/{name}-{timestamp}"]).with_resolved_run_root(dt.datetime(2026, 1, 2, 3, 4, 5))
+    assert cfg.run_root == str(tmp_path / "runs" / "exp-20260102-030405")
+    remote = load_config(None, ["run_root=s3://bucket/{name}"]).with_resolved_run_root()
+    assert remote.run_root == "s3://bucket/grpo"  # URIs are left as they are, only filled in
