@@ -14,6 +14,7 @@ _FROM_SUMMARY = [
     ("reward_std", "advantages", "reward_std"),
     ("accuracy", "rewards", "accuracy"),
     ("format_rate", "rewards", "format_rate"),
+    ("reward_fallbacks", "rewards", "reward_fallbacks"),
     ("kl", "advantages", "kl_mean"),
     ("kl_coef", "advantages", "kl_coef"),
     ("next_kl_coef", "advantages", "next_kl_coef"),

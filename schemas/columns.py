@@ -73,13 +73,14 @@ CRITIC_VALUES = StageSchema("critic_values", 1, pa.schema([  # PPO with a critic
     pa.field("values", _f32, nullable=False),
 ]))
 
-REWARDS = StageSchema("rewards", 1, pa.schema([
+REWARDS = StageSchema("rewards", 2, pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),
     pa.field("prompt_id", pa.string(), nullable=False),
     pa.field("rewards", pa.float32(), nullable=False),
     pa.field("correct", pa.bool_(), nullable=False),
     pa.field("extracted_answer", pa.string(), nullable=True),
-    pa.field("reward_metrics", pa.map_(pa.string(), pa.float32()), nullable=False),
+    pa.field("reward_metrics", pa.map_(pa.string(), pa.float32()), nullable=False),  # per-source score (+ counters)
+    pa.field("reward_reasons", pa.map_(pa.string(), pa.string()), nullable=False),  # per-source why, when not plain
 ]))
 
 ADVANTAGES = StageSchema("advantages", 1, pa.schema([
@@ -113,9 +114,22 @@ CRITIC_UPDATE = StageSchema("critic_update", 1, pa.schema([
     pa.field("num_tokens", pa.int64(), nullable=False),
 ]))
 
+EVAL = StageSchema("eval", 1, pa.schema([  # held-out evaluation (flows/eval.py): one greedy response per prompt
+    pa.field("sample_id", pa.string(), nullable=False),
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("question", pa.string(), nullable=False),
+    pa.field("answer", pa.string(), nullable=False),  # the label
+    pa.field("response_text", pa.string(), nullable=False),
+    pa.field("extracted_answer", pa.string(), nullable=True),
+    pa.field("rewards", pa.float32(), nullable=False),
+    pa.field("correct", pa.bool_(), nullable=False),
+    pa.field("response_length", pa.int32(), nullable=False),  # response tokens
+    pa.field("finish_reason", pa.string(), nullable=False),
+]))
+
 STAGE_SCHEMAS: dict[str, StageSchema] = {
     s.stage: s for s in (PROMPTS, ROLLOUT, ACTOR_LOGPROBS, REF_LOGPROBS, CRITIC_VALUES, REWARDS, ADVANTAGES, PPO_UPDATE,
-                         CRITIC_UPDATE)
+                         CRITIC_UPDATE, EVAL)
 }
 
 # Per-token list columns that must have one entry per response token.

@@ -367,6 +367,7 @@ def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
             "sample_id": sid, "prompt_id": pid, "rewards": pa.array(r, pa.float32()),
             "correct": [x >= 1.0 for x in r], "extracted_answer": pa.array([None] * B, pa.string()),
             "reward_metrics": pa.array([[] for _ in range(B)], pa.map_(pa.string(), pa.float32())),
+            "reward_reasons": pa.array([[] for _ in range(B)], pa.map_(pa.string(), pa.string())),
         }, schema=REWARDS.arrow)
     if exp.advantages is not None:
         shaped = exp.info.get("shaped_rewards", exp.info.get("rewards", torch.zeros(B))).tolist()

@@ -17,7 +17,7 @@ from schemas import read_shard, stage_uri
 @pytest.fixture(scope="module")
 def run(tiny_model, tmp_path_factory):
     mp = pytest.MonkeyPatch()
-    mp.setattr("rft_core.stages.rewards.score_response",
+    mp.setattr("rft_core.rewards.math.score_response",
                lambda text, **kw: RewardResult(float(zlib.crc32(text.encode()) % 2), False, "7", {"correctness": 0.0}))
     cfg = load_config(None, [f"policy.path={tiny_model}", "data.prompts_per_iteration=2", "rollout.n_samples_per_prompt=3",
                              "rollout.max_new_tokens=5", "kl.kl_coef=0"])

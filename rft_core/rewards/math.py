@@ -119,3 +119,78 @@ def score_response(
         raise ValueError(f"unknown grader {grader!r}; valid: dataset, math_verify")
     reward = correct_reward * score + format_reward * float(formatted)
     return RewardResult(reward, score >= 1.0, answer, {"correctness": score, "format": float(formatted)})
+
+
+# --- reward sources --------------------------------------------------------------------------
+
+def _math_verify_worker(answer: str | None, label: str) -> float:
+    """Runs in a pool worker process (module-level so spawn can import it)."""
+    return grade_math_verify(answer, label=label)
+
+
+def grade_math_verify_batch(pairs: list[tuple[str | None, str]], *, timeout_s: float,
+                            max_workers: int = 1) -> list[tuple[float, str | None]]:
+    """math-verify on many (answer, label) pairs, each under a wall-time limit.
+
+    math-verify's own timeout uses ``signal.alarm``, which only works on the main thread (Prefect
+    runs tasks in worker threads). Here each pair runs in a ``pebble`` worker process; one that
+    passes ``timeout_s`` is killed and replaced, and the pair scores 0 with the reason.
+
+    Returns:
+        [(score 0/1, reason or None)], in order.
+    """
+    import multiprocessing
+
+    from pebble import ProcessPool
+
+    out: list[tuple[float, str | None]] = []
+    with ProcessPool(max_workers=max_workers, context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.schedule(_math_verify_worker, args=(a, lab), timeout=timeout_s) for a, lab in pairs]
+        for fut in futures:
+            try:
+                out.append((float(fut.result()), None))
+            except TimeoutError:
+                out.append((0.0, f"math_verify timeout after {timeout_s:g} s"))
+    return out
+
+
+class MathAnswerReward:
+    """Source ``math_answer``: 1.0 when the extracted final answer matches the reference.
+
+    The grader is the dataset's own (reasoning-gym ``score_answer``, fractional scores possible)
+    or math-verify (symbolic equivalence: ``1/2`` = ``0.5`` = ``\\frac{1}{2}``), the latter in
+    worker processes with a per-sample wall-time limit. ``extras['format']`` says whether the
+    answer came from an ``Answer:`` line or an ``<answer>`` tag.
+    """
+
+    def __init__(self, cfg, name: str = "math_answer") -> None:
+        self.cfg, self.name = cfg, name
+
+    def score(self, samples):
+        from rft_core.rewards.base import SourceScore
+
+        if self.cfg.grader == "math_verify":
+            extracted = [extract_answer(s.response) for s in samples]
+            graded = grade_math_verify_batch([(a, s.reference) for (a, _), s in zip(extracted, samples)],
+                                             timeout_s=self.cfg.timeout_s)
+            return [SourceScore(score, score >= 1.0, a, reason, {"format": float(f)})
+                    for (a, f), (score, reason) in zip(extracted, graded)]
+        out = []
+        for s in samples:
+            r = score_response(s.response, source=s.label, question=s.question, label=s.reference,
+                               metadata_json=json.dumps(s.metadata, sort_keys=True), grader="dataset")
+            out.append(SourceScore(r.reward, r.correct, r.extracted, None, {"format": r.metrics.get("format", 0.0)}))
+        return out
+
+
+class FormatReward:
+    """Source ``format``: 1.0 when the response gives its answer in an ``Answer:`` line or an
+    ``<answer>...</answer>`` tag, else 0.0."""
+
+    def __init__(self, cfg, name: str = "format") -> None:
+        self.cfg, self.name = cfg, name
+
+    def score(self, samples):
+        from rft_core.rewards.base import SourceScore
+
+        return [SourceScore(float(extract_answer(s.response)[1])) for s in samples]

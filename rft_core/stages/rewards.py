@@ -1,22 +1,32 @@
-"""Reward stage: grade every response of the rollout against its prompt's label."""
+"""Reward stage: score every response of the rollout with the reward engine (sources + recipes)."""
 from __future__ import annotations
+
+import json
 
 import pyarrow as pa
 
 from rft_core.config import RewardConfig
-from rft_core.rewards.math import score_response
+from rft_core.rewards.base import RewardSample
+from rft_core.rewards.engine import RewardEngine
 from rft_core.stages.common import Timer, reuse_or_compute
 from schemas import ShardRef, ShardSchemaError, config_hash, read_shard, write_shard
 from schemas.columns import REWARDS
 
 
 def rewards_summary(table: pa.Table) -> dict[str, float]:
-    """Mean reward, accuracy and format rate of a rewards table."""
+    """Mean reward, accuracy and format rate of a rewards table. The format rate reads the
+    ``format`` source's score, else any source's ``<source>.format`` extra (0 when absent)."""
     n = max(table.num_rows, 1)
     metrics = [dict(m) for m in table.column("reward_metrics").to_pylist()]
+
+    def fmt(m: dict) -> float:
+        if "format" in m:
+            return float(m["format"])
+        return max((float(v) for k, v in m.items() if k.endswith(".format")), default=0.0)
+
     return {"reward_mean": sum(table.column("rewards").to_pylist()) / n,
             "accuracy": sum(table.column("correct").to_pylist()) / n,
-            "format_rate": sum(m.get("format", 0.0) for m in metrics) / n}
+            "format_rate": sum(fmt(m) for m in metrics) / n}
 
 
 def signal_prompt_ids(table: pa.Table) -> list[str]:
@@ -28,35 +38,54 @@ def signal_prompt_ids(table: pa.Table) -> list[str]:
     return [pid for pid, vals in seen.items() if len(vals) > 1]
 
 
+def reward_samples(rollout: pa.Table, prompts: pa.Table, *, rollout_uri: str = "rollout", prompts_uri: str = "prompts") -> list[RewardSample]:
+    """Join rollout rows with their prompts into ``RewardSample``s (rollout order).
+
+    Raises:
+        ShardSchemaError: a rollout sample whose prompt_id is not in the prompts table.
+    """
+    by_id = {row["prompt_id"]: row for row in prompts.to_pylist()}
+    out = []
+    cols = [rollout.column(c).to_pylist() for c in ("sample_id", "prompt_id", "response_text", "finish_reason")]
+    for sid, pid, text, finish in zip(*cols):
+        if pid not in by_id:
+            raise ShardSchemaError(f"{rollout_uri}: prompt_id {pid!r} is not in {prompts_uri}")
+        row = by_id[pid]
+        out.append(RewardSample(sample_id=sid, prompt_id=pid, label=row["data_source"], question=row["question"],
+                                prompt_text=row["prompt_text"], response=text, reference=row["answer"],
+                                metadata=json.loads(row["metadata_json"]), finish_reason=finish))
+    return out
+
+
 def run(rollout: ShardRef, prompts: ShardRef, cfg: RewardConfig, *, out: str) -> ShardRef:
-    """Score each sample; writes rewards, correct, extracted_answer and per-source reward_metrics.
+    """Score each sample with the reward engine (``rft_core.rewards.engine``); writes rewards,
+    correct, extracted_answer, per-source ``reward_metrics`` and ``reward_reasons``.
+
+    Summary: reward_mean, accuracy, format_rate, ``reward_fallbacks`` (scores replaced by a
+    source's fallback) and ``reward_sources`` ({source: {n, mean, fallbacks}}).
 
     Raises:
         ShardSchemaError: a rollout sample whose prompt_id is not in the prompts shard.
+        RewardError: a source failed with ``on_error: raise``, or a label has no recipe.
     """
     chash = config_hash("rewards", cfg, rollout, prompts)
 
     def compute() -> ShardRef:
-        r = read_shard(rollout, stage="rollout")
-        p = read_shard(prompts, stage="prompts").to_pylist()
-        by_id = {row["prompt_id"]: row for row in p}
-        results = []
+        samples = reward_samples(read_shard(rollout, stage="rollout"), read_shard(prompts, stage="prompts"),
+                                 rollout_uri=rollout.uri, prompts_uri=prompts.uri)
         with Timer() as t:
-            for pid, text in zip(r.column("prompt_id").to_pylist(), r.column("response_text").to_pylist()):
-                if pid not in by_id:
-                    raise ShardSchemaError(f"{rollout.uri}: prompt_id {pid!r} is not in {prompts.uri}")
-                row = by_id[pid]
-                results.append(score_response(text, source=row["data_source"], question=row["question"], label=row["answer"],
-                                              metadata_json=row["metadata_json"], grader=cfg.grader,
-                                              correct_reward=cfg.correct_reward, format_reward=cfg.format_reward))
+            batch = RewardEngine(cfg).score(samples)
+        res = batch.results
         table = pa.table({
-            "sample_id": r.column("sample_id"), "prompt_id": r.column("prompt_id"),
-            "rewards": pa.array([x.reward for x in results], pa.float32()),
-            "correct": [x.correct for x in results],
-            "extracted_answer": pa.array([x.extracted for x in results], pa.string()),
-            "reward_metrics": pa.array([list(x.metrics.items()) for x in results], pa.map_(pa.string(), pa.float32())),
+            "sample_id": [s.sample_id for s in samples], "prompt_id": [s.prompt_id for s in samples],
+            "rewards": pa.array([x.reward for x in res], pa.float32()),
+            "correct": [x.correct for x in res],
+            "extracted_answer": pa.array([x.extracted for x in res], pa.string()),
+            "reward_metrics": pa.array([list(x.metrics.items()) for x in res], pa.map_(pa.string(), pa.float32())),
+            "reward_reasons": pa.array([list(x.reasons.items()) for x in res], pa.map_(pa.string(), pa.string())),
         }, schema=REWARDS.arrow)
-        summary = {"seconds": t.seconds, **rewards_summary(table)}
+        summary = {"seconds": t.seconds, **rewards_summary(table), "reward_fallbacks": batch.fallbacks,
+                   "reward_sources": batch.source_stats}
         return write_shard(table, out, schema=REWARDS, config_hash=chash, inputs={"rollout": rollout, "prompts": prompts},
                            summary=summary)
 

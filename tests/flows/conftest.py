@@ -18,7 +18,7 @@ def _fake_score(text, **kw):
 
 @pytest.fixture
 def fake_rewards(monkeypatch):
-    monkeypatch.setattr("rft_core.stages.rewards.score_response", _fake_score)
+    monkeypatch.setattr("rft_core.rewards.math.score_response", _fake_score)
 
 
 def flow_cfg(tiny_model, run_root, **extra):

@@ -209,7 +209,7 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(prefect_harness, tiny_mo
         r = float(zlib.crc32(kw["question"].encode()) % 2) * float(zlib.crc32(text.encode()) % 2)
         return RewardResult(r, r >= 1.0, None, {"correctness": r, "format": 0.0})
 
-    monkeypatch.setattr("rft_core.stages.rewards.score_response", score)
+    monkeypatch.setattr("rft_core.rewards.math.score_response", score)
     cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=1, **{"dynamic_sampling.enabled": True,
                                                               "dynamic_sampling.max_refills": 3})
     result = train(cfg)
@@ -268,7 +268,7 @@ def test_task_retry_reuses_committed_stages(prefect_harness, tiny_model, tmp_pat
             raise ConnectionError("grader unavailable (injected)")
         return _fake_score(text, **kw)
 
-    monkeypatch.setattr("rft_core.stages.rewards.score_response", flaky)
+    monkeypatch.setattr("rft_core.rewards.math.score_response", flaky)
     from rft_core.engines.hf import HFEngine
 
     generate, generations = HFEngine.generate, {"n": 0}

@@ -1,0 +1,88 @@
+"""The reward-source contract: what a source gets (``RewardSample``) and returns (``SourceScore``).
+
+A source scores a list of samples at once (so models batch and sandboxes run in parallel) and
+returns one ``SourceScore`` per sample, in order. The engine (``rft_core.rewards.engine``) picks
+which samples each source sees (only those whose recipe uses it), checks the count and the
+values, applies each source's error policy and combines the scores by recipe.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+from rft_core.registry import Registry
+
+
+class RewardError(RuntimeError):
+    """A reward source failed or broke its contract (wrong count, NaN/inf, bad reply); the
+    message names the source, and the sample or URL involved."""
+
+
+@dataclass(frozen=True)
+class RewardSample:
+    """One response to grade.
+
+    Attributes:
+        sample_id, prompt_id: keys of the rollout shard.
+        label: the recipe label (the prompt's ``data_source``, e.g. ``basic_arithmetic``, ``humaneval``).
+        question: the raw question the dataset gave.
+        prompt_text: the chat-templated prompt the policy saw.
+        response: the decoded response text.
+        reference: the ground truth of the prompt (``answer`` column).
+        metadata: the dataset row's metadata (decoded ``metadata_json``): graders' extra fields,
+            HumanEval's ``entry_point``/``test``/``prompt``.
+        finish_reason: "stop" or "length".
+    """
+
+    sample_id: str
+    prompt_id: str
+    label: str
+    question: str
+    prompt_text: str
+    response: str
+    reference: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str = "stop"
+
+
+@dataclass(frozen=True)
+class SourceScore:
+    """One source's verdict on one sample.
+
+    Attributes:
+        score: float, the source's reward (unweighted).
+        correct: True/False when the source judges correctness (answers, unit tests), else None.
+        extracted: the answer the source graded, when it extracts one.
+        reason: why, when not a plain pass (``timeout after 5.0 s``, ``AssertionError``, ...).
+        extras: further numbers stored as ``reward_metrics['<source>.<key>']``.
+        error: set when the source failed on this sample (``score`` is then ignored); the
+            engine raises or falls back per the source's ``on_error``.
+    """
+
+    score: float
+    correct: bool | None = None
+    extracted: str | None = None
+    reason: str | None = None
+    extras: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+class RewardSource(Protocol):
+    """Scores a batch of samples: ``score(samples)`` returns one ``SourceScore`` per sample,
+    in order. May raise; the engine applies the source's ``on_error`` policy."""
+
+    def score(self, samples: Sequence[RewardSample]) -> list[SourceScore]: ...
+
+
+# type name (the config's `type`) -> factory(config, name) -> RewardSource
+REWARD_SOURCES: Registry[Callable[..., RewardSource]] = Registry("reward source type")
+
+
+def finite_or_none(x: Any) -> float | None:
+    """``float(x)`` when it is a finite number, else None (NaN, inf, non-numbers)."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
