@@ -60,6 +60,42 @@ def replay(
     typer.echo(f"replayed {source_run_root} into {result.run_root} (final policy: {result.final_policy.uri}/policy)")
 
 
+@app.command("eval")
+def eval_(
+    checkpoint: Optional[str] = typer.Argument(
+        None, help="What to score: a run folder (its last checkpoint), an iter=N/ppo_update folder or its policy/ "
+                   "folder, a local HF model folder, or the default model's alias. Default: the config's policy.path."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML preset of the training run: its data "
+                                          "(task, seed, size) defines the held-out split, its reward the grading."),
+    set_: List[str] = typer.Option([], "--set", "-s", help="Dotted override, repeatable: --set eval.num_prompts=100 "
+                                   "(eval.seed, eval.max_new_tokens, eval.batch_size too)."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Folder (any fsspec URI) for the eval stages. Default: "
+                                      "{run}/eval/iter=N-<hash> for a run checkpoint, else runs/eval/<name>-<hash>."),
+) -> None:
+    """Score a checkpoint on held-out prompts of the training task (greedy): accuracy and mean reward."""
+    from rft_core.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, list(set_))
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    from flows.eval import evaluate
+    from schemas import ShardError
+
+    try:
+        result = evaluate(cfg, checkpoint, out)
+    except (ShardError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    s = result.summary
+    typer.echo("")
+    typer.echo(f"checkpoint:  {result.policy}")
+    typer.echo(f"accuracy:    {result.accuracy:.3f} ± {s['accuracy_stderr']:.3f} ({result.num_prompts} held-out prompts, greedy)")
+    typer.echo(f"mean reward: {result.reward_mean:.3f} ± {s['reward_stderr']:.3f}")
+    typer.echo(f"samples:     {result.shard.uri} (+ prompts, rollout, rewards under {result.out_root})")
+
+
 @app.command()
 def inspect(
     run_root: str = typer.Argument(..., help="Run folder (any fsspec URI)."),

@@ -3,7 +3,9 @@ Prefect tag concurrency limit (``prefect concurrency-limit create gpu 1``) then 
 of them run at a time on one device."""
 from __future__ import annotations
 
-from prefect import task
+import logging
+
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rft_core import stages
@@ -11,6 +13,7 @@ from rft_core.config import (
     AdvantageConfig,
     CriticConfig,
     DataConfig,
+    EvalConfig,
     KLConfig,
     LogprobConfig,
     RewardConfig,
@@ -19,10 +22,21 @@ from rft_core.config import (
     TrainState,
     UpdateConfig,
 )
+from rft_core.stages import evaluate as evaluate_stages
+from rft_core.config import RunnerConfig
 from rft_core.stages.common import PolicyRef
+from rft_core.stages.runner import run_stage
 from schemas import ShardRef
 
 _opts = dict(cache_policy=NO_CACHE, persist_result=False)
+
+
+def _stage_log():
+    """Where a stage subprocess's output lines go: the task run's logger (module logger outside a run)."""
+    try:
+        return get_run_logger().info
+    except Exception:  # MissingContextError: called as .fn() outside a task run
+        return logging.getLogger("tasks.stages").info
 
 
 @task(name="prompts", tags=["cpu"], **_opts)
@@ -33,9 +47,10 @@ def prompts(cfg: DataConfig, tokenizer_path: str, iteration: int, out: str, atte
 
 @task(name="rollout", tags=["gpu"], retries=1, **_opts)
 def rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str,
-            attempt: int = 0) -> ShardRef:
+            attempt: int = 0, runner: RunnerConfig | None = None) -> ShardRef:
     """Sample a group of responses per prompt; writes the `rollout` column group."""
-    return stages.rollout.run(prompts, policy, cfg, iteration=iteration, out=out, dtype=dtype, attempt=attempt)
+    return run_stage("rollout", runner, log=_stage_log(), prompts=prompts, policy=policy, cfg=cfg, iteration=iteration,
+                     out=out, dtype=dtype, attempt=attempt)
 
 
 @task(name="signal_groups", tags=["cpu"], **_opts)
@@ -53,15 +68,19 @@ def dynamic_merge(attempts: list[tuple[ShardRef, ShardRef, ShardRef]], target_gr
 
 
 @task(name="actor_logprobs", tags=["gpu"], retries=1, **_opts)
-def actor_logprobs(rollout: ShardRef, policy: PolicyRef, cfg: LogprobConfig, temperature: float, out: str, dtype: str) -> ShardRef:
+def actor_logprobs(rollout: ShardRef, policy: PolicyRef, cfg: LogprobConfig, temperature: float, out: str, dtype: str,
+                   runner: RunnerConfig | None = None) -> ShardRef:
     """Log-probs of the responses under the policy before the update (`old_logprobs`)."""
-    return stages.logprobs.run(rollout, policy, cfg, stage="actor_logprobs", temperature=temperature, out=out, dtype=dtype)
+    return run_stage("actor_logprobs", runner, log=_stage_log(), rollout=rollout, model=policy, cfg=cfg,
+                     temperature=temperature, out=out, dtype=dtype)
 
 
 @task(name="ref_logprobs", tags=["gpu"], retries=1, **_opts)
-def ref_logprobs(rollout: ShardRef, reference: str, cfg: LogprobConfig, temperature: float, out: str, dtype: str) -> ShardRef:
+def ref_logprobs(rollout: ShardRef, reference: str, cfg: LogprobConfig, temperature: float, out: str, dtype: str,
+                 runner: RunnerConfig | None = None) -> ShardRef:
     """Log-probs of the responses under the reference model (`ref_logprobs`)."""
-    return stages.logprobs.run(rollout, reference, cfg, stage="ref_logprobs", temperature=temperature, out=out, dtype=dtype)
+    return run_stage("ref_logprobs", runner, log=_stage_log(), rollout=rollout, model=reference, cfg=cfg,
+                     temperature=temperature, out=out, dtype=dtype)
 
 
 @task(name="rewards", tags=["cpu"], retries=1, **_opts)
@@ -80,21 +99,44 @@ def advantages(rollout: ShardRef, rewards: ShardRef, actor: ShardRef | None, ref
 
 
 @task(name="critic_values", tags=["gpu"], retries=1, **_opts)
-def critic_values(rollout: ShardRef, critic: PolicyRef, cfg: CriticConfig, out: str) -> ShardRef:
+def critic_values(rollout: ShardRef, critic: PolicyRef, cfg: CriticConfig, out: str,
+                  runner: RunnerConfig | None = None) -> ShardRef:
     """Critic values of every response token; writes the `critic_values` column group."""
-    return stages.critic.run_values(rollout, critic, cfg, out=out)
+    return run_stage("critic_values", runner, log=_stage_log(), rollout=rollout, critic=critic, cfg=cfg, out=out)
 
 
 @task(name="critic_update", tags=["gpu"], **_opts)
 def critic_update(rollout: ShardRef, advantages: ShardRef, values: ShardRef, critic: PolicyRef, cfg: CriticConfig,
-                  out: str) -> ShardRef:
+                  out: str, runner: RunnerConfig | None = None) -> ShardRef:
     """Train the critic on the returns; commits metrics and the new critic checkpoint."""
-    return stages.critic.run_update(rollout, advantages, values, critic, cfg, out=out)
+    return run_stage("critic_update", runner, log=_stage_log(), rollout=rollout, advantages=advantages, values=values,
+                     critic=critic, cfg=cfg, out=out)
 
 
 @task(name="ppo_update", tags=["gpu"], **_opts)
 def ppo_update(rollout: ShardRef, advantages: ShardRef, actor: ShardRef | None, ref: ShardRef | None, policy: PolicyRef,
-               cfg: UpdateConfig, kl_cfg: KLConfig, temperature: float, out: str, dtype: str) -> ShardRef:
+               cfg: UpdateConfig, kl_cfg: KLConfig, temperature: float, out: str, dtype: str,
+               runner: RunnerConfig | None = None) -> ShardRef:
     """Update the policy; commits per-step metrics and the new checkpoint."""
-    return stages.update.run(rollout, advantages, actor=actor, ref=ref, policy=policy, cfg=cfg, kl_cfg=kl_cfg,
-                             temperature=temperature, out=out, dtype=dtype)
+    return run_stage("ppo_update", runner, log=_stage_log(), rollout=rollout, advantages=advantages, actor=actor, ref=ref,
+                     policy=policy, cfg=cfg, kl_cfg=kl_cfg, temperature=temperature, out=out, dtype=dtype)
+
+
+@task(name="eval_prompts", tags=["cpu"], **_opts)
+def eval_prompts(data: DataConfig, cfg: EvalConfig, tokenizer_path: str, out: str) -> ShardRef:
+    """Held-out prompts of the training task (question texts disjoint from the training data)."""
+    return evaluate_stages.run_prompts(data, cfg, tokenizer_path=tokenizer_path, out=out)
+
+
+@task(name="eval_generate", tags=["gpu"], retries=1, **_opts)
+def eval_generate(prompts: ShardRef, policy: PolicyRef, max_new_tokens: int, batch_size: int, out: str,
+                  dtype: str) -> ShardRef:
+    """One greedy response per held-out prompt; writes a `rollout` shard."""
+    return evaluate_stages.run_generate(prompts, policy, max_new_tokens=max_new_tokens, batch_size=batch_size, out=out,
+                                        dtype=dtype)
+
+
+@task(name="eval_summary", tags=["cpu"], **_opts)
+def eval_summary(prompts: ShardRef, rollout: ShardRef, rewards: ShardRef, policy: PolicyRef, out: str) -> ShardRef:
+    """Join prompts, responses and rewards into the `eval` shard (accuracy, mean reward)."""
+    return evaluate_stages.run_summary(prompts, rollout, rewards, policy=policy, out=out)

@@ -30,6 +30,13 @@ def _dataset(task: str, size: int, seed: int, task_config_json: str):
     import reasoning_gym
 
     kwargs = json.loads(task_config_json)
+    if task == "humaneval":  # built in: code problems graded by the code_exec reward source
+        from rft_core.data.humaneval import HumanEvalDataset
+
+        try:
+            return HumanEvalDataset(size, **kwargs)
+        except (TypeError, ValueError) as exc:
+            raise DatasetError(f"humaneval dataset with size={size}, {kwargs}: {exc}") from exc
     try:
         return reasoning_gym.create_dataset(task, size=size, seed=seed, **kwargs)
     except Exception as exc:
@@ -37,7 +44,8 @@ def _dataset(task: str, size: int, seed: int, task_config_json: str):
 
 
 def load_task(task: str, *, size: int, seed: int, task_config: dict[str, Any] | None = None):
-    """The reasoning-gym dataset object (cached per arguments).
+    """The reasoning-gym dataset object, or for ``task="humaneval"`` the HumanEval problems
+    (``rft_core.data.humaneval``), cached per arguments.
 
     Raises:
         DatasetError: unknown task or bad task_config.
@@ -69,6 +77,58 @@ def refill_indices(iteration: int, attempt: int, *, per_iteration: int, size: in
     return [int(i) for i in rng.choice(size, size=min(per_iteration, size), replace=False)]
 
 
+HELDOUT_SEED_OFFSET = 1_000_003  # default held-out seed: data.seed + data.size + this
+
+
+def heldout_seed(*, train_seed: int, train_size: int, seed: int | None = None) -> int:
+    """The dataset seed of the held-out split: ``seed`` if given, else
+    ``train_seed + train_size + HELDOUT_SEED_OFFSET``.
+
+    reasoning-gym builds entry ``idx`` from ``Random(seed + idx)``, so a dataset with seed s+1 is
+    the training dataset shifted by one index; the default starts past every training stream.
+    Disjointness itself is guaranteed by ``heldout_entries``' question-text filter, not by the seed.
+    """
+    return seed if seed is not None else train_seed + train_size + HELDOUT_SEED_OFFSET
+
+
+def heldout_entries(task: str, *, num_prompts: int, train_size: int, train_seed: int, seed: int,
+                    task_config: dict[str, Any] | None = None, pool_factor: int = 4) -> list[tuple[int, dict[str, Any]]]:
+    """``num_prompts`` entries of ``task`` whose question texts occur nowhere in the training
+    dataset (all ``train_size`` entries of ``train_seed``) and not twice among themselves.
+
+    Candidates are the entries 0, 1, 2, ... of the dataset generated with ``seed``
+    (``pool_factor * num_prompts + 64`` of them), taken in index order: the split depends only on
+    the arguments.
+
+    Returns:
+        (index in the held-out dataset, entry) pairs, in index order.
+    Raises:
+        DatasetError: fewer than ``num_prompts`` disjoint, distinct questions among the
+            candidates (the message gives the counts), or an unknown task / bad task_config.
+    """
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    train = load_task(task, size=train_size, seed=train_seed, task_config=task_config)
+    seen = {str(train[i]["question"]) for i in range(train_size)}
+    pool = pool_factor * num_prompts + 64
+    candidates = load_task(task, size=pool, seed=seed, task_config=task_config)
+    out: list[tuple[int, dict[str, Any]]] = []
+    dropped = 0
+    for i in range(pool):
+        entry = candidates[i]
+        q = str(entry["question"])
+        if q in seen:
+            dropped += 1
+            continue
+        seen.add(q)
+        out.append((i, entry))
+        if len(out) == num_prompts:
+            return out
+    raise DatasetError(f"held-out split of {task!r} (seed {seed}): only {len(out)} of {pool} candidates are questions "
+                       f"absent from the {train_size} training entries and not repeated ({dropped} dropped); "
+                       f"asked for {num_prompts}. Lower eval.num_prompts or use a task with more distinct questions.")
+
+
 @dataclass
 class PromptBatch:
     """The prompts of one iteration as an Arrow table plus what was skipped."""
@@ -85,6 +145,7 @@ def build_prompts(
     system_prompt: str,
     max_prompt_tokens: int,
     overlong: str = "skip",
+    id_prefix: str | None = None,
 ) -> PromptBatch:
     """Render dataset entries with the chat template and tokenize them.
 
@@ -92,6 +153,8 @@ def build_prompts(
         entries: (dataset index, entry) pairs; an entry needs ``question`` and ``answer``.
         overlong: "skip" drops prompts longer than ``max_prompt_tokens`` and lists them in
             ``skipped_overlong``; "error" raises.
+        id_prefix: prompt_id is ``{id_prefix}-{index:06d}`` (None: ``data_source``); the
+            held-out split uses its own prefix so its ids never equal a training prompt's.
     Raises:
         DatasetError: an entry misses a required field, or (overlong="error") a prompt is too long.
     """
@@ -101,7 +164,7 @@ def build_prompts(
         missing = [f for f in REQUIRED_FIELDS if f not in entry or entry[f] is None]
         if missing:
             raise DatasetError(f"{data_source} row {index}: missing field(s) {missing}; a row needs {list(REQUIRED_FIELDS)}")
-        prompt_id = f"{data_source}-{index:06d}"
+        prompt_id = f"{id_prefix or data_source}-{index:06d}"
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": str(entry["question"])}
         ]

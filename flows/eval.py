@@ -1,0 +1,91 @@
+"""Held-out evaluation of a checkpoint: prompts -> greedy rollout -> rewards -> eval shard.
+
+The held-out prompts come from the training task (``cfg.data``) with another dataset seed, and
+every question text that occurs in the training dataset is dropped, so the split is disjoint
+from what training can see. Rewards are graded by the training reward stage with ``cfg.reward``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel, ConfigDict
+
+import tasks
+from rft_core.config import TrainConfig, load_config
+from rft_core.stages import evaluate as ev
+from rft_core.stages.common import PolicyRef
+from schemas import ShardRef, config_hash, read_manifest, read_shard
+from tasks.stages import eval_generate, eval_prompts, eval_summary
+
+
+class EvalResult(BaseModel):
+    """An evaluation's headline numbers and where its shards are.
+
+    ``accuracy``: fraction of held-out prompts whose greedy response is graded correct;
+    ``reward_mean``: mean training reward (correctness + format bonus) of those responses;
+    ``summary``: everything of the `eval` manifest summary (standard errors, lengths, timing).
+    """
+
+    model_config = ConfigDict(frozen=True)
+    policy: str
+    out_root: str
+    shard: ShardRef
+    num_prompts: int
+    accuracy: float
+    reward_mean: float
+    summary: dict[str, Any]
+
+
+def _fingerprint(cfg: TrainConfig, policy: PolicyRef, max_new_tokens: int) -> str:
+    return config_hash("eval-root", cfg.data, cfg.eval.model_copy(update={"max_new_tokens": max_new_tokens}),
+                       cfg.reward, policy, cfg.policy.dtype)[:10]
+
+
+@flow(name="rft-eval", flow_run_name="eval-{cfg.name}")
+def evaluate(cfg: TrainConfig, checkpoint: str | ShardRef | None = None, out_root: str | None = None) -> EvalResult:
+    """Score ``checkpoint`` on ``cfg.eval.num_prompts`` held-out prompts of the training task.
+
+    Args:
+        cfg: the training config: ``data`` (task, training seed and size: the held-out split is
+            disjoint from them), ``eval`` (prompts, seed, max_new_tokens, batch), ``reward``.
+        checkpoint: a model path (None: ``cfg.policy.path``, the untrained model), a
+            ``ppo_update`` ShardRef, its folder or ``policy/`` sub-folder, or a run root (its
+            last committed iteration).
+        out_root: folder (any fsspec URI) for the prompts/rollout/rewards/eval stages; None:
+            ``default_eval_root``. A rerun with the same settings reuses the committed stages.
+    Returns:
+        EvalResult; the per-sample rows are in ``{out_root}/eval``. A markdown artifact shows
+        the numbers and the first samples.
+    """
+    logger = get_run_logger()
+    policy = ev.resolve_checkpoint(checkpoint if checkpoint is not None else cfg.policy.path)
+    max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    fingerprint = _fingerprint(cfg, policy, max_new)
+    root = (out_root or ev.default_eval_root(policy, fingerprint=fingerprint)).rstrip("/")
+    label = ev.checkpoint_label(policy)
+    logger.info("evaluating %s on %d held-out %s prompts into %s", label, cfg.eval.num_prompts, cfg.data.task, root)
+
+    tokenizer_path = policy if isinstance(policy, str) else cfg.policy.path
+    prompts = eval_prompts(cfg.data, cfg.eval, tokenizer_path, f"{root}/prompts")
+    rollout = eval_generate(prompts, policy, max_new, cfg.eval.batch_size, f"{root}/rollout", cfg.policy.dtype)
+    rewards = tasks.rewards(rollout, prompts, cfg.reward, f"{root}/rewards")
+    shard = eval_summary(prompts, rollout, rewards, policy, f"{root}/eval")
+
+    summary = read_manifest(shard.uri)[0].summary
+    create_markdown_artifact(key=f"eval-{fingerprint.lower()}", markdown=ev.eval_markdown(read_shard(shard, stage="eval"), summary),
+                             description=f"Held-out evaluation of {label}")
+    logger.info("held-out accuracy %.3f ± %.3f, mean reward %.3f over %d prompts (%s)", summary["accuracy"],
+                summary["accuracy_stderr"], summary["reward_mean"], summary["num_prompts"], shard.uri)
+    return EvalResult(policy=label, out_root=root, shard=shard, num_prompts=summary["num_prompts"],
+                      accuracy=summary["accuracy"], reward_mean=summary["reward_mean"], summary=summary)
+
+
+@flow(name="rft-eval-preset")
+def eval_from_preset(preset: str = "configs/grpo_demo.yaml", checkpoint: str | None = None,
+                     overrides: dict[str, Any] | None = None) -> EvalResult:
+    """Deployment entry: load ``preset``, apply dotted ``overrides`` (``{"eval.num_prompts": 100}``)
+    and evaluate ``checkpoint`` (None: the preset's initial policy; else as ``evaluate``)."""
+    cfg = load_config(preset, overrides or {})
+    return evaluate(cfg, checkpoint)

@@ -1,0 +1,285 @@
+"""Evaluation stages: score a checkpoint on a held-out split of the training task.
+
+Three programs, run in order by ``flows/eval.py`` (the reward stage in between is the training
+one, ``rft_core.stages.rewards.run``, so held-out rewards are graded exactly as in training):
+
+``run_prompts``   held-out prompts (question texts disjoint from the training dataset) -> `prompts`
+``run_generate``  one greedy response per prompt                                      -> `rollout`
+``run_summary``   prompts + rollout + rewards joined per sample, accuracy and mean reward -> `eval`
+"""
+from __future__ import annotations
+
+import math
+from pathlib import PurePosixPath
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from rft_core.config import DataConfig, EvalConfig
+from rft_core.data.prompts import DatasetError, build_prompts, heldout_entries, heldout_seed
+from rft_core.engines.hf import Generation
+from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.stages.common import PolicyRef, Timer, policy_model_path, reuse_or_compute
+from rft_core.stages.rollout import rollout_summary
+from schemas import ShardError, ShardRef, ShardSchemaError, committed_ref, config_hash, read_manifest, read_shard, write_shard
+from schemas.columns import EVAL, PROMPTS, ROLLOUT
+from schemas.experience import zero_pad_sequences
+
+HELDOUT_PREFIX = "heldout"  # held-out prompt_ids: heldout-{task}-{index:06d}
+
+
+def resolve_checkpoint(checkpoint: str | ShardRef) -> PolicyRef:
+    """What a user names as a checkpoint, as a ``PolicyRef`` the stages can load.
+
+    Accepted: a ``ShardRef`` of a committed ``ppo_update`` stage (returned as is); the folder of
+    such a stage (``.../iter=000003/ppo_update``) or its ``policy/`` sub-folder; a run root
+    (its last iteration with a committed ``ppo_update``); anything else is returned unchanged
+    as a model path (the embedded default's alias, a local HF folder or a hub id).
+
+    Raises:
+        ShardError: the folder holds a committed stage other than ``ppo_update``, or a run root
+            has no committed ``ppo_update`` stage.
+    """
+    if isinstance(checkpoint, ShardRef):
+        return checkpoint
+    uri = checkpoint.rstrip("/")
+    fs, path = fsspec.core.url_to_fs(uri)
+    if not fs.exists(path):
+        return checkpoint  # an alias or a hub id
+    if PurePosixPath(path).name == "policy" and fs.exists(f"{path.rsplit('/', 1)[0]}/_MANIFEST.json"):
+        uri = uri.rsplit("/", 1)[0]
+        path = path.rsplit("/", 1)[0]
+    if fs.exists(f"{path}/_MANIFEST.json"):
+        manifest, _ = read_manifest(uri)
+        if manifest.stage != "ppo_update":
+            raise ShardError(f"{uri} is a committed {manifest.stage!r} stage; a checkpoint is a ppo_update stage folder, "
+                             "its policy/ folder, a run root or a model folder")
+        return committed_ref(uri, stage="ppo_update", config_hash=manifest.config_hash)
+    iters = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.glob(f"{path}/iter=*"))
+    if iters:
+        for it in reversed(iters):
+            if fs.exists(f"{path}/{it}/ppo_update/_MANIFEST.json"):
+                return resolve_checkpoint(f"{uri}/{it}/ppo_update")
+        raise ShardError(f"{uri}: run root without a committed ppo_update stage (iterations: {', '.join(iters)})")
+    return checkpoint
+
+
+def checkpoint_label(policy: PolicyRef) -> str:
+    """A human-readable name of ``policy``: the model path, or ``{ppo_update uri}/policy``."""
+    return policy if isinstance(policy, str) else f"{policy.uri}/policy"
+
+
+def run_prompts(data: DataConfig, cfg: EvalConfig, *, tokenizer_path: str, out: str) -> ShardRef:
+    """Write the held-out prompts (``cfg.num_prompts`` questions of ``data.task`` absent from the
+    training dataset, see ``heldout_entries``) to ``out``; prompt_ids are
+    ``heldout-{task}-{index:06d}``, ``data_source`` stays the task (the grader's key).
+
+    Raises:
+        DatasetError: not enough disjoint questions, a bad row, or every prompt overlong.
+        StaleShardError: ``out`` is committed with another config.
+    """
+    seed = heldout_seed(train_seed=data.seed, train_size=data.size, seed=cfg.seed)
+    chash = config_hash("eval_prompts", data, cfg.num_prompts, seed, tokenizer_path)
+
+    def compute() -> ShardRef:
+        with Timer() as t:
+            entries = heldout_entries(data.task, num_prompts=cfg.num_prompts, train_size=data.size, train_seed=data.seed,
+                                      seed=seed, task_config=data.task_config)
+            tok = load_tokenizer(tokenizer_path)
+            batch = build_prompts(entries, tok, data_source=data.task, system_prompt=data.system_prompt,
+                                  max_prompt_tokens=data.max_prompt_tokens, overlong=data.overlong_prompts,
+                                  id_prefix=f"{HELDOUT_PREFIX}-{data.task}")
+        if batch.table.num_rows == 0:
+            raise DatasetError(f"held-out split: every prompt was longer than data.max_prompt_tokens={data.max_prompt_tokens}")
+        summary = {"seconds": t.seconds, "heldout_seed": seed, "train_seed": data.seed, "train_size": data.size,
+                   "skipped_overlong": len(batch.skipped_overlong), "dataset_indices": [i for i, _ in entries]}
+        return write_shard(batch.table, out, schema=PROMPTS, config_hash=chash, summary=summary)
+
+    return reuse_or_compute("prompts", out, chash, compute)
+
+
+@torch.no_grad()
+def greedy_generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int) -> list[Generation]:
+    """One greedy (argmax) response per prompt, in micro-batches of left-padded prompts.
+
+    Args:
+        prompts: token ids of each prompt (chat template applied, no padding).
+    Returns:
+        len(prompts) generations in input order (``sample_index`` 0); ``response_token_ids`` end
+        at the first EOS (kept), ``logprobs`` are float32 log-softmax values of the chosen
+        tokens at temperature 1, ``finish_reason`` "stop" or "length".
+    Raises:
+        ValueError: ``max_new_tokens`` or ``batch_size`` < 1.
+    """
+    from transformers import GenerationConfig
+
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}")
+    eos = tokenizer.eos_token_id
+    eos_ids = set([eos] if isinstance(eos, int) else list(eos or []))
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    if gen_eos is not None:
+        eos_ids |= set([gen_eos] if isinstance(gen_eos, int) else gen_eos)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    gcfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=sorted(eos_ids),
+                            return_dict_in_generate=True, output_logits=True)
+    out: list[Generation] = []
+    for start in range(0, len(prompts), batch_size):
+        rows = [torch.tensor(p, dtype=torch.long) for p in prompts[start:start + batch_size]]
+        input_ids = zero_pad_sequences(rows, side="left", value=pad)
+        attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in rows], side="left")
+        gen = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gcfg)
+        new = gen.sequences[:, input_ids.shape[1]:]
+        lps = torch.stack([lg.float().log_softmax(-1).gather(-1, new[:, j:j + 1]).squeeze(-1)
+                           for j, lg in enumerate(gen.logits)], dim=1)
+        for row in range(len(rows)):
+            tokens, finish = new[row].tolist(), "length"
+            for j, t in enumerate(tokens):
+                if t in eos_ids:
+                    tokens, finish = tokens[: j + 1], "stop"
+                    break
+            out.append(Generation(start + row, 0, tokens, lps[row, : len(tokens)].tolist(), finish))
+    return out
+
+
+def run_generate(prompts: ShardRef, policy: PolicyRef, *, max_new_tokens: int, batch_size: int, out: str,
+                 dtype: str = "float32") -> ShardRef:
+    """Greedy-decode one response per held-out prompt with ``policy``; writes a `rollout` shard
+    (sample_id ``{prompt_id}#0``). The summary holds seconds, generated tokens, tokens/second.
+
+    Raises:
+        StaleShardError: ``out`` is committed with another config.
+    """
+    chash = config_hash("eval_rollout", prompts, policy, max_new_tokens, batch_size, dtype)
+
+    def compute() -> ShardRef:
+        table = read_shard(prompts, stage="prompts")
+        path = policy_model_path(policy)
+        tok = load_tokenizer(path)
+        model = load_causal_lm(path, dtype=dtype)
+        model.eval()
+        prompt_ids = table.column("prompt_token_ids").to_pylist()
+        with Timer() as t:
+            gens = greedy_generate(model, tok, prompt_ids, max_new_tokens=max_new_tokens, batch_size=batch_size)
+        pids = table.column("prompt_id").to_pylist()
+        responses = [g.response_token_ids for g in gens]
+        rows = {
+            "sample_id": [f"{pids[g.prompt_index]}#0" for g in gens],
+            "prompt_id": [pids[g.prompt_index] for g in gens],
+            "sample_index": [0] * len(gens),
+            "prompt_token_ids": [prompt_ids[g.prompt_index] for g in gens],
+            "response_token_ids": responses,
+            "response_text": tok.batch_decode(responses, skip_special_tokens=True),
+            "rollout_logprobs": [g.logprobs for g in gens],
+            "action_mask": [[True] * len(r) for r in responses],
+            "finish_reason": [g.finish_reason for g in gens],
+        }
+        table_out = pa.table(rows, schema=ROLLOUT.arrow)
+        n_tokens = sum(len(r) for r in responses)
+        summary = {"seconds": t.seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(t.seconds, 1e-9),
+                   "decoding": "greedy", "policy": checkpoint_label(policy), **rollout_summary(table_out)}
+        return write_shard(table_out, out, schema=ROLLOUT, config_hash=chash, inputs={"prompts": prompts}, summary=summary)
+
+    return reuse_or_compute("rollout", out, chash, compute)
+
+
+def eval_summary(table: pa.Table) -> dict[str, Any]:
+    """Accuracy, mean reward and their standard errors over the rows of an `eval` table.
+
+    accuracy = mean(correct); accuracy_stderr = sqrt(acc * (1 - acc) / n) (binomial);
+    reward_stderr = sample std (ddof 1) / sqrt(n). Also the mean response length (tokens) and the
+    fraction of responses cut at max_new_tokens.
+
+    Raises:
+        ValueError: an empty table.
+    """
+    n = table.num_rows
+    if n == 0:
+        raise ValueError("eval table has no rows")
+    correct = table.column("correct").to_pylist()
+    rewards = [float(r) for r in table.column("rewards").to_pylist()]
+    acc = sum(correct) / n
+    mean = sum(rewards) / n
+    var = sum((r - mean) ** 2 for r in rewards) / (n - 1) if n > 1 else 0.0
+    return {"num_prompts": n, "accuracy": acc, "accuracy_stderr": math.sqrt(acc * (1 - acc) / n),
+            "reward_mean": mean, "reward_stderr": math.sqrt(var / n),
+            "response_length_mean": float(pc.mean(table.column("response_length")).as_py()),
+            "truncated_fraction": sum(f == "length" for f in table.column("finish_reason").to_pylist()) / n}
+
+
+def run_summary(prompts: ShardRef, rollout: ShardRef, rewards: ShardRef, *, policy: PolicyRef, out: str) -> ShardRef:
+    """Join prompts, greedy responses and rewards per sample into an `eval` shard; the manifest
+    summary holds ``eval_summary`` plus the checkpoint evaluated.
+
+    Raises:
+        ShardSchemaError: a rollout or rewards sample without a matching prompt or reward.
+        StaleShardError: ``out`` is committed with another config.
+    """
+    chash = config_hash("eval", prompts, rollout, rewards)
+
+    def compute() -> ShardRef:
+        p = {r["prompt_id"]: r for r in read_shard(prompts, stage="prompts").to_pylist()}
+        r = read_shard(rollout, stage="rollout")
+        w = read_shard(rewards, stage="rewards")
+        by_sample = dict(zip(w.column("sample_id").to_pylist(),
+                             zip(w.column("rewards").to_pylist(), w.column("correct").to_pylist(),
+                                 w.column("extracted_answer").to_pylist())))
+        rows: dict[str, list] = {f.name: [] for f in EVAL.schema}
+        for sid, pid, text, toks, finish in zip(r.column("sample_id").to_pylist(), r.column("prompt_id").to_pylist(),
+                                                r.column("response_text").to_pylist(),
+                                                r.column("response_token_ids").to_pylist(),
+                                                r.column("finish_reason").to_pylist()):
+            if pid not in p:
+                raise ShardSchemaError(f"{rollout.uri}: prompt_id {pid!r} is not in {prompts.uri}")
+            if sid not in by_sample:
+                raise ShardSchemaError(f"{rollout.uri}: sample_id {sid!r} has no row in {rewards.uri}")
+            reward, correct, extracted = by_sample[sid]
+            for k, v in (("sample_id", sid), ("prompt_id", pid), ("question", p[pid]["question"]),
+                         ("answer", p[pid]["answer"]), ("response_text", text), ("extracted_answer", extracted),
+                         ("rewards", reward), ("correct", correct), ("response_length", len(toks)),
+                         ("finish_reason", finish)):
+                rows[k].append(v)
+        table = pa.table(rows, schema=EVAL.arrow)
+        gen_summary = read_manifest(rollout.uri)[0].summary
+        summary = {**eval_summary(table), "policy": checkpoint_label(policy),
+                   "generate_seconds": gen_summary.get("seconds"), "tokens_per_second": gen_summary.get("tokens_per_second")}
+        return write_shard(table, out, schema=EVAL, config_hash=chash,
+                           inputs={"prompts": prompts, "rollout": rollout, "rewards": rewards}, summary=summary)
+
+    return reuse_or_compute("eval", out, chash, compute)
+
+
+def eval_markdown(table: pa.Table, summary: dict[str, Any], *, n: int = 10, width: int = 160) -> str:
+    """Markdown of an evaluation: the summary line and the first ``n`` samples."""
+    def cell(v: Any) -> str:
+        text = "" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+        text = text.replace("|", "\\|").replace("\n", " ")
+        return text if len(text) <= width else text[: width - 1] + "…"
+
+    head = (f"### Held-out evaluation of `{summary.get('policy')}`\n\n"
+            f"accuracy **{summary['accuracy']:.3f}** ± {summary['accuracy_stderr']:.3f} · mean reward "
+            f"**{summary['reward_mean']:.3f}** ± {summary['reward_stderr']:.3f} · {summary['num_prompts']} prompts, greedy · "
+            f"mean length {summary['response_length_mean']:.1f} tokens · truncated {summary['truncated_fraction']:.2f}\n")
+    cols = ["question", "answer", "response_text", "extracted_answer", "rewards", "correct"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in cols) + " |" for row in table.slice(0, n).to_pylist()]
+    return head + "\n" + "\n".join(lines)
+
+
+def default_eval_root(policy: PolicyRef, *, fingerprint: str, base: str = "runs/eval") -> str:
+    """Where an evaluation writes its stages when no folder is given.
+
+    A checkpoint of a run (``{run}/iter=000012/ppo_update``) is evaluated into
+    ``{run}/eval/iter=000012-{fingerprint}``; a model path into ``{base}/{name}-{fingerprint}``
+    (made absolute when local). ``fingerprint`` (a config hash of the evaluation settings) keeps
+    evaluations with other settings apart, and makes a rerun reuse the committed stages.
+    """
+    if isinstance(policy, ShardRef) and "/iter=" in policy.uri:
+        run_root, rest = policy.uri.rsplit("/iter=", 1)
+        return f"{run_root}/eval/iter={rest.split('/', 1)[0]}-{fingerprint}"
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in checkpoint_label(policy).rstrip("/").rsplit("/", 1)[-1])
+    root = f"{base.rstrip('/')}/{name}-{fingerprint}"
+    return root if "://" in root else fsspec.core.url_to_fs(root)[1]
