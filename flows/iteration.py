@@ -36,7 +36,8 @@ def _dynamic_sampling(cfg: TrainConfig, iteration: int, policy: PolicyRef, out) 
     for attempt in range(cfg.dynamic_sampling.max_refills + 1):
         sfx = f"-try{attempt}"
         p = tasks.prompts(cfg.data, cfg.policy.path, iteration, out(f"prompts{sfx}"), attempt)
-        r = tasks.rollout(p, policy, cfg.rollout, iteration, out(f"rollout{sfx}"), cfg.policy.dtype, attempt)
+        r = tasks.rollout(p, policy, cfg.rollout, iteration, out(f"rollout{sfx}"), cfg.policy.dtype, attempt,
+                          runner=cfg.runner("rollout"))
         w = tasks.rewards(r, p, cfg.reward, out(f"rewards{sfx}"))
         attempts.append((p, r, w))
         if tasks.signal_groups([a[2] for a in attempts]) >= target:
@@ -63,20 +64,23 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
         prompts, rollout, rewards = _dynamic_sampling(cfg, iteration, policy, out)
     else:
         prompts = tasks.prompts(cfg.data, cfg.policy.path, iteration, out("prompts"))
-        rollout = tasks.rollout(prompts, policy, cfg.rollout, iteration, out("rollout"), dtype)
+        rollout = tasks.rollout(prompts, policy, cfg.rollout, iteration, out("rollout"), dtype, runner=cfg.runner("rollout"))
         rewards = None
 
     # independent of each other: submitted together, run concurrently
     if rewards is None:
         futures["rewards"] = tasks.rewards.submit(rollout, prompts, cfg.reward, out("rewards"))
     if cfg.logprobs.recompute_old_logprobs:
-        futures["actor_logprobs"] = tasks.actor_logprobs.submit(rollout, policy, cfg.logprobs, temp, out("actor_logprobs"), dtype)
+        futures["actor_logprobs"] = tasks.actor_logprobs.submit(rollout, policy, cfg.logprobs, temp, out("actor_logprobs"), dtype,
+                                                                runner=cfg.runner("actor_logprobs"))
     if cfg.needs_critic:
         critic = critic or cfg.initial_critic
-        futures["critic_values"] = tasks.critic_values.submit(rollout, critic, cfg.critic, out("critic_values"))
+        futures["critic_values"] = tasks.critic_values.submit(rollout, critic, cfg.critic, out("critic_values"),
+                                                              runner=cfg.runner("critic_values"))
     if kl.needs_reference:
         futures["ref_logprobs"] = tasks.ref_logprobs.submit(rollout, cfg.reference_model.path, cfg.logprobs, temp,
-                                                            out("ref_logprobs"), cfg.reference_model.dtype)
+                                                            out("ref_logprobs"), cfg.reference_model.dtype,
+                                                            runner=cfg.runner("ref_logprobs"))
     parts = {name: f.result() for name, f in futures.items()}
     if rewards is not None:
         parts["rewards"] = rewards
@@ -85,9 +89,11 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     adv = tasks.advantages(rollout, parts["rewards"], actor, ref, values, kl, cfg.advantage, cfg.shaping, state,
                            cfg.rollout.max_new_tokens, out("advantages"))
     # the policy and the critic train on the same experience, independently: submitted together
-    critic_future = (tasks.critic_update.submit(rollout, adv, values, critic, cfg.critic, out("critic_update"))
+    critic_future = (tasks.critic_update.submit(rollout, adv, values, critic, cfg.critic, out("critic_update"),
+                                                runner=cfg.runner("critic_update"))
                      if values is not None else None)
-    new_policy = tasks.ppo_update(rollout, adv, actor, ref, policy, cfg.update, kl, temp, out("ppo_update"), dtype)
+    new_policy = tasks.ppo_update(rollout, adv, actor, ref, policy, cfg.update, kl, temp, out("ppo_update"), dtype,
+                                  runner=cfg.runner("ppo_update"))
     new_critic = critic_future.result() if critic_future is not None else None
 
     refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy,

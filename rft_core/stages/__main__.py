@@ -1,0 +1,103 @@
+"""Command line of the stage programs: ``python -m rft_core.stages <stage> ...``.
+
+Runs exactly the function a Prefect task calls in-process (same reuse-or-compute, same
+manifest). Arguments:
+
+  --arg NAME=VALUE   one argument of the stage program. VALUE is JSON (a ShardRef or config as an
+                     object, a number, a quoted string), ``@file.json``, the URI of a committed
+                     stage folder (for a ShardRef parameter), or a plain string.
+  --config FILE      a training config (YAML preset); arguments not given with --arg are taken
+                     from it (e.g. ``cfg`` of ``rollout`` is its ``rollout`` section).
+  --set KEY=VALUE    dotted override of --config (repeatable).
+  --out URI          the stage's output folder (the ``out`` argument).
+  --result FILE      write the program's return value (ShardRef JSON) there; under torchrun only
+                     rank 0 writes it.
+
+Example (a rollout of iteration 1 of a run whose prompts stage is committed)::
+
+    python -m rft_core.stages rollout --config configs/grpo_demo.yaml --set rollout.max_new_tokens=64 \\
+        --arg prompts=runs/demo/iter=000001/prompts --arg iteration=1 --out runs/demo/iter=000001/rollout
+
+Exit status 0 on success, 1 on any error (traceback on stderr), 2 on bad usage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import operator
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _parse_value(text: str) -> Any:
+    if text.startswith("@"):
+        return json.loads(Path(text[1:]).read_text())
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _parser(stages: list[str]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rft_core.stages", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stage", choices=stages, help="the stage program to run")
+    p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="a program argument (repeatable)")
+    p.add_argument("--config", help="training config file (YAML) supplying the arguments not given")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override of --config (repeatable)")
+    p.add_argument("--out", help="output URI of the stage")
+    p.add_argument("--result", help="file to write the returned ShardRef(s) to as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, run the stage program, write its result; returns the exit status."""
+    from rft_core.stages.runner import DISTRIBUTED_STAGES, PROGRAMS, decode_args, encode_result
+
+    ns = _parser(list(PROGRAMS)).parse_args(argv)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    prefix = f"[rank {rank}/{world}] " if world > 1 else ""
+    logging.basicConfig(level=os.environ.get("RFT_LOG_LEVEL", "INFO"), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s")
+    if world > 1 and ns.stage not in DISTRIBUTED_STAGES:
+        print(f"stage {ns.stage!r} runs on one rank only (WORLD_SIZE={world}); several ranks: "
+              f"{sorted(DISTRIBUTED_STAGES)}", file=sys.stderr)
+        return 2
+    prog = PROGRAMS[ns.stage]
+    raw: dict[str, Any] = {}
+    for item in ns.arg:
+        if "=" not in item:
+            print(f"--arg {item!r} must look like NAME=VALUE", file=sys.stderr)
+            return 2
+        name, value = item.split("=", 1)
+        raw[name.strip()] = _parse_value(value)
+    if ns.out is not None:
+        raw["out"] = ns.out
+    if ns.config is not None or ns.set:
+        from rft_core.config import load_config
+
+        cfg = load_config(ns.config, ns.set)
+        for name, path in prog.defaults.items():
+            if name not in raw:
+                value = operator.attrgetter(path)(cfg)
+                raw[name] = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+    missing = [p for p in prog.required() if p not in raw]
+    if missing:
+        print(f"stage {ns.stage!r}: missing argument(s) {missing} (give --arg NAME=VALUE, --out or --config)",
+              file=sys.stderr)
+        return 2
+    result = prog(**decode_args(ns.stage, raw))
+    text = encode_result(ns.stage, result)
+    if ns.result and rank == 0:
+        tmp = Path(ns.result).with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, ns.result)
+    logging.getLogger("rft_core.stages").info("%s committed: %s", ns.stage, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Scale features inside the flow: stage programs run as subprocesses, LoRA iterations."""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from rft_core.models.loading import load_causal_lm
+from schemas import read_manifest
+from tests.flows.conftest import flow_cfg
+
+
+def _hashes(root: Path, stage: str) -> dict[str, str]:
+    m, _ = read_manifest(str(root / "iter=000001" / stage))
+    return {f.path: f.sha256 for f in m.files}
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_subprocess_runners_commit_what_the_in_process_flow_commits(prefect_harness, tiny_model, tmp_path, fake_rewards):
+    from flows.train import train
+
+    sub = {"mode": "subprocess"}
+    base = flow_cfg(tiny_model, tmp_path / "inproc", iterations=1)
+    a = train(base)
+    cfg = flow_cfg(tiny_model, tmp_path / "sub", iterations=1,
+                   runners={"rollout": sub, "actor_logprobs": sub, "ref_logprobs": sub, "ppo_update": sub})
+    collect = _Collect()
+    task_logger = logging.getLogger("prefect.task_runs")  # prefect's loggers do not propagate to caplog
+    task_logger.addHandler(collect)
+    try:
+        b = train(cfg)
+    finally:
+        task_logger.removeHandler(collect)
+    for stage in ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update"):
+        assert _hashes(Path(b.run_root), stage) == _hashes(Path(a.run_root), stage), stage
+    wa = load_causal_lm(f"{a.final_policy.uri}/policy").state_dict()
+    wb = load_causal_lm(f"{b.final_policy.uri}/policy").state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the subprocesses' own log lines reached the task run loggers
+    assert any("rft_core.stages: ppo_update committed" in m for m in collect.messages), collect.messages[-20:]

@@ -1,0 +1,104 @@
+"""Stage programs as subprocesses (``python -m rft_core.stages``): the same shard as in-process,
+failures raise with the exit code and the last lines, output lines stream to the callback."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+from rft_core.config import RunnerConfig, load_config
+from rft_core.stages import prompts as prompts_stage
+from rft_core.stages.runner import StageProcessError, decode_args, encode_args, run_stage, stage_command, stream_process
+from schemas import ShardRef, read_manifest
+
+
+def _cfg(tiny_model, tmp_path):
+    return load_config(None, {"policy.path": tiny_model, "data.prompts_per_iteration": 2, "data.size": 20,
+                              "rollout.n_samples_per_prompt": 2, "rollout.max_new_tokens": 5, "rollout.batch_size": 4})
+
+
+def _files(uri):
+    m, _ = read_manifest(uri)
+    return m.config_hash, [(f.path, f.bytes, f.sha256) for f in m.files]
+
+
+def test_subprocess_stage_commits_the_same_shard_as_in_process(tiny_model, tmp_path):
+    cfg = _cfg(tiny_model, tmp_path)
+    p = prompts_stage.run(cfg.data, tokenizer_path=tiny_model, iteration=1, out=str(tmp_path / "prompts"))
+    args = dict(prompts=p, policy=tiny_model, cfg=cfg.rollout, iteration=1, dtype="float32")
+    a = run_stage("rollout", None, out=str(tmp_path / "a"), **args)
+    lines: list[str] = []
+    b = run_stage("rollout", RunnerConfig(mode="subprocess"), log=lines.append, out=str(tmp_path / "b"), **args)
+    assert isinstance(b, ShardRef) and b.uri == str(tmp_path / "b") and b.num_rows == a.num_rows == 4
+    assert b.config_hash == a.config_hash
+    assert _files(b.uri) == _files(a.uri)  # byte-identical parts: same sizes and sha256
+    assert any("rollout committed" in line for line in lines), lines
+    # the actor log-prob stage through the CLI with --config and a stage URI instead of ShardRef JSON
+    want = run_stage("actor_logprobs", None, rollout=a, model=tiny_model, cfg=cfg.logprobs, temperature=1.0,
+                     out=str(tmp_path / "lp_a"), dtype="float32")
+    (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
+    cmd = [sys.executable, "-m", "rft_core.stages", "actor_logprobs", "--config", str(tmp_path / "cfg.json"),
+           "--arg", f"rollout={a.uri}", "--out", str(tmp_path / "lp_b"), "--result", str(tmp_path / "res.json")]
+    from rft_core.stages.runner import subprocess_env
+
+    rc, tail = stream_process(cmd, env=subprocess_env(RunnerConfig(mode="subprocess")), log=None, tail_lines=20)
+    assert rc == 0, "\n".join(tail)
+    got = ShardRef.model_validate_json((tmp_path / "res.json").read_text())
+    assert got.config_hash == want.config_hash and _files(got.uri) == _files(want.uri)
+
+
+def test_failing_subprocess_raises_with_exit_code_and_last_lines(tiny_model, tmp_path):
+    cfg = _cfg(tiny_model, tmp_path)
+    ghost = ShardRef(uri=str(tmp_path / "nowhere"), stage="prompts", num_rows=1, config_hash="x", manifest_sha256="y")
+    with pytest.raises(StageProcessError) as info:
+        run_stage("rollout", RunnerConfig(mode="subprocess", tail_lines=5), prompts=ghost, policy=tiny_model,
+                  cfg=cfg.rollout, iteration=1, out=str(tmp_path / "r"))
+    err = info.value
+    assert err.returncode == 1 and len(err.tail) <= 5
+    assert "exit code 1" in str(err) and "ShardNotCommittedError" in str(err) and "nowhere" in str(err)
+
+
+def test_exit_code_and_signal_are_reported(tmp_path):
+    code = "import sys\nfor i in range(50): print('line', i)\nsys.exit(3)"
+    rc, tail = stream_process([sys.executable, "-c", code], env={}, log=None, tail_lines=4)
+    assert rc == 3 and tail == ["line 46", "line 47", "line 48", "line 49"]
+    err = StageProcessError("rollout", -9, ["python"], ["x"])
+    assert "exit code -9 (killed by SIGKILL)" in str(err)
+
+
+def test_lines_stream_to_the_callback_while_the_process_runs(tmp_path):
+    flag = tmp_path / "flag"
+    # the child prints 'first', then waits for the callback to have seen it before printing 'second'
+    code = (f"import pathlib, sys, time\nprint('first')\nt = time.time()\n"
+            f"while not pathlib.Path({str(flag)!r}).exists():\n"
+            f"    time.sleep(0.01)\n    if time.time() - t > 10: sys.exit(7)\n"
+            f"print('second', file=sys.stderr)\n")
+    seen: list[tuple[str, float]] = []
+
+    def log(line):
+        seen.append((line, time.time()))
+        if line == "first":
+            flag.write_text("seen")
+
+    # unbuffered, as subprocess_env sets it: a buffering child would print nothing until it exits
+    rc, _ = stream_process([sys.executable, "-c", code], env={"PYTHONUNBUFFERED": "1"}, log=log, tail_lines=10)
+    assert rc == 0 and [s for s, _ in seen] == ["first", "second"]  # stderr arrives too
+
+
+def test_arguments_round_trip_through_json(tiny_model, tmp_path):
+    cfg = load_config(None, {"advantage.estimator": "rloo", "kl.kl_coef": 0.1})
+    ref = ShardRef(uri="memory://x/rollout", stage="rollout", num_rows=3, config_hash="abc", manifest_sha256="d" * 64)
+    args = dict(rollout=ref, rewards=ref, actor=None, ref=ref, kl_cfg=cfg.kl, adv_cfg=cfg.advantage,
+                shaping=cfg.shaping, state=cfg.initial_state, max_new_tokens=7, out="memory://x/adv")
+    raw = json.loads(json.dumps(encode_args("advantages", args)))
+    assert decode_args("advantages", raw) == args
+    with pytest.raises(TypeError, match="unknown argument"):
+        encode_args("advantages", {"bogus": 1})
+    cmd = stage_command("ppo_update", {"out": "x"}, RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2),
+                        result_file="r.json")
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
+    assert cmd[5:8] == ["-m", "rft_core.stages", "ppo_update"]
+    with pytest.raises(ValueError, match="runs on one rank only"):
+        run_stage("rollout", RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2), out="x")
