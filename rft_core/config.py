@@ -52,11 +52,12 @@ class ModelConfig(_Frozen):
     """Which model to load: the embedded default alias, a local HF folder, or a hub id."""
 
     path: str = DEFAULT_MODEL
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "auto"] = Field("float32", description="auto: bfloat16 on a GPU that supports it, else float32")
 
 
 class DataConfig(_Frozen):
-    """Prompts from a reasoning-gym task, seeded; each iteration takes the next slice."""
+    """Prompts from a reasoning-gym task (or the built-in ``humaneval``), seeded; each iteration
+    takes the next slice."""
 
     source: Literal["reasoning_gym"] = "reasoning_gym"
     task: str = "basic_arithmetic"
@@ -359,6 +360,7 @@ class LogprobConfig(_Frozen):
     recompute_old_logprobs: bool = Field(
         True, description="False: reuse the rollout engine's own log-probs and skip the actor stage"
     )
+    packing: bool = Field(False, description="pack each micro-batch into one row without padding (position ids restart per sequence)")
 
 
 class PPOClipLoss(_Frozen):
@@ -400,6 +402,25 @@ POLICY_LOSS_CONFIGS = (PPOClipLoss, DualClipLoss, GSPOLoss, CPGDLoss)
 PolicyLossConfig = _tagged_union(POLICY_LOSS_CONFIGS, "name", "ppo_clip", "policy loss")
 
 
+class LoraConfig(_Frozen):
+    """LoRA adapters through peft (Hu et al. 2021, arXiv:2106.09685): W + (alpha / rank) * B A."""
+
+    rank: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names, or all-linear: every Linear of attention and MLP (not the LM head)")
+
+
+class DeepSpeedConfig(_Frozen):
+    """DeepSpeed ZeRO data parallelism for the update; launch it with torchrun
+    (``runners.ppo_update: {mode: subprocess, launcher: torchrun, nproc_per_node: N}``)."""
+
+    zero_stage: Literal[1, 2, 3] = 2
+    offload_optimizer: bool = Field(False, description="ZeRO-Offload of the optimizer state to CPU memory")
+    torch_adam: bool = Field(True, description="torch's AdamW instead of DeepSpeed's compiled Adam ops")
+
+
 class UpdateConfig(_Frozen):
     """PPO-style update of the policy: AdamW, micro-batches, gradient accumulation, clipping."""
 
@@ -417,6 +438,9 @@ class UpdateConfig(_Frozen):
     entropy_top_fraction: float | None = Field(None, gt=0, le=1, description="train only on this top fraction of tokens by entropy (arXiv:2506.01939); needs the actor stage")
     gradient_checkpointing: bool = False
     seed: int = 0
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters (peft) instead of every weight")
+    packing: bool = Field(False, description="pack each micro-batch into one row without padding")
+    deepspeed: DeepSpeedConfig | None = Field(None, description="DeepSpeed ZeRO (multi-rank, under torchrun)")
 
     _a = field_validator("loss_agg")(lambda cls, v: _check_name(LOSS_AGGREGATIONS, v))
 
@@ -486,6 +510,22 @@ class RunnerConfig(_Frozen):
         return self
 
 
+class WandbConfig(_Frozen):
+    """Optional Weights & Biases logging of the per-iteration metrics (needs ``pip install wandb``)."""
+
+    enabled: bool = False
+    project: str = "prefect-rft"
+    entity: str | None = None
+    mode: Literal["online", "offline", "disabled"] | None = Field(None, description="None: wandb's own default (WANDB_MODE)")
+    tags: list[str] = Field(default_factory=list)
+
+
+class ObserveConfig(_Frozen):
+    """Where metrics go besides metrics.jsonl, TensorBoard and the Prefect artifacts."""
+
+    wandb: WandbConfig = WandbConfig()
+
+
 class TrainConfig(_Frozen):
     """A whole training run: N iterations under one run root."""
 
@@ -505,6 +545,7 @@ class TrainConfig(_Frozen):
     update: UpdateConfig = UpdateConfig()
     critic: CriticConfig = CriticConfig()
     eval: EvalConfig = EvalConfig()
+    observe: ObserveConfig = ObserveConfig()
     runners: dict[str, RunnerConfig] = Field(default_factory=dict, description=f"per stage ({', '.join(RUNNABLE_STAGES)}): where its program runs")
 
     @field_validator("runners")

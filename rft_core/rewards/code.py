@@ -221,3 +221,11 @@ class CodeExecReward:
         workers = self.cfg.max_workers or os.cpu_count() or 1
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return list(pool.map(self._one, samples))
+
+
+def has_code_block(sample) -> float:
+    """A ``python`` reward function: 1.0 when the response has a fenced code block that defines
+    the problem's entry point (a format reward for code tasks), else 0.0."""
+    entry = sample.metadata.get("entry_point")
+    blocks = _FENCE.findall(sample.response)
+    return float(any(re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", b, re.M) for b in blocks) if entry else bool(blocks))

@@ -175,6 +175,14 @@ class MathAnswerReward:
                                              timeout_s=self.cfg.timeout_s)
             return [SourceScore(score, score >= 1.0, a, reason, {"format": float(f)})
                     for (a, f), (score, reason) in zip(extracted, graded)]
+        from rft_core.rewards.base import RewardError
+
+        for label in sorted({s.label for s in samples}):
+            try:
+                _rg_scorer(label)
+            except Exception as exc:
+                raise RewardError(f"grader 'dataset' grades with the reasoning-gym dataset named by the sample's label; "
+                                  f"{label!r} is not one ({exc}); use grader: math_verify") from exc
         out = []
         for s in samples:
             r = score_response(s.response, source=s.label, question=s.question, label=s.reference,

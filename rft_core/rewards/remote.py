@@ -62,7 +62,8 @@ def post_rewards(url: str, payload: dict, *, expected: int, timeout_s: float, re
         if own:
             session.close()
     if resp.status_code != 200:
-        raise RewardError(f"remote reward model {url}: HTTP {resp.status_code} after {retries} retries: {resp.text[:200]!r}")
+        tried = f"after {retries} retries" if resp.status_code in RETRY_STATUSES else "not retried"
+        raise RewardError(f"remote reward model {url}: HTTP {resp.status_code} ({tried}): {resp.text[:200]!r}")
     try:
         body = resp.json()
     except ValueError:
