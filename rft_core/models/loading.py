@@ -116,7 +116,7 @@ def resolve_model_path(path: str) -> str:
         return str(ensure_default_model())
     p = Path(path).expanduser()
     if p.is_dir():
-        if not (p / "config.json").exists():
+        if not (p / "config.json").exists() and not (p / "adapter_config.json").exists():
             raise ModelLoadError(f"model folder {path!r} has no config.json")
         return str(p)
     if path.startswith(("/", "./", "../", "~")) or path.count("/") > 1:
@@ -144,13 +144,40 @@ def load_tokenizer(path: str):
     return tok
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """torch dtype of a configured dtype name; "auto" is bfloat16 on a GPU that supports it,
+    float32 otherwise.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unknown dtype {name!r}; valid names: float32, bfloat16, float16, auto")
+    return getattr(torch, name)
+
+
+def attn_implementation(dtype: str = "float32") -> str:
+    """``flash_attention_2`` when the flash_attn package is installed, a GPU is present and the
+    dtype is 16-bit (what flash-attn supports); ``sdpa`` (torch's scaled_dot_product_attention)
+    otherwise. ``$RFT_ATTN_IMPLEMENTATION`` overrides."""
+    if os.environ.get("RFT_ATTN_IMPLEMENTATION"):
+        return os.environ["RFT_ATTN_IMPLEMENTATION"]
+    if (importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+            and torch_dtype(dtype) in (torch.bfloat16, torch.float16)):
+        return "flash_attention_2"
+    return "sdpa"
+
+
 def load_pretrained(auto_cls, path: str, *, dtype: str = "float32", trainable: bool = False, what: str = "model",
-                    adjust_config=None):
+                    adjust_config=None, model_kwargs: dict | None = None):
     """Load ``auto_cls.from_pretrained(path)`` under the process-wide load lock.
 
     Args:
         auto_cls: a transformers Auto class (AutoModelForCausalLM, AutoModelForTokenClassification).
         adjust_config: optional callable(config) -> config applied before loading.
+        model_kwargs: extra ``from_pretrained`` keyword arguments (e.g. attn_implementation).
         trainable: False puts the model in eval mode with gradients off.
     Raises:
         ModelLoadError: unreadable path, config or weights, named in the message.
@@ -164,7 +191,7 @@ def load_pretrained(auto_cls, path: str, *, dtype: str = "float32", trainable: b
             kwargs = {}
             if adjust_config is not None:
                 kwargs["config"] = adjust_config(AutoConfig.from_pretrained(resolved))
-            model = auto_cls.from_pretrained(resolved, dtype=getattr(torch, dtype), **kwargs)
+            model = auto_cls.from_pretrained(resolved, dtype=torch_dtype(dtype), **kwargs, **(model_kwargs or {}))
         except Exception as exc:
             raise ModelLoadError(f"cannot load {what} from {path!r} ({resolved}): {exc}") from exc
     if trainable:
@@ -187,4 +214,9 @@ def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False
     """
     from transformers import AutoModelForCausalLM
 
-    return load_pretrained(AutoModelForCausalLM, path, dtype=dtype, trainable=trainable)
+    from rft_core.models.lora import is_adapter_dir, load_adapter_policy
+
+    if is_adapter_dir(path):  # a LoRA checkpoint: its base model with the adapter merged in
+        return load_adapter_policy(path, dtype=dtype, trainable=trainable, merge=True)
+    return load_pretrained(AutoModelForCausalLM, path, dtype=dtype, trainable=trainable,
+                           model_kwargs={"attn_implementation": attn_implementation(dtype)})

@@ -5,6 +5,12 @@ all responses start at the same column P and the T response tokens are the last 
 Position ids are cumsum(attention_mask) - 1, so left padding does not shift positions (what HF
 ``generate`` does too). Only the last T+1 positions' logits are materialised
 (``logits_to_keep``), in micro-batches, and log p(token) = logit[token] - logsumexp(logits).
+
+Packed layout (``build_packed_batch``): the sequences of a micro-batch are concatenated into one
+row without padding, position ids restarting at 0 for each sequence and no attention mask, so
+transformers builds attention that never crosses sequences (a block-diagonal causal mask for
+sdpa/eager, varlen kernels for flash-attention 2); only the logits of the positions that
+predict response tokens are computed (``logits_to_keep`` as an index tensor).
 """
 from __future__ import annotations
 
@@ -60,7 +66,7 @@ def build_token_batch(prompts: list[list[int]], responses: list[list[int]], *, p
 
 def response_logprobs(
     model: torch.nn.Module,
-    batch: TokenBatch,
+    batch: "TokenBatch | PackedBatch",
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
@@ -69,26 +75,115 @@ def response_logprobs(
 
     Args:
         model: a causal LM whose forward accepts ``logits_to_keep``.
-        batch: see ``build_token_batch``; all of it goes through one forward pass, so keep it
-            small (the caller micro-batches).
+        batch: see ``build_token_batch`` (or ``build_packed_batch``); all of it goes through one
+            forward pass, so keep it small (the caller micro-batches).
         temperature: logits are divided by it (the sampling temperature of the rollout).
     Returns:
         (logprobs, entropy): (B, T) float32 each (entropy None unless asked); values at
         positions where action_mask is False are meaningless but finite.
     """
+    if isinstance(batch, PackedBatch):
+        return packed_response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy)
     T = batch.num_actions
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                position_ids=batch.position_ids, logits_to_keep=T + 1, use_cache=False)
+    device = model_device(model)
+    out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                position_ids=batch.position_ids.to(device), logits_to_keep=T + 1, use_cache=False)
     logits = out.logits[:, :-1, :].float()  # logits at column j predict the token at column j+1
+    return _token_logprobs(logits, batch.input_ids[:, -T:].to(device), temperature=temperature, with_entropy=with_entropy)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter (where its inputs must go)."""
+    return next(model.parameters()).device
+
+
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float,
+                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) = logit[target] / temp - logsumexp(logits / temp) and, if asked, the entropy
+    H = logsumexp - sum(p * logits) of the same distribution; shapes (..., V) -> (...)."""
     if temperature != 1.0:
         logits = logits / temperature
-    targets = batch.input_ids[:, -T:]
     lse = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     entropy = None
     if with_entropy:
         probs = torch.softmax(logits, dim=-1)
         entropy = lse - (probs * logits).sum(-1)
+    return logprobs, entropy
+
+
+@dataclass
+class PackedBatch:
+    """A micro-batch packed into one row, without padding.
+
+    Attributes:
+        input_ids: (1, N) int64, N = sum of len(prompt) + len(response) over the batch.
+        position_ids: (1, N) int64, 0..L_i-1 within each sequence i.
+        logit_index: (M,) int64, M = total response tokens: the position whose logits predict
+            each response token, in sample order then token order.
+        target_ids: (M,) int64, the response tokens themselves.
+        action_mask: (B, T) bool, True on real response tokens (T = longest response, >= 1),
+            the same as ``build_token_batch``'s.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    logit_index: torch.Tensor
+    target_ids: torch.Tensor
+    action_mask: torch.Tensor
+
+    @property
+    def num_actions(self) -> int:
+        """T, the padded response length of the (B, T) outputs."""
+        return self.action_mask.shape[1]
+
+
+def build_packed_batch(prompts: list[list[int]], responses: list[list[int]]) -> PackedBatch:
+    """Concatenate [prompt_i | response_i] for every i into one row (see ``PackedBatch``).
+
+    Raises:
+        ValueError: lists of different lengths or an empty prompt.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt in batch")
+    ids: list[int] = []
+    pos: list[int] = []
+    index: list[int] = []
+    for p, r in zip(prompts, responses):
+        start = len(ids) + len(p)  # column of the first response token
+        index.extend(range(start - 1, start - 1 + len(r)))
+        ids.extend(p)
+        ids.extend(r)
+        pos.extend(range(len(p) + len(r)))
+    T = max([len(r) for r in responses] + [1])
+    mask = torch.zeros(len(responses), T, dtype=torch.bool)
+    for i, r in enumerate(responses):
+        mask[i, : len(r)] = True
+    return PackedBatch(torch.tensor([ids], dtype=torch.long), torch.tensor([pos], dtype=torch.long),
+                       torch.tensor(index, dtype=torch.long), torch.tensor([t for r in responses for t in r], dtype=torch.long),
+                       mask)
+
+
+def packed_response_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0,
+                             with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``response_logprobs`` for a packed batch: same (B, T) float32 outputs (zero where
+    action_mask is False), differentiable."""
+    device = model_device(model)
+    mask = batch.action_mask.to(device)
+    B, T = mask.shape
+    if batch.logit_index.numel() == 0:  # no response token at all
+        zeros = torch.zeros(B, T, device=device)
+        return zeros, (zeros.clone() if with_entropy else None)
+    out = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device), attention_mask=None,
+                logits_to_keep=batch.logit_index.to(device), use_cache=False)
+    flat_lp, flat_ent = _token_logprobs(out.logits[0].float(), batch.target_ids.to(device), temperature=temperature,
+                                        with_entropy=with_entropy)
+    logprobs = torch.zeros(B, T, device=device, dtype=flat_lp.dtype).masked_scatter(mask, flat_lp)
+    entropy = None
+    if flat_ent is not None:
+        entropy = torch.zeros(B, T, device=device, dtype=flat_ent.dtype).masked_scatter(mask, flat_ent)
     return logprobs, entropy
 
 
@@ -102,21 +197,29 @@ def batched_response_logprobs(
     micro_batch_size: int = 8,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    packing: bool = False,
+    progress=None,
 ) -> list[list[float]] | tuple[list[list[float]], list[list[float]]]:
     """Unpadded per-sample log-prob lists (len = len(response)) for any number of samples.
 
     Samples are sorted by total length before micro-batching to reduce padding; the output is in
     the input order. With ``with_entropy`` it returns (logprobs, entropies), same layout.
+    ``packing``: each micro-batch goes through the model as one packed row (no padding).
+    ``progress``: optional callable(done, total) called after each micro-batch (samples).
     """
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
     result: list[list[float]] = [[] for _ in prompts]
     entropies: list[list[float]] = [[] for _ in prompts]
     for start in range(0, len(order), micro_batch_size):
         idx = order[start:start + micro_batch_size]
-        batch = build_token_batch([prompts[i] for i in idx], [responses[i] for i in idx], pad_token_id=pad_token_id)
+        ps, rs = [prompts[i] for i in idx], [responses[i] for i in idx]
+        batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
         lp, ent = response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy)
+        lp, ent = lp.cpu(), (ent.cpu() if ent is not None else None)
         for row, i in enumerate(idx):
             result[i] = lp[row, : len(responses[i])].tolist()
             if ent is not None:
                 entropies[i] = ent[row, : len(responses[i])].tolist()
+        if progress is not None:
+            progress(min(start + micro_batch_size, len(order)), len(order))
     return (result, entropies) if with_entropy else result

@@ -64,7 +64,7 @@ def policy_model_path(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str:
     if local is not None:
         return local
     target = cache_dir() / "checkpoints" / f"{policy.manifest_sha256}-{subdir}"
-    if not (target / "config.json").exists():
+    if not (target / "config.json").exists() and not (target / "adapter_config.json").exists():  # full or LoRA
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".dl-", dir=target.parent))
         fs, path = fsspec.core.url_to_fs(uri)

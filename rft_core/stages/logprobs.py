@@ -6,6 +6,7 @@ import pyarrow as pa
 from rft_core.config import LogprobConfig
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.logprobs import batched_response_logprobs
+from rft_core.progress import progress_reporter
 from rft_core.stages.common import PolicyRef, Timer, policy_model_path, reuse_or_compute
 from schemas import ShardRef, config_hash, read_shard, write_shard
 from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS
@@ -27,7 +28,7 @@ def run(rollout: ShardRef, model: PolicyRef, cfg: LogprobConfig, *, stage: str, 
     if stage not in _SCHEMAS:
         raise KeyError(f"log-prob stage must be one of {sorted(_SCHEMAS)}, got {stage!r}")
     schema, column = _SCHEMAS[stage]
-    chash = config_hash(stage, cfg.micro_batch_size, rollout, model, temperature, dtype)
+    chash = config_hash(stage, cfg.micro_batch_size, rollout, model, temperature, dtype, *(["packing"] if cfg.packing else []))
 
     def compute() -> ShardRef:
         table = read_shard(rollout, stage="rollout")
@@ -35,11 +36,11 @@ def run(rollout: ShardRef, model: PolicyRef, cfg: LogprobConfig, *, stage: str, 
         tok = load_tokenizer(path)
         lm = load_causal_lm(path, dtype=dtype)
         actor = stage == "actor_logprobs"
-        with Timer() as t:
+        with Timer() as t, progress_reporter(stage, unit="sequences") as progress:
             res = batched_response_logprobs(lm, table.column("prompt_token_ids").to_pylist(),
                                             table.column("response_token_ids").to_pylist(), pad_token_id=tok.pad_token_id,
                                             micro_batch_size=cfg.micro_batch_size, temperature=temperature,
-                                            with_entropy=actor)
+                                            with_entropy=actor, packing=cfg.packing, progress=progress)
         f32 = pa.list_(pa.float32())
         cols = {"sample_id": table.column("sample_id")}
         if actor:  # the policy's entropy at each token: for the entropy metrics and high-entropy filtering

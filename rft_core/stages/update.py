@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from rft_core.config import KLConfig, UpdateConfig, policy_loss_kwargs
 from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.models.lora import adapter_base_path, apply_lora, is_adapter_dir, load_adapter_policy
+from rft_core.progress import progress_reporter
 from rft_core.stages.common import (
     POLICY_SUBDIR,
     PolicyRef,
@@ -18,15 +20,55 @@ from schemas.columns import PPO_UPDATE
 from schemas.experience import align_on_sample_id
 
 
+# UpdateConfig fields added after runs were committed: left out of the config hash while they
+# hold their defaults, so older runs still resume.
+_HASH_OPTIONAL = {"lora": None, "packing": False, "deepspeed": None}
+
+
+def update_hash_view(cfg: UpdateConfig) -> dict:
+    """The part of ``cfg`` that enters the ppo_update config hash."""
+    return cfg.model_dump(mode="json", exclude={k for k, v in _HASH_OPTIONAL.items() if getattr(cfg, k) == v})
+
+
+def load_trainable_policy(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str):
+    """The policy to train: full weights, or with ``cfg.lora`` a peft LoRA model whose adapters
+    are the only trainable parameters (new adapters on a plain model, or the previous
+    iteration's adapter checkpoint continued).
+
+    Raises:
+        ValueError: a LoRA checkpoint without ``cfg.lora``, or one of another rank.
+    """
+    path = policy_model_path(policy)
+    if is_adapter_dir(path):
+        if cfg.lora is None:
+            raise ValueError(f"policy {path} is a LoRA adapter checkpoint but update.lora is not set")
+        model = load_adapter_policy(path, dtype=dtype, trainable=True)
+        rank = model.peft_config["default"].r
+        if rank != cfg.lora.rank:
+            raise ValueError(f"policy {path} has LoRA rank {rank} but update.lora.rank is {cfg.lora.rank}")
+        base = adapter_base_path(path)
+    else:
+        model = load_causal_lm(path, dtype=dtype, trainable=True)
+        base = path
+    if cfg.lora is not None and not is_adapter_dir(path):
+        model = apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                           target_modules=cfg.lora.target_modules, base_path=base)
+    if cfg.gradient_checkpointing:
+        # non-reentrant checkpointing needs no input that requires grad (frozen LoRA base)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref: ShardRef | None, policy: PolicyRef,
         cfg: UpdateConfig, kl_cfg: KLConfig, temperature: float, out: str, dtype: str = "float32") -> ShardRef:
-    """Update ``policy`` and commit ``out`` = per-step metrics parts + ``policy/`` HF checkpoint.
+    """Update ``policy`` and commit ``out`` = per-step metrics parts + ``policy/`` HF checkpoint
+    (a peft adapter folder with ``cfg.lora``).
 
     The optimizer state of the previous checkpoint (if ``policy`` is one) is restored, with the
     configured learning rate.
     """
     use_kl_loss = kl_cfg.mode == "loss" and kl_cfg.kl_coef > 0
-    chash = config_hash("ppo_update", cfg, kl_cfg, rollout, advantages, actor, ref if use_kl_loss else None, policy,
+    chash = config_hash("ppo_update", update_hash_view(cfg), kl_cfg, rollout, advantages, actor, ref if use_kl_loss else None, policy,
                         temperature, dtype)
 
     def compute() -> ShardRef:
@@ -44,12 +86,10 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
                           entropies=actor_t.column("action_entropy").to_pylist() if actor_t is not None else None)
         path = policy_model_path(policy)
         tok = load_tokenizer(path)
-        model = load_causal_lm(path, dtype=dtype, trainable=True)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        model = load_trainable_policy(policy, cfg, dtype=dtype)
         opt = make_optimizer(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         load_optimizer_state(opt, policy_checkpoint_dir(policy), lr=cfg.lr)
-        with Timer() as t:
+        with Timer() as t, progress_reporter("ppo_update", unit="optimizer steps") as progress:
             steps = ppo_update(model, opt, data, pad_token_id=tok.pad_token_id, policy_loss=cfg.policy_loss.name,
                                policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss), loss_agg=cfg.loss_agg,
                                loss_norm_tokens=cfg.loss_norm_tokens, entropy_coef=cfg.entropy_coef,
@@ -57,7 +97,7 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
                                kl_coef=kl_cfg.kl_coef if use_kl_loss else 0.0, kl_estimator=kl_cfg.estimator,
                                kl_clamp=kl_cfg.kl_clamp, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
                                micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                               temperature=temperature, seed=cfg.seed)
+                               temperature=temperature, seed=cfg.seed, packing=cfg.packing, progress=progress)
         last = steps[-1]
         summary = {"seconds": t.seconds, "policy_loss": sum(s.policy_loss for s in steps) / len(steps),
                    "clip_frac": sum(s.clip_frac for s in steps) / len(steps), "approx_kl": last.approx_kl,

@@ -13,7 +13,7 @@ import torch
 from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES, kl_penalty
 from rft_core.algorithms.masked import high_entropy_mask
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
-from rft_core.models.logprobs import TokenBatch, build_token_batch, response_logprobs
+from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device, response_logprobs
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -106,6 +106,8 @@ def ppo_update(
     max_grad_norm: float = 1.0,
     temperature: float = 1.0,
     seed: int = 0,
+    packing: bool = False,
+    progress=None,
 ) -> list[StepMetrics]:
     """Run PPO epochs over ``data``; mutates ``model`` and ``optimizer``.
 
@@ -122,6 +124,9 @@ def ppo_update(
         train_batch_size: samples per optimizer step (None: all of ``data``).
         micro_batch_size: samples per forward/backward pass.
         seed: seeds the per-epoch shuffle (torch.Generator), independent of global RNG.
+        packing: each micro-batch is one packed row without padding (``build_packed_batch``);
+            the same loss up to float rounding.
+        progress: optional callable(done, total) after each optimizer step (steps).
     Returns:
         One StepMetrics per optimizer step.
     Raises:
@@ -146,6 +151,8 @@ def ppo_update(
     # a constant for seq-mean-token-sum-norm: the longest response of the whole rollout
     norm_tokens = loss_norm_tokens or max(len(r) for r in data.responses) or 1
     metrics: list[StepMetrics] = []
+    device = model_device(model)
+    total_steps = epochs * -(-n // bs)
     model.train()
     for epoch, mini in minibatches(n, epochs=epochs, batch_size=bs, seed=seed):
         n_tokens = (sum(len(data.responses[i]) for i in mini) if keep is None
@@ -155,14 +162,15 @@ def ppo_update(
         optimizer.zero_grad(set_to_none=True)
         for mstart in range(0, len(mini), micro_batch_size):
             idx = mini[mstart:mstart + micro_batch_size]
-            batch: TokenBatch = build_token_batch([data.prompts[i] for i in idx], [data.responses[i] for i in idx],
-                                                  pad_token_id=pad_token_id)
+            ps, rs = [data.prompts[i] for i in idx], [data.responses[i] for i in idx]
+            batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
             T = batch.num_actions
             mask = batch.action_mask
             if keep is not None:
                 mask = mask & _pad_float([keep[i].float().tolist() for i in idx], T).bool()
-            old = _pad_float([data.old_logprobs[i] for i in idx], T)
-            adv = _pad_float([data.advantages[i] for i in idx], T)
+            mask = mask.to(device)
+            old = _pad_float([data.old_logprobs[i] for i in idx], T).to(device)
+            adv = _pad_float([data.advantages[i] for i in idx], T).to(device)
             logprobs, entropy = response_logprobs(model, batch, temperature=temperature, with_entropy=entropy_coef > 0)
             out = loss_fn(logprobs, old, adv, mask, **(policy_loss_kwargs or {}))
             pg = agg_fn(out.token_loss, mask, **norm)
@@ -170,7 +178,7 @@ def ppo_update(
             if entropy_coef > 0:
                 loss = loss - entropy_coef * agg_fn(entropy, mask, **norm)
             if use_kl:
-                ref = _pad_float([data.ref_logprobs[i] for i in idx], T)
+                ref = _pad_float([data.ref_logprobs[i] for i in idx], T).to(device)
                 kl = kl_penalty(logprobs, ref, mask, estimator=kl_estimator, kl_clamp=kl_clamp)
                 kl_term = agg_fn(kl, mask, **norm)
                 loss = loss + kl_coef * kl_term
@@ -186,6 +194,8 @@ def ppo_update(
             grad_norm=grad_norm, lr=float(optimizer.param_groups[0]["lr"]), num_tokens=n_tokens,
         )
         metrics.append(m)
+        if progress is not None:
+            progress(len(metrics), total_steps)
     model.eval()
     return metrics
 

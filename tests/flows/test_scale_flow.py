@@ -48,3 +48,33 @@ def test_subprocess_runners_commit_what_the_in_process_flow_commits(prefect_harn
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     # the subprocesses' own log lines reached the task run loggers
     assert any("rft_core.stages: ppo_update committed" in m for m in collect.messages), collect.messages[-20:]
+
+
+def test_lora_iterations_checkpoint_adapters_and_load_them_next_iteration(prefect_harness, tiny_model, tmp_path,
+                                                                          fake_rewards):
+    import json
+
+    from flows.train import train
+    from rft_core.models.lora import load_adapter_policy
+
+    cfg = flow_cfg(tiny_model, tmp_path / "lora", iterations=2, **{"update.lora": {"rank": 4, "alpha": 8},
+                                                                   "update.lr": 1e-2, "update.packing": True,
+                                                                   "logprobs.packing": True})
+    result = train(cfg)
+    root = Path(result.run_root)
+    adapters = []
+    for it in (1, 2):
+        policy = root / f"iter={it:06d}/ppo_update/policy"
+        assert (policy / "adapter_model.safetensors").exists() and not (policy / "model.safetensors").exists()
+        assert json.loads((policy / "adapter_config.json").read_text())["base_model_name_or_path"] == tiny_model
+        adapters.append(load_adapter_policy(policy))
+    # iteration 2 continued iteration 1's adapter (its manifest names that checkpoint) and moved it
+    m2, _ = read_manifest(str(root / "iter=000002/ppo_update"))
+    assert m2.inputs["policy"] == read_manifest(str(root / "iter=000001/ppo_update"))[1]
+    w1 = {n: p for n, p in adapters[0].named_parameters() if "lora_B" in n}
+    w2 = {n: p for n, p in adapters[1].named_parameters() if "lora_B" in n}
+    assert any(p.abs().max() > 0 for p in w1.values()) and any(not torch.equal(w1[n], w2[n]) for n in w1)
+    # the base weights stayed as they were
+    base = load_causal_lm(tiny_model).state_dict()
+    inner = adapters[1].get_base_model().state_dict()
+    assert all(torch.equal(base[k], inner[k]) for k in base if k in inner)

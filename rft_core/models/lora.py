@@ -1,0 +1,130 @@
+"""LoRA policies through peft: adapters on the base model, adapter checkpoints, merge for export.
+
+A LoRA policy checkpoint (the ``policy/`` folder of a ppo_update stage) is a peft adapter folder
+(``adapter_config.json`` + ``adapter_model.safetensors``) plus the tokenizer and the optimizer
+state; its ``base_model_name_or_path`` is the configured base path (an alias such as
+``smollm2-135m-instruct``, a folder or a hub id), resolved on load with ``resolve_model_path``.
+The adapted weight is W + (alpha / rank) * B A (Hu et al. 2021, arXiv:2106.09685, eq. 3); B
+starts at zero, so a fresh adapter leaves the model's outputs unchanged.
+
+Export a merged, plain HF model (what vLLM or any HF tool loads)::
+
+    python -m rft_core.models.lora merge runs/…/iter=000004/ppo_update/policy exported/
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """True when ``path`` is a local folder holding a peft adapter."""
+    p = Path(path).expanduser()
+    return p.is_dir() and (p / ADAPTER_CONFIG).exists()
+
+
+def adapter_base_path(adapter_dir: str | Path) -> str:
+    """The base model path recorded in an adapter folder.
+
+    Raises:
+        ValueError: the adapter config names no base model.
+    """
+    cfg = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+    base = cfg.get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{adapter_dir}/{ADAPTER_CONFIG} names no base_model_name_or_path")
+    return base
+
+
+def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float, target_modules, base_path: str):
+    """Wrap ``model`` in a peft LoRA model whose adapters are the only trainable parameters.
+
+    Args:
+        target_modules: module names, or ``"all-linear"``: every ``nn.Linear`` except the output
+            layer (peft's own detection, i.e. q/k/v/o and the MLP projections of a Llama).
+        base_path: recorded in the adapter config as ``base_model_name_or_path`` (keep the
+            configured path or alias, not a machine-local cache path).
+    Returns:
+        A ``peft.PeftModel`` (adapters in float32 even on a bfloat16 base).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, bias="none",
+                     task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, cfg)
+    peft_model.peft_config["default"].base_model_name_or_path = base_path
+    return peft_model
+
+
+def load_adapter_policy(adapter_dir: str | Path, *, dtype: str = "float32", trainable: bool = False,
+                        merge: bool = False):
+    """Load the base model of ``adapter_dir`` with the adapter on top.
+
+    Args:
+        trainable: the adapter's parameters require grad (for the next update); the base stays frozen.
+        merge: fold the adapter into the base weights and return a plain transformers model
+            (inference: rollout, log-prob stages, export).
+    Raises:
+        rft_core.models.loading.ModelLoadError: the base or the adapter cannot be loaded.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rft_core.models.loading import ModelLoadError, attn_implementation, load_pretrained
+
+    base_path = adapter_base_path(adapter_dir)
+    base = load_pretrained(AutoModelForCausalLM, base_path, dtype=dtype, trainable=False, what="LoRA base model",
+                           model_kwargs={"attn_implementation": attn_implementation(dtype)})
+    try:
+        model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable and not merge)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the LoRA adapter {adapter_dir} on {base_path!r}: {exc}") from exc
+    if merge:
+        model = model.merge_and_unload()
+        model.requires_grad_(trainable)
+    if trainable:
+        model.train()
+    else:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+def merge_adapter(adapter_dir: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> str:
+    """Write the merged model (base + adapter folded in) and the tokenizer as a plain HF folder.
+
+    Returns:
+        ``out_dir`` as a string.
+    """
+    from rft_core.models.loading import load_tokenizer
+
+    model = load_adapter_policy(adapter_dir, dtype=dtype, merge=True)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    load_tokenizer(str(adapter_dir)).save_pretrained(out)
+    return str(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rft_core.models.lora merge ADAPTER_DIR OUT_DIR [--dtype bfloat16]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m rft_core.models.lora", description="LoRA adapter tools")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("merge", help="fold an adapter into its base model and save a plain HF folder")
+    m.add_argument("adapter_dir")
+    m.add_argument("out_dir")
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ns = p.parse_args(argv)
+    print(merge_adapter(ns.adapter_dir, ns.out_dir, dtype=ns.dtype))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

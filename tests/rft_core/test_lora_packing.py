@@ -1,0 +1,149 @@
+"""LoRA through peft (only adapters train, merged == adapter logits, checkpoints round-trip,
+merge CLI), sample packing (same log-probs and update as the padded path), progress lines."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rft_core.config import LoraConfig, UpdateConfig
+from rft_core.models.loading import load_causal_lm
+from rft_core.models.logprobs import batched_response_logprobs, build_packed_batch, response_logprobs
+from rft_core.models.lora import apply_lora, is_adapter_dir, load_adapter_policy, main as lora_main
+from rft_core.progress import LogProgress
+from rft_core.stages.update import load_trainable_policy, update_hash_view
+from rft_core.training.update import UpdateData, make_optimizer, ppo_update
+
+LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def _data(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 500, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    responses = [torch.randint(3, 500, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    old = [[-6.0] * len(r) for r in responses]
+    adv = [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(responses)]
+    return UpdateData(prompts, responses, old, adv)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def test_lora_update_changes_only_adapter_params(tiny_model):
+    model = apply_lora(load_causal_lm(tiny_model, trainable=True), rank=4, alpha=8.0, dropout=0.0,
+                       target_modules="all-linear", base_path=tiny_model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # all-linear found every attention and MLP projection of both layers, not the LM head
+    adapted = {n.split(".")[-4] for n in trainable}
+    assert adapted == LINEAR and len(trainable) == 2 * 2 * len(LINEAR)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = make_optimizer(model, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    ppo_update(model, opt, _data(), pad_token_id=2, micro_batch_size=3)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed <= trainable
+    assert {n for n in changed if ".lora_B." in n}  # B starts at zero and moved
+
+
+def test_merged_model_logits_equal_adapter_logits_and_checkpoint_round_trip(tiny_model, tmp_path):
+    model = apply_lora(load_causal_lm(tiny_model, trainable=True), rank=4, alpha=8.0, dropout=0.0,
+                       target_modules="all-linear", base_path=tiny_model)
+    opt = make_optimizer(model, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    ppo_update(model, opt, _data(), pad_token_id=2, micro_batch_size=6)
+    model.eval()
+    ids = [5, 17, 99, 3, 250, 11, 7]
+    want = _logits(model, ids)
+    base = _logits(load_causal_lm(tiny_model), ids)
+    assert (want - base).abs().max() > 1e-3  # the adapter does something
+    model.save_pretrained(tmp_path / "adapter")
+    assert is_adapter_dir(tmp_path / "adapter") and not (tmp_path / "adapter" / "model.safetensors").exists()
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == tiny_model and cfg["r"] == 4
+    unmerged = load_adapter_policy(tmp_path / "adapter")
+    torch.testing.assert_close(_logits(unmerged, ids), want, atol=0, rtol=0)
+    merged = load_causal_lm(str(tmp_path / "adapter"))  # how rollout / log-prob stages load it
+    assert not hasattr(merged, "peft_config")
+    torch.testing.assert_close(_logits(merged, ids), want, atol=1e-5, rtol=0)
+    # export through the CLI: a plain HF folder
+    from rft_core.models.loading import load_tokenizer
+
+    load_tokenizer(tiny_model).save_pretrained(tmp_path / "adapter")
+    assert lora_main(["merge", str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "config.json").exists() and not is_adapter_dir(tmp_path / "merged")
+    torch.testing.assert_close(_logits(load_causal_lm(str(tmp_path / "merged")), ids), want, atol=1e-5, rtol=0)
+
+
+def test_update_stage_continues_an_adapter_checkpoint(tiny_model, tmp_path):
+    cfg = UpdateConfig(lora=LoraConfig(rank=4, alpha=8.0))
+    model = load_trainable_policy(tiny_model, cfg, dtype="float32")
+    model.save_pretrained(tmp_path / "ckpt")
+    again = load_trainable_policy(str(tmp_path / "ckpt"), cfg, dtype="float32")
+    assert {n for n, p in again.named_parameters() if p.requires_grad} == {n for n, p in model.named_parameters() if p.requires_grad}
+    with pytest.raises(ValueError, match="LoRA rank 4 but update.lora.rank is 8"):
+        load_trainable_policy(str(tmp_path / "ckpt"), UpdateConfig(lora=LoraConfig(rank=8)), dtype="float32")
+    with pytest.raises(ValueError, match="update.lora is not set"):
+        load_trainable_policy(str(tmp_path / "ckpt"), UpdateConfig(), dtype="float32")
+    # new fields at their defaults leave the update's config hash of older runs unchanged
+    assert "lora" not in update_hash_view(UpdateConfig()) and update_hash_view(cfg)["lora"]["rank"] == 4
+
+
+def test_packed_batch_layout():
+    b = build_packed_batch([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]])
+    assert b.input_ids.tolist() == [[5, 6, 7, 1, 2, 8, 3, 4, 9]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]
+    assert b.logit_index.tolist() == [2, 3, 5, 6, 7]  # the position before each response token
+    assert b.target_ids.tolist() == [1, 2, 3, 4, 9]
+    assert b.action_mask.tolist() == [[True, True, False], [True, True, True]]
+    with pytest.raises(ValueError, match="empty prompt"):
+        build_packed_batch([[]], [[1]])
+
+
+def test_packed_logprobs_equal_padded_logprobs(tiny_model):
+    model = load_causal_lm(tiny_model)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (4, 9, 2, 6, 5, 3, 7)]
+    responses = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 1, 7, 4, 2, 0, 5)]
+    kw = dict(pad_token_id=2, micro_batch_size=4, temperature=0.7, with_entropy=True)
+    lp_pad, ent_pad = batched_response_logprobs(model, prompts, responses, **kw)
+    lp_pack, ent_pack = batched_response_logprobs(model, prompts, responses, packing=True, **kw)
+    for a, b, ea, eb, r in zip(lp_pad, lp_pack, ent_pad, ent_pack, responses):
+        assert len(b) == len(r)
+        assert b == pytest.approx(a, abs=1e-5) and eb == pytest.approx(ea, abs=1e-5)
+    # attention stays inside each sequence: a sequence packed behind another gets the log-probs
+    # it gets alone
+    with torch.no_grad():
+        alone = response_logprobs(model, build_packed_batch([prompts[6]], [responses[6]]))[0][0]
+        behind = response_logprobs(model, build_packed_batch([prompts[1], prompts[6]], [responses[1], responses[6]]))[0][1]
+    torch.testing.assert_close(behind, alone, atol=1e-5, rtol=0)
+
+
+def test_packed_update_equals_padded_update(tiny_model):
+    data = _data(n=8, seed=3)
+    runs = []
+    for packing in (False, True):
+        model = load_causal_lm(tiny_model, trainable=True)
+        opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+        steps = ppo_update(model, opt, data, pad_token_id=2, micro_batch_size=3, train_batch_size=4, epochs=2,
+                           packing=packing)
+        runs.append((steps, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    (s0, w0), (s1, w1) = runs
+    assert len(s0) == len(s1) == 4
+    for a, b in zip(s0, s1):
+        assert b.policy_loss == pytest.approx(a.policy_loss, abs=1e-5)
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4)
+    # Adam divides by sqrt(v): on weights whose gradient is ~0, float rounding moves them by a
+    # sizeable part of lr; 5e-5 is 5% of one step of lr=1e-3 (a missing mask would be ~lr everywhere)
+    torch.testing.assert_close(w1, w0, atol=5e-5, rtol=0)
+    assert (w1 - w0).abs().gt(1e-6).float().mean() < 1e-4
+
+
+def test_progress_log_lines_are_throttled_and_end_at_completion():
+    lines: list[str] = []
+    p = LogProgress("rollout", unit="sequences", log_fn=lines.append, every_seconds=3600)
+    for done in range(1, 11):
+        p(done, 10)
+    assert len(lines) == 2 and lines[0].startswith("rollout: 1/10 sequences (10%)")
+    assert lines[1].startswith("rollout: 10/10 sequences (100%)")
