@@ -141,6 +141,61 @@ def inspect(
         raise typer.Exit(2)
 
 
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface the Prefect server listens on."),
+    port: int = typer.Option(4200, "--port", "-p", min=1, max=65535,
+                             help="Server port; the UI is at http://HOST:PORT. A Prefect server already "
+                                  "answering there is reused (and left running on exit)."),
+    gpu_limit: int = typer.Option(1, "--gpu-limit", min=0,
+                                  help="Slots of the `gpu` tag concurrency limit: how many model-holding stages "
+                                       "run at once (0: leave the server's limits as they are)."),
+    deploy: bool = typer.Option(True, "--deploy/--no-deploy", help="Run `prefect deploy --all` (prefect.yaml)."),
+    worker: bool = typer.Option(True, "--worker/--no-worker",
+                                help="Start a process worker for the `local` pool (its flow-run logs print here)."),
+    poll_seconds: float = typer.Option(5.0, "--poll-seconds", min=0.5,
+                                       help="How often the worker asks the server for scheduled runs."),
+    log_dir: Optional[Path] = typer.Option(None, "--log-dir",
+                                           help="Folder for the server's output. Default: $PREFECT_HOME/serve."),
+) -> None:
+    """Start a local Prefect server, the `local` process work pool, the `gpu` concurrency limit,
+    the deployments of prefect.yaml and a worker; run until Ctrl-C, then stop what it started."""
+    import signal
+    import time
+
+    from flows.serve import ServeError, start_stack
+
+    try:
+        stack = start_stack(host, port, gpu_limit=gpu_limit, deploy=deploy, worker=worker, poll_seconds=poll_seconds,
+                            log_dir=log_dir, echo=typer.echo)
+    except ServeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1)
+
+    def _interrupt(*_):  # SIGTERM stops the stack like Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    typer.echo("")
+    typer.echo(f"UI:       {stack.ui_url}")
+    typer.echo(f"API:      export PREFECT_API_URL={stack.api_url}")
+    typer.echo("run:      prefect deployment run 'rft-train-preset/grpo-demo' -p overrides='{\"iterations\": 3}'")
+    typer.echo("stop:     Ctrl-C")
+    try:
+        while True:
+            if stack.worker is not None and stack.worker.poll() is not None:
+                typer.echo(f"error: the worker exited with {stack.worker.returncode}", err=True)
+                raise typer.Exit(1)
+            if stack.server is not None and stack.server.poll() is not None:
+                typer.echo(f"error: the server exited with {stack.server.returncode}; see {stack.log_dir}/server.log", err=True)
+                raise typer.Exit(1)
+            time.sleep(1)
+    except KeyboardInterrupt:
+        typer.echo("stopping the worker and the server ...")
+    finally:
+        stack.stop()
+
+
 def main() -> None:
     """Console-script entry."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -4,13 +4,13 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict
 
 from flows.iteration import rl_iteration
 from rft_core.config import TrainConfig
 from rft_core.metrics import format_metrics_line, write_metrics
-from rft_core.observe import plot_curves, write_tensorboard
+from rft_core.observe import WandbLogger, curve_markdown, plot_curves, write_tensorboard
 from schemas import ShardRef
 
 
@@ -38,15 +38,30 @@ def train(cfg: TrainConfig) -> TrainResult:
     metrics_uri = ""
     state = cfg.initial_state
     critic: str | ShardRef | None = None
-    for i in range(1, cfg.iterations + 1):
-        result = rl_iteration(cfg, i, policy, state, critic)
-        policy, state, critic = result.policy, result.next_state, result.critic
-        rows.append(result.metrics)
-        metrics_uri = write_metrics(cfg.run_root, rows)
-        write_tensorboard(cfg.run_root, rows)
-        logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
+    curve = None
+    try:
+        wandb = WandbLogger.start(cfg.observe.wandb, run_root=cfg.run_root, name=cfg.name, config=cfg.model_dump(mode="json"))
+    except ImportError as exc:
+        logger.warning("%s", exc)
+        wandb = None
+    try:
+        for i in range(1, cfg.iterations + 1):
+            result = rl_iteration(cfg, i, policy, state, critic)
+            policy, state, critic = result.policy, result.next_state, result.critic
+            rows.append(result.metrics)
+            metrics_uri = write_metrics(cfg.run_root, rows)
+            write_tensorboard(cfg.run_root, rows)
+            if wandb:
+                wandb.log(result.metrics)
+            # the reward/KL/length curve so far, as an image the UI shows (a new version each iteration)
+            create_markdown_artifact(key="metrics-curve", markdown=curve_markdown(rows),
+                                     description=f"Metrics of {cfg.run_root} after iteration {i}")
+            curve = plot_curves(cfg.run_root, rows)
+            logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
+    finally:
+        if wandb:
+            wandb.finish()
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")
-    curve = plot_curves(cfg.run_root, rows)
     if curve:
         logger.info("metrics curve: %s; TensorBoard: tensorboard --logdir %s/tensorboard", curve, cfg.run_root)
     return TrainResult(run_root=cfg.run_root, metrics_uri=metrics_uri, final_policy=policy,

@@ -1,7 +1,11 @@
-"""Observability outside Prefect: TensorBoard event files, a metrics curve image, and a
-markdown view of sample responses (the flows publish the latter as Prefect artifacts)."""
+"""Observability outside Prefect: TensorBoard event files, a metrics curve image, a markdown
+view of sample responses and of the curve (the flows publish those two as Prefect artifacts),
+and optional Weights & Biases logging."""
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -35,20 +39,21 @@ def write_tensorboard(run_root: str, rows: list[Mapping[str, Any]]) -> str | Non
     return str(logdir)
 
 
-def plot_curves(run_root: str, rows: list[Mapping[str, Any]]) -> str | None:
-    """Reward, accuracy, KL, length, loss and entropy across iterations as ``{run_root}/metrics.png``.
+def curve_png(rows: list[Mapping[str, Any]], *, dpi: int = 110) -> bytes:
+    """PNG bytes of one panel per metric in ``CURVE_KEYS`` that any row has (reward, accuracy,
+    KL, response length, loss, entropy) against the iteration, one point per row.
 
-    Returns the image path, or None for a non-local run root or no rows.
+    Raises:
+        ValueError: ``rows`` is empty or has no metric of ``CURVE_KEYS``.
     """
-    local = local_path(run_root)
-    if local is None or not rows:
-        return None
+    keys = [k for k in CURVE_KEYS if any(k in r for r in rows)]
+    if not keys:
+        raise ValueError(f"no curve to draw: the rows hold none of {', '.join(CURVE_KEYS)}")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in CURVE_KEYS if any(k in r for r in rows)]
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8), squeeze=False)
     its = [r["iteration"] for r in rows]
     for ax, key in zip(axes[0], keys):
@@ -57,10 +62,39 @@ def plot_curves(run_root: str, rows: list[Mapping[str, Any]]) -> str | None:
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    out = str(Path(local) / "metrics.png")
-    fig.savefig(out, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
-    return out
+    return buf.getvalue()
+
+
+def plot_curves(run_root: str, rows: list[Mapping[str, Any]]) -> str | None:
+    """Reward, accuracy, KL, length, loss and entropy across iterations as ``{run_root}/metrics.png``.
+
+    Returns the image path, or None for a non-local run root or no rows.
+    """
+    local = local_path(run_root)
+    if local is None or not rows:
+        return None
+    out = Path(local) / "metrics.png"
+    out.write_bytes(curve_png(rows))
+    return str(out)
+
+
+def curve_markdown(rows: list[Mapping[str, Any]], *, dpi: int = 72) -> str:
+    """Markdown that shows the curves of ``curve_png`` inline: the PNG is embedded as a
+    ``data:image/png;base64`` URI, which both Prefect UIs render in a markdown artifact (an
+    image artifact only takes a URL and prints it in full under the image). About 50-90 kB for
+    six panels at the default dpi.
+
+    Raises:
+        ValueError: as ``curve_png``.
+    """
+    png = base64.b64encode(curve_png(rows, dpi=dpi)).decode("ascii")
+    last = rows[-1]
+    summary = ", ".join(f"{k} {last[k]:.4g}" for k in CURVE_KEYS if isinstance(last.get(k), (int, float)))
+    return (f"### Metrics over {len(rows)} iteration(s)\n\n![metrics curve](data:image/png;base64,{png})\n\n"
+            f"Iteration {last['iteration']}: {summary}\n")
 
 
 def samples_markdown(run_root: str, iteration: int, n: int = 8, width: int = 160) -> str:
@@ -77,3 +111,57 @@ def samples_markdown(run_root: str, iteration: int, n: int = 8, width: int = 160
              "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in view]
     return "\n".join(lines)
+
+
+class WandbLogger:
+    """Weights & Biases logging of each iteration's metrics (optional: wandb is not a
+    dependency; enable with ``observe.wandb.enabled=true`` and ``pip install wandb``).
+
+    One W&B run per run root: its id is derived from the run root, and ``resume="allow"`` makes
+    a resumed training append to the same W&B run. Each row is logged with ``step=iteration``;
+    W&B drops steps it has already seen, so reused iterations of a resumed run are not
+    duplicated.
+    """
+
+    def __init__(self, run: Any):
+        self.run = run
+
+    @staticmethod
+    def run_id(run_root: str) -> str:
+        """A stable W&B run id for ``run_root``: 16 hex chars of sha256(run_root)."""
+        return hashlib.sha256(run_root.encode()).hexdigest()[:16]
+
+    @classmethod
+    def start(cls, cfg: Any, *, run_root: str, name: str, config: Mapping[str, Any]) -> "WandbLogger | None":
+        """Open (or resume) the W&B run of ``run_root``; None when ``cfg.enabled`` is False.
+
+        Args:
+            cfg: a ``WandbConfig`` (enabled, project, entity, mode, tags).
+            config: the training config as plain JSON, stored as the W&B run config.
+        Raises:
+            ImportError: W&B is enabled but the ``wandb`` package is not installed.
+        """
+        if not cfg.enabled:
+            return None
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ImportError("observe.wandb.enabled=true but the wandb package is not installed "
+                              "(pip install wandb), so metrics are not sent to W&B") from exc
+        local = local_path(run_root)
+        if local:
+            Path(local).mkdir(parents=True, exist_ok=True)
+        run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, name=name, tags=list(cfg.tags),
+                         id=cls.run_id(run_root), resume="allow", config=dict(config),
+                         dir=str(local) if local else None)
+        return cls(run)
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        """Log the numeric metrics of one iteration row (bools and strings are left out)."""
+        values = {k: float(v) for k, v in row.items()
+                  if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.run.log(values, step=int(row["iteration"]))
+
+    def finish(self) -> None:
+        """Close the W&B run (flushes pending data)."""
+        self.run.finish()

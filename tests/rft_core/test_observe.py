@@ -1,0 +1,98 @@
+"""The metrics curve (PNG bytes, the markdown that embeds it) and the optional W&B logger,
+tested with a fake ``wandb`` module (wandb is not a dependency)."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import struct
+import sys
+import types
+
+import pytest
+
+from rft_core.config import WandbConfig
+from rft_core.observe import WandbLogger, curve_markdown, curve_png
+
+ROWS = [
+    {"iteration": 1, "reward_mean": 0.125, "kl": 0.0, "response_length": 47.25, "skipped": True, "name": "x"},
+    {"iteration": 2, "reward_mean": 0.25, "kl": 0.0212, "response_length": 48.5, "skipped": False, "name": "y"},
+]
+
+
+def _png_size(png: bytes) -> tuple[int, int]:
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    return struct.unpack(">II", png[16:24])
+
+
+def test_curve_png_has_one_panel_per_present_metric():
+    # 3 of CURVE_KEYS are present -> figure 3 * 3.2 in x 2.8 in, at 50 dpi: 480 x 140 px
+    assert _png_size(curve_png(ROWS, dpi=50)) == (480, 140)
+    # one more metric, one more 3.2 in panel
+    assert _png_size(curve_png([{**r, "accuracy": 0.5} for r in ROWS], dpi=50)) == (640, 140)
+
+
+def test_curve_png_refuses_rows_without_metrics():
+    with pytest.raises(ValueError, match="none of reward_mean"):
+        curve_png([{"iteration": 1, "foo": 1.0}])
+    with pytest.raises(ValueError, match="no curve"):
+        curve_png([])
+
+
+def test_curve_markdown_embeds_the_png_and_the_last_values():
+    md = curve_markdown(ROWS, dpi=40)
+    m = re.search(r"!\[metrics curve\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", md)
+    assert m, md[:200]
+    assert _png_size(base64.b64decode(m.group(1))) == (384, 112)  # 3 panels at 40 dpi
+    assert md.startswith("### Metrics over 2 iteration(s)")
+    assert "Iteration 2: reward_mean 0.25, kl 0.0212, response_length 48.5" in md
+
+
+class _FakeRun:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def log(self, values, step):
+        self.calls.append(("log", values, step))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    calls: list = []
+    mod = types.ModuleType("wandb")
+    mod.init = lambda **kw: calls.append(("init", kw)) or _FakeRun(calls)
+    monkeypatch.setitem(sys.modules, "wandb", mod)
+    return calls
+
+
+def test_wandb_disabled_never_imports(fake_wandb, tmp_path):
+    assert WandbLogger.start(WandbConfig(), run_root=str(tmp_path), name="n", config={}) is None
+    assert fake_wandb == []
+
+
+def test_wandb_logs_numeric_metrics_per_iteration(fake_wandb, tmp_path):
+    root = str(tmp_path / "run")
+    cfg = WandbConfig(enabled=True, project="p", entity="e", mode="offline", tags=["a"])
+    wb = WandbLogger.start(cfg, run_root=root, name="demo", config={"iterations": 2})
+    for row in ROWS:
+        wb.log(row)
+    wb.finish()
+    (_, init), *rest = fake_wandb
+    assert init["id"] == hashlib.sha256(root.encode()).hexdigest()[:16] == WandbLogger.run_id(root)
+    assert (init["project"], init["entity"], init["mode"], init["name"], init["tags"], init["resume"]) == \
+        ("p", "e", "offline", "demo", ["a"], "allow")
+    assert init["config"] == {"iterations": 2} and init["dir"] == root and (tmp_path / "run").is_dir()
+    assert rest == [
+        ("log", {"reward_mean": 0.125, "kl": 0.0, "response_length": 47.25}, 1),  # bools and strings left out
+        ("log", {"reward_mean": 0.25, "kl": 0.0212, "response_length": 48.5}, 2),
+        ("finish",),
+    ]
+
+
+def test_wandb_enabled_but_missing_is_a_clear_import_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    with pytest.raises(ImportError, match=r"observe.wandb.enabled=true but the wandb package is not installed"):
+        WandbLogger.start(WandbConfig(enabled=True), run_root=str(tmp_path), name="n", config={})
