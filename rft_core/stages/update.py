@@ -1,6 +1,8 @@
 """PPO update stage: train the policy on the iteration's experience; commit metrics + checkpoint."""
 from __future__ import annotations
 
+import logging
+
 from rft_core.config import KLConfig, UpdateConfig, policy_loss_kwargs
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.lora import adapter_base_path, apply_lora, is_adapter_dir, load_adapter_policy
@@ -14,10 +16,24 @@ from rft_core.stages.common import (
     policy_model_path,
     reuse_or_compute,
 )
+from rft_core.training.strategy import DeepSpeedStrategy
 from rft_core.training.update import UpdateData, load_optimizer_state, make_optimizer, ppo_update
-from schemas import ShardRef, config_hash, read_shard
+from schemas import ShardRef, committed_ref, config_hash, read_shard
 from schemas.columns import PPO_UPDATE
 from schemas.experience import align_on_sample_id
+
+
+log = logging.getLogger("rft_core.stages")
+
+
+class _WithStateDict:
+    """``model`` whose ``save_pretrained`` writes ``state_dict`` (weights gathered from ZeRO ranks)."""
+
+    def __init__(self, model, state_dict) -> None:
+        self.model, self.state_dict = model, state_dict
+
+    def save_pretrained(self, out, **kw) -> None:
+        self.model.save_pretrained(out, state_dict=self.state_dict, **kw)
 
 
 # UpdateConfig fields added after runs were committed: left out of the config hash while they
@@ -87,9 +103,21 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
         path = policy_model_path(policy)
         tok = load_tokenizer(path)
         model = load_trainable_policy(policy, cfg, dtype=dtype)
-        opt = make_optimizer(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-        load_optimizer_state(opt, policy_checkpoint_dir(policy), lr=cfg.lr)
-        with Timer() as t, progress_reporter("ppo_update", unit="optimizer steps") as progress:
+        strategy, opt = None, None
+        if cfg.deepspeed is not None:
+            ds = cfg.deepspeed
+            strategy = DeepSpeedStrategy(model, zero_stage=ds.zero_stage, lr=cfg.lr, betas=cfg.betas,
+                                         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+                                         offload_optimizer=ds.offload_optimizer, torch_adam=ds.torch_adam)
+            if policy_checkpoint_dir(policy) is not None:
+                log.warning("ppo_update: DeepSpeed starts AdamW afresh (optimizer state is not carried across "
+                            "iterations under ZeRO)")
+        else:
+            opt = make_optimizer(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+            load_optimizer_state(opt, policy_checkpoint_dir(policy), lr=cfg.lr)
+        rank = strategy.rank if strategy is not None else 0
+        with Timer() as t, progress_reporter("ppo_update", unit="optimizer steps", use_bar=None if rank == 0 else False,
+                                             log_fn=None if rank == 0 else (lambda line: None)) as progress:
             steps = ppo_update(model, opt, data, pad_token_id=tok.pad_token_id, policy_loss=cfg.policy_loss.name,
                                policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss), loss_agg=cfg.loss_agg,
                                loss_norm_tokens=cfg.loss_norm_tokens, entropy_coef=cfg.entropy_coef,
@@ -97,14 +125,27 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
                                kl_coef=kl_cfg.kl_coef if use_kl_loss else 0.0, kl_estimator=kl_cfg.estimator,
                                kl_clamp=kl_cfg.kl_clamp, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
                                micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                               temperature=temperature, seed=cfg.seed, packing=cfg.packing, progress=progress)
+                               temperature=temperature, seed=cfg.seed, packing=cfg.packing, progress=progress,
+                               strategy=strategy)
         last = steps[-1]
         summary = {"seconds": t.seconds, "policy_loss": sum(s.policy_loss for s in steps) / len(steps),
                    "clip_frac": sum(s.clip_frac for s in steps) / len(steps), "approx_kl": last.approx_kl,
                    "grad_norm": last.grad_norm, "kl_loss": last.kl_loss, "optimizer_steps": len(steps)}
         inputs = {"rollout": rollout, "advantages": advantages, **({"actor": actor} if actor else {}),
                   **({"ref": ref} if ref and use_kl_loss else {}), **({"policy": policy} if isinstance(policy, ShardRef) else {})}
-        return commit_checkpoint(out, subdir=POLICY_SUBDIR, model=model, tokenizer=tok, optimizer=opt, steps=steps,
-                                 schema=PPO_UPDATE, config_hash=chash, inputs=inputs, summary=summary)
+        if strategy is None:
+            return commit_checkpoint(out, subdir=POLICY_SUBDIR, model=model, tokenizer=tok, optimizer=opt, steps=steps,
+                                     schema=PPO_UPDATE, config_hash=chash, inputs=inputs, summary=summary)
+        # DeepSpeed: gather the weights on every rank (a collective), rank 0 commits, the others
+        # wait for the commit and return the same ref
+        state = strategy.full_state_dict()
+        ref_out = None
+        if strategy.rank == 0:
+            summary.update({"world_size": strategy.world_size, "zero_stage": strategy.zero_stage})
+            ref_out = commit_checkpoint(out, subdir=POLICY_SUBDIR, model=_WithStateDict(model, state), tokenizer=tok,
+                                        optimizer=None, steps=steps, schema=PPO_UPDATE, config_hash=chash, inputs=inputs,
+                                        summary=summary)
+        strategy.barrier()
+        return ref_out if ref_out is not None else committed_ref(out, stage="ppo_update", config_hash=chash)
 
     return reuse_or_compute("ppo_update", out, chash, compute)

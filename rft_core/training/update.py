@@ -87,7 +87,7 @@ def make_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, flo
 
 def ppo_update(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     data: UpdateData,
     *,
     pad_token_id: int,
@@ -108,6 +108,7 @@ def ppo_update(
     seed: int = 0,
     packing: bool = False,
     progress=None,
+    strategy=None,
 ) -> list[StepMetrics]:
     """Run PPO epochs over ``data``; mutates ``model`` and ``optimizer``.
 
@@ -127,8 +128,12 @@ def ppo_update(
         packing: each micro-batch is one packed row without padding (``build_packed_batch``);
             the same loss up to float rounding.
         progress: optional callable(done, total) after each optimizer step (steps).
+        strategy: how losses become steps (``rft_core.training.strategy``); None:
+            ``SingleProcess(model, optimizer)``. With ``DeepSpeedStrategy`` (``model`` and
+            ``optimizer`` are then ignored) each rank runs its share of every mini-batch's
+            micro-batches and the metrics are summed over ranks.
     Returns:
-        One StepMetrics per optimizer step.
+        One StepMetrics per optimizer step (the same on every rank).
     Raises:
         ValueError: empty ``data`` or a KL term requested without ref_logprobs.
     """
@@ -151,6 +156,12 @@ def ppo_update(
     # a constant for seq-mean-token-sum-norm: the longest response of the whole rollout
     norm_tokens = loss_norm_tokens or max(len(r) for r in data.responses) or 1
     metrics: list[StepMetrics] = []
+    if strategy is None:
+        from rft_core.training.strategy import SingleProcess
+
+        strategy = SingleProcess(model, optimizer, max_grad_norm=max_grad_norm)
+    model = strategy.model
+    rank, world = strategy.rank, strategy.world_size
     device = model_device(model)
     total_steps = epochs * -(-n // bs)
     model.train()
@@ -159,9 +170,12 @@ def ppo_update(
                     else sum(int(keep[i].sum()) for i in mini))
         norm = {"num_tokens": n_tokens, "num_sequences": len(mini), "norm_tokens": norm_tokens}
         sums = {"policy_loss": 0.0, "kl_loss": 0.0, "clipped": 0.0, "approx_kl": 0.0}
-        optimizer.zero_grad(set_to_none=True)
-        for mstart in range(0, len(mini), micro_batch_size):
-            idx = mini[mstart:mstart + micro_batch_size]
+        strategy.zero_grad()
+        chunks = [mini[i:i + micro_batch_size] for i in range(0, len(mini), micro_batch_size)]
+        # this rank's micro-batches, weight 1; zero-weight repeats so every rank runs as many passes
+        mine = [(c, 1.0) for c in chunks[rank::world]]
+        mine += [(chunks[0], 0.0)] * (-(-len(chunks) // world) - len(mine))
+        for idx, weight in mine:
             ps, rs = [data.prompts[i] for i in idx], [data.responses[i] for i in idx]
             batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
             T = batch.num_actions
@@ -182,16 +196,19 @@ def ppo_update(
                 kl = kl_penalty(logprobs, ref, mask, estimator=kl_estimator, kl_clamp=kl_clamp)
                 kl_term = agg_fn(kl, mask, **norm)
                 loss = loss + kl_coef * kl_term
-                sums["kl_loss"] += float(kl_term.detach())
-            loss.backward()
+                sums["kl_loss"] += float(kl_term.detach()) * weight
+            strategy.backward(loss * weight if weight != 1.0 else loss)
+            if weight == 0.0:
+                continue
             sums["policy_loss"] += float(pg.detach())
             sums["clipped"] += float(out.clipped.sum())
             sums["approx_kl"] += float((0.5 * out.log_ratio.detach() ** 2)[mask].sum())
-        grad_norm = clip_and_step(model, optimizer, max_grad_norm)
+        sums = dict(zip(sums, strategy.all_reduce_sum(list(sums.values()))))
+        grad_norm = strategy.step()
         m = StepMetrics(
             step=len(metrics), epoch=epoch, policy_loss=sums["policy_loss"], kl_loss=sums["kl_loss"],
             clip_frac=sums["clipped"] / max(n_tokens, 1), approx_kl=sums["approx_kl"] / max(n_tokens, 1),
-            grad_norm=grad_norm, lr=float(optimizer.param_groups[0]["lr"]), num_tokens=n_tokens,
+            grad_norm=grad_norm, lr=strategy.lr, num_tokens=n_tokens,
         )
         metrics.append(m)
         if progress is not None:
@@ -200,8 +217,9 @@ def ppo_update(
     return metrics
 
 
-def save_checkpoint(model, tokenizer, optimizer: torch.optim.Optimizer, out_dir: str | Path) -> None:
-    """Write an HF ``save_pretrained`` folder plus the optimizer state.
+def save_checkpoint(model, tokenizer, optimizer: torch.optim.Optimizer | None, out_dir: str | Path) -> None:
+    """Write an HF ``save_pretrained`` folder plus the optimizer state (none when ``optimizer``
+    is None: a DeepSpeed update, whose state is partitioned over the ranks).
 
     No RNG state is saved: every random draw of a run comes from a generator seeded with
     (config seed, iteration, stage), so a resumed run draws the same numbers without it.
@@ -210,7 +228,8 @@ def save_checkpoint(model, tokenizer, optimizer: torch.optim.Optimizer, out_dir:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, ckpt_dir: str | Path | None, *, lr: float | None = None) -> bool:
