@@ -10,7 +10,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench bench-trl bench-learning clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,15 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/iteration.py
+
+# Ours vs TRL's GRPOTrainer, same settings (docs/benchmarks.md); STEPS=5 by default. Run on a quiet machine.
+bench-trl: $(STAMP)
+	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[bench]'
+	$(BIN)/python benchmarks/vs_trl.py --steps $(or $(STEPS),5) --skip-first
+
+# Held-out accuracy before/after GRPO, 3 seeds (docs/learning.md, docs/learning_curve.png); ~1 h on 2 quiet cores.
+bench-learning: $(STAMP)
+	$(BIN)/python benchmarks/learning.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

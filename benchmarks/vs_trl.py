@@ -1,0 +1,391 @@
+"""Benchmark: seconds per GRPO step, ours (the Prefect flow) against TRL's GRPOTrainer.
+
+Same model (SmolLM2-135M-Instruct), same prompts in the same order, group size, max new tokens,
+sampling temperature, learning rate, batch (one optimizer step per generation of
+prompts x group completions, micro-batches of the same size), KL coefficient with a reference
+model, AdamW with the same betas / weight decay / clipping, constant learning rate, float32 on
+CPU. Each framework runs ``--steps`` steps in its own fresh subprocess, one after the other
+(never concurrently); the parent collects their JSON results and writes a section of
+docs/benchmarks.md.
+
+Reported per framework: seconds per step (median, min-max), generated tokens per second
+(generation wall time only, real tokens up to EOS), peak memory (max RSS of the process), and for
+ours the per-stage breakdown: stage compute, model/tokenizer/optimizer loads, shard reads and
+writes, checkpoint save + manifest checksums, and Prefect orchestration (iteration wall time
+minus the critical path of the stage tasks).
+
+Variants of ours: ``ours`` = the preset as is (it recomputes old log-probs in an actor stage);
+``ours-matched`` = ``logprobs.recompute_old_logprobs=false``, the same work TRL does with
+``num_iterations=1`` (no separate old-log-prob pass: the rollout's log-probs are the old ones).
+
+    .venv/bin/pip install -c constraints-cpu.txt -e '.[bench]'          # TRL, benchmark-only
+    .venv/bin/python benchmarks/vs_trl.py --steps 5                     # all three, ~15 min quiet
+    .venv/bin/python benchmarks/vs_trl.py --steps 2 --label "shared CPU pilot"
+"""
+from __future__ import annotations
+
+import argparse
+import contextvars
+import datetime as _dt
+import functools
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SECTION = "## Speed versus TRL's GRPOTrainer (`benchmarks/vs_trl.py`)"
+VARIANTS = {"ours": [], "ours-matched": ["logprobs.recompute_old_logprobs=false"], "trl": []}
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+# --------------------------------------------------------------------------------------- ours
+_STAGE = contextvars.ContextVar("stage", default="flow")
+
+
+class _Recorder:
+    """Wall seconds of instrumented calls, keyed by (iteration, stage, kind); thread-safe."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.iteration = 0
+        self.seconds: dict[tuple[int, str, str], float] = defaultdict(float)
+
+    def wrap(self, kind: str, fn, stage: str | None = None):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            token = _STAGE.set(stage) if stage else None
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                with self.lock:
+                    self.seconds[(self.iteration, _STAGE.get(), kind)] += dt
+                if token is not None:
+                    _STAGE.reset(token)
+        return timed
+
+
+def _instrument(rec: _Recorder) -> None:
+    """Time the stage tasks' bodies and, inside them, loads, shard I/O and checkpoint writes."""
+    import importlib
+
+    import tasks.stages as ts
+    from rft_core.stages import common
+
+    for name in ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update"):
+        task = getattr(ts, name)
+        task.fn = rec.wrap("task", task.fn, stage=name)
+    kinds = {"read_shard": "shard_read", "write_shard": "shard_write", "load_causal_lm": "model_load",
+             "load_trainable_policy": "model_load", "load_tokenizer": "tokenizer_load",
+             "load_optimizer_state": "optimizer_load"}
+    for mod_name in ("prompts", "rollout", "rewards", "logprobs", "advantages", "update"):
+        mod = importlib.import_module(f"rft_core.stages.{mod_name}")
+        for fn_name, kind in kinds.items():
+            if fn_name == "load_causal_lm" and mod_name == "update":
+                continue  # inside load_trainable_policy, counted there
+            if hasattr(mod, fn_name):
+                setattr(mod, fn_name, rec.wrap(kind, getattr(mod, fn_name)))
+    common.save_checkpoint = rec.wrap("checkpoint_save", common.save_checkpoint)
+    common.write_parts = rec.wrap("shard_write", common.write_parts)
+    common.commit_files = rec.wrap("checkpoint_commit", common.commit_files)  # sha256 of every checkpoint file
+
+
+def run_ours(args, overrides: list[str]) -> dict:
+    """``args.steps`` iterations of the train flow, instrumented; returns per-step numbers."""
+    from rft_core.config import load_config
+    from rft_core.models.loading import ensure_default_model
+
+    ensure_default_model()
+    run_root = tempfile.mkdtemp(prefix="rft-vs-trl-", dir=args.tmp)
+    cfg = load_config(args.config, [*overrides, f"iterations={args.steps}", f"run_root={run_root}"])
+    rec = _Recorder()
+    _instrument(rec)
+    import flows.train as train_mod
+    from schemas import read_manifest, stage_uri
+
+    real_iteration = train_mod.rl_iteration
+    step_wall: list[float] = []
+
+    def timed_iteration(*a, **kw):
+        rec.iteration = len(step_wall) + 1
+        t0 = time.perf_counter()
+        out = real_iteration(*a, **kw)
+        step_wall.append(time.perf_counter() - t0)
+        return out
+
+    train_mod.rl_iteration = timed_iteration
+    t0 = time.perf_counter()
+    result = train_mod.train(cfg)
+    total = time.perf_counter() - t0
+    steps = []
+    for i, m in enumerate(result.metrics, start=1):
+        stages = {}
+        for stage in ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update"):
+            if (i, stage, "task") not in rec.seconds:
+                continue
+            compute = read_manifest(stage_uri(cfg.run_root, i, stage))[0].summary.get("seconds", 0.0)
+            kinds = {k: v for (it, st, k), v in rec.seconds.items() if it == i and st == stage}
+            if stage == "prompts":  # the prompts stage's timer also covers its tokenizer load
+                compute -= kinds.get("tokenizer_load", 0.0)
+            stages[stage] = {"task": kinds.pop("task"), "compute": compute, **kinds}
+        roll = read_manifest(stage_uri(cfg.run_root, i, "rollout"))[0].summary
+        conc = [stages[s]["task"] for s in ("rewards", "actor_logprobs", "ref_logprobs") if s in stages]
+        critical = sum(stages[s]["task"] for s in ("prompts", "rollout", "advantages", "ppo_update")) + max(conc, default=0.0)
+        steps.append({"seconds": step_wall[i - 1], "critical_path": critical, "stages": stages,
+                      "generated_tokens": roll["generated_tokens"], "generate_seconds": roll["seconds"],
+                      "reward_mean": m.get("reward_mean"), "response_length": m.get("response_length")})
+    if not args.keep:
+        shutil.rmtree(run_root, ignore_errors=True)
+    return {"framework": "ours", "steps": steps, "total_seconds": total, "peak_rss_gib": _peak_rss_gib(),
+            "config": cfg.model_dump(mode="json", include={"data", "rollout", "kl", "update", "logprobs"})}
+
+
+# ---------------------------------------------------------------------------------------- TRL
+def run_trl(args, overrides: list[str]) -> dict:
+    """``args.steps`` optimizer steps of TRL's GRPOTrainer with the preset's settings and prompts."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rft_core.config import load_config
+    from rft_core.data.prompts import iteration_indices, load_task
+    from rft_core.models.loading import ensure_default_model, load_causal_lm, load_tokenizer
+    from rft_core.rewards.math import score_response
+
+    model_dir = str(ensure_default_model())
+    cfg = load_config(args.config, overrides)
+    d, r, u = cfg.data, cfg.rollout, cfg.update
+    if cfg.advantage.estimator != "grpo" or r.first_token_temperature is not None:
+        raise SystemExit("vs_trl compares plain GRPO: advantage.estimator=grpo, no first_token_temperature")
+    ds = load_task(d.task, size=d.size, seed=d.seed, task_config=d.task_config)
+    rows = []
+    for step in range(1, args.steps + 1):  # the prompts our flow uses, in the same order
+        for i in iteration_indices(step, per_iteration=d.prompts_per_iteration, size=d.size, seed=d.seed):
+            e = ds[i]
+            msgs = ([{"role": "system", "content": d.system_prompt}] if d.system_prompt else []) + \
+                [{"role": "user", "content": str(e["question"])}]
+            rows.append({"prompt": msgs, "question": str(e["question"]), "label": str(e["answer"]),
+                         "metadata_json": json.dumps(e.get("metadata", {}), default=str, sort_keys=True)})
+
+    def reward(prompts, completions, question, label, metadata_json, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [score_response(t, source=d.task, question=q, label=lb, metadata_json=mj, grader=cfg.reward.grader,
+                               correct_reward=1.0, format_reward=cfg.reward.format_reward).reward
+                for t, q, lb, mj in zip(texts, question, label, metadata_json)]
+
+    n_seq = d.prompts_per_iteration * r.n_samples_per_prompt
+    if n_seq % u.micro_batch_size:
+        raise SystemExit(f"prompts x group ({n_seq}) must be a multiple of update.micro_batch_size ({u.micro_batch_size})")
+    out_dir = tempfile.mkdtemp(prefix="trl-vs-", dir=args.tmp)
+    gcfg = GRPOConfig(
+        output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=u.micro_batch_size,
+        gradient_accumulation_steps=n_seq // u.micro_batch_size, num_generations=r.n_samples_per_prompt,
+        max_completion_length=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=0,
+        learning_rate=u.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=u.weight_decay,
+        adam_beta1=u.betas[0], adam_beta2=u.betas[1], max_grad_norm=u.max_grad_norm, beta=cfg.kl.kl_coef,
+        epsilon=u.policy_loss.clip_low if hasattr(u.policy_loss, "clip_low") else 0.2, num_iterations=u.epochs,
+        loss_type="dapo",  # token-level mean over the batch = our token-mean
+        scale_rewards="group", shuffle_dataset=False, gradient_checkpointing=u.gradient_checkpointing,
+        use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy="no", report_to="none",
+        dataloader_num_workers=0, seed=r.seed, disable_tqdm=True)
+    tok = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir, dtype="float32", trainable=True)  # same loader (and attention kernel) as ours
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=gcfg, train_dataset=Dataset.from_list(rows),
+                          processing_class=tok)
+
+    gen = {"seconds": [], "tokens": []}
+    gen_eos = model.generation_config.eos_token_id
+    eos = {tok.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+    real_generate = model.generate
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        outp = real_generate(*a, **kw)
+        gen["seconds"].append(time.perf_counter() - t0)
+        seqs = outp.sequences if hasattr(outp, "sequences") else outp
+        new = seqs[:, kw["input_ids"].shape[1]:] if "input_ids" in kw else seqs
+        n = 0
+        for row in new.tolist():
+            n += next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+        gen["tokens"].append(n)
+        return outp
+
+    model.generate = timed_generate
+    marks: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            marks.append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            marks.append(time.perf_counter())
+
+    trainer.add_callback(StepTimes())
+    t0 = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - t0
+    logs = [h for h in trainer.state.log_history if "loss" in h or "reward" in h]
+    steps = []
+    for i in range(len(marks) - 1):
+        lg = logs[i] if i < len(logs) else {}
+        steps.append({"seconds": marks[i + 1] - marks[i], "generated_tokens": gen["tokens"][i] if i < len(gen["tokens"]) else None,
+                      "generate_seconds": gen["seconds"][i] if i < len(gen["seconds"]) else None,
+                      "reward_mean": lg.get("reward"), "response_length": lg.get("completions/mean_length")})
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return {"framework": "trl", "trl_version": __import__("trl").__version__, "steps": steps, "total_seconds": total,
+            "peak_rss_gib": _peak_rss_gib(), "generate_calls": len(gen["seconds"]), "torch_threads": torch.get_num_threads()}
+
+
+# ------------------------------------------------------------------------------------- report
+def _med(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.1f} ({min(xs):.1f}–{max(xs):.1f})" if xs else "-"
+
+
+def _steps_used(res: dict, skip_first: bool) -> list[dict]:
+    s = res["steps"]
+    return s[1:] if skip_first and len(s) > 1 else s
+
+
+def report(results: dict[str, dict], args, overrides: list[str]) -> str:
+    """The markdown section: headline table, our per-stage breakdown, the exact command."""
+    from rft_core.config import load_config
+
+    cfg = load_config(args.config, overrides)
+    d, r, u = cfg.data, cfg.rollout, cfg.update
+    cmd = f".venv/bin/python benchmarks/vs_trl.py --steps {args.steps} --config {args.config_rel}" + \
+        "".join(f" --set {o}" for o in args.overrides) + (f' --label "{args.label}"' if args.label else "")
+    load = os.getloadavg()
+    lines = [SECTION, "", f"**{args.label}.**" if args.label else "",
+             f"Measured {_dt.date.today()} on {platform.machine()}, {os.cpu_count()} CPU cores (load average before: "
+             f"{args.load_before:.1f}, after: {load[0]:.1f}), torch CPU float32, TRL {results.get('trl', {}).get('trl_version', '-')}. "
+             f"Model SmolLM2-135M-Instruct, task `{d.task}`, {d.prompts_per_iteration} prompts x {r.n_samples_per_prompt} samples "
+             f"per step, max_new_tokens {r.max_new_tokens}, temperature {r.temperature}, lr {u.lr}, micro-batch {u.micro_batch_size}, "
+             f"one optimizer step per step, KL coefficient {cfg.kl.kl_coef} (a reference forward pass in both). "
+             f"{args.steps} steps each, in separate fresh processes run one after the other; "
+             f"{'the first step (warm-up) is left out of the median' if args.skip_first else 'every step counts'}.",
+             "", f"Command: `{cmd}`", "",
+             "| framework | s/step median (min–max) | generated tok/s | mean response tokens | peak RSS GiB |",
+             "|---|---|---|---|---|"]
+    for name, res in results.items():
+        steps = _steps_used(res, args.skip_first)
+        toks = [s["generated_tokens"] / s["generate_seconds"] for s in steps if s.get("generate_seconds")]
+        lens = [s["response_length"] for s in steps if s.get("response_length") is not None]
+        lines.append(f"| {name} | {_med([s['seconds'] for s in steps])} | {_med(toks)} | "
+                     f"{statistics.mean(lens):.1f} | {res['peak_rss_gib']:.2f} |" if lens else
+                     f"| {name} | {_med([s['seconds'] for s in steps])} | {_med(toks)} | - | {res['peak_rss_gib']:.2f} |")
+    for name in ("ours", "ours-matched"):
+        if name not in results:
+            continue
+        steps = _steps_used(results[name], args.skip_first)
+        kinds = ["task", "compute", "model_load", "tokenizer_load", "optimizer_load", "shard_read", "shard_write",
+                 "checkpoint_save", "checkpoint_commit"]
+        lines += ["", f"Per-stage breakdown of `{name}` (median seconds over the steps; task = the whole Prefect task body; "
+                      "compute = the stage's own timer: generation, forward/backward passes):", "",
+                  "| stage | " + " | ".join(kinds) + " | other |", "|---" * (len(kinds) + 2) + "|"]
+        stage_names = [s for s in ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update")
+                       if all(s in st["stages"] for st in steps)]
+        for stage in stage_names:
+            vals = {k: statistics.median(st["stages"][stage].get(k, 0.0) for st in steps) for k in kinds}
+            other = vals["task"] - sum(v for k, v in vals.items() if k != "task")
+            lines.append(f"| {stage} | " + " | ".join(f"{vals[k]:.2f}" for k in kinds) + f" | {other:.2f} |")
+        step_s = statistics.median(s["seconds"] for s in steps)
+        crit = statistics.median(s["critical_path"] for s in steps)
+        prefect = statistics.median(s["seconds"] - s["critical_path"] for s in steps)
+        tot = lambda kind: statistics.median(sum(v.get(kind, 0.0) for v in s["stages"].values()) for s in steps)  # noqa: E731
+        shard_io = tot("shard_read") + tot("shard_write")
+        ckpt = tot("checkpoint_save") + tot("checkpoint_commit")
+        loads = tot("model_load") + tot("tokenizer_load") + tot("optimizer_load")
+        lines += ["", f"- step (iteration subflow, incl. its orchestration): {step_s:.2f} s; critical path of the stage tasks "
+                      f"(actor/ref/rewards run concurrently: counted at their longest): {crit:.2f} s",
+                  f"- Prefect orchestration (step minus critical path): {prefect:.2f} s ({100 * prefect / step_s:.1f}%)",
+                  f"- shard reads + writes, all stages: {shard_io:.2f} s ({100 * shard_io / step_s:.1f}%)",
+                  f"- checkpoint save + checksums (weights and AdamW state, every step): {ckpt:.2f} s ({100 * ckpt / step_s:.1f}%)",
+                  f"- model, tokenizer and optimizer-state loads, all stages: {loads:.2f} s ({100 * loads / step_s:.1f}%)",
+                  f"- orchestration + persistence (Prefect + shards + checkpoint): "
+                  f"{100 * (prefect + shard_io + ckpt) / step_s:.1f}% of the step"]
+    lines += ["", "Raw per-step numbers: the JSON written by `--json`.", ""]
+    return "\n".join(x for x in lines if x is not None)
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace this benchmark's section of ``path`` (from its heading to the next ``## `` or
+    the end), or append it; the rest of the file is left as it is."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        nxt = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + (text[nxt + 1:] if nxt >= 0 else "")
+    path.write_text(text.rstrip("\n") + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/grpo_demo.yaml", help="preset shared by both frameworks")
+    ap.add_argument("--set", action="append", default=[], dest="overrides", help="dotted override, repeatable")
+    ap.add_argument("--steps", type=int, default=5, help="steps (optimizer steps = iterations) per framework")
+    ap.add_argument("--only", action="append", choices=sorted(VARIANTS), help="run only these (repeatable)")
+    ap.add_argument("--skip-first", action="store_true", help="leave the first (warm-up) step out of the medians")
+    ap.add_argument("--label", default="", help="a note printed above the table, e.g. 'shared CPU pilot'")
+    ap.add_argument("--out", default=str(ROOT / "docs/benchmarks.md"), help="markdown file whose section is replaced")
+    ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--tmp", default=None, help="folder for run roots and TRL output (default: system temp)")
+    ap.add_argument("--keep", action="store_true", help="keep our run folder (checkpoints: ~1.6 GB per step)")
+    ap.add_argument("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    cfg_path = Path(args.config)
+    args.config = str(cfg_path if cfg_path.is_absolute() else ROOT / cfg_path)
+    args.config_rel = str(Path(args.config).relative_to(ROOT)) if Path(args.config).is_relative_to(ROOT) else args.config
+
+    if args.worker:
+        overrides = [*args.overrides, *VARIANTS[args.worker]]
+        res = run_trl(args, overrides) if args.worker == "trl" else run_ours(args, overrides)
+        Path(args.result).write_text(json.dumps(res, indent=1))
+        return
+
+    args.load_before = os.getloadavg()[0]
+    results = {}
+    for name in args.only or list(VARIANTS):
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            result_path = f.name
+        cmd = [sys.executable, __file__, "--worker", name, "--result", result_path, "--config", args.config,
+               "--steps", str(args.steps), *sum((["--set", o] for o in args.overrides), [])]
+        cmd += ["--tmp", args.tmp] if args.tmp else []
+        cmd += ["--keep"] if args.keep else []
+        print(f"== {name}: {' '.join(cmd)}", flush=True)
+        subprocess.run(cmd, check=True, cwd=ROOT)
+        results[name] = json.loads(Path(result_path).read_text())
+        os.unlink(result_path)
+        print(json.dumps({k: v for k, v in results[name].items() if k != "config"}, indent=1)[:3000], flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    section = report(results, args, args.overrides)
+    write_section(Path(args.out), section)
+    print(section)
+
+
+if __name__ == "__main__":
+    main()
