@@ -101,6 +101,13 @@ class MathAnswerSource(_RewardSourceBase):
     timeout_s: float = Field(5.0, gt=0, description="math_verify: per-sample wall-time limit (a worker process is killed past it)")
 
 
+class ExactMatchSource(_RewardSourceBase):
+    """1.0 when the extracted final answer equals the reference (stripped; optionally ignoring case)."""
+
+    type: Literal["exact_match"] = "exact_match"
+    ignore_case: bool = True
+
+
 class FormatSource(_RewardSourceBase):
     """1.0 when the response gives its answer in an `Answer:` line or an <answer> tag."""
 
@@ -164,7 +171,7 @@ class PythonSource(_RewardSourceBase):
         return v
 
 
-REWARD_SOURCE_CONFIGS = (MathAnswerSource, FormatSource, CodeExecSource, RewardModelSource, RemoteSource, PythonSource)
+REWARD_SOURCE_CONFIGS = (MathAnswerSource, ExactMatchSource, FormatSource, CodeExecSource, RewardModelSource, RemoteSource, PythonSource)
 RewardSourceConfig = _tagged_union(REWARD_SOURCE_CONFIGS, "type", "math_answer", "reward source type")
 
 

@@ -202,3 +202,22 @@ class FormatReward:
         from rft_core.rewards.base import SourceScore
 
         return [SourceScore(float(extract_answer(s.response)[1])) for s in samples]
+
+
+class ExactMatchReward:
+    """Source ``exact_match``: 1.0 when the extracted final answer (``extract_answer``) equals
+    the reference after stripping whitespace (and case, with ``ignore_case``), else 0.0."""
+
+    def __init__(self, cfg, name: str = "exact_match") -> None:
+        self.cfg, self.name = cfg, name
+
+    def score(self, samples):
+        from rft_core.rewards.base import SourceScore
+
+        out = []
+        for s in samples:
+            answer, formatted = extract_answer(s.response)
+            a, ref = (answer or "").strip(), s.reference.strip()
+            hit = answer is not None and (a.lower() == ref.lower() if self.cfg.ignore_case else a == ref)
+            out.append(SourceScore(float(hit), hit, answer, None, {"format": float(formatted)}))
+        return out

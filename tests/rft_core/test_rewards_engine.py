@@ -205,3 +205,12 @@ def test_math_verify_timeout_kills_the_worker(monkeypatch):
     out = grade_math_verify_batch([("1", "1")], timeout_s=1.0)
     assert out == [(0.0, "math_verify timeout after 1 s")]
     assert time.perf_counter() - t0 < 15  # spawn start-up + 1 s, never the 30 s sleep
+
+
+def test_exact_match_source():
+    eng = _engine(sources={"em": {"type": "exact_match"}}, recipes={"basic_arithmetic": [{"source": "em"}]})
+    out = eng.score([_s(0, "The digit is 7.\nAnswer: 7", reference="7"), _s(1, "Answer: Seven", reference="seven"),
+                     _s(2, "8", reference="7"), _s(3, "no idea", reference="7")]).results
+    assert [r.reward for r in out] == [1.0, 1.0, 0.0, 0.0]
+    assert [r.extracted for r in out] == ["7", "Seven", "8", None]
+    assert out[0].metrics == {"em": 1.0, "em.format": 1.0}
