@@ -41,10 +41,17 @@ class StepTemperature:
 
 
 class HFEngine:
-    """Generates with ``model.generate`` in micro-batches of left-padded prompts.
+    """Generates with ``model.generate`` (KV cache on) in batches of left-padded prompts.
 
-    Each micro-batch reseeds torch with ``seed + batch number``, so a rerun with the same seed
-    produces the same samples whatever ran before in the process.
+    Speed (``benchmarks/rollout_speed.py``): prompts are sorted by length so each batch holds
+    prompts of similar length (little left padding), and a batch holds whole groups: each
+    prompt's KV cache is computed once (prefill) and repeated for its n samples
+    (``DynamicCache.batch_repeat_interleave``), so ``generate`` starts decoding from the cached
+    prefix instead of recomputing the prompt n times. Outputs are returned in the original
+    (prompt, sample) order.
+
+    Each batch reseeds torch with ``seed + batch number``, so a rerun with the same seed and
+    inputs produces the same samples whatever ran before in the process.
     """
 
     def __init__(self, model, tokenizer) -> None:
@@ -56,6 +63,29 @@ class HFEngine:
         if gen_eos is not None:
             self.eos_ids |= set([gen_eos] if isinstance(gen_eos, int) else gen_eos)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+
+    def _batches(self, prompts: list[list[int]], n: int, batch_size: int, *, sort_by_length: bool,
+                 share_prefill: bool) -> list[list[tuple[int, int]]]:
+        """(prompt index, sample index) requests cut into batches; with ``share_prefill`` a batch
+        holds whole groups (max(1, batch_size // n) prompts)."""
+        order = sorted(range(len(prompts)), key=lambda p: len(prompts[p])) if sort_by_length else list(range(len(prompts)))
+        if share_prefill:
+            per = max(1, batch_size // n)
+            return [[(p, k) for p in order[i:i + per] for k in range(n)] for i in range(0, len(order), per)]
+        requests = [(p, k) for p in order for k in range(n)]
+        return [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int):
+        """KV cache of every prompt but its last token, computed once per prompt and repeated n
+        times (rows u*n .. u*n+n-1 are prompt u). Position ids follow generate's rule
+        (cumsum of the mask - 1), so the cached prefix equals what generate would compute."""
+        ids, mask = input_ids[::n, :-1], attention_mask[::n, :-1]
+        position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
+        cache = out.past_key_values
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        return cache
 
     @torch.no_grad()
     def generate(
@@ -69,25 +99,36 @@ class HFEngine:
         batch_size: int = 32,
         seed: int = 0,
         first_token_temperature: float | None = None,
+        sort_by_length: bool = True,
+        share_prefill: bool = True,
+        progress=None,
     ) -> list[Generation]:
         """Sample ``n_samples_per_prompt`` responses for each prompt.
 
         Args:
             prompts: token ids of each prompt (chat template applied, no padding).
+            batch_size: sequences generated at once (with ``share_prefill``, rounded to whole
+                groups, at least one group).
             first_token_temperature: FIRE sampling: the first token is sampled at this
                 temperature, the rest at ``temperature``; top-p applies to both. The returned
                 log-probs are the policy's at ``temperature`` for every token (what the actor
                 stage computes), not the first token's sampling distribution.
+            sort_by_length, share_prefill: the speed-ups above (both off: the plain batching
+                of the first version, kept for benchmarks and debugging).
+            progress: optional callable(done, total) after each batch (sequences).
         Returns:
             len(prompts) * n_samples_per_prompt generations, grouped by prompt in input order.
         """
-        requests = [(p, k) for p in range(len(prompts)) for k in range(n_samples_per_prompt)]
-        out: list[Generation] = []
-        for b, start in enumerate(range(0, len(requests), batch_size)):
-            chunk = requests[start:start + batch_size]
+        n = n_samples_per_prompt
+        params = getattr(self.model, "parameters", None)
+        device = next(params()).device if params is not None else torch.device("cpu")
+        batches = self._batches(prompts, n, batch_size, sort_by_length=sort_by_length, share_prefill=share_prefill)
+        results: dict[tuple[int, int], Generation] = {}
+        done = 0
+        for b, chunk in enumerate(batches):
             rows = [torch.tensor(prompts[p], dtype=torch.long) for p, _ in chunk]
-            input_ids = zero_pad_sequences(rows, side="left", value=self.pad_token_id)
-            attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in rows], side="left")
+            input_ids = zero_pad_sequences(rows, side="left", value=self.pad_token_id).to(device)
+            attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in rows], side="left").to(device)
             P = input_ids.shape[1]
             torch.manual_seed(seed + b)
             sampling: dict = {"temperature": temperature, "top_p": top_p}
@@ -98,6 +139,8 @@ class HFEngine:
                 if top_p < 1.0:
                     procs.append(TopPLogitsWarper(top_p))
                 sampling = {"temperature": 1.0, "top_p": 1.0, "logits_processor": LogitsProcessorList(procs)}
+            if share_prefill and P > 1:
+                sampling["past_key_values"] = self._prefill(input_ids, attention_mask, n)
             gen = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -107,6 +150,7 @@ class HFEngine:
                 max_new_tokens=max_new_tokens,
                 pad_token_id=self.pad_token_id,
                 eos_token_id=sorted(self.eos_ids),
+                use_cache=True,
                 return_dict_in_generate=True,
                 output_logits=True,
             )
@@ -115,7 +159,8 @@ class HFEngine:
             step_lps = torch.stack([
                 (logits.float() / temperature).log_softmax(-1).gather(-1, new_tokens[:, j:j + 1]).squeeze(-1)
                 for j, logits in enumerate(gen.logits)
-            ], dim=1) if gen.logits else torch.zeros(len(chunk), 0)
+            ], dim=1).cpu() if gen.logits else torch.zeros(len(chunk), 0)
+            new_tokens = new_tokens.cpu()
             for row, (p, k) in enumerate(chunk):
                 tokens = new_tokens[row].tolist()
                 finish = "length"
@@ -124,5 +169,8 @@ class HFEngine:
                         tokens, finish = tokens[: j + 1], "stop"
                         break
                 lps = step_lps[row, : len(tokens)].tolist()
-                out.append(Generation(p, k, tokens, lps, finish))
-        return out
+                results[(p, k)] = Generation(p, k, tokens, lps, finish)
+            done += len(chunk)
+            if progress is not None:
+                progress(done, len(prompts) * n)
+        return [results[(p, k)] for p in range(len(prompts)) for k in range(n)]

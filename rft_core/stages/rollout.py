@@ -7,6 +7,7 @@ import pyarrow.compute as pc
 from rft_core.config import RolloutConfig
 from rft_core.engines.hf import HFEngine
 from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.progress import progress_reporter
 from rft_core.stages.common import PolicyRef, Timer, policy_model_path, reuse_or_compute
 from schemas import ShardRef, config_hash, read_shard, write_shard
 from schemas.columns import ROLLOUT
@@ -39,11 +40,11 @@ def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: 
         model = load_causal_lm(path, dtype=dtype)
         engine = HFEngine(model, tok)
         prompt_ids = table.column("prompt_token_ids").to_pylist()
-        with Timer() as t:
+        with Timer() as t, progress_reporter("rollout", unit="sequences") as progress:
             gens = engine.generate(prompt_ids, n_samples_per_prompt=cfg.n_samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
                                    temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
                                    seed=cfg.seed + SEED_STRIDE * iteration + ATTEMPT_STRIDE * attempt,
-                                   first_token_temperature=cfg.first_token_temperature)
+                                   first_token_temperature=cfg.first_token_temperature, progress=progress)
         pids = table.column("prompt_id").to_pylist()
         rows = {
             "sample_id": [f"{pids[g.prompt_index]}#{g.sample_index}" for g in gens],

@@ -71,7 +71,8 @@ class _FakeLM:
 def test_engine_cuts_at_first_eos_and_reports_finish_reason():
     tok = SimpleNamespace(eos_token_id=2, pad_token_id=0)
     lm = _FakeLM([[5, 2, 0, 0], [5, 6, 7, 4], [2, 0, 0, 0]])
-    gens = HFEngine(lm, tok).generate([[9, 9], [9]], n_samples_per_prompt=1, max_new_tokens=4, batch_size=8)
+    gens = HFEngine(lm, tok).generate([[9, 9], [9]], n_samples_per_prompt=1, max_new_tokens=4, batch_size=8,
+                                      sort_by_length=False, share_prefill=False)  # the fake has no forward pass
     assert [g.response_token_ids for g in gens] == [[5, 2], [5, 6, 7, 4]]
     assert [g.finish_reason for g in gens] == ["stop", "length"]
     for g in gens:
