@@ -39,9 +39,10 @@ def write_tensorboard(run_root: str, rows: list[Mapping[str, Any]]) -> str | Non
     return str(logdir)
 
 
-def curve_png(rows: list[Mapping[str, Any]], *, dpi: int = 110) -> bytes:
+def curve_png(rows: list[Mapping[str, Any]], *, dpi: int = 110, max_cols: int = 3) -> bytes:
     """PNG bytes of one panel per metric in ``CURVE_KEYS`` that any row has (reward, accuracy,
-    KL, response length, loss, entropy) against the iteration, one point per row.
+    KL, response length, loss, entropy) against the iteration, one point per row; panels of
+    3.2 x 2.8 inches in rows of at most ``max_cols``.
 
     Raises:
         ValueError: ``rows`` is empty or has no metric of ``CURVE_KEYS``.
@@ -54,9 +55,13 @@ def curve_png(rows: list[Mapping[str, Any]], *, dpi: int = 110) -> bytes:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8), squeeze=False)
+    cols = min(len(keys), max_cols)
+    nrows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.8 * nrows), squeeze=False)
     its = [r["iteration"] for r in rows]
-    for ax, key in zip(axes[0], keys):
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, keys):
         ax.plot(its, [r.get(key, float("nan")) for r in rows], marker="o")
         ax.set_title(key)
         ax.set_xlabel("iteration")
@@ -84,7 +89,7 @@ def plot_curves(run_root: str, rows: list[Mapping[str, Any]]) -> str | None:
 def curve_markdown(rows: list[Mapping[str, Any]], *, dpi: int = 72) -> str:
     """Markdown that shows the curves of ``curve_png`` inline: the PNG is embedded as a
     ``data:image/png;base64`` URI, which both Prefect UIs render in a markdown artifact (an
-    image artifact only takes a URL and prints it in full under the image). About 50-90 kB for
+    image artifact only takes a URL and prints it in full under the image). About 50-80 kB for
     six panels at the default dpi.
 
     Raises:

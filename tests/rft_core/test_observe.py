@@ -28,8 +28,9 @@ def _png_size(png: bytes) -> tuple[int, int]:
 def test_curve_png_has_one_panel_per_present_metric():
     # 3 of CURVE_KEYS are present -> figure 3 * 3.2 in x 2.8 in, at 50 dpi: 480 x 140 px
     assert _png_size(curve_png(ROWS, dpi=50)) == (480, 140)
-    # one more metric, one more 3.2 in panel
-    assert _png_size(curve_png([{**r, "accuracy": 0.5} for r in ROWS], dpi=50)) == (640, 140)
+    # a fourth metric starts a second row of 2.8 in (at most 3 panels a row)
+    assert _png_size(curve_png([{**r, "accuracy": 0.5} for r in ROWS], dpi=50)) == (480, 280)
+    assert _png_size(curve_png(ROWS, dpi=50, max_cols=2)) == (320, 280)
 
 
 def test_curve_png_refuses_rows_without_metrics():
