@@ -261,3 +261,16 @@ def test_gpu_tag_concurrency_limit_serialises_gpu_tasks(stack):
     subprocess.run(prefect + ["concurrency-limit", "create", "gpu", "1"], env=env, cwd=ROOT, capture_output=True, check=True)
     (s1, e1), (s2, e2) = _intervals(stack)
     assert s2 >= e1 and e1 - s1 >= 1.5  # one at a time
+
+
+def test_serve_names_a_taken_port(tmp_path, monkeypatch):
+    """Something that is not a Prefect server holds the port: a clear error, nothing left running."""
+    from flows.serve import ServeError, start_stack
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        with pytest.raises(ServeError, match=rf"prefect server start exited with \d+ \(port {port} in use\?\)"):
+            start_stack("127.0.0.1", port, log_dir=tmp_path / "logs", echo=lambda _: None, server_timeout_s=120)
