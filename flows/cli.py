@@ -179,7 +179,8 @@ def serve(
     typer.echo("")
     typer.echo(f"UI:       {stack.ui_url}")
     typer.echo(f"API:      export PREFECT_API_URL={stack.api_url}")
-    typer.echo("run:      prefect deployment run 'rft-train-preset/grpo-demo' -p overrides='{\"iterations\": 3}'")
+    typer.echo("run:      prefect deployment run 'rft-train-preset/grpo-demo' --watch   "
+               "(-p overrides='{\"iterations\": 4}' to change settings)")
     typer.echo("stop:     Ctrl-C")
     try:
         while True:
