@@ -9,6 +9,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict
 
 import tasks
+from flows import fanout
 from rft_core.config import TrainConfig, TrainState
 from rft_core.metrics import iteration_metrics
 from rft_core.observe import samples_markdown
@@ -36,8 +37,8 @@ def _dynamic_sampling(cfg: TrainConfig, iteration: int, policy: PolicyRef, out) 
     for attempt in range(cfg.dynamic_sampling.max_refills + 1):
         sfx = f"-try{attempt}"
         p = tasks.prompts(cfg.data, cfg.policy.path, iteration, out(f"prompts{sfx}"), attempt)
-        r = tasks.rollout(p, policy, cfg.rollout, iteration, out(f"rollout{sfx}"), cfg.policy.dtype, attempt,
-                          runner=cfg.runner("rollout"))
+        r = fanout.rollout(p, policy, cfg.rollout, iteration, out(f"rollout{sfx}"), cfg.policy.dtype, attempt,
+                           cfg.runner("rollout"))
         w = tasks.rewards(r, p, cfg.reward, out(f"rewards{sfx}"))
         attempts.append((p, r, w))
         if tasks.signal_groups([a[2] for a in attempts]) >= target:
@@ -64,7 +65,7 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
         prompts, rollout, rewards = _dynamic_sampling(cfg, iteration, policy, out)
     else:
         prompts = tasks.prompts(cfg.data, cfg.policy.path, iteration, out("prompts"))
-        rollout = tasks.rollout(prompts, policy, cfg.rollout, iteration, out("rollout"), dtype, runner=cfg.runner("rollout"))
+        rollout = fanout.rollout(prompts, policy, cfg.rollout, iteration, out("rollout"), dtype, 0, cfg.runner("rollout"))
         rewards = None
 
     # independent of each other: submitted together, run concurrently

@@ -509,6 +509,9 @@ class RunnerConfig(_Frozen):
     torchrun_args: list[str] = Field(default_factory=list, description="extra torchrun flags, e.g. --nnodes=2 --rdzv-endpoint=host:29500")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables of the subprocess")
     tail_lines: int = Field(40, gt=0, description="output lines quoted in the error of a failed subprocess")
+    shards: int = Field(1, gt=0, description="rollout only: split over this many Prefect tasks on a Ray cluster (prefect-ray)")
+    ray_address: str | None = Field(None, description="Ray cluster for shards > 1 (ray://host:10001, auto); None: start a local one")
+    ray_init_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra ray.init arguments (num_cpus, runtime_env, ...)")
 
     @model_validator(mode="after")
     def _check(self) -> "RunnerConfig":
@@ -561,6 +564,9 @@ class TrainConfig(_Frozen):
         bad = sorted(set(v) - set(RUNNABLE_STAGES))
         if bad:
             raise ValueError(f"unknown stage(s) {bad}; valid names: {', '.join(RUNNABLE_STAGES)}")
+        sharded = sorted(k for k, r in v.items() if r.shards > 1 and k != "rollout")
+        if sharded:
+            raise ValueError(f"shards > 1 is supported for the rollout stage only, not {sharded}")
         return v
 
     def runner(self, stage: str) -> RunnerConfig:

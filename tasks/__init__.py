@@ -14,9 +14,11 @@ from tasks.stages import (
     ref_logprobs,
     rewards,
     rollout,
+    rollout_merge,
+    rollout_shard,
     dynamic_merge,
     signal_groups,
 )
 
 __all__ = ["actor_logprobs", "advantages", "critic_update", "critic_values", "dynamic_merge", "ppo_update", "prompts",
-           "ref_logprobs", "rewards", "rollout", "signal_groups"]
+           "ref_logprobs", "rewards", "rollout", "rollout_merge", "rollout_shard", "signal_groups"]

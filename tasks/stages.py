@@ -53,6 +53,21 @@ def rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration:
                      out=out, dtype=dtype, attempt=attempt)
 
 
+@task(name="rollout_shard", tags=["gpu"], retries=1, **_opts)
+def rollout_shard(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str,
+                  attempt: int, shard: tuple[int, int], runner: RunnerConfig | None = None) -> ShardRef:
+    """One shard (index, count) of the rollout: a share of its generation batches."""
+    return run_stage("rollout", runner, log=_stage_log(), prompts=prompts, policy=policy, cfg=cfg, iteration=iteration,
+                     out=out, dtype=dtype, attempt=attempt, shard=shard)
+
+
+@task(name="rollout_merge", tags=["cpu"], **_opts)
+def rollout_merge(parts: list[ShardRef], prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str,
+                  dtype: str, attempt: int = 0) -> ShardRef:
+    """The rollout from its shards, as the single-worker rollout would have written it."""
+    return stages.rollout.run_merge(parts, prompts, policy, cfg, iteration=iteration, out=out, dtype=dtype, attempt=attempt)
+
+
 @task(name="signal_groups", tags=["cpu"], **_opts)
 def signal_groups(attempt_rewards: list[ShardRef]) -> int:
     """Dynamic sampling: how many distinct groups with reward spread the attempts hold."""

@@ -64,10 +64,11 @@ class HFEngine:
             self.eos_ids |= set([gen_eos] if isinstance(gen_eos, int) else gen_eos)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
 
-    def _batches(self, prompts: list[list[int]], n: int, batch_size: int, *, sort_by_length: bool,
-                 share_prefill: bool) -> list[list[tuple[int, int]]]:
-        """(prompt index, sample index) requests cut into batches; with ``share_prefill`` a batch
-        holds whole groups (max(1, batch_size // n) prompts)."""
+    def batches(self, prompts: list[list[int]], n: int, batch_size: int, *, sort_by_length: bool = True,
+                share_prefill: bool = True) -> list[list[tuple[int, int]]]:
+        """The batches ``generate`` runs: lists of (prompt index, sample index); with
+        ``share_prefill`` a batch holds whole groups (max(1, batch_size // n) prompts). A
+        function of the prompt lengths only, so workers given the same prompts agree on it."""
         order = sorted(range(len(prompts)), key=lambda p: len(prompts[p])) if sort_by_length else list(range(len(prompts)))
         if share_prefill:
             per = max(1, batch_size // n)
@@ -102,6 +103,7 @@ class HFEngine:
         sort_by_length: bool = True,
         share_prefill: bool = True,
         progress=None,
+        only_batches: "set[int] | None" = None,
     ) -> list[Generation]:
         """Sample ``n_samples_per_prompt`` responses for each prompt.
 
@@ -116,16 +118,23 @@ class HFEngine:
             sort_by_length, share_prefill: the speed-ups above (both off: the plain batching
                 of the first version, kept for benchmarks and debugging).
             progress: optional callable(done, total) after each batch (sequences).
+            only_batches: generate only these batches (indices into ``batches(...)``), each with
+                its own seed as in a full run: how a rollout is split over workers whose outputs
+                together equal the single-worker rollout.
         Returns:
-            len(prompts) * n_samples_per_prompt generations, grouped by prompt in input order.
+            len(prompts) * n_samples_per_prompt generations (those of ``only_batches``), grouped
+            by prompt in input order.
         """
         n = n_samples_per_prompt
         params = getattr(self.model, "parameters", None)
         device = next(params()).device if params is not None else torch.device("cpu")
-        batches = self._batches(prompts, n, batch_size, sort_by_length=sort_by_length, share_prefill=share_prefill)
+        batches = self.batches(prompts, n, batch_size, sort_by_length=sort_by_length, share_prefill=share_prefill)
+        todo = [b for b in range(len(batches)) if only_batches is None or b in only_batches]
+        total = sum(len(batches[b]) for b in todo)
         results: dict[tuple[int, int], Generation] = {}
         done = 0
-        for b, chunk in enumerate(batches):
+        for b in todo:
+            chunk = batches[b]
             rows = [torch.tensor(prompts[p], dtype=torch.long) for p, _ in chunk]
             input_ids = zero_pad_sequences(rows, side="left", value=self.pad_token_id).to(device)
             attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in rows], side="left").to(device)
@@ -172,5 +181,5 @@ class HFEngine:
                 results[(p, k)] = Generation(p, k, tokens, lps, finish)
             done += len(chunk)
             if progress is not None:
-                progress(done, len(prompts) * n)
-        return [results[(p, k)] for p in range(len(prompts)) for k in range(n)]
+                progress(done, total)
+        return [results[(p, k)] for p in range(len(prompts)) for k in range(n) if (p, k) in results]

@@ -1,6 +1,9 @@
 """Rollout stage: sample a group of responses per prompt with the current policy."""
 from __future__ import annotations
 
+import os
+import socket
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -9,7 +12,7 @@ from rft_core.engines.hf import HFEngine
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.progress import progress_reporter
 from rft_core.stages.common import PolicyRef, Timer, policy_model_path, reuse_or_compute
-from schemas import ShardRef, config_hash, read_shard, write_shard
+from schemas import ShardRef, config_hash, read_manifest, read_shard, write_shard
 from schemas.columns import ROLLOUT
 
 SEED_STRIDE = 100_003  # iteration i samples with seed + i * stride: distinct, reproducible streams
@@ -24,14 +27,30 @@ def rollout_summary(table: pa.Table) -> dict[str, float]:
             "truncated_fraction": sum(f == "length" for f in table.column("finish_reason").to_pylist()) / n}
 
 
+def _hash(cfg: RolloutConfig, prompts: ShardRef, policy: PolicyRef, iteration: int, dtype: str, attempt: int) -> str:
+    return config_hash("rollout", cfg, prompts, policy, iteration, dtype, *([attempt] if attempt else []))
+
+
 def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: int, out: str, dtype: str = "float32",
-        attempt: int = 0) -> ShardRef:
+        attempt: int = 0, shard: tuple[int, int] | None = None) -> ShardRef:
     """Generate ``cfg.n_samples_per_prompt`` responses per prompt; write the rollout shard.
 
     sample_id = ``{prompt_id}#{k}`` with k the sample's index in its group. Dynamic-sampling
     refill ``attempt`` k samples with its own seed.
+
+    Args:
+        shard: (index, count): generate only the engine batches b with b % count == index, each
+            seeded as in the whole rollout; ``run_merge`` of the ``count`` shards gives exactly the
+            single-worker rollout (the fan-out over Ray workers).
+    Raises:
+        ValueError: a shard index outside 0..count-1.
     """
-    chash = config_hash("rollout", cfg, prompts, policy, iteration, dtype, *([attempt] if attempt else []))
+    chash = _hash(cfg, prompts, policy, iteration, dtype, attempt)
+    if shard is not None:
+        index, count = shard
+        if not 0 <= index < count:
+            raise ValueError(f"rollout shard index {index} is not in 0..{count - 1}")
+        chash = config_hash(chash, "shard", index, count)
 
     def compute() -> ShardRef:
         table = read_shard(prompts, stage="prompts")
@@ -40,11 +59,16 @@ def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: 
         model = load_causal_lm(path, dtype=dtype)
         engine = HFEngine(model, tok)
         prompt_ids = table.column("prompt_token_ids").to_pylist()
+        only = None
+        if shard is not None:
+            n_batches = len(engine.batches(prompt_ids, cfg.n_samples_per_prompt, cfg.batch_size))
+            only = {b for b in range(n_batches) if b % shard[1] == shard[0]}
         with Timer() as t, progress_reporter("rollout", unit="sequences") as progress:
             gens = engine.generate(prompt_ids, n_samples_per_prompt=cfg.n_samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
                                    temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
                                    seed=cfg.seed + SEED_STRIDE * iteration + ATTEMPT_STRIDE * attempt,
-                                   first_token_temperature=cfg.first_token_temperature, progress=progress)
+                                   first_token_temperature=cfg.first_token_temperature, progress=progress,
+                                   only_batches=only)
         pids = table.column("prompt_id").to_pylist()
         rows = {
             "sample_id": [f"{pids[g.prompt_index]}#{g.sample_index}" for g in gens],
@@ -61,6 +85,40 @@ def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: 
         n_tokens = sum(len(g.response_token_ids) for g in gens)
         summary = {"seconds": t.seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(t.seconds, 1e-9),
                    **rollout_summary(table_out)}
+        if shard is not None:
+            summary.update({"shard": list(shard), "worker": f"{socket.gethostname()}:{os.getpid()}"})
         return write_shard(table_out, out, schema=ROLLOUT, config_hash=chash, inputs={"prompts": prompts}, summary=summary)
+
+    return reuse_or_compute("rollout", out, chash, compute)
+
+
+def run_merge(parts: list[ShardRef], prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: int,
+              out: str, dtype: str = "float32", attempt: int = 0) -> ShardRef:
+    """The rollout of ``prompts`` from its shards (``run(..., shard=(i, len(parts)))``): rows in
+    prompt order then sample index, as the single-worker rollout writes them, under the same
+    config hash (so either can stand for the other on resume).
+
+    Raises:
+        ValueError: the parts do not hold every (prompt, sample) exactly once.
+    """
+    chash = _hash(cfg, prompts, policy, iteration, dtype, attempt)
+
+    def compute() -> ShardRef:
+        order = {pid: i for i, pid in enumerate(read_shard(prompts, stage="prompts").column("prompt_id").to_pylist())}
+        tables = [read_shard(p, stage="rollout") for p in parts]
+        table = pa.concat_tables(tables)
+        keys = list(zip(table.column("prompt_id").to_pylist(), table.column("sample_index").to_pylist()))
+        want = {(pid, k) for pid in order for k in range(cfg.n_samples_per_prompt)}
+        if len(keys) != len(set(keys)) or set(keys) != want:
+            raise ValueError(f"rollout shards hold {len(keys)} rows ({len(set(keys))} distinct) but the prompts need "
+                             f"{len(want)}: shards missing or overlapping")
+        table = table.take(sorted(range(len(keys)), key=lambda i: (order[keys[i][0]], keys[i][1])))
+        sums = [read_manifest(p.uri)[0].summary for p in parts]
+        n_tokens = sum(s["generated_tokens"] for s in sums)
+        seconds = max(s["seconds"] for s in sums)  # the shards ran in parallel
+        summary = {"seconds": seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(seconds, 1e-9),
+                   **rollout_summary(table), "shards": len(parts)}
+        return write_shard(table, out, schema=ROLLOUT, config_hash=chash, inputs={"prompts": prompts, **{
+            f"shard{i}": p for i, p in enumerate(parts)}}, summary=summary)
 
     return reuse_or_compute("rollout", out, chash, compute)

@@ -93,6 +93,7 @@ _TEMP = {"temperature": "rollout.temperature"}
 PROGRAMS: dict[str, Program] = {
     "prompts": Program(prompts.run, defaults={"cfg": "data", "tokenizer_path": "policy.path"}),
     "rollout": Program(rollout.run, defaults={"cfg": "rollout", "policy": "policy.path", "dtype": "policy.dtype"}),
+    "rollout_merge": Program(rollout.run_merge, defaults={"cfg": "rollout", "policy": "policy.path", "dtype": "policy.dtype"}),
     "actor_logprobs": Program(logprobs.run, {"stage": "actor_logprobs"},
                               {"cfg": "logprobs", "model": "policy.path", "dtype": "policy.dtype", **_TEMP}),
     "ref_logprobs": Program(logprobs.run, {"stage": "ref_logprobs"},

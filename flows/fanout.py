@@ -1,0 +1,55 @@
+"""Rollout fan-out: the rollout stage split into shards that run as parallel Prefect tasks on a
+Ray cluster (prefect-ray's ``RayTaskRunner``), then merged into the ordinary rollout shard.
+
+Each shard generates a share of the engine's batches with the seeds of a single-worker run, so
+the merged rollout equals the single-worker rollout row for row (``rft_core.stages.rollout``).
+Configured with ``runners.rollout.shards`` (and ``ray_address``: None starts a local cluster,
+``auto`` or ``ray://host:10001`` joins one).
+"""
+from __future__ import annotations
+
+from prefect import flow
+
+import tasks
+from rft_core.config import RolloutConfig, RunnerConfig
+from rft_core.stages.common import PolicyRef
+from schemas import ShardRef
+
+
+def shard_uri(out: str, index: int, count: int) -> str:
+    """Folder of rollout shard ``index`` of ``count`` next to the rollout's own folder."""
+    return f"{out.rstrip('/')}-shard{index:02d}of{count:02d}"
+
+
+@flow(name="rollout-fanout", flow_run_name="rollout-fanout-iter-{iteration:06d}")
+def rollout_fanout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str,
+                   attempt: int, runner: RunnerConfig) -> ShardRef:
+    """Submit ``runner.shards`` rollout shards together (they run on the flow's task runner),
+    then merge them into ``out``."""
+    n = runner.shards
+    inner = runner.model_copy(update={"shards": 1})  # how each shard's program runs inside its worker
+    futures = [tasks.rollout_shard.submit(prompts, policy, cfg, iteration, shard_uri(out, i, n), dtype, attempt, (i, n), inner)
+               for i in range(n)]
+    parts = [f.result() for f in futures]
+    return tasks.rollout_merge(parts, prompts, policy, cfg, iteration, out, dtype, attempt)
+
+
+def sharded_rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str,
+                    attempt: int, runner: RunnerConfig) -> ShardRef:
+    """``rollout_fanout`` as a subflow on a ``RayTaskRunner`` for ``runner.ray_address``.
+
+    Raises:
+        ImportError: prefect-ray is not installed (``pip install -e '.[ray]'``).
+    """
+    from prefect_ray import RayTaskRunner
+
+    task_runner = RayTaskRunner(address=runner.ray_address, init_kwargs=dict(runner.ray_init_kwargs))
+    return rollout_fanout.with_options(task_runner=task_runner)(prompts, policy, cfg, iteration, out, dtype, attempt, runner)
+
+
+def rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str, attempt: int,
+            runner: RunnerConfig) -> ShardRef:
+    """The rollout stage as the iteration flow runs it: one task, or shards on Ray."""
+    if runner.shards > 1:
+        return sharded_rollout(prompts, policy, cfg, iteration, out, dtype, attempt, runner)
+    return tasks.rollout(prompts, policy, cfg, iteration, out, dtype, attempt, runner=runner)
