@@ -73,10 +73,20 @@ class DataConfig(_Frozen):
     overlong_prompts: Literal["skip", "error"] = "skip"
 
 
+class VLLMConfig(_Frozen):
+    """vLLM engine settings (``rollout.engine=vllm``; GPU, its own environment: docs/scale.md)."""
+
+    tensor_parallel_size: int = Field(1, gt=0)
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    max_model_len: int | None = Field(None, gt=0)
+    enable_sleep_mode: bool = Field(False, description="free GPU memory after the rollout (colocated with training)")
+    max_lora_rank: int = Field(64, gt=0)
+
+
 class RolloutConfig(_Frozen):
     """Sampling settings of the rollout engine."""
 
-    engine: Literal["hf"] = "hf"
+    engine: Literal["hf", "vllm"] = "hf"
     n_samples_per_prompt: int = Field(4, gt=0, description="group size G")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -84,6 +94,7 @@ class RolloutConfig(_Frozen):
     batch_size: int = Field(32, gt=0, description="sequences generated at once")
     first_token_temperature: float | None = Field(None, gt=0, description="FIRE sampling (arXiv:2410.21236): temperature of the first token only")
     seed: int = 0
+    vllm: VLLMConfig | None = Field(None, description="engine=vllm settings (None: defaults)")
 
 
 class _RewardSourceBase(_Frozen):

@@ -28,7 +28,37 @@ def rollout_summary(table: pa.Table) -> dict[str, float]:
 
 
 def _hash(cfg: RolloutConfig, prompts: ShardRef, policy: PolicyRef, iteration: int, dtype: str, attempt: int) -> str:
-    return config_hash("rollout", cfg, prompts, policy, iteration, dtype, *([attempt] if attempt else []))
+    # fields added later enter the hash only when set, so older runs still resume
+    view = cfg.model_dump(mode="json", exclude={"vllm"} if cfg.vllm is None else set())
+    return config_hash("rollout", view, prompts, policy, iteration, dtype, *([attempt] if attempt else []))
+
+
+def make_engine(cfg: RolloutConfig, path: str, *, dtype: str):
+    """The rollout engine of ``cfg.engine`` for the policy at ``path`` (a model folder, alias or
+    hub id, or a LoRA adapter folder) and its tokenizer: (engine, tokenizer)."""
+    tok = load_tokenizer(path)
+    if cfg.engine == "hf":
+        return HFEngine(load_causal_lm(path, dtype=dtype), tok), tok
+    from transformers import GenerationConfig
+
+    from rft_core.config import VLLMConfig
+    from rft_core.engines.vllm import VLLMEngine
+    from rft_core.models.loading import resolve_model_path
+    from rft_core.models.lora import adapter_base_path, is_adapter_dir
+
+    lora = path if is_adapter_dir(path) else None
+    base = resolve_model_path(adapter_base_path(path) if lora else path)
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    try:
+        gen_eos = GenerationConfig.from_pretrained(base).eos_token_id
+        eos |= set([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+    except OSError:  # no generation_config.json
+        pass
+    v = cfg.vllm or VLLMConfig()
+    engine = VLLMEngine(base, eos_ids=eos, lora_path=lora, tensor_parallel_size=v.tensor_parallel_size,
+                        gpu_memory_utilization=v.gpu_memory_utilization, dtype="auto" if dtype == "auto" else dtype,
+                        max_model_len=v.max_model_len, enable_sleep_mode=v.enable_sleep_mode, max_lora_rank=v.max_lora_rank)
+    return engine, tok
 
 
 def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: int, out: str, dtype: str = "float32",
@@ -54,10 +84,7 @@ def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: 
 
     def compute() -> ShardRef:
         table = read_shard(prompts, stage="prompts")
-        path = policy_model_path(policy)
-        tok = load_tokenizer(path)
-        model = load_causal_lm(path, dtype=dtype)
-        engine = HFEngine(model, tok)
+        engine, tok = make_engine(cfg, policy_model_path(policy), dtype=dtype)
         prompt_ids = table.column("prompt_token_ids").to_pylist()
         only = None
         if shard is not None:
