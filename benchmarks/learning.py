@@ -1,0 +1,243 @@
+"""Benchmark: does GRPO improve the model on held-out prompts? Before/after, several seeds.
+
+1. The untrained policy is scored on the held-out split (``flows/eval.py``: greedy, question
+   texts disjoint from the training dataset) once: greedy decoding does not depend on the seed.
+2. For each seed, ``iterations`` GRPO iterations run through the iteration flow
+   (``flows/iteration.py:rl_iteration``) into ``{out}/seed-{s}``, with ``rollout.seed`` and
+   ``update.seed`` set to the seed (same training prompts in the same order; sampling and
+   mini-batch order differ). Only the newest checkpoint is kept on disk (each is ~1.6 GB with
+   the AdamW state); the others are deleted as soon as the next iteration has committed.
+3. The final checkpoint of each seed is scored on the same held-out split.
+
+Writes the training reward curve and the held-out accuracy before/after to an image and a
+markdown report with the numbers, the spread over seeds and the exact command.
+
+    .venv/bin/python benchmarks/learning.py                               # 3 seeds, the preset's iterations
+    .venv/bin/python benchmarks/learning.py --seeds 0 --iterations 2 --eval-prompts 40 \\
+        --out /tmp/learning-pilot --doc /tmp/learning-pilot/learning.md --png /tmp/learning-pilot/curve.png   # pilot
+
+A seed whose ``{out}/seed-{s}/result.json`` exists is not rerun, so an interrupted benchmark
+continues with the next unfinished seed when started again with the same ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _eval_numbers(res) -> dict:
+    s = res.summary
+    return {"accuracy": res.accuracy, "accuracy_stderr": s["accuracy_stderr"], "reward_mean": res.reward_mean,
+            "reward_stderr": s["reward_stderr"], "response_length_mean": s["response_length_mean"],
+            "truncated_fraction": s["truncated_fraction"], "num_prompts": res.num_prompts, "uri": res.shard.uri}
+
+
+def _prune_checkpoints(run_root: str, keep_iteration: int) -> None:
+    """Delete the ``policy/`` folders of iterations before ``keep_iteration`` (their stages
+    stay committed, so the run can be inspected, but not resumed from them)."""
+    for folder in Path(run_root).glob("iter=*/ppo_update/policy"):
+        if int(folder.parent.parent.name.split("=")[1]) < keep_iteration:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def train_seed(cfg, *, keep_all: bool) -> tuple[list[dict], object]:
+    """``cfg.iterations`` iterations of the iteration flow; returns the metrics rows and the
+    final policy ShardRef."""
+    from flows.iteration import rl_iteration
+    from rft_core.metrics import format_metrics_line, write_metrics
+
+    policy, state, rows = cfg.policy.path, cfg.initial_state, []
+    for i in range(1, cfg.iterations + 1):
+        result = rl_iteration(cfg, i, policy, state)
+        policy, state = result.policy, result.next_state
+        rows.append(result.metrics)
+        write_metrics(cfg.run_root, rows)
+        print(format_metrics_line(result.metrics), flush=True)
+        if not keep_all:
+            _prune_checkpoints(cfg.run_root, i)
+    return rows, policy
+
+
+def plot(results: list[dict], before: dict, png: Path) -> None:
+    """Left: training reward per iteration (each seed, and the mean). Right: held-out accuracy
+    before and after training, per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    curves = []
+    for r in results:
+        xs = [m["iteration"] for m in r["metrics"]]
+        ys = [m["reward_mean"] for m in r["metrics"]]
+        curves.append(ys)
+        ax1.plot(xs, ys, alpha=0.45, lw=1, label=f"seed {r['seed']}")
+    n = min(len(c) for c in curves)
+    mean = [statistics.mean(c[i] for c in curves) for i in range(n)]
+    ax1.plot(range(1, n + 1), mean, color="black", lw=2.2, label="mean over seeds")
+    ax1.set_xlabel("iteration")
+    ax1.set_ylabel("mean reward of the rollout (sampled)")
+    ax1.set_title("Training reward (each iteration: new prompts)")
+    ax1.set_ylim(bottom=0)
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    for k, r in enumerate(results):
+        ax2.plot([0, 1], [before["accuracy"], r["after"]["accuracy"]], marker="o", alpha=0.6, label=f"seed {r['seed']}")
+    after_mean = statistics.mean(r["after"]["accuracy"] for r in results)
+    ax2.plot([0, 1], [before["accuracy"], after_mean], color="black", lw=2.2, marker="s", label="mean")
+    ax2.set_xticks([0, 1], ["before", "after"])
+    ax2.set_xlim(-0.3, 1.3)
+    ax2.set_ylim(bottom=0)
+    ax2.set_ylabel(f"held-out accuracy (greedy, {before['num_prompts']} prompts)")
+    ax2.set_title("Held-out accuracy")
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def report(args, cfg, before: dict, results: list[dict], wall: float, png: Path, doc: Path) -> str:
+    """The markdown report from the measured numbers."""
+    accs = [r["after"]["accuracy"] for r in results]
+    gains = [a - before["accuracy"] for a in accs]
+    rews = [r["after"]["reward_mean"] for r in results]
+    sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
+    d, ro, u = cfg.data, cfg.rollout, cfg.update
+    cmd = "" .join([".venv/bin/python benchmarks/learning.py", f" --config {args.config_rel}",
+                    f" --seeds {' '.join(map(str, args.seeds))}", f" --iterations {cfg.iterations}",
+                    f" --eval-prompts {cfg.eval.num_prompts}", "".join(f" --set {o}" for o in args.overrides),
+                    f" --out {args.out}"])
+    rel_png = os.path.relpath(png, doc.parent)
+    train_minutes = ", ".join(f"seed {r['seed']} {r['train_seconds'] / 60:.1f} min" for r in results)
+    lines = [
+        "# Learning: held-out accuracy before and after GRPO", "",
+        f"Generated by `benchmarks/learning.py` on {_dt.date.today()}, {platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"torch CPU float32. Wall time {wall / 60:.1f} min for everything (evaluations included); "
+        f"load average at the end {os.getloadavg()[0]:.1f} (the CPU was {'shared with other jobs' if os.getloadavg()[0] > 2.5 else 'mostly quiet'}).",
+        "", f"Command: `{cmd}`", "",
+        "## Setup", "",
+        f"- Policy: SmolLM2-135M-Instruct (`{cfg.policy.path}`), full fine-tuning, float32.",
+        f"- Task: reasoning-gym `{d.task}` with `{json.dumps(d.task_config)}`; training dataset {d.size} entries, seed {d.seed}.",
+        f"- Held-out split: {before['num_prompts']} prompts of the same task from another dataset seed, every question text "
+        f"that occurs in the training dataset dropped (`rft_core.data.prompts.heldout_entries`); greedy decoding, "
+        f"max {cfg.eval.max_new_tokens or ro.max_new_tokens} new tokens; graded by the training reward (`reward.grader="
+        f"{cfg.reward.grader}`, format bonus {cfg.reward.format_reward}). Accuracy = fraction graded fully correct.",
+        f"- GRPO: {cfg.iterations} iterations x {d.prompts_per_iteration} prompts x {ro.n_samples_per_prompt} samples "
+        f"(temperature {ro.temperature}, max {ro.max_new_tokens} new tokens), `{cfg.advantage.estimator}` advantages, "
+        f"KL coefficient {cfg.kl.kl_coef}, lr {u.lr}, {u.train_batch_size or 'all'} sequences per optimizer step, "
+        f"{u.epochs} epoch(s), clip 0.2, old log-probs {'recomputed' if cfg.logprobs.recompute_old_logprobs else 'from the rollout engine'}.",
+        f"- Seeds: {', '.join(map(str, args.seeds))} (`rollout.seed` and `update.seed`; the same prompts in the same order).",
+        "",
+        "## Results", "",
+        f"![reward curve and held-out accuracy]({rel_png})", "",
+        "| | held-out accuracy | held-out mean reward | mean response tokens | training reward, first → last iteration |",
+        "|---|---|---|---|---|",
+        f"| before (untrained) | {before['accuracy']:.3f} ± {before['accuracy_stderr']:.3f} | {before['reward_mean']:.3f} | "
+        f"{before['response_length_mean']:.1f} | |",
+    ]
+    for r in results:
+        a, m = r["after"], r["metrics"]
+        lines.append(f"| after, seed {r['seed']} | {a['accuracy']:.3f} ± {a['accuracy_stderr']:.3f} | {a['reward_mean']:.3f} | "
+                     f"{a['response_length_mean']:.1f} | {m[0]['reward_mean']:.3f} → {m[-1]['reward_mean']:.3f} |")
+    lines += [
+        "",
+        f"**Held-out accuracy gain: {statistics.mean(gains):+.3f} (mean over {len(results)} seeds; per seed "
+        f"{', '.join(f'{g:+.3f}' for g in gains)}; standard deviation over seeds {sd(gains):.3f}; "
+        f"min {min(gains):+.3f}, max {max(gains):+.3f}).** Mean held-out reward {before['reward_mean']:.3f} → "
+        f"{statistics.mean(rews):.3f} (sd {sd(rews):.3f}).",
+        "",
+        f"± after an accuracy is its binomial standard error over the {before['num_prompts']} held-out prompts "
+        f"(sqrt(p(1-p)/n)); the seed spread above is the run-to-run variation.",
+        "",
+        f"Training time per seed (iterations + final evaluation): {train_minutes}.",
+        "",
+        f"Per-iteration training metrics of each seed: `{args.out}/seed-<s>/metrics.jsonl`; held-out samples: "
+        f"`{args.out}/eval-base/eval` and `{args.out}/seed-<s>/eval/iter=*/eval` (Parquet shards; pandas, DuckDB).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/grpo_learning.yaml")
+    ap.add_argument("--set", action="append", default=[], dest="overrides", help="dotted override, repeatable")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--iterations", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts (default: the preset's eval.num_prompts)")
+    ap.add_argument("--out", default="runs/learning", help="folder for every run and evaluation")
+    ap.add_argument("--doc", default=str(ROOT / "docs/learning.md"))
+    ap.add_argument("--png", default=str(ROOT / "docs/learning_curve.png"))
+    ap.add_argument("--keep-checkpoints", action="store_true", help="keep every iteration's checkpoint (~1.6 GB each)")
+    args = ap.parse_args()
+    cfg_path = Path(args.config)
+    args.config = str(cfg_path if cfg_path.is_absolute() else ROOT / cfg_path)
+    args.config_rel = os.path.relpath(args.config, ROOT)
+    out = Path(args.out).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    from prefect import flow
+
+    from flows.eval import evaluate
+    from rft_core.config import load_config
+    from rft_core.models.loading import ensure_default_model
+
+    ensure_default_model()
+    base_over = list(args.overrides) + ([f"iterations={args.iterations}"] if args.iterations else []) + \
+        ([f"eval.num_prompts={args.eval_prompts}"] if args.eval_prompts else [])
+
+    @flow(name="learning-benchmark")
+    def learning() -> tuple[dict, list[dict]]:
+        cfg = load_config(args.config, [*base_over, f"run_root={out}/base"])
+        before = _eval_numbers(evaluate(cfg, None, f"{out}/eval-base"))
+        print(f"before: held-out accuracy {before['accuracy']:.3f}, mean reward {before['reward_mean']:.3f}", flush=True)
+        results = []
+        for seed in args.seeds:
+            done = out / f"seed-{seed}" / "result.json"
+            if done.exists():
+                results.append(json.loads(done.read_text()))
+                continue
+            cfg_s = load_config(args.config, [*base_over, f"run_root={out}/seed-{seed}", f"rollout.seed={seed}",
+                                              f"update.seed={seed}", f"name=learning-seed{seed}"])
+            t0 = time.perf_counter()
+            rows, policy = train_seed(cfg_s, keep_all=args.keep_checkpoints)
+            after = _eval_numbers(evaluate(cfg_s, policy, f"{out}/seed-{seed}/eval/iter={cfg_s.iterations:06d}"))
+            res = {"seed": seed, "metrics": rows, "after": after, "train_seconds": time.perf_counter() - t0}
+            done.write_text(json.dumps(res, indent=1))
+            print(f"seed {seed}: held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}", flush=True)
+            results.append(res)
+        return before, results
+
+    t0 = time.perf_counter()
+    before, results = learning()
+    wall = time.perf_counter() - t0
+    cfg = load_config(args.config, base_over)
+    png, doc = Path(args.png), Path(args.doc)
+    plot(results, before, png)
+    (out / "summary.json").write_text(json.dumps({"before": before, "results": results, "wall_seconds": wall}, indent=1))
+    text = report(args, cfg, before, results, wall, png, doc)
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
