@@ -275,10 +275,12 @@ def report(results: dict[str, dict], args, overrides: list[str]) -> str:
     d, r, u = cfg.data, cfg.rollout, cfg.update
     cmd = f".venv/bin/python benchmarks/vs_trl.py --steps {args.steps} --config {args.config_rel}" + \
         "".join(f" --set {o}" for o in args.overrides) + (f' --label "{args.label}"' if args.label else "")
-    load = os.getloadavg()
+    load_after = getattr(args, "load_after", None)
+    load = f"{args.load_before:.1f}, after: {load_after:.1f}" if load_after is not None and args.load_before == args.load_before \
+        else "not recorded"
     lines = [SECTION, "", f"**{args.label}.**" if args.label else "",
              f"Measured {_dt.date.today()} on {platform.machine()}, {os.cpu_count()} CPU cores (load average before: "
-             f"{args.load_before:.1f}, after: {load[0]:.1f}), torch CPU float32, TRL {results.get('trl', {}).get('trl_version', '-')}. "
+             f"{load}), torch CPU float32, TRL {results.get('trl', {}).get('trl_version', '-')}. "
              f"Model SmolLM2-135M-Instruct, task `{d.task}`, {d.prompts_per_iteration} prompts x {r.n_samples_per_prompt} samples "
              f"per step, max_new_tokens {r.max_new_tokens}, temperature {r.temperature}, lr {u.lr}, micro-batch {u.micro_batch_size}, "
              f"one optimizer step per step, KL coefficient {cfg.kl.kl_coef} (a reference forward pass in both). "
@@ -324,8 +326,29 @@ def report(results: dict[str, dict], args, overrides: list[str]) -> str:
                   f"- model, tokenizer and optimizer-state loads, all stages: {loads:.2f} s ({100 * loads / step_s:.1f}%)",
                   f"- orchestration + persistence (Prefect + shards + checkpoint): "
                   f"{100 * (prefect + shard_io + ckpt) / step_s:.1f}% of the step"]
-    lines += ["", "Raw per-step numbers: the JSON written by `--json`.", ""]
+    if "trl" in results and "ours" in results:
+        lines += ["", _gap(results, args.skip_first)]
+    lines += ["", "Raw per-step numbers: the JSON written by `--json` (`--from-json` rewrites this section from it).", ""]
     return "\n".join(x for x in lines if x is not None)
+
+
+def _gap(results: dict[str, dict], skip_first: bool) -> str:
+    """Where our step's extra seconds over TRL's go (medians over the steps)."""
+    med = lambda name: statistics.median(s["seconds"] for s in _steps_used(results[name], skip_first))  # noqa: E731
+    steps = _steps_used(results["ours"], skip_first)
+    tot = lambda kind: statistics.median(sum(v.get(kind, 0.0) for v in s["stages"].values()) for s in steps)  # noqa: E731
+    actor = statistics.median(s["stages"].get("actor_logprobs", {}).get("task", 0.0) for s in steps)
+    parts = {"checkpoint save + checksums": tot("checkpoint_save") + tot("checkpoint_commit"),
+             "model/tokenizer/optimizer loads": tot("model_load") + tot("tokenizer_load") + tot("optimizer_load"),
+             "Prefect orchestration": statistics.median(s["seconds"] - s["critical_path"] for s in steps),
+             "shard reads + writes": tot("shard_read") + tot("shard_write"),
+             "the actor (old log-prob) pass, concurrent with the reference pass": actor}
+    gap = med("ours") - med("trl")
+    text = (f"Ours minus TRL: {gap:+.1f} s per step (median {med('ours'):.1f} s vs {med('trl'):.1f} s). Costs TRL does "
+            "not have, per step: " + "; ".join(f"{k} {v:.1f} s" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])) + ".")
+    if "ours-matched" in results:
+        text += f" Without the actor pass (`ours-matched`): {med('ours-matched'):.1f} s per step ({med('ours-matched') - med('trl'):+.1f} s vs TRL)."
+    return text
 
 
 def write_section(path: Path, section: str) -> None:
@@ -353,6 +376,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--tmp", default=None, help="folder for run roots and TRL output (default: system temp)")
     ap.add_argument("--keep", action="store_true", help="keep our run folder (checkpoints: ~1.6 GB per step)")
+    ap.add_argument("--from-json", default=None, help="rewrite the section from a --json file of an earlier run; runs nothing")
     ap.add_argument("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -367,6 +391,14 @@ def main() -> None:
         return
 
     args.load_before = os.getloadavg()[0]
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        args.load_before = results.pop("_load_before", float("nan"))
+        args.load_after = results.pop("_load_after", None)
+        section = report(results, args, args.overrides)
+        write_section(Path(args.out), section)
+        print(section)
+        return
     results = {}
     for name in args.only or list(VARIANTS):
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -380,8 +412,10 @@ def main() -> None:
         results[name] = json.loads(Path(result_path).read_text())
         os.unlink(result_path)
         print(json.dumps({k: v for k, v in results[name].items() if k != "config"}, indent=1)[:3000], flush=True)
+    args.load_after = os.getloadavg()[0]
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps({**results, "_load_before": args.load_before, "_load_after": args.load_after},
+                                              indent=1))
     section = report(results, args, args.overrides)
     write_section(Path(args.out), section)
     print(section)
