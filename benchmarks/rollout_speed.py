@@ -92,13 +92,14 @@ def main() -> None:
         SECTION,
         "",
         f"Measured {_dt.date.today()} on {platform.machine()}, {os.cpu_count()} CPU cores, torch CPU "
-        f"({torch.get_num_threads()} threads), SmolLM2-135M-Instruct float32; {args.prompts} prompts x {args.n} samples, "
+        f"({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''}), SmolLM2-135M-Instruct float32; {args.prompts} prompts x {args.n} samples, "
         f"max_new_tokens {args.max_new_tokens}, batch_size {args.batch_size}, median of {args.repeats} interleaved runs. "
         f"Load average {load_before:.1f} before / {load_after:.1f} after (other processes share the cores: compare "
         "the modes with each other, not with other tables).",
         "",
         f"Command: `.venv/bin/python benchmarks/rollout_speed.py --prompts {args.prompts} --n {args.n} "
-        f"--max-new-tokens {args.max_new_tokens} --repeats {args.repeats}`",
+        f"--max-new-tokens {args.max_new_tokens} --repeats {args.repeats}"
+        + (f" --threads {args.threads}" if args.threads else "") + "`",
         "",
         "| workload | prompt tokens | mode | generated tokens | seconds | tokens/s | vs before |",
         "|---|---|---|---|---|---|---|",
@@ -109,8 +110,9 @@ def main() -> None:
         "prompt's KV cache computed once and repeated for its n samples, so generate decodes from the cached "
         "prefix (HF `generate` with `use_cache=True` throughout). Samples differ between modes (other "
         "batches, other random draws), so token counts differ too; tokens/s is the comparable number. "
-        "Decoding (one token per step for the whole batch, until its longest response ends) dominates "
-        "at these lengths, which the prefix cache does not shorten.",
+        "`sorted` and `after` draw the same samples (same batches and seeds), so their difference is the "
+        "prompt prefill saved. On a loaded 2-core machine, one torch thread is used: with two, OpenMP's "
+        "spin-waiting made every mode about 10x slower.",
         "",
     ]
     out = Path(args.out)

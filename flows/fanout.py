@@ -8,6 +8,8 @@ Configured with ``runners.rollout.shards`` (and ``ray_address``: None starts a l
 """
 from __future__ import annotations
 
+import contextlib
+
 from prefect import flow
 
 import tasks
@@ -21,6 +23,15 @@ def shard_uri(out: str, index: int, count: int) -> str:
     return f"{out.rstrip('/')}-shard{index:02d}of{count:02d}"
 
 
+def _remote_options(options: dict):
+    """prefect-ray's ``remote_options`` context (Ray resources of the tasks submitted inside it)."""
+    if not options:
+        return contextlib.nullcontext()
+    from prefect_ray.context import remote_options
+
+    return remote_options(**options)
+
+
 @flow(name="rollout-fanout", flow_run_name="rollout-fanout-iter-{iteration:06d}")
 def rollout_fanout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str,
                    attempt: int, runner: RunnerConfig) -> ShardRef:
@@ -28,8 +39,9 @@ def rollout_fanout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, ite
     then merge them into ``out``."""
     n = runner.shards
     inner = runner.model_copy(update={"shards": 1})  # how each shard's program runs inside its worker
-    futures = [tasks.rollout_shard.submit(prompts, policy, cfg, iteration, shard_uri(out, i, n), dtype, attempt, (i, n), inner)
-               for i in range(n)]
+    with _remote_options(runner.ray_remote_options):  # e.g. one GPU per shard task
+        futures = [tasks.rollout_shard.submit(prompts, policy, cfg, iteration, shard_uri(out, i, n), dtype, attempt, (i, n),
+                                              inner) for i in range(n)]
     parts = [f.result() for f in futures]
     return tasks.rollout_merge(parts, prompts, policy, cfg, iteration, out, dtype, attempt)
 

@@ -523,6 +523,7 @@ class RunnerConfig(_Frozen):
     shards: int = Field(1, gt=0, description="rollout only: split over this many Prefect tasks on a Ray cluster (prefect-ray)")
     ray_address: str | None = Field(None, description="Ray cluster for shards > 1 (ray://host:10001, auto); None: start a local one")
     ray_init_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra ray.init arguments (num_cpus, runtime_env, ...)")
+    ray_remote_options: dict[str, Any] = Field(default_factory=dict, description="Ray resources of each shard task, e.g. {num_gpus: 1}")
 
     @model_validator(mode="after")
     def _check(self) -> "RunnerConfig":

@@ -253,9 +253,16 @@ def launch(stage: str, args: Mapping[str, Any], runner: RunnerConfig, *, log: Ca
         rc, tail = stream_process(cmd, env=subprocess_env(runner), log=log, tail_lines=runner.tail_lines)
         if rc != 0:
             raise StageProcessError(stage, rc, cmd, tail)
-        if not Path(result_file).exists():
-            raise StageProcessError(stage, rc, cmd, tail + ["(exit code 0 but no result was written)"])
-        return decode_result(stage, Path(result_file).read_text())
+        if Path(result_file).exists():
+            return decode_result(stage, Path(result_file).read_text())
+        # multi-node: global rank 0 (which writes the result) may run on another node; the stage
+        # committed its shard to shared storage, so read the ref from its manifest
+        out = args.get("out")
+        if isinstance(out, str) and _is_committed_stage(out):
+            manifest, sha = read_manifest(out)
+            return ShardRef(uri=out, stage=manifest.stage, num_rows=manifest.num_rows,
+                            config_hash=manifest.config_hash, manifest_sha256=sha)
+        raise StageProcessError(stage, rc, cmd, tail + ["(exit code 0 but no result was written)"])
 
 
 def run_stage(stage: str, runner: RunnerConfig | None = None, *, log: Callable[[str], None] | None = None,

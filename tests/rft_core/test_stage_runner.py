@@ -102,3 +102,35 @@ def test_arguments_round_trip_through_json(tiny_model, tmp_path):
     assert cmd[5:8] == ["-m", "rft_core.stages", "ppo_update"]
     with pytest.raises(ValueError, match="runs on one rank only"):
         run_stage("rollout", RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2), out="x")
+
+
+def test_interpreter_wrapper_and_result_read_back_from_the_manifest(tiny_model, tmp_path):
+    """``runner.python`` may be a wrapper (srun, a container): here one that drops --result, as
+    when global rank 0 runs on another node; the launcher reads the committed manifest instead."""
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f"""#!/bin/sh
+# drop '--result FILE' (the last two arguments) and run the real interpreter
+n=$#; i=0
+for a in "$@"; do i=$((i+1)); [ $i -le $((n-2)) ] && set -- "$@" "$a"; done
+shift $n
+echo "wrapper ran: $*"
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
+    cfg = _cfg(tiny_model, tmp_path)
+    lines: list[str] = []
+    ref = run_stage("prompts", RunnerConfig(mode="subprocess", python=str(wrapper)), log=lines.append, cfg=cfg.data,
+                    tokenizer_path=tiny_model, iteration=1, out=str(tmp_path / "p"))
+    assert lines[0].startswith("wrapper ran: -m rft_core.stages prompts") and "--result" not in lines[0]
+    assert ref.uri == str(tmp_path / "p") and ref.num_rows == 2
+    assert ref.manifest_sha256 == read_manifest(ref.uri)[1]
+
+
+def test_scale_example_config_is_valid():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs/grpo_scale.yaml")
+    assert cfg.rollout.engine == "vllm" and cfg.update.deepspeed.zero_stage == 3
+    assert cfg.runner("rollout").shards == 8 and cfg.runner("ppo_update").launcher == "torchrun"
+    cmd = stage_command("ppo_update", {"out": "s3://b/x"}, cfg.runner("ppo_update"), result_file="r.json")
+    assert "--standalone" not in cmd and "--nnodes=2" in cmd and cmd[0] == "/opt/venvs/train/bin/python"
