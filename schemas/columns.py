@@ -35,7 +35,7 @@ class StageSchema:
 _tok = pa.list_(pa.int32())
 _f32 = pa.list_(pa.float32())
 
-PROMPTS = StageSchema("prompts", 1, pa.schema([
+PROMPTS = StageSchema("prompts", 2, pa.schema([
     pa.field("prompt_id", pa.string(), nullable=False),
     pa.field("data_source", pa.string(), nullable=False),
     pa.field("question", pa.string(), nullable=False),
@@ -43,6 +43,7 @@ PROMPTS = StageSchema("prompts", 1, pa.schema([
     pa.field("prompt_token_ids", _tok, nullable=False),
     pa.field("answer", pa.string(), nullable=False),  # the label the grader checks against
     pa.field("metadata_json", pa.string(), nullable=False),  # grader's entry metadata, JSON
+    pa.field("images", pa.list_(pa.binary()), nullable=False),  # encoded images (PNG/JPEG bytes); [] for text-only
 ]))
 
 ROLLOUT = StageSchema("rollout", 1, pa.schema([

@@ -30,6 +30,13 @@ def _dataset(task: str, size: int, seed: int, task_config_json: str):
     import reasoning_gym
 
     kwargs = json.loads(task_config_json)
+    if task == "vl_digits":  # built in: digit images (scikit-learn) for vision-language RL
+        from rft_core.data.vision import DigitsDataset
+
+        try:
+            return DigitsDataset(size, seed, **kwargs)
+        except (TypeError, ValueError) as exc:
+            raise DatasetError(f"vl_digits dataset with size={size}, {kwargs}: {exc}") from exc
     if task == "humaneval":  # built in: code problems graded by the code_exec reward source
         from rft_core.data.humaneval import HumanEvalDataset
 
@@ -44,8 +51,9 @@ def _dataset(task: str, size: int, seed: int, task_config_json: str):
 
 
 def load_task(task: str, *, size: int, seed: int, task_config: dict[str, Any] | None = None):
-    """The reasoning-gym dataset object, or for ``task="humaneval"`` the HumanEval problems
-    (``rft_core.data.humaneval``), cached per arguments.
+    """The reasoning-gym dataset object, or a built-in task: ``humaneval`` (HumanEval problems,
+    ``rft_core.data.humaneval``) or ``vl_digits`` (digit images, ``rft_core.data.vision``);
+    cached per arguments.
 
     Raises:
         DatasetError: unknown task or bad task_config.
@@ -146,18 +154,25 @@ def build_prompts(
     max_prompt_tokens: int,
     overlong: str = "skip",
     id_prefix: str | None = None,
+    processor=None,
 ) -> PromptBatch:
     """Render dataset entries with the chat template and tokenize them.
 
     Args:
-        entries: (dataset index, entry) pairs; an entry needs ``question`` and ``answer``.
+        entries: (dataset index, entry) pairs; an entry needs ``question`` and ``answer`` and
+            may have ``images`` (paths, file:// URLs, bytes or PIL images; stored as bytes).
+        processor: a ``rft_core.models.vl.VLProcessor`` for a vision-language policy: the
+            prompt gets one image placeholder per image, expanded to the image's token count.
         overlong: "skip" drops prompts longer than ``max_prompt_tokens`` and lists them in
             ``skipped_overlong``; "error" raises.
         id_prefix: prompt_id is ``{id_prefix}-{index:06d}`` (None: ``data_source``); the
             held-out split uses its own prefix so its ids never equal a training prompt's.
     Raises:
-        DatasetError: an entry misses a required field, or (overlong="error") a prompt is too long.
+        DatasetError: an entry misses a required field, has images for a text-only policy or an
+            unreadable image, or (overlong="error") a prompt is too long.
     """
+    from rft_core.data.images import ImageError, to_image_bytes
+
     rows: dict[str, list] = {f.name: [] for f in PROMPTS.schema}
     skipped = []
     for index, entry in entries:
@@ -165,11 +180,22 @@ def build_prompts(
         if missing:
             raise DatasetError(f"{data_source} row {index}: missing field(s) {missing}; a row needs {list(REQUIRED_FIELDS)}")
         prompt_id = f"{id_prefix or data_source}-{index:06d}"
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-            {"role": "user", "content": str(entry["question"])}
-        ]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        try:
+            images = [to_image_bytes(img, where=f"{data_source} row {index} image {k}")
+                      for k, img in enumerate(entry.get("images") or [])]
+        except ImageError as exc:
+            raise DatasetError(str(exc)) from exc
+        if processor is not None:
+            text = processor.render_prompt(str(entry["question"]), len(images), system_prompt)
+            ids = processor.prompt_ids(text, images)
+        elif images:
+            raise DatasetError(f"{data_source} row {index} has {len(images)} image(s) but the policy is a text-only model")
+        else:
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+                {"role": "user", "content": str(entry["question"])}
+            ]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_tokens:
             if overlong == "error":
                 raise DatasetError(f"{prompt_id}: prompt has {len(ids)} tokens, data.max_prompt_tokens is {max_prompt_tokens}")
@@ -182,4 +208,5 @@ def build_prompts(
         rows["prompt_token_ids"].append(ids)
         rows["answer"].append(str(entry["answer"]))
         rows["metadata_json"].append(json.dumps(entry.get("metadata", {}), default=str, sort_keys=True))
+        rows["images"].append(images)
     return PromptBatch(pa.table(rows, schema=PROMPTS.arrow), skipped)

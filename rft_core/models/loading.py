@@ -105,7 +105,8 @@ def _ensure_default_model() -> Path:
 def resolve_model_path(path: str) -> str:
     """Turn a configured model path into something ``from_pretrained`` can load.
 
-    ``smollm2-135m-instruct`` (the default alias) -> the converted cache folder; a local folder
+    ``smollm2-135m-instruct`` (the default alias) -> the converted cache folder;
+    ``tiny-qwen2-vl`` -> the cached tiny random Qwen2-VL (``rft_core.models.vl``); a local folder
     -> itself; anything else is passed on as a hub id (which needs network access).
 
     Raises:
@@ -114,6 +115,10 @@ def resolve_model_path(path: str) -> str:
     """
     if path == DEFAULT_MODEL:
         return str(ensure_default_model())
+    from rft_core.models.vl import TINY_VL_MODEL, ensure_tiny_vl_model
+
+    if path == TINY_VL_MODEL:  # the offline vision-language default, built once
+        return str(ensure_tiny_vl_model())
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "config.json").exists() and not (p / "adapter_config.json").exists():
@@ -218,5 +223,12 @@ def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False
 
     if is_adapter_dir(path):  # a LoRA checkpoint: its base model with the adapter merged in
         return load_adapter_policy(path, dtype=dtype, trainable=trainable, merge=True)
+    from rft_core.models.vl import is_vl_model
+
+    if is_vl_model(path):  # Qwen2-VL / Qwen2.5-VL: the image-text-to-text class
+        from transformers import AutoModelForImageTextToText
+
+        return load_pretrained(AutoModelForImageTextToText, path, dtype=dtype, trainable=trainable,
+                               model_kwargs={"attn_implementation": attn_implementation(dtype)}, what="vision-language model")
     return load_pretrained(AutoModelForCausalLM, path, dtype=dtype, trainable=trainable,
                            model_kwargs={"attn_implementation": attn_implementation(dtype)})

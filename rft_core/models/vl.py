@@ -41,7 +41,7 @@ def is_vl_model(path: str) -> bool:
 
     if path == TINY_VL_MODEL:
         return True
-    cfg = Path(resolve_model_path(path)) / "config.json"
+    cfg = Path(resolve_model_path(path)) / "config.json"  # a hub id gives a relative path: not found -> False
     return cfg.exists() and "vision_config" in json.loads(cfg.read_text())
 
 
@@ -96,23 +96,16 @@ def ensure_tiny_vl_model() -> Path:
     return target
 
 
-def vl_model_path(path: str) -> str:
-    """``path`` with the ``tiny-qwen2-vl`` alias resolved to its cache folder."""
-    return str(ensure_tiny_vl_model()) if path == TINY_VL_MODEL else path
-
-
 def load_vl_model(path: str, *, dtype: str = "float32", trainable: bool = False):
-    """A Qwen2-VL / Qwen2.5-VL model (``AutoModelForImageTextToText``) under the load lock.
+    """A Qwen2-VL / Qwen2.5-VL model (``AutoModelForImageTextToText``) under the load lock;
+    what ``load_causal_lm`` returns for a VL folder.
 
     Raises:
         ModelLoadError: unreadable path or weights.
     """
-    from transformers import AutoModelForImageTextToText
+    from rft_core.models.loading import load_causal_lm
 
-    from rft_core.models.loading import load_pretrained
-
-    return load_pretrained(AutoModelForImageTextToText, vl_model_path(path), dtype=dtype, trainable=trainable,
-                           what="vision-language model")
+    return load_causal_lm(path, dtype=dtype, trainable=trainable)
 
 
 class VLProcessor:
@@ -128,7 +121,9 @@ class VLProcessor:
 
         from rft_core.models.loading import load_tokenizer
 
-        folder = vl_model_path(path)
+        from rft_core.models.loading import resolve_model_path
+
+        folder = resolve_model_path(path)
         self.tokenizer = load_tokenizer(folder)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(folder)
         self.merge = int(self.image_processor.merge_size)
@@ -195,3 +190,8 @@ class VLProcessor:
 def cached_processor(path: str) -> VLProcessor:
     """One ``VLProcessor`` per model path and process."""
     return VLProcessor(path)
+
+
+def vl_processor_or_none(path: str) -> VLProcessor | None:
+    """The cached ``VLProcessor`` of ``path`` when it is a vision-language model, else None."""
+    return cached_processor(path) if is_vl_model(path) else None

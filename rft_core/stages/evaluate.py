@@ -22,6 +22,7 @@ from rft_core.config import DataConfig, EvalConfig
 from rft_core.data.prompts import DatasetError, build_prompts, heldout_entries, heldout_seed
 from rft_core.engines.hf import Generation
 from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.models.vl import vl_processor_or_none
 from rft_core.stages.common import PolicyRef, Timer, policy_model_path, reuse_or_compute
 from rft_core.stages.rollout import rollout_summary
 from schemas import ShardError, ShardRef, ShardSchemaError, committed_ref, config_hash, read_manifest, read_shard, write_shard
@@ -89,9 +90,10 @@ def run_prompts(data: DataConfig, cfg: EvalConfig, *, tokenizer_path: str, out: 
             entries = heldout_entries(data.task, num_prompts=cfg.num_prompts, train_size=data.size, train_seed=data.seed,
                                       seed=seed, task_config=data.task_config)
             tok = load_tokenizer(tokenizer_path)
+            processor = vl_processor_or_none(tokenizer_path)
             batch = build_prompts(entries, tok, data_source=data.task, system_prompt=data.system_prompt,
                                   max_prompt_tokens=data.max_prompt_tokens, overlong=data.overlong_prompts,
-                                  id_prefix=f"{HELDOUT_PREFIX}-{data.task}")
+                                  id_prefix=f"{HELDOUT_PREFIX}-{data.task}", processor=processor)
         if batch.table.num_rows == 0:
             raise DatasetError(f"held-out split: every prompt was longer than data.max_prompt_tokens={data.max_prompt_tokens}")
         summary = {"seconds": t.seconds, "heldout_seed": seed, "train_seed": data.seed, "train_size": data.size,

@@ -4,6 +4,7 @@ from __future__ import annotations
 from rft_core.config import DataConfig
 from rft_core.data.prompts import DatasetError, build_prompts, iteration_indices, load_task, refill_indices
 from rft_core.models.loading import load_tokenizer
+from rft_core.models.vl import vl_processor_or_none
 from rft_core.stages.common import Timer, reuse_or_compute
 from schemas import ShardRef, config_hash, write_shard
 from schemas.columns import PROMPTS
@@ -26,8 +27,10 @@ def run(cfg: DataConfig, *, tokenizer_path: str, iteration: int, out: str, attem
                    if attempt == 0 else
                    refill_indices(iteration, attempt, per_iteration=cfg.prompts_per_iteration, size=cfg.size, seed=cfg.seed))
             tok = load_tokenizer(tokenizer_path)
+            processor = vl_processor_or_none(tokenizer_path)
             batch = build_prompts([(i, ds[i]) for i in idx], tok, data_source=cfg.task, system_prompt=cfg.system_prompt,
-                                  max_prompt_tokens=cfg.max_prompt_tokens, overlong=cfg.overlong_prompts)
+                                  max_prompt_tokens=cfg.max_prompt_tokens, overlong=cfg.overlong_prompts,
+                                  processor=processor)
         if batch.table.num_rows == 0:
             raise DatasetError(f"iteration {iteration}: every prompt was longer than data.max_prompt_tokens={cfg.max_prompt_tokens}")
         summary = {"seconds": t.seconds, "skipped_overlong": len(batch.skipped_overlong),

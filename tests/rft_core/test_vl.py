@@ -130,3 +130,30 @@ def test_mixed_batch_bookkeeping_and_row_independence(proc, tiny_vl):
     # wrong bookkeeping (images of another row) is caught
     with pytest.raises(VLError, match="batch row 1: 12 image tokens in the ids but its 1 image\\(s\\) need 4"):
         proc.batch_inputs([[], images[2], images[1]], input_ids)
+
+
+def test_prompt_shard_holds_images_bit_exact(tiny_vl, tiny_model, tmp_path):
+    from rft_core import stages
+    from rft_core.config import load_config
+    from rft_core.data.prompts import DatasetError, build_prompts, load_task
+    from schemas import read_shard
+
+    cfg = load_config(None, {"data.task": "vl_digits", "data.size": 50, "data.prompts_per_iteration": 12,
+                             "data.task_config": {"images_per_prompt": 2, "text_only_fraction": 0.3}})
+    ref = stages.prompts.run(cfg.data, tokenizer_path=tiny_vl, iteration=1, out=str(tmp_path / "prompts"))
+    rows = read_shard(ref).to_pylist()
+    ds = load_task("vl_digits", size=50, seed=cfg.data.seed, task_config=dict(cfg.data.task_config))
+    proc = VLProcessor(tiny_vl)
+    kinds = set()
+    for row in rows:
+        entry = ds[int(row["prompt_id"].rsplit("-", 1)[1])]
+        assert row["images"] == entry["images"]  # bytes stored bit-exact
+        # 28x28 digits -> 4 tokens each
+        assert row["prompt_token_ids"].count(proc.image_token_id) == 4 * len(entry["images"])
+        kinds.add(len(row["images"]))
+    assert kinds == {0, 2}  # text-only and two-image prompts in one shard
+    with pytest.raises(DatasetError, match="vl_digits row 0 has 2 image\\(s\\) but the policy is a text-only model"):
+        from rft_core.models.loading import load_tokenizer
+
+        build_prompts([(0, ds[0] if ds[0]["images"] else ds[1])], load_tokenizer(tiny_model), data_source="vl_digits",
+                      system_prompt="", max_prompt_tokens=256)
