@@ -114,6 +114,27 @@ def plot(results: list[dict], before: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def division_labels(data) -> tuple[int, int] | None:
+    """For ``basic_arithmetic``: (division questions, of those with a wrong label) among the
+    training entries generated with '/' allowed and otherwise ``data``'s settings; None for other
+    tasks. reasoning-gym shows the drawn divisor but divides by another one it picks, or falls
+    back to a multiplication while still printing '/'."""
+    if data.task != "basic_arithmetic":
+        return None
+    from rft_core.data.prompts import load_task
+
+    ds = load_task(data.task, size=data.size, seed=data.seed, task_config={**data.task_config, "operators": "+-*/"})
+    n = wrong = 0
+    for i in range(data.size):
+        e = ds[i]
+        expr = e["metadata"]["expression"]
+        if " / " in expr and expr.count(" ") == 2:
+            n += 1
+            a, b = (int(x) for x in expr.split(" / "))
+            wrong += not (b != 0 and a % b == 0 and a // b == int(e["answer"]))
+    return n, wrong
+
+
 def report(args, cfg, before: dict, results: list[dict], wall: float, png: Path, doc: Path) -> str:
     """The markdown report from the measured numbers."""
     accs = [r["after"]["accuracy"] for r in results]
@@ -124,7 +145,9 @@ def report(args, cfg, before: dict, results: list[dict], wall: float, png: Path,
     cmd = "" .join([".venv/bin/python benchmarks/learning.py", f" --config {args.config_rel}",
                     f" --seeds {' '.join(map(str, args.seeds))}", f" --iterations {cfg.iterations}",
                     f" --eval-prompts {cfg.eval.num_prompts}", "".join(f" --set {o}" for o in args.overrides),
-                    f" --out {args.out}"])
+                    f" --out {args.out}",
+                    f" --doc {args.doc}" if Path(args.doc) != ROOT / "docs/learning.md" else "",
+                    f" --png {args.png}" if Path(args.png) != ROOT / "docs/learning_curve.png" else ""])
     rel_png = os.path.relpath(png, doc.parent)
     train_minutes = ", ".join(f"seed {r['seed']} {r['train_seconds'] / 60:.1f} min" for r in results)
     lines = [
@@ -173,6 +196,13 @@ def report(args, cfg, before: dict, results: list[dict], wall: float, png: Path,
         f"`{args.out}/eval-base/eval` and `{args.out}/seed-<s>/eval/iter=*/eval` (Parquet shards; pandas, DuckDB).",
         "",
     ]
+    div = division_labels(d)
+    if div and "/" not in str(d.task_config.get("operators", "+-*/")):
+        lines += ["## Why no division", "",
+                  f"With '/' allowed, {div[0]} of the {d.size} training questions of this configuration are divisions and "
+                  f"{div[1]} of those carry a wrong label: reasoning-gym's `basic_arithmetic` prints the divisor it drew but "
+                  "divides by another divisor it picks (or falls back to a multiplication while still printing '/'). "
+                  "No policy can learn those, so this benchmark leaves '/' out (`operators: \"+-*\"`).", ""]
     return "\n".join(lines)
 
 
@@ -187,12 +217,25 @@ def main() -> None:
     ap.add_argument("--doc", default=str(ROOT / "docs/learning.md"))
     ap.add_argument("--png", default=str(ROOT / "docs/learning_curve.png"))
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep every iteration's checkpoint (~1.6 GB each)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite --doc and --png from {out}/summary.json; runs nothing")
     args = ap.parse_args()
     cfg_path = Path(args.config)
     args.config = str(cfg_path if cfg_path.is_absolute() else ROOT / cfg_path)
     args.config_rel = os.path.relpath(args.config, ROOT)
     out = Path(args.out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
+
+    if args.report_only:
+        from rft_core.config import load_config
+
+        summary = json.loads((out / "summary.json").read_text())
+        cfg = load_config(args.config, list(args.overrides) + ([f"iterations={args.iterations}"] if args.iterations else []) +
+                          ([f"eval.num_prompts={args.eval_prompts}"] if args.eval_prompts else []))
+        plot(summary["results"], summary["before"], Path(args.png))
+        Path(args.doc).write_text(report(args, cfg, summary["before"], summary["results"], summary["wall_seconds"],
+                                         Path(args.png), Path(args.doc)))
+        print(Path(args.doc).read_text())
+        return
 
     from prefect import flow
 
