@@ -46,7 +46,7 @@ PROMPTS = StageSchema("prompts", 2, pa.schema([
     pa.field("images", pa.list_(pa.binary()), nullable=False),  # encoded images (PNG/JPEG bytes); [] for text-only
 ]))
 
-ROLLOUT = StageSchema("rollout", 1, pa.schema([
+ROLLOUT = StageSchema("rollout", 2, pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),
     pa.field("prompt_id", pa.string(), nullable=False),
     pa.field("sample_index", pa.int32(), nullable=False),  # 0..G-1 inside the group
@@ -56,6 +56,7 @@ ROLLOUT = StageSchema("rollout", 1, pa.schema([
     pa.field("rollout_logprobs", _f32, nullable=False),  # engine's log-probs of the sampled tokens
     pa.field("action_mask", pa.list_(pa.bool_()), nullable=False),
     pa.field("finish_reason", pa.string(), nullable=False),  # "stop" (EOS) or "length"
+    pa.field("images", pa.list_(pa.binary()), nullable=False),  # the prompt's encoded images; [] for text-only
 ]))
 
 ACTOR_LOGPROBS = StageSchema("actor_logprobs", 1, pa.schema([

@@ -353,6 +353,7 @@ def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
         "rollout_logprobs": pa.array(per_tok(exp.action_log_probs), f32),
         "action_mask": pa.array(per_tok(exp.action_mask), pa.list_(pa.bool_())),
         "finish_reason": finish,
+        "images": [[] for _ in range(B)],
     }, schema=ROLLOUT.arrow)}
     entropy = exp.action_entropy if exp.action_entropy is not None else torch.zeros_like(exp.action_log_probs)
     out["actor_logprobs"] = pa.table({"sample_id": sid, "old_logprobs": pa.array(per_tok(exp.action_log_probs), f32),

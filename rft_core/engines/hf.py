@@ -104,6 +104,8 @@ class HFEngine:
         share_prefill: bool = True,
         progress=None,
         only_batches: "set[int] | None" = None,
+        images: "list[list[bytes]] | None" = None,
+        processor=None,
     ) -> list[Generation]:
         """Sample ``n_samples_per_prompt`` responses for each prompt.
 
@@ -121,11 +123,17 @@ class HFEngine:
             only_batches: generate only these batches (indices into ``batches(...)``), each with
                 its own seed as in a full run: how a rollout is split over workers whose outputs
                 together equal the single-worker rollout.
+            images, processor: a vision-language policy's prompt images (encoded bytes, one list
+                per prompt, [] for text-only) and its ``rft_core.models.vl.VLProcessor``: each
+                batch gets ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` of its
+                rows, and the shared prefill is skipped (the model computes its M-RoPE positions).
         Returns:
             len(prompts) * n_samples_per_prompt generations (those of ``only_batches``), grouped
             by prompt in input order.
         """
         n = n_samples_per_prompt
+        if images is not None and (processor is None or len(images) != len(prompts)):
+            raise ValueError(f"images need a processor and one list per prompt: {len(images)} lists for {len(prompts)} prompts")
         params = getattr(self.model, "parameters", None)
         device = next(params()).device if params is not None else torch.device("cpu")
         batches = self.batches(prompts, n, batch_size, sort_by_length=sort_by_length, share_prefill=share_prefill)
@@ -148,7 +156,10 @@ class HFEngine:
                 if top_p < 1.0:
                     procs.append(TopPLogitsWarper(top_p))
                 sampling = {"temperature": 1.0, "top_p": 1.0, "logits_processor": LogitsProcessorList(procs)}
-            if share_prefill and P > 1:
+            if images is not None:
+                vision = processor.batch_inputs([images[p] for p, _ in chunk], input_ids.cpu())
+                sampling.update({k: v.to(device) for k, v in vision.items()})
+            elif share_prefill and P > 1:
                 sampling["past_key_values"] = self._prefill(input_ids, attention_mask, n)
             gen = self.model.generate(
                 input_ids=input_ids,

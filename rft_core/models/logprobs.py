@@ -14,7 +14,7 @@ predict response tokens are computed (``logits_to_keep`` as an index tensor).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,12 +30,15 @@ class TokenBatch:
         attention_mask: (B, P+T) int64, 1 on real tokens.
         position_ids: (B, P+T) int64.
         action_mask: (B, T) bool, True on real response tokens.
+        model_inputs: extra forward inputs of a vision-language model (``with_vision``); with
+            them the model computes its own (M-RoPE) positions and ``position_ids`` is unused.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
     action_mask: torch.Tensor
+    model_inputs: dict = field(default_factory=dict)  # VL: pixel_values, image_grid_thw, mm_token_type_ids
 
     @property
     def num_actions(self) -> int:
@@ -86,10 +89,39 @@ def response_logprobs(
         return packed_response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy)
     T = batch.num_actions
     device = model_device(model)
+    if batch.model_inputs:  # VL: the model derives its 3-D positions from the mask and the image grid
+        extra = {k: v.to(device) for k, v in batch.model_inputs.items()}
+    else:
+        extra = {"position_ids": batch.position_ids.to(device)}
     out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                position_ids=batch.position_ids.to(device), logits_to_keep=T + 1, use_cache=False)
+                logits_to_keep=T + 1, use_cache=False, **extra)
     logits = out.logits[:, :-1, :].float()  # logits at column j predict the token at column j+1
     return _token_logprobs(logits, batch.input_ids[:, -T:].to(device), temperature=temperature, with_entropy=with_entropy)
+
+
+def default_device() -> torch.device:
+    """Where the stage programs put their models: ``$RFT_DEVICE`` if set, else the GPU of this
+    rank (``cuda:$LOCAL_RANK``) when CUDA is available, else the CPU."""
+    import os
+
+    if os.environ.get("RFT_DEVICE"):
+        return torch.device(os.environ["RFT_DEVICE"])
+    if torch.cuda.is_available():
+        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    return torch.device("cpu")
+
+
+def with_vision(batch: TokenBatch, processor, images: list[list[bytes]]) -> TokenBatch:
+    """``batch`` with the vision inputs of its rows' images (one list per row, in row order).
+
+    Raises:
+        ValueError: a packed batch (vision inputs need the padded layout).
+        rft_core.models.vl.VLError: a row's image tokens do not match its images.
+    """
+    if not isinstance(batch, TokenBatch):
+        raise ValueError("sample packing is not supported for vision-language models; set packing: false")
+    batch.model_inputs = processor.batch_inputs(images, batch.input_ids)
+    return batch
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -199,6 +231,8 @@ def batched_response_logprobs(
     with_entropy: bool = False,
     packing: bool = False,
     progress=None,
+    images: list[list[bytes]] | None = None,
+    processor=None,
 ) -> list[list[float]] | tuple[list[list[float]], list[list[float]]]:
     """Unpadded per-sample log-prob lists (len = len(response)) for any number of samples.
 
@@ -206,6 +240,8 @@ def batched_response_logprobs(
     the input order. With ``with_entropy`` it returns (logprobs, entropies), same layout.
     ``packing``: each micro-batch goes through the model as one packed row (no padding).
     ``progress``: optional callable(done, total) called after each micro-batch (samples).
+    ``images``, ``processor``: a vision-language model's per-sample images and its
+    ``VLProcessor`` (``with_vision``).
     """
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
     result: list[list[float]] = [[] for _ in prompts]
@@ -214,6 +250,8 @@ def batched_response_logprobs(
         idx = order[start:start + micro_batch_size]
         ps, rs = [prompts[i] for i in idx], [responses[i] for i in idx]
         batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
+        if processor is not None:
+            batch = with_vision(batch, processor, [images[i] for i in idx])
         lp, ent = response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy)
         lp, ent = lp.cpu(), (ent.cpu() if ent is not None else None)
         for row, i in enumerate(idx):

@@ -131,6 +131,11 @@ class VLProcessor:
         if self.image_token_id is None or self.image_token_id == self.tokenizer.unk_token_id:
             raise VLError(f"tokenizer of {path!r} has no {IMAGE_PAD} token: not a Qwen2-VL-style model")
 
+    def save_pretrained(self, out_dir) -> None:
+        """Save the tokenizer and the image processor (a checkpoint folder stays a VL model folder)."""
+        self.tokenizer.save_pretrained(out_dir)
+        self.image_processor.save_pretrained(out_dir)
+
     def process_images(self, images: Sequence[bytes]) -> dict[str, torch.Tensor]:
         """``pixel_values`` (sum of t*h*w, D) float32 and ``image_grid_thw`` (k, 3) int64 of
         encoded images, in order; ``{}`` for no images."""

@@ -160,6 +160,8 @@ def run_generate(prompts: ShardRef, policy: PolicyRef, *, max_new_tokens: int, b
     def compute() -> ShardRef:
         table = read_shard(prompts, stage="prompts")
         path = policy_model_path(policy)
+        if vl_processor_or_none(path) is not None:
+            raise NotImplementedError(f"eval of vision-language policies is not supported yet ({path})")
         tok = load_tokenizer(path)
         model = load_causal_lm(path, dtype=dtype)
         model.eval()
@@ -178,6 +180,7 @@ def run_generate(prompts: ShardRef, policy: PolicyRef, *, max_new_tokens: int, b
             "rollout_logprobs": [g.logprobs for g in gens],
             "action_mask": [[True] * len(r) for r in responses],
             "finish_reason": [g.finish_reason for g in gens],
+            "images": [[] for _ in gens],
         }
         table_out = pa.table(rows, schema=ROLLOUT.arrow)
         n_tokens = sum(len(r) for r in responses)

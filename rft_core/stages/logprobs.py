@@ -5,7 +5,8 @@ import pyarrow as pa
 
 from rft_core.config import LogprobConfig
 from rft_core.models.loading import load_causal_lm, load_tokenizer
-from rft_core.models.logprobs import batched_response_logprobs
+from rft_core.models.logprobs import batched_response_logprobs, default_device
+from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.common import PolicyRef, Timer, policy_model_path, reuse_or_compute
 from schemas import ShardRef, config_hash, read_shard, write_shard
@@ -34,13 +35,16 @@ def run(rollout: ShardRef, model: PolicyRef, cfg: LogprobConfig, *, stage: str, 
         table = read_shard(rollout, stage="rollout")
         path = policy_model_path(model)
         tok = load_tokenizer(path)
-        lm = load_causal_lm(path, dtype=dtype)
+        lm = load_causal_lm(path, dtype=dtype).to(default_device())
         actor = stage == "actor_logprobs"
+        images = table.column("images").to_pylist()
+        processor = vl_processor_or_none(path)  # a vision-language policy: images go with every batch
+        vision = {"images": images, "processor": processor} if processor is not None else {}
         with Timer() as t, progress_reporter(stage, unit="sequences") as progress:
             res = batched_response_logprobs(lm, table.column("prompt_token_ids").to_pylist(),
                                             table.column("response_token_ids").to_pylist(), pad_token_id=tok.pad_token_id,
                                             micro_batch_size=cfg.micro_batch_size, temperature=temperature,
-                                            with_entropy=actor, packing=cfg.packing, progress=progress)
+                                            with_entropy=actor, packing=cfg.packing, progress=progress, **vision)
         f32 = pa.list_(pa.float32())
         cols = {"sample_id": table.column("sample_id")}
         if actor:  # the policy's entropy at each token: for the entropy metrics and high-entropy filtering

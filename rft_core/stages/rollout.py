@@ -10,6 +10,8 @@ import pyarrow.compute as pc
 from rft_core.config import RolloutConfig
 from rft_core.engines.hf import HFEngine
 from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.models.vl import vl_processor_or_none
+from rft_core.models.logprobs import default_device
 from rft_core.progress import progress_reporter
 from rft_core.stages.common import PolicyRef, Timer, policy_model_path, reuse_or_compute
 from schemas import ShardRef, config_hash, read_manifest, read_shard, write_shard
@@ -38,7 +40,7 @@ def make_engine(cfg: RolloutConfig, path: str, *, dtype: str):
     hub id, or a LoRA adapter folder) and its tokenizer: (engine, tokenizer)."""
     tok = load_tokenizer(path)
     if cfg.engine == "hf":
-        return HFEngine(load_causal_lm(path, dtype=dtype), tok), tok
+        return HFEngine(load_causal_lm(path, dtype=dtype).to(default_device()), tok), tok
     from transformers import GenerationConfig
 
     from rft_core.config import VLLMConfig
@@ -86,6 +88,9 @@ def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: 
         table = read_shard(prompts, stage="prompts")
         engine, tok = make_engine(cfg, policy_model_path(policy), dtype=dtype)
         prompt_ids = table.column("prompt_token_ids").to_pylist()
+        images = table.column("images").to_pylist()
+        processor = vl_processor_or_none(policy_model_path(policy))  # a vision-language policy
+        vision = {"images": images, "processor": processor} if processor is not None else {}
         only = None
         if shard is not None:
             n_batches = len(engine.batches(prompt_ids, cfg.n_samples_per_prompt, cfg.batch_size))
@@ -95,7 +100,7 @@ def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: 
                                    temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
                                    seed=cfg.seed + SEED_STRIDE * iteration + ATTEMPT_STRIDE * attempt,
                                    first_token_temperature=cfg.first_token_temperature, progress=progress,
-                                   only_batches=only)
+                                   only_batches=only, **vision)
         pids = table.column("prompt_id").to_pylist()
         rows = {
             "sample_id": [f"{pids[g.prompt_index]}#{g.sample_index}" for g in gens],
@@ -107,6 +112,7 @@ def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: 
             "rollout_logprobs": [g.logprobs for g in gens],
             "action_mask": [[True] * len(g.response_token_ids) for g in gens],
             "finish_reason": [g.finish_reason for g in gens],
+            "images": [images[g.prompt_index] for g in gens],
         }
         table_out = pa.table(rows, schema=ROLLOUT.arrow)
         n_tokens = sum(len(g.response_token_ids) for g in gens)

@@ -5,7 +5,9 @@ import logging
 
 from rft_core.config import KLConfig, UpdateConfig, policy_loss_kwargs
 from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.models.logprobs import default_device
 from rft_core.models.lora import adapter_base_path, apply_lora, is_adapter_dir, load_adapter_policy
+from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.common import (
     POLICY_SUBDIR,
@@ -99,8 +101,10 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
             ref_lp = align_on_sample_id(r, read_shard(ref, stage="ref_logprobs"), name="ref_logprobs").column("ref_logprobs").to_pylist()
         data = UpdateData(prompts=r.column("prompt_token_ids").to_pylist(), responses=r.column("response_token_ids").to_pylist(),
                           old_logprobs=old.to_pylist(), advantages=a.column("advantages").to_pylist(), ref_logprobs=ref_lp,
-                          entropies=actor_t.column("action_entropy").to_pylist() if actor_t is not None else None)
+                          entropies=actor_t.column("action_entropy").to_pylist() if actor_t is not None else None,
+                          images=r.column("images").to_pylist())
         path = policy_model_path(policy)
+        processor = vl_processor_or_none(path)
         tok = load_tokenizer(path)
         model = load_trainable_policy(policy, cfg, dtype=dtype)
         strategy, opt = None, None
@@ -113,6 +117,7 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
                 log.warning("ppo_update: DeepSpeed starts AdamW afresh (optimizer state is not carried across "
                             "iterations under ZeRO)")
         else:
+            model.to(default_device())  # (DeepSpeed places the model on its rank's device itself)
             opt = make_optimizer(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
             load_optimizer_state(opt, policy_checkpoint_dir(policy), lr=cfg.lr)
         rank = strategy.rank if strategy is not None else 0
@@ -126,7 +131,7 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
                                kl_clamp=kl_cfg.kl_clamp, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
                                micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
                                temperature=temperature, seed=cfg.seed, packing=cfg.packing, progress=progress,
-                               strategy=strategy)
+                               strategy=strategy, processor=processor)
         last = steps[-1]
         summary = {"seconds": t.seconds, "policy_loss": sum(s.policy_loss for s in steps) / len(steps),
                    "clip_frac": sum(s.clip_frac for s in steps) / len(steps), "approx_kl": last.approx_kl,
@@ -134,7 +139,7 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
         inputs = {"rollout": rollout, "advantages": advantages, **({"actor": actor} if actor else {}),
                   **({"ref": ref} if ref and use_kl_loss else {}), **({"policy": policy} if isinstance(policy, ShardRef) else {})}
         if strategy is None:
-            return commit_checkpoint(out, subdir=POLICY_SUBDIR, model=model, tokenizer=tok, optimizer=opt, steps=steps,
+            return commit_checkpoint(out, subdir=POLICY_SUBDIR, model=model, tokenizer=processor or tok, optimizer=opt, steps=steps,
                                      schema=PPO_UPDATE, config_hash=chash, inputs=inputs, summary=summary)
         # DeepSpeed: gather the weights on every rank (a collective), rank 0 commits, the others
         # wait for the commit and return the same ref
@@ -142,7 +147,7 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
         ref_out = None
         if strategy.rank == 0:
             summary.update({"world_size": strategy.world_size, "zero_stage": strategy.zero_stage})
-            ref_out = commit_checkpoint(out, subdir=POLICY_SUBDIR, model=_WithStateDict(model, state), tokenizer=tok,
+            ref_out = commit_checkpoint(out, subdir=POLICY_SUBDIR, model=_WithStateDict(model, state), tokenizer=processor or tok,
                                         optimizer=None, steps=steps, schema=PPO_UPDATE, config_hash=chash, inputs=inputs,
                                         summary=summary)
         strategy.barrier()

@@ -13,7 +13,7 @@ import torch
 from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES, kl_penalty
 from rft_core.algorithms.masked import high_entropy_mask
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
-from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device, response_logprobs
+from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device, response_logprobs, with_vision
 
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -32,6 +32,7 @@ class UpdateData:
     advantages: list[list[float]]
     ref_logprobs: list[list[float]] | None = None
     entropies: list[list[float]] | None = None  # the actor stage's action_entropy (for filtering)
+    images: list[list[bytes]] | None = None  # vision-language policies: each sample's encoded prompt images
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -109,6 +110,7 @@ def ppo_update(
     packing: bool = False,
     progress=None,
     strategy=None,
+    processor=None,
 ) -> list[StepMetrics]:
     """Run PPO epochs over ``data``; mutates ``model`` and ``optimizer``.
 
@@ -132,6 +134,8 @@ def ppo_update(
             ``SingleProcess(model, optimizer)``. With ``DeepSpeedStrategy`` (``model`` and
             ``optimizer`` are then ignored) each rank runs its share of every mini-batch's
             micro-batches and the metrics are summed over ranks.
+        processor: a vision-language policy's ``VLProcessor``; each micro-batch then gets the
+            vision inputs of ``data.images`` (``with_vision``).
     Returns:
         One StepMetrics per optimizer step (the same on every rank).
     Raises:
@@ -178,6 +182,8 @@ def ppo_update(
         for idx, weight in mine:
             ps, rs = [data.prompts[i] for i in idx], [data.responses[i] for i in idx]
             batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
+            if processor is not None:
+                batch = with_vision(batch, processor, [data.images[i] if data.images else [] for i in idx])
             T = batch.num_actions
             mask = batch.action_mask
             if keep is not None:

@@ -157,3 +157,29 @@ def test_prompt_shard_holds_images_bit_exact(tiny_vl, tiny_model, tmp_path):
 
         build_prompts([(0, ds[0] if ds[0]["images"] else ds[1])], load_tokenizer(tiny_model), data_source="vl_digits",
                       system_prompt="", max_prompt_tokens=256)
+
+
+def test_vl_rollout_logprobs_match_the_actor_pass_on_a_mixed_batch(tiny_vl):
+    """The engine's log-probs of sampled tokens (generate with pixel_values) equal a teacher-forced
+    forward with the same images: images, grids and M-RoPE positions line up per row, in a batch
+    that mixes text-only, one-image and two-image prompts."""
+    from rft_core.engines.hf import HFEngine
+    from rft_core.models.logprobs import batched_response_logprobs
+    from rft_core.models.vl import load_vl_model
+
+    proc = VLProcessor(tiny_vl)
+    ids, images = _rows(proc)
+    model = load_vl_model(tiny_vl)
+    engine = HFEngine(model, proc.tokenizer)
+    gens = engine.generate(ids, n_samples_per_prompt=2, max_new_tokens=6, temperature=1.0, batch_size=4, seed=3,
+                           images=images, processor=proc)
+    assert [(g.prompt_index, g.sample_index) for g in gens] == [(p, k) for p in range(3) for k in range(2)]
+    prompts = [ids[g.prompt_index] for g in gens]
+    responses = [g.response_token_ids for g in gens]
+    lps = batched_response_logprobs(model, prompts, responses, pad_token_id=proc.tokenizer.pad_token_id, micro_batch_size=3,
+                                    images=[images[g.prompt_index] for g in gens], processor=proc)
+    for g, lp in zip(gens, lps):
+        assert len(lp) == len(g.logprobs) > 0
+        assert np.allclose(lp, g.logprobs, atol=1e-4), (g.prompt_index, lp, g.logprobs)
+    with pytest.raises(ValueError, match="images need a processor and one list per prompt: 2 lists for 3 prompts"):
+        engine.generate(ids, n_samples_per_prompt=1, max_new_tokens=2, images=images[:2], processor=proc)
