@@ -33,6 +33,8 @@ class RewardSample:
         metadata: the dataset row's metadata (decoded ``metadata_json``): graders' extra fields,
             HumanEval's ``entry_point``/``test``/``prompt``.
         finish_reason: "stop" or "length".
+        images: the prompt's encoded images (PNG/JPEG bytes; empty for text-only prompts), for
+            vision-language reward functions and models.
     """
 
     sample_id: str
@@ -44,6 +46,7 @@ class RewardSample:
     reference: str
     metadata: dict[str, Any] = field(default_factory=dict)
     finish_reason: str = "stop"
+    images: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 Request: ``POST url`` with JSON ``{"queries": [...], "prompts": [...], "labels": [...],
 "references": [...]}`` where ``queries[i]`` is prompt + response (the full text the policy
 produced), ``prompts[i]`` the chat-templated prompt, ``labels[i]`` the sample's recipe label
-(its data source) and ``references[i]`` the ground truth. Reply: ``{"rewards": [float, ...]}``,
-one finite number per query, in order.
+(its data source) and ``references[i]`` the ground truth. When any sample of the request has
+images, ``images[i]`` is the list of sample i's prompt images as base64 strings of the encoded
+bytes (PNG/JPEG; [] for text-only samples). Reply: ``{"rewards": [float, ...]}``, one finite
+number per query, in order.
 
 HTTP goes through ``requests`` with urllib3's ``Retry``: connection errors, read timeouts and
 HTTP 429/500/502/503/504 are retried ``retries`` times with exponential backoff
@@ -13,6 +15,7 @@ the last status or error.
 """
 from __future__ import annotations
 
+import base64
 from typing import Sequence
 
 import requests
@@ -98,6 +101,8 @@ class RemoteReward:
                            "prompts": [s.prompt_text for s in batch],
                            "labels": [s.label for s in batch],
                            "references": [s.reference for s in batch]}
+                if any(s.images for s in batch):
+                    payload["images"] = [[base64.b64encode(img).decode("ascii") for img in s.images] for s in batch]
                 rewards = post_rewards(c.url, payload, expected=len(batch), timeout_s=c.timeout_s, retries=c.retries,
                                        backoff_s=c.backoff_s, session=session)
                 out.extend(SourceScore(r) for r in rewards)  # NaN/inf are checked by the engine

@@ -53,7 +53,8 @@ def reward_samples(rollout: pa.Table, prompts: pa.Table, *, rollout_uri: str = "
         row = by_id[pid]
         out.append(RewardSample(sample_id=sid, prompt_id=pid, label=row["data_source"], question=row["question"],
                                 prompt_text=row["prompt_text"], response=text, reference=row["answer"],
-                                metadata=json.loads(row["metadata_json"]), finish_reason=finish))
+                                metadata=json.loads(row["metadata_json"]), finish_reason=finish,
+                                images=list(row.get("images") or [])))
     return out
 
 

@@ -150,7 +150,7 @@ def test_missing_recipe_for_a_label():
 def test_config_errors_name_the_bad_key():
     with pytest.raises(ConfigError, match="uses source 'nope', which is not in reward.sources"):
         load_config(None, {"reward.sources": {"f": {"type": "format"}}, "reward.recipes": {"m": [{"source": "nope"}]}})
-    with pytest.raises(ConfigError, match="unknown reward source type; valid names: math_answer, format, code_exec"):
+    with pytest.raises(ConfigError, match="unknown reward source type; valid names: math_answer, exact_match, format, code_exec"):
         load_config(None, {"reward.sources": {"f": {"type": "codex"}}, "reward.recipes": {"m": [{"source": "f"}]}})
     with pytest.raises(ConfigError, match="function must be 'module:function'"):
         load_config(None, {"reward.sources": {"f": {"type": "python", "function": "nocolon"}},

@@ -171,3 +171,18 @@ def test_server_down_with_fallback_is_counted():
     batch = RewardEngine(cfg).score(_samples(3))
     assert [r.reward for r in batch.results] == [-0.5] * 3 and batch.fallbacks == 3
     assert "unreachable" in batch.results[0].reasons["rm"]
+
+
+def test_images_are_sent_as_base64(server):
+    import base64
+    from dataclasses import replace
+
+    png = b"\x89PNG\r\n\x1a\n-fake-image-bytes"
+    samples = _samples(3)
+    samples = [replace(samples[0], images=[png, png[::-1]]), samples[1], replace(samples[2], images=[png])]
+    _remote(server.url).score(samples)
+    sent = server.requests[0]["images"]
+    assert [[base64.b64decode(x) for x in row] for row in sent] == [[png, png[::-1]], [], [png]]
+    server.requests.clear()
+    _remote(server.url).score(_samples(2))  # text-only requests keep the plain protocol
+    assert "images" not in server.requests[0]
