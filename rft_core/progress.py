@@ -10,12 +10,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import time
 from typing import Callable, Iterator
 
 log = logging.getLogger("rft_core.progress")
 
 ProgressFn = Callable[[int, int], None]
+# rich allows one live display at a time; stages running concurrently in threads (actor and
+# reference log-probs) fall back to log lines while another one shows its bar
+_BAR = threading.Lock()
 
 
 class LogProgress:
@@ -49,20 +53,24 @@ def progress_reporter(description: str, *, unit: str = "", log_fn: Callable[[str
 
     Args:
         use_bar: True: a rich progress bar; False: log lines; None: a bar when stdout is a
-            terminal.
+            terminal. A bar is shown only if no other one is (else log lines).
     """
     if use_bar is None:
         use_bar = sys.stdout.isatty()
-    if not use_bar:
+    if not use_bar or not _BAR.acquire(blocking=False):
         yield LogProgress(description, unit=unit, log_fn=log_fn, every_seconds=every_seconds)
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    try:
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
-                  TimeElapsedColumn(), TimeRemainingColumn()) as bar:
-        task = bar.add_task(description, total=None)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+                      TimeElapsedColumn(), TimeRemainingColumn()) as bar:
+            task = bar.add_task(description, total=None)
 
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+            def update(done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total)
 
-        yield update
+            yield update
+    finally:
+        _BAR.release()

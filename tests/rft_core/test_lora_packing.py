@@ -147,3 +147,15 @@ def test_progress_log_lines_are_throttled_and_end_at_completion():
         p(done, 10)
     assert len(lines) == 2 and lines[0].startswith("rollout: 1/10 sequences (10%)")
     assert lines[1].startswith("rollout: 10/10 sequences (100%)")
+
+
+def test_progress_bar_when_asked_and_log_lines_for_a_second_concurrent_one():
+    from rft_core.progress import progress_reporter
+
+    lines: list[str] = []
+    with progress_reporter("outer", use_bar=True) as outer:
+        outer(1, 2)
+        with progress_reporter("inner", use_bar=True, log_fn=lines.append, every_seconds=0) as inner:
+            inner(1, 2)  # rich allows one live display: the second reporter logs instead of failing
+        outer(2, 2)
+    assert lines == [lines[0]] and lines[0].startswith("inner: 1/2 (50%)")
