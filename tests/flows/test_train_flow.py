@@ -164,7 +164,9 @@ def test_state_kl_coefficient_and_reward_statistics_carry_across_iterations(pref
     assert m[0]["kl_coef"] == 0.05 and m[0]["kl"] == 0.0  # policy == reference in iteration 1
     assert m[0]["next_kl_coef"] == pytest.approx(0.05 * (1 - 0.2 * 12 / 24))  # KL 0 < target: error -0.2
     assert m[1]["kl_coef"] == pytest.approx(m[0]["next_kl_coef"])  # iteration 2 used it
-    assert m[1]["kl"] > 1e-6  # the policy moved away from the reference
+    # the policy moved away from the reference (k1 is unbiased but signed: a sampled estimate
+    # of a small KL can come out negative; it is exactly 0 only while policy == reference)
+    assert abs(m[1]["kl"]) > 1e-6
     assert m[1]["next_kl_coef"] == pytest.approx(next_kl_coef(m[1]["kl_coef"], m[1]["kl"], controller="adaptive",
                                                               target=1e-6, horizon=24, n_steps=12))
 
