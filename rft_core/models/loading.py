@@ -199,6 +199,11 @@ def load_pretrained(auto_cls, path: str, *, dtype: str = "float32", trainable: b
             model = auto_cls.from_pretrained(resolved, dtype=torch_dtype(dtype), **kwargs, **(model_kwargs or {}))
         except Exception as exc:
             raise ModelLoadError(f"cannot load {what} from {path!r} ({resolved}): {exc}") from exc
+    return set_trainable(model, trainable)
+
+
+def set_trainable(model, trainable: bool):
+    """Train mode, or eval mode with gradients off; returns ``model``."""
     if trainable:
         model.train()
     else:

@@ -46,16 +46,20 @@ class TokenBatch:
         return self.action_mask.shape[1]
 
 
+def _check_pairs(prompts: list[list[int]], responses: list[list[int]]) -> None:
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt in batch")
+
+
 def build_token_batch(prompts: list[list[int]], responses: list[list[int]], *, pad_token_id: int) -> TokenBatch:
     """Left-pad prompts, right-pad responses, concatenate.
 
     Raises:
         ValueError: lists of different lengths or an empty prompt.
     """
-    if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt in batch")
+    _check_pairs(prompts, responses)
     p_ids = zero_pad_sequences([torch.tensor(p, dtype=torch.long) for p in prompts], side="left", value=pad_token_id)
     p_mask = zero_pad_sequences([torch.ones(len(p), dtype=torch.long) for p in prompts], side="left")
     # a response of length 0 still gets one padded column so T >= 1
@@ -176,10 +180,7 @@ def build_packed_batch(prompts: list[list[int]], responses: list[list[int]]) -> 
     Raises:
         ValueError: lists of different lengths or an empty prompt.
     """
-    if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt in batch")
+    _check_pairs(prompts, responses)
     ids: list[int] = []
     pos: list[int] = []
     index: list[int] = []

@@ -75,7 +75,7 @@ def load_adapter_policy(adapter_dir: str | Path, *, dtype: str = "float32", trai
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rft_core.models.loading import ModelLoadError, attn_implementation, load_pretrained
+    from rft_core.models.loading import ModelLoadError, attn_implementation, load_pretrained, set_trainable
 
     base_path = adapter_base_path(adapter_dir)
     base = load_pretrained(AutoModelForCausalLM, base_path, dtype=dtype, trainable=False, what="LoRA base model",
@@ -87,12 +87,7 @@ def load_adapter_policy(adapter_dir: str | Path, *, dtype: str = "float32", trai
     if merge:
         model = model.merge_and_unload()
         model.requires_grad_(trainable)
-    if trainable:
-        model.train()
-    else:
-        model.eval()
-        model.requires_grad_(False)
-    return model
+    return set_trainable(model, trainable)
 
 
 def merge_adapter(adapter_dir: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> str:
