@@ -206,7 +206,7 @@ def run_trl(args, overrides: list[str]) -> dict:
         adam_beta1=u.betas[0], adam_beta2=u.betas[1], max_grad_norm=u.max_grad_norm, beta=cfg.kl.kl_coef,
         epsilon=u.policy_loss.clip_low if hasattr(u.policy_loss, "clip_low") else 0.2, num_iterations=u.epochs,
         loss_type="dapo",  # token-level mean over the batch = our token-mean
-        scale_rewards="group", shuffle_dataset=False, gradient_checkpointing=u.gradient_checkpointing,
+        scale_rewards="group", shuffle_dataset=False, activation_checkpointing=u.gradient_checkpointing,
         use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy="no", report_to="none",
         dataloader_num_workers=0, seed=r.seed, disable_tqdm=True)
     tok = load_tokenizer(model_dir)
