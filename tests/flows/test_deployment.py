@@ -211,7 +211,8 @@ def test_train_deployment_then_fail_and_retry_from_the_ui(stack, client, tiny_mo
                          overrides={**TINY, "name": "deploy-b", "run_root": str(run_b), "policy.path": tiny_model_dir,
                                     "reference.path": str(reference)})
     fr = _wait_final(client, stack, fr.id)
-    assert fr.state.type == StateType.FAILED and "does not exist" in fr.state.message, fr.state.message
+    assert fr.state.type == StateType.FAILED and "ModelLoadError" in fr.state.message, fr.state.message
+    assert str(reference) in fr.state.message
     assert all(_committed(run_b, s) for s in COMMITTED_BEFORE_FAILURE)
     assert not any(_committed(run_b, s) for s in ("ref_logprobs", "advantages", "ppo_update"))
     before = _snapshot(run_b, COMMITTED_BEFORE_FAILURE)
