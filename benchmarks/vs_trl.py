@@ -278,7 +278,7 @@ def report(results: dict[str, dict], args, overrides: list[str]) -> str:
     load_after = getattr(args, "load_after", None)
     load = f"{args.load_before:.1f}, after: {load_after:.1f}" if load_after is not None and args.load_before == args.load_before \
         else "not recorded"
-    lines = [SECTION, "", f"**{args.label}.**" if args.label else "",
+    lines = [SECTION, "", *([f"**{args.label}.**", ""] if args.label else []),
              f"Measured {_dt.date.today()} on {platform.machine()}, {os.cpu_count()} CPU cores (load average before: "
              f"{load}), torch CPU float32, TRL {results.get('trl', {}).get('trl_version', '-')}. "
              f"Model SmolLM2-135M-Instruct, task `{d.task}`, {d.prompts_per_iteration} prompts x {r.n_samples_per_prompt} samples "
@@ -286,7 +286,8 @@ def report(results: dict[str, dict], args, overrides: list[str]) -> str:
              f"one optimizer step per step, KL coefficient {cfg.kl.kl_coef} (a reference forward pass in both). "
              f"{args.steps} steps each, in separate fresh processes run one after the other; "
              f"{'the first step (warm-up) is left out of the median' if args.skip_first else 'every step counts'}.",
-             "", f"Command: `{cmd}`", "",
+             "", f"Command: `{cmd}` (on a quiet machine: `make bench-trl`, 5 steps each, the warm-up step left out; "
+             "`--json FILE` keeps the raw numbers).", "",
              "| framework | s/step median (min–max) | generated tok/s | mean response tokens | peak RSS GiB |",
              "|---|---|---|---|---|"]
     for name, res in results.items():
