@@ -233,6 +233,21 @@ def run_trl(args, overrides: list[str]) -> dict:
 
     model.generate = timed_generate
     marks: list[float] = []
+    phase: dict[tuple[int, str], float] = defaultdict(float)  # (step index, kind) -> seconds
+
+    def timed_method(kind, fn):
+        @functools.wraps(fn)
+        def w(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                phase[(len(marks) - 1, kind)] += time.perf_counter() - t0
+        return w
+
+    # generation + rewards + reference log-probs of a generation batch; the policy forward of a micro-batch
+    trainer._generate_and_score_completions = timed_method("generate_and_score", trainer._generate_and_score_completions)
+    trainer.compute_loss = timed_method("loss_forward", trainer.compute_loss)
 
     class StepTimes(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -251,7 +266,9 @@ def run_trl(args, overrides: list[str]) -> dict:
         lg = logs[i] if i < len(logs) else {}
         steps.append({"seconds": marks[i + 1] - marks[i], "generated_tokens": gen["tokens"][i] if i < len(gen["tokens"]) else None,
                       "generate_seconds": gen["seconds"][i] if i < len(gen["seconds"]) else None,
-                      "reward_mean": lg.get("reward"), "response_length": lg.get("completions/mean_length")})
+                      "reward_mean": lg.get("reward"), "response_length": lg.get("completions/mean_length"),
+                      "generate_and_score": phase.get((i, "generate_and_score"), 0.0),
+                      "loss_forward": phase.get((i, "loss_forward"), 0.0)})
     shutil.rmtree(out_dir, ignore_errors=True)
     return {"framework": "trl", "trl_version": __import__("trl").__version__, "steps": steps, "total_seconds": total,
             "peak_rss_gib": _peak_rss_gib(), "generate_calls": len(gen["seconds"]), "torch_threads": torch.get_num_threads()}
@@ -328,9 +345,51 @@ def report(results: dict[str, dict], args, overrides: list[str]) -> str:
                   f"- orchestration + persistence (Prefect + shards + checkpoint): "
                   f"{100 * (prefect + shard_io + ckpt) / step_s:.1f}% of the step"]
     if "trl" in results and "ours" in results:
-        lines += ["", _gap(results, args.skip_first)]
+        lines += ["", *_side_by_side(results, args.skip_first), "", _gap(results, args.skip_first)]
     lines += ["", "Raw per-step numbers: the JSON written by `--json` (`--from-json` rewrites this section from it).", ""]
     return "\n".join(x for x in lines if x is not None)
+
+
+def _side_by_side(results: dict[str, dict], skip_first: bool) -> list[str]:
+    """Median seconds per step of comparable parts, every framework in one table."""
+    def med(xs):
+        xs = list(xs)
+        return statistics.median(xs) if xs else float("nan")
+
+    rows: dict[str, dict[str, float]] = {}
+    for name, res in results.items():
+        steps = _steps_used(res, skip_first)
+        if name == "trl":
+            if not all("generate_and_score" in s for s in steps):
+                continue
+            rows[name] = {
+                "generation": med(s["generate_seconds"] for s in steps),
+                "rewards + log-prob passes (reference; actor if any)": med(s["generate_and_score"] - s["generate_seconds"] for s in steps),
+                "policy update (forward, backward, optimizer)": med(s["seconds"] - s["generate_and_score"] for s in steps),
+                "checkpoint save + checksums": 0.0, "model/tokenizer/optimizer loads": 0.0, "shard reads + writes": 0.0,
+                "orchestration": 0.0, "step": med(s["seconds"] for s in steps)}
+            continue
+        st = lambda s, stage, kind="task": s["stages"].get(stage, {}).get(kind, 0.0)  # noqa: E731
+        tot = lambda s, kinds: sum(v.get(k, 0.0) for v in s["stages"].values() for k in kinds)  # noqa: E731
+        rows[name] = {
+            "generation": med(st(s, "rollout", "compute") for s in steps),
+            "rewards + log-prob passes (reference; actor if any)": med(
+                max(st(s, x) for x in ("rewards", "actor_logprobs", "ref_logprobs")) for s in steps),
+            "policy update (forward, backward, optimizer)": med(st(s, "ppo_update", "compute") for s in steps),
+            "checkpoint save + checksums": med(tot(s, ("checkpoint_save", "checkpoint_commit")) for s in steps),
+            "model/tokenizer/optimizer loads": med(tot(s, ("model_load", "tokenizer_load", "optimizer_load")) for s in steps),
+            "shard reads + writes": med(tot(s, ("shard_read", "shard_write")) for s in steps),
+            "orchestration": med(s["seconds"] - s["critical_path"] for s in steps),
+            "step": med(s["seconds"] for s in steps)}
+    if "trl" not in rows:
+        return []
+    names = list(rows)
+    out = ["Where a step goes (median seconds; the log-prob passes of ours run concurrently with the rewards and are "
+           "counted at the longest; TRL's update row is its step minus generation and scoring):", "",
+           "| part | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for part in rows[names[0]]:
+        out.append(f"| {part} | " + " | ".join(f"{rows[n][part]:.1f}" for n in names) + " |")
+    return out
 
 
 def _gap(results: dict[str, dict], skip_first: bool) -> str:
