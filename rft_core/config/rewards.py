@@ -1,0 +1,157 @@
+"""Reward engine configs: the sources (a tagged union on ``type``), recipes and aggregation
+(``rft_core.rewards``)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rft_core.config._base import _Frozen, _tagged_union
+
+
+class _RewardSourceBase(_Frozen):
+    on_error: Literal["raise", "fallback"] = Field(
+        "raise", description="a source that raises or returns NaN/inf: stop the stage (raise) or give the "
+        "sample `fallback` and count it in reward_metrics['<source>.fallback']")
+    fallback: float = 0.0
+
+
+class MathAnswerSource(_RewardSourceBase):
+    """Correctness of the extracted final answer: the dataset's grader or math-verify."""
+
+    type: Literal["math_answer"] = "math_answer"
+    grader: Literal["dataset", "math_verify"] = "dataset"
+    timeout_s: float = Field(5.0, gt=0, description="math_verify: per-sample wall-time limit (a worker process is killed past it)")
+
+
+class ExactMatchSource(_RewardSourceBase):
+    """1.0 when the extracted final answer equals the reference (stripped; optionally ignoring case)."""
+
+    type: Literal["exact_match"] = "exact_match"
+    ignore_case: bool = True
+
+
+class FormatSource(_RewardSourceBase):
+    """1.0 when the response gives its answer in an `Answer:` line or an <answer> tag."""
+
+    type: Literal["format"] = "format"
+
+
+class CodeExecSource(_RewardSourceBase):
+    """Run the response against the problem's unit tests in a sandboxed subprocess."""
+
+    type: Literal["code_exec"] = "code_exec"
+    timeout_s: float = Field(5.0, gt=0, description="wall-time limit per sample (s)")
+    memory_mb: int = Field(512, ge=64, description="address-space limit per sample (MiB)")
+    max_workers: int | None = Field(None, gt=0, description="samples run at once (None: CPU count)")
+    network: Literal["namespace", "audit"] = Field(
+        "namespace", description="namespace: a network namespace (unshare) plus the audit hook; audit: the audit hook only")
+
+
+class RewardModelSource(_RewardSourceBase):
+    """A local HF sequence-classification model; score = logit 0 of prompt+response."""
+
+    type: Literal["reward_model"] = "reward_model"
+    path: str
+    batch_size: int = Field(8, gt=0)
+    max_length: int = Field(1024, gt=0, description="tokens; longer inputs keep their end")
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class RemoteSource(_RewardSourceBase):
+    """A remote reward model: POST {queries, prompts, labels, references} -> {rewards}."""
+
+    type: Literal["remote"] = "remote"
+    url: str
+    timeout_s: float = Field(30.0, gt=0, description="connect and read timeout per request (s)")
+    retries: int = Field(3, ge=0, description="retries on connection errors, timeouts and HTTP 429/5xx")
+    backoff_s: float = Field(0.5, ge=0, description="backoff factor: waits backoff_s * 2**(n-1) before retry n")
+    batch_size: int = Field(64, gt=0, description="samples per request")
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {v!r}")
+        return v
+
+
+class PythonSource(_RewardSourceBase):
+    """A user's function, given as `module:function` or `path/to/file.py:function`."""
+
+    type: Literal["python"] = "python"
+    function: str
+    call: Literal["sample", "batch", "lightrft"] = Field(
+        "sample", description="sample: fn(sample) -> float | (float, reason); batch: fn(samples) -> list; "
+        "lightrft: fn(queries, prompts, labels) -> list")
+
+    @field_validator("function")
+    @classmethod
+    def _spec(cls, v: str) -> str:
+        if ":" not in v or not v.rsplit(":", 1)[1].isidentifier():
+            raise ValueError(f"function must be 'module:function' or 'path/to/file.py:function', got {v!r}")
+        return v
+
+
+REWARD_SOURCE_CONFIGS = (MathAnswerSource, ExactMatchSource, FormatSource, CodeExecSource, RewardModelSource, RemoteSource, PythonSource)
+RewardSourceConfig = _tagged_union(REWARD_SOURCE_CONFIGS, "type", "math_answer", "reward source type")
+
+
+class RecipeItem(_Frozen):
+    """One term of a recipe: ``weight`` times the score of the named source. A weight of 0 still
+    computes and logs the score; leave the item out to skip the source."""
+
+    source: str
+    weight: float = 1.0
+
+
+class RewardConfig(_Frozen):
+    """The reward engine: named sources, and per-label recipes that weight them.
+
+    With ``sources`` left empty the shorthand keys build the implicit recipe
+    ``correct_reward * correctness + format_reward * format`` for every label.
+    """
+
+    grader: Literal["dataset", "math_verify"] = "dataset"
+    correct_reward: float = 1.0
+    format_reward: float = Field(0.0, description="added when the response ends with an 'Answer:' line or <answer> tag")
+    sources: dict[str, RewardSourceConfig] = Field(default_factory=dict, description="name -> source")
+    recipes: dict[str, list[RecipeItem]] = Field(default_factory=dict, description="label -> [(source, weight)]")
+    label_field: Literal["data_source"] = Field("data_source", description="the prompt column that picks a sample's recipe")
+    default_recipe: str | None = Field(None, description="recipe for labels that have none (None: such a label is an error)")
+    aggregation: str = Field("weighted_sum", description="weighted_sum, or 'module:function' called as fn(scores, weights, sample)")
+
+    @model_validator(mode="after")
+    def _check_recipes(self) -> "RewardConfig":
+        if not self.sources:
+            if self.recipes or self.default_recipe is not None:
+                raise ValueError("reward.recipes need reward.sources")
+            return self
+        if (self.grader, self.correct_reward, self.format_reward) != ("dataset", 1.0, 0.0):
+            raise ValueError("reward.grader/correct_reward/format_reward are shorthand for the implicit recipe; "
+                             "with reward.sources set, give weights in reward.recipes instead")
+        if not self.recipes:
+            raise ValueError("reward.sources is set but reward.recipes is empty")
+        for label, items in self.recipes.items():
+            if not items:
+                raise ValueError(f"reward.recipes.{label} is empty")
+            for item in items:
+                if item.source not in self.sources:
+                    raise ValueError(f"reward.recipes.{label} uses source {item.source!r}, which is not in "
+                                     f"reward.sources (defined: {', '.join(self.sources)})")
+        if self.default_recipe is not None and self.default_recipe not in self.recipes:
+            raise ValueError(f"reward.default_recipe {self.default_recipe!r} is not a recipe (defined: {', '.join(self.recipes)})")
+        return self
+
+    @property
+    def resolved(self) -> "RewardConfig":
+        """This config with the shorthand expanded into explicit sources and one default recipe."""
+        if self.sources:
+            return self
+        sources = {"correctness": MathAnswerSource(grader=self.grader), "format": FormatSource()}
+        recipe = [RecipeItem(source="correctness", weight=self.correct_reward),
+                  RecipeItem(source="format", weight=self.format_reward)]  # weight 0: still logged
+        return RewardConfig.model_construct(
+            grader="dataset", correct_reward=1.0, format_reward=0.0, sources=sources, recipes={"default": recipe},
+            label_field="data_source", default_recipe="default", aggregation=self.aggregation)

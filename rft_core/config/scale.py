@@ -1,0 +1,75 @@
+"""Scale-out configs: the vLLM engine, LoRA, DeepSpeed ZeRO, and where each stage program runs
+(``runners``; docs/scale.md)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rft_core.config._base import _Frozen
+
+
+class VLLMConfig(_Frozen):
+    """vLLM engine settings (``rollout.engine=vllm``; GPU, its own environment: docs/scale.md)."""
+
+    tensor_parallel_size: int = Field(1, gt=0)
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    max_model_len: int | None = Field(None, gt=0)
+    enable_sleep_mode: bool = Field(False, description="free GPU memory after the rollout (colocated with training)")
+    max_lora_rank: int = Field(64, gt=0)
+
+
+class LoraConfig(_Frozen):
+    """LoRA adapters through peft (Hu et al. 2021, arXiv:2106.09685): W + (alpha / rank) * B A."""
+
+    rank: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names, or all-linear: every Linear of attention and MLP (not the LM head)")
+
+
+class DeepSpeedConfig(_Frozen):
+    """DeepSpeed ZeRO data parallelism for the update; launch it with torchrun
+    (``runners.ppo_update: {mode: subprocess, launcher: torchrun, nproc_per_node: N}``)."""
+
+    zero_stage: Literal[1, 2, 3] = 2
+    offload_optimizer: bool = Field(False, description="ZeRO-Offload of the optimizer state to CPU memory")
+    torch_adam: bool = Field(True, description="torch's AdamW instead of DeepSpeed's compiled Adam ops")
+
+
+# Stages whose program can run in a subprocess (another interpreter, torchrun): those holding a model.
+RUNNABLE_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "critic_values", "critic_update", "ppo_update")
+
+
+class RunnerConfig(_Frozen):
+    """Where a stage program runs: in the task's process (default) or as
+    ``python -m rft_core.stages <stage>`` in a subprocess, with another interpreter (e.g. a vLLM
+    environment) and optionally under torchrun (multi-rank update). Never part of a config hash:
+    both modes commit the same shard."""
+
+    mode: Literal["inprocess", "subprocess"] = "inprocess"
+    python: str | None = Field(None, description="interpreter of the subprocess (None: the current one)")
+    launcher: Literal["plain", "torchrun"] = "plain"
+    nproc_per_node: int = Field(1, gt=0, description="torchrun: ranks on this node")
+    torchrun_args: list[str] = Field(default_factory=list, description="extra torchrun flags, e.g. --nnodes=2 --rdzv-endpoint=host:29500")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables of the subprocess")
+    tail_lines: int = Field(40, gt=0, description="output lines quoted in the error of a failed subprocess")
+    shards: int = Field(1, gt=0, description="rollout only: split over this many Prefect tasks on a Ray cluster (prefect-ray)")
+    ray_address: str | None = Field(None, description="Ray cluster for shards > 1 (ray://host:10001, auto); None: start a local one")
+    ray_init_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra ray.init arguments (num_cpus, runtime_env, ...)")
+    ray_remote_options: dict[str, Any] = Field(default_factory=dict, description="Ray resources of each shard task, e.g. {num_gpus: 1}")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunnerConfig":
+        if self.mode == "inprocess" and (self.launcher != "plain" or self.python):
+            raise ValueError("runner.launcher / runner.python need runner.mode=subprocess")
+        return self
+
+
+class OrchestrationConfig(_Frozen):
+    """How stage tasks meet Prefect's own machinery. Never part of a config hash."""
+
+    concurrency_tags: bool | None = Field(
+        None, description="tag stage tasks `gpu`/`cpu` so tag concurrency limits apply; each tagged task costs a "
+        "concurrency-slot round trip to the server. None (auto): on when the server has a `gpu` or `cpu` tag limit")
