@@ -10,8 +10,10 @@ Three calling conventions (the source's ``call``):
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -52,6 +54,42 @@ def load_function(spec: str) -> Callable[..., Any]:
     if not callable(fn):
         raise RewardError(f"reward function {spec!r}: {target!r} has no callable {attr!r}")
     return fn
+
+
+def source_fingerprint(spec: str) -> str:
+    """sha256 (hex) of the source file that defines the function ``spec`` names, so that editing
+    a user reward function changes the rewards stage's config hash (a committed rewards shard is
+    then reported stale instead of silently reused).
+
+    Only the defining file is hashed, not the modules it imports.
+
+    Raises:
+        RewardError: the function cannot be imported (``load_function``), or its module has no
+            readable source file (a builtin or extension module).
+    """
+    fn = load_function(spec)
+    try:
+        path = inspect.getsourcefile(inspect.unwrap(fn)) or inspect.getsourcefile(sys.modules[fn.__module__])
+    except (TypeError, KeyError):
+        path = None
+    if not path or not Path(path).is_file():
+        raise RewardError(f"reward function {spec!r}: no Python source file to fingerprint")
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def code_fingerprints(cfg) -> dict[str, str]:
+    """{spec: sha256 of its source file} for every user function a reward config calls: the
+    ``python`` sources and a ``module:function`` aggregation. Empty when it calls none.
+
+    Args:
+        cfg: ``rft_core.config.RewardConfig``.
+    Raises:
+        RewardError: as ``source_fingerprint``.
+    """
+    specs = [src.function for src in cfg.sources.values() if getattr(src, "type", None) == "python"]
+    if cfg.aggregation != "weighted_sum":
+        specs.append(cfg.aggregation)
+    return {spec: source_fingerprint(spec) for spec in sorted(set(specs))}
 
 
 def to_source_score(value: Any, *, where: str) -> SourceScore:

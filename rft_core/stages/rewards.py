@@ -8,6 +8,7 @@ import pyarrow as pa
 from rft_core.config import RewardConfig
 from rft_core.rewards.base import RewardSample
 from rft_core.rewards.engine import RewardEngine
+from rft_core.rewards.user import code_fingerprints
 from rft_core.stages.common import Timer, reuse_or_compute
 from schemas import ShardRef, ShardSchemaError, config_hash, read_shard, write_shard
 from schemas.columns import REWARDS
@@ -68,8 +69,12 @@ def run(rollout: ShardRef, prompts: ShardRef, cfg: RewardConfig, *, out: str) ->
     Raises:
         ShardSchemaError: a rollout sample whose prompt_id is not in the prompts shard.
         RewardError: a source failed with ``on_error: raise``, or a label has no recipe.
+        StaleShardError: a committed shard at ``out`` came from another config, other inputs or
+            another version of a user reward function's source file.
     """
-    chash = config_hash("rewards", cfg, rollout, prompts)
+    # user functions' source files count as config: editing one makes a committed shard stale
+    code = code_fingerprints(cfg)
+    chash = config_hash("rewards", cfg, rollout, prompts, *([code] if code else []))
 
     def compute() -> ShardRef:
         samples = reward_samples(read_shard(rollout, stage="rollout"), read_shard(prompts, stage="prompts"),

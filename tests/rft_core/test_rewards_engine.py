@@ -214,3 +214,47 @@ def test_exact_match_source():
     assert [r.reward for r in out] == [1.0, 1.0, 0.0, 0.0]
     assert [r.extracted for r in out] == ["7", "Seven", "8", None]
     assert out[0].metrics == {"em": 1.0, "em.format": 1.0}
+
+
+def test_code_fingerprints_cover_the_user_functions_source(tmp_path, monkeypatch):
+    import hashlib
+
+    from rft_core.rewards.user import code_fingerprints, source_fingerprint
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fp_reward.py").write_text("def score(sample):\n    return 1.0\n")
+    cfg = load_config(None, {"reward.sources": {"mine": {"type": "python", "function": "fp_reward.py:score"},
+                                                "m": {"type": "math_answer"}},
+                             "reward.recipes": {"x": [{"source": "mine"}, {"source": "m"}]},
+                             "reward.aggregation": f"{M}:product"}).reward
+    this_file = hashlib.sha256(open(__file__, "rb").read()).hexdigest()
+    first = code_fingerprints(cfg)
+    assert first == {"fp_reward.py:score": hashlib.sha256(b"def score(sample):\n    return 1.0\n").hexdigest(),
+                     f"{M}:product": this_file}
+    (tmp_path / "fp_reward.py").write_text("def score(sample):\n    return 2.0\n")
+    assert code_fingerprints(cfg)["fp_reward.py:score"] != first["fp_reward.py:score"]
+    assert code_fingerprints(RewardConfig()) == {}  # no user code: the hash is as before
+    with pytest.raises(RewardError, match="no Python source file"):
+        source_fingerprint("math:sqrt")
+
+
+def test_editing_a_user_reward_function_makes_the_committed_rewards_shard_stale(tiny_model, tmp_path, monkeypatch):
+    from rft_core import stages
+    from schemas import stage_uri
+    from schemas.shards import StaleShardError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "edit_reward.py").write_text("def score(sample):\n    return 1.0\n")
+    cfg = load_config(None, [f"policy.path={tiny_model}", "data.prompts_per_iteration=2", "rollout.n_samples_per_prompt=2",
+                             "rollout.max_new_tokens=3"])
+    reward = load_config(None, {"reward.sources": {"mine": {"type": "python", "function": "edit_reward.py:score"}},
+                                "reward.recipes": {"r": [{"source": "mine"}]}, "reward.default_recipe": "r"}).reward
+    root = str(tmp_path / "run")
+    p = stages.prompts.run(cfg.data, tokenizer_path=tiny_model, iteration=1, out=stage_uri(root, 1, "prompts"))
+    r = stages.rollout.run(p, tiny_model, cfg.rollout, iteration=1, out=stage_uri(root, 1, "rollout"))
+    out = stage_uri(root, 1, "rewards")
+    first = stages.rewards.run(r, p, reward, out=out)
+    assert stages.rewards.run(r, p, reward, out=out) == first  # unchanged code: reused
+    (tmp_path / "edit_reward.py").write_text("def score(sample):\n    return 0.0  # edited\n")
+    with pytest.raises(StaleShardError, match="config hash"):
+        stages.rewards.run(r, p, reward, out=out)
