@@ -5,8 +5,9 @@
 2. For each seed, ``iterations`` GRPO iterations run through the iteration flow
    (``flows/iteration.py:rl_iteration``) into ``{out}/seed-{s}``, with ``rollout.seed`` and
    ``update.seed`` set to the seed (same training prompts in the same order; sampling and
-   mini-batch order differ). Only the newest checkpoint is kept on disk (each is ~1.6 GB with
-   the AdamW state); the others are deleted as soon as the next iteration has committed.
+   mini-batch order differ). Only the newest checkpoint is kept whole on disk (each is ~1.6 GB
+   with the AdamW state); the weights and optimizer state of the others are pruned as soon as
+   the next iteration has committed (``rft_core.stages.retention``, keep_last=1).
 3. The final checkpoint of each seed is scored on the same held-out split.
 
 Writes the training reward curve and the held-out accuracy before/after to an image and a
@@ -26,7 +27,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 import time
@@ -47,19 +47,12 @@ def _eval_numbers(res) -> dict:
             "truncated_fraction": s["truncated_fraction"], "num_prompts": res.num_prompts, "uri": res.shard.uri}
 
 
-def _prune_checkpoints(run_root: str, keep_iteration: int) -> None:
-    """Delete the ``policy/`` folders of iterations before ``keep_iteration`` (their stages
-    stay committed, so the run can be inspected, but not resumed from them)."""
-    for folder in Path(run_root).glob("iter=*/ppo_update/policy"):
-        if int(folder.parent.parent.name.split("=")[1]) < keep_iteration:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
 def train_seed(cfg, *, keep_all: bool) -> tuple[list[dict], object]:
     """``cfg.iterations`` iterations of the iteration flow; returns the metrics rows and the
     final policy ShardRef."""
     from flows.iteration import rl_iteration
     from rft_core.metrics import format_metrics_line, write_metrics
+    from rft_core.stages.retention import prune_checkpoints
 
     policy, state, rows = cfg.policy.path, cfg.initial_state, []
     for i in range(1, cfg.iterations + 1):
@@ -68,8 +61,8 @@ def train_seed(cfg, *, keep_all: bool) -> tuple[list[dict], object]:
         rows.append(result.metrics)
         write_metrics(cfg.run_root, rows)
         print(format_metrics_line(result.metrics), flush=True)
-        if not keep_all:
-            _prune_checkpoints(cfg.run_root, i)
+        if not keep_all:  # checkpoint retention: the run stays resumable and its manifests verify
+            prune_checkpoints(cfg.run_root, i, keep_last=1, prune="weights")
     return rows, policy
 
 

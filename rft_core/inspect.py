@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from schemas import ShardError, read_manifest, read_shard, stage_uri
+from schemas import ShardError, pruned_files, read_manifest, read_shard, stage_uri
 from schemas.experience import align_on_sample_id
 from schemas.shards import MANIFEST_NAME
 
@@ -44,7 +44,9 @@ def run_status(run_root: str) -> list[dict[str, Any]]:
             else:
                 try:
                     man, _ = read_manifest(uri)
-                    row.update(status="committed", rows=man.num_rows, bytes=sum(f.bytes for f in man.files),
+                    pruned = pruned_files(uri)  # checkpoint retention: files removed on purpose
+                    row.update(status="committed" + (" (pruned)" if pruned else ""), rows=man.num_rows,
+                               bytes=sum(f.bytes for f in man.files if f.path not in pruned),
                                seconds=man.summary.get("seconds"), config_hash=man.config_hash)
                 except ShardError as exc:
                     row.update(status="corrupt", rows=None, bytes=None, seconds=None, config_hash=str(exc)[:80])

@@ -61,6 +61,7 @@ class ShardLockedError(ShardError):
 
 
 LOCK_NAME = ".writer.lock"
+PRUNED_NAME = "_PRUNED.json"
 LOCK_TTL_SECONDS = float(os.environ.get("RFT_LOCK_TTL_SECONDS", 6 * 3600))
 
 
@@ -247,7 +248,10 @@ def committed_ref(uri: str, *, stage: str, config_hash: str, check_files: bool =
         )
     if check_files:
         fs, path = _fs(uri)
+        pruned = pruned_files(uri)
         for entry in manifest.files:
+            if entry.path in pruned:  # removed on purpose (checkpoint retention), not corruption
+                continue
             fpath = f"{path}/{entry.path}"
             if not fs.exists(fpath):
                 raise ShardCorruptError(f"{uri}: manifest lists {entry.path} but the file is missing")
@@ -255,6 +259,61 @@ def committed_ref(uri: str, *, stage: str, config_hash: str, check_files: bool =
             if size != entry.bytes:
                 raise ShardCorruptError(f"{uri}/{entry.path}: {size} bytes, manifest says {entry.bytes}")
     return _ref(uri, manifest, sha)
+
+
+def pruned_files(uri: str) -> dict[str, str]:
+    """{path relative to ``uri``: why} of the committed files ``prune_files`` removed; {} when
+    none were.
+
+    Raises:
+        ShardCorruptError: ``_PRUNED.json`` exists but is not a JSON object of strings.
+    """
+    fs, path = _fs(uri)
+    ppath = f"{path}/{PRUNED_NAME}"
+    if not fs.exists(ppath):
+        return {}
+    try:
+        data = json.loads(fs.cat_file(ppath))
+    except ValueError as exc:
+        raise ShardCorruptError(f"{uri}/{PRUNED_NAME}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise ShardCorruptError(f"{uri}/{PRUNED_NAME}: expected an object {{path: reason}}")
+    return data
+
+
+def prune_files(uri: str, paths: Iterable[str], *, reason: str) -> list[str]:
+    """Delete committed files that are not Parquet parts (checkpoint weights, optimizer state)
+    from a committed stage, to bound a run's storage.
+
+    The manifest is never rewritten (downstream stages reference it by sha256): the removed
+    paths are recorded in ``{uri}/_PRUNED.json`` first, then deleted, so a crash in between
+    leaves only recorded files behind, and ``committed_ref`` treats recorded files as removed on
+    purpose, not as corruption. Pruning a file already pruned is a no-op.
+
+    Returns:
+        the paths deleted now (sorted).
+    Raises:
+        ShardNotCommittedError: the stage has no manifest.
+        ValueError: a path the manifest does not list, or a Parquet part (rows would be lost).
+    """
+    manifest, _ = read_manifest(uri)
+    entries = {e.path: e for e in manifest.files}
+    paths = sorted(set(paths))
+    for rel in paths:
+        if rel not in entries:
+            raise ValueError(f"{uri}: cannot prune {rel!r}: the manifest does not list it")
+        if entries[rel].rows is not None:
+            raise ValueError(f"{uri}: cannot prune {rel!r}: it is a Parquet part of the shard")
+    done = pruned_files(uri)
+    todo = [rel for rel in paths if rel not in done]
+    if not todo:
+        return []
+    fs, path = _fs(uri)
+    _atomic_put(fs, f"{path}/{PRUNED_NAME}", json.dumps({**done, **{rel: reason for rel in todo}}, indent=1, sort_keys=True).encode())
+    for rel in todo:
+        if fs.exists(f"{path}/{rel}"):
+            fs.rm_file(f"{path}/{rel}")
+    return todo
 
 
 def prepare_stage_dir(uri: str) -> str:

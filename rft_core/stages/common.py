@@ -14,6 +14,7 @@ import fsspec
 import pyarrow as pa
 
 from rft_core.models.loading import cache_dir
+from rft_core.stages.retention import require_unpruned
 from rft_core.training.update import save_checkpoint
 from schemas import ShardRef, StageSchema, commit_files, committed_ref, local_path, prepare_stage_dir, write_parts
 from schemas.shards import release_stage_lock
@@ -56,9 +57,13 @@ def policy_model_path(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str:
 
     A checkpoint on a non-local filesystem is downloaded once into the cache, keyed by its
     manifest checksum (atomic rename, so a partial download is never used).
+
+    Raises:
+        CheckpointPrunedError: the checkpoint's weights were pruned (``checkpoint.keep_last``).
     """
     if isinstance(policy, str):
         return policy
+    require_unpruned(policy, subdir, optimizer=False)
     uri = f"{policy.uri.rstrip('/')}/{subdir}"
     local = local_path(uri)
     if local is not None:
@@ -77,8 +82,15 @@ def policy_model_path(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str:
 
 
 def policy_checkpoint_dir(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str | None:
-    """Local folder of a checkpointed policy (for its optimizer state), None for an initial model."""
-    return None if isinstance(policy, str) else policy_model_path(policy, subdir)
+    """Local folder of a checkpointed policy (for its optimizer state), None for an initial model.
+
+    Raises:
+        CheckpointPrunedError: the checkpoint's optimizer state or weights were pruned.
+    """
+    if isinstance(policy, str):
+        return None
+    require_unpruned(policy, subdir, optimizer=True)
+    return policy_model_path(policy, subdir)
 
 
 def commit_checkpoint(out: str, *, subdir: str, model, tokenizer, optimizer, steps: list, schema: StageSchema,

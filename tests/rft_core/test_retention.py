@@ -1,0 +1,135 @@
+"""Checkpoint retention: pruning records what it removes before removing it, never rewrites a
+manifest, never touches Parquet parts, keeps the last N iterations whole, and a pruned
+checkpoint refuses to be trained from instead of silently restarting the optimizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from rft_core.config import ConfigError, load_config
+from rft_core.stages.common import policy_checkpoint_dir, policy_model_path
+from rft_core.stages.retention import CheckpointPrunedError, prunable_files, prune_checkpoints
+from schemas import (
+    ShardCorruptError,
+    ShardNotCommittedError,
+    commit_files,
+    committed_ref,
+    prune_files,
+    pruned_files,
+    read_manifest,
+    read_shard,
+    stage_uri,
+    write_parts,
+)
+from schemas.columns import PPO_UPDATE
+
+FILES = {"policy/config.json": b"{}", "policy/model.safetensors": b"w" * 1000, "policy/optimizer.pt": b"o" * 2000,
+         "policy/tokenizer.json": b"{}"}
+
+
+def _checkpoint_stage(run_root: str, iteration: int, stage: str = "ppo_update", subdir: str = "policy"):
+    uri = stage_uri(run_root, iteration, stage)
+    folder = Path(uri)
+    for rel, data in FILES.items():
+        (folder / rel.replace("policy/", f"{subdir}/")).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel.replace("policy/", f"{subdir}/")).write_bytes(data)
+    table = pa.table({k: [] for k in PPO_UPDATE.schema.names}, schema=PPO_UPDATE.arrow) if stage == "ppo_update" else None
+    rows = write_parts(table, uri, schema=PPO_UPDATE) if table is not None else {}
+    return commit_files(uri, stage=stage, config_hash=f"h{iteration}", schema=PPO_UPDATE if table is not None else None,
+                        rows_per_file=rows)
+
+
+def test_prune_files_records_then_deletes_and_the_stage_stays_committed(tmp_path):
+    ref = _checkpoint_stage(str(tmp_path), 1)
+    manifest_before = Path(ref.uri, "_MANIFEST.json").read_bytes()
+    assert prune_files(ref.uri, ["policy/optimizer.pt"], reason="test") == ["policy/optimizer.pt"]
+    assert not Path(ref.uri, "policy/optimizer.pt").exists() and Path(ref.uri, "policy/model.safetensors").exists()
+    assert pruned_files(ref.uri) == {"policy/optimizer.pt": "test"}
+    assert Path(ref.uri, "_MANIFEST.json").read_bytes() == manifest_before  # never rewritten
+    assert committed_ref(ref.uri, stage="ppo_update", config_hash="h1") == ref  # still reusable
+    assert read_shard(ref).num_rows == 0  # the metrics parts still read and verify
+    assert prune_files(ref.uri, ["policy/optimizer.pt"], reason="again") == []  # idempotent
+    assert pruned_files(ref.uri) == {"policy/optimizer.pt": "test"}
+    # a missing file that is NOT recorded is still corruption
+    Path(ref.uri, "policy/tokenizer.json").unlink()
+    with pytest.raises(ShardCorruptError, match="tokenizer.json but the file is missing"):
+        committed_ref(ref.uri, stage="ppo_update", config_hash="h1")
+
+
+def test_prune_files_refuses_parquet_parts_unknown_paths_and_uncommitted_stages(tmp_path):
+    ref = _checkpoint_stage(str(tmp_path), 1)
+    part = next(e.path for e in read_manifest(ref.uri)[0].files if e.rows is not None)
+    with pytest.raises(ValueError, match=f"cannot prune '{part}': it is a Parquet part"):
+        prune_files(ref.uri, [part], reason="x")
+    with pytest.raises(ValueError, match="'policy/nope.bin': the manifest does not list it"):
+        prune_files(ref.uri, ["policy/nope.bin"], reason="x")
+    assert pruned_files(ref.uri) == {} and Path(ref.uri, part).exists()
+    with pytest.raises(ShardNotCommittedError):
+        prune_files(str(tmp_path / "never"), ["a"], reason="x")
+    Path(ref.uri, "_PRUNED.json").write_text("[1, 2]")
+    with pytest.raises(ShardCorruptError, match="_PRUNED.json: expected an object"):
+        committed_ref(ref.uri, stage="ppo_update", config_hash="h1")
+
+
+def test_a_crash_between_record_and_delete_leaves_a_consistent_stage(tmp_path):
+    ref = _checkpoint_stage(str(tmp_path), 1)
+    Path(ref.uri, "_PRUNED.json").write_text(json.dumps({"policy/optimizer.pt": "interrupted"}))  # recorded, not deleted
+    assert committed_ref(ref.uri, stage="ppo_update", config_hash="h1") == ref
+    assert prune_files(ref.uri, ["policy/optimizer.pt"], reason="x") == []  # already recorded: no-op
+    Path(ref.uri, "policy/optimizer.pt").unlink()  # the delete finishing later is fine too
+    assert committed_ref(ref.uri, stage="ppo_update", config_hash="h1") == ref
+
+
+def test_prunable_files_by_mode():
+    files = ["part-00000.parquet", "policy/config.json", "policy/model.safetensors", "policy/model-00001-of-00002.safetensors",
+             "policy/model.safetensors.index.json", "policy/optimizer.pt", "policy/tokenizer.json", "critic/optimizer.pt"]
+    assert prunable_files(files, "policy", "optimizer") == ["policy/optimizer.pt"]
+    assert prunable_files(files, "policy", "weights") == [
+        "policy/model-00001-of-00002.safetensors", "policy/model.safetensors", "policy/model.safetensors.index.json",
+        "policy/optimizer.pt"]
+    assert prunable_files(files, "critic", "weights") == ["critic/optimizer.pt"]
+    with pytest.raises(ValueError, match="prune must be 'optimizer' or 'weights'"):
+        prunable_files(files, "policy", "all")
+
+
+@pytest.mark.parametrize("prune", ["optimizer", "weights"])
+def test_prune_checkpoints_keeps_the_last_n_iterations_whole(tmp_path, prune):
+    root = str(tmp_path / "run")
+    refs = {i: _checkpoint_stage(root, i) for i in (1, 2, 3, 4)}
+    critic = _checkpoint_stage(root, 1, stage="critic_update", subdir="critic")
+    assert prune_checkpoints(root, 2, keep_last=2, prune=prune) == {}  # nothing older than the last 2 yet
+    done = prune_checkpoints(root, 4, keep_last=2, prune=prune)
+    gone = ["policy/optimizer.pt"] + (["policy/model.safetensors"] if prune == "weights" else [])
+    assert done == {refs[1].uri: sorted(gone), refs[2].uri: sorted(gone),
+                    critic.uri: sorted(p.replace("policy/", "critic/") for p in gone)}
+    for i in (1, 2):
+        left = sorted(p.name for p in Path(refs[i].uri, "policy").iterdir())
+        assert left == sorted(Path(rel).name for rel in FILES if rel not in gone)
+    for i in (3, 4):  # the last 2 are untouched
+        assert sorted(p.name for p in Path(refs[i].uri, "policy").iterdir()) == sorted(Path(rel).name for rel in FILES)
+        assert pruned_files(refs[i].uri) == {}
+    assert prune_checkpoints(root, 4, keep_last=2, prune=prune) == {}  # idempotent (a resume calls it again)
+    # training from a pruned checkpoint is refused, never a silent fresh optimizer
+    with pytest.raises(CheckpointPrunedError, match=r"optimizer.pt.*pruned \(checkpoint.keep_last=2"):
+        policy_checkpoint_dir(refs[1])
+    if prune == "weights":
+        with pytest.raises(CheckpointPrunedError, match="model.safetensors"):
+            policy_model_path(refs[2])
+    else:
+        assert policy_model_path(refs[2]) == f"{refs[2].uri}/policy"  # weights kept: still loadable
+    assert policy_checkpoint_dir(refs[3]) == f"{refs[3].uri}/policy"
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        prune_checkpoints(root, 4, keep_last=0)
+
+
+def test_checkpoint_config_validates():
+    cfg = load_config(None, ["checkpoint.keep_last=2", "checkpoint.prune=weights"])
+    assert (cfg.checkpoint.keep_last, cfg.checkpoint.prune) == (2, "weights")
+    assert load_config(None).checkpoint.keep_last is None
+    with pytest.raises(ConfigError, match="checkpoint.keep_last"):
+        load_config(None, ["checkpoint.keep_last=0"])
+    with pytest.raises(ConfigError, match="checkpoint.prune"):
+        load_config(None, ["checkpoint.prune=everything"])
