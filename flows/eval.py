@@ -17,7 +17,6 @@ from rft_core.config import TrainConfig, load_config
 from rft_core.stages import evaluate as ev
 from rft_core.stages.common import PolicyRef
 from schemas import ShardRef, config_hash, read_manifest, read_shard
-from tasks.stages import eval_generate, eval_prompts, eval_summary
 
 
 class EvalResult(BaseModel):
@@ -67,11 +66,12 @@ def evaluate(cfg: TrainConfig, checkpoint: str | ShardRef | None = None, out_roo
     label = ev.checkpoint_label(policy)
     logger.info("evaluating %s on %d held-out %s prompts into %s", label, cfg.eval.num_prompts, cfg.data.task, root)
 
+    st = tasks.StageTasks(tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags))
     tokenizer_path = policy if isinstance(policy, str) else cfg.policy.path
-    prompts = eval_prompts(cfg.data, cfg.eval, tokenizer_path, f"{root}/prompts")
-    rollout = eval_generate(prompts, policy, max_new, cfg.eval.batch_size, f"{root}/rollout", cfg.policy.dtype)
-    rewards = tasks.rewards(rollout, prompts, cfg.reward, f"{root}/rewards")
-    shard = eval_summary(prompts, rollout, rewards, policy, f"{root}/eval")
+    prompts = st.eval_prompts(cfg.data, cfg.eval, tokenizer_path, f"{root}/prompts")
+    rollout = st.eval_generate(prompts, policy, max_new, cfg.eval.batch_size, f"{root}/rollout", cfg.policy.dtype)
+    rewards = st.rewards(rollout, prompts, cfg.reward, f"{root}/rewards")
+    shard = st.eval_summary(prompts, rollout, rewards, policy, f"{root}/eval")
 
     summary = read_manifest(shard.uri)[0].summary
     create_markdown_artifact(key=f"eval-{fingerprint.lower()}", markdown=ev.eval_markdown(read_shard(shard, stage="eval"), summary),

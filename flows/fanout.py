@@ -34,20 +34,21 @@ def _remote_options(options: dict):
 
 @flow(name="rollout-fanout", flow_run_name="rollout-fanout-iter-{iteration:06d}")
 def rollout_fanout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str,
-                   attempt: int, runner: RunnerConfig) -> ShardRef:
+                   attempt: int, runner: RunnerConfig, concurrency_tags: bool = False) -> ShardRef:
     """Submit ``runner.shards`` rollout shards together (they run on the flow's task runner),
     then merge them into ``out``."""
+    st = tasks.StageTasks(concurrency_tags)
     n = runner.shards
     inner = runner.model_copy(update={"shards": 1})  # how each shard's program runs inside its worker
     with _remote_options(runner.ray_remote_options):  # e.g. one GPU per shard task
-        futures = [tasks.rollout_shard.submit(prompts, policy, cfg, iteration, shard_uri(out, i, n), dtype, attempt, (i, n),
+        futures = [st.rollout_shard.submit(prompts, policy, cfg, iteration, shard_uri(out, i, n), dtype, attempt, (i, n),
                                               inner) for i in range(n)]
     parts = [f.result() for f in futures]
-    return tasks.rollout_merge(parts, prompts, policy, cfg, iteration, out, dtype, attempt)
+    return st.rollout_merge(parts, prompts, policy, cfg, iteration, out, dtype, attempt)
 
 
 def sharded_rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str,
-                    attempt: int, runner: RunnerConfig) -> ShardRef:
+                    attempt: int, runner: RunnerConfig, concurrency_tags: bool = False) -> ShardRef:
     """``rollout_fanout`` as a subflow on a ``RayTaskRunner`` for ``runner.ray_address``.
 
     Raises:
@@ -56,12 +57,15 @@ def sharded_rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, it
     from prefect_ray import RayTaskRunner
 
     task_runner = RayTaskRunner(address=runner.ray_address, init_kwargs=dict(runner.ray_init_kwargs))
-    return rollout_fanout.with_options(task_runner=task_runner)(prompts, policy, cfg, iteration, out, dtype, attempt, runner)
+    return rollout_fanout.with_options(task_runner=task_runner)(prompts, policy, cfg, iteration, out, dtype, attempt, runner,
+                                                                concurrency_tags)
 
 
 def rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str, attempt: int,
-            runner: RunnerConfig) -> ShardRef:
-    """The rollout stage as the iteration flow runs it: one task, or shards on Ray."""
+            runner: RunnerConfig, st: "tasks.StageTasks | None" = None) -> ShardRef:
+    """The rollout stage as the iteration flow runs it: one task, or shards on Ray. ``st``: the
+    run's stage tasks (None: untagged)."""
+    st = st or tasks.StageTasks(False)
     if runner.shards > 1:
-        return sharded_rollout(prompts, policy, cfg, iteration, out, dtype, attempt, runner)
-    return tasks.rollout(prompts, policy, cfg, iteration, out, dtype, attempt, runner=runner)
+        return sharded_rollout(prompts, policy, cfg, iteration, out, dtype, attempt, runner, st.concurrency_tags)
+    return st.rollout(prompts, policy, cfg, iteration, out, dtype, attempt, runner=runner)

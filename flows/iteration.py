@@ -29,21 +29,21 @@ class IterationResult(BaseModel):
     metrics: dict[str, Any]
 
 
-def _dynamic_sampling(cfg: TrainConfig, iteration: int, policy: PolicyRef, out) -> tuple[ShardRef, ShardRef, ShardRef]:
+def _dynamic_sampling(cfg: TrainConfig, iteration: int, policy: PolicyRef, out, st: tasks.StageTasks) -> tuple[ShardRef, ShardRef, ShardRef]:
     """Rollout attempts (each with its own stage folders) until enough groups have reward
     spread or the refills run out; then the merge stage writes prompts/rollout/rewards."""
     target = cfg.data.prompts_per_iteration
     attempts = []
     for attempt in range(cfg.dynamic_sampling.max_refills + 1):
         sfx = f"-try{attempt}"
-        p = tasks.prompts(cfg.data, cfg.policy.path, iteration, out(f"prompts{sfx}"), attempt)
+        p = st.prompts(cfg.data, cfg.policy.path, iteration, out(f"prompts{sfx}"), attempt)
         r = fanout.rollout(p, policy, cfg.rollout, iteration, out(f"rollout{sfx}"), cfg.policy.dtype, attempt,
-                           cfg.runner("rollout"))
-        w = tasks.rewards(r, p, cfg.reward, out(f"rewards{sfx}"))
+                           cfg.runner("rollout"), st)
+        w = st.rewards(r, p, cfg.reward, out(f"rewards{sfx}"))
         attempts.append((p, r, w))
-        if tasks.signal_groups([a[2] for a in attempts]) >= target:
+        if st.signal_groups([a[2] for a in attempts]) >= target:
             break
-    return tasks.dynamic_merge(attempts, target, out("prompts"), out("rollout"), out("rewards"))
+    return st.dynamic_merge(attempts, target, out("prompts"), out("rollout"), out("rewards"))
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
@@ -60,26 +60,27 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
         return stage_uri(cfg.run_root, iteration, stage)
 
     dtype, temp = cfg.policy.dtype, cfg.rollout.temperature
+    st = tasks.StageTasks(tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags))
     futures = {}
     if cfg.dynamic_sampling.enabled:
-        prompts, rollout, rewards = _dynamic_sampling(cfg, iteration, policy, out)
+        prompts, rollout, rewards = _dynamic_sampling(cfg, iteration, policy, out, st)
     else:
-        prompts = tasks.prompts(cfg.data, cfg.policy.path, iteration, out("prompts"))
-        rollout = fanout.rollout(prompts, policy, cfg.rollout, iteration, out("rollout"), dtype, 0, cfg.runner("rollout"))
+        prompts = st.prompts(cfg.data, cfg.policy.path, iteration, out("prompts"))
+        rollout = fanout.rollout(prompts, policy, cfg.rollout, iteration, out("rollout"), dtype, 0, cfg.runner("rollout"), st)
         rewards = None
 
     # independent of each other: submitted together, run concurrently
     if rewards is None:
-        futures["rewards"] = tasks.rewards.submit(rollout, prompts, cfg.reward, out("rewards"))
+        futures["rewards"] = st.rewards.submit(rollout, prompts, cfg.reward, out("rewards"))
     if cfg.logprobs.recompute_old_logprobs:
-        futures["actor_logprobs"] = tasks.actor_logprobs.submit(rollout, policy, cfg.logprobs, temp, out("actor_logprobs"), dtype,
+        futures["actor_logprobs"] = st.actor_logprobs.submit(rollout, policy, cfg.logprobs, temp, out("actor_logprobs"), dtype,
                                                                 runner=cfg.runner("actor_logprobs"))
     if cfg.needs_critic:
         critic = critic or cfg.initial_critic
-        futures["critic_values"] = tasks.critic_values.submit(rollout, critic, cfg.critic, out("critic_values"),
+        futures["critic_values"] = st.critic_values.submit(rollout, critic, cfg.critic, out("critic_values"),
                                                               runner=cfg.runner("critic_values"))
     if kl.needs_reference:
-        futures["ref_logprobs"] = tasks.ref_logprobs.submit(rollout, cfg.reference_model.path, cfg.logprobs, temp,
+        futures["ref_logprobs"] = st.ref_logprobs.submit(rollout, cfg.reference_model.path, cfg.logprobs, temp,
                                                             out("ref_logprobs"), cfg.reference_model.dtype,
                                                             runner=cfg.runner("ref_logprobs"))
     parts = {name: f.result() for name, f in futures.items()}
@@ -87,13 +88,13 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
         parts["rewards"] = rewards
     actor, ref, values = parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
 
-    adv = tasks.advantages(rollout, parts["rewards"], actor, ref, values, kl, cfg.advantage, cfg.shaping, state,
+    adv = st.advantages(rollout, parts["rewards"], actor, ref, values, kl, cfg.advantage, cfg.shaping, state,
                            cfg.rollout.max_new_tokens, out("advantages"))
     # the policy and the critic train on the same experience, independently: submitted together
-    critic_future = (tasks.critic_update.submit(rollout, adv, values, critic, cfg.critic, out("critic_update"),
+    critic_future = (st.critic_update.submit(rollout, adv, values, critic, cfg.critic, out("critic_update"),
                                                 runner=cfg.runner("critic_update"))
                      if values is not None else None)
-    new_policy = tasks.ppo_update(rollout, adv, actor, ref, policy, cfg.update, kl, temp, out("ppo_update"), dtype,
+    new_policy = st.ppo_update(rollout, adv, actor, ref, policy, cfg.update, kl, temp, out("ppo_update"), dtype,
                                   runner=cfg.runner("ppo_update"))
     new_critic = critic_future.result() if critic_future is not None else None
 

@@ -42,14 +42,15 @@ def replay(source_run_root: str, cfg: TrainConfig) -> ReplayResult:
     write_replay_record(cfg.run_root, source_run_root, cfg)
     policy: str | ShardRef = cfg.policy.path
     state: TrainState = cfg.initial_state
+    st = tasks.StageTasks(tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags))
     rows = []
     for i in range(1, cfg.iterations + 1):
         src = replay_sources(source_run_root, i, cfg)
         kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
-        adv = tasks.advantages(src["rollout"], src["rewards"], src.get("actor_logprobs"), src.get("ref_logprobs"),
+        adv = st.advantages(src["rollout"], src["rewards"], src.get("actor_logprobs"), src.get("ref_logprobs"),
                                src.get("critic_values"), kl, cfg.advantage, cfg.shaping, state,
                                cfg.rollout.max_new_tokens, stage_uri(cfg.run_root, i, "advantages"))
-        policy = tasks.ppo_update(src["rollout"], adv, src.get("actor_logprobs"), src.get("ref_logprobs"), policy,
+        policy = st.ppo_update(src["rollout"], adv, src.get("actor_logprobs"), src.get("ref_logprobs"), policy,
                                   cfg.update, kl, cfg.rollout.temperature, stage_uri(cfg.run_root, i, "ppo_update"),
                                   cfg.policy.dtype)
         state = TrainState.model_validate(read_manifest(adv.uri)[0].summary["next_state"])

@@ -7,6 +7,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from pydantic import BaseModel, ConfigDict
 
+import tasks
 from flows.iteration import rl_iteration
 from rft_core.config import TrainConfig
 from rft_core.metrics import format_metrics_line, write_metrics
@@ -33,6 +34,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     cancelled run resumes where it stopped.
     """
     logger = get_run_logger()
+    # resolved once for the run (auto: one question to the server); the iterations inherit it
+    tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)
+    cfg = cfg.model_copy(update={"orchestration": cfg.orchestration.model_copy(update={"concurrency_tags": tags})})
+    st = tasks.StageTasks(tags)
     policy: str | ShardRef = cfg.policy.path
     rows = []
     metrics_uri = ""
@@ -48,6 +53,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         for i in range(1, cfg.iterations + 1):
             result = rl_iteration(cfg, i, policy, state, critic)
             policy, state, critic = result.policy, result.next_state, result.critic
+            if cfg.checkpoint.keep_last is not None:
+                st.prune_checkpoints(cfg.run_root, i, cfg.checkpoint)
             rows.append(result.metrics)
             metrics_uri = write_metrics(cfg.run_root, rows)
             write_tensorboard(cfg.run_root, rows)

@@ -297,8 +297,11 @@ def test_observability_outputs(prefect_harness, tiny_model, tmp_path, fake_rewar
 
     from flows.train import train
 
+    import datetime as dt
+
     cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=2)
     train(cfg)
+    resumed_at = dt.datetime.now(dt.timezone.utc)
     train(cfg)  # a resume rewrites, it does not duplicate
 
     acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
@@ -316,3 +319,18 @@ def test_observability_outputs(prefect_harness, tiny_model, tmp_path, fake_rewar
 
     md = asyncio.run(artifact())
     assert "| question | answer | response_text | rewards |" in md and md.count("\n| ") >= 8
+
+    # the resume's "reusing committed shard" lines (rft_core logger) reach the task run logs
+    from prefect.client.schemas.filters import LogFilter, LogFilterName, LogFilterTimestamp
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+
+    async def stage_logs():
+        async with get_client() as client:
+            return await client.read_logs(log_filter=LogFilter(name=LogFilterName(any_=["rft_core.stages"]),
+                                                               timestamp=LogFilterTimestamp(after_=resumed_at)))
+
+    reused = [lg for lg in asyncio.run(stage_logs()) if "reusing committed shard" in lg.message and str(tmp_path) in lg.message]
+    assert {lg.message.split(":")[0] for lg in reused} >= {"prompts", "rollout", "rewards", "ppo_update"}
+    assert all(lg.task_run_id is not None for lg in reused)
