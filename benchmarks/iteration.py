@@ -12,16 +12,11 @@ import datetime as _dt
 import os
 import platform
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
 
 
 def main() -> None:

@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import os
 import random
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
 
 
 def main() -> None:

@@ -16,14 +16,11 @@ import datetime as _dt
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
 
 MODES = {"before": dict(sort_by_length=False, share_prefill=False),
          "sorted": dict(sort_by_length=True, share_prefill=False),

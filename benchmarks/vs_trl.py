@@ -42,12 +42,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
 
 SECTION = "## Speed versus TRL's GRPOTrainer (`benchmarks/vs_trl.py`)"
 VARIANTS = {"ours": [], "ours-matched": ["logprobs.recompute_old_logprobs=false"], "trl": []}
