@@ -406,6 +406,13 @@ def _gap(results: dict[str, dict], skip_first: bool) -> str:
     return text
 
 
+def with_findings(section: str, findings: str | None) -> str:
+    """``section`` followed by the markdown of the ``findings`` file (None: unchanged)."""
+    if not findings:
+        return section
+    return section.rstrip("\n") + "\n\n" + Path(findings).read_text().strip() + "\n"
+
+
 def write_section(path: Path, section: str) -> None:
     """Replace this benchmark's section of ``path`` (from its heading to the next ``## `` or
     the end), or append it; the rest of the file is left as it is."""
@@ -432,6 +439,7 @@ def main() -> None:
     ap.add_argument("--tmp", default=None, help="folder for run roots and TRL output (default: system temp)")
     ap.add_argument("--keep", action="store_true", help="keep our run folder (checkpoints: ~1.6 GB per step)")
     ap.add_argument("--from-json", default=None, help="rewrite the section from a --json file of an earlier run; runs nothing")
+    ap.add_argument("--findings", default=None, help="markdown file appended to the section (what was found and fixed)")
     ap.add_argument("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -450,7 +458,7 @@ def main() -> None:
         results = json.loads(Path(args.from_json).read_text())
         args.load_before = results.pop("_load_before", float("nan"))
         args.load_after = results.pop("_load_after", None)
-        section = report(results, args, args.overrides)
+        section = with_findings(report(results, args, args.overrides), args.findings)
         write_section(Path(args.out), section)
         print(section)
         return
@@ -471,7 +479,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({**results, "_load_before": args.load_before, "_load_after": args.load_after},
                                               indent=1))
-    section = report(results, args, args.overrides)
+    section = with_findings(report(results, args, args.overrides), args.findings)
     write_section(Path(args.out), section)
     print(section)
 
