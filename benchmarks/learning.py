@@ -60,6 +60,16 @@ def train_seed(cfg, *, keep_all: bool) -> tuple[list[dict], object]:
     return rows, policy
 
 
+def _style(ax, ylabel: str, title: str) -> None:
+    """Labels, a zero-based y axis, a light grid and a legend for a per-iteration panel."""
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def plot(results: list[dict], before: dict, png: Path) -> None:
     """Left: training reward per iteration (each seed, and the mean). Right: held-out accuracy
     before and after training, per seed."""
@@ -78,21 +88,11 @@ def plot(results: list[dict], before: dict, png: Path) -> None:
     n = min(len(c) for c in curves)
     mean = [statistics.mean(c[i] for c in curves) for i in range(n)]
     ax1.plot(range(1, n + 1), mean, color="black", lw=2.2, label="mean over seeds")
-    ax1.set_xlabel("iteration")
-    ax1.set_ylabel("mean reward of the rollout (sampled)")
-    ax1.set_title("Training reward (each iteration: new prompts)")
-    ax1.set_ylim(bottom=0)
-    ax1.grid(alpha=0.3)
-    ax1.legend(fontsize=8)
+    _style(ax1, "mean reward of the rollout (sampled)", "Training reward (each iteration: new prompts)")
     for r in results:
         ax3.plot([m["iteration"] for m in r["metrics"]], [m["response_length"] for m in r["metrics"]], alpha=0.6, lw=1,
                  label=f"seed {r['seed']}")
-    ax3.set_xlabel("iteration")
-    ax3.set_ylabel("mean response tokens (rollout)")
-    ax3.set_title("Response length")
-    ax3.set_ylim(bottom=0)
-    ax3.grid(alpha=0.3)
-    ax3.legend(fontsize=8)
+    _style(ax3, "mean response tokens (rollout)", "Response length")
     for r in results:
         ax2.plot([0, 1], [before["accuracy"], r["after"]["accuracy"]], marker="o", alpha=0.6, label=f"seed {r['seed']}")
     after_mean = statistics.mean(r["after"]["accuracy"] for r in results)

@@ -19,10 +19,8 @@ from schemas.shards import (
     prune_files,
     pruned_files,
     read_manifest,
-    read_shard,
-    write_parts,
-    write_shard,
 )
+from schemas.tables import read_shard, validate_table, write_parts, write_shard
 
 __all__ = [
     "STAGE_SCHEMAS",
@@ -45,6 +43,7 @@ __all__ = [
     "read_shard",
     "schema_for",
     "stage_uri",
+    "validate_table",
     "write_parts",
     "write_shard",
 ]

@@ -171,7 +171,8 @@ def test_every_stage_schema_has_distinct_fingerprint():
 
 def _hold_lock_then_commit(uri, started, release):
     """Child process: take the writer lock, signal, wait, then write and commit."""
-    from schemas.shards import prepare_stage_dir, write_parts
+    from schemas.shards import prepare_stage_dir
+    from schemas.tables import write_parts
 
     token = prepare_stage_dir(uri)
     started.set()
@@ -237,14 +238,14 @@ def test_failed_write_releases_the_lock(tmp_path):
     uri = str(tmp_path / "a")
     bad = pa.table({"sample_id": ["a"], "old_logprobs": [[0.1]], "action_entropy": [[0.1]]}, schema=ACTOR_LOGPROBS.arrow)
 
-    from schemas import shards
+    from schemas import tables
 
-    orig = shards.write_parts
-    shards.write_parts = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full"))
+    orig = tables.write_parts
+    tables.write_parts = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full"))
     try:
         with pytest.raises(OSError, match="disk full"):
             write_shard(bad, uri, schema=ACTOR_LOGPROBS, config_hash="h")
     finally:
-        shards.write_parts = orig
+        tables.write_parts = orig
     assert not (tmp_path / "a" / ".writer.lock").exists()
     write_shard(bad, uri, schema=ACTOR_LOGPROBS, config_hash="h")  # the same process can retry at once

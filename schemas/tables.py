@@ -1,0 +1,161 @@
+"""Parquet parts of a shard: schema validation, writing parts and committing them
+(``write_shard``), and reading a committed shard back with every check (``read_shard``).
+
+The commit protocol itself (manifest, locks, checksums) is in ``schemas.shards``.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+from typing import Any, Mapping
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.columns import StageSchema, schema_for
+from schemas.shards import (
+    ShardCorruptError,
+    ShardRef,
+    ShardSchemaError,
+    _atomic_put,
+    _fs,
+    commit_files,
+    prepare_stage_dir,
+    read_manifest,
+    release_stage_lock,
+)
+
+
+def _same_type(got: pa.DataType, want: pa.DataType) -> bool:
+    """Type equality that ignores the child field names of lists/maps (item vs element)."""
+    if pa.types.is_list(got) and pa.types.is_list(want):
+        return _same_type(got.value_type, want.value_type)
+    if pa.types.is_map(got) and pa.types.is_map(want):
+        return _same_type(got.key_type, want.key_type) and _same_type(got.item_type, want.item_type)
+    return got == want
+
+
+def validate_table(table: pa.Table, expected: StageSchema, *, where: str) -> pa.Table:
+    """Check ``table`` against ``expected``; return it with the expected column order.
+
+    Raises:
+        ShardSchemaError: a missing column or a wrong dtype, named in the message.
+    """
+    missing = [f.name for f in expected.schema if f.name not in table.column_names]
+    if missing:
+        raise ShardSchemaError(f"{where}: missing column(s) {missing} for stage {expected.stage!r}")
+    for f in expected.schema:
+        got = table.schema.field(f.name).type
+        if not _same_type(got, f.type):
+            raise ShardSchemaError(f"{where}: column {f.name!r} has dtype {got}, expected {f.type}")
+        if not f.nullable and table.column(f.name).null_count:
+            raise ShardSchemaError(f"{where}: column {f.name!r} has nulls but is not nullable")
+    return table.select([f.name for f in expected.schema])
+
+
+def write_parts(table: pa.Table, uri: str, *, schema: StageSchema, rows_per_part: int = 100_000) -> dict[str, int]:
+    """Write ``table`` as Parquet parts into a prepared stage folder (no commit).
+
+    Returns:
+        {part file name: rows}, to pass on to ``commit_files``.
+    Raises:
+        ShardSchemaError: ``table`` does not match ``schema``.
+    """
+    table = validate_table(table, schema, where=f"writing {uri}").cast(schema.arrow)
+    fs, path = _fs(uri)
+    rows: dict[str, int] = {}
+    n_parts = max(1, -(-table.num_rows // rows_per_part))
+    for i in range(n_parts):
+        part = table.slice(i * rows_per_part, rows_per_part)
+        buf = io.BytesIO()
+        pq.write_table(part, buf, compression="zstd")
+        name = f"part-{i:05d}.parquet"
+        _atomic_put(fs, f"{path}/{name}", buf.getvalue())
+        rows[name] = part.num_rows
+    return rows
+
+
+def write_shard(
+    table: pa.Table,
+    uri: str,
+    *,
+    schema: StageSchema,
+    config_hash: str,
+    inputs: Mapping[str, ShardRef] | None = None,
+    summary: Mapping[str, Any] | None = None,
+    rows_per_part: int = 100_000,
+) -> ShardRef:
+    """Atomically write ``table`` as a committed shard of ``schema.stage`` at ``uri``.
+
+    Raises:
+        ShardSchemaError: ``table`` does not match ``schema`` (checked before anything is written).
+        ShardExistsError: ``uri`` is already committed.
+    """
+    validate_table(table, schema, where=f"writing {uri}")
+    token = prepare_stage_dir(uri)
+    try:
+        rows = write_parts(table, uri, schema=schema, rows_per_part=rows_per_part)
+        return commit_files(uri, stage=schema.stage, config_hash=config_hash, files=list(rows),
+                            num_rows=table.num_rows, inputs=inputs, summary=summary, schema=schema,
+                            rows_per_file=rows, lock_token=token)
+    except BaseException:
+        release_stage_lock(uri, token)
+        raise
+
+
+def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = True) -> pa.Table:
+    """Read a committed shard, validating it against its manifest and its stage's schema.
+
+    Args:
+        ref: a ShardRef or the shard folder's URI.
+        stage: the stage the caller expects (default: the manifest's).
+        verify: check every file's size and sha256 against the manifest.
+    Raises:
+        ShardNotCommittedError: no manifest.
+        ShardCorruptError: missing file, wrong size or checksum, unreadable Parquet, or (for a
+            ShardRef) a manifest that changed since the ref was made.
+        ShardSchemaError: another stage, schema version or fingerprint; missing column; wrong dtype.
+    """
+    uri = ref.uri if isinstance(ref, ShardRef) else ref
+    manifest, sha = read_manifest(uri)
+    if isinstance(ref, ShardRef) and ref.manifest_sha256 != sha:
+        raise ShardCorruptError(f"{uri}: manifest changed since it was referenced (sha256 {sha[:12]}, ref {ref.manifest_sha256[:12]})")
+    want = stage or manifest.stage
+    if manifest.stage != want:
+        raise ShardSchemaError(f"{uri}: shard of stage {manifest.stage!r}, expected {want!r}")
+    expected = schema_for(want)
+    if manifest.schema_version != expected.version:
+        raise ShardSchemaError(
+            f"{uri}: schema_version {manifest.schema_version} of stage {want!r}, this code reads version {expected.version}"
+        )
+    if manifest.schema_fingerprint != expected.fingerprint:
+        raise ShardSchemaError(f"{uri}: schema fingerprint {manifest.schema_fingerprint} differs from {expected.fingerprint}")
+    fs, path = _fs(uri)
+    tables = []
+    for entry in manifest.files:
+        if entry.rows is None:  # not a Parquet part (e.g. a checkpoint file)
+            continue
+        fpath = f"{path}/{entry.path}"
+        if not fs.exists(fpath):
+            raise ShardCorruptError(f"{uri}: manifest lists {entry.path} but the file is missing")
+        data = fs.cat_file(fpath)
+        if verify:
+            if len(data) != entry.bytes:
+                raise ShardCorruptError(f"{fpath}: {len(data)} bytes, manifest says {entry.bytes} (truncated?)")
+            if hashlib.sha256(data).hexdigest() != entry.sha256:
+                raise ShardCorruptError(f"{fpath}: sha256 does not match the manifest (corrupted)")
+        try:
+            part = pq.read_table(pa.BufferReader(data))
+        except Exception as exc:
+            raise ShardCorruptError(f"{fpath}: unreadable Parquet: {exc}") from exc
+        meta = part.schema.metadata or {}
+        if meta.get(b"stage", b"").decode() != want or meta.get(b"schema_version", b"").decode() != str(expected.version):
+            raise ShardSchemaError(
+                f"{fpath}: file metadata says stage={meta.get(b'stage')!r} schema_version={meta.get(b'schema_version')!r}, "
+                f"expected {want!r} version {expected.version}"
+            )
+        tables.append(validate_table(part, expected, where=fpath).cast(expected.arrow))
+    table = pa.concat_tables(tables) if tables else expected.arrow.empty_table()
+    if table.num_rows != manifest.num_rows:
+        raise ShardCorruptError(f"{uri}: {table.num_rows} rows, manifest says {manifest.num_rows}")
+    return table
