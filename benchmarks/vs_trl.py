@@ -17,6 +17,8 @@ minus the critical path of the stage tasks).
 Variants of ours: ``ours`` = the preset as is (it recomputes old log-probs in an actor stage);
 ``ours-matched`` = ``logprobs.recompute_old_logprobs=false``, the same work TRL does with
 ``num_iterations=1`` (no separate old-log-prob pass: the rollout's log-probs are the old ones).
+TRL variants: ``trl`` (no checkpoints, the default run) and, with ``--only trl-save-every-step``,
+TRL saving a full checkpoint after every step (the resumability our flow has by construction).
 
     .venv/bin/pip install -c constraints-cpu.txt -e '.[bench]'          # TRL, benchmark-only
     .venv/bin/python benchmarks/vs_trl.py --steps 5                     # all three, ~15 min quiet
@@ -45,7 +47,11 @@ from pathlib import Path
 from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
 
 SECTION = "## Speed versus TRL's GRPOTrainer (`benchmarks/vs_trl.py`)"
-VARIANTS = {"ours": [], "ours-matched": ["logprobs.recompute_old_logprobs=false"], "trl": []}
+VARIANTS = {"ours": [], "ours-matched": ["logprobs.recompute_old_logprobs=false"], "trl": [], "trl-save-every-step": []}
+# TRL variants run TRL; ``trl-save-every-step`` saves a full checkpoint (weights, optimizer, scheduler, RNG) after every
+# step, the resumability our flow has by construction (not part of the default run: --only trl-save-every-step)
+TRL_VARIANTS = ("trl", "trl-save-every-step")
+DEFAULT_VARIANTS = ("ours", "ours-matched", "trl")
 
 
 def _peak_rss_gib() -> float:
@@ -202,7 +208,9 @@ def run_trl(args, overrides: list[str]) -> dict:
         epsilon=u.policy_loss.clip_low if hasattr(u.policy_loss, "clip_low") else 0.2, num_iterations=u.epochs,
         loss_type="dapo",  # token-level mean over the batch = our token-mean
         scale_rewards="group", shuffle_dataset=False, activation_checkpointing=u.gradient_checkpointing,
-        use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy="no", report_to="none",
+        use_cpu=True, bf16=False, fp16=False, logging_steps=1, report_to="none",
+        **({"save_strategy": "steps", "save_steps": 1, "save_only_model": False} if args.worker == "trl-save-every-step"
+           else {"save_strategy": "no"}),
         dataloader_num_workers=0, seed=r.seed, disable_tqdm=True)
     tok = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, dtype="float32", trainable=True)  # same loader (and attention kernel) as ours
@@ -243,6 +251,7 @@ def run_trl(args, overrides: list[str]) -> dict:
     # generation + rewards + reference log-probs of a generation batch; the policy forward of a micro-batch
     trainer._generate_and_score_completions = timed_method("generate_and_score", trainer._generate_and_score_completions)
     trainer.compute_loss = timed_method("loss_forward", trainer.compute_loss)
+    trainer._save_checkpoint = timed_method("checkpoint", trainer._save_checkpoint)  # lands in the next step's interval
 
     class StepTimes(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -263,9 +272,9 @@ def run_trl(args, overrides: list[str]) -> dict:
                       "generate_seconds": gen["seconds"][i] if i < len(gen["seconds"]) else None,
                       "reward_mean": lg.get("reward"), "response_length": lg.get("completions/mean_length"),
                       "generate_and_score": phase.get((i, "generate_and_score"), 0.0),
-                      "loss_forward": phase.get((i, "loss_forward"), 0.0)})
+                      "loss_forward": phase.get((i, "loss_forward"), 0.0), "checkpoint": phase.get((i, "checkpoint"), 0.0)})
     shutil.rmtree(out_dir, ignore_errors=True)
-    return {"framework": "trl", "trl_version": __import__("trl").__version__, "steps": steps, "total_seconds": total,
+    return {"framework": args.worker, "trl_version": __import__("trl").__version__, "steps": steps, "total_seconds": total,
             "peak_rss_gib": _peak_rss_gib(), "generate_calls": len(gen["seconds"]), "torch_threads": torch.get_num_threads()}
 
 
@@ -354,14 +363,15 @@ def _side_by_side(results: dict[str, dict], skip_first: bool) -> list[str]:
     rows: dict[str, dict[str, float]] = {}
     for name, res in results.items():
         steps = _steps_used(res, skip_first)
-        if name == "trl":
+        if name in TRL_VARIANTS:
             if not all("generate_and_score" in s for s in steps):
                 continue
             rows[name] = {
                 "generation": med(s["generate_seconds"] for s in steps),
                 "rewards + log-prob passes (reference; actor if any)": med(s["generate_and_score"] - s["generate_seconds"] for s in steps),
-                "policy update (forward, backward, optimizer)": med(s["seconds"] - s["generate_and_score"] for s in steps),
-                "checkpoint save + checksums": 0.0, "model/tokenizer/optimizer loads": 0.0, "shard reads + writes": 0.0,
+                "policy update (forward, backward, optimizer)": med(
+                    s["seconds"] - s["generate_and_score"] - s.get("checkpoint", 0.0) for s in steps),
+                "checkpoint save + checksums": med(s.get("checkpoint", 0.0) for s in steps), "model/tokenizer/optimizer loads": 0.0, "shard reads + writes": 0.0,
                 "orchestration": 0.0, "step": med(s["seconds"] for s in steps)}
             continue
         st = lambda s, stage, kind="task": s["stages"].get(stage, {}).get(kind, 0.0)  # noqa: E731
@@ -449,7 +459,7 @@ def main() -> None:
 
     if args.worker:
         overrides = [*args.overrides, *VARIANTS[args.worker]]
-        res = run_trl(args, overrides) if args.worker == "trl" else run_ours(args, overrides)
+        res = run_trl(args, overrides) if args.worker in TRL_VARIANTS else run_ours(args, overrides)
         Path(args.result).write_text(json.dumps(res, indent=1))
         return
 
@@ -463,7 +473,7 @@ def main() -> None:
         print(section)
         return
     results = {}
-    for name in args.only or list(VARIANTS):
+    for name in args.only or list(DEFAULT_VARIANTS):
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             result_path = f.name
         cmd = [sys.executable, __file__, "--worker", name, "--result", result_path, "--config", args.config,
