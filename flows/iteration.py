@@ -29,7 +29,8 @@ class IterationResult(BaseModel):
     metrics: dict[str, Any]
 
 
-def _dynamic_sampling(cfg: TrainConfig, iteration: int, policy: PolicyRef, out, st: tasks.StageTasks) -> tuple[ShardRef, ShardRef, ShardRef]:
+def _dynamic_sampling(cfg: TrainConfig, iteration: int, policy: PolicyRef, out,
+                      st: tasks.StageTasks) -> tuple[ShardRef, ShardRef, ShardRef]:
     """Rollout attempts (each with its own stage folders) until enough groups have reward
     spread or the refills run out; then the merge stage writes prompts/rollout/rewards."""
     target = cfg.data.prompts_per_iteration
@@ -74,28 +75,28 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
         futures["rewards"] = st.rewards.submit(rollout, prompts, cfg.reward, out("rewards"))
     if cfg.logprobs.recompute_old_logprobs:
         futures["actor_logprobs"] = st.actor_logprobs.submit(rollout, policy, cfg.logprobs, temp, out("actor_logprobs"), dtype,
-                                                                runner=cfg.runner("actor_logprobs"))
+                                                             runner=cfg.runner("actor_logprobs"))
     if cfg.needs_critic:
         critic = critic or cfg.initial_critic
         futures["critic_values"] = st.critic_values.submit(rollout, critic, cfg.critic, out("critic_values"),
-                                                              runner=cfg.runner("critic_values"))
+                                                           runner=cfg.runner("critic_values"))
     if kl.needs_reference:
         futures["ref_logprobs"] = st.ref_logprobs.submit(rollout, cfg.reference_model.path, cfg.logprobs, temp,
-                                                            out("ref_logprobs"), cfg.reference_model.dtype,
-                                                            runner=cfg.runner("ref_logprobs"))
+                                                         out("ref_logprobs"), cfg.reference_model.dtype,
+                                                         runner=cfg.runner("ref_logprobs"))
     parts = {name: f.result() for name, f in futures.items()}
     if rewards is not None:
         parts["rewards"] = rewards
     actor, ref, values = parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
 
     adv = st.advantages(rollout, parts["rewards"], actor, ref, values, kl, cfg.advantage, cfg.shaping, state,
-                           cfg.rollout.max_new_tokens, out("advantages"))
+                        cfg.rollout.max_new_tokens, out("advantages"))
     # the policy and the critic train on the same experience, independently: submitted together
     critic_future = (st.critic_update.submit(rollout, adv, values, critic, cfg.critic, out("critic_update"),
-                                                runner=cfg.runner("critic_update"))
+                                             runner=cfg.runner("critic_update"))
                      if values is not None else None)
     new_policy = st.ppo_update(rollout, adv, actor, ref, policy, cfg.update, kl, temp, out("ppo_update"), dtype,
-                                  runner=cfg.runner("ppo_update"))
+                               runner=cfg.runner("ppo_update"))
     new_critic = critic_future.result() if critic_future is not None else None
 
     refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy,

@@ -48,11 +48,11 @@ def replay(source_run_root: str, cfg: TrainConfig) -> ReplayResult:
         src = replay_sources(source_run_root, i, cfg)
         kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
         adv = st.advantages(src["rollout"], src["rewards"], src.get("actor_logprobs"), src.get("ref_logprobs"),
-                               src.get("critic_values"), kl, cfg.advantage, cfg.shaping, state,
-                               cfg.rollout.max_new_tokens, stage_uri(cfg.run_root, i, "advantages"))
+                            src.get("critic_values"), kl, cfg.advantage, cfg.shaping, state,
+                            cfg.rollout.max_new_tokens, stage_uri(cfg.run_root, i, "advantages"))
         policy = st.ppo_update(src["rollout"], adv, src.get("actor_logprobs"), src.get("ref_logprobs"), policy,
-                                  cfg.update, kl, cfg.rollout.temperature, stage_uri(cfg.run_root, i, "ppo_update"),
-                                  cfg.policy.dtype)
+                               cfg.update, kl, cfg.rollout.temperature, stage_uri(cfg.run_root, i, "ppo_update"),
+                               cfg.policy.dtype)
         state = TrainState.model_validate(read_manifest(adv.uri)[0].summary["next_state"])
         m = iteration_metrics(i, {**src, "advantages": adv, "ppo_update": policy})
         rows.append(m)
