@@ -62,10 +62,9 @@ def sharded_rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, it
 
 
 def rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str, attempt: int,
-            runner: RunnerConfig, st: "tasks.StageTasks | None" = None) -> ShardRef:
+            runner: RunnerConfig, st: tasks.StageTasks) -> ShardRef:
     """The rollout stage as the iteration flow runs it: one task, or shards on Ray. ``st``: the
-    run's stage tasks (None: untagged)."""
-    st = st or tasks.StageTasks(False)
+    run's stage tasks (tagged or not)."""
     if runner.shards > 1:
         return sharded_rollout(prompts, policy, cfg, iteration, out, dtype, attempt, runner, st.concurrency_tags)
     return st.rollout(prompts, policy, cfg, iteration, out, dtype, attempt, runner=runner)

@@ -64,6 +64,11 @@ def policy_model_path(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str:
     if isinstance(policy, str):
         return policy
     require_unpruned(policy, subdir, optimizer=False)
+    return _checkpoint_folder(policy, subdir)
+
+
+def _checkpoint_folder(policy: ShardRef, subdir: str) -> str:
+    """Local folder of ``{policy.uri}/{subdir}``: the folder itself, or a cached download."""
     uri = f"{policy.uri.rstrip('/')}/{subdir}"
     local = local_path(uri)
     if local is not None:
@@ -89,8 +94,8 @@ def policy_checkpoint_dir(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str
     """
     if isinstance(policy, str):
         return None
-    require_unpruned(policy, subdir, optimizer=True)
-    return policy_model_path(policy, subdir)
+    require_unpruned(policy, subdir, optimizer=True)  # covers the weights too: one check
+    return _checkpoint_folder(policy, subdir)
 
 
 def commit_checkpoint(out: str, *, subdir: str, model, tokenizer, optimizer, steps: list, schema: StageSchema,

@@ -96,8 +96,8 @@ def require_unpruned(policy: ShardRef, subdir: str, *, optimizer: bool) -> None:
         CheckpointPrunedError: names the stage, the files and why they were pruned.
     """
     pruned = pruned_files(policy.uri)
-    gone = [rel for rel in pruned if rel.startswith(f"{subdir}/") and
-            (_is_weights(rel.rsplit("/", 1)[1]) or (optimizer and _is_optimizer(rel.rsplit("/", 1)[1])))]
+    gone = [rel for rel in prunable_files(list(pruned), subdir, "weights")
+            if optimizer or not _is_optimizer(rel.rpartition("/")[2])]
     if gone:
         raise CheckpointPrunedError(
             f"{policy.uri}: checkpoint file(s) {', '.join(sorted(gone))} were pruned ({pruned[gone[0]]}); "
