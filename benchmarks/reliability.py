@@ -36,7 +36,8 @@ def main() -> None:
         weights, durations = baseline_run(config, d / "baseline", api)
         rng = random.Random(args.seed)
         targets = ([(s, 1, "compute") for s in STAGE_ORDER] + [(s, 1, "write") for s in STAGE_ORDER]
-                   + [("rollout", 2, "compute"), ("ppo_update", 2, "compute"), ("ppo_update", 2, "write")])
+                   + [("rollout", 2, "compute"), ("ppo_update", 2, "compute"), ("ppo_update", 2, "write"),
+                      ("ppo_update-optimizer", 1, "write")])
         for target, it, phase in targets:
             for k in range(args.repeats):
                 out = run_scenario(config, d / f"run-{target}-{it}-{phase}-{k}", target, it, durations, weights, api, rng,

@@ -33,6 +33,7 @@ import functools
 import json
 import os
 import platform
+import re
 import resource
 import shutil
 import statistics
@@ -47,11 +48,16 @@ from pathlib import Path
 from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
 
 SECTION = "## Speed versus TRL's GRPOTrainer (`benchmarks/vs_trl.py`)"
-VARIANTS = {"ours": [], "ours-matched": ["logprobs.recompute_old_logprobs=false"], "trl": [], "trl-save-every-step": []}
+VARIANTS = {"ours": [], "ours-matched": ["logprobs.recompute_old_logprobs=false"], "trl": [], "trl-save-every-step": [],
+            # ours-matched writing the AdamW state inside the update instead of in the background (an A/B of
+            # checkpoint.async_optimizer; --only ours-matched-sync-optimizer)
+            "ours-matched-sync-optimizer": ["logprobs.recompute_old_logprobs=false", "checkpoint.async_optimizer=false"]}
 # TRL variants run TRL; ``trl-save-every-step`` saves a full checkpoint (weights, optimizer, scheduler, RNG) after every
 # step, the resumability our flow has by construction (not part of the default run: --only trl-save-every-step)
 TRL_VARIANTS = ("trl", "trl-save-every-step")
 DEFAULT_VARIANTS = ("ours", "ours-matched", "trl")
+# seconds of the background optimizer-state write: not part of any task's wall time
+BACKGROUND_KIND = "optimizer_write_background"
 
 
 def _peak_rss_gib() -> float:
@@ -109,6 +115,24 @@ def _instrument(rec: _Recorder) -> None:
     common.save_checkpoint = rec.wrap("checkpoint_save", common.save_checkpoint)
     common.write_parts = rec.wrap("shard_write", common.write_parts)
     common.commit_files = rec.wrap("checkpoint_commit", common.commit_files)  # sha256 of every checkpoint file
+    # the AdamW state (checkpoint.async_optimizer): the writer thread's seconds, off the critical path, and the
+    # seconds a ppo_update waited for the previous iteration's write (on it)
+    from rft_core.stages import optimizer_state as opt_state
+
+    real_write = opt_state._write
+
+    def timed_write(update, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return real_write(update, *a, **kw)
+        finally:
+            it = int(re.search(r"iter=(\d+)", update.uri).group(1))
+            background = threading.current_thread().name.startswith("rft-optimizer-state")
+            with rec.lock:  # checkpoint.async_optimizer=false: written inside the ppo_update task
+                rec.seconds[(it, "ppo_update", BACKGROUND_KIND if background else "optimizer_save")] += time.perf_counter() - t0
+
+    opt_state._write = timed_write
+    opt_state.wait_for_optimizer_writes = rec.wrap("optimizer_wait", opt_state.wait_for_optimizer_writes)
 
 
 def run_ours(args, overrides: list[str]) -> dict:
@@ -318,12 +342,10 @@ def report(results: dict[str, dict], args, overrides: list[str]) -> str:
         lines.append(f"| {name} | {_med([s['seconds'] for s in steps])} | {_med(toks)} | "
                      f"{statistics.mean(lens):.1f} | {res['peak_rss_gib']:.2f} |" if lens else
                      f"| {name} | {_med([s['seconds'] for s in steps])} | {_med(toks)} | - | {res['peak_rss_gib']:.2f} |")
-    for name in ("ours", "ours-matched"):
-        if name not in results:
-            continue
+    for name in [n for n in results if n not in TRL_VARIANTS]:
         steps = _steps_used(results[name], args.skip_first)
         kinds = ["task", "compute", "model_load", "tokenizer_load", "optimizer_load", "shard_read", "shard_write",
-                 "checkpoint_save", "checkpoint_commit"]
+                 "checkpoint_save", "checkpoint_commit", "optimizer_save", "optimizer_wait"]
         lines += ["", f"Per-stage breakdown of `{name}` (median seconds over the steps; task = the whole Prefect task body; "
                       "compute = the stage's own timer: generation, forward/backward passes):", "",
                   "| stage | " + " | ".join(kinds) + " | other |", "|---" * (len(kinds) + 2) + "|"]
@@ -338,13 +360,17 @@ def report(results: dict[str, dict], args, overrides: list[str]) -> str:
         prefect = statistics.median(s["seconds"] - s["critical_path"] for s in steps)
         tot = lambda kind: statistics.median(sum(v.get(kind, 0.0) for v in s["stages"].values()) for s in steps)  # noqa: E731
         shard_io = tot("shard_read") + tot("shard_write")
-        ckpt = tot("checkpoint_save") + tot("checkpoint_commit")
+        ckpt = tot("checkpoint_save") + tot("checkpoint_commit") + tot("optimizer_save") + tot("optimizer_wait")
+        background = tot(BACKGROUND_KIND)
         loads = tot("model_load") + tot("tokenizer_load") + tot("optimizer_load")
         lines += ["", f"- step (iteration subflow, incl. its orchestration): {step_s:.2f} s; critical path of the stage tasks "
                       f"(actor/ref/rewards run concurrently: counted at their longest): {crit:.2f} s",
                   f"- Prefect orchestration (step minus critical path): {prefect:.2f} s ({100 * prefect / step_s:.1f}%)",
                   f"- shard reads + writes, all stages: {shard_io:.2f} s ({100 * shard_io / step_s:.1f}%)",
-                  f"- checkpoint save + checksums (weights and AdamW state, every step): {ckpt:.2f} s ({100 * ckpt / step_s:.1f}%)",
+                  (f"- checkpoint save + checksums on the critical path (the weights; waiting for the AdamW state's background "
+                   f"write): {ckpt:.2f} s ({100 * ckpt / step_s:.1f}%); the background write itself: {background:.2f} s, "
+                   "overlapping the next iteration's stages" if background else
+                   f"- checkpoint save + checksums (weights and AdamW state, every step): {ckpt:.2f} s ({100 * ckpt / step_s:.1f}%)"),
                   f"- model, tokenizer and optimizer-state loads, all stages: {loads:.2f} s ({100 * loads / step_s:.1f}%)",
                   f"- orchestration + persistence (Prefect + shards + checkpoint): "
                   f"{100 * (prefect + shard_io + ckpt) / step_s:.1f}% of the step"]
@@ -381,7 +407,8 @@ def _side_by_side(results: dict[str, dict], skip_first: bool) -> list[str]:
             "rewards + log-prob passes (reference; actor if any)": med(
                 max(st(s, x) for x in ("rewards", "actor_logprobs", "ref_logprobs")) for s in steps),
             "policy update (forward, backward, optimizer)": med(st(s, "ppo_update", "compute") for s in steps),
-            "checkpoint save + checksums": med(tot(s, ("checkpoint_save", "checkpoint_commit")) for s in steps),
+            "checkpoint save + checksums": med(tot(s, ("checkpoint_save", "checkpoint_commit", "optimizer_save", "optimizer_wait"))
+                                               for s in steps),
             "model/tokenizer/optimizer loads": med(tot(s, ("model_load", "tokenizer_load", "optimizer_load")) for s in steps),
             "shard reads + writes": med(tot(s, ("shard_read", "shard_write")) for s in steps),
             "orchestration": med(s["seconds"] - s["critical_path"] for s in steps),
@@ -403,7 +430,8 @@ def _gap(results: dict[str, dict], skip_first: bool) -> str:
     steps = _steps_used(results["ours"], skip_first)
     tot = lambda kind: statistics.median(sum(v.get(kind, 0.0) for v in s["stages"].values()) for s in steps)  # noqa: E731
     actor = statistics.median(s["stages"].get("actor_logprobs", {}).get("task", 0.0) for s in steps)
-    parts = {"checkpoint save + checksums": tot("checkpoint_save") + tot("checkpoint_commit"),
+    parts = {"checkpoint save + checksums": tot("checkpoint_save") + tot("checkpoint_commit") + tot("optimizer_save")
+             + tot("optimizer_wait"),
              "model/tokenizer/optimizer loads": tot("model_load") + tot("tokenizer_load") + tot("optimizer_load"),
              "Prefect orchestration": statistics.median(s["seconds"] - s["critical_path"] for s in steps),
              "shard reads + writes": tot("shard_read") + tot("shard_write"),

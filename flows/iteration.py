@@ -96,7 +96,7 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
                                              runner=cfg.runner("critic_update"))
                      if values is not None else None)
     new_policy = st.ppo_update(rollout, adv, actor, ref, policy, cfg.update, kl, temp, out("ppo_update"), dtype,
-                               runner=cfg.runner("ppo_update"))
+                               runner=cfg.runner("ppo_update"), background_optimizer=cfg.checkpoint.async_optimizer)
     new_critic = critic_future.result() if critic_future is not None else None
 
     refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy,

@@ -12,6 +12,7 @@ from flows.iteration import rl_iteration
 from rft_core.config import TrainConfig
 from rft_core.metrics import format_metrics_line, write_metrics
 from rft_core.observe import WandbLogger, curve_markdown, plot_curves, write_tensorboard
+from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from schemas import ShardRef
 
 
@@ -65,6 +66,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                                      description=f"Metrics of {cfg.run_root} after iteration {i}")
             curve = plot_curves(cfg.run_root, rows)
             logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
+        # the last iteration's optimizer state may still be being written (checkpoint.async_optimizer)
+        wait_for_optimizer_writes()
     finally:
         if wandb:
             wandb.finish()

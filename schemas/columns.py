@@ -129,9 +129,13 @@ EVAL = StageSchema("eval", 1, pa.schema([  # held-out evaluation (flows/eval.py)
     pa.field("finish_reason", pa.string(), nullable=False),
 ]))
 
+# The policy's AdamW state (rft_core.stages.optimizer_state): one checkpoint file, optimizer.pt,
+# and no rows; the manifest's summary says how it was written (seconds, recovered).
+OPTIMIZER_STATE = StageSchema("optimizer_state", 1, pa.schema([]))
+
 STAGE_SCHEMAS: dict[str, StageSchema] = {
     s.stage: s for s in (PROMPTS, ROLLOUT, ACTOR_LOGPROBS, REF_LOGPROBS, CRITIC_VALUES, REWARDS, ADVANTAGES, PPO_UPDATE,
-                         CRITIC_UPDATE, EVAL)
+                         CRITIC_UPDATE, EVAL, OPTIMIZER_STATE)
 }
 
 # Per-token list columns that must have one entry per response token.

@@ -133,10 +133,13 @@ def critic_update(rollout: ShardRef, advantages: ShardRef, values: ShardRef, cri
 @task(name="ppo_update", **_opts)
 def ppo_update(rollout: ShardRef, advantages: ShardRef, actor: ShardRef | None, ref: ShardRef | None, policy: PolicyRef,
                cfg: UpdateConfig, kl_cfg: KLConfig, temperature: float, out: str, dtype: str,
-               runner: RunnerConfig | None = None) -> ShardRef:
-    """Update the policy; commits per-step metrics and the new checkpoint."""
+               runner: RunnerConfig | None = None, background_optimizer: bool = False) -> ShardRef:
+    """Update the policy; commits per-step metrics and the new checkpoint (the optimizer
+    state, with ``background_optimizer``, in a background thread: see
+    ``rft_core.stages.optimizer_state``)."""
     return run_stage("ppo_update", runner, log=_stage_log(), rollout=rollout, advantages=advantages, actor=actor, ref=ref,
-                     policy=policy, cfg=cfg, kl_cfg=kl_cfg, temperature=temperature, out=out, dtype=dtype)
+                     policy=policy, cfg=cfg, kl_cfg=kl_cfg, temperature=temperature, out=out, dtype=dtype,
+                     background_optimizer=background_optimizer)
 
 
 @task(name="eval_prompts", **_opts)

@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGE_ORDER = ["prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update"]
 # the stage whose commit means `stage` can start (actor/ref/rewards start together after the rollout)
 PREVIOUS = {"prompts": None, "rollout": "prompts", "actor_logprobs": "rollout", "ref_logprobs": "rollout",
-            "rewards": "rollout", "advantages": "rewards", "ppo_update": "advantages"}
+            "rewards": "rollout", "advantages": "rewards", "ppo_update": "advantages",
+            # the policy's AdamW state, written in the background after ppo_update commits
+            "ppo_update-optimizer": "ppo_update"}
 
 
 def write_config(path: Path, model: str) -> Path:
@@ -117,6 +119,10 @@ def run_scenario(config: Path, run_root: Path, target: str, iteration: int, dura
     proc.wait()
     for it in (1, 2):
         d = run_root / f"iter={it:06d}"
+        if target not in STAGE_ORDER and it == iteration and not (d / target / "_MANIFEST.json").exists():
+            out.interrupted = f"{it}: {target}"  # a stage outside the main order (the background optimizer write)
+            out.partial_files = (d / target).exists() and any((d / target).iterdir())
+            break
         committed = {p.parent.name for p in d.glob("*/_MANIFEST.json")} if d.exists() else set()
         pending = [s for s in STAGE_ORDER if s not in committed]
         if pending:

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from schemas import read_manifest
 from tests.faults import STAGE_ORDER, baseline_run, run_scenario, write_config
 
 
@@ -21,7 +22,7 @@ def baseline(prefect_harness, tiny_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("target, iteration, phase", [(s, 1, "compute") for s in STAGE_ORDER]
-                         + [("ppo_update", 1, "write"), ("ppo_update", 2, "compute")])
+                         + [("ppo_update", 1, "write"), ("ppo_update", 2, "compute"), ("ppo_update-optimizer", 1, "write")])
 def test_sigkill_then_rerun(baseline, target, iteration, phase):
     config, weights, durations, api_url, d = baseline
     rng = random.Random(f"{target}-{iteration}-{phase}")
@@ -30,6 +31,10 @@ def test_sigkill_then_rerun(baseline, target, iteration, phase):
     if phase == "write":  # killed while writing the checkpoint: it left files that no reader accepts
         assert out.killed and out.partial_files and out.interrupted.startswith("1: ppo_update"), out
     assert out.rerun_ok, out.notes
+    if target == "ppo_update-optimizer":  # killed during the background write: the resume recomputed the state
+        m, _ = read_manifest(str(d / f"run-{target}-{iteration}-{phase}" / "iter=000001" / target))
+        assert m.summary.get("recovered", False) == out.interrupted.startswith("1: ppo_update-optimizer"), out
+        assert m.summary.get("weights_match", True)
     assert out.committed_untouched, "a committed stage was rewritten"
     assert out.all_valid, out.notes
     assert out.same_weights, "the resumed run's final weights differ from the uninterrupted run's"

@@ -156,9 +156,15 @@ class ObserveConfig(_Frozen):
 
 
 class CheckpointConfig(_Frozen):
-    """Checkpoint retention (``rft_core.stages.retention``): after each iteration, prune the
-    checkpoints of iterations older than the last ``keep_last``. Never part of a config hash."""
+    """How checkpoints are written and kept. Never part of a config hash.
 
+    Retention (``rft_core.stages.retention``): after each iteration, prune the checkpoints of
+    iterations older than the last ``keep_last``. ``async_optimizer``: the policy's AdamW state
+    (twice the weights) is written by a background thread while the next iteration's stages
+    run (``rft_core.stages.optimizer_state``); a write lost to a crash is recomputed on resume.
+    """
+
+    async_optimizer: bool = Field(True, description="write the policy's optimizer state in the background")
     keep_last: int | None = Field(None, ge=1, description="iterations whose checkpoints stay whole (None: keep all)")
     prune: Literal["optimizer", "weights"] = Field(
         "optimizer", description="what older checkpoints lose: the optimizer state only, or also the weights")

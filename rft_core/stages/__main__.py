@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     result = prog(**decode_args(ns.stage, raw))
+    from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+
+    wait_for_optimizer_writes()  # a background optimizer-state write commits before the process exits
     text = encode_result(ns.stage, result)
     if ns.result and rank == 0:
         tmp = Path(ns.result).with_suffix(".tmp")

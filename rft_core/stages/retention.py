@@ -1,9 +1,10 @@
 """Checkpoint retention: bound a run's storage by pruning the checkpoints of old iterations.
 
 Every iteration commits a full HF checkpoint plus the AdamW state (``optimizer.pt``, twice the
-weights in float32): about 1.6 GB per iteration on SmolLM2-135M, ~84 GB on a 7B model. With
-``checkpoint.keep_last = N`` the flow prunes, after each iteration ``i``, the ``ppo_update``
-and ``critic_update`` checkpoints of iterations ``<= i - N``:
+weights in float32; the policy's in the stage ``ppo_update-optimizer``): about 1.6 GB per
+iteration on SmolLM2-135M, ~84 GB on a 7B model. With ``checkpoint.keep_last = N`` the flow
+prunes, after each iteration ``i``, the ``ppo_update`` (and its optimizer stage) and
+``critic_update`` checkpoints of iterations ``<= i - N``:
 
 - ``prune: optimizer`` (default) removes the optimizer state only: old iterations keep their
   weights, so they can still be evaluated or used as a reference;
@@ -27,7 +28,9 @@ from schemas.shards import ShardNotCommittedError
 log = logging.getLogger("rft_core.stages")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
-CHECKPOINT_STAGES = {"ppo_update": "policy", "critic_update": "critic"}
+# stage folder -> checkpoint sub-folder ("": the folder itself; ppo_update-optimizer holds the
+# policy's AdamW state, rft_core.stages.optimizer_state)
+CHECKPOINT_STAGES = {"ppo_update": "policy", "ppo_update-optimizer": "", "critic_update": "critic"}
 
 
 class CheckpointPrunedError(RuntimeError):

@@ -1,7 +1,10 @@
 """PPO update stage: train the policy on the iteration's experience; commit metrics + checkpoint."""
 from __future__ import annotations
 
+import hashlib
 import logging
+import tempfile
+from pathlib import Path
 
 from rft_core.config import KLConfig, UpdateConfig, policy_loss_kwargs
 from rft_core.models.loading import load_causal_lm, load_tokenizer
@@ -16,11 +19,17 @@ from rft_core.stages.common import (
     commit_checkpoint,
     policy_checkpoint_dir,
     policy_model_path,
-    reuse_or_compute,
 )
+from rft_core.stages.optimizer_state import (
+    commit_optimizer_state,
+    optimizer_state_dir,
+    optimizer_state_missing,
+    optimizer_state_ref,
+)
+from rft_core.stages.retention import WEIGHT_SUFFIXES
 from rft_core.training.strategy import DeepSpeedStrategy
 from rft_core.training.update import UpdateData, load_optimizer_state, make_optimizer, ppo_update
-from schemas import ShardRef, committed_ref, config_hash, read_shard
+from schemas import ShardRef, committed_ref, config_hash, read_manifest, read_shard
 from schemas.columns import PPO_UPDATE
 from schemas.experience import align_on_sample_id
 
@@ -77,19 +86,46 @@ def load_trainable_policy(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str):
     return model
 
 
+def _weights_match(model, update: ShardRef) -> bool:
+    """Whether ``model`` saved now gives the weight files (same names, same sha256) that the
+    committed ``update`` lists under ``policy/``."""
+    manifest, _ = read_manifest(update.uri)
+    want = {e.path.rpartition("/")[2]: e.sha256 for e in manifest.files
+            if e.path.startswith(f"{POLICY_SUBDIR}/") and e.path.endswith(WEIGHT_SUFFIXES)}
+    with tempfile.TemporaryDirectory(prefix="rft-recheck-") as tmp:
+        model.save_pretrained(tmp)
+        got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(tmp).iterdir() if p.name.endswith(WEIGHT_SUFFIXES)}
+    return bool(want) and got == want
+
+
 def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref: ShardRef | None, policy: PolicyRef,
-        cfg: UpdateConfig, kl_cfg: KLConfig, temperature: float, out: str, dtype: str = "float32") -> ShardRef:
+        cfg: UpdateConfig, kl_cfg: KLConfig, temperature: float, out: str, dtype: str = "float32",
+        background_optimizer: bool = False) -> ShardRef:
     """Update ``policy`` and commit ``out`` = per-step metrics parts + ``policy/`` HF checkpoint
-    (a peft adapter folder with ``cfg.lora``).
+    (a peft adapter folder with ``cfg.lora``), then the AdamW state as the sibling optimizer
+    stage ``{out}-optimizer`` (``rft_core.stages.optimizer_state``).
 
     The optimizer state of the previous checkpoint (if ``policy`` is one) is restored, with the
-    configured learning rate.
+    configured learning rate; its stage's checksum enters the config hash.
+    ``background_optimizer``: write the new optimizer state in a background thread (it then
+    overlaps the next stages; the next ppo_update waits for it) instead of before returning.
+
+    A committed ``out`` is reused; if its optimizer stage is missing (a background write lost
+    to a crash), the update is recomputed from the same committed inputs and seeds, the new
+    weights are checked against the committed checksums (a mismatch, possible with
+    nondeterministic GPU kernels, is logged) and only the optimizer stage is committed.
+
+    Raises:
+        OptimizerStateError: the optimizer state of ``policy`` is missing.
+        CheckpointPrunedError: the checkpoint ``policy`` or its optimizer state was pruned.
     """
     use_kl_loss = kl_cfg.mode == "loss" and kl_cfg.kl_coef > 0
+    opt_ref = optimizer_state_ref(policy) if cfg.deepspeed is None else None
+    # (runs of the older layout, optimizer state inside the checkpoint: no opt_ref, hash unchanged)
     chash = config_hash("ppo_update", update_hash_view(cfg), kl_cfg, rollout, advantages, actor, ref if use_kl_loss else None, policy,
-                        temperature, dtype)
+                        temperature, dtype, *([opt_ref] if opt_ref is not None else []))
 
-    def compute() -> ShardRef:
+    def compute(recover: ShardRef | None = None) -> ShardRef:
         r = read_shard(rollout, stage="rollout")
         a = align_on_sample_id(r, read_shard(advantages, stage="advantages"), name="advantages")
         actor_t = align_on_sample_id(r, read_shard(actor, stage="actor_logprobs"), name="actor_logprobs") if actor else None
@@ -119,7 +155,8 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
         else:
             model.to(default_device())  # (DeepSpeed places the model on its rank's device itself)
             opt = make_optimizer(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-            load_optimizer_state(opt, policy_checkpoint_dir(policy), lr=cfg.lr)
+            load_optimizer_state(opt, optimizer_state_dir(opt_ref) if opt_ref is not None else policy_checkpoint_dir(policy),
+                                 lr=cfg.lr)
         rank = strategy.rank if strategy is not None else 0
         with Timer() as t, progress_reporter("ppo_update", unit="optimizer steps", use_bar=None if rank == 0 else False,
                                              log_fn=None if rank == 0 else (lambda line: None)) as progress:
@@ -137,10 +174,23 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
                    "clip_frac": sum(s.clip_frac for s in steps) / len(steps), "approx_kl": last.approx_kl,
                    "grad_norm": last.grad_norm, "kl_loss": last.kl_loss, "optimizer_steps": len(steps)}
         inputs = {"rollout": rollout, "advantages": advantages, **({"actor": actor} if actor else {}),
-                  **({"ref": ref} if ref and use_kl_loss else {}), **({"policy": policy} if isinstance(policy, ShardRef) else {})}
+                  **({"ref": ref} if ref and use_kl_loss else {}), **({"policy": policy} if isinstance(policy, ShardRef) else {}),
+                  **({"optimizer": opt_ref} if opt_ref is not None else {})}
+        if strategy is None and recover is not None:
+            match = _weights_match(model, recover)
+            if match:
+                log.info("ppo_update: recomputed the lost optimizer state of %s (weights match the commit)", recover.uri)
+            else:
+                log.warning("ppo_update: recomputed the lost optimizer state of %s, but the recomputed weights differ "
+                            "from the committed ones (nondeterministic kernels?); training goes on with it", recover.uri)
+            commit_optimizer_state(recover, opt.state_dict(), background=False,
+                                   summary={"recovered": True, "weights_match": match})
+            return recover
         if strategy is None:
-            return commit_checkpoint(out, subdir=POLICY_SUBDIR, model=model, tokenizer=processor or tok, optimizer=opt, steps=steps,
-                                     schema=PPO_UPDATE, config_hash=chash, inputs=inputs, summary=summary)
+            new = commit_checkpoint(out, subdir=POLICY_SUBDIR, model=model, tokenizer=processor or tok, optimizer=None, steps=steps,
+                                    schema=PPO_UPDATE, config_hash=chash, inputs=inputs, summary=summary)
+            commit_optimizer_state(new, opt.state_dict(), background=background_optimizer)
+            return new
         # DeepSpeed: gather the weights on every rank (a collective), rank 0 commits, the others
         # wait for the commit and return the same ref
         state = strategy.full_state_dict()
@@ -153,4 +203,11 @@ def run(rollout: ShardRef, advantages: ShardRef, *, actor: ShardRef | None, ref:
         strategy.barrier()
         return ref_out if ref_out is not None else committed_ref(out, stage="ppo_update", config_hash=chash)
 
-    return reuse_or_compute("ppo_update", out, chash, compute)
+    done = committed_ref(out, stage="ppo_update", config_hash=chash)
+    if done is None:
+        return compute()
+    log.info("ppo_update: reusing committed shard %s (config %s)", out, chash)
+    if cfg.deepspeed is None and optimizer_state_missing(done):
+        log.warning("ppo_update: %s has no committed optimizer state (its background write was lost); recomputing it", out)
+        compute(recover=done)
+    return done

@@ -38,16 +38,18 @@ def test_keep_last_prunes_old_checkpoints_and_resume_still_works(prefect_harness
     with pytest.raises(RuntimeError, match="injected fault"):
         train(cfg)
     it = {i: root / f"iter={i:06d}" / "ppo_update" for i in (1, 2, 3)}
+    opt = {i: root / f"iter={i:06d}" / "ppo_update-optimizer" for i in (1, 2, 3)}
     # iteration 2 committed, so iteration 1 was pruned; iteration 2 (needed by 3) is whole
-    assert sorted(pruned_files(str(it[1]))) == ["policy/model.safetensors", "policy/optimizer.pt"]
-    assert not (it[1] / "policy/optimizer.pt").exists() and (it[1] / "policy/config.json").exists()
-    assert (it[2] / "policy/optimizer.pt").exists() and pruned_files(str(it[2])) == {}
+    assert sorted(pruned_files(str(it[1]))) == ["policy/model.safetensors"]
+    assert pruned_files(str(opt[1])) == {"optimizer.pt": "checkpoint.keep_last=1 (prune=weights) after iteration 2"}
+    assert not (opt[1] / "optimizer.pt").exists() and (it[1] / "policy/config.json").exists()
+    assert (opt[2] / "optimizer.pt").exists() and pruned_files(str(it[2])) == {} and pruned_files(str(opt[2])) == {}
 
     loaded.clear()
     result = train(cfg)  # resume: iteration 3's update starts from iteration 2's optimizer state
-    assert loaded == [(str(it[2] / "policy"), True)]
-    assert sorted(pruned_files(str(it[2]))) == ["policy/model.safetensors", "policy/optimizer.pt"]
-    assert (it[3] / "policy/model.safetensors").exists() and (it[3] / "policy/optimizer.pt").exists()
+    assert loaded == [(str(opt[2]), True)]
+    assert sorted(pruned_files(str(it[2]))) == ["policy/model.safetensors"] and list(pruned_files(str(opt[2]))) == ["optimizer.pt"]
+    assert (it[3] / "policy/model.safetensors").exists() and (opt[3] / "optimizer.pt").exists()
     assert result.final_policy.uri == str(it[3])
     assert read_shard(f"{it[1]}").num_rows == 1  # the pruned stages' metrics still read and verify
 
@@ -60,7 +62,8 @@ def test_keep_last_prunes_old_checkpoints_and_resume_still_works(prefect_harness
 
     status = {(r["iteration"], r["stage"]): r for r in run_status(cfg.run_root)}
     assert [status[(i, "ppo_update")]["status"] for i in (1, 2, 3)] == ["committed (pruned)"] * 2 + ["committed"]
+    assert [status[(i, "ppo_update-optimizer")]["status"] for i in (1, 2, 3)] == ["committed (pruned)"] * 2 + ["committed"]
     on_disk = sum(f.stat().st_size for f in it[1].rglob("*") if f.is_file() and not f.name.startswith("_"))
     assert status[(1, "ppo_update")]["bytes"] == on_disk  # what is left, not what the manifest listed
-    gone = sum((it[3] / "policy" / n).stat().st_size for n in ("model.safetensors", "optimizer.pt"))
+    gone = (it[3] / "policy" / "model.safetensors").stat().st_size
     assert status[(3, "ppo_update")]["bytes"] - status[(1, "ppo_update")]["bytes"] == pytest.approx(gone, rel=0.01)

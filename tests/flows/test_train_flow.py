@@ -51,7 +51,14 @@ def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path,
     assert not torch.equal(init, final)
     m2, _ = read_manifest(f"{cfg.run_root}/iter=000002/rollout")
     upd1, _ = read_manifest(f"{cfg.run_root}/iter=000001/ppo_update")
-    assert (Path(cfg.run_root) / "iter=000001/ppo_update/policy/optimizer.pt").exists()
+    # the AdamW state is its own stage, written in the background and committed after the update
+    opt1, _ = read_manifest(f"{cfg.run_root}/iter=000001/ppo_update-optimizer")
+    assert [f.path for f in opt1.files] == ["optimizer.pt"] and opt1.stage == "optimizer_state"
+    assert not (Path(cfg.run_root) / "iter=000001/ppo_update/policy/optimizer.pt").exists()
+    upd2, _ = read_manifest(f"{cfg.run_root}/iter=000002/ppo_update")
+    assert upd2.inputs["optimizer"] == read_manifest(f"{cfg.run_root}/iter=000001/ppo_update-optimizer")[1]
+    assert opt1.inputs == {"ppo_update": read_manifest(f"{cfg.run_root}/iter=000001/ppo_update")[1]}
+    assert read_manifest(f"{cfg.run_root}/iter=000002/ppo_update-optimizer")[0].num_rows == 0  # committed before train() returned
     assert upd1.num_rows == 1
     lines = Path(cfg.run_root, "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["iteration"] for x in lines] == [1, 2]
@@ -246,9 +253,11 @@ def test_run_on_memory_filesystem(prefect_harness, tiny_model, tmp_path, fake_re
             read_shard(f"{root}/iter={it:06d}/{stage}")
     assert fs.exists(f"/runs/{tmp_path.name}/iter=000002/ppo_update/policy/model.safetensors")
     assert fs.exists(f"/runs/{tmp_path.name}/metrics.jsonl")
-    # iteration 2 loaded iteration 1's checkpoint through the download cache
-    cached = list((tmp_path / "cache" / "checkpoints").iterdir())
-    assert len(cached) == 1 and (cached[0] / "config.json").exists()
+    assert fs.exists(f"/runs/{tmp_path.name}/iter=000002/ppo_update-optimizer/optimizer.pt")
+    # iteration 2 loaded iteration 1's checkpoint and optimizer state through the download cache
+    cached = sorted((tmp_path / "cache" / "checkpoints").iterdir(), key=lambda p: p.name.rsplit("-", 1)[1])
+    assert [p.name.rsplit("-", 1)[1] for p in cached] == ["optimizer", "policy"]
+    assert (cached[0] / "optimizer.pt").exists() and (cached[1] / "config.json").exists()
     # resume on memory:// reuses everything
     before = {p: fs.info(p)["created"] for p in fs.find(f"/runs/{tmp_path.name}") if p.endswith("_MANIFEST.json")}
     again = train(cfg)

@@ -1,0 +1,222 @@
+"""The policy's AdamW state as a stage of its own, written in a background thread.
+
+Layout: next to ``iter=K/ppo_update`` (metrics parts + ``policy/`` weights) sits
+``iter=K/ppo_update-optimizer`` with ``optimizer.pt`` and its own ``_MANIFEST.json`` (stage
+``optimizer_state``, config hash ``config_hash("optimizer_state", <the ppo_update ref>)``).
+
+Why a separate stage: the AdamW state is twice the float32 weights (1.03 GB on SmolLM2-135M)
+and only the *next* ``ppo_update`` reads it, ~40 s later; the rollout, log-prob and reward
+stages need only the weights. So ``ppo_update`` commits the weights synchronously and hands
+the optimizer state to a background writer, which overlaps the next iteration's rollout
+(measured in ``docs/benchmarks.md``). This is the asynchronous checkpointing of
+TorchTitan/Megatron (``torch.distributed.checkpoint.async_save``), with the shard contract's
+commit rule: the state counts only once its manifest is written.
+
+Consumers: the next ``ppo_update`` waits for a pending write of its input
+(``optimizer_state_ref``), and its config hash includes the optimizer stage's manifest
+checksum. A write lost to a crash is recomputed when the run resumes: the committed
+``ppo_update`` is reused, finds its optimizer stage missing (``optimizer_state_missing``) and
+retrains from the same committed inputs and seeds, checking that the weights come out with the
+committed checksums (``rft_core.stages.update``).
+
+Runs committed before this layout keep ``optimizer.pt`` inside ``ppo_update/policy/``; they are
+read as before and their config hashes are unchanged.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import fsspec
+import torch
+
+from rft_core.models.loading import cache_dir
+from rft_core.stages.retention import CheckpointPrunedError
+from rft_core.training.update import OPTIMIZER_FILE
+from schemas import ShardRef, commit_files, committed_ref, config_hash, local_path, prepare_stage_dir, pruned_files, read_manifest
+from schemas.columns import OPTIMIZER_STATE
+from schemas.shards import ShardNotCommittedError, release_stage_lock
+
+log = logging.getLogger("rft_core.stages")
+
+OPTIMIZER_STAGE = OPTIMIZER_STATE.stage  # "optimizer_state"
+FOLDER_SUFFIX = "-optimizer"
+
+_LOCK = threading.Lock()
+_EXECUTOR: ThreadPoolExecutor | None = None
+_PENDING: dict[str, Future] = {}
+
+
+class OptimizerStateError(RuntimeError):
+    """The optimizer state a ``ppo_update`` needs is missing, or its background write failed."""
+
+
+def optimizer_state_uri(update: ShardRef | str) -> str:
+    """URI of the optimizer stage belonging to the ``ppo_update`` stage at ``update``
+    (a ShardRef or its URI): the sibling folder ``{name}-optimizer``."""
+    uri = update.uri if isinstance(update, ShardRef) else update
+    return uri.rstrip("/") + FOLDER_SUFFIX
+
+
+def optimizer_config_hash(update: ShardRef) -> str:
+    """Config hash of the optimizer stage of ``update``: it is determined by that update alone."""
+    return config_hash(OPTIMIZER_STAGE, update)
+
+
+def _write(update: ShardRef, state: dict, summary: dict) -> ShardRef:
+    uri = optimizer_state_uri(update)
+    t0 = time.perf_counter()
+    token = prepare_stage_dir(uri)
+    try:
+        local = local_path(uri)
+        if local is not None:
+            torch.save(state, os.path.join(local, OPTIMIZER_FILE))
+        else:
+            with tempfile.TemporaryDirectory(prefix="rft-opt-") as tmp:
+                torch.save(state, os.path.join(tmp, OPTIMIZER_FILE))
+                fs, path = fsspec.core.url_to_fs(uri)
+                fs.put_file(os.path.join(tmp, OPTIMIZER_FILE), f"{path.rstrip('/')}/{OPTIMIZER_FILE}")
+        ref = commit_files(uri, stage=OPTIMIZER_STAGE, config_hash=optimizer_config_hash(update), files=[OPTIMIZER_FILE],
+                           inputs={"ppo_update": update}, summary={**summary, "seconds": time.perf_counter() - t0},
+                           schema=OPTIMIZER_STATE, lock_token=token)
+    except BaseException:
+        release_stage_lock(uri, token)
+        raise
+    log.info("optimizer_state: committed %s (%.2f s)", uri, time.perf_counter() - t0)
+    return ref
+
+
+def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
+                           summary: dict | None = None) -> ShardRef | None:
+    """Write ``state`` (``optimizer.state_dict()``, tensors on CPU) as the optimizer stage of
+    ``update`` and commit it.
+
+    ``background``: return None at once and write in this process's writer thread (one at a
+    time, in submission order); ``wait_for_optimizer_writes`` joins it. The caller must not
+    modify the tensors of ``state`` afterwards. Otherwise write now and return the ShardRef.
+
+    Raises:
+        ShardExistsError: (not in the background) the optimizer stage is already committed.
+    """
+    summary = dict(summary or {})
+    if not background:
+        return _write(update, state, summary)
+    global _EXECUTOR
+    uri = optimizer_state_uri(update)
+    with _LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-optimizer-state")
+        _PENDING[uri] = _EXECUTOR.submit(_write, update, state, summary)
+    return None
+
+
+def wait_for_optimizer_writes(uri: str | None = None) -> None:
+    """Block until the pending background write of ``uri`` (None: of every optimizer stage)
+    has finished. A no-op when none is pending.
+
+    Raises:
+        OptimizerStateError: a write failed (names the stage and the cause); it is reported
+            once, and resuming the run recomputes that state.
+    """
+    with _LOCK:
+        pending = {u: f for u, f in _PENDING.items() if uri is None or u == uri.rstrip("/")}
+    first: tuple[str, BaseException] | None = None
+    for u, fut in pending.items():
+        try:
+            fut.result()
+        except BaseException as exc:  # noqa: BLE001 - reported below, with the stage named
+            first = first or (u, exc)
+        finally:
+            with _LOCK:
+                if _PENDING.get(u) is fut:
+                    del _PENDING[u]
+    if first is not None:
+        u, exc = first
+        raise OptimizerStateError(f"{u}: the background write of the optimizer state failed: {exc!r}. Nothing "
+                                  "committed is lost; rerunning the flow recomputes this state") from exc
+
+
+def _legacy_optimizer(update: ShardRef, subdir: str) -> bool:
+    manifest, _ = read_manifest(update.uri)
+    return any(e.path == f"{subdir}/{OPTIMIZER_FILE}" for e in manifest.files)
+
+
+def optimizer_state_missing(update: ShardRef, subdir: str = "policy") -> bool:
+    """True when the committed ``ppo_update`` ``update`` has no committed optimizer state
+    (neither its optimizer stage nor, in older runs, ``{subdir}/optimizer.pt``) although it
+    should: its background write was lost. False for DeepSpeed updates, which keep none.
+
+    Waits for a pending write of that stage first (its failure counts as missing).
+    """
+    try:
+        wait_for_optimizer_writes(optimizer_state_uri(update))
+    except OptimizerStateError as exc:
+        log.warning("%s", exc)
+    if committed_ref(optimizer_state_uri(update), stage=OPTIMIZER_STAGE, config_hash=optimizer_config_hash(update),
+                     check_files=False) is not None:
+        return False
+    manifest, _ = read_manifest(update.uri)
+    if "zero_stage" in manifest.summary:
+        return False
+    return not _legacy_optimizer(update, subdir)
+
+
+def optimizer_state_ref(policy: ShardRef | str) -> ShardRef | None:
+    """The committed optimizer stage a ``ppo_update`` starting from ``policy`` loads, waiting
+    for a pending background write of it. None: ``policy`` is an initial model, a DeepSpeed
+    checkpoint (no state kept) or of the older layout (state inside the checkpoint folder).
+
+    Raises:
+        OptimizerStateError: the state is missing (a lost background write), or its pending
+            write failed.
+    """
+    if not isinstance(policy, ShardRef):
+        return None
+    uri = optimizer_state_uri(policy)
+    wait_for_optimizer_writes(uri)
+    ref = committed_ref(uri, stage=OPTIMIZER_STAGE, config_hash=optimizer_config_hash(policy), check_files=False)
+    if ref is not None:
+        return ref
+    try:
+        missing = optimizer_state_missing(policy)
+    except ShardNotCommittedError:
+        missing = False  # not a ppo_update stage of ours: nothing to load
+    if missing:
+        raise OptimizerStateError(
+            f"{uri}: the optimizer state of {policy.uri} was never committed (the process stopped during its "
+            "background write). Rerun the training flow on this run root: resuming that iteration recomputes it")
+    return None
+
+
+def optimizer_state_dir(ref: ShardRef) -> str:
+    """Local folder holding ``optimizer.pt`` of the committed optimizer stage ``ref`` (a
+    non-local one is downloaded once into the cache, keyed by its manifest checksum).
+
+    Raises:
+        CheckpointPrunedError: the state was pruned (``checkpoint.keep_last``).
+    """
+    pruned = pruned_files(ref.uri)
+    if OPTIMIZER_FILE in pruned:
+        raise CheckpointPrunedError(f"{ref.uri}: {OPTIMIZER_FILE} was pruned ({pruned[OPTIMIZER_FILE]}); this checkpoint "
+                                    "can no longer be trained from. Resume from the last iteration, or raise "
+                                    "checkpoint.keep_last in new runs")
+    local = local_path(ref.uri)
+    if local is not None:
+        return local
+    target = cache_dir() / "checkpoints" / f"{ref.manifest_sha256}-optimizer"
+    if not (target / OPTIMIZER_FILE).exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".dl-", dir=target.parent))
+        fs, path = fsspec.core.url_to_fs(ref.uri)
+        fs.get_file(f"{path.rstrip('/')}/{OPTIMIZER_FILE}", str(tmp / OPTIMIZER_FILE))
+        if target.exists():
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    return str(target)

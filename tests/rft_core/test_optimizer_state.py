@@ -1,0 +1,147 @@
+"""The policy's AdamW state as its own stage (rft_core.stages.optimizer_state): written in the
+background and committed after the update, loaded and hashed by the next update, recomputed
+exactly when its write was lost, reported when it failed, and read as before in runs of the
+older layout (state inside the checkpoint folder, config hashes unchanged)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from rft_core import stages
+from rft_core.config import load_config
+from rft_core.stages import optimizer_state as opt_state
+from rft_core.stages.update import update_hash_view
+from rft_core.training.update import OPTIMIZER_FILE
+from schemas import commit_files, config_hash, read_manifest, read_shard, stage_uri
+from schemas.columns import PPO_UPDATE
+from tests.flows.conftest import _fake_score
+
+
+@pytest.fixture
+def cfg(tiny_model, monkeypatch):
+    monkeypatch.setattr("rft_core.rewards.math.score_response", _fake_score)  # reward spread: nonzero advantages
+    return load_config(None, {"policy.path": tiny_model, "data.prompts_per_iteration": 3, "data.size": 30,
+                              "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": 6, "rollout.batch_size": 12,
+                              "kl.kl_coef": 0.0, "update.lr": 1e-3, "update.micro_batch_size": 4})
+
+
+def _experience(cfg, root: str, i: int, policy) -> dict:
+    """The committed inputs of iteration ``i``'s update (no actor or reference pass)."""
+    p = stages.prompts.run(cfg.data, tokenizer_path=cfg.policy.path, iteration=i, out=stage_uri(root, i, "prompts"))
+    r = stages.rollout.run(p, policy if isinstance(policy, str) else f"{policy.uri}/policy", cfg.rollout, iteration=i,
+                           out=stage_uri(root, i, "rollout"))
+    w = stages.rewards.run(r, p, cfg.reward, out=stage_uri(root, i, "rewards"))
+    a = stages.advantages.run(r, w, actor=None, ref=None, kl_cfg=cfg.kl, adv_cfg=cfg.advantage, out=stage_uri(root, i, "advantages"))
+    return dict(rollout=r, advantages=a, actor=None, ref=None, cfg=cfg.update, kl_cfg=cfg.kl,
+                temperature=cfg.rollout.temperature, out=stage_uri(root, i, "ppo_update"))
+
+
+def _update(cfg, root, i, policy, **kw):
+    return stages.update.run(**{**_experience(cfg, root, i, policy), "policy": policy, **kw})
+
+
+def _state(folder) -> dict:
+    return torch.load(Path(folder) / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a["state"].keys() == b["state"].keys() and a["state"]
+    for k in a["state"]:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a["state"][k][name], b["state"][k][name]), (k, name)
+
+
+def test_background_write_commits_and_the_next_update_continues_from_it(cfg, tmp_path):
+    root = str(tmp_path / "run")
+    u1 = _update(cfg, root, 1, cfg.policy.path, background_optimizer=True)
+    opt_state.wait_for_optimizer_writes()
+    m, sha = read_manifest(opt_state.optimizer_state_uri(u1))
+    assert m.stage == "optimizer_state" and m.num_rows == 0 and [f.path for f in m.files] == [OPTIMIZER_FILE]
+    assert m.inputs == {"ppo_update": u1.manifest_sha256} and m.config_hash == opt_state.optimizer_config_hash(u1)
+    assert read_shard(opt_state.optimizer_state_uri(u1)).num_rows == 0  # validates as a stage of its own
+    s1 = _state(opt_state.optimizer_state_uri(u1))
+    assert all(float(v["step"]) == 1 and v["exp_avg"].abs().sum() > 0 for v in s1["state"].values())
+    assert not Path(u1.uri, "policy", OPTIMIZER_FILE).exists()  # not in the weights folder any more
+
+    u2 = _update(cfg, root, 2, u1)  # synchronous: committed before it returns
+    m2, _ = read_manifest(u2.uri)
+    assert m2.inputs["optimizer"] == sha  # the state it started from is part of its identity
+    s2 = _state(opt_state.optimizer_state_uri(u2))
+    assert all(float(v["step"]) == 2 for v in s2["state"].values())  # AdamW continued, not restarted
+
+
+def test_a_lost_write_is_recomputed_exactly_when_the_update_is_resumed(cfg, tmp_path, caplog):
+    root = str(tmp_path / "run")
+    u1 = _update(cfg, root, 1, cfg.policy.path)
+    folder = Path(opt_state.optimizer_state_uri(u1))
+    want = _state(folder)
+    upd_files = {p: p.stat().st_mtime_ns for p in Path(u1.uri).rglob("*") if p.is_file()}
+    # a crash during the write: no manifest, a truncated file and the dead writer's lock left behind
+    shutil.rmtree(folder)
+    folder.mkdir()
+    (folder / OPTIMIZER_FILE).write_bytes(b"\x00" * 100)
+    (folder / ".writer.lock").write_text(json.dumps({"token": "x", "host": os.uname().nodename, "pid": 2 ** 22 + 7,
+                                                     "since": 0}))
+    assert opt_state.optimizer_state_missing(u1)
+    with pytest.raises(opt_state.OptimizerStateError, match=f"{folder}.*never committed.*Rerun the training flow"):
+        _update(cfg, root, 2, u1)  # the next update cannot start without it
+    assert not Path(stage_uri(root, 2, "ppo_update"), "_MANIFEST.json").exists()
+
+    with caplog.at_level("INFO", logger="rft_core.stages"):
+        again = _update(cfg, root, 1, cfg.policy.path)  # the resume of iteration 1
+    assert again == u1  # the committed update is reused, untouched
+    assert {p: p.stat().st_mtime_ns for p in Path(u1.uri).rglob("*") if p.is_file()} == upd_files
+    m, _ = read_manifest(str(folder))
+    assert m.summary["recovered"] is True and m.summary["weights_match"] is True
+    _assert_same_state(_state(folder), want)  # bit-identical: same inputs, same seeds
+    assert "weights match the commit" in caplog.text
+    assert not opt_state.optimizer_state_missing(u1)
+    _update(cfg, root, 2, u1)  # and training goes on
+
+
+def test_a_failed_background_write_is_reported_once_then_recomputed(cfg, tmp_path, monkeypatch):
+    root = str(tmp_path / "run")
+    real_save = torch.save
+
+    def disk_full(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(opt_state.torch, "save", disk_full)
+    u1 = _update(cfg, root, 1, cfg.policy.path, background_optimizer=True)
+    uri = opt_state.optimizer_state_uri(u1)
+    with pytest.raises(opt_state.OptimizerStateError, match=f"{uri}: the background write .*No space left"):
+        opt_state.wait_for_optimizer_writes()
+    opt_state.wait_for_optimizer_writes()  # reported once: nothing pending any more
+    assert not Path(uri, "_MANIFEST.json").exists() and not Path(uri, ".writer.lock").exists()  # lock released
+    monkeypatch.setattr(opt_state.torch, "save", real_save)
+    assert _update(cfg, root, 1, cfg.policy.path) == u1
+    assert read_manifest(uri)[0].summary["recovered"] is True
+
+
+def test_runs_of_the_older_layout_load_the_state_from_the_checkpoint_and_keep_their_hashes(cfg, tmp_path):
+    root = str(tmp_path / "run")
+    u1 = _update(cfg, root, 1, cfg.policy.path)
+    # rewrite iteration 1 as the older layout committed it: optimizer.pt inside policy/, no optimizer stage
+    m1, _ = read_manifest(u1.uri)
+    old_uri = str(tmp_path / "old" / "ppo_update")
+    shutil.copytree(u1.uri, old_uri)
+    os.remove(Path(old_uri, "_MANIFEST.json"))
+    shutil.copy(Path(opt_state.optimizer_state_uri(u1), OPTIMIZER_FILE), Path(old_uri, "policy", OPTIMIZER_FILE))
+    parts = {f.path: f.rows for f in m1.files if f.rows is not None}
+    legacy = commit_files(old_uri, stage="ppo_update", config_hash=m1.config_hash, num_rows=m1.num_rows,
+                          summary=m1.summary, schema=PPO_UPDATE, rows_per_file=parts)
+    assert opt_state.optimizer_state_ref(legacy) is None and not opt_state.optimizer_state_missing(legacy)
+
+    exp = _experience(cfg, root, 2, legacy)
+    u2 = stages.update.run(**exp, policy=legacy)
+    m2, _ = read_manifest(u2.uri)
+    assert "optimizer" not in m2.inputs
+    # the config hash is computed as before the optimizer stage existed
+    assert u2.config_hash == config_hash("ppo_update", update_hash_view(cfg.update), cfg.kl, exp["rollout"], exp["advantages"],
+                                         None, None, legacy, cfg.rollout.temperature, "float32")
+    assert all(float(v["step"]) == 2 for v in _state(opt_state.optimizer_state_uri(u2))["state"].values())
