@@ -85,6 +85,13 @@ def main() -> None:
         "fixed per iteration and stage; optimizer state, the KL coefficient and reward statistics",
         "are restored from the committed checkpoint and manifests, so the resumed run is identical.",
         "",
+        "The policy's AdamW state is a stage of its own (`ppo_update-optimizer`), written in a background",
+        "thread after `ppo_update` committed (`checkpoint.async_optimizer`). A kill during that write",
+        "(the `ppo_update-optimizer` row) leaves the update committed and its optimizer stage not: the",
+        "rerun reuses the update, recomputes it from the same committed inputs and seeds without",
+        "recommitting it, checks the weights against the committed checksums and commits only the",
+        "optimizer state (its manifest says `recovered: true`), so iteration 2 starts from the same state.",
+        "",
     ]
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))

@@ -92,13 +92,22 @@ def _write(update: ShardRef, state: dict, summary: dict) -> ShardRef:
     return ref
 
 
+def _lower_priority() -> None:
+    """Run the writer thread at nice +10 (Linux: per thread). It has until the next update to
+    finish; meanwhile the stages on the critical path (generation) get the CPU first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
+        pass
+
+
 def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
                            summary: dict | None = None) -> ShardRef | None:
     """Write ``state`` (``optimizer.state_dict()``, tensors on CPU) as the optimizer stage of
     ``update`` and commit it.
 
     ``background``: return None at once and write in this process's writer thread (one at a
-    time, in submission order); ``wait_for_optimizer_writes`` joins it. The caller must not
+    time, in submission order, at a lower CPU priority); ``wait_for_optimizer_writes`` joins it. The caller must not
     modify the tensors of ``state`` afterwards. Otherwise write now and return the ShardRef.
 
     Raises:
@@ -111,7 +120,8 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
     uri = optimizer_state_uri(update)
     with _LOCK:
         if _EXECUTOR is None:
-            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-optimizer-state")
+            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-optimizer-state",
+                                           initializer=_lower_priority)
         _PENDING[uri] = _EXECUTOR.submit(_write, update, state, summary)
     return None
 

@@ -60,6 +60,10 @@ def test_background_write_commits_and_the_next_update_continues_from_it(cfg, tmp
     root = str(tmp_path / "run")
     u1 = _update(cfg, root, 1, cfg.policy.path, background_optimizer=True)
     opt_state.wait_for_optimizer_writes()
+    if hasattr(os, "setpriority"):  # the writer thread yields the CPU to the stages (nice +10)
+        import threading
+
+        assert opt_state._EXECUTOR.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result() == 10
     m, sha = read_manifest(opt_state.optimizer_state_uri(u1))
     assert m.stage == "optimizer_state" and m.num_rows == 0 and [f.path for f in m.files] == [OPTIMIZER_FILE]
     assert m.inputs == {"ppo_update": u1.manifest_sha256} and m.config_hash == opt_state.optimizer_config_hash(u1)
