@@ -50,12 +50,12 @@ from _env import ROOT  # noqa: E402  (repository on sys.path, offline environmen
 SECTION = "## Speed versus TRL's GRPOTrainer (`benchmarks/vs_trl.py`)"
 VARIANTS = {"ours": [], "ours-matched": ["logprobs.recompute_old_logprobs=false"], "trl": [], "trl-save-every-step": [],
             # ours-matched writing the AdamW state inside the update instead of in the background (an A/B of
-            # checkpoint.async_optimizer; --only ours-matched-sync-optimizer)
+            # checkpoint.async_optimizer)
             "ours-matched-sync-optimizer": ["logprobs.recompute_old_logprobs=false", "checkpoint.async_optimizer=false"]}
 # TRL variants run TRL; ``trl-save-every-step`` saves a full checkpoint (weights, optimizer, scheduler, RNG) after every
 # step, the resumability our flow has by construction (not part of the default run: --only trl-save-every-step)
 TRL_VARIANTS = ("trl", "trl-save-every-step")
-DEFAULT_VARIANTS = ("ours", "ours-matched", "trl")
+DEFAULT_VARIANTS = ("ours", "ours-matched", "trl", "ours-matched-sync-optimizer")
 # seconds of the background optimizer-state write: not part of any task's wall time
 BACKGROUND_KIND = "optimizer_write_background"
 
