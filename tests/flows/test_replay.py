@@ -26,7 +26,7 @@ def test_replay_with_other_estimator_matches_direct_run(prefect_harness, tiny_mo
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # nothing was generated: the replay folder holds only the downstream stages
     root = tmp_path / "replay"
-    assert sorted(p.name for p in (root / "iter=000001").iterdir()) == ["advantages", "ppo_update"]
+    assert sorted(p.name for p in (root / "iter=000001").iterdir()) == ["advantages", "ppo_update", "ppo_update-optimizer"]
     assert (root / "_REPLAY.json").exists() and (root / "metrics.jsonl").exists()
     assert [m["iteration"] for m in result.metrics] == [1, 2]
     assert read_shard(f"{result.final_policy.uri}").num_rows == 1
