@@ -152,29 +152,31 @@ def wait_for_optimizer_writes(uri: str | None = None) -> None:
                                   "committed is lost; rerunning the flow recomputes this state") from exc
 
 
-def _legacy_optimizer(update: ShardRef, subdir: str) -> bool:
+def _committed(update: ShardRef) -> ShardRef | None:
+    return committed_ref(optimizer_state_uri(update), stage=OPTIMIZER_STAGE, config_hash=optimizer_config_hash(update),
+                         check_files=False)
+
+
+def _kept_elsewhere(update: ShardRef, subdir: str) -> bool:
+    """Whether ``update`` has no optimizer stage by design: a DeepSpeed update (no state kept)
+    or the older layout (``{subdir}/optimizer.pt`` inside the checkpoint folder).
+
+    Raises:
+        ShardNotCommittedError: ``update`` is not a committed stage.
+    """
     manifest, _ = read_manifest(update.uri)
-    return any(e.path == f"{subdir}/{OPTIMIZER_FILE}" for e in manifest.files)
+    return "zero_stage" in manifest.summary or any(e.path == f"{subdir}/{OPTIMIZER_FILE}" for e in manifest.files)
 
 
 def optimizer_state_missing(update: ShardRef, subdir: str = "policy") -> bool:
-    """True when the committed ``ppo_update`` ``update`` has no committed optimizer state
-    (neither its optimizer stage nor, in older runs, ``{subdir}/optimizer.pt``) although it
-    should: its background write was lost. False for DeepSpeed updates, which keep none.
-
-    Waits for a pending write of that stage first (its failure counts as missing).
-    """
+    """True when the committed ``ppo_update`` ``update`` should have a committed optimizer
+    stage and has none: its background write was lost (a crash, or a failed write, which is
+    logged). Waits for a pending write of that stage first."""
     try:
         wait_for_optimizer_writes(optimizer_state_uri(update))
     except OptimizerStateError as exc:
         log.warning("%s", exc)
-    if committed_ref(optimizer_state_uri(update), stage=OPTIMIZER_STAGE, config_hash=optimizer_config_hash(update),
-                     check_files=False) is not None:
-        return False
-    manifest, _ = read_manifest(update.uri)
-    if "zero_stage" in manifest.summary:
-        return False
-    return not _legacy_optimizer(update, subdir)
+    return _committed(update) is None and not _kept_elsewhere(update, subdir)
 
 
 def optimizer_state_ref(policy: ShardRef | str) -> ShardRef | None:
@@ -188,20 +190,19 @@ def optimizer_state_ref(policy: ShardRef | str) -> ShardRef | None:
     """
     if not isinstance(policy, ShardRef):
         return None
-    uri = optimizer_state_uri(policy)
-    wait_for_optimizer_writes(uri)
-    ref = committed_ref(uri, stage=OPTIMIZER_STAGE, config_hash=optimizer_config_hash(policy), check_files=False)
+    wait_for_optimizer_writes(optimizer_state_uri(policy))
+    ref = _committed(policy)
     if ref is not None:
         return ref
     try:
-        missing = optimizer_state_missing(policy)
+        if _kept_elsewhere(policy, "policy"):
+            return None
     except ShardNotCommittedError:
-        missing = False  # not a ppo_update stage of ours: nothing to load
-    if missing:
-        raise OptimizerStateError(
-            f"{uri}: the optimizer state of {policy.uri} was never committed (the process stopped during its "
-            "background write). Rerun the training flow on this run root: resuming that iteration recomputes it")
-    return None
+        return None  # not a ppo_update stage of ours: nothing to load
+    raise OptimizerStateError(
+        f"{optimizer_state_uri(policy)}: the optimizer state of {policy.uri} was never committed (the process "
+        "stopped during its background write). Rerun the training flow on this run root: resuming that "
+        "iteration recomputes it")
 
 
 def optimizer_state_dir(ref: ShardRef) -> str:
