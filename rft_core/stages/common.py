@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from rft_core.models.loading import cache_dir
 from rft_core.stages.retention import require_unpruned
-from rft_core.training.update import save_checkpoint
+from rft_core.training.update import OPTIMIZER_FILE, save_checkpoint
 from schemas import ShardRef, StageSchema, commit_files, committed_ref, local_path, prepare_stage_dir, write_parts
 from schemas.shards import release_stage_lock
 
@@ -67,14 +67,20 @@ def policy_model_path(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str:
     return _checkpoint_folder(policy, subdir)
 
 
+# a downloaded checkpoint folder is complete once one of these is there (full model, LoRA
+# adapter, optimizer stage); the download is renamed into place atomically
+_COMPLETE_MARKERS = ("config.json", "adapter_config.json", OPTIMIZER_FILE)
+
+
 def _checkpoint_folder(policy: ShardRef, subdir: str) -> str:
-    """Local folder of ``{policy.uri}/{subdir}``: the folder itself, or a cached download."""
-    uri = f"{policy.uri.rstrip('/')}/{subdir}"
+    """Local folder of ``{policy.uri}/{subdir}`` (``subdir=""``: the stage folder itself): the
+    folder itself, or a cached download keyed by the manifest checksum."""
+    uri = f"{policy.uri.rstrip('/')}/{subdir}" if subdir else policy.uri
     local = local_path(uri)
     if local is not None:
         return local
-    target = cache_dir() / "checkpoints" / f"{policy.manifest_sha256}-{subdir}"
-    if not (target / "config.json").exists() and not (target / "adapter_config.json").exists():  # full or LoRA
+    target = cache_dir() / "checkpoints" / f"{policy.manifest_sha256}-{subdir or policy.stage}"
+    if not any((target / name).exists() for name in _COMPLETE_MARKERS):
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".dl-", dir=target.parent))
         fs, path = fsspec.core.url_to_fs(uri)

@@ -26,27 +26,23 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import fsspec
 import torch
 
-from rft_core.models.loading import cache_dir
-from rft_core.stages.retention import CheckpointPrunedError
-from rft_core.training.update import OPTIMIZER_FILE
-from schemas import ShardRef, commit_files, committed_ref, config_hash, local_path, prepare_stage_dir, pruned_files, read_manifest
+from rft_core.stages.common import POLICY_SUBDIR, policy_checkpoint_dir
+from rft_core.training.update import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
+from schemas import ShardRef, commit_files, committed_ref, config_hash, local_path, prepare_stage_dir, read_manifest
 from schemas.columns import OPTIMIZER_STATE
 from schemas.shards import ShardNotCommittedError, release_stage_lock
 
 log = logging.getLogger("rft_core.stages")
 
 OPTIMIZER_STAGE = OPTIMIZER_STATE.stage  # "optimizer_state"
-FOLDER_SUFFIX = "-optimizer"
 
 _LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
@@ -57,11 +53,10 @@ class OptimizerStateError(RuntimeError):
     """The optimizer state a ``ppo_update`` needs is missing, or its background write failed."""
 
 
-def optimizer_state_uri(update: ShardRef | str) -> str:
-    """URI of the optimizer stage belonging to the ``ppo_update`` stage at ``update``
-    (a ShardRef or its URI): the sibling folder ``{name}-optimizer``."""
-    uri = update.uri if isinstance(update, ShardRef) else update
-    return uri.rstrip("/") + FOLDER_SUFFIX
+def optimizer_state_uri(update: ShardRef) -> str:
+    """URI of the optimizer stage belonging to the ``ppo_update`` stage ``update``: the sibling
+    folder ``{name}-optimizer``."""
+    return update.uri.rstrip("/") + OPTIMIZER_FOLDER_SUFFIX
 
 
 def optimizer_config_hash(update: ShardRef) -> str:
@@ -157,18 +152,18 @@ def _committed(update: ShardRef) -> ShardRef | None:
                          check_files=False)
 
 
-def _kept_elsewhere(update: ShardRef, subdir: str) -> bool:
+def _kept_elsewhere(update: ShardRef) -> bool:
     """Whether ``update`` has no optimizer stage by design: a DeepSpeed update (no state kept)
-    or the older layout (``{subdir}/optimizer.pt`` inside the checkpoint folder).
+    or the older layout (``policy/optimizer.pt`` inside the checkpoint folder).
 
     Raises:
         ShardNotCommittedError: ``update`` is not a committed stage.
     """
     manifest, _ = read_manifest(update.uri)
-    return "zero_stage" in manifest.summary or any(e.path == f"{subdir}/{OPTIMIZER_FILE}" for e in manifest.files)
+    return "zero_stage" in manifest.summary or any(e.path == f"{POLICY_SUBDIR}/{OPTIMIZER_FILE}" for e in manifest.files)
 
 
-def optimizer_state_missing(update: ShardRef, subdir: str = "policy") -> bool:
+def optimizer_state_missing(update: ShardRef) -> bool:
     """True when the committed ``ppo_update`` ``update`` should have a committed optimizer
     stage and has none: its background write was lost (a crash, or a failed write, which is
     logged). Waits for a pending write of that stage first."""
@@ -176,7 +171,7 @@ def optimizer_state_missing(update: ShardRef, subdir: str = "policy") -> bool:
         wait_for_optimizer_writes(optimizer_state_uri(update))
     except OptimizerStateError as exc:
         log.warning("%s", exc)
-    return _committed(update) is None and not _kept_elsewhere(update, subdir)
+    return _committed(update) is None and not _kept_elsewhere(update)
 
 
 def optimizer_state_ref(policy: ShardRef | str) -> ShardRef | None:
@@ -195,7 +190,7 @@ def optimizer_state_ref(policy: ShardRef | str) -> ShardRef | None:
     if ref is not None:
         return ref
     try:
-        if _kept_elsewhere(policy, "policy"):
+        if _kept_elsewhere(policy):
             return None
     except ShardNotCommittedError:
         return None  # not a ppo_update stage of ours: nothing to load
@@ -212,22 +207,4 @@ def optimizer_state_dir(ref: ShardRef) -> str:
     Raises:
         CheckpointPrunedError: the state was pruned (``checkpoint.keep_last``).
     """
-    pruned = pruned_files(ref.uri)
-    if OPTIMIZER_FILE in pruned:
-        raise CheckpointPrunedError(f"{ref.uri}: {OPTIMIZER_FILE} was pruned ({pruned[OPTIMIZER_FILE]}); this checkpoint "
-                                    "can no longer be trained from. Resume from the last iteration, or raise "
-                                    "checkpoint.keep_last in new runs")
-    local = local_path(ref.uri)
-    if local is not None:
-        return local
-    target = cache_dir() / "checkpoints" / f"{ref.manifest_sha256}-optimizer"
-    if not (target / OPTIMIZER_FILE).exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".dl-", dir=target.parent))
-        fs, path = fsspec.core.url_to_fs(ref.uri)
-        fs.get_file(f"{path.rstrip('/')}/{OPTIMIZER_FILE}", str(tmp / OPTIMIZER_FILE))
-        if target.exists():
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, target)
-    return str(target)
+    return policy_checkpoint_dir(ref, subdir="")

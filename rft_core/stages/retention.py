@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from rft_core.training.update import OPTIMIZER_FILE
+from rft_core.training.update import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
 from schemas import ShardRef, prune_files, pruned_files, read_manifest, stage_uri
 from schemas.shards import ShardNotCommittedError
 
@@ -30,7 +30,7 @@ log = logging.getLogger("rft_core.stages")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 # stage folder -> checkpoint sub-folder ("": the folder itself; ppo_update-optimizer holds the
 # policy's AdamW state, rft_core.stages.optimizer_state)
-CHECKPOINT_STAGES = {"ppo_update": "policy", "ppo_update-optimizer": "", "critic_update": "critic"}
+CHECKPOINT_STAGES = {"ppo_update": "policy", f"ppo_update{OPTIMIZER_FOLDER_SUFFIX}": "", "critic_update": "critic"}
 
 
 class CheckpointPrunedError(RuntimeError):

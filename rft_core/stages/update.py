@@ -1,10 +1,11 @@
 """PPO update stage: train the policy on the iteration's experience; commit metrics + checkpoint."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import tempfile
 from pathlib import Path
+
+import fsspec
 
 from rft_core.config import KLConfig, UpdateConfig, policy_loss_kwargs
 from rft_core.models.loading import load_causal_lm, load_tokenizer
@@ -31,6 +32,7 @@ from rft_core.training.strategy import DeepSpeedStrategy
 from rft_core.training.update import UpdateData, load_optimizer_state, make_optimizer, ppo_update
 from schemas import ShardRef, committed_ref, config_hash, read_manifest, read_shard
 from schemas.columns import PPO_UPDATE
+from schemas.shards import _sha256_file
 from schemas.experience import align_on_sample_id
 
 
@@ -94,7 +96,8 @@ def _weights_match(model, update: ShardRef) -> bool:
             if e.path.startswith(f"{POLICY_SUBDIR}/") and e.path.endswith(WEIGHT_SUFFIXES)}
     with tempfile.TemporaryDirectory(prefix="rft-recheck-") as tmp:
         model.save_pretrained(tmp)
-        got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(tmp).iterdir() if p.name.endswith(WEIGHT_SUFFIXES)}
+        fs = fsspec.filesystem("file")
+        got = {p.name: _sha256_file(fs, str(p))[1] for p in Path(tmp).iterdir() if p.name.endswith(WEIGHT_SUFFIXES)}
     return bool(want) and got == want
 
 

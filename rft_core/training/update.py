@@ -16,6 +16,8 @@ from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device, response_logprobs, with_vision
 
 OPTIMIZER_FILE = "optimizer.pt"
+# the policy's optimizer state is the stage "{ppo_update folder}-optimizer" (rft_core.stages.optimizer_state)
+OPTIMIZER_FOLDER_SUFFIX = "-optimizer"
 
 
 @dataclass(frozen=True)

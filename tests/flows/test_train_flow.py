@@ -256,7 +256,7 @@ def test_run_on_memory_filesystem(prefect_harness, tiny_model, tmp_path, fake_re
     assert fs.exists(f"/runs/{tmp_path.name}/iter=000002/ppo_update-optimizer/optimizer.pt")
     # iteration 2 loaded iteration 1's checkpoint and optimizer state through the download cache
     cached = sorted((tmp_path / "cache" / "checkpoints").iterdir(), key=lambda p: p.name.rsplit("-", 1)[1])
-    assert [p.name.rsplit("-", 1)[1] for p in cached] == ["optimizer", "policy"]
+    assert [p.name.rsplit("-", 1)[1] for p in cached] == ["optimizer_state", "policy"]
     assert (cached[0] / "optimizer.pt").exists() and (cached[1] / "config.json").exists()
     # resume on memory:// reuses everything
     before = {p: fs.info(p)["created"] for p in fs.find(f"/runs/{tmp_path.name}") if p.endswith("_MANIFEST.json")}

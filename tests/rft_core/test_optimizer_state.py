@@ -17,7 +17,8 @@ from rft_core.config import load_config
 from rft_core.stages import optimizer_state as opt_state
 from rft_core.stages.update import update_hash_view
 from rft_core.training.update import OPTIMIZER_FILE
-from schemas import commit_files, config_hash, read_manifest, read_shard, stage_uri
+from rft_core.stages.retention import CheckpointPrunedError
+from schemas import commit_files, config_hash, prune_files, read_manifest, read_shard, stage_uri
 from schemas.columns import PPO_UPDATE
 from tests.flows.conftest import _fake_score
 
@@ -77,6 +78,11 @@ def test_background_write_commits_and_the_next_update_continues_from_it(cfg, tmp
     assert m2.inputs["optimizer"] == sha  # the state it started from is part of its identity
     s2 = _state(opt_state.optimizer_state_uri(u2))
     assert all(float(v["step"]) == 2 for v in s2["state"].values())  # AdamW continued, not restarted
+    # a pruned state (checkpoint.keep_last) is refused, never replaced by a fresh optimizer
+    prune_files(opt_state.optimizer_state_uri(u1), [OPTIMIZER_FILE], reason="checkpoint.keep_last=1 (test)")
+    with pytest.raises(CheckpointPrunedError, match=r"optimizer.pt were pruned \(checkpoint.keep_last=1 \(test\)\)"):
+        opt_state.optimizer_state_dir(opt_state.optimizer_state_ref(u1))
+    assert opt_state.optimizer_state_dir(opt_state.optimizer_state_ref(u2)) == opt_state.optimizer_state_uri(u2)
 
 
 def test_a_lost_write_is_recomputed_exactly_when_the_update_is_resumed(cfg, tmp_path, caplog):
