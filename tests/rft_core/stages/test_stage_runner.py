@@ -129,7 +129,7 @@ exec {sys.executable} "$@"
 def test_scale_example_config_is_valid():
     from pathlib import Path
 
-    cfg = load_config(Path(__file__).resolve().parents[2] / "configs/grpo_scale.yaml")
+    cfg = load_config(Path(__file__).resolve().parents[3] / "configs/grpo_scale.yaml")
     assert cfg.rollout.engine == "vllm" and cfg.update.deepspeed.zero_stage == 3
     assert cfg.runner("rollout").shards == 8 and cfg.runner("ppo_update").launcher == "torchrun"
     cmd = stage_command("ppo_update", {"out": "s3://b/x"}, cfg.runner("ppo_update"), result_file="r.json")
