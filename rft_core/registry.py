@@ -1,7 +1,7 @@
 """Named registries: variants are chosen by name, and a bad name lists the valid ones."""
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -27,9 +27,12 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._items: dict[str, T] = {}
+        self._info: dict[str, Any] = {}
 
-    def register(self, *names: str) -> Callable[[T], T]:
-        """Register the decorated object under each of ``names``.
+    def register(self, *names: str, info: Any = None) -> Callable[[T], T]:
+        """Register the decorated object under each of ``names``, with optional metadata
+        ``info`` (what callers must know about the entry without calling it, e.g. whether an
+        advantage estimator needs critic values); ``info(name)`` returns it.
 
         Raises:
             ValueError: a name is already registered.
@@ -40,17 +43,27 @@ class Registry(Generic[T]):
                 if name in self._items:
                     raise ValueError(f"{self.kind} {name!r} is already registered")
                 self._items[name] = obj
+                self._info[name] = info
             return obj
 
         return deco
 
     def __getitem__(self, name: str) -> T:
-        try:
-            return self._items[name]
-        except KeyError:
-            raise UnknownNameError(
-                f"unknown {self.kind} {name!r}; valid names: {', '.join(sorted(self._items))}"
-            ) from None
+        self._check(name)
+        return self._items[name]
+
+    def info(self, name: str) -> Any:
+        """The metadata registered with ``name`` (None when none was given).
+
+        Raises:
+            UnknownNameError: ``name`` is not registered (the message lists the valid names).
+        """
+        self._check(name)
+        return self._info[name]
+
+    def _check(self, name: str) -> None:
+        if name not in self._items:
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; valid names: {', '.join(sorted(self._items))}")
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+from rft_core.models.hub import ModelLoadError, attn_implementation, set_trainable
+from rft_core.models.pretrained import load_pretrained, load_tokenizer
+
 ADAPTER_CONFIG = "adapter_config.json"
 
 
@@ -75,8 +78,6 @@ def load_adapter_policy(adapter_dir: str | Path, *, dtype: str = "float32", trai
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rft_core.models.loading import ModelLoadError, attn_implementation, load_pretrained, set_trainable
-
     base_path = adapter_base_path(adapter_dir)
     base = load_pretrained(AutoModelForCausalLM, base_path, dtype=dtype, trainable=False, what="LoRA base model",
                            model_kwargs={"attn_implementation": attn_implementation(dtype)})
@@ -96,8 +97,6 @@ def merge_adapter(adapter_dir: str | Path, out_dir: str | Path, *, dtype: str = 
     Returns:
         ``out_dir`` as a string.
     """
-    from rft_core.models.loading import load_tokenizer
-
     model = load_adapter_policy(adapter_dir, dtype=dtype, merge=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -25,9 +25,17 @@ from typing import Sequence
 import torch
 
 from rft_core.data.images import decode_image
+from rft_core.models.hub import attn_implementation
+from rft_core.models.pretrained import load_pretrained, load_tokenizer, resolve_model_path
+from rft_core.models.tiny_vl import (  # noqa: F401 - the VL token names are part of this module's surface
+    IMAGE_PAD,
+    TINY_VL_MODEL,
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    build_tiny_qwen2_vl,
+)
 
-TINY_VL_MODEL = "tiny-qwen2-vl"
-VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
 IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
 
 
@@ -37,63 +45,10 @@ class VLError(ValueError):
 
 def is_vl_model(path: str) -> bool:
     """True when the model folder's config has a vision tower (``vision_config``)."""
-    from rft_core.models.loading import resolve_model_path
-
     if path == TINY_VL_MODEL:
         return True
     cfg = Path(resolve_model_path(path)) / "config.json"  # a hub id gives a relative path: not found -> False
     return cfg.exists() and "vision_config" in json.loads(cfg.read_text())
-
-
-def build_tiny_qwen2_vl(out_dir: str | Path, *, seed: int = 0) -> str:
-    """Save a tiny random Qwen2-VL, its tokenizer and PIL image processor to ``out_dir``.
-
-    Images are resized into 56x56 .. 112x112 pixels (4..16 merged image tokens each).
-    """
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from rft_core.models.loading import DEFAULT_MODEL, load_tokenizer
-
-    tok = load_tokenizer(DEFAULT_MODEL)
-    tok.add_special_tokens({"additional_special_tokens": [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]})
-    ids = {t: tok.convert_tokens_to_ids(t) for t in (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)}
-    special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cfg = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}, **special),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, in_channels=3, temporal_patch_size=2),
-        image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
-        vision_end_token_id=ids[VISION_END], tie_word_embeddings=True, **special)
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(cfg)
-    model.generation_config.bos_token_id = tok.bos_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(out_dir)
-    return str(out_dir)
-
-
-def ensure_tiny_vl_model() -> Path:
-    """The cached tiny Qwen2-VL folder, built on first use (under the model-load lock)."""
-    from rft_core.models.loading import _LOAD_LOCK, cache_dir
-
-    target = cache_dir() / "models" / TINY_VL_MODEL
-    with _LOAD_LOCK:
-        if not (target / "config.json").exists():
-            import shutil
-            import tempfile
-
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tiny-vl-"))
-            build_tiny_qwen2_vl(tmp)
-            shutil.rmtree(target, ignore_errors=True)
-            tmp.rename(target)
-    return target
 
 
 def load_vl_model(path: str, *, dtype: str = "float32", trainable: bool = False):
@@ -103,9 +58,10 @@ def load_vl_model(path: str, *, dtype: str = "float32", trainable: bool = False)
     Raises:
         ModelLoadError: unreadable path or weights.
     """
-    from rft_core.models.loading import load_causal_lm
+    from transformers import AutoModelForImageTextToText
 
-    return load_causal_lm(path, dtype=dtype, trainable=trainable)
+    return load_pretrained(AutoModelForImageTextToText, path, dtype=dtype, trainable=trainable,
+                           model_kwargs={"attn_implementation": attn_implementation(dtype)}, what="vision-language model")
 
 
 class VLProcessor:
@@ -118,10 +74,6 @@ class VLProcessor:
 
     def __init__(self, path: str) -> None:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-        from rft_core.models.loading import load_tokenizer
-
-        from rft_core.models.loading import resolve_model_path
 
         folder = resolve_model_path(path)
         self.tokenizer = load_tokenizer(folder)
