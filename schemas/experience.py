@@ -1,7 +1,11 @@
-"""Experience batches (padded tensors) <-> per-sample items <-> shard column groups.
+"""The LightRFT-compatible view: Experience batches (padded tensors) <-> per-sample items <->
+shard column groups.
 
-Names and behaviour follow LightRFT's ``Experience`` / ``BufferItem`` / ``Samples`` and its
-replay-buffer helpers, with one documented difference: per-token fields of a BufferItem
+The pipeline itself computes on ``schemas.batch.ColumnBatch`` under the shard column names;
+this module keeps the seed's record names for users and code written against LightRFT, and
+converts in one place (``to_experience``). Names and behaviour follow LightRFT's
+``Experience`` / ``BufferItem`` / ``Samples`` and its replay-buffer helpers, with one
+documented difference: per-token fields of a BufferItem
 (``values``, ``returns``, ``advantages``) have shape (A), one value per action, as they are
 actually used, not (1).
 
@@ -11,37 +15,20 @@ with the responses in the last A columns; per-action tensors are (B, A), right-p
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Sequence
+from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import torch
 
-from schemas.columns import ACTOR_LOGPROBS, ADVANTAGES, CRITIC_VALUES, PER_TOKEN_COLUMNS, REF_LOGPROBS, REWARDS, ROLLOUT
+from schemas.batch import (  # noqa: F401 - part of this module's surface since before schemas.batch
+    ColumnBatch,
+    align_on_sample_id,
+    check_token_lengths,
+    join_column_groups,
+    zero_pad_sequences,
+)
+from schemas.columns import ACTOR_LOGPROBS, ADVANTAGES, CRITIC_VALUES, REF_LOGPROBS, REWARDS, ROLLOUT
 from schemas.shards import ShardSchemaError
-
-
-def zero_pad_sequences(sequences: Sequence[torch.Tensor], side: str = "left", value: int | float = 0,
-                       min_length: int = 0) -> torch.Tensor:
-    """Pad 1-D tensors to the longest one (at least ``min_length``) and stack them to (B, L).
-
-    >>> zero_pad_sequences([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], side="left")
-    tensor([[1, 2, 3],
-            [0, 4, 5]])
-
-    Raises:
-        ValueError: ``side`` is not "left" or "right", or the list is empty.
-    """
-    if side not in ("left", "right"):
-        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
-    if len(sequences) == 0:
-        raise ValueError("zero_pad_sequences needs at least one sequence")
-    max_len = max(max(int(s.shape[-1]) for s in sequences), min_length)
-    out = []
-    for s in sequences:
-        pad = max_len - int(s.shape[-1])
-        out.append(torch.nn.functional.pad(s, (pad, 0) if side == "left" else (0, pad), value=value))
-    return torch.stack(out, dim=0)
 
 
 @dataclass
@@ -193,41 +180,24 @@ def remove_padding_in_sequences(items: list[BufferItem]) -> list[BufferItem]:
     return out
 
 
-def align_on_sample_id(base: pa.Table, other: pa.Table, *, name: str) -> pa.Table:
-    """Reorder ``other`` to ``base``'s ``sample_id`` order (list columns are not joinable in Arrow).
-
-    Raises:
-        ShardSchemaError: duplicate, missing or extra sample_ids, named with the stage ``name``.
-    """
-    ids = other.column("sample_id").to_pylist()
-    index = {s: i for i, s in enumerate(ids)}
-    if len(index) != len(ids):
-        raise ShardSchemaError(f"{name}: duplicate sample_id values")
-    want = base.column("sample_id").to_pylist()
-    missing = [s for s in want if s not in index]
-    if missing or len(ids) != len(want):
-        raise ShardSchemaError(f"{name}: sample_ids do not match the rollout (missing {missing[:3]}, {len(ids)} vs {len(want)} rows)")
-    return other.take(pa.array([index[s] for s in want], pa.int64()))
-
-
-def check_token_lengths(table: pa.Table, *, name: str, lengths: np.ndarray) -> None:
-    """Every per-token list column of ``table`` has one entry per response token.
-
-    Raises:
-        ShardSchemaError: naming the column and the first bad sample_id.
-    """
-    for col in table.column_names:
-        if col in PER_TOKEN_COLUMNS:
-            got = pa.compute.list_value_length(table.column(col)).to_numpy(zero_copy_only=False)
-            bad = np.nonzero(got != lengths)[0]
-            if len(bad):
-                sid = table.column("sample_id")[int(bad[0])].as_py()
-                raise ShardSchemaError(f"{name}: column {col!r} of sample {sid} has {got[bad[0]]} entries, response has {lengths[bad[0]]} tokens")
-
-
-def _pad_lists(col: pa.ChunkedArray | pa.Array, dtype: torch.dtype, side: str = "right") -> torch.Tensor:
-    rows = col.to_pylist()
-    return zero_pad_sequences([torch.tensor(r, dtype=dtype) for r in rows], side, min_length=1)
+def to_experience(batch: ColumnBatch) -> Experience:
+    """The LightRFT ``Experience`` of a ``ColumnBatch``: the one place where the shard column
+    names become the seed's field names (old_logprobs -> action_log_probs, ref_logprobs ->
+    base_action_log_probs; sequences = [prompt | response], attention_mask likewise). ``info``
+    holds sample_id, prompt_id (lists), response_length (B,) int64 and, when joined, rewards /
+    shaped_rewards (B,) float32."""
+    info: dict[str, Any] = {"sample_id": batch.sample_id, "prompt_id": batch.prompt_id,
+                            "response_length": batch.response_length}
+    if batch.rewards is not None:
+        info["rewards"] = batch.rewards
+    if batch.shaped_rewards is not None:
+        info["shaped_rewards"] = batch.shaped_rewards
+    return Experience(
+        sequences=torch.cat([batch.prompt_token_ids, batch.response_token_ids], dim=1),
+        action_log_probs=batch.old_logprobs, base_action_log_probs=batch.ref_logprobs, values=batch.values,
+        returns=batch.returns, advantages=batch.advantages,
+        attention_mask=torch.cat([batch.prompt_mask, batch.response_mask], dim=1),
+        action_mask=batch.action_mask, info=info, kl=batch.kl, action_entropy=batch.action_entropy)
 
 
 def experience_from_tables(
@@ -240,62 +210,15 @@ def experience_from_tables(
     critic: pa.Table | None = None,
     pad_token_id: int = 0,
 ) -> Experience:
-    """Join stage column groups on ``sample_id`` (rollout order) and pad them into an Experience.
-
-    ``action_log_probs`` come from ``actor.old_logprobs`` when given, else from the rollout
-    engine's ``rollout_logprobs``. ``info`` holds sample_id, prompt_id (lists) and, when
-    available, rewards / shaped_rewards (B,) float32 and response_length (B,) int64.
+    """Join stage column groups on ``sample_id`` (rollout order) into an ``Experience``
+    (``join_column_groups`` then ``to_experience``). ``action_log_probs`` come from
+    ``actor.old_logprobs`` when given, else from the rollout engine's ``rollout_logprobs``.
 
     Raises:
         ShardSchemaError: mismatched sample_ids or per-token lengths, naming the stage.
     """
-    lengths = pa.compute.list_value_length(rollout.column("response_token_ids")).to_numpy(zero_copy_only=False)
-    check_token_lengths(rollout, name="rollout", lengths=lengths)
-    groups = {}
-    for name, t in (("actor_logprobs", actor), ("ref_logprobs", ref), ("rewards", rewards), ("advantages", advantages),
-                    ("critic_values", critic)):
-        if t is not None:
-            t = align_on_sample_id(rollout, t, name=name)
-            check_token_lengths(t, name=name, lengths=lengths)
-            groups[name] = t
-    p_ids = _pad_lists(rollout.column("prompt_token_ids"), torch.long, "left")
-    p_lengths = pa.compute.list_value_length(rollout.column("prompt_token_ids")).to_pylist()
-    p_mask = _pad_lists(pa.array([[1] * int(n) for n in p_lengths]), torch.long, "left")
-    if pad_token_id:
-        p_ids = torch.where(p_mask.bool(), p_ids, torch.full_like(p_ids, pad_token_id))
-    r_ids = _pad_lists(rollout.column("response_token_ids"), torch.long)
-    action_mask = _pad_lists(rollout.column("action_mask"), torch.bool)
-    r_real = _pad_lists(pa.array([[1] * int(n) for n in lengths]), torch.long)
-    if pad_token_id:
-        r_ids = torch.where(r_real.bool(), r_ids, torch.full_like(r_ids, pad_token_id))
-    logp = groups["actor_logprobs"].column("old_logprobs") if "actor_logprobs" in groups else rollout.column("rollout_logprobs")
-    info: dict[str, Any] = {
-        "sample_id": rollout.column("sample_id").to_pylist(),
-        "prompt_id": rollout.column("prompt_id").to_pylist(),
-        "response_length": torch.tensor(lengths, dtype=torch.long),
-    }
-    if "rewards" in groups:
-        info["rewards"] = torch.tensor(groups["rewards"].column("rewards").to_numpy(), dtype=torch.float32)
-    adv = ret = kl = None
-    if "advantages" in groups:
-        g = groups["advantages"]
-        adv, ret, kl = (_pad_lists(g.column(c), torch.float32) for c in ("advantages", "returns", "kl"))
-        info["shaped_rewards"] = torch.tensor(g.column("shaped_rewards").to_numpy(), dtype=torch.float32)
-    entropy = (_pad_lists(groups["actor_logprobs"].column("action_entropy"), torch.float32)
-               if "actor_logprobs" in groups else None)
-    return Experience(
-        action_entropy=entropy,
-        sequences=torch.cat([p_ids, r_ids], dim=1),
-        action_log_probs=_pad_lists(logp, torch.float32),
-        base_action_log_probs=_pad_lists(groups["ref_logprobs"].column("ref_logprobs"), torch.float32) if "ref_logprobs" in groups else None,
-        values=_pad_lists(groups["critic_values"].column("values"), torch.float32) if "critic_values" in groups else None,
-        returns=ret,
-        advantages=adv,
-        attention_mask=torch.cat([p_mask, r_real], dim=1),
-        action_mask=action_mask,
-        info=info,
-        kl=kl,
-    )
+    return to_experience(join_column_groups(rollout, actor_logprobs=actor, ref_logprobs=ref, rewards=rewards,
+                                            advantages=advantages, critic_values=critic, pad_token_id=pad_token_id))
 
 
 def samples_from_tables(rollout: pa.Table, prompts: pa.Table | None = None, *, pad_token_id: int = 0) -> Samples:

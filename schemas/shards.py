@@ -20,7 +20,7 @@ import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Union
 
 import fsspec
 from pydantic import BaseModel, ConfigDict
@@ -85,7 +85,7 @@ def acquire_stage_lock(uri: str) -> str:
     Raises:
         ShardLockedError: a live writer holds the lock (named: host, pid, since when).
     """
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     fs.makedirs(path, exist_ok=True)
     lpath = f"{path}/{LOCK_NAME}"
     token = uuid.uuid4().hex
@@ -123,7 +123,7 @@ def acquire_stage_lock(uri: str) -> str:
 
 def release_stage_lock(uri: str, token: str) -> None:
     """Remove the lock if ``token`` still holds it."""
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     lpath = f"{path}/{LOCK_NAME}"
     try:
         if json.loads(fs.cat_file(lpath)).get("token") == token:
@@ -156,6 +156,9 @@ class Manifest(BaseModel):
     inputs: dict[str, str]  # input name -> that input's manifest sha256
     summary: dict[str, Any] = {}
     created_at: str
+    # the stage contract that wrote it ("<stage> v<N>", rft_core.stages.contracts); None: written
+    # before stage contracts existed. A config hash is only comparable under the same contract.
+    contract: str | None = None
 
 
 class ShardRef(BaseModel):
@@ -172,8 +175,25 @@ class ShardRef(BaseModel):
     config_hash: str
     manifest_sha256: str
 
+    @classmethod
+    def from_manifest(cls, uri: str) -> "ShardRef":
+        """The ref of the stage committed at ``uri``, read from its manifest.
 
-def _fs(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+        Raises:
+            ShardNotCommittedError: no manifest at ``uri``.
+            ShardCorruptError: the manifest is not a valid manifest.
+        """
+        manifest, sha = read_manifest(uri)
+        return _ref(uri, manifest, sha)
+
+
+# A policy (or critic, or reference) is either a model path (an initial model: alias, folder or
+# hub id) or the ShardRef of a committed training stage whose sub-folder is an HF checkpoint.
+PolicyRef = Union[str, ShardRef]
+
+
+def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem of ``uri`` and the path on it (without a trailing slash)."""
     fs, path = fsspec.core.url_to_fs(uri)
     return fs, path.rstrip("/")
 
@@ -208,7 +228,7 @@ def read_manifest(uri: str) -> tuple[Manifest, str]:
         ShardNotCommittedError: no manifest at ``uri``.
         ShardCorruptError: the manifest is not valid JSON or not a manifest.
     """
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     mpath = f"{path}/{MANIFEST_NAME}"
     if not fs.exists(mpath):
         raise ShardNotCommittedError(f"{uri}: no {MANIFEST_NAME}; the stage has not committed")
@@ -225,12 +245,22 @@ def _ref(uri: str, manifest: Manifest, sha: str) -> ShardRef:
                     config_hash=manifest.config_hash, manifest_sha256=sha)
 
 
-def committed_ref(uri: str, *, stage: str, config_hash: str, check_files: bool = True) -> ShardRef | None:
+class OlderVersionError(StaleShardError):
+    """A committed stage was written under another stage contract (another version of this
+    project): its config hash cannot be compared with this version's."""
+
+
+def committed_ref(uri: str, *, stage: str, config_hash: str, contract: str | None = None,
+                  check_files: bool = True) -> ShardRef | None:
     """The ShardRef of a committed stage that may be reused, or None when it must be computed.
 
     Returns None when no manifest exists (never run, or interrupted before its commit).
 
+    Args:
+        contract: the stage contract the caller computes ``config_hash`` under; a manifest
+            written under another one (or none) is refused as written by another version.
     Raises:
+        OlderVersionError: the manifest was written under another stage contract.
         StaleShardError: a manifest exists with another config hash or stage; a committed
             result is never silently overwritten (use a new run root).
         ShardCorruptError: with ``check_files``, a committed file is missing or has another size.
@@ -239,6 +269,13 @@ def committed_ref(uri: str, *, stage: str, config_hash: str, check_files: bool =
         manifest, sha = read_manifest(uri)
     except ShardNotCommittedError:
         return None
+    if manifest.config_hash != config_hash and contract is not None and manifest.contract != contract:
+        raise OlderVersionError(
+            f"{uri}: written by {'an older version of prefect-rft' if manifest.contract is None else 'another version of prefect-rft'} "
+            f"(stage contract {manifest.contract or 'none'}; this version writes {contract}), so its config hash "
+            "cannot be compared with this run's. Resume it with the version that wrote it, or start a new run root "
+            "(committed results are never overwritten)."
+        )
     if manifest.stage != stage or manifest.config_hash != config_hash:
         raise StaleShardError(
             f"{uri}: committed by stage {manifest.stage!r} with config hash {manifest.config_hash}, "
@@ -246,7 +283,7 @@ def committed_ref(uri: str, *, stage: str, config_hash: str, check_files: bool =
             "upstream shard changed. Use a new run root (committed results are never overwritten)."
         )
     if check_files:
-        fs, path = _fs(uri)
+        fs, path = filesystem(uri)
         pruned = pruned_files(uri)
         for entry in manifest.files:
             if entry.path in pruned:  # removed on purpose (checkpoint retention), not corruption
@@ -267,7 +304,7 @@ def pruned_files(uri: str) -> dict[str, str]:
     Raises:
         ShardCorruptError: ``_PRUNED.json`` exists but is not a JSON object of strings.
     """
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     ppath = f"{path}/{PRUNED_NAME}"
     if not fs.exists(ppath):
         return {}
@@ -307,8 +344,8 @@ def prune_files(uri: str, paths: Iterable[str], *, reason: str) -> list[str]:
     todo = [rel for rel in paths if rel not in done]
     if not todo:
         return []
-    fs, path = _fs(uri)
-    _atomic_put(fs, f"{path}/{PRUNED_NAME}", json.dumps({**done, **{rel: reason for rel in todo}}, indent=1, sort_keys=True).encode())
+    fs, path = filesystem(uri)
+    atomic_put(fs, f"{path}/{PRUNED_NAME}", json.dumps({**done, **{rel: reason for rel in todo}}, indent=1, sort_keys=True).encode())
     for rel in todo:
         if fs.exists(f"{path}/{rel}"):
             fs.rm_file(f"{path}/{rel}")
@@ -325,7 +362,7 @@ def prepare_stage_dir(uri: str) -> str:
         ShardExistsError: the folder holds a committed manifest.
         ShardLockedError: another live writer is writing this stage.
     """
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     if fs.exists(f"{path}/{MANIFEST_NAME}"):
         raise ShardExistsError(f"{uri}: already committed; refusing to overwrite it")
     token = acquire_stage_lock(uri)
@@ -341,14 +378,17 @@ def prepare_stage_dir(uri: str) -> str:
     return token
 
 
-def _atomic_put(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+def atomic_put(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` under a temporary name, then rename it into place (a reader
+    never sees a partial file where the filesystem's rename is atomic)."""
     parent, name = path.rsplit("/", 1)
     tmp = f"{parent}/.tmp-{uuid.uuid4().hex}-{name}"
     fs.pipe_file(tmp, data)
     fs.mv(tmp, path)
 
 
-def _sha256_file(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
+def sha256_file(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
+    """(size in bytes, sha256 hex) of a file, read in 4 MiB chunks."""
     h = hashlib.sha256()
     size = 0
     with fs.open(path, "rb") as f:
@@ -370,6 +410,7 @@ def commit_files(
     schema: StageSchema | None = None,
     rows_per_file: Mapping[str, int] | None = None,
     lock_token: str | None = None,
+    contract: str | None = None,
 ) -> ShardRef:
     """Write the manifest for files already written under ``uri`` (the commit point), then
     release the writer lock ``lock_token`` (from ``prepare_stage_dir``).
@@ -379,10 +420,11 @@ def commit_files(
     Args:
         files: paths relative to ``uri``; default: every file below it except temporaries.
         inputs: the ShardRefs this output was computed from (recorded by manifest sha256).
+        contract: the stage contract ``config_hash`` was computed under (recorded).
     Raises:
         ShardExistsError: a manifest already exists at ``uri``.
     """
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     mpath = f"{path}/{MANIFEST_NAME}"
     if fs.exists(mpath):
         raise ShardExistsError(f"{uri}: already committed; refusing to overwrite it")
@@ -397,7 +439,7 @@ def commit_files(
     # hashlib releases the GIL on large buffers: a checkpoint's weights and optimizer state are
     # hashed at the same time (0.85 -> 0.57 s for SmolLM2-135M's 1.5 GB on 2 cores)
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(files)))) as pool:
-        sums = list(pool.map(lambda rel: _sha256_file(fs, f"{path}/{rel}"), files))
+        sums = list(pool.map(lambda rel: sha256_file(fs, f"{path}/{rel}"), files))
     entries = [FileEntry(path=rel, bytes=size, sha256=sha, rows=rows_per_file.get(rel)) for rel, (size, sha) in zip(files, sums)]
     manifest = Manifest(
         stage=stage,
@@ -409,9 +451,10 @@ def commit_files(
         inputs={k: v.manifest_sha256 for k, v in (inputs or {}).items()},
         summary=dict(summary or {}),
         created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(),
+        contract=contract,
     )
     raw = manifest.model_dump_json(indent=1).encode()
-    _atomic_put(fs, mpath, raw)
+    atomic_put(fs, mpath, raw)
     if lock_token is not None:
         release_stage_lock(uri, lock_token)
     return _ref(uri, manifest, hashlib.sha256(raw).hexdigest())
@@ -421,5 +464,5 @@ def local_path(uri: str) -> str | None:
     """The local filesystem path of ``uri``, or None when it is not on the local filesystem."""
     from fsspec.implementations.local import LocalFileSystem
 
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     return path if isinstance(fs, LocalFileSystem) else None

@@ -17,8 +17,8 @@ from schemas.shards import (
     ShardCorruptError,
     ShardRef,
     ShardSchemaError,
-    _atomic_put,
-    _fs,
+    atomic_put,
+    filesystem,
     commit_files,
     prepare_stage_dir,
     read_manifest,
@@ -62,7 +62,7 @@ def write_parts(table: pa.Table, uri: str, *, schema: StageSchema, rows_per_part
         ShardSchemaError: ``table`` does not match ``schema``.
     """
     table = validate_table(table, schema, where=f"writing {uri}").cast(schema.arrow)
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     rows: dict[str, int] = {}
     n_parts = max(1, -(-table.num_rows // rows_per_part))
     for i in range(n_parts):
@@ -70,7 +70,7 @@ def write_parts(table: pa.Table, uri: str, *, schema: StageSchema, rows_per_part
         buf = io.BytesIO()
         pq.write_table(part, buf, compression="zstd")
         name = f"part-{i:05d}.parquet"
-        _atomic_put(fs, f"{path}/{name}", buf.getvalue())
+        atomic_put(fs, f"{path}/{name}", buf.getvalue())
         rows[name] = part.num_rows
     return rows
 
@@ -84,6 +84,7 @@ def write_shard(
     inputs: Mapping[str, ShardRef] | None = None,
     summary: Mapping[str, Any] | None = None,
     rows_per_part: int = 100_000,
+    contract: str | None = None,
 ) -> ShardRef:
     """Atomically write ``table`` as a committed shard of ``schema.stage`` at ``uri``.
 
@@ -97,7 +98,7 @@ def write_shard(
         rows = write_parts(table, uri, schema=schema, rows_per_part=rows_per_part)
         return commit_files(uri, stage=schema.stage, config_hash=config_hash, files=list(rows),
                             num_rows=table.num_rows, inputs=inputs, summary=summary, schema=schema,
-                            rows_per_file=rows, lock_token=token)
+                            rows_per_file=rows, lock_token=token, contract=contract)
     except BaseException:
         release_stage_lock(uri, token)
         raise
@@ -130,7 +131,7 @@ def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = 
         )
     if manifest.schema_fingerprint != expected.fingerprint:
         raise ShardSchemaError(f"{uri}: schema fingerprint {manifest.schema_fingerprint} differs from {expected.fingerprint}")
-    fs, path = _fs(uri)
+    fs, path = filesystem(uri)
     tables = []
     for entry in manifest.files:
         if entry.rows is None:  # not a Parquet part (e.g. a checkpoint file)
