@@ -108,7 +108,7 @@ def inspect(
     from rich.console import Console
     from rich.table import Table
 
-    from rft_core.inspect import export_table, run_status, samples_view
+    from rft_core.api import export_table, run_status, samples_view
     from schemas import ShardError, read_shard, stage_uri
 
     console = Console()

@@ -13,10 +13,18 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict
 
 import tasks
+from rft_core.api import (
+    EvalGenerateInput,
+    EvalPromptsInput,
+    EvalSummaryInput,
+    RewardsInput,
+    checkpoint_label,
+    default_eval_root,
+    eval_markdown,
+    resolve_checkpoint,
+)
 from rft_core.config import TrainConfig, load_config
-from rft_core.stages import evaluate as ev
-from rft_core.stages.common import PolicyRef
-from schemas import ShardRef, config_hash, read_manifest, read_shard
+from schemas import PolicyRef, ShardRef, config_hash, read_manifest, read_shard
 
 
 class EvalResult(BaseModel):
@@ -59,22 +67,27 @@ def evaluate(cfg: TrainConfig, checkpoint: str | ShardRef | None = None, out_roo
         the numbers and the first samples.
     """
     logger = get_run_logger()
-    policy = ev.resolve_checkpoint(checkpoint if checkpoint is not None else cfg.policy.path)
+    policy = resolve_checkpoint(checkpoint if checkpoint is not None else cfg.policy.path)
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     fingerprint = _fingerprint(cfg, policy, max_new)
-    root = (out_root or ev.default_eval_root(policy, fingerprint=fingerprint)).rstrip("/")
-    label = ev.checkpoint_label(policy)
+    root = (out_root or default_eval_root(policy, fingerprint=fingerprint)).rstrip("/")
+    label = checkpoint_label(policy)
     logger.info("evaluating %s on %d held-out %s prompts into %s", label, cfg.eval.num_prompts, cfg.data.task, root)
 
-    st = tasks.StageTasks(tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags))
+    tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)
     tokenizer_path = policy if isinstance(policy, str) else cfg.policy.path
-    prompts = st.eval_prompts(cfg.data, cfg.eval, tokenizer_path, f"{root}/prompts")
-    rollout = st.eval_generate(prompts, policy, max_new, cfg.eval.batch_size, f"{root}/rollout", cfg.policy.dtype)
-    rewards = st.rewards(rollout, prompts, cfg.reward, f"{root}/rewards")
-    shard = st.eval_summary(prompts, rollout, rewards, policy, f"{root}/eval")
+    prompts = tasks.tagged(tasks.eval_prompts, tags)(inp=EvalPromptsInput(
+        data=cfg.data, eval=cfg.eval, tokenizer_path=tokenizer_path, out=f"{root}/prompts"))
+    rollout = tasks.tagged(tasks.eval_generate, tags)(inp=EvalGenerateInput(
+        prompts=prompts, policy=policy, max_new_tokens=max_new, batch_size=cfg.eval.batch_size, dtype=cfg.policy.dtype,
+        out=f"{root}/rollout"))
+    rewards = tasks.tagged(tasks.rewards, tags)(inp=RewardsInput(rollout=rollout, prompts=prompts, reward=cfg.reward,
+                                                                 out=f"{root}/rewards"))
+    shard = tasks.tagged(tasks.eval_summary, tags)(inp=EvalSummaryInput(prompts=prompts, rollout=rollout, rewards=rewards,
+                                                                        policy=policy, out=f"{root}/eval"))
 
     summary = read_manifest(shard.uri)[0].summary
-    create_markdown_artifact(key=f"eval-{fingerprint.lower()}", markdown=ev.eval_markdown(read_shard(shard, stage="eval"), summary),
+    create_markdown_artifact(key=f"eval-{fingerprint.lower()}", markdown=eval_markdown(read_shard(shard, stage="eval"), summary),
                              description=f"Held-out evaluation of {label}")
     logger.info("held-out accuracy %.3f ± %.3f, mean reward %.3f over %d prompts (%s)", summary["accuracy"],
                 summary["accuracy_stderr"], summary["reward_mean"], summary["num_prompts"], shard.uri)

@@ -13,8 +13,8 @@ import contextlib
 from prefect import flow
 
 import tasks
-from rft_core.config import RolloutConfig, RunnerConfig
-from rft_core.stages.common import PolicyRef
+from rft_core.api import RolloutInput, RolloutMergeInput
+from rft_core.config import RunnerConfig
 from schemas import ShardRef
 
 
@@ -32,23 +32,20 @@ def _remote_options(options: dict):
     return remote_options(**options)
 
 
-@flow(name="rollout-fanout", flow_run_name="rollout-fanout-iter-{iteration:06d}")
-def rollout_fanout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str,
-                   attempt: int, runner: RunnerConfig, concurrency_tags: bool = False) -> ShardRef:
-    """Submit ``runner.shards`` rollout shards together (they run on the flow's task runner),
-    then merge them into ``out``."""
-    st = tasks.StageTasks(concurrency_tags)
+@flow(name="rollout-fanout", flow_run_name="rollout-fanout-iter-{inp.iteration:06d}")
+def rollout_fanout(inp: RolloutInput, runner: RunnerConfig, tags: bool = False) -> ShardRef:
+    """Submit ``runner.shards`` shards of the rollout ``inp`` together (they run on the flow's
+    task runner), then merge them into ``inp.out``."""
     n = runner.shards
     inner = runner.model_copy(update={"shards": 1})  # how each shard's program runs inside its worker
     with _remote_options(runner.ray_remote_options):  # e.g. one GPU per shard task
-        futures = [st.rollout_shard.submit(prompts, policy, cfg, iteration, shard_uri(out, i, n), dtype, attempt, (i, n),
-                                              inner) for i in range(n)]
+        futures = [tasks.tagged(tasks.rollout, tags).submit(
+            inp=inp.model_copy(update={"shard": (i, n), "out": shard_uri(inp.out, i, n)}), runner=inner) for i in range(n)]
     parts = [f.result() for f in futures]
-    return st.rollout_merge(parts, prompts, policy, cfg, iteration, out, dtype, attempt)
+    return tasks.tagged(tasks.rollout_merge, tags)(inp=RolloutMergeInput(rollout=inp, parts=parts, out=inp.out))
 
 
-def sharded_rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str,
-                    attempt: int, runner: RunnerConfig, concurrency_tags: bool = False) -> ShardRef:
+def sharded_rollout(inp: RolloutInput, runner: RunnerConfig, tags: bool = False) -> ShardRef:
     """``rollout_fanout`` as a subflow on a ``RayTaskRunner`` for ``runner.ray_address``.
 
     Raises:
@@ -57,14 +54,12 @@ def sharded_rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, it
     from prefect_ray import RayTaskRunner
 
     task_runner = RayTaskRunner(address=runner.ray_address, init_kwargs=dict(runner.ray_init_kwargs))
-    return rollout_fanout.with_options(task_runner=task_runner)(prompts, policy, cfg, iteration, out, dtype, attempt, runner,
-                                                                concurrency_tags)
+    return rollout_fanout.with_options(task_runner=task_runner)(inp=inp, runner=runner, tags=tags)
 
 
-def rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str, attempt: int,
-            runner: RunnerConfig, st: tasks.StageTasks) -> ShardRef:
-    """The rollout stage as the iteration flow runs it: one task, or shards on Ray. ``st``: the
-    run's stage tasks (tagged or not)."""
+def rollout(*, inp: RolloutInput, runner: RunnerConfig, tags: bool) -> ShardRef:
+    """The rollout stage as the iteration flow runs it: one task, or shards on Ray. ``tags``:
+    whether stage tasks carry concurrency tags this run."""
     if runner.shards > 1:
-        return sharded_rollout(prompts, policy, cfg, iteration, out, dtype, attempt, runner, st.concurrency_tags)
-    return st.rollout(prompts, policy, cfg, iteration, out, dtype, attempt, runner=runner)
+        return sharded_rollout(inp, runner, tags)
+    return tasks.tagged(tasks.rollout, tags)(inp=inp, runner=runner)

@@ -1,20 +1,40 @@
-"""One RL iteration as a flow: prompts -> rollout -> {actor, ref, rewards} -> advantages -> update."""
+"""One RL iteration as a flow: prompts -> rollout -> {actor, ref, rewards, critic values} ->
+advantages -> update (policy, and critic when the estimator needs values).
+
+Every stage is called with keywords only, with its input model (``rft_core.api``); the stage
+programs decide nothing about ordering, the flow decides nothing about math.
+"""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.futures import PrefectFuture
 from pydantic import BaseModel, ConfigDict
 
 import tasks
 from flows import fanout
-from rft_core.config import TrainConfig, TrainState
-from rft_core.metrics import iteration_metrics
-from rft_core.observe import samples_markdown
-from rft_core.stages.common import PolicyRef
-from schemas import ShardRef, read_manifest, stage_uri
+from rft_core.api import (
+    ActorLogprobsInput,
+    AdvantagesInput,
+    CriticUpdateInput,
+    CriticValuesInput,
+    DynamicMergeInput,
+    PPOUpdateInput,
+    PromptsInput,
+    RefLogprobsInput,
+    RewardsInput,
+    RolloutInput,
+    iteration_metrics,
+    next_state,
+    samples_markdown,
+)
+from rft_core.config import KLConfig, TrainConfig, TrainState
+from schemas import PolicyRef, ShardRef, stage_uri
+
+Out = Callable[[str], str]
 
 
 class IterationResult(BaseModel):
@@ -29,22 +49,80 @@ class IterationResult(BaseModel):
     metrics: dict[str, Any]
 
 
-def _dynamic_sampling(cfg: TrainConfig, iteration: int, policy: PolicyRef, out,
-                      st: tasks.StageTasks) -> tuple[ShardRef, ShardRef, ShardRef]:
+def _attempt(cfg: TrainConfig, iteration: int, policy: PolicyRef, out: Out, tags: bool, attempt: int,
+             sfx: str = "") -> tuple[ShardRef, ShardRef]:
+    """The prompts and rollout of ``attempt`` (0: the iteration's own; >= 1: a dynamic-sampling refill)."""
+    prompts = tasks.tagged(tasks.prompts, tags)(inp=PromptsInput(
+        data=cfg.data, tokenizer_path=cfg.policy.path, iteration=iteration, attempt=attempt, out=out(f"prompts{sfx}")))
+    rollout = fanout.rollout(inp=RolloutInput(prompts=prompts, policy=policy, rollout=cfg.rollout, iteration=iteration,
+                                              dtype=cfg.policy.dtype, attempt=attempt, out=out(f"rollout{sfx}")),
+                             runner=cfg.runner("rollout"), tags=tags)
+    return prompts, rollout
+
+
+def _dynamic_sampling(cfg: TrainConfig, iteration: int, policy: PolicyRef, out: Out,
+                      tags: bool) -> tuple[ShardRef, ShardRef, ShardRef]:
     """Rollout attempts (each with its own stage folders) until enough groups have reward
     spread or the refills run out; then the merge stage writes prompts/rollout/rewards."""
     target = cfg.data.prompts_per_iteration
-    attempts = []
+    attempts: list[tuple[ShardRef, ShardRef, ShardRef]] = []
     for attempt in range(cfg.dynamic_sampling.max_refills + 1):
         sfx = f"-try{attempt}"
-        p = st.prompts(cfg.data, cfg.policy.path, iteration, out(f"prompts{sfx}"), attempt)
-        r = fanout.rollout(p, policy, cfg.rollout, iteration, out(f"rollout{sfx}"), cfg.policy.dtype, attempt,
-                           cfg.runner("rollout"), st)
-        w = st.rewards(r, p, cfg.reward, out(f"rewards{sfx}"))
+        p, r = _attempt(cfg, iteration, policy, out, tags, attempt, sfx)
+        w = tasks.tagged(tasks.rewards, tags)(inp=RewardsInput(rollout=r, prompts=p, reward=cfg.reward, out=out(f"rewards{sfx}")))
         attempts.append((p, r, w))
-        if st.signal_groups([a[2] for a in attempts]) >= target:
+        if tasks.tagged(tasks.signal_groups, tags)(attempt_rewards=[a[2] for a in attempts]) >= target:
             break
-    return st.dynamic_merge(attempts, target, out("prompts"), out("rollout"), out("rewards"))
+    return tasks.tagged(tasks.dynamic_merge, tags)(inp=DynamicMergeInput(
+        attempts=attempts, target_groups=target, out=out("prompts"), out_rollout=out("rollout"), out_rewards=out("rewards")))
+
+
+def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: PolicyRef, critic: PolicyRef | None,
+           kl: KLConfig, out: Out, tags: bool, with_rewards: bool) -> dict[str, ShardRef]:
+    """The stages that read only the rollout, submitted together (they run concurrently): rewards
+    (unless dynamic sampling wrote them), actor log-probs (when old log-probs are recomputed),
+    critic values (estimators with a critic), reference log-probs (a KL coefficient > 0)."""
+    temp = cfg.rollout.temperature
+    futures: dict[str, PrefectFuture] = {}
+    if with_rewards:
+        futures["rewards"] = tasks.tagged(tasks.rewards, tags).submit(inp=RewardsInput(
+            rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")))
+    if cfg.logprobs.recompute_old_logprobs:
+        futures["actor_logprobs"] = tasks.tagged(tasks.actor_logprobs, tags).submit(inp=ActorLogprobsInput(
+            rollout=rollout, model=policy, logprobs=cfg.logprobs, temperature=temp, dtype=cfg.policy.dtype,
+            out=out("actor_logprobs")), runner=cfg.runner("actor_logprobs"))
+    if critic is not None:
+        futures["critic_values"] = tasks.tagged(tasks.critic_values, tags).submit(inp=CriticValuesInput(
+            rollout=rollout, model=critic, critic=cfg.critic, out=out("critic_values")), runner=cfg.runner("critic_values"))
+    if kl.needs_reference:
+        futures["ref_logprobs"] = tasks.tagged(tasks.ref_logprobs, tags).submit(inp=RefLogprobsInput(
+            rollout=rollout, model=cfg.reference_model.path, logprobs=cfg.logprobs, temperature=temp,
+            dtype=cfg.reference_model.dtype, out=out("ref_logprobs")), runner=cfg.runner("ref_logprobs"))
+    return {name: f.result() for name, f in futures.items()}
+
+
+def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef, critic: PolicyRef | None,
+             state: TrainState, kl: KLConfig, out: Out, tags: bool,
+             background_optimizer: bool) -> tuple[ShardRef, ShardRef, ShardRef | None]:
+    """Advantages, then the policy update and (with a ``critic`` and critic values in ``parts``)
+    the critic update, submitted together: (advantages, new policy, new critic or None).
+    ``parts`` holds the rollout, rewards and whichever of actor_logprobs, ref_logprobs and
+    critic_values ran. The iteration flow and the replay flow both train through here."""
+    rollout, actor, ref, values = parts["rollout"], parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
+    adv = tasks.tagged(tasks.advantages, tags)(inp=AdvantagesInput(
+        rollout=rollout, rewards=parts["rewards"], actor_logprobs=actor, ref_logprobs=ref, critic_values=values, kl=kl,
+        advantage=cfg.advantage, shaping=cfg.shaping, state=state, max_new_tokens=cfg.rollout.max_new_tokens,
+        out=out("advantages")))
+    critic_future = None
+    if critic is not None and values is not None:
+        critic_future = tasks.tagged(tasks.critic_update, tags).submit(inp=CriticUpdateInput(
+            rollout=rollout, advantages=adv, critic_values=values, model=critic, critic=cfg.critic,
+            out=out("critic_update")), runner=cfg.runner("critic_update"))
+    new_policy = tasks.tagged(tasks.ppo_update, tags)(inp=PPOUpdateInput(
+        rollout=rollout, advantages=adv, actor_logprobs=actor, ref_logprobs=ref, policy=policy, update=cfg.update, kl=kl,
+        temperature=cfg.rollout.temperature, dtype=cfg.policy.dtype, background_optimizer=background_optimizer,
+        out=out("ppo_update")), runner=cfg.runner("ppo_update"))
+    return adv, new_policy, critic_future.result() if critic_future is not None else None
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
@@ -56,49 +134,22 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     t0 = time.perf_counter()
     state = state or cfg.initial_state
     kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
+    tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)
+    critic = (critic or cfg.initial_critic) if cfg.needs_critic else None
 
     def out(stage: str) -> str:
         return stage_uri(cfg.run_root, iteration, stage)
 
-    dtype, temp = cfg.policy.dtype, cfg.rollout.temperature
-    st = tasks.StageTasks(tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags))
-    futures = {}
     if cfg.dynamic_sampling.enabled:
-        prompts, rollout, rewards = _dynamic_sampling(cfg, iteration, policy, out, st)
+        prompts, rollout, rewards = _dynamic_sampling(cfg, iteration, policy, out, tags)
+        parts = {"rewards": rewards}
     else:
-        prompts = st.prompts(cfg.data, cfg.policy.path, iteration, out("prompts"))
-        rollout = fanout.rollout(prompts, policy, cfg.rollout, iteration, out("rollout"), dtype, 0, cfg.runner("rollout"), st)
-        rewards = None
-
-    # independent of each other: submitted together, run concurrently
-    if rewards is None:
-        futures["rewards"] = st.rewards.submit(rollout, prompts, cfg.reward, out("rewards"))
-    if cfg.logprobs.recompute_old_logprobs:
-        futures["actor_logprobs"] = st.actor_logprobs.submit(rollout, policy, cfg.logprobs, temp, out("actor_logprobs"), dtype,
-                                                             runner=cfg.runner("actor_logprobs"))
-    if cfg.needs_critic:
-        critic = critic or cfg.initial_critic
-        futures["critic_values"] = st.critic_values.submit(rollout, critic, cfg.critic, out("critic_values"),
-                                                           runner=cfg.runner("critic_values"))
-    if kl.needs_reference:
-        futures["ref_logprobs"] = st.ref_logprobs.submit(rollout, cfg.reference_model.path, cfg.logprobs, temp,
-                                                         out("ref_logprobs"), cfg.reference_model.dtype,
-                                                         runner=cfg.runner("ref_logprobs"))
-    parts = {name: f.result() for name, f in futures.items()}
-    if rewards is not None:
-        parts["rewards"] = rewards
-    actor, ref, values = parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
-
-    adv = st.advantages(rollout, parts["rewards"], actor, ref, values, kl, cfg.advantage, cfg.shaping, state,
-                        cfg.rollout.max_new_tokens, out("advantages"))
-    # the policy and the critic train on the same experience, independently: submitted together
-    critic_future = (st.critic_update.submit(rollout, adv, values, critic, cfg.critic, out("critic_update"),
-                                             runner=cfg.runner("critic_update"))
-                     if values is not None else None)
-    new_policy = st.ppo_update(rollout, adv, actor, ref, policy, cfg.update, kl, temp, out("ppo_update"), dtype,
-                               runner=cfg.runner("ppo_update"), background_optimizer=cfg.checkpoint.async_optimizer)
-    new_critic = critic_future.result() if critic_future is not None else None
-
+        prompts, rollout = _attempt(cfg, iteration, policy, out, tags, attempt=0)
+        parts = {}
+    parts |= _score(cfg, prompts=prompts, rollout=rollout, policy=policy, critic=critic, kl=kl, out=out, tags=tags,
+                    with_rewards=not parts)
+    adv, new_policy, new_critic = train_on(cfg, {"rollout": rollout, **parts}, policy=policy, critic=critic, state=state,
+                                           kl=kl, out=out, tags=tags, background_optimizer=cfg.checkpoint.async_optimizer)
     refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy,
             **({"critic_update": new_critic} if new_critic else {})}
     metrics = iteration_metrics(iteration, refs)
@@ -108,6 +159,5 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     create_markdown_artifact(key=f"samples-iter-{iteration:06d}", markdown=samples_markdown(cfg.run_root, iteration),
                              description=f"Sample prompts, responses and rewards of iteration {iteration}")
     get_run_logger().info("iteration %d committed: %s", iteration, new_policy.uri)
-    next_state = TrainState.model_validate(read_manifest(adv.uri)[0].summary["next_state"])
-    return IterationResult(iteration=iteration, policy=new_policy, critic=new_critic, next_state=next_state, stages=refs,
-                           metrics=metrics)
+    return IterationResult(iteration=iteration, policy=new_policy, critic=new_critic, next_state=next_state(adv),
+                           stages=refs, metrics=metrics)

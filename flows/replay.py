@@ -9,10 +9,10 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, ConfigDict
 
 import tasks
+from flows.iteration import train_on
+from rft_core.api import format_metrics_line, iteration_metrics, next_state, replay_sources, write_metrics, write_replay_record
 from rft_core.config import TrainConfig, TrainState
-from rft_core.metrics import format_metrics_line, iteration_metrics, write_metrics
-from rft_core.replay import replay_sources, write_replay_record
-from schemas import ShardRef, read_manifest, stage_uri
+from schemas import PolicyRef, ShardRef, stage_uri
 
 
 class ReplayResult(BaseModel):
@@ -32,7 +32,9 @@ def replay(source_run_root: str, cfg: TrainConfig) -> ReplayResult:
 
     The update of iteration i starts from the replay's own checkpoint of iteration i-1 (the
     initial policy for i = 1); old log-probs are the source's, so for i > 1 the ratio corrects
-    for the policy difference like any off-policy PPO step.
+    for the policy difference like any off-policy PPO step. The stages run where
+    ``cfg.runners`` says (``flows.iteration.train_on``, as in training); the critic is not
+    trained (its values, when the estimator needs them, are the source's).
 
     Raises:
         ShardNotCommittedError / ValueError: the source lacks a needed shard (e.g. ref_logprobs
@@ -40,23 +42,21 @@ def replay(source_run_root: str, cfg: TrainConfig) -> ReplayResult:
     """
     logger = get_run_logger()
     write_replay_record(cfg.run_root, source_run_root, cfg)
-    policy: str | ShardRef = cfg.policy.path
+    policy: PolicyRef = cfg.policy.path
     state: TrainState = cfg.initial_state
-    st = tasks.StageTasks(tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags))
+    tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)
     rows = []
     for i in range(1, cfg.iterations + 1):
         src = replay_sources(source_run_root, i, cfg)
         kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
-        adv = st.advantages(src["rollout"], src["rewards"], src.get("actor_logprobs"), src.get("ref_logprobs"),
-                            src.get("critic_values"), kl, cfg.advantage, cfg.shaping, state,
-                            cfg.rollout.max_new_tokens, stage_uri(cfg.run_root, i, "advantages"))
-        policy = st.ppo_update(src["rollout"], adv, src.get("actor_logprobs"), src.get("ref_logprobs"), policy,
-                               cfg.update, kl, cfg.rollout.temperature, stage_uri(cfg.run_root, i, "ppo_update"),
-                               cfg.policy.dtype)
-        state = TrainState.model_validate(read_manifest(adv.uri)[0].summary["next_state"])
+        adv, policy, _ = train_on(cfg, src, policy=policy, critic=None, state=state, kl=kl,
+                                  out=lambda stage, i=i: stage_uri(cfg.run_root, i, stage), tags=tags,
+                                  background_optimizer=False)
+        state = next_state(adv)
         m = iteration_metrics(i, {**src, "advantages": adv, "ppo_update": policy})
         rows.append(m)
         write_metrics(cfg.run_root, rows)
         logger.info("replay " + format_metrics_line(m))
     create_table_artifact(key="replay-metrics", table=rows, description=f"Replay of {source_run_root} into {cfg.run_root}")
+    assert isinstance(policy, ShardRef)
     return ReplayResult(run_root=cfg.run_root, source_run_root=source_run_root, final_policy=policy, metrics=rows)

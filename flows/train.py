@@ -9,11 +9,17 @@ from pydantic import BaseModel, ConfigDict
 
 import tasks
 from flows.iteration import rl_iteration
+from rft_core.api import (
+    WandbLogger,
+    curve_markdown,
+    format_metrics_line,
+    plot_curves,
+    wait_for_optimizer_writes,
+    write_metrics,
+    write_tensorboard,
+)
 from rft_core.config import TrainConfig
-from rft_core.metrics import format_metrics_line, write_metrics
-from rft_core.observe import WandbLogger, curve_markdown, plot_curves, write_tensorboard
-from rft_core.stages.optimizer_state import wait_for_optimizer_writes
-from schemas import ShardRef
+from schemas import PolicyRef, ShardRef
 
 
 class TrainResult(BaseModel):
@@ -38,12 +44,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     # resolved once for the run (auto: one question to the server); the iterations inherit it
     tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)
     cfg = cfg.model_copy(update={"orchestration": cfg.orchestration.model_copy(update={"concurrency_tags": tags})})
-    st = tasks.StageTasks(tags)
-    policy: str | ShardRef = cfg.policy.path
+    policy: PolicyRef = cfg.policy.path
     rows = []
     metrics_uri = ""
     state = cfg.initial_state
-    critic: str | ShardRef | None = None
+    critic: PolicyRef | None = None
     curve = None
     try:
         wandb = WandbLogger.start(cfg.observe.wandb, run_root=cfg.run_root, name=cfg.name, config=cfg.model_dump(mode="json"))
@@ -55,7 +60,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             result = rl_iteration(cfg, i, policy, state, critic)
             policy, state, critic = result.policy, result.next_state, result.critic
             if cfg.checkpoint.keep_last is not None:
-                st.prune_checkpoints(cfg.run_root, i, cfg.checkpoint)
+                tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=i, checkpoint=cfg.checkpoint)
             rows.append(result.metrics)
             metrics_uri = write_metrics(cfg.run_root, rows)
             write_tensorboard(cfg.run_root, rows)

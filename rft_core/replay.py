@@ -6,17 +6,16 @@ import json
 import fsspec
 
 from rft_core.config import TrainConfig
-from schemas import ShardNotCommittedError, ShardRef, committed_ref, read_manifest, stage_uri
+from schemas import ShardNotCommittedError, ShardRef, stage_uri
 
 REPLAY_RECORD = "_REPLAY.json"
 
 
-def _ref(uri: str, stage: str) -> ShardRef | None:
+def _ref(uri: str) -> ShardRef | None:
     try:
-        manifest, _ = read_manifest(uri)
+        return ShardRef.from_manifest(uri)
     except ShardNotCommittedError:
         return None
-    return committed_ref(uri, stage=stage, config_hash=manifest.config_hash)
 
 
 def replay_sources(source_run_root: str, iteration: int, cfg: TrainConfig) -> dict[str, ShardRef]:
@@ -32,7 +31,7 @@ def replay_sources(source_run_root: str, iteration: int, cfg: TrainConfig) -> di
     """
     out: dict[str, ShardRef] = {}
     for stage in ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "critic_values"):
-        ref = _ref(stage_uri(source_run_root, iteration, stage), stage)
+        ref = _ref(stage_uri(source_run_root, iteration, stage))
         if ref is not None:
             out[stage] = ref
     for need in ("prompts", "rollout", "rewards"):

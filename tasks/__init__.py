@@ -1,24 +1,25 @@
-"""Thin Prefect tasks, one per stage: they call rft_core.stages and return a ShardRef.
+"""Thin Prefect tasks, one per stage (``tasks.stages``): each takes its stage's input model by
+keyword and returns the committed ShardRef. No math here.
 
-No math here. Result caching is off on purpose: the stage manifests are the source of truth
-(Prefect's cache would not notice deleted shards), and each stage program returns its
-committed shard at once when the config hash matches.
-
-Flows call the tasks through ``StageTasks``, which tags them for Prefect tag concurrency limits
-only when that is wanted: a tagged task run costs a concurrency-slot round trip to the server
-(acquire a lease, renew, release), about 0.5 s per task on a local server on 2 cores, ~4 s per
-iteration (docs/benchmarks.md).
+Flows call them as ``tasks.tagged(tasks.rollout, tags)(inp=RolloutInput(...))``: ``tagged``
+returns the task itself when concurrency tags are off, else a copy tagged ``gpu`` (stages that
+hold a model on the device) or ``cpu``. A tagged task run costs a concurrency-slot round trip
+to the server (acquire a lease, renew, release), about 0.5 s per task on a local server on 2
+cores, ~4 s per iteration (docs/benchmarks.md), so tags are on only where a limit exists.
 """
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
-from tasks import stages as _stages
+from prefect import Task
+
 from tasks.stages import (
     actor_logprobs,
     advantages,
     critic_update,
     critic_values,
+    dynamic_merge,
     eval_generate,
     eval_prompts,
     eval_summary,
@@ -29,21 +30,30 @@ from tasks.stages import (
     rewards,
     rollout,
     rollout_merge,
-    rollout_shard,
-    dynamic_merge,
     signal_groups,
 )
 
-STAGE_TASKS = ("actor_logprobs", "advantages", "critic_update", "critic_values", "dynamic_merge", "eval_generate",
-               "eval_prompts", "eval_summary", "ppo_update", "prompts", "prune_checkpoints", "ref_logprobs", "rewards",
-               "rollout", "rollout_merge", "rollout_shard", "signal_groups")
-__all__ = [*STAGE_TASKS, "DEVICE_STAGES", "StageTasks", "resolve_concurrency_tags", "server_has_tag_limits"]
+STAGE_TASKS: tuple[Task, ...] = (
+    actor_logprobs, advantages, critic_update, critic_values, dynamic_merge, eval_generate, eval_prompts, eval_summary,
+    ppo_update, prompts, prune_checkpoints, ref_logprobs, rewards, rollout, rollout_merge, signal_groups)
+__all__ = ["CONCURRENCY_TAGS", "DEVICE_STAGES", "STAGE_TASKS", "actor_logprobs", "advantages", "critic_update",
+           "critic_values", "dynamic_merge", "eval_generate", "eval_prompts", "eval_summary", "ppo_update", "prompts",
+           "prune_checkpoints", "ref_logprobs", "resolve_concurrency_tags", "rewards", "rollout", "rollout_merge",
+           "server_has_tag_limits", "signal_groups", "tagged"]
 
-
-# stages that hold a model on the device: tagged `gpu`; the others `cpu`
-DEVICE_STAGES = frozenset({"rollout", "rollout_shard", "actor_logprobs", "ref_logprobs", "critic_values", "critic_update",
-                           "ppo_update", "eval_generate"})
+# task names of the stages that hold a model on the device: tagged `gpu`; the others `cpu`
+DEVICE_STAGES = frozenset({"rollout", "actor_logprobs", "ref_logprobs", "critic_values", "critic_update", "ppo_update",
+                           "eval_generate"})
 CONCURRENCY_TAGS = ("gpu", "cpu")
+T = TypeVar("T", bound=Task)
+
+
+def tagged(task: T, enabled: bool) -> T:
+    """``task`` as it is (``enabled`` False), or a copy tagged ``gpu`` when it is one of
+    ``DEVICE_STAGES``, ``cpu`` otherwise."""
+    if not enabled:
+        return task
+    return task.with_options(tags={"gpu" if task.name in DEVICE_STAGES else "cpu"})  # type: ignore[return-value]
 
 
 def server_has_tag_limits(tags: tuple[str, ...] = CONCURRENCY_TAGS) -> bool:
@@ -67,24 +77,3 @@ def resolve_concurrency_tags(setting: bool | None) -> bool:
     """``orchestration.concurrency_tags``: True/False as given; None (auto): whether the server
     has a `gpu` or `cpu` tag concurrency limit (one API call)."""
     return server_has_tag_limits() if setting is None else setting
-
-
-class StageTasks:
-    """The stage tasks of one run, tagged `gpu` (model-holding stages) / `cpu` (the others) when
-    ``concurrency_tags`` is True, untagged otherwise. Attribute access returns the Prefect task:
-    ``StageTasks(True).rollout.submit(...)``.
-
-    Raises:
-        AttributeError: a name that is not a stage task.
-    """
-
-    def __init__(self, concurrency_tags: bool) -> None:
-        self.concurrency_tags = concurrency_tags
-
-    def __getattr__(self, name: str):
-        if name not in STAGE_TASKS:
-            raise AttributeError(f"no stage task {name!r}; stage tasks: {', '.join(STAGE_TASKS)}")
-        task = getattr(_stages, name)
-        if not self.concurrency_tags:
-            return task
-        return task.with_options(tags={"gpu" if name in DEVICE_STAGES else "cpu"})

@@ -1,39 +1,50 @@
-"""One Prefect task per stage. The tasks carry no tags here: ``tasks.StageTasks`` adds ``gpu``
-(stages that hold a model on the device) or ``cpu`` per run when concurrency tags are on, so a
-Prefect tag concurrency limit (``prefect concurrency-limit create gpu 1``) lets only one
-model-holding stage run at a time on one device."""
+"""One Prefect task per stage program: keyword-only, taking the stage's input model
+(``rft_core.api``: ``PromptsInput``, ``RolloutInput``, ...) and returning what the program
+committed. No math and no argument plumbing here: ``run_stage`` runs the program in this
+process or, with a ``runner``, as ``python -m rft_core.stages <program>`` (another interpreter,
+torchrun).
+
+The tasks carry no tags: ``tasks.tagged`` adds ``gpu`` (stages that hold a model on the device)
+or ``cpu`` per run when concurrency tags are on, so a Prefect tag concurrency limit
+(``prefect concurrency-limit create gpu 1``) lets only one model-holding stage run at a time on
+one device. Result caching is off on purpose: the stage manifests are the source of truth
+(Prefect's cache would not notice deleted shards), and each program returns its committed
+shard at once when the config hash matches.
+"""
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rft_core import stages
-from rft_core.config import (
-    AdvantageConfig,
-    CriticConfig,
-    DataConfig,
-    EvalConfig,
-    KLConfig,
-    LogprobConfig,
-    RewardConfig,
-    RolloutConfig,
-    ShapingConfig,
-    TrainState,
-    UpdateConfig,
+from rft_core.api import (
+    ActorLogprobsInput,
+    AdvantagesInput,
+    CriticUpdateInput,
+    CriticValuesInput,
+    DynamicMergeInput,
+    EvalGenerateInput,
+    EvalPromptsInput,
+    EvalSummaryInput,
+    PPOUpdateInput,
+    PromptsInput,
+    RefLogprobsInput,
+    RewardsInput,
+    RolloutInput,
+    RolloutMergeInput,
+    count_signal_groups,
+    prune_checkpoints as prune_checkpoint_files,
+    run_stage,
 )
-from rft_core.stages import evaluate as evaluate_stages
 from rft_core.config import CheckpointConfig, RunnerConfig
-from rft_core.stages import retention
-from rft_core.stages.common import PolicyRef
-from rft_core.stages.runner import run_stage
 from schemas import ShardRef
 
 _opts = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
-def _stage_log():
+def _stage_log() -> Callable[[str], None]:
     """Where a stage subprocess's output lines go: the task run's logger (module logger outside a run)."""
     try:
         return get_run_logger().info
@@ -42,130 +53,101 @@ def _stage_log():
 
 
 @task(name="prompts", **_opts)
-def prompts(cfg: DataConfig, tokenizer_path: str, iteration: int, out: str, attempt: int = 0) -> ShardRef:
+def prompts(*, inp: PromptsInput) -> ShardRef:
     """Select and tokenize the iteration's prompts; writes the `prompts` column group."""
-    return stages.prompts.run(cfg, tokenizer_path=tokenizer_path, iteration=iteration, out=out, attempt=attempt)
+    return run_stage(inp)
 
 
 @task(name="rollout", retries=1, **_opts)
-def rollout(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str,
-            attempt: int = 0, runner: RunnerConfig | None = None) -> ShardRef:
-    """Sample a group of responses per prompt; writes the `rollout` column group."""
-    return run_stage("rollout", runner, log=_stage_log(), prompts=prompts, policy=policy, cfg=cfg, iteration=iteration,
-                     out=out, dtype=dtype, attempt=attempt)
-
-
-@task(name="rollout_shard", retries=1, **_opts)
-def rollout_shard(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str, dtype: str,
-                  attempt: int, shard: tuple[int, int], runner: RunnerConfig | None = None) -> ShardRef:
-    """One shard (index, count) of the rollout: a share of its generation batches."""
-    return run_stage("rollout", runner, log=_stage_log(), prompts=prompts, policy=policy, cfg=cfg, iteration=iteration,
-                     out=out, dtype=dtype, attempt=attempt, shard=shard)
+def rollout(*, inp: RolloutInput, runner: RunnerConfig | None = None) -> ShardRef:
+    """Sample a group of responses per prompt (or one shard of them); writes the `rollout` column group."""
+    return run_stage(inp, runner, log=_stage_log())
 
 
 @task(name="rollout_merge", **_opts)
-def rollout_merge(parts: list[ShardRef], prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, iteration: int, out: str,
-                  dtype: str, attempt: int = 0) -> ShardRef:
+def rollout_merge(*, inp: RolloutMergeInput) -> ShardRef:
     """The rollout from its shards, as the single-worker rollout would have written it."""
-    return stages.rollout.run_merge(parts, prompts, policy, cfg, iteration=iteration, out=out, dtype=dtype, attempt=attempt)
+    return run_stage(inp)
 
 
 @task(name="signal_groups", **_opts)
-def signal_groups(attempt_rewards: list[ShardRef]) -> int:
+def signal_groups(*, attempt_rewards: list[ShardRef]) -> int:
     """Dynamic sampling: how many distinct groups with reward spread the attempts hold."""
-    return stages.dynamic.count_signal_groups(attempt_rewards)
+    return count_signal_groups(attempt_rewards)
 
 
 @task(name="dynamic_merge", **_opts)
-def dynamic_merge(attempts: list[tuple[ShardRef, ShardRef, ShardRef]], target_groups: int, out_prompts: str,
-                  out_rollout: str, out_rewards: str) -> tuple[ShardRef, ShardRef, ShardRef]:
+def dynamic_merge(*, inp: DynamicMergeInput) -> tuple[ShardRef, ShardRef, ShardRef]:
     """Dynamic sampling: the kept groups of all attempts as the iteration's prompts/rollout/rewards."""
-    return stages.dynamic.run_merge(attempts, target_groups=target_groups, out_prompts=out_prompts,
-                                    out_rollout=out_rollout, out_rewards=out_rewards)
+    return run_stage(inp)
 
 
 @task(name="actor_logprobs", retries=1, **_opts)
-def actor_logprobs(rollout: ShardRef, policy: PolicyRef, cfg: LogprobConfig, temperature: float, out: str, dtype: str,
-                   runner: RunnerConfig | None = None) -> ShardRef:
+def actor_logprobs(*, inp: ActorLogprobsInput, runner: RunnerConfig | None = None) -> ShardRef:
     """Log-probs of the responses under the policy before the update (`old_logprobs`)."""
-    return run_stage("actor_logprobs", runner, log=_stage_log(), rollout=rollout, model=policy, cfg=cfg,
-                     temperature=temperature, out=out, dtype=dtype)
+    return run_stage(inp, runner, log=_stage_log())
 
 
 @task(name="ref_logprobs", retries=1, **_opts)
-def ref_logprobs(rollout: ShardRef, reference: str, cfg: LogprobConfig, temperature: float, out: str, dtype: str,
-                 runner: RunnerConfig | None = None) -> ShardRef:
+def ref_logprobs(*, inp: RefLogprobsInput, runner: RunnerConfig | None = None) -> ShardRef:
     """Log-probs of the responses under the reference model (`ref_logprobs`)."""
-    return run_stage("ref_logprobs", runner, log=_stage_log(), rollout=rollout, model=reference, cfg=cfg,
-                     temperature=temperature, out=out, dtype=dtype)
+    return run_stage(inp, runner, log=_stage_log())
 
 
 @task(name="rewards", retries=1, **_opts)
-def rewards(rollout: ShardRef, prompts: ShardRef, cfg: RewardConfig, out: str) -> ShardRef:
+def rewards(*, inp: RewardsInput) -> ShardRef:
     """Score every response of the rollout; writes the `rewards` column group."""
-    return stages.rewards.run(rollout, prompts, cfg, out=out)
+    return run_stage(inp)
 
 
 @task(name="advantages", **_opts)
-def advantages(rollout: ShardRef, rewards: ShardRef, actor: ShardRef | None, ref: ShardRef | None,
-               critic: ShardRef | None, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shaping: ShapingConfig,
-               state: TrainState, max_new_tokens: int, out: str) -> ShardRef:
+def advantages(*, inp: AdvantagesInput) -> ShardRef:
     """Join the column groups on sample_id, shape rewards and estimate advantages."""
-    return stages.advantages.run(rollout, rewards, actor=actor, ref=ref, critic=critic, kl_cfg=kl_cfg, adv_cfg=adv_cfg,
-                                 out=out, shaping=shaping, state=state, max_new_tokens=max_new_tokens)
+    return run_stage(inp)
 
 
 @task(name="critic_values", retries=1, **_opts)
-def critic_values(rollout: ShardRef, critic: PolicyRef, cfg: CriticConfig, out: str,
-                  runner: RunnerConfig | None = None) -> ShardRef:
+def critic_values(*, inp: CriticValuesInput, runner: RunnerConfig | None = None) -> ShardRef:
     """Critic values of every response token; writes the `critic_values` column group."""
-    return run_stage("critic_values", runner, log=_stage_log(), rollout=rollout, critic=critic, cfg=cfg, out=out)
+    return run_stage(inp, runner, log=_stage_log())
 
 
 @task(name="critic_update", **_opts)
-def critic_update(rollout: ShardRef, advantages: ShardRef, values: ShardRef, critic: PolicyRef, cfg: CriticConfig,
-                  out: str, runner: RunnerConfig | None = None) -> ShardRef:
+def critic_update(*, inp: CriticUpdateInput, runner: RunnerConfig | None = None) -> ShardRef:
     """Train the critic on the returns; commits metrics and the new critic checkpoint."""
-    return run_stage("critic_update", runner, log=_stage_log(), rollout=rollout, advantages=advantages, values=values,
-                     critic=critic, cfg=cfg, out=out)
+    return run_stage(inp, runner, log=_stage_log())
 
 
 @task(name="ppo_update", **_opts)
-def ppo_update(rollout: ShardRef, advantages: ShardRef, actor: ShardRef | None, ref: ShardRef | None, policy: PolicyRef,
-               cfg: UpdateConfig, kl_cfg: KLConfig, temperature: float, out: str, dtype: str,
-               runner: RunnerConfig | None = None, background_optimizer: bool = False) -> ShardRef:
+def ppo_update(*, inp: PPOUpdateInput, runner: RunnerConfig | None = None) -> ShardRef:
     """Update the policy; commits per-step metrics and the new checkpoint (the optimizer
-    state, with ``background_optimizer``, in a background thread: see
+    state, with ``inp.background_optimizer``, in a background thread: see
     ``rft_core.stages.optimizer_state``)."""
-    return run_stage("ppo_update", runner, log=_stage_log(), rollout=rollout, advantages=advantages, actor=actor, ref=ref,
-                     policy=policy, cfg=cfg, kl_cfg=kl_cfg, temperature=temperature, out=out, dtype=dtype,
-                     background_optimizer=background_optimizer)
+    return run_stage(inp, runner, log=_stage_log())
 
 
 @task(name="eval_prompts", **_opts)
-def eval_prompts(data: DataConfig, cfg: EvalConfig, tokenizer_path: str, out: str) -> ShardRef:
+def eval_prompts(*, inp: EvalPromptsInput) -> ShardRef:
     """Held-out prompts of the training task (question texts disjoint from the training data)."""
-    return evaluate_stages.run_prompts(data, cfg, tokenizer_path=tokenizer_path, out=out)
+    return run_stage(inp)
 
 
 @task(name="eval_generate", retries=1, **_opts)
-def eval_generate(prompts: ShardRef, policy: PolicyRef, max_new_tokens: int, batch_size: int, out: str,
-                  dtype: str) -> ShardRef:
+def eval_generate(*, inp: EvalGenerateInput) -> ShardRef:
     """One greedy response per held-out prompt; writes a `rollout` shard."""
-    return evaluate_stages.run_generate(prompts, policy, max_new_tokens=max_new_tokens, batch_size=batch_size, out=out,
-                                        dtype=dtype)
+    return run_stage(inp)
 
 
 @task(name="eval_summary", **_opts)
-def eval_summary(prompts: ShardRef, rollout: ShardRef, rewards: ShardRef, policy: PolicyRef, out: str) -> ShardRef:
+def eval_summary(*, inp: EvalSummaryInput) -> ShardRef:
     """Join prompts, responses and rewards into the `eval` shard (accuracy, mean reward)."""
-    return evaluate_stages.run_summary(prompts, rollout, rewards, policy=policy, out=out)
+    return run_stage(inp)
 
 
 @task(name="prune_checkpoints", **_opts)
-def prune_checkpoints(run_root: str, iteration: int, cfg: CheckpointConfig) -> dict[str, list[str]]:
+def prune_checkpoints(*, run_root: str, iteration: int, checkpoint: CheckpointConfig) -> dict[str, list[str]]:
     """Checkpoint retention after ``iteration``: prune the checkpoints older than the last
-    ``cfg.keep_last`` iterations (nothing when keep_last is None)."""
-    if cfg.keep_last is None:
+    ``checkpoint.keep_last`` iterations (nothing when keep_last is None)."""
+    if checkpoint.keep_last is None:
         return {}
-    return retention.prune_checkpoints(run_root, iteration, keep_last=cfg.keep_last, prune=cfg.prune)
+    return prune_checkpoint_files(run_root, iteration, keep_last=checkpoint.keep_last, prune=checkpoint.prune)

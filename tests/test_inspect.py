@@ -8,6 +8,7 @@ import zlib
 import pytest
 
 from rft_core import stages
+from rft_core.stages.contracts import AdvantagesInput, PromptsInput, RewardsInput, RolloutInput
 from rft_core.config import load_config
 from rft_core.inspect import export_table, run_status, samples_view
 from rft_core.rewards.math import RewardResult
@@ -22,10 +23,10 @@ def run(tiny_model, tmp_path_factory):
     cfg = load_config(None, [f"policy.path={tiny_model}", "data.prompts_per_iteration=2", "rollout.n_samples_per_prompt=3",
                              "rollout.max_new_tokens=5", "kl.kl_coef=0"])
     root = str(tmp_path_factory.mktemp("inspect") / "run")
-    p = stages.prompts.run(cfg.data, tokenizer_path=tiny_model, iteration=1, out=stage_uri(root, 1, "prompts"))
-    r = stages.rollout.run(p, tiny_model, cfg.rollout, iteration=1, out=stage_uri(root, 1, "rollout"))
-    w = stages.rewards.run(r, p, cfg.reward, out=stage_uri(root, 1, "rewards"))
-    stages.advantages.run(r, w, actor=None, ref=None, kl_cfg=cfg.kl, adv_cfg=cfg.advantage, out=stage_uri(root, 1, "advantages"))
+    p = stages.prompts.run(PromptsInput(data=cfg.data, tokenizer_path=tiny_model, iteration=1, out=stage_uri(root, 1, "prompts")))
+    r = stages.rollout.run(RolloutInput(prompts=p, policy=tiny_model, rollout=cfg.rollout, iteration=1, out=stage_uri(root, 1, "rollout")))
+    w = stages.rewards.run(RewardsInput(rollout=r, prompts=p, reward=cfg.reward, out=stage_uri(root, 1, "rewards")))
+    stages.advantages.run(AdvantagesInput(rollout=r, rewards=w, kl=cfg.kl, advantage=cfg.advantage, state=cfg.initial_state, out=stage_uri(root, 1, "advantages")))
     (tmp_path_factory.getbasetemp() / "inspect0/run/iter=000001/ppo_update").mkdir()  # an interrupted stage
     mp.undo()
     return root

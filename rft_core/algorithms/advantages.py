@@ -5,6 +5,7 @@ both (B, T) float, zero where ``action_mask`` is False.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -13,6 +14,29 @@ from rft_core.registry import Registry
 
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+@dataclass(frozen=True)
+class EstimatorInfo:
+    """What a caller must know about an advantage estimator without calling it
+    (``ADVANTAGE_ESTIMATORS.info(name)``).
+
+    Attributes:
+        token_level: it takes per-token rewards (keyword ``token_rewards``, (B, T)): a reward-mode
+            KL penalty goes on each token (``kl_shaped_token_rewards``). False: it works on one
+            scalar per sample, (B,).
+        needs_critic: it takes critic values (keyword ``values``, (B, T)): the critic stages run.
+        group_baseline: it subtracts a statistic of the sample's own group (prompt), so a group
+            whose outcome rewards are all equal (and with no per-token KL penalty) gets zero
+            advantages. False for estimators that only whiten over the batch or use a critic.
+    """
+
+    token_level: bool
+    needs_critic: bool
+    group_baseline: bool
+
+
+_OUTCOME_GROUP = EstimatorInfo(token_level=False, needs_critic=False, group_baseline=True)
 
 
 def group_stats(values: torch.Tensor, group_ids: torch.Tensor, *, unbiased: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +90,7 @@ def clip_filter_like_weights(
     return torch.where(flat, torch.full_like(rewards, lamda), torch.full_like(rewards, w))
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo", "group_norm")
+@ADVANTAGE_ESTIMATORS.register("grpo", "group_norm", info=_OUTCOME_GROUP)
 def group_normalized_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -97,6 +121,56 @@ def group_normalized_advantages(
     advantages = torch.where(action_mask, adv[:, None], zeros)
     returns = torch.where(action_mask, rewards[:, None], zeros)
     return advantages, returns
+
+
+def kl_penalized_outcome_advantages(
+    estimator: str,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    kl: torch.Tensor,
+    kl_coef: float,
+    **estimator_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An outcome estimator's advantages with the reward-mode KL penalty applied after the
+    group statistics: A_i = estimator(r)_i - kl_coef * sum_t k_{i,t}, broadcast over the response.
+
+    The penalty is not put in the reward before group normalisation: with equal task rewards in
+    a group, (r - kl_coef * sum_t k) differs only by the tiny KL sums, and dividing by their
+    std blows those differences up to advantages of magnitude ~1 whatever kl_coef is. Applied
+    after, the KL term keeps its scale kl_coef * sum_t k_{i,t} (the regulariser of the
+    KL-penalised objective E[r] - kl_coef * KL, Ouyang et al. 2022, arXiv:2203.02155, eq. 2, at
+    sequence level; Shao et al. 2024, arXiv:2402.03300, sec. 4.1 keep the KL out of the
+    normalised advantage too, as a loss term).
+
+    Args:
+        estimator: a name in ``ADVANTAGE_ESTIMATORS`` whose info has ``token_level`` False.
+        rewards: (B,) float task rewards (shaped by overlong penalty / clipping as configured,
+            without any KL).
+        group_ids: (B,) int; action_mask: (B, T) bool.
+        kl: (B, T) per-token KL estimates k_{i,t} (zero where masked), e.g. ``kl_penalty``.
+        kl_coef: >= 0.
+        estimator_kwargs: the estimator's own keywords (e.g. ``scale_by_std``).
+    Returns:
+        (advantages, returns), (B, T) each, zero where masked; returns = (r_i - kl_coef *
+        sum_t k_{i,t}) broadcast (the KL-penalised outcome).
+    Raises:
+        UnknownNameError: unknown estimator.
+        ValueError: a token-level estimator (it takes the penalty per token, through
+            ``kl_shaped_token_rewards``), kl_coef < 0, or kl of another shape than action_mask.
+    """
+    info = ADVANTAGE_ESTIMATORS.info(estimator)
+    if info.token_level:
+        raise ValueError(f"advantage estimator {estimator!r} is token-level: give it the KL penalty per token "
+                         f"(kl_shaped_token_rewards), not after normalisation")
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if kl.shape != action_mask.shape:
+        raise ValueError(f"kl must have action_mask's shape {tuple(action_mask.shape)}, got {tuple(kl.shape)}")
+    penalty = kl_coef * torch.where(action_mask, kl.to(rewards.dtype), _zeros_like_mask(action_mask, rewards.dtype)).sum(-1)
+    adv, _ = ADVANTAGE_ESTIMATORS[estimator](rewards, group_ids, action_mask, **estimator_kwargs)
+    return adv - _broadcast(penalty, action_mask), _broadcast(rewards - penalty, action_mask)
 
 
 def _zeros_like_mask(action_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -162,7 +236,7 @@ def _broadcast(per_seq: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor
     return torch.where(action_mask, per_seq[:, None], _zeros_like_mask(action_mask, per_seq.dtype))
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+@ADVANTAGE_ESTIMATORS.register("dr_grpo", info=_OUTCOME_GROUP)
 def dr_grpo_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +250,7 @@ def dr_grpo_advantages(
     return _broadcast(rewards - mean, action_mask), _broadcast(rewards, action_mask)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
+@ADVANTAGE_ESTIMATORS.register("rloo", info=_OUTCOME_GROUP)
 def rloo_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +280,9 @@ def _whiten_if(adv: torch.Tensor, action_mask: torch.Tensor, whiten: bool, eps: 
     return masked_whiten(adv, action_mask, eps=eps) if whiten else adv
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce")
+@ADVANTAGE_ESTIMATORS.register(
+    "reinforce", info=EstimatorInfo(token_level=True, needs_critic=False, group_baseline=False)
+)
 def reinforce_pp_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -233,7 +309,9 @@ def reinforce_pp_advantages(
     return _whiten_if(returns, action_mask, whiten, eps), returns
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_baseline")
+@ADVANTAGE_ESTIMATORS.register(
+    "reinforce_baseline", info=EstimatorInfo(token_level=True, needs_critic=False, group_baseline=True)
+)
 def reinforce_baseline_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -258,7 +336,9 @@ def reinforce_baseline_advantages(
     return _whiten_if(returns, action_mask, whiten, eps), returns
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
+@ADVANTAGE_ESTIMATORS.register(
+    "gae", info=EstimatorInfo(token_level=True, needs_critic=True, group_baseline=False)
+)
 def gae_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -299,7 +379,7 @@ def gae_advantages(
     return adv, returns
 
 
-@ADVANTAGE_ESTIMATORS.register("cpgd")
+@ADVANTAGE_ESTIMATORS.register("cpgd", info=_OUTCOME_GROUP)
 def cpgd_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,

@@ -4,8 +4,22 @@ Schulman, "Approximating KL Divergence" (2020, http://joschu.net/blog/kl-approx.
 log_ratio = logprobs - ref_logprobs = log pi(a|s) - log pi_ref(a|s), sampled from pi:
 
 - k1 = log_ratio                         (unbiased, can be negative; for a reward penalty)
-- k2 = 0.5 * log_ratio ** 2              (biased, low variance; gradient equals KL's)
+- k2 = 0.5 * log_ratio ** 2              (biased, low variance; as a loss its gradient is KL's)
 - k3 = exp(-log_ratio) - 1 + log_ratio   (unbiased, always >= 0; "low_var_kl")
+- k1+ / k3+: the value of k1 / k3 with the gradient of k2 (straight-through; verl's
+  ``kl_penalty`` in ``verl/trainer/ppo/core_algos.py``, names ending in "+").
+
+verl's aliases are registered too: ``mse`` = k2, ``low_var_kl`` = k3, ``low_var_kl+`` = k3+.
+
+What each gives depends on how it is used (``KL_ESTIMATORS.info(name)``, a ``KLEstimatorInfo``):
+as a *loss* term (the estimator applied to the sampled token's differentiable ``logprobs`` and
+fixed ``ref_logprobs``, no importance weight, tokens sampled from pi) the expected gradient is
+E_pi[grad k]: 0 for k1 (E_pi[grad log pi] = 0), grad KL(pi||ref) for k2, k1+, k3+, and
+grad KL(ref||pi) for k3 (grad k3 = (1 - pi_ref/pi) grad log pi). As a *reward* penalty (k
+detached, its gradient comes through the score function) the single-token expected gradient is
+E_pi[k grad log pi] = grad E_pi[k] - E_pi[grad k]: grad KL(pi||ref) for k1 and k1+, and
+grad KL(pi||ref) - grad KL(ref||pi) for k3 and k3+. ``tests/rft_core/algorithms/test_kl_gradients.py``
+checks every entry exactly on a 4-way categorical in float64.
 
 All values are clamped to [-kl_clamp, kl_clamp] (default 10 nats) so that one token whose
 reference log-prob underflows cannot dominate the loss; k3's log_ratio is also clamped to
@@ -13,6 +27,7 @@ reference log-prob underflows cannot dominate the loss; k3's log_ratio is also c
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,24 +39,111 @@ KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 
 DEFAULT_KL_CLAMP = 10.0
 
+GRAD_ZERO = "0"
+GRAD_KL_PI_REF = "grad KL(pi||ref)"
+GRAD_KL_REF_PI = "grad KL(ref||pi)"
+_SCHULMAN = 'Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html'
+_VERL_ST = "verl, verl/trainer/ppo/core_algos.py: kl_penalty (straight-through, names ending in '+')"
 
-@KL_ESTIMATORS.register("k1")
+
+@dataclass(frozen=True)
+class KLEstimatorInfo:
+    """What a KL estimator gives, by use (``KL_ESTIMATORS.info(name)``).
+
+    Attributes:
+        value_of: the estimator whose value this entry returns ("k1", "k2" or "k3").
+        straight_through: the gradient is k2's, whatever the value (verl's "+" names).
+        value: the per-token formula of the value (log_ratio = logprobs - ref_logprobs).
+        value_estimates: what E_pi[value] is.
+        loss_gradient: E_pi[grad k] for tokens sampled from pi, differentiable ``logprobs``,
+            fixed ``ref_logprobs``, no importance weight: ``GRAD_ZERO``, ``GRAD_KL_PI_REF``
+            or ``GRAD_KL_REF_PI``.
+        reward_gradient: the single-token expected score-function gradient
+            E_pi[sg(k) grad log pi] when the value is a reward penalty.
+        source: paper / upstream file.
+    """
+
+    value_of: str
+    straight_through: bool
+    value: str
+    value_estimates: str
+    loss_gradient: str
+    reward_gradient: str
+    source: str
+
+
+_K1 = KLEstimatorInfo("k1", False, "log_ratio", "KL(pi||ref), unbiased", GRAD_ZERO, GRAD_KL_PI_REF, _SCHULMAN)
+_K2 = KLEstimatorInfo("k2", False, "0.5 * log_ratio**2", "KL(pi||ref), biased (exact to 2nd order)",
+                      GRAD_KL_PI_REF, "grad E_pi[k2] - grad KL(pi||ref)", _SCHULMAN)
+_K3 = KLEstimatorInfo("k3", False, "exp(-log_ratio) - 1 + log_ratio", "KL(pi||ref), unbiased, >= 0",
+                      GRAD_KL_REF_PI, "grad KL(pi||ref) - grad KL(ref||pi)", _SCHULMAN)
+_K1_PLUS = KLEstimatorInfo("k1", True, _K1.value, _K1.value_estimates, GRAD_KL_PI_REF, _K1.reward_gradient,
+                           _SCHULMAN + "; " + _VERL_ST)
+_K3_PLUS = KLEstimatorInfo("k3", True, _K3.value, _K3.value_estimates, GRAD_KL_PI_REF, _K3.reward_gradient,
+                           _SCHULMAN + "; " + _VERL_ST)
+
+
+@KL_ESTIMATORS.register("k1", info=_K1)
 def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k1 = log pi - log pi_ref. Shapes (B, T) -> (B, T)."""
     return logprobs - ref_logprobs
 
 
-@KL_ESTIMATORS.register("k2")
+@KL_ESTIMATORS.register("k2", "mse", info=_K2)
 def kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k2 = 0.5 (log pi - log pi_ref)^2. Shapes (B, T) -> (B, T)."""
     return 0.5 * (logprobs - ref_logprobs) ** 2
 
 
-@KL_ESTIMATORS.register("k3")
+@KL_ESTIMATORS.register("k3", "low_var_kl", info=_K3)
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """k3 = exp(log pi_ref - log pi) - 1 - (log pi_ref - log pi). Shapes (B, T) -> (B, T)."""
     neg_log_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
     return torch.expm1(neg_log_ratio) - neg_log_ratio
+
+
+def _straight_through(value: torch.Tensor, grad_source: torch.Tensor) -> torch.Tensor:
+    """Value of ``value``, gradient of ``grad_source``."""
+    return grad_source - grad_source.detach() + value.detach()
+
+
+@KL_ESTIMATORS.register("k1+", info=_K1_PLUS)
+def kl_k1_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Value of k1, gradient of k2 (verl ``k1+``). Shapes (B, T) -> (B, T)."""
+    return _straight_through(kl_k1(logprobs, ref_logprobs), kl_k2(logprobs, ref_logprobs))
+
+
+@KL_ESTIMATORS.register("k3+", "low_var_kl+", info=_K3_PLUS)
+def kl_k3_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Value of k3, gradient of k2 (verl ``k3+`` / ``low_var_kl+``). Shapes (B, T) -> (B, T)."""
+    return _straight_through(kl_k3(logprobs, ref_logprobs), kl_k2(logprobs, ref_logprobs))
+
+
+def kl_estimators_with_loss_gradient(gradient: str) -> list[str]:
+    """Sorted names whose loss-mode expected gradient is ``gradient`` (``GRAD_*``)."""
+    return [n for n in KL_ESTIMATORS if KL_ESTIMATORS.info(n).loss_gradient == gradient]
+
+
+def check_kl_loss_estimator(name: str) -> KLEstimatorInfo:
+    """Refuse a KL estimator that does nothing as a loss term (``kl.mode=loss``).
+
+    Returns:
+        the estimator's ``KLEstimatorInfo``.
+    Raises:
+        UnknownNameError: unknown ``name`` (the message lists the valid names).
+        ValueError: its expected loss-mode gradient is zero (k1: E_pi[grad log pi] = 0, so the
+            term only adds noise); the message names the estimators that give grad KL(pi||ref)
+            and those that give grad KL(ref||pi).
+    """
+    info = KL_ESTIMATORS.info(name)
+    if info.loss_gradient == GRAD_ZERO:
+        raise ValueError(
+            f"KL estimator {name!r} has zero expected gradient as a loss term (E_pi[grad log pi] = 0): "
+            f"kl.mode=loss with it regularises nothing. For grad KL(pi||ref) use one of "
+            f"{', '.join(kl_estimators_with_loss_gradient(GRAD_KL_PI_REF))}; for grad KL(ref||pi): "
+            f"{', '.join(kl_estimators_with_loss_gradient(GRAD_KL_REF_PI))}. ({name!r} is for kl.mode=reward.)"
+        )
+    return info
 
 
 def kl_penalty(
@@ -54,18 +156,64 @@ def kl_penalty(
 ) -> torch.Tensor:
     """Per-token KL estimate, clamped to [-kl_clamp, kl_clamp], zero where action_mask is False.
 
+    For a straight-through entry (k1+, k3+) the clamp applies to the value and, separately, to
+    the k2 term that carries the gradient, so its gradient is exactly that of
+    ``kl_penalty(..., estimator="k2")``.
+
     Args:
         logprobs: (B, T) float, log pi(a_t|s_t) of the policy.
         ref_logprobs: (B, T) float, log pi_ref(a_t|s_t) of the reference.
         action_mask: (B, T) bool.
-        estimator: "k1", "k2" or "k3" (see module docstring).
+        estimator: a name in ``KL_ESTIMATORS`` (see module docstring).
     Returns:
         (B, T) tensor, same dtype as ``logprobs``.
     Raises:
         UnknownNameError: unknown ``estimator`` (the message lists the valid names).
     """
-    kl = KL_ESTIMATORS[estimator](logprobs, ref_logprobs).clamp(-kl_clamp, kl_clamp)
+    info = KL_ESTIMATORS.info(estimator)
+    if info.straight_through:
+        value = KL_ESTIMATORS[info.value_of](logprobs.detach(), ref_logprobs).clamp(-kl_clamp, kl_clamp)
+        kl = _straight_through(value, kl_k2(logprobs, ref_logprobs).clamp(-kl_clamp, kl_clamp))
+    else:
+        kl = KL_ESTIMATORS[estimator](logprobs, ref_logprobs).clamp(-kl_clamp, kl_clamp)
     return torch.where(action_mask, kl, torch.zeros_like(kl))
+
+
+def cpgd_policy_drift(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    kl_clamp: float = DEFAULT_KL_CLAMP,
+) -> torch.Tensor:
+    """CPGD's policy-drift term per token: an estimate of KL(pi_old || pi_theta), the KL to the
+    policy that generated the data (Liu et al. 2025, arXiv:2505.12504, the drift regulariser of
+    the CPGD objective, weighted by its own coefficient), not to the reference.
+
+    The tokens are sampled from pi_old, so with r_t = pi_theta(a_t) / pi_old(a_t):
+        d_t = r_t - 1 - log r_t        (Schulman's k3 form for KL(pi_old || pi_theta))
+    E_{pi_old}[d_t] = KL(pi_old || pi_theta) exactly, d_t >= 0, and its gradient
+    (r_t - 1) grad log pi_theta(a_t) has expectation grad KL(pi_old || pi_theta) exactly (no
+    importance weight needed). It is 0 with zero gradient at pi_theta = pi_old, so it acts from
+    the second optimizer step on the same rollout (more than one mini-batch or epoch).
+    log r is clamped to [-20, 20] before the exp and d_t to [0, kl_clamp].
+
+    Args:
+        logprobs: (B, T) float, log pi_theta of the sampled tokens (differentiable).
+        old_logprobs: (B, T) float, log pi_old of the same tokens (the policy that sampled them).
+        action_mask: (B, T) bool.
+    Returns:
+        (B, T) drift terms, 0 where action_mask is False; aggregate them like the KL term.
+    Raises:
+        ValueError: shapes differ.
+    """
+    if not logprobs.shape == old_logprobs.shape == action_mask.shape:
+        raise ValueError(
+            f"cpgd_policy_drift: logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
+            f"action_mask {tuple(action_mask.shape)} must have one shape"
+        )
+    drift = kl_k3(old_logprobs.detach(), logprobs).clamp(0.0, kl_clamp)
+    return torch.where(action_mask, drift, torch.zeros_like(drift))
 
 
 def next_kl_coef(

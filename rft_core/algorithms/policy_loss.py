@@ -3,6 +3,14 @@
 A loss returns per-token terms (B, T); ``aggregate`` reduces them. Token-mean aggregation
 takes an explicit ``num_tokens`` normalizer, so micro-batch losses summed under gradient
 accumulation equal the full-batch loss exactly.
+
+Every loss takes an optional ``weights`` (B, T) that multiplies its per-token loss (detached;
+None: unchanged). It carries the rollout/trainer mismatch correction (``correction.py``) and
+the high-entropy token filter as 0/1 weights, so that the aggregation can still count every
+response token in its normaliser (see docs/algorithms.md, "Loss normalisers").
+
+``POLICY_LOSSES.info(name)`` is a ``PolicyLossInfo``: the aggregation a loss requires (GSPO
+is sequence-level) or None; ``check_policy_loss_aggregation`` refuses a mismatch.
 """
 from __future__ import annotations
 
@@ -31,19 +39,76 @@ class PolicyLossOutput:
     log_ratio: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PolicyLossInfo:
+    """What a caller must know about a policy loss (``POLICY_LOSSES.info(name)``).
+
+    Attributes:
+        required_loss_agg: the name in ``LOSS_AGGREGATIONS`` the loss's paper defines it with,
+            or None when any aggregation is the loss's own choice.
+        reason: why (shown by ``check_policy_loss_aggregation``).
+    """
+
+    required_loss_agg: str | None = None
+    reason: str = ""
+
+
 PolicyLoss = Callable[..., PolicyLossOutput]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 LOSS_AGGREGATIONS: Registry[Callable[..., torch.Tensor]] = Registry("loss aggregation")
 
 MAX_LOG_RATIO = 20.0
+_ANY_AGG = PolicyLossInfo()
+_GSPO_INFO = PolicyLossInfo(
+    "seq-mean-token-mean",
+    "GSPO's objective is sequence-level (Zheng et al. 2025, arXiv:2507.18071, eq. 5-7): each response's "
+    "gradient is weighted 1/G, its tokens 1/|y_i|; token-mean would weight each response by its length "
+    "relative to the batch's mean length (OpenRLHF forces the per-sample mean for gspo too)",
+)
 
 
-@POLICY_LOSSES.register("ppo_clip")
+def apply_token_weights(token_loss: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """token_loss * sg(weights), or token_loss unchanged when ``weights`` is None.
+
+    Args:
+        token_loss: (B, T) float per-token loss.
+        weights: (B, T) float, e.g. truncated IS weights (``rollout_correction``) times a 0/1
+            entropy-filter mask; detached here (a weight changes the measure, not the objective).
+    Raises:
+        ValueError: ``weights`` of another shape.
+    """
+    if weights is None:
+        return token_loss
+    if weights.shape != token_loss.shape:
+        raise ValueError(
+            f"policy loss weights must have the token loss's shape {tuple(token_loss.shape)}, got {tuple(weights.shape)}"
+        )
+    return token_loss * weights.detach().to(token_loss.dtype)
+
+
+def check_policy_loss_aggregation(policy_loss: str, loss_agg: str) -> None:
+    """Refuse an aggregation other than the one the policy loss's paper defines.
+
+    Raises:
+        UnknownNameError: unknown ``policy_loss`` or ``loss_agg``.
+        ValueError: ``POLICY_LOSSES.info(policy_loss).required_loss_agg`` is set and differs
+            from ``loss_agg``; the message says why.
+    """
+    LOSS_AGGREGATIONS[loss_agg]
+    info = POLICY_LOSSES.info(policy_loss)
+    if info.required_loss_agg is not None and loss_agg != info.required_loss_agg:
+        raise ValueError(
+            f"policy loss {policy_loss!r} needs update.loss_agg={info.required_loss_agg!r}, got {loss_agg!r}: {info.reason}"
+        )
+
+
+@POLICY_LOSSES.register("ppo_clip", info=_ANY_AGG)
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     action_mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -60,6 +125,7 @@ def ppo_clip_loss(
         old_logprobs: (B, T) float, log-probs under the policy that generated the rollout.
         advantages: (B, T) float.
         action_mask: (B, T) bool.
+        weights: optional (B, T) float multiplying each token's loss (``apply_token_weights``).
     Returns:
         PolicyLossOutput with (B, T) terms, zero where action_mask is False.
     """
@@ -67,7 +133,7 @@ def ppo_clip_loss(
     ratio = torch.exp(log_ratio)
     surr1 = ratio * advantages
     surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    token_loss = -torch.minimum(surr1, surr2)
+    token_loss = apply_token_weights(-torch.minimum(surr1, surr2), weights)
     zeros = torch.zeros((), dtype=token_loss.dtype, device=token_loss.device)
     return PolicyLossOutput(
         token_loss=torch.where(action_mask, token_loss, zeros),
@@ -76,12 +142,13 @@ def ppo_clip_loss(
     )
 
 
-@POLICY_LOSSES.register("dual_clip")
+@POLICY_LOSSES.register("dual_clip", info=_ANY_AGG)
 def dual_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     action_mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -93,8 +160,10 @@ def dual_clip_loss(
     huge ratio on a negative-advantage token cannot produce an unbounded update:
     L_t = min(max(-r A, -clip(r) A), -clip_c A) when A < 0.
 
+    ``weights`` (B, T), optional, multiplies the final per-token loss (``apply_token_weights``).
+
     Raises:
-        ValueError: ``clip_c`` <= 1.
+        ValueError: ``clip_c`` <= 1, or ``weights`` of another shape.
     """
     if clip_c <= 1.0:
         raise ValueError(f"clip_c must be > 1, got {clip_c}")
@@ -102,7 +171,7 @@ def dual_clip_loss(
     cap = -clip_c * advantages
     capped = torch.minimum(base.token_loss, cap)
     neg = (advantages < 0) & action_mask
-    token_loss = torch.where(neg, capped, base.token_loss)
+    token_loss = apply_token_weights(torch.where(neg, capped, base.token_loss), weights)
     zeros = torch.zeros((), dtype=token_loss.dtype, device=token_loss.device)
     return PolicyLossOutput(
         token_loss=torch.where(action_mask, token_loss, zeros),
@@ -111,12 +180,13 @@ def dual_clip_loss(
     )
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", info=_GSPO_INFO)
 def gspo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     action_mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
     *,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
@@ -126,7 +196,11 @@ def gspo_loss(
     s_i = exp(mean_t (logprobs - old_logprobs)) over the response of sample i; the token-level
     ratio is s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)] (value s_i, gradient s_i * grad log pi(y_t));
     L_t = -min(s_i,t A_t, clip(s_i,t, 1 - clip_low, 1 + clip_high) A_t). The paper's clip range
-    is tiny (3e-4 / 4e-4) because s_i is a geometric mean. Use with seq-mean-token-mean.
+    is tiny (3e-4 / 4e-4) because s_i is a geometric mean. The paper's objective is
+    sequence-level: aggregate with seq-mean-token-mean (``POLICY_LOSSES.info("gspo")``,
+    ``check_policy_loss_aggregation``). ``weights`` (B, T), optional, multiplies each token's
+    loss (``apply_token_weights``); a sequence-level correction (one weight per response) keeps
+    the objective sequence-level.
     """
     zeros = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     log_ratio = torch.where(action_mask, logprobs - old_logprobs, zeros)
@@ -136,7 +210,7 @@ def gspo_loss(
     ratio = torch.exp(token_log_ratio)
     surr1 = ratio * advantages
     surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    token_loss = -torch.minimum(surr1, surr2)
+    token_loss = apply_token_weights(-torch.minimum(surr1, surr2), weights)
     return PolicyLossOutput(
         token_loss=torch.where(action_mask, token_loss, zeros),
         clipped=(surr2 < surr1) & action_mask,
@@ -144,12 +218,13 @@ def gspo_loss(
     )
 
 
-@POLICY_LOSSES.register("cpgd")
+@POLICY_LOSSES.register("cpgd", info=_ANY_AGG)
 def cpgd_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     action_mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
@@ -158,15 +233,16 @@ def cpgd_loss(
 
     L_t = -min(log_ratio_t A_t, clip(log_ratio_t, ln(1 - clip_low), ln(1 + clip_high)) A_t)
     with log_ratio = logprobs - old_logprobs: the ratio of PPO is replaced by its logarithm, so
-    the update stays bounded. The paper's policy-drift term (a KL to the old policy) is not part
-    of this function; add it with the KL loss term.
+    the update stays bounded. The paper's policy-drift term is a KL to the old policy, not to
+    the reference: it is ``cpgd_policy_drift`` (``kl.py``), added by the caller as its own term.
+    ``weights`` (B, T), optional, multiplies each token's loss (``apply_token_weights``).
     """
     zeros = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     surr1 = log_ratio * advantages
     lo, hi = math.log(1.0 - clip_low), math.log(1.0 + clip_high)
     surr2 = log_ratio.clamp(lo, hi) * advantages
-    token_loss = -torch.minimum(surr1, surr2)
+    token_loss = apply_token_weights(-torch.minimum(surr1, surr2), weights)
     return PolicyLossOutput(
         token_loss=torch.where(action_mask, token_loss, zeros),
         clipped=(surr2 < surr1) & action_mask,
@@ -236,7 +312,10 @@ def seq_mean_token_sum_norm(
 ) -> torch.Tensor:
     """sum over all unmasked tokens / (num_sequences * norm_tokens): Dr. GRPO's constant
     normaliser (Liu et al. 2025, arXiv:2503.20783, sec. 3.2), free of the length bias of the
-    per-sequence mean. ``norm_tokens`` defaults to this batch's padded length T.
+    per-sequence mean. ``norm_tokens`` defaults to this batch's padded length T, which depends
+    on the batch's longest response; pass a constant (the generation budget,
+    ``rollout.max_new_tokens``, as Dr. GRPO and TRL's ``dr_grpo`` loss do) so the loss of a
+    sequence does not depend on which other responses share its batch.
     """
     T = float(action_mask.shape[-1]) if norm_tokens is None else max(float(norm_tokens), 1.0)
     return masked_sum(token_loss, action_mask) / (_num_seq(token_loss, num_sequences) * T)

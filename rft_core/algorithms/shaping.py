@@ -1,6 +1,7 @@
 """Reward and advantage shaping steps, applied by the advantages stage in this order:
 
-1. overlong-buffer penalty on the outcome reward (DAPO);
+1. overlong-buffer penalty on the outcome reward (DAPO), or overlong filtering
+   (``overlong_filter_mask``: truncated responses leave the loss mask; DAPO sec. 3.4);
 2. running reward normalisation (Welford statistics carried across iterations);
 3. reward clipping;
 4. KL shaping and the advantage estimator (``advantages.py``);
@@ -12,6 +13,7 @@ advantage normalisation (over all micro-batches of a step) is step 5's whitening
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
@@ -35,6 +37,38 @@ def overlong_penalty(
         raise ValueError(f"buffer_len must be in (0, max_new_tokens={max_new_tokens}], got {buffer_len}")
     exceed = response_lengths.to(torch.float32) - (max_new_tokens - buffer_len)
     return torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)
+
+
+FINISH_REASONS = ("stop", "length")
+
+
+def overlong_filter_mask(action_mask: torch.Tensor, finish_reasons: Sequence[str]) -> torch.Tensor:
+    """Overlong filtering (DAPO, Yu et al. 2025, arXiv:2503.14476, sec. 3.4): a truncated response
+    (``finish_reason == "length"``) is masked out of the loss entirely, so a possibly correct but
+    unfinished reasoning is not punished (its reward is noise).
+
+    Args:
+        action_mask: (B, T) bool, response tokens.
+        finish_reasons: B strings, "stop" (EOS) or "length" (hit max_new_tokens), the rollout
+            shard's ``finish_reason`` column.
+    Returns:
+        (B, T) bool: ``action_mask`` with the rows of truncated responses all False. The
+        fraction filtered is ``sum(f == "length") / B``.
+    Raises:
+        ValueError: ``action_mask`` not 2-D bool, a length other than B, or a finish reason other
+            than "stop" / "length" (named with its row).
+    """
+    if action_mask.dim() != 2 or action_mask.dtype != torch.bool:
+        raise ValueError(f"overlong_filter_mask: action_mask must be (B, T) bool, got {tuple(action_mask.shape)} "
+                         f"{action_mask.dtype}")
+    reasons = list(finish_reasons)
+    if len(reasons) != action_mask.shape[0]:
+        raise ValueError(f"overlong_filter_mask: {len(reasons)} finish reasons for {action_mask.shape[0]} rows")
+    for row, reason in enumerate(reasons):
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"overlong_filter_mask: finish_reason[{row}] = {reason!r}; valid: stop, length")
+    truncated = torch.tensor([r == "length" for r in reasons], dtype=torch.bool, device=action_mask.device)
+    return action_mask & ~truncated[:, None]
 
 
 @dataclass(frozen=True)

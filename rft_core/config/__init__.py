@@ -15,11 +15,12 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from rft_core.algorithms import ADVANTAGE_ESTIMATORS
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.algorithms.value_loss import VALUE_LOSSES
 from rft_core.config._base import _check_name, _Frozen, _tagged_union  # noqa: F401
 from rft_core.config.algorithms import (  # noqa: F401
-    ADVANTAGE_CONFIGS, NEEDS_CRITIC, POLICY_LOSS_CONFIGS, AdvantageConfig, CPGDAdvantage, CPGDLoss, DrGRPOAdvantage,
+    ADVANTAGE_CONFIGS, POLICY_LOSS_CONFIGS, AdvantageConfig, CPGDAdvantage, CPGDLoss, DrGRPOAdvantage,
     DualClipLoss, DynamicSamplingConfig, GAEAdvantage, GRPOAdvantage, GSPOLoss, KLConfig, PolicyLossConfig,
     PPOClipLoss, ReinforceAdvantage, ReinforceBaselineAdvantage, RLOOAdvantage, ShapingConfig, TrainState,
     estimator_kwargs, policy_loss_kwargs)
@@ -119,6 +120,8 @@ class CriticConfig(_Frozen):
     train_batch_size: int | None = Field(None, gt=0)
     micro_batch_size: int = Field(4, gt=0)
     seed: int = 0
+    packing: bool = Field(False, description="pack each micro-batch into one row without padding (values and update)")
+    deepspeed: DeepSpeedConfig | None = Field(None, description="DeepSpeed ZeRO for the critic update (multi-rank, under torchrun)")
 
     _v = field_validator("value_loss")(lambda cls, v: _check_name(VALUE_LOSSES, v))
     _a = field_validator("loss_agg")(lambda cls, v: _check_name(LOSS_AGGREGATIONS, v))
@@ -229,7 +232,7 @@ class TrainConfig(_Frozen):
     @property
     def needs_critic(self) -> bool:
         """True when the advantage estimator needs critic values (the critic stages run)."""
-        return self.advantage.estimator in NEEDS_CRITIC
+        return ADVANTAGE_ESTIMATORS.info(self.advantage.estimator).needs_critic
 
     @property
     def initial_critic(self) -> str:

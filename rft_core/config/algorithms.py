@@ -34,6 +34,16 @@ class KLConfig(_Frozen):
         """True when the reference log-prob stage must run."""
         return self.kl_coef > 0
 
+    @property
+    def in_reward(self) -> bool:
+        """True when the KL penalty is subtracted from the rewards (advantage stage)."""
+        return self.mode == "reward" and self.kl_coef > 0
+
+    @property
+    def in_loss(self) -> bool:
+        """True when the KL is a term of the update's loss (the update reads ref_logprobs)."""
+        return self.mode == "loss" and self.kl_coef > 0
+
 
 class GRPOAdvantage(_Frozen):
     """GRPO / group_norm: (r - group mean) / (group std + eps)."""
@@ -93,8 +103,6 @@ class GAEAdvantage(_Frozen):
 ADVANTAGE_CONFIGS = (GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, ReinforceAdvantage, ReinforceBaselineAdvantage,
                      CPGDAdvantage, GAEAdvantage)
 AdvantageConfig = _tagged_union(ADVANTAGE_CONFIGS, "estimator", "grpo", "advantage estimator")
-# estimators that need critic values (and so the critic stage)
-NEEDS_CRITIC = frozenset({"gae"})
 
 
 def estimator_kwargs(cfg: "AdvantageConfig") -> dict[str, Any]:

@@ -17,6 +17,26 @@ class ImageError(ValueError):
     """An image cannot be read or decoded; the message names it."""
 
 
+def read_local_file(source: str | Path, *, where: str, error: type[ValueError]) -> bytes:
+    """The bytes of a local file given as a path or a ``file://`` URL (percent-escapes decoded);
+    shared by images and videos (``rft_core.data.video``).
+
+    Raises:
+        error (the caller's ValueError subclass): a URL whose scheme is not ``file``, or an
+            unreadable file; the message starts with ``where``.
+    """
+    text = str(source)
+    if "://" in text:
+        url = urlparse(text)
+        if url.scheme != "file":
+            raise error(f"{where}: only local files are read, got URL {text!r}")
+        text = unquote(url.path)
+    try:
+        return Path(text).expanduser().read_bytes()
+    except OSError as exc:
+        raise error(f"{where}: cannot read {text!r}: {exc}") from exc
+
+
 def to_image_bytes(image: Any, *, where: str = "image") -> bytes:
     """Encoded bytes of ``image`` (path, file:// URL, bytes or PIL image).
 
@@ -33,16 +53,7 @@ def to_image_bytes(image: Any, *, where: str = "image") -> bytes:
     if isinstance(image, (bytes, bytearray, memoryview)):
         data = bytes(image)
     elif isinstance(image, (str, Path)):
-        text = str(image)
-        if "://" in text:
-            url = urlparse(text)
-            if url.scheme != "file":
-                raise ImageError(f"{where}: only local files are read, got URL {text!r}")
-            text = unquote(url.path)
-        try:
-            data = Path(text).expanduser().read_bytes()
-        except OSError as exc:
-            raise ImageError(f"{where}: cannot read {text!r}: {exc}") from exc
+        data = read_local_file(image, where=where, error=ImageError)
     else:
         raise ImageError(f"{where}: expected a path, file:// URL, bytes or PIL image, got {type(image).__name__}")
     decode_image(data, where=where)  # validate now, not in a later stage

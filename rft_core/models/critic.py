@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from rft_core.models.loading import load_pretrained
-from rft_core.models.logprobs import TokenBatch, build_token_batch
+from rft_core.models.logprobs import PackedBatch, TokenBatch, build_packed_batch, build_token_batch, model_device
 
 
 def load_critic(path: str, *, dtype: str = "float32", trainable: bool = False):
@@ -41,28 +41,39 @@ def load_critic(path: str, *, dtype: str = "float32", trainable: bool = False):
     return model
 
 
-def response_values(critic: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+def response_values(critic: torch.nn.Module, batch: TokenBatch | PackedBatch) -> torch.Tensor:
     """V(s_t) for each response token t: the value head at the column before the token
-    (the state in which the token was chosen), as log-probs are aligned.
+    (the state in which the token was chosen), as log-probs are aligned. The inputs go to the
+    critic's device; a packed batch (``build_packed_batch``) gives the same values.
 
     Returns:
-        (B, T) float32 (meaningless but finite where action_mask is False).
+        (B, T) float32 on the critic's device (meaningless but finite where action_mask is
+        False; zero there for a packed batch).
     """
+    device = model_device(critic)
+    if isinstance(batch, PackedBatch):
+        mask = batch.action_mask.to(device)
+        out = critic(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device))
+        flat = out.logits[0, batch.logit_index.to(device), 0].float()
+        return torch.zeros(mask.shape, device=device, dtype=flat.dtype).masked_scatter(mask, flat)
     T = batch.num_actions
-    out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+    out = critic(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                 position_ids=batch.position_ids.to(device))
     return out.logits[:, -T - 1:-1, 0].float()
 
 
 @torch.no_grad()
 def batched_response_values(critic: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]], *,
-                            pad_token_id: int, micro_batch_size: int = 8) -> list[list[float]]:
-    """Unpadded per-sample value lists (len = len(response)), in input order."""
+                            pad_token_id: int, micro_batch_size: int = 8, packing: bool = False) -> list[list[float]]:
+    """Unpadded per-sample value lists (len = len(response)), in input order; ``packing``: each
+    micro-batch is one packed row without padding."""
     out: list[list[float]] = [[] for _ in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
     for start in range(0, len(order), micro_batch_size):
         idx = order[start:start + micro_batch_size]
-        batch = build_token_batch([prompts[i] for i in idx], [responses[i] for i in idx], pad_token_id=pad_token_id)
-        v = response_values(critic, batch)
+        ps, rs = [prompts[i] for i in idx], [responses[i] for i in idx]
+        batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
+        v = response_values(critic, batch).cpu()
         for row, i in enumerate(idx):
             out[i] = v[row, : len(responses[i])].tolist()
     return out

@@ -1,15 +1,17 @@
 """Command line of the stage programs: ``python -m rft_core.stages <stage> ...``.
 
 Runs exactly the function a Prefect task calls in-process (same reuse-or-compute, same
-manifest). Arguments:
+manifest), with the program's stage input model (``rft_core.stages.contracts``) built from:
 
-  --arg NAME=VALUE   one argument of the stage program. VALUE is JSON (a ShardRef or config as an
+  --input FILE       the whole input model as JSON (what the subprocess runner passes), or
+  --arg NAME=VALUE   one field of the input model. VALUE is JSON (a ShardRef or config as an
                      object, a number, a quoted string), ``@file.json``, the URI of a committed
-                     stage folder (for a ShardRef parameter), or a plain string.
-  --config FILE      a training config (YAML preset); arguments not given with --arg are taken
-                     from it (e.g. ``cfg`` of ``rollout`` is its ``rollout`` section).
+                     stage folder (for a ShardRef field), or a plain string.
+  --config FILE      a training config (YAML preset); fields not given with --arg are taken
+                     from it (the model's ``config_paths``: e.g. ``rollout`` of the rollout
+                     program is the config's ``rollout`` section).
   --set KEY=VALUE    dotted override of --config (repeatable).
-  --out URI          the stage's output folder (the ``out`` argument).
+  --out URI          the stage's output folder (the ``out`` field).
   --result FILE      write the program's return value (ShardRef JSON) there; under torchrun only
                      rank 0 writes it.
 
@@ -45,6 +47,7 @@ def _parser(stages: list[str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rft_core.stages", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("stage", choices=stages, help="the stage program to run")
+    p.add_argument("--input", help="the stage input model as a JSON file")
     p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="a program argument (repeatable)")
     p.add_argument("--config", help="training config file (YAML) supplying the arguments not given")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override of --config (repeatable)")
@@ -53,9 +56,33 @@ def _parser(stages: list[str]) -> argparse.ArgumentParser:
     return p
 
 
+def _raw_input(ns: argparse.Namespace, config_paths: dict[str, str]) -> dict[str, Any] | None:
+    """The input fields from --input / --arg / --out / --config; None after printing a usage error."""
+    raw: dict[str, Any] = json.loads(Path(ns.input).read_text()) if ns.input else {}
+    for item in ns.arg:
+        if "=" not in item:
+            print(f"--arg {item!r} must look like NAME=VALUE", file=sys.stderr)
+            return None
+        name, value = item.split("=", 1)
+        raw[name.strip()] = _parse_value(value)
+    if ns.out is not None:
+        raw["out"] = ns.out
+    if ns.config is not None or ns.set:
+        from rft_core.config import load_config
+
+        cfg = load_config(ns.config, ns.set)
+        for name, path in config_paths.items():
+            if name not in raw:
+                value = operator.attrgetter(path)(cfg)
+                raw[name] = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+    return raw
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, run the stage program, write its result; returns the exit status."""
-    from rft_core.stages.runner import DISTRIBUTED_STAGES, PROGRAMS, decode_args, encode_result
+    from pydantic import ValidationError
+
+    from rft_core.stages.runner import DISTRIBUTED_STAGES, INPUTS, PROGRAMS, encode_result, input_from_args
 
     ns = _parser(list(PROGRAMS)).parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -66,30 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stage {ns.stage!r} runs on one rank only (WORLD_SIZE={world}); several ranks: "
               f"{sorted(DISTRIBUTED_STAGES)}", file=sys.stderr)
         return 2
-    prog = PROGRAMS[ns.stage]
-    raw: dict[str, Any] = {}
-    for item in ns.arg:
-        if "=" not in item:
-            print(f"--arg {item!r} must look like NAME=VALUE", file=sys.stderr)
-            return 2
-        name, value = item.split("=", 1)
-        raw[name.strip()] = _parse_value(value)
-    if ns.out is not None:
-        raw["out"] = ns.out
-    if ns.config is not None or ns.set:
-        from rft_core.config import load_config
-
-        cfg = load_config(ns.config, ns.set)
-        for name, path in prog.defaults.items():
-            if name not in raw:
-                value = operator.attrgetter(path)(cfg)
-                raw[name] = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
-    missing = [p for p in prog.required() if p not in raw]
-    if missing:
-        print(f"stage {ns.stage!r}: missing argument(s) {missing} (give --arg NAME=VALUE, --out or --config)",
+    raw = _raw_input(ns, dict(INPUTS[ns.stage].config_paths))
+    if raw is None:
+        return 2
+    try:
+        inp = input_from_args(ns.stage, raw)
+    except ValidationError as exc:
+        print(f"stage {ns.stage!r}: bad input (give --input FILE, --arg NAME=VALUE, --out or --config):\n{exc}",
               file=sys.stderr)
         return 2
-    result = prog(**decode_args(ns.stage, raw))
+    result = PROGRAMS[ns.stage](inp)
     from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 
     wait_for_optimizer_writes()  # a background optimizer-state write commits before the process exits

@@ -1,7 +1,6 @@
 """Advantage stage: join the column groups on sample_id, shape rewards with KL, estimate advantages."""
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import numpy as np
@@ -13,16 +12,18 @@ from rft_core.algorithms.shaping import RunningMoments, clip_with_fraction, norm
 from rft_core.algorithms.kl import next_kl_coef
 from rft_core.algorithms.advantages import clip_filter_like_weights, kl_shaped_token_rewards
 from rft_core.config import AdvantageConfig, KLConfig, ShapingConfig, TrainState, estimator_kwargs
-from rft_core.stages.common import Timer, reuse_or_compute
+from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
+from rft_core.stages.contracts import AdvantagesInput
 from rft_core.stages.rewards import signal_prompt_ids
-from schemas import ShardRef, config_hash, read_shard, write_shard
+from schemas import ShardRef, read_manifest, read_shard
+from schemas.batch import ColumnBatch, join_column_groups
 from schemas.columns import ADVANTAGES
-from schemas.experience import experience_from_tables
 
 
-def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shaping: ShapingConfig | None = None,
+def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shaping: ShapingConfig | None = None,
                        state: TrainState | None = None, max_new_tokens: int | None = None) -> dict[str, Any]:
-    """Reward shaping, KL shaping and advantage estimation on a padded Experience.
+    """Reward shaping, KL shaping and advantage estimation on a joined, padded batch (its
+    ``rewards``, ``old_logprobs``, ``ref_logprobs``, ``values``, ``action_mask``, ``prompt_id``).
 
     Order (``rft_core.algorithms.shaping``): overlong penalty, running reward normalisation
     (statistics of ``state`` updated with this batch's rewards), reward clipping, KL, the
@@ -40,8 +41,10 @@ def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shapi
     """
     shaping = shaping or ShapingConfig()
     state = state or TrainState(kl_coef=kl_cfg.kl_coef)
-    mask = exp.action_mask
-    rewards = exp.info["rewards"].to(torch.float32)
+    mask = batch.action_mask
+    if batch.rewards is None:
+        raise ValueError("compute_advantages needs the rewards column group")
+    rewards = batch.rewards.to(torch.float32)
     metrics: dict[str, float] = {}
     if shaping.overlong_buffer_len is not None:
         if max_new_tokens is None:
@@ -56,25 +59,25 @@ def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shapi
         rewards = normalize_rewards(rewards, moments, minus_mean=shaping.reward_running_norm_minus_mean).to(torch.float32)
     if shaping.reward_clip is not None:
         rewards, metrics["reward_clip_frac"] = clip_with_fraction(rewards, shaping.reward_clip)
-    if exp.base_action_log_probs is not None:
-        kl = kl_penalty(exp.action_log_probs, exp.base_action_log_probs, mask, estimator=kl_cfg.estimator, kl_clamp=kl_cfg.kl_clamp)
+    if batch.ref_logprobs is not None:
+        kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, mask, estimator=kl_cfg.estimator, kl_clamp=kl_cfg.kl_clamp)
     else:
-        kl = torch.zeros_like(exp.action_log_probs)
-    coef = kl_cfg.kl_coef if kl_cfg.mode == "reward" else 0.0
+        kl = torch.zeros_like(batch.old_logprobs)
+    coef = kl_cfg.kl_coef if kl_cfg.in_reward else 0.0
     shaped = rewards - coef * kl.sum(-1)
-    _, group_ids = np.unique(np.asarray(exp.info["prompt_id"]), return_inverse=True)
+    _, group_ids = np.unique(np.asarray(batch.prompt_id), return_inverse=True)
     fn = ADVANTAGE_ESTIMATORS[adv_cfg.estimator]
-    params = inspect.signature(fn).parameters
+    info = ADVANTAGE_ESTIMATORS.info(adv_cfg.estimator)
     kwargs = estimator_kwargs(adv_cfg)
-    if "token_rewards" in params:  # token-level estimator: the KL penalty goes on each token
+    if info.token_level:  # token-level estimator: the KL penalty goes on each token
         kwargs["token_rewards"] = kl_shaped_token_rewards(rewards, kl, mask, kl_coef=coef)
         seq_rewards = rewards
     else:
         seq_rewards = shaped
-    if "values" in params:
-        if exp.values is None:
+    if info.needs_critic:
+        if batch.values is None:
             raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs critic values: run the critic_values stage")
-        kwargs["values"] = exp.values
+        kwargs["values"] = batch.values
     adv, ret = fn(seq_rewards, torch.as_tensor(group_ids, dtype=torch.long), mask, **kwargs)
     if shaping.clip_filter_like_weight:
         w = clip_filter_like_weights(rewards, torch.as_tensor(group_ids, dtype=torch.long),
@@ -94,32 +97,28 @@ def compute_advantages(exp, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shapi
             "state": next_state, "metrics": metrics}
 
 
-def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: ShardRef | None,
-        kl_cfg: KLConfig, adv_cfg: AdvantageConfig, out: str, shaping: ShapingConfig | None = None,
-        state: TrainState | None = None, max_new_tokens: int | None = None, critic: ShardRef | None = None) -> ShardRef:
+def run(inp: AdvantagesInput) -> ShardRef:
     """Write the advantages column group for every sample of the rollout.
 
-    ``actor`` None: old log-probs are the rollout engine's own. ``ref`` None: no KL.
-    ``kl_cfg.kl_coef`` is this iteration's coefficient; the manifest summary records the next
-    one (``next_kl_coef``, from the KL controller), so a resumed run continues exactly.
+    ``actor_logprobs`` None: old log-probs are the rollout engine's own. ``ref_logprobs`` None:
+    no KL. ``kl.kl_coef`` is this iteration's coefficient; the manifest summary records the
+    next one and the whole next ``TrainState`` (``next_state``), so a resumed run continues
+    exactly.
     """
-    shaping = shaping or ShapingConfig()
-    state = state or TrainState(kl_coef=kl_cfg.kl_coef)
-    chash = config_hash("advantages", kl_cfg, adv_cfg, shaping, state, max_new_tokens, rollout, rewards, actor, ref, critic)
+    commit = stage_commit(inp)
 
     def compute() -> ShardRef:
-        r = read_shard(rollout, stage="rollout")
-        rewards_table = read_shard(rewards, stage="rewards")
-        exp = experience_from_tables(
+        r = read_shard(inp.rollout, stage="rollout")
+        rewards_table = read_shard(inp.rewards, stage="rewards")
+        batch = join_column_groups(
             r, rewards=rewards_table,
-            actor=read_shard(actor, stage="actor_logprobs") if actor else None,
-            ref=read_shard(ref, stage="ref_logprobs") if ref else None,
-            critic=read_shard(critic, stage="critic_values") if critic else None)
+            actor_logprobs=read_shard(inp.actor_logprobs, stage="actor_logprobs") if inp.actor_logprobs else None,
+            ref_logprobs=read_shard(inp.ref_logprobs, stage="ref_logprobs") if inp.ref_logprobs else None,
+            critic_values=read_shard(inp.critic_values, stage="critic_values") if inp.critic_values else None)
         with Timer() as t:
-            res = compute_advantages(exp, kl_cfg=kl_cfg, adv_cfg=adv_cfg, shaping=shaping, state=state,
-                                     max_new_tokens=max_new_tokens)
-        mask = exp.action_mask
-        lengths = mask.sum(-1).tolist()
+            res = compute_advantages(batch, kl_cfg=inp.kl, adv_cfg=inp.advantage, shaping=inp.shaping, state=inp.state,
+                                     max_new_tokens=inp.max_new_tokens)
+        lengths = batch.action_mask.sum(-1).tolist()
 
         def lists(x: torch.Tensor) -> pa.Array:
             return pa.array([x[i, :n].tolist() for i, n in enumerate(lengths)], pa.list_(pa.float32()))
@@ -129,23 +128,40 @@ def run(rollout: ShardRef, rewards: ShardRef, *, actor: ShardRef | None, ref: Sh
             "shaped_rewards": pa.array(res["shaped_rewards"].tolist(), pa.float32()),
             "kl": lists(res["kl"]), "advantages": lists(res["advantages"]), "returns": lists(res["returns"]),
         }, schema=ADVANTAGES.arrow)
-        rw = exp.info["rewards"]
-        seq_kl = res["kl"].sum(-1)
-        n_groups = len(set(exp.info["prompt_id"]))
-        summary = {
-            "seconds": t.seconds,
-            "kl_coef": kl_cfg.kl_coef,
-            "next_kl_coef": res["state"].kl_coef,
-            "next_state": res["state"].model_dump(),
-            "shaped_reward_mean": float(res["shaped_rewards"].mean()),
-            **res["metrics"],
-            "reward_mean": float(rw.mean()), "reward_std": float(rw.std(unbiased=True)) if len(rw) > 1 else 0.0,
-            "kl_mean": float(seq_kl.mean()), "kl_token_mean": float(masked_mean(res["kl"], mask)),
-            "advantage_abs_mean": float(masked_mean(res["advantages"].abs(), mask)),
-            "groups_with_signal": len(signal_prompt_ids(rewards_table)) / max(n_groups, 1),
-        }
-        inputs = {"rollout": rollout, "rewards": rewards, **({"actor": actor} if actor else {}), **({"ref": ref} if ref else {}),
-                  **({"critic_values": critic} if critic else {})}
-        return write_shard(table, out, schema=ADVANTAGES, config_hash=chash, inputs=inputs, summary=summary)
+        summary = {"seconds": t.seconds, **_summary(batch, res, inp.kl, rewards_table)}
+        inputs = {name: ref for name, ref in (("rollout", inp.rollout), ("rewards", inp.rewards),
+                                              ("actor_logprobs", inp.actor_logprobs), ("ref_logprobs", inp.ref_logprobs),
+                                              ("critic_values", inp.critic_values)) if ref}
+        return commit.write(table, schema=ADVANTAGES, inputs=inputs, summary=summary)
 
-    return reuse_or_compute("advantages", out, chash, compute)
+    return reuse_or_compute(commit, compute)
+
+
+def _summary(batch: ColumnBatch, res: dict[str, Any], kl_cfg: KLConfig, rewards_table: pa.Table) -> dict[str, Any]:
+    """The advantages manifest summary: the KL coefficient now and next, the next TrainState,
+    reward, KL and advantage statistics, the fraction of groups with reward spread."""
+    mask, rw = batch.action_mask, batch.rewards
+    assert rw is not None
+    seq_kl = res["kl"].sum(-1)
+    n_groups = len(set(batch.prompt_id))
+    return {
+        "kl_coef": kl_cfg.kl_coef,
+        "next_kl_coef": res["state"].kl_coef,
+        "next_state": res["state"].model_dump(),
+        "shaped_reward_mean": float(res["shaped_rewards"].mean()),
+        **res["metrics"],
+        "reward_mean": float(rw.mean()), "reward_std": float(rw.std(unbiased=True)) if len(rw) > 1 else 0.0,
+        "kl_mean": float(seq_kl.mean()), "kl_token_mean": float(masked_mean(res["kl"], mask)),
+        "advantage_abs_mean": float(masked_mean(res["advantages"].abs(), mask)),
+        "groups_with_signal": len(signal_prompt_ids(rewards_table)) / max(n_groups, 1),
+    }
+
+
+def next_state(advantages: ShardRef) -> TrainState:
+    """The ``TrainState`` the iteration after ``advantages`` starts from (its manifest's
+    ``next_state``).
+
+    Raises:
+        ShardNotCommittedError: ``advantages`` is not committed.
+    """
+    return TrainState.model_validate(read_manifest(advantages.uri)[0].summary["next_state"])

@@ -7,36 +7,75 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from dataclasses import asdict
-from typing import Callable, Mapping, Union
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping
 
 import fsspec
 import pyarrow as pa
 
 from rft_core.models.loading import cache_dir
+from rft_core.stages.contracts import StageInput
 from rft_core.stages.retention import require_unpruned
-from rft_core.training.update import OPTIMIZER_FILE, save_checkpoint
-from schemas import ShardRef, StageSchema, commit_files, committed_ref, local_path, prepare_stage_dir, write_parts
+from rft_core.training.checkpoint import OPTIMIZER_FILE, save_checkpoint
+from rft_core.training.strategy import DeepSpeedStrategy, SingleProcess
+from schemas import (
+    PolicyRef,
+    ShardRef,
+    StageSchema,
+    commit_files,
+    committed_ref,
+    local_path,
+    prepare_stage_dir,
+    write_parts,
+    write_shard,
+)
 from schemas.shards import release_stage_lock
 
 log = logging.getLogger("rft_core.stages")
 
-# A policy is either a model path (the initial model: alias, folder or hub id) or the ShardRef
-# of a committed ppo_update stage, whose ``policy/`` sub-folder is an HF checkpoint.
-PolicyRef = Union[str, ShardRef]
 POLICY_SUBDIR = "policy"
 CRITIC_SUBDIR = "critic"
 
 
-def reuse_or_compute(stage: str, uri: str, chash: str, compute: Callable[[], ShardRef]) -> ShardRef:
-    """Return the committed ShardRef at ``uri`` if its config hash is ``chash``, else compute.
+@dataclass(frozen=True)
+class Commit:
+    """Where and under what a stage program commits: its folder, stage, config hash and
+    stage contract (pass them on to ``write_shard`` / ``commit_files``)."""
+
+    uri: str
+    stage: str
+    config_hash: str
+    contract: str
+
+    def write(self, table: pa.Table, *, schema: StageSchema, inputs: Mapping[str, ShardRef] | None = None,
+              summary: Mapping[str, Any] | None = None) -> ShardRef:
+        """``write_shard`` of ``table`` as this commit."""
+        return write_shard(table, self.uri, schema=schema, config_hash=self.config_hash, inputs=inputs, summary=summary,
+                           contract=self.contract)
+
+    def committed(self, *, check_files: bool = True) -> ShardRef | None:
+        """The committed ref to reuse, or None (see ``schemas.committed_ref``)."""
+        return committed_ref(self.uri, stage=self.stage, config_hash=self.config_hash, contract=self.contract,
+                             check_files=check_files)
+
+
+def stage_commit(inp: StageInput, *, uri: str | None = None, stage: str | None = None, **derived: Any) -> Commit:
+    """The ``Commit`` of ``inp`` (``uri``/``stage``: for a program that commits several stages),
+    its config hash extended by ``derived`` values (``StageInput.config_hash``)."""
+    return Commit(uri=uri or inp.out, stage=stage or inp.stage, config_hash=inp.config_hash(**derived),
+                  contract=inp.contract)
+
+
+def reuse_or_compute(commit: Commit, compute: Callable[[], ShardRef]) -> ShardRef:
+    """The committed ShardRef of ``commit`` when it exists, else ``compute()``.
 
     Raises:
-        StaleShardError: ``uri`` was committed with another config hash (never overwritten).
+        StaleShardError: the folder was committed with another config hash (never overwritten).
+        OlderVersionError: it was committed under another stage contract.
     """
-    ref = committed_ref(uri, stage=stage, config_hash=chash)
+    ref = commit.committed()
     if ref is not None:
-        log.info("%s: reusing committed shard %s (config %s)", stage, uri, chash)
+        log.info("%s: reusing committed shard %s (config %s)", commit.stage, commit.uri, commit.config_hash)
         return ref
     return compute()
 
@@ -104,12 +143,14 @@ def policy_checkpoint_dir(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str
     return _checkpoint_folder(policy, subdir)
 
 
-def commit_checkpoint(out: str, *, subdir: str, model, tokenizer, optimizer, steps: list, schema: StageSchema,
-                      config_hash: str, inputs: Mapping[str, ShardRef], summary: dict) -> ShardRef:
+def commit_checkpoint(commit: Commit, *, subdir: str, model, tokenizer, optimizer, steps: list, schema: StageSchema,
+                      inputs: Mapping[str, ShardRef], summary: dict) -> ShardRef:
     """Commit a training stage: per-step metric rows (dataclasses, one per optimizer step) as
-    Parquet parts plus an HF checkpoint (with optimizer and RNG state) under ``{out}/{subdir}``,
-    all under one manifest written last. Works on any fsspec URI (remote: saved to a local temp
-    folder, then uploaded). ``summary`` gains ``checkpoint_seconds``."""
+    Parquet parts plus an HF checkpoint (with the optimizer state unless ``optimizer`` is None)
+    under ``{commit.uri}/{subdir}``, all under one manifest written last. Works on any fsspec
+    URI (remote: saved to a local temp folder, then uploaded). ``summary`` gains
+    ``checkpoint_seconds``."""
+    out = commit.uri
     token = prepare_stage_dir(out)
     try:
         with Timer() as t_save:
@@ -126,9 +167,44 @@ def commit_checkpoint(out: str, *, subdir: str, model, tokenizer, optimizer, ste
                     shutil.rmtree(tmp, ignore_errors=True)
         table = pa.table({k: [asdict(s)[k] for s in steps] for k in schema.schema.names}, schema=schema.arrow)
         rows = write_parts(table, out, schema=schema)
-        return commit_files(out, stage=schema.stage, config_hash=config_hash, num_rows=table.num_rows, inputs=inputs,
+        return commit_files(out, stage=schema.stage, config_hash=commit.config_hash, num_rows=table.num_rows, inputs=inputs,
                             summary={**summary, "checkpoint_seconds": t_save.seconds}, schema=schema, rows_per_file=rows,
-                            lock_token=token)
+                            lock_token=token, contract=commit.contract)
     except BaseException:
         release_stage_lock(out, token)
         raise
+
+
+class _WithStateDict:
+    """``model`` whose ``save_pretrained`` writes ``state_dict`` (weights gathered from ZeRO ranks)."""
+
+    def __init__(self, model, state_dict) -> None:
+        self.model, self.state_dict = model, state_dict
+
+    def save_pretrained(self, out, **kw) -> None:
+        self.model.save_pretrained(out, state_dict=self.state_dict, **kw)
+
+
+def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy, *, subdir: str, tokenizer, steps: list,
+                   schema: StageSchema, inputs: Mapping[str, ShardRef], summary: dict,
+                   keep_optimizer: bool) -> ShardRef:
+    """Commit what ``strategy`` trained (``commit_checkpoint``). One process: the model, with
+    its AdamW state inside the checkpoint when ``keep_optimizer``. DeepSpeed: the weights are
+    gathered on every rank (a collective), rank 0 commits (no optimizer state: it is partitioned
+    over the ranks; the summary records world_size and zero_stage), the other ranks wait for the
+    commit and return the same ref."""
+    if isinstance(strategy, SingleProcess):
+        return commit_checkpoint(commit, subdir=subdir, model=strategy.model, tokenizer=tokenizer,
+                                 optimizer=strategy.optimizer if keep_optimizer else None, steps=steps, schema=schema,
+                                 inputs=inputs, summary=summary)
+    state = strategy.full_state_dict()
+    ref = None
+    if strategy.rank == 0:
+        ref = commit_checkpoint(commit, subdir=subdir, model=_WithStateDict(strategy.model.module, state), tokenizer=tokenizer,
+                                optimizer=None, steps=steps, schema=schema, inputs=inputs,
+                                summary={**summary, "world_size": strategy.world_size, "zero_stage": strategy.zero_stage})
+    strategy.barrier()
+    if ref is None:
+        ref = commit.committed()
+        assert ref is not None, f"rank 0 did not commit {commit.uri}"
+    return ref

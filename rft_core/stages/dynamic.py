@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rft_core.stages.common import reuse_or_compute
+from rft_core.stages.common import reuse_or_compute, stage_commit
+from rft_core.stages.contracts import DynamicMergeInput
 from rft_core.stages.rewards import rewards_summary, signal_prompt_ids
 from rft_core.stages.rollout import rollout_summary
-from schemas import ShardRef, config_hash, read_manifest, read_shard, write_shard
+from schemas import ShardRef, read_manifest, read_shard
 from schemas.columns import PROMPTS, REWARDS, ROLLOUT
 
 
@@ -69,10 +70,11 @@ def _take(tables: list[pa.Table], kept: list[tuple[int, str]]) -> pa.Table:
     return pa.concat_tables(parts)
 
 
-def run_merge(attempts: list[tuple[ShardRef, ShardRef, ShardRef]], *, target_groups: int, out_prompts: str,
-              out_rollout: str, out_rewards: str) -> tuple[ShardRef, ShardRef, ShardRef]:
-    """Write the kept groups of all (prompts, rollout, rewards) attempts as three shards."""
-    flat_refs = [ref for triple in attempts for ref in triple]
+def run_merge(inp: DynamicMergeInput) -> tuple[ShardRef, ShardRef, ShardRef]:
+    """Write the kept groups of all (prompts, rollout, rewards) attempts as three shards: the
+    iteration's prompts (``inp.out``), rollout (``inp.out_rollout``) and rewards
+    (``inp.out_rewards``)."""
+    attempts, target_groups = inp.attempts, inp.target_groups
     summary_cache: dict = {}
 
     def selection() -> Selection:
@@ -81,7 +83,7 @@ def run_merge(attempts: list[tuple[ShardRef, ShardRef, ShardRef]], *, target_gro
         return summary_cache["sel"]
 
     def merged(stage: str, schema, index: int, out: str) -> ShardRef:
-        chash = config_hash("dynamic_merge", stage, target_groups, flat_refs)
+        commit = stage_commit(inp, uri=out, stage=stage, output=stage)
 
         def compute() -> ShardRef:
             sel = selection()
@@ -99,10 +101,10 @@ def run_merge(attempts: list[tuple[ShardRef, ShardRef, ShardRef]], *, target_gro
                                skipped_overlong=sum(s.get("skipped_overlong", 0) for s in tries))
             if stage == "rewards":  # the usual rewards summary, over the kept samples
                 summary.update(seconds=sum(s.get("seconds", 0.0) for s in tries), **rewards_summary(table))
-            return write_shard(table, out, schema=schema, config_hash=chash, summary=summary,
-                               inputs={f"{stage}-try{a}": t[index] for a, t in enumerate(attempts)})
+            return commit.write(table, schema=schema, summary=summary,
+                                inputs={f"{stage}-try{a}": t[index] for a, t in enumerate(attempts)})
 
-        return reuse_or_compute(stage, out, chash, compute)
+        return reuse_or_compute(commit, compute)
 
-    return (merged("prompts", PROMPTS, 0, out_prompts), merged("rollout", ROLLOUT, 1, out_rollout),
-            merged("rewards", REWARDS, 2, out_rewards))
+    return (merged("prompts", PROMPTS, 0, inp.out), merged("rollout", ROLLOUT, 1, inp.out_rollout),
+            merged("rewards", REWARDS, 2, inp.out_rewards))

@@ -18,16 +18,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from rft_core.config import DataConfig, EvalConfig
 from rft_core.data.prompts import DatasetError, build_prompts, heldout_entries, heldout_seed
 from rft_core.engines.hf import Generation
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
-from rft_core.stages.common import PolicyRef, Timer, policy_model_path, reuse_or_compute
+from rft_core.models.logprobs import default_device, model_device
+from rft_core.stages.common import Timer, policy_model_path, reuse_or_compute, stage_commit
+from rft_core.stages.contracts import EvalGenerateInput, EvalPromptsInput, EvalSummaryInput
 from rft_core.stages.rollout import rollout_summary
-from schemas import ShardError, ShardRef, ShardSchemaError, committed_ref, config_hash, read_manifest, read_shard, write_shard
+from schemas import PolicyRef, ShardError, ShardRef, ShardSchemaError, read_manifest, read_shard
+from schemas.batch import zero_pad_sequences
 from schemas.columns import EVAL, PROMPTS, ROLLOUT
-from schemas.experience import zero_pad_sequences
 
 HELDOUT_PREFIX = "heldout"  # held-out prompt_ids: heldout-{task}-{index:06d}
 
@@ -58,7 +59,7 @@ def resolve_checkpoint(checkpoint: str | ShardRef) -> PolicyRef:
         if manifest.stage != "ppo_update":
             raise ShardError(f"{uri} is a committed {manifest.stage!r} stage; a checkpoint is a ppo_update stage folder, "
                              "its policy/ folder, a run root or a model folder")
-        return committed_ref(uri, stage="ppo_update", config_hash=manifest.config_hash)
+        return ShardRef.from_manifest(uri)
     iters = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.glob(f"{path}/iter=*"))
     if iters:
         for it in reversed(iters):
@@ -73,17 +74,18 @@ def checkpoint_label(policy: PolicyRef) -> str:
     return policy if isinstance(policy, str) else f"{policy.uri}/policy"
 
 
-def run_prompts(data: DataConfig, cfg: EvalConfig, *, tokenizer_path: str, out: str) -> ShardRef:
-    """Write the held-out prompts (``cfg.num_prompts`` questions of ``data.task`` absent from the
-    training dataset, see ``heldout_entries``) to ``out``; prompt_ids are
+def run_prompts(inp: EvalPromptsInput) -> ShardRef:
+    """Write the held-out prompts (``eval.num_prompts`` questions of ``data.task`` absent from
+    the training dataset, see ``heldout_entries``) to ``out``; prompt_ids are
     ``heldout-{task}-{index:06d}``, ``data_source`` stays the task (the grader's key).
 
     Raises:
         DatasetError: not enough disjoint questions, a bad row, or every prompt overlong.
         StaleShardError: ``out`` is committed with another config.
     """
+    data, cfg, tokenizer_path = inp.data, inp.eval, inp.tokenizer_path
     seed = heldout_seed(train_seed=data.seed, train_size=data.size, seed=cfg.seed)
-    chash = config_hash("eval_prompts", data, cfg.num_prompts, seed, tokenizer_path)
+    commit = stage_commit(inp)
 
     def compute() -> ShardRef:
         with Timer() as t:
@@ -98,9 +100,9 @@ def run_prompts(data: DataConfig, cfg: EvalConfig, *, tokenizer_path: str, out: 
             raise DatasetError(f"held-out split: every prompt was longer than data.max_prompt_tokens={data.max_prompt_tokens}")
         summary = {"seconds": t.seconds, "heldout_seed": seed, "train_seed": data.seed, "train_size": data.size,
                    "skipped_overlong": len(batch.skipped_overlong), "dataset_indices": [i for i, _ in entries]}
-        return write_shard(batch.table, out, schema=PROMPTS, config_hash=chash, summary=summary)
+        return commit.write(batch.table, schema=PROMPTS, summary=summary)
 
-    return reuse_or_compute("prompts", out, chash, compute)
+    return reuse_or_compute(commit, compute)
 
 
 @torch.no_grad()
@@ -131,11 +133,12 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], *, max_new_token
     out: list[Generation] = []
     for start in range(0, len(prompts), batch_size):
         rows = [torch.tensor(p, dtype=torch.long) for p in prompts[start:start + batch_size]]
-        input_ids = zero_pad_sequences(rows, side="left", value=pad)
-        attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in rows], side="left")
+        device = model_device(model)
+        input_ids = zero_pad_sequences(rows, side="left", value=pad).to(device)
+        attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in rows], side="left").to(device)
         gen = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gcfg)
-        new = gen.sequences[:, input_ids.shape[1]:]
-        lps = torch.stack([lg.float().log_softmax(-1).gather(-1, new[:, j:j + 1]).squeeze(-1)
+        new = gen.sequences[:, input_ids.shape[1]:].cpu()
+        lps = torch.stack([lg.float().log_softmax(-1).cpu().gather(-1, new[:, j:j + 1]).squeeze(-1)
                            for j, lg in enumerate(gen.logits)], dim=1)
         for row in range(len(rows)):
             tokens, finish = new[row].tolist(), "length"
@@ -147,15 +150,16 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], *, max_new_token
     return out
 
 
-def run_generate(prompts: ShardRef, policy: PolicyRef, *, max_new_tokens: int, batch_size: int, out: str,
-                 dtype: str = "float32") -> ShardRef:
-    """Greedy-decode one response per held-out prompt with ``policy``; writes a `rollout` shard
-    (sample_id ``{prompt_id}#0``). The summary holds seconds, generated tokens, tokens/second.
+def run_generate(inp: EvalGenerateInput) -> ShardRef:
+    """Greedy-decode one response per held-out prompt with ``policy`` on ``default_device()``;
+    writes a `rollout` shard (sample_id ``{prompt_id}#0``). The summary holds seconds,
+    generated tokens, tokens/second.
 
     Raises:
         StaleShardError: ``out`` is committed with another config.
     """
-    chash = config_hash("eval_rollout", prompts, policy, max_new_tokens, batch_size, dtype)
+    commit = stage_commit(inp)
+    prompts, policy, max_new_tokens, batch_size = inp.prompts, inp.policy, inp.max_new_tokens, inp.batch_size
 
     def compute() -> ShardRef:
         table = read_shard(prompts, stage="prompts")
@@ -163,7 +167,7 @@ def run_generate(prompts: ShardRef, policy: PolicyRef, *, max_new_tokens: int, b
         if vl_processor_or_none(path) is not None:
             raise NotImplementedError(f"eval of vision-language policies is not supported yet ({path})")
         tok = load_tokenizer(path)
-        model = load_causal_lm(path, dtype=dtype)
+        model = load_causal_lm(path, dtype=inp.dtype).to(default_device())
         model.eval()
         prompt_ids = table.column("prompt_token_ids").to_pylist()
         with Timer() as t:
@@ -186,9 +190,9 @@ def run_generate(prompts: ShardRef, policy: PolicyRef, *, max_new_tokens: int, b
         n_tokens = sum(len(r) for r in responses)
         summary = {"seconds": t.seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(t.seconds, 1e-9),
                    "decoding": "greedy", "policy": checkpoint_label(policy), **rollout_summary(table_out)}
-        return write_shard(table_out, out, schema=ROLLOUT, config_hash=chash, inputs={"prompts": prompts}, summary=summary)
+        return commit.write(table_out, schema=ROLLOUT, inputs={"prompts": prompts}, summary=summary)
 
-    return reuse_or_compute("rollout", out, chash, compute)
+    return reuse_or_compute(commit, compute)
 
 
 def eval_summary(table: pa.Table) -> dict[str, Any]:
@@ -215,7 +219,7 @@ def eval_summary(table: pa.Table) -> dict[str, Any]:
             "truncated_fraction": sum(f == "length" for f in table.column("finish_reason").to_pylist()) / n}
 
 
-def run_summary(prompts: ShardRef, rollout: ShardRef, rewards: ShardRef, *, policy: PolicyRef, out: str) -> ShardRef:
+def run_summary(inp: EvalSummaryInput) -> ShardRef:
     """Join prompts, greedy responses and rewards per sample into an `eval` shard; the manifest
     summary holds ``eval_summary`` plus the checkpoint evaluated.
 
@@ -223,7 +227,8 @@ def run_summary(prompts: ShardRef, rollout: ShardRef, rewards: ShardRef, *, poli
         ShardSchemaError: a rollout or rewards sample without a matching prompt or reward.
         StaleShardError: ``out`` is committed with another config.
     """
-    chash = config_hash("eval", prompts, rollout, rewards)
+    commit = stage_commit(inp)
+    prompts, rollout, rewards, policy = inp.prompts, inp.rollout, inp.rewards, inp.policy
 
     def compute() -> ShardRef:
         p = {r["prompt_id"]: r for r in read_shard(prompts, stage="prompts").to_pylist()}
@@ -251,10 +256,10 @@ def run_summary(prompts: ShardRef, rollout: ShardRef, rewards: ShardRef, *, poli
         gen_summary = read_manifest(rollout.uri)[0].summary
         summary = {**eval_summary(table), "policy": checkpoint_label(policy),
                    "generate_seconds": gen_summary.get("seconds"), "tokens_per_second": gen_summary.get("tokens_per_second")}
-        return write_shard(table, out, schema=EVAL, config_hash=chash,
-                           inputs={"prompts": prompts, "rollout": rollout, "rewards": rewards}, summary=summary)
+        return commit.write(table, schema=EVAL, inputs={"prompts": prompts, "rollout": rollout, "rewards": rewards},
+                            summary=summary)
 
-    return reuse_or_compute("eval", out, chash, compute)
+    return reuse_or_compute(commit, compute)
 
 
 def eval_markdown(table: pa.Table, summary: dict[str, Any], *, n: int = 10, width: int = 160) -> str:

@@ -3,39 +3,32 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from rft_core.config import LogprobConfig
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.logprobs import batched_response_logprobs, default_device
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
-from rft_core.stages.common import PolicyRef, Timer, policy_model_path, reuse_or_compute
-from schemas import ShardRef, config_hash, read_shard, write_shard
+from rft_core.stages.common import Timer, policy_model_path, reuse_or_compute, stage_commit
+from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput
+from schemas import ShardRef, read_shard
 from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS
 
 _SCHEMAS = {"actor_logprobs": (ACTOR_LOGPROBS, "old_logprobs"), "ref_logprobs": (REF_LOGPROBS, "ref_logprobs")}
 
 
-def run(rollout: ShardRef, model: PolicyRef, cfg: LogprobConfig, *, stage: str, temperature: float, out: str,
-        dtype: str = "float32") -> ShardRef:
-    """Compute log-probs of every response token under ``model``; write ``stage``'s column group.
-
-    Args:
-        stage: "actor_logprobs" (the policy before the update -> old_logprobs) or
-            "ref_logprobs" (the reference -> ref_logprobs).
-        temperature: the rollout's sampling temperature (logits are divided by it).
-    Raises:
-        KeyError: unknown ``stage``.
-    """
-    if stage not in _SCHEMAS:
-        raise KeyError(f"log-prob stage must be one of {sorted(_SCHEMAS)}, got {stage!r}")
-    schema, column = _SCHEMAS[stage]
-    chash = config_hash(stage, cfg.micro_batch_size, rollout, model, temperature, dtype, *(["packing"] if cfg.packing else []))
+def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
+    """Compute log-probs of every response token under ``inp.model``; write the column group of
+    ``inp.stage``: ``actor_logprobs`` (the policy before the update: old_logprobs and
+    action_entropy) or ``ref_logprobs`` (the reference). Logits are divided by
+    ``inp.temperature``, the rollout's sampling temperature."""
+    schema, column = _SCHEMAS[inp.stage]
+    commit = stage_commit(inp)
+    cfg, stage = inp.logprobs, inp.stage
 
     def compute() -> ShardRef:
-        table = read_shard(rollout, stage="rollout")
-        path = policy_model_path(model)
+        table = read_shard(inp.rollout, stage="rollout")
+        path = policy_model_path(inp.model)
         tok = load_tokenizer(path)
-        lm = load_causal_lm(path, dtype=dtype).to(default_device())
+        lm = load_causal_lm(path, dtype=inp.dtype).to(default_device())
         actor = stage == "actor_logprobs"
         images = table.column("images").to_pylist()
         processor = vl_processor_or_none(path)  # a vision-language policy: images go with every batch
@@ -43,7 +36,7 @@ def run(rollout: ShardRef, model: PolicyRef, cfg: LogprobConfig, *, stage: str, 
         with Timer() as t, progress_reporter(stage, unit="sequences") as progress:
             res = batched_response_logprobs(lm, table.column("prompt_token_ids").to_pylist(),
                                             table.column("response_token_ids").to_pylist(), pad_token_id=tok.pad_token_id,
-                                            micro_batch_size=cfg.micro_batch_size, temperature=temperature,
+                                            micro_batch_size=cfg.micro_batch_size, temperature=inp.temperature,
                                             with_entropy=actor, packing=cfg.packing, progress=progress, **vision)
         f32 = pa.list_(pa.float32())
         cols = {"sample_id": table.column("sample_id")}
@@ -56,6 +49,6 @@ def run(rollout: ShardRef, model: PolicyRef, cfg: LogprobConfig, *, stage: str, 
         if actor:
             ents = [e for row in res[1] for e in row]
             summary["entropy_mean"] = sum(ents) / max(len(ents), 1)
-        return write_shard(out_table, out, schema=schema, config_hash=chash, inputs={"rollout": rollout}, summary=summary)
+        return commit.write(out_table, schema=schema, inputs={"rollout": inp.rollout}, summary=summary)
 
-    return reuse_or_compute(stage, out, chash, compute)
+    return reuse_or_compute(commit, compute)

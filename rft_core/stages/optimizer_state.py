@@ -2,7 +2,8 @@
 
 Layout: next to ``iter=K/ppo_update`` (metrics parts + ``policy/`` weights) sits
 ``iter=K/ppo_update-optimizer`` with ``optimizer.pt`` and its own ``_MANIFEST.json`` (stage
-``optimizer_state``, config hash ``config_hash("optimizer_state", <the ppo_update ref>)``).
+``optimizer_state``, contract ``OptimizerStateInput``: its config hash is determined by the
+``ppo_update`` ref alone).
 
 Why a separate stage: the AdamW state is twice the float32 weights (1.03 GB on SmolLM2-135M)
 and only the *next* ``ppo_update`` reads it, ~40 s later; the rollout, log-prob and reward
@@ -17,10 +18,8 @@ Consumers: the next ``ppo_update`` waits for a pending write of its input
 checksum. A write lost to a crash is recomputed when the run resumes: the committed
 ``ppo_update`` is reused, finds its optimizer stage missing (``optimizer_state_missing``) and
 retrains from the same committed inputs and seeds, checking that the weights come out with the
-committed checksums (``rft_core.stages.update``).
-
-Runs committed before this layout keep ``optimizer.pt`` inside ``ppo_update/policy/``; they are
-read as before and their config hashes are unchanged.
+committed checksums (``rft_core.stages.update``). A DeepSpeed update keeps no state (ZeRO
+partitions it over the ranks), so it has no optimizer stage by design.
 """
 from __future__ import annotations
 
@@ -34,9 +33,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import fsspec
 import torch
 
-from rft_core.stages.common import POLICY_SUBDIR, policy_checkpoint_dir
-from rft_core.training.update import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
-from schemas import ShardRef, commit_files, committed_ref, config_hash, local_path, prepare_stage_dir, read_manifest
+from rft_core.stages.common import Commit, policy_checkpoint_dir, stage_commit
+from rft_core.stages.contracts import OptimizerStateInput
+from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
+from schemas import ShardRef, commit_files, local_path, prepare_stage_dir, read_manifest
 from schemas.columns import OPTIMIZER_STATE
 from schemas.shards import ShardNotCommittedError, release_stage_lock
 
@@ -59,13 +59,15 @@ def optimizer_state_uri(update: ShardRef) -> str:
     return update.uri.rstrip("/") + OPTIMIZER_FOLDER_SUFFIX
 
 
-def optimizer_config_hash(update: ShardRef) -> str:
-    """Config hash of the optimizer stage of ``update``: it is determined by that update alone."""
-    return config_hash(OPTIMIZER_STAGE, update)
+def optimizer_commit(update: ShardRef) -> Commit:
+    """Where and under what the optimizer stage of ``update`` commits: its config hash is
+    determined by that update alone."""
+    return stage_commit(OptimizerStateInput(update=update, out=optimizer_state_uri(update)))
 
 
 def _write(update: ShardRef, state: dict, summary: dict) -> ShardRef:
-    uri = optimizer_state_uri(update)
+    commit = optimizer_commit(update)
+    uri = commit.uri
     t0 = time.perf_counter()
     token = prepare_stage_dir(uri)
     try:
@@ -77,9 +79,9 @@ def _write(update: ShardRef, state: dict, summary: dict) -> ShardRef:
                 torch.save(state, os.path.join(tmp, OPTIMIZER_FILE))
                 fs, path = fsspec.core.url_to_fs(uri)
                 fs.put_file(os.path.join(tmp, OPTIMIZER_FILE), f"{path.rstrip('/')}/{OPTIMIZER_FILE}")
-        ref = commit_files(uri, stage=OPTIMIZER_STAGE, config_hash=optimizer_config_hash(update), files=[OPTIMIZER_FILE],
+        ref = commit_files(uri, stage=OPTIMIZER_STAGE, config_hash=commit.config_hash, files=[OPTIMIZER_FILE],
                            inputs={"ppo_update": update}, summary={**summary, "seconds": time.perf_counter() - t0},
-                           schema=OPTIMIZER_STATE, lock_token=token)
+                           schema=OPTIMIZER_STATE, lock_token=token, contract=commit.contract)
     except BaseException:
         release_stage_lock(uri, token)
         raise
@@ -148,19 +150,17 @@ def wait_for_optimizer_writes(uri: str | None = None) -> None:
 
 
 def _committed(update: ShardRef) -> ShardRef | None:
-    return committed_ref(optimizer_state_uri(update), stage=OPTIMIZER_STAGE, config_hash=optimizer_config_hash(update),
-                         check_files=False)
+    return optimizer_commit(update).committed(check_files=False)
 
 
 def _kept_elsewhere(update: ShardRef) -> bool:
-    """Whether ``update`` has no optimizer stage by design: a DeepSpeed update (no state kept)
-    or the older layout (``policy/optimizer.pt`` inside the checkpoint folder).
+    """Whether ``update`` has no optimizer stage by design: a DeepSpeed update (no state kept).
 
     Raises:
         ShardNotCommittedError: ``update`` is not a committed stage.
     """
     manifest, _ = read_manifest(update.uri)
-    return "zero_stage" in manifest.summary or any(e.path == f"{POLICY_SUBDIR}/{OPTIMIZER_FILE}" for e in manifest.files)
+    return "zero_stage" in manifest.summary
 
 
 def optimizer_state_missing(update: ShardRef) -> bool:
@@ -176,8 +176,8 @@ def optimizer_state_missing(update: ShardRef) -> bool:
 
 def optimizer_state_ref(policy: ShardRef | str) -> ShardRef | None:
     """The committed optimizer stage a ``ppo_update`` starting from ``policy`` loads, waiting
-    for a pending background write of it. None: ``policy`` is an initial model, a DeepSpeed
-    checkpoint (no state kept) or of the older layout (state inside the checkpoint folder).
+    for a pending background write of it. None: ``policy`` is an initial model or a DeepSpeed
+    checkpoint (no state kept).
 
     Raises:
         OptimizerStateError: the state is missing (a lost background write), or its pending

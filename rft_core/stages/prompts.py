@@ -1,24 +1,25 @@
 """Prompts stage: the iteration's slice of the dataset, chat-templated and tokenized."""
 from __future__ import annotations
 
-from rft_core.config import DataConfig
 from rft_core.data.prompts import DatasetError, build_prompts, iteration_indices, load_task, refill_indices
 from rft_core.models.loading import load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
-from rft_core.stages.common import Timer, reuse_or_compute
-from schemas import ShardRef, config_hash, write_shard
+from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
+from rft_core.stages.contracts import PromptsInput
+from schemas import ShardRef
 from schemas.columns import PROMPTS
 
 
-def run(cfg: DataConfig, *, tokenizer_path: str, iteration: int, out: str, attempt: int = 0) -> ShardRef:
-    """Write the prompts of ``iteration`` (1-based) to ``out``; ``attempt`` >= 1 takes the
-    dynamic-sampling refill stream instead of the main data order.
+def run(inp: PromptsInput) -> ShardRef:
+    """Write the prompts of ``inp.iteration`` (1-based) to ``inp.out``; ``inp.attempt`` >= 1
+    takes the dynamic-sampling refill stream instead of the main data order.
 
     Raises:
         DatasetError: bad task, bad row, or (overlong_prompts="error") an overlong prompt.
-        ShardError: ``out`` is committed with another config.
+        ShardError: ``inp.out`` is committed with another config.
     """
-    chash = config_hash("prompts", cfg, tokenizer_path, iteration, *([attempt] if attempt else []))
+    commit = stage_commit(inp)
+    cfg, iteration, attempt, tokenizer_path = inp.data, inp.iteration, inp.attempt, inp.tokenizer_path
 
     def compute() -> ShardRef:
         with Timer() as t:
@@ -35,6 +36,6 @@ def run(cfg: DataConfig, *, tokenizer_path: str, iteration: int, out: str, attem
             raise DatasetError(f"iteration {iteration}: every prompt was longer than data.max_prompt_tokens={cfg.max_prompt_tokens}")
         summary = {"seconds": t.seconds, "skipped_overlong": len(batch.skipped_overlong),
                    "skipped_prompt_ids": batch.skipped_overlong, "dataset_indices": idx}
-        return write_shard(batch.table, out, schema=PROMPTS, config_hash=chash, summary=summary)
+        return commit.write(batch.table, schema=PROMPTS, summary=summary)
 
-    return reuse_or_compute("prompts", out, chash, compute)
+    return reuse_or_compute(commit, compute)

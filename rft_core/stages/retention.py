@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from rft_core.training.update import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
+from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
 from schemas import ShardRef, prune_files, pruned_files, read_manifest, stage_uri
 from schemas.shards import ShardNotCommittedError
 

@@ -5,12 +5,12 @@ import json
 
 import pyarrow as pa
 
-from rft_core.config import RewardConfig
 from rft_core.rewards.base import RewardSample
 from rft_core.rewards.engine import RewardEngine
 from rft_core.rewards.user import code_fingerprints
-from rft_core.stages.common import Timer, reuse_or_compute
-from schemas import ShardRef, ShardSchemaError, config_hash, read_shard, write_shard
+from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
+from rft_core.stages.contracts import RewardsInput
+from schemas import ShardRef, ShardSchemaError, read_shard
 from schemas.columns import REWARDS
 
 
@@ -59,7 +59,7 @@ def reward_samples(rollout: pa.Table, prompts: pa.Table, *, rollout_uri: str = "
     return out
 
 
-def run(rollout: ShardRef, prompts: ShardRef, cfg: RewardConfig, *, out: str) -> ShardRef:
+def run(inp: RewardsInput) -> ShardRef:
     """Score each sample with the reward engine (``rft_core.rewards.engine``); writes rewards,
     correct, extracted_answer, per-source ``reward_metrics`` and ``reward_reasons``.
 
@@ -69,18 +69,18 @@ def run(rollout: ShardRef, prompts: ShardRef, cfg: RewardConfig, *, out: str) ->
     Raises:
         ShardSchemaError: a rollout sample whose prompt_id is not in the prompts shard.
         RewardError: a source failed with ``on_error: raise``, or a label has no recipe.
-        StaleShardError: a committed shard at ``out`` came from another config, other inputs or
+        StaleShardError: a committed shard at ``inp.out`` came from another config, other inputs or
             another version of a user reward function's source file.
     """
     # user functions' source files count as config: editing one makes a committed shard stale
-    code = code_fingerprints(cfg)
-    chash = config_hash("rewards", cfg, rollout, prompts, *([code] if code else []))
+    commit = stage_commit(inp, code=code_fingerprints(inp.reward) or None)
+    rollout, prompts = inp.rollout, inp.prompts
 
     def compute() -> ShardRef:
         samples = reward_samples(read_shard(rollout, stage="rollout"), read_shard(prompts, stage="prompts"),
                                  rollout_uri=rollout.uri, prompts_uri=prompts.uri)
         with Timer() as t:
-            batch = RewardEngine(cfg).score(samples)
+            batch = RewardEngine(inp.reward).score(samples)
         res = batch.results
         table = pa.table({
             "sample_id": [s.sample_id for s in samples], "prompt_id": [s.prompt_id for s in samples],
@@ -92,7 +92,6 @@ def run(rollout: ShardRef, prompts: ShardRef, cfg: RewardConfig, *, out: str) ->
         }, schema=REWARDS.arrow)
         summary = {"seconds": t.seconds, **rewards_summary(table), "reward_fallbacks": batch.fallbacks,
                    "reward_sources": batch.source_stats}
-        return write_shard(table, out, schema=REWARDS, config_hash=chash, inputs={"rollout": rollout, "prompts": prompts},
-                           summary=summary)
+        return commit.write(table, schema=REWARDS, inputs={"rollout": rollout, "prompts": prompts}, summary=summary)
 
-    return reuse_or_compute("rewards", out, chash, compute)
+    return reuse_or_compute(commit, compute)

@@ -13,8 +13,9 @@ from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.models.logprobs import default_device
 from rft_core.progress import progress_reporter
-from rft_core.stages.common import PolicyRef, Timer, policy_model_path, reuse_or_compute
-from schemas import ShardRef, config_hash, read_manifest, read_shard, write_shard
+from rft_core.stages.common import Timer, policy_model_path, reuse_or_compute, stage_commit
+from rft_core.stages.contracts import RolloutInput, RolloutMergeInput
+from schemas import ShardRef, read_manifest, read_shard
 from schemas.columns import ROLLOUT
 
 SEED_STRIDE = 100_003  # iteration i samples with seed + i * stride: distinct, reproducible streams
@@ -27,12 +28,6 @@ def rollout_summary(table: pa.Table) -> dict[str, float]:
     lengths = pc.list_value_length(table.column("response_token_ids")).to_pylist()
     return {"response_length_mean": sum(lengths) / n,
             "truncated_fraction": sum(f == "length" for f in table.column("finish_reason").to_pylist()) / n}
-
-
-def _hash(cfg: RolloutConfig, prompts: ShardRef, policy: PolicyRef, iteration: int, dtype: str, attempt: int) -> str:
-    # fields added later enter the hash only when set, so older runs still resume
-    view = cfg.model_dump(mode="json", exclude={"vllm"} if cfg.vllm is None else set())
-    return config_hash("rollout", view, prompts, policy, iteration, dtype, *([attempt] if attempt else []))
 
 
 def make_engine(cfg: RolloutConfig, path: str, *, dtype: str):
@@ -63,33 +58,25 @@ def make_engine(cfg: RolloutConfig, path: str, *, dtype: str):
     return engine, tok
 
 
-def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: int, out: str, dtype: str = "float32",
-        attempt: int = 0, shard: tuple[int, int] | None = None) -> ShardRef:
-    """Generate ``cfg.n_samples_per_prompt`` responses per prompt; write the rollout shard.
+def run(inp: RolloutInput) -> ShardRef:
+    """Generate ``rollout.n_samples_per_prompt`` responses per prompt; write the rollout shard.
 
     sample_id = ``{prompt_id}#{k}`` with k the sample's index in its group. Dynamic-sampling
-    refill ``attempt`` k samples with its own seed.
-
-    Args:
-        shard: (index, count): generate only the engine batches b with b % count == index, each
-            seeded as in the whole rollout; ``run_merge`` of the ``count`` shards gives exactly the
-            single-worker rollout (the fan-out over Ray workers).
-    Raises:
-        ValueError: a shard index outside 0..count-1.
+    refill ``attempt`` k samples with its own seed. With ``shard`` (index, count), only the
+    engine batches b with b % count == index are generated, each seeded as in the whole
+    rollout; ``run_merge`` of the ``count`` shards gives exactly the single-worker rollout (the
+    fan-out over Ray workers).
     """
-    chash = _hash(cfg, prompts, policy, iteration, dtype, attempt)
-    if shard is not None:
-        index, count = shard
-        if not 0 <= index < count:
-            raise ValueError(f"rollout shard index {index} is not in 0..{count - 1}")
-        chash = config_hash(chash, "shard", index, count)
+    commit = stage_commit(inp)
+    cfg, shard = inp.rollout, inp.shard
 
     def compute() -> ShardRef:
-        table = read_shard(prompts, stage="prompts")
-        engine, tok = make_engine(cfg, policy_model_path(policy), dtype=dtype)
+        table = read_shard(inp.prompts, stage="prompts")
+        path = policy_model_path(inp.policy)
+        engine, tok = make_engine(cfg, path, dtype=inp.dtype)
         prompt_ids = table.column("prompt_token_ids").to_pylist()
         images = table.column("images").to_pylist()
-        processor = vl_processor_or_none(policy_model_path(policy))  # a vision-language policy
+        processor = vl_processor_or_none(path)  # a vision-language policy
         vision = {"images": images, "processor": processor} if processor is not None else {}
         only = None
         if shard is not None:
@@ -98,50 +85,55 @@ def run(prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: 
         with Timer() as t, progress_reporter("rollout", unit="sequences") as progress:
             gens = engine.generate(prompt_ids, n_samples_per_prompt=cfg.n_samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
                                    temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
-                                   seed=cfg.seed + SEED_STRIDE * iteration + ATTEMPT_STRIDE * attempt,
+                                   seed=cfg.seed + SEED_STRIDE * inp.iteration + ATTEMPT_STRIDE * inp.attempt,
                                    first_token_temperature=cfg.first_token_temperature, progress=progress,
                                    only_batches=only, **vision)
-        pids = table.column("prompt_id").to_pylist()
-        rows = {
-            "sample_id": [f"{pids[g.prompt_index]}#{g.sample_index}" for g in gens],
-            "prompt_id": [pids[g.prompt_index] for g in gens],
-            "sample_index": [g.sample_index for g in gens],
-            "prompt_token_ids": [prompt_ids[g.prompt_index] for g in gens],
-            "response_token_ids": [g.response_token_ids for g in gens],
-            "response_text": tok.batch_decode([g.response_token_ids for g in gens], skip_special_tokens=True),
-            "rollout_logprobs": [g.logprobs for g in gens],
-            "action_mask": [[True] * len(g.response_token_ids) for g in gens],
-            "finish_reason": [g.finish_reason for g in gens],
-            "images": [images[g.prompt_index] for g in gens],
-        }
-        table_out = pa.table(rows, schema=ROLLOUT.arrow)
+        table_out = _rollout_table(table, gens, tok, prompt_ids, images)
         n_tokens = sum(len(g.response_token_ids) for g in gens)
         summary = {"seconds": t.seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(t.seconds, 1e-9),
                    **rollout_summary(table_out)}
         if shard is not None:
             summary.update({"shard": list(shard), "worker": f"{socket.gethostname()}:{os.getpid()}"})
-        return write_shard(table_out, out, schema=ROLLOUT, config_hash=chash, inputs={"prompts": prompts}, summary=summary)
+        return commit.write(table_out, schema=ROLLOUT, inputs={"prompts": inp.prompts}, summary=summary)
 
-    return reuse_or_compute("rollout", out, chash, compute)
+    return reuse_or_compute(commit, compute)
 
 
-def run_merge(parts: list[ShardRef], prompts: ShardRef, policy: PolicyRef, cfg: RolloutConfig, *, iteration: int,
-              out: str, dtype: str = "float32", attempt: int = 0) -> ShardRef:
-    """The rollout of ``prompts`` from its shards (``run(..., shard=(i, len(parts)))``): rows in
-    prompt order then sample index, as the single-worker rollout writes them, under the same
-    config hash (so either can stand for the other on resume).
+def _rollout_table(prompts: pa.Table, gens, tok, prompt_ids: list[list[int]], images: list) -> pa.Table:
+    """The rollout rows of the engine's generations (in generation order)."""
+    pids = prompts.column("prompt_id").to_pylist()
+    rows = {
+        "sample_id": [f"{pids[g.prompt_index]}#{g.sample_index}" for g in gens],
+        "prompt_id": [pids[g.prompt_index] for g in gens],
+        "sample_index": [g.sample_index for g in gens],
+        "prompt_token_ids": [prompt_ids[g.prompt_index] for g in gens],
+        "response_token_ids": [g.response_token_ids for g in gens],
+        "response_text": tok.batch_decode([g.response_token_ids for g in gens], skip_special_tokens=True),
+        "rollout_logprobs": [g.logprobs for g in gens],
+        "action_mask": [[True] * len(g.response_token_ids) for g in gens],
+        "finish_reason": [g.finish_reason for g in gens],
+        "images": [images[g.prompt_index] for g in gens],
+    }
+    return pa.table(rows, schema=ROLLOUT.arrow)
+
+
+def run_merge(inp: RolloutMergeInput) -> ShardRef:
+    """The rollout of ``inp.rollout`` from its shards ``inp.parts``: rows in prompt order then
+    sample index, as the single-worker rollout writes them, under the same contract and config
+    hash (so either can stand for the other on resume).
 
     Raises:
         ValueError: the parts do not hold every (prompt, sample) exactly once.
     """
-    chash = _hash(cfg, prompts, policy, iteration, dtype, attempt)
+    commit = stage_commit(inp)
+    parts, n_samples = inp.parts, inp.rollout.rollout.n_samples_per_prompt
 
     def compute() -> ShardRef:
-        order = {pid: i for i, pid in enumerate(read_shard(prompts, stage="prompts").column("prompt_id").to_pylist())}
+        order = {pid: i for i, pid in enumerate(read_shard(inp.rollout.prompts, stage="prompts").column("prompt_id").to_pylist())}
         tables = [read_shard(p, stage="rollout") for p in parts]
         table = pa.concat_tables(tables)
         keys = list(zip(table.column("prompt_id").to_pylist(), table.column("sample_index").to_pylist()))
-        want = {(pid, k) for pid in order for k in range(cfg.n_samples_per_prompt)}
+        want = {(pid, k) for pid in order for k in range(n_samples)}
         if len(keys) != len(set(keys)) or set(keys) != want:
             raise ValueError(f"rollout shards hold {len(keys)} rows ({len(set(keys))} distinct) but the prompts need "
                              f"{len(want)}: shards missing or overlapping")
@@ -151,7 +143,7 @@ def run_merge(parts: list[ShardRef], prompts: ShardRef, policy: PolicyRef, cfg: 
         seconds = max(s["seconds"] for s in sums)  # the shards ran in parallel
         summary = {"seconds": seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(seconds, 1e-9),
                    **rollout_summary(table), "shards": len(parts)}
-        return write_shard(table, out, schema=ROLLOUT, config_hash=chash, inputs={"prompts": prompts, **{
-            f"shard{i}": p for i, p in enumerate(parts)}}, summary=summary)
+        return commit.write(table, schema=ROLLOUT, summary=summary,
+                            inputs={"prompts": inp.rollout.prompts, **{f"shard{i}": p for i, p in enumerate(parts)}})
 
-    return reuse_or_compute("rollout", out, chash, compute)
+    return reuse_or_compute(commit, compute)

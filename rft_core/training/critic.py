@@ -1,4 +1,5 @@
-"""The critic update of one iteration: regress values on the returns with the clipped value loss."""
+"""The critic update of one iteration: regress values on the returns with the clipped value loss,
+through the shared training loop (``rft_core.training.loop``), like the policy update."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,8 +9,8 @@ import torch
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.algorithms.value_loss import VALUE_LOSSES
 from rft_core.models.critic import response_values
-from rft_core.models.logprobs import build_token_batch
-from rft_core.training.update import _pad_float, clip_and_step, minibatches
+from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device
+from rft_core.training.loop import Normaliser, Strategy, pad_float, train_steps
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,7 @@ class CriticStepMetrics:
 
 
 def critic_update(
-    critic: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    strategy: Strategy,
     data: CriticData,
     *,
     pad_token_id: int,
@@ -51,41 +51,44 @@ def critic_update(
     epochs: int = 1,
     train_batch_size: int | None = None,
     micro_batch_size: int = 4,
-    max_grad_norm: float = 1.0,
     seed: int = 0,
+    packing: bool = False,
+    progress=None,
 ) -> list[CriticStepMetrics]:
-    """Train ``critic`` on ``data`` (mutates it and ``optimizer``); the same exact gradient
-    accumulation over micro-batches as the policy update.
+    """Train the critic held by ``strategy`` (``rft_core.training.strategy.build_strategy``) on
+    ``data`` with the shared training loop (exact gradient accumulation, any strategy);
+    mutates the critic.
 
+    Args:
+        value_loss: name in VALUE_LOSSES; ``value_clip``: its clip range (None: unclipped).
+        packing: each micro-batch is one packed row without padding.
     Raises:
         ValueError: empty ``data``.
     """
-    n = len(data)
-    if n == 0:
+    if len(data) == 0:
         raise ValueError("critic_update got no samples")
     loss_fn, agg_fn = VALUE_LOSSES[value_loss], LOSS_AGGREGATIONS[loss_agg]
     norm_tokens = max(len(r) for r in data.responses) or 1
-    metrics: list[CriticStepMetrics] = []
-    critic.train()
-    for epoch, mini in minibatches(n, epochs=epochs, batch_size=train_batch_size or n, seed=seed):
-        n_tokens = sum(len(data.responses[i]) for i in mini)
-        norm = {"num_tokens": n_tokens, "num_sequences": len(mini), "norm_tokens": norm_tokens}
-        total, clipped = 0.0, 0.0
-        for mstart in range(0, len(mini), micro_batch_size):
-            idx = mini[mstart:mstart + micro_batch_size]
-            batch = build_token_batch([data.prompts[i] for i in idx], [data.responses[i] for i in idx], pad_token_id=pad_token_id)
-            T, mask = batch.num_actions, batch.action_mask
-            old = _pad_float([data.old_values[i] for i in idx], T)
-            ret = _pad_float([data.returns[i] for i in idx], T)
-            values = response_values(critic, batch)
-            loss = agg_fn(loss_fn(values, old, ret, mask, value_clip=value_clip), mask, **norm)
-            loss.backward()
-            total += float(loss.detach())
-            if value_clip is not None:
-                clipped += float(((values.detach() - old).abs() > value_clip)[mask].sum())
-        grad_norm = clip_and_step(critic, optimizer, max_grad_norm)
-        metrics.append(CriticStepMetrics(step=len(metrics), epoch=epoch, value_loss=total,
-                                         value_clip_frac=clipped / max(n_tokens, 1), grad_norm=grad_norm,
-                                         lr=float(optimizer.param_groups[0]["lr"]), num_tokens=n_tokens))
-    critic.eval()
-    return metrics
+    device = model_device(strategy.model)
+
+    def normaliser(mini: list[int]) -> Normaliser:
+        return Normaliser(num_tokens=sum(len(data.responses[i]) for i in mini), num_sequences=len(mini),
+                          norm_tokens=norm_tokens)
+
+    def micro_step(idx: list[int], norm: Normaliser) -> tuple[torch.Tensor, dict[str, float]]:
+        ps, rs = [data.prompts[i] for i in idx], [data.responses[i] for i in idx]
+        batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
+        T, mask = batch.num_actions, batch.action_mask.to(device)
+        old = pad_float([data.old_values[i] for i in idx], T).to(device)
+        ret = pad_float([data.returns[i] for i in idx], T).to(device)
+        values = response_values(strategy.model, batch)
+        loss = agg_fn(loss_fn(values, old, ret, mask, value_clip=value_clip), mask, **norm.as_kwargs())
+        clipped = float(((values.detach() - old).abs() > value_clip)[mask].sum()) if value_clip is not None else 0.0
+        return loss, {"value_loss": float(loss.detach()), "clipped": clipped}
+
+    steps = train_steps(strategy, len(data), micro_step=micro_step, stats=("value_loss", "clipped"), normaliser=normaliser,
+                        epochs=epochs, train_batch_size=train_batch_size, micro_batch_size=micro_batch_size, seed=seed,
+                        progress=progress)
+    return [CriticStepMetrics(step=r.step, epoch=r.epoch, value_loss=r.sums["value_loss"],
+                              value_clip_frac=r.sums["clipped"] / max(r.norm.num_tokens, 1), grad_norm=r.grad_norm,
+                              lr=r.lr, num_tokens=r.norm.num_tokens) for r in steps]

@@ -17,11 +17,63 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rft_core.config import CriticConfig, DeepSpeedConfig, UpdateConfig
+from rft_core.models.logprobs import default_device
+from rft_core.training.checkpoint import load_optimizer_state
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW (Loshchilov & Hutter 2019, arXiv:1711.05101) and gradient clipping of an update."""
+
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    max_grad_norm: float
+
+    @classmethod
+    def of(cls, cfg: UpdateConfig | CriticConfig) -> "OptimizerSettings":
+        """The settings of the policy's (``update``) or the critic's config section."""
+        return cls(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+
+
+def make_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (Loshchilov & Hutter 2019, arXiv:1711.05101)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
+    """Clip the gradient norm, then step; a step whose gradient norm is not finite is skipped
+    (gradients dropped). Returns the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspeed: DeepSpeedConfig | None = None,
+                   optimizer_state: str | None = None, device: torch.device | None = None) -> "SingleProcess | DeepSpeedStrategy":
+    """The strategy that trains ``model``: DeepSpeed ZeRO when ``deepspeed`` is set (it places
+    the model on its rank's device and starts AdamW afresh), else one process with the model on
+    ``device`` (default ``default_device()``) and AdamW continued from ``optimizer_state`` (a
+    folder holding ``optimizer.pt``; None: fresh), with the configured learning rate."""
+    if deepspeed is not None:
+        return DeepSpeedStrategy(model, zero_stage=deepspeed.zero_stage, lr=optim.lr, betas=optim.betas,
+                                 weight_decay=optim.weight_decay, max_grad_norm=optim.max_grad_norm,
+                                 offload_optimizer=deepspeed.offload_optimizer, torch_adam=deepspeed.torch_adam)
+    model.to(device or default_device())  # before the optimizer, so its state lands on the same device
+    opt = make_optimizer(model, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+    load_optimizer_state(opt, optimizer_state, lr=optim.lr)
+    return SingleProcess(model, opt, max_grad_norm=optim.max_grad_norm)
 
 
 class SingleProcess:
@@ -43,8 +95,6 @@ class SingleProcess:
 
     def step(self) -> float:
         """Clip and step; returns the gradient norm before clipping."""
-        from rft_core.training.update import clip_and_step
-
         return clip_and_step(self.model, self.optimizer, self.max_grad_norm)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
@@ -55,6 +105,14 @@ class SingleProcess:
     def lr(self) -> float:
         """Learning rate of the first parameter group."""
         return float(self.optimizer.param_groups[0]["lr"])
+
+
+def collective_device(backend: str) -> torch.device:
+    """Where the tensors of a collective must live for ``backend``: this rank's GPU for NCCL
+    (which accepts only CUDA tensors), the CPU for gloo and the others."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _free_port() -> int:
@@ -140,8 +198,9 @@ class DeepSpeedStrategy:
         return float(norm) if norm is not None else float("nan")
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
-        """Element-wise sum of ``values`` over all ranks."""
-        t = torch.tensor(values, dtype=torch.float64)
+        """Element-wise sum of ``values`` over all ranks, on the device the process group's
+        backend communicates from (``collective_device``: NCCL accepts only CUDA tensors)."""
+        t = torch.tensor(values, dtype=torch.float64, device=collective_device(self._dist.get_backend()))
         self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM)
         return t.tolist()
 

@@ -46,14 +46,17 @@ def test_normalize_and_clip_hand():
 
 
 def _exp(rewards, lengths, prompt_ids):
-    from schemas.experience import Experience
+    from schemas.batch import ColumnBatch
 
-    T = max(lengths)
+    B, T = len(lengths), max(lengths)
     mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
-    z = torch.zeros(len(lengths), T)
-    return Experience(sequences=torch.zeros(len(lengths), T + 1, dtype=torch.long), action_log_probs=z, base_action_log_probs=None,
-                      values=None, returns=None, advantages=None, attention_mask=None, action_mask=mask,
-                      info={"rewards": torch.tensor(rewards), "prompt_id": prompt_ids})
+    z = torch.zeros(B, T)
+    ones = torch.ones(B, 1, dtype=torch.long)
+    return ColumnBatch(sample_id=[f"{p}#{i}" for i, p in enumerate(prompt_ids)], prompt_id=prompt_ids,
+                       finish_reason=["stop"] * B, prompt_token_ids=ones, prompt_mask=ones,
+                       response_token_ids=mask.long(), response_mask=mask.long(), action_mask=mask,
+                       response_length=torch.tensor(lengths), rollout_logprobs=z, old_logprobs=z,
+                       rewards=torch.tensor(rewards))
 
 
 def test_stage_applies_shaping_in_order_and_carries_state():

@@ -12,8 +12,10 @@ from rft_core.models.loading import load_causal_lm
 from rft_core.models.logprobs import batched_response_logprobs, build_packed_batch, response_logprobs
 from rft_core.models.lora import apply_lora, is_adapter_dir, load_adapter_policy, main as lora_main
 from rft_core.progress import LogProgress
-from rft_core.stages.update import load_trainable_policy, update_hash_view
-from rft_core.training.update import UpdateData, make_optimizer, ppo_update
+from rft_core.stages.contracts import hash_value
+from rft_core.stages.update import load_trainable_policy
+from rft_core.training.strategy import SingleProcess, make_optimizer
+from rft_core.training.update import UpdateData, ppo_update
 
 LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
@@ -42,7 +44,7 @@ def test_lora_update_changes_only_adapter_params(tiny_model):
     assert adapted == LINEAR and len(trainable) == 2 * 2 * len(LINEAR)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = make_optimizer(model, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
-    ppo_update(model, opt, _data(), pad_token_id=2, micro_batch_size=3)
+    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), _data(), pad_token_id=2, micro_batch_size=3)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= trainable
     assert {n for n in changed if ".lora_B." in n}  # B starts at zero and moved
@@ -52,7 +54,7 @@ def test_merged_model_logits_equal_adapter_logits_and_checkpoint_round_trip(tiny
     model = apply_lora(load_causal_lm(tiny_model, trainable=True), rank=4, alpha=8.0, dropout=0.0,
                        target_modules="all-linear", base_path=tiny_model)
     opt = make_optimizer(model, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
-    ppo_update(model, opt, _data(), pad_token_id=2, micro_batch_size=6)
+    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), _data(), pad_token_id=2, micro_batch_size=6)
     model.eval()
     ids = [5, 17, 99, 3, 250, 11, 7]
     want = _logits(model, ids)
@@ -87,7 +89,7 @@ def test_update_stage_continues_an_adapter_checkpoint(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="update.lora is not set"):
         load_trainable_policy(str(tmp_path / "ckpt"), UpdateConfig(), dtype="float32")
     # new fields at their defaults leave the update's config hash of older runs unchanged
-    assert "lora" not in update_hash_view(UpdateConfig()) and update_hash_view(cfg)["lora"]["rank"] == 4
+    assert "lora" not in hash_value(UpdateConfig()) and hash_value(cfg)["lora"]["rank"] == 4
 
 
 def test_packed_batch_layout():
@@ -126,7 +128,7 @@ def test_packed_update_equals_padded_update(tiny_model):
     for packing in (False, True):
         model = load_causal_lm(tiny_model, trainable=True)
         opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
-        steps = ppo_update(model, opt, data, pad_token_id=2, micro_batch_size=3, train_batch_size=4, epochs=2,
+        steps = ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, pad_token_id=2, micro_batch_size=3, train_batch_size=4, epochs=2,
                            packing=packing)
         runs.append((steps, torch.cat([p.detach().flatten() for p in model.parameters()])))
     (s0, w0), (s1, w1) = runs

@@ -10,7 +10,8 @@ import torch
 from rft_core.engines.hf import HFEngine
 from rft_core.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, resolve_model_path
 from rft_core.models.logprobs import batched_response_logprobs, build_token_batch, response_logprobs
-from rft_core.training.update import UpdateData, make_optimizer, ppo_update
+from rft_core.training.strategy import SingleProcess, make_optimizer
+from rft_core.training.update import UpdateData, ppo_update
 
 
 def test_token_batch_layout():
@@ -109,7 +110,7 @@ def test_update_micro_batch_invariance(tiny_model):
     for mb in (1, 4):
         model = load_causal_lm(tiny_model, trainable=True)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        steps = ppo_update(model, opt, data, pad_token_id=2, micro_batch_size=mb, max_grad_norm=1e9)
+        steps = ppo_update(SingleProcess(model, opt, max_grad_norm=1e9), data, pad_token_id=2, micro_batch_size=mb)
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
         assert len(steps) == 1 and steps[0].num_tokens == 14
     base = torch.cat([p.detach().flatten() for p in load_causal_lm(tiny_model).parameters()])
@@ -122,7 +123,7 @@ def test_update_moves_logprobs_in_advantage_direction(tiny_model):
     data = _update_data(tiny_model)
     model = load_causal_lm(tiny_model, trainable=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    steps = ppo_update(model, opt, data, pad_token_id=2, micro_batch_size=2, epochs=2, train_batch_size=2)
+    steps = ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, pad_token_id=2, micro_batch_size=2, epochs=2, train_batch_size=2)
     assert len(steps) == 4 and {s.epoch for s in steps} == {0, 1}
     new = batched_response_logprobs(model, data.prompts, data.responses, pad_token_id=2)
     delta = [sum(n) - sum(o) for n, o in zip(new, data.old_logprobs)]
@@ -132,7 +133,7 @@ def test_update_moves_logprobs_in_advantage_direction(tiny_model):
 def test_update_rejects_empty_data(tiny_model):
     model = load_causal_lm(tiny_model, trainable=True)
     with pytest.raises(ValueError, match="no samples"):
-        ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.1), UpdateData([], [], [], []), pad_token_id=2)
+        ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0), UpdateData([], [], [], []), pad_token_id=2)
 
 
 def test_unreadable_model_path_is_named(tmp_path):
@@ -153,18 +154,18 @@ def test_update_entropy_filter_trains_only_kept_tokens(tiny_model):
     ents = [[10.0 + i] + [0.0] * (len(r) - 1) for i, r in enumerate(data.responses)]
     filtered = UpdateData(data.prompts, data.responses, data.old_logprobs, data.advantages, entropies=ents)
     model = load_causal_lm(tiny_model, trainable=True)
-    steps = ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.1), filtered, pad_token_id=2,
+    steps = ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0), filtered, pad_token_id=2,
                        entropy_top_fraction=4 / 14, micro_batch_size=2)
     assert steps[0].num_tokens == 4
     # the same update as training on the first token of each response alone
     first_only = UpdateData(data.prompts, [r[:1] for r in data.responses], [o[:1] for o in data.old_logprobs],
                             [a[:1] for a in data.advantages])
     ref = load_causal_lm(tiny_model, trainable=True)
-    ppo_update(ref, torch.optim.SGD(ref.parameters(), lr=0.1), first_only, pad_token_id=2, micro_batch_size=2)
+    ppo_update(SingleProcess(ref, torch.optim.SGD(ref.parameters(), lr=0.1), max_grad_norm=1.0), first_only, pad_token_id=2, micro_batch_size=2)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="needs data.entropies"):
-        ppo_update(model, torch.optim.SGD(model.parameters(), lr=0.1), data, pad_token_id=2, entropy_top_fraction=0.5)
+        ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0), data, pad_token_id=2, entropy_top_fraction=0.5)
 
 
 def test_entropy_bonus_raises_entropy(tiny_model):
@@ -174,7 +175,7 @@ def test_entropy_bonus_raises_entropy(tiny_model):
     b = build_token_batch(data.prompts, data.responses, pad_token_id=2)
     with torch.no_grad():
         before = response_logprobs(model, b, with_entropy=True)[1][b.action_mask].mean()
-    ppo_update(model, torch.optim.SGD(model.parameters(), lr=1.0), zero_adv, pad_token_id=2, entropy_coef=1.0, epochs=3)
+    ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=1.0), max_grad_norm=1.0), zero_adv, pad_token_id=2, entropy_coef=1.0, epochs=3)
     with torch.no_grad():
         after = response_logprobs(model, b, with_entropy=True)[1][b.action_mask].mean()
     assert after > before
@@ -205,12 +206,12 @@ def test_fire_sampling_changes_only_the_first_token(tiny_model):
 
 
 def test_checkpoint_restores_optimizer_state_with_configured_lr(tiny_model, tmp_path):
-    from rft_core.training.update import load_optimizer_state, save_checkpoint
+    from rft_core.training.checkpoint import load_optimizer_state, save_checkpoint
 
     data = _update_data(tiny_model)
     model = load_causal_lm(tiny_model, trainable=True)
     opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0)
-    ppo_update(model, opt, data, pad_token_id=2)
+    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, pad_token_id=2)
     save_checkpoint(model, load_tokenizer(tiny_model), opt, tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".pt") == ["optimizer.pt"]
 

@@ -135,12 +135,13 @@ def test_mixed_batch_bookkeeping_and_row_independence(proc, tiny_vl):
 def test_prompt_shard_holds_images_bit_exact(tiny_vl, tiny_model, tmp_path):
     from rft_core import stages
     from rft_core.config import load_config
+    from rft_core.stages.contracts import PromptsInput
     from rft_core.data.prompts import DatasetError, build_prompts, load_task
     from schemas import read_shard
 
     cfg = load_config(None, {"data.task": "vl_digits", "data.size": 50, "data.prompts_per_iteration": 12,
                              "data.task_config": {"images_per_prompt": 2, "text_only_fraction": 0.3}})
-    ref = stages.prompts.run(cfg.data, tokenizer_path=tiny_vl, iteration=1, out=str(tmp_path / "prompts"))
+    ref = stages.prompts.run(PromptsInput(data=cfg.data, tokenizer_path=tiny_vl, iteration=1, out=str(tmp_path / "prompts")))
     rows = read_shard(ref).to_pylist()
     ds = load_task("vl_digits", size=50, seed=cfg.data.seed, task_config=dict(cfg.data.task_config))
     proc = VLProcessor(tiny_vl)

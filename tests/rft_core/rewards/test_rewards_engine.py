@@ -14,7 +14,7 @@ from rft_core.rewards.engine import RewardEngine
 from rft_core.rewards.math import MathAnswerReward, grade_math_verify_batch
 from rft_core.rewards.user import load_function
 
-# --- user functions used by the configs below (importable as tests.rft_core.test_rewards_engine:...)
+# --- user functions used by the configs below (importable as tests.rft_core.rewards.test_rewards_engine:...)
 CALLS: dict[str, list[str]] = {}
 
 
@@ -62,7 +62,7 @@ def _engine(**reward):
     return RewardEngine(load_config(None, {**{f"reward.{k}": v for k, v in reward.items()}}).reward)
 
 
-M = "tests.rft_core.test_rewards_engine"
+M = "tests.rft_core.rewards.test_rewards_engine"
 
 
 def test_recipes_per_label_weighted_sum_and_routing():
@@ -240,6 +240,7 @@ def test_code_fingerprints_cover_the_user_functions_source(tmp_path, monkeypatch
 
 def test_editing_a_user_reward_function_makes_the_committed_rewards_shard_stale(tiny_model, tmp_path, monkeypatch):
     from rft_core import stages
+    from rft_core.stages.contracts import PromptsInput, RewardsInput, RolloutInput
     from schemas import stage_uri
     from schemas.shards import StaleShardError
 
@@ -250,11 +251,11 @@ def test_editing_a_user_reward_function_makes_the_committed_rewards_shard_stale(
     reward = load_config(None, {"reward.sources": {"mine": {"type": "python", "function": "edit_reward.py:score"}},
                                 "reward.recipes": {"r": [{"source": "mine"}]}, "reward.default_recipe": "r"}).reward
     root = str(tmp_path / "run")
-    p = stages.prompts.run(cfg.data, tokenizer_path=tiny_model, iteration=1, out=stage_uri(root, 1, "prompts"))
-    r = stages.rollout.run(p, tiny_model, cfg.rollout, iteration=1, out=stage_uri(root, 1, "rollout"))
+    p = stages.prompts.run(PromptsInput(data=cfg.data, tokenizer_path=tiny_model, iteration=1, out=stage_uri(root, 1, "prompts")))
+    r = stages.rollout.run(RolloutInput(prompts=p, policy=tiny_model, rollout=cfg.rollout, iteration=1, out=stage_uri(root, 1, "rollout")))
     out = stage_uri(root, 1, "rewards")
-    first = stages.rewards.run(r, p, reward, out=out)
-    assert stages.rewards.run(r, p, reward, out=out) == first  # unchanged code: reused
+    first = stages.rewards.run(RewardsInput(rollout=r, prompts=p, reward=reward, out=out))
+    assert stages.rewards.run(RewardsInput(rollout=r, prompts=p, reward=reward, out=out)) == first  # unchanged code: reused
     (tmp_path / "edit_reward.py").write_text("def score(sample):\n    return 0.0  # edited\n")
     with pytest.raises(StaleShardError, match="config hash"):
-        stages.rewards.run(r, p, reward, out=out)
+        stages.rewards.run(RewardsInput(rollout=r, prompts=p, reward=reward, out=out))

@@ -1,7 +1,6 @@
 """The policy's AdamW state as its own stage (rft_core.stages.optimizer_state): written in the
 background and committed after the update, loaded and hashed by the next update, recomputed
-exactly when its write was lost, reported when it failed, and read as before in runs of the
-older layout (state inside the checkpoint folder, config hashes unchanged)."""
+exactly when its write was lost, reported when it failed."""
 from __future__ import annotations
 
 import json
@@ -15,11 +14,10 @@ import torch
 from rft_core import stages
 from rft_core.config import load_config
 from rft_core.stages import optimizer_state as opt_state
-from rft_core.stages.update import update_hash_view
-from rft_core.training.update import OPTIMIZER_FILE
+from rft_core.stages.contracts import AdvantagesInput, PPOUpdateInput, PromptsInput, RewardsInput, RolloutInput
 from rft_core.stages.retention import CheckpointPrunedError
-from schemas import commit_files, config_hash, prune_files, read_manifest, read_shard, stage_uri
-from schemas.columns import PPO_UPDATE
+from rft_core.training.checkpoint import OPTIMIZER_FILE
+from schemas import prune_files, read_manifest, read_shard, stage_uri
 from tests.flows.conftest import _fake_score
 
 
@@ -33,17 +31,19 @@ def cfg(tiny_model, monkeypatch):
 
 def _experience(cfg, root: str, i: int, policy) -> dict:
     """The committed inputs of iteration ``i``'s update (no actor or reference pass)."""
-    p = stages.prompts.run(cfg.data, tokenizer_path=cfg.policy.path, iteration=i, out=stage_uri(root, i, "prompts"))
-    r = stages.rollout.run(p, policy if isinstance(policy, str) else f"{policy.uri}/policy", cfg.rollout, iteration=i,
-                           out=stage_uri(root, i, "rollout"))
-    w = stages.rewards.run(r, p, cfg.reward, out=stage_uri(root, i, "rewards"))
-    a = stages.advantages.run(r, w, actor=None, ref=None, kl_cfg=cfg.kl, adv_cfg=cfg.advantage, out=stage_uri(root, i, "advantages"))
-    return dict(rollout=r, advantages=a, actor=None, ref=None, cfg=cfg.update, kl_cfg=cfg.kl,
-                temperature=cfg.rollout.temperature, out=stage_uri(root, i, "ppo_update"))
+    p = stages.prompts.run(PromptsInput(data=cfg.data, tokenizer_path=cfg.policy.path, iteration=i,
+                                        out=stage_uri(root, i, "prompts")))
+    r = stages.rollout.run(RolloutInput(prompts=p, policy=policy if isinstance(policy, str) else f"{policy.uri}/policy",
+                                        rollout=cfg.rollout, iteration=i, out=stage_uri(root, i, "rollout")))
+    w = stages.rewards.run(RewardsInput(rollout=r, prompts=p, reward=cfg.reward, out=stage_uri(root, i, "rewards")))
+    a = stages.advantages.run(AdvantagesInput(rollout=r, rewards=w, kl=cfg.kl, advantage=cfg.advantage,
+                                              state=cfg.initial_state, out=stage_uri(root, i, "advantages")))
+    return dict(rollout=r, advantages=a, update=cfg.update, kl=cfg.kl, temperature=cfg.rollout.temperature,
+                out=stage_uri(root, i, "ppo_update"))
 
 
 def _update(cfg, root, i, policy, **kw):
-    return stages.update.run(**{**_experience(cfg, root, i, policy), "policy": policy, **kw})
+    return stages.update.run(PPOUpdateInput(**{**_experience(cfg, root, i, policy), "policy": policy, **kw}))
 
 
 def _state(folder) -> dict:
@@ -67,7 +67,7 @@ def test_background_write_commits_and_the_next_update_continues_from_it(cfg, tmp
         assert opt_state._EXECUTOR.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result() == 10
     m, sha = read_manifest(opt_state.optimizer_state_uri(u1))
     assert m.stage == "optimizer_state" and m.num_rows == 0 and [f.path for f in m.files] == [OPTIMIZER_FILE]
-    assert m.inputs == {"ppo_update": u1.manifest_sha256} and m.config_hash == opt_state.optimizer_config_hash(u1)
+    assert m.inputs == {"ppo_update": u1.manifest_sha256} and m.config_hash == opt_state.optimizer_commit(u1).config_hash
     assert read_shard(opt_state.optimizer_state_uri(u1)).num_rows == 0  # validates as a stage of its own
     s1 = _state(opt_state.optimizer_state_uri(u1))
     assert all(float(v["step"]) == 1 and v["exp_avg"].abs().sum() > 0 for v in s1["state"].values())
@@ -131,27 +131,3 @@ def test_a_failed_background_write_is_reported_once_then_recomputed(cfg, tmp_pat
     monkeypatch.setattr(opt_state.torch, "save", real_save)
     assert _update(cfg, root, 1, cfg.policy.path) == u1
     assert read_manifest(uri)[0].summary["recovered"] is True
-
-
-def test_runs_of_the_older_layout_load_the_state_from_the_checkpoint_and_keep_their_hashes(cfg, tmp_path):
-    root = str(tmp_path / "run")
-    u1 = _update(cfg, root, 1, cfg.policy.path)
-    # rewrite iteration 1 as the older layout committed it: optimizer.pt inside policy/, no optimizer stage
-    m1, _ = read_manifest(u1.uri)
-    old_uri = str(tmp_path / "old" / "ppo_update")
-    shutil.copytree(u1.uri, old_uri)
-    os.remove(Path(old_uri, "_MANIFEST.json"))
-    shutil.copy(Path(opt_state.optimizer_state_uri(u1), OPTIMIZER_FILE), Path(old_uri, "policy", OPTIMIZER_FILE))
-    parts = {f.path: f.rows for f in m1.files if f.rows is not None}
-    legacy = commit_files(old_uri, stage="ppo_update", config_hash=m1.config_hash, num_rows=m1.num_rows,
-                          summary=m1.summary, schema=PPO_UPDATE, rows_per_file=parts)
-    assert opt_state.optimizer_state_ref(legacy) is None and not opt_state.optimizer_state_missing(legacy)
-
-    exp = _experience(cfg, root, 2, legacy)
-    u2 = stages.update.run(**exp, policy=legacy)
-    m2, _ = read_manifest(u2.uri)
-    assert "optimizer" not in m2.inputs
-    # the config hash is computed as before the optimizer stage existed
-    assert u2.config_hash == config_hash("ppo_update", update_hash_view(cfg.update), cfg.kl, exp["rollout"], exp["advantages"],
-                                         None, None, legacy, cfg.rollout.temperature, "float32")
-    assert all(float(v["step"]) == 2 for v in _state(opt_state.optimizer_state_uri(u2))["state"].values())

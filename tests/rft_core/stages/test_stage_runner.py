@@ -10,7 +10,8 @@ import pytest
 
 from rft_core.config import RunnerConfig, load_config
 from rft_core.stages import prompts as prompts_stage
-from rft_core.stages.runner import StageProcessError, decode_args, encode_args, run_stage, stage_command, stream_process
+from rft_core.stages.contracts import ActorLogprobsInput, AdvantagesInput, PPOUpdateInput, PromptsInput, RolloutInput
+from rft_core.stages.runner import StageProcessError, input_from_args, run_stage, stage_command, stream_process
 from schemas import ShardRef, read_manifest
 
 
@@ -26,18 +27,18 @@ def _files(uri):
 
 def test_subprocess_stage_commits_the_same_shard_as_in_process(tiny_model, tmp_path):
     cfg = _cfg(tiny_model, tmp_path)
-    p = prompts_stage.run(cfg.data, tokenizer_path=tiny_model, iteration=1, out=str(tmp_path / "prompts"))
-    args = dict(prompts=p, policy=tiny_model, cfg=cfg.rollout, iteration=1, dtype="float32")
-    a = run_stage("rollout", None, out=str(tmp_path / "a"), **args)
+    p = prompts_stage.run(PromptsInput(data=cfg.data, tokenizer_path=tiny_model, iteration=1, out=str(tmp_path / "prompts")))
+    inp = RolloutInput(prompts=p, policy=tiny_model, rollout=cfg.rollout, iteration=1, dtype="float32", out=str(tmp_path / "a"))
+    a = run_stage(inp)
     lines: list[str] = []
-    b = run_stage("rollout", RunnerConfig(mode="subprocess"), log=lines.append, out=str(tmp_path / "b"), **args)
+    b = run_stage(inp.model_copy(update={"out": str(tmp_path / "b")}), RunnerConfig(mode="subprocess"), log=lines.append)
     assert isinstance(b, ShardRef) and b.uri == str(tmp_path / "b") and b.num_rows == a.num_rows == 4
     assert b.config_hash == a.config_hash
     assert _files(b.uri) == _files(a.uri)  # byte-identical parts: same sizes and sha256
     assert any("rollout committed" in line for line in lines), lines
     # the actor log-prob stage through the CLI with --config and a stage URI instead of ShardRef JSON
-    want = run_stage("actor_logprobs", None, rollout=a, model=tiny_model, cfg=cfg.logprobs, temperature=1.0,
-                     out=str(tmp_path / "lp_a"), dtype="float32")
+    want = run_stage(ActorLogprobsInput(rollout=a, model=tiny_model, logprobs=cfg.logprobs, temperature=1.0,
+                                        out=str(tmp_path / "lp_a"), dtype="float32"))
     (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
     cmd = [sys.executable, "-m", "rft_core.stages", "actor_logprobs", "--config", str(tmp_path / "cfg.json"),
            "--arg", f"rollout={a.uri}", "--out", str(tmp_path / "lp_b"), "--result", str(tmp_path / "res.json")]
@@ -53,8 +54,8 @@ def test_failing_subprocess_raises_with_exit_code_and_last_lines(tiny_model, tmp
     cfg = _cfg(tiny_model, tmp_path)
     ghost = ShardRef(uri=str(tmp_path / "nowhere"), stage="prompts", num_rows=1, config_hash="x", manifest_sha256="y")
     with pytest.raises(StageProcessError) as info:
-        run_stage("rollout", RunnerConfig(mode="subprocess", tail_lines=5), prompts=ghost, policy=tiny_model,
-                  cfg=cfg.rollout, iteration=1, out=str(tmp_path / "r"))
+        run_stage(RolloutInput(prompts=ghost, policy=tiny_model, rollout=cfg.rollout, iteration=1, out=str(tmp_path / "r")),
+                  RunnerConfig(mode="subprocess", tail_lines=5))
     err = info.value
     assert err.returncode == 1 and len(err.tail) <= 5
     assert "exit code 1" in str(err) and "ShardNotCommittedError" in str(err) and "nowhere" in str(err)
@@ -87,21 +88,23 @@ def test_lines_stream_to_the_callback_while_the_process_runs(tmp_path):
     assert rc == 0 and [s for s, _ in seen] == ["first", "second"]  # stderr arrives too
 
 
-def test_arguments_round_trip_through_json(tiny_model, tmp_path):
+def test_inputs_round_trip_through_json(tiny_model, tmp_path):
     cfg = load_config(None, {"advantage.estimator": "rloo", "kl.kl_coef": 0.1})
     ref = ShardRef(uri="memory://x/rollout", stage="rollout", num_rows=3, config_hash="abc", manifest_sha256="d" * 64)
-    args = dict(rollout=ref, rewards=ref, actor=None, ref=ref, kl_cfg=cfg.kl, adv_cfg=cfg.advantage,
-                shaping=cfg.shaping, state=cfg.initial_state, max_new_tokens=7, out="memory://x/adv")
-    raw = json.loads(json.dumps(encode_args("advantages", args)))
-    assert decode_args("advantages", raw) == args
-    with pytest.raises(TypeError, match="unknown argument"):
-        encode_args("advantages", {"bogus": 1})
-    cmd = stage_command("ppo_update", {"out": "x"}, RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2),
-                        result_file="r.json")
+    inp = AdvantagesInput(rollout=ref, rewards=ref, ref_logprobs=ref, kl=cfg.kl, advantage=cfg.advantage,
+                          shaping=cfg.shaping, state=cfg.initial_state, max_new_tokens=7, out="memory://x/adv")
+    back = input_from_args("advantages", json.loads(inp.model_dump_json()))
+    assert back == inp and back.config_hash() == inp.config_hash()
+    with pytest.raises(ValueError, match="bogus"):
+        input_from_args("advantages", {**json.loads(inp.model_dump_json()), "bogus": 1})
+    upd = PPOUpdateInput(rollout=ref, advantages=ref, policy="p", update=cfg.update, kl=cfg.kl, temperature=1.0, out="x")
+    cmd = stage_command(upd, RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2),
+                        input_file="i.json", result_file="r.json")
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
-    assert cmd[5:8] == ["-m", "rft_core.stages", "ppo_update"]
+    assert cmd[5:] == ["-m", "rft_core.stages", "ppo_update", "--input", "i.json", "--result", "r.json"]
     with pytest.raises(ValueError, match="runs on one rank only"):
-        run_stage("rollout", RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2), out="x")
+        run_stage(RolloutInput(prompts=ref, policy="p", rollout=cfg.rollout, iteration=1, out="x"),
+                  RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2))
 
 
 def test_interpreter_wrapper_and_result_read_back_from_the_manifest(tiny_model, tmp_path):
@@ -119,8 +122,8 @@ exec {sys.executable} "$@"
     wrapper.chmod(0o755)
     cfg = _cfg(tiny_model, tmp_path)
     lines: list[str] = []
-    ref = run_stage("prompts", RunnerConfig(mode="subprocess", python=str(wrapper)), log=lines.append, cfg=cfg.data,
-                    tokenizer_path=tiny_model, iteration=1, out=str(tmp_path / "p"))
+    ref = run_stage(PromptsInput(data=cfg.data, tokenizer_path=tiny_model, iteration=1, out=str(tmp_path / "p")),
+                    RunnerConfig(mode="subprocess", python=str(wrapper)), log=lines.append)
     assert lines[0].startswith("wrapper ran: -m rft_core.stages prompts") and "--result" not in lines[0]
     assert ref.uri == str(tmp_path / "p") and ref.num_rows == 2
     assert ref.manifest_sha256 == read_manifest(ref.uri)[1]
@@ -132,5 +135,7 @@ def test_scale_example_config_is_valid():
     cfg = load_config(Path(__file__).resolve().parents[3] / "configs/grpo_scale.yaml")
     assert cfg.rollout.engine == "vllm" and cfg.update.deepspeed.zero_stage == 3
     assert cfg.runner("rollout").shards == 8 and cfg.runner("ppo_update").launcher == "torchrun"
-    cmd = stage_command("ppo_update", {"out": "s3://b/x"}, cfg.runner("ppo_update"), result_file="r.json")
+    ref = ShardRef(uri="s3://b/r", stage="rollout", num_rows=3, config_hash="abc", manifest_sha256="d" * 64)
+    upd = PPOUpdateInput(rollout=ref, advantages=ref, policy="p", update=cfg.update, kl=cfg.kl, temperature=1.0, out="s3://b/x")
+    cmd = stage_command(upd, cfg.runner("ppo_update"), input_file="i.json", result_file="r.json")
     assert "--standalone" not in cmd and "--nnodes=2" in cmd and cmd[0] == "/opt/venvs/train/bin/python"

@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO 1/2/3 update on CPU with 2 ranks (torchrun, gloo, torch AdamW): the loss of
-every step and the final weights match the single-process update on the same data."""
+"""DeepSpeed ZeRO 1/2/3 on CPU with 2 ranks (torchrun, gloo, torch AdamW), through the shared
+training loop: the policy update's and the critic update's losses of every step and their final
+weights match the single-process update on the same data."""
 from __future__ import annotations
 
 import pyarrow as pa
@@ -8,12 +9,16 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from rft_core.config import DeepSpeedConfig, KLConfig, RunnerConfig, UpdateConfig  # noqa: E402
+from rft_core.config import CriticConfig, DeepSpeedConfig, KLConfig, RunnerConfig, UpdateConfig  # noqa: E402
+from rft_core.models.critic import load_critic  # noqa: E402
 from rft_core.models.loading import load_causal_lm  # noqa: E402
 from rft_core.models.logprobs import batched_response_logprobs  # noqa: E402
+from rft_core.stages.contracts import CriticUpdateInput, PPOUpdateInput  # noqa: E402
 from rft_core.stages.runner import run_stage  # noqa: E402
 from schemas import read_manifest, read_shard, write_shard  # noqa: E402
-from schemas.columns import ADVANTAGES, ROLLOUT  # noqa: E402
+from schemas.columns import ADVANTAGES, CRITIC_VALUES, ROLLOUT  # noqa: E402
+
+RUNNER = RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +43,8 @@ def update_inputs(tiny_model, tmp_path_factory):
     a = write_shard(advantages, str(root / "advantages"), schema=ADVANTAGES, config_hash="a")
     # 2 epochs of mini-batches of 5 in micro-batches of 2: 3 micro-batches per step over 2 ranks
     cfg = UpdateConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, max_grad_norm=1.0)
-    single = run_stage("ppo_update", None, rollout=r, advantages=a, actor=None, ref=None, policy=tiny_model, cfg=cfg,
-                       kl_cfg=KLConfig(), temperature=1.0, out=str(root / "single"))
+    single = run_stage(PPOUpdateInput(rollout=r, advantages=a, policy=tiny_model, update=cfg, kl=KLConfig(), temperature=1.0,
+                                      out=str(root / "single")))
     return root, r, a, cfg, single
 
 
@@ -51,11 +56,9 @@ def _weights(uri):
 def test_zero_two_ranks_match_single_process(update_inputs, tiny_model, zero_stage):
     root, r, a, cfg, single = update_inputs
     ds_cfg = cfg.model_copy(update={"deepspeed": DeepSpeedConfig(zero_stage=zero_stage)})
-    runner = RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2,
-                          env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     lines: list[str] = []
-    ref = run_stage("ppo_update", runner, log=lines.append, rollout=r, advantages=a, actor=None, ref=None,
-                    policy=tiny_model, cfg=ds_cfg, kl_cfg=KLConfig(), temperature=1.0, out=str(root / f"zero{zero_stage}"))
+    ref = run_stage(PPOUpdateInput(rollout=r, advantages=a, policy=tiny_model, update=ds_cfg, kl=KLConfig(), temperature=1.0,
+                                   out=str(root / f"zero{zero_stage}")), RUNNER, log=lines.append)
     manifest, _ = read_manifest(ref.uri)
     assert manifest.summary["world_size"] == 2 and manifest.summary["zero_stage"] == zero_stage
     want = read_shard(single.uri).to_pydict()
@@ -69,3 +72,25 @@ def test_zero_two_ranks_match_single_process(update_inputs, tiny_model, zero_sta
     moved = max((w0[k] - init[k]).abs().max().item() for k in w0)
     diff = max((w1[k] - w0[k]).abs().max().item() for k in w0)
     assert moved > 1e-3 and diff < 1e-5, (moved, diff)  # 4 Adam steps of lr 1e-3 vs ~1e-6 rounding (measured)
+
+
+def test_critic_update_under_zero2_on_two_ranks_matches_one_process(update_inputs, tiny_model):
+    """The critic trains through the same loop and strategies as the policy: ZeRO-2 over 2 ranks
+    gives the single-process critic's losses and weights."""
+    root, r, a, _, _ = update_inputs
+    rows = read_shard(r).to_pydict()
+    # old values: a fresh critic's (zero head); targets: the advantage shard's returns (+-1)
+    values = write_shard(pa.table({"sample_id": rows["sample_id"], "values": [[0.0] * len(x) for x in rows["response_token_ids"]]},
+                                  schema=CRITIC_VALUES.arrow), str(root / "values"), schema=CRITIC_VALUES, config_hash="v")
+    cfg = CriticConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, value_clip=None)
+    inp = CriticUpdateInput(rollout=r, advantages=a, critic_values=values, model=tiny_model, critic=cfg, out=str(root / "c1"))
+    single = run_stage(inp)
+    ds = run_stage(CriticUpdateInput(**{**dict(inp), "critic": cfg.model_copy(update={"deepspeed": DeepSpeedConfig(zero_stage=2)}),
+                                        "out": str(root / "c2")}), RUNNER)
+    assert read_manifest(ds.uri)[0].summary["world_size"] == 2
+    want, got = read_shard(single.uri).to_pydict(), read_shard(ds.uri).to_pydict()
+    assert len(got["step"]) == 4 and got["num_tokens"] == want["num_tokens"]
+    assert got["value_loss"] == pytest.approx(want["value_loss"], abs=1e-6)
+    assert want["value_loss"][0] == pytest.approx(0.5)  # V = 0 against returns +-1: 0.5 (V - R)^2 = 0.5 on every token
+    w0, w1 = load_critic(f"{single.uri}/critic").state_dict(), load_critic(f"{ds.uri}/critic").state_dict()
+    assert max((w1[k] - w0[k]).abs().max().item() for k in w0) < 1e-5

@@ -1,0 +1,343 @@
+"""Stage contracts: one typed input model per stage program, defined once.
+
+A stage's input model is what its Prefect task takes (``tasks.stages``), what its program
+takes (``rft_core.stages.<module>.run``), what crosses a process boundary when the program runs
+as ``python -m rft_core.stages <program>`` (JSON of the model, validated on the other side),
+and what its config hash is computed from. Models are frozen pydantic models: constructed with
+keywords only, unknown fields rejected.
+
+The config hash (``StageInput.config_hash``) is the sha256 of the canonical JSON of the fields
+by name, leaving out the fields in ``unhashed`` (where the output goes, how it is written) and
+every field, at any depth of a nested config, whose value equals its default; a config section
+contributes its class name and its non-default fields; a ShardRef contributes its manifest's
+sha256. So reordering fields, or adding a field with a default, leaves every hash as it was,
+and a run resumes across such changes.
+
+What does change a hash is the contract id, ``"<program> v<version>"``, recorded in every
+manifest. Bump a program's ``version`` when the meaning of an existing field or default
+changes (a default that moves would otherwise hash like the old one): committed stages of the
+older contract are then refused as written by another version (``schemas.OlderVersionError``),
+never silently reused. ``tests/rft_core/stages/test_contracts.py`` pins the defaults of every
+config section so that such a change cannot go unnoticed.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rft_core.config import (
+    AdvantageConfig,
+    CriticConfig,
+    DataConfig,
+    EvalConfig,
+    KLConfig,
+    LogprobConfig,
+    RewardConfig,
+    RolloutConfig,
+    ShapingConfig,
+    TrainState,
+    UpdateConfig,
+)
+from schemas import PolicyRef, ShardRef, config_hash
+
+
+def hash_value(value: Any) -> Any:
+    """The canonical, JSON-able form of a field value for config hashes: a ShardRef is its
+    manifest sha256, a pydantic model its class name plus its non-default fields (recursively),
+    mappings and sequences element-wise."""
+    if isinstance(value, ShardRef):
+        return {"shard": value.manifest_sha256}
+    if isinstance(value, BaseModel):
+        return {"type": type(value).__name__, **_non_default_fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): hash_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [hash_value(v) for v in value]
+    return value
+
+
+def _non_default_fields(model: BaseModel, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    out = {}
+    for name, field in type(model).model_fields.items():
+        if name in skip:
+            continue
+        value = getattr(model, name)
+        if not field.is_required() and value == field.get_default(call_default_factory=True):
+            continue
+        out[name] = hash_value(value)
+    return out
+
+
+class StageInput(BaseModel):
+    """Base of the stage input models (see the module docstring).
+
+    Class attributes: ``program`` (its name in ``rft_core.stages.runner.PROGRAMS`` and on the
+    command line), ``stage`` (the stage whose shard it commits), ``version`` (of the contract),
+    ``unhashed`` (fields outside the config hash), ``config_paths`` (field -> attribute path in
+    a ``TrainConfig``: how ``python -m rft_core.stages <program> --config`` fills the fields not
+    given).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    program: ClassVar[str]
+    stage: ClassVar[str]
+    version: ClassVar[int] = 1
+    unhashed: ClassVar[frozenset[str]] = frozenset({"out"})
+    config_paths: ClassVar[Mapping[str, str]] = {}
+
+    out: str = Field(description="URI of the stage's output folder (any fsspec URI)")
+
+    @property
+    def contract(self) -> str:
+        """The contract id recorded in the manifest: ``"<program> v<version>"``."""
+        return f"{self.program} v{self.version}"
+
+    def hash_view(self) -> dict[str, Any]:
+        """The fields that make up the config hash, canonical (see ``hash_value``)."""
+        return _non_default_fields(self, self.unhashed)
+
+    def config_hash(self, **derived: Any) -> str:
+        """sha256 (hex, 16 chars) of the contract id, ``hash_view()`` and ``derived``: values the
+        program derives from its inputs that also determine its output (None entries left out),
+        e.g. the optimizer stage an update continues or the source files of user reward code."""
+        extra = {k: hash_value(v) for k, v in derived.items() if v is not None}
+        return config_hash(self.contract, self.hash_view(), extra)
+
+
+class PromptsInput(StageInput):
+    """The iteration's prompts: the dataset slice of ``iteration`` (or a dynamic-sampling refill
+    ``attempt`` >= 1), chat-templated and tokenized."""
+
+    program: ClassVar[str] = "prompts"
+    stage: ClassVar[str] = "prompts"
+    config_paths: ClassVar[Mapping[str, str]] = {"data": "data", "tokenizer_path": "policy.path"}
+    data: DataConfig
+    tokenizer_path: str
+    iteration: int = Field(ge=1)
+    attempt: int = Field(0, ge=0)
+
+
+class RolloutInput(StageInput):
+    """A group of ``rollout.n_samples_per_prompt`` responses per prompt from ``policy``.
+
+    ``shard`` (index, count): only the engine batches b with b % count == index (the Ray
+    fan-out); the merge of all ``count`` shards equals the whole rollout.
+    """
+
+    program: ClassVar[str] = "rollout"
+    stage: ClassVar[str] = "rollout"
+    config_paths: ClassVar[Mapping[str, str]] = {"rollout": "rollout", "policy": "policy.path", "dtype": "policy.dtype"}
+    prompts: ShardRef
+    policy: PolicyRef
+    rollout: RolloutConfig
+    iteration: int = Field(ge=1)
+    dtype: str = "float32"
+    attempt: int = Field(0, ge=0)
+    shard: tuple[int, int] | None = None
+
+    @model_validator(mode="after")
+    def _check_shard(self) -> "RolloutInput":
+        if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
+            raise ValueError(f"rollout shard index {self.shard[0]} is not in 0..{self.shard[1] - 1}")
+        return self
+
+
+class RolloutMergeInput(StageInput):
+    """The rollout of ``rollout`` (unsharded) from its committed shards ``parts``; committed
+    under the unsharded rollout's own contract and config hash, so either stands for the other."""
+
+    program: ClassVar[str] = "rollout_merge"
+    stage: ClassVar[str] = "rollout"
+    rollout: RolloutInput
+    parts: list[ShardRef] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "RolloutMergeInput":
+        if self.rollout.shard is not None or self.rollout.out != self.out:
+            raise ValueError("rollout_merge: `rollout` must be the unsharded rollout input writing to `out`")
+        return self
+
+    @property
+    def contract(self) -> str:
+        return self.rollout.contract
+
+    def config_hash(self, **derived: Any) -> str:
+        return self.rollout.config_hash(**derived)
+
+
+class LogprobsInput(StageInput):
+    """Per-token log-probs of the rollout's responses under ``model`` at ``temperature``."""
+
+    rollout: ShardRef
+    model: PolicyRef
+    logprobs: LogprobConfig
+    temperature: float = Field(gt=0)
+    dtype: str = "float32"
+
+
+class ActorLogprobsInput(LogprobsInput):
+    """``old_logprobs`` (and ``action_entropy``) under the policy before the update."""
+
+    program: ClassVar[str] = "actor_logprobs"
+    stage: ClassVar[str] = "actor_logprobs"
+    config_paths: ClassVar[Mapping[str, str]] = {"logprobs": "logprobs", "model": "policy.path", "dtype": "policy.dtype",
+                                                 "temperature": "rollout.temperature"}
+
+
+class RefLogprobsInput(LogprobsInput):
+    """``ref_logprobs`` under the reference model."""
+
+    program: ClassVar[str] = "ref_logprobs"
+    stage: ClassVar[str] = "ref_logprobs"
+    config_paths: ClassVar[Mapping[str, str]] = {"logprobs": "logprobs", "model": "reference_model.path",
+                                                 "dtype": "reference_model.dtype", "temperature": "rollout.temperature"}
+
+
+class RewardsInput(StageInput):
+    """Every response of the rollout scored by the reward engine."""
+
+    program: ClassVar[str] = "rewards"
+    stage: ClassVar[str] = "rewards"
+    config_paths: ClassVar[Mapping[str, str]] = {"reward": "reward"}
+    rollout: ShardRef
+    prompts: ShardRef
+    reward: RewardConfig
+
+
+class AdvantagesInput(StageInput):
+    """Rewards shaped (with the KL to the reference when ``ref_logprobs`` is given) and turned
+    into advantages; ``kl.kl_coef`` is this iteration's coefficient (``state.kl_coef``)."""
+
+    program: ClassVar[str] = "advantages"
+    stage: ClassVar[str] = "advantages"
+    config_paths: ClassVar[Mapping[str, str]] = {"kl": "kl", "advantage": "advantage", "shaping": "shaping",
+                                                 "state": "initial_state", "max_new_tokens": "rollout.max_new_tokens"}
+    rollout: ShardRef
+    rewards: ShardRef
+    actor_logprobs: ShardRef | None = None
+    ref_logprobs: ShardRef | None = None
+    critic_values: ShardRef | None = None
+    kl: KLConfig
+    advantage: AdvantageConfig
+    shaping: ShapingConfig = ShapingConfig()
+    state: TrainState
+    max_new_tokens: int | None = Field(None, gt=0)
+
+
+class CriticValuesInput(StageInput):
+    """V(s_t) of every response token under the critic ``model``."""
+
+    program: ClassVar[str] = "critic_values"
+    stage: ClassVar[str] = "critic_values"
+    config_paths: ClassVar[Mapping[str, str]] = {"critic": "critic", "model": "initial_critic"}
+    rollout: ShardRef
+    model: PolicyRef
+    critic: CriticConfig
+
+
+class CriticUpdateInput(StageInput):
+    """The critic ``model`` trained on the advantage stage's returns."""
+
+    program: ClassVar[str] = "critic_update"
+    stage: ClassVar[str] = "critic_update"
+    config_paths: ClassVar[Mapping[str, str]] = {"critic": "critic", "model": "initial_critic"}
+    rollout: ShardRef
+    advantages: ShardRef
+    critic_values: ShardRef
+    model: PolicyRef
+    critic: CriticConfig
+
+
+class PPOUpdateInput(StageInput):
+    """The policy update; ``background_optimizer``: its AdamW state is written by a background
+    thread (how it is written, not what: outside the hash). ``ref_logprobs`` enter the hash only
+    when the KL is a loss term (the only case the update reads them)."""
+
+    program: ClassVar[str] = "ppo_update"
+    stage: ClassVar[str] = "ppo_update"
+    unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer"})
+    config_paths: ClassVar[Mapping[str, str]] = {"update": "update", "kl": "kl", "policy": "policy.path",
+                                                 "dtype": "policy.dtype", "temperature": "rollout.temperature"}
+    rollout: ShardRef
+    advantages: ShardRef
+    actor_logprobs: ShardRef | None = None
+    ref_logprobs: ShardRef | None = None
+    policy: PolicyRef
+    update: UpdateConfig
+    kl: KLConfig
+    temperature: float = Field(gt=0)
+    dtype: str = "float32"
+    background_optimizer: bool = False
+
+    def hash_view(self) -> dict[str, Any]:
+        view = super().hash_view()
+        if not self.kl.in_loss:
+            view.pop("ref_logprobs", None)
+        return view
+
+
+class OptimizerStateInput(StageInput):
+    """The policy's AdamW state after the committed ``update``, as the sibling stage
+    ``{update}-optimizer`` (written by the update itself; ``rft_core.stages.optimizer_state``)."""
+
+    program: ClassVar[str] = "optimizer_state"
+    stage: ClassVar[str] = "optimizer_state"
+    update: ShardRef
+
+
+class DynamicMergeInput(StageInput):
+    """Dynamic sampling: the kept groups of the (prompts, rollout, rewards) ``attempts`` as the
+    iteration's prompts (at ``out``), rollout (``out_rollout``) and rewards (``out_rewards``)."""
+
+    program: ClassVar[str] = "dynamic_merge"
+    stage: ClassVar[str] = "prompts"
+    unhashed: ClassVar[frozenset[str]] = frozenset({"out", "out_rollout", "out_rewards"})
+    attempts: list[tuple[ShardRef, ShardRef, ShardRef]] = Field(min_length=1)
+    target_groups: int = Field(gt=0)
+    out_rollout: str
+    out_rewards: str
+
+
+class EvalPromptsInput(StageInput):
+    """Held-out prompts of the training task (question texts disjoint from the training data)."""
+
+    program: ClassVar[str] = "eval_prompts"
+    stage: ClassVar[str] = "prompts"
+    config_paths: ClassVar[Mapping[str, str]] = {"data": "data", "eval": "eval", "tokenizer_path": "policy.path"}
+    data: DataConfig
+    eval: EvalConfig
+    tokenizer_path: str
+
+
+class EvalGenerateInput(StageInput):
+    """One greedy response per held-out prompt."""
+
+    program: ClassVar[str] = "eval_generate"
+    stage: ClassVar[str] = "rollout"
+    config_paths: ClassVar[Mapping[str, str]] = {"policy": "policy.path", "dtype": "policy.dtype",
+                                                 "batch_size": "eval.batch_size"}
+    prompts: ShardRef
+    policy: PolicyRef
+    max_new_tokens: int = Field(gt=0)
+    batch_size: int = Field(gt=0)
+    dtype: str = "float32"
+
+
+class EvalSummaryInput(StageInput):
+    """Prompts, responses and rewards joined per sample: accuracy and mean reward."""
+
+    program: ClassVar[str] = "eval_summary"
+    stage: ClassVar[str] = "eval"
+    config_paths: ClassVar[Mapping[str, str]] = {"policy": "policy.path"}
+    prompts: ShardRef
+    rollout: ShardRef
+    rewards: ShardRef
+    policy: PolicyRef
+
+
+STAGE_INPUTS: tuple[type[StageInput], ...] = (
+    PromptsInput, RolloutInput, RolloutMergeInput, ActorLogprobsInput, RefLogprobsInput, RewardsInput, AdvantagesInput,
+    CriticValuesInput, CriticUpdateInput, PPOUpdateInput, OptimizerStateInput, DynamicMergeInput, EvalPromptsInput,
+    EvalGenerateInput, EvalSummaryInput)

@@ -1,0 +1,135 @@
+"""The one training loop of the policy and the critic: epochs -> mini-batches (one optimizer
+step each) -> micro-batches (one forward/backward each) -> the strategy (single process or
+DeepSpeed ranks) -> the device.
+
+Gradient accumulation is exact: the caller's micro-batch loss is normalised by the totals of its
+whole mini-batch (``Normaliser``), so the accumulated gradient equals the gradient of the
+mini-batch loss computed in one piece. Under DeepSpeed the micro-batches of each mini-batch are
+dealt out round-robin over the ranks, every rank runs as many passes (zero-weight repeats, since
+ZeRO 2/3 communicate inside backward), and the statistics are summed over ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol, Sequence
+
+import torch
+
+
+class Strategy(Protocol):
+    """What the loop needs of a training strategy (``rft_core.training.strategy``)."""
+
+    rank: int
+    world_size: int
+    model: torch.nn.Module
+
+    def zero_grad(self) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> float: ...
+    def all_reduce_sum(self, values: list[float]) -> list[float]: ...
+    @property
+    def lr(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Normaliser:
+    """Totals of one mini-batch, handed to every loss aggregation of its micro-batches
+    (``rft_core.algorithms.policy_loss.LOSS_AGGREGATIONS`` keywords).
+
+    num_tokens: response tokens that count; num_sequences: samples; norm_tokens: the constant
+    token budget of ``seq-mean-token-sum-norm``.
+    """
+
+    num_tokens: int
+    num_sequences: int
+    norm_tokens: int
+
+    def as_kwargs(self) -> dict[str, int]:
+        """The aggregation keywords."""
+        return {"num_tokens": self.num_tokens, "num_sequences": self.num_sequences, "norm_tokens": self.norm_tokens}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step: its epoch, the statistics summed over its micro-batches (and ranks),
+    the gradient norm before clipping, the learning rate and the mini-batch's normaliser."""
+
+    step: int
+    epoch: int
+    sums: dict[str, float]
+    grad_norm: float
+    lr: float
+    norm: Normaliser
+
+
+# one micro-batch: (sample indices, normaliser) -> (loss to backpropagate, statistics to sum)
+MicroStep = Callable[[list[int], Normaliser], tuple[torch.Tensor, dict[str, float]]]
+
+
+def pad_float(rows: Sequence[Sequence[float]], T: int) -> torch.Tensor:
+    """(len(rows), T) float32, each row right-padded with zeros."""
+    out = torch.zeros(len(rows), T, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+def minibatches(n: int, *, epochs: int, batch_size: int, seed: int) -> Iterator[tuple[int, list[int]]]:
+    """Yield (epoch, sample indices of one optimizer step): each epoch a fresh permutation
+    (torch.Generator seeded with ``seed``, independent of the global RNG), cut into batches."""
+    gen = torch.Generator().manual_seed(seed)
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=gen).tolist()
+        for start in range(0, n, batch_size):
+            yield epoch, order[start:start + batch_size]
+
+
+def rank_micro_batches(mini: list[int], micro_batch_size: int, *, rank: int, world_size: int) -> list[tuple[list[int], float]]:
+    """This rank's micro-batches of mini-batch ``mini`` with weight 1, round-robin, plus
+    zero-weight repeats of the first so that every rank runs the same number of passes."""
+    chunks = [mini[i:i + micro_batch_size] for i in range(0, len(mini), micro_batch_size)]
+    mine = [(c, 1.0) for c in chunks[rank::world_size]]
+    return mine + [(chunks[0], 0.0)] * (-(-len(chunks) // world_size) - len(mine))
+
+
+def train_steps(strategy: Strategy, n: int, *, micro_step: MicroStep, stats: Sequence[str],
+                normaliser: Callable[[list[int]], Normaliser], epochs: int, train_batch_size: int | None,
+                micro_batch_size: int, seed: int, progress: Callable[[int, int], None] | None = None) -> list[StepResult]:
+    """Run ``epochs`` over ``n`` samples with ``strategy`` and return one StepResult per step.
+
+    Args:
+        micro_step: the loss of one micro-batch and its statistics (keys ``stats``), under the
+            normaliser of its mini-batch.
+        normaliser: the Normaliser of a mini-batch (its sample indices).
+        train_batch_size: samples per optimizer step (None: all ``n``).
+        seed: seeds the per-epoch shuffle.
+        progress: optional callable(done, total) after each optimizer step.
+    Raises:
+        ValueError: ``n`` is 0.
+    """
+    if n == 0:
+        raise ValueError("the update got no samples")
+    bs = train_batch_size or n
+    total_steps = epochs * -(-n // bs)
+    model = strategy.model
+    results: list[StepResult] = []
+    model.train()
+    for epoch, mini in minibatches(n, epochs=epochs, batch_size=bs, seed=seed):
+        norm = normaliser(mini)
+        sums = dict.fromkeys(stats, 0.0)
+        strategy.zero_grad()
+        for idx, weight in rank_micro_batches(mini, micro_batch_size, rank=strategy.rank, world_size=strategy.world_size):
+            loss, values = micro_step(idx, norm)
+            strategy.backward(loss * weight if weight != 1.0 else loss)
+            if weight == 0.0:
+                continue
+            for k, v in values.items():
+                sums[k] += v
+        sums = dict(zip(sums, strategy.all_reduce_sum(list(sums.values()))))
+        grad_norm = strategy.step()
+        results.append(StepResult(step=len(results), epoch=epoch, sums=sums, grad_norm=grad_norm, lr=strategy.lr,
+                                  norm=norm))
+        if progress is not None:
+            progress(len(results), total_steps)
+    model.eval()
+    return results

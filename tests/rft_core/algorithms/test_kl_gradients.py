@@ -1,0 +1,168 @@
+"""KL estimators by the gradient they give: exact float64 expectations on a 4-way categorical.
+
+pi_theta = softmax(theta), a fixed pi_ref. For an estimator k used as a loss term on a token
+a ~ pi_theta (differentiable logprobs, fixed ref_logprobs, no importance weight) the expected
+gradient is sum_a pi(a) * d/dtheta k(log pi_theta(a), log pi_ref(a)); as a reward penalty it is
+sum_a pi(a) * k(a) * d/dtheta log pi_theta(a). Both are compared with grad KL(pi||ref) and
+grad KL(ref||pi) computed by autograd from the full distributions.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rft_core.algorithms.kl import (
+    GRAD_KL_PI_REF,
+    GRAD_KL_REF_PI,
+    GRAD_ZERO,
+    KL_ESTIMATORS,
+    check_kl_loss_estimator,
+    cpgd_policy_drift,
+    kl_penalty,
+)
+
+D = torch.float64
+THETA = torch.tensor([0.3, -1.1, 0.8, 0.05], dtype=D)
+REF = torch.tensor([0.1, 0.4, 0.2, 0.3], dtype=D)
+
+
+def _grad(fn) -> torch.Tensor:
+    theta = THETA.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(fn(theta), theta)
+    return g
+
+
+def _logpi(theta):
+    return torch.log_softmax(theta, -1)
+
+
+def _references() -> dict[str, torch.Tensor]:
+    logref = REF.log()
+    g_pr = _grad(lambda th: (_logpi(th).exp() * (_logpi(th) - logref)).sum())  # grad KL(pi || ref)
+    g_rp = _grad(lambda th: (REF * (logref - _logpi(th))).sum())  # grad KL(ref || pi)
+    g_e_k2 = _grad(lambda th: (_logpi(th).exp() * 0.5 * (_logpi(th) - logref) ** 2).sum())  # grad E_pi[k2]
+    return {
+        GRAD_ZERO: torch.zeros(4, dtype=D),
+        GRAD_KL_PI_REF: g_pr,
+        GRAD_KL_REF_PI: g_rp,
+        "grad E_pi[k2] - grad KL(pi||ref)": g_e_k2 - g_pr,
+        "grad KL(pi||ref) - grad KL(ref||pi)": g_pr - g_rp,
+    }
+
+
+def test_references_differ_so_the_comparison_can_fail():
+    refs = _references()
+    names = list(refs)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert (refs[a] - refs[b]).abs().max() > 1e-3, (a, b)
+
+
+@pytest.mark.parametrize("name", KL_ESTIMATORS.names())
+def test_loss_mode_expected_gradient_matches_info(name):
+    fn, info = KL_ESTIMATORS[name], KL_ESTIMATORS.info(name)
+    logref = REF.log()
+
+    def expected_loss(theta):  # sum_a sg(pi(a)) * k(log pi(a), log ref(a))
+        lp = _logpi(theta)
+        return (lp.exp().detach() * fn(lp, logref)).sum()
+
+    got = _grad(expected_loss)
+    want = _references()[info.loss_gradient]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", KL_ESTIMATORS.names())
+def test_reward_mode_expected_gradient_matches_info(name):
+    fn, info = KL_ESTIMATORS[name], KL_ESTIMATORS.info(name)
+    logref = REF.log()
+
+    def surrogate(theta):  # REINFORCE with the (detached) penalty as the reward: sum_a sg(pi k) log pi
+        lp = _logpi(theta)
+        return (lp.exp().detach() * fn(lp, logref).detach() * lp).sum()
+
+    torch.testing.assert_close(_grad(surrogate), _references()[info.reward_gradient], rtol=0, atol=1e-12)
+
+
+def test_expected_values():
+    # E_pi[k1] = E_pi[k3] = KL(pi||ref) exactly (Schulman 2020); the "+" variants keep the value
+    lp, logref = _logpi(THETA), REF.log()
+    pi = lp.exp()
+    kl = float((pi * (lp - logref)).sum())
+    for name in ("k1", "k3", "k1+", "k3+", "low_var_kl", "low_var_kl+"):
+        assert float((pi * KL_ESTIMATORS[name](lp, logref)).sum()) == pytest.approx(kl, abs=1e-14), name
+
+
+def test_values_hand_computed_unchanged():
+    # log_ratio = ln 2 and -ln 3
+    lp = torch.log(torch.tensor([[0.5, 0.1]], dtype=D))
+    ref = torch.log(torch.tensor([[0.25, 0.3]], dtype=D))
+    ln2, ln3 = math.log(2), math.log(3)
+    want = {"k1": [ln2, -ln3], "k2": [0.5 * ln2**2, 0.5 * ln3**2], "k3": [0.5 - 1 + ln2, 3 - 1 - ln3]}
+    for name, vals in want.items():
+        torch.testing.assert_close(KL_ESTIMATORS[name](lp, ref), torch.tensor([vals], dtype=D), rtol=0, atol=1e-14)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    for alias, base in (("mse", "k2"), ("low_var_kl", "k3"), ("k1+", "k1"), ("k3+", "k3"), ("low_var_kl+", "k3")):
+        torch.testing.assert_close(kl_penalty(lp, ref, mask, estimator=alias),
+                                   kl_penalty(lp, ref, mask, estimator=base), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,base", [("k1+", "k1"), ("k3+", "k3")])
+def test_straight_through_kl_penalty_value_and_gradient(name, base):
+    # log ratios spanning the clamp: -3 (k3 = e^3 - 1 - 3 = 16.1 > 10), -0.5, 0.2, 5 (k2 = 12.5 > 10)
+    ref = torch.log(torch.tensor([[0.3, 0.2, 0.25, 0.4]], dtype=D))
+    log_ratio = torch.tensor([[-3.0, -0.5, 0.2, 5.0]], dtype=D)
+    mask = torch.tensor([[True, True, True, False]])
+    lp = (ref + log_ratio).requires_grad_(True)
+    st = kl_penalty(lp, ref, mask, estimator=name)
+    (g_st,) = torch.autograd.grad(st.sum(), lp)
+    lp2 = (ref + log_ratio).requires_grad_(True)
+    (g_k2,) = torch.autograd.grad(kl_penalty(lp2, ref, mask, estimator="k2").sum(), lp2)
+    torch.testing.assert_close(st.detach(), kl_penalty(lp.detach(), ref, mask, estimator=base), rtol=0, atol=0)
+    torch.testing.assert_close(g_st, g_k2, rtol=0, atol=0)
+    # k2's gradient is the log ratio (0 where masked); hand values
+    torch.testing.assert_close(g_st, torch.tensor([[-3.0, -0.5, 0.2, 0.0]], dtype=D), rtol=0, atol=1e-15)
+
+
+def test_check_kl_loss_estimator():
+    with pytest.raises(ValueError, match=r"'k1'.*zero expected gradient.*k1\+, k2, k3\+, low_var_kl\+, mse.*k3, low_var_kl"):
+        check_kl_loss_estimator("k1")
+    for name in ("k2", "k3", "k1+", "k3+", "mse", "low_var_kl", "low_var_kl+"):
+        assert check_kl_loss_estimator(name).loss_gradient != GRAD_ZERO
+    with pytest.raises(KeyError, match="valid names"):
+        check_kl_loss_estimator("k4")
+
+
+# ---------------------------------------------------------------- CPGD drift
+def test_cpgd_drift_hand_computed():
+    # r = pi_theta / pi_old = 2, 0.5, 1: d = r - 1 - ln r
+    old = torch.log(torch.tensor([[0.2, 0.4, 0.3]], dtype=D))
+    lp = torch.log(torch.tensor([[0.4, 0.2, 0.3]], dtype=D))
+    d = cpgd_policy_drift(lp, old, torch.tensor([[True, True, False]]))
+    want = torch.tensor([[1 - math.log(2), -0.5 + math.log(2), 0.0]], dtype=D)
+    torch.testing.assert_close(d, want, rtol=0, atol=1e-14)
+    with pytest.raises(ValueError, match="one shape"):
+        cpgd_policy_drift(lp, old[:, :2], torch.ones(1, 3, dtype=torch.bool))
+
+
+def test_cpgd_drift_estimates_kl_old_to_theta_with_its_exact_gradient():
+    # tokens sampled from pi_old: E_old[d] = KL(pi_old || pi_theta), E_old[grad d] = grad KL(pi_old || pi_theta)
+    old = torch.tensor([0.4, 0.1, 0.3, 0.2], dtype=D)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+
+    def expected_drift(theta):
+        return (old * cpgd_policy_drift(_logpi(theta)[None], old.log()[None], mask)[0]).sum()
+
+    lp = _logpi(THETA)
+    assert float(expected_drift(THETA)) == pytest.approx(float((old * (old.log() - lp)).sum()), abs=1e-14)
+    g_kl_old_theta = _grad(lambda th: (old * (old.log() - _logpi(th))).sum())
+    torch.testing.assert_close(_grad(expected_drift), g_kl_old_theta, rtol=0, atol=1e-12)
+    # and it is not the KL to the reference
+    assert (g_kl_old_theta - _references()[GRAD_KL_REF_PI]).abs().max() > 1e-3
+    # zero with zero gradient at theta = old
+    theta0 = old.log().clone().requires_grad_(True)
+    val = expected_drift(theta0)
+    (g0,) = torch.autograd.grad(val, theta0)
+    assert abs(float(val.detach())) < 1e-15 and float(g0.abs().max()) < 1e-15
