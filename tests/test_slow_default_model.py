@@ -6,6 +6,17 @@ import pytest
 from rft_core import stages
 from rft_core.config import load_config
 from rft_core.models.loading import DEFAULT_MODEL, load_tokenizer
+from rft_core.stages.contracts import (
+    ActorLogprobsInput,
+    AdvantagesInput,
+    CriticUpdateInput,
+    CriticValuesInput,
+    PPOUpdateInput,
+    PromptsInput,
+    RefLogprobsInput,
+    RewardsInput,
+    RolloutInput,
+)
 from schemas import read_manifest, read_shard, stage_uri
 
 pytestmark = pytest.mark.slow
@@ -18,15 +29,21 @@ def test_default_model_one_tiny_iteration(tmp_path):
     tok = load_tokenizer(DEFAULT_MODEL)
     assert tok.eos_token == "<|im_end|>" and len(tok) == 49152
 
-    p = stages.prompts.run(cfg.data, tokenizer_path=DEFAULT_MODEL, iteration=1, out=stage_uri(root, 1, "prompts"))
-    r = stages.rollout.run(p, DEFAULT_MODEL, cfg.rollout, iteration=1, out=stage_uri(root, 1, "rollout"))
+    def out(stage):
+        return stage_uri(root, 1, stage)
+
+    p = stages.prompts.run(PromptsInput(data=cfg.data, tokenizer_path=DEFAULT_MODEL, iteration=1, out=out("prompts")))
+    r = stages.rollout.run(RolloutInput(prompts=p, policy=DEFAULT_MODEL, rollout=cfg.rollout, iteration=1, out=out("rollout")))
     t = cfg.rollout.temperature
-    a = stages.logprobs.run(r, DEFAULT_MODEL, cfg.logprobs, stage="actor_logprobs", temperature=t, out=stage_uri(root, 1, "actor_logprobs"))
-    ref = stages.logprobs.run(r, DEFAULT_MODEL, cfg.logprobs, stage="ref_logprobs", temperature=t, out=stage_uri(root, 1, "ref_logprobs"))
-    rw = stages.rewards.run(r, p, cfg.reward, out=stage_uri(root, 1, "rewards"))
-    ad = stages.advantages.run(r, rw, actor=a, ref=ref, kl_cfg=cfg.kl, adv_cfg=cfg.advantage, out=stage_uri(root, 1, "advantages"))
-    u = stages.update.run(r, ad, actor=a, ref=ref, policy=DEFAULT_MODEL, cfg=cfg.update, kl_cfg=cfg.kl, temperature=t,
-                          out=stage_uri(root, 1, "ppo_update"))
+    a = stages.logprobs.run(ActorLogprobsInput(rollout=r, model=DEFAULT_MODEL, logprobs=cfg.logprobs, temperature=t,
+                                               out=out("actor_logprobs")))
+    ref = stages.logprobs.run(RefLogprobsInput(rollout=r, model=DEFAULT_MODEL, logprobs=cfg.logprobs, temperature=t,
+                                               out=out("ref_logprobs")))
+    rw = stages.rewards.run(RewardsInput(rollout=r, prompts=p, reward=cfg.reward, out=out("rewards")))
+    ad = stages.advantages.run(AdvantagesInput(rollout=r, rewards=rw, actor_logprobs=a, ref_logprobs=ref, kl=cfg.kl,
+                                               advantage=cfg.advantage, state=cfg.initial_state, out=out("advantages")))
+    u = stages.update.run(PPOUpdateInput(rollout=r, advantages=ad, actor_logprobs=a, ref_logprobs=ref, policy=DEFAULT_MODEL,
+                                         update=cfg.update, kl=cfg.kl, temperature=t, out=out("ppo_update")))
 
     rollout = read_shard(r)
     assert rollout.num_rows == 4
@@ -51,17 +68,21 @@ def test_default_model_ppo_with_critic(tmp_path):
                                                   "shaping.overlong_buffer_len=8"])
     root = str(tmp_path / "run")
     t = cfg.rollout.temperature
-    p = stages.prompts.run(cfg.data, tokenizer_path=DEFAULT_MODEL, iteration=1, out=stage_uri(root, 1, "prompts"))
-    r = stages.rollout.run(p, DEFAULT_MODEL, cfg.rollout, iteration=1, out=stage_uri(root, 1, "rollout"))
-    v = stages.critic.run_values(r, cfg.initial_critic, cfg.critic, out=stage_uri(root, 1, "critic_values"))
-    rw = stages.rewards.run(r, p, cfg.reward, out=stage_uri(root, 1, "rewards"))
-    ad = stages.advantages.run(r, rw, actor=None, ref=None, critic=v, kl_cfg=cfg.kl, adv_cfg=cfg.advantage,
-                               shaping=cfg.shaping, max_new_tokens=cfg.rollout.max_new_tokens,
-                               out=stage_uri(root, 1, "advantages"))
+    def out(stage):
+        return stage_uri(root, 1, stage)
+
+    p = stages.prompts.run(PromptsInput(data=cfg.data, tokenizer_path=DEFAULT_MODEL, iteration=1, out=out("prompts")))
+    r = stages.rollout.run(RolloutInput(prompts=p, policy=DEFAULT_MODEL, rollout=cfg.rollout, iteration=1, out=out("rollout")))
+    v = stages.critic.run_values(CriticValuesInput(rollout=r, model=cfg.initial_critic, critic=cfg.critic, out=out("critic_values")))
+    rw = stages.rewards.run(RewardsInput(rollout=r, prompts=p, reward=cfg.reward, out=out("rewards")))
+    ad = stages.advantages.run(AdvantagesInput(rollout=r, rewards=rw, critic_values=v, kl=cfg.kl, advantage=cfg.advantage,
+                                               shaping=cfg.shaping, state=cfg.initial_state,
+                                               max_new_tokens=cfg.rollout.max_new_tokens, out=out("advantages")))
     assert read_manifest(ad.uri)[0].summary["overlong_penalty_mean"] < 0
-    cu = stages.critic.run_update(r, ad, v, cfg.initial_critic, cfg.critic, out=stage_uri(root, 1, "critic_update"))
-    u = stages.update.run(r, ad, actor=None, ref=None, policy=DEFAULT_MODEL, cfg=cfg.update, kl_cfg=cfg.kl,
-                          temperature=t, out=stage_uri(root, 1, "ppo_update"))
+    cu = stages.critic.run_update(CriticUpdateInput(rollout=r, advantages=ad, critic_values=v, model=cfg.initial_critic,
+                                                    critic=cfg.critic, out=out("critic_update")))
+    u = stages.update.run(PPOUpdateInput(rollout=r, advantages=ad, policy=DEFAULT_MODEL, update=cfg.update, kl=cfg.kl,
+                                         temperature=t, out=out("ppo_update")))
     values = read_shard(v).column("values").to_pylist()
     assert all(x == 0.0 for row in values for x in row)  # zero-initialised value head
     steps = read_shard(cu).to_pylist()

@@ -1,16 +1,23 @@
-"""Prompt selection from reasoning-gym tasks: a seeded, deterministic data order.
+"""Prompt selection (reasoning-gym tasks, built-in tasks, users' files) and prompt rendering.
 
 Iteration i (1-based) takes global positions (i-1)*P .. i*P-1 of an endless stream; position k
 lies in epoch k // size at slot k % size of that epoch's permutation (numpy PCG64 seeded with
 (seed, epoch)). So which prompts an iteration sees depends only on (seed, size, P, i), never on
 what ran before: a resumed run sees exactly the prompts an uninterrupted one would.
+``stream_indices`` is that stream for any key; mixtures of files (``rft_core.data.mixture``)
+give each source its own keyed stream.
+
+``build_prompts`` turns entries into the prompts table. An entry is a dict with ``question`` and
+``answer`` (required), and optionally ``messages`` (the prompt as chat messages, rendered as
+given), ``data_source`` (the row's reward-recipe label), ``metadata`` (JSON-serialisable),
+``images`` and ``videos``. Users' files become entries in ``rft_core.data.files``.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -61,18 +68,33 @@ def load_task(task: str, *, size: int, seed: int, task_config: dict[str, Any] | 
     return _dataset(task, size, seed, json.dumps(task_config or {}, sort_keys=True))
 
 
+def stream_indices(start: int, count: int, *, size: int, key: Sequence[int]) -> list[int]:
+    """Positions ``start .. start+count-1`` of the endless epoch-permuted stream of ``key``.
+
+    Position k is slot ``k % size`` of the permutation of ``range(size)`` drawn by numpy PCG64
+    seeded with ``[*key, k // size]``: every index once per epoch, a new order each epoch.
+    ``iteration_indices`` is this stream with ``key = (seed,)``.
+
+    Raises:
+        ValueError: ``size`` < 1, or ``start``/``count`` negative.
+    """
+    if size < 1 or start < 0 or count < 0:
+        raise ValueError(f"stream_indices needs size >= 1, start >= 0, count >= 0; got {size}, {start}, {count}")
+    out = []
+    cache: dict[int, np.ndarray] = {}
+    for k in range(start, start + count):
+        epoch, slot = divmod(k, size)
+        if epoch not in cache:
+            cache[epoch] = np.random.Generator(np.random.PCG64([*key, epoch])).permutation(size)
+        out.append(int(cache[epoch][slot]))
+    return out
+
+
 def iteration_indices(iteration: int, *, per_iteration: int, size: int, seed: int) -> list[int]:
     """Dataset indices used by ``iteration`` (1-based); see the module docstring."""
     if iteration < 1:
         raise ValueError(f"iterations are 1-based, got {iteration}")
-    out = []
-    cache: dict[int, np.ndarray] = {}
-    for k in range((iteration - 1) * per_iteration, iteration * per_iteration):
-        epoch, slot = divmod(k, size)
-        if epoch not in cache:
-            cache[epoch] = np.random.Generator(np.random.PCG64([seed, epoch])).permutation(size)
-        out.append(int(cache[epoch][slot]))
-    return out
+    return stream_indices((iteration - 1) * per_iteration, per_iteration, size=size, key=(seed,))
 
 
 def refill_indices(iteration: int, attempt: int, *, per_iteration: int, size: int, seed: int) -> list[int]:
@@ -155,24 +177,36 @@ def build_prompts(
     overlong: str = "skip",
     id_prefix: str | None = None,
     processor=None,
+    prompt_template: str | None = None,
 ) -> PromptBatch:
-    """Render dataset entries with the chat template and tokenize them.
+    """Render dataset entries as the policy sees them and tokenize them into the prompts table.
+
+    Rendering (``render_prompt``): an entry with ``messages`` goes through the tokenizer's chat
+    template exactly as given (its own system and few-shot turns; ``system_prompt`` is not
+    added); a plain ``question`` gets ``system_prompt`` and the chat template, or
+    ``prompt_template`` when one is given (for a tokenizer without a chat template).
 
     Args:
         entries: (dataset index, entry) pairs; an entry needs ``question`` and ``answer`` and
-            may have ``images`` (paths, file:// URLs, bytes or PIL images; stored as bytes).
+            may have ``messages`` (list of {role, content: str}), ``data_source`` (the row's
+            label, else the ``data_source`` argument), ``metadata`` (dict, stored as JSON),
+            ``images`` (paths, file:// URLs, bytes or PIL images; stored as bytes) and
+            ``videos`` (paths, file:// URLs or bytes; ``rft_core.data.video.to_video_bytes``).
         processor: a ``rft_core.models.vl.VLProcessor`` for a vision-language policy: the
-            prompt gets one image placeholder per image, expanded to the image's token count.
+            prompt gets one placeholder per image / video, expanded to its token count.
         overlong: "skip" drops prompts longer than ``max_prompt_tokens`` and lists them in
             ``skipped_overlong``; "error" raises.
         id_prefix: prompt_id is ``{id_prefix}-{index:06d}`` (None: ``data_source``); the
             held-out split uses its own prefix so its ids never equal a training prompt's.
+        prompt_template: a ``str.format`` template with ``{prompt}`` (and optionally
+            ``{system_prompt}``), e.g. ``"Question: {prompt}\\nAnswer:"``; tokenized with the
+            tokenizer's special tokens (BOS), no chat template.
     Raises:
-        DatasetError: an entry misses a required field, has images for a text-only policy or an
-            unreadable image, or (overlong="error") a prompt is too long.
+        DatasetError: an entry misses a required field, has bad messages, images or videos for a
+            text-only policy, an unreadable image or video, videos while the prompts schema has
+            no ``videos`` column, a tokenizer with neither a chat template nor
+            ``prompt_template``, or (overlong="error") a prompt is too long.
     """
-    from rft_core.data.images import ImageError, to_image_bytes
-
     rows: dict[str, list] = {f.name: [] for f in PROMPTS.schema}
     skipped = []
     for index, entry in entries:
@@ -180,33 +214,132 @@ def build_prompts(
         if missing:
             raise DatasetError(f"{data_source} row {index}: missing field(s) {missing}; a row needs {list(REQUIRED_FIELDS)}")
         prompt_id = f"{id_prefix or data_source}-{index:06d}"
-        try:
-            images = [to_image_bytes(img, where=f"{data_source} row {index} image {k}")
-                      for k, img in enumerate(entry.get("images") or [])]
-        except ImageError as exc:
-            raise DatasetError(str(exc)) from exc
-        if processor is not None:
-            text = processor.render_prompt(str(entry["question"]), len(images), system_prompt)
-            ids = processor.prompt_ids(text, images)
-        elif images:
-            raise DatasetError(f"{data_source} row {index} has {len(images)} image(s) but the policy is a text-only model")
-        else:
-            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-                {"role": "user", "content": str(entry["question"])}
-            ]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        where = f"{data_source} row {index}"
+        images, videos = _media_bytes(entry, where)
+        text, ids = render_prompt(entry, tokenizer, system_prompt=system_prompt, prompt_template=prompt_template,
+                                  processor=processor, images=images, videos=videos, where=where)
         if len(ids) > max_prompt_tokens:
             if overlong == "error":
                 raise DatasetError(f"{prompt_id}: prompt has {len(ids)} tokens, data.max_prompt_tokens is {max_prompt_tokens}")
             skipped.append(prompt_id)
             continue
         rows["prompt_id"].append(prompt_id)
-        rows["data_source"].append(data_source)
+        rows["data_source"].append(str(entry.get("data_source") or data_source))
         rows["question"].append(str(entry["question"]))
         rows["prompt_text"].append(text)
         rows["prompt_token_ids"].append(ids)
         rows["answer"].append(str(entry["answer"]))
         rows["metadata_json"].append(json.dumps(entry.get("metadata", {}), default=str, sort_keys=True))
         rows["images"].append(images)
+        if "videos" in rows:
+            rows["videos"].append(videos)
     return PromptBatch(pa.table(rows, schema=PROMPTS.arrow), skipped)
+
+
+def _media_bytes(entry: dict[str, Any], where: str) -> tuple[list[bytes], list[bytes]]:
+    """The entry's images and videos as checked, encoded bytes (``to_image_bytes`` /
+    ``to_video_bytes``); videos are refused while the prompts schema cannot store them."""
+    from rft_core.data.images import ImageError, to_image_bytes
+
+    try:
+        images = [to_image_bytes(img, where=f"{where} image {k}") for k, img in enumerate(entry.get("images") or [])]
+    except ImageError as exc:
+        raise DatasetError(str(exc)) from exc
+    videos_in = entry.get("videos") or []
+    if not videos_in:
+        return images, []
+    if "videos" not in PROMPTS.schema.names:
+        raise DatasetError(f"{where} has {len(videos_in)} video(s) but the prompts schema has no videos column yet")
+    from rft_core.data.video import VideoError, to_video_bytes
+
+    try:
+        return images, [to_video_bytes(v, where=f"{where} video {k}") for k, v in enumerate(videos_in)]
+    except VideoError as exc:
+        raise DatasetError(str(exc)) from exc
+
+
+def render_prompt(entry: dict[str, Any], tokenizer, *, system_prompt: str, prompt_template: str | None = None,
+                  processor=None, images: Sequence[bytes] = (), videos: Sequence[bytes] = (),
+                  where: str = "entry") -> tuple[str, list[int]]:
+    """The prompt text the policy sees and its token ids (see ``build_prompts``).
+
+    Raises:
+        DatasetError: malformed ``messages``, images or videos without a vision-language
+            processor, a template placeholder other than {prompt}/{system_prompt},
+            ``prompt_template`` with a processor, or no way to render (no chat template and no
+            ``prompt_template``).
+    """
+    messages = entry.get("messages")
+    if messages is not None:
+        messages = _checked_messages(messages, where)
+    if processor is None and (images or videos):
+        what = " and ".join(f"{len(x)} {kind}(s)" for x, kind in ((images, "image"), (videos, "video")) if x)
+        raise DatasetError(f"{where} has {what} but the policy is a text-only model")
+    if prompt_template is not None:
+        if processor is not None:
+            raise DatasetError(f"{where}: data.prompt_template is for text-only models, the policy is a vision-language model")
+        if messages is not None:
+            raise DatasetError(f"{where}: the prompt is a list of chat messages, which data.prompt_template cannot "
+                               "render; use a tokenizer with a chat template (or give the prompt as text)")
+        try:
+            text = prompt_template.format(prompt=str(entry["question"]), system_prompt=system_prompt)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise DatasetError(f"data.prompt_template {prompt_template!r}: bad placeholder {exc}; "
+                               "it may use {prompt} and {system_prompt}") from exc
+        return text, list(tokenizer(text)["input_ids"])
+    if processor is not None:
+        if messages is None:
+            text = processor.render_prompt(str(entry["question"]), len(images), system_prompt, n_videos=len(videos))
+        else:
+            text = processor.tokenizer.apply_chat_template(_with_placeholders(messages, len(images), len(videos), where),
+                                                           add_generation_prompt=True, tokenize=False)
+        return text, processor.prompt_ids(text, images, videos, where=where)
+    if getattr(tokenizer, "chat_template", "") is None:
+        raise DatasetError(f"{where}: the tokenizer has no chat template; set data.prompt_template (e.g. "
+                           "'Question: {prompt}\\nAnswer:') for plain-text prompts, or use a chat model")
+    if messages is None:
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": str(entry["question"])}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+IMAGE_MARKER, VIDEO_MARKER = "<image>", "<video>"  # verl's markers of an image's / video's place in a message
+
+
+def _checked_messages(messages: Any, where: str) -> list[dict[str, Any]]:
+    """``messages`` if it is a non-empty list of {role, content: str} with a non-empty user turn."""
+    if not isinstance(messages, list) or not messages:
+        raise DatasetError(f"{where}: messages must be a non-empty list of {{role, content}}, got {messages!r:.80}")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+            raise DatasetError(f"{where}: message {k} must be {{role: one of {list(CHAT_ROLES)}, content: str}}, "
+                               f"got {m!r:.120}")
+    if not any(m["role"] == "user" and m["content"].strip() for m in messages):
+        raise DatasetError(f"{where}: empty prompt (no user message with text)")
+    return messages
+
+
+def _with_placeholders(messages: list[dict[str, Any]], n_images: int, n_videos: int, where: str) -> list[dict[str, Any]]:
+    """Messages for a vision-language template. Per kind: each ``<image>`` / ``<video>`` marker
+    becomes the processor's placeholder (verl's convention); without markers, the placeholders
+    go before the text of the first user message, images first (as ``VLProcessor.render_prompt``).
+
+    Raises:
+        DatasetError: markers of a kind present but not one per item.
+    """
+    from rft_core.models.vl import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+
+    out = [dict(m) for m in messages]
+    for marker, placeholder, n in ((VIDEO_MARKER, VIDEO_PLACEHOLDER, n_videos), (IMAGE_MARKER, IMAGE_PLACEHOLDER, n_images)):
+        n_markers = sum(m["content"].count(marker) for m in out)
+        if n_markers not in (0, n):
+            raise DatasetError(f"{where}: the messages have {n_markers} {marker} markers but the row has {n} {marker[1:-1]}s")
+        if n_markers:
+            for m in out:
+                m["content"] = m["content"].replace(marker, placeholder)
+        elif n:
+            first = next(m for m in out if m["role"] == "user")
+            first["content"] = placeholder * n + first["content"]
+    return out

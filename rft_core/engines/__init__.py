@@ -1,1 +1,150 @@
-"""Rollout engines: batched generation behind one interface."""
+"""Rollout engines: batched generation behind one interface (``hf``: ``HFEngine``; ``vllm``:
+``VLLMEngine``; ``sglang``: ``SGLangEngine``), and what the two GPU inference engines share:
+the dtype they run a policy in, one random stream per sample, and a process-level cache that
+keeps one engine alive across iterations (weights reloaded in place, not the engine rebuilt).
+
+Nothing here imports vllm or sglang; their modules import them lazily.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("rft_core.engines")
+
+# Seed widths: vLLM seeds a torch.Generator per request (64-bit seeds); SGLang 0.5.3 stores
+# ``sampling_seed`` in an int32 tensor (``sglang/srt/sampling/sampling_batch_info.py``).
+VLLM_SEED_BITS = 62
+SGLANG_SEED_BITS = 31
+
+
+def engine_dtype(policy_dtype: str, *, bf16_supported: bool | None = None) -> str:
+    """The dtype a GPU inference engine (vLLM, SGLang) runs a policy configured as ``policy_dtype``.
+
+    bfloat16 and float16 are kept. float32 (the CPU default, and the dtype of the converted
+    default model) and ``auto`` become bfloat16 when the GPU supports it, else float16, with a
+    log line: vLLM's and SGLang's ``auto`` read the checkpoint's ``torch_dtype`` and turn float32
+    into float16 (vLLM ``LLM`` docstring, ``vllm/entrypoints/llm.py``; SGLang ``--dtype``), and
+    vLLM's LoRA dtype is auto/float16/bfloat16 only (``LoRADType``, ``vllm/config/lora.py``; auto
+    is the model's). The engine's log-probs then come from a 16-bit model while the actor stage
+    recomputes ``old_logprobs`` in the policy dtype (its default).
+
+    Args:
+        bf16_supported: None asks ``torch.cuda.is_bf16_supported()`` (False without CUDA).
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if policy_dtype in ("bfloat16", "float16"):
+        return policy_dtype
+    if policy_dtype not in ("float32", "auto"):
+        raise ValueError(f"unknown policy dtype {policy_dtype!r}; valid names: float32, bfloat16, float16, auto")
+    if bf16_supported is None:
+        import torch
+
+        bf16_supported = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    chosen = "bfloat16" if bf16_supported else "float16"
+    log.info("policy dtype %s: the rollout engine runs in %s (%s)", policy_dtype, chosen,
+             "the GPU supports bfloat16" if bf16_supported else "no bfloat16 support on this device")
+    return chosen
+
+
+def seed_base(seed: int, *, bits: int) -> int:
+    """A ``bits``-bit integer derived from the rollout seed by BLAKE2b, so that neighbouring
+    rollout seeds (seed, seed + 1) start their per-sample seed ranges far apart."""
+    digest = hashlib.blake2b(str(int(seed)).encode(), digest_size=8, person=b"rft-rollout").digest()
+    return int.from_bytes(digest, "big") % (1 << bits)
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int, n_samples_per_prompt: int, *, bits: int) -> int:
+    """The seed of sample k of prompt p in a rollout seeded ``seed``:
+    (seed_base(seed) + p * n + k) mod 2**bits.
+
+    Within one rollout the map (p, k) -> seed is injective (p * n + k < 2**bits), so no two
+    samples share a random stream; it does not depend on which other prompts share a batch or a
+    shard. vLLM derives a request's n samples as ``seed + k`` (``ParentRequest``,
+    ``vllm/v1/engine/parallel_sampling.py``), so its request seed is ``sample_seed(seed, p, 0, n)``
+    and its samples get that + k: distinct for distinct (p, k) too (two of them could only meet
+    if p * n + k differed by 2**bits), and below 2**63 with bits=62.
+
+    Raises:
+        ValueError: k outside 0..n-1, a negative p, or p * n + k >= 2**bits.
+    """
+    n = int(n_samples_per_prompt)
+    if not 0 <= sample_index < n or prompt_index < 0:
+        raise ValueError(f"sample_seed: sample {sample_index} of prompt {prompt_index} with {n} samples per prompt")
+    offset = prompt_index * n + sample_index
+    if offset >= 1 << bits:
+        raise ValueError(f"sample_seed: {offset + 1} samples do not fit in {bits}-bit seeds")
+    return (seed_base(seed, bits=bits) + offset) % (1 << bits)
+
+
+def checkpoint_key(model_path: str, lora_path: str | None) -> tuple:
+    """What must stay the same for a cached engine to serve a new checkpoint in place: the base
+    model for a LoRA checkpoint; for a full checkpoint its architecture (``config.json`` without
+    its ``_name_or_path``, ``transformers_version`` and dtype entries), or the path itself for a
+    hub id (no local config.json)."""
+    if lora_path is not None:
+        return ("lora", model_path)
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return ("path", model_path)
+    cfg = json.loads(config.read_text())
+    for key in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+        cfg.pop(key, None)
+    return ("config", json.dumps(cfg, sort_keys=True))
+
+
+class EngineCache:
+    """One live GPU engine per process, reused while its key matches.
+
+    A long-lived process (a Ray actor, a ``python -m rft_core.stages`` server, the in-process
+    task runner) would otherwise build a new engine every iteration (load, compile, CUDA-graph
+    capture). A different key closes the cached engine (its ``close()``) before the new one is
+    built: one GPU holds one engine. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._key: Hashable | None = None
+        self._engine: Any = None
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> tuple[Any, bool]:
+        """(engine, reused): the cached engine when ``key`` matches, else ``build()`` (after
+        closing the cached one). ``build`` failing leaves the cache empty."""
+        with self._lock:
+            if self._engine is not None and self._key == key:
+                return self._engine, True
+            self.release()
+            engine = build()
+            self._key, self._engine = key, engine
+            return engine, False
+
+    def peek(self) -> Any:
+        """The cached engine or None."""
+        return self._engine
+
+    def release(self, kind: type | None = None) -> bool:
+        """Close and forget the cached engine (only if it is a ``kind`` when given); True if one
+        was closed."""
+        with self._lock:
+            engine = self._engine
+            if engine is None or (kind is not None and not isinstance(engine, kind)):
+                return False
+            self._key, self._engine = None, None
+            engine.close()
+            return True
+
+
+ENGINE_CACHE = EngineCache()
+
+
+def release_engine() -> bool:
+    """Close the process's cached GPU engine (vLLM or SGLang) and free its GPU memory; True if
+    there was one. Call it when the process stops doing rollouts (or before a stage that needs
+    the whole GPU when the engine does not sleep)."""
+    return ENGINE_CACHE.release()

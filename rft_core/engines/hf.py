@@ -40,6 +40,52 @@ class StepTemperature:
         return scores / (self.first if input_ids.shape[1] == self.prompt_len else self.rest)
 
 
+class StepLogprobs:
+    """Forward hook (``register_forward_hook(..., with_kwargs=True)``) that records, during
+    ``generate``, log p(token) = x[token] - logsumexp(x) with x = raw logits / temperature of
+    each sampled token, keeping one step at a time: the last position's logits row (B, V) of the
+    latest forward pass and its logsumexp. The token sampled from step j is the ``input_ids`` of
+    forward j+1 (the KV-cache decode step), so each forward first scores the previous step's
+    token; ``result`` scores the last one. Memory: O(B x V) for the pending step plus (B,) per
+    generated token, instead of ``output_logits``' (B, V) float32 tensor per step.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = float(temperature)
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (row (B, V) model dtype, lse (B,) float32)
+        self.steps: list[torch.Tensor] = []  # (B,) float32 per scored token
+
+    def __call__(self, module, args, kwargs, output) -> None:
+        logits = output.logits if hasattr(output, "logits") else output[0]
+        if self.pending is not None:
+            ids = kwargs.get("input_ids")
+            if ids is None and args:
+                ids = args[0]
+            if ids is None:
+                raise RuntimeError("StepLogprobs: a decode step was called without input_ids; cannot score the sampled token")
+            self.steps.append(self._score(ids[:, -1]))
+        row = logits[:, -1, :].detach().clone()
+        self.pending = (row, torch.logsumexp(row.float() / self.temperature, dim=-1))
+
+    def _score(self, tokens: torch.Tensor) -> torch.Tensor:
+        row, lse = self.pending
+        return row.gather(-1, tokens[:, None].to(row.device)).squeeze(-1).float() / self.temperature - lse
+
+    def result(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """(B, N) float32 log-probs of ``new_tokens`` (B, N), the tokens ``generate`` appended.
+
+        Raises:
+            RuntimeError: the hook saw a number of forward passes other than N.
+        """
+        n = new_tokens.shape[1]
+        if n == 0:
+            return torch.zeros(new_tokens.shape[0], 0)
+        if self.pending is None or len(self.steps) != n - 1:
+            raise RuntimeError(f"StepLogprobs: {len(self.steps) + (self.pending is not None)} forward passes for {n} "
+                               "generated tokens (one forward per token expected)")
+        return torch.stack(self.steps + [self._score(new_tokens[:, -1])], dim=1).cpu()
+
+
 class HFEngine:
     """Generates with ``model.generate`` (KV cache on) in batches of left-padded prompts.
 
@@ -88,6 +134,40 @@ class HFEngine:
             cache.batch_repeat_interleave(n)
         return cache
 
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: dict, *, max_new_tokens: int,
+                  temperature: float) -> tuple:
+        """``model.generate`` with ``sampling``; returns (output, (B, N) float32 log-probs of the N
+        new tokens under raw logits / temperature), scored step by step by ``StepLogprobs``. A
+        model that is not an ``nn.Module`` (a generate-only stand-in, no forward hooks) is asked
+        for ``output_logits`` instead, scored one (B, V) step at a time."""
+        recorder = StepLogprobs(temperature) if isinstance(self.model, torch.nn.Module) else None
+        handle = self.model.register_forward_hook(recorder, with_kwargs=True) if recorder is not None else None
+        try:
+            gen = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                do_sample=True,
+                **sampling,
+                top_k=0,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=self.pad_token_id,
+                eos_token_id=sorted(self.eos_ids),
+                use_cache=True,
+                return_dict_in_generate=True,
+                output_logits=recorder is None,
+            )
+        finally:
+            if handle is not None:
+                handle.remove()
+        new_tokens = gen.sequences[:, input_ids.shape[1]:]
+        if recorder is not None:
+            return gen, recorder.result(new_tokens)
+        if not gen.logits:
+            return gen, torch.zeros(new_tokens.shape[0], 0)
+        return gen, torch.stack([
+            (logits.float() / temperature).log_softmax(-1).gather(-1, new_tokens[:, j:j + 1]).squeeze(-1)
+            for j, logits in enumerate(gen.logits)], dim=1).cpu()
+
     @torch.no_grad()
     def generate(
         self,
@@ -103,8 +183,8 @@ class HFEngine:
         sort_by_length: bool = True,
         share_prefill: bool = True,
         progress=None,
-        only_batches: "set[int] | None" = None,
-        images: "list[list[bytes]] | None" = None,
+        only_batches: set[int] | None = None,
+        images: list[list[bytes]] | None = None,
         processor=None,
     ) -> list[Generation]:
         """Sample ``n_samples_per_prompt`` responses for each prompt.
@@ -161,26 +241,9 @@ class HFEngine:
                 sampling.update({k: v.to(device) for k, v in vision.items()})
             elif share_prefill and P > 1:
                 sampling["past_key_values"] = self._prefill(input_ids, attention_mask, n)
-            gen = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                do_sample=True,
-                **sampling,
-                top_k=0,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=self.pad_token_id,
-                eos_token_id=sorted(self.eos_ids),
-                use_cache=True,
-                return_dict_in_generate=True,
-                output_logits=True,
-            )
-            new_tokens = gen.sequences[:, P:]
-            # log p of each sampled token, one (B, V) step at a time: never (B, T, V) at once
-            step_lps = torch.stack([
-                (logits.float() / temperature).log_softmax(-1).gather(-1, new_tokens[:, j:j + 1]).squeeze(-1)
-                for j, logits in enumerate(gen.logits)
-            ], dim=1).cpu() if gen.logits else torch.zeros(len(chunk), 0)
-            new_tokens = new_tokens.cpu()
+            gen, step_lps = self._generate(input_ids, attention_mask, sampling, max_new_tokens=max_new_tokens,
+                                           temperature=temperature)
+            new_tokens = gen.sequences[:, P:].cpu()
             for row, (p, k) in enumerate(chunk):
                 tokens = new_tokens[row].tolist()
                 finish = "length"

@@ -2,27 +2,50 @@
 log-probs, finish reasons), on vLLM's batched generation. GPU only; vLLM lives in its own
 environment (it pins its own torch and cannot share one with Prefect): run the rollout stage
 there with ``runners.rollout: {mode: subprocess, python: /path/to/vllm-env/bin/python}``
-(docs/scale.md). Imported lazily: nothing here imports vllm at module import.
+(docs/scale.md). Imported lazily: nothing here imports vllm at module import. Needs vLLM >= 0.10.2
+(``logprobs_mode="processed_logprobs"`` includes the temperature from that release on).
 
 Differences from the HF engine, by design:
-- Seeds are per prompt (``seed + prompt index`` in ``SamplingParams.seed``), so a prompt's samples
-  do not depend on which other prompts share its batch (vLLM schedules requests itself).
+- One random stream per sample: sample k of prompt p uses seed base(seed) + p * n + k
+  (``rft_core.engines.sample_seed``; the request seed is the k = 0 one and vLLM adds k), so no
+  two samples of a rollout share a stream and a prompt's samples do not depend on which other
+  prompts share its batch or shard.
+- All prompts of a call go to one ``LLM.generate`` (vLLM schedules them); ``batch_size`` only
+  defines the batches that rollout shards split (``only_batches``).
 - Log-probs come from ``logprobs_mode="processed_logprobs"``: log-softmax of the logits after
   temperature (and after top-p masking when ``top_p < 1``, where they differ from the HF
   engine's; the actor log-prob stage recomputes them anyway unless
   ``logprobs.recompute_old_logprobs=false``).
+- The engine runs in bfloat16 (float16 without bfloat16 support) for a float32 or ``auto``
+  policy (``rft_core.engines.engine_dtype``).
 - FIRE sampling (``first_token_temperature``) is not supported (vLLM has no per-step
   temperature): a clear error.
 - A LoRA policy checkpoint is served through vLLM's LoRA support (``LoRARequest``) on its base
   model; a full checkpoint is loaded as a model.
-- ``sleep()`` / ``wake_up()`` free and restore the GPU memory of weights and KV cache when the
-  engine shares a GPU with training (``enable_sleep_mode``).
+
+Reuse across iterations (``get_vllm_engine``): the process keeps one ``LLM``; a new full
+checkpoint of the same model is loaded into it in place by ``WeightReloadExtension`` (vLLM's
+worker ``reload_weights``, reached through ``LLM.collective_rpc``), then the prefix cache is
+reset; a new LoRA checkpoint is a new ``LoRARequest`` id. With ``enable_sleep_mode`` the engine
+sleeps after each ``generate`` (level 2 for full weights, which the next iteration reloads
+anyway; level 1 for LoRA, whose base weights are kept in CPU memory) and wakes up (weights,
+reload, then KV cache) before the next one, so the GPU is free for the other stages in between.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import gc
+import inspect
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
 
+from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, checkpoint_key, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
+
+log = logging.getLogger("rft_core.engines.vllm")
+
+WORKER_EXTENSION = "rft_core.engines.vllm.WeightReloadExtension"
 
 
 def build_llm(**kwargs: Any):
@@ -39,11 +62,46 @@ def vllm_sampling_params():
     return SamplingParams
 
 
-def lora_request(path: str):
-    """A ``vllm.lora.request.LoRARequest`` for the adapter folder ``path``."""
+def lora_request(path: str, lora_id: int = 1):
+    """A ``vllm.lora.request.LoRARequest`` for the adapter folder ``path``. vLLM caches adapters
+    by ``lora_id``, so each new adapter folder needs a new id."""
     from vllm.lora.request import LoRARequest
 
-    return LoRARequest("policy", 1, path)
+    return LoRARequest(f"policy-{lora_id}", lora_id, path)
+
+
+def _cleanup_vllm() -> None:
+    """vLLM's own teardown of its distributed state and GPU memory
+    (``vllm.distributed.parallel_state.cleanup_dist_env_and_memory``), when vllm is importable."""
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    except ImportError:
+        return
+    cleanup_dist_env_and_memory()
+
+
+class WeightReloadExtension:
+    """Mixed into vLLM's GPU worker (``LLM(worker_extension_cls=WORKER_EXTENSION)``, the
+    extension point of vLLM's RLHF examples) and called on every worker through
+    ``LLM.collective_rpc("rft_reload_weights", args=(path,))``.
+
+    Loads the HF checkpoint folder ``path`` into the running model in place: vLLM releases whose
+    model runner's ``reload_weights`` takes ``weights_path`` (``vllm/v1/worker/gpu_model_runner.py``)
+    are given the path; older ones (0.10.x, ``reload_weights()`` re-reading
+    ``model_config.model``; vLLM's ``examples/offline_inference`` in-place weight-loading example)
+    get the runner's ``model_config.model`` pointed at ``path`` first. Each worker reads its own
+    tensor-parallel shard. Parameter shapes stay the same, so compiled graphs and CUDA graphs
+    stay valid.
+    """
+
+    def rft_reload_weights(self, path: str) -> None:
+        """Reload this worker's weights from the checkpoint folder ``path``."""
+        runner = self.model_runner
+        if "weights_path" in inspect.signature(runner.reload_weights).parameters:
+            self.reload_weights(weights_path=path)
+        else:
+            runner.model_config.model = path
+            self.reload_weights()
 
 
 class VLLMEngine:
@@ -54,6 +112,8 @@ class VLLMEngine:
             when ``lora_path`` is given.
         eos_ids: token ids that end a response (the tokenizer's and the generation config's EOS).
         lora_path: a peft adapter folder to apply (vLLM LoRA).
+        dtype: the policy dtype; the engine runs in ``engine_dtype(dtype)``.
+        enable_sleep_mode: build the engine with sleep mode and sleep after every ``generate``.
         llm: an object with vllm.LLM's ``generate(prompts, sampling_params, use_tqdm=..., lora_request=...)``
             (tests pass one backed by the HF engine); None builds ``vllm.LLM`` from the other arguments.
         sampling_params: the SamplingParams class (default ``vllm.SamplingParams``).
@@ -64,11 +124,13 @@ class VLLMEngine:
                  enable_sleep_mode: bool = False, max_lora_rank: int = 64, llm: Any = None,
                  sampling_params: Callable[..., Any] | None = None) -> None:
         self.eos_ids = set(eos_ids)
+        self.sleep_after_generate = enable_sleep_mode
         if llm is None:
-            kwargs: dict[str, Any] = dict(model=model_path, tensor_parallel_size=tensor_parallel_size,
-                                          gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-                                          enable_sleep_mode=enable_sleep_mode, logprobs_mode="processed_logprobs",
-                                          enable_prefix_caching=True)
+            kwargs: dict[str, Any] = {
+                "model": model_path, "tensor_parallel_size": tensor_parallel_size,
+                "gpu_memory_utilization": gpu_memory_utilization, "dtype": engine_dtype(dtype),
+                "enable_sleep_mode": enable_sleep_mode, "logprobs_mode": "processed_logprobs",
+                "enable_prefix_caching": True, "worker_extension_cls": WORKER_EXTENSION}
             if max_model_len is not None:
                 kwargs["max_model_len"] = max_model_len
             if lora_path is not None:
@@ -76,11 +138,51 @@ class VLLMEngine:
             llm = build_llm(**kwargs)
         self.llm = llm
         self.sampling_params = sampling_params or vllm_sampling_params()
-        self.lora_request = lora_request(lora_path) if lora_path is not None else None
+        self.weights_path = model_path  # the checkpoint the engine serves (the LoRA base with lora_path)
+        self._loaded_path: str | None = model_path  # what the GPU weights hold now (None: discarded by sleep)
+        self._sleep_level = 0
+        self._lora_ids = itertools.count(1)
+        self.lora_request = lora_request(lora_path, next(self._lora_ids)) if lora_path is not None else None
+        self._lora_path = lora_path
+
+    def load_policy(self, model_path: str, lora_path: str | None = None) -> None:
+        """Serve another checkpoint of the same model from now on: a full checkpoint's weights
+        are reloaded in place before the next ``generate``; a LoRA checkpoint (``lora_path``, on
+        the same base ``model_path``) gets a new ``LoRARequest``.
+
+        Raises:
+            ValueError: a LoRA checkpoint on an engine built without LoRA, a full one on a LoRA
+                engine, or a LoRA checkpoint on another base model.
+        """
+        if (lora_path is None) != (self.lora_request is None):
+            raise ValueError(f"the cached vLLM engine was built {'with' if self.lora_request else 'without'} LoRA; "
+                             f"cannot serve {lora_path or model_path} on it (release it first)")
+        if lora_path is not None:
+            if model_path != self.weights_path:
+                raise ValueError(f"LoRA adapter {lora_path} has base {model_path}, the engine serves {self.weights_path}")
+            if lora_path != self._lora_path:
+                self.lora_request = lora_request(lora_path, next(self._lora_ids))
+                self._lora_path = lora_path
+            return
+        self.weights_path = model_path
+
+    def _ensure_ready(self) -> None:
+        """Wake the engine if it sleeps and make its GPU weights those of ``weights_path``."""
+        if self._sleep_level:
+            self.llm.wake_up(tags=["weights"])
+        if self._loaded_path != self.weights_path:
+            log.info("vLLM: reloading weights in place from %s", self.weights_path)
+            self.llm.collective_rpc("rft_reload_weights", args=(self.weights_path,))
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+            self._loaded_path = self.weights_path
+        if self._sleep_level:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._sleep_level = 0
 
     def batches(self, prompts: list[list[int]], n: int, batch_size: int, **_: Any) -> list[list[tuple[int, int]]]:
-        """Whole groups, prompts sorted by length, max(1, batch_size // n) prompts per call (vLLM
-        schedules inside a call; the split only bounds memory and lets shards share work)."""
+        """Whole groups, prompts sorted by length, max(1, batch_size // n) prompts per batch: the
+        units rollout shards split (``only_batches``); one ``generate`` sends all of its batches'
+        prompts to vLLM at once."""
         order = sorted(range(len(prompts)), key=lambda p: len(prompts[p]))
         per = max(1, batch_size // n)
         return [[(p, k) for p in order[i:i + per] for k in range(n)] for i in range(0, len(order), per)]
@@ -93,31 +195,35 @@ class VLLMEngine:
 
         Raises:
             NotImplementedError: ``first_token_temperature`` (FIRE) was asked for.
+            RuntimeError: vLLM returned another number of outputs, samples or log-probs.
         """
         if first_token_temperature is not None:
             raise NotImplementedError("rollout.first_token_temperature (FIRE) is not supported by the vLLM engine; "
                                       "use rollout.engine=hf")
         n = n_samples_per_prompt
         batches = self.batches(prompts, n, batch_size)
-        todo = [b for b in range(len(batches)) if only_batches is None or b in only_batches]
-        total = sum(len(batches[b]) for b in todo)
+        todo = [p for b, batch in enumerate(batches) if only_batches is None or b in only_batches
+                for p, k in batch if k == 0]
+        requests = [{"prompt_token_ids": list(prompts[p])} for p in todo]  # vllm TokensPrompt
+        params = [self.sampling_params(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                                       seed=sample_seed(seed, p, 0, n, bits=VLLM_SEED_BITS), logprobs=0,
+                                       stop_token_ids=sorted(self.eos_ids), detokenize=False)
+                  for p in todo]
         results: dict[tuple[int, int], Generation] = {}
-        done = 0
-        for b in todo:
-            group_prompts = [p for p, k in batches[b] if k == 0]
-            requests = [{"prompt_token_ids": list(prompts[p])} for p in group_prompts]  # a vllm TokensPrompt
-            params = [self.sampling_params(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                                           seed=seed + p, logprobs=0, stop_token_ids=sorted(self.eos_ids), detokenize=False)
-                      for p in group_prompts]
+        if todo:
+            self._ensure_ready()
             outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
-            for p, out in zip(group_prompts, outputs):
+            if len(outputs) != len(todo):
+                raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(todo)} prompts")
+            for p, out in zip(todo, outputs):
                 if len(out.outputs) != n:
                     raise RuntimeError(f"vLLM returned {len(out.outputs)} samples for prompt {p}, expected {n}")
                 for k, completion in enumerate(out.outputs):
                     results[(p, k)] = self._generation(p, k, completion)
-            done += len(batches[b])
-            if progress is not None:
-                progress(done, total)
+            if self.sleep_after_generate:
+                self.sleep()
+        if progress is not None:
+            progress(len(results), len(results))
         return [results[(p, k)] for p in range(len(prompts)) for k in range(n) if (p, k) in results]
 
     def _generation(self, p: int, k: int, completion: Any) -> Generation:
@@ -134,10 +240,54 @@ class VLLMEngine:
                 break
         return Generation(p, k, tokens, lps, finish)
 
-    def sleep(self, level: int = 1) -> None:
-        """Free the GPU memory of the KV cache (level 1: weights offloaded to CPU; 2: discarded)."""
+    def sleep(self, level: int | None = None) -> None:
+        """Free the GPU memory of the KV cache and the weights (``LLM.sleep``, which also resets
+        the prefix cache). Level 1 offloads the weights to CPU memory, level 2 discards them
+        (they are reloaded from ``weights_path`` on wake-up); None: 1 for LoRA (the base stays),
+        2 otherwise. Needs ``enable_sleep_mode``."""
+        if self._sleep_level:
+            return
+        level = level if level is not None else (1 if self.lora_request is not None else 2)
         self.llm.sleep(level=level)
+        self._sleep_level = level
+        if level >= 2:
+            self._loaded_path = None
 
     def wake_up(self) -> None:
-        """Restore what ``sleep`` freed."""
-        self.llm.wake_up()
+        """Restore what ``sleep`` freed (weights reloaded after a level-2 sleep)."""
+        self._ensure_ready()
+
+    def close(self) -> None:
+        """Shut the engine down and free its GPU memory (``LLM.shutdown`` where the release has
+        it, then vLLM's ``cleanup_dist_env_and_memory``); the engine is unusable afterwards."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        shutdown = getattr(llm, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del llm
+        gc.collect()
+        _cleanup_vllm()
+        from rft_core.models.logprobs import release_device_memory
+
+        release_device_memory()
+
+
+def get_vllm_engine(model_path: str, *, eos_ids: set[int], lora_path: str | None = None, **settings: Any) -> VLLMEngine:
+    """The process's cached ``VLLMEngine`` serving ``model_path`` (+ ``lora_path``): reused, with
+    ``load_policy`` pointing it at the new checkpoint, when the engine settings (``VLLMEngine``'s
+    keyword arguments) and ``checkpoint_key`` match; otherwise the cached engine is closed and a
+    new one built. Use it where an engine is made per rollout (``make_engine``)."""
+    key = ("vllm", checkpoint_key(model_path, lora_path), tuple(sorted(settings.items())))
+    engine, reused = ENGINE_CACHE.get(key, lambda: VLLMEngine(model_path, eos_ids=eos_ids, lora_path=lora_path,
+                                                              **settings))
+    if reused:
+        engine.eos_ids = set(eos_ids)
+        engine.load_policy(model_path, lora_path)
+    return engine
+
+
+def release_vllm_engine() -> bool:
+    """Close the process's cached vLLM engine, if the cached engine is one; True if closed."""
+    return ENGINE_CACHE.release(VLLMEngine)

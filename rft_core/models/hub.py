@@ -7,6 +7,8 @@ Imports no other ``rft_core.models`` module, so every loader can build on it.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import logging
 import os
@@ -128,15 +130,53 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def attn_implementation(dtype: str = "float32") -> str:
-    """``flash_attention_2`` when the flash_attn package is installed, a GPU is present and the
-    dtype is 16-bit (what flash-attn supports); ``sdpa`` (torch's scaled_dot_product_attention)
-    otherwise. ``$RFT_ATTN_IMPLEMENTATION`` overrides."""
+    """``flash_attention_2`` when flash-attn works here (``flash_attn_usable``), a GPU is present
+    and the dtype is 16-bit (what flash-attn supports); ``sdpa`` (torch's
+    scaled_dot_product_attention) otherwise, including when flash-attn is installed but broken
+    (a warning says why). ``$RFT_ATTN_IMPLEMENTATION`` overrides."""
     if os.environ.get("RFT_ATTN_IMPLEMENTATION"):
         return os.environ["RFT_ATTN_IMPLEMENTATION"]
     if (importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
-            and torch_dtype(dtype) in (torch.bfloat16, torch.float16)):
+            and torch_dtype(dtype) in (torch.bfloat16, torch.float16) and flash_attn_usable()):
         return "flash_attention_2"
     return "sdpa"
+
+
+@functools.lru_cache(maxsize=1)
+def flash_attn_usable() -> bool:
+    """Whether the installed flash-attn can serve transformers' ``flash_attention_2``: transformers
+    accepts it (``transformers.utils.is_flash_attn_2_available``: version, CUDA) and it imports,
+    CUDA extension included (``import flash_attn`` loads ``flash_attn_2_cuda``). A failing import
+    (a wheel built for another torch/CUDA: undefined symbols, a missing library) is logged as a
+    warning and answers False, so models load with sdpa instead of failing. Cached per process
+    (``flash_attn_usable.cache_clear()`` to probe again)."""
+    from transformers.utils import is_flash_attn_2_available
+
+    if not is_flash_attn_2_available():
+        log.warning("flash-attn is installed but transformers cannot use it (version or CUDA): using sdpa attention")
+        return False
+    try:
+        importlib.import_module("flash_attn")
+    except Exception as e:  # noqa: BLE001  ImportError, OSError (a missing .so), RuntimeError from the extension
+        log.warning("flash-attn is installed but does not import (%s: %s): using sdpa attention", type(e).__name__, e)
+        return False
+    return True
+
+
+def configure_cuda_backends() -> bool:
+    """Allow TF32 tensor cores for float32 matmuls and cuDNN convolutions on CUDA
+    (``torch.set_float32_matmul_precision("high")``, ``torch.backends.cudnn.allow_tf32``); float32
+    matmuls then round their inputs to TF32's 10-bit mantissa (PyTorch docs, "TensorFloat-32 (TF32)
+    on Ampere (and later) devices"). A no-op without CUDA (CPU numerics unchanged).
+
+    Returns:
+        True if the flags were set (CUDA is available).
+    """
+    if not torch.cuda.is_available():
+        return False
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    return True
 
 
 def set_trainable(model, trainable: bool):

@@ -6,6 +6,11 @@ Position ids are cumsum(attention_mask) - 1, so left padding does not shift posi
 ``generate`` does too). Only the last T+1 positions' logits are materialised
 (``logits_to_keep``), in micro-batches, and log p(token) = logit[token] - logsumexp(logits).
 
+Memory: the (B, T+1, V) logits stay in the model's dtype (bfloat16 on a GPU); ``token_logprobs``
+reads them ``chunk_size`` positions at a time, so the float32 temporaries are (chunk, V), never
+(B, T, V), in the forward pass and in the backward pass (a custom autograd function recomputes
+each chunk's softmax from the saved logits and the per-position logsumexp).
+
 Packed layout (``build_packed_batch``): the sequences of a micro-batch are concatenated into one
 row without padding, position ids restarting at 0 for each sequence and no attention mask, so
 transformers builds attention that never crosses sequences (a block-diagonal causal mask for
@@ -19,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from schemas.experience import zero_pad_sequences
+
+CHUNK_BYTES = 64 * 2**20  # float32 bytes of one (chunk, V) temporary when chunk_size is None
 
 
 @dataclass
@@ -73,10 +80,11 @@ def build_token_batch(prompts: list[list[int]], responses: list[list[int]], *, p
 
 def response_logprobs(
     model: torch.nn.Module,
-    batch: "TokenBatch | PackedBatch",
+    batch: TokenBatch | PackedBatch,
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally entropies) of the response tokens, in one forward pass.
 
@@ -85,12 +93,15 @@ def response_logprobs(
         batch: see ``build_token_batch`` (or ``build_packed_batch``); all of it goes through one
             forward pass, so keep it small (the caller micro-batches).
         temperature: logits are divided by it (the sampling temperature of the rollout).
+        chunk_size: positions per chunk of ``token_logprobs`` (None: ``default_chunk_size``).
     Returns:
-        (logprobs, entropy): (B, T) float32 each (entropy None unless asked); values at
-        positions where action_mask is False are meaningless but finite.
+        (logprobs, entropy): (B, T) float32 each (entropy None unless asked), differentiable
+        w.r.t. the model's parameters; values at positions where action_mask is False are
+        meaningless but finite.
     """
     if isinstance(batch, PackedBatch):
-        return packed_response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy)
+        return packed_response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy,
+                                        chunk_size=chunk_size)
     T = batch.num_actions
     device = model_device(model)
     if batch.model_inputs:  # VL: the model derives its 3-D positions from the mask and the image grid
@@ -99,8 +110,13 @@ def response_logprobs(
         extra = {"position_ids": batch.position_ids.to(device)}
     out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
                 logits_to_keep=T + 1, use_cache=False, **extra)
-    logits = out.logits[:, :-1, :].float()  # logits at column j predict the token at column j+1
-    return _token_logprobs(logits, batch.input_ids[:, -T:].to(device), temperature=temperature, with_entropy=with_entropy)
+    # logits at column j predict the token at column j+1; the last column predicts nothing (target 0,
+    # result dropped), which keeps the (B, T+1, V) logits a contiguous view instead of a sliced copy
+    targets = torch.zeros(batch.input_ids.shape[0], T + 1, dtype=torch.long, device=device)
+    targets[:, :T] = batch.input_ids[:, -T:].to(device)
+    lp, ent = token_logprobs(out.logits, targets, temperature=temperature, with_entropy=with_entropy,
+                             chunk_size=chunk_size)
+    return lp[:, :T].contiguous(), (ent[:, :T].contiguous() if ent is not None else None)
 
 
 def default_device() -> torch.device:
@@ -111,7 +127,7 @@ def default_device() -> torch.device:
     if os.environ.get("RFT_DEVICE"):
         return torch.device(os.environ["RFT_DEVICE"])
     if torch.cuda.is_available():
-        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
     return torch.device("cpu")
 
 
@@ -133,19 +149,124 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float,
-                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target) = logit[target] / temp - logsumexp(logits / temp) and, if asked, the entropy
-    H = logsumexp - sum(p * logits) of the same distribution; shapes (..., V) -> (...)."""
-    if temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = None
-    if with_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        entropy = lse - (probs * logits).sum(-1)
-    return logprobs, entropy
+def release_device_memory() -> None:
+    """Return the CUDA caching allocator's unused blocks to the driver (``torch.cuda.empty_cache``
+    after a garbage collection); a no-op without CUDA. Call it after a stage drops its model, so a
+    colocated engine (vLLM's startup free-memory check, SGLang) sees the memory as free."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Positions per chunk of ``token_logprobs``: one float32 (chunk, V) temporary is about
+    ``CHUNK_BYTES`` (64 MiB: 341 positions for a 49,152-token vocabulary, 110 for 151,936)."""
+    return max(1, CHUNK_BYTES // (4 * max(int(vocab_size), 1)))
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                   with_entropy: bool = False, chunk_size: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(target) and the entropy of softmax(logits / temperature), ``chunk_size`` positions at
+    a time, with bounded extra memory in the forward and the backward pass.
+
+    With x = logits / temperature (in float32, float64 for float64 logits) and
+    lse = logsumexp(x): log p(target) = x[target] - lse and H = -sum_v p_v log p_v with
+    log p = x - lse (the entropy of the categorical distribution). Only one (chunk, V) slice of the
+    logits is converted to float32 at a time; the backward pass recomputes each chunk's softmax
+    from the saved logits and lse instead of keeping any (N, V) float32 tensor:
+    d log p(t)/dx_v = 1[v = t] - p_v and dH/dx_v = -p_v (log p_v + H) (so the gradient w.r.t.
+    the logits is these divided by the temperature). Same values as
+    ``log_softmax(logits / temperature).gather(...)`` (verl ``logprobs_from_logits``,
+    ``verl/utils/torch_functional.py``; OpenRLHF ``log_probs_from_logits``,
+    ``openrlhf/models/utils.py``), which need a full-size softmax.
+
+    Args:
+        logits: (..., V) any float dtype (the model's: bfloat16 on a GPU); its leading dims are
+            flattened with ``reshape`` (a view for a contiguous tensor).
+        targets: (...) int64 token ids in [0, V).
+        temperature: > 0.
+        with_entropy: also return the entropies.
+        chunk_size: positions per chunk (None: ``default_chunk_size(V)``).
+    Returns:
+        (logprobs, entropy): float32 tensors of targets' shape (float64 for float64 logits);
+        entropy None unless asked. Differentiable w.r.t. ``logits``.
+    Raises:
+        ValueError: shapes that do not match, a temperature <= 0 or a chunk_size < 1.
+    """
+    if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(targets.shape):
+        raise ValueError(f"token_logprobs: logits {tuple(logits.shape)} do not match targets {tuple(targets.shape)} "
+                         "(expected logits of shape targets.shape + (V,))")
+    if not temperature > 0:
+        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
+    V = logits.shape[-1]
+    chunk = default_chunk_size(V) if chunk_size is None else int(chunk_size)
+    if chunk < 1:
+        raise ValueError(f"token_logprobs: chunk_size must be >= 1, got {chunk_size}")
+    lp, ent = _ChunkedTokenLogprobs.apply(logits.reshape(-1, V), targets.reshape(-1).to(logits.device),
+                                          float(temperature), bool(with_entropy), chunk)
+    return lp.view(targets.shape), (ent.view(targets.shape) if with_entropy else None)
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """(N, V) logits, (N,) targets -> (N,) log-probs and (N,) entropies (empty when not asked);
+    see ``token_logprobs``. Saves the logits (no copy), targets, lse and entropies."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, with_entropy, chunk):
+        N = logits.shape[0]
+        dtype = _compute_dtype(logits)
+        logprobs = torch.empty(N, dtype=dtype, device=logits.device)
+        lse = torch.empty(N, dtype=dtype, device=logits.device)
+        entropy = torch.empty(N if with_entropy else 0, dtype=dtype, device=logits.device)
+        for s in range(0, N, chunk):
+            e = min(s + chunk, N)
+            x = _scaled_chunk(logits, s, e, dtype, temperature)
+            lse_c = torch.logsumexp(x, dim=-1)
+            lse[s:e] = lse_c
+            logprobs[s:e] = x.gather(-1, targets[s:e, None]).squeeze(-1) - lse_c
+            if with_entropy:  # H = -sum_v p_v log p_v with log p = x - lse (no cancellation against lse)
+                logp = x.sub_(lse_c[:, None])
+                entropy[s:e] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        use_ent = grad_ent is not None and entropy.numel() > 0
+        grad = torch.empty_like(logits)
+        dtype = lse.dtype
+        for s in range(0, logits.shape[0], chunk):
+            e = min(s + chunk, logits.shape[0])
+            logp = _scaled_chunk(logits, s, e, dtype, T).sub_(lse[s:e, None])
+            p = logp.exp()
+            if grad_lp is not None:  # g_lp * (onehot(t) - p)
+                g = p * (-grad_lp[s:e, None].to(dtype))
+                g.scatter_add_(-1, targets[s:e, None], grad_lp[s:e, None].to(dtype))
+            else:
+                g = torch.zeros_like(p)
+            if use_ent:  # - g_H * p * (log p + H)
+                logp.add_(entropy[s:e, None]).mul_(p).mul_(grad_ent[s:e, None].to(dtype))
+                g.sub_(logp)
+            grad[s:e] = g.div_(T)
+        return grad, None, None, None, None
+
+
+def _scaled_chunk(logits: torch.Tensor, s: int, e: int, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """logits[s:e] / temperature as a new (e - s, V) tensor of ``dtype`` (one allocation)."""
+    x = logits[s:e].to(dtype, copy=True)
+    return x.div_(temperature) if temperature != 1.0 else x
 
 
 @dataclass
@@ -200,9 +321,11 @@ def build_packed_batch(prompts: list[list[int]], responses: list[list[int]]) -> 
 
 
 def packed_response_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0,
-                             with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                             with_entropy: bool = False, chunk_size: int | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``response_logprobs`` for a packed batch: same (B, T) float32 outputs (zero where
-    action_mask is False), differentiable."""
+    action_mask is False), differentiable; the (M, V) logits of the M response positions go
+    through ``token_logprobs`` in chunks."""
     device = model_device(model)
     mask = batch.action_mask.to(device)
     B, T = mask.shape
@@ -211,8 +334,8 @@ def packed_response_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temp
         return zeros, (zeros.clone() if with_entropy else None)
     out = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device), attention_mask=None,
                 logits_to_keep=batch.logit_index.to(device), use_cache=False)
-    flat_lp, flat_ent = _token_logprobs(out.logits[0].float(), batch.target_ids.to(device), temperature=temperature,
-                                        with_entropy=with_entropy)
+    flat_lp, flat_ent = token_logprobs(out.logits[0], batch.target_ids.to(device), temperature=temperature,
+                                       with_entropy=with_entropy, chunk_size=chunk_size)
     logprobs = torch.zeros(B, T, device=device, dtype=flat_lp.dtype).masked_scatter(mask, flat_lp)
     entropy = None
     if flat_ent is not None:
@@ -234,6 +357,7 @@ def batched_response_logprobs(
     progress=None,
     images: list[list[bytes]] | None = None,
     processor=None,
+    chunk_size: int | None = None,
 ) -> list[list[float]] | tuple[list[list[float]], list[list[float]]]:
     """Unpadded per-sample log-prob lists (len = len(response)) for any number of samples.
 
@@ -242,7 +366,7 @@ def batched_response_logprobs(
     ``packing``: each micro-batch goes through the model as one packed row (no padding).
     ``progress``: optional callable(done, total) called after each micro-batch (samples).
     ``images``, ``processor``: a vision-language model's per-sample images and its
-    ``VLProcessor`` (``with_vision``).
+    ``VLProcessor`` (``with_vision``). ``chunk_size``: see ``token_logprobs``.
     """
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
     result: list[list[float]] = [[] for _ in prompts]
@@ -253,7 +377,8 @@ def batched_response_logprobs(
         batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
         if processor is not None:
             batch = with_vision(batch, processor, [images[i] for i in idx])
-        lp, ent = response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy)
+        lp, ent = response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy,
+                                    chunk_size=chunk_size)
         lp, ent = lp.cpu(), (ent.cpu() if ent is not None else None)
         for row, i in enumerate(idx):
             result[i] = lp[row, : len(responses[i])].tolist()

@@ -13,6 +13,7 @@ pytest.importorskip("prefect_ray")
 from rft_core.config import RunnerConfig  # noqa: E402
 from rft_core.stages import prompts as prompts_stage  # noqa: E402
 from rft_core.stages import rollout as rollout_stage  # noqa: E402
+from rft_core.stages.contracts import PromptsInput, RolloutInput  # noqa: E402
 from schemas import read_manifest, read_shard  # noqa: E402
 from tests.flows.conftest import flow_cfg  # noqa: E402
 
@@ -23,14 +24,15 @@ def test_two_ray_shards_union_equals_single_worker_rollout(prefect_harness, tiny
     # 4 prompts x 2 samples in batches of 4 sequences: 2 engine batches, one per shard
     cfg = flow_cfg(tiny_model, tmp_path / "run", **{"data.prompts_per_iteration": 4, "rollout.n_samples_per_prompt": 2,
                                                     "rollout.batch_size": 4, "rollout.max_new_tokens": 5})
-    p = prompts_stage.run(cfg.data, tokenizer_path=tiny_model, iteration=1, out=str(tmp_path / "prompts"))
-    single = rollout_stage.run(p, tiny_model, cfg.rollout, iteration=1, out=str(tmp_path / "single"))
+    p = prompts_stage.run(PromptsInput(data=cfg.data, tokenizer_path=tiny_model, iteration=1, out=str(tmp_path / "prompts")))
+    inp = RolloutInput(prompts=p, policy=tiny_model, rollout=cfg.rollout, iteration=1, out=str(tmp_path / "single"))
+    single = rollout_stage.run(inp)
     # Ray workers default to 1 torch thread; the same thread count as here gives bit-equal matmuls
     threads = {"env_vars": {"OMP_NUM_THREADS": str(torch.get_num_threads())}}
     runner = RunnerConfig(shards=2, ray_init_kwargs={"num_cpus": 2, "include_dashboard": False,
                                                      "_node_ip_address": "127.0.0.1", "runtime_env": threads})
     out = str(tmp_path / "fanout" / "rollout")
-    merged = sharded_rollout(p, tiny_model, cfg.rollout, 1, out, "float32", 0, runner)
+    merged = sharded_rollout(inp.model_copy(update={"out": out}), runner)
     assert merged.config_hash == single.config_hash and merged.num_rows == single.num_rows == 8
     want, _ = read_manifest(single.uri)
     got, _ = read_manifest(merged.uri)

@@ -1,10 +1,13 @@
-"""Offline replay: another estimator on a saved run equals a direct run with that estimator."""
+"""Offline replay: another estimator on a saved run equals a direct run with that estimator;
+a replay runs its stages where ``runners`` says, as training does."""
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
 
-from schemas import read_shard
+from schemas import read_manifest, read_shard
 from tests.flows.conftest import flow_cfg
 
 
@@ -30,6 +33,25 @@ def test_replay_with_other_estimator_matches_direct_run(prefect_harness, tiny_mo
     assert (root / "_REPLAY.json").exists() and (root / "metrics.jsonl").exists()
     assert [m["iteration"] for m in result.metrics] == [1, 2]
     assert read_shard(f"{result.final_policy.uri}").num_rows == 1
+
+    # the same replay with the update in a subprocess (runners.ppo_update): the same commits
+    sub = flow_cfg(tiny_model, tmp_path / "replay-sub", iterations=1, runners={"ppo_update": {"mode": "subprocess"}},
+                   **{"advantage.estimator": "rloo", "update.lr": 2e-3})
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    task_logger = logging.getLogger("prefect.task_runs")  # the task logger gets the subprocess's output lines
+    task_logger.addHandler(handler)
+    try:
+        replay(grpo.run_root, sub)
+    finally:
+        task_logger.removeHandler(handler)
+    assert any("rft_core.stages: ppo_update committed" in line for line in lines), lines[-10:]
+    want, _ = read_manifest(str(root / "iter=000001/ppo_update"))
+    got, _ = read_manifest(str(tmp_path / "replay-sub/iter=000001/ppo_update"))
+    # same metrics rows and weights, byte for byte (the config hashes differ: each chains its own
+    # advantages manifest, whose timestamp differs)
+    assert [(f.path, f.sha256) for f in got.files] == [(f.path, f.sha256) for f in want.files]
 
 
 def test_replay_refuses_missing_inputs(prefect_harness, tiny_model, tmp_path, fake_rewards):

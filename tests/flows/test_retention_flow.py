@@ -15,11 +15,11 @@ def test_keep_last_prunes_old_checkpoints_and_resume_still_works(prefect_harness
                                                                   monkeypatch):
     from flows.train import train
     from rft_core.stages import update as update_stage
-    from rft_core.training import update as update_lib
+    from rft_core.training import strategy as strategy_lib
 
     cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=3, **{"checkpoint.keep_last": 1, "checkpoint.prune": "weights"})
     root = Path(cfg.run_root)
-    real_update, real_load = update_stage.ppo_update, update_lib.load_optimizer_state
+    real_update, real_load = update_stage.ppo_update, strategy_lib.load_optimizer_state
     calls, loaded = {"n": 0}, []
 
     def failing_third_time(*a, **kw):
@@ -34,7 +34,7 @@ def test_keep_last_prunes_old_checkpoints_and_resume_still_works(prefect_harness
         return ok
 
     monkeypatch.setattr(update_stage, "ppo_update", failing_third_time)
-    monkeypatch.setattr(update_stage, "load_optimizer_state", spy_load)
+    monkeypatch.setattr(strategy_lib, "load_optimizer_state", spy_load)
     with pytest.raises(RuntimeError, match="injected fault"):
         train(cfg)
     it = {i: root / f"iter={i:06d}" / "ppo_update" for i in (1, 2, 3)}

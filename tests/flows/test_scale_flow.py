@@ -1,7 +1,6 @@
 """Scale features inside the flow: stage programs run as subprocesses, LoRA iterations."""
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 

@@ -3,24 +3,18 @@
 the server has a `gpu`/`cpu` tag concurrency limit."""
 from __future__ import annotations
 
-import pytest
 
 import tasks
-import tasks.stages as ts
 from tests.flows.conftest import flow_cfg
 
 
 def test_stage_tasks_tag_by_stage_kind():
-    off, on = tasks.StageTasks(False), tasks.StageTasks(True)
-    for name in tasks.STAGE_TASKS:
-        assert getattr(off, name) is getattr(ts, name) and not getattr(ts, name).tags
-        assert getattr(on, name).tags == ({"gpu"} if name in tasks.DEVICE_STAGES else {"cpu"})
-        assert getattr(on, name).fn is getattr(ts, name).fn
-    assert {n for n in tasks.STAGE_TASKS if getattr(on, n).tags == {"gpu"}} == {
-        "rollout", "rollout_shard", "actor_logprobs", "ref_logprobs", "critic_values", "critic_update", "ppo_update",
-        "eval_generate"}
-    with pytest.raises(AttributeError, match="no stage task 'rolout'; stage tasks: actor_logprobs"):
-        on.rolout
+    for task in tasks.STAGE_TASKS:
+        assert tasks.tagged(task, False) is task and not task.tags
+        on = tasks.tagged(task, True)
+        assert on.tags == ({"gpu"} if task.name in tasks.DEVICE_STAGES else {"cpu"}) and on.fn is task.fn
+    assert {t.name for t in tasks.STAGE_TASKS if tasks.tagged(t, True).tags == {"gpu"}} == {
+        "rollout", "actor_logprobs", "ref_logprobs", "critic_values", "critic_update", "ppo_update", "eval_generate"}
     assert tasks.resolve_concurrency_tags(True) is True and tasks.resolve_concurrency_tags(False) is False
 
 

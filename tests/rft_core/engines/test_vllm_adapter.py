@@ -1,57 +1,56 @@
 """The vLLM engine adapter against the engine interface, with the HF engine standing in for
-``vllm.LLM`` (no GPU here): request building, per-prompt seeds, output conversion (EOS cut,
-finish reasons, log-probs), shards, FIRE refusal, and the rollout stage with engine=vllm."""
+``vllm.LLM`` (no GPU here): one generate call for all prompts, one seed per sample (distinct over
+realistic rollouts), output conversion (EOS cut, finish reasons, log-probs), shards, FIRE
+refusal, the engine dtype, the process-level engine cache (weights reloaded in place through the
+worker extension, sleep/wake, release) and LoRA requests."""
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from rft_core.config import load_config
+from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, engine_dtype, release_engine, sample_seed
+from rft_core.engines import vllm as vllm_module
 from rft_core.engines.hf import HFEngine
-from rft_core.engines.vllm import VLLMEngine
+from rft_core.engines.vllm import VLLMEngine, WeightReloadExtension, get_vllm_engine, release_vllm_engine
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.logprobs import batched_response_logprobs
+from tests.rft_core.engines.fakes import HFBackedLLM, SamplingParams
 
 PROMPTS = [[1, 20, 30, 31, 32], [1, 40], [7], [1, 50, 51]]
-
-
-class SamplingParams(SimpleNamespace):
-    """vllm.SamplingParams' keyword arguments, recorded."""
-
-
-class HFBackedLLM:
-    """``vllm.LLM.generate`` semantics on the HF engine: one request per prompt with n samples
-    from its own seed; CompletionOutputs carry the sampled token ids (EOS included), one
-    {token: Logprob} per token and finish_reason "stop"/"length"."""
-
-    def __init__(self, model, tok, *, eos_early=None):
-        self.hf = HFEngine(model, tok)
-        self.calls = []
-        self.eos_early = eos_early  # force this token at step 2 of sample 0 to exercise the EOS cut
-
-    def generate(self, requests, params, use_tqdm=False, lora_request=None):
-        self.calls.append((requests, params, lora_request))
-        outs = []
-        for req, sp in zip(requests, params):
-            assert sp.logprobs == 0 and sp.detokenize is False and sorted(self.hf.eos_ids) == sp.stop_token_ids
-            gens = self.hf.generate([req["prompt_token_ids"]], n_samples_per_prompt=sp.n, max_new_tokens=sp.max_tokens,
-                                    temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed, batch_size=sp.n)
-            completions = []
-            for g in gens:
-                tokens, lps, finish = list(g.response_token_ids), list(g.logprobs), g.finish_reason
-                if self.eos_early is not None and g.sample_index == 0 and len(tokens) >= 3:
-                    tokens, lps, finish = tokens[:2] + [self.eos_early] + tokens[3:], lps, "length"
-                completions.append(SimpleNamespace(
-                    token_ids=tokens, finish_reason=finish, stop_reason=None,
-                    logprobs=[{t: SimpleNamespace(logprob=lp, rank=1)} for t, lp in zip(tokens, lps)]))
-            outs.append(SimpleNamespace(outputs=completions))
-        return outs
 
 
 @pytest.fixture(scope="module")
 def parts(tiny_model):
     return load_causal_lm(tiny_model), load_tokenizer(tiny_model)
+
+
+@pytest.fixture(autouse=True)
+def _empty_engine_cache():
+    release_engine()
+    yield
+    release_engine()
+
+
+@pytest.fixture
+def fake_vllm(parts, monkeypatch):
+    """build_llm replaced by a recorder returning an HFBackedLLM on a fresh copy of the tiny model."""
+    model, tok = parts
+    built: list[dict] = []
+
+    def build(**kwargs):
+        built.append(kwargs)
+        fresh = type(model)(model.config)
+        fresh.load_state_dict(model.state_dict())
+        return HFBackedLLM(fresh.eval(), tok)
+
+    monkeypatch.setattr(vllm_module, "build_llm", build)
+    monkeypatch.setattr(vllm_module, "vllm_sampling_params", lambda: SamplingParams)
+    monkeypatch.setattr(vllm_module, "lora_request", lambda path, lora_id=1: ("lora", path, lora_id))
+    return built
 
 
 def _engine(parts, **kw):
@@ -60,20 +59,51 @@ def _engine(parts, **kw):
     return VLLMEngine("unused", eos_ids=HFEngine(model, tok).eos_ids, llm=llm, sampling_params=SamplingParams), llm
 
 
+def _teacher_forced(model, tok, prompts, gens, temperature=1.0):
+    return batched_response_logprobs(model, [prompts[g.prompt_index] for g in gens], [g.response_token_ids for g in gens],
+                                     pad_token_id=tok.pad_token_id, temperature=temperature)
+
+
 def test_outputs_follow_the_engine_contract(parts):
     eng, llm = _engine(parts)
     gens = eng.generate(PROMPTS, n_samples_per_prompt=3, max_new_tokens=5, temperature=0.8, batch_size=6, seed=10)
     assert [(g.prompt_index, g.sample_index) for g in gens] == [(p, k) for p in range(4) for k in range(3)]
-    # 2 prompts per call (batch_size 6 // n 3), sorted by length; seeds are per prompt
-    assert [[r["prompt_token_ids"] for r in reqs] for reqs, _, _ in llm.calls] == [[[7], [1, 40]], [[1, 50, 51], [1, 20, 30, 31, 32]]]
-    assert [sp.seed for _, params, _ in llm.calls for sp in params] == [12, 11, 13, 10]
-    assert all(sp.n == 3 and sp.max_tokens == 5 and sp.temperature == 0.8 for _, ps, _ in llm.calls for sp in ps)
+    # one call holds every prompt (vLLM schedules), sorted by length; a seed per sample
+    assert len(llm.calls) == 1
+    requests, params, _ = llm.calls[0]
+    assert [r["prompt_token_ids"] for r in requests] == [[7], [1, 40], [1, 50, 51], [1, 20, 30, 31, 32]]
+    assert [sp.seed for sp in params] == [sample_seed(10, p, 0, 3, bits=VLLM_SEED_BITS) for p in (2, 1, 3, 0)]
+    assert len(set(llm.child_seeds)) == 12 == len(llm.child_seeds)
+    assert all(sp.n == 3 and sp.max_tokens == 5 and sp.temperature == 0.8 for sp in params)
     model, tok = parts
-    want = batched_response_logprobs(model, [PROMPTS[g.prompt_index] for g in gens], [g.response_token_ids for g in gens],
-                                     pad_token_id=tok.pad_token_id, temperature=0.8)
-    for g, lp in zip(gens, want):
+    for g, lp in zip(gens, _teacher_forced(model, tok, PROMPTS, gens, 0.8)):
         assert g.finish_reason in ("stop", "length") and len(g.logprobs) == len(g.response_token_ids)
         assert g.logprobs == pytest.approx(lp, abs=1e-4)
+
+
+def test_seeds_are_distinct_over_realistic_rollouts():
+    """1024 prompts x 16 samples, three iterations seeded as the rollout stage seeds them: every
+    (iteration, prompt, sample) gets its own stream, with vLLM's child seeds (request seed + k)
+    and SGLang's 31-bit per-sample seeds; the previous scheme (seed + prompt index, + k by vLLM)
+    reused streams across neighbouring prompts."""
+    from rft_core.engines import SGLANG_SEED_BITS
+    from rft_core.stages.rollout import SEED_STRIDE
+
+    P, n = 1024, 16
+    vllm_seeds, sglang_seeds, old = [], [], []
+    for iteration in (1, 2, 3):
+        seed = 0 + SEED_STRIDE * iteration
+        for p in range(P):
+            parent = sample_seed(seed, p, 0, n, bits=VLLM_SEED_BITS)
+            vllm_seeds += [parent + k for k in range(n)]
+            sglang_seeds += [sample_seed(seed, p, k, n, bits=SGLANG_SEED_BITS) for k in range(n)]
+            old += [seed + p + k for k in range(n)]
+    assert len(set(vllm_seeds)) == len(vllm_seeds) == 3 * P * n
+    assert len(set(sglang_seeds)) == len(sglang_seeds)
+    assert max(sglang_seeds) < 2**31 and max(vllm_seeds) < 2**63
+    assert len(set(old)) < len(old) / 10
+    with pytest.raises(ValueError, match="sample 3 of prompt 0 with 3 samples"):
+        sample_seed(0, 0, 3, 3, bits=31)
 
 
 def test_response_is_cut_after_the_first_eos(parts):
@@ -85,60 +115,173 @@ def test_response_is_cut_after_the_first_eos(parts):
 
 
 def test_shards_union_equals_the_whole_and_fire_is_refused(parts):
-    eng, _ = _engine(parts)
-    kw = dict(n_samples_per_prompt=2, max_new_tokens=4, batch_size=2, seed=5)
+    eng, llm = _engine(parts)
+    kw = {"n_samples_per_prompt": 2, "max_new_tokens": 4, "batch_size": 2, "seed": 5}
     whole = eng.generate(PROMPTS, **kw)
     n_batches = len(eng.batches(PROMPTS, 2, 2))
     halves = [eng.generate(PROMPTS, only_batches={b for b in range(n_batches) if b % 2 == i}, **kw) for i in range(2)]
-    key = lambda g: (g.prompt_index, g.sample_index)  # noqa: E731
-    assert sorted(halves[0] + halves[1], key=key) == whole
+    assert sorted(halves[0] + halves[1], key=lambda g: (g.prompt_index, g.sample_index)) == whole
+    assert [len(reqs) for reqs, _, _ in llm.calls] == [4, 2, 2]  # one call per generate
     with pytest.raises(NotImplementedError, match="FIRE"):
         eng.generate(PROMPTS, first_token_temperature=2.0, **kw)
 
 
-def test_rollout_stage_with_engine_vllm(parts, tiny_model, tmp_path, monkeypatch):
-    from rft_core.engines import vllm as vllm_module
-    from rft_core.stages import prompts as prompts_stage
-    from rft_core.stages import rollout as rollout_stage
-    from schemas import read_shard
-
-    model, tok = parts
-    built = {}
-
-    def fake_build_llm(**kwargs):
-        built.update(kwargs)
-        return HFBackedLLM(model, tok)
-
-    monkeypatch.setattr(vllm_module, "build_llm", fake_build_llm)
-    monkeypatch.setattr(vllm_module, "vllm_sampling_params", lambda: SamplingParams)
-    cfg = load_config(None, {"policy.path": tiny_model, "data.prompts_per_iteration": 2, "data.size": 20,
-                             "rollout.engine": "vllm", "rollout.n_samples_per_prompt": 2, "rollout.max_new_tokens": 4,
-                             "rollout.vllm": {"gpu_memory_utilization": 0.3}})
-    p = prompts_stage.run(cfg.data, tokenizer_path=tiny_model, iteration=1, out=str(tmp_path / "prompts"))
-    ref = rollout_stage.run(p, tiny_model, cfg.rollout, iteration=1, out=str(tmp_path / "rollout"))
-    t = read_shard(ref).to_pydict()
-    assert built["model"] == tiny_model and built["gpu_memory_utilization"] == 0.3
-    assert built["logprobs_mode"] == "processed_logprobs" and "enable_lora" not in built
-    assert t["sample_id"] == [f"{pid}#{k}" for pid in read_shard(p).column("prompt_id").to_pylist() for k in range(2)]
-    assert all(len(lp) == len(r) > 0 for lp, r in zip(t["rollout_logprobs"], t["response_token_ids"]))
+def test_engine_dtype(monkeypatch, caplog):
+    assert engine_dtype("bfloat16") == "bfloat16" and engine_dtype("float16", bf16_supported=False) == "float16"
+    with caplog.at_level(logging.INFO, logger="rft_core.engines"):
+        assert engine_dtype("float32", bf16_supported=True) == "bfloat16"
+        assert engine_dtype("auto", bf16_supported=False) == "float16"
+    assert "policy dtype float32: the rollout engine runs in bfloat16" in caplog.text
+    with pytest.raises(ValueError, match="unknown policy dtype 'fp8'"):
+        engine_dtype("fp8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert engine_dtype("float32") == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert engine_dtype("auto") == "float16"
 
 
-def test_lora_policy_is_served_as_a_vllm_lora_request(parts, tiny_model, tmp_path, monkeypatch):
-    from rft_core.engines import vllm as vllm_module
-    from rft_core.models.lora import apply_lora
+def test_make_engine_builds_vllm_with_the_mapped_dtype(tiny_model, fake_vllm):
     from rft_core.stages.rollout import make_engine
 
+    cfg = load_config(None, {"rollout.engine": "vllm", "rollout.vllm": {"gpu_memory_utilization": 0.3}}).rollout
+    engine, _ = make_engine(cfg, tiny_model, dtype="float32")
+    built = fake_vllm[-1]
+    assert built["model"] == tiny_model and built["gpu_memory_utilization"] == 0.3
+    assert built["logprobs_mode"] == "processed_logprobs" and "enable_lora" not in built
+    assert built["dtype"] == "float16"  # float32 policy, no bfloat16 on this CPU
+    assert built["worker_extension_cls"] == "rft_core.engines.vllm.WeightReloadExtension"
+    gens = engine.generate(PROMPTS[:2], n_samples_per_prompt=2, max_new_tokens=3)
+    assert all(len(g.logprobs) == len(g.response_token_ids) > 0 for g in gens)
+
+
+def _perturbed_checkpoint(tiny_model, out, scale=0.5, seed=0):
+    model = load_causal_lm(tiny_model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    load_tokenizer(tiny_model).save_pretrained(out)
+    return str(out), model
+
+
+def test_cached_engine_reloads_a_new_checkpoint_in_place(parts, tiny_model, tmp_path, fake_vllm):
     model, tok = parts
-    adapter = tmp_path / "policy"
-    apply_lora(load_causal_lm(tiny_model, trainable=True), rank=2, alpha=4.0, dropout=0.0, target_modules="all-linear",
-               base_path=tiny_model).save_pretrained(adapter)
-    tok.save_pretrained(adapter)
-    built = {}
-    monkeypatch.setattr(vllm_module, "build_llm", lambda **kw: built.update(kw) or HFBackedLLM(model, tok))
-    monkeypatch.setattr(vllm_module, "vllm_sampling_params", lambda: SamplingParams)
-    monkeypatch.setattr(vllm_module, "lora_request", lambda path: ("lora", path))
-    cfg = load_config(None, {"rollout.engine": "vllm"}).rollout
-    engine, _ = make_engine(cfg, str(adapter), dtype="bfloat16")
-    assert built["model"] == tiny_model and built["enable_lora"] is True and built["dtype"] == "bfloat16"
+    eos = HFEngine(model, tok).eos_ids
+    settings = {"gpu_memory_utilization": 0.4, "dtype": "bfloat16"}
+    first = get_vllm_engine(tiny_model, eos_ids=eos, **settings)
+    first.generate(PROMPTS, n_samples_per_prompt=2, max_new_tokens=3, seed=1)
+    new_path, new_model = _perturbed_checkpoint(tiny_model, tmp_path / "iter2")
+    again = get_vllm_engine(new_path, eos_ids=eos, **settings)
+    assert again is first and len(fake_vllm) == 1  # no second LLM
+    gens = again.generate(PROMPTS, n_samples_per_prompt=2, max_new_tokens=4, seed=2)
+    assert ("collective_rpc", "rft_reload_weights", (new_path,)) in again.llm.events
+    i = again.llm.events.index(("collective_rpc", "rft_reload_weights", (new_path,)))
+    assert again.llm.events[i + 1] == ("reset_prefix_cache",) and again.llm.events[i + 2][0] == "generate"
+    # the samples and their log-probs are the new checkpoint's
+    for g, lp in zip(gens, _teacher_forced(new_model, tok, PROMPTS, gens)):
+        assert g.logprobs == pytest.approx(lp, abs=1e-4)
+    # the same checkpoint again: no reload
+    n_events = len(again.llm.events)
+    get_vllm_engine(new_path, eos_ids=eos, **settings).generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    assert [e[0] for e in again.llm.events[n_events:]] == ["generate"]
+    # other engine settings: the old engine is shut down, a new one built
+    old_llm = again.llm
+    other = get_vllm_engine(new_path, eos_ids=eos, gpu_memory_utilization=0.6, dtype="bfloat16")
+    assert other is not first and len(fake_vllm) == 2 and old_llm.events[-1] == ("shutdown",)
+    assert first.llm is None
+    assert release_vllm_engine() is True and ENGINE_CACHE.peek() is None and release_vllm_engine() is False
+
+
+def test_sleep_mode_frees_the_gpu_between_rollouts(parts, tiny_model, tmp_path, fake_vllm):
+    model, tok = parts
+    eos = HFEngine(model, tok).eos_ids
+    engine = get_vllm_engine(tiny_model, eos_ids=eos, enable_sleep_mode=True)
+    engine.generate(PROMPTS[:2], n_samples_per_prompt=1, max_new_tokens=2)
+    assert engine.llm.events == [("generate", 2), ("sleep", 2)]  # full weights: discarded, reloaded next time
+    new_path, _ = _perturbed_checkpoint(tiny_model, tmp_path / "next")
+    get_vllm_engine(new_path, eos_ids=eos, enable_sleep_mode=True).generate(PROMPTS[:2], n_samples_per_prompt=1,
+                                                                            max_new_tokens=2)
+    assert engine.llm.events[2:] == [("wake_up", ("weights",)), ("collective_rpc", "rft_reload_weights", (new_path,)),
+                                     ("reset_prefix_cache",), ("wake_up", ("kv_cache",)), ("generate", 2), ("sleep", 2)]
+    # after a level-2 sleep even the same checkpoint is reloaded (its weights were discarded)
     engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
-    assert engine.llm.calls[0][2] == ("lora", str(adapter))
+    assert ("collective_rpc", "rft_reload_weights", (new_path,)) in engine.llm.events[8:]
+
+
+def _adapter(tiny_model, out, seed):
+    from rft_core.models.lora import apply_lora
+
+    torch.manual_seed(seed)
+    apply_lora(load_causal_lm(tiny_model, trainable=True), rank=2, alpha=4.0, dropout=0.0, target_modules="all-linear",
+               base_path=tiny_model).save_pretrained(out)
+    load_tokenizer(tiny_model).save_pretrained(out)
+    return str(out)
+
+
+def test_lora_policy_is_served_as_a_vllm_lora_request(parts, tiny_model, tmp_path, fake_vllm):
+    from rft_core.stages.rollout import make_engine
+
+    adapter = _adapter(tiny_model, tmp_path / "policy", 0)
+    cfg = load_config(None, {"rollout.engine": "vllm"}).rollout
+    engine, _ = make_engine(cfg, adapter, dtype="bfloat16")
+    assert fake_vllm[-1]["model"] == tiny_model and fake_vllm[-1]["enable_lora"] is True
+    assert fake_vllm[-1]["dtype"] == "bfloat16"
+    engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    assert engine.llm.calls[0][2] == ("lora", adapter, 1)
+
+
+def test_cached_lora_engine_gets_a_new_request_id_per_adapter(parts, tiny_model, tmp_path, fake_vllm):
+    model, tok = parts
+    eos = HFEngine(model, tok).eos_ids
+    a1, a2 = _adapter(tiny_model, tmp_path / "a1", 1), _adapter(tiny_model, tmp_path / "a2", 2)
+    engine = get_vllm_engine(tiny_model, eos_ids=eos, lora_path=a1, enable_sleep_mode=True)
+    engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    assert get_vllm_engine(tiny_model, eos_ids=eos, lora_path=a2, enable_sleep_mode=True) is engine
+    engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    assert [c[2] for c in engine.llm.calls] == [("lora", a1, 1), ("lora", a2, 2)]
+    # LoRA keeps its base weights through a level-1 sleep: no reload
+    assert ("sleep", 1) in engine.llm.events and not any(e[0] == "collective_rpc" for e in engine.llm.events)
+    with pytest.raises(ValueError, match="built with LoRA"):
+        engine.load_policy(tiny_model)
+    with pytest.raises(ValueError, match="has base /elsewhere"):
+        engine.load_policy("/elsewhere", a2)
+
+
+class _NewRunner:
+    def __init__(self):
+        self.model_config = SimpleNamespace(model="/base")
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        raise AssertionError("the worker's reload_weights is called, not the runner's")
+
+
+class _OldRunner(_NewRunner):
+    def reload_weights(self):
+        raise AssertionError("the worker's reload_weights is called, not the runner's")
+
+
+class _Worker:
+    """vLLM's GPU worker surface: ``model_runner`` and ``reload_weights`` (which wraps the
+    runner's in the weights memory pool)."""
+
+    def __init__(self, runner):
+        self.model_runner = runner
+        self.calls = []
+
+    def reload_weights(self, *args, **kwargs):
+        self.calls.append((args, kwargs, self.model_runner.model_config.model))
+
+
+class _ExtendedWorker(_Worker, WeightReloadExtension):
+    """How vLLM mixes ``worker_extension_cls`` into its worker class."""
+
+
+def test_worker_extension_reloads_from_the_new_folder_on_old_and_new_vllm():
+    new = _ExtendedWorker(_NewRunner())
+    new.rft_reload_weights("/ckpt/iter2")
+    assert new.calls == [((), {"weights_path": "/ckpt/iter2"}, "/base")]
+    old = _ExtendedWorker(_OldRunner())
+    old.rft_reload_weights("/ckpt/iter2")
+    assert old.calls == [((), {}, "/ckpt/iter2")] and old.model_runner.model_config.model == "/ckpt/iter2"

@@ -1,0 +1,183 @@
+"""``rft data check PATH [-c cfg]``: what the trainer will make of a dataset, before training.
+
+``check_data`` opens the dataset as training would (``rft_core.data.files.open_data``), scans
+every row, and renders the first prompts exactly as the policy sees them (the chat template or
+``prompt_template`` applied, via ``build_prompts``); ``render_report`` turns the result into text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from rft_core.data.prompts import DatasetError, build_prompts
+
+
+@dataclass
+class SourceReport:
+    """One path of the dataset (a mixture has several).
+
+    Attributes:
+        path, format: as resolved (``format`` detected when ``auto``).
+        files: the data files read.
+        style: the detected layout (verl, trl_conversational, trl_standard, plain, mapped).
+        columns: our key -> the file's column, as used.
+        prompt_kind: "text" or "messages".
+        metadata_columns: columns copied into each entry's metadata.
+        rows: row count.
+        weight: the mixture weight (None outside a mixture).
+    """
+
+    path: str
+    format: str
+    files: list[str]
+    style: str
+    columns: dict[str, str]
+    prompt_kind: str
+    metadata_columns: list[str]
+    rows: int
+    weight: float | None = None
+
+
+@dataclass
+class PromptExample:
+    """One rendered prompt: where it comes from, its text as the policy sees it, its token
+    count, its reference answer and its data_source label."""
+
+    where: str
+    prompt_text: str
+    n_tokens: int
+    answer: str
+    data_source: str
+
+
+@dataclass
+class DataCheckReport:
+    """The result of ``check_data``.
+
+    Attributes:
+        sources: one per path.
+        rows: total rows.
+        bad_rows: rows with a problem (full scan).
+        examples: rendered prompts (the first rows without problems).
+        problems: every problem found (the first ``max_problems`` row messages), or the error
+            that stopped the dataset from opening.
+        fingerprint: ``rft_core.data.files.fingerprint_files`` of the files (None if unopenable).
+    """
+
+    sources: list[SourceReport] = field(default_factory=list)
+    rows: int = 0
+    bad_rows: int = 0
+    examples: list[PromptExample] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    fingerprint: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing is wrong."""
+        return not self.problems and self.bad_rows == 0
+
+    def render(self) -> str:
+        """``render_report(self)``."""
+        return render_report(self)
+
+
+def _source_report(ds, weight: float | None = None) -> SourceReport:
+    return SourceReport(ds.path, ds.format, [p.uri for p in ds.parts], ds.layout.style, dict(ds.layout.columns),
+                        ds.layout.prompt_kind, list(ds.layout.metadata_columns), len(ds), weight)
+
+
+def _candidates(ds, limit: int) -> list[int]:
+    """Global indices to try as examples: the first rows, taken from each source in turn."""
+    subs = getattr(ds, "sources", None)
+    if not subs:
+        return list(range(min(limit, len(ds))))
+    out = []
+    for r in range(limit):
+        out += [ds.global_index(s, r) for s, sub in enumerate(subs) if r < len(sub)]
+    return out[:limit]
+
+
+def check_data(tokenizer, *, path: str | None = None, sources: Sequence[Mapping[str, Any]] | None = None,
+               format: str = "auto", columns: Mapping[str, str] | None = None, data_source: str | None = None,
+               system_prompt: str = "", prompt_template: str | None = None, max_prompt_tokens: int | None = None,
+               processor=None, n_examples: int = 2, max_problems: int = 50, check_media: bool = True) -> DataCheckReport:
+    """Open, scan and render a dataset the way the prompts stage would.
+
+    Args:
+        tokenizer: the policy's tokenizer, or a model path/alias (then loaded with
+            ``rft_core.models.loading.load_tokenizer``, and ``processor`` set for a
+            vision-language model).
+        path, sources, format, columns, data_source: as ``open_data`` (the ``data`` config).
+        system_prompt, prompt_template, processor: as ``build_prompts``.
+        max_prompt_tokens: examples longer than this are reported as problems (None: no limit).
+        n_examples: prompts to render (the first rows without problems; one per source in turn).
+        max_problems: row problems listed (all are counted in ``bad_rows``).
+        check_media: check that every image/video path exists during the scan.
+    Returns:
+        a ``DataCheckReport``; never raises ``DatasetError`` (problems go into the report).
+    """
+    from rft_core.data.mixture import open_data
+
+    if isinstance(tokenizer, str):
+        from rft_core.models.loading import load_tokenizer
+        from rft_core.models.vl import vl_processor_or_none
+
+        processor = processor if processor is not None else vl_processor_or_none(tokenizer)
+        tokenizer = load_tokenizer(tokenizer)
+    report = DataCheckReport()
+    try:
+        ds = open_data(path, format=format, columns=columns, sources=sources, data_source=data_source)
+    except DatasetError as exc:
+        report.problems.append(str(exc))
+        return report
+    subs = getattr(ds, "sources", None)
+    report.sources = ([_source_report(s, w) for s, w in zip(subs, ds.weights)] if subs else [_source_report(ds)])
+    report.rows, report.fingerprint = len(ds), ds.fingerprint()
+    scan = ds.scan(max_problems=max_problems, check_media=check_media)
+    report.bad_rows, report.problems = scan.bad_rows, list(scan.problems)
+    for i in _candidates(ds, limit=max(n_examples, 1) * 50):
+        if len(report.examples) >= n_examples:
+            break
+        try:
+            (index, entry), = ds.entries([i])
+            table = build_prompts([(index, entry)], tokenizer, data_source=ds.name, system_prompt=system_prompt,
+                                  max_prompt_tokens=1 << 62, processor=processor, prompt_template=prompt_template).table
+        except DatasetError as exc:
+            if str(exc) not in report.problems:
+                report.problems.append(str(exc))
+            continue
+        where = ds.where(i)
+        n = len(table.column("prompt_token_ids")[0].as_py())
+        report.examples.append(PromptExample(where, table.column("prompt_text")[0].as_py(), n,
+                                             table.column("answer")[0].as_py(), table.column("data_source")[0].as_py()))
+        if max_prompt_tokens is not None and n > max_prompt_tokens:
+            report.problems.append(f"{where}: prompt has {n} tokens, data.max_prompt_tokens is {max_prompt_tokens}")
+    return report
+
+
+def render_report(report: DataCheckReport) -> str:
+    """The report as plain text: per source its format, files, layout, column mapping, metadata
+    columns and rows; the fingerprint; the rendered example prompts between rule lines; every
+    problem; and a last line ``OK`` or ``FAILED: ...``."""
+    lines: list[str] = []
+    for s in report.sources:
+        weight = f" (weight {s.weight})" if s.weight is not None else ""
+        lines.append(f"dataset {s.path}{weight}")
+        lines.append(f"  format:   {s.format}, {len(s.files)} file(s): {', '.join(s.files[:3])}{' ...' if len(s.files) > 3 else ''}")
+        lines.append(f"  layout:   {s.style} (prompt as {'chat messages' if s.prompt_kind == 'messages' else 'text'})")
+        lines.append("  columns:  " + ", ".join(f"{k} <- {v}" for k, v in s.columns.items()))
+        lines.append(f"  metadata: {', '.join(s.metadata_columns) or '(none)'}")
+        lines.append(f"  rows:     {s.rows}")
+    if report.sources:
+        lines.append(f"rows: {report.rows}   fingerprint: {report.fingerprint}")
+    for k, ex in enumerate(report.examples, 1):
+        lines.append(f"prompt {k}: {ex.where}, data_source {ex.data_source!r}, {ex.n_tokens} tokens, answer {ex.answer!r}")
+        lines.append("-" * 72)
+        lines.append(ex.prompt_text)
+        lines.append("-" * 72)
+    if report.problems:
+        counted = f"{report.bad_rows} bad row(s); " if report.bad_rows else ""
+        lines.append(f"problems ({counted}{len(report.problems)} listed):")
+        lines += [f"  - {p}" for p in report.problems]
+    lines.append("OK" if report.ok else f"FAILED: {report.bad_rows} bad row(s), {len(report.problems)} problem(s)")
+    return "\n".join(lines)

@@ -1,0 +1,275 @@
+"""SGLang rollout engine (``rollout.engine=sglang``): the interface and outputs of ``HFEngine`` and
+``VLLMEngine`` (token ids, rollout log-probs, finish reasons) on SGLang's offline engine. GPU only,
+in its own environment like vLLM (``runners.rollout: {mode: subprocess, python: ...}``); sglang
+is imported lazily. Needs SGLang >= 0.5.3 (``sampling_seed`` and ``enable_deterministic_inference``).
+
+Written against ``sglang.Engine`` (``python/sglang/srt/entrypoints/engine.py``):
+``Engine(model_path=..., tp_size=..., mem_fraction_static=..., dtype=..., skip_tokenizer_init=True,
+...)`` and ``Engine.generate(input_ids=[[...], ...], sampling_params=[{...}, ...],
+return_logprob=True, lora_path=[...])``, which answers one dict per request:
+``{"output_ids": [...], "meta_info": {"finish_reason": {"type": "stop", "matched": id} |
+{"type": "length", "length": n} | {"type": "abort", "message": ...}, "output_token_logprobs":
+[(logprob, token_id, None), ...], ...}}`` (``TokenizerManager.detokenize_logprob_tokens``,
+``python/sglang/srt/managers/tokenizer_manager.py``; finish reasons: ``FINISH_MATCHED_TOKEN`` /
+``FINISH_LENGTH`` / ``FINISH_ABORT.to_json`` in ``managers/schedule_batch.py``).
+
+- Log-probs: SGLang's sampler returns log softmax(logits / temperature) of the sampled token,
+  before top-k/top-p renormalisation (``Sampler.forward``, ``python/sglang/srt/layers/sampler.py``):
+  the HF engine's and the actor stage's quantity. The environment switch
+  ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (``RETURN_ORIGINAL_LOGPROB`` in 0.5.3) makes them
+  pre-temperature: the engine refuses to start with it set.
+- Seeds: one request per sample (n = 1), each with its own ``sampling_seed``
+  (``rft_core.engines.sample_seed``, 31 bits: SGLang 0.5.3 keeps seeds in an int32 tensor).
+  SGLang honours per-request seeds only with ``enable_deterministic_inference`` (the seed tensor
+  is built only then, ``sampling/sampling_batch_info.py``; it also switches sampling to the
+  pytorch backend and batch-invariant kernels, slower: the SGLang deterministic-inference docs
+  quote a 34% overhead with CUDA graphs). ``deterministic=False`` sends no seeds, with a warning:
+  samples are then not reproducible. A request with ``n > 1`` would give its n samples one seed,
+  hence identical samples in deterministic mode: never sent.
+- LoRA: the engine is built with ``enable_lora`` (``lora_target_modules=["all"]``) and each
+  adapter folder is loaded under a new name (``load_lora_adapter``; the previous one unloaded).
+- Reuse across iterations (``get_sglang_engine``): a new full checkpoint is loaded in place
+  (``update_weights_from_disk``, then ``flush_cache``). With ``enable_memory_saver`` the engine
+  releases its GPU memory after each ``generate`` (``release_memory_occupation``) and takes it
+  back before the next (``resume_memory_occupation``); released weights are not kept, so they are
+  reloaded from disk (and a LoRA adapter re-loaded) after a release.
+- FIRE sampling is refused, as with vLLM.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Any
+
+from rft_core.engines import ENGINE_CACHE, SGLANG_SEED_BITS, checkpoint_key, engine_dtype, sample_seed
+from rft_core.engines.hf import Generation
+
+log = logging.getLogger("rft_core.engines.sglang")
+
+ORIGINAL_LOGPROB_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "RETURN_ORIGINAL_LOGPROB")
+
+
+def build_engine(**kwargs: Any):
+    """``sglang.Engine(**kwargs)`` (the one place SGLang's engine is built; tests replace it)."""
+    import sglang
+
+    return sglang.Engine(**kwargs)
+
+
+def _refuse_original_logprobs() -> None:
+    for name in ORIGINAL_LOGPROB_ENV:
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on"):
+            raise ValueError(f"environment variable {name}={os.environ[name]} makes SGLang return log-probs before "
+                             "temperature; the rollout needs log-probs after temperature: unset it")
+
+
+def _check_ok(result: Any, what: str) -> None:
+    """Raise if an SGLang control call (``update_weights_from_disk``, ``load_lora_adapter``, ...)
+    reports a failure: 0.5.x answers (success, message, ...) tuples, others objects or dicts
+    with ``success`` and ``message``/``error_message``."""
+    if isinstance(result, (tuple, list)) and result and isinstance(result[0], bool):
+        ok, message = result[0], (result[1] if len(result) > 1 else "")
+    elif isinstance(result, dict) and "success" in result:
+        ok, message = result["success"], result.get("message") or result.get("error_message", "")
+    elif hasattr(result, "success"):
+        ok, message = result.success, getattr(result, "message", None) or getattr(result, "error_message", "")
+    else:
+        return
+    if not ok:
+        raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+class SGLangEngine:
+    """Rollouts with ``sglang.Engine``.
+
+    Args:
+        model_path: a local HF folder (or hub id) of the policy, or of a LoRA adapter's base
+            when ``lora_path`` is given.
+        eos_ids: token ids that end a response.
+        lora_path: a peft adapter folder to apply.
+        tensor_parallel_size: SGLang ``tp_size``.
+        mem_fraction_static: SGLang's fraction of GPU memory for weights and KV cache.
+        dtype: the policy dtype; the engine runs in ``engine_dtype(dtype)``.
+        max_model_len: SGLang ``context_length`` (None: the model's).
+        enable_memory_saver: release the GPU memory after every ``generate``.
+        deterministic: ``enable_deterministic_inference`` and per-sample ``sampling_seed``.
+        engine: an object with ``sglang.Engine``'s ``generate`` (tests pass a stand-in); None
+            builds ``sglang.Engine`` from the other arguments.
+    Raises:
+        ValueError: ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
+    """
+
+    def __init__(self, model_path: str, *, eos_ids: set[int], lora_path: str | None = None, tensor_parallel_size: int = 1,
+                 mem_fraction_static: float = 0.5, dtype: str = "auto", max_model_len: int | None = None,
+                 enable_memory_saver: bool = False, max_lora_rank: int = 64, deterministic: bool = True,
+                 engine: Any = None) -> None:
+        _refuse_original_logprobs()
+        self.eos_ids = set(eos_ids)
+        self.deterministic = deterministic
+        self.release_after_generate = enable_memory_saver
+        if engine is None:
+            kwargs: dict[str, Any] = {
+                "model_path": model_path, "tp_size": tensor_parallel_size, "mem_fraction_static": mem_fraction_static,
+                "dtype": engine_dtype(dtype), "skip_tokenizer_init": True, "enable_memory_saver": enable_memory_saver,
+                "enable_deterministic_inference": deterministic}
+            if max_model_len is not None:
+                kwargs["context_length"] = max_model_len
+            if lora_path is not None:
+                kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, lora_target_modules=["all"])
+            engine = build_engine(**kwargs)
+        self.engine = engine
+        if not deterministic:
+            log.warning("SGLang without enable_deterministic_inference ignores per-request seeds: rollout samples "
+                        "are not reproducible")
+        self.weights_path = model_path
+        self._loaded_path: str | None = model_path
+        self._released = False
+        self._lora = lora_path is not None
+        self._lora_path = lora_path  # the adapter to serve
+        self._lora_loaded: str | None = None  # the adapter folder loaded now
+        self._lora_name: str | None = None
+        self._lora_names = itertools.count(1)
+
+    def load_policy(self, model_path: str, lora_path: str | None = None) -> None:
+        """Serve another checkpoint of the same model from the next ``generate`` on (weights from
+        disk in place; a LoRA adapter under a new name).
+
+        Raises:
+            ValueError: LoRA/full mismatch with how the engine was built, or another LoRA base.
+        """
+        if (lora_path is not None) != self._lora:
+            raise ValueError(f"the cached SGLang engine was built {'with' if self._lora else 'without'} LoRA; "
+                             f"cannot serve {lora_path or model_path} on it (release it first)")
+        if lora_path is not None and model_path != self.weights_path:
+            raise ValueError(f"LoRA adapter {lora_path} has base {model_path}, the engine serves {self.weights_path}")
+        self.weights_path = model_path
+        self._lora_path = lora_path
+
+    def _ensure_ready(self) -> None:
+        """Take the GPU memory back if released, reload weights that are not ``weights_path``'s,
+        and load the adapter to serve."""
+        if self._released:
+            self.engine.resume_memory_occupation()
+            self._released = False
+        if self._loaded_path != self.weights_path:
+            log.info("SGLang: reloading weights in place from %s", self.weights_path)
+            _check_ok(self.engine.update_weights_from_disk(self.weights_path), f"update_weights_from_disk({self.weights_path})")
+            self.engine.flush_cache()
+            self._loaded_path = self.weights_path
+        if self._lora and self._lora_loaded != self._lora_path:
+            if self._lora_name is not None:
+                _check_ok(self.engine.unload_lora_adapter(self._lora_name), f"unload_lora_adapter({self._lora_name})")
+            name = f"policy-{next(self._lora_names)}"
+            _check_ok(self.engine.load_lora_adapter(name, self._lora_path), f"load_lora_adapter({self._lora_path})")
+            self._lora_name, self._lora_loaded = name, self._lora_path
+
+    def batches(self, prompts: list[list[int]], n: int, batch_size: int, **_: Any) -> list[list[tuple[int, int]]]:
+        """Whole groups, prompts sorted by length, max(1, batch_size // n) prompts per batch: the
+        units rollout shards split; one ``generate`` sends all its batches' samples at once."""
+        order = sorted(range(len(prompts)), key=lambda p: len(prompts[p]))
+        per = max(1, batch_size // n)
+        return [[(p, k) for p in order[i:i + per] for k in range(n)] for i in range(0, len(order), per)]
+
+    def _sampling_params(self, p: int, k: int, n: int, *, seed: int, max_new_tokens: int, temperature: float,
+                         top_p: float) -> dict[str, Any]:
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                                  "stop_token_ids": sorted(self.eos_ids), "no_stop_trim": True, "n": 1}
+        if self.deterministic:
+            params["sampling_seed"] = sample_seed(seed, p, k, n, bits=SGLANG_SEED_BITS)
+        return params
+
+    def generate(self, prompts: list[list[int]], *, n_samples_per_prompt: int, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, batch_size: int = 256, seed: int = 0, first_token_temperature: float | None = None,
+                 progress=None, only_batches: set[int] | None = None, **_: Any) -> list[Generation]:
+        """``HFEngine.generate``'s contract: len(prompts) * n generations (of ``only_batches``),
+        grouped by prompt in input order; each response up to and including its first EOS.
+
+        Raises:
+            NotImplementedError: ``first_token_temperature`` (FIRE) was asked for.
+            RuntimeError: SGLang aborted a request or answered with missing outputs or log-probs.
+        """
+        if first_token_temperature is not None:
+            raise NotImplementedError("rollout.first_token_temperature (FIRE) is not supported by the SGLang engine; "
+                                      "use rollout.engine=hf")
+        n = n_samples_per_prompt
+        batches = self.batches(prompts, n, batch_size)
+        keys = [(p, k) for b, batch in enumerate(batches) if only_batches is None or b in only_batches for p, k in batch]
+        results: dict[tuple[int, int], Generation] = {}
+        if keys:
+            self._ensure_ready()
+            params = [self._sampling_params(p, k, n, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
+                                            top_p=top_p) for p, k in keys]
+            extra = {"lora_path": [self._lora_name] * len(keys)} if self._lora else {}
+            outs = self.engine.generate(input_ids=[list(prompts[p]) for p, _ in keys], sampling_params=params,
+                                        return_logprob=True, **extra)
+            outs = [outs] if isinstance(outs, dict) else list(outs)
+            if len(outs) != len(keys):
+                raise RuntimeError(f"SGLang returned {len(outs)} outputs for {len(keys)} requests")
+            for (p, k), out in zip(keys, outs):
+                results[(p, k)] = self._generation(p, k, out)
+            if self.release_after_generate:
+                self.sleep()
+        if progress is not None:
+            progress(len(results), len(results))
+        return [results[(p, k)] for p in range(len(prompts)) for k in range(n) if (p, k) in results]
+
+    def _generation(self, p: int, k: int, out: dict) -> Generation:
+        """One SGLang output dict as a Generation, cut after the first EOS."""
+        meta = out.get("meta_info", {})
+        reason = meta.get("finish_reason") or {}
+        kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+        if kind == "abort":
+            raise RuntimeError(f"SGLang aborted sample {k} of prompt {p}: {reason.get('message')}")
+        tokens = [int(t) for t in out["output_ids"]]
+        entries = meta.get("output_token_logprobs")
+        if entries is None or len(entries) != len(tokens):
+            raise RuntimeError(f"SGLang returned {None if entries is None else len(entries)} log-probs for "
+                               f"{len(tokens)} tokens (sample {k} of prompt {p}); return_logprob=True expected")
+        if any(int(e[1]) != t for e, t in zip(entries, tokens)):
+            raise RuntimeError(f"SGLang log-prob entries do not follow the output tokens (sample {k} of prompt {p})")
+        lps = [float(e[0]) for e in entries]
+        finish = "stop" if kind == "stop" else "length"
+        for j, t in enumerate(tokens):
+            if t in self.eos_ids:
+                tokens, lps, finish = tokens[: j + 1], lps[: j + 1], "stop"
+                break
+        return Generation(p, k, tokens, lps, finish)
+
+    def sleep(self) -> None:
+        """Release the GPU memory of weights and KV cache (``release_memory_occupation``; needs
+        ``enable_memory_saver``); the weights are reloaded on the next ``generate``."""
+        if self._released:
+            return
+        self.engine.release_memory_occupation()
+        self._released = True
+        self._loaded_path = None
+        self._lora_loaded = None
+
+    def wake_up(self) -> None:
+        """Take the GPU memory back and reload what ``sleep`` released."""
+        self._ensure_ready()
+
+    def close(self) -> None:
+        """Shut the engine's processes down (``Engine.shutdown``), freeing the GPU."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
+
+
+def get_sglang_engine(model_path: str, *, eos_ids: set[int], lora_path: str | None = None, **settings: Any) -> SGLangEngine:
+    """The process's cached ``SGLangEngine`` for ``model_path`` (+ ``lora_path``), as
+    ``get_vllm_engine``: reused with ``load_policy`` while the settings (``SGLangEngine``'s keyword
+    arguments) and ``checkpoint_key`` match, else the cached engine is closed and a new one built."""
+    key = ("sglang", checkpoint_key(model_path, lora_path), tuple(sorted(settings.items())))
+    engine, reused = ENGINE_CACHE.get(key, lambda: SGLangEngine(model_path, eos_ids=eos_ids, lora_path=lora_path,
+                                                                **settings))
+    if reused:
+        engine.eos_ids = set(eos_ids)
+        engine.load_policy(model_path, lora_path)
+    return engine
+
+
+def release_sglang_engine() -> bool:
+    """Close the process's cached SGLang engine, if the cached engine is one; True if closed."""
+    return ENGINE_CACHE.release(SGLangEngine)

@@ -1,0 +1,63 @@
+"""The HF engine scores each sampled token as it is generated (``StepLogprobs``) instead of
+keeping every step's logits: hand-computed scores, one step kept at a time, the count check,
+``generate`` asked for no logits, and the log-probs still equal the actor's teacher-forced pass."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rft_core.engines.hf import HFEngine, StepLogprobs
+from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.models.logprobs import batched_response_logprobs
+
+
+def _out(rows):
+    """A forward output whose last position holds ``rows`` (B, V)."""
+    return SimpleNamespace(logits=torch.tensor(rows, dtype=torch.float32)[:, None, :])
+
+
+def test_scores_each_token_from_the_previous_forward():
+    rec = StepLogprobs(temperature=0.5)
+    # prefill: logits (log 1, log 3) for row 0 and (0, 0) for row 1; 2 rows of a batch
+    rec(None, (), {"input_ids": torch.tensor([[4, 5], [6, 7]])}, _out([[0.0, math.log(3.0)], [0.0, 0.0]]))
+    assert rec.steps == [] and rec.pending is not None
+    # decode: the input is the sampled token (1 for row 0, 0 for row 1)
+    rec(None, (), {"input_ids": torch.tensor([[1], [0]])}, _out([[2.0, 0.0], [0.0, 0.0]]))
+    lps = rec.result(torch.tensor([[1, 0], [0, 1]]))
+    # step 1 at T=0.5: p ∝ (1, 9) -> log 0.9 for token 1; (1, 1) -> log 0.5
+    # step 2: logits (2, 0)/0.5 = (4, 0): token 0 -> -log(1 + e^-4); row 1 uniform -> log 0.5
+    want = torch.tensor([[math.log(0.9), -math.log(1 + math.exp(-4.0))], [math.log(0.5), math.log(0.5)]])
+    torch.testing.assert_close(lps, want, atol=1e-6, rtol=0)
+    assert len(rec.steps) == 1  # one (B,) score per scored step, nothing (B, V) kept but the pending row
+    with pytest.raises(RuntimeError, match="2 forward passes for 3 generated tokens"):
+        rec.result(torch.zeros(2, 3, dtype=torch.long))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return HFEngine(load_causal_lm(tiny_model), load_tokenizer(tiny_model))
+
+
+def test_generate_keeps_no_logits_and_matches_the_actor_pass(engine, monkeypatch):
+    seen = []
+    generate = engine.model.generate
+
+    def recording(**kwargs):
+        out = generate(**kwargs)
+        seen.append((kwargs.get("output_logits"), getattr(out, "logits", None)))
+        return out
+
+    monkeypatch.setattr(engine.model, "generate", recording)
+    prompts = [[1, 20, 30], [1, 40], [7, 8, 9, 10]]
+    gens = engine.generate(prompts, n_samples_per_prompt=2, max_new_tokens=7, temperature=0.7, batch_size=4, seed=4)
+    assert seen and all(flag is False and logits is None for flag, logits in seen)
+    want = batched_response_logprobs(engine.model, [prompts[g.prompt_index] for g in gens],
+                                     [g.response_token_ids for g in gens], pad_token_id=engine.pad_token_id,
+                                     temperature=0.7)
+    for g, lp in zip(gens, want):
+        assert len(g.logprobs) == len(g.response_token_ids) > 0
+        assert g.logprobs == pytest.approx(lp, abs=1e-4)
+    assert not engine.model._forward_hooks  # the recorder is removed after each batch
