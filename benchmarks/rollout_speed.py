@@ -35,10 +35,12 @@ SECTION = "## Rollout engine speed"
 def _prompts(preset: str, overrides: list[str], n_prompts: int) -> tuple[list[list[int]], object]:
     from rft_core.config import load_config
     from rft_core.stages import prompts as prompts_stage
+    from rft_core.stages.contracts import PromptsInput
     from schemas import read_shard
 
     cfg = load_config(ROOT / preset, [*overrides, f"data.prompts_per_iteration={n_prompts}"])
-    ref = prompts_stage.run(cfg.data, tokenizer_path=cfg.policy.path, iteration=1, out=tempfile.mkdtemp() + "/prompts")
+    ref = prompts_stage.run(PromptsInput(data=cfg.data, tokenizer_path=cfg.policy.path, iteration=1,
+                                         out=tempfile.mkdtemp() + "/prompts"))
     return read_shard(ref).column("prompt_token_ids").to_pylist(), cfg
 
 

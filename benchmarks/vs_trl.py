@@ -99,10 +99,13 @@ def _instrument(rec: _Recorder) -> None:
     kinds = {"read_shard": "shard_read", "write_shard": "shard_write", "load_causal_lm": "model_load",
              "load_trainable_policy": "model_load", "load_tokenizer": "tokenizer_load",
              "load_optimizer_state": "optimizer_load"}
-    for mod_name in ("prompts", "rollout", "rewards", "logprobs", "advantages", "update"):
-        mod = importlib.import_module(f"rft_core.stages.{mod_name}")
+    # the stage programs, plus where the shared pieces they call live (commits write shards
+    # through rft_core.stages.common, strategies load the optimizer state)
+    for mod_name in ("stages.prompts", "stages.rollout", "stages.rewards", "stages.logprobs", "stages.advantages",
+                     "stages.update", "stages.common", "training.strategy"):
+        mod = importlib.import_module(f"rft_core.{mod_name}")
         for fn_name, kind in kinds.items():
-            if fn_name == "load_causal_lm" and mod_name == "update":
+            if fn_name == "load_causal_lm" and mod_name == "stages.update":
                 continue  # inside load_trainable_policy, counted there
             if hasattr(mod, fn_name):
                 setattr(mod, fn_name, rec.wrap(kind, getattr(mod, fn_name)))

@@ -49,8 +49,11 @@ def replay(source_run_root: str, cfg: TrainConfig) -> ReplayResult:
     for i in range(1, cfg.iterations + 1):
         src = replay_sources(source_run_root, i, cfg)
         kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
-        adv, policy, _ = train_on(cfg, src, policy=policy, critic=None, state=state, kl=kl,
-                                  out=lambda stage, i=i: stage_uri(cfg.run_root, i, stage), tags=tags,
+
+        def out(stage: str, i: int = i) -> str:
+            return stage_uri(cfg.run_root, i, stage)
+
+        adv, policy, _ = train_on(cfg, src, policy=policy, critic=None, state=state, kl=kl, out=out, tags=tags,
                                   background_optimizer=False)
         state = next_state(adv)
         m = iteration_metrics(i, {**src, "advantages": adv, "ppo_update": policy})

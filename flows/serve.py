@@ -118,6 +118,27 @@ def _run_step(cmd: list[str], env: dict[str, str], what: str, echo: Callable[[st
     return out.stdout
 
 
+def _start_server(stack: LocalStack, host: str, port: int, timeout_s: float, echo: Callable[[str], None]) -> None:
+    """``prefect server start`` into ``stack.server``, waiting until its API answers.
+
+    Raises:
+        ServeError: the server exited (the port is in use?) or did not answer in ``timeout_s``.
+    """
+    log = stack.log_dir / "server.log"
+    echo(f"$ prefect server start --host {host} --port {port}   (output: {log})")
+    with open(log, "wb") as fh:
+        stack.server = subprocess.Popen(prefect_cmd("server", "start", "--host", host, "--port", str(port)),
+                                        cwd=ROOT, env=stack.env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while not api_healthy(stack.api_url):
+        if stack.server.poll() is not None:
+            raise ServeError(f"prefect server start exited with {stack.server.returncode} (port {port} in use?):\n" + _tail(log))
+        if time.monotonic() > deadline:
+            raise ServeError(f"the Prefect server did not answer at {stack.api_url} within {timeout_s:.0f} s:\n" + _tail(log))
+        time.sleep(0.5)
+    echo(f"server up: {stack.ui_url} (pid {stack.server.pid})")
+
+
 def start_stack(host: str = "127.0.0.1", port: int = 4200, *, gpu_limit: int = 1, deploy: bool = True,
                 worker: bool = True, poll_seconds: float = 5.0, log_dir: Path | None = None,
                 server_timeout_s: float = 180.0, echo: Callable[[str], None] = print) -> LocalStack:
@@ -148,22 +169,7 @@ def start_stack(host: str = "127.0.0.1", port: int = 4200, *, gpu_limit: int = 1
         if api_healthy(api_url):
             echo(f"using the Prefect server already running at {stack.ui_url}")
         else:
-            log = log_dir / "server.log"
-            echo(f"$ prefect server start --host {host} --port {port}   (output: {log})")
-            with open(log, "wb") as fh:
-                stack.server = subprocess.Popen(prefect_cmd("server", "start", "--host", host, "--port", str(port)),
-                                                cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                                start_new_session=True)
-            deadline = time.monotonic() + server_timeout_s
-            while not api_healthy(api_url):
-                if stack.server.poll() is not None:
-                    raise ServeError(f"prefect server start exited with {stack.server.returncode} (port {port} in use?):\n"
-                                     + _tail(log))
-                if time.monotonic() > deadline:
-                    raise ServeError(f"the Prefect server did not answer at {api_url} within {server_timeout_s:.0f} s:\n"
-                                     + _tail(log))
-                time.sleep(0.5)
-            echo(f"server up: {stack.ui_url} (pid {stack.server.pid})")
+            _start_server(stack, host, port, server_timeout_s, echo)
         if not _pool_exists(api_url, POOL):
             _run_step(prefect_cmd("work-pool", "create", POOL, "--type", "process"), env, "creating the work pool", echo)
         if gpu_limit > 0:

@@ -13,34 +13,17 @@ from rft_core.metrics import format_metrics_line, iteration_metrics, write_metri
 from rft_core.observe import WandbLogger, curve_markdown, plot_curves, samples_markdown, write_tensorboard
 from rft_core.replay import replay_sources, write_replay_record
 from rft_core.stages.advantages import next_state
-from rft_core.stages.contracts import (
-    STAGE_INPUTS,
-    ActorLogprobsInput,
-    AdvantagesInput,
-    CriticUpdateInput,
-    CriticValuesInput,
-    DynamicMergeInput,
-    EvalGenerateInput,
-    EvalPromptsInput,
-    EvalSummaryInput,
-    PPOUpdateInput,
-    PromptsInput,
-    RefLogprobsInput,
-    RewardsInput,
-    RolloutInput,
-    RolloutMergeInput,
-    StageInput,
-)
+from rft_core.stages.contracts import *  # noqa: F403 - every stage input model is public
 from rft_core.stages.dynamic import count_signal_groups
 from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, resolve_checkpoint
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.retention import prune_checkpoints
 from rft_core.stages.runner import run_stage
 
+from rft_core.stages import contracts as _contracts
+
 __all__ = [
-    "STAGE_INPUTS", "ActorLogprobsInput", "AdvantagesInput", "CriticUpdateInput", "CriticValuesInput", "DynamicMergeInput",
-    "EvalGenerateInput", "EvalPromptsInput", "EvalSummaryInput", "PPOUpdateInput", "PromptsInput", "RefLogprobsInput",
-    "RewardsInput", "RolloutInput", "RolloutMergeInput", "StageInput", "WandbLogger", "checkpoint_label",
+    *_contracts.__all__, "WandbLogger", "checkpoint_label",
     "count_signal_groups", "curve_markdown", "default_eval_root", "eval_markdown", "export_table",
     "format_metrics_line", "iteration_metrics", "next_state", "plot_curves", "prune_checkpoints", "replay_sources",
     "resolve_checkpoint", "run_stage", "run_status", "samples_markdown", "samples_view", "wait_for_optimizer_writes",

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import fsspec
 
@@ -70,7 +70,7 @@ def format_metrics_line(m: Mapping[str, Any]) -> str:
             f"clip {f('clip_frac')} | {stages}")
 
 
-def write_metrics(run_root: str, rows: list[Mapping[str, Any]]) -> str:
+def write_metrics(run_root: str, rows: Sequence[Mapping[str, Any]]) -> str:
     """(Re)write ``{run_root}/metrics.jsonl`` with one JSON line per iteration; return its URI."""
     uri = f"{run_root.rstrip('/')}/metrics.jsonl"
     fs, path = fsspec.core.url_to_fs(uri)

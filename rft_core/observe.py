@@ -7,7 +7,7 @@ import base64
 import hashlib
 import io
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from rft_core.inspect import samples_view
 from schemas import local_path
@@ -15,7 +15,7 @@ from schemas import local_path
 CURVE_KEYS = ("reward_mean", "accuracy", "kl", "response_length", "policy_loss", "entropy")
 
 
-def write_tensorboard(run_root: str, rows: list[Mapping[str, Any]]) -> str | None:
+def write_tensorboard(run_root: str, rows: Sequence[Mapping[str, Any]]) -> str | None:
     """(Re)write ``{run_root}/tensorboard`` with the numeric metrics of every iteration so far
     (step = iteration). Rewriting, like metrics.jsonl, keeps a resumed run free of duplicates.
 
@@ -39,7 +39,7 @@ def write_tensorboard(run_root: str, rows: list[Mapping[str, Any]]) -> str | Non
     return str(logdir)
 
 
-def curve_png(rows: list[Mapping[str, Any]], *, dpi: int = 110, max_cols: int = 3) -> bytes:
+def curve_png(rows: Sequence[Mapping[str, Any]], *, dpi: int = 110, max_cols: int = 3) -> bytes:
     """PNG bytes of one panel per metric in ``CURVE_KEYS`` that any row has (reward, accuracy,
     KL, response length, loss, entropy) against the iteration, one point per row; panels of
     3.2 x 2.8 inches in rows of at most ``max_cols``.
@@ -73,7 +73,7 @@ def curve_png(rows: list[Mapping[str, Any]], *, dpi: int = 110, max_cols: int = 
     return buf.getvalue()
 
 
-def plot_curves(run_root: str, rows: list[Mapping[str, Any]]) -> str | None:
+def plot_curves(run_root: str, rows: Sequence[Mapping[str, Any]]) -> str | None:
     """Reward, accuracy, KL, length, loss and entropy across iterations as ``{run_root}/metrics.png``.
 
     Returns the image path, or None for a non-local run root or no rows.
@@ -86,7 +86,7 @@ def plot_curves(run_root: str, rows: list[Mapping[str, Any]]) -> str | None:
     return str(out)
 
 
-def curve_markdown(rows: list[Mapping[str, Any]], *, dpi: int = 72) -> str:
+def curve_markdown(rows: Sequence[Mapping[str, Any]], *, dpi: int = 72) -> str:
     """Markdown that shows the curves of ``curve_png`` inline: the PNG is embedded as a
     ``data:image/png;base64`` URI, which both Prefect UIs render in a markdown artifact (an
     image artifact only takes a URL and prints it in full under the image). About 50-80 kB for

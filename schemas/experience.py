@@ -143,7 +143,7 @@ def make_experience_batch(items: list[BufferItem], packing_samples: bool = False
         kw[key] = None if any(v is None for v in vals) else zero_pad_sequences(vals, "right")
     info: dict[str, Any] = {}
     for k in (items[0].info or {}):
-        vals = [it.info[k] for it in items]
+        vals = [(it.info or {})[k] for it in items]
         info[k] = torch.stack(vals) if isinstance(vals[0], torch.Tensor) else list(vals)
     kw["info"] = info
     return Experience(**kw)
@@ -230,8 +230,8 @@ def samples_from_tables(rollout: pa.Table, prompts: pa.Table | None = None, *, p
     Raises:
         ShardSchemaError: a rollout prompt_id missing from ``prompts``.
     """
-    exp = experience_from_tables(rollout, pad_token_id=pad_token_id)
-    B, A = exp.action_mask.shape
+    batch = join_column_groups(rollout, pad_token_id=pad_token_id)
+    B, A = batch.action_mask.shape
     pids = rollout.column("prompt_id").to_pylist()
     texts, labels = [""] * B, [""] * B
     if prompts is not None:
@@ -241,10 +241,11 @@ def samples_from_tables(rollout: pa.Table, prompts: pa.Table | None = None, *, p
             raise ShardSchemaError(f"prompts: no row for prompt_id(s) {missing[:3]} of the rollout")
         texts = [by_id[p]["prompt_text"] for p in pids]
         labels = [by_id[p]["answer"] for p in pids]
+    attention_mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1)
     return Samples(
-        sequences=exp.sequences, attention_mask=exp.attention_mask, action_mask=exp.action_mask, num_actions=A,
-        packed_seq_lens=None, response_length=exp.info["response_length"], total_length=exp.attention_mask.sum(-1),
-        prompts=texts, labels=labels, pad_len=None,
+        sequences=torch.cat([batch.prompt_token_ids, batch.response_token_ids], dim=1), attention_mask=attention_mask,
+        action_mask=batch.action_mask, num_actions=A, packed_seq_lens=None, response_length=batch.response_length,
+        total_length=attention_mask.sum(-1), prompts=texts, labels=labels, pad_len=None,
     )
 
 
@@ -254,7 +255,12 @@ def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
     Inverse of ``experience_from_tables`` for the columns an Experience carries. ``info`` must
     hold ``sample_id`` and ``prompt_id``; optional ``response_text``, ``finish_reason``,
     ``rewards``, ``shaped_rewards`` are used when present.
+
+    Raises:
+        ValueError: ``exp`` has no action_mask or attention_mask.
     """
+    if exp.action_mask is None or exp.attention_mask is None:
+        raise ValueError("experience_to_tables needs an Experience with action_mask and attention_mask")
     B, A = exp.action_mask.shape
     S = exp.sequences.shape[1]
     P = S - A

@@ -14,9 +14,9 @@ shard at once when the config hash matches.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, ParamSpec, TypeVar
 
-from prefect import get_run_logger, task
+from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rft_core.api import (
@@ -41,7 +41,13 @@ from rft_core.api import (
 from rft_core.config import CheckpointConfig, RunnerConfig
 from schemas import ShardRef
 
-_opts = dict(cache_policy=NO_CACHE, persist_result=False)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _stage_task(name: str, *, retries: int = 0) -> Callable[[Callable[P, R]], Task[P, R]]:
+    """The Prefect task decorator of a stage: named, without result caching or persistence."""
+    return task(name=name, retries=retries, cache_policy=NO_CACHE, persist_result=False)
 
 
 def _stage_log() -> Callable[[str], None]:
@@ -52,73 +58,73 @@ def _stage_log() -> Callable[[str], None]:
         return logging.getLogger("tasks.stages").info
 
 
-@task(name="prompts", **_opts)
+@_stage_task("prompts")
 def prompts(*, inp: PromptsInput) -> ShardRef:
     """Select and tokenize the iteration's prompts; writes the `prompts` column group."""
     return run_stage(inp)
 
 
-@task(name="rollout", retries=1, **_opts)
+@_stage_task("rollout", retries=1)
 def rollout(*, inp: RolloutInput, runner: RunnerConfig | None = None) -> ShardRef:
     """Sample a group of responses per prompt (or one shard of them); writes the `rollout` column group."""
     return run_stage(inp, runner, log=_stage_log())
 
 
-@task(name="rollout_merge", **_opts)
+@_stage_task("rollout_merge")
 def rollout_merge(*, inp: RolloutMergeInput) -> ShardRef:
     """The rollout from its shards, as the single-worker rollout would have written it."""
     return run_stage(inp)
 
 
-@task(name="signal_groups", **_opts)
+@_stage_task("signal_groups")
 def signal_groups(*, attempt_rewards: list[ShardRef]) -> int:
     """Dynamic sampling: how many distinct groups with reward spread the attempts hold."""
     return count_signal_groups(attempt_rewards)
 
 
-@task(name="dynamic_merge", **_opts)
+@_stage_task("dynamic_merge")
 def dynamic_merge(*, inp: DynamicMergeInput) -> tuple[ShardRef, ShardRef, ShardRef]:
     """Dynamic sampling: the kept groups of all attempts as the iteration's prompts/rollout/rewards."""
     return run_stage(inp)
 
 
-@task(name="actor_logprobs", retries=1, **_opts)
+@_stage_task("actor_logprobs", retries=1)
 def actor_logprobs(*, inp: ActorLogprobsInput, runner: RunnerConfig | None = None) -> ShardRef:
     """Log-probs of the responses under the policy before the update (`old_logprobs`)."""
     return run_stage(inp, runner, log=_stage_log())
 
 
-@task(name="ref_logprobs", retries=1, **_opts)
+@_stage_task("ref_logprobs", retries=1)
 def ref_logprobs(*, inp: RefLogprobsInput, runner: RunnerConfig | None = None) -> ShardRef:
     """Log-probs of the responses under the reference model (`ref_logprobs`)."""
     return run_stage(inp, runner, log=_stage_log())
 
 
-@task(name="rewards", retries=1, **_opts)
+@_stage_task("rewards", retries=1)
 def rewards(*, inp: RewardsInput) -> ShardRef:
     """Score every response of the rollout; writes the `rewards` column group."""
     return run_stage(inp)
 
 
-@task(name="advantages", **_opts)
+@_stage_task("advantages")
 def advantages(*, inp: AdvantagesInput) -> ShardRef:
     """Join the column groups on sample_id, shape rewards and estimate advantages."""
     return run_stage(inp)
 
 
-@task(name="critic_values", retries=1, **_opts)
+@_stage_task("critic_values", retries=1)
 def critic_values(*, inp: CriticValuesInput, runner: RunnerConfig | None = None) -> ShardRef:
     """Critic values of every response token; writes the `critic_values` column group."""
     return run_stage(inp, runner, log=_stage_log())
 
 
-@task(name="critic_update", **_opts)
+@_stage_task("critic_update")
 def critic_update(*, inp: CriticUpdateInput, runner: RunnerConfig | None = None) -> ShardRef:
     """Train the critic on the returns; commits metrics and the new critic checkpoint."""
     return run_stage(inp, runner, log=_stage_log())
 
 
-@task(name="ppo_update", **_opts)
+@_stage_task("ppo_update")
 def ppo_update(*, inp: PPOUpdateInput, runner: RunnerConfig | None = None) -> ShardRef:
     """Update the policy; commits per-step metrics and the new checkpoint (the optimizer
     state, with ``inp.background_optimizer``, in a background thread: see
@@ -126,25 +132,25 @@ def ppo_update(*, inp: PPOUpdateInput, runner: RunnerConfig | None = None) -> Sh
     return run_stage(inp, runner, log=_stage_log())
 
 
-@task(name="eval_prompts", **_opts)
+@_stage_task("eval_prompts")
 def eval_prompts(*, inp: EvalPromptsInput) -> ShardRef:
     """Held-out prompts of the training task (question texts disjoint from the training data)."""
     return run_stage(inp)
 
 
-@task(name="eval_generate", retries=1, **_opts)
+@_stage_task("eval_generate", retries=1)
 def eval_generate(*, inp: EvalGenerateInput) -> ShardRef:
     """One greedy response per held-out prompt; writes a `rollout` shard."""
     return run_stage(inp)
 
 
-@task(name="eval_summary", **_opts)
+@_stage_task("eval_summary")
 def eval_summary(*, inp: EvalSummaryInput) -> ShardRef:
     """Join prompts, responses and rewards into the `eval` shard (accuracy, mean reward)."""
     return run_stage(inp)
 
 
-@task(name="prune_checkpoints", **_opts)
+@_stage_task("prune_checkpoints")
 def prune_checkpoints(*, run_root: str, iteration: int, checkpoint: CheckpointConfig) -> dict[str, list[str]]:
     """Checkpoint retention after ``iteration``: prune the checkpoints older than the last
     ``checkpoint.keep_last`` iterations (nothing when keep_last is None)."""

@@ -137,3 +137,14 @@ def test_checkers_see_violations(tmp_path):
     assert _violations("flows", mods) == {"flows.a": ["rft_core.stages", "rft_core.stages.runner"]}
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_orchestration_functions_are_short():
+    """Flows and tasks stay readable on one screen: no function longer than 60 lines."""
+    long = []
+    for package in ("flows", "tasks"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long

@@ -13,7 +13,7 @@ from rft_core.algorithms.kl import next_kl_coef
 from rft_core.algorithms.advantages import clip_filter_like_weights, kl_shaped_token_rewards
 from rft_core.config import AdvantageConfig, KLConfig, ShapingConfig, TrainState, estimator_kwargs
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
-from rft_core.stages.contracts import AdvantagesInput
+from rft_core.stages.contracts import AdvantagesInput, stage_program
 from rft_core.stages.rewards import signal_prompt_ids
 from schemas import ShardRef, read_manifest, read_shard
 from schemas.batch import ColumnBatch, join_column_groups
@@ -97,6 +97,7 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
             "state": next_state, "metrics": metrics}
 
 
+@stage_program(AdvantagesInput)
 def run(inp: AdvantagesInput) -> ShardRef:
     """Write the advantages column group for every sample of the rollout.
 

@@ -23,7 +23,7 @@ config section so that such a change cannot go unnoticed.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,6 +41,12 @@ from rft_core.config import (
     UpdateConfig,
 )
 from schemas import PolicyRef, ShardRef, config_hash
+
+
+__all__ = ["PROGRAMS", "STAGE_INPUTS", "ActorLogprobsInput", "AdvantagesInput", "CriticUpdateInput", "CriticValuesInput",
+           "DynamicMergeInput", "EvalGenerateInput", "EvalPromptsInput", "EvalSummaryInput", "LogprobsInput",
+           "OptimizerStateInput", "PPOUpdateInput", "PromptsInput", "RefLogprobsInput", "RewardsInput", "RolloutInput",
+           "RolloutMergeInput", "StageInput", "hash_value", "stage_program"]
 
 
 def hash_value(value: Any) -> Any:
@@ -335,6 +341,28 @@ class EvalSummaryInput(StageInput):
     rollout: ShardRef
     rewards: ShardRef
     policy: PolicyRef
+
+
+# program name -> its function (each stage module registers its programs with ``stage_program``)
+PROGRAMS: dict[str, Callable[[Any], Any]] = {}
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def stage_program(*inputs: type[StageInput]) -> Callable[[F], F]:
+    """Register the decorated function as the program of each input model in ``inputs`` (what
+    ``rft_core.stages.runner.run_stage`` calls for them, in-process or as a subprocess).
+
+    Raises:
+        ValueError: a program name is registered twice.
+    """
+    def deco(fn: F) -> F:
+        for cls in inputs:
+            if cls.program in PROGRAMS:
+                raise ValueError(f"stage program {cls.program!r} is already registered")
+            PROGRAMS[cls.program] = fn
+        return fn
+
+    return deco
 
 
 STAGE_INPUTS: tuple[type[StageInput], ...] = (

@@ -15,7 +15,7 @@ from rft_core.stages.common import (
     reuse_or_compute,
     stage_commit,
 )
-from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput
+from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.strategy import OptimizerSettings, build_strategy
 from schemas import PolicyRef, ShardRef, read_shard
@@ -28,6 +28,7 @@ def critic_model_path(critic: PolicyRef) -> str:
     return policy_model_path(critic, CRITIC_SUBDIR)
 
 
+@stage_program(CriticValuesInput)
 def run_values(inp: CriticValuesInput) -> ShardRef:
     """V(s_t) for every response token under the critic ``inp.model``, on ``default_device()``;
     writes the `critic_values` column group."""
@@ -53,6 +54,7 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
     return reuse_or_compute(commit, compute)
 
 
+@stage_program(CriticUpdateInput)
 def run_update(inp: CriticUpdateInput) -> ShardRef:
     """Train the critic on the advantage stage's returns with the shared training loop (one
     process on ``default_device()``, or DeepSpeed ZeRO with ``critic.deepspeed`` under torchrun);

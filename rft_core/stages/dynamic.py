@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rft_core.stages.common import reuse_or_compute, stage_commit
-from rft_core.stages.contracts import DynamicMergeInput
+from rft_core.stages.contracts import DynamicMergeInput, stage_program
 from rft_core.stages.rewards import rewards_summary, signal_prompt_ids
 from rft_core.stages.rollout import rollout_summary
 from schemas import ShardRef, read_manifest, read_shard
@@ -70,6 +70,7 @@ def _take(tables: list[pa.Table], kept: list[tuple[int, str]]) -> pa.Table:
     return pa.concat_tables(parts)
 
 
+@stage_program(DynamicMergeInput)
 def run_merge(inp: DynamicMergeInput) -> tuple[ShardRef, ShardRef, ShardRef]:
     """Write the kept groups of all (prompts, rollout, rewards) attempts as three shards: the
     iteration's prompts (``inp.out``), rollout (``inp.out_rollout``) and rewards

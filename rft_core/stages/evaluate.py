@@ -24,7 +24,7 @@ from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.models.logprobs import default_device, model_device
 from rft_core.stages.common import Timer, policy_model_path, reuse_or_compute, stage_commit
-from rft_core.stages.contracts import EvalGenerateInput, EvalPromptsInput, EvalSummaryInput
+from rft_core.stages.contracts import EvalGenerateInput, EvalPromptsInput, EvalSummaryInput, stage_program
 from rft_core.stages.rollout import rollout_summary
 from schemas import PolicyRef, ShardError, ShardRef, ShardSchemaError, read_manifest, read_shard
 from schemas.batch import zero_pad_sequences
@@ -74,6 +74,7 @@ def checkpoint_label(policy: PolicyRef) -> str:
     return policy if isinstance(policy, str) else f"{policy.uri}/policy"
 
 
+@stage_program(EvalPromptsInput)
 def run_prompts(inp: EvalPromptsInput) -> ShardRef:
     """Write the held-out prompts (``eval.num_prompts`` questions of ``data.task`` absent from
     the training dataset, see ``heldout_entries``) to ``out``; prompt_ids are
@@ -150,6 +151,7 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], *, max_new_token
     return out
 
 
+@stage_program(EvalGenerateInput)
 def run_generate(inp: EvalGenerateInput) -> ShardRef:
     """Greedy-decode one response per held-out prompt with ``policy`` on ``default_device()``;
     writes a `rollout` shard (sample_id ``{prompt_id}#0``). The summary holds seconds,
@@ -219,6 +221,7 @@ def eval_summary(table: pa.Table) -> dict[str, Any]:
             "truncated_fraction": sum(f == "length" for f in table.column("finish_reason").to_pylist()) / n}
 
 
+@stage_program(EvalSummaryInput)
 def run_summary(inp: EvalSummaryInput) -> ShardRef:
     """Join prompts, greedy responses and rewards per sample into an `eval` shard; the manifest
     summary holds ``eval_summary`` plus the checkpoint evaluated.

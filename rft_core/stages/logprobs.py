@@ -8,13 +8,14 @@ from rft_core.models.logprobs import batched_response_logprobs, default_device
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.common import Timer, policy_model_path, reuse_or_compute, stage_commit
-from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput
+from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput, stage_program
 from schemas import ShardRef, read_shard
 from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS
 
 _SCHEMAS = {"actor_logprobs": (ACTOR_LOGPROBS, "old_logprobs"), "ref_logprobs": (REF_LOGPROBS, "ref_logprobs")}
 
 
+@stage_program(ActorLogprobsInput, RefLogprobsInput)
 def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
     """Compute log-probs of every response token under ``inp.model``; write the column group of
     ``inp.stage``: ``actor_logprobs`` (the policy before the update: old_logprobs and

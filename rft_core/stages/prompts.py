@@ -5,11 +5,12 @@ from rft_core.data.prompts import DatasetError, build_prompts, iteration_indices
 from rft_core.models.loading import load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
-from rft_core.stages.contracts import PromptsInput
+from rft_core.stages.contracts import PromptsInput, stage_program
 from schemas import ShardRef
 from schemas.columns import PROMPTS
 
 
+@stage_program(PromptsInput)
 def run(inp: PromptsInput) -> ShardRef:
     """Write the prompts of ``inp.iteration`` (1-based) to ``inp.out``; ``inp.attempt`` >= 1
     takes the dynamic-sampling refill stream instead of the main data order.

@@ -9,7 +9,7 @@ from rft_core.rewards.base import RewardSample
 from rft_core.rewards.engine import RewardEngine
 from rft_core.rewards.user import code_fingerprints
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
-from rft_core.stages.contracts import RewardsInput
+from rft_core.stages.contracts import RewardsInput, stage_program
 from schemas import ShardRef, ShardSchemaError, read_shard
 from schemas.columns import REWARDS
 
@@ -59,6 +59,7 @@ def reward_samples(rollout: pa.Table, prompts: pa.Table, *, rollout_uri: str = "
     return out
 
 
+@stage_program(RewardsInput)
 def run(inp: RewardsInput) -> ShardRef:
     """Score each sample with the reward engine (``rft_core.rewards.engine``); writes rewards,
     correct, extracted_answer, per-source ``reward_metrics`` and ``reward_reasons``.

@@ -14,7 +14,7 @@ from rft_core.models.vl import vl_processor_or_none
 from rft_core.models.logprobs import default_device
 from rft_core.progress import progress_reporter
 from rft_core.stages.common import Timer, policy_model_path, reuse_or_compute, stage_commit
-from rft_core.stages.contracts import RolloutInput, RolloutMergeInput
+from rft_core.stages.contracts import RolloutInput, RolloutMergeInput, stage_program
 from schemas import ShardRef, read_manifest, read_shard
 from schemas.columns import ROLLOUT
 
@@ -58,6 +58,7 @@ def make_engine(cfg: RolloutConfig, path: str, *, dtype: str):
     return engine, tok
 
 
+@stage_program(RolloutInput)
 def run(inp: RolloutInput) -> ShardRef:
     """Generate ``rollout.n_samples_per_prompt`` responses per prompt; write the rollout shard.
 
@@ -117,6 +118,7 @@ def _rollout_table(prompts: pa.Table, gens, tok, prompt_ids: list[list[int]], im
     return pa.table(rows, schema=ROLLOUT.arrow)
 
 
+@stage_program(RolloutMergeInput)
 def run_merge(inp: RolloutMergeInput) -> ShardRef:
     """The rollout of ``inp.rollout`` from its shards ``inp.parts``: rows in prompt order then
     sample index, as the single-worker rollout writes them, under the same contract and config

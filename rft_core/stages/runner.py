@@ -25,8 +25,9 @@ from typing import Any, Callable, Mapping
 from pydantic import TypeAdapter
 
 from rft_core.config import RunnerConfig
-from rft_core.stages import advantages, critic, dynamic, evaluate, logprobs, prompts, rewards, rollout, update
-from rft_core.stages.contracts import STAGE_INPUTS, StageInput
+# the stage modules register their programs in PROGRAMS when imported
+from rft_core.stages import advantages, critic, dynamic, evaluate, logprobs, prompts, rewards, rollout, update  # noqa: F401
+from rft_core.stages.contracts import PROGRAMS, STAGE_INPUTS, StageInput
 from schemas import ShardNotCommittedError, ShardRef, read_manifest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -50,24 +51,6 @@ class StageProcessError(RuntimeError):
                          f"last {len(tail)} output lines:\n" + "\n".join(tail))
 
 
-# program name -> its function; each takes its stage input model (``contracts``) and returns
-# what it committed
-PROGRAMS: dict[str, Callable[[Any], Any]] = {
-    "prompts": prompts.run,
-    "rollout": rollout.run,
-    "rollout_merge": rollout.run_merge,
-    "actor_logprobs": logprobs.run,
-    "ref_logprobs": logprobs.run,
-    "rewards": rewards.run,
-    "advantages": advantages.run,
-    "critic_values": critic.run_values,
-    "critic_update": critic.run_update,
-    "ppo_update": update.run,
-    "dynamic_merge": dynamic.run_merge,
-    "eval_prompts": evaluate.run_prompts,
-    "eval_generate": evaluate.run_generate,
-    "eval_summary": evaluate.run_summary,
-}
 # program name -> its input model
 INPUTS: dict[str, type[StageInput]] = {cls.program: cls for cls in STAGE_INPUTS if cls.program in PROGRAMS}
 

@@ -21,7 +21,7 @@ from rft_core.stages.common import (
     policy_model_path,
     stage_commit,
 )
-from rft_core.stages.contracts import PPOUpdateInput
+from rft_core.stages.contracts import PPOUpdateInput, stage_program
 from rft_core.stages.optimizer_state import (
     commit_optimizer_state,
     optimizer_state_dir,
@@ -153,6 +153,7 @@ def _recover_optimizer_state(strategy: SingleProcess, done: ShardRef) -> None:
                            summary={"recovered": True, "weights_match": match})
 
 
+@stage_program(PPOUpdateInput)
 def run(inp: PPOUpdateInput) -> ShardRef:
     """Update ``inp.policy`` and commit ``inp.out`` = per-step metrics parts + ``policy/`` HF
     checkpoint (a peft adapter folder with ``update.lora``), then the AdamW state as the sibling

@@ -1,0 +1,117 @@
+"""Stage contracts: config hashes by field name (order and defaulted additions do not matter),
+the defaults every hash relies on pinned, runs of another contract refused as another version."""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import ClassVar
+
+import pytest
+from pydantic import Field
+
+from rft_core.config import KLConfig, PPOClipLoss, RolloutConfig, TrainConfig, UpdateConfig
+from rft_core.stages.common import stage_commit
+from rft_core.stages.contracts import STAGE_INPUTS, PPOUpdateInput, RolloutInput, StageInput, hash_value
+from rft_core.stages.runner import INPUTS, PROGRAMS
+from schemas import OlderVersionError, ShardRef, StaleShardError, write_shard
+from schemas.columns import PROMPTS
+
+REF = ShardRef(uri="memory://x/p", stage="prompts", num_rows=1, config_hash="h", manifest_sha256="a" * 64)
+
+
+class _Ordered(StageInput):
+    program: ClassVar[str] = "demo"
+    stage: ClassVar[str] = "demo"
+    prompts: ShardRef
+    iteration: int
+    temperature: float = 1.0
+
+
+class _Reordered(StageInput):  # the same fields in another order, plus a new defaulted one
+    program: ClassVar[str] = "demo"
+    stage: ClassVar[str] = "demo"
+    temperature: float = 1.0
+    iteration: int
+    prompts: ShardRef
+    new_option: bool = Field(False)
+
+
+def test_hash_is_by_field_name_and_ignores_order_and_new_defaults():
+    a = _Ordered(prompts=REF, iteration=3, out="o1")
+    b = _Reordered(iteration=3, prompts=REF, out="o2")
+    assert a.config_hash() == b.config_hash()  # `out` is not hashed either
+    assert _Reordered(iteration=3, prompts=REF, out="o", new_option=True).config_hash() != a.config_hash()
+    assert _Ordered(prompts=REF, iteration=3, temperature=0.5, out="o").config_hash() != a.config_hash()
+    # the canonical text: contract id, then the non-default fields by name
+    text = json.dumps(["demo v1", {"iteration": 3, "prompts": {"shard": "a" * 64}}, {}], sort_keys=True, separators=(",", ":"))
+    assert a.config_hash() == hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def test_nested_configs_hash_their_non_default_fields_and_type():
+    assert hash_value(RolloutConfig()) == {"type": "RolloutConfig"}
+    assert hash_value(RolloutConfig(temperature=0.7)) == {"type": "RolloutConfig", "temperature": 0.7}
+    # two losses whose fields are all defaults still differ by type
+    gspo = UpdateConfig.model_validate({"policy_loss": {"name": "gspo"}})
+    dual = UpdateConfig.model_validate({"policy_loss": {"name": "dual_clip"}})
+    assert hash_value(gspo) != hash_value(dual) and "policy_loss" not in hash_value(UpdateConfig(policy_loss=PPOClipLoss()))
+    base = dict(prompts=REF, policy="p", rollout=RolloutConfig(), iteration=1, out="o")
+    assert RolloutInput(**base).config_hash() == RolloutInput(**base, dtype="float32", attempt=0).config_hash()
+    assert RolloutInput(**base).config_hash() != RolloutInput(**{**base, "iteration": 2}).config_hash()
+    assert RolloutInput(**base, shard=(0, 2)).config_hash() != RolloutInput(**base).config_hash()
+    with pytest.raises(ValueError, match="shard index 2 is not in 0..1"):
+        RolloutInput(**base, shard=(2, 2))
+
+
+def test_the_update_hashes_ref_logprobs_only_when_the_kl_is_a_loss_term():
+    base = dict(rollout=REF, advantages=REF, policy="p", update=UpdateConfig(), temperature=1.0, out="o")
+    in_reward = KLConfig(kl_coef=0.1, mode="reward")
+    assert (PPOUpdateInput(**base, kl=in_reward, ref_logprobs=REF).config_hash()
+            == PPOUpdateInput(**base, kl=in_reward).config_hash())
+    in_loss = KLConfig(kl_coef=0.1, mode="loss", estimator="k2")
+    assert (PPOUpdateInput(**base, kl=in_loss, ref_logprobs=REF).config_hash()
+            != PPOUpdateInput(**base, kl=in_loss).config_hash())
+    # how the optimizer state is written is not part of what is computed
+    assert (PPOUpdateInput(**base, kl=in_reward, background_optimizer=True).config_hash()
+            == PPOUpdateInput(**base, kl=in_reward).config_hash())
+
+
+def test_every_program_has_one_input_model_and_every_input_model_a_program():
+    assert set(INPUTS) == set(PROGRAMS)
+    assert {cls.program for cls in STAGE_INPUTS} == set(PROGRAMS) | {"optimizer_state"}
+    for cls in STAGE_INPUTS:
+        for name, path in cls.config_paths.items():
+            assert name in cls.model_fields, (cls.__name__, name)
+            first = path.split(".")[0]
+            assert first in TrainConfig.model_fields or hasattr(TrainConfig, first), (cls.__name__, path)
+
+
+def test_a_run_written_by_another_contract_is_refused_as_another_version(tmp_path):
+    import pyarrow as pa
+
+    row = {"prompt_id": "p-0", "data_source": "t", "question": "q", "prompt_text": "q", "prompt_token_ids": [1],
+           "answer": "1", "metadata_json": "{}", "images": []}
+    table = pa.Table.from_pylist([row], schema=PROMPTS.arrow)
+    inp = _Ordered(prompts=REF, iteration=1, out=str(tmp_path / "old"))
+    write_shard(table, inp.out, schema=PROMPTS, config_hash="0123456789abcdef")  # no contract: an older version
+    commit = stage_commit(inp, stage="prompts")
+    with pytest.raises(OlderVersionError, match="written by an older version of prefect-rft .*stage contract none; "
+                                                "this version writes demo v1"):
+        commit.committed()
+    # same contract, other config: the usual refusal, naming both hashes
+    write_shard(table, str(tmp_path / "same"), schema=PROMPTS, config_hash="0123456789abcdef", contract="demo v1")
+    with pytest.raises(StaleShardError, match="config hash 0123456789abcdef") as info:
+        stage_commit(inp, uri=str(tmp_path / "same"), stage="prompts").committed()
+    assert not isinstance(info.value, OlderVersionError)
+
+
+# The default of every config field that enters a stage's config hash. Hashes leave defaults
+# out, so a default that changes would silently change what an old hash means: when this test
+# fails, bump ``version`` of every stage input whose config reads the changed field (see
+# rft_core/stages/contracts.py), then update the pin.
+DEFAULTS_SHA256 = "2f523f3401b97122ea7ce43057649be3c6cd7ec26c3ca6caf3846d726ed901c8"
+
+
+def test_config_defaults_are_pinned():
+    text = json.dumps(TrainConfig().model_dump(mode="json", exclude={"run_root", "name"}), sort_keys=True)
+    assert hashlib.sha256(text.encode()).hexdigest() == DEFAULTS_SHA256, (
+        "a config default changed: bump the version of the stage contracts that read it, then update DEFAULTS_SHA256")
