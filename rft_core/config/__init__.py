@@ -3,14 +3,15 @@
 YAML presets live in ``configs/``; any value can be overridden with dotted keys
 (``rollout.temperature=0.7``) from the CLI or prefect.yaml. Unknown keys are errors.
 
-The sections live in submodules by responsibility (``rewards``, ``algorithms``, ``scale``);
+The sections live in submodules by responsibility (``data``, ``generation``, ``rewards``,
+``algorithms``, ``scale``, ``run``; the update, the critic and the whole training config here);
 everything is re-exported here, so ``from rft_core.config import X`` works for every model.
 """
 from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -27,58 +28,11 @@ from rft_core.config.algorithms import (  # noqa: F401
 from rft_core.config.rewards import (  # noqa: F401
     REWARD_SOURCE_CONFIGS, CodeExecSource, ExactMatchSource, FormatSource, MathAnswerSource, PythonSource,
     RecipeItem, RemoteSource, RewardConfig, RewardModelSource, RewardSourceConfig)
+from rft_core.config.data import DataConfig, EvalConfig  # noqa: F401
+from rft_core.config.generation import LogprobConfig, ModelConfig, RolloutConfig  # noqa: F401
+from rft_core.config.run import CheckpointConfig, ObserveConfig, WandbConfig  # noqa: F401
 from rft_core.config.scale import (  # noqa: F401
     RUNNABLE_STAGES, DeepSpeedConfig, LoraConfig, OrchestrationConfig, RunnerConfig, VLLMConfig)
-from rft_core.models.loading import DEFAULT_MODEL
-
-
-class ModelConfig(_Frozen):
-    """Which model to load: the embedded default alias, a local HF folder, or a hub id."""
-
-    path: str = DEFAULT_MODEL
-    dtype: Literal["float32", "bfloat16", "auto"] = Field("float32", description="auto: bfloat16 on a GPU that supports it, else float32")
-
-
-class DataConfig(_Frozen):
-    """Prompts from a reasoning-gym task (or the built-in ``humaneval``), seeded; each iteration
-    takes the next slice."""
-
-    source: Literal["reasoning_gym"] = "reasoning_gym"
-    task: str = "basic_arithmetic"
-    task_config: dict[str, int | float | str | bool] = Field(default_factory=dict)
-    size: int = Field(2000, gt=0, description="number of distinct training prompts")
-    seed: int = 1234
-    prompts_per_iteration: int = Field(8, gt=0)
-    system_prompt: str = (
-        "You are a helpful assistant. Solve the problem. "
-        "Give the final answer on the last line as: Answer: <answer>"
-    )
-    max_prompt_tokens: int = Field(256, gt=0)
-    overlong_prompts: Literal["skip", "error"] = "skip"
-
-
-class RolloutConfig(_Frozen):
-    """Sampling settings of the rollout engine."""
-
-    engine: Literal["hf", "vllm"] = "hf"
-    n_samples_per_prompt: int = Field(4, gt=0, description="group size G")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(128, gt=0)
-    batch_size: int = Field(32, gt=0, description="sequences generated at once")
-    first_token_temperature: float | None = Field(None, gt=0, description="FIRE sampling (arXiv:2410.21236): temperature of the first token only")
-    seed: int = 0
-    vllm: VLLMConfig | None = Field(None, description="engine=vllm settings (None: defaults)")
-
-
-class LogprobConfig(_Frozen):
-    """Per-token log-prob computation (actor and reference stages)."""
-
-    micro_batch_size: int = Field(8, gt=0, description="sequences per forward pass")
-    recompute_old_logprobs: bool = Field(
-        True, description="False: reuse the rollout engine's own log-probs and skip the actor stage"
-    )
-    packing: bool = Field(False, description="pack each micro-batch into one row without padding (position ids restart per sequence)")
 
 
 class UpdateConfig(_Frozen):
@@ -130,47 +84,6 @@ class CriticConfig(_Frozen):
     def dtype(self) -> str:
         """dtype of the critic weights."""
         return self.model.dtype if self.model else "float32"
-
-
-class EvalConfig(_Frozen):
-    """Held-out evaluation (``flows/eval.py``): greedy decoding on prompts of the training task
-    whose question texts never occur in the training dataset (``heldout_entries``)."""
-
-    num_prompts: int = Field(200, gt=0, description="held-out prompts, one greedy response each")
-    seed: int | None = Field(None, description="dataset seed of the held-out split; None: data.seed + data.size + 1000003")
-    max_new_tokens: int | None = Field(None, gt=0, description="None: rollout.max_new_tokens")
-    batch_size: int = Field(32, gt=0, description="sequences generated at once")
-
-
-class WandbConfig(_Frozen):
-    """Optional Weights & Biases logging of the per-iteration metrics (needs ``pip install wandb``)."""
-
-    enabled: bool = False
-    project: str = "prefect-rft"
-    entity: str | None = None
-    mode: Literal["online", "offline", "disabled"] | None = Field(None, description="None: wandb's own default (WANDB_MODE)")
-    tags: list[str] = Field(default_factory=list)
-
-
-class ObserveConfig(_Frozen):
-    """Where metrics go besides metrics.jsonl, TensorBoard and the Prefect artifacts."""
-
-    wandb: WandbConfig = WandbConfig()
-
-
-class CheckpointConfig(_Frozen):
-    """How checkpoints are written and kept. Never part of a config hash.
-
-    Retention (``rft_core.stages.retention``): after each iteration, prune the checkpoints of
-    iterations older than the last ``keep_last``. ``async_optimizer``: the policy's AdamW state
-    (twice the weights) is written by a background thread while the next iteration's stages
-    run (``rft_core.stages.optimizer_state``); a write lost to a crash is recomputed on resume.
-    """
-
-    async_optimizer: bool = Field(True, description="write the policy's optimizer state in the background")
-    keep_last: int | None = Field(None, ge=1, description="iterations whose checkpoints stay whole (None: keep all)")
-    prune: Literal["optimizer", "weights"] = Field(
-        "optimizer", description="what older checkpoints lose: the optimizer state only, or also the weights")
 
 
 class TrainConfig(_Frozen):

@@ -123,6 +123,8 @@ class PromptsInput(StageInput):
     tokenizer_path: str
     iteration: int = Field(ge=1)
     attempt: int = Field(0, ge=0)
+    data_fingerprint: str | None = Field(None, description="size and version of the dataset files (data.source=files): "
+                                         "an edited dataset makes committed prompts stale")
 
 
 class RolloutInput(StageInput):
@@ -218,6 +220,7 @@ class AdvantagesInput(StageInput):
 
     program: ClassVar[str] = "advantages"
     stage: ClassVar[str] = "advantages"
+    version: ClassVar[int] = 2  # 2: the KL penalty of group-normalised estimators after normalisation (issue 16)
     config_paths: ClassVar[Mapping[str, str]] = {"kl": "kl", "advantage": "advantage", "shaping": "shaping",
                                                  "state": "initial_state", "max_new_tokens": "rollout.max_new_tokens"}
     rollout: ShardRef
@@ -263,6 +266,7 @@ class PPOUpdateInput(StageInput):
 
     program: ClassVar[str] = "ppo_update"
     stage: ClassVar[str] = "ppo_update"
+    version: ClassVar[int] = 2  # 2: loss normalisers, dropout off, rollout correction (issue 16)
     unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer"})
     config_paths: ClassVar[Mapping[str, str]] = {"update": "update", "kl": "kl", "policy": "policy.path",
                                                  "dtype": "policy.dtype", "temperature": "rollout.temperature"}
@@ -315,6 +319,7 @@ class EvalPromptsInput(StageInput):
     data: DataConfig
     eval: EvalConfig
     tokenizer_path: str
+    data_fingerprint: str | None = Field(None, description="size and version of the held-out dataset files (eval.path)")
 
 
 class EvalGenerateInput(StageInput):

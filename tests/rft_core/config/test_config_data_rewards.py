@@ -27,7 +27,7 @@ def test_presets_load(tmp_path):
     (["update.policy_loss.name=dual_clip", "update.policy_loss.clip_c=1"], "clip_c"),
     (["critic.value_loss=huber"], "unknown value loss 'huber'; valid names: clipped_mse"),
     (["advantage.estimator=rloo", "advantage.scale_by_std=false"], "advantage.rloo.scale_by_std: Extra inputs"),
-    (["kl.estimator=k4"], "unknown KL estimator 'k4'; valid names: k1, k2, k3"),
+    (["kl.estimator=k4"], r"unknown KL estimator 'k4'; valid names: k1, k1\+, k2, k3, k3\+, low_var_kl, low_var_kl\+, mse"),
     (["update.loss_agg=sum"], "valid names: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-mean"),
     (["rollout.temprature=1"], "rollout.temprature: Extra inputs are not permitted"),
     (["rollout.temperature=-1"], "rollout.temperature"),

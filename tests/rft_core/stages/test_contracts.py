@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -104,14 +105,31 @@ def test_a_run_written_by_another_contract_is_refused_as_another_version(tmp_pat
     assert not isinstance(info.value, OlderVersionError)
 
 
-# The default of every config field that enters a stage's config hash. Hashes leave defaults
-# out, so a default that changes would silently change what an old hash means: when this test
-# fails, bump ``version`` of every stage input whose config reads the changed field (see
-# rft_core/stages/contracts.py), then update the pin.
-DEFAULTS_SHA256 = "2f523f3401b97122ea7ce43057649be3c6cd7ec26c3ca6caf3846d726ed901c8"
+# The default of every config field, as committed runs were hashed with them. Hashes leave
+# defaults out, so a default that changes would silently change what an old hash means: when
+# this test fails, bump ``version`` of every stage input whose config reads the changed field
+# (rft_core/stages/contracts.py), then rewrite the snapshot (``python -m
+# tests.rft_core.stages.test_contracts``). New fields are fine: a new field at its default
+# leaves every hash as it was.
+SNAPSHOT = Path(__file__).with_name("config_defaults.json")
+
+
+def _flat(obj, prefix: str = "") -> dict:
+    if isinstance(obj, dict):
+        return {k: v for key, val in obj.items() for k, v in _flat(val, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): obj}
+
+
+def current_defaults() -> dict:
+    return _flat(TrainConfig().model_dump(mode="json", exclude={"run_root", "name"}))
 
 
 def test_config_defaults_are_pinned():
-    text = json.dumps(TrainConfig().model_dump(mode="json", exclude={"run_root", "name"}), sort_keys=True)
-    assert hashlib.sha256(text.encode()).hexdigest() == DEFAULTS_SHA256, (
-        "a config default changed: bump the version of the stage contracts that read it, then update DEFAULTS_SHA256")
+    pinned, now = json.loads(SNAPSHOT.read_text()), current_defaults()
+    changed = {k: (v, now.get(k, "<removed>")) for k, v in pinned.items() if now.get(k, "<removed>") != v}
+    assert not changed, (f"config defaults changed {changed}: bump the version of the stage contracts that read them, "
+                         "then rewrite the snapshot (python -m tests.rft_core.stages.test_contracts)")
+
+
+if __name__ == "__main__":
+    SNAPSHOT.write_text(json.dumps(current_defaults(), indent=1, sort_keys=True) + "\n")

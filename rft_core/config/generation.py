@@ -1,0 +1,42 @@
+"""The models and how they generate and score tokens: which model (``policy``, ``reference``),
+the rollout engine's sampling (``rollout``), the log-prob passes (``logprobs``)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rft_core.config._base import _Frozen
+from rft_core.config.scale import VLLMConfig
+from rft_core.models.hub import DEFAULT_MODEL
+
+
+class ModelConfig(_Frozen):
+    """Which model to load: the embedded default alias, a local HF folder, or a hub id."""
+
+    path: str = DEFAULT_MODEL
+    dtype: Literal["float32", "bfloat16", "auto"] = Field("float32", description="auto: bfloat16 on a GPU that supports it, else float32")
+
+
+class RolloutConfig(_Frozen):
+    """Sampling settings of the rollout engine."""
+
+    engine: Literal["hf", "vllm"] = "hf"
+    n_samples_per_prompt: int = Field(4, gt=0, description="group size G")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(128, gt=0)
+    batch_size: int = Field(32, gt=0, description="sequences generated at once")
+    first_token_temperature: float | None = Field(None, gt=0, description="FIRE sampling (arXiv:2410.21236): temperature of the first token only")
+    seed: int = 0
+    vllm: VLLMConfig | None = Field(None, description="engine=vllm settings (None: defaults)")
+
+
+class LogprobConfig(_Frozen):
+    """Per-token log-prob computation (actor and reference stages)."""
+
+    micro_batch_size: int = Field(8, gt=0, description="sequences per forward pass")
+    recompute_old_logprobs: bool = Field(
+        True, description="False: reuse the rollout engine's own log-probs and skip the actor stage"
+    )
+    packing: bool = Field(False, description="pack each micro-batch into one row without padding (position ids restart per sequence)")
