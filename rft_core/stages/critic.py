@@ -6,15 +6,8 @@ import pyarrow as pa
 from rft_core.models.critic import batched_response_values, load_critic
 from rft_core.models.loading import load_tokenizer
 from rft_core.models.logprobs import default_device
-from rft_core.stages.common import (
-    CRITIC_SUBDIR,
-    Timer,
-    commit_trained,
-    policy_checkpoint_dir,
-    policy_model_path,
-    reuse_or_compute,
-    stage_commit,
-)
+from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path
+from rft_core.stages.common import Timer, commit_trained, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.strategy import OptimizerSettings, build_strategy

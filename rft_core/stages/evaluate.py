@@ -23,7 +23,8 @@ from rft_core.engines.hf import Generation
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.models.logprobs import default_device, model_device
-from rft_core.stages.common import Timer, policy_model_path, reuse_or_compute, stage_commit
+from rft_core.stages.checkpoints import policy_model_path
+from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import EvalGenerateInput, EvalPromptsInput, EvalSummaryInput, stage_program
 from rft_core.stages.rollout import rollout_summary
 from schemas import PolicyRef, ShardError, ShardRef, ShardSchemaError, read_manifest, read_shard

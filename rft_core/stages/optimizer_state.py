@@ -33,7 +33,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import fsspec
 import torch
 
-from rft_core.stages.common import Commit, policy_checkpoint_dir, stage_commit
+from rft_core.stages.checkpoints import policy_checkpoint_dir
+from rft_core.stages.common import Commit, stage_commit
 from rft_core.stages.contracts import OptimizerStateInput
 from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
 from schemas import ShardRef, commit_files, local_path, prepare_stage_dir, read_manifest

@@ -13,7 +13,8 @@ from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.models.logprobs import default_device
 from rft_core.progress import progress_reporter
-from rft_core.stages.common import Timer, policy_model_path, reuse_or_compute, stage_commit
+from rft_core.stages.checkpoints import policy_model_path
+from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import RolloutInput, RolloutMergeInput, stage_program
 from schemas import ShardRef, read_manifest, read_shard
 from schemas.columns import ROLLOUT

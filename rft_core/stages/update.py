@@ -12,15 +12,8 @@ from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.lora import adapter_base_path, apply_lora, is_adapter_dir, load_adapter_policy
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
-from rft_core.stages.common import (
-    POLICY_SUBDIR,
-    Commit,
-    Timer,
-    commit_trained,
-    policy_checkpoint_dir,
-    policy_model_path,
-    stage_commit,
-)
+from rft_core.stages.checkpoints import POLICY_SUBDIR, policy_checkpoint_dir, policy_model_path
+from rft_core.stages.common import Commit, Timer, commit_trained, stage_commit
 from rft_core.stages.contracts import PPOUpdateInput, stage_program
 from rft_core.stages.optimizer_state import (
     commit_optimizer_state,

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from rft_core.config import ConfigError, load_config
-from rft_core.stages.common import policy_checkpoint_dir, policy_model_path
+from rft_core.stages.checkpoints import policy_checkpoint_dir, policy_model_path
 from rft_core.stages.retention import CheckpointPrunedError, prunable_files, prune_checkpoints
 from schemas import (
     ShardCorruptError,
