@@ -1,4 +1,4 @@
-"""Benchmark: a 1,000,000-row prompt file, from opening it to the first iteration's prompts.
+"""Benchmark: a 1,000,000-row prompt file, from opening it to the first iteration's prompts stage.
 
 Writes a verl-style Parquet file (``data_source``, ``prompt`` as system + user messages,
 ``ability``, ``reward_model.ground_truth``, ``extra_info``) into a temp folder, then, in a fresh
@@ -10,6 +10,15 @@ child process per row-group layout, measures:
   later_s     the same for iteration 100000 on the already opened dataset
   peak_rss_mb the child's peak RSS (``resource.getrusage``), and ``data_rss_mb``, its growth
               over the peak after imports and loading the tokenizer
+
+and then, in another fresh child, the real prompts stage program (``rft_core.stages.prompts.run``
+with ``data.source: files``, as the iteration flow calls it):
+
+  fingerprint_s     ``dataset_fingerprint(data)``: what the flow computes for the stage's hash
+  stage_first_s     the first iteration's prompts stage committed into an empty run folder
+                    (tokenizer load, open, row selection, per-row checks, rendering, Parquet commit)
+  stage_resume_s    the same call again: the committed stage found and reused
+  stage_peak_rss_mb the child's peak RSS
 
 and prints one JSON object (with ``uptime``'s load averages).
 
@@ -96,6 +105,36 @@ def measure(path: str, per_iteration: int, tokenizer: str) -> dict:
             "data_rss_mb": round(_peak_mb() - base_mb, 1), "first_prompt": batch.table.column("prompt_text")[0].as_py()}
 
 
+def measure_stage(path: str, per_iteration: int, tokenizer: str) -> dict:
+    """Run in the child: the prompts stage program on ``path`` (see the module docstring)."""
+    from rft_core.config import DataConfig
+    from rft_core.data.mixture import dataset_fingerprint
+    from rft_core.stages import prompts as prompts_stage
+    from rft_core.stages.contracts import PromptsInput
+    from schemas import read_manifest, stage_uri
+
+    data = DataConfig(source="files", path=path, prompts_per_iteration=per_iteration, system_prompt="",
+                      max_prompt_tokens=512)
+    base_mb = _peak_mb()
+    with tempfile.TemporaryDirectory(prefix="rft-data-stage-") as run_root:
+        t0 = time.perf_counter()
+        fingerprint = dataset_fingerprint(data)
+        fingerprint_s = time.perf_counter() - t0
+        inp = PromptsInput(data=data, tokenizer_path=tokenizer, iteration=1, out=stage_uri(run_root, 1, "prompts"),
+                           data_fingerprint=fingerprint)
+        ref = prompts_stage.run(inp)
+        first_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        again = prompts_stage.run(inp.model_copy(update={"data_fingerprint": dataset_fingerprint(data)}))
+        resume_s = time.perf_counter() - t1
+        assert again == ref and ref.num_rows == per_iteration
+        summary = read_manifest(ref.uri)[0].summary
+    return {"fingerprint_s": round(fingerprint_s, 4), "stage_first_s": round(first_s, 3),
+            "stage_resume_s": round(resume_s, 3), "stage_program_seconds": round(summary["seconds"], 3),
+            "stage_rss_after_imports_mb": round(base_mb, 1), "stage_peak_rss_mb": round(_peak_mb(), 1),
+            "stage_first_row": summary["rows"][0]}
+
+
 def _child(*args: str) -> dict:
     proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=False)
     if proc.returncode:
@@ -112,9 +151,13 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="smollm2-135m-instruct")
     ap.add_argument("--measure", help=argparse.SUPPRESS)  # child mode: the file to measure
     ap.add_argument("--write", help=argparse.SUPPRESS)  # child mode: the file to write
+    ap.add_argument("--stage", help=argparse.SUPPRESS)  # child mode: the prompts stage program on this file
     args = ap.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args.per_iteration, args.tokenizer)))
+        return
+    if args.stage:
+        print(json.dumps(measure_stage(args.stage, args.per_iteration, args.tokenizer)))
         return
     if args.write:
         print(json.dumps({"write_s": round(write_file(args.write, args.rows, int(args.row_group_sizes)), 1)}))
@@ -127,6 +170,7 @@ def main() -> None:
             path = os.path.join(tmp, f"prompts-rg{rg}.parquet")
             wrote = _child("--write", path, "--rows", str(args.rows), "--row-group-sizes", str(rg))
             run = _child("--measure", path, "--per-iteration", str(args.per_iteration), "--tokenizer", args.tokenizer)
+            run.update(_child("--stage", path, "--per-iteration", str(args.per_iteration), "--tokenizer", args.tokenizer))
             run.update(row_group_size=rg, file_mb=round(os.path.getsize(path) / 2**20, 1), **wrote)
             out["runs"].append(run)
             os.remove(path)

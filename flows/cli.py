@@ -1,4 +1,5 @@
-"""Command-line entry point: ``rft train --config configs/grpo_demo.yaml --set rollout.temperature=0.7``."""
+"""Command-line entry point: ``rft train --config configs/grpo_demo.yaml --set rollout.temperature=0.7``;
+``rft data check data/train.jsonl -c configs/grpo_my_data.yaml`` before training on your own files."""
 from __future__ import annotations
 
 import os
@@ -66,13 +67,15 @@ def eval_(
         None, help="What to score: a run folder (its last checkpoint), an iter=N/ppo_update folder or its policy/ "
                    "folder, a local HF model folder, or the default model's alias. Default: the config's policy.path."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML preset of the training run: its data "
-                                          "(task, seed, size) defines the held-out split, its reward the grading."),
+                                          "(task, seed, size) defines the held-out split, or eval.path names a file of "
+                                          "held-out rows (required with data.source=files); its reward grades."),
     set_: List[str] = typer.Option([], "--set", "-s", help="Dotted override, repeatable: --set eval.num_prompts=100 "
                                    "(eval.seed, eval.max_new_tokens, eval.batch_size too)."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Folder (any fsspec URI) for the eval stages. Default: "
                                       "{run}/eval/iter=N-<hash> for a run checkpoint, else runs/eval/<name>-<hash>."),
 ) -> None:
-    """Score a checkpoint on held-out prompts of the training task (greedy): accuracy and mean reward."""
+    """Score a checkpoint on held-out prompts (greedy): accuracy and mean reward. The prompts are a split of the
+    training task disjoint from its training data, or the first eval.num_prompts rows of eval.path."""
     from rft_core.config import ConfigError, load_config
 
     try:
@@ -195,6 +198,35 @@ def serve(
         typer.echo("stopping the worker and the server ...")
     finally:
         stack.stop()
+
+
+data_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                       help="Your own training data: check a dataset before training on it.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("check")
+def data_check(
+    path: Optional[str] = typer.Argument(
+        None, metavar="PATH", help="Dataset to check: a .parquet/.jsonl/.json/.csv file, a glob, a folder, a "
+                                   "datasets.save_to_disk folder or any fsspec URI. Default: the config's data.path "
+                                   "(or its data.sources mixture)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML preset whose data settings (format, "
+                                          "columns, system_prompt, prompt_template, max_prompt_tokens) and policy "
+                                          "tokenizer are used, as training would."),
+    set_: List[str] = typer.Option([], "--set", "-s", help="Dotted override, repeatable: --set data.columns.prompt=input"),
+    examples: int = typer.Option(2, "--examples", "-n", min=0, help="How many prompts to render as the policy sees them."),
+) -> None:
+    """Check a dataset as training reads it: detected format, column mapping, row count, the first
+    prompts exactly as the policy sees them, and every problem a scan of all rows finds. Exits 1 when
+    there are problems."""
+    cfg = _load_or_exit(config, list(set_))
+    from rft_core.api import check_config_data
+
+    report = check_config_data(cfg, path, n_examples=examples)
+    typer.echo(report.render())
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 """Held-out evaluation of a checkpoint: prompts -> greedy rollout -> rewards -> eval shard.
 
-The held-out prompts come from the training task (``cfg.data``) with another dataset seed, and
-every question text that occurs in the training dataset is dropped, so the split is disjoint
-from what training can see. Rewards are graded by the training reward stage with ``cfg.reward``.
+The held-out prompts are the first ``eval.num_prompts`` rows of ``cfg.eval.path`` when it is set
+(your own held-out file), else they come from the training task (``cfg.data``) with another
+dataset seed, every question text that occurs in the training dataset dropped, so the split is
+disjoint from what training can see. Rewards are graded by the training reward stage with
+``cfg.reward``.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from rft_core.api import (
     checkpoint_label,
     default_eval_root,
     eval_markdown,
+    heldout_fingerprint,
     resolve_checkpoint,
 )
 from rft_core.config import TrainConfig, load_config
@@ -72,12 +75,14 @@ def evaluate(cfg: TrainConfig, checkpoint: str | ShardRef | None = None, out_roo
     fingerprint = _fingerprint(cfg, policy, max_new)
     root = (out_root or default_eval_root(policy, fingerprint=fingerprint)).rstrip("/")
     label = checkpoint_label(policy)
-    logger.info("evaluating %s on %d held-out %s prompts into %s", label, cfg.eval.num_prompts, cfg.data.task, root)
+    logger.info("evaluating %s on %d held-out %s prompts into %s", label, cfg.eval.num_prompts, cfg.eval.path or cfg.data.task,
+                root)
 
     tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)
     tokenizer_path = policy if isinstance(policy, str) else cfg.policy.path
     prompts = tasks.tagged(tasks.eval_prompts, tags)(inp=EvalPromptsInput(
-        data=cfg.data, eval=cfg.eval, tokenizer_path=tokenizer_path, out=f"{root}/prompts"))
+        data=cfg.data, eval=cfg.eval, tokenizer_path=tokenizer_path, out=f"{root}/prompts",
+        data_fingerprint=heldout_fingerprint(cfg.data, cfg.eval)))  # eval.path: an edited file makes it stale
     rollout = tasks.tagged(tasks.eval_generate, tags)(inp=EvalGenerateInput(
         prompts=prompts, policy=policy, max_new_tokens=max_new, batch_size=cfg.eval.batch_size, dtype=cfg.policy.dtype,
         out=f"{root}/rollout"))

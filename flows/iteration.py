@@ -27,6 +27,7 @@ from rft_core.api import (
     RefLogprobsInput,
     RewardsInput,
     RolloutInput,
+    dataset_fingerprint,
     iteration_metrics,
     next_state,
     samples_markdown,
@@ -53,7 +54,8 @@ def _attempt(cfg: TrainConfig, iteration: int, policy: PolicyRef, out: Out, tags
              sfx: str = "") -> tuple[ShardRef, ShardRef]:
     """The prompts and rollout of ``attempt`` (0: the iteration's own; >= 1: a dynamic-sampling refill)."""
     prompts = tasks.tagged(tasks.prompts, tags)(inp=PromptsInput(
-        data=cfg.data, tokenizer_path=cfg.policy.path, iteration=iteration, attempt=attempt, out=out(f"prompts{sfx}")))
+        data=cfg.data, tokenizer_path=cfg.policy.path, iteration=iteration, attempt=attempt, out=out(f"prompts{sfx}"),
+        data_fingerprint=dataset_fingerprint(cfg.data)))  # data.source=files: an edited file makes it stale
     rollout = fanout.rollout(inp=RolloutInput(prompts=prompts, policy=policy, rollout=cfg.rollout, iteration=iteration,
                                               dtype=cfg.policy.dtype, attempt=attempt, out=out(f"rollout{sfx}")),
                              runner=cfg.runner("rollout"), tags=tags)

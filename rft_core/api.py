@@ -8,6 +8,8 @@ sources). Everything else in ``rft_core`` is internal to it and may change shape
 """
 from __future__ import annotations
 
+from rft_core.data.check import check_config_data
+from rft_core.data.mixture import dataset_fingerprint, heldout_fingerprint
 from rft_core.inspect import export_table, run_status, samples_view
 from rft_core.metrics import format_metrics_line, iteration_metrics, write_metrics
 from rft_core.observe import WandbLogger, curve_markdown, plot_curves, samples_markdown, write_tensorboard
@@ -17,15 +19,18 @@ from rft_core.stages.contracts import *  # noqa: F403 - every stage input model 
 from rft_core.stages.dynamic import count_signal_groups
 from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, resolve_checkpoint
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
-from rft_core.stages.retention import prune_checkpoints
+from rft_core.stages.retention import apply_retention, prune_checkpoints
+from rft_core.storage import RunRootError, check_run_root
 from rft_core.stages.runner import run_stage
 
 from rft_core.stages import contracts as _contracts
 
 __all__ = [
     *_contracts.__all__, "WandbLogger", "checkpoint_label",
+    "check_config_data", "dataset_fingerprint", "heldout_fingerprint",
     "count_signal_groups", "curve_markdown", "default_eval_root", "eval_markdown", "export_table",
     "format_metrics_line", "iteration_metrics", "next_state", "plot_curves", "prune_checkpoints", "replay_sources",
     "resolve_checkpoint", "run_stage", "run_status", "samples_markdown", "samples_view", "wait_for_optimizer_writes",
     "write_metrics", "write_replay_record", "write_tensorboard",
+    "RunRootError", "apply_retention", "check_run_root",
 ]

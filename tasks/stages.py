@@ -134,7 +134,7 @@ def ppo_update(*, inp: PPOUpdateInput, runner: RunnerConfig | None = None) -> Sh
 
 @_stage_task("eval_prompts")
 def eval_prompts(*, inp: EvalPromptsInput) -> ShardRef:
-    """Held-out prompts of the training task (question texts disjoint from the training data)."""
+    """Held-out prompts: a split of the training task disjoint from its data, or the rows of ``eval.path``."""
     return run_stage(inp)
 
 

@@ -181,3 +181,39 @@ def render_report(report: DataCheckReport) -> str:
         lines += [f"  - {p}" for p in report.problems]
     lines.append("OK" if report.ok else f"FAILED: {report.bad_rows} bad row(s), {len(report.problems)} problem(s)")
     return "\n".join(lines)
+
+
+def check_config_data(cfg, path: str | None = None, *, n_examples: int = 2, max_problems: int = 50) -> DataCheckReport:
+    """``check_data`` of what a training config would read: ``path`` (any file, e.g. the
+    held-out ``eval.path``) or else the config's own ``data.path`` / ``data.sources``, with its
+    ``data`` settings (format, columns, system_prompt, prompt_template, max_prompt_tokens) and
+    the tokenizer (and vision-language processor) of ``policy.path``.
+
+    Args:
+        cfg: a ``rft_core.config.TrainConfig``.
+    Returns:
+        a ``DataCheckReport``; with neither ``path`` nor a files dataset in ``cfg``, or a
+        tokenizer that cannot be loaded, a report whose only problem says so.
+    """
+    data = cfg.data
+    if path is None and data.source != "files":
+        report = DataCheckReport()
+        report.problems.append("no dataset to check: give a PATH, or a config with data.source: files "
+                               "(and data.path or data.sources)")
+        return report
+    from rft_core.data.mixture import source_dicts
+    from rft_core.models.hub import ModelLoadError
+    from rft_core.models.loading import load_tokenizer
+    from rft_core.models.vl import vl_processor_or_none
+
+    try:
+        tokenizer, processor = load_tokenizer(cfg.policy.path), vl_processor_or_none(cfg.policy.path)
+    except ModelLoadError as exc:
+        report = DataCheckReport()
+        report.problems.append(f"policy.path (the tokenizer prompts are rendered with): {exc}")
+        return report
+    sources = source_dicts(data) if path is None else None
+    return check_data(tokenizer, processor=processor, path=path if path is not None else (None if sources else data.path),
+                      sources=sources, format=data.format, columns=data.columns or None,
+                      system_prompt=data.system_prompt, prompt_template=data.prompt_template,
+                      max_prompt_tokens=data.max_prompt_tokens, n_examples=n_examples, max_problems=max_problems)

@@ -232,3 +232,47 @@ def data_fingerprint(path: str | None = None, *, format: str = "auto", sources: 
         return "+".join(fingerprint_files(resolve_files(s["path"], s.get("format") or format)) for s in sources)
     return fingerprint_files(resolve_files(path, format))
 
+
+def source_dicts(data) -> list[dict[str, Any]] | None:
+    """``data.sources`` as the dicts ``MixtureDataset`` takes (None: no mixture); keys left unset
+    (None) fall back to ``data.format`` / ``data.columns``."""
+    if not data.sources:
+        return None
+    return [{k: v for k, v in s.model_dump().items() if v is not None} for s in data.sources]
+
+
+def open_data_config(data):
+    """``open_data`` of a ``rft_core.config.DataConfig`` with ``source: files``: its ``path`` or
+    its ``sources`` mixture, with its ``format`` and ``columns``.
+
+    Raises:
+        DatasetError: ``data.source`` is not ``files``, or anything ``open_data`` raises.
+    """
+    if data.source != "files":
+        raise DatasetError(f"data.source is {data.source!r}; only data.source=files reads files")
+    return open_data(data.path, format=data.format, columns=data.columns or None, sources=source_dicts(data))
+
+
+def dataset_fingerprint(data) -> str | None:
+    """The fingerprint of a ``DataConfig``'s files (``data_fingerprint``: fsspec ``info`` only,
+    no row is read), or None when ``data.source`` is not ``files`` (a generated task is a pure
+    function of its config). What flows put in ``PromptsInput.data_fingerprint``.
+
+    Raises:
+        DatasetError: a path that resolves to no files.
+    """
+    if data.source != "files":
+        return None
+    return data_fingerprint(data.path, format=data.format, sources=source_dicts(data))
+
+
+def heldout_fingerprint(data, eval) -> str | None:
+    """The fingerprint of the held-out file ``eval.path`` (read with ``data.format``), or None
+    when it is not set. What flows put in ``EvalPromptsInput.data_fingerprint``.
+
+    Raises:
+        DatasetError: ``eval.path`` resolves to no files.
+    """
+    if eval.path is None:
+        return None
+    return data_fingerprint(eval.path, format=data.format)

@@ -18,7 +18,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from rft_core.data.prompts import DatasetError, build_prompts, heldout_entries, heldout_seed
+from rft_core.data.files import FileDataset
+from rft_core.data.mixture import heldout_fingerprint
+from rft_core.data.prompts import DatasetError, PromptBatch, build_prompts, heldout_entries, heldout_seed
 from rft_core.engines.hf import Generation
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
@@ -26,6 +28,7 @@ from rft_core.models.logprobs import default_device, model_device
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import EvalGenerateInput, EvalPromptsInput, EvalSummaryInput, stage_program
+from rft_core.stages.prompts import build_file_prompts, check_fingerprint, reuse_unless_data_changed, with_fingerprint
 from rft_core.stages.rollout import rollout_summary
 from schemas import PolicyRef, ShardError, ShardRef, ShardSchemaError, read_manifest, read_shard
 from schemas.batch import zero_pad_sequences
@@ -77,34 +80,71 @@ def checkpoint_label(policy: PolicyRef) -> str:
 
 @stage_program(EvalPromptsInput)
 def run_prompts(inp: EvalPromptsInput) -> ShardRef:
-    """Write the held-out prompts (``eval.num_prompts`` questions of ``data.task`` absent from
-    the training dataset, see ``heldout_entries``) to ``out``; prompt_ids are
+    """Write the held-out prompts to ``out``.
+
+    Without ``eval.path`` (a reasoning-gym task): ``eval.num_prompts`` questions of ``data.task``
+    absent from the training dataset (see ``heldout_entries``); prompt_ids are
     ``heldout-{task}-{index:06d}``, ``data_source`` stays the task (the grader's key).
+    With ``eval.path`` (required when ``data.source`` is ``files``): the first
+    ``eval.num_prompts`` rows of that file (all of them when it has fewer), read with
+    ``data.format`` and ``data.columns`` and rendered as training renders; prompt_ids are
+    ``heldout-{file name}-{row:06d}``, each row's ``data_source`` picks its reward recipe. The
+    file's fingerprint is in the config hash (``data_fingerprint``).
 
     Raises:
-        DatasetError: not enough disjoint questions, a bad row, or every prompt overlong.
+        DatasetError: ``eval.path`` not set while ``data.source`` is ``files``; not enough
+            disjoint questions; an unreadable file or a bad row (naming file, row, column); or
+            every prompt overlong. Raised before anything is written.
+        DatasetChangedError: ``out`` was committed from another version of the ``eval.path`` file.
         StaleShardError: ``out`` is committed with another config.
     """
-    data, cfg, tokenizer_path = inp.data, inp.eval, inp.tokenizer_path
-    seed = heldout_seed(train_seed=data.seed, train_size=data.size, seed=cfg.seed)
+    data, cfg = inp.data, inp.eval
+    if cfg.path is None and data.source == "files":
+        raise DatasetError("eval.path is not set: with data.source=files the held-out prompts come from a file of your "
+                           "own (eval.path, e.g. a test split whose questions are not in the training data)")
+    if cfg.path is not None:
+        inp = with_fingerprint(inp, lambda: heldout_fingerprint(data, cfg))
     commit = stage_commit(inp)
 
     def compute() -> ShardRef:
         with Timer() as t:
-            entries = heldout_entries(data.task, num_prompts=cfg.num_prompts, train_size=data.size, train_seed=data.seed,
-                                      seed=seed, task_config=data.task_config)
-            tok = load_tokenizer(tokenizer_path)
-            processor = vl_processor_or_none(tokenizer_path)
-            batch = build_prompts(entries, tok, data_source=data.task, system_prompt=data.system_prompt,
-                                  max_prompt_tokens=data.max_prompt_tokens, overlong=data.overlong_prompts,
-                                  id_prefix=f"{HELDOUT_PREFIX}-{data.task}", processor=processor)
+            tok = load_tokenizer(inp.tokenizer_path)
+            processor = vl_processor_or_none(inp.tokenizer_path)
+            batch, extra = (_heldout_file_prompts if cfg.path is not None else _heldout_task_prompts)(inp, tok, processor)
         if batch.table.num_rows == 0:
             raise DatasetError(f"held-out split: every prompt was longer than data.max_prompt_tokens={data.max_prompt_tokens}")
-        summary = {"seconds": t.seconds, "heldout_seed": seed, "train_seed": data.seed, "train_size": data.size,
-                   "skipped_overlong": len(batch.skipped_overlong), "dataset_indices": [i for i, _ in entries]}
+        summary = {"seconds": t.seconds, **extra, "skipped_overlong": len(batch.skipped_overlong)}
         return commit.write(batch.table, schema=PROMPTS, summary=summary)
 
-    return reuse_or_compute(commit, compute)
+    if cfg.path is None:
+        return reuse_or_compute(commit, compute)
+    return reuse_unless_data_changed(commit, compute, fingerprint=inp.data_fingerprint, dataset=repr(cfg.path))
+
+
+def _heldout_task_prompts(inp: EvalPromptsInput, tok, processor) -> tuple[PromptBatch, dict[str, Any]]:
+    """The held-out split of the reasoning-gym task of ``inp.data`` and its summary fields."""
+    data, cfg = inp.data, inp.eval
+    seed = heldout_seed(train_seed=data.seed, train_size=data.size, seed=cfg.seed)
+    entries = heldout_entries(data.task, num_prompts=cfg.num_prompts, train_size=data.size, train_seed=data.seed,
+                              seed=seed, task_config=data.task_config)
+    batch = build_prompts(entries, tok, data_source=data.task, system_prompt=data.system_prompt,
+                          max_prompt_tokens=data.max_prompt_tokens, overlong=data.overlong_prompts,
+                          id_prefix=f"{HELDOUT_PREFIX}-{data.task}", processor=processor,
+                          prompt_template=data.prompt_template)
+    return batch, {"heldout_seed": seed, "train_seed": data.seed, "train_size": data.size,
+                   "dataset_indices": [i for i, _ in entries]}
+
+
+def _heldout_file_prompts(inp: EvalPromptsInput, tok, processor) -> tuple[PromptBatch, dict[str, Any]]:
+    """The first ``eval.num_prompts`` rows of ``eval.path`` and their summary fields."""
+    data, cfg = inp.data, inp.eval
+    ds = FileDataset(cfg.path, format=data.format, columns=data.columns or None)
+    fingerprint = check_fingerprint(ds, inp.data_fingerprint, repr(cfg.path))
+    idx = list(range(min(cfg.num_prompts, len(ds))))
+    batch = build_file_prompts(ds, ds.entries(idx), tok, data=data, processor=processor,
+                               id_prefix=f"{HELDOUT_PREFIX}-{ds.name}")
+    return batch, {"eval_path": cfg.path, "dataset_rows": len(ds), "dataset_indices": idx,
+                   "rows": [ds.where(i) for i in idx], "data_fingerprint": fingerprint}
 
 
 @torch.no_grad()

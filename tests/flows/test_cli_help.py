@@ -45,3 +45,43 @@ def test_wrong_option_and_wrong_value_are_named():
     assert "greater than or equal to 1" in _plain(out.output)
     out = runner.invoke(app, ["train", "--set", "rollout.temprature=0.7"], env=env)
     assert out.exit_code == 2 and "rollout.temprature" in _plain(out.output)
+
+
+def test_data_check_is_a_documented_subcommand():
+    group = typer.main.get_command(app).commands["data"]
+    command = group.commands["check"]
+    assert "Exits 1 when there are problems" in " ".join((command.help or "").split())
+    assert [p.name for p in command.params if not (getattr(p, "help", None) or "").strip()] == []
+    out = runner.invoke(app, ["data", "check", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert out.exit_code == 0 and all(o in _plain(out.output) for o in ("--config", "--set", "--examples", "PATH"))
+
+
+def test_data_check_prints_the_report_and_exits_1_on_problems(tmp_path, tiny_model):
+    import json
+
+    from rft_core.models.loading import load_tokenizer
+
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {i} + 1?"}],
+             "solution": str(i + 1)} for i in range(5)]
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {"COLUMNS": "200", "NO_COLOR": "1"}
+    out = runner.invoke(app, ["data", "check", str(good), "--set", f"policy.path={tiny_model}"], env=env)
+    text = _plain(out.output)
+    assert out.exit_code == 0, text
+    assert "format:   jsonl" in text and "layout:   trl_conversational" in text
+    assert "columns:  prompt <- prompt, answer <- solution" in text and "rows:     5" in text
+    tok = load_tokenizer(tiny_model)
+    for i in (0, 1):  # the first two prompts exactly as the policy sees them (chat template applied)
+        rendered = tok.apply_chat_template(rows[i]["prompt"], add_generation_prompt=True, tokenize=False)
+        assert f"{'-' * 72}\n{rendered}\n{'-' * 72}" in text
+    assert "What is 2 + 1?" not in text  # two examples by default and text.rstrip().endswith("OK")
+    # one blank answer and a mapping of the config: every problem listed, exit code 1
+    rows[3]["solution"] = ""
+    good.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = runner.invoke(app, ["data", "check", str(good), "--set", f"policy.path={tiny_model}"], env=env)
+    assert out.exit_code == 1 and f"{good} row 3: no answer (column 'solution'" in _plain(out.output)
+    assert "FAILED: 1 bad row(s), 1 problem(s)" in _plain(out.output)
+    out = runner.invoke(app, ["data", "check", str(good), "--set", f"policy.path={tiny_model}", "--set",
+                              "data.source=files", "--set", "data.path=x", "--set", "data.columns.answer=label"], env=env)
+    assert out.exit_code == 1 and "data.columns.answer names column 'label', which is not in the file" in _plain(out.output)
