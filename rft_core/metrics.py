@@ -35,6 +35,16 @@ _FROM_SUMMARY = [
     ("clip_frac", "ppo_update", "clip_frac"),
     ("approx_kl", "ppo_update", "approx_kl"),
     ("grad_norm", "ppo_update", "grad_norm"),
+    ("kl_loss", "ppo_update", "kl_loss"),
+    ("cpgd_drift", "ppo_update", "cpgd_drift"),
+    # rollout/trainer mismatch (rft_core.algorithms.correction): rollout_kl whenever the actor stage
+    # ran, the importance-weight statistics when update.rollout_correction is on
+    ("rollout_kl", "ppo_update", "rollout_kl"),
+    ("rollout_is_weight_mean", "ppo_update", "rollout_is_weight_mean"),
+    ("rollout_is_capped_frac", "ppo_update", "rollout_is_capped_frac"),
+    ("rollout_is_token_masked_frac", "ppo_update", "rollout_is_token_masked_frac"),
+    ("rollout_is_seq_masked_frac", "ppo_update", "rollout_is_seq_masked_frac"),
+    ("overlong_filtered_frac", "advantages", "overlong_filtered_frac"),
     ("skipped_overlong", "prompts", "skipped_overlong"),
     ("dynamic_groups_kept", "rewards", "groups_kept"),
     ("dynamic_groups_dropped", "rewards", "groups_dropped"),
@@ -61,13 +71,18 @@ def iteration_metrics(iteration: int, refs: Mapping[str, ShardRef | None]) -> di
 
 
 def format_metrics_line(m: Mapping[str, Any]) -> str:
-    """One human-readable line per iteration."""
+    """One human-readable line per iteration (the rollout correction's mean weight and capped
+    fraction, and the overlong-filtered fraction, when the run has them)."""
     def f(key: str, fmt: str = ".3f") -> str:
         return format(m[key], fmt) if key in m else "-"
     stages = " ".join(f"{k.split('/', 1)[1]}={v:.1f}s" for k, v in m.items() if k.startswith("seconds/"))
+    optional = "".join(f" {label} {f(key)}" for label, key in (("is_w", "rollout_is_weight_mean"),
+                                                                ("is_capped", "rollout_is_capped_frac"),
+                                                                ("overlong_filtered", "overlong_filtered_frac"))
+                       if key in m)
     return (f"iter {m['iteration']:>3} | reward {f('reward_mean')}±{f('reward_std')} acc {f('accuracy')} "
             f"kl {f('kl', '.4f')} len {f('response_length', '.1f')} loss {f('policy_loss', '.4f')} "
-            f"clip {f('clip_frac')} | {stages}")
+            f"clip {f('clip_frac')}{optional} | {stages}")
 
 
 def write_metrics(run_root: str, rows: Sequence[Mapping[str, Any]]) -> str:

@@ -131,6 +131,7 @@ def kl_penalized_outcome_advantages(
     *,
     kl: torch.Tensor,
     kl_coef: float,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     **estimator_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An outcome estimator's advantages with the reward-mode KL penalty applied after the
@@ -151,6 +152,10 @@ def kl_penalized_outcome_advantages(
         group_ids: (B,) int; action_mask: (B, T) bool.
         kl: (B, T) per-token KL estimates k_{i,t} (zero where masked), e.g. ``kl_penalty``.
         kl_coef: >= 0.
+        transform: optional map of the estimator's (B, T) advantages applied before the penalty
+            is subtracted (the advantage shaping steps, e.g. clip-filter-like weights and
+            whitening), so that no shaping step can rescale the KL term: a group with equal task
+            rewards keeps |A_i| = kl_coef * |sum_t k_{i,t}| whatever the steps.
         estimator_kwargs: the estimator's own keywords (e.g. ``scale_by_std``).
     Returns:
         (advantages, returns), (B, T) each, zero where masked; returns = (r_i - kl_coef *
@@ -158,7 +163,8 @@ def kl_penalized_outcome_advantages(
     Raises:
         UnknownNameError: unknown estimator.
         ValueError: a token-level estimator (it takes the penalty per token, through
-            ``kl_shaped_token_rewards``), kl_coef < 0, or kl of another shape than action_mask.
+            ``kl_shaped_token_rewards``), kl_coef < 0, kl of another shape than action_mask, or
+            a ``transform`` that changes the shape.
     """
     info = ADVANTAGE_ESTIMATORS.info(estimator)
     if info.token_level:
@@ -170,6 +176,10 @@ def kl_penalized_outcome_advantages(
         raise ValueError(f"kl must have action_mask's shape {tuple(action_mask.shape)}, got {tuple(kl.shape)}")
     penalty = kl_coef * torch.where(action_mask, kl.to(rewards.dtype), _zeros_like_mask(action_mask, rewards.dtype)).sum(-1)
     adv, _ = ADVANTAGE_ESTIMATORS[estimator](rewards, group_ids, action_mask, **estimator_kwargs)
+    if transform is not None:
+        adv = transform(adv)
+        if adv.shape != action_mask.shape:
+            raise ValueError(f"transform must keep the advantages' shape {tuple(action_mask.shape)}, got {tuple(adv.shape)}")
     return adv - _broadcast(penalty, action_mask), _broadcast(rewards - penalty, action_mask)
 
 

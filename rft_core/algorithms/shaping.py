@@ -1,11 +1,14 @@
 """Reward and advantage shaping steps, applied by the advantages stage in this order:
 
-1. overlong-buffer penalty on the outcome reward (DAPO), or overlong filtering
-   (``overlong_filter_mask``: truncated responses leave the loss mask; DAPO sec. 3.4);
+1. overlong-buffer penalty on the outcome reward (DAPO);
 2. running reward normalisation (Welford statistics carried across iterations);
 3. reward clipping;
-4. KL shaping and the advantage estimator (``advantages.py``);
-5. advantage whitening over the whole rollout, then advantage clipping.
+4. the advantage estimator (``advantages.py``; token-level ones with the per-token KL rewards);
+5. clip-filter-like weights, then advantage whitening over the whole rollout;
+6. the reward-mode KL penalty of outcome estimators (``kl_penalized_outcome_advantages``);
+7. advantage clipping;
+8. overlong filtering (``overlong_filter_mask``: truncated responses get zero advantages and
+   leave the update's loss entirely; DAPO sec. 3.4).
 
 The advantages stage sees the whole rollout of an iteration, so LightRFT's "cross-batch"
 advantage normalisation (over all micro-batches of a step) is step 5's whitening.

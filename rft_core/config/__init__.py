@@ -11,36 +11,72 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from rft_core.algorithms import ADVANTAGE_ESTIMATORS
-from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
+from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS, POLICY_LOSSES, check_policy_loss_aggregation
 from rft_core.algorithms.value_loss import VALUE_LOSSES
 from rft_core.config._base import _check_name, _Frozen, _tagged_union  # noqa: F401
 from rft_core.config.algorithms import (  # noqa: F401
-    ADVANTAGE_CONFIGS, POLICY_LOSS_CONFIGS, AdvantageConfig, CPGDAdvantage, CPGDLoss, DrGRPOAdvantage,
-    DualClipLoss, DynamicSamplingConfig, GAEAdvantage, GRPOAdvantage, GSPOLoss, KLConfig, PolicyLossConfig,
-    PPOClipLoss, ReinforceAdvantage, ReinforceBaselineAdvantage, RLOOAdvantage, ShapingConfig, TrainState,
-    estimator_kwargs, policy_loss_kwargs)
+    ADVANTAGE_CONFIGS, DEFAULT_KL_ESTIMATOR, PAPER_KL_MODE, POLICY_LOSS_CONFIGS, AdvantageConfig, CPGDAdvantage, CPGDLoss,
+    DrGRPOAdvantage, DualClipLoss, DynamicSamplingConfig, GAEAdvantage, GRPOAdvantage, GSPOLoss, KLConfig,
+    PolicyLossConfig, PPOClipLoss, ReinforceAdvantage, ReinforceBaselineAdvantage, RLOOAdvantage,
+    RolloutCorrectionConfig, ShapingConfig, TrainState, estimator_kwargs, policy_loss_kwargs)
 from rft_core.config.rewards import (  # noqa: F401
     REWARD_SOURCE_CONFIGS, CodeExecSource, ExactMatchSource, FormatSource, MathAnswerSource, PythonSource,
     RecipeItem, RemoteSource, RewardConfig, RewardModelSource, RewardSourceConfig)
-from rft_core.config.data import DataConfig, EvalConfig  # noqa: F401
+from rft_core.config.data import DataConfig, DataSourceConfig, EvalConfig  # noqa: F401
 from rft_core.config.generation import LogprobConfig, ModelConfig, RolloutConfig  # noqa: F401
 from rft_core.config.run import CheckpointConfig, ObserveConfig, WandbConfig  # noqa: F401
 from rft_core.config.scale import (  # noqa: F401
     RUNNABLE_STAGES, DeepSpeedConfig, LoraConfig, OrchestrationConfig, RunnerConfig, VLLMConfig)
 
 
+def _given(section: Any) -> Any:
+    """The explicitly given fields of a raw config section: a mapping as is, a config model's
+    set fields, {} for None; anything else unchanged (validation reports it)."""
+    if section is None:
+        return {}
+    if isinstance(section, BaseModel):
+        return {k: getattr(section, k) for k in section.model_fields_set}
+    return dict(section) if isinstance(section, Mapping) else section
+
+
+def _field(section: Any, key: str, default: Any) -> Any:
+    """``key`` of a raw config section (mapping or model), or ``default`` when it is not given."""
+    if isinstance(section, BaseModel):
+        return getattr(section, key, default)
+    if isinstance(section, Mapping):
+        value = section.get(key)
+        return default if value is None else value
+    return default
+
+
+def _engine_sampling_differs(rollout: Any) -> bool:
+    """Whether the rollout samples from another distribution than the trainer's pi_old at
+    ``rollout.temperature``: an engine other than hf (other kernels and precision), top-p
+    truncation, or FIRE's first-token temperature. Unparseable values count as not differing
+    (validation reports them)."""
+    try:
+        engine = _field(rollout, "engine", RolloutConfig.model_fields["engine"].default)
+        top_p = float(_field(rollout, "top_p", RolloutConfig.model_fields["top_p"].default))
+        fire = _field(rollout, "first_token_temperature", None)
+    except (TypeError, ValueError):
+        return False
+    return engine != "hf" or top_p < 1.0 or fire is not None
+
+
 class UpdateConfig(_Frozen):
-    """PPO-style update of the policy: AdamW, micro-batches, gradient accumulation, clipping."""
+    """PPO-style update of the policy: AdamW, micro-batches, gradient accumulation, clipping, and
+    the loss terms (docs/algorithms.md)."""
 
     policy_loss: PolicyLossConfig = PPOClipLoss()
-    loss_agg: str = "token-mean"
-    loss_norm_tokens: int | None = Field(None, gt=0, description="constant of seq-mean-token-sum-norm (None: longest response)")
+    loss_agg: str = Field("token-mean", description="left out with policy_loss gspo: seq-mean-token-mean (GSPO's own)")
+    loss_norm_tokens: int | None = Field(None, gt=0, description="constant of seq-mean-token-sum-norm (left out of a "
+                                         "training config: rollout.max_new_tokens)")
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -50,6 +86,13 @@ class UpdateConfig(_Frozen):
     micro_batch_size: int = Field(4, gt=0, description="sequences per forward/backward")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")
     entropy_top_fraction: float | None = Field(None, gt=0, le=1, description="train only on this top fraction of tokens by entropy (arXiv:2506.01939); needs the actor stage")
+    entropy_filter_norm: Literal["all", "kept"] = Field(
+        "all", description="entropy filter normaliser: all response tokens (TRL; KL on every token) or the kept ones only")
+    dropout: bool = Field(False, description="keep the model's dropout on in the update (off: as TRL's PPO "
+                          "trainer; LoRA's own lora.dropout is kept either way)")
+    cpgd_drift_coef: float = Field(0.0, ge=0, description="CPGD policy-drift term: coef * KL(pi_old || pi) (policy_loss cpgd only)")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        RolloutCorrectionConfig(), description="truncated IS against the engine's log-probs (left out: on where they differ)")
     gradient_checkpointing: bool = False
     seed: int = 0
     lora: LoraConfig | None = Field(None, description="train LoRA adapters (peft) instead of every weight")
@@ -57,6 +100,25 @@ class UpdateConfig(_Frozen):
     deepspeed: DeepSpeedConfig | None = Field(None, description="DeepSpeed ZeRO (multi-rank, under torchrun)")
 
     _a = field_validator("loss_agg")(lambda cls, v: _check_name(LOSS_AGGREGATIONS, v))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aggregation_of_the_loss(cls, data: Any) -> Any:
+        """A policy loss whose paper fixes the aggregation (GSPO) gets it when loss_agg is left out."""
+        if isinstance(data, dict) and data.get("loss_agg") is None:
+            name = _field(data.get("policy_loss"), "name", PPOClipLoss.model_fields["name"].default)
+            required = POLICY_LOSSES.info(name).required_loss_agg if name in POLICY_LOSSES else None
+            if required is not None:
+                data = {**data, "loss_agg": required}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "UpdateConfig":
+        check_policy_loss_aggregation(self.policy_loss.name, self.loss_agg)
+        if self.cpgd_drift_coef > 0 and self.policy_loss.name != "cpgd":
+            raise ValueError("update.cpgd_drift_coef is CPGD's policy-drift term (arXiv:2505.12504): it needs "
+                             f"update.policy_loss.name=cpgd, got {self.policy_loss.name!r}")
+        return self
 
 
 class CriticConfig(_Frozen):
@@ -125,10 +187,42 @@ class TrainConfig(_Frozen):
         """The runner of ``stage`` (in-process unless configured)."""
         return self.runners.get(stage, RunnerConfig())
 
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_from_other_sections(cls, data: Any) -> Any:
+        """Fill in the defaults that depend on other sections, where the config leaves them out:
+        ``kl.mode`` (the advantage estimator's paper, ``PAPER_KL_MODE``),
+        ``update.rollout_correction.enabled`` (on where the engine's sampling distribution is
+        not the trainer's and the trainer recomputes the old log-probs) and
+        ``update.loss_norm_tokens`` (``rollout.max_new_tokens`` for seq-mean-token-sum-norm)."""
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        kl = _given(data.get("kl"))
+        estimator = _field(data.get("advantage"), "estimator", "grpo")
+        if isinstance(kl, dict) and "mode" not in kl and estimator in PAPER_KL_MODE:
+            data["kl"] = {**kl, "mode": PAPER_KL_MODE[estimator]}
+        upd = _given(data.get("update"))
+        if not isinstance(upd, dict):
+            return data
+        rollout, logprobs = data.get("rollout"), data.get("logprobs")
+        rc = _given(upd.get("rollout_correction"))
+        if isinstance(rc, dict) and "enabled" not in rc:
+            upd["rollout_correction"] = {**rc, "enabled": _engine_sampling_differs(rollout) and bool(
+                _field(logprobs, "recompute_old_logprobs", LogprobConfig.model_fields["recompute_old_logprobs"].default))}
+        if upd.get("loss_agg") == "seq-mean-token-sum-norm" and upd.get("loss_norm_tokens") is None:
+            upd["loss_norm_tokens"] = _field(rollout, "max_new_tokens", RolloutConfig.model_fields["max_new_tokens"].default)
+        data["update"] = upd
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
         if self.update.entropy_top_fraction is not None and not self.logprobs.recompute_old_logprobs:
             raise ValueError("update.entropy_top_fraction needs the actor stage's entropies: set logprobs.recompute_old_logprobs=true")
+        if self.update.rollout_correction.enabled and not self.logprobs.recompute_old_logprobs:
+            raise ValueError("update.rollout_correction weights pi_old / pi_rollout with the trainer's old log-probs: set "
+                             "logprobs.recompute_old_logprobs=true (with the engine's log-probs as old log-probs every "
+                             "weight is 1; the PPO ratio is then taken against the engine's distribution)")
         if self.update.train_batch_size is not None and self.update.train_batch_size < self.update.micro_batch_size:
             raise ValueError("update.train_batch_size must be >= update.micro_batch_size")
         return self

@@ -2,29 +2,73 @@
 state carried between iterations, and policy losses (each a tagged union on its name)."""
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rft_core.algorithms import KL_ESTIMATORS
+from rft_core.algorithms import KL_ESTIMATORS, ROLLOUT_CORRECTIONS, check_kl_loss_estimator
 from rft_core.config._base import _check_name, _Frozen, _tagged_union
 
 
+# Where the paper of each advantage estimator puts the KL to the reference: the default of
+# ``kl.mode`` when it is not given (``TrainConfig`` fills it in). Group-normalised estimators
+# put it in the loss (a penalty in the reward would be divided by the group std); the others
+# in the reward, per token for the token-level ones.
+PAPER_KL_MODE: dict[str, str] = {
+    "grpo": "loss",  # Shao et al. 2024, arXiv:2402.03300, eq. 3
+    "group_norm": "loss",
+    "dr_grpo": "loss",  # Liu et al. 2025, arXiv:2503.20783: GRPO's objective without its length and std terms
+    "cpgd": "loss",  # group-normalised like GRPO (Liu et al. 2025, arXiv:2505.12504 has no reference KL of its own)
+    "rloo": "reward",  # Ahmadian et al. 2024, arXiv:2402.14740, sec. 3: r - beta * log(pi / pi_ref)
+    "reinforce": "reward",  # Hu 2025, arXiv:2501.03262, sec. 3: per-token KL in the reward
+    "reinforce_baseline": "reward",  # same paper, sec. 3.2
+    "gae": "reward",  # Ouyang et al. 2022, arXiv:2203.02155, eq. 2
+}
+# The estimator used when ``kl.estimator`` is not given, by mode: k1 as a reward (its score-function
+# gradient is grad KL(pi||ref)); k3+ as a loss (the value of GRPO's eq. 4 estimator, the gradient
+# of the KL(pi||ref) of GRPO's objective, eq. 3; plain k3's loss gradient is grad KL(ref||pi)).
+DEFAULT_KL_ESTIMATOR: dict[str, str] = {"reward": "k1", "loss": "k3+"}
+
+
 class KLConfig(_Frozen):
-    """KL regularisation against the reference model (none when kl_coef is 0)."""
+    """KL regularisation against the reference model (none when kl_coef is 0).
+
+    ``mode``: ``loss`` adds kl_coef * agg(k_t) to the update's loss; ``reward`` subtracts
+    kl_coef * k_t from the rewards (per token for token-level estimators; after the group
+    normalisation for outcome estimators). Left out of a training config, it is the mode of the
+    advantage estimator's paper (``PAPER_KL_MODE``). ``estimator`` left out: ``k3+`` in loss
+    mode, ``k1`` in reward mode (``DEFAULT_KL_ESTIMATOR``). An estimator with zero expected
+    gradient as a loss term (``k1``) is refused in loss mode when kl_coef > 0
+    (``check_kl_loss_estimator``; docs/algorithms.md, "KL").
+    """
 
     kl_coef: float = Field(0.0, ge=0, description="initial coefficient")
-    estimator: str = "k1"
-    mode: Literal["reward", "loss"] = "reward"
+    estimator: str = Field("k3+", description="left out: k3+ in loss mode, k1 in reward mode")
+    mode: Literal["reward", "loss"] = Field("loss", description="left out in a training config: the advantage estimator's paper's")
     kl_clamp: float = Field(10.0, gt=0)
     controller: Literal["fixed", "adaptive"] = "fixed"
     target: float | None = Field(None, gt=0, description="adaptive: target KL per sequence (nats)")
     horizon: int = Field(10_000, gt=0, description="adaptive: samples over which the error is corrected")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _estimator_of_mode(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("estimator") is None and data.get("mode") in DEFAULT_KL_ESTIMATOR:
+            data = {**data, "estimator": DEFAULT_KL_ESTIMATOR[data["mode"]]}
+        return data
+
     @model_validator(mode="after")
-    def _check_adaptive(self) -> "KLConfig":
+    def _check(self) -> "KLConfig":
         if self.controller == "adaptive" and self.target is None:
             raise ValueError("kl.controller=adaptive needs kl.target")
+        if self.mode == "loss" and self.kl_coef > 0:
+            try:
+                check_kl_loss_estimator(self.estimator)
+            except ValueError as exc:
+                loss_mode = ", ".join(k for k, v in PAPER_KL_MODE.items() if v == "loss")
+                raise ValueError(f"{exc} kl.mode, when left out, is the advantage estimator's paper's: loss for "
+                                 f"{loss_mode}.") from None
         return self
 
     _v = field_validator("estimator")(lambda cls, v: _check_name(KL_ESTIMATORS, v))
@@ -115,6 +159,8 @@ class ShapingConfig(_Frozen):
 
     overlong_buffer_len: int | None = Field(None, gt=0, description="DAPO soft overlong penalty over the last N tokens of max_new_tokens")
     overlong_penalty_factor: float = Field(1.0, ge=0)
+    overlong_filter: bool = Field(False, description="DAPO overlong filtering: truncated responses (finish_reason "
+                                  "'length') leave the loss entirely (advantages 0, no policy, KL or entropy term)")
     reward_running_norm: bool = False
     reward_running_norm_minus_mean: bool = True
     reward_clip: float | None = Field(None, gt=0)
@@ -187,3 +233,32 @@ PolicyLossConfig = _tagged_union(POLICY_LOSS_CONFIGS, "name", "ppo_clip", "polic
 def policy_loss_kwargs(cfg: "PolicyLossConfig") -> dict[str, Any]:
     """The keyword arguments of the chosen policy loss function (every field but its name)."""
     return cfg.model_dump(exclude={"name"})
+
+
+class RolloutCorrectionConfig(_Frozen):
+    """Truncated importance sampling against the rollout engine's log-probs
+    (``rft_core.algorithms.correction``; Yao et al. 2025, https://fengyao.notion.site/off-policy-rl):
+    each token's policy loss is weighted by pi_old / pi_rollout (``mode``, ``cap``, ``low``).
+
+    ``enabled`` left out of a training config: on exactly where the ratio is not 1 by
+    construction, i.e. old log-probs recomputed by the trainer (``logprobs.recompute_old_logprobs``)
+    and an engine or sampling whose distribution is not the trainer's (``rollout.engine`` other
+    than hf, ``rollout.top_p`` < 1, or FIRE ``rollout.first_token_temperature``); off otherwise
+    (with the engine's own log-probs as old log-probs every ratio is 1). Outside a training
+    config the default is off.
+    """
+
+    enabled: bool = Field(False, description="left out of a training config: on where the engine's sampling is not the trainer's")
+    mode: str = Field("tis", description="tis, icepop, seq-mask-tis or sequence_mask")
+    cap: float = Field(2.0, gt=0, description="upper bound (truncation for tis, masking threshold for the others)")
+    low: float | None = Field(None, ge=0, description="lower bound (None: none)")
+
+    _m = field_validator("mode")(lambda cls, v: _check_name(ROLLOUT_CORRECTIONS, v))
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "RolloutCorrectionConfig":
+        if not math.isfinite(self.cap):
+            raise ValueError(f"update.rollout_correction.cap must be finite, got {self.cap}")
+        if self.low is not None and self.low >= self.cap:
+            raise ValueError(f"update.rollout_correction.low ({self.low}) must be below cap ({self.cap})")
+        return self

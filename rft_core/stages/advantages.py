@@ -7,10 +7,17 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from rft_core.algorithms import ADVANTAGE_ESTIMATORS, kl_penalty, masked_mean, masked_whiten
-from rft_core.algorithms.shaping import RunningMoments, clip_with_fraction, normalize_rewards, overlong_penalty
-from rft_core.algorithms.kl import next_kl_coef
+from rft_core.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    kl_penalized_outcome_advantages,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+    overlong_filter_mask,
+)
 from rft_core.algorithms.advantages import clip_filter_like_weights, kl_shaped_token_rewards
+from rft_core.algorithms.kl import next_kl_coef
+from rft_core.algorithms.shaping import RunningMoments, clip_with_fraction, normalize_rewards, overlong_penalty
 from rft_core.config import AdvantageConfig, KLConfig, ShapingConfig, TrainState, estimator_kwargs
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import AdvantagesInput, stage_program
@@ -23,21 +30,37 @@ from schemas.columns import ADVANTAGES
 def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shaping: ShapingConfig | None = None,
                        state: TrainState | None = None, max_new_tokens: int | None = None) -> dict[str, Any]:
     """Reward shaping, KL shaping and advantage estimation on a joined, padded batch (its
-    ``rewards``, ``old_logprobs``, ``ref_logprobs``, ``values``, ``action_mask``, ``prompt_id``).
+    ``rewards``, ``old_logprobs``, ``ref_logprobs``, ``values``, ``action_mask``, ``prompt_id``,
+    ``finish_reason``).
 
     Order (``rft_core.algorithms.shaping``): overlong penalty, running reward normalisation
     (statistics of ``state`` updated with this batch's rewards), reward clipping, KL, the
-    estimator, advantage whitening and clipping.
+    estimator, clip-filter-like weights, advantage whitening, the reward-mode KL penalty of
+    outcome estimators, advantage clipping, overlong filtering.
 
-    KL per token k_t = estimator(old_logprobs_t, ref_logprobs_t) (zero without a reference).
-    In ``reward`` mode the KL enters the reward: outcome estimators see r - kl_coef * sum_t k_t,
-    token-level ones (reinforce, reinforce_baseline, gae) see per-token rewards
-    -kl_coef * k_t plus r on the last token. In ``loss`` mode rewards are left as they are
-    (the update adds the KL term).
+    KL per token k_t = estimator(old_logprobs_t, ref_logprobs_t) (zero without a reference), in
+    ``reward`` mode:
+    - outcome estimators (grpo, dr_grpo, rloo, cpgd): A_i = shape(estimator(r))_i - kl_coef * sum_t k_t
+      (``kl_penalized_outcome_advantages``): the penalty after the group statistics and after
+      clip-filter-like weights and whitening, so a group of equal task rewards gets
+      |A_i| = kl_coef * |sum_t k_{i,t}| and never a normalised KL difference of size ~1;
+    - token-level estimators (reinforce, reinforce_baseline, gae) see per-token rewards
+      -kl_coef * k_t plus r on the last token (Ouyang et al. 2022, eq. 2; REINFORCE++).
+    In ``loss`` mode rewards are left as they are (the update adds the KL term).
+
+    Overlong filtering (``shaping.overlong_filter``; DAPO, arXiv:2503.14476, sec. 3.4): the
+    advantages of truncated responses (finish_reason "length") are set to 0 after everything
+    else (the group statistics still include their rewards, as DAPO's and TRL's masking of the
+    loss does); the update leaves them out of the loss entirely.
 
     Returns:
-        dict with kl, advantages, returns (B, A) float32, shaped_rewards (B,) float32, the
-        next ``state`` and the shaping metrics.
+        dict with kl, advantages, returns (B, T) float32, shaped_rewards (B,) float32 (the
+        reward minus the reward-mode KL penalty), the next ``state``, the shaping metrics and
+        ``overlong_filtered`` ((B,) bool or None).
+    Raises:
+        ValueError: no rewards, an overlong penalty without ``max_new_tokens``, an estimator
+            that needs critic values without them, or a finish reason other than stop/length
+            (named with its row) under overlong filtering.
     """
     shaping = shaping or ShapingConfig()
     state = state or TrainState(kl_coef=kl_cfg.kl_coef)
@@ -64,37 +87,46 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
     else:
         kl = torch.zeros_like(batch.old_logprobs)
     coef = kl_cfg.kl_coef if kl_cfg.in_reward else 0.0
-    shaped = rewards - coef * kl.sum(-1)
-    _, group_ids = np.unique(np.asarray(batch.prompt_id), return_inverse=True)
-    fn = ADVANTAGE_ESTIMATORS[adv_cfg.estimator]
+    _, group_np = np.unique(np.asarray(batch.prompt_id), return_inverse=True)
+    group_ids = torch.as_tensor(group_np, dtype=torch.long)
     info = ADVANTAGE_ESTIMATORS.info(adv_cfg.estimator)
     kwargs = estimator_kwargs(adv_cfg)
-    if info.token_level:  # token-level estimator: the KL penalty goes on each token
-        kwargs["token_rewards"] = kl_shaped_token_rewards(rewards, kl, mask, kl_coef=coef)
-        seq_rewards = rewards
-    else:
-        seq_rewards = shaped
     if info.needs_critic:
         if batch.values is None:
             raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs critic values: run the critic_values stage")
         kwargs["values"] = batch.values
-    adv, ret = fn(seq_rewards, torch.as_tensor(group_ids, dtype=torch.long), mask, **kwargs)
-    if shaping.clip_filter_like_weight:
-        w = clip_filter_like_weights(rewards, torch.as_tensor(group_ids, dtype=torch.long),
-                                     clip_eps=shaping.clip_filter_like_clip_eps, lamda=shaping.clip_filter_like_lamda)
-        adv = adv * w[:, None].to(adv.dtype)
-        metrics["clip_filter_like_weight_mean"] = float(w.mean())
-    if shaping.advantage_whiten:
-        adv = masked_whiten(adv, mask)
+
+    def shape(adv: torch.Tensor) -> torch.Tensor:  # clip-filter-like weights, then whitening
+        if shaping.clip_filter_like_weight:
+            w = clip_filter_like_weights(rewards, group_ids, clip_eps=shaping.clip_filter_like_clip_eps,
+                                         lamda=shaping.clip_filter_like_lamda)
+            adv = adv * w[:, None].to(adv.dtype)
+            metrics["clip_filter_like_weight_mean"] = float(w.mean())
+        return masked_whiten(adv, mask) if shaping.advantage_whiten else adv
+
+    if info.token_level:  # the KL penalty goes on each token
+        kwargs["token_rewards"] = kl_shaped_token_rewards(rewards, kl, mask, kl_coef=coef)
+        adv, ret = ADVANTAGE_ESTIMATORS[adv_cfg.estimator](rewards, group_ids, mask, **kwargs)
+        adv = shape(adv)
+    else:  # outcome estimators: the KL penalty after the group statistics and the shaping steps
+        adv, ret = kl_penalized_outcome_advantages(adv_cfg.estimator, rewards, group_ids, mask, kl=kl, kl_coef=coef,
+                                                   transform=shape, **kwargs)
     if shaping.advantage_clip is not None:
         adv, metrics["advantage_clip_frac"] = clip_with_fraction(adv, shaping.advantage_clip, mask)
+    filtered = None
+    if shaping.overlong_filter:
+        kept = overlong_filter_mask(mask, batch.finish_reason)  # checks every finish reason
+        filtered = torch.tensor([r == "length" for r in batch.finish_reason], dtype=torch.bool)
+        adv = torch.where(kept, adv, torch.zeros_like(adv))
+        metrics["overlong_filtered_frac"] = float(filtered.float().mean()) if len(filtered) else 0.0
+    shaped = rewards - coef * kl.sum(-1)
     seq_kl = float(kl.sum(-1).mean()) if kl.numel() else 0.0
     next_state = TrainState(
         kl_coef=next_kl_coef(kl_cfg.kl_coef, seq_kl, controller=kl_cfg.controller, target=kl_cfg.target,
                              horizon=kl_cfg.horizon, n_steps=len(rewards)),
         reward_count=moments.count, reward_mean=moments.mean, reward_m2=moments.m2)
     return {"kl": kl, "advantages": adv.to(torch.float32), "returns": ret.to(torch.float32), "shaped_rewards": shaped,
-            "state": next_state, "metrics": metrics}
+            "state": next_state, "metrics": metrics, "overlong_filtered": filtered}
 
 
 @stage_program(AdvantagesInput)
@@ -104,7 +136,7 @@ def run(inp: AdvantagesInput) -> ShardRef:
     ``actor_logprobs`` None: old log-probs are the rollout engine's own. ``ref_logprobs`` None:
     no KL. ``kl.kl_coef`` is this iteration's coefficient; the manifest summary records the
     next one and the whole next ``TrainState`` (``next_state``), so a resumed run continues
-    exactly.
+    exactly, and whether truncated responses were filtered (``overlong_filtered``).
     """
     commit = stage_commit(inp)
 
@@ -139,14 +171,18 @@ def run(inp: AdvantagesInput) -> ShardRef:
 
 
 def _summary(batch: ColumnBatch, res: dict[str, Any], kl_cfg: KLConfig, rewards_table: pa.Table) -> dict[str, Any]:
-    """The advantages manifest summary: the KL coefficient now and next, the next TrainState,
-    reward, KL and advantage statistics, the fraction of groups with reward spread."""
+    """The advantages manifest summary: the KL coefficient, mode and estimator, the next
+    coefficient and TrainState, reward, KL and advantage statistics, the fraction of groups with
+    reward spread, and ``overlong_filter`` (True when truncated responses were filtered: the
+    update reads it, ``overlong_filtered``)."""
     mask, rw = batch.action_mask, batch.rewards
     assert rw is not None
     seq_kl = res["kl"].sum(-1)
     n_groups = len(set(batch.prompt_id))
     return {
         "kl_coef": kl_cfg.kl_coef,
+        "kl_mode": kl_cfg.mode, "kl_estimator": kl_cfg.estimator,
+        **({"overlong_filter": True} if res["overlong_filtered"] is not None else {}),
         "next_kl_coef": res["state"].kl_coef,
         "next_state": res["state"].model_dump(),
         "shaped_reward_mean": float(res["shaped_rewards"].mean()),
@@ -166,3 +202,13 @@ def next_state(advantages: ShardRef) -> TrainState:
         ShardNotCommittedError: ``advantages`` is not committed.
     """
     return TrainState.model_validate(read_manifest(advantages.uri)[0].summary["next_state"])
+
+
+def overlong_filtered(advantages: ShardRef) -> bool:
+    """Whether the committed ``advantages`` filtered truncated responses (``shaping.overlong_filter``):
+    the update then leaves the rows with finish_reason "length" out of its loss.
+
+    Raises:
+        ShardNotCommittedError: ``advantages`` is not committed.
+    """
+    return bool(read_manifest(advantages.uri)[0].summary.get("overlong_filter", False))

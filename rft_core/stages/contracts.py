@@ -251,6 +251,7 @@ class CriticUpdateInput(StageInput):
 
     program: ClassVar[str] = "critic_update"
     stage: ClassVar[str] = "critic_update"
+    version: ClassVar[int] = 2  # 2: dropout off in the critic update (issue 16)
     config_paths: ClassVar[Mapping[str, str]] = {"critic": "critic", "model": "initial_critic"}
     rollout: ShardRef
     advantages: ShardRef

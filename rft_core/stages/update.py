@@ -12,6 +12,7 @@ from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.lora import adapter_base_path, apply_lora, is_adapter_dir, load_adapter_policy
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
+from rft_core.stages.advantages import overlong_filtered
 from rft_core.stages.checkpoints import POLICY_SUBDIR, policy_checkpoint_dir, policy_model_path
 from rft_core.stages.common import Commit, Timer, commit_trained, stage_commit
 from rft_core.stages.contracts import PPOUpdateInput, stage_program
@@ -23,7 +24,13 @@ from rft_core.stages.optimizer_state import (
 )
 from rft_core.stages.retention import WEIGHT_SUFFIXES
 from rft_core.training.strategy import OptimizerSettings, SingleProcess, build_strategy
-from rft_core.training.update import StepMetrics, UpdateData, ppo_update
+from rft_core.training.update import (
+    SampleCorrection,
+    StepMetrics,
+    UpdateData,
+    ppo_update,
+    rollout_correction_weights,
+)
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard, sha256_file
 from schemas.batch import align_on_sample_id
 from schemas.columns import PPO_UPDATE
@@ -75,16 +82,22 @@ def _weights_match(model, update: ShardRef) -> bool:
 
 def update_data(inp: PPOUpdateInput) -> UpdateData:
     """What the update trains on, read from the committed shards in rollout order: old
-    log-probs from the actor stage (the rollout engine's without one), ref log-probs when the
-    KL is a loss term, the actor stage's entropies, the prompts' images.
+    log-probs from the actor stage (the rollout engine's without one) and the engine's own
+    (``rollout_logprobs``, for the rollout correction), ref log-probs when the KL is a loss term,
+    the actor stage's entropies, the prompts' images, and the rows out of the loss (the
+    truncated responses when the advantages stage filtered them, ``overlong_filtered``).
 
     Raises:
-        ValueError: the KL is a loss term but ``inp.ref_logprobs`` is None.
+        ValueError: the KL is a loss term but ``inp.ref_logprobs`` is None, or the rollout
+            correction is on without the actor stage's old log-probs.
     """
     r = read_shard(inp.rollout, stage="rollout")
     a = align_on_sample_id(r, read_shard(inp.advantages, stage="advantages"), name="advantages")
     actor = (align_on_sample_id(r, read_shard(inp.actor_logprobs, stage="actor_logprobs"), name="actor_logprobs")
              if inp.actor_logprobs else None)
+    if inp.update.rollout_correction.enabled and actor is None:
+        raise ValueError("update.rollout_correction needs the trainer's old log-probs (the actor_logprobs stage, "
+                         "logprobs.recompute_old_logprobs=true): with the engine's as old log-probs every weight is 1")
     old = actor.column("old_logprobs") if actor is not None else r.column("rollout_logprobs")
     ref_lp = None
     if inp.kl.in_loss:
@@ -92,17 +105,34 @@ def update_data(inp: PPOUpdateInput) -> UpdateData:
             raise ValueError("kl.mode='loss' with kl_coef > 0 needs the ref_logprobs stage")
         ref_lp = align_on_sample_id(r, read_shard(inp.ref_logprobs, stage="ref_logprobs"),
                                     name="ref_logprobs").column("ref_logprobs").to_pylist()
+    excluded = ([f == "length" for f in r.column("finish_reason").to_pylist()] if overlong_filtered(inp.advantages)
+                else None)
     return UpdateData(prompts=r.column("prompt_token_ids").to_pylist(), responses=r.column("response_token_ids").to_pylist(),
                       old_logprobs=old.to_pylist(), advantages=a.column("advantages").to_pylist(), ref_logprobs=ref_lp,
                       entropies=actor.column("action_entropy").to_pylist() if actor is not None else None,
-                      images=r.column("images").to_pylist())
+                      images=r.column("images").to_pylist(),
+                      rollout_logprobs=r.column("rollout_logprobs").to_pylist() if actor is not None else None,
+                      excluded=excluded)
+
+
+def _correction(cfg: UpdateConfig, data: UpdateData) -> tuple[SampleCorrection | None, dict[str, float]]:
+    """The rollout correction when ``cfg.rollout_correction.enabled`` (and its metrics); without
+    it, only ``rollout_kl`` (the mismatch KL(pi_rollout || pi_old)) when the actor stage ran."""
+    rc = cfg.rollout_correction
+    if data.rollout_logprobs is None:
+        return None, {}
+    corr = rollout_correction_weights(data, mode=rc.mode, cap=rc.cap, low=rc.low)
+    if not rc.enabled:
+        return None, {"rollout_kl": corr.metrics["rollout_kl"]}
+    return corr, corr.metrics
 
 
 def _train(inp: PPOUpdateInput, opt_ref: ShardRef | None):
     """Load the policy, build its strategy (AdamW continued from ``opt_ref``) and run the
-    update: (strategy, tokenizer or VL processor, step metrics, seconds)."""
+    update: (strategy, tokenizer or VL processor, step metrics, seconds, extra summary)."""
     cfg = inp.update
     data = update_data(inp)
+    correction, corr_metrics = _correction(cfg, data)
     path = policy_model_path(inp.policy)
     processor = vl_processor_or_none(path)
     tok = load_tokenizer(path)
@@ -117,19 +147,22 @@ def _train(inp: PPOUpdateInput, opt_ref: ShardRef | None):
         steps = ppo_update(strategy, data, pad_token_id=tok.pad_token_id, policy_loss=cfg.policy_loss.name,
                            policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss), loss_agg=cfg.loss_agg,
                            loss_norm_tokens=cfg.loss_norm_tokens, entropy_coef=cfg.entropy_coef,
-                           entropy_top_fraction=cfg.entropy_top_fraction,
+                           entropy_top_fraction=cfg.entropy_top_fraction, entropy_filter_norm=cfg.entropy_filter_norm,
                            kl_coef=inp.kl.kl_coef if inp.kl.in_loss else 0.0, kl_estimator=inp.kl.estimator,
-                           kl_clamp=inp.kl.kl_clamp, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
+                           kl_clamp=inp.kl.kl_clamp, cpgd_drift_coef=cfg.cpgd_drift_coef, correction=correction,
+                           dropout=cfg.dropout, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
                            micro_batch_size=cfg.micro_batch_size, temperature=inp.temperature, seed=cfg.seed,
                            packing=cfg.packing, progress=progress, processor=processor)
-    return strategy, processor or tok, steps, t.seconds
+    extra = {**corr_metrics, **({"overlong_filtered_frac": sum(data.excluded) / len(data)} if data.excluded else {})}
+    return strategy, processor or tok, steps, t.seconds, extra
 
 
-def _summary(steps: list[StepMetrics], seconds: float) -> dict:
+def _summary(steps: list[StepMetrics], seconds: float, extra: dict[str, float]) -> dict:
     last = steps[-1]
     return {"seconds": seconds, "policy_loss": sum(s.policy_loss for s in steps) / len(steps),
             "clip_frac": sum(s.clip_frac for s in steps) / len(steps), "approx_kl": last.approx_kl,
-            "grad_norm": last.grad_norm, "kl_loss": last.kl_loss, "optimizer_steps": len(steps)}
+            "grad_norm": last.grad_norm, "kl_loss": last.kl_loss, "cpgd_drift": last.cpgd_drift,
+            "optimizer_steps": len(steps), **extra}
 
 
 def _recover_optimizer_state(strategy: SingleProcess, done: ShardRef) -> None:
@@ -174,7 +207,7 @@ def run(inp: PPOUpdateInput) -> ShardRef:
         if inp.update.deepspeed is None and optimizer_state_missing(done):
             log.warning("ppo_update: %s has no committed optimizer state (its background write was lost); recomputing it",
                         commit.uri)
-            strategy, _, _, _ = _train(inp, opt_ref)
+            strategy, _, _, _, _ = _train(inp, opt_ref)
             assert isinstance(strategy, SingleProcess)
             _recover_optimizer_state(strategy, done)
         return done
@@ -182,14 +215,14 @@ def run(inp: PPOUpdateInput) -> ShardRef:
 
 
 def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None) -> ShardRef:
-    strategy, tokenizer, steps, seconds = _train(inp, opt_ref)
+    strategy, tokenizer, steps, seconds, extra = _train(inp, opt_ref)
     inputs = {name: ref for name, ref in (("rollout", inp.rollout), ("advantages", inp.advantages),
                                           ("actor_logprobs", inp.actor_logprobs),
                                           ("ref_logprobs", inp.ref_logprobs if inp.kl.in_loss else None),
                                           ("policy", inp.policy if isinstance(inp.policy, ShardRef) else None),
                                           ("optimizer", opt_ref)) if ref is not None}
     new = commit_trained(commit, strategy, subdir=POLICY_SUBDIR, tokenizer=tokenizer, steps=steps, schema=PPO_UPDATE,
-                         inputs=inputs, summary=_summary(steps, seconds), keep_optimizer=False)
+                         inputs=inputs, summary=_summary(steps, seconds, extra), keep_optimizer=False)
     if isinstance(strategy, SingleProcess):
         commit_optimizer_state(new, strategy.optimizer.state_dict(), background=inp.background_optimizer)
     return new

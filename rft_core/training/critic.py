@@ -2,6 +2,7 @@
 through the shared training loop (``rft_core.training.loop``), like the policy update."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from rft_core.algorithms.value_loss import VALUE_LOSSES
 from rft_core.models.critic import response_values
 from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device
 from rft_core.training.loop import Normaliser, Strategy, pad_float, train_steps
+from rft_core.training.update import dropout_disabled
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ def critic_update(
     micro_batch_size: int = 4,
     seed: int = 0,
     packing: bool = False,
+    dropout: bool = False,
     progress=None,
 ) -> list[CriticStepMetrics]:
     """Train the critic held by ``strategy`` (``rft_core.training.strategy.build_strategy``) on
@@ -62,6 +65,9 @@ def critic_update(
     Args:
         value_loss: name in VALUE_LOSSES; ``value_clip``: its clip range (None: unclipped).
         packing: each micro-batch is one packed row without padding.
+        dropout: keep the critic's dropout on (default off, ``dropout_disabled``: e.g. the 0.1
+            classifier dropout transformers puts before a token-classification value head, which
+            the critic_values stage, run in eval mode, does not apply to the old values).
     Raises:
         ValueError: empty ``data``.
     """
@@ -86,9 +92,10 @@ def critic_update(
         clipped = float(((values.detach() - old).abs() > value_clip)[mask].sum()) if value_clip is not None else 0.0
         return loss, {"value_loss": float(loss.detach()), "clipped": clipped}
 
-    steps = train_steps(strategy, len(data), micro_step=micro_step, stats=("value_loss", "clipped"), normaliser=normaliser,
-                        epochs=epochs, train_batch_size=train_batch_size, micro_batch_size=micro_batch_size, seed=seed,
-                        progress=progress)
+    with contextlib.nullcontext() if dropout else dropout_disabled(strategy.model):
+        steps = train_steps(strategy, len(data), micro_step=micro_step, stats=("value_loss", "clipped"),
+                            normaliser=normaliser, epochs=epochs, train_batch_size=train_batch_size,
+                            micro_batch_size=micro_batch_size, seed=seed, progress=progress)
     return [CriticStepMetrics(step=r.step, epoch=r.epoch, value_loss=r.sums["value_loss"],
                               value_clip_frac=r.sums["clipped"] / max(r.norm.num_tokens, 1), grad_norm=r.grad_norm,
                               lr=r.lr, num_tokens=r.norm.num_tokens) for r in steps]

@@ -1,18 +1,35 @@
 """The policy update of one iteration: the PPO loss of a micro-batch, run over the rollout's
 mini-batches by the shared training loop (``rft_core.training.loop``), which makes gradient
 accumulation exact and runs under any strategy (one process, DeepSpeed ranks).
+
+Per token t of response i (docs/algorithms.md, "Loss terms of the update"), with M the response
+tokens of the rows in the loss (all rows but the overlong-filtered ones):
+
+    loss = agg_M(w_t * L_policy_t) + kl_coef * agg_M(k_t) + cpgd_drift_coef * agg_M(d_t)
+           - entropy_coef * agg_M(e_t * H_t)
+
+w_t = e_t * c_t: e_t is the high-entropy filter's 0/1 mask (1 without a filter), c_t the rollout
+correction weight (1 without one; 0 on the tokens it masks). ``agg_M`` is ``update.loss_agg``
+with the mini-batch's counts of M (tokens, sequences) as normalisers, so a filtered or masked
+token still counts in the normaliser, as in TRL and OpenRLHF. With
+``entropy_filter_norm="kept"`` M is the kept tokens instead (every term on them only).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES, kl_penalty
+from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES, cpgd_policy_drift, kl_penalty, rollout_correction
 from rft_core.algorithms.masked import high_entropy_mask
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device, response_logprobs, with_vision
 from rft_core.training.loop import Normaliser, Strategy, pad_float, train_steps
+
+ENTROPY_FILTER_NORMS = ("all", "kept")
+SUM_NORM = "seq-mean-token-sum-norm"
 
 
 @dataclass(frozen=True)
@@ -20,7 +37,10 @@ class UpdateData:
     """Everything the update needs, per sample (unpadded lists, same order).
 
     prompts / responses: token ids; old_logprobs, advantages: one float per response token;
-    ref_logprobs: same, or None when no KL loss term is used.
+    ref_logprobs: same, or None when no KL loss term is used; entropies: the actor stage's
+    action_entropy (for filtering); images: a vision-language policy's encoded prompt images;
+    rollout_logprobs: the rollout engine's log-probs (the rollout correction's denominator);
+    excluded: per sample, True when it is out of the loss entirely (overlong filtering).
     """
 
     prompts: list[list[int]]
@@ -28,16 +48,24 @@ class UpdateData:
     old_logprobs: list[list[float]]
     advantages: list[list[float]]
     ref_logprobs: list[list[float]] | None = None
-    entropies: list[list[float]] | None = None  # the actor stage's action_entropy (for filtering)
-    images: list[list[bytes]] | None = None  # vision-language policies: each sample's encoded prompt images
+    entropies: list[list[float]] | None = None
+    images: list[list[bytes]] | None = None
+    rollout_logprobs: list[list[float]] | None = None
+    excluded: list[bool] | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def included(self, i: int) -> bool:
+        """Whether sample ``i`` is in the loss (not overlong-filtered)."""
+        return self.excluded is None or not self.excluded[i]
+
 
 @dataclass(frozen=True)
 class StepMetrics:
-    """One optimizer step's diagnostics (means over the step's unmasked tokens)."""
+    """One optimizer step's diagnostics. ``num_tokens``: response tokens in the policy term
+    (after the entropy filter, rollout-correction masking and overlong filtering); clip_frac and
+    approx_kl are means over them; policy_loss, kl_loss and cpgd_drift are the aggregated terms."""
 
     step: int
     epoch: int
@@ -48,17 +76,102 @@ class StepMetrics:
     grad_norm: float
     lr: float
     num_tokens: int
+    cpgd_drift: float = 0.0
+
+
+@dataclass(frozen=True)
+class SampleCorrection:
+    """The rollout correction of every sample (``rollout_correction_weights``).
+
+    weights: per sample a (len(response),) float32 tensor, the detached weight of each token's
+        policy loss (0 on masked tokens); keep: per sample a (len(response),) bool tensor, the
+        tokens the correction leaves in the policy term; metrics: ``RolloutCorrection.metrics``
+        over the samples in the loss.
+    """
+
+    weights: list[torch.Tensor]
+    keep: list[torch.Tensor]
+    metrics: dict[str, float]
+
+
+def _row_mask(data: UpdateData) -> torch.Tensor:
+    """(B, T_all) bool: the response tokens of the samples in the loss."""
+    T_all = max((len(r) for r in data.responses), default=0) or 1
+    mask = pad_float([[1.0] * len(r) for r in data.responses], T_all).bool()
+    if data.excluded is not None:
+        mask &= torch.tensor([not e for e in data.excluded], dtype=torch.bool)[:, None]
+    return mask
+
+
+def rollout_correction_weights(data: UpdateData, *, mode: str = "tis", cap: float = 2.0,
+                               low: float | None = None) -> SampleCorrection:
+    """Truncated importance weights pi_old / pi_rollout of every response token
+    (``rft_core.algorithms.correction.rollout_correction``; Yao et al. 2025): ``data.old_logprobs``
+    are the trainer's log pi_old, ``data.rollout_logprobs`` the engine's. Computed once, before
+    the update (both are fixed data); overlong-filtered samples get weight 0.
+
+    Raises:
+        ValueError: ``data.rollout_logprobs`` is None, a sample whose log-prob lists differ in
+            length from its response, or what ``rollout_correction`` raises (named row/column).
+    """
+    if data.rollout_logprobs is None:
+        raise ValueError("the rollout correction needs data.rollout_logprobs (the rollout shard's rollout_logprobs)")
+    for i, (r, o, q) in enumerate(zip(data.responses, data.old_logprobs, data.rollout_logprobs)):
+        if not len(r) == len(o) == len(q):
+            raise ValueError(f"sample {i}: {len(r)} response tokens, {len(o)} old_logprobs, {len(q)} rollout_logprobs")
+    mask = _row_mask(data)
+    T = mask.shape[1]
+    res = rollout_correction(pad_float(data.old_logprobs, T), pad_float(data.rollout_logprobs, T), mask,
+                             mode=mode, cap=cap, low=low)
+    n = [len(r) for r in data.responses]
+    return SampleCorrection(weights=[res.weights[i, :k] for i, k in enumerate(n)],
+                            keep=[res.loss_mask[i, :k] for i, k in enumerate(n)], metrics=res.metrics)
 
 
 def _entropy_keep(data: UpdateData, top_fraction: float) -> list[torch.Tensor]:
     """Per sample, the (len(response),) bool mask of the tokens ``high_entropy_mask`` keeps,
-    with the threshold over the whole of ``data``."""
+    with the threshold over the response tokens of all samples in the loss."""
     if data.entropies is None:
         raise ValueError("entropy_top_fraction needs data.entropies (the actor stage's action_entropy)")
-    T_all = max(len(r) for r in data.responses) or 1
-    full_mask = pad_float([[1.0] * len(r) for r in data.responses], T_all).bool()
-    kept = high_entropy_mask(pad_float(data.entropies, T_all), full_mask, top_fraction=top_fraction)
+    mask = _row_mask(data)
+    kept = high_entropy_mask(pad_float(data.entropies, mask.shape[1]), mask, top_fraction=top_fraction)
     return [kept[i, : len(r)] for i, r in enumerate(data.responses)]
+
+
+_LORA_DROPOUT = "lora_dropout"
+
+
+@contextlib.contextmanager
+def dropout_disabled(model: torch.nn.Module) -> Iterator[int]:
+    """Dropout off inside the block, whatever ``model.train()`` says: every ``nn.Dropout*``
+    module gets p = 0 and every float attribute of a module named ``*dropout*`` or ``*pdrop``
+    (the functional attention dropout of HF models, e.g. Llama/Qwen2 ``attention_dropout``) is
+    set to 0.0; the values are restored on exit. peft's ``lora_dropout`` modules keep theirs
+    (``update.lora.dropout`` is the user's explicit choice). Gradient checkpointing, which HF
+    models run only in train mode, is unaffected (``model.eval()`` would turn it off).
+
+    With dropout the policy the loss differentiates is not the policy that produced
+    old_logprobs, so the PPO ratio and the KL are off at the first step; TRL's PPO and RLOO
+    trainers disable dropout in every model (``disable_dropout_in_model``, trl/trainer/utils.py).
+
+    Yields:
+        the number of dropout settings switched off.
+    """
+    saved: list[tuple[torch.nn.Module, str, float]] = []
+    for name, module in model.named_modules():
+        if _LORA_DROPOUT in name:
+            continue
+        for attr, value in list(vars(module).items()):
+            is_rate = isinstance(value, float) and ("dropout" in attr or attr.endswith("pdrop"))
+            is_p = attr == "p" and isinstance(module, torch.nn.modules.dropout._DropoutNd)
+            if (is_rate or is_p) and value > 0:
+                saved.append((module, attr, value))
+                setattr(module, attr, 0.0)
+    try:
+        yield len(saved)
+    finally:
+        for module, attr, value in reversed(saved):
+            setattr(module, attr, value)
 
 
 def ppo_update(
@@ -71,10 +184,14 @@ def ppo_update(
     loss_agg: str = "token-mean",
     loss_norm_tokens: int | None = None,
     kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
+    kl_estimator: str = "k3+",
     kl_clamp: float = 10.0,
     entropy_coef: float = 0.0,
     entropy_top_fraction: float | None = None,
+    entropy_filter_norm: str = "all",
+    cpgd_drift_coef: float = 0.0,
+    correction: SampleCorrection | None = None,
+    dropout: bool = False,
     epochs: int = 1,
     train_batch_size: int | None = None,
     micro_batch_size: int = 4,
@@ -85,19 +202,24 @@ def ppo_update(
     processor=None,
 ) -> list[StepMetrics]:
     """Run PPO epochs over ``data`` with ``strategy`` (which holds the model and its optimizer:
-    ``rft_core.training.strategy.build_strategy``); mutates the model.
-
-    Per token: loss_t = policy_loss_t + kl_coef * KL_t (the KL term only when ``kl_coef`` > 0
-    and ``data.ref_logprobs`` is given; its gradient depends on ``kl_estimator``, see
-    docs/algorithms.md), aggregated by ``loss_agg``.
+    ``rft_core.training.strategy.build_strategy``); mutates the model. The loss is the module
+    docstring's.
 
     Args:
         policy_loss, policy_loss_kwargs: name in POLICY_LOSSES and its keyword arguments.
-        entropy_coef: weight of the entropy bonus, loss -= entropy_coef * agg(entropy_t).
-        entropy_top_fraction: train only on this top fraction of tokens by ``data.entropies``
-            (``high_entropy_mask``, over the whole of ``data``); None trains on every token.
         loss_agg: name in LOSS_AGGREGATIONS; ``loss_norm_tokens`` is the constant of
-            seq-mean-token-sum-norm (default: the longest response in ``data``).
+            seq-mean-token-sum-norm (Dr. GRPO's generation budget, ``rollout.max_new_tokens``).
+        kl_coef, kl_estimator, kl_clamp: the KL loss term (when ``kl_coef`` > 0 and
+            ``data.ref_logprobs`` is given; its gradient by estimator: docs/algorithms.md), on
+            every response token of the rows in the loss, without correction weights.
+        entropy_coef: weight of the entropy bonus (on the kept tokens under a filter).
+        entropy_top_fraction: train the policy term only on this top fraction of tokens by
+            ``data.entropies`` (``high_entropy_mask``, over the whole of ``data``); None: every token.
+        entropy_filter_norm: "all": the filter's tokens stay in the normaliser and the KL term
+            (TRL); "kept": every term and the normaliser on the kept tokens only.
+        cpgd_drift_coef: weight of CPGD's policy drift KL(pi_old || pi) (``cpgd_policy_drift``).
+        correction: the rollout correction (``rollout_correction_weights``), or None.
+        dropout: keep the model's dropout on (default off: ``dropout_disabled``).
         train_batch_size: samples per optimizer step (None: all of ``data``).
         micro_batch_size: samples per forward/backward pass.
         seed: seeds the per-epoch shuffle (torch.Generator), independent of global RNG.
@@ -109,22 +231,36 @@ def ppo_update(
     Returns:
         One StepMetrics per optimizer step (the same on every rank).
     Raises:
-        ValueError: empty ``data`` or entropy filtering without ``data.entropies``.
+        ValueError: empty ``data``, entropy filtering without ``data.entropies``, an unknown
+            ``entropy_filter_norm``, seq-mean-token-sum-norm without ``loss_norm_tokens``, or a
+            correction or exclusion list of another length than ``data``.
+        UnknownNameError: unknown policy loss, aggregation or KL estimator.
     """
     if len(data) == 0:
         raise ValueError("ppo_update got no samples")
+    if entropy_filter_norm not in ENTROPY_FILTER_NORMS:
+        raise ValueError(f"entropy_filter_norm must be one of {ENTROPY_FILTER_NORMS}, got {entropy_filter_norm!r}")
+    if loss_agg == SUM_NORM and loss_norm_tokens is None:
+        raise ValueError(f"loss_agg={SUM_NORM!r} needs loss_norm_tokens, its constant token budget (Dr. GRPO: the "
+                         "generation budget, rollout.max_new_tokens)")
+    for name, values in (("correction", correction.weights if correction else None), ("data.excluded", data.excluded)):
+        if values is not None and len(values) != len(data):
+            raise ValueError(f"ppo_update: {name} has {len(values)} entries for {len(data)} samples")
     keep = _entropy_keep(data, entropy_top_fraction) if entropy_top_fraction is not None else None
+    kept_norm = keep is not None and entropy_filter_norm == "kept"
     use_kl = kl_coef > 0 and data.ref_logprobs is not None
-    loss_fn = POLICY_LOSSES[policy_loss]
-    agg_fn = LOSS_AGGREGATIONS[loss_agg]
+    loss_fn, agg_fn = POLICY_LOSSES[policy_loss], LOSS_AGGREGATIONS[loss_agg]
     KL_ESTIMATORS[kl_estimator]  # fail before any work on an unknown name
-    # a constant for seq-mean-token-sum-norm: the longest response of the whole rollout
-    norm_tokens = loss_norm_tokens or max(len(r) for r in data.responses) or 1
+    norm_tokens = loss_norm_tokens or 1
     device = model_device(strategy.model)
 
     def normaliser(mini: list[int]) -> Normaliser:
-        n_tokens = (sum(len(data.responses[i]) for i in mini) if keep is None else sum(int(keep[i].sum()) for i in mini))
-        return Normaliser(num_tokens=n_tokens, num_sequences=len(mini), norm_tokens=norm_tokens)
+        rows = [i for i in mini if data.included(i)]
+        n_tokens = sum(int(keep[i].sum()) if kept_norm and keep is not None else len(data.responses[i]) for i in rows)
+        return Normaliser(num_tokens=n_tokens, num_sequences=len(rows), norm_tokens=norm_tokens)
+
+    def padded(values: list[torch.Tensor], idx: list[int], T: int) -> torch.Tensor:
+        return pad_float([values[i].float().tolist() for i in idx], T)
 
     def micro_step(idx: list[int], norm: Normaliser) -> tuple[torch.Tensor, dict[str, float]]:
         ps, rs = [data.prompts[i] for i in idx], [data.responses[i] for i in idx]
@@ -132,32 +268,52 @@ def ppo_update(
         if processor is not None:
             batch = with_vision(batch, processor, [data.images[i] if data.images else [] for i in idx])
         T = batch.num_actions
-        mask = batch.action_mask
+        mask = batch.action_mask & torch.tensor([data.included(i) for i in idx], dtype=torch.bool)[:, None]
+        policy_mask, weights = mask, None
         if keep is not None:
-            mask = mask & pad_float([keep[i].float().tolist() for i in idx], T).bool()
-        mask = mask.to(device)
+            kept = padded(keep, idx, T).bool()
+            policy_mask = mask & kept
+            if kept_norm:
+                mask = policy_mask
+            else:
+                weights = kept.float()
+        if correction is not None:
+            policy_mask = policy_mask & padded(correction.keep, idx, T).bool()
+            cw = padded(correction.weights, idx, T)
+            weights = cw if weights is None else weights * cw
+        mask, policy_mask = mask.to(device), policy_mask.to(device)
+        weights = weights.to(device) if weights is not None else None
         old = pad_float([data.old_logprobs[i] for i in idx], T).to(device)
         adv = pad_float([data.advantages[i] for i in idx], T).to(device)
         logprobs, entropy = response_logprobs(strategy.model, batch, temperature=temperature, with_entropy=entropy_coef > 0)
-        out = loss_fn(logprobs, old, adv, mask, **(policy_loss_kwargs or {}))
+        out = loss_fn(logprobs, old, adv, mask, weights, **(policy_loss_kwargs or {}))
         agg = norm.as_kwargs()
         pg = agg_fn(out.token_loss, mask, **agg)
         loss = pg
         if entropy_coef > 0:
-            loss = loss - entropy_coef * agg_fn(entropy, mask, **agg)
-        stats = {"policy_loss": float(pg.detach()), "clipped": float(out.clipped.sum()),
-                 "approx_kl": float((0.5 * out.log_ratio.detach() ** 2)[mask].sum())}
+            bonus = entropy if keep is None or kept_norm else entropy * policy_mask.to(entropy.dtype)
+            loss = loss - entropy_coef * agg_fn(bonus, mask, **agg)
+        stats = {"policy_loss": float(pg.detach()), "clipped": float((out.clipped & policy_mask).sum()),
+                 "approx_kl": float((0.5 * out.log_ratio.detach() ** 2)[policy_mask].sum()),
+                 "policy_tokens": float(policy_mask.sum())}
         if use_kl:
             ref = pad_float([data.ref_logprobs[i] for i in idx], T).to(device)
             kl_term = agg_fn(kl_penalty(logprobs, ref, mask, estimator=kl_estimator, kl_clamp=kl_clamp), mask, **agg)
             loss = loss + kl_coef * kl_term
             stats["kl_loss"] = float(kl_term.detach())
+        if cpgd_drift_coef > 0:
+            drift = agg_fn(cpgd_policy_drift(logprobs, old, mask, kl_clamp=kl_clamp), mask, **agg)
+            loss = loss + cpgd_drift_coef * drift
+            stats["cpgd_drift"] = float(drift.detach())
         return loss, stats
 
-    steps = train_steps(strategy, len(data), micro_step=micro_step, stats=("policy_loss", "kl_loss", "clipped", "approx_kl"),
-                        normaliser=normaliser, epochs=epochs, train_batch_size=train_batch_size,
-                        micro_batch_size=micro_batch_size, seed=seed, progress=progress)
+    with contextlib.nullcontext() if dropout else dropout_disabled(strategy.model):
+        steps = train_steps(strategy, len(data), micro_step=micro_step,
+                            stats=("policy_loss", "kl_loss", "cpgd_drift", "clipped", "approx_kl", "policy_tokens"),
+                            normaliser=normaliser, epochs=epochs, train_batch_size=train_batch_size,
+                            micro_batch_size=micro_batch_size, seed=seed, progress=progress)
     return [StepMetrics(step=r.step, epoch=r.epoch, policy_loss=r.sums["policy_loss"], kl_loss=r.sums["kl_loss"],
-                        clip_frac=r.sums["clipped"] / max(r.norm.num_tokens, 1),
-                        approx_kl=r.sums["approx_kl"] / max(r.norm.num_tokens, 1), grad_norm=r.grad_norm, lr=r.lr,
-                        num_tokens=r.norm.num_tokens) for r in steps]
+                        clip_frac=r.sums["clipped"] / max(r.sums["policy_tokens"], 1.0),
+                        approx_kl=r.sums["approx_kl"] / max(r.sums["policy_tokens"], 1.0), grad_norm=r.grad_norm,
+                        lr=r.lr, num_tokens=round(r.sums["policy_tokens"]), cpgd_drift=r.sums["cpgd_drift"])
+            for r in steps]

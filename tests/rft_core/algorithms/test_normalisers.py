@@ -191,6 +191,35 @@ def test_kl_after_normalisation_hand_computed():
     torch.testing.assert_close(adv[:, 0], torch.tensor([0.4, -0.5, -0.55, 0.5], dtype=D), rtol=0, atol=1e-15)
 
 
+def test_kl_after_normalisation_keeps_the_kl_term_out_of_the_shaping_transform():
+    from rft_core.algorithms.masked import masked_whiten
+
+    # a batch in which every group has equal task rewards: whitening the penalised advantages
+    # would blow the KL differences up to ~1; the transform sees only the task part (all zero)
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=D)
+    groups = torch.tensor([0, 0, 1, 1])
+    kl, mask = _kl_tokens([0.01, 0.03, 0.02, 0.0])
+    seen = []
+
+    def whiten(a):
+        seen.append(a.clone())
+        return masked_whiten(a, mask)
+
+    adv, _ = kl_penalized_outcome_advantages("grpo", rewards, groups, mask, kl=kl, kl_coef=0.1, transform=whiten)
+    assert float(seen[0].abs().max()) == 0.0  # the estimator's part, before the penalty
+    torch.testing.assert_close(adv[:, 0], -0.1 * torch.tensor([0.01, 0.03, 0.02, 0.0], dtype=D), rtol=1e-12, atol=1e-18)
+    whitened_after = masked_whiten(adv, mask)  # the other order, whiten(A - penalty): |A| ~ 1
+    assert float(whitened_after.abs().max()) > 1.0
+    # a transform with a task signal: (B, T) in, same shape out, penalty subtracted afterwards
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=D)
+    adv, _ = kl_penalized_outcome_advantages("dr_grpo", rewards, groups, mask, kl=kl, kl_coef=1.0,
+                                             transform=lambda a: 2.0 * a)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([1.0 - 0.01, -1.0 - 0.03, -0.02, 0.0], dtype=D),
+                               rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="transform must keep the advantages' shape"):
+        kl_penalized_outcome_advantages("grpo", rewards, groups, mask, kl=kl, kl_coef=0.1, transform=lambda a: a[:, :1])
+
+
 def test_kl_after_normalisation_errors():
     rewards, groups = torch.ones(2, dtype=D), torch.zeros(2, dtype=torch.long)
     kl, mask = _kl_tokens([0.1, 0.2])

@@ -177,3 +177,106 @@ def test_run_root_placeholders_resolved(tmp_path, monkeypatch):
     assert cfg.run_root == str(tmp_path / "runs" / "exp-20260102-030405")
     remote = load_config(None, ["run_root=s3://bucket/{name}"]).with_resolved_run_root()
     assert remote.run_root == "s3://bucket/grpo"  # URIs are left as they are, only filled in
+
+
+# ---------------------------------------------------------------- issue 16: defaults that follow the papers
+@pytest.mark.parametrize("estimator, mode, kl_estimator", [
+    ("grpo", "loss", "k3+"), ("group_norm", "loss", "k3+"), ("dr_grpo", "loss", "k3+"), ("cpgd", "loss", "k3+"),
+    ("rloo", "reward", "k1"), ("reinforce", "reward", "k1"), ("reinforce_baseline", "reward", "k1"), ("gae", "reward", "k1"),
+])
+def test_kl_mode_and_estimator_default_to_the_estimators_paper(estimator, mode, kl_estimator):
+    cfg = load_config(None, {"advantage.estimator": estimator, "kl.kl_coef": 0.1})
+    assert (cfg.kl.mode, cfg.kl.estimator) == (mode, kl_estimator)
+    # an explicit mode wins; the estimator follows the mode unless given
+    other = "reward" if mode == "loss" else "loss"
+    cfg = load_config(None, {"advantage.estimator": estimator, "kl.kl_coef": 0.1, "kl.mode": other})
+    assert (cfg.kl.mode, cfg.kl.estimator) == (other, {"loss": "k3+", "reward": "k1"}[other])
+    cfg = load_config(None, {"advantage.estimator": estimator, "kl.kl_coef": 0.1, "kl.mode": other, "kl.estimator": "k2"})
+    assert (cfg.kl.mode, cfg.kl.estimator) == (other, "k2")
+
+
+def test_kl_default_also_fills_in_config_models_given_as_objects():
+    from rft_core.config import KLConfig, RLOOAdvantage
+
+    cfg = TrainConfig(kl=KLConfig(kl_coef=0.1), advantage=RLOOAdvantage())
+    assert (cfg.kl.mode, cfg.kl.estimator, cfg.kl.kl_coef) == ("reward", "k1", 0.1)
+    cfg = TrainConfig(kl=KLConfig(kl_coef=0.1, mode="loss", estimator="k2"), advantage=RLOOAdvantage())
+    assert (cfg.kl.mode, cfg.kl.estimator) == ("loss", "k2")
+
+
+def test_k1_as_a_loss_term_is_refused_naming_the_alternatives():
+    with pytest.raises(ConfigError, match=r"'k1' has zero expected gradient as a loss term.*grad KL\(pi\|\|ref\) use one "
+                                          r"of k1\+, k2, k3\+, low_var_kl\+, mse; for grad KL\(ref\|\|pi\): k3, low_var_kl"
+                                          r".*loss for grpo"):
+        load_config(None, {"kl.kl_coef": 0.01, "kl.estimator": "k1"})  # grpo: kl.mode defaults to loss
+    with pytest.raises(ConfigError, match="zero expected gradient"):
+        load_config(None, {"kl.kl_coef": 0.01, "kl.estimator": "k1", "kl.mode": "loss"})
+    # allowed where it means something: in the reward, or with no KL at all
+    assert load_config(None, {"kl.kl_coef": 0.01, "kl.estimator": "k1", "kl.mode": "reward"}).kl.in_reward
+    assert not load_config(None, {"kl.kl_coef": 0.0, "kl.estimator": "k1"}).kl.in_loss
+    for name in ("k2", "k3", "k1+", "k3+", "low_var_kl+"):
+        assert load_config(None, {"kl.kl_coef": 0.01, "kl.estimator": name}).kl.in_loss
+
+
+def test_gspo_is_always_sequence_level():
+    cfg = load_config(None, {"update.policy_loss.name": "gspo"})
+    assert cfg.update.loss_agg == "seq-mean-token-mean"  # set when left out
+    with pytest.raises(ConfigError, match=r"policy loss 'gspo' needs update.loss_agg='seq-mean-token-mean', got "
+                                          r"'token-mean': GSPO's objective is sequence-level"):
+        load_config(None, {"update.policy_loss.name": "gspo", "update.loss_agg": "token-mean"})
+    assert load_config(None, {"update.loss_agg": "seq-mean-token-sum"}).update.loss_agg == "seq-mean-token-sum"
+
+
+def test_seq_mean_token_sum_norm_is_normalised_by_the_generation_budget():
+    cfg = load_config(None, {"update.loss_agg": "seq-mean-token-sum-norm", "rollout.max_new_tokens": 77})
+    assert cfg.update.loss_norm_tokens == 77
+    cfg = load_config(None, {"update.loss_agg": "seq-mean-token-sum-norm", "update.loss_norm_tokens": 500})
+    assert cfg.update.loss_norm_tokens == 500
+    assert load_config(None, {"rollout.max_new_tokens": 77}).update.loss_norm_tokens is None  # other aggregations
+
+
+@pytest.mark.parametrize("overrides, enabled", [
+    ({}, False),  # hf engine, top_p 1, actor stage: the ratio old/rollout is 1 up to float rounding
+    ({"rollout.top_p": 0.9}, True),
+    ({"rollout.first_token_temperature": 2.0}, True),
+    ({"rollout.engine": "vllm"}, True),
+    ({"rollout.engine": "vllm", "logprobs.recompute_old_logprobs": False}, False),  # old = rollout: ratio 1
+    ({"rollout.top_p": 0.9, "update.rollout_correction.enabled": False}, False),  # explicit wins
+    ({"update.rollout_correction.enabled": True}, True),
+])
+def test_rollout_correction_is_on_where_the_engine_samples_another_distribution(overrides, enabled):
+    rc = load_config(None, overrides).update.rollout_correction
+    assert rc.enabled is enabled and (rc.mode, rc.cap, rc.low) == ("tis", 2.0, None)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"update.rollout_correction.enabled": True, "logprobs.recompute_old_logprobs": False},
+     "rollout_correction weights pi_old / pi_rollout with the trainer's old log-probs: set logprobs.recompute_old_logprobs=true"),
+    ({"update.rollout_correction.mode": "tis2"}, "unknown rollout correction mode 'tis2'; valid names: icepop, seq-mask-tis"),
+    ({"update.rollout_correction.low": 2.0}, r"low \(2.0\) must be below cap \(2.0\)"),
+    ({"update.cpgd_drift_coef": 0.1}, "cpgd_drift_coef is CPGD's policy-drift term .* needs update.policy_loss.name=cpgd"),
+    ({"update.entropy_filter_norm": "some"}, "update.entropy_filter_norm"),
+])
+def test_rl_math_options_refuse_what_they_cannot_do(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_update_defaults_dropout_off_and_full_count_entropy_normaliser():
+    u = load_config(None, {"update.policy_loss.name": "cpgd", "update.cpgd_drift_coef": 0.5}).update
+    assert (u.dropout, u.entropy_filter_norm, u.cpgd_drift_coef) == (False, "all", 0.5)
+    assert load_config(None, {"shaping.overlong_filter": True}).shaping.overlong_filter
+
+
+@pytest.mark.parametrize("name", ["grpo_demo", "grpo_gsm_symbolic", "grpo_humaneval", "grpo_learning", "grpo_my_data",
+                                  "grpo_scale", "grpo_vl_digits"])
+def test_presets_load_with_a_kl_that_has_a_gradient(name):
+    from rft_core.algorithms import KL_ESTIMATORS
+    from rft_core.algorithms.kl import GRAD_ZERO
+
+    for path in [f"configs/{name}.yaml"]:
+        cfg = load_config(path)
+        if cfg.kl.in_loss:
+            assert KL_ESTIMATORS.info(cfg.kl.estimator).loss_gradient != GRAD_ZERO, path
+    demo = load_config("configs/grpo_demo.yaml")
+    assert (demo.kl.mode, demo.kl.estimator, demo.kl.kl_coef) == ("loss", "k3+", 0.01)

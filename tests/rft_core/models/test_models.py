@@ -1,7 +1,10 @@
 """Token batch layout, chunked log-probs vs a float64 reference, rollout engine EOS handling and
-seeding, and the PPO update (micro-batch invariance, direction of the change)."""
+seeding, and the PPO update (micro-batch invariance, direction of the change, and each loss term
+of issue 16 as an exact parameter step: entropy-filter normalisers, truncated IS weights, overlong
+filtering, Dr. GRPO's constant, CPGD's drift, dropout off)."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -148,24 +151,171 @@ def test_unreadable_model_path_is_named(tmp_path):
         load_causal_lm(str(tmp_path / "broken"))
 
 
-def test_update_entropy_filter_trains_only_kept_tokens(tiny_model):
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _sgd_delta(tiny_model, data, *, lr=0.5, model=None, **kw):
+    """The parameter change of one plain-SGD update (no gradient clipping: linear in the loss)."""
+    model = model or load_causal_lm(tiny_model, trainable=True)
+    base = _flat(model)
+    steps = ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=lr), max_grad_norm=1e9), data,
+                       pad_token_id=2, **kw)
+    return _flat(model) - base, steps
+
+
+def _replace(data, **fields):
+    import dataclasses
+
+    return dataclasses.replace(data, **fields)
+
+
+def test_update_entropy_filter_normalisers(tiny_model):
     data = _update_data(tiny_model)
     # token 0 of each response has the highest entropy, so top_fraction 4/14 keeps exactly those 4 tokens
     ents = [[10.0 + i] + [0.0] * (len(r) - 1) for i, r in enumerate(data.responses)]
-    filtered = UpdateData(data.prompts, data.responses, data.old_logprobs, data.advantages, entropies=ents)
-    model = load_causal_lm(tiny_model, trainable=True)
-    steps = ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0), filtered, pad_token_id=2,
-                       entropy_top_fraction=4 / 14, micro_batch_size=2)
+    filtered = _replace(data, entropies=ents)
+    # "kept": the same update as training on the first token of each response alone
+    kept, steps = _sgd_delta(tiny_model, filtered, entropy_top_fraction=4 / 14, entropy_filter_norm="kept", micro_batch_size=2)
     assert steps[0].num_tokens == 4
-    # the same update as training on the first token of each response alone
     first_only = UpdateData(data.prompts, [r[:1] for r in data.responses], [o[:1] for o in data.old_logprobs],
                             [a[:1] for a in data.advantages])
-    ref = load_causal_lm(tiny_model, trainable=True)
-    ppo_update(SingleProcess(ref, torch.optim.SGD(ref.parameters(), lr=0.1), max_grad_norm=1.0), first_only, pad_token_id=2, micro_batch_size=2)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+    ref, _ = _sgd_delta(tiny_model, first_only, micro_batch_size=2)
+    torch.testing.assert_close(kept, ref, atol=1e-6, rtol=0)
+    assert kept.abs().max() > 1e-3
+    # "all" (default): the normaliser counts all 14 tokens, so the step is rho = 4/14 of the kept-count one
+    full, steps = _sgd_delta(tiny_model, filtered, entropy_top_fraction=4 / 14, micro_batch_size=2)
+    assert steps[0].num_tokens == 4  # tokens in the policy term
+    torch.testing.assert_close(full, kept * (4 / 14), atol=1e-6, rtol=0)
+    # ... and the KL term applies to every token: the same as no filter with the other advantages zeroed
+    ref_lp = [[o - 0.3 * (t % 3) for t, o in enumerate(row)] for row in data.old_logprobs]
+    zeroed = _replace(data, advantages=[[a[0]] + [0.0] * (len(a) - 1) for a in data.advantages], ref_logprobs=ref_lp)
+    with_kl, steps = _sgd_delta(tiny_model, _replace(filtered, ref_logprobs=ref_lp), entropy_top_fraction=4 / 14,
+                                kl_coef=0.5, kl_estimator="k2", micro_batch_size=3)
+    expected, _ = _sgd_delta(tiny_model, zeroed, kl_coef=0.5, kl_estimator="k2", micro_batch_size=3)
+    torch.testing.assert_close(with_kl, expected, atol=1e-6, rtol=0)
+    assert (with_kl - full).abs().max() > 1e-3 and steps[0].kl_loss > 0  # the KL term did act
     with pytest.raises(ValueError, match="needs data.entropies"):
-        ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0), data, pad_token_id=2, entropy_top_fraction=0.5)
+        _sgd_delta(tiny_model, data, entropy_top_fraction=0.5)
+    with pytest.raises(ValueError, match="entropy_filter_norm"):
+        _sgd_delta(tiny_model, filtered, entropy_top_fraction=0.5, entropy_filter_norm="some")
+
+
+# rollout-correction ratios rho_t = pi_old / pi_rollout by token position (cycled); cap 2
+_RHO = [0.5, 1.0, 1.5, 3.0, 2.5]
+
+
+def _with_rollout_logprobs(data):
+    rho = [[_RHO[t % len(_RHO)] for t in range(len(r))] for r in data.responses]
+    rollout = [[o - math.log(p) for o, p in zip(olds, ps)] for olds, ps in zip(data.old_logprobs, rho)]
+    return _replace(data, rollout_logprobs=rollout), rho
+
+
+def test_update_applies_truncated_importance_weights(tiny_model):
+    from rft_core.training.update import rollout_correction_weights
+
+    data, rho = _with_rollout_logprobs(_update_data(tiny_model))
+    corr = rollout_correction_weights(data, mode="tis", cap=2.0)
+    hand = [[min(p, 2.0) for p in row] for row in rho]  # w = min(rho, cap)
+    for w, h in zip(corr.weights, hand):
+        torch.testing.assert_close(w, torch.tensor(h), atol=1e-5, rtol=0)
+    n_capped = sum(p > 2.0 for row in rho for p in row)
+    assert corr.metrics["rollout_is_capped_frac"] == pytest.approx(n_capped / 14)
+    assert corr.metrics["rollout_is_weight_mean"] == pytest.approx(sum(map(sum, hand)) / 14, abs=1e-5)
+    assert corr.metrics["rollout_is_token_masked_frac"] == 0.0
+    # the weights multiply each token's policy loss: the same step as advantages w * A without correction
+    got, steps = _sgd_delta(tiny_model, data, correction=corr, micro_batch_size=3)
+    weighted = _replace(data, advantages=[[w * a for w, a in zip(ws, row)] for ws, row in zip(hand, data.advantages)])
+    expected, _ = _sgd_delta(tiny_model, weighted, micro_batch_size=3)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert steps[0].num_tokens == 14 and (got - _sgd_delta(tiny_model, data)[0]).abs().max() > 1e-3
+    # icepop: tokens with rho outside [low, cap] leave the policy term but stay in the normaliser
+    corr = rollout_correction_weights(data, mode="icepop", cap=2.0, low=0.75)
+    got, steps = _sgd_delta(tiny_model, data, correction=corr, micro_batch_size=3)
+    masked = [[(p if 0.75 <= p <= 2.0 else 0.0) * a for p, a in zip(ps, row)] for ps, row in zip(rho, data.advantages)]
+    expected, _ = _sgd_delta(tiny_model, _replace(data, advantages=masked), micro_batch_size=3)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    kept = sum(0.75 <= p <= 2.0 for row in rho for p in row)
+    assert steps[0].num_tokens == kept < 14
+    with pytest.raises(ValueError, match="needs data.rollout_logprobs"):
+        rollout_correction_weights(_update_data(tiny_model))
+
+
+def test_update_leaves_overlong_filtered_samples_out_entirely(tiny_model):
+    data = _update_data(tiny_model)
+    ref_lp = [[o - 0.2 for o in row] for row in data.old_logprobs]
+    data = _replace(data, ref_logprobs=ref_lp)
+    sub = UpdateData(*[[getattr(data, f)[i] for i in (0, 2)] for f in ("prompts", "responses", "old_logprobs", "advantages",
+                                                                        "ref_logprobs")])
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        got, steps = _sgd_delta(tiny_model, _replace(data, excluded=[False, True, False, True]), loss_agg=agg,
+                                kl_coef=0.3, kl_estimator="k2", micro_batch_size=3)
+        expected, _ = _sgd_delta(tiny_model, sub, loss_agg=agg, kl_coef=0.3, kl_estimator="k2", micro_batch_size=3)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+        assert steps[0].num_tokens == 4 + 5
+
+
+def test_seq_mean_token_sum_norm_uses_the_given_token_budget(tiny_model):
+    data = _update_data(tiny_model)
+    token_mean, _ = _sgd_delta(tiny_model, data)
+    sum_norm, _ = _sgd_delta(tiny_model, data, loss_agg="seq-mean-token-sum-norm", loss_norm_tokens=10)
+    # sum / (B * K) instead of sum / N: N = 14 tokens, B = 4 sequences, K = 10
+    torch.testing.assert_close(sum_norm, token_mean * 14 / 40, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="needs loss_norm_tokens"):
+        _sgd_delta(tiny_model, data, loss_agg="seq-mean-token-sum-norm")
+
+
+def test_cpgd_drift_term_has_the_gradient_of_kl_to_the_old_policy(tiny_model):
+    data = _update_data(tiny_model)
+    zero_adv = [[0.0] * len(a) for a in data.advantages]
+    # at pi = pi_old the drift is 0 with zero gradient: nothing moves
+    still, _ = _sgd_delta(tiny_model, _replace(data, advantages=zero_adv), policy_loss="cpgd", cpgd_drift_coef=2.0)
+    assert still.abs().max() < 1e-6
+    # an old policy off by delta_t: d_t = r - 1 - log r, r = exp(-delta_t), grad = coef * (r - 1) grad log pi,
+    # the same as a PPO step at ratio 1 with advantages -coef * (r - 1)
+    delta = [[0.05 * (1 if (i + t) % 2 else -1) for t in range(len(r))] for i, r in enumerate(data.responses)]
+    moved = _replace(data, advantages=zero_adv, old_logprobs=[[o + d for o, d in zip(os_, ds)]
+                                                              for os_, ds in zip(data.old_logprobs, delta)])
+    got, steps = _sgd_delta(tiny_model, moved, policy_loss="cpgd", cpgd_drift_coef=2.0, micro_batch_size=3)
+    adv = [[-2.0 * (math.exp(-d) - 1.0) for d in ds] for ds in delta]
+    expected, _ = _sgd_delta(tiny_model, _replace(data, advantages=adv), micro_batch_size=3)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    hand = sum(math.exp(-d) - 1 + d for ds in delta for d in ds) / 14  # token-mean of d_t
+    assert steps[0].cpgd_drift == pytest.approx(hand, rel=1e-3) and got.abs().max() > 1e-4
+
+
+def _dropout_model(tiny_model):
+    model = load_causal_lm(tiny_model, trainable=True)
+    attn = [m for m in model.modules() if hasattr(m, "attention_dropout")]
+    assert attn
+    for m in attn:
+        m.attention_dropout = 0.5
+    return model
+
+
+def test_update_runs_with_dropout_off_unless_asked(tiny_model):
+    from rft_core.training.update import dropout_disabled
+
+    data = _update_data(tiny_model)
+    runs = {}
+    for dropout in (False, True):
+        for seed in (0, 1):
+            torch.manual_seed(seed)  # the dropout masks come from the global generator
+            runs[dropout, seed], _ = _sgd_delta(tiny_model, data, model=_dropout_model(tiny_model), dropout=dropout)
+    assert torch.equal(runs[False, 0], runs[False, 1])  # no randomness left in the update
+    plain, _ = _sgd_delta(tiny_model, data)
+    torch.testing.assert_close(runs[False, 0], plain, atol=1e-7, rtol=0)  # = the model without dropout
+    assert (runs[True, 0] - runs[True, 1]).abs().max() > 1e-4  # dropout on when asked for
+    # settings restored afterwards; LoRA's own dropout and nn.Dropout modules
+    model = _dropout_model(tiny_model)
+    seq = torch.nn.Sequential(torch.nn.Dropout(0.3), torch.nn.Linear(2, 2))
+    seq.lora_dropout = torch.nn.ModuleDict({"default": torch.nn.Dropout(0.1)})
+    seq.attn_pdrop = 0.2
+    with dropout_disabled(model) as n, dropout_disabled(seq) as m:
+        assert n == 2 and all(x.attention_dropout == 0.0 for x in model.modules() if hasattr(x, "attention_dropout"))
+        assert m == 2 and seq[0].p == 0.0 and seq.attn_pdrop == 0.0 and seq.lora_dropout["default"].p == 0.1
+    assert all(x.attention_dropout == 0.5 for x in model.modules() if hasattr(x, "attention_dropout"))
+    assert seq[0].p == 0.3 and seq.attn_pdrop == 0.2
 
 
 def test_entropy_bonus_raises_entropy(tiny_model):
