@@ -10,7 +10,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install demo test test-fast bench bench-trl bench-learning clean
+.PHONY: install demo test test-fast bench bench-trl bench-learning gpu-smoke clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,11 @@ bench-trl: $(STAMP)
 # Held-out accuracy before/after GRPO, 3 seeds (docs/learning.md, docs/learning_curve.png); ~1 h on 2 quiet cores.
 bench-learning: $(STAMP)
 	$(BIN)/python benchmarks/learning.py
+
+# GPU proof kit (docs/gpu.md) in the current environment (CUDA torch, no install: the Makefile's
+# venv is the CPU build); GPU_PY=/path/to/python, ARGS=--cpu for the dry run on the tiny model
+gpu-smoke:
+	$(or $(GPU_PY),python) benchmarks/gpu_smoke.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

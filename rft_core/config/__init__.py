@@ -32,7 +32,7 @@ from rft_core.config.data import DataConfig, DataSourceConfig, EvalConfig  # noq
 from rft_core.config.generation import LogprobConfig, ModelConfig, RolloutConfig  # noqa: F401
 from rft_core.config.run import CheckpointConfig, ObserveConfig, WandbConfig  # noqa: F401
 from rft_core.config.scale import (  # noqa: F401
-    RUNNABLE_STAGES, DeepSpeedConfig, LoraConfig, OrchestrationConfig, RunnerConfig, VLLMConfig)
+    RUNNABLE_STAGES, DeepSpeedConfig, LoraConfig, OrchestrationConfig, RunnerConfig, SGLangConfig, VLLMConfig)
 
 
 def _given(section: Any) -> Any:

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from rft_core.config._base import _Frozen
-from rft_core.config.scale import VLLMConfig
+from rft_core.config.scale import SGLangConfig, VLLMConfig
 from rft_core.models.hub import DEFAULT_MODEL
 
 
@@ -21,7 +21,8 @@ class ModelConfig(_Frozen):
 class RolloutConfig(_Frozen):
     """Sampling settings of the rollout engine."""
 
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["hf", "vllm", "sglang"] = Field("hf", description="hf: transformers generate (any device); "
+                                                   "vllm / sglang: GPU engines in their own environment (docs/scale.md)")
     n_samples_per_prompt: int = Field(4, gt=0, description="group size G")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -30,6 +31,7 @@ class RolloutConfig(_Frozen):
     first_token_temperature: float | None = Field(None, gt=0, description="FIRE sampling (arXiv:2410.21236): temperature of the first token only")
     seed: int = 0
     vllm: VLLMConfig | None = Field(None, description="engine=vllm settings (None: defaults)")
+    sglang: SGLangConfig | None = Field(None, description="engine=sglang settings (None: defaults)")
 
 
 class LogprobConfig(_Frozen):
@@ -40,3 +42,5 @@ class LogprobConfig(_Frozen):
         True, description="False: reuse the rollout engine's own log-probs and skip the actor stage"
     )
     packing: bool = Field(False, description="pack each micro-batch into one row without padding (position ids restart per sequence)")
+    chunk_size: int | None = Field(None, gt=0, description="positions per float32 (chunk, vocab) slice of the log-prob "
+                                   "computation (None: about 64 MiB per slice); changes memory, not the values")

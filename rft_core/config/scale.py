@@ -1,5 +1,5 @@
-"""Scale-out configs: the vLLM engine, LoRA, DeepSpeed ZeRO, and where each stage program runs
-(``runners``; docs/scale.md)."""
+"""Scale-out configs: the vLLM and SGLang engines, LoRA, DeepSpeed ZeRO, and where each stage
+program runs (``runners``; docs/scale.md)."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -17,6 +17,19 @@ class VLLMConfig(_Frozen):
     max_model_len: int | None = Field(None, gt=0)
     enable_sleep_mode: bool = Field(False, description="free GPU memory after the rollout (colocated with training)")
     max_lora_rank: int = Field(64, gt=0)
+
+
+class SGLangConfig(_Frozen):
+    """SGLang engine settings (``rollout.engine=sglang``; GPU, its own environment: docs/scale.md;
+    ``rft_core.engines.sglang.SGLangEngine``)."""
+
+    tensor_parallel_size: int = Field(1, gt=0, description="SGLang tp_size")
+    mem_fraction_static: float = Field(0.5, gt=0, le=1, description="fraction of GPU memory for weights and KV cache")
+    max_model_len: int | None = Field(None, gt=0, description="SGLang context_length (None: the model's)")
+    enable_memory_saver: bool = Field(False, description="release GPU memory after the rollout (colocated with training)")
+    max_lora_rank: int = Field(64, gt=0)
+    deterministic: bool = Field(True, description="enable_deterministic_inference and a sampling_seed per sample "
+                                "(reproducible samples; slower sampling). False: no seeds, samples not reproducible")
 
 
 class LoraConfig(_Frozen):

@@ -149,15 +149,23 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def release_device_memory() -> None:
+def release_device_memory() -> bool:
     """Return the CUDA caching allocator's unused blocks to the driver (``torch.cuda.empty_cache``
-    after a garbage collection); a no-op without CUDA. Call it after a stage drops its model, so a
-    colocated engine (vLLM's startup free-memory check, SGLang) sees the memory as free."""
+    after a garbage collection, so that dropped models are unreferenced first). A no-op, without
+    the garbage collection, when CUDA is unavailable or was never initialised in this process
+    (nothing is cached then). Call it after a stage drops its model, so a colocated engine (vLLM's
+    startup free-memory check, SGLang) sees the memory as free.
+
+    Returns:
+        True if the cache was emptied.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
     import gc
 
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
+    return True
 
 
 def default_chunk_size(vocab_size: int) -> int:

@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stage {ns.stage!r}: bad input (give --input FILE, --arg NAME=VALUE, --out or --config):\n{exc}",
               file=sys.stderr)
         return 2
+    from rft_core.models.hub import configure_cuda_backends
+
+    configure_cuda_backends()  # TF32 matmuls on CUDA (a no-op on CPU)
     result = PROGRAMS[ns.stage](inp)
     from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 

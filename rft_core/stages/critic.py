@@ -5,7 +5,7 @@ import pyarrow as pa
 
 from rft_core.models.critic import batched_response_values, load_critic
 from rft_core.models.loading import load_tokenizer
-from rft_core.models.logprobs import default_device
+from rft_core.models.logprobs import default_device, release_device_memory
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path
 from rft_core.stages.common import Timer, commit_trained, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
@@ -24,7 +24,7 @@ def critic_model_path(critic: PolicyRef) -> str:
 @stage_program(CriticValuesInput)
 def run_values(inp: CriticValuesInput) -> ShardRef:
     """V(s_t) for every response token under the critic ``inp.model``, on ``default_device()``;
-    writes the `critic_values` column group."""
+    writes the `critic_values` column group (GPU memory handed back when it returns)."""
     commit = stage_commit(inp)
     cfg = inp.critic
 
@@ -44,14 +44,20 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
         return commit.write(out_table, schema=CRITIC_VALUES, inputs={"rollout": inp.rollout},
                             summary={"seconds": t.seconds, "value_mean": sum(flat) / max(len(flat), 1)})
 
-    return reuse_or_compute(commit, compute)
+    try:
+        return reuse_or_compute(commit, compute)
+    finally:
+        release_device_memory()
 
 
 @stage_program(CriticUpdateInput)
 def run_update(inp: CriticUpdateInput) -> ShardRef:
     """Train the critic on the advantage stage's returns with the shared training loop (one
     process on ``default_device()``, or DeepSpeed ZeRO with ``critic.deepspeed`` under torchrun);
-    commits metrics + the ``critic/`` checkpoint (with its AdamW state in one process)."""
+    commits metrics + the ``critic/`` checkpoint (with its AdamW state in one process). A critic in
+    bfloat16 (``critic.model.dtype``) trains in mixed precision: float32 master weights and AdamW
+    state (kept in ``critic/optimizer.pt`` for the next update), bfloat16 autocast, and the
+    checkpoint's weights in bfloat16 (``rft_core.training.strategy.build_strategy``)."""
     commit = stage_commit(inp)
     cfg = inp.critic
 
@@ -64,7 +70,7 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         path = critic_model_path(inp.model)
         tok = load_tokenizer(path)
         strategy = build_strategy(load_critic(path, dtype=cfg.dtype, trainable=True), optim=OptimizerSettings.of(cfg),
-                                  deepspeed=cfg.deepspeed,
+                                  deepspeed=cfg.deepspeed, compute_dtype=cfg.dtype,
                                   optimizer_state=None if cfg.deepspeed else policy_checkpoint_dir(inp.model, CRITIC_SUBDIR))
         with Timer() as t:
             steps = critic_update(strategy, data, pad_token_id=tok.pad_token_id, value_loss=cfg.value_loss,
@@ -78,4 +84,7 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         return commit_trained(commit, strategy, subdir=CRITIC_SUBDIR, tokenizer=tok, steps=steps, schema=CRITIC_UPDATE,
                               inputs=inputs, summary=summary, keep_optimizer=True)
 
-    return reuse_or_compute(commit, compute)
+    try:
+        return reuse_or_compute(commit, compute)
+    finally:
+        release_device_memory()

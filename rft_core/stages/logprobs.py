@@ -4,7 +4,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from rft_core.models.loading import load_causal_lm, load_tokenizer
-from rft_core.models.logprobs import batched_response_logprobs, default_device
+from rft_core.models.logprobs import batched_response_logprobs, default_device, release_device_memory
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import policy_model_path
@@ -21,7 +21,9 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
     """Compute log-probs of every response token under ``inp.model``; write the column group of
     ``inp.stage``: ``actor_logprobs`` (the policy before the update: old_logprobs and
     action_entropy) or ``ref_logprobs`` (the reference). Logits are divided by
-    ``inp.temperature``, the rollout's sampling temperature."""
+    ``inp.temperature``, the rollout's sampling temperature; ``logprobs.chunk_size`` bounds the
+    float32 (chunk, vocab) slices of the log-prob computation. The model's GPU memory is handed
+    back to the driver when the program returns (``release_device_memory``)."""
     schema, column = _SCHEMAS[inp.stage]
     commit = stage_commit(inp)
     cfg, stage = inp.logprobs, inp.stage
@@ -39,7 +41,8 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
             res = batched_response_logprobs(lm, table.column("prompt_token_ids").to_pylist(),
                                             table.column("response_token_ids").to_pylist(), pad_token_id=tok.pad_token_id,
                                             micro_batch_size=cfg.micro_batch_size, temperature=inp.temperature,
-                                            with_entropy=actor, packing=cfg.packing, progress=progress, **vision)
+                                            with_entropy=actor, packing=cfg.packing, progress=progress,
+                                            chunk_size=cfg.chunk_size, **vision)
         f32 = pa.list_(pa.float32())
         cols = {"sample_id": table.column("sample_id")}
         if actor:  # the policy's entropy at each token: for the entropy metrics and high-entropy filtering
@@ -53,4 +56,7 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
             summary["entropy_mean"] = sum(ents) / max(len(ents), 1)
         return commit.write(out_table, schema=schema, inputs={"rollout": inp.rollout}, summary=summary)
 
-    return reuse_or_compute(commit, compute)
+    try:
+        return reuse_or_compute(commit, compute)
+    finally:
+        release_device_memory()

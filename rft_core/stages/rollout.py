@@ -11,7 +11,7 @@ from rft_core.config import RolloutConfig
 from rft_core.engines.hf import HFEngine
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
-from rft_core.models.logprobs import default_device
+from rft_core.models.logprobs import default_device, release_device_memory
 from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
@@ -31,32 +31,56 @@ def rollout_summary(table: pa.Table) -> dict[str, float]:
             "truncated_fraction": sum(f == "length" for f in table.column("finish_reason").to_pylist()) / n}
 
 
+def engine_eos_ids(tok, model_path: str) -> set[int]:
+    """Token ids that end a response for a GPU engine: the tokenizer's EOS plus the model's
+    ``generation_config.json`` EOS (one id or a list), as the HF engine uses."""
+    from transformers import GenerationConfig
+
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    try:
+        gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        eos |= set([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+    except OSError:  # no generation_config.json
+        pass
+    return eos
+
+
 def make_engine(cfg: RolloutConfig, path: str, *, dtype: str):
     """The rollout engine of ``cfg.engine`` for the policy at ``path`` (a model folder, alias or
-    hub id, or a LoRA adapter folder) and its tokenizer: (engine, tokenizer)."""
+    hub id, or a LoRA adapter folder) and its tokenizer: (engine, tokenizer).
+
+    ``hf``: a new ``HFEngine`` on ``default_device()`` in ``dtype``. ``vllm`` / ``sglang``: the
+    process's cached GPU engine (``get_vllm_engine`` / ``get_sglang_engine``), reused across
+    iterations with the new checkpoint loaded in place while the base model and settings stay
+    the same; it is given the policy dtype as it is (the engine maps float32/auto to a 16-bit
+    dtype itself: ``rft_core.engines.engine_dtype``). A LoRA checkpoint is served on its base
+    model as an adapter.
+    """
     tok = load_tokenizer(path)
     if cfg.engine == "hf":
         return HFEngine(load_causal_lm(path, dtype=dtype).to(default_device()), tok), tok
-    from transformers import GenerationConfig
-
-    from rft_core.config import VLLMConfig
-    from rft_core.engines.vllm import VLLMEngine
+    from rft_core.config.scale import SGLangConfig, VLLMConfig
     from rft_core.models.loading import resolve_model_path
     from rft_core.models.lora import adapter_base_path, is_adapter_dir
 
     lora = path if is_adapter_dir(path) else None
     base = resolve_model_path(adapter_base_path(path) if lora else path)
-    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    try:
-        gen_eos = GenerationConfig.from_pretrained(base).eos_token_id
-        eos |= set([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
-    except OSError:  # no generation_config.json
-        pass
-    v = cfg.vllm or VLLMConfig()
-    engine = VLLMEngine(base, eos_ids=eos, lora_path=lora, tensor_parallel_size=v.tensor_parallel_size,
-                        gpu_memory_utilization=v.gpu_memory_utilization, dtype="auto" if dtype == "auto" else dtype,
-                        max_model_len=v.max_model_len, enable_sleep_mode=v.enable_sleep_mode, max_lora_rank=v.max_lora_rank)
-    return engine, tok
+    eos = engine_eos_ids(tok, base)
+    if cfg.engine == "vllm":
+        from rft_core.engines.vllm import get_vllm_engine
+
+        v = cfg.vllm or VLLMConfig()
+        return get_vllm_engine(base, eos_ids=eos, lora_path=lora, tensor_parallel_size=v.tensor_parallel_size,
+                               gpu_memory_utilization=v.gpu_memory_utilization, dtype=dtype,
+                               max_model_len=v.max_model_len, enable_sleep_mode=v.enable_sleep_mode,
+                               max_lora_rank=v.max_lora_rank), tok
+    from rft_core.engines.sglang import get_sglang_engine
+
+    sg = cfg.sglang or SGLangConfig()
+    return get_sglang_engine(base, eos_ids=eos, lora_path=lora, tensor_parallel_size=sg.tensor_parallel_size,
+                             mem_fraction_static=sg.mem_fraction_static, dtype=dtype, max_model_len=sg.max_model_len,
+                             enable_memory_saver=sg.enable_memory_saver, max_lora_rank=sg.max_lora_rank,
+                             deterministic=sg.deterministic), tok
 
 
 @stage_program(RolloutInput)
@@ -98,7 +122,10 @@ def run(inp: RolloutInput) -> ShardRef:
             summary.update({"shard": list(shard), "worker": f"{socket.gethostname()}:{os.getpid()}"})
         return commit.write(table_out, schema=ROLLOUT, inputs={"prompts": inp.prompts}, summary=summary)
 
-    return reuse_or_compute(commit, compute)
+    try:
+        return reuse_or_compute(commit, compute)
+    finally:
+        release_device_memory()  # the HF engine's model and cache; a cached vLLM/SGLang engine stays (asleep if set)
 
 
 def _rollout_table(prompts: pa.Table, gens, tok, prompt_ids: list[list[int]], images: list) -> pa.Table:

@@ -25,6 +25,8 @@ from typing import Any, Callable, Mapping
 from pydantic import TypeAdapter
 
 from rft_core.config import RunnerConfig
+from rft_core.models.hub import configure_cuda_backends
+from rft_core.models.logprobs import release_device_memory
 # the stage modules register their programs in PROGRAMS when imported
 from rft_core.stages import advantages, critic, dynamic, evaluate, logprobs, prompts, rewards, rollout, update  # noqa: F401
 from rft_core.stages.contracts import PROGRAMS, STAGE_INPUTS, StageInput
@@ -204,8 +206,15 @@ def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Calla
     as a subprocess (``launch``); same result either way.
 
     ``log`` receives the subprocess's output lines (unused in-process: the program logs
-    through ``logging`` as usual).
+    through ``logging`` as usual). In-process, CUDA's TF32 matmuls are enabled first
+    (``configure_cuda_backends``) and the CUDA cache is emptied afterwards
+    (``release_device_memory``); ``python -m rft_core.stages`` enables TF32 at its start too (its
+    memory goes back to the driver when it exits).
     """
     if runner is None or runner.mode == "inprocess":
-        return PROGRAMS[inp.program](inp)
+        configure_cuda_backends()
+        try:
+            return PROGRAMS[inp.program](inp)
+        finally:
+            release_device_memory()  # what the program dropped (its model, activations) goes back to the driver
     return launch(inp, runner, log=log)

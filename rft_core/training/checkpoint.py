@@ -1,4 +1,12 @@
-"""Checkpoint files of a training stage: an HF ``save_pretrained`` folder and the AdamW state."""
+"""Checkpoint files of a training stage: an HF ``save_pretrained`` folder and the AdamW state.
+
+The AdamW state file (``optimizer.pt``, ``torch.save`` of ``optimizer.state_dict()``) of a
+mixed-precision update (a bfloat16 model, ``rft_core.training.strategy.MasterWeights``) also
+carries the float32 master weights (``"master_weights"``: parameter name -> float32 tensor) and the
+dtype the checkpoint's weights are their rounding to (``"master_weights_dtype"``), as DeepSpeed's
+and Megatron's optimizer states hold their float32 master copies: the weights folder is what the
+rollout loads (bfloat16), the next update continues from the exact float32 weights.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,6 +16,8 @@ import torch
 OPTIMIZER_FILE = "optimizer.pt"
 # the policy's optimizer state is the stage "{ppo_update folder}-optimizer" (rft_core.stages.optimizer_state)
 OPTIMIZER_FOLDER_SUFFIX = "-optimizer"
+MASTER_WEIGHTS_KEY = "master_weights"
+MASTER_DTYPE_KEY = "master_weights_dtype"
 
 
 def save_checkpoint(model, tokenizer, optimizer: torch.optim.Optimizer | None, out_dir: str | Path) -> None:
@@ -26,18 +36,44 @@ def save_checkpoint(model, tokenizer, optimizer: torch.optim.Optimizer | None, o
         torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
 
 
+def read_optimizer_state(ckpt_dir: str | Path | None) -> dict | None:
+    """The state dict saved in ``ckpt_dir/optimizer.pt`` (tensors on the CPU), or None when
+    ``ckpt_dir`` is None or holds no state.
+
+    Raises:
+        ValueError: the file is not a readable optimizer state (named).
+    """
+    path = Path(ckpt_dir) / OPTIMIZER_FILE if ckpt_dir else None
+    if path is None or not path.exists():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001  unpickling errors of a truncated or foreign file
+        raise ValueError(f"{path}: not a readable optimizer state ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
+        raise ValueError(f"{path}: not an optimizer state dict (keys {sorted(state)[:5] if isinstance(state, dict) else type(state)})")
+    return state
+
+
+def restore_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, *, lr: float | None = None) -> None:
+    """Load ``state`` (an ``optimizer.state_dict()``, master-weight entries ignored) into
+    ``optimizer``; torch moves the moments to each parameter's device and dtype. ``lr``: the
+    configured learning rate replaces the saved one (the state keeps its moments)."""
+    optimizer.load_state_dict({k: v for k, v in state.items() if k not in (MASTER_WEIGHTS_KEY, MASTER_DTYPE_KEY)})
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer, ckpt_dir: str | Path | None, *, lr: float | None = None) -> bool:
     """Restore the optimizer state saved in ``ckpt_dir/optimizer.pt`` (moved to the devices of
-    the optimizer's parameters by torch).
+    the optimizer's parameters by torch); master weights, if any, are left to ``build_strategy``.
 
     ``lr``: the configured learning rate replaces the saved one (the state keeps its moments).
     Returns False, leaving the optimizer as it is, when ``ckpt_dir`` is None or has no state.
     """
-    path = Path(ckpt_dir) / OPTIMIZER_FILE if ckpt_dir else None
-    if path is None or not path.exists():
+    state = read_optimizer_state(ckpt_dir)
+    if state is None:
         return False
-    optimizer.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    if lr is not None:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    restore_optimizer_state(optimizer, state, lr=lr)
     return True

@@ -7,11 +7,16 @@ whole mini-batch (``Normaliser``), so the accumulated gradient equals the gradie
 mini-batch loss computed in one piece. Under DeepSpeed the micro-batches of each mini-batch are
 dealt out round-robin over the ranks, every rank runs as many passes (zero-weight repeats, since
 ZeRO 2/3 communicate inside backward), and the statistics are summed over ranks.
+
+Precision: the loop runs inside ``strategy.training()`` (mixed precision: the parameters hold
+their float32 master weights there, their bfloat16 rounding afterwards) and each micro-batch's
+forward and loss inside ``strategy.autocast()`` (bfloat16 autocast); backward runs outside
+autocast, as PyTorch's AMP recipe prescribes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 import torch
 
@@ -23,6 +28,8 @@ class Strategy(Protocol):
     world_size: int
     model: torch.nn.Module
 
+    def training(self) -> ContextManager[None]: ...
+    def autocast(self) -> ContextManager[Any]: ...
     def zero_grad(self) -> None: ...
     def backward(self, loss: torch.Tensor) -> None: ...
     def step(self) -> float: ...
@@ -113,23 +120,25 @@ def train_steps(strategy: Strategy, n: int, *, micro_step: MicroStep, stats: Seq
     total_steps = epochs * -(-n // bs)
     model = strategy.model
     results: list[StepResult] = []
-    model.train()
-    for epoch, mini in minibatches(n, epochs=epochs, batch_size=bs, seed=seed):
-        norm = normaliser(mini)
-        sums = dict.fromkeys(stats, 0.0)
-        strategy.zero_grad()
-        for idx, weight in rank_micro_batches(mini, micro_batch_size, rank=strategy.rank, world_size=strategy.world_size):
-            loss, values = micro_step(idx, norm)
-            strategy.backward(loss * weight if weight != 1.0 else loss)
-            if weight == 0.0:
-                continue
-            for k, v in values.items():
-                sums[k] += v
-        sums = dict(zip(sums, strategy.all_reduce_sum(list(sums.values()))))
-        grad_norm = strategy.step()
-        results.append(StepResult(step=len(results), epoch=epoch, sums=sums, grad_norm=grad_norm, lr=strategy.lr,
-                                  norm=norm))
-        if progress is not None:
-            progress(len(results), total_steps)
-    model.eval()
+    with strategy.training():
+        model.train()
+        for epoch, mini in minibatches(n, epochs=epochs, batch_size=bs, seed=seed):
+            norm = normaliser(mini)
+            sums = dict.fromkeys(stats, 0.0)
+            strategy.zero_grad()
+            for idx, weight in rank_micro_batches(mini, micro_batch_size, rank=strategy.rank, world_size=strategy.world_size):
+                with strategy.autocast():
+                    loss, values = micro_step(idx, norm)
+                strategy.backward(loss * weight if weight != 1.0 else loss)
+                if weight == 0.0:
+                    continue
+                for k, v in values.items():
+                    sums[k] += v
+            sums = dict(zip(sums, strategy.all_reduce_sum(list(sums.values()))))
+            grad_norm = strategy.step()
+            results.append(StepResult(step=len(results), epoch=epoch, sums=sums, grad_norm=grad_norm, lr=strategy.lr,
+                                      norm=norm))
+            if progress is not None:
+                progress(len(results), total_steps)
+        model.eval()
     return results

@@ -11,20 +11,42 @@ gradients as in one process: the update matches the single-process one up to flo
 
 DeepSpeed runs with ``managed_gradient_accumulation: false``: ``backward`` only accumulates, each
 ``step`` is an optimizer step (the caller decides the accumulation boundary, as in one process).
+
+Mixed precision (a model loaded in bfloat16, i.e. ``policy.dtype: bfloat16``). One process: the
+16-bit trainable parameters get float32 master copies (``MasterWeights``) that AdamW updates, so
+its state is float32 too, and the forward and loss run under ``torch.autocast`` in bfloat16; the
+float32 gradients land on the master weights (Micikevicius et al. 2018, arXiv:1710.03740, sec. 3.1;
+PyTorch AMP). AdamW on bfloat16 parameters would lose every step below half a bfloat16 ulp
+(between 2**-9 and 2**-8 of the weight: a 1e-6 step is lost on every weight of magnitude
+>= 2**-11 = 4.9e-4, whose half ulp is >= 2**-20 = 9.5e-7). After training the
+model holds its weights in bfloat16 again (the checkpoint the next rollout loads) and the float32
+master weights travel in the optimizer state dict (``"master_weights"``), which the next update
+loads (``build_strategy(optimizer_state=...)``), so steps below bfloat16 resolution accumulate
+across iterations as they do within one. DeepSpeed keeps its own bf16 path (bfloat16 weights,
+float32 master partitions and AdamW state inside ZeRO).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, ContextManager
 
 import torch
 
 from rft_core.config import CriticConfig, DeepSpeedConfig, UpdateConfig
-from rft_core.models.logprobs import default_device
-from rft_core.training.checkpoint import load_optimizer_state
+from rft_core.models.hub import torch_dtype
+from rft_core.models.logprobs import default_device, model_device
+from rft_core.training.checkpoint import (
+    MASTER_DTYPE_KEY,
+    MASTER_WEIGHTS_KEY,
+    OPTIMIZER_FILE,
+    read_optimizer_state,
+    restore_optimizer_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,30 +82,204 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_
     return float(grad_norm)
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def compute_dtype_of(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the model computes in: the 16-bit floating dtype of its parameters when it has
+    some (a bfloat16 policy, a LoRA adapter in float32 on a bfloat16 base), else float32.
+
+    Raises:
+        ValueError: parameters in both bfloat16 and float16.
+    """
+    half = {p.dtype for p in model.parameters() if p.dtype in HALF_DTYPES}
+    if len(half) > 1:
+        raise ValueError(f"the model mixes parameter dtypes {sorted(str(d) for d in half)}; load it in one dtype")
+    return half.pop() if half else torch.float32
+
+
+class MasterWeights:
+    """Float32 master weights of a model's 16-bit trainable parameters (mixed precision).
+
+    ``promote`` makes each such parameter hold float32 data (its master weight: AdamW then
+    updates and keeps its state in float32); ``demote`` makes it hold the bfloat16 rounding of it
+    again (round to nearest even) and keeps the float32 tensor aside, so that ``state()`` still
+    returns the exact master weights. The Parameter objects stay the same (only ``.data`` is
+    swapped), so an optimizer built over them keeps working. Parameters are named as in
+    ``model.named_parameters()`` (tied weights once).
+
+    Args:
+        model: the model, its 16-bit trainable parameters still in ``compute_dtype``.
+        compute_dtype: torch.bfloat16 (float16 would need loss scaling, which is not implemented).
+    Raises:
+        ValueError: ``compute_dtype`` is not bfloat16.
+    """
+
+    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+        if compute_dtype != torch.bfloat16:
+            raise ValueError(f"mixed precision supports bfloat16 compute only, not {compute_dtype}: float16 needs "
+                             "loss scaling (a GradScaler), which is not implemented; use dtype bfloat16 or float32")
+        self.compute_dtype = compute_dtype
+        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad and p.dtype == compute_dtype}
+        self._aside: dict[str, torch.Tensor] | None = None  # float32 masters while demoted
+
+    def promote(self, saved: dict[str, torch.Tensor] | None = None, *, saved_dtype: str | None = None,
+                source: str = "optimizer state") -> None:
+        """Parameters hold float32 master weights: ``saved`` ones (checked against the loaded
+        weights with ``check_master_weights``), the ones set aside by ``demote``, or the current
+        16-bit values upcast (exactly).
+
+        Raises:
+            ValueError: ``saved`` does not belong to these weights (see ``check_master_weights``).
+        """
+        if saved is not None:
+            check_master_weights(self.params, saved, saved_dtype=saved_dtype, source=source)
+        for name, p in self.params.items():
+            if saved is not None:
+                p.data = saved[name].to(device=p.device, dtype=torch.float32)
+            elif self._aside is not None:
+                p.data = self._aside[name]
+            elif p.dtype != torch.float32:
+                p.data = p.data.float()
+            p.grad = None
+        self._aside = None
+
+    def demote(self) -> None:
+        """Parameters hold the ``compute_dtype`` rounding of their master weights again (what a
+        checkpoint saves and an inference pass uses); the float32 masters are kept aside."""
+        if self._aside is not None:
+            return
+        self._aside = {}
+        for name, p in self.params.items():
+            self._aside[name] = p.data
+            p.data = p.data.to(self.compute_dtype)
+            p.grad = None
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """name -> the float32 master weight (the live tensors: do not modify them)."""
+        if self._aside is not None:
+            return dict(self._aside)
+        return {name: p.data for name, p in self.params.items()}
+
+    def add_to_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+        """``Optimizer.register_state_dict_post_hook`` hook: the optimizer state dict also carries
+        the master weights (``"master_weights"``) and the dtype the checkpoint rounds them to."""
+        state_dict[MASTER_WEIGHTS_KEY] = self.state()
+        state_dict[MASTER_DTYPE_KEY] = str(self.compute_dtype).removeprefix("torch.")
+        return state_dict
+
+
+def check_master_weights(params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], *, saved_dtype: str | None,
+                         source: str) -> None:
+    """Check that float32 master weights ``saved`` belong to the loaded ``params``: the same
+    names, the same shapes, and each master rounded to ``saved_dtype`` (the dtype its checkpoint
+    was written in) equals the loaded weight exactly (``master.to(saved_dtype).to(p.dtype) == p``).
+
+    Raises:
+        ValueError: a name missing on either side, another shape, or a weight that is not the
+            rounding of its master (the optimizer state of another checkpoint), naming ``source``.
+    """
+    missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
+    if missing or extra:
+        raise ValueError(f"{source}: the master weights do not match the model's trainable parameters "
+                         f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    rounding = torch_dtype(saved_dtype) if saved_dtype else None
+    for name, p in params.items():
+        m = saved[name]
+        if tuple(m.shape) != tuple(p.shape):
+            raise ValueError(f"{source}: master weight {name!r} has shape {tuple(m.shape)}, the model's {tuple(p.shape)}")
+        rounded = m.to(device=p.device, dtype=rounding or p.dtype).to(p.dtype)
+        if not torch.equal(rounded, p.data):
+            raise ValueError(f"{source}: master weight {name!r} does not round to the loaded checkpoint's weight: "
+                             "this optimizer state belongs to another checkpoint")
+
+
 def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspeed: DeepSpeedConfig | None = None,
-                   optimizer_state: str | None = None, device: torch.device | None = None) -> "SingleProcess | DeepSpeedStrategy":
-    """The strategy that trains ``model``: DeepSpeed ZeRO when ``deepspeed`` is set (it places
-    the model on its rank's device and starts AdamW afresh), else one process with the model on
-    ``device`` (default ``default_device()``) and AdamW continued from ``optimizer_state`` (a
-    folder holding ``optimizer.pt``; None: fresh), with the configured learning rate."""
+                   optimizer_state: str | None = None, device: torch.device | None = None,
+                   compute_dtype: str | torch.dtype | None = None) -> "SingleProcess | DeepSpeedStrategy":
+    """The strategy that trains ``model``.
+
+    DeepSpeed ZeRO when ``deepspeed`` is set: it places the model on its rank's device, starts
+    AdamW afresh and trains a bfloat16 model with its own bf16 mode (float32 master partitions).
+    Otherwise one process with the model on ``device`` (default ``default_device()``) and AdamW
+    continued from ``optimizer_state`` (a folder holding ``optimizer.pt``; None: fresh), with the
+    configured learning rate. A bfloat16 model trains in mixed precision (``MasterWeights``, module
+    docstring): float32 master weights, restored from the optimizer state when it carries them
+    (else the loaded bfloat16 weights upcast), float32 AdamW state, bfloat16 autocast.
+
+    Args:
+        compute_dtype: the dtype name (``"bfloat16"``, ``"float32"``, ``"auto"``) or torch dtype
+            the model was loaded in; None: ``compute_dtype_of(model)``. bfloat16 on a float32
+            model is plain automatic mixed precision (float32 weights, bfloat16 autocast).
+    Raises:
+        ValueError: float16 compute, a 16-bit model with another compute dtype, or saved master
+            weights of another checkpoint (named).
+    """
     if deepspeed is not None:
+        if compute_dtype_of(model) == torch.bfloat16:
+            log.warning("DeepSpeed bf16: the float32 master weights live inside ZeRO for this update only; the "
+                        "next iteration starts from the bfloat16 checkpoint (steps below bfloat16 resolution within "
+                        "one iteration are kept, across iterations they are rounded away)")
         return DeepSpeedStrategy(model, zero_stage=deepspeed.zero_stage, lr=optim.lr, betas=optim.betas,
                                  weight_decay=optim.weight_decay, max_grad_norm=optim.max_grad_norm,
                                  offload_optimizer=deepspeed.offload_optimizer, torch_adam=deepspeed.torch_adam)
+    loaded = compute_dtype_of(model)
+    dtype = torch_dtype(compute_dtype) if isinstance(compute_dtype, str) else (compute_dtype or loaded)
+    if loaded in HALF_DTYPES and dtype != loaded:
+        raise ValueError(f"the model's parameters are {loaded} but the compute dtype is {dtype}: load the model in "
+                         f"the compute dtype (AdamW on 16-bit parameters without master weights loses small steps)")
     model.to(device or default_device())  # before the optimizer, so its state lands on the same device
+    saved = read_optimizer_state(optimizer_state)
+    source = str(Path(optimizer_state or ".") / OPTIMIZER_FILE)
+    masters, saved_dtype = (saved.pop(MASTER_WEIGHTS_KEY, None), saved.pop(MASTER_DTYPE_KEY, None)) if saved else (None, None)
+    master = MasterWeights(model, dtype) if dtype in HALF_DTYPES else None  # compute dtype and 16-bit weights
+    if master is not None and master.params:
+        if saved is not None and masters is None:
+            log.info("%s holds no master weights: the float32 masters start from the loaded %s weights", source, dtype)
+        master.promote(masters, saved_dtype=saved_dtype, source=source)
+    elif masters:  # float32 trainable weights (a bfloat16 run continued in float32): the masters, not their rounding
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        check_master_weights(params, masters, saved_dtype=saved_dtype, source=source)
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(masters[name])
     opt = make_optimizer(model, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-    load_optimizer_state(opt, optimizer_state, lr=optim.lr)
-    return SingleProcess(model, opt, max_grad_norm=optim.max_grad_norm)
+    if saved is not None:
+        restore_optimizer_state(opt, saved, lr=optim.lr)
+    if master is not None and master.params:
+        opt.register_state_dict_post_hook(master.add_to_state_dict)
+    return SingleProcess(model, opt, max_grad_norm=optim.max_grad_norm, master=master)
 
 
 class SingleProcess:
-    """One process: plain autograd, clip, AdamW step (a non-finite gradient norm skips the step)."""
+    """One process: plain autograd, clip, AdamW step (a non-finite gradient norm skips the step).
+
+    With ``master`` (mixed precision): the forward runs under bfloat16 autocast (``autocast``)
+    and the optimizer updates the float32 master weights, which the parameters hold inside
+    ``training()``; outside it they hold the bfloat16 weights.
+    """
 
     rank = 0
     world_size = 1
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float) -> None:
-        self.model, self.optimizer, self.max_grad_norm = model, optimizer, max_grad_norm
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
+                 master: MasterWeights | None = None) -> None:
+        self.model, self.optimizer, self.max_grad_norm, self.master = model, optimizer, max_grad_norm, master
+        if master is None and any(p.requires_grad and p.dtype in HALF_DTYPES for p in model.parameters()):
+            log.warning("training 16-bit parameters without float32 master weights: optimizer steps below half a "
+                        "16-bit ulp are lost (build the strategy with build_strategy for mixed precision)")
+
+    def training(self) -> ContextManager[None]:
+        """The context of a training run: parameters hold the float32 master weights inside it
+        and the bfloat16 weights after it (mixed precision; otherwise nothing changes)."""
+        return _master_context(self.master)
+
+    def autocast(self) -> ContextManager[Any]:
+        """The context of a forward pass and its loss: bfloat16 autocast on the model's device
+        type in mixed precision, else nothing."""
+        if self.master is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=model_device(self.model).type, dtype=self.master.compute_dtype)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""
@@ -105,6 +301,18 @@ class SingleProcess:
     def lr(self) -> float:
         """Learning rate of the first parameter group."""
         return float(self.optimizer.param_groups[0]["lr"])
+
+
+@contextlib.contextmanager
+def _master_context(master: MasterWeights | None):
+    if master is None:
+        yield
+        return
+    master.promote()
+    try:
+        yield
+    finally:
+        master.demote()
 
 
 def collective_device(backend: str) -> torch.device:
@@ -131,7 +339,9 @@ def init_distributed() -> tuple[int, int]:
         if "WORLD_SIZE" not in os.environ:  # not under torchrun: a single-rank world
             os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                                "MASTER_PORT": str(_free_port())})
-        if not torch.cuda.is_available() and os.environ.get("RFT_DS_SHM_COMM") != "1":
+        if torch.cuda.is_available():  # NCCL: this rank's GPU is the current device before any collective
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        elif os.environ.get("RFT_DS_SHM_COMM") != "1":
             # DeepSpeed's CPU backend compiles a shared-memory allreduce op with the system C++
             # compiler on first use; plain gloo needs no compiler (set RFT_DS_SHM_COMM=1 for the op)
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -183,6 +393,14 @@ class DeepSpeedStrategy:
         params = [p for p in model.parameters() if p.requires_grad]
         self.model, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
         self._dist = dist
+
+    def training(self) -> ContextManager[None]:
+        """Nothing to do: DeepSpeed's bf16 mode keeps its own float32 master weights."""
+        return contextlib.nullcontext()
+
+    def autocast(self) -> ContextManager[None]:
+        """Nothing: the module computes in its own dtype (bfloat16 in DeepSpeed's bf16 mode)."""
+        return contextlib.nullcontext()
 
     def zero_grad(self) -> None:
         """Gradients are zeroed by DeepSpeed after each step."""
