@@ -1,0 +1,169 @@
+"""The ``python`` environment: runs the model's code in the code-execution sandbox of the
+``code_exec`` reward (``rft_core.rewards.code``: its harness ``_sandbox_harness.py``, rlimits
+via ``prlimit``, a fresh temporary directory, a network namespace where the kernel allows it,
+the audit hook, a clean environment, ``python -I``) and answers with its stdout/stderr,
+truncated.
+
+Each call is a separate program: variables do not survive from one call to the next.
+
+``run_sandboxed`` of the reward returns only a pass/fail reason, not the program's output, so
+``run_program`` below starts the same harness with the same limits through that module's
+helpers and keeps the output files before the directory is removed (see the report of issue 20
+for the one-field change to ``ExecResult`` that would let this call ``run_sandboxed``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rft_core.agents.env import ENVIRONMENTS
+from rft_core.agents.tools import TOOL_FORMATS, ToolEnvironment, ToolFailure
+from rft_core.rewards import code as sandbox
+
+
+@dataclass(frozen=True)
+class ProgramOutput:
+    """What one sandboxed program did.
+
+    Attributes:
+        ok: exit status 0 within the limits.
+        reason: ``ok``, ``timeout after 5 s``, ``ZeroDivisionError: division by zero``,
+            ``sandbox: socket.__new__ is not allowed``, ``out of memory (limit 512 MiB)``, ...
+        stdout, stderr: the program's output (stderr without the harness's status line).
+        seconds: wall time.
+    """
+
+    ok: bool
+    reason: str
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def _read(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(16 << 20)  # the sandbox's file-size limit
+    except OSError:
+        return ""
+    return data.decode("utf-8", "replace")
+
+
+def run_program(program: str, *, timeout_s: float = 5.0, memory_mb: int = 512, network: str = "namespace"
+                ) -> ProgramOutput:
+    """Run ``program`` (Python source) in the sandbox of ``rft_core.rewards.code.run_sandboxed``
+    (same harness, rlimits, namespace, environment and kill of the whole process group) and
+    return its output.
+
+    Raises:
+        RuntimeError: util-linux ``prlimit`` is missing (no rlimits can be set).
+    """
+    if not shutil.which("prlimit"):
+        raise RuntimeError("the python environment needs util-linux `prlimit` on PATH to set rlimits")
+    netns = sandbox._netns_prefix() if network == "namespace" else ()
+    work = Path(tempfile.mkdtemp(prefix="rft-agent-sandbox-"))
+    try:
+        (work / "solution.py").write_text(program, encoding="utf-8")
+        cmd = [*netns, "prlimit", *sandbox._limits(timeout_s, memory_mb), "--", sys.executable, "-I", "-B",
+               str(sandbox.HARNESS), "solution.py", json.dumps(sandbox._readable_prefixes())]
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
+               "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+        t0 = time.perf_counter()
+        with open(work / "stdout.txt", "wb") as out, open(work / "stderr.txt", "wb") as err:
+            proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    start_new_session=True)
+            try:
+                rc: int | None = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait()
+        seconds = time.perf_counter() - t0
+        stdout = _read(work / "stdout.txt")
+        lines = _read(work / "stderr.txt").rstrip("\n").split("\n")
+        status = lines[-1] if rc is not None and rc >= 0 else ""  # the harness's last line says why
+        stderr = "\n".join(lines[:-1] if status else lines).rstrip("\n")
+        if rc is None:
+            return ProgramOutput(False, f"timeout after {timeout_s:g} s", stdout, stderr, seconds)
+        if rc == 0:
+            return ProgramOutput(True, "ok", stdout, stderr, seconds)
+        if rc < 0:
+            try:
+                name = signal.Signals(-rc).name
+            except ValueError:
+                name = f"signal {-rc}"
+            return ProgramOutput(False, f"killed ({name})", stdout, stderr, seconds)
+        reason = f"out of memory (limit {memory_mb} MiB)" if rc == 5 or "MemoryError" in status else status or f"exit status {rc}"
+        return ProgramOutput(False, reason, stdout, stderr, seconds)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def truncate(text: str, max_chars: int) -> str:
+    """``text`` cut to ``max_chars`` characters, with a note of how many were left out."""
+    if len(text) <= max_chars:
+        return text
+    return f"{text[:max_chars]}\n... [{len(text) - max_chars} more characters truncated]"
+
+
+class PythonEnvConfig(BaseModel):
+    """Settings of the ``python`` environment."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tool_format: str = Field("python", description="python (<python>code</python>) or hermes "
+                             '(<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>)')
+    timeout_s: float = Field(5.0, gt=0, description="wall-time limit per call (s)")
+    memory_mb: int = Field(512, ge=64, description="address-space limit per call (MiB)")
+    network: Literal["namespace", "audit"] = "namespace"
+    max_output_chars: int = Field(1000, gt=0, description="observation text beyond this is truncated")
+
+    @field_validator("tool_format")
+    @classmethod
+    def _format(cls, v: str) -> str:
+        if v not in TOOL_FORMATS:
+            raise ValueError(f"unknown tool-call format {v!r}; valid names: {', '.join(TOOL_FORMATS.names())}")
+        return v
+
+
+@ENVIRONMENTS.register("python", info="runs <python>code</python> calls in the code_exec sandbox")
+class PythonEnv(ToolEnvironment):
+    """Tool ``python(code)``: the observation is the program's stdout (and stderr when there is
+    any); a program that raises, is refused by the sandbox, runs out of memory or time gives an
+    ``error: <reason>`` observation (after the output it printed before) and ``info["error"]``.
+    """
+
+    Config = PythonEnvConfig
+
+    def __init__(self, config: PythonEnvConfig | None = None) -> None:
+        self.config = config or PythonEnvConfig()
+        super().__init__(self.config.tool_format, {"python": self.run})
+
+    def run(self, code: str) -> str:
+        """Tool ``python(code)``. Raises: ToolFailure: the program failed (the observation is its
+        output, then ``error: <reason>``)."""
+        c = self.config
+        if not isinstance(code, str):
+            raise TypeError(f"code must be text, got {type(code).__name__}")
+        out = run_program(code, timeout_s=c.timeout_s, memory_mb=c.memory_mb, network=c.network)
+        text = out.stdout + (f"\nstderr:\n{out.stderr}" if out.stderr.strip() else "")
+        if not out.ok:
+            shown = truncate(text.rstrip("\n"), c.max_output_chars)
+            raise ToolFailure(out.reason, f"{shown}\nerror: {out.reason}" if shown.strip() else f"error: {out.reason}")
+        return truncate(text, c.max_output_chars) if text.strip() else "(no output)"
+
