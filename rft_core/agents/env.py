@@ -144,9 +144,9 @@ def load_environment_class(spec: str) -> type:
     from rft_core.rewards.user import load_function
 
     try:
-        cls = load_function(spec)
-    except RewardError as exc:  # its messages say "reward function"; say what failed here
-        raise EnvConfigError(f"environment {spec!r}: {str(exc).replace(f'reward function {spec!r}: ', '')}") from exc
+        cls = load_function(spec, kind="environment")
+    except RewardError as exc:
+        raise EnvConfigError(str(exc)) from exc
     if not inspect.isclass(cls) or not callable(getattr(cls, "step", None)):
         raise EnvConfigError(f"environment {spec!r}: {cls!r:.80} is not a class with a step(text) method")
     return cls

@@ -13,14 +13,6 @@ for the one-field change to ``ExecResult`` that would let this call ``run_sandbo
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -63,55 +55,15 @@ def _read(path: Path) -> str:
 def run_program(program: str, *, timeout_s: float = 5.0, memory_mb: int = 512, network: str = "namespace"
                 ) -> ProgramOutput:
     """Run ``program`` (Python source) in the sandbox of ``rft_core.rewards.code.run_sandboxed``
-    (same harness, rlimits, namespace, environment and kill of the whole process group) and
-    return its output.
+    (its harness, rlimits, network namespace, clean environment, and the kill of the whole
+    process group) and return its output.
 
     Raises:
         RuntimeError: util-linux ``prlimit`` is missing (no rlimits can be set).
     """
-    if not shutil.which("prlimit"):
-        raise RuntimeError("the python environment needs util-linux `prlimit` on PATH to set rlimits")
-    netns = sandbox._netns_prefix() if network == "namespace" else ()
-    work = Path(tempfile.mkdtemp(prefix="rft-agent-sandbox-"))
-    try:
-        (work / "solution.py").write_text(program, encoding="utf-8")
-        cmd = [*netns, "prlimit", *sandbox._limits(timeout_s, memory_mb), "--", sys.executable, "-I", "-B",
-               str(sandbox.HARNESS), "solution.py", json.dumps(sandbox._readable_prefixes())]
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8",
-               "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-        t0 = time.perf_counter()
-        with open(work / "stdout.txt", "wb") as out, open(work / "stderr.txt", "wb") as err:
-            proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    start_new_session=True)
-            try:
-                rc: int | None = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                proc.wait()
-        seconds = time.perf_counter() - t0
-        stdout = _read(work / "stdout.txt")
-        lines = _read(work / "stderr.txt").rstrip("\n").split("\n")
-        status = lines[-1] if rc is not None and rc >= 0 else ""  # the harness's last line says why
-        stderr = "\n".join(lines[:-1] if status else lines).rstrip("\n")
-        if rc is None:
-            return ProgramOutput(False, f"timeout after {timeout_s:g} s", stdout, stderr, seconds)
-        if rc == 0:
-            return ProgramOutput(True, "ok", stdout, stderr, seconds)
-        if rc < 0:
-            try:
-                name = signal.Signals(-rc).name
-            except ValueError:
-                name = f"signal {-rc}"
-            return ProgramOutput(False, f"killed ({name})", stdout, stderr, seconds)
-        reason = f"out of memory (limit {memory_mb} MiB)" if rc == 5 or "MemoryError" in status else status or f"exit status {rc}"
-        return ProgramOutput(False, reason, stdout, stderr, seconds)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    res = sandbox.run_sandboxed(program, timeout_s=timeout_s, memory_mb=memory_mb, network=network)
+    reason = "ok" if res.passed else res.reason
+    return ProgramOutput(res.passed, reason, res.stdout, res.stderr, res.seconds)
 
 
 def truncate(text: str, max_chars: int) -> str:

@@ -28,6 +28,7 @@ from rft_core.config.algorithms import (  # noqa: F401
 from rft_core.config.rewards import (  # noqa: F401
     REWARD_SOURCE_CONFIGS, CodeExecSource, ExactMatchSource, FormatSource, MathAnswerSource, PythonSource,
     RecipeItem, RemoteSource, RewardConfig, RewardModelSource, RewardSourceConfig)
+from rft_core.config.agents import AgentConfig  # noqa: F401
 from rft_core.config.data import DataConfig, DataSourceConfig, EvalConfig  # noqa: F401
 from rft_core.config.generation import LogprobConfig, ModelConfig, RolloutConfig  # noqa: F401
 from rft_core.config.run import CheckpointConfig, ObserveConfig, WandbConfig  # noqa: F401

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rft_core.config._base import _Frozen
+from rft_core.config.agents import AgentConfig
 from rft_core.config.scale import SGLangConfig, VLLMConfig
 from rft_core.models.hub import DEFAULT_MODEL
 
@@ -32,6 +33,15 @@ class RolloutConfig(_Frozen):
     seed: int = 0
     vllm: VLLMConfig | None = Field(None, description="engine=vllm settings (None: defaults)")
     sglang: SGLangConfig | None = Field(None, description="engine=sglang settings (None: defaults)")
+    agent: AgentConfig | None = Field(None, description="multi-turn rollout with an environment (docs/agents.md); "
+                                      "None: one response per sample")
+
+    @model_validator(mode="after")
+    def _check_agent(self) -> "RolloutConfig":
+        if self.agent is not None and (self.engine != "hf" or self.first_token_temperature is not None):
+            raise ValueError("rollout.agent runs on the hf engine without FIRE (rollout.engine=hf, "
+                             "rollout.first_token_temperature=null)")
+        return self
 
 
 class LogprobConfig(_Frozen):

@@ -54,6 +54,8 @@ class ExecResult:
         returncode: the process's exit status (negative: killed by that signal); None on timeout.
         seconds: wall time.
         isolation: ``namespace+audit`` or ``audit`` (the network namespace could not be made).
+        stdout: what the program printed (decoded as UTF-8, errors replaced).
+        stderr: what it wrote to stderr, without the harness's last status line.
     """
 
     passed: bool
@@ -61,6 +63,8 @@ class ExecResult:
     returncode: int | None
     seconds: float
     isolation: str
+    stdout: str = ""
+    stderr: str = ""
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,12 +92,9 @@ def _limits(timeout_s: float, memory_mb: int) -> list[str]:
     return [f"--as={memory_mb * mb}", f"--cpu={int(timeout_s) + 1}", f"--fsize={16 * mb}", "--nofile=64", "--core=0"]
 
 
-def _tail(path: Path, n: int = 4000) -> str:
+def _read(path: Path) -> str:
     try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - n))
-            return fh.read().decode("utf-8", "replace")
+        return path.read_bytes().decode("utf-8", "replace")
     except OSError:
         return ""
 
@@ -138,11 +139,15 @@ def run_sandboxed(program: str, *, timeout_s: float = 5.0, memory_mb: int = 512,
                     pass
                 proc.wait()
         seconds = time.perf_counter() - t0
+        stdout = _read(work / "stdout.txt")
+        lines = _read(work / "stderr.txt").rstrip("\n").split("\n")
+        status = lines[-1] if rc is not None and rc >= 0 else ""  # the harness's last line says why
+        out = {"seconds": seconds, "isolation": isolation, "stdout": stdout,
+               "stderr": "\n".join(lines[:-1] if status else lines).rstrip("\n")}
         if rc is None:
-            return ExecResult(False, f"timeout after {timeout_s:g} s", None, seconds, isolation)
-        last = [ln for ln in _tail(work / "stderr.txt").splitlines() if ln.strip()]
+            return ExecResult(False, f"timeout after {timeout_s:g} s", None, **out)
         if rc == 0:
-            return ExecResult(True, "passed", 0, seconds, isolation)
+            return ExecResult(True, "passed", 0, **out)
         if rc < 0:
             try:
                 name = signal.Signals(-rc).name
@@ -150,12 +155,13 @@ def run_sandboxed(program: str, *, timeout_s: float = 5.0, memory_mb: int = 512,
                 name = f"signal {-rc}"
             why = {"SIGXCPU": "CPU time limit", "SIGXFSZ": "file size limit", "SIGKILL": "killed",
                    "SIGSEGV": "crashed (segfault)"}.get(name, "killed")
-            return ExecResult(False, f"{why} ({name})", rc, seconds, isolation)
+            return ExecResult(False, f"{why} ({name})", rc, **out)
+        last = [ln for ln in lines if ln.strip()]
         detail = last[-1][:300] if last else ""
         reason = detail or _EXIT_REASONS.get(rc, f"exit status {rc}")
         if rc == 5 or "MemoryError" in detail:
             reason = f"out of memory (limit {memory_mb} MiB)"
-        return ExecResult(False, reason, rc, seconds, isolation)
+        return ExecResult(False, reason, rc, **out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

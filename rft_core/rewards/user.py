@@ -21,9 +21,10 @@ from typing import Any, Callable, Sequence
 from rft_core.rewards.base import RewardError, RewardSample, SourceScore
 
 
-def load_function(spec: str) -> Callable[..., Any]:
+def load_function(spec: str, *, kind: str = "reward function") -> Callable[..., Any]:
     """Import ``module:function`` or ``file.py:function`` (a relative file is taken from the
-    current directory).
+    current directory); ``kind`` names what it is in error messages ("reward function",
+    "environment", ...).
 
     Raises:
         RewardError: the module or file cannot be imported, or has no such callable; the
@@ -31,12 +32,12 @@ def load_function(spec: str) -> Callable[..., Any]:
     """
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
-        raise RewardError(f"reward function {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+        raise RewardError(f"{kind} {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
     try:
         if target.endswith(".py") or "/" in target:
             path = Path(target).expanduser().resolve()
             if not path.is_file():
-                raise RewardError(f"reward function {spec!r}: file {path} does not exist")
+                raise RewardError(f"{kind} {spec!r}: file {path} does not exist")
             name = f"rft_user_reward_{abs(hash(str(path)))}"
             module = sys.modules.get(name)
             if module is None:
@@ -49,10 +50,10 @@ def load_function(spec: str) -> Callable[..., Any]:
     except RewardError:
         raise
     except Exception as exc:
-        raise RewardError(f"reward function {spec!r}: cannot import {target!r}: {type(exc).__name__}: {exc}") from exc
+        raise RewardError(f"{kind} {spec!r}: cannot import {target!r}: {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise RewardError(f"reward function {spec!r}: {target!r} has no callable {attr!r}")
+        raise RewardError(f"{kind} {spec!r}: {target!r} has no callable {attr!r}")
     return fn
 
 
