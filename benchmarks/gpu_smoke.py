@@ -111,7 +111,7 @@ def write_prompts(tok, n: int, out: str):
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     table = pa.table({"prompt_id": [f"q{i}" for i in range(n)], "data_source": ["gpu_smoke"] * n, "question": questions,
                       "prompt_text": texts, "prompt_token_ids": ids, "answer": [""] * n, "metadata_json": ["{}"] * n,
-                      "images": [[] for _ in range(n)]}, schema=PROMPTS.arrow)
+                      "images": [[] for _ in range(n)], "videos": [[] for _ in range(n)]}, schema=PROMPTS.arrow)
     return write_shard(table, out, schema=PROMPTS, config_hash="gpu-smoke")
 
 

@@ -35,7 +35,7 @@ class StageSchema:
 _tok = pa.list_(pa.int32())
 _f32 = pa.list_(pa.float32())
 
-PROMPTS = StageSchema("prompts", 2, pa.schema([
+PROMPTS = StageSchema("prompts", 3, pa.schema([  # 3: videos
     pa.field("prompt_id", pa.string(), nullable=False),
     pa.field("data_source", pa.string(), nullable=False),
     pa.field("question", pa.string(), nullable=False),
@@ -44,9 +44,10 @@ PROMPTS = StageSchema("prompts", 2, pa.schema([
     pa.field("answer", pa.string(), nullable=False),  # the label the grader checks against
     pa.field("metadata_json", pa.string(), nullable=False),  # grader's entry metadata, JSON
     pa.field("images", pa.list_(pa.binary()), nullable=False),  # encoded images (PNG/JPEG bytes); [] for text-only
+    pa.field("videos", pa.list_(pa.binary()), nullable=False),  # encoded videos (the container file's bytes); [] for none
 ]))
 
-ROLLOUT = StageSchema("rollout", 2, pa.schema([
+ROLLOUT = StageSchema("rollout", 3, pa.schema([  # 3: videos
     pa.field("sample_id", pa.string(), nullable=False),
     pa.field("prompt_id", pa.string(), nullable=False),
     pa.field("sample_index", pa.int32(), nullable=False),  # 0..G-1 inside the group
@@ -57,6 +58,7 @@ ROLLOUT = StageSchema("rollout", 2, pa.schema([
     pa.field("action_mask", pa.list_(pa.bool_()), nullable=False),
     pa.field("finish_reason", pa.string(), nullable=False),  # "stop" (EOS) or "length"
     pa.field("images", pa.list_(pa.binary()), nullable=False),  # the prompt's encoded images; [] for text-only
+    pa.field("videos", pa.list_(pa.binary()), nullable=False),  # the prompt's encoded videos; [] for none
 ]))
 
 ACTOR_LOGPROBS = StageSchema("actor_logprobs", 1, pa.schema([

@@ -254,7 +254,8 @@ def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
 
     Inverse of ``experience_from_tables`` for the columns an Experience carries. ``info`` must
     hold ``sample_id`` and ``prompt_id``; optional ``response_text``, ``finish_reason``,
-    ``rewards``, ``shaped_rewards`` are used when present.
+    ``rewards``, ``shaped_rewards`` and ``images`` / ``videos`` (B lists of encoded bytes, the
+    rollout's media columns; [] per sample without them) are used when present.
 
     Raises:
         ValueError: ``exp`` has no action_mask or attention_mask.
@@ -282,7 +283,8 @@ def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
         "rollout_logprobs": pa.array(per_tok(exp.action_log_probs), f32),
         "action_mask": pa.array(per_tok(exp.action_mask), pa.list_(pa.bool_())),
         "finish_reason": finish,
-        "images": [[] for _ in range(B)],
+        "images": [list(m) for m in exp.info.get("images", [[] for _ in range(B)])],
+        "videos": [list(m) for m in exp.info.get("videos", [[] for _ in range(B)])],
     }, schema=ROLLOUT.arrow)}
     entropy = exp.action_entropy if exp.action_entropy is not None else torch.zeros_like(exp.action_log_probs)
     out["actor_logprobs"] = pa.table({"sample_id": sid, "old_logprobs": pa.array(per_tok(exp.action_log_probs), f32),

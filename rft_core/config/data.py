@@ -98,7 +98,7 @@ class DataConfig(_Frozen):
 
 class EvalConfig(_Frozen):
     """Held-out evaluation (``flows/eval.py``): greedy decoding on prompts of the training task
-    whose question texts never occur in the training dataset (``heldout_entries``), or, with
+    whose prompts (question text and images/videos) never occur in the training dataset (``heldout_entries``), or, with
     ``path``, on the first ``num_prompts`` rows of a file of your own (read with ``data.format``
     and ``data.columns``; required when ``data.source`` is ``files``)."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -37,13 +38,13 @@ def _dataset(task: str, size: int, seed: int, task_config_json: str):
     import reasoning_gym
 
     kwargs = json.loads(task_config_json)
-    if task == "vl_digits":  # built in: digit images (scikit-learn) for vision-language RL
-        from rft_core.data.vision import DigitsDataset
+    if task in ("vl_digits", "vl_video_digits"):  # built in: digit images / moving-digit clips for vision-language RL
+        from rft_core.data.vision import DigitsDataset, VideoDigitsDataset
 
         try:
-            return DigitsDataset(size, seed, **kwargs)
+            return (DigitsDataset if task == "vl_digits" else VideoDigitsDataset)(size, seed, **kwargs)
         except (TypeError, ValueError) as exc:
-            raise DatasetError(f"vl_digits dataset with size={size}, {kwargs}: {exc}") from exc
+            raise DatasetError(f"{task} dataset with size={size}, {kwargs}: {exc}") from exc
     if task == "humaneval":  # built in: code problems graded by the code_exec reward source
         from rft_core.data.humaneval import HumanEvalDataset
 
@@ -59,8 +60,8 @@ def _dataset(task: str, size: int, seed: int, task_config_json: str):
 
 def load_task(task: str, *, size: int, seed: int, task_config: dict[str, Any] | None = None):
     """The reasoning-gym dataset object, or a built-in task: ``humaneval`` (HumanEval problems,
-    ``rft_core.data.humaneval``) or ``vl_digits`` (digit images, ``rft_core.data.vision``);
-    cached per arguments.
+    ``rft_core.data.humaneval``), ``vl_digits`` (digit images) or ``vl_video_digits`` (clips of
+    a digit moving across the frame; both ``rft_core.data.vision``); cached per arguments.
 
     Raises:
         DatasetError: unknown task or bad task_config.
@@ -123,8 +124,10 @@ def heldout_seed(*, train_seed: int, train_size: int, seed: int | None = None) -
 
 def heldout_entries(task: str, *, num_prompts: int, train_size: int, train_seed: int, seed: int,
                     task_config: dict[str, Any] | None = None, pool_factor: int = 4) -> list[tuple[int, dict[str, Any]]]:
-    """``num_prompts`` entries of ``task`` whose question texts occur nowhere in the training
-    dataset (all ``train_size`` entries of ``train_seed``) and not twice among themselves.
+    """``num_prompts`` entries of ``task`` whose prompts occur nowhere in the training dataset
+    (all ``train_size`` entries of ``train_seed``) and not twice among themselves. A prompt is
+    its question text plus its images and videos (``prompt_key``): the vision tasks ask one
+    question about many pictures, so for them the media tell prompts apart.
 
     Candidates are the entries 0, 1, 2, ... of the dataset generated with ``seed``
     (``pool_factor * num_prompts + 64`` of them), taken in index order: the split depends only on
@@ -139,14 +142,14 @@ def heldout_entries(task: str, *, num_prompts: int, train_size: int, train_seed:
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     train = load_task(task, size=train_size, seed=train_seed, task_config=task_config)
-    seen = {str(train[i]["question"]) for i in range(train_size)}
+    seen = {prompt_key(train[i]) for i in range(train_size)}
     pool = pool_factor * num_prompts + 64
     candidates = load_task(task, size=pool, seed=seed, task_config=task_config)
     out: list[tuple[int, dict[str, Any]]] = []
     dropped = 0
     for i in range(pool):
         entry = candidates[i]
-        q = str(entry["question"])
+        q = prompt_key(entry)
         if q in seen:
             dropped += 1
             continue
@@ -157,6 +160,26 @@ def heldout_entries(task: str, *, num_prompts: int, train_size: int, train_seed:
     raise DatasetError(f"held-out split of {task!r} (seed {seed}): only {len(out)} of {pool} candidates are questions "
                        f"absent from the {train_size} training entries and not repeated ({dropped} dropped); "
                        f"asked for {num_prompts}. Lower eval.num_prompts or use a task with more distinct questions.")
+
+
+def prompt_key(entry: dict[str, Any]) -> tuple[str, ...]:
+    """What makes a dataset entry's prompt distinct: its question text, then one sha256 (hex)
+    per image and per video, tagged by kind (``"image:<hex>"``, ``"video:<hex>"``), in order.
+    Bytes are hashed as they are; a path or URL by its text; a PIL image by its mode, size and
+    pixels. A text-only entry's key is ``(question,)``."""
+    import hashlib
+
+    def digest(item: Any) -> str:
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            data = bytes(item)
+        elif hasattr(item, "tobytes") and hasattr(item, "size") and hasattr(item, "mode"):  # a PIL image
+            data = f"{item.mode}{item.size}".encode() + item.tobytes()
+        else:
+            data = str(item).encode()
+        return hashlib.sha256(data).hexdigest()
+
+    media = [f"{kind}:{digest(x)}" for kind in ("image", "video") for x in (entry.get(f"{kind}s") or [])]
+    return (str(entry["question"]), *media)
 
 
 @dataclass
@@ -203,9 +226,9 @@ def build_prompts(
             tokenizer's special tokens (BOS), no chat template.
     Raises:
         DatasetError: an entry misses a required field, has bad messages, images or videos for a
-            text-only policy, an unreadable image or video, videos while the prompts schema has
-            no ``videos`` column, a tokenizer with neither a chat template nor
-            ``prompt_template``, or (overlong="error") a prompt is too long.
+            text-only policy, an unreadable image, an unreadable / truncated / frameless video
+            (named ``{data_source} row {index} video k``), a tokenizer with neither a chat
+            template nor ``prompt_template``, or (overlong="error") a prompt is too long.
     """
     rows: dict[str, list] = {f.name: [] for f in PROMPTS.schema}
     skipped = []
@@ -231,29 +254,31 @@ def build_prompts(
         rows["answer"].append(str(entry["answer"]))
         rows["metadata_json"].append(json.dumps(entry.get("metadata", {}), default=str, sort_keys=True))
         rows["images"].append(images)
-        if "videos" in rows:
-            rows["videos"].append(videos)
+        rows["videos"].append(videos)
     return PromptBatch(pa.table(rows, schema=PROMPTS.arrow), skipped)
 
 
 def _media_bytes(entry: dict[str, Any], where: str) -> tuple[list[bytes], list[bytes]]:
     """The entry's images and videos as checked, encoded bytes (``to_image_bytes`` /
-    ``to_video_bytes``); videos are refused while the prompts schema cannot store them."""
+    ``to_video_bytes``: every video decoded once, so an unreadable, truncated or frameless one
+    fails here, named ``{where} video k``, before anything is committed)."""
     from rft_core.data.images import ImageError, to_image_bytes
 
+    def named(item: Any) -> str:  # a path or URL is named in the error too
+        return f" ({item})" if isinstance(item, (str, Path)) else ""
+
     try:
-        images = [to_image_bytes(img, where=f"{where} image {k}") for k, img in enumerate(entry.get("images") or [])]
+        images = [to_image_bytes(img, where=f"{where} image {k}{named(img)}")
+                  for k, img in enumerate(entry.get("images") or [])]
     except ImageError as exc:
         raise DatasetError(str(exc)) from exc
     videos_in = entry.get("videos") or []
     if not videos_in:
         return images, []
-    if "videos" not in PROMPTS.schema.names:
-        raise DatasetError(f"{where} has {len(videos_in)} video(s) but the prompts schema has no videos column yet")
     from rft_core.data.video import VideoError, to_video_bytes
 
     try:
-        return images, [to_video_bytes(v, where=f"{where} video {k}") for k, v in enumerate(videos_in)]
+        return images, [to_video_bytes(v, where=f"{where} video {k}{named(v)}") for k, v in enumerate(videos_in)]
     except VideoError as exc:
         raise DatasetError(str(exc)) from exc
 
@@ -265,7 +290,8 @@ def render_prompt(entry: dict[str, Any], tokenizer, *, system_prompt: str, promp
 
     Raises:
         DatasetError: malformed ``messages``, images or videos without a vision-language
-            processor, a template placeholder other than {prompt}/{system_prompt},
+            processor, videos for a vision-language model without a ``<|video_pad|>`` token, a
+            video whose frames cannot be sized (``VLProcessor.prompt_ids``), a template placeholder other than {prompt}/{system_prompt},
             ``prompt_template`` with a processor, or no way to render (no chat template and no
             ``prompt_template``).
     """
@@ -293,7 +319,10 @@ def render_prompt(entry: dict[str, Any], tokenizer, *, system_prompt: str, promp
         else:
             text = processor.tokenizer.apply_chat_template(_with_placeholders(messages, len(images), len(videos), where),
                                                            add_generation_prompt=True, tokenize=False)
-        return text, processor.prompt_ids(text, images, videos, where=where)
+        try:
+            return text, processor.prompt_ids(text, images, videos, where=where)
+        except ValueError as exc:  # VLError / VideoError: the message names the row and the video
+            raise DatasetError(str(exc)) from exc
     if getattr(tokenizer, "chat_template", "") is None:
         raise DatasetError(f"{where}: the tokenizer has no chat template; set data.prompt_template (e.g. "
                            "'Question: {prompt}\\nAnswer:') for plain-text prompts, or use a chat model")

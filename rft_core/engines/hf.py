@@ -1,4 +1,6 @@
-"""Batched HF ``generate`` rollout engine (the CPU/default engine)."""
+"""Batched HF ``generate`` rollout engine (the CPU/default engine), also the greedy decoder of
+the eval stage (``HFEngine.generate(..., greedy=True)``), for text-only and vision-language
+(Qwen2-VL / Qwen2.5-VL: images and videos) policies."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from schemas.experience import zero_pad_sequences
+
+# Sampling settings passed to every ``generate`` call so that the distribution sampled from is
+# exactly the one ``StepLogprobs`` records (temperature, top-p): a model's own
+# ``generation_config.json`` (instruct checkpoints often set top_k or repetition_penalty) would
+# otherwise fill in the processors the call does not name (transformers ``_prepare_generation_config``
+# takes every setting the call leaves unset from the model's generation config).
+NEUTRAL_SAMPLING = {"top_k": 0, "repetition_penalty": 1.0, "min_p": None, "typical_p": 1.0}
 
 
 @dataclass(frozen=True)
@@ -16,7 +25,9 @@ class Generation:
         prompt_index: index of the prompt in the request.
         sample_index: 0..n_samples_per_prompt-1.
         response_token_ids: generated tokens up to and including the first EOS (if any).
-        logprobs: log-probs of those tokens under the sampling logits / temperature (float32).
+        logprobs: float32 log-probs of those tokens under the processed distribution each was
+            sampled from (``StepLogprobs``: that step's temperature, the top-p mask,
+            renormalised); greedy decoding: under softmax(logits) at temperature 1.
         finish_reason: "stop" (EOS generated) or "length" (max_new_tokens reached).
     """
 
@@ -40,20 +51,64 @@ class StepTemperature:
         return scores / (self.first if input_ids.shape[1] == self.prompt_len else self.rest)
 
 
+def processed_scores(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The scores ``generate`` samples from, from one step's raw logits: x = logits (float32,
+    copied) / temperature, then tokens outside the top-p nucleus set to -inf.
+
+    The same operations in the same order as transformers' sampling path
+    (``GenerationMixin._sample``: float32 copy of the last logits, ``TemperatureLogitsWarper`` /
+    ``StepTemperature``, then ``TopPLogitsWarper``, which is called here itself), so the kept set
+    is the one the sampler used, ties included. softmax(x) is then the processed distribution
+    (vLLM's ``logprobs_mode="processed_logprobs"``: after temperature and top-p, renormalised).
+
+    Args:
+        logits: (B, V) any float dtype.
+        temperature: > 0.
+        top_p: in (0, 1]; 1 keeps every token.
+    Returns:
+        (B, V) float32, -inf outside the nucleus.
+    """
+    x = logits.detach().to(torch.float32, copy=True)
+    if temperature != 1.0:
+        x = x / temperature
+    if top_p < 1.0:
+        from transformers import TopPLogitsWarper
+
+        x = TopPLogitsWarper(top_p)(None, x)
+    return x
+
+
 class StepLogprobs:
     """Forward hook (``register_forward_hook(..., with_kwargs=True)``) that records, during
-    ``generate``, log p(token) = x[token] - logsumexp(x) with x = raw logits / temperature of
-    each sampled token, keeping one step at a time: the last position's logits row (B, V) of the
-    latest forward pass and its logsumexp. The token sampled from step j is the ``input_ids`` of
-    forward j+1 (the KV-cache decode step), so each forward first scores the previous step's
-    token; ``result`` scores the last one. Memory: O(B x V) for the pending step plus (B,) per
-    generated token, instead of ``output_logits``' (B, V) float32 tensor per step.
+    ``generate``, the log-prob of each sampled token under the processed distribution it was
+    sampled from: log p(token) = x[token] - logsumexp(x) with x = ``processed_scores`` of the
+    step (raw logits / that step's temperature, the top-p mask; renormalised over the kept
+    tokens). Step 0 (the first generated token) uses ``first_token_temperature`` when given
+    (FIRE), every later step ``temperature``. With top_p = 1 and no FIRE this is
+    log_softmax(logits / temperature), what the actor stage computes.
+
+    It keeps one step at a time: the last position's processed scores (B, V) float32 of the
+    latest forward pass and their logsumexp. The token sampled from step j is the ``input_ids``
+    of forward j+1 (the KV-cache decode step), so each forward first scores the previous step's
+    token; ``result`` scores the last one. Memory: one (B, V) float32 row for the pending step
+    plus (B,) per generated token, instead of ``output_logits``' (B, V) tensor per step.
+
+    Args:
+        temperature: sampling temperature of every step after the first (> 0).
+        first_token_temperature: FIRE's temperature of step 0 (None: ``temperature``).
+        top_p: the nucleus of every step (1: none).
     """
 
-    def __init__(self, temperature: float) -> None:
+    def __init__(self, temperature: float, *, first_token_temperature: float | None = None, top_p: float = 1.0) -> None:
         self.temperature = float(temperature)
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (row (B, V) model dtype, lse (B,) float32)
+        self.first = float(first_token_temperature) if first_token_temperature is not None else self.temperature
+        self.top_p = float(top_p)
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (scores (B, V) float32, lse (B,) float32)
         self.steps: list[torch.Tensor] = []  # (B,) float32 per scored token
+
+    def step_temperature(self, step: int) -> float:
+        """The temperature of generated step ``step`` (0-based)."""
+        return self.first if step == 0 else self.temperature
 
     def __call__(self, module, args, kwargs, output) -> None:
         logits = output.logits if hasattr(output, "logits") else output[0]
@@ -64,15 +119,19 @@ class StepLogprobs:
             if ids is None:
                 raise RuntimeError("StepLogprobs: a decode step was called without input_ids; cannot score the sampled token")
             self.steps.append(self._score(ids[:, -1]))
-        row = logits[:, -1, :].detach().clone()
-        self.pending = (row, torch.logsumexp(row.float() / self.temperature, dim=-1))
+        step = len(self.steps)  # forwards scored so far: this forward's logits are generated step `step`
+        x = processed_scores(logits[:, -1, :], temperature=self.step_temperature(step), top_p=self.top_p)
+        self.pending = (x, torch.logsumexp(x, dim=-1))
 
     def _score(self, tokens: torch.Tensor) -> torch.Tensor:
-        row, lse = self.pending
-        return row.gather(-1, tokens[:, None].to(row.device)).squeeze(-1).float() / self.temperature - lse
+        x, lse = self.pending
+        return x.gather(-1, tokens[:, None].to(x.device)).squeeze(-1) - lse
 
     def result(self, new_tokens: torch.Tensor) -> torch.Tensor:
         """(B, N) float32 log-probs of ``new_tokens`` (B, N), the tokens ``generate`` appended.
+
+        The entries after a row's EOS score the padding ``generate`` appends and may be -inf
+        (outside the nucleus); ``HFEngine.generate`` drops them.
 
         Raises:
             RuntimeError: the hook saw a number of forward passes other than N.
@@ -84,6 +143,17 @@ class StepLogprobs:
             raise RuntimeError(f"StepLogprobs: {len(self.steps) + (self.pending is not None)} forward passes for {n} "
                                "generated tokens (one forward per token expected)")
         return torch.stack(self.steps + [self._score(new_tokens[:, -1])], dim=1).cpu()
+
+
+def _check_finite(lps: torch.Tensor, *, row: int | None = None) -> None:
+    """Raise when a recorded log-prob (B, N) is -inf: a token outside its step's nucleus, which
+    the sampler cannot have drawn (the tokens after a row's EOS are padding and are not checked)."""
+    bad = torch.nonzero(~torch.isfinite(lps))
+    if bad.numel():
+        r, step = (int(v) for v in bad[0])
+        row = r if row is None else row
+        raise RuntimeError(f"StepLogprobs: the token generated at step {step} of batch row {row} lies outside the "
+                           "processed sampling distribution (log-prob -inf): generate sampled from another distribution")
 
 
 class HFEngine:
@@ -135,38 +205,61 @@ class HFEngine:
         return cache
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: dict, *, max_new_tokens: int,
-                  temperature: float) -> tuple:
+                  recorder: StepLogprobs) -> tuple:
         """``model.generate`` with ``sampling``; returns (output, (B, N) float32 log-probs of the N
-        new tokens under raw logits / temperature), scored step by step by ``StepLogprobs``. A
-        model that is not an ``nn.Module`` (a generate-only stand-in, no forward hooks) is asked
-        for ``output_logits`` instead, scored one (B, V) step at a time."""
-        recorder = StepLogprobs(temperature) if isinstance(self.model, torch.nn.Module) else None
-        handle = self.model.register_forward_hook(recorder, with_kwargs=True) if recorder is not None else None
+        new tokens under each step's processed distribution), scored step by step by ``recorder``
+        (a forward hook). A model that is not an ``nn.Module`` (a generate-only stand-in, no
+        forward hooks) is asked for ``output_logits`` (raw logits) instead, which are processed
+        and scored one (B, V) step at a time the same way."""
+        hooked = isinstance(self.model, torch.nn.Module)
+        handle = self.model.register_forward_hook(recorder, with_kwargs=True) if hooked else None
         try:
             gen = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                do_sample=True,
-                **sampling,
-                top_k=0,
+                **{**NEUTRAL_SAMPLING, **sampling},
                 max_new_tokens=max_new_tokens,
                 pad_token_id=self.pad_token_id,
                 eos_token_id=sorted(self.eos_ids),
                 use_cache=True,
                 return_dict_in_generate=True,
-                output_logits=recorder is None,
+                output_logits=not hooked,
             )
         finally:
             if handle is not None:
                 handle.remove()
         new_tokens = gen.sequences[:, input_ids.shape[1]:]
-        if recorder is not None:
+        if hooked:
             return gen, recorder.result(new_tokens)
         if not gen.logits:
             return gen, torch.zeros(new_tokens.shape[0], 0)
-        return gen, torch.stack([
-            (logits.float() / temperature).log_softmax(-1).gather(-1, new_tokens[:, j:j + 1]).squeeze(-1)
-            for j, logits in enumerate(gen.logits)], dim=1).cpu()
+        steps = []
+        for j, logits in enumerate(gen.logits):
+            x = processed_scores(logits, temperature=recorder.step_temperature(j), top_p=recorder.top_p)
+            steps.append(x.gather(-1, new_tokens[:, j:j + 1].to(x.device)).squeeze(-1) - torch.logsumexp(x, dim=-1))
+        return gen, torch.stack(steps, dim=1).cpu()
+
+    def _sampling(self, *, prompt_len: int, temperature: float, top_p: float, first_token_temperature: float | None,
+                  greedy: bool) -> tuple[dict, StepLogprobs]:
+        """The ``generate`` settings of one batch and the recorder of the distribution they sample."""
+        if greedy:
+            return {"do_sample": False}, StepLogprobs(1.0)
+        recorder = StepLogprobs(temperature, first_token_temperature=first_token_temperature, top_p=top_p)
+        if first_token_temperature is None:
+            return {"do_sample": True, "temperature": temperature, "top_p": top_p}, recorder
+        from transformers import LogitsProcessorList, TopPLogitsWarper
+
+        procs = [StepTemperature(prompt_len=prompt_len, first_token_temperature=first_token_temperature,
+                                 temperature=temperature)]
+        if top_p < 1.0:
+            procs.append(TopPLogitsWarper(top_p))
+        return {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "logits_processor": LogitsProcessorList(procs)}, recorder
+
+    def _vision(self, chunk: list[tuple[int, int]], input_ids: torch.Tensor, device, images, videos, processor) -> dict:
+        """The VL model inputs of a batch's rows (``VLProcessor.batch_inputs``), on ``device``."""
+        per_row = lambda media: None if media is None else [media[p] for p, _ in chunk]  # noqa: E731
+        vision = processor.batch_inputs(per_row(images) or [[] for _ in chunk], input_ids.cpu(), per_row(videos))
+        return {k: v.to(device) for k, v in vision.items()}
 
     @torch.no_grad()
     def generate(
@@ -185,7 +278,9 @@ class HFEngine:
         progress=None,
         only_batches: set[int] | None = None,
         images: list[list[bytes]] | None = None,
+        videos: list[list[bytes]] | None = None,
         processor=None,
+        greedy: bool = False,
     ) -> list[Generation]:
         """Sample ``n_samples_per_prompt`` responses for each prompt.
 
@@ -193,27 +288,40 @@ class HFEngine:
             prompts: token ids of each prompt (chat template applied, no padding).
             batch_size: sequences generated at once (with ``share_prefill``, rounded to whole
                 groups, at least one group).
+            top_p: nucleus sampling; the returned log-probs are under the renormalised nucleus.
             first_token_temperature: FIRE sampling: the first token is sampled at this
                 temperature, the rest at ``temperature``; top-p applies to both. The returned
-                log-probs are the policy's at ``temperature`` for every token (what the actor
-                stage computes), not the first token's sampling distribution.
+                log-probs are each token's under the distribution it was sampled from (the first
+                token's at ``first_token_temperature``), i.e. the behaviour policy's.
             sort_by_length, share_prefill: the speed-ups above (both off: the plain batching
                 of the first version, kept for benchmarks and debugging).
             progress: optional callable(done, total) after each batch (sequences).
             only_batches: generate only these batches (indices into ``batches(...)``), each with
                 its own seed as in a full run: how a rollout is split over workers whose outputs
                 together equal the single-worker rollout.
-            images, processor: a vision-language policy's prompt images (encoded bytes, one list
-                per prompt, [] for text-only) and its ``rft_core.models.vl.VLProcessor``: each
-                batch gets ``pixel_values``, ``image_grid_thw`` and ``mm_token_type_ids`` of its
-                rows, and the shared prefill is skipped (the model computes its M-RoPE positions).
+            images, videos, processor: a vision-language policy's prompt images and videos
+                (encoded bytes, one list per prompt, [] for none; either may be None) and its
+                ``rft_core.models.vl.VLProcessor``: each batch gets ``pixel_values`` /
+                ``image_grid_thw``, ``pixel_values_videos`` / ``video_grid_thw`` (and
+                ``second_per_grid_ts`` for Qwen2.5-VL) and ``mm_token_type_ids`` of its rows,
+                and the shared prefill is skipped (the model computes its M-RoPE positions).
+            greedy: argmax decoding (the eval stage): ``temperature``, ``top_p``, FIRE and the
+                seed play no part, and the log-probs are under softmax(logits) at temperature 1.
         Returns:
             len(prompts) * n_samples_per_prompt generations (those of ``only_batches``), grouped
             by prompt in input order.
+        Raises:
+            ValueError: images or videos without a processor, or not one list per prompt.
+            RuntimeError: a generated token outside its step's processed distribution.
+            rft_core.models.vl.VLError / rft_core.data.video.VideoError: a row's media do not
+                match its tokens, or a video does not decode (named by batch row).
         """
         n = n_samples_per_prompt
-        if images is not None and (processor is None or len(images) != len(prompts)):
-            raise ValueError(f"images need a processor and one list per prompt: {len(images)} lists for {len(prompts)} prompts")
+        for what, media in (("images", images), ("videos", videos)):
+            if media is not None and (processor is None or len(media) != len(prompts)):
+                raise ValueError(f"{what} need a processor and one list per prompt: "
+                                 f"{len(media)} lists for {len(prompts)} prompts")
+        vl = processor is not None and (images is not None or videos is not None)
         params = getattr(self.model, "parameters", None)
         device = next(params()).device if params is not None else torch.device("cpu")
         batches = self.batches(prompts, n, batch_size, sort_by_length=sort_by_length, share_prefill=share_prefill)
@@ -228,21 +336,14 @@ class HFEngine:
             attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in rows], side="left").to(device)
             P = input_ids.shape[1]
             torch.manual_seed(seed + b)
-            sampling: dict = {"temperature": temperature, "top_p": top_p}
-            if first_token_temperature is not None:
-                from transformers import LogitsProcessorList, TopPLogitsWarper
-
-                procs = [StepTemperature(prompt_len=P, first_token_temperature=first_token_temperature, temperature=temperature)]
-                if top_p < 1.0:
-                    procs.append(TopPLogitsWarper(top_p))
-                sampling = {"temperature": 1.0, "top_p": 1.0, "logits_processor": LogitsProcessorList(procs)}
-            if images is not None:
-                vision = processor.batch_inputs([images[p] for p, _ in chunk], input_ids.cpu())
-                sampling.update({k: v.to(device) for k, v in vision.items()})
+            sampling, recorder = self._sampling(prompt_len=P, temperature=temperature, top_p=top_p,
+                                                first_token_temperature=first_token_temperature, greedy=greedy)
+            if vl:
+                sampling.update(self._vision(chunk, input_ids, device, images, videos, processor))
             elif share_prefill and P > 1:
                 sampling["past_key_values"] = self._prefill(input_ids, attention_mask, n)
             gen, step_lps = self._generate(input_ids, attention_mask, sampling, max_new_tokens=max_new_tokens,
-                                           temperature=temperature)
+                                           recorder=recorder)
             new_tokens = gen.sequences[:, P:].cpu()
             for row, (p, k) in enumerate(chunk):
                 tokens = new_tokens[row].tolist()
@@ -251,8 +352,9 @@ class HFEngine:
                     if t in self.eos_ids:
                         tokens, finish = tokens[: j + 1], "stop"
                         break
-                lps = step_lps[row, : len(tokens)].tolist()
-                results[(p, k)] = Generation(p, k, tokens, lps, finish)
+                lps = step_lps[row, : len(tokens)]
+                _check_finite(lps[None], row=row)  # the padding after EOS may lie outside the nucleus: not checked
+                results[(p, k)] = Generation(p, k, tokens, lps.tolist(), finish)
             done += len(chunk)
             if progress is not None:
                 progress(done, total)

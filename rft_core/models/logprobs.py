@@ -16,6 +16,14 @@ row without padding, position ids restarting at 0 for each sequence and no atten
 transformers builds attention that never crosses sequences (a block-diagonal causal mask for
 sdpa/eager, varlen kernels for flash-attention 2); only the logits of the positions that
 predict response tokens are computed (``logits_to_keep`` as an index tensor).
+
+Vision-language models (Qwen2-VL / Qwen2.5-VL) take both layouts. Padded: the model computes its
+3-D M-RoPE positions itself from the attention mask and the image / video grids. Packed: the
+vision inputs of every sequence go in row order, and the positions are built per sequence with
+the model's own ``get_rope_index`` (each sequence's tokens and grids, as if alone) and passed as
+the (4, 1, N) ``position_ids`` transformers' Qwen2-VL takes for packed rows: the restarting 1-D
+text positions first (they delimit the sequences in the attention mask), then the temporal /
+height / width rows (``mrope_packed_position_ids``).
 """
 from __future__ import annotations
 
@@ -45,7 +53,7 @@ class TokenBatch:
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
     action_mask: torch.Tensor
-    model_inputs: dict = field(default_factory=dict)  # VL: pixel_values, image_grid_thw, mm_token_type_ids
+    model_inputs: dict = field(default_factory=dict)  # VL: pixel_values(_videos), image/video_grid_thw, mm_token_type_ids
 
     @property
     def num_actions(self) -> int:
@@ -131,17 +139,76 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def with_vision(batch: TokenBatch, processor, images: list[list[bytes]]) -> TokenBatch:
-    """``batch`` with the vision inputs of its rows' images (one list per row, in row order).
+def with_vision(batch: TokenBatch | PackedBatch, processor, images: list[list[bytes]] | None,
+                videos: list[list[bytes]] | None = None) -> TokenBatch | PackedBatch:
+    """``batch`` with the vision inputs of its samples' images and videos (one list per sample,
+    in sample order; None: no sample has any of that kind): ``VLProcessor.batch_inputs`` of the
+    padded rows, or of the one packed row with every sample's media in sample order (and the
+    per-sample counts the packed positions need, ``PackedBatch.media_counts``).
 
     Raises:
-        ValueError: a packed batch (vision inputs need the padded layout).
-        rft_core.models.vl.VLError: a row's image tokens do not match its images.
+        ValueError: not one media list per sample.
+        rft_core.models.vl.VLError: a row's image / video tokens do not match its media.
+        rft_core.data.video.VideoError: a video does not decode (named by batch row).
     """
-    if not isinstance(batch, TokenBatch):
-        raise ValueError("sample packing is not supported for vision-language models; set packing: false")
-    batch.model_inputs = processor.batch_inputs(images, batch.input_ids)
+    B = batch.action_mask.shape[0]
+    images = images if images is not None else [[] for _ in range(B)]
+    if len(images) != B or (videos is not None and len(videos) != B):
+        raise ValueError(f"with_vision: {B} samples but {len(images)} image lists and "
+                         f"{len(videos) if videos is not None else 'no'} video lists")
+    if isinstance(batch, PackedBatch):
+        flat_videos = [[v for row in videos for v in row]] if videos is not None else None
+        batch.model_inputs = processor.batch_inputs([[im for row in images for im in row]], batch.input_ids, flat_videos)
+        batch.media_counts = [(len(images[i]), len(videos[i]) if videos is not None else 0) for i in range(B)]
+        return batch
+    batch.model_inputs = processor.batch_inputs(images, batch.input_ids, videos)
     return batch
+
+
+def mrope_packed_position_ids(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """(4, 1, N) int64 position ids of a packed vision-language row: row 0 the 1-D text positions
+    (``batch.position_ids``, restarting at 0 per sequence), rows 1..3 the M-RoPE temporal / height
+    / width positions of each sequence as the model computes them for that sequence alone
+    (``get_rope_index`` of the module that has it: ``Qwen2VLModel`` / ``Qwen2_5_VLModel``; Qwen2-VL,
+    arXiv:2409.12191 Sec. 2.1), concatenated. A sequence without images or videos gets 0..L-1 in
+    all three rows, as ``get_rope_index`` gives text.
+
+    Raises:
+        ValueError: the model has no ``get_rope_index`` (not a Qwen2-VL-style model), or the
+            batch has no vision inputs (``with_vision`` not applied).
+    """
+    rope = next((m for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
+    if rope is None:
+        raise ValueError(f"{type(model).__name__} has no get_rope_index: packed vision inputs need a Qwen2-VL-style model")
+    if batch.media_counts is None or "mm_token_type_ids" not in batch.model_inputs:
+        raise ValueError("mrope_packed_position_ids: the packed batch has no vision inputs (apply with_vision first)")
+    inputs, text = batch.model_inputs, batch.position_ids.cpu()
+    starts = torch.nonzero(text[0] == 0).flatten().tolist() + [text.shape[1]]
+    grids = {"image_grid_thw": inputs.get("image_grid_thw"), "video_grid_thw": inputs.get("video_grid_thw"),
+             "second_per_grid_ts": inputs.get("second_per_grid_ts")}
+    parts, k_img, k_vid = [], 0, 0
+    for (a, b), (n_img, n_vid) in zip(zip(starts[:-1], starts[1:]), batch.media_counts):
+        if n_img == 0 and n_vid == 0:
+            parts.append(torch.arange(b - a, dtype=torch.long).view(1, 1, -1).expand(3, 1, -1))
+            continue
+        kw = {"image_grid_thw": grids["image_grid_thw"][k_img:k_img + n_img] if n_img else None,
+              "video_grid_thw": grids["video_grid_thw"][k_vid:k_vid + n_vid] if n_vid else None}
+        if n_vid and grids["second_per_grid_ts"] is not None:
+            kw["second_per_grid_ts"] = grids["second_per_grid_ts"][k_vid:k_vid + n_vid]
+        pos, _ = rope.get_rope_index(batch.input_ids[:, a:b].cpu(),
+                                     mm_token_type_ids=inputs["mm_token_type_ids"][:, a:b].cpu(), **kw)
+        parts.append(pos.long().cpu())
+        k_img, k_vid = k_img + n_img, k_vid + n_vid
+    return torch.cat([text.view(1, 1, -1), torch.cat(parts, dim=-1)], dim=0)
+
+
+def packed_model_inputs(model: torch.nn.Module, batch: PackedBatch, device: torch.device) -> dict:
+    """The position ids (1-D, or (4, 1, N) M-RoPE ones with vision inputs) and vision inputs of a
+    packed row, on ``device``."""
+    if not batch.model_inputs:
+        return {"position_ids": batch.position_ids.to(device)}
+    return {**{k: v.to(device) for k, v in batch.model_inputs.items()},
+            "position_ids": mrope_packed_position_ids(model, batch).to(device)}
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -289,6 +356,8 @@ class PackedBatch:
         target_ids: (M,) int64, the response tokens themselves.
         action_mask: (B, T) bool, True on real response tokens (T = longest response, >= 1),
             the same as ``build_token_batch``'s.
+        model_inputs, media_counts: a vision-language row's vision inputs and each sequence's
+            (images, videos) count (``with_vision``); empty / None for text.
     """
 
     input_ids: torch.Tensor
@@ -296,6 +365,8 @@ class PackedBatch:
     logit_index: torch.Tensor
     target_ids: torch.Tensor
     action_mask: torch.Tensor
+    model_inputs: dict = field(default_factory=dict)  # VL (``with_vision``): the row's vision inputs
+    media_counts: list[tuple[int, int]] | None = None  # VL: (images, videos) of each sequence
 
     @property
     def num_actions(self) -> int:
@@ -340,8 +411,8 @@ def packed_response_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temp
     if batch.logit_index.numel() == 0:  # no response token at all
         zeros = torch.zeros(B, T, device=device)
         return zeros, (zeros.clone() if with_entropy else None)
-    out = model(input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device), attention_mask=None,
-                logits_to_keep=batch.logit_index.to(device), use_cache=False)
+    out = model(input_ids=batch.input_ids.to(device), attention_mask=None, logits_to_keep=batch.logit_index.to(device),
+                use_cache=False, **packed_model_inputs(model, batch, device))
     flat_lp, flat_ent = token_logprobs(out.logits[0], batch.target_ids.to(device), temperature=temperature,
                                        with_entropy=with_entropy, chunk_size=chunk_size)
     logprobs = torch.zeros(B, T, device=device, dtype=flat_lp.dtype).masked_scatter(mask, flat_lp)
@@ -366,6 +437,7 @@ def batched_response_logprobs(
     images: list[list[bytes]] | None = None,
     processor=None,
     chunk_size: int | None = None,
+    videos: list[list[bytes]] | None = None,
 ) -> list[list[float]] | tuple[list[list[float]], list[list[float]]]:
     """Unpadded per-sample log-prob lists (len = len(response)) for any number of samples.
 
@@ -373,8 +445,9 @@ def batched_response_logprobs(
     the input order. With ``with_entropy`` it returns (logprobs, entropies), same layout.
     ``packing``: each micro-batch goes through the model as one packed row (no padding).
     ``progress``: optional callable(done, total) called after each micro-batch (samples).
-    ``images``, ``processor``: a vision-language model's per-sample images and its
-    ``VLProcessor`` (``with_vision``). ``chunk_size``: see ``token_logprobs``.
+    ``images``, ``videos``, ``processor``: a vision-language model's per-sample images and
+    videos (encoded bytes, one list per sample; either may be None) and its ``VLProcessor``
+    (``with_vision``; packed or padded). ``chunk_size``: see ``token_logprobs``.
     """
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
     result: list[list[float]] = [[] for _ in prompts]
@@ -384,7 +457,8 @@ def batched_response_logprobs(
         ps, rs = [prompts[i] for i in idx], [responses[i] for i in idx]
         batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
         if processor is not None:
-            batch = with_vision(batch, processor, [images[i] for i in idx])
+            batch = with_vision(batch, processor, [images[i] for i in idx] if images is not None else None,
+                                [videos[i] for i in idx] if videos is not None else None)
         lp, ent = response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy,
                                     chunk_size=chunk_size)
         lp, ent = lp.cpu(), (ent.cpu() if ent is not None else None)

@@ -35,6 +35,8 @@ class RewardSample:
         finish_reason: "stop" or "length".
         images: the prompt's encoded images (PNG/JPEG bytes; empty for text-only prompts), for
             vision-language reward functions and models.
+        videos: the prompt's encoded videos (the container file's bytes, e.g. MP4; empty when
+            the prompt has none); ``rft_core.data.video.decode_video`` turns one into frames.
     """
 
     sample_id: str
@@ -47,6 +49,7 @@ class RewardSample:
     metadata: dict[str, Any] = field(default_factory=dict)
     finish_reason: str = "stop"
     images: list[bytes] = field(default_factory=list)
+    videos: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

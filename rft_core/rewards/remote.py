@@ -5,7 +5,8 @@ Request: ``POST url`` with JSON ``{"queries": [...], "prompts": [...], "labels":
 produced), ``prompts[i]`` the chat-templated prompt, ``labels[i]`` the sample's recipe label
 (its data source) and ``references[i]`` the ground truth. When any sample of the request has
 images, ``images[i]`` is the list of sample i's prompt images as base64 strings of the encoded
-bytes (PNG/JPEG; [] for text-only samples). Reply: ``{"rewards": [float, ...]}``, one finite
+bytes (PNG/JPEG; [] for text-only samples); likewise ``videos[i]`` (base64 of each video's
+container bytes, e.g. MP4) when any sample has videos. Reply: ``{"rewards": [float, ...]}``, one finite
 number per query, in order.
 
 HTTP goes through ``requests`` with urllib3's ``Retry``: connection errors, read timeouts and
@@ -101,8 +102,9 @@ class RemoteReward:
                            "prompts": [s.prompt_text for s in batch],
                            "labels": [s.label for s in batch],
                            "references": [s.reference for s in batch]}
-                if any(s.images for s in batch):
-                    payload["images"] = [[base64.b64encode(img).decode("ascii") for img in s.images] for s in batch]
+                for kind in ("images", "videos"):
+                    if any(getattr(s, kind) for s in batch):
+                        payload[kind] = [[base64.b64encode(b).decode("ascii") for b in getattr(s, kind)] for s in batch]
                 rewards = post_rewards(c.url, payload, expected=len(batch), timeout_s=c.timeout_s, retries=c.retries,
                                        backoff_s=c.backoff_s, session=session)
                 out.extend(SourceScore(r) for r in rewards)  # NaN/inf are checked by the engine

@@ -118,6 +118,7 @@ class PromptsInput(StageInput):
 
     program: ClassVar[str] = "prompts"
     stage: ClassVar[str] = "prompts"
+    version: ClassVar[int] = 2  # 2: prompts schema v3, a videos column (issue 21)
     config_paths: ClassVar[Mapping[str, str]] = {"data": "data", "tokenizer_path": "policy.path"}
     data: DataConfig
     tokenizer_path: str
@@ -136,6 +137,7 @@ class RolloutInput(StageInput):
 
     program: ClassVar[str] = "rollout"
     stage: ClassVar[str] = "rollout"
+    version: ClassVar[int] = 2  # 2: rollout schema v3 (videos); HF log-probs under the processed distribution (issue 21)
     config_paths: ClassVar[Mapping[str, str]] = {"rollout": "rollout", "policy": "policy.path", "dtype": "policy.dtype"}
     prompts: ShardRef
     policy: PolicyRef
@@ -304,6 +306,7 @@ class DynamicMergeInput(StageInput):
 
     program: ClassVar[str] = "dynamic_merge"
     stage: ClassVar[str] = "prompts"
+    version: ClassVar[int] = 2  # 2: writes prompts / rollout schema v3 (videos; issue 21)
     unhashed: ClassVar[frozenset[str]] = frozenset({"out", "out_rollout", "out_rewards"})
     attempts: list[tuple[ShardRef, ShardRef, ShardRef]] = Field(min_length=1)
     target_groups: int = Field(gt=0)
@@ -316,6 +319,7 @@ class EvalPromptsInput(StageInput):
 
     program: ClassVar[str] = "eval_prompts"
     stage: ClassVar[str] = "prompts"
+    version: ClassVar[int] = 2  # 2: prompts schema v3 (videos); held-out disjoint by question and media (issue 21)
     config_paths: ClassVar[Mapping[str, str]] = {"data": "data", "eval": "eval", "tokenizer_path": "policy.path"}
     data: DataConfig
     eval: EvalConfig
@@ -328,6 +332,7 @@ class EvalGenerateInput(StageInput):
 
     program: ClassVar[str] = "eval_generate"
     stage: ClassVar[str] = "rollout"
+    version: ClassVar[int] = 2  # 2: rollout schema v3 (videos); vision-language policies (issue 21)
     config_paths: ClassVar[Mapping[str, str]] = {"policy": "policy.path", "dtype": "policy.dtype",
                                                  "batch_size": "eval.batch_size"}
     prompts: ShardRef

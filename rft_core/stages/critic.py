@@ -6,6 +6,7 @@ import pyarrow as pa
 from rft_core.models.critic import batched_response_values, load_critic
 from rft_core.models.loading import load_tokenizer
 from rft_core.models.logprobs import default_device, release_device_memory
+from rft_core.models.vl import VLProcessor, vl_processor_or_none
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path
 from rft_core.stages.common import Timer, commit_trained, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
@@ -21,23 +22,35 @@ def critic_model_path(critic: PolicyRef) -> str:
     return policy_model_path(critic, CRITIC_SUBDIR)
 
 
+def _vision(path: str, rollout: pa.Table) -> tuple[VLProcessor | None, dict[str, list]]:
+    """(the critic's ``VLProcessor``, {images, videos} of the rollout rows) for a
+    vision-language critic at ``path``; (None, {}) for a text critic."""
+    processor = vl_processor_or_none(path)
+    if processor is None:
+        return None, {}
+    return processor, {"images": rollout.column("images").to_pylist(), "videos": rollout.column("videos").to_pylist()}
+
+
 @stage_program(CriticValuesInput)
 def run_values(inp: CriticValuesInput) -> ShardRef:
     """V(s_t) for every response token under the critic ``inp.model``, on ``default_device()``;
-    writes the `critic_values` column group (GPU memory handed back when it returns)."""
+    writes the `critic_values` column group (GPU memory handed back when it returns). A
+    vision-language critic (``rft_core.models.critic.VLValueModel``) gets each sample's images
+    and videos, with the processor of its model folder."""
     commit = stage_commit(inp)
     cfg = inp.critic
 
     def compute() -> ShardRef:
         table = read_shard(inp.rollout, stage="rollout")
         path = critic_model_path(inp.model)
+        processor, media = _vision(path, table)
         tok = load_tokenizer(path)
         model = load_critic(path, dtype=cfg.dtype).to(default_device())
         with Timer() as t:
             values = batched_response_values(model, table.column("prompt_token_ids").to_pylist(),
                                              table.column("response_token_ids").to_pylist(),
                                              pad_token_id=tok.pad_token_id, micro_batch_size=cfg.micro_batch_size,
-                                             packing=cfg.packing)
+                                             packing=cfg.packing, processor=processor, **media)
         out_table = pa.table({"sample_id": table.column("sample_id"), "values": pa.array(values, pa.list_(pa.float32()))},
                              schema=CRITIC_VALUES.arrow)
         flat = [v for row in values for v in row]
@@ -57,7 +70,9 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
     commits metrics + the ``critic/`` checkpoint (with its AdamW state in one process). A critic in
     bfloat16 (``critic.model.dtype``) trains in mixed precision: float32 master weights and AdamW
     state (kept in ``critic/optimizer.pt`` for the next update), bfloat16 autocast, and the
-    checkpoint's weights in bfloat16 (``rft_core.training.strategy.build_strategy``)."""
+    checkpoint's weights in bfloat16 (``rft_core.training.strategy.build_strategy``). A
+    vision-language critic trains on the samples' images and videos and its checkpoint keeps
+    the processor (tokenizer, image processor, video settings), so it loads again as one."""
     commit = stage_commit(inp)
     cfg = inp.critic
 
@@ -65,9 +80,10 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         r = read_shard(inp.rollout, stage="rollout")
         a = align_on_sample_id(r, read_shard(inp.advantages, stage="advantages"), name="advantages")
         v = align_on_sample_id(r, read_shard(inp.critic_values, stage="critic_values"), name="critic_values")
-        data = CriticData(r.column("prompt_token_ids").to_pylist(), r.column("response_token_ids").to_pylist(),
-                          v.column("values").to_pylist(), a.column("returns").to_pylist())
         path = critic_model_path(inp.model)
+        processor, media = _vision(path, r)
+        data = CriticData(r.column("prompt_token_ids").to_pylist(), r.column("response_token_ids").to_pylist(),
+                          v.column("values").to_pylist(), a.column("returns").to_pylist(), **media)
         tok = load_tokenizer(path)
         strategy = build_strategy(load_critic(path, dtype=cfg.dtype, trainable=True), optim=OptimizerSettings.of(cfg),
                                   deepspeed=cfg.deepspeed, compute_dtype=cfg.dtype,
@@ -76,12 +92,13 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
             steps = critic_update(strategy, data, pad_token_id=tok.pad_token_id, value_loss=cfg.value_loss,
                                   value_clip=cfg.value_clip, loss_agg=cfg.loss_agg, epochs=cfg.epochs,
                                   train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.micro_batch_size,
-                                  seed=cfg.seed, packing=cfg.packing)
+                                  seed=cfg.seed, packing=cfg.packing, processor=processor)
         summary = {"seconds": t.seconds, "value_loss": sum(s.value_loss for s in steps) / len(steps),
                    "value_clip_frac": sum(s.value_clip_frac for s in steps) / len(steps)}
         inputs = {"rollout": inp.rollout, "advantages": inp.advantages, "critic_values": inp.critic_values,
                   **({"critic": inp.model} if isinstance(inp.model, ShardRef) else {})}
-        return commit_trained(commit, strategy, subdir=CRITIC_SUBDIR, tokenizer=tok, steps=steps, schema=CRITIC_UPDATE,
+        return commit_trained(commit, strategy, subdir=CRITIC_SUBDIR, tokenizer=processor or tok, steps=steps,
+                              schema=CRITIC_UPDATE,
                               inputs=inputs, summary=summary, keep_optimizer=True)
 
     try:

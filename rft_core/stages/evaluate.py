@@ -3,7 +3,7 @@
 Three programs, run in order by ``flows/eval.py`` (the reward stage in between is the training
 one, ``rft_core.stages.rewards.run``, so held-out rewards are graded exactly as in training):
 
-``run_prompts``   held-out prompts (question texts disjoint from the training dataset) -> `prompts`
+``run_prompts``   held-out prompts (disjoint from the training dataset)               -> `prompts`
 ``run_generate``  one greedy response per prompt                                      -> `rollout`
 ``run_summary``   prompts + rollout + rewards joined per sample, accuracy and mean reward -> `eval`
 """
@@ -16,22 +16,20 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from rft_core.data.files import FileDataset
 from rft_core.data.mixture import heldout_fingerprint
 from rft_core.data.prompts import DatasetError, PromptBatch, build_prompts, heldout_entries, heldout_seed
-from rft_core.engines.hf import Generation
+from rft_core.engines.hf import Generation, HFEngine
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
-from rft_core.models.logprobs import default_device, model_device
+from rft_core.models.logprobs import default_device
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import EvalGenerateInput, EvalPromptsInput, EvalSummaryInput, stage_program
 from rft_core.stages.prompts import build_file_prompts, check_fingerprint, reuse_unless_data_changed, with_fingerprint
 from rft_core.stages.rollout import rollout_summary
 from schemas import PolicyRef, ShardError, ShardRef, ShardSchemaError, read_manifest, read_shard
-from schemas.batch import zero_pad_sequences
 from schemas.columns import EVAL, PROMPTS, ROLLOUT
 
 HELDOUT_PREFIX = "heldout"  # held-out prompt_ids: heldout-{task}-{index:06d}
@@ -82,8 +80,9 @@ def checkpoint_label(policy: PolicyRef) -> str:
 def run_prompts(inp: EvalPromptsInput) -> ShardRef:
     """Write the held-out prompts to ``out``.
 
-    Without ``eval.path`` (a reasoning-gym task): ``eval.num_prompts`` questions of ``data.task``
-    absent from the training dataset (see ``heldout_entries``); prompt_ids are
+    Without ``eval.path`` (a reasoning-gym or built-in task): ``eval.num_prompts`` prompts of
+    ``data.task`` absent from the training dataset (question text and images / videos, see
+    ``heldout_entries``); prompt_ids are
     ``heldout-{task}-{index:06d}``, ``data_source`` stays the task (the grader's key).
     With ``eval.path`` (required when ``data.source`` is ``files``): the first
     ``eval.num_prompts`` rows of that file (all of them when it has fewer), read with
@@ -147,59 +146,43 @@ def _heldout_file_prompts(inp: EvalPromptsInput, tok, processor) -> tuple[Prompt
                    "rows": [ds.where(i) for i in idx], "data_fingerprint": fingerprint}
 
 
-@torch.no_grad()
-def greedy_generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int) -> list[Generation]:
-    """One greedy (argmax) response per prompt, in micro-batches of left-padded prompts.
+def greedy_generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, batch_size: int,
+                    images: list[list[bytes]] | None = None, videos: list[list[bytes]] | None = None,
+                    processor=None) -> list[Generation]:
+    """One greedy (argmax) response per prompt, in micro-batches of left-padded prompts in input
+    order: the rollout engine's batch path (``HFEngine.generate(..., greedy=True)``), so a
+    vision-language policy's images and videos go with every batch as in training.
 
     Args:
         prompts: token ids of each prompt (chat template applied, no padding).
+        images, videos, processor: a vision-language policy's per-prompt media (encoded bytes,
+            one list per prompt) and its ``VLProcessor`` (None: a text-only policy).
     Returns:
         len(prompts) generations in input order (``sample_index`` 0); ``response_token_ids`` end
         at the first EOS (kept), ``logprobs`` are float32 log-softmax values of the chosen
         tokens at temperature 1, ``finish_reason`` "stop" or "length".
     Raises:
-        ValueError: ``max_new_tokens`` or ``batch_size`` < 1.
+        ValueError: ``max_new_tokens`` or ``batch_size`` < 1, or media without a processor.
     """
-    from transformers import GenerationConfig
-
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens}, {batch_size}")
-    eos = tokenizer.eos_token_id
-    eos_ids = set([eos] if isinstance(eos, int) else list(eos or []))
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    if gen_eos is not None:
-        eos_ids |= set([gen_eos] if isinstance(gen_eos, int) else gen_eos)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
-    gcfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=sorted(eos_ids),
-                            return_dict_in_generate=True, output_logits=True)
-    out: list[Generation] = []
-    for start in range(0, len(prompts), batch_size):
-        rows = [torch.tensor(p, dtype=torch.long) for p in prompts[start:start + batch_size]]
-        device = model_device(model)
-        input_ids = zero_pad_sequences(rows, side="left", value=pad).to(device)
-        attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in rows], side="left").to(device)
-        gen = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gcfg)
-        new = gen.sequences[:, input_ids.shape[1]:].cpu()
-        lps = torch.stack([lg.float().log_softmax(-1).cpu().gather(-1, new[:, j:j + 1]).squeeze(-1)
-                           for j, lg in enumerate(gen.logits)], dim=1)
-        for row in range(len(rows)):
-            tokens, finish = new[row].tolist(), "length"
-            for j, t in enumerate(tokens):
-                if t in eos_ids:
-                    tokens, finish = tokens[: j + 1], "stop"
-                    break
-            out.append(Generation(start + row, 0, tokens, lps[row, : len(tokens)].tolist(), finish))
-    return out
+    engine = HFEngine(model, tokenizer)
+    return engine.generate(prompts, n_samples_per_prompt=1, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                           sort_by_length=False, share_prefill=False, greedy=True, images=images, videos=videos,
+                           processor=processor)
 
 
 @stage_program(EvalGenerateInput)
 def run_generate(inp: EvalGenerateInput) -> ShardRef:
     """Greedy-decode one response per held-out prompt with ``policy`` on ``default_device()``;
-    writes a `rollout` shard (sample_id ``{prompt_id}#0``). The summary holds seconds,
-    generated tokens, tokens/second.
+    writes a `rollout` shard (sample_id ``{prompt_id}#0``) whose rows carry their prompt's
+    images and videos. A vision-language policy gets them with every batch (its processor
+    loaded from the model folder, as in training). The summary holds seconds, generated tokens,
+    tokens/second.
 
     Raises:
         StaleShardError: ``out`` is committed with another config.
+        rft_core.models.vl.VLError: a prompt's media do not match its tokens (another processor).
     """
     commit = stage_commit(inp)
     prompts, policy, max_new_tokens, batch_size = inp.prompts, inp.policy, inp.max_new_tokens, inp.batch_size
@@ -207,14 +190,17 @@ def run_generate(inp: EvalGenerateInput) -> ShardRef:
     def compute() -> ShardRef:
         table = read_shard(prompts, stage="prompts")
         path = policy_model_path(policy)
-        if vl_processor_or_none(path) is not None:
-            raise NotImplementedError(f"eval of vision-language policies is not supported yet ({path})")
+        processor = vl_processor_or_none(path)
         tok = load_tokenizer(path)
         model = load_causal_lm(path, dtype=inp.dtype).to(default_device())
         model.eval()
         prompt_ids = table.column("prompt_token_ids").to_pylist()
+        images, videos = table.column("images").to_pylist(), table.column("videos").to_pylist()
+        media = {"images": images, "videos": videos, "processor": processor} if processor is not None else {}
+        if processor is None and (any(images) or any(videos)):
+            raise ValueError(f"{prompts.uri}: prompts with images or videos, but {path} is a text-only model")
         with Timer() as t:
-            gens = greedy_generate(model, tok, prompt_ids, max_new_tokens=max_new_tokens, batch_size=batch_size)
+            gens = greedy_generate(model, tok, prompt_ids, max_new_tokens=max_new_tokens, batch_size=batch_size, **media)
         pids = table.column("prompt_id").to_pylist()
         responses = [g.response_token_ids for g in gens]
         rows = {
@@ -227,7 +213,8 @@ def run_generate(inp: EvalGenerateInput) -> ShardRef:
             "rollout_logprobs": [g.logprobs for g in gens],
             "action_mask": [[True] * len(r) for r in responses],
             "finish_reason": [g.finish_reason for g in gens],
-            "images": [[] for _ in gens],
+            "images": [images[g.prompt_index] for g in gens],
+            "videos": [videos[g.prompt_index] for g in gens],
         }
         table_out = pa.table(rows, schema=ROLLOUT.arrow)
         n_tokens = sum(len(r) for r in responses)

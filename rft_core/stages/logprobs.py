@@ -22,7 +22,9 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
     ``inp.stage``: ``actor_logprobs`` (the policy before the update: old_logprobs and
     action_entropy) or ``ref_logprobs`` (the reference). Logits are divided by
     ``inp.temperature``, the rollout's sampling temperature; ``logprobs.chunk_size`` bounds the
-    float32 (chunk, vocab) slices of the log-prob computation. The model's GPU memory is handed
+    float32 (chunk, vocab) slices of the log-prob computation. A vision-language model gets each
+    sample's images and videos (processor from the model folder), padded or packed
+    (``logprobs.packing``). The model's GPU memory is handed
     back to the driver when the program returns (``release_device_memory``)."""
     schema, column = _SCHEMAS[inp.stage]
     commit = stage_commit(inp)
@@ -34,9 +36,9 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
         tok = load_tokenizer(path)
         lm = load_causal_lm(path, dtype=inp.dtype).to(default_device())
         actor = stage == "actor_logprobs"
-        images = table.column("images").to_pylist()
-        processor = vl_processor_or_none(path)  # a vision-language policy: images go with every batch
-        vision = {"images": images, "processor": processor} if processor is not None else {}
+        processor = vl_processor_or_none(path)  # a vision-language policy: images and videos go with every batch
+        vision = ({"images": table.column("images").to_pylist(), "videos": table.column("videos").to_pylist(),
+                   "processor": processor} if processor is not None else {})
         with Timer() as t, progress_reporter(stage, unit="sequences") as progress:
             res = batched_response_logprobs(lm, table.column("prompt_token_ids").to_pylist(),
                                             table.column("response_token_ids").to_pylist(), pad_token_id=tok.pad_token_id,

@@ -55,7 +55,7 @@ def reward_samples(rollout: pa.Table, prompts: pa.Table, *, rollout_uri: str = "
         out.append(RewardSample(sample_id=sid, prompt_id=pid, label=row["data_source"], question=row["question"],
                                 prompt_text=row["prompt_text"], response=text, reference=row["answer"],
                                 metadata=json.loads(row["metadata_json"]), finish_reason=finish,
-                                images=list(row.get("images") or [])))
+                                images=list(row.get("images") or []), videos=list(row.get("videos") or [])))
     return out
 
 

@@ -87,7 +87,11 @@ def make_engine(cfg: RolloutConfig, path: str, *, dtype: str):
 def run(inp: RolloutInput) -> ShardRef:
     """Generate ``rollout.n_samples_per_prompt`` responses per prompt; write the rollout shard.
 
-    sample_id = ``{prompt_id}#{k}`` with k the sample's index in its group. Dynamic-sampling
+    sample_id = ``{prompt_id}#{k}`` with k the sample's index in its group. ``rollout_logprobs``
+    are each token's log-prob under the distribution the engine sampled it from (the HF engine:
+    that step's temperature and top-p nucleus, ``rft_core.engines.hf.StepLogprobs``). A
+    vision-language policy (its ``VLProcessor`` loaded from the model folder) gets its prompts'
+    images and videos with every batch; it needs ``rollout.engine=hf``. Dynamic-sampling
     refill ``attempt`` k samples with its own seed. With ``shard`` (index, count), only the
     engine batches b with b % count == index are generated, each seeded as in the whole
     rollout; ``run_merge`` of the ``count`` shards gives exactly the single-worker rollout (the
@@ -99,11 +103,14 @@ def run(inp: RolloutInput) -> ShardRef:
     def compute() -> ShardRef:
         table = read_shard(inp.prompts, stage="prompts")
         path = policy_model_path(inp.policy)
+        processor = vl_processor_or_none(path)  # a vision-language policy: its media go with every batch
+        if processor is not None and cfg.engine != "hf":
+            raise ValueError(f"rollout.engine={cfg.engine!r} does not take images or videos; the vision-language "
+                             f"policy {path} rolls out with rollout.engine=hf")
         engine, tok = make_engine(cfg, path, dtype=inp.dtype)
         prompt_ids = table.column("prompt_token_ids").to_pylist()
-        images = table.column("images").to_pylist()
-        processor = vl_processor_or_none(path)  # a vision-language policy
-        vision = {"images": images, "processor": processor} if processor is not None else {}
+        images, videos = table.column("images").to_pylist(), table.column("videos").to_pylist()
+        vision = {"images": images, "videos": videos, "processor": processor} if processor is not None else {}
         only = None
         if shard is not None:
             n_batches = len(engine.batches(prompt_ids, cfg.n_samples_per_prompt, cfg.batch_size))
@@ -114,7 +121,7 @@ def run(inp: RolloutInput) -> ShardRef:
                                    seed=cfg.seed + SEED_STRIDE * inp.iteration + ATTEMPT_STRIDE * inp.attempt,
                                    first_token_temperature=cfg.first_token_temperature, progress=progress,
                                    only_batches=only, **vision)
-        table_out = _rollout_table(table, gens, tok, prompt_ids, images)
+        table_out = _rollout_table(table, gens, tok, prompt_ids, images, videos)
         n_tokens = sum(len(g.response_token_ids) for g in gens)
         summary = {"seconds": t.seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(t.seconds, 1e-9),
                    **rollout_summary(table_out)}
@@ -128,8 +135,9 @@ def run(inp: RolloutInput) -> ShardRef:
         release_device_memory()  # the HF engine's model and cache; a cached vLLM/SGLang engine stays (asleep if set)
 
 
-def _rollout_table(prompts: pa.Table, gens, tok, prompt_ids: list[list[int]], images: list) -> pa.Table:
-    """The rollout rows of the engine's generations (in generation order)."""
+def _rollout_table(prompts: pa.Table, gens, tok, prompt_ids: list[list[int]], images: list, videos: list) -> pa.Table:
+    """The rollout rows of the engine's generations (in generation order); each row carries its
+    prompt's encoded images and videos as stored in the prompts shard (the same bytes)."""
     pids = prompts.column("prompt_id").to_pylist()
     rows = {
         "sample_id": [f"{pids[g.prompt_index]}#{g.sample_index}" for g in gens],
@@ -142,6 +150,7 @@ def _rollout_table(prompts: pa.Table, gens, tok, prompt_ids: list[list[int]], im
         "action_mask": [[True] * len(g.response_token_ids) for g in gens],
         "finish_reason": [g.finish_reason for g in gens],
         "images": [images[g.prompt_index] for g in gens],
+        "videos": [videos[g.prompt_index] for g in gens],
     }
     return pa.table(rows, schema=ROLLOUT.arrow)
 

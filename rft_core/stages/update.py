@@ -84,7 +84,7 @@ def update_data(inp: PPOUpdateInput) -> UpdateData:
     """What the update trains on, read from the committed shards in rollout order: old
     log-probs from the actor stage (the rollout engine's without one) and the engine's own
     (``rollout_logprobs``, for the rollout correction), ref log-probs when the KL is a loss term,
-    the actor stage's entropies, the prompts' images, and the rows out of the loss (the
+    the actor stage's entropies, the prompts' images and videos, and the rows out of the loss (the
     truncated responses when the advantages stage filtered them, ``overlong_filtered``).
 
     Raises:
@@ -110,7 +110,7 @@ def update_data(inp: PPOUpdateInput) -> UpdateData:
     return UpdateData(prompts=r.column("prompt_token_ids").to_pylist(), responses=r.column("response_token_ids").to_pylist(),
                       old_logprobs=old.to_pylist(), advantages=a.column("advantages").to_pylist(), ref_logprobs=ref_lp,
                       entropies=actor.column("action_entropy").to_pylist() if actor is not None else None,
-                      images=r.column("images").to_pylist(),
+                      images=r.column("images").to_pylist(), videos=r.column("videos").to_pylist(),
                       rollout_logprobs=r.column("rollout_logprobs").to_pylist() if actor is not None else None,
                       excluded=excluded)
 

@@ -9,8 +9,8 @@ import torch
 
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.algorithms.value_loss import VALUE_LOSSES
-from rft_core.models.critic import response_values
-from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device
+from rft_core.models.critic import critic_batch, response_values
+from rft_core.models.logprobs import model_device
 from rft_core.training.loop import Normaliser, Strategy, pad_float, train_steps
 from rft_core.training.update import dropout_disabled
 
@@ -18,12 +18,15 @@ from rft_core.training.update import dropout_disabled
 @dataclass(frozen=True)
 class CriticData:
     """Per sample (unpadded lists, same order): token ids, the critic stage's values (old) and
-    the advantage stage's returns (targets), one float per response token."""
+    the advantage stage's returns (targets), one float per response token; images / videos: a
+    vision-language critic's encoded prompt media (one list per sample; None: none of that kind)."""
 
     prompts: list[list[int]]
     responses: list[list[int]]
     old_values: list[list[float]]
     returns: list[list[float]]
+    images: list[list[bytes]] | None = None
+    videos: list[list[bytes]] | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -57,6 +60,7 @@ def critic_update(
     packing: bool = False,
     dropout: bool = False,
     progress=None,
+    processor=None,
 ) -> list[CriticStepMetrics]:
     """Train the critic held by ``strategy`` (``rft_core.training.strategy.build_strategy``) on
     ``data`` with the shared training loop (exact gradient accumulation, any strategy);
@@ -65,6 +69,8 @@ def critic_update(
     Args:
         value_loss: name in VALUE_LOSSES; ``value_clip``: its clip range (None: unclipped).
         packing: each micro-batch is one packed row without padding.
+        processor: a vision-language critic's ``VLProcessor``: each micro-batch gets the vision
+            inputs of ``data.images`` / ``data.videos`` (``rft_core.models.critic.critic_batch``).
         dropout: keep the critic's dropout on (default off, ``dropout_disabled``: e.g. the 0.1
             classifier dropout transformers puts before a token-classification value head, which
             the critic_values stage, run in eval mode, does not apply to the old values).
@@ -82,8 +88,10 @@ def critic_update(
                           norm_tokens=norm_tokens)
 
     def micro_step(idx: list[int], norm: Normaliser) -> tuple[torch.Tensor, dict[str, float]]:
-        ps, rs = [data.prompts[i] for i in idx], [data.responses[i] for i in idx]
-        batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
+        batch = critic_batch([data.prompts[i] for i in idx], [data.responses[i] for i in idx],
+                             pad_token_id=pad_token_id, packing=packing, processor=processor,
+                             images=[data.images[i] for i in idx] if data.images is not None else None,
+                             videos=[data.videos[i] for i in idx] if data.videos is not None else None)
         T, mask = batch.num_actions, batch.action_mask.to(device)
         old = pad_float([data.old_values[i] for i in idx], T).to(device)
         ret = pad_float([data.returns[i] for i in idx], T).to(device)

@@ -38,9 +38,10 @@ class UpdateData:
 
     prompts / responses: token ids; old_logprobs, advantages: one float per response token;
     ref_logprobs: same, or None when no KL loss term is used; entropies: the actor stage's
-    action_entropy (for filtering); images: a vision-language policy's encoded prompt images;
-    rollout_logprobs: the rollout engine's log-probs (the rollout correction's denominator);
-    excluded: per sample, True when it is out of the loss entirely (overlong filtering).
+    action_entropy (for filtering); images / videos: a vision-language policy's encoded prompt
+    images and videos (one list per sample; None: no sample has that kind); rollout_logprobs:
+    the rollout engine's log-probs (the rollout correction's denominator); excluded: per
+    sample, True when it is out of the loss entirely (overlong filtering).
     """
 
     prompts: list[list[int]]
@@ -52,6 +53,7 @@ class UpdateData:
     images: list[list[bytes]] | None = None
     rollout_logprobs: list[list[float]] | None = None
     excluded: list[bool] | None = None
+    videos: list[list[bytes]] | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -223,11 +225,11 @@ def ppo_update(
         train_batch_size: samples per optimizer step (None: all of ``data``).
         micro_batch_size: samples per forward/backward pass.
         seed: seeds the per-epoch shuffle (torch.Generator), independent of global RNG.
-        packing: each micro-batch is one packed row without padding (``build_packed_batch``);
-            the same loss up to float rounding.
+        packing: each micro-batch is one packed row without padding (``build_packed_batch``;
+            with vision inputs, per-sequence M-RoPE positions); the same loss up to float rounding.
         progress: optional callable(done, total) after each optimizer step (steps).
         processor: a vision-language policy's ``VLProcessor``; each micro-batch then gets the
-            vision inputs of ``data.images`` (``with_vision``).
+            vision inputs of ``data.images`` and ``data.videos`` (``with_vision``).
     Returns:
         One StepMetrics per optimizer step (the same on every rank).
     Raises:
@@ -266,7 +268,8 @@ def ppo_update(
         ps, rs = [data.prompts[i] for i in idx], [data.responses[i] for i in idx]
         batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
         if processor is not None:
-            batch = with_vision(batch, processor, [data.images[i] if data.images else [] for i in idx])
+            batch = with_vision(batch, processor, [data.images[i] for i in idx] if data.images is not None else None,
+                                [data.videos[i] for i in idx] if data.videos is not None else None)
         T = batch.num_actions
         mask = batch.action_mask & torch.tensor([data.included(i) for i in idx], dtype=torch.bool)[:, None]
         policy_mask, weights = mask, None

@@ -128,7 +128,8 @@ def test_samples_from_rollout_table():
     rollout = experience_to_tables(exp)["rollout"]
     prompts = pa.table({"prompt_id": ["p0", "p1"], "data_source": ["t", "t"], "question": ["q0", "q1"],
                         "prompt_text": ["<q0>", "<q1>"], "prompt_token_ids": [[1], [2]], "answer": ["3", "4"],
-                        "metadata_json": ["{}", "{}"], "images": [[], []]}, schema=PROMPTS.arrow)
+                        "metadata_json": ["{}", "{}"], "images": [[], []], "videos": [[], []]},
+                       schema=PROMPTS.arrow)
     s = samples_from_tables(rollout, prompts)
     assert torch.equal(s.sequences, exp.sequences) and torch.equal(s.action_mask, exp.action_mask)
     assert s.num_actions == 5 and s.response_length.tolist() == [5, 1, 3, 2]

@@ -196,16 +196,11 @@ def test_videos_need_the_videos_column_and_a_vision_language_policy(tmp_path, to
 
     (tmp_path / "v.mp4").write_bytes(encode_video(np.zeros((2, 8, 8, 3), np.uint8), fps=2))
     entry = {"question": "what happens?", "answer": "x", "videos": [str(tmp_path / "v.mp4")]}
-    if "videos" in PROMPTS.schema.names:
-        with pytest.raises(DatasetError, match=r"ds row 0 has 1 video\(s\) but the policy is a text-only model"):
-            _table([(0, entry)], tok)
-    else:
-        with pytest.raises(DatasetError, match="ds row 0 has 1 video.* the prompts schema has no videos column yet"):
-            _table([(0, entry)], tok)
+    with pytest.raises(DatasetError, match=r"ds row 0 has 1 video\(s\) but the policy is a text-only model"):
+        _table([(0, entry)], tok)
     (tmp_path / "bad.mp4").write_bytes(b"not a video")
-    if "videos" in PROMPTS.schema.names:
-        with pytest.raises(DatasetError, match="ds row 0 video 0"):
-            _table([(0, {**entry, "videos": [str(tmp_path / "bad.mp4")]})], tok)
+    with pytest.raises(DatasetError, match=r"ds row 0 video 0 \(.*bad.mp4\): not a decodable video \(11 bytes\)"):
+        _table([(0, {**entry, "videos": [str(tmp_path / "bad.mp4")]})], tok)
 
 
 def test_vision_language_placeholders_in_messages():

@@ -131,7 +131,8 @@ def test_rollout_stage_reuses_one_engine_across_iterations(tiny_model, tmp_path,
     prompts = write_shard(pa.table({
         "prompt_id": [f"q{i}" for i in range(n)], "data_source": ["test"] * n, "question": ["?"] * n,
         "prompt_text": tok.batch_decode(PROMPT_IDS), "prompt_token_ids": PROMPT_IDS, "answer": ["1"] * n,
-        "metadata_json": ["{}"] * n, "images": [[] for _ in range(n)]}, schema=PROMPTS.arrow),
+        "metadata_json": ["{}"] * n, "images": [[] for _ in range(n)], "videos": [[] for _ in range(n)]},
+        schema=PROMPTS.arrow),
         str(tmp_path / "prompts"), schema=PROMPTS, config_hash="p")
     cfg = load_config(None, {"rollout.engine": "vllm", "rollout.n_samples_per_prompt": 2,
                              "rollout.max_new_tokens": 3}).rollout

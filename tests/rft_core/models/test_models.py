@@ -345,14 +345,19 @@ def test_fire_sampling_changes_only_the_first_token(tiny_model):
     greedy_after = {}
     for g in fire:
         assert greedy_after.setdefault(g.response_token_ids[0], g.response_token_ids) == g.response_token_ids
-    # the reported log-probs stay the policy's at `temperature` for every token, the first included
-    # (what the actor stage recomputes): a first token drawn from the flat FIRE distribution is
-    # very unlikely under the near-greedy policy, so its log-prob is large and negative
-    lps = batched_response_logprobs(eng.model, [[1, 20, 30]] * 8, [g.response_token_ids for g in fire],
-                                    pad_token_id=tok.pad_token_id, temperature=1e-4)
-    assert sum(g.logprobs[0] < -100 for g in fire) >= 6
-    for g, lp in zip(fire, lps):
-        assert g.logprobs == pytest.approx(lp, rel=1e-3, abs=0.05)
+    # the reported log-probs are the behaviour policy's: the first token's under the flat FIRE
+    # distribution it was drawn from (temperature 1e4: about -log V), the later ones the policy's at
+    # `temperature` (what the actor stage recomputes)
+    responses = [g.response_token_ids for g in fire]
+    first = batched_response_logprobs(eng.model, [[1, 20, 30]] * 8, [r[:1] for r in responses],
+                                      pad_token_id=tok.pad_token_id, temperature=1e4)
+    lps = batched_response_logprobs(eng.model, [[1, 20, 30]] * 8, responses, pad_token_id=tok.pad_token_id,
+                                    temperature=1e-4)
+    V = eng.model.config.vocab_size
+    for g, f, lp in zip(fire, first, lps):
+        assert g.logprobs[0] == pytest.approx(f[0], abs=1e-4) and abs(g.logprobs[0] + math.log(V)) < 0.01
+        assert lp[0] < -100  # under the near-greedy policy the FIRE token is very unlikely
+        assert g.logprobs[1:] == pytest.approx(lp[1:], rel=1e-3, abs=0.05)
 
 
 def test_checkpoint_restores_optimizer_state_with_configured_lr(tiny_model, tmp_path):

@@ -186,3 +186,24 @@ def test_images_are_sent_as_base64(server):
     server.requests.clear()
     _remote(server.url).score(_samples(2))  # text-only requests keep the plain protocol
     assert "images" not in server.requests[0]
+
+
+def test_videos_are_sent_as_base64(server):
+    import base64
+    from dataclasses import replace
+
+    import numpy as np
+
+    from rft_core.data.video import encode_video
+
+    mp4 = encode_video(np.arange(2 * 8 * 8 * 3, dtype=np.uint8).reshape(2, 8, 8, 3), 2.0)
+    png = b"\x89PNG\r\n\x1a\n-fake-image-bytes"
+    samples = _samples(3)
+    samples = [replace(samples[0], videos=[mp4]), replace(samples[1], images=[png], videos=[mp4, mp4[:40]]), samples[2]]
+    _remote(server.url).score(samples)
+    sent = server.requests[0]
+    assert [[base64.b64decode(x) for x in row] for row in sent["videos"]] == [[mp4], [mp4, mp4[:40]], []]
+    assert [[base64.b64decode(x) for x in row] for row in sent["images"]] == [[], [png], []]
+    server.requests.clear()
+    _remote(server.url).score([replace(s, images=[png]) for s in _samples(2)])  # no video: no videos key
+    assert "videos" not in server.requests[0] and "images" in server.requests[0]

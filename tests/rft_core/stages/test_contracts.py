@@ -90,7 +90,7 @@ def test_a_run_written_by_another_contract_is_refused_as_another_version(tmp_pat
     import pyarrow as pa
 
     row = {"prompt_id": "p-0", "data_source": "t", "question": "q", "prompt_text": "q", "prompt_token_ids": [1],
-           "answer": "1", "metadata_json": "{}", "images": []}
+           "answer": "1", "metadata_json": "{}", "images": [], "videos": []}
     table = pa.Table.from_pylist([row], schema=PROMPTS.arrow)
     inp = _Ordered(prompts=REF, iteration=1, out=str(tmp_path / "old"))
     write_shard(table, inp.out, schema=PROMPTS, config_hash="0123456789abcdef")  # no contract: an older version

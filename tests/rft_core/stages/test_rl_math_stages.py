@@ -50,7 +50,7 @@ def _tables(tiny_model: str | None = None) -> dict[str, pa.Table]:
     rollout = pa.table({
         "sample_id": ids, "prompt_id": PROMPT_IDS, "sample_index": [0, 1, 0, 1], "prompt_token_ids": prompts,
         "response_token_ids": responses, "response_text": ["x"] * 4, "rollout_logprobs": rollout_lp,
-        "action_mask": [[True] * n for n in LENGTHS], "finish_reason": FINISH, "images": [[]] * 4,
+        "action_mask": [[True] * n for n in LENGTHS], "finish_reason": FINISH, "images": [[]] * 4, "videos": [[]] * 4,
     }, schema=ROLLOUT.arrow)
     rewards = pa.table({
         "sample_id": ids, "prompt_id": PROMPT_IDS, "rewards": REWARDS_, "correct": [r > 0 for r in REWARDS_],

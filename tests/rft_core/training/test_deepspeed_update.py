@@ -34,7 +34,8 @@ def update_inputs(tiny_model, tmp_path_factory):
     rollout = pa.table({"sample_id": ids, "prompt_id": [s.split("#")[0] for s in ids], "sample_index": [i % 2 for i in range(n)],
                         "prompt_token_ids": prompts, "response_token_ids": responses, "response_text": [""] * n,
                         "rollout_logprobs": old, "action_mask": [[True] * len(r) for r in responses],
-                        "finish_reason": ["length"] * n, "images": [[] for _ in range(n)]}, schema=ROLLOUT.arrow)
+                        "finish_reason": ["length"] * n, "images": [[] for _ in range(n)], "videos": [[] for _ in range(n)]},
+                       schema=ROLLOUT.arrow)
     adv = [[1.0 if i % 3 else -1.0] * len(r) for i, r in enumerate(responses)]
     advantages = pa.table({"sample_id": ids, "prompt_id": [s.split("#")[0] for s in ids], "shaped_rewards": [0.0] * n,
                            "kl": [[0.0] * len(r) for r in responses], "advantages": adv, "returns": adv},

@@ -230,7 +230,8 @@ def _shards(root: Path, tiny16: str) -> tuple[ShardRef, ShardRef]:
     rollout = pa.table({"sample_id": ids, "prompt_id": pids, "sample_index": [i % 2 for i in range(n)],
                         "prompt_token_ids": prompts, "response_token_ids": responses, "response_text": [""] * n,
                         "rollout_logprobs": old, "action_mask": [[True] * len(r) for r in responses],
-                        "finish_reason": ["length"] * n, "images": [[] for _ in range(n)]}, schema=ROLLOUT.arrow)
+                        "finish_reason": ["length"] * n, "images": [[] for _ in range(n)], "videos": [[] for _ in range(n)]},
+                       schema=ROLLOUT.arrow)
     adv = [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(responses)]
     advantages = pa.table({"sample_id": ids, "prompt_id": pids, "shaped_rewards": [0.0] * n,
                            "kl": [[0.0] * len(r) for r in responses], "advantages": adv, "returns": adv},
