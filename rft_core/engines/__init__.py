@@ -143,6 +143,21 @@ class EngineCache:
 ENGINE_CACHE = EngineCache()
 
 
+def cached_engine(engine_cls: type, model_path: str, *, eos_ids: set[int], lora_path: str | None, **settings: Any) -> Any:
+    """The process's cached ``engine_cls`` (a GPU engine: ``VLLMEngine``, ``SGLangEngine``)
+    serving ``model_path`` (+ ``lora_path``): reused, with ``load_policy`` pointing it at the new
+    checkpoint, while the engine settings (its keyword arguments) and ``checkpoint_key`` match;
+    otherwise the cached engine is closed and a new one built. Use it where an engine is made
+    per rollout (``make_engine``), so a long-lived process keeps one engine across iterations."""
+    key = (engine_cls.__name__, checkpoint_key(model_path, lora_path), tuple(sorted(settings.items())))
+    engine, reused = ENGINE_CACHE.get(key, lambda: engine_cls(model_path, eos_ids=eos_ids, lora_path=lora_path,
+                                                              **settings))
+    if reused:
+        engine.eos_ids = set(eos_ids)
+        engine.load_policy(model_path, lora_path)
+    return engine
+
+
 def release_engine() -> bool:
     """Close the process's cached GPU engine (vLLM or SGLang) and free its GPU memory; True if
     there was one. Call it when the process stops doing rollouts (or before a stage that needs

@@ -42,7 +42,7 @@ import logging
 import os
 from typing import Any
 
-from rft_core.engines import ENGINE_CACHE, SGLANG_SEED_BITS, checkpoint_key, engine_dtype, sample_seed
+from rft_core.engines import ENGINE_CACHE, SGLANG_SEED_BITS, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
 
 log = logging.getLogger("rft_core.engines.sglang")
@@ -258,16 +258,10 @@ class SGLangEngine:
 
 
 def get_sglang_engine(model_path: str, *, eos_ids: set[int], lora_path: str | None = None, **settings: Any) -> SGLangEngine:
-    """The process's cached ``SGLangEngine`` for ``model_path`` (+ ``lora_path``), as
-    ``get_vllm_engine``: reused with ``load_policy`` while the settings (``SGLangEngine``'s keyword
-    arguments) and ``checkpoint_key`` match, else the cached engine is closed and a new one built."""
-    key = ("sglang", checkpoint_key(model_path, lora_path), tuple(sorted(settings.items())))
-    engine, reused = ENGINE_CACHE.get(key, lambda: SGLangEngine(model_path, eos_ids=eos_ids, lora_path=lora_path,
-                                                                **settings))
-    if reused:
-        engine.eos_ids = set(eos_ids)
-        engine.load_policy(model_path, lora_path)
-    return engine
+    """The process's cached ``SGLangEngine`` for ``model_path`` (+ ``lora_path``), reused across
+    iterations (``rft_core.engines.cached_engine``); ``settings`` are ``SGLangEngine``'s keyword
+    arguments."""
+    return cached_engine(SGLangEngine, model_path, eos_ids=eos_ids, lora_path=lora_path, **settings)
 
 
 def release_sglang_engine() -> bool:

@@ -40,7 +40,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, checkpoint_key, engine_dtype, sample_seed
+from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
 
 log = logging.getLogger("rft_core.engines.vllm")
@@ -275,17 +275,10 @@ class VLLMEngine:
 
 
 def get_vllm_engine(model_path: str, *, eos_ids: set[int], lora_path: str | None = None, **settings: Any) -> VLLMEngine:
-    """The process's cached ``VLLMEngine`` serving ``model_path`` (+ ``lora_path``): reused, with
-    ``load_policy`` pointing it at the new checkpoint, when the engine settings (``VLLMEngine``'s
-    keyword arguments) and ``checkpoint_key`` match; otherwise the cached engine is closed and a
-    new one built. Use it where an engine is made per rollout (``make_engine``)."""
-    key = ("vllm", checkpoint_key(model_path, lora_path), tuple(sorted(settings.items())))
-    engine, reused = ENGINE_CACHE.get(key, lambda: VLLMEngine(model_path, eos_ids=eos_ids, lora_path=lora_path,
-                                                              **settings))
-    if reused:
-        engine.eos_ids = set(eos_ids)
-        engine.load_policy(model_path, lora_path)
-    return engine
+    """The process's cached ``VLLMEngine`` for ``model_path`` (+ ``lora_path``), reused across
+    iterations (``rft_core.engines.cached_engine``); ``settings`` are ``VLLMEngine``'s keyword
+    arguments."""
+    return cached_engine(VLLMEngine, model_path, eos_ids=eos_ids, lora_path=lora_path, **settings)
 
 
 def release_vllm_engine() -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from rft_core.config import load_config
 from rft_core.config.scale import SGLangConfig
-from rft_core.engines import ENGINE_CACHE, release_engine
+from rft_core.engines import ENGINE_CACHE
 from rft_core.engines import sglang as sglang_module
 from rft_core.engines import vllm as vllm_module
 from rft_core.engines.hf import HFEngine
@@ -26,13 +26,6 @@ from schemas.columns import PROMPTS
 from tests.rft_core.engines.fakes import HFBackedLLM, HFBackedSGLang, SamplingParams
 
 PROMPT_IDS = [[1, 20, 30, 31, 32], [1, 40]]
-
-
-@pytest.fixture(autouse=True)
-def _empty_engine_cache():
-    release_engine()
-    yield
-    release_engine()
 
 
 @pytest.fixture

@@ -10,27 +10,15 @@ import logging
 import pytest
 import torch
 
-from rft_core.engines import SGLANG_SEED_BITS, release_engine, sample_seed
+from rft_core.engines import SGLANG_SEED_BITS, sample_seed
 from rft_core.engines import sglang as sglang_module
 from rft_core.engines.hf import HFEngine
 from rft_core.engines.sglang import SGLangEngine, get_sglang_engine, release_sglang_engine
-from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.models.loading import load_causal_lm
 from rft_core.models.logprobs import batched_response_logprobs
 from tests.rft_core.engines.fakes import HFBackedSGLang
 
 PROMPTS = [[1, 20, 30, 31, 32], [1, 40], [7], [1, 50, 51]]
-
-
-@pytest.fixture(scope="module")
-def parts(tiny_model):
-    return load_causal_lm(tiny_model), load_tokenizer(tiny_model)
-
-
-@pytest.fixture(autouse=True)
-def _empty_engine_cache():
-    release_engine()
-    yield
-    release_engine()
 
 
 def _engine(parts, *, deterministic=True, **kw):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rft_core.config import load_config
-from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, engine_dtype, release_engine, sample_seed
+from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, engine_dtype, sample_seed
 from rft_core.engines import vllm as vllm_module
 from rft_core.engines.hf import HFEngine
 from rft_core.engines.vllm import VLLMEngine, WeightReloadExtension, get_vllm_engine, release_vllm_engine
@@ -21,18 +21,6 @@ from rft_core.models.logprobs import batched_response_logprobs
 from tests.rft_core.engines.fakes import HFBackedLLM, SamplingParams
 
 PROMPTS = [[1, 20, 30, 31, 32], [1, 40], [7], [1, 50, 51]]
-
-
-@pytest.fixture(scope="module")
-def parts(tiny_model):
-    return load_causal_lm(tiny_model), load_tokenizer(tiny_model)
-
-
-@pytest.fixture(autouse=True)
-def _empty_engine_cache():
-    release_engine()
-    yield
-    release_engine()
 
 
 @pytest.fixture
