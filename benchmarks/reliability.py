@@ -1,101 +1,437 @@
-"""Fault-injection report: SIGKILL the training worker at a random point inside each stage,
-rerun, and write the outcome table to docs/reliability.md.
+"""Reliability report: SIGKILL the training worker at a random point inside each stage (local
+disk, and an S3 bucket on a moto server), rerun, and measure the disk a 20-iteration run keeps
+under the default checkpoint retention; writes the measured sections of docs/reliability.md.
 
-    .venv/bin/python benchmarks/reliability.py [--seed 0] [--repeats 1]
+    .venv/bin/python benchmarks/reliability.py [--seed 0] [--repeats 1] [--parts sigkill,s3,disk]
+
+A part left out keeps its section of the current docs/reliability.md as it is; the prose
+sections (object storage, the Prefect server, full disks, corruption) are written from here.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import os
 import random
+import re
 import tempfile
 from pathlib import Path
 
 from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
+
+PARTS = ("sigkill", "s3", "disk")
+
+
+def _table(rows) -> list[str]:
+    ok = lambda b: "yes" if b else "**NO**"  # noqa: E731
+    return [
+        "| target stage | iter | phase | kill after (s) | interrupted (iteration: stages) | partial files | committed | rerun ok | untouched | valid | same weights |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *[f"| {o.target} | {o.iteration} | {o.phase} | {o.delay} | {o.interrupted} | {'yes' if o.partial_files else 'no'} | "
+          f"{o.committed_before} | {ok(o.rerun_ok)} | {ok(o.committed_untouched)} | {ok(o.all_valid)} | {ok(o.same_weights)} |"
+          for o in rows]]
+
+
+def sigkill(d: Path, model: str, api: str, args) -> list[str]:
+    from tests.faults import STAGE_ORDER, baseline_run, run_scenario, write_config
+
+    config = write_config(d / "faults.yaml", model)
+    weights, durations = baseline_run(config, d / "baseline", api)
+    rng = random.Random(args.seed)
+    targets = ([(s, 1, "compute") for s in STAGE_ORDER] + [(s, 1, "write") for s in STAGE_ORDER]
+               + [("rollout", 2, "compute"), ("ppo_update", 2, "compute"), ("ppo_update", 2, "write"),
+                  ("ppo_update-optimizer", 1, "write")])
+    rows = []
+    for target, it, phase in targets:
+        for k in range(args.repeats):
+            rows.append(run_scenario(config, d / f"run-{target}-{it}-{phase}-{k}", target, it, durations, weights, api, rng,
+                                     phase=phase))
+            print(rows[-1], flush=True)
+    return [*SIGKILL_INTRO, *_table(rows), "",
+            "Stage seconds in the uninterrupted run (iteration 1): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(durations.items())) + ".", "", *SIGKILL_OUTRO]
+
+
+def s3(d: Path, model: str, api: str, args) -> list[str]:
+    import s3fs
+
+    from tests.faults import MotoServer, baseline_run, run_scenario, write_config
+
+    server = MotoServer(d)
+    saved = dict(os.environ)
+    try:
+        env = {**server.env(), "RFT_CACHE_DIR": str(d / "cache")}
+        os.environ.update(env)
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.client().create_bucket(Bucket="rft")
+        config = write_config(d / "s3.yaml", model)
+        weights, durations = baseline_run(config, "s3://rft/baseline", api, env=env)
+        rng = random.Random(args.seed)
+        rows = [run_scenario(config, f"s3://rft/run-{t}-{p}", t, 1, durations, weights, api, rng, phase=p, env=env)
+                for t, p in (("rollout", "compute"), ("rollout", "write"), ("ppo_update", "compute"), ("ppo_update", "write"),
+                             ("ppo_update-optimizer", "write"))]
+    finally:
+        server.stop()
+        os.environ.clear()
+        os.environ.update(saved)
+    return ["The same kills with `run_root: s3://rft/...` on moto's S3 server (a subprocess on 127.0.0.1), through",
+            "s3fs; *untouched* compares each committed object's ETag, LastModified and sha256 before and after",
+            "the rerun (CI: `tests/test_object_storage.py`).", "", *_table(rows), ""]
+
+
+def _du(root: Path) -> dict[str, int]:
+    """Bytes under ``root`` by kind: optimizer state, weights, other checkpoint files, shards, the rest."""
+    kinds = {"optimizer state": 0, "weights": 0, "checkpoint config + tokenizer": 0, "shards (Parquet parts)": 0,
+             "manifests, metrics, TensorBoard": 0}
+    for p in root.rglob("*"):
+        if not p.is_file():
+            continue
+        n = p.stat().st_size
+        if p.name == "optimizer.pt":
+            kinds["optimizer state"] += n
+        elif p.name.endswith((".safetensors", ".bin")):
+            kinds["weights"] += n
+        elif p.suffix == ".parquet":
+            kinds["shards (Parquet parts)"] += n
+        elif p.parent.name in ("policy", "critic"):
+            kinds["checkpoint config + tokenizer"] += n
+        else:
+            kinds["manifests, metrics, TensorBoard"] += n
+    return kinds
+
+
+def disk(d: Path, model: str, api: str, args) -> list[str]:
+    from flows.train import train
+    from rft_core.config import load_config
+    from schemas import pruned_files, read_manifest
+
+    base = {"name": "disk", "iterations": args.iterations, "policy.path": model, "data.prompts_per_iteration": 4,
+            "data.size": 200, "rollout.n_samples_per_prompt": 4, "rollout.max_new_tokens": 48, "rollout.batch_size": 16,
+            "kl.kl_coef": 0.05, "update.lr": 1e-3, "update.micro_batch_size": 4}
+    runs = {}
+    for label, extra in (("keep everything (`checkpoint.keep_last: null`)", {"checkpoint.keep_last": None}),
+                         ("the defaults", {})):
+        root = d / f"disk-{len(runs)}"
+        train(load_config(None, {**base, **extra, "run_root": str(root)}))
+        runs[label] = _du(root)
+    kept = runs["the defaults"]
+    root = d / "disk-1"
+    pruned = sum(e.bytes for m in root.glob("iter=*/*/_MANIFEST.json") for e in read_manifest(str(m.parent))[0].files
+                 if e.path in pruned_files(str(m.parent)))
+    mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
+    labels = list(runs)
+    lines = [f"A {args.iterations}-iteration run of the tiny model (4 prompts x 4 samples, 48 new tokens; "
+             f"`python benchmarks/reliability.py --parts disk`), MiB on disk at the end:", "",
+             f"| kind | {labels[0]} | {labels[1]} |", "|---|---|---|",
+             *[f"| {k} | {mib(runs[labels[0]][k])} | {mib(kept[k])} |" for k in kept],
+             f"| **total** | **{mib(sum(runs[labels[0]].values()))}** | **{mib(sum(kept.values()))}** |", "",
+             f"Pruned files recorded in the manifests of the default run (`_PRUNED.json`): {mib(pruned)} MiB, the "
+             "difference.", ""]
+    return lines + demo_estimate(runs[labels[0]]["shards (Parquet parts)"] / args.iterations)
+
+
+def demo_estimate(tiny_shards_per_iteration: float) -> list[str]:
+    """The demo's disk per iteration (``configs/grpo_demo.yaml``: SmolLM2-135M, 8 prompts x 4
+    samples, 96 new tokens), estimated from the default model's file sizes in the model cache and
+    the tiny run's shard bytes per iteration (16 samples x 48 tokens), scaled by samples and tokens."""
+    from rft_core.models.hub import cache_dir
+
+    demo = cache_dir() / "models/SmolLM2-135M-Instruct"
+    if not (demo / "model.safetensors").exists():
+        return ["(The demo estimate needs the default model in the cache: run `make demo` once.)", ""]
+    mib = lambda n: f"{n / 2**20:.1f}"  # noqa: E731
+    w = (demo / "model.safetensors").stat().st_size
+    tok = sum(p.stat().st_size for p in demo.iterdir() if not p.name.endswith(".safetensors"))
+    shards = tiny_shards_per_iteration * (32 / 16) * (96 / 48)
+    opt = 2 * w  # AdamW: exp_avg and exp_avg_sq, float32 like the weights (2.0x in the tiny run too)
+    return [
+        f"The demo (`configs/grpo_demo.yaml`: SmolLM2-135M, float32 weights of {mib(w)} MiB, AdamW state "
+        f"~{mib(opt)} MiB), estimated from these file sizes, per iteration:", "",
+        f"- keep everything: {mib(w + opt + tok + shards)} MiB per iteration (weights, optimizer state, tokenizer and "
+        f"config {mib(tok)}, shards ~{mib(shards)}: the tiny run's shard bytes scaled by samples and tokens);",
+        f"- the defaults, steady state: {mib(tok + shards + w / 10)} MiB per iteration (tokenizer and config, shards, "
+        f"and every 10th iteration's weights, {mib(w / 10)} amortised), plus a fixed {mib(3 * w + opt)} MiB for the last "
+        "iteration's optimizer state and the last 3 iterations' weights. After 100 iterations: "
+        f"{(3 * w + opt + 100 * (tok + shards + w / 10)) / 2**30:.1f} GiB instead of {100 * (w + opt + tok + shards) / 2**30:.0f} GiB.",
+        ""]
+
+
+def _sections(text: str) -> dict[str, str]:
+    """{part: its generated text} of a report written before (between its begin/end markers,
+    less its stamp line)."""
+    out = {m.group(1): m.group(2) for m in re.finditer(r"<!-- begin:(\w+) -->\n(.*?)<!-- end:\1 -->", text, re.S)}
+    return {k: re.sub(r"^_Measured .*?\._\n\n", "", v) for k, v in out.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="random kill points per stage")
+    ap.add_argument("--iterations", type=int, default=20, help="iterations of the disk measurement")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"which measurements to run: {','.join(PARTS)}")
     ap.add_argument("--out", default=str(ROOT / "docs/reliability.md"))
     args = ap.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    if set(parts) - set(PARTS):
+        raise SystemExit(f"unknown part(s) {sorted(set(parts) - set(PARTS))}; valid: {', '.join(PARTS)}")
+    text = Path(args.out).read_text() if Path(args.out).exists() else ""
+    old, stamps = _sections(text), dict(re.findall(r"<!-- begin:(\w+) -->\n_Measured (.*?)\._\n", text))
+    new: dict[str, str] = {}
+    if parts:
+        from prefect.settings import PREFECT_API_URL
+        from prefect.testing.utilities import prefect_test_harness
 
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
+        from tests.tiny import build_tiny_model
 
-    from tests.faults import STAGE_ORDER, baseline_run, run_scenario, write_config
-    from tests.tiny import build_tiny_model
+        d = Path(tempfile.mkdtemp(prefix="rft-reliability-"))
+        model = build_tiny_model(d / "model")
+        with prefect_test_harness(server_startup_timeout=180):
+            api = PREFECT_API_URL.value()
+            for part in parts:
+                (d / part).mkdir()
+                load = os.getloadavg()[0]
+                new[part] = "\n".join(globals()[part](d / part, model, api, args)) + "\n"
+                stamps[part] = (f"{_dt.date.today()}, `.venv/bin/python benchmarks/reliability.py --parts {part} --seed "
+                                f"{args.seed} --repeats {args.repeats}`, load average {load:.1f} at the start on "
+                                f"{os.cpu_count()} cores")
+    sections = {k: (f"_Measured {stamps[k]}._\n\n" if k in stamps else "") + new.get(k, old.get(k, "(not measured yet)\n"))
+                for k in PARTS}
+    text = PROSE.format(**{k: f"<!-- begin:{k} -->\n{v}<!-- end:{k} -->" for k, v in sections.items()})
+    Path(args.out).write_text(text)
+    print(text)
 
-    d = Path(tempfile.mkdtemp(prefix="rft-faults-"))
-    model = build_tiny_model(d / "model")
-    config = write_config(d / "faults.yaml", model)
-    rows = []
-    with prefect_test_harness(server_startup_timeout=180):
-        api = PREFECT_API_URL.value()
-        weights, durations = baseline_run(config, d / "baseline", api)
-        rng = random.Random(args.seed)
-        targets = ([(s, 1, "compute") for s in STAGE_ORDER] + [(s, 1, "write") for s in STAGE_ORDER]
-                   + [("rollout", 2, "compute"), ("ppo_update", 2, "compute"), ("ppo_update", 2, "write"),
-                      ("ppo_update-optimizer", 1, "write")])
-        for target, it, phase in targets:
-            for k in range(args.repeats):
-                out = run_scenario(config, d / f"run-{target}-{it}-{phase}-{k}", target, it, durations, weights, api, rng,
-                                   phase=phase)
-                rows.append(out)
-                print(out, flush=True)
-    ok = lambda b: "yes" if b else "**NO**"  # noqa: E731
-    lines = [
-        "# Reliability: SIGKILL fault injection",
-        "",
-        f"Generated {_dt.date.today()} by `.venv/bin/python benchmarks/reliability.py --seed {args.seed} --repeats {args.repeats}`;",
-        "the same scenarios run in CI as `tests/test_faults.py`.",
-        "",
-        "Each row: a 2-iteration training (tiny random Llama, 4 prompts x 4 samples, KL on) runs as a",
-        "worker subprocess (`python -m flows.cli train`). Phase *compute*: once the target stage can",
-        "start (the stage before it committed), the driver waits a random time within 1.2x that",
-        "stage's measured duration; phase *write*: it waits until the stage takes its writer lock",
-        "(it is writing parts or checkpoint files) plus 0-20 ms. Then it sends SIGKILL to the",
-        "worker's process group, and runs the same command again. Fast stages often finish before",
-        "the kill lands; the *interrupted* column says where it really landed.",
-        "",
-        "Columns: *interrupted* = the first iteration with uncommitted stages at the kill, and its first",
-        "uncommitted stage in stage order (actor_logprobs, ref_logprobs and rewards run concurrently, so",
-        "the kill may have hit any of them); \"computing, no files yet\" = the stage folder did not exist",
-        "yet (a stage creates it only when it starts writing);",
-        "*partial files* = it had left files (parts, checkpoint files or its lock) that a reader must",
-        "not accept; *committed* = stages of the whole run committed at the kill; *untouched* = every",
-        "committed file has the same mtime and sha256 after the rerun; *valid* = every shard of the",
-        "run passes the validating reader; *same weights* = the final policy equals an uninterrupted",
-        "run's bit for bit.",
-        "",
-        "| target stage | iter | phase | kill after (s) | interrupted (iteration: stages) | partial files | committed | rerun ok | untouched | valid | same weights |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-        *[f"| {o.target} | {o.iteration} | {o.phase} | {o.delay} | {o.interrupted} | {'yes' if o.partial_files else 'no'} | "
-          f"{o.committed_before} | {ok(o.rerun_ok)} | {ok(o.committed_untouched)} | {ok(o.all_valid)} | {ok(o.same_weights)} |"
-          for o in rows],
-        "",
-        "Stage seconds in the uninterrupted run (iteration 1): "
-        + ", ".join(f"{k} {v:.2f}" for k, v in sorted(durations.items())) + ".",
-        "",
-        "Why it holds: a stage writes its parts (and checkpoint files) first and its `_MANIFEST.json`",
-        "last; a reader accepts only what a manifest lists, with matching sizes and sha256. A rerun",
-        "returns a committed stage whose config hash matches without recomputing it, takes over the",
-        "writer lock of a dead worker, clears the interrupted stage's leftovers and redoes it. Seeds are",
-        "fixed per iteration and stage; optimizer state, the KL coefficient and reward statistics",
-        "are restored from the committed checkpoint and manifests, so the resumed run is identical.",
-        "",
-        "The policy's AdamW state is a stage of its own (`ppo_update-optimizer`), written in a background",
-        "thread after `ppo_update` committed (`checkpoint.async_optimizer`). A kill during that write",
-        "(the `ppo_update-optimizer` row) leaves the update committed and its optimizer stage not: the",
-        "rerun reuses the update, recomputes it from the same committed inputs and seeds without",
-        "recommitting it, checks the weights against the committed checksums and commits only the",
-        "optimizer state (its manifest says `recovered: true`), so iteration 2 starts from the same state.",
-        "",
-    ]
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
 
+SIGKILL_INTRO = [
+    "Each row: a 2-iteration training (tiny random Llama, 4 prompts x 4 samples, KL on) runs as a",
+    "worker subprocess (`python -m flows.cli train`). Phase *compute*: once the target stage can",
+    "start (the stage before it committed), the driver waits a random time within 1.2x that",
+    "stage's measured duration; phase *write*: it waits until the stage takes its writer lock",
+    "(it is writing parts or checkpoint files) plus 0-20 ms. Then it sends SIGKILL to the",
+    "worker's process group, and runs the same command again. Fast stages often finish before",
+    "the kill lands; the *interrupted* column says where it really landed.",
+    "",
+    "Columns: *interrupted* = the first iteration with uncommitted stages at the kill, and its first",
+    "uncommitted stage in stage order (actor_logprobs, ref_logprobs and rewards run concurrently, so",
+    "the kill may have hit any of them); \"computing, no files yet\" = the stage folder did not exist",
+    "yet (a stage creates it only when it starts writing);",
+    "*partial files* = it had left files (parts, checkpoint files or its lock) that a reader must",
+    "not accept; *committed* = stages of the whole run committed at the kill; *untouched* = every",
+    "committed file has the same mtime and sha256 after the rerun (files that checkpoint retention",
+    "pruned on purpose, recorded in `_PRUNED.json`, excepted); *valid* = every shard of the run",
+    "passes the validating reader; *same weights* = the final policy equals an uninterrupted run's",
+    "bit for bit.",
+    "",
+]
+SIGKILL_OUTRO = [
+    "Why it holds: a stage writes its parts (and checkpoint files) first and its `_MANIFEST.json`",
+    "last; a reader accepts only what a manifest lists, with matching sizes and sha256. A rerun",
+    "returns a committed stage whose config hash matches without recomputing it, takes over the",
+    "writer lock of a dead worker (also a lock file it had created but not yet written), clears the",
+    "interrupted stage's leftovers and redoes it. Seeds are fixed per iteration and stage; optimizer",
+    "state, the KL coefficient and reward statistics are restored from the committed checkpoint and",
+    "manifests, so the resumed run is identical.",
+    "",
+    "The policy's AdamW state is a stage of its own (`ppo_update-optimizer`), written in a background",
+    "thread after `ppo_update` committed (`checkpoint.async_optimizer`). A kill during that write",
+    "(the `ppo_update-optimizer` row) leaves the update committed and its optimizer stage not: the",
+    "rerun reuses the update, recomputes it from the same committed inputs and seeds without",
+    "recommitting it, checks the weights against the committed checksums and commits only the",
+    "optimizer state (its manifest says `recovered: true`), so iteration 2 starts from the same state.",
+]
+PROSE = """# Reliability: nothing lost at scale
+
+Each scenario below runs in CI, bounded in time (tiny models, loopback only); the measured
+sections (tables) are written by `benchmarks/reliability.py`, each with the command, date and
+machine load that produced it.
+
+| scenario | CI test | what must hold |
+|---|---|---|
+| SIGKILL inside every stage, local disk | `tests/test_faults.py` | rerun resumes; committed files untouched; final weights bit-identical |
+| `run_root: s3://...` (a real S3 server: moto, on 127.0.0.1) | `tests/test_object_storage.py`, `tests/schemas/test_object_store.py` | full training; SIGKILL in rollout and update then resume (same ETags); inspect, replay, eval, pandas and DuckDB read the bucket; manifest-last without renames; one of two writers commits |
+| bad storage: missing bucket, wrong credentials, unreachable endpoint, read-only bucket or folder | `tests/test_object_storage.py` | refused before any stage starts, naming the URI and the cause |
+| the Prefect API server dies during the rollout, comes back | `tests/flows/test_server_outage.py` | the flow run ends (continues, or fails loudly and a UI-style retry completes); stages committed before the outage untouched |
+| the disk fills up mid-run (a 64 MiB tmpfs) | `tests/test_disk_full.py` | the error names the stage, the run and the cause; no manifest for the partial stage; the previous checkpoint intact; the same command resumes once space is freed |
+| a flipped bit in a committed checkpoint or shard | `tests/test_corruption.py`, `tests/schemas/test_storage.py` | refused on resume naming the file; `repair` recomputes exactly that stage and what depends on it |
+| bounded disk by default | `tests/rft_core/stages/test_retention.py`, `tests/flows/test_retention_flow.py` | optimizer state of the last iteration, weights of the last 3 and every 10th; resume and replay never need a pruned file |
+
+## SIGKILL on a local disk
+
+{sigkill}
+## Object storage
+
+Any fsspec URI works as `run_root`; for S3 install `s3fs` and give the endpoint and credentials
+the usual way (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, a profile, or an instance role;
+`AWS_ENDPOINT_URL` for MinIO, Ceph, R2 or a local server):
+
+```bash
+export AWS_ENDPOINT_URL=http://127.0.0.1:9000        # only for a server other than AWS
+.venv/bin/python -m flows.cli train -c configs/grpo_demo.yaml --run-root s3://my-bucket/runs/demo
+.venv/bin/python -m flows.cli inspect s3://my-bucket/runs/demo
+.venv/bin/python -m flows.cli eval s3://my-bucket/runs/demo -c configs/grpo_demo.yaml
+```
+
+```python
+import duckdb, pandas as pd, s3fs
+pd.read_parquet("s3://my-bucket/runs/demo/iter=000001/rollout")      # _MANIFEST.json is skipped
+con = duckdb.connect(); con.register_filesystem(s3fs.S3FileSystem())  # DuckDB reads s3:// through fsspec
+con.sql("select count(*) from 's3://my-bucket/runs/demo/iter=*/rollout/*.parquet'")
+```
+
+What holds on a store without rename:
+
+- **Manifest-last.** Every part is one PUT, which S3 makes visible whole or not at all (no
+  temporary object and no copy, which is what a "rename" costs there); `_MANIFEST.json` is the
+  last PUT of a stage. A reader never accepts a folder without a manifest, whatever parts it
+  holds (`tests/schemas/test_object_store.py` writes every part of a stage and no manifest:
+  `read_shard` refuses it, `committed_ref` says "not committed", `inspect` shows "incomplete").
+- **Conditional writes.** The writer lock and the manifest are created with
+  `pipe_file(mode="create")`, which s3fs sends as `PutObject` with `If-None-Match: *`; the server
+  refuses the second create of an existing key (412), s3fs raises `FileExistsError`. AWS S3 has
+  honoured this since August 2024, MinIO does, and so does moto's server (the tests check it:
+  eight threads race to create one key, exactly one wins). So two writers never both hold a fresh
+  lock, and two writers never both commit: the loser of the manifest PUT gets "committed by
+  another writer a moment ago (its manifest won the conditional write)" and its result is
+  discarded.
+- **What the lock does not guarantee.** Taking over the lock of a dead writer is a delete then a
+  conditional create; S3 has no conditional delete in s3fs, so two writers taking over the same
+  dead lock at the same instant can both believe they hold it. Both then write the same part
+  names; the manifest's conditional PUT still lets only one commit, and its checksums are those
+  of the objects it read back, so a loser that overwrites a part *after* the winner committed
+  makes the stage fail its checksum (refused, `repair` recomputes it), never silently wrong.
+  With deterministic seeds both writers write the same bytes anyway. On a filesystem without
+  conditional writes (fsspec's generic `mode="create"` is check-then-write) the same holds for
+  the lock, and the manifest is last-writer-wins.
+- **Listings.** s3fs caches directory listings; every check of the protocol drops the cache of
+  the stage folder first, so a stage committed by another process is never taken for leftovers
+  (the test commits through a second client after the first cached the folder).
+- **No bucket is ever created.** s3fs's `makedirs` creates a missing bucket; the stage writer
+  never calls it on an object store, and the preflight refuses a missing bucket first.
+- **Checkpoints** are uploaded from a local temporary folder before the manifest; loading one
+  downloads it once into `~/.cache/prefect-rft/checkpoints/<manifest sha256>`, checks every file
+  against the manifest before the atomic rename into the cache, and reuses it from there.
+
+{s3}
+## Bad input is refused before any stage starts
+
+`train` first writes, reads back and deletes a probe object under `run_root`
+(`rft_core.storage.check_run_root`; also `python -m rft_core.storage check RUN_ROOT`), with a
+client that gives up after one quick try, and stops with `RunRootError` naming the URI and the
+cause:
+
+| input | message (`tests/test_object_storage.py`) |
+|---|---|
+| a bucket that does not exist | `run_root 's3://no-such-bucket/run': the bucket 'no-such-bucket' does not exist (endpoint http://127.0.0.1:PORT): create it, or fix run_root. No stage was started.` |
+| wrong credentials | `run_root 's3://guarded/run': the credentials were refused (endpoint ...): The AWS Access Key Id you provided does not exist in our records. ...` |
+| an unreachable endpoint | `run_root 's3://guarded/run': cannot reach the storage endpoint (endpoint http://127.0.0.1:PORT): Could not connect to the endpoint URL ...` (in under 20 s) |
+| a read-only bucket (a policy with only `s3:GetObject`, `s3:ListBucket`) | `run_root 's3://guarded/run': cannot write a file there: Access Denied (a read-only bucket, or a policy without s3:PutObject/s3:DeleteObject); choose a writable run_root. ...` |
+| a read-only local folder | `run_root '/ro/run': cannot create the run folder: [Errno 30] Read-only file system ...` |
+
+## The Prefect server dies mid-run
+
+`tests/flows/test_server_outage.py` starts the deployment stack (`prefect server start` on a
+free port with its own database, the `local` process pool, `prefect deploy --all`, a worker),
+runs `rft-train-preset/grpo-demo`, SIGKILLs the server's process group as soon as iteration 1's
+prompts are committed, and restarts it on the same port and database 20 s later. What Prefect
+3.8 did in that window:
+
+- The stages kept running and committing: task-run states are orchestrated in the flow-run
+  process and only *reported* to the server as events. Every stage of iteration 1 committed
+  within 3 s of the kill, with the server down.
+- Those events were lost: the events client logs "Unable to connect to
+  'ws://.../api/events/in' ... event data (including task run data) may be lost" and drops them,
+  so the UI shows those task runs stuck in their last reported state (or not at all), although
+  the stages committed. The shard manifests (`rft inspect`) are the record that counts.
+- The cancellation and suspension observers fall back from their websocket to polling, and
+  after three failed polls log "Cancellation observer failed. Flow run cancellation disabled"
+  (cancelling that flow run from the UI then does nothing; `PREFECT_RUNNER_CRASH_ON_CANCELLATION_FAILURE=true`
+  crashes the run instead).
+- The first API call the flow needs (the iteration's artifacts, the subflow's final state)
+  retries with exponential backoff (2, 4, 8, 16, 32 s: `PREFECT_CLIENT_MAX_RETRIES=5`); the server
+  came back within that window, the call went through and the run finished `Completed`, with
+  every stage committed before the outage untouched.
+- A longer outage (100 s; `RFT_OUTAGE_SECONDS=100` runs the same test, by hand): again every
+  stage committed within 15 s of the kill; the API call outlived its retries (about a minute),
+  the flow raised, and once the server was back the run was recorded `Failed: Flow run
+  encountered an exception: ConnectError: [Errno 111] Connection refused`: loud, not a run left
+  "Running". Setting it to `AwaitingRetry` (as the UI's Retry button does) ran it again in the
+  worker: every stage was reused from its manifest, nothing recomputed, and it completed.
+  (Not tested: a server still down when the flow-run process gives up on reporting its final
+  state; the server then shows the run "Running" until it is marked crashed or retried by hand.)
+
+Either way nothing committed is lost: a retry (the UI's Retry button, or the API call the test
+makes: state `AwaitingRetry`) reuses every committed stage with its files untouched. Operators:
+keep the server's downtime under about a minute (a supervisor restarting `prefect server start`),
+or raise `PREFECT_CLIENT_MAX_RETRIES` on the workers.
+
+## The disk fills up
+
+`tests/test_disk_full.py` mounts a 64 MiB tmpfs as the run's disk; once iteration 2's prompts
+are committed another file takes every free byte. The next stage fails while writing, with:
+
+```
+StorageError: writing stage iter=2/rollout of run /mnt/disk/run failed at /mnt/disk/run/iter=000002/rollout/.writer.lock:
+No space left on device [errno 28: ENOSPC] (0 B free of 64.0 MiB on that filesystem). Nothing of this stage was
+committed (it has no _MANIFEST.json) and the committed stages are untouched; free space (or keep fewer checkpoints:
+checkpoint.keep_last, checkpoint.keep_weights_last) and rerun the same command: the run resumes at this stage.
+```
+
+The failed stage has no manifest, iteration 1's files (checkpoint included) keep their mtimes and
+checksums and verify, and once the file is deleted the same `train` command resumes at that
+stage and finishes. Every write of the shard protocol (the lock, Parquet parts, the manifest,
+`_PRUNED.json`) names its stage this way (`schemas.storage.storage_errors`); so does a read-only
+filesystem, a quota, or a permission error. A lock file created but not written (the disk filled
+between the two) is removed, and one left by a killed writer is taken over.
+
+## Corrupted files
+
+A committed file is checked against its manifest's sha256 wherever it is used:
+
+- a Parquet part, by every `read_shard`, and when a committed stage is reused on resume
+  (`committed_ref`; parts are small);
+- a checkpoint (weights, tokenizer, config, `optimizer.pt`), when a stage loads it
+  (`rft_core.stages.checkpoints`): before this, one flipped bit in iteration 1's
+  `policy/model.safetensors` went unnoticed and iteration 2 trained on from damaged weights. A
+  file that this process committed or checked before, unchanged since (size, mtime), is not
+  hashed again, so a run pays for the check only when it resumes or loads a checkpoint written by
+  another process: about 0.5 s per GB.
+
+The error names the file and the command that repairs it, e.g. on resume:
+
+```
+ShardCorruptError: /runs/x/iter=000001/ppo_update/policy/model.safetensors: sha256 does not match the manifest:
+the committed file is corrupted. To recompute this stage and the stages that depend on it (moved aside, nothing else
+touched): python -m rft_core.storage repair /runs/x --stage iter=1/ppo_update, then rerun the same training command
+```
+
+```bash
+.venv/bin/python -m rft_core.storage verify /runs/x                                  # every committed file vs its manifest
+.venv/bin/python -m rft_core.storage repair /runs/x --stage iter=1/ppo_update --dry-run   # what would move, and why
+.venv/bin/python -m rft_core.storage repair /runs/x --stage iter=1/ppo_update
+.venv/bin/python -m flows.cli train -c configs/grpo_demo.yaml --run-root /runs/x      # recomputes exactly those stages
+```
+
+`repair` moves the stage and every committed stage that depends on it to
+`{{run}}/_repaired/<UTC time>/` (nothing is deleted; `_REPAIR.json` there says what moved and
+why). Dependents: stages whose manifest lists a moved stage among its inputs (transitively), and,
+once a `ppo_update` or `critic_update` of iteration j moves, every stage with inputs of the
+iterations after j (they start from that checkpoint); stages without inputs (`prompts`) stay. It
+refuses a stage whose files all verify (`--force` to move it anyway) and a stage being written.
+In `tests/test_corruption.py` the repaired update is recomputed bit for bit (same weights sha256
+on CPU) and every other committed file of the run keeps its mtime and checksum.
+
+## Bounded disk by default
+
+`checkpoint` defaults (`rft_core/config/run.py`, applied after each iteration by
+`rft_core.stages.retention`): the optimizer state is kept for the last iteration only
+(`keep_last: 1`); older checkpoints also lose their weights (`prune: weights`) except the last 3
+iterations (`keep_weights_last: 3`) and every 10th (`keep_weights_every: 10`); configs,
+tokenizers, shards and manifests are always kept. `checkpoint.keep_last: null` keeps everything.
+A resume never needs a pruned file (iteration i+1 starts from iteration i, pruned only after
+i+1 committed); replay reads only shards; evaluating a pruned checkpoint says what is missing:
+`.../iter=000001/ppo_update: checkpoint file(s) policy/model.safetensors were pruned
+(checkpoint.prune=weights (keep_weights_last=3, keep_weights_every=10) after iteration 4)`.
+
+{disk}"""
 
 if __name__ == "__main__":
     main()

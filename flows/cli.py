@@ -37,13 +37,59 @@ def train(
     cfg = _load_or_exit(config, list(set_) + ([f"run_root={run_root}"] if run_root else []))
     typer.echo(f"run root: {cfg.run_root}")
     from flows.train import train as train_flow
+    from rft_core.api import RunRootError
+    from schemas import StorageError
 
-    result = train_flow(cfg)
+    try:
+        result = train_flow(cfg)
+    except (RunRootError, StorageError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     typer.echo("")
     typer.echo(f"shards:      {result.run_root}/iter=*/<stage>/part-*.parquet (+ _MANIFEST.json)")
     typer.echo(f"metrics:     {result.metrics_uri}")
     typer.echo(f"checkpoints: {result.run_root}/iter=*/ppo_update/policy (final: {result.final_policy.uri}/policy)")
     typer.echo(f"resume:      rerun with --run-root {result.run_root}")
+
+
+@app.command()
+def verify(run_root: str = typer.Argument(..., help="Run folder (any fsspec URI).")) -> None:
+    """Check every committed file of a run against its manifest (size and sha256)."""
+    from rft_core.api import verify_run
+
+    try:
+        bad = verify_run(run_root)
+    except FileNotFoundError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    for key, problem in bad.items():
+        typer.echo(f"CORRUPT {key}: {problem}\n  repair: rft repair {run_root} --stage {key}")
+    typer.echo(f"{len(bad)} corrupt stage(s)" if bad else "every committed file matches its manifest")
+    raise typer.Exit(1 if bad else 0)
+
+
+@app.command()
+def repair(
+    run_root: str = typer.Argument(..., help="Run folder (any fsspec URI)."),
+    stage: str = typer.Option(..., "--stage", help="The damaged stage, iter=N/<stage> (e.g. iter=1/ppo_update)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would move, and why."),
+    force: bool = typer.Option(False, "--force", help="Move the stage even when every file of it verifies."),
+) -> None:
+    """Move a corrupted stage and every stage that depends on it to {run}/_repaired/<time>/; rerunning
+    train recomputes them."""
+    from rft_core.api import repair_stage
+
+    try:
+        plan = repair_stage(run_root, stage, dry_run=dry_run, force=force)
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    if plan.problem:
+        typer.echo(f"{plan.target}: {plan.problem}")
+    for key, why in plan.moves.items():
+        typer.echo(f"  {'would move' if dry_run else 'moved'}: {key} ({why})")
+    if not dry_run:
+        typer.echo(f"moved to {plan.moved_to}; rerun the same train command with --run-root {run_root}")
 
 
 @app.command()

@@ -20,6 +20,7 @@ from rft_core.api import (
     EvalPromptsInput,
     EvalSummaryInput,
     RewardsInput,
+    check_run_root,
     checkpoint_label,
     default_eval_root,
     eval_markdown,
@@ -74,6 +75,7 @@ def evaluate(cfg: TrainConfig, checkpoint: str | ShardRef | None = None, out_roo
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     fingerprint = _fingerprint(cfg, policy, max_new)
     root = (out_root or default_eval_root(policy, fingerprint=fingerprint)).rstrip("/")
+    check_run_root(root)  # bad storage fails here, naming the URI, before anything is written
     label = checkpoint_label(policy)
     logger.info("evaluating %s on %d held-out %s prompts into %s", label, cfg.eval.num_prompts, cfg.eval.path or cfg.data.task,
                 root)

@@ -10,7 +10,15 @@ from pydantic import BaseModel, ConfigDict
 
 import tasks
 from flows.iteration import train_on
-from rft_core.api import format_metrics_line, iteration_metrics, next_state, replay_sources, write_metrics, write_replay_record
+from rft_core.api import (
+    check_run_root,
+    format_metrics_line,
+    iteration_metrics,
+    next_state,
+    replay_sources,
+    write_metrics,
+    write_replay_record,
+)
 from rft_core.config import TrainConfig, TrainState
 from schemas import PolicyRef, ShardRef, stage_uri
 
@@ -41,6 +49,7 @@ def replay(source_run_root: str, cfg: TrainConfig) -> ReplayResult:
             for a KL coefficient > 0), named in the message.
     """
     logger = get_run_logger()
+    check_run_root(cfg.run_root)  # bad storage fails here, naming the URI, before anything is written
     write_replay_record(cfg.run_root, source_run_root, cfg)
     policy: PolicyRef = cfg.policy.path
     state: TrainState = cfg.initial_state

@@ -11,6 +11,7 @@ import tasks
 from flows.iteration import rl_iteration
 from rft_core.api import (
     WandbLogger,
+    check_run_root,
     curve_markdown,
     format_metrics_line,
     plot_curves,
@@ -39,8 +40,13 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     Rerunning with the same config and run root reuses every committed stage, so a crashed or
     cancelled run resumes where it stopped.
+
+    Raises:
+        RunRootError: before any stage starts, when the run root cannot be written (a missing
+            bucket, refused credentials, an unreachable endpoint, a read-only bucket or folder).
     """
     logger = get_run_logger()
+    logger.info("%s", check_run_root(cfg.run_root))
     # resolved once for the run (auto: one question to the server); the iterations inherit it
     tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)
     cfg = cfg.model_copy(update={"orchestration": cfg.orchestration.model_copy(update={"concurrency_tags": tags})})

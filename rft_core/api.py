@@ -20,7 +20,7 @@ from rft_core.stages.dynamic import count_signal_groups
 from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, resolve_checkpoint
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.retention import apply_retention, prune_checkpoints
-from rft_core.storage import RunRootError, check_run_root
+from rft_core.storage import RunRootError, check_run_root, repair as repair_stage, verify_run
 from rft_core.stages.runner import run_stage
 
 from rft_core.stages import contracts as _contracts
@@ -32,5 +32,5 @@ __all__ = [
     "format_metrics_line", "iteration_metrics", "next_state", "plot_curves", "prune_checkpoints", "replay_sources",
     "resolve_checkpoint", "run_stage", "run_status", "samples_markdown", "samples_view", "wait_for_optimizer_writes",
     "write_metrics", "write_replay_record", "write_tensorboard",
-    "RunRootError", "apply_retention", "check_run_root",
+    "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run",
 ]

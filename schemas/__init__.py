@@ -3,7 +3,7 @@
 Never imports prefect.
 """
 from schemas.columns import STAGE_SCHEMAS, StageSchema, schema_for
-from schemas.layout import iteration_uri, stage_uri
+from schemas.layout import iteration_uri, parse_stage_spec, split_stage_uri, stage_spec, stage_uri
 from schemas.shards import (
     Manifest,
     OlderVersionError,
@@ -14,6 +14,7 @@ from schemas.shards import (
     ShardRef,
     ShardSchemaError,
     StaleShardError,
+    StorageError,
     atomic_put,
     commit_files,
     committed_ref,
@@ -26,7 +27,8 @@ from schemas.shards import (
     read_manifest,
     sha256_file,
 )
-from schemas.tables import read_shard, validate_table, write_parts, write_shard
+from schemas.storage import describe_stage, is_object_store, storage_errors
+from schemas.tables import read_shard, validate_table, verify_files, write_parts, write_shard
 
 __all__ = [
     "STAGE_SCHEMAS",
@@ -40,13 +42,17 @@ __all__ = [
     "ShardSchemaError",
     "StaleShardError",
     "StageSchema",
+    "StorageError",
     "atomic_put",
     "commit_files",
     "committed_ref",
     "config_hash",
+    "describe_stage",
     "filesystem",
+    "is_object_store",
     "iteration_uri",
     "local_path",
+    "parse_stage_spec",
     "prepare_stage_dir",
     "prune_files",
     "pruned_files",
@@ -54,8 +60,12 @@ __all__ = [
     "read_shard",
     "schema_for",
     "sha256_file",
+    "split_stage_uri",
+    "stage_spec",
     "stage_uri",
+    "storage_errors",
     "validate_table",
+    "verify_files",
     "write_parts",
     "write_shard",
 ]

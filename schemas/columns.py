@@ -47,19 +47,53 @@ PROMPTS = StageSchema("prompts", 3, pa.schema([  # 3: videos
     pa.field("videos", pa.list_(pa.binary()), nullable=False),  # encoded videos (the container file's bytes); [] for none
 ]))
 
-ROLLOUT = StageSchema("rollout", 3, pa.schema([  # 3: videos
+# One environment step of a multi-turn trajectory (``rft_core.agents.loop.Trajectory.tool_calls``):
+# the model turn it answered (1-based), the tool the environment parsed (null: no call parsed),
+# its arguments as JSON text ("" when no call was parsed), the observation shown (null: none),
+# the tool's or environment's error (null: none) and the step's wall time in seconds.
+TOOL_CALL = pa.struct([
+    pa.field("turn", pa.int32(), nullable=False),
+    pa.field("name", pa.string(), nullable=True),
+    pa.field("arguments", pa.string(), nullable=False),
+    pa.field("observation", pa.string(), nullable=True),
+    pa.field("error", pa.string(), nullable=True),
+    pa.field("seconds", pa.float64(), nullable=False),
+])
+
+ROLLOUT = StageSchema("rollout", 4, pa.schema([  # 3: videos; 4: multi-turn trajectories (issue 20)
     pa.field("sample_id", pa.string(), nullable=False),
     pa.field("prompt_id", pa.string(), nullable=False),
     pa.field("sample_index", pa.int32(), nullable=False),  # 0..G-1 inside the group
     pa.field("prompt_token_ids", _tok, nullable=False),
     pa.field("response_token_ids", _tok, nullable=False),
     pa.field("response_text", pa.string(), nullable=False),
-    pa.field("rollout_logprobs", _f32, nullable=False),  # engine's log-probs of the sampled tokens
-    pa.field("action_mask", pa.list_(pa.bool_()), nullable=False),
-    pa.field("finish_reason", pa.string(), nullable=False),  # "stop" (EOS) or "length"
+    pa.field("rollout_logprobs", _f32, nullable=False),  # engine's log-probs of the sampled tokens (0 on observations)
+    pa.field("action_mask", pa.list_(pa.bool_()), nullable=False),  # True on tokens the model sampled
+    # "stop" (EOS, or the environment ended it), "length"; multi-turn also "max_turns", "env_error"
+    pa.field("finish_reason", pa.string(), nullable=False),
     pa.field("images", pa.list_(pa.binary()), nullable=False),  # the prompt's encoded images; [] for text-only
     pa.field("videos", pa.list_(pa.binary()), nullable=False),  # the prompt's encoded videos; [] for none
+    # multi-turn (rollout.agent; docs/agents.md). Single-turn rows: 1, [], 0.0, False, null, response_text
+    pa.field("num_turns", pa.int32(), nullable=False),  # model turns
+    pa.field("tool_calls", pa.list_(TOOL_CALL), nullable=False),  # one per environment step with a call/observation/error
+    pa.field("env_reward", pa.float32(), nullable=False),  # sum of the environment's step rewards
+    pa.field("env_fallback", pa.bool_(), nullable=False),  # env_reward is rollout.agent.fallback_reward (env failed)
+    pa.field("env_error", pa.string(), nullable=True),  # the environment's failure (fallback mode)
+    pa.field("transcript", pa.string(), nullable=False),  # the whole response decoded with special tokens
 ]))
+
+# The multi-turn columns of ROLLOUT, in order.
+TRAJECTORY_COLUMNS = ("num_turns", "tool_calls", "env_reward", "env_fallback", "env_error", "transcript")
+
+
+def single_turn_columns(response_texts: list[str]) -> dict[str, list]:
+    """The multi-turn columns (``TRAJECTORY_COLUMNS``) of single-turn rollout rows: one turn,
+    no tool calls, no environment reward, not a fallback, no error, the transcript is the
+    response text. For the writers of single-turn rollout tables (the rollout and eval stages,
+    ``schemas.experience.experience_to_tables``, test fixtures)."""
+    n = len(response_texts)
+    return {"num_turns": [1] * n, "tool_calls": [[] for _ in range(n)], "env_reward": [0.0] * n,
+            "env_fallback": [False] * n, "env_error": [None] * n, "transcript": list(response_texts)}
 
 ACTOR_LOGPROBS = StageSchema("actor_logprobs", 1, pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),

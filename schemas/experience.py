@@ -27,7 +27,16 @@ from schemas.batch import (  # noqa: F401 - part of this module's surface since 
     join_column_groups,
     zero_pad_sequences,
 )
-from schemas.columns import ACTOR_LOGPROBS, ADVANTAGES, CRITIC_VALUES, REF_LOGPROBS, REWARDS, ROLLOUT
+from schemas.columns import (
+    ACTOR_LOGPROBS,
+    ADVANTAGES,
+    CRITIC_VALUES,
+    REF_LOGPROBS,
+    REWARDS,
+    ROLLOUT,
+    TRAJECTORY_COLUMNS,
+    single_turn_columns,
+)
 from schemas.shards import ShardSchemaError
 
 
@@ -153,9 +162,10 @@ def remove_padding_in_sequences(items: list[BufferItem]) -> list[BufferItem]:
     """Strip padding from padded BufferItems.
 
     Left padding is the run of zeros at the start of ``attention_mask``; right padding is the
-    number of False entries of ``action_mask`` (padding is only ever at the end of the
-    response). Without masks, leading/trailing zero tokens of ``sequences`` are the padding:
-    ``[0, 0, 1, 2, 3, 0, 0] -> [1, 2, 3]``.
+    run of zeros at its end, or without an attention mask the run of False entries at the end
+    of ``action_mask`` (a multi-turn response has False entries inside it too: its observation
+    tokens, which are kept). Without masks, leading/trailing zero tokens of ``sequences`` are
+    the padding: ``[0, 0, 1, 2, 3, 0, 0] -> [1, 2, 3]``.
     """
     out = []
     for it in items:
@@ -165,8 +175,10 @@ def remove_padding_in_sequences(items: list[BufferItem]) -> list[BufferItem]:
         else:
             nz = torch.nonzero(seq).flatten()
             left = int(nz[0]) if len(nz) else len(seq)
-        if it.action_mask is not None:
-            right = int((~it.action_mask.bool()).sum())
+        if it.attention_mask is not None:
+            right = _trailing(it.attention_mask.bool())
+        elif it.action_mask is not None:
+            right = _trailing(it.action_mask.bool())
         else:
             nz = torch.nonzero(seq).flatten()
             right = len(seq) - 1 - int(nz[-1]) if len(nz) else 0
@@ -178,6 +190,12 @@ def remove_padding_in_sequences(items: list[BufferItem]) -> list[BufferItem]:
             new[key] = None if v is None else v[: v.shape[0] - right]
         out.append(replace(it, **new))
     return out
+
+
+def _trailing(mask: torch.Tensor) -> int:
+    """The number of False entries after the last True of a 1-D bool mask (all of it if none)."""
+    nz = torch.nonzero(mask).flatten()
+    return len(mask) - 1 - int(nz[-1]) if len(nz) else len(mask)
 
 
 def to_experience(batch: ColumnBatch) -> Experience:
@@ -254,8 +272,11 @@ def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
 
     Inverse of ``experience_from_tables`` for the columns an Experience carries. ``info`` must
     hold ``sample_id`` and ``prompt_id``; optional ``response_text``, ``finish_reason``,
-    ``rewards``, ``shaped_rewards`` and ``images`` / ``videos`` (B lists of encoded bytes, the
-    rollout's media columns; [] per sample without them) are used when present.
+    ``rewards``, ``shaped_rewards``, ``images`` / ``videos`` (B lists of encoded bytes, the
+    rollout's media columns; [] per sample without them) and the multi-turn columns
+    ``num_turns``, ``tool_calls``, ``env_reward``, ``env_fallback``, ``env_error``,
+    ``transcript`` (B values each; without them the rows are single-turn:
+    ``schemas.columns.single_turn_columns``) are used when present.
 
     Raises:
         ValueError: ``exp`` has no action_mask or attention_mask.
@@ -274,6 +295,9 @@ def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
     text = list(exp.info.get("response_text", [""] * B))
     finish = list(exp.info.get("finish_reason", ["stop"] * B))
     f32 = pa.list_(pa.float32())
+    single = single_turn_columns(text)
+    turns = {c: [v.item() if isinstance(v, torch.Tensor) else v for v in exp.info.get(c, single[c])]
+             for c in TRAJECTORY_COLUMNS}
     out = {"rollout": pa.table({
         "sample_id": sid, "prompt_id": pid,
         "sample_index": pa.array([int(s.rsplit("#", 1)[-1]) if "#" in s else 0 for s in sid], pa.int32()),
@@ -285,6 +309,7 @@ def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
         "finish_reason": finish,
         "images": [list(m) for m in exp.info.get("images", [[] for _ in range(B)])],
         "videos": [list(m) for m in exp.info.get("videos", [[] for _ in range(B)])],
+        **turns,
     }, schema=ROLLOUT.arrow)}
     entropy = exp.action_entropy if exp.action_entropy is not None else torch.zeros_like(exp.action_log_probs)
     out["actor_logprobs"] = pa.table({"sample_id": sid, "old_logprobs": pa.array(per_tok(exp.action_log_probs), f32),

@@ -2,13 +2,24 @@
 
 Write protocol (``write_shard`` / ``commit_files``):
   1. refuse if ``_MANIFEST.json`` already exists (a committed stage is never overwritten);
-  2. remove leftovers of an interrupted attempt (anything in the folder without a manifest);
-  3. write each part under a temporary name, then rename it to ``part-NNNNN.parquet``;
-  4. write ``_MANIFEST.json`` last (via a temporary name and a rename): it is the commit point.
+  2. take the stage's writer lock, remove leftovers of an interrupted attempt (anything in the
+     folder without a manifest);
+  3. write each part (local disk: under a temporary name, then renamed to ``part-NNNNN.parquet``;
+     an object store: one PUT, which is atomic there: the object appears whole or not at all);
+  4. write ``_MANIFEST.json`` last: it is the commit point (local: temporary name + rename; an
+     object store: a conditional PUT, ``If-None-Match: *``, so of two writers only one commits).
 
 A reader trusts only the manifest: rows, files, sizes, sha256 checksums, schema fingerprint,
-config hash and the inputs that produced the shard. Parquet parts are written and read in
-``schemas.tables``.
+config hash and the inputs that produced the shard; a folder whose manifest is missing is never
+accepted, whatever parts it holds. Parquet parts are written and read in ``schemas.tables``.
+
+Object stores have no rename and no exclusive create, except through conditional writes: the
+writer lock and the manifest use ``pipe_file(mode="create")``, which s3fs sends as S3's
+``If-None-Match: *`` (AWS S3 since 2024, MinIO and moto honour it). What that guarantees and
+what it does not is in ``docs/reliability.md`` ("Object storage").
+
+A write that fails in the storage itself (disk full, quota, read-only, permission) raises
+``StorageError``, which names the stage, the run, the file and the cause.
 """
 from __future__ import annotations
 
@@ -22,12 +33,28 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping, Union
 
-import fsspec
 from pydantic import BaseModel, ConfigDict
 
 from schemas.columns import StageSchema
+from schemas.storage import (  # noqa: F401 - re-exported: the shard contract's storage primitives
+    MANIFEST_NAME,
+    OBJECT_STORE_PROTOCOLS,
+    StorageError,
+    atomic_put,
+    describe_stage,
+    filesystem,
+    fresh_listing,
+    is_object_store,
+    local_path,
+    local_path_of,
+    put_exclusive,
+    remember_sha256,
+    repair_hint,
+    sha256_file,
+    storage_errors,
+    verified,
+)
 
-MANIFEST_NAME = "_MANIFEST.json"
 MANIFEST_VERSION = 1
 
 
@@ -77,39 +104,41 @@ def _pid_alive(pid: int) -> bool:
 def acquire_stage_lock(uri: str) -> str:
     """Take the writer lock of a stage folder; return its token.
 
-    Local folders use an exclusive create (O_EXCL), so two writers can never both hold it;
-    other filesystems write the lock and read it back (best effort). A lock whose writer is
-    gone is taken over: same host and that pid no longer runs (a killed worker), or older
-    than ``RFT_LOCK_TTL_SECONDS`` (default 6 h; writers on other hosts).
+    The lock is created exclusively (``put_exclusive``: ``O_EXCL`` on local disk, a conditional
+    PUT on S3), so two writers can never both create it. A lock whose writer is gone is taken
+    over: same host and that pid no longer runs (a killed worker), or older than
+    ``RFT_LOCK_TTL_SECONDS`` (default 6 h; writers on other hosts). Taking over is delete +
+    create: two writers taking over the same dead lock at the same moment can, on an object
+    store without conditional deletes, both end up believing they hold it; the conditional
+    manifest PUT (``commit_files``) still lets only one of them commit.
 
     Raises:
         ShardLockedError: a live writer holds the lock (named: host, pid, since when).
     """
     fs, path = filesystem(uri)
-    fs.makedirs(path, exist_ok=True)
+    if not is_object_store(fs):  # object stores have no folders (and s3fs would create a missing bucket)
+        fs.makedirs(path, exist_ok=True)
     lpath = f"{path}/{LOCK_NAME}"
     token = uuid.uuid4().hex
     info = {"token": token, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
     data = json.dumps(info).encode()
-    local = local_path(uri) is not None
-    for _ in range(3):
-        if local:
-            try:
-                fd = os.open(lpath, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                pass
-            else:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                return token
-        elif not fs.exists(lpath):
-            fs.pipe_file(lpath, data)
-            if json.loads(fs.cat_file(lpath)).get("token") == token:
+    for _ in range(5):
+        try:
+            put_exclusive(fs, lpath, data)
+        except FileExistsError:
+            pass
+        else:
+            if local_path(uri) is not None or is_object_store(fs) or json.loads(fs.cat_file(lpath)).get("token") == token:
                 return token
         try:
             held = json.loads(fs.cat_file(lpath))
-        except (FileNotFoundError, ValueError):
-            continue  # released (or half-written) meanwhile: try again
+        except FileNotFoundError:
+            continue  # released meanwhile: try again
+        except ValueError:  # empty or half-written: a writer between its create and its write, or killed there
+            if _age_seconds(fs, lpath) < 5:
+                time.sleep(0.5)
+                continue
+            held = {}  # stale: nobody finishes writing a lock after seconds
         stale = (held.get("host") == info["host"] and not _pid_alive(int(held.get("pid", -1)))) or \
             time.time() - float(held.get("since", 0)) > LOCK_TTL_SECONDS
         if not stale:
@@ -118,7 +147,16 @@ def acquire_stage_lock(uri: str) -> str:
                 f"{_dt.datetime.fromtimestamp(float(held.get('since', 0))).isoformat(timespec='seconds')}; "
                 "wait for it or stop it")
         fs.rm(lpath)
+        fresh_listing(fs, lpath)
     raise ShardLockedError(f"{uri}: could not take the writer lock")
+
+
+def _age_seconds(fs, path: str) -> float:
+    """Seconds since ``path`` was last modified (0 when that cannot be told)."""
+    try:
+        return max(0.0, time.time() - fs.modified(path).timestamp())
+    except (OSError, NotImplementedError, AttributeError):
+        return 0.0
 
 
 def release_stage_lock(uri: str, token: str) -> None:
@@ -192,12 +230,6 @@ class ShardRef(BaseModel):
 PolicyRef = Union[str, ShardRef]
 
 
-def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem of ``uri`` and the path on it (without a trailing slash)."""
-    fs, path = fsspec.core.url_to_fs(uri)
-    return fs, path.rstrip("/")
-
-
 def _canonical(obj: Any) -> Any:
     if isinstance(obj, ShardRef):
         return {"shard": obj.manifest_sha256}
@@ -230,9 +262,13 @@ def read_manifest(uri: str) -> tuple[Manifest, str]:
     """
     fs, path = filesystem(uri)
     mpath = f"{path}/{MANIFEST_NAME}"
-    if not fs.exists(mpath):
-        raise ShardNotCommittedError(f"{uri}: no {MANIFEST_NAME}; the stage has not committed")
-    raw = fs.cat_file(mpath)
+    fresh_listing(fs, path)
+    try:
+        raw = fs.cat_file(mpath)
+    except FileNotFoundError:
+        raise ShardNotCommittedError(f"{uri}: no {MANIFEST_NAME}; the stage has not committed") from None
+    except IsADirectoryError as exc:
+        raise ShardCorruptError(f"{uri}/{MANIFEST_NAME}: a folder, not a manifest") from exc
     try:
         manifest = Manifest.model_validate_json(raw)
     except Exception as exc:  # pydantic.ValidationError or JSON error
@@ -263,7 +299,9 @@ def committed_ref(uri: str, *, stage: str, config_hash: str, contract: str | Non
         OlderVersionError: the manifest was written under another stage contract.
         StaleShardError: a manifest exists with another config hash or stage; a committed
             result is never silently overwritten (use a new run root).
-        ShardCorruptError: with ``check_files``, a committed file is missing or has another size.
+        ShardCorruptError: with ``check_files``, a committed file is missing or has another size,
+            or a Parquet part's sha256 differs from the manifest's (the parts are small; the
+            checkpoint files are checked when they are loaded, ``schemas.tables.verify_files``).
     """
     try:
         manifest, sha = read_manifest(uri)
@@ -293,7 +331,9 @@ def committed_ref(uri: str, *, stage: str, config_hash: str, contract: str | Non
                 raise ShardCorruptError(f"{uri}: manifest lists {entry.path} but the file is missing")
             size = fs.size(fpath)
             if size != entry.bytes:
-                raise ShardCorruptError(f"{uri}/{entry.path}: {size} bytes, manifest says {entry.bytes}")
+                raise ShardCorruptError(f"{uri}/{entry.path}: {size} bytes, manifest says {entry.bytes}{repair_hint(uri)}")
+            if entry.rows is not None and not verified(fs, fpath, entry.sha256):
+                raise ShardCorruptError(f"{uri}/{entry.path}: sha256 does not match the manifest (corrupted){repair_hint(uri)}")
     return _ref(uri, manifest, sha)
 
 
@@ -363,39 +403,23 @@ def prepare_stage_dir(uri: str) -> str:
         ShardLockedError: another live writer is writing this stage.
     """
     fs, path = filesystem(uri)
+    fresh_listing(fs, path)
     if fs.exists(f"{path}/{MANIFEST_NAME}"):
         raise ShardExistsError(f"{uri}: already committed; refusing to overwrite it")
-    token = acquire_stage_lock(uri)
+    with storage_errors(uri):
+        token = acquire_stage_lock(uri)
     try:
+        fresh_listing(fs, path)
         if fs.exists(f"{path}/{MANIFEST_NAME}"):  # committed by a writer that finished just now
             raise ShardExistsError(f"{uri}: already committed by another writer; refusing to overwrite it")
-        for entry in fs.ls(path, detail=False):
-            if entry.rstrip("/").rsplit("/", 1)[-1] != LOCK_NAME:
-                fs.rm(entry, recursive=True)  # leftovers of an interrupted attempt (we hold the lock)
+        with storage_errors(uri):
+            for entry in fs.ls(path, detail=False):
+                if entry.rstrip("/").rsplit("/", 1)[-1] != LOCK_NAME:
+                    fs.rm(entry, recursive=True)  # leftovers of an interrupted attempt (we hold the lock)
     except BaseException:
         release_stage_lock(uri, token)
         raise
     return token
-
-
-def atomic_put(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` under a temporary name, then rename it into place (a reader
-    never sees a partial file where the filesystem's rename is atomic)."""
-    parent, name = path.rsplit("/", 1)
-    tmp = f"{parent}/.tmp-{uuid.uuid4().hex}-{name}"
-    fs.pipe_file(tmp, data)
-    fs.mv(tmp, path)
-
-
-def sha256_file(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
-    """(size in bytes, sha256 hex) of a file, read in 4 MiB chunks."""
-    h = hashlib.sha256()
-    size = 0
-    with fs.open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
 
 
 def commit_files(
@@ -422,10 +446,13 @@ def commit_files(
         inputs: the ShardRefs this output was computed from (recorded by manifest sha256).
         contract: the stage contract ``config_hash`` was computed under (recorded).
     Raises:
-        ShardExistsError: a manifest already exists at ``uri``.
+        ShardExistsError: a manifest already exists at ``uri`` (also when another writer's
+            conditional PUT of it won just now, on an object store).
+        StorageError: the storage refused a write (no space, read-only, permission).
     """
     fs, path = filesystem(uri)
     mpath = f"{path}/{MANIFEST_NAME}"
+    fresh_listing(fs, path)
     if fs.exists(mpath):
         raise ShardExistsError(f"{uri}: already committed; refusing to overwrite it")
     if files is None:
@@ -440,6 +467,8 @@ def commit_files(
     # hashed at the same time (0.85 -> 0.57 s for SmolLM2-135M's 1.5 GB on 2 cores)
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(files)))) as pool:
         sums = list(pool.map(lambda rel: sha256_file(fs, f"{path}/{rel}"), files))
+    for rel, (_, sha) in zip(files, sums):
+        remember_sha256(fs, f"{path}/{rel}", sha)
     entries = [FileEntry(path=rel, bytes=size, sha256=sha, rows=rows_per_file.get(rel)) for rel, (size, sha) in zip(files, sums)]
     manifest = Manifest(
         stage=stage,
@@ -454,15 +483,17 @@ def commit_files(
         contract=contract,
     )
     raw = manifest.model_dump_json(indent=1).encode()
-    atomic_put(fs, mpath, raw)
+    with storage_errors(uri, action="committing"):
+        if local_path_of(fs, mpath) is not None:
+            atomic_put(fs, mpath, raw)
+        else:
+            try:
+                put_exclusive(fs, mpath, raw)  # the commit point: a conditional PUT where the store has one
+            except FileExistsError:
+                raise ShardExistsError(f"{uri}: committed by another writer a moment ago (its manifest won the "
+                                       "conditional write); this attempt's result is discarded") from None
     if lock_token is not None:
         release_stage_lock(uri, lock_token)
     return _ref(uri, manifest, hashlib.sha256(raw).hexdigest())
 
 
-def local_path(uri: str) -> str | None:
-    """The local filesystem path of ``uri``, or None when it is not on the local filesystem."""
-    from fsspec.implementations.local import LocalFileSystem
-
-    fs, path = filesystem(uri)
-    return path if isinstance(fs, LocalFileSystem) else None

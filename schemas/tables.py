@@ -1,5 +1,6 @@
 """Parquet parts of a shard: schema validation, writing parts and committing them
-(``write_shard``), and reading a committed shard back with every check (``read_shard``).
+(``write_shard``), reading a committed shard back with every check (``read_shard``), and
+checking a committed stage's other files (checkpoints) against its manifest (``verify_files``).
 
 The commit protocol itself (manifest, locks, checksums) is in ``schemas.shards``.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 from typing import Any, Mapping
 
 import pyarrow as pa
@@ -18,11 +20,15 @@ from schemas.shards import (
     ShardRef,
     ShardSchemaError,
     atomic_put,
-    filesystem,
     commit_files,
+    filesystem,
     prepare_stage_dir,
+    pruned_files,
     read_manifest,
     release_stage_lock,
+    repair_hint,
+    storage_errors,
+    verified,
 )
 
 
@@ -60,6 +66,7 @@ def write_parts(table: pa.Table, uri: str, *, schema: StageSchema, rows_per_part
         {part file name: rows}, to pass on to ``commit_files``.
     Raises:
         ShardSchemaError: ``table`` does not match ``schema``.
+        StorageError: the storage refused a write (no space, read-only, permission), named.
     """
     table = validate_table(table, schema, where=f"writing {uri}").cast(schema.arrow)
     fs, path = filesystem(uri)
@@ -70,7 +77,8 @@ def write_parts(table: pa.Table, uri: str, *, schema: StageSchema, rows_per_part
         buf = io.BytesIO()
         pq.write_table(part, buf, compression="zstd")
         name = f"part-{i:05d}.parquet"
-        atomic_put(fs, f"{path}/{name}", buf.getvalue())
+        with storage_errors(uri):
+            atomic_put(fs, f"{path}/{name}", buf.getvalue())
         rows[name] = part.num_rows
     return rows
 
@@ -142,9 +150,9 @@ def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = 
         data = fs.cat_file(fpath)
         if verify:
             if len(data) != entry.bytes:
-                raise ShardCorruptError(f"{fpath}: {len(data)} bytes, manifest says {entry.bytes} (truncated?)")
+                raise ShardCorruptError(f"{fpath}: {len(data)} bytes, manifest says {entry.bytes} (truncated?){repair_hint(uri)}")
             if hashlib.sha256(data).hexdigest() != entry.sha256:
-                raise ShardCorruptError(f"{fpath}: sha256 does not match the manifest (corrupted)")
+                raise ShardCorruptError(f"{fpath}: sha256 does not match the manifest (corrupted){repair_hint(uri)}")
         try:
             part = pq.read_table(pa.BufferReader(data))
         except Exception as exc:
@@ -160,3 +168,46 @@ def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = 
     if table.num_rows != manifest.num_rows:
         raise ShardCorruptError(f"{uri}: {table.num_rows} rows, manifest says {manifest.num_rows}")
     return table
+
+
+def verify_files(uri: str, *, under: str = "", local_copy: str | None = None) -> list[str]:
+    """Check the committed files of the stage at ``uri`` below its sub-folder ``under`` ("" for
+    all) against the manifest: present, same size, same sha256. Files pruned on purpose
+    (``_PRUNED.json``) are skipped. A local file that this process wrote or checked before,
+    unchanged since (size, mtime), is not hashed again.
+
+    Args:
+        local_copy: check this local folder instead (a download of ``{uri}/{under}``: the files
+            keep their paths relative to ``under``).
+    Returns:
+        the paths checked (relative to ``uri``).
+    Raises:
+        ShardNotCommittedError: no manifest at ``uri``.
+        ShardCorruptError: a file is missing, has another size or another sha256; the message
+            names the file and the command that recomputes the stage.
+    """
+    manifest, _ = read_manifest(uri)
+    prefix = f"{under.strip('/')}/" if under.strip("/") else ""
+    pruned = pruned_files(uri)
+    fs, path = filesystem(uri)
+    if local_copy is not None:
+        from fsspec.implementations.local import LocalFileSystem
+
+        fs = LocalFileSystem()
+    checked = []
+    for entry in manifest.files:
+        if not entry.path.startswith(prefix) or entry.path in pruned:
+            continue
+        fpath = os.path.join(local_copy, entry.path[len(prefix):]) if local_copy is not None else f"{path}/{entry.path}"
+        shown = f"{uri.rstrip('/')}/{entry.path}"
+        if not fs.exists(fpath):
+            raise ShardCorruptError(f"{shown}: listed in the manifest but missing{repair_hint(uri)}")
+        size = fs.size(fpath)
+        if size != entry.bytes:
+            raise ShardCorruptError(f"{shown}: {size} bytes, the manifest says {entry.bytes} (truncated or "
+                                    f"overwritten){repair_hint(uri)}")
+        if not verified(fs, fpath, entry.sha256):
+            raise ShardCorruptError(f"{shown}: sha256 does not match the manifest: the committed file is "
+                                    f"corrupted{repair_hint(uri)}")
+        checked.append(entry.path)
+    return checked

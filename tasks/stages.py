@@ -35,7 +35,7 @@ from rft_core.api import (
     RolloutInput,
     RolloutMergeInput,
     count_signal_groups,
-    prune_checkpoints as prune_checkpoint_files,
+    apply_retention,
     run_stage,
 )
 from rft_core.config import CheckpointConfig, RunnerConfig
@@ -152,8 +152,6 @@ def eval_summary(*, inp: EvalSummaryInput) -> ShardRef:
 
 @_stage_task("prune_checkpoints")
 def prune_checkpoints(*, run_root: str, iteration: int, checkpoint: CheckpointConfig) -> dict[str, list[str]]:
-    """Checkpoint retention after ``iteration``: prune the checkpoints older than the last
-    ``checkpoint.keep_last`` iterations (nothing when keep_last is None)."""
-    if checkpoint.keep_last is None:
-        return {}
-    return prune_checkpoint_files(run_root, iteration, keep_last=checkpoint.keep_last, prune=checkpoint.prune)
+    """Checkpoint retention after ``iteration`` (``checkpoint.keep_last``, ``prune``,
+    ``keep_weights_last``, ``keep_weights_every``; nothing when keep_last is None)."""
+    return apply_retention(run_root, iteration, checkpoint)

@@ -1,6 +1,15 @@
 """Where a stage finds the checkpoint it starts from: a policy, critic or optimizer state named
 by a ``PolicyRef`` (an initial model path, or a committed training stage whose sub-folder is an
-HF checkpoint), as a local folder ``from_pretrained`` can load."""
+HF checkpoint), as a local folder ``from_pretrained`` can load.
+
+Every checkpoint folder handed out is checked against its stage's manifest first (each file
+present, same size, same sha256; ``schemas.verify_files``): a flipped byte in a committed
+``model.safetensors`` or ``optimizer.pt`` stops the stage with an error that names the file and
+the command that recomputes it (``python -m rft_core.storage repair``), instead of training on
+from damaged weights. A local file hashed before by this process (the process that committed
+it, or an earlier load), unchanged since, is not hashed again, so a run pays for the check
+only when it resumes or loads a checkpoint another process wrote: about 0.5 s per GB.
+"""
 from __future__ import annotations
 
 import os
@@ -13,7 +22,7 @@ import fsspec
 from rft_core.models.loading import cache_dir
 from rft_core.stages.retention import require_unpruned
 from rft_core.training.checkpoint import OPTIMIZER_FILE
-from schemas import PolicyRef, ShardRef, local_path
+from schemas import PolicyRef, ShardRef, local_path, verify_files
 
 POLICY_SUBDIR = "policy"
 CRITIC_SUBDIR = "critic"
@@ -27,6 +36,7 @@ def policy_model_path(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str:
 
     Raises:
         CheckpointPrunedError: the checkpoint's weights were pruned (``checkpoint.keep_last``).
+        ShardCorruptError: a checkpoint file is missing or differs from the manifest (named).
     """
     if isinstance(policy, str):
         return policy
@@ -40,18 +50,30 @@ _COMPLETE_MARKERS = ("config.json", "adapter_config.json", OPTIMIZER_FILE)
 
 
 def _checkpoint_folder(policy: ShardRef, subdir: str) -> str:
-    """Local folder of ``{policy.uri}/{subdir}`` (``subdir=""``: the stage folder itself): the
-    folder itself, or a cached download keyed by the manifest checksum."""
+    """Local folder of ``{policy.uri}/{subdir}`` (``subdir=""``: the stage folder itself),
+    checked against the manifest: the folder itself, or a download into the cache keyed by the
+    manifest checksum (checked before it is renamed into place, so the cache never holds a
+    damaged copy; a cached copy is not checked again).
+
+    Raises:
+        ShardCorruptError: a file is missing or its size or sha256 differs from the manifest.
+    """
     uri = f"{policy.uri.rstrip('/')}/{subdir}" if subdir else policy.uri
     local = local_path(uri)
     if local is not None:
+        verify_files(policy.uri, under=subdir)
         return local
     target = cache_dir() / "checkpoints" / f"{policy.manifest_sha256}-{subdir or policy.stage}"
     if not any((target / name).exists() for name in _COMPLETE_MARKERS):
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".dl-", dir=target.parent))
-        fs, path = fsspec.core.url_to_fs(uri)
-        fs.get(path.rstrip("/") + "/", str(tmp), recursive=True)
+        try:
+            fs, path = fsspec.core.url_to_fs(uri)
+            fs.get(path.rstrip("/") + "/", str(tmp), recursive=True)
+            verify_files(policy.uri, under=subdir, local_copy=str(tmp))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if target.exists():
             shutil.rmtree(tmp)
         else:
@@ -64,6 +86,7 @@ def policy_checkpoint_dir(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str
 
     Raises:
         CheckpointPrunedError: the checkpoint's optimizer state or weights were pruned.
+        ShardCorruptError: a checkpoint file is missing or differs from the manifest (named).
     """
     if isinstance(policy, str):
         return None

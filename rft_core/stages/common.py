@@ -21,6 +21,7 @@ from schemas import (
     committed_ref,
     local_path,
     prepare_stage_dir,
+    storage_errors,
     write_parts,
     write_shard,
 )
@@ -94,7 +95,7 @@ def commit_checkpoint(commit: Commit, *, subdir: str, model, tokenizer, optimize
     out = commit.uri
     token = prepare_stage_dir(out)
     try:
-        with Timer() as t_save:
+        with Timer() as t_save, storage_errors(out):
             local = local_path(out)
             if local is not None:
                 save_checkpoint(model, tokenizer, optimizer, f"{local}/{subdir}")

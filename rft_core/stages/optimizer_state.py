@@ -37,7 +37,7 @@ from rft_core.stages.checkpoints import policy_checkpoint_dir
 from rft_core.stages.common import Commit, stage_commit
 from rft_core.stages.contracts import OptimizerStateInput
 from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
-from schemas import ShardRef, commit_files, local_path, prepare_stage_dir, read_manifest
+from schemas import ShardRef, commit_files, local_path, prepare_stage_dir, read_manifest, storage_errors
 from schemas.columns import OPTIMIZER_STATE
 from schemas.shards import ShardNotCommittedError, release_stage_lock
 
@@ -72,14 +72,15 @@ def _write(update: ShardRef, state: dict, summary: dict) -> ShardRef:
     t0 = time.perf_counter()
     token = prepare_stage_dir(uri)
     try:
-        local = local_path(uri)
-        if local is not None:
-            torch.save(state, os.path.join(local, OPTIMIZER_FILE))
-        else:
-            with tempfile.TemporaryDirectory(prefix="rft-opt-") as tmp:
-                torch.save(state, os.path.join(tmp, OPTIMIZER_FILE))
-                fs, path = fsspec.core.url_to_fs(uri)
-                fs.put_file(os.path.join(tmp, OPTIMIZER_FILE), f"{path.rstrip('/')}/{OPTIMIZER_FILE}")
+        with storage_errors(uri):
+            local = local_path(uri)
+            if local is not None:
+                torch.save(state, os.path.join(local, OPTIMIZER_FILE))
+            else:
+                with tempfile.TemporaryDirectory(prefix="rft-opt-") as tmp:
+                    torch.save(state, os.path.join(tmp, OPTIMIZER_FILE))
+                    fs, path = fsspec.core.url_to_fs(uri)
+                    fs.put_file(os.path.join(tmp, OPTIMIZER_FILE), f"{path.rstrip('/')}/{OPTIMIZER_FILE}")
         ref = commit_files(uri, stage=OPTIMIZER_STAGE, config_hash=commit.config_hash, files=[OPTIMIZER_FILE],
                            inputs={"ppo_update": update}, summary={**summary, "seconds": time.perf_counter() - t0},
                            schema=OPTIMIZER_STATE, lock_token=token, contract=commit.contract)

@@ -2,25 +2,31 @@
 
 Every iteration commits a full HF checkpoint plus the AdamW state (``optimizer.pt``, twice the
 weights in float32; the policy's in the stage ``ppo_update-optimizer``): about 1.6 GB per
-iteration on SmolLM2-135M, ~84 GB on a 7B model. With ``checkpoint.keep_last = N`` the flow
-prunes, after each iteration ``i``, the ``ppo_update`` (and its optimizer stage) and
-``critic_update`` checkpoints of iterations ``<= i - N``:
+iteration on SmolLM2-135M, ~84 GB on a 7B model. After each iteration ``i`` the flow prunes
+the ``ppo_update`` (and its optimizer stage) and ``critic_update`` checkpoints of older
+iterations (``CheckpointConfig``; the defaults in brackets):
 
-- ``prune: optimizer`` (default) removes the optimizer state only: old iterations keep their
-  weights, so they can still be evaluated or used as a reference;
-- ``prune: weights`` also removes the weight files (``*.safetensors``, ``*.bin``); the folder
-  keeps its config and tokenizer, and the stage keeps its metrics parts.
+- iterations ``<= i - keep_last`` [1] lose their optimizer state;
+- with ``prune: weights`` [the default] they also lose their weight files (``*.safetensors``,
+  ``*.bin``), except the last ``keep_weights_last`` [3] iterations and every
+  ``keep_weights_every``-th [10] (iterations 10, 20, ...), which stay loadable for eval or as
+  a reference; ``prune: optimizer`` keeps every iteration's weights.
+
+A pruned folder keeps its config and tokenizer, and the stage keeps its metrics parts and its
+manifest; the shards of every stage are never pruned (metrics, inspect, DuckDB, replay).
 
 Resuming never needs a pruned file: iteration ``i + 1`` starts from iteration ``i``, which is
-kept whole until ``i + 1`` has committed (``N >= 1``). Loading a pruned checkpoint anyway (a
-later iteration deleted by hand) raises ``CheckpointPrunedError`` instead of silently starting
-a fresh optimizer. Manifests are never rewritten (``schemas.shards.prune_files``).
+kept whole until ``i + 1`` has committed (``keep_last >= 1``). Loading a pruned checkpoint
+anyway (eval of an old iteration, or a later iteration deleted by hand) raises
+``CheckpointPrunedError`` naming the files and why they went, instead of silently starting a
+fresh optimizer. Manifests are never rewritten (``schemas.shards.prune_files``).
 """
 from __future__ import annotations
 
 import logging
 from typing import Literal
 
+from rft_core.config import CheckpointConfig
 from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
 from schemas import ShardRef, prune_files, pruned_files, read_manifest, stage_uri
 from schemas.shards import ShardNotCommittedError
@@ -64,32 +70,71 @@ def prunable_files(files: list[str], subdir: str, prune: Literal["optimizer", "w
     return sorted(out)
 
 
+_DEFAULTS = CheckpointConfig()
+
+
+def keeps_weights(old: int, iteration: int, *, keep_weights_last: int, keep_weights_every: int | None) -> bool:
+    """Whether iteration ``old``'s weights survive ``prune: weights`` after ``iteration``: it is
+    one of the last ``keep_weights_last`` iterations, or a multiple of ``keep_weights_every``."""
+    return old > iteration - keep_weights_last or (keep_weights_every is not None and old % keep_weights_every == 0)
+
+
 def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
-                      prune: Literal["optimizer", "weights"] = "optimizer") -> dict[str, list[str]]:
+                      prune: Literal["optimizer", "weights"] = _DEFAULTS.prune,
+                      keep_weights_last: int = _DEFAULTS.keep_weights_last,
+                      keep_weights_every: int | None = _DEFAULTS.keep_weights_every) -> dict[str, list[str]]:
     """After ``iteration`` has committed, prune the checkpoints of iterations ``1 .. iteration -
-    keep_last`` (idempotent: already-pruned files are skipped; uncommitted stages are left alone).
+    keep_last``: their optimizer state, and with ``prune="weights"`` their weights unless
+    ``keeps_weights`` (idempotent: already-pruned files are skipped; uncommitted stages are left
+    alone).
 
     Returns:
         {stage URI: paths deleted now}, only for stages where something was deleted.
     Raises:
-        ValueError: ``keep_last < 1`` (the checkpoint the next iteration starts from would go).
+        ValueError: ``keep_last < 1`` (the checkpoint the next iteration starts from would go),
+            ``keep_weights_last < 1`` or ``keep_weights_every < 1``.
     """
     if keep_last < 1:
         raise ValueError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
+    if keep_weights_last < 1 or (keep_weights_every is not None and keep_weights_every < 1):
+        raise ValueError(f"checkpoint.keep_weights_last and keep_weights_every must be >= 1, got {keep_weights_last}, "
+                         f"{keep_weights_every}")
     done: dict[str, list[str]] = {}
+    why_opt = f"checkpoint.keep_last={keep_last} after iteration {iteration}"
+    why_weights = (f"checkpoint.prune=weights (keep_weights_last={keep_weights_last}, keep_weights_every="
+                   f"{keep_weights_every}) after iteration {iteration}")
     for old in range(1, iteration - keep_last + 1):
+        drop_weights = prune == "weights" and not keeps_weights(old, iteration, keep_weights_last=keep_weights_last,
+                                                                keep_weights_every=keep_weights_every)
         for stage, subdir in CHECKPOINT_STAGES.items():
             uri = stage_uri(run_root, old, stage)
             try:
                 manifest, _ = read_manifest(uri)
             except ShardNotCommittedError:
                 continue
-            paths = prunable_files([e.path for e in manifest.files], subdir, prune)
-            removed = prune_files(uri, paths, reason=f"checkpoint.keep_last={keep_last} (prune={prune}) after iteration {iteration}")
+            files = [e.path for e in manifest.files]
+            optimizer = prunable_files(files, subdir, "optimizer")
+            weights = sorted(set(prunable_files(files, subdir, "weights")) - set(optimizer)) if drop_weights else []
+            removed = prune_files(uri, optimizer, reason=why_opt) + prune_files(uri, weights, reason=why_weights)
             if removed:
-                done[uri] = removed
-                log.info("pruned %d checkpoint file(s) of %s (keep_last=%d)", len(removed), uri, keep_last)
+                done[uri] = sorted(removed)
+                log.info("pruned %d checkpoint file(s) of %s (%s)", len(removed), uri,
+                         why_weights if weights else why_opt)
     return done
+
+
+def apply_retention(run_root: str, iteration: int, checkpoint: CheckpointConfig) -> dict[str, list[str]]:
+    """``prune_checkpoints`` with every setting of ``checkpoint`` (nothing when ``keep_last`` is
+    None); what the flow runs after each iteration.
+
+    Returns:
+        {stage URI: paths deleted now}.
+    """
+    if checkpoint.keep_last is None:
+        return {}
+    return prune_checkpoints(run_root, iteration, keep_last=checkpoint.keep_last, prune=checkpoint.prune,
+                             keep_weights_last=checkpoint.keep_weights_last,
+                             keep_weights_every=checkpoint.keep_weights_every)
 
 
 def require_unpruned(policy: ShardRef, subdir: str, *, optimizer: bool) -> None:
@@ -102,7 +147,8 @@ def require_unpruned(policy: ShardRef, subdir: str, *, optimizer: bool) -> None:
     gone = [rel for rel in prunable_files(list(pruned), subdir, "weights")
             if optimizer or not _is_optimizer(rel.rpartition("/")[2])]
     if gone:
+        reasons = "; ".join(dict.fromkeys(pruned[rel] for rel in sorted(gone)))
         raise CheckpointPrunedError(
-            f"{policy.uri}: checkpoint file(s) {', '.join(sorted(gone))} were pruned ({pruned[gone[0]]}); "
+            f"{policy.uri}: checkpoint file(s) {', '.join(sorted(gone))} were pruned ({reasons}); "
             "this checkpoint can no longer be trained from. Resume from the last iteration, or raise "
             "checkpoint.keep_last in new runs")

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 
-COMMANDS = ["train", "replay", "eval", "inspect", "serve"]
+COMMANDS = ["train", "replay", "eval", "inspect", "serve", "verify", "repair"]
 runner = CliRunner()
 
 

@@ -1,6 +1,9 @@
-"""Checkpoint retention in the flow: with checkpoint.keep_last=1 a crash in iteration 3's update
-resumes from iteration 2's kept optimizer state, older checkpoints lose their files, and a
-finished run resumes again without needing any pruned file."""
+"""Checkpoint retention in the flow, with the default settings (optimizer state of the last
+iteration only; weights of the last 3 iterations and of every 10th): a crash in iteration 4's
+update resumes from iteration 3's kept optimizer state, older checkpoints lose their files,
+a finished run resumes again without needing any pruned file, a pruned checkpoint refuses to be
+evaluated with a message that names the files, and a replay of the pruned run still works
+(shards are never pruned)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,59 +14,80 @@ from schemas import pruned_files, read_shard
 from tests.flows.conftest import flow_cfg
 
 
-def test_keep_last_prunes_old_checkpoints_and_resume_still_works(prefect_harness, tiny_model, tmp_path, fake_rewards,
-                                                                  monkeypatch):
+def test_default_retention_prunes_old_checkpoints_and_resume_still_works(prefect_harness, tiny_model, tmp_path,
+                                                                         fake_rewards, monkeypatch):
     from flows.train import train
     from rft_core.stages import update as update_stage
     from rft_core.training import strategy as strategy_lib
 
-    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=3, **{"checkpoint.keep_last": 1, "checkpoint.prune": "weights"})
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=4)
+    assert (cfg.checkpoint.keep_last, cfg.checkpoint.prune, cfg.checkpoint.keep_weights_last) == (1, "weights", 3)
     root = Path(cfg.run_root)
-    real_update, real_load = update_stage.ppo_update, strategy_lib.load_optimizer_state
+    real_update, real_read = update_stage.ppo_update, strategy_lib.read_optimizer_state
     calls, loaded = {"n": 0}, []
 
-    def failing_third_time(*a, **kw):
+    def failing_fourth_time(*a, **kw):
         calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected fault in iteration 3's update")
+        if calls["n"] == 4:
+            raise RuntimeError("injected fault in iteration 4's update")
         return real_update(*a, **kw)
 
-    def spy_load(opt, ckpt_dir, **kw):
-        ok = real_load(opt, ckpt_dir, **kw)
-        loaded.append((ckpt_dir, ok))
-        return ok
+    def spy_read(ckpt_dir, *a, **kw):
+        state = real_read(ckpt_dir, *a, **kw)
+        if ckpt_dir is not None:
+            loaded.append((ckpt_dir, state is not None))
+        return state
 
-    monkeypatch.setattr(update_stage, "ppo_update", failing_third_time)
-    monkeypatch.setattr(strategy_lib, "load_optimizer_state", spy_load)
+    monkeypatch.setattr(update_stage, "ppo_update", failing_fourth_time)
+    monkeypatch.setattr(strategy_lib, "read_optimizer_state", spy_read)
     with pytest.raises(RuntimeError, match="injected fault"):
         train(cfg)
-    it = {i: root / f"iter={i:06d}" / "ppo_update" for i in (1, 2, 3)}
-    opt = {i: root / f"iter={i:06d}" / "ppo_update-optimizer" for i in (1, 2, 3)}
-    # iteration 2 committed, so iteration 1 was pruned; iteration 2 (needed by 3) is whole
-    assert sorted(pruned_files(str(it[1]))) == ["policy/model.safetensors"]
-    assert pruned_files(str(opt[1])) == {"optimizer.pt": "checkpoint.keep_last=1 (prune=weights) after iteration 2"}
-    assert not (opt[1] / "optimizer.pt").exists() and (it[1] / "policy/config.json").exists()
-    assert (opt[2] / "optimizer.pt").exists() and pruned_files(str(it[2])) == {} and pruned_files(str(opt[2])) == {}
+    it = {i: root / f"iter={i:06d}" / "ppo_update" for i in (1, 2, 3, 4)}
+    opt = {i: root / f"iter={i:06d}" / "ppo_update-optimizer" for i in (1, 2, 3, 4)}
+    # iteration 3 committed: iterations 1 and 2 lost their optimizer state, every iteration kept its weights
+    for i in (1, 2):
+        assert pruned_files(str(opt[i])) == {"optimizer.pt": f"checkpoint.keep_last=1 after iteration {i + 1}"}
+        assert not (opt[i] / "optimizer.pt").exists()
+    assert all(pruned_files(str(it[i])) == {} and (it[i] / "policy/model.safetensors").exists() for i in (1, 2, 3))
+    assert (opt[3] / "optimizer.pt").exists() and pruned_files(str(opt[3])) == {}
 
     loaded.clear()
-    result = train(cfg)  # resume: iteration 3's update starts from iteration 2's optimizer state
-    assert loaded == [(str(opt[2]), True)]
-    assert sorted(pruned_files(str(it[2]))) == ["policy/model.safetensors"] and list(pruned_files(str(opt[2]))) == ["optimizer.pt"]
-    assert (it[3] / "policy/model.safetensors").exists() and (opt[3] / "optimizer.pt").exists()
-    assert result.final_policy.uri == str(it[3])
+    result = train(cfg)  # resume: iteration 4's update starts from iteration 3's optimizer state
+    assert loaded == [(str(opt[3]), True)]
+    # after iteration 4: iteration 1 (older than the last 3) lost its weights too
+    assert sorted(pruned_files(str(it[1]))) == ["policy/model.safetensors"]
+    assert [pruned_files(str(it[i])) for i in (2, 3, 4)] == [{}, {}, {}]
+    assert list(pruned_files(str(opt[3]))) == ["optimizer.pt"] and (opt[4] / "optimizer.pt").exists()
+    assert result.final_policy.uri == str(it[4])
     assert read_shard(f"{it[1]}").num_rows == 1  # the pruned stages' metrics still read and verify
 
     n = calls["n"]
     again = train(cfg)  # a finished run resumes without loading any pruned checkpoint
-    assert calls["n"] == n and [m["iteration"] for m in again.metrics] == [1, 2, 3]
+    assert calls["n"] == n and [m["iteration"] for m in again.metrics] == [1, 2, 3, 4]
     assert again.final_policy == result.final_policy
 
     from rft_core.inspect import run_status
 
     status = {(r["iteration"], r["stage"]): r for r in run_status(cfg.run_root)}
-    assert [status[(i, "ppo_update")]["status"] for i in (1, 2, 3)] == ["committed (pruned)"] * 2 + ["committed"]
-    assert [status[(i, "ppo_update-optimizer")]["status"] for i in (1, 2, 3)] == ["committed (pruned)"] * 2 + ["committed"]
+    assert [status[(i, "ppo_update")]["status"] for i in (1, 2, 3, 4)] == ["committed (pruned)"] + ["committed"] * 3
+    assert [status[(i, "ppo_update-optimizer")]["status"] for i in (1, 2, 3, 4)] == ["committed (pruned)"] * 3 + ["committed"]
     on_disk = sum(f.stat().st_size for f in it[1].rglob("*") if f.is_file() and not f.name.startswith("_"))
     assert status[(1, "ppo_update")]["bytes"] == on_disk  # what is left, not what the manifest listed
-    gone = (it[3] / "policy" / "model.safetensors").stat().st_size
-    assert status[(3, "ppo_update")]["bytes"] - status[(1, "ppo_update")]["bytes"] == pytest.approx(gone, rel=0.01)
+    gone = (it[4] / "policy" / "model.safetensors").stat().st_size
+    assert status[(4, "ppo_update")]["bytes"] - status[(1, "ppo_update")]["bytes"] == pytest.approx(gone, rel=0.01)
+
+    # evaluating iteration 1's checkpoint says what is missing and why
+    from rft_core.stages.checkpoints import policy_model_path
+    from rft_core.stages.retention import CheckpointPrunedError
+    from schemas import ShardRef
+
+    with pytest.raises(CheckpointPrunedError, match=r"iter=000001/ppo_update: checkpoint file\(s\) "
+                                                    r"policy/model.safetensors were pruned \(checkpoint.prune=weights"):
+        policy_model_path(ShardRef.from_manifest(str(it[1])))
+
+    # a replay of the pruned run reads only shards, which are all kept
+    from flows.replay import replay
+
+    rcfg = flow_cfg(tiny_model, tmp_path / "replay", iterations=2, **{"advantage.estimator": "rloo"})
+    replayed = replay(cfg.run_root, rcfg)
+    assert [m["iteration"] for m in replayed.metrics] == [1, 2]

@@ -69,7 +69,7 @@ def test_crash_in_update_then_resume_reuses_committed_stages(prefect_harness, ti
     from flows.train import train
     from rft_core.stages import update as update_stage
 
-    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=2)
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=2, **{"checkpoint.keep_last": None})
     real = update_stage.ppo_update
     calls = {"n": 0}
 

@@ -137,3 +137,59 @@ def test_samples_from_rollout_table():
     assert s.prompts == ["<q0>", "<q0>", "<q1>", "<q1>"] and s.labels == ["3", "3", "4", "4"]
     with pytest.raises(ShardSchemaError, match="p1"):
         samples_from_tables(rollout, prompts.slice(0, 1))
+
+
+def _multi_turn_experience() -> Experience:
+    """Two multi-turn samples: observation tokens (action_mask False) inside the responses."""
+    exp = _experience()
+    keep = exp.attention_mask[:, -exp.action_mask.shape[1]:].bool()
+    hole = torch.zeros_like(keep)
+    hole[0, 1:3] = True  # sample 0: model, obs, obs, model, model
+    hole[2, 1] = True  # sample 2: model, obs, model
+    exp.action_mask = keep & ~hole
+    exp.info["num_turns"] = [2, 1, 2, 1]
+    exp.info["tool_calls"] = [[{"turn": 1, "name": "calculator", "arguments": '{"expression": "2*3"}',
+                                "observation": "6", "error": None, "seconds": 0.5}], [],
+                              [{"turn": 1, "name": None, "arguments": "", "observation": "error: no call",
+                                "error": "no call", "seconds": 0.25}], []]
+    exp.info["env_reward"] = torch.tensor([1.0, 0.0, 0.5, 0.0])
+    exp.info["env_fallback"] = [False, False, True, False]
+    exp.info["env_error"] = [None, None, "server down", None]
+    exp.info["transcript"] = ["a<obs>b", "", "c<obs>d", ""]
+    return exp
+
+
+def test_multi_turn_columns_round_trip_through_shards(tmp_path):
+    exp = _multi_turn_experience()
+    tables = experience_to_tables(exp)
+    ref = write_shard(tables["rollout"], str(tmp_path / "rollout"), schema=schema_for("rollout"), config_hash="x")
+    got = read_shard(ref, stage="rollout").to_pylist()
+    assert [r["num_turns"] for r in got] == [2, 1, 2, 1]
+    assert got[0]["tool_calls"] == exp.info["tool_calls"][0] and got[2]["tool_calls"] == exp.info["tool_calls"][2]
+    assert [r["env_reward"] for r in got] == [1.0, 0.0, 0.5, 0.0]
+    assert [r["env_fallback"] for r in got] == [False, False, True, False]
+    assert [r["env_error"] for r in got] == [None, None, "server down", None]
+    assert [r["transcript"] for r in got] == exp.info["transcript"]
+    assert got[0]["action_mask"] == [True, False, False, True, True] and got[2]["action_mask"] == [True, False, True]
+    back = experience_from_tables(read_shard(ref, stage="rollout"))
+    assert torch.equal(back.action_mask, exp.action_mask) and torch.equal(back.sequences, exp.sequences)
+    # without the multi-turn info the rows are single-turn
+    single = experience_to_tables(_experience())["rollout"].to_pylist()[1]
+    assert (single["num_turns"], single["tool_calls"], single["env_reward"], single["env_fallback"],
+            single["env_error"], single["transcript"]) == (1, [], 0.0, False, None, single["response_text"])
+
+
+def test_remove_padding_keeps_the_observation_tokens_inside_a_response():
+    exp = _multi_turn_experience()
+    items = remove_padding_in_sequences(split_experience_batch(exp))
+    assert [len(it.action_mask) for it in items] == [5, 1, 3, 2]  # the response lengths, holes kept
+    assert items[0].action_mask.tolist() == [True, False, False, True, True]
+    assert items[2].action_mask.tolist() == [True, False, True]
+    assert [len(it.sequences) for it in items] == [3 + 5, 2 + 1, 4 + 3, 3 + 2]
+    # without an attention mask, only the run of False at the end of action_mask is padding
+    bare = [BufferItem(sequences=it.sequences, action_log_probs=None, base_action_log_probs=None, values=None,
+                       returns=None, advantages=None, attention_mask=None, action_mask=m, info={})
+            for it, m in zip(split_experience_batch(exp)[:1], [torch.tensor([True, False, True, False, False])])]
+    seq = bare[0].sequences
+    assert seq[0] == 0 and seq[1] != 0  # one left-padding zero (sample 0's prompt is 3 of 4 columns)
+    assert torch.equal(remove_padding_in_sequences(bare)[0].sequences, seq[1:-2])

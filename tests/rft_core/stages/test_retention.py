@@ -1,6 +1,7 @@
 """Checkpoint retention: pruning records what it removes before removing it, never rewrites a
-manifest, never touches Parquet parts, keeps the last N iterations whole, and a pruned
-checkpoint refuses to be trained from instead of silently restarting the optimizer."""
+manifest, never touches Parquet parts, keeps the last N iterations whole, keeps the weights of
+the last few and of every N-th iteration by default, and a pruned checkpoint refuses to be
+trained from instead of silently restarting the optimizer."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,14 @@ import pytest
 
 from rft_core.config import ConfigError, load_config
 from rft_core.stages.checkpoints import policy_checkpoint_dir, policy_model_path
-from rft_core.stages.retention import CheckpointPrunedError, prunable_files, prune_checkpoints
+from rft_core.config import CheckpointConfig
+from rft_core.stages.retention import (
+    CheckpointPrunedError,
+    apply_retention,
+    keeps_weights,
+    prunable_files,
+    prune_checkpoints,
+)
 from schemas import (
     ShardCorruptError,
     ShardNotCommittedError,
@@ -100,8 +108,9 @@ def test_prune_checkpoints_keeps_the_last_n_iterations_whole(tmp_path, prune):
     root = str(tmp_path / "run")
     refs = {i: _checkpoint_stage(root, i) for i in (1, 2, 3, 4)}
     critic = _checkpoint_stage(root, 1, stage="critic_update", subdir="critic")
-    assert prune_checkpoints(root, 2, keep_last=2, prune=prune) == {}  # nothing older than the last 2 yet
-    done = prune_checkpoints(root, 4, keep_last=2, prune=prune)
+    window = {"keep_weights_last": 2, "keep_weights_every": None}  # weights go with the optimizer state
+    assert prune_checkpoints(root, 2, keep_last=2, prune=prune, **window) == {}  # nothing older than the last 2 yet
+    done = prune_checkpoints(root, 4, keep_last=2, prune=prune, **window)
     gone = ["policy/optimizer.pt"] + (["policy/model.safetensors"] if prune == "weights" else [])
     assert done == {refs[1].uri: sorted(gone), refs[2].uri: sorted(gone),
                     critic.uri: sorted(p.replace("policy/", "critic/") for p in gone)}
@@ -111,9 +120,9 @@ def test_prune_checkpoints_keeps_the_last_n_iterations_whole(tmp_path, prune):
     for i in (3, 4):  # the last 2 are untouched
         assert sorted(p.name for p in Path(refs[i].uri, "policy").iterdir()) == sorted(Path(rel).name for rel in FILES)
         assert pruned_files(refs[i].uri) == {}
-    assert prune_checkpoints(root, 4, keep_last=2, prune=prune) == {}  # idempotent (a resume calls it again)
+    assert prune_checkpoints(root, 4, keep_last=2, prune=prune, **window) == {}  # idempotent (a resume calls it again)
     # training from a pruned checkpoint is refused, never a silent fresh optimizer
-    with pytest.raises(CheckpointPrunedError, match=r"optimizer.pt.*pruned \(checkpoint.keep_last=2"):
+    with pytest.raises(CheckpointPrunedError, match=r"optimizer.pt were pruned \(.*checkpoint.keep_last=2 after iteration 4\)"):
         policy_checkpoint_dir(refs[1])
     if prune == "weights":
         with pytest.raises(CheckpointPrunedError, match="model.safetensors"):
@@ -126,10 +135,46 @@ def test_prune_checkpoints_keeps_the_last_n_iterations_whole(tmp_path, prune):
 
 
 def test_checkpoint_config_validates():
-    cfg = load_config(None, ["checkpoint.keep_last=2", "checkpoint.prune=weights"])
-    assert (cfg.checkpoint.keep_last, cfg.checkpoint.prune) == (2, "weights")
-    assert load_config(None).checkpoint.keep_last is None
+    cfg = load_config(None, ["checkpoint.keep_last=2", "checkpoint.prune=optimizer", "checkpoint.keep_weights_every=null"])
+    assert (cfg.checkpoint.keep_last, cfg.checkpoint.prune, cfg.checkpoint.keep_weights_every) == (2, "optimizer", None)
+    # bounded by default: optimizer state of the last iteration, weights of the last 3 and every 10th
+    d = load_config(None).checkpoint
+    assert (d.keep_last, d.prune, d.keep_weights_last, d.keep_weights_every) == (1, "weights", 3, 10)
+    assert load_config(None, ["checkpoint.keep_last=null"]).checkpoint.keep_last is None  # keep everything
     with pytest.raises(ConfigError, match="checkpoint.keep_last"):
         load_config(None, ["checkpoint.keep_last=0"])
     with pytest.raises(ConfigError, match="checkpoint.prune"):
         load_config(None, ["checkpoint.prune=everything"])
+    with pytest.raises(ConfigError, match="checkpoint.keep_weights_every"):
+        load_config(None, ["checkpoint.keep_weights_every=0"])
+
+
+def test_keeps_weights_last_few_and_every_nth():
+    # after iteration 25 with the defaults (last 3, every 10): 10, 20 and 23..25 keep their weights
+    kept = [i for i in range(1, 26) if keeps_weights(i, 25, keep_weights_last=3, keep_weights_every=10)]
+    assert kept == [10, 20, 23, 24, 25]
+    assert [i for i in range(1, 6) if keeps_weights(i, 5, keep_weights_last=1, keep_weights_every=None)] == [5]
+    assert [i for i in range(1, 8) if keeps_weights(i, 7, keep_weights_last=2, keep_weights_every=3)] == [3, 6, 7]
+
+
+def test_default_retention_over_twelve_iterations(tmp_path):
+    root = str(tmp_path / "run")
+    refs = {i: _checkpoint_stage(root, i) for i in range(1, 13)}
+    for i in range(1, 13):  # the flow applies retention after every iteration
+        apply_retention(root, i, CheckpointConfig())
+    for i in range(1, 12):  # every iteration but the last lost its optimizer state
+        assert "policy/optimizer.pt" in pruned_files(refs[i].uri), i
+    assert pruned_files(refs[12].uri) == {}
+    with_weights = [i for i in range(1, 13) if Path(refs[i].uri, "policy/model.safetensors").exists()]
+    assert with_weights == [10, 11, 12]  # 10: every 10th; 10-12: the last 3
+    assert pruned_files(refs[1].uri)["policy/model.safetensors"] == (
+        "checkpoint.prune=weights (keep_weights_last=3, keep_weights_every=10) after iteration 4")
+    assert pruned_files(refs[11].uri) == {"policy/optimizer.pt": "checkpoint.keep_last=1 after iteration 12"}
+    # iteration 10's weights stay loadable (eval, reference); its optimizer state is gone
+    assert policy_model_path(refs[10]) == f"{refs[10].uri}/policy"
+    with pytest.raises(CheckpointPrunedError, match=r"iter=000010/ppo_update: checkpoint file\(s\) policy/optimizer.pt"):
+        policy_checkpoint_dir(refs[10])
+    with pytest.raises(CheckpointPrunedError, match=r"policy/model.safetensors.*keep_weights_last=3"):
+        policy_model_path(refs[9])
+    # keep_last=None keeps everything
+    assert apply_retention(str(tmp_path / "other"), 5, CheckpointConfig(keep_last=None)) == {}
