@@ -152,6 +152,8 @@ def inspect(
     stage: Optional[str] = typer.Option(None, "--stage", help="With --export: export this stage's shard instead of the sample view."),
     samples: int = typer.Option(8, "--samples", "-n", help="How many samples to show."),
     export: Optional[str] = typer.Option(None, "--export", help="Write the view (or --stage shard) to a .csv or .jsonl file."),
+    sample: Optional[str] = typer.Option(None, "--sample", help="With -i: show this sample_id turn by turn (model turns, "
+                                         "tool calls, observations, final answer, reward)."),
 ) -> None:
     """List iterations and stages with status, rows and sizes; show or export samples."""
     from rich.console import Console
@@ -173,6 +175,11 @@ def inspect(
                               str(r["bytes"] if r["bytes"] is not None else "-"), secs, str(r["config_hash"] or "-"))
             console.print(table)
             return
+        if sample is not None:
+            from rft_core.api import sample_text
+
+            typer.echo(sample_text(run_root, iteration, sample))
+            return
         view = (read_shard(stage_uri(run_root, iteration, stage)) if stage else samples_view(run_root, iteration))
         if export:
             typer.echo(f"wrote {view.num_rows} rows to {export_table(view, export)}")
@@ -185,7 +192,7 @@ def inspect(
         for row in view.slice(0, samples).to_pylist():
             table.add_row(*[str(row[c])[:300] for c in shown])
         console.print(table)
-    except (ShardError, FileNotFoundError, ValueError) as exc:
+    except (ShardError, FileNotFoundError, ValueError, KeyError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
 

@@ -8,6 +8,7 @@ sources). Everything else in ``rft_core`` is internal to it and may change shape
 """
 from __future__ import annotations
 
+from rft_core.agents.view import sample_text
 from rft_core.data.check import check_config_data
 from rft_core.data.mixture import dataset_fingerprint, heldout_fingerprint
 from rft_core.inspect import export_table, run_status, samples_view
@@ -30,7 +31,8 @@ __all__ = [
     "check_config_data", "dataset_fingerprint", "heldout_fingerprint",
     "count_signal_groups", "curve_markdown", "default_eval_root", "eval_markdown", "export_table",
     "format_metrics_line", "iteration_metrics", "next_state", "plot_curves", "prune_checkpoints", "replay_sources",
-    "resolve_checkpoint", "run_stage", "run_status", "samples_markdown", "samples_view", "wait_for_optimizer_writes",
+    "resolve_checkpoint", "run_stage", "run_status", "sample_text", "samples_markdown", "samples_view",
+    "wait_for_optimizer_writes",
     "write_metrics", "write_replay_record", "write_tensorboard",
     "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run",
 ]

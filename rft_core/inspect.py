@@ -63,6 +63,10 @@ def samples_view(run_root: str, iteration: int) -> pa.Table:
         "response_text": rollout.column("response_text"),
         "response_length": pc.list_value_length(rollout.column("response_token_ids")),
         "finish_reason": rollout.column("finish_reason"),
+        # multi-turn rollouts (rollout.agent): model turns, environment steps, the environment's reward
+        "num_turns": rollout.column("num_turns"),
+        "tool_calls": pc.list_value_length(rollout.column("tool_calls")),
+        "env_reward": rollout.column("env_reward"),
     }
     try:
         prompts = read_shard(stage_uri(run_root, iteration, "prompts"), stage="prompts")

@@ -27,6 +27,15 @@ _FROM_SUMMARY = [
     ("response_length", "rollout", "response_length_mean"),
     ("truncated_fraction", "rollout", "truncated_fraction"),
     ("tokens_per_second", "rollout", "tokens_per_second"),
+    # multi-turn rollouts (rollout.agent; rft_core.stages.rollout.rollout_summary): per trajectory
+    ("num_turns", "rollout", "num_turns_mean"),
+    ("tool_call_rate", "rollout", "tool_call_rate"),
+    ("tool_calls", "rollout", "tool_calls_mean"),
+    ("tool_error_frac", "rollout", "tool_error_frac"),
+    ("model_tokens", "rollout", "model_tokens_mean"),
+    ("env_reward", "rollout", "env_reward_mean"),
+    ("env_fallback_frac", "rollout", "env_fallback_frac"),
+    ("max_turns_fraction", "rollout", "max_turns_fraction"),
     ("entropy", "actor_logprobs", "entropy_mean"),
     ("value_mean", "critic_values", "value_mean"),
     ("value_loss", "critic_update", "value_loss"),
@@ -72,13 +81,15 @@ def iteration_metrics(iteration: int, refs: Mapping[str, ShardRef | None]) -> di
 
 def format_metrics_line(m: Mapping[str, Any]) -> str:
     """One human-readable line per iteration (the rollout correction's mean weight and capped
-    fraction, and the overlong-filtered fraction, when the run has them)."""
+    fraction, the overlong-filtered fraction, and for a multi-turn run the mean number of model
+    turns and the tool-call rate, when the run has them)."""
     def f(key: str, fmt: str = ".3f") -> str:
         return format(m[key], fmt) if key in m else "-"
     stages = " ".join(f"{k.split('/', 1)[1]}={v:.1f}s" for k, v in m.items() if k.startswith("seconds/"))
     optional = "".join(f" {label} {f(key)}" for label, key in (("is_w", "rollout_is_weight_mean"),
                                                                 ("is_capped", "rollout_is_capped_frac"),
-                                                                ("overlong_filtered", "overlong_filtered_frac"))
+                                                                ("overlong_filtered", "overlong_filtered_frac"),
+                                                                ("turns", "num_turns"), ("tools", "tool_call_rate"))
                        if key in m)
     return (f"iter {m['iteration']:>3} | reward {f('reward_mean')}±{f('reward_std')} acc {f('accuracy')} "
             f"kl {f('kl', '.4f')} len {f('response_length', '.1f')} loss {f('policy_loss', '.4f')} "

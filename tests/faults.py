@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+from rft_core.agents import StepResult
+from rft_core.agents.calculator import CalculatorEnv
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGE_ORDER = ["prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update"]
 # the stage whose commit means `stage` can start (actor/ref/rewards start together after the rollout)
@@ -284,3 +287,36 @@ def baseline_run(config: Path, run_root: Path | str, api_url: str | None,
         s = read_manifest(prefix + m.rsplit("/", 1)[0])[0].summary
         durations[m.rsplit("/", 2)[-2]] = float(s.get("seconds", 0.0)) + float(s.get("checkpoint_seconds", 0.0))
     return final_weights(run_root), durations
+
+
+def write_agent_config(path: Path, model: str, iterations: int = 2) -> Path:
+    """``write_config``'s run with a multi-turn rollout (issue 20): the calculator, every model turn
+    read as a call (``FaultCalculator``), 3 turns per trajectory."""
+    path.write_text(f"""
+name: faults-agent
+iterations: {iterations}
+policy: {{path: {model}}}
+data: {{prompts_per_iteration: 4, size: 50}}
+rollout:
+  n_samples_per_prompt: 4
+  batch_size: 8
+  agent: {{environment: "tests.faults:FaultCalculator", max_turns: 3, max_total_tokens: 48}}
+kl: {{kl_coef: 0.05}}
+update: {{lr: 1.0e-3, micro_batch_size: 2, epochs: 2}}
+""")
+    return path
+
+
+class FaultCalculator(CalculatorEnv):
+    """The calculator with a scripted call per turn (the tiny model writes gibberish): the call is
+    ``<calc>{len(turn text)} * 7</calc>``, a turn ends at its first printable ASCII character, and
+    each step takes 0.25 s (so a kill lands among the environment steps)."""
+
+    def __init__(self, config=None) -> None:
+        super().__init__(config)
+        self.stop_strings = tuple(chr(c) for c in range(33, 127))
+
+    def step(self, text):
+        time.sleep(0.25)
+        r = super().step(f"<calc>{len(text)} * 7</calc>")
+        return StepResult(r.observation, float(len(text) % 2), False, r.info)

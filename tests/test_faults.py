@@ -38,3 +38,30 @@ def test_sigkill_then_rerun(baseline, target, iteration, phase):
     assert out.committed_untouched, "a committed stage was rewritten"
     assert out.all_valid, out.notes
     assert out.same_weights, "the resumed run's final weights differ from the uninterrupted run's"
+
+
+@pytest.fixture(scope="module")
+def agent_baseline(prefect_harness, tiny_model, tmp_path_factory):
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.faults import write_agent_config
+
+    d = tmp_path_factory.mktemp("faults-agent")
+    config = write_agent_config(d / "faults-agent.yaml", tiny_model)
+    weights, durations = baseline_run(config, d / "baseline", PREFECT_API_URL.value())
+    return config, weights, durations, PREFECT_API_URL.value(), d
+
+
+@pytest.mark.parametrize("iteration", [1, 2])
+def test_sigkill_during_multi_turn_rollout_then_rerun(agent_baseline, iteration):
+    """SIGKILL inside a multi-turn rollout (environment steps in flight): the rerun regenerates
+    the same trajectories (per-trajectory seeds, a deterministic environment) and ends with the
+    uninterrupted run's weights."""
+    config, weights, durations, api_url, d = agent_baseline
+    out = run_scenario(config, d / f"run-rollout-{iteration}", "rollout", iteration, durations, weights, api_url,
+                       random.Random(f"agent-rollout-{iteration}"))
+    assert out.killed, out
+    assert out.rerun_ok, out.notes
+    assert out.committed_untouched, "a committed stage was rewritten"
+    assert out.all_valid, out.notes
+    assert out.same_weights, "the resumed run's final weights differ from the uninterrupted run's"

@@ -24,9 +24,11 @@ into a trajectory with ``finish_reason="env_error"`` and a marked fallback rewar
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ValidationError
@@ -150,6 +152,28 @@ def load_environment_class(spec: str) -> type:
     if not inspect.isclass(cls) or not callable(getattr(cls, "step", None)):
         raise EnvConfigError(f"environment {spec!r}: {cls!r:.80} is not a class with a step(text) method")
     return cls
+
+
+def environment_fingerprint(spec: str) -> str | None:
+    """sha256 (hex) of the source file of a user environment class (``file.py:Class`` /
+    ``module:Class``), so that editing it changes the rollout stage's config hash (a committed
+    rollout is then reported stale instead of silently reused); None for a registered name
+    (its code is this package's). Only the defining file is hashed, not what it imports.
+
+    Raises:
+        EnvConfigError: the class cannot be imported (``load_environment_class``) or has no
+            Python source file.
+    """
+    if ":" not in spec:
+        return None
+    cls = load_environment_class(spec)
+    try:
+        path = inspect.getsourcefile(cls)
+    except TypeError:
+        path = None
+    if not path or not Path(path).is_file():
+        raise EnvConfigError(f"environment {spec!r}: no Python source file to fingerprint")
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 class EnvFactory:

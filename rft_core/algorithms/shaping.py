@@ -42,7 +42,7 @@ def overlong_penalty(
     return torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)
 
 
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "max_turns", "env_error")  # the last two: multi-turn agent rollouts
 
 
 def overlong_filter_mask(action_mask: torch.Tensor, finish_reasons: Sequence[str]) -> torch.Tensor:

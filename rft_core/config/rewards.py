@@ -94,7 +94,16 @@ class PythonSource(_RewardSourceBase):
         return v
 
 
-REWARD_SOURCE_CONFIGS = (MathAnswerSource, ExactMatchSource, FormatSource, CodeExecSource, RewardModelSource, RemoteSource, PythonSource)
+class EnvironmentSource(_RewardSourceBase):
+    """The multi-turn environment's reward of each trajectory (the sum of its step rewards, the
+    rollout's ``env_reward``; ``rollout.agent``, docs/agents.md). A sample of a single-turn
+    rollout (no environment) is an error, handled by ``on_error``."""
+
+    type: Literal["environment"] = "environment"
+
+
+REWARD_SOURCE_CONFIGS = (MathAnswerSource, ExactMatchSource, FormatSource, CodeExecSource, RewardModelSource, RemoteSource,
+                         PythonSource, EnvironmentSource)
 RewardSourceConfig = _tagged_union(REWARD_SOURCE_CONFIGS, "type", "math_answer", "reward source type")
 
 

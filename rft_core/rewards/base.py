@@ -37,6 +37,11 @@ class RewardSample:
             vision-language reward functions and models.
         videos: the prompt's encoded videos (the container file's bytes, e.g. MP4; empty when
             the prompt has none); ``rft_core.data.video.decode_video`` turns one into frames.
+        env_reward: a multi-turn trajectory's environment reward (the sum of its step rewards,
+            the rollout's ``env_reward``); None when the rollout had no environment
+            (``rollout.agent`` unset). ``response`` is then the LAST model turn's text.
+        env_fallback: True when ``env_reward`` is ``rollout.agent.fallback_reward`` because the
+            environment failed (``on_env_error: fallback``).
     """
 
     sample_id: str
@@ -50,6 +55,8 @@ class RewardSample:
     finish_reason: str = "stop"
     images: list[bytes] = field(default_factory=list)
     videos: list[bytes] = field(default_factory=list)
+    env_reward: float | None = None
+    env_fallback: bool = False
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,15 @@ from typing import Any, Callable, Sequence
 
 from rft_core.rewards.base import REWARD_SOURCES, RewardError, RewardSample, SourceScore
 from rft_core.rewards.code import CodeExecReward
+from rft_core.rewards.environment import EnvironmentReward
 from rft_core.rewards.math import ExactMatchReward, FormatReward, MathAnswerReward
 from rft_core.rewards.model import RewardModelReward
 from rft_core.rewards.remote import RemoteReward
 from rft_core.rewards.user import PythonReward, load_function
 
 for _name, _cls in (("math_answer", MathAnswerReward), ("exact_match", ExactMatchReward), ("format", FormatReward), ("code_exec", CodeExecReward),
-                    ("reward_model", RewardModelReward), ("remote", RemoteReward), ("python", PythonReward)):
+                    ("reward_model", RewardModelReward), ("remote", RemoteReward), ("python", PythonReward),
+                    ("environment", EnvironmentReward)):
     if _name not in REWARD_SOURCES:
         REWARD_SOURCES.register(_name)(_cls)
 

@@ -151,7 +151,7 @@ def run(inp: AdvantagesInput) -> ShardRef:
         with Timer() as t:
             res = compute_advantages(batch, kl_cfg=inp.kl, adv_cfg=inp.advantage, shaping=inp.shaping, state=inp.state,
                                      max_new_tokens=inp.max_new_tokens)
-        lengths = batch.action_mask.sum(-1).tolist()
+        lengths = batch.response_length.tolist()
 
         def lists(x: torch.Tensor) -> pa.Array:
             return pa.array([x[i, :n].tolist() for i, n in enumerate(lengths)], pa.list_(pa.float32()))

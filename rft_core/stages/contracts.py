@@ -137,7 +137,9 @@ class RolloutInput(StageInput):
 
     program: ClassVar[str] = "rollout"
     stage: ClassVar[str] = "rollout"
-    version: ClassVar[int] = 2  # 2: rollout schema v3 (videos); HF log-probs under the processed distribution (issue 21)
+    # 2: rollout schema v3 (videos); HF log-probs under the processed distribution (issue 21)
+    # 3: rollout schema v4 (multi-turn trajectory columns; rollout.agent, issue 20)
+    version: ClassVar[int] = 3
     config_paths: ClassVar[Mapping[str, str]] = {"rollout": "rollout", "policy": "policy.path", "dtype": "policy.dtype"}
     prompts: ShardRef
     policy: PolicyRef
@@ -306,7 +308,7 @@ class DynamicMergeInput(StageInput):
 
     program: ClassVar[str] = "dynamic_merge"
     stage: ClassVar[str] = "prompts"
-    version: ClassVar[int] = 2  # 2: writes prompts / rollout schema v3 (videos; issue 21)
+    version: ClassVar[int] = 3  # 2: writes prompts / rollout schema v3 (videos; issue 21); 3: rollout schema v4 (issue 20)
     unhashed: ClassVar[frozenset[str]] = frozenset({"out", "out_rollout", "out_rewards"})
     attempts: list[tuple[ShardRef, ShardRef, ShardRef]] = Field(min_length=1)
     target_groups: int = Field(gt=0)
@@ -332,7 +334,7 @@ class EvalGenerateInput(StageInput):
 
     program: ClassVar[str] = "eval_generate"
     stage: ClassVar[str] = "rollout"
-    version: ClassVar[int] = 2  # 2: rollout schema v3 (videos); vision-language policies (issue 21)
+    version: ClassVar[int] = 3  # 2: rollout schema v3 (videos); vision-language policies (issue 21); 3: rollout v4 (issue 20)
     config_paths: ClassVar[Mapping[str, str]] = {"policy": "policy.path", "dtype": "policy.dtype",
                                                  "batch_size": "eval.batch_size"}
     prompts: ShardRef

@@ -66,7 +66,9 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
 @stage_program(CriticUpdateInput)
 def run_update(inp: CriticUpdateInput) -> ShardRef:
     """Train the critic on the advantage stage's returns with the shared training loop (one
-    process on ``default_device()``, or DeepSpeed ZeRO with ``critic.deepspeed`` under torchrun);
+    process on ``default_device()``, or DeepSpeed ZeRO with ``critic.deepspeed`` under torchrun),
+    on the tokens the policy sampled (the rollout's ``action_mask``: not on a multi-turn
+    response's observation tokens);
     commits metrics + the ``critic/`` checkpoint (with its AdamW state in one process). A critic in
     bfloat16 (``critic.model.dtype``) trains in mixed precision: float32 master weights and AdamW
     state (kept in ``critic/optimizer.pt`` for the next update), bfloat16 autocast, and the
@@ -83,7 +85,8 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         path = critic_model_path(inp.model)
         processor, media = _vision(path, r)
         data = CriticData(r.column("prompt_token_ids").to_pylist(), r.column("response_token_ids").to_pylist(),
-                          v.column("values").to_pylist(), a.column("returns").to_pylist(), **media)
+                          v.column("values").to_pylist(), a.column("returns").to_pylist(), **media,
+                          action_masks=r.column("action_mask").to_pylist())
         tok = load_tokenizer(path)
         strategy = build_strategy(load_critic(path, dtype=cfg.dtype, trainable=True), optim=OptimizerSettings.of(cfg),
                                   deepspeed=cfg.deepspeed, compute_dtype=cfg.dtype,

@@ -74,7 +74,9 @@ def _take(tables: list[pa.Table], kept: list[tuple[int, str]]) -> pa.Table:
 def run_merge(inp: DynamicMergeInput) -> tuple[ShardRef, ShardRef, ShardRef]:
     """Write the kept groups of all (prompts, rollout, rewards) attempts as three shards: the
     iteration's prompts (``inp.out``), rollout (``inp.out_rollout``) and rewards
-    (``inp.out_rewards``)."""
+    (``inp.out_rewards``). Rows are copied whole, so multi-turn rollouts keep their trajectory
+    columns; the rollout summary is that of the kept rows (with the multi-turn statistics when
+    the attempts were multi-turn: their summaries name an ``environment``)."""
     attempts, target_groups = inp.attempts, inp.target_groups
     summary_cache: dict = {}
 
@@ -95,8 +97,10 @@ def run_merge(inp: DynamicMergeInput) -> tuple[ShardRef, ShardRef, ShardRef]:
             if stage == "rollout":  # the usual rollout summary: lengths of the kept samples, speed of all attempts
                 gen = sum(s.get("generated_tokens", 0) for s in tries)
                 secs = sum(s.get("seconds", 0.0) for s in tries)
+                env = next((s["environment"] for s in tries if "environment" in s), None)  # multi-turn attempts
                 summary.update(seconds=secs, generated_tokens=gen, tokens_per_second=gen / max(secs, 1e-9),
-                               **rollout_summary(table))
+                               **({"environment": env} if env is not None else {}),
+                               **rollout_summary(table, agent=env is not None))
             if stage == "prompts":
                 summary.update(seconds=sum(s.get("seconds", 0.0) for s in tries),
                                skipped_overlong=sum(s.get("skipped_overlong", 0) for s in tries))

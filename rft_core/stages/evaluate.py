@@ -30,7 +30,7 @@ from rft_core.stages.contracts import EvalGenerateInput, EvalPromptsInput, EvalS
 from rft_core.stages.prompts import build_file_prompts, check_fingerprint, reuse_unless_data_changed, with_fingerprint
 from rft_core.stages.rollout import rollout_summary
 from schemas import PolicyRef, ShardError, ShardRef, ShardSchemaError, read_manifest, read_shard
-from schemas.columns import EVAL, PROMPTS, ROLLOUT
+from schemas.columns import EVAL, PROMPTS, ROLLOUT, single_turn_columns
 
 HELDOUT_PREFIX = "heldout"  # held-out prompt_ids: heldout-{task}-{index:06d}
 
@@ -175,8 +175,8 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], *, max_new_token
 @stage_program(EvalGenerateInput)
 def run_generate(inp: EvalGenerateInput) -> ShardRef:
     """Greedy-decode one response per held-out prompt with ``policy`` on ``default_device()``;
-    writes a `rollout` shard (sample_id ``{prompt_id}#0``) whose rows carry their prompt's
-    images and videos. A vision-language policy gets them with every batch (its processor
+    writes a single-turn `rollout` shard (sample_id ``{prompt_id}#0``; no environment, also
+    when the run trained with ``rollout.agent``) whose rows carry their prompt's images and videos. A vision-language policy gets them with every batch (its processor
     loaded from the model folder, as in training). The summary holds seconds, generated tokens,
     tokens/second.
 
@@ -203,18 +203,20 @@ def run_generate(inp: EvalGenerateInput) -> ShardRef:
             gens = greedy_generate(model, tok, prompt_ids, max_new_tokens=max_new_tokens, batch_size=batch_size, **media)
         pids = table.column("prompt_id").to_pylist()
         responses = [g.response_token_ids for g in gens]
+        texts = tok.batch_decode(responses, skip_special_tokens=True)
         rows = {
             "sample_id": [f"{pids[g.prompt_index]}#0" for g in gens],
             "prompt_id": [pids[g.prompt_index] for g in gens],
             "sample_index": [0] * len(gens),
             "prompt_token_ids": [prompt_ids[g.prompt_index] for g in gens],
             "response_token_ids": responses,
-            "response_text": tok.batch_decode(responses, skip_special_tokens=True),
+            "response_text": texts,
             "rollout_logprobs": [g.logprobs for g in gens],
             "action_mask": [[True] * len(r) for r in responses],
             "finish_reason": [g.finish_reason for g in gens],
             "images": [images[g.prompt_index] for g in gens],
             "videos": [videos[g.prompt_index] for g in gens],
+            **single_turn_columns(texts),  # greedy, single-turn (also for an agent run's checkpoints)
         }
         table_out = pa.table(rows, schema=ROLLOUT.arrow)
         n_tokens = sum(len(r) for r in responses)

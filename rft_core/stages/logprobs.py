@@ -54,7 +54,8 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
         out_table = pa.table(cols, schema=schema.arrow)
         summary = {"seconds": t.seconds}
         if actor:
-            ents = [e for row in res[1] for e in row]
+            masks = table.column("action_mask").to_pylist()  # model tokens only (multi-turn: no observations)
+            ents = [e for row, m in zip(res[1], masks) for e, k in zip(row, m) if k]
             summary["entropy_mean"] = sum(ents) / max(len(ents), 1)
         return commit.write(out_table, schema=schema, inputs={"rollout": inp.rollout}, summary=summary)
 

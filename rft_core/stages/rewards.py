@@ -10,7 +10,7 @@ from rft_core.rewards.engine import RewardEngine
 from rft_core.rewards.user import code_fingerprints
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import RewardsInput, stage_program
-from schemas import ShardRef, ShardSchemaError, read_shard
+from schemas import ShardRef, ShardSchemaError, read_manifest, read_shard
 from schemas.columns import REWARDS
 
 
@@ -39,23 +39,32 @@ def signal_prompt_ids(table: pa.Table) -> list[str]:
     return [pid for pid, vals in seen.items() if len(vals) > 1]
 
 
-def reward_samples(rollout: pa.Table, prompts: pa.Table, *, rollout_uri: str = "rollout", prompts_uri: str = "prompts") -> list[RewardSample]:
+def reward_samples(rollout: pa.Table, prompts: pa.Table, *, rollout_uri: str = "rollout", prompts_uri: str = "prompts",
+                   multi_turn: bool = False) -> list[RewardSample]:
     """Join rollout rows with their prompts into ``RewardSample``s (rollout order).
+
+    ``multi_turn``: the rollout is a multi-turn one (its manifest names an ``environment``):
+    each sample gets its row's ``env_reward`` and ``env_fallback``; otherwise ``env_reward`` is
+    None (there was no environment). ``response`` is the row's ``response_text`` (a
+    trajectory's last model turn).
 
     Raises:
         ShardSchemaError: a rollout sample whose prompt_id is not in the prompts table.
     """
     by_id = {row["prompt_id"]: row for row in prompts.to_pylist()}
     out = []
-    cols = [rollout.column(c).to_pylist() for c in ("sample_id", "prompt_id", "response_text", "finish_reason")]
-    for sid, pid, text, finish in zip(*cols):
+    cols = [rollout.column(c).to_pylist() for c in ("sample_id", "prompt_id", "response_text", "finish_reason",
+                                                   "env_reward", "env_fallback")]
+    for sid, pid, text, finish, env_reward, env_fallback in zip(*cols):
         if pid not in by_id:
             raise ShardSchemaError(f"{rollout_uri}: prompt_id {pid!r} is not in {prompts_uri}")
         row = by_id[pid]
         out.append(RewardSample(sample_id=sid, prompt_id=pid, label=row["data_source"], question=row["question"],
                                 prompt_text=row["prompt_text"], response=text, reference=row["answer"],
                                 metadata=json.loads(row["metadata_json"]), finish_reason=finish,
-                                images=list(row.get("images") or []), videos=list(row.get("videos") or [])))
+                                images=list(row.get("images") or []), videos=list(row.get("videos") or []),
+                                env_reward=float(env_reward) if multi_turn else None,
+                                env_fallback=bool(env_fallback) and multi_turn))
     return out
 
 
@@ -79,7 +88,8 @@ def run(inp: RewardsInput) -> ShardRef:
 
     def compute() -> ShardRef:
         samples = reward_samples(read_shard(rollout, stage="rollout"), read_shard(prompts, stage="prompts"),
-                                 rollout_uri=rollout.uri, prompts_uri=prompts.uri)
+                                 rollout_uri=rollout.uri, prompts_uri=prompts.uri,
+                                 multi_turn="environment" in read_manifest(rollout.uri)[0].summary)
         with Timer() as t:
             batch = RewardEngine(inp.reward).score(samples)
         res = batch.results

@@ -7,6 +7,7 @@ import socket
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rft_core.agents.env import environment_fingerprint
 from rft_core.config import RolloutConfig
 from rft_core.engines.hf import HFEngine
 from rft_core.models.loading import load_causal_lm, load_tokenizer
@@ -14,21 +15,41 @@ from rft_core.models.vl import vl_processor_or_none
 from rft_core.models.logprobs import default_device, release_device_memory
 from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import policy_model_path
-from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
+from rft_core.stages.common import Commit, Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import RolloutInput, RolloutMergeInput, stage_program
 from schemas import ShardRef, read_manifest, read_shard
-from schemas.columns import ROLLOUT
+from schemas.columns import ROLLOUT, single_turn_columns
 
 SEED_STRIDE = 100_003  # iteration i samples with seed + i * stride: distinct, reproducible streams
 ATTEMPT_STRIDE = 7_919  # dynamic-sampling refill attempts: another offset
 
 
-def rollout_summary(table: pa.Table) -> dict[str, float]:
-    """Mean response length (tokens) and the fraction cut at max_new_tokens, of a rollout table."""
+def rollout_summary(table: pa.Table, *, agent: bool = False) -> dict[str, float]:
+    """Statistics of a rollout table: the mean response length (tokens after the prompt, model
+    and observation tokens) and the fraction of rows cut by a token budget (finish_reason
+    "length"). With ``agent`` (a multi-turn rollout) also, per trajectory: ``model_tokens_mean``
+    (tokens the model sampled: the ``action_mask``), ``num_turns_mean`` (model turns),
+    ``tool_call_rate`` (fraction of trajectories with at least one tool call, i.e. a step whose
+    ``tool_calls`` record names a tool), ``tool_calls_mean`` (environment steps recorded),
+    ``tool_error_frac`` (fraction of those records with an error), ``env_reward_mean``,
+    ``env_fallback_frac``, and ``max_turns_fraction`` (finish_reason "max_turns")."""
     n = max(table.num_rows, 1)
     lengths = pc.list_value_length(table.column("response_token_ids")).to_pylist()
-    return {"response_length_mean": sum(lengths) / n,
-            "truncated_fraction": sum(f == "length" for f in table.column("finish_reason").to_pylist()) / n}
+    finish = table.column("finish_reason").to_pylist()
+    out = {"response_length_mean": sum(lengths) / n, "truncated_fraction": sum(f == "length" for f in finish) / n}
+    if agent:
+        calls = table.column("tool_calls").to_pylist()
+        records = [c for row in calls for c in row]
+        out.update(
+            model_tokens_mean=sum(sum(m) for m in table.column("action_mask").to_pylist()) / n,
+            num_turns_mean=sum(table.column("num_turns").to_pylist()) / n,
+            tool_call_rate=sum(any(c["name"] is not None for c in row) for row in calls) / n,
+            tool_calls_mean=len(records) / n,
+            tool_error_frac=sum(c["error"] is not None for c in records) / max(len(records), 1),
+            env_reward_mean=sum(table.column("env_reward").to_pylist()) / n,
+            env_fallback_frac=sum(table.column("env_fallback").to_pylist()) / n,
+            max_turns_fraction=sum(f == "max_turns" for f in finish) / n)
+    return out
 
 
 def engine_eos_ids(tok, model_path: str) -> set[int]:
@@ -96,13 +117,20 @@ def run(inp: RolloutInput) -> ShardRef:
     engine batches b with b % count == index are generated, each seeded as in the whole
     rollout; ``run_merge`` of the ``count`` shards gives exactly the single-worker rollout (the
     fan-out over Ray workers).
+
+    With ``rollout.agent`` the rollout is multi-turn (``_commit_agent_rollout``): each sample is
+    a trajectory of model turns and environment observations; a user environment's source
+    file enters the config hash (``environment_fingerprint``).
     """
-    commit = stage_commit(inp)
     cfg, shard = inp.rollout, inp.shard
+    env_code = environment_fingerprint(cfg.agent.environment) if cfg.agent is not None else None
+    commit = stage_commit(inp, env_code=env_code)  # a user environment's source file counts as config
 
     def compute() -> ShardRef:
         table = read_shard(inp.prompts, stage="prompts")
         path = policy_model_path(inp.policy)
+        if cfg.agent is not None:
+            return _commit_agent_rollout(inp, commit, table, path)
         processor = vl_processor_or_none(path)  # a vision-language policy: its media go with every batch
         if processor is not None and cfg.engine != "hf":
             raise ValueError(f"rollout.engine={cfg.engine!r} does not take images or videos; the vision-language "
@@ -118,7 +146,7 @@ def run(inp: RolloutInput) -> ShardRef:
         with Timer() as t, progress_reporter("rollout", unit="sequences") as progress:
             gens = engine.generate(prompt_ids, n_samples_per_prompt=cfg.n_samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
                                    temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
-                                   seed=cfg.seed + SEED_STRIDE * inp.iteration + ATTEMPT_STRIDE * inp.attempt,
+                                   seed=rollout_seed(inp),
                                    first_token_temperature=cfg.first_token_temperature, progress=progress,
                                    only_batches=only, **vision)
         table_out = _rollout_table(table, gens, tok, prompt_ids, images, videos)
@@ -135,22 +163,103 @@ def run(inp: RolloutInput) -> ShardRef:
         release_device_memory()  # the HF engine's model and cache; a cached vLLM/SGLang engine stays (asleep if set)
 
 
+def rollout_seed(inp: RolloutInput) -> int:
+    """The base seed of a rollout: ``rollout.seed + SEED_STRIDE * iteration + ATTEMPT_STRIDE *
+    attempt`` (per-sample seeds are derived from it and the sample's global indices)."""
+    return inp.rollout.seed + SEED_STRIDE * inp.iteration + ATTEMPT_STRIDE * inp.attempt
+
+
+def agent_rows(prompts: pa.Table, trajectories, tok, prompt_indices: list[int]) -> dict[str, list]:
+    """The rollout columns of multi-turn ``trajectories`` (``rft_core.agents.Trajectory``, in
+    their order) of the prompt rows ``prompt_indices`` of ``prompts`` (trajectory
+    ``prompt_index`` p is row ``prompt_indices[p]``).
+
+    ``prompt_token_ids`` are the trajectory's (the prompt plus the environment's first
+    observation, when ``reset`` returned one); ``action_mask`` is True exactly on the tokens the
+    model sampled, ``rollout_logprobs`` 0.0 on observation tokens; ``response_text`` is the LAST
+    model turn's text (what the reward stage grades: graded on the whole transcript, a "last
+    number" grader would pick up the calculator's output, a reward hack); ``transcript`` the whole
+    response decoded with special tokens.
+    """
+    pids = prompts.column("prompt_id").to_pylist()
+    rows = [prompt_indices[t.prompt_index] for t in trajectories]
+    return {
+        "sample_id": [f"{pids[r]}#{t.sample_index}" for r, t in zip(rows, trajectories)],
+        "prompt_id": [pids[r] for r in rows],
+        "sample_index": [t.sample_index for t in trajectories],
+        "prompt_token_ids": [t.prompt_token_ids for t in trajectories],
+        "response_token_ids": [t.response_token_ids for t in trajectories],
+        "response_text": [t.final_text for t in trajectories],
+        "rollout_logprobs": [t.logprobs for t in trajectories],
+        "action_mask": [t.is_model for t in trajectories],
+        "finish_reason": [t.finish_reason for t in trajectories],
+        "images": [[] for _ in trajectories],
+        "videos": [[] for _ in trajectories],
+        "num_turns": [t.num_turns for t in trajectories],
+        "tool_calls": [t.tool_calls for t in trajectories],
+        "env_reward": [t.env_reward for t in trajectories],
+        "env_fallback": [t.env_fallback for t in trajectories],
+        "env_error": [t.env_error for t in trajectories],
+        "transcript": tok.batch_decode([t.response_token_ids for t in trajectories], skip_special_tokens=False),
+    }
+
+
+def _commit_agent_rollout(inp: RolloutInput, commit: Commit, table: pa.Table, path: str) -> ShardRef:
+    """The multi-turn rollout of ``inp`` (``rollout.agent`` set) on ``default_device()``: one
+    trajectory per sample (``rft_core.agents.AgentRollout``), seeded per sample from
+    ``rollout_seed`` and the prompt's index in the whole prompts shard, so with ``shard``
+    (index, count) the prompts p with p % count == index give their trajectories of the whole
+    rollout (up to the floating-point effect of batch padding on the logits).
+
+    Raises:
+        ValueError: a vision-language policy (multi-turn rollouts are text-only), or prompts
+            with images or videos.
+        EnvConfigError: an unknown environment or bad ``env_config``.
+        EnvError: an environment failed with ``on_env_error: raise``.
+    """
+    from rft_core.agents import AgentRollout, EnvFactory
+
+    cfg, shard = inp.rollout, inp.shard
+    assert cfg.agent is not None
+    if vl_processor_or_none(path) is not None:
+        raise ValueError(f"rollout.agent: multi-turn rollouts take a text-only policy, but {path} is a vision-language "
+                         "model; unset rollout.agent or train a text-only model")
+    EnvFactory(cfg.agent.environment, cfg.agent.env_config)  # bad settings fail before the model loads
+    tok = load_tokenizer(path)
+    agent = AgentRollout(load_causal_lm(path, dtype=inp.dtype).to(default_device()).eval(), tok, cfg.agent)
+    rows = table.to_pylist()
+    idx = [p for p in range(len(rows)) if shard is None or p % shard[1] == shard[0]]
+    with Timer() as t, progress_reporter("rollout", unit="trajectories") as progress:
+        trajectories = agent.run([rows[p] for p in idx], n_samples_per_prompt=cfg.n_samples_per_prompt,
+                                 temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
+                                 seed=rollout_seed(inp), prompt_indices=idx, progress=progress)
+    table_out = pa.table(agent_rows(table, trajectories, tok, idx), schema=ROLLOUT.arrow)
+    n_tokens = sum(sum(tr.is_model) for tr in trajectories)
+    summary = {"seconds": t.seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(t.seconds, 1e-9),
+               "environment": cfg.agent.environment, **rollout_summary(table_out, agent=True)}
+    if shard is not None:
+        summary.update({"shard": list(shard), "worker": f"{socket.gethostname()}:{os.getpid()}"})
+    return commit.write(table_out, schema=ROLLOUT, inputs={"prompts": inp.prompts}, summary=summary)
+
+
 def _rollout_table(prompts: pa.Table, gens, tok, prompt_ids: list[list[int]], images: list, videos: list) -> pa.Table:
     """The rollout rows of the engine's generations (in generation order); each row carries its
     prompt's encoded images and videos as stored in the prompts shard (the same bytes)."""
     pids = prompts.column("prompt_id").to_pylist()
+    texts = tok.batch_decode([g.response_token_ids for g in gens], skip_special_tokens=True)
     rows = {
         "sample_id": [f"{pids[g.prompt_index]}#{g.sample_index}" for g in gens],
         "prompt_id": [pids[g.prompt_index] for g in gens],
         "sample_index": [g.sample_index for g in gens],
         "prompt_token_ids": [prompt_ids[g.prompt_index] for g in gens],
         "response_token_ids": [g.response_token_ids for g in gens],
-        "response_text": tok.batch_decode([g.response_token_ids for g in gens], skip_special_tokens=True),
+        "response_text": texts,
         "rollout_logprobs": [g.logprobs for g in gens],
         "action_mask": [[True] * len(g.response_token_ids) for g in gens],
         "finish_reason": [g.finish_reason for g in gens],
         "images": [images[g.prompt_index] for g in gens],
         "videos": [videos[g.prompt_index] for g in gens],
+        **single_turn_columns(texts),
     }
     return pa.table(rows, schema=ROLLOUT.arrow)
 
@@ -180,8 +289,10 @@ def run_merge(inp: RolloutMergeInput) -> ShardRef:
         sums = [read_manifest(p.uri)[0].summary for p in parts]
         n_tokens = sum(s["generated_tokens"] for s in sums)
         seconds = max(s["seconds"] for s in sums)  # the shards ran in parallel
+        agent = inp.rollout.rollout.agent
         summary = {"seconds": seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(seconds, 1e-9),
-                   **rollout_summary(table), "shards": len(parts)}
+                   **({"environment": agent.environment} if agent is not None else {}),
+                   **rollout_summary(table, agent=agent is not None), "shards": len(parts)}
         return commit.write(table, schema=ROLLOUT, summary=summary,
                             inputs={"prompts": inp.rollout.prompts, **{f"shard{i}": p for i, p in enumerate(parts)}})
 

@@ -84,8 +84,10 @@ def update_data(inp: PPOUpdateInput) -> UpdateData:
     """What the update trains on, read from the committed shards in rollout order: old
     log-probs from the actor stage (the rollout engine's without one) and the engine's own
     (``rollout_logprobs``, for the rollout correction), ref log-probs when the KL is a loss term,
-    the actor stage's entropies, the prompts' images and videos, and the rows out of the loss (the
-    truncated responses when the advantages stage filtered them, ``overlong_filtered``).
+    the actor stage's entropies, the prompts' images and videos, the rollout's ``action_mask``
+    (only the tokens the policy sampled count: not a multi-turn response's observation tokens)
+    and the rows out of the loss (the truncated responses when the advantages stage filtered
+    them, ``overlong_filtered``).
 
     Raises:
         ValueError: the KL is a loss term but ``inp.ref_logprobs`` is None, or the rollout
@@ -112,7 +114,7 @@ def update_data(inp: PPOUpdateInput) -> UpdateData:
                       entropies=actor.column("action_entropy").to_pylist() if actor is not None else None,
                       images=r.column("images").to_pylist(), videos=r.column("videos").to_pylist(),
                       rollout_logprobs=r.column("rollout_logprobs").to_pylist() if actor is not None else None,
-                      excluded=excluded)
+                      excluded=excluded, action_masks=r.column("action_mask").to_pylist())
 
 
 def _correction(cfg: UpdateConfig, data: UpdateData) -> tuple[SampleCorrection | None, dict[str, float]]:

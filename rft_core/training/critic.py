@@ -19,7 +19,15 @@ from rft_core.training.update import dropout_disabled
 class CriticData:
     """Per sample (unpadded lists, same order): token ids, the critic stage's values (old) and
     the advantage stage's returns (targets), one float per response token; images / videos: a
-    vision-language critic's encoded prompt media (one list per sample; None: none of that kind)."""
+    vision-language critic's encoded prompt media (one list per sample; None: none of that kind);
+    action_masks: one bool per response token, True on the tokens the policy sampled (the
+    rollout's ``action_mask``: a multi-turn response's observation tokens are not states the
+    critic is trained on), None: every token.
+
+    Raises:
+        ValueError: a per-token list (old_values, returns, action_masks) of another length than
+            the samples or their responses, naming the field and the sample.
+    """
 
     prompts: list[list[int]]
     responses: list[list[int]]
@@ -27,9 +35,28 @@ class CriticData:
     returns: list[list[float]]
     images: list[list[bytes]] | None = None
     videos: list[list[bytes]] | None = None
+    action_masks: list[list[bool]] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.prompts)
+        if len(self.responses) != n:
+            raise ValueError(f"CriticData: {len(self.responses)} responses for {n} prompts")
+        for name in ("old_values", "returns", "action_masks"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if len(values) != n:
+                raise ValueError(f"CriticData: {name} has {len(values)} entries for {n} samples")
+            for i, (v, r) in enumerate(zip(values, self.responses)):
+                if len(v) != len(r):
+                    raise ValueError(f"CriticData: sample {i} has {len(r)} response tokens but {len(v)} {name} entries")
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def action_count(self, i: int) -> int:
+        """Response tokens of sample ``i`` that the policy sampled."""
+        return sum(self.action_masks[i]) if self.action_masks is not None else len(self.responses[i])
 
 
 @dataclass(frozen=True)
@@ -64,7 +91,8 @@ def critic_update(
 ) -> list[CriticStepMetrics]:
     """Train the critic held by ``strategy`` (``rft_core.training.strategy.build_strategy``) on
     ``data`` with the shared training loop (exact gradient accumulation, any strategy);
-    mutates the critic.
+    mutates the critic. The value loss, its normaliser (the mini-batch's token count) and the
+    clip fraction are over the tokens ``data.action_masks`` marks (all response tokens without).
 
     Args:
         value_loss: name in VALUE_LOSSES; ``value_clip``: its clip range (None: unclipped).
@@ -84,7 +112,7 @@ def critic_update(
     device = model_device(strategy.model)
 
     def normaliser(mini: list[int]) -> Normaliser:
-        return Normaliser(num_tokens=sum(len(data.responses[i]) for i in mini), num_sequences=len(mini),
+        return Normaliser(num_tokens=sum(data.action_count(i) for i in mini), num_sequences=len(mini),
                           norm_tokens=norm_tokens)
 
     def micro_step(idx: list[int], norm: Normaliser) -> tuple[torch.Tensor, dict[str, float]]:
@@ -92,7 +120,10 @@ def critic_update(
                              pad_token_id=pad_token_id, packing=packing, processor=processor,
                              images=[data.images[i] for i in idx] if data.images is not None else None,
                              videos=[data.videos[i] for i in idx] if data.videos is not None else None)
-        T, mask = batch.num_actions, batch.action_mask.to(device)
+        T, mask = batch.num_actions, batch.action_mask
+        if data.action_masks is not None:
+            mask = mask & pad_float([[float(x) for x in data.action_masks[i]] for i in idx], T).bool()
+        mask = mask.to(device)
         old = pad_float([data.old_values[i] for i in idx], T).to(device)
         ret = pad_float([data.returns[i] for i in idx], T).to(device)
         values = response_values(strategy.model, batch)

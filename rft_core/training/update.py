@@ -3,7 +3,10 @@ mini-batches by the shared training loop (``rft_core.training.loop``), which mak
 accumulation exact and runs under any strategy (one process, DeepSpeed ranks).
 
 Per token t of response i (docs/algorithms.md, "Loss terms of the update"), with M the response
-tokens of the rows in the loss (all rows but the overlong-filtered ones):
+tokens of the rows in the loss (all rows but the overlong-filtered ones) that the policy sampled
+(``UpdateData.action_masks``: a multi-turn response's observation tokens, written by the
+environment, are not actions; they carry no loss, no KL, no entropy term, no gradient and do not
+count in any normaliser or statistic):
 
     loss = agg_M(w_t * L_policy_t) + kl_coef * agg_M(k_t) + cpgd_drift_coef * agg_M(d_t)
            - entropy_coef * agg_M(e_t * H_t)
@@ -41,7 +44,9 @@ class UpdateData:
     action_entropy (for filtering); images / videos: a vision-language policy's encoded prompt
     images and videos (one list per sample; None: no sample has that kind); rollout_logprobs:
     the rollout engine's log-probs (the rollout correction's denominator); excluded: per
-    sample, True when it is out of the loss entirely (overlong filtering).
+    sample, True when it is out of the loss entirely (overlong filtering); action_masks: per
+    sample one bool per response token, True on the tokens the policy sampled (the rollout's
+    ``action_mask``; False on a multi-turn response's observation tokens), None: every token.
     """
 
     prompts: list[list[int]]
@@ -54,9 +59,39 @@ class UpdateData:
     rollout_logprobs: list[list[float]] | None = None
     excluded: list[bool] | None = None
     videos: list[list[bytes]] | None = None
+    action_masks: list[list[bool]] | None = None
+
+    def __post_init__(self) -> None:
+        """Check that every per-token list has one entry per response token.
+
+        Raises:
+            ValueError: naming the field and the first sample whose list has another length.
+        """
+        n = len(self.prompts)
+        if len(self.responses) != n:
+            raise ValueError(f"UpdateData: {len(self.responses)} responses for {n} prompts")
+        for name in ("old_logprobs", "advantages", "ref_logprobs", "entropies", "rollout_logprobs", "action_masks"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if len(values) != n:
+                raise ValueError(f"UpdateData: {name} has {len(values)} entries for {n} samples")
+            for i, (v, r) in enumerate(zip(values, self.responses)):
+                if len(v) != len(r):
+                    raise ValueError(f"UpdateData: sample {i} has {len(r)} response tokens but {len(v)} {name} entries")
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def action_count(self, i: int) -> int:
+        """Response tokens of sample ``i`` that the policy sampled."""
+        return sum(self.action_masks[i]) if self.action_masks is not None else len(self.responses[i])
+
+    def action_mask(self, idx: list[int], T: int) -> torch.Tensor:
+        """(len(idx), T) bool: True on the sampled response tokens of samples ``idx`` (padding False)."""
+        if self.action_masks is None:
+            return pad_float([[1.0] * len(self.responses[i]) for i in idx], T).bool()
+        return pad_float([[float(x) for x in self.action_masks[i]] for i in idx], T).bool()
 
     def included(self, i: int) -> bool:
         """Whether sample ``i`` is in the loss (not overlong-filtered)."""
@@ -97,9 +132,9 @@ class SampleCorrection:
 
 
 def _row_mask(data: UpdateData) -> torch.Tensor:
-    """(B, T_all) bool: the response tokens of the samples in the loss."""
+    """(B, T_all) bool: the sampled response tokens (``data.action_masks``) of the samples in the loss."""
     T_all = max((len(r) for r in data.responses), default=0) or 1
-    mask = pad_float([[1.0] * len(r) for r in data.responses], T_all).bool()
+    mask = data.action_mask(list(range(len(data))), T_all)
     if data.excluded is not None:
         mask &= torch.tensor([not e for e in data.excluded], dtype=torch.bool)[:, None]
     return mask
@@ -258,7 +293,7 @@ def ppo_update(
 
     def normaliser(mini: list[int]) -> Normaliser:
         rows = [i for i in mini if data.included(i)]
-        n_tokens = sum(int(keep[i].sum()) if kept_norm and keep is not None else len(data.responses[i]) for i in rows)
+        n_tokens = sum(int(keep[i].sum()) if kept_norm and keep is not None else data.action_count(i) for i in rows)
         return Normaliser(num_tokens=n_tokens, num_sequences=len(rows), norm_tokens=norm_tokens)
 
     def padded(values: list[torch.Tensor], idx: list[int], T: int) -> torch.Tensor:
@@ -271,7 +306,8 @@ def ppo_update(
             batch = with_vision(batch, processor, [data.images[i] for i in idx] if data.images is not None else None,
                                 [data.videos[i] for i in idx] if data.videos is not None else None)
         T = batch.num_actions
-        mask = batch.action_mask & torch.tensor([data.included(i) for i in idx], dtype=torch.bool)[:, None]
+        mask = (batch.action_mask & data.action_mask(idx, T)
+                & torch.tensor([data.included(i) for i in idx], dtype=torch.bool)[:, None])
         policy_mask, weights = mask, None
         if keep is not None:
             kept = padded(keep, idx, T).bool()

@@ -16,7 +16,7 @@ from rft_core.models.logprobs import batched_response_logprobs  # noqa: E402
 from rft_core.stages.contracts import CriticUpdateInput, PPOUpdateInput  # noqa: E402
 from rft_core.stages.runner import run_stage  # noqa: E402
 from schemas import read_manifest, read_shard, write_shard  # noqa: E402
-from schemas.columns import ADVANTAGES, CRITIC_VALUES, ROLLOUT  # noqa: E402
+from schemas.columns import ADVANTAGES, CRITIC_VALUES, ROLLOUT, single_turn_columns  # noqa: E402
 
 RUNNER = RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
 
@@ -34,7 +34,8 @@ def update_inputs(tiny_model, tmp_path_factory):
     rollout = pa.table({"sample_id": ids, "prompt_id": [s.split("#")[0] for s in ids], "sample_index": [i % 2 for i in range(n)],
                         "prompt_token_ids": prompts, "response_token_ids": responses, "response_text": [""] * n,
                         "rollout_logprobs": old, "action_mask": [[True] * len(r) for r in responses],
-                        "finish_reason": ["length"] * n, "images": [[] for _ in range(n)], "videos": [[] for _ in range(n)]},
+                        "finish_reason": ["length"] * n, "images": [[] for _ in range(n)], "videos": [[] for _ in range(n)],
+                        **single_turn_columns([""] * n)},
                        schema=ROLLOUT.arrow)
     adv = [[1.0 if i % 3 else -1.0] * len(r) for i, r in enumerate(responses)]
     advantages = pa.table({"sample_id": ids, "prompt_id": [s.split("#")[0] for s in ids], "shaped_rewards": [0.0] * n,
