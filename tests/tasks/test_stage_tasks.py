@@ -28,7 +28,7 @@ def test_task_bodies_run_their_stage_programs(cfg, tiny_model, tmp_path):
     assert isinstance(p, ShardRef) and p.stage == "prompts" and p.num_rows == 2
     r_inp = RolloutInput(prompts=p, policy=tiny_model, rollout=cfg.rollout, iteration=1, out=out("rollout"))
     r = tasks.rollout.fn(inp=r_inp)
-    assert r.num_rows == 4 and read_manifest(r.uri)[0].contract == "rollout v1"
+    assert r.num_rows == 4 and read_manifest(r.uri)[0].contract == f"rollout v{RolloutInput.version}"
     assert tasks.rollout.fn(inp=r_inp) == r  # committed: reused, not recomputed
     w = tasks.rewards.fn(inp=RewardsInput(rollout=r, prompts=p, reward=cfg.reward, out=out("rewards")))
     assert sorted(read_shard(w).column("rewards").to_pylist()) == sorted(
