@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +10,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from schemas import ShardError, pruned_files, read_manifest, read_shard, stage_uri
+from schemas import ShardError, filesystem, pruned_files, read_manifest, read_shard, stage_uri
+from schemas.storage import stage_folders
 from schemas.experience import align_on_sample_id
 from schemas.shards import MANIFEST_NAME
 
-_ITER = re.compile(r"iter=(\d{6})$")
 
 
 def run_status(run_root: str) -> list[dict[str, Any]]:
@@ -24,33 +23,22 @@ def run_status(run_root: str) -> list[dict[str, Any]]:
     status: ``committed`` (manifest present and readable), ``incomplete`` (no manifest: the
     stage was interrupted or is running), ``corrupt`` (unreadable manifest).
     """
-    fs, root = fsspec.core.url_to_fs(run_root)
-    root = root.rstrip("/")
-    if not fs.exists(root):
-        raise FileNotFoundError(f"run folder {run_root!r} does not exist")
     rows = []
-    for it_dir in sorted(fs.ls(root, detail=False)):
-        m = _ITER.search(it_dir.rstrip("/"))
-        if not m or not fs.isdir(it_dir):
-            continue
-        for st_dir in sorted(fs.ls(it_dir, detail=False)):
-            if not fs.isdir(st_dir):
-                continue
-            stage = st_dir.rstrip("/").rsplit("/", 1)[-1]
-            row: dict[str, Any] = {"iteration": int(m.group(1)), "stage": stage}
-            uri = stage_uri(run_root, int(m.group(1)), stage)
-            if not fs.exists(f"{st_dir.rstrip('/')}/{MANIFEST_NAME}"):
-                row.update(status="incomplete", rows=None, bytes=None, seconds=None, config_hash=None)
-            else:
-                try:
-                    man, _ = read_manifest(uri)
-                    pruned = pruned_files(uri)  # checkpoint retention: files removed on purpose
-                    row.update(status="committed" + (" (pruned)" if pruned else ""), rows=man.num_rows,
-                               bytes=sum(f.bytes for f in man.files if f.path not in pruned),
-                               seconds=man.summary.get("seconds"), config_hash=man.config_hash)
-                except ShardError as exc:
-                    row.update(status="corrupt", rows=None, bytes=None, seconds=None, config_hash=str(exc)[:80])
-            rows.append(row)
+    for iteration, stage, uri in stage_folders(run_root):
+        row: dict[str, Any] = {"iteration": iteration, "stage": stage}
+        fs, path = filesystem(uri)
+        if not fs.exists(f"{path}/{MANIFEST_NAME}"):
+            row.update(status="incomplete", rows=None, bytes=None, seconds=None, config_hash=None)
+        else:
+            try:
+                man, _ = read_manifest(uri)
+                pruned = pruned_files(uri)  # checkpoint retention: files removed on purpose
+                row.update(status="committed" + (" (pruned)" if pruned else ""), rows=man.num_rows,
+                           bytes=sum(f.bytes for f in man.files if f.path not in pruned),
+                           seconds=man.summary.get("seconds"), config_hash=man.config_hash)
+            except ShardError as exc:
+                row.update(status="corrupt", rows=None, bytes=None, seconds=None, config_hash=str(exc)[:80])
+        rows.append(row)
     return rows
 
 

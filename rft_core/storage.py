@@ -36,16 +36,15 @@ from schemas import (
     parse_stage_spec,
     read_manifest,
     stage_spec,
-    stage_uri,
     verify_files,
 )
-from schemas.shards import MANIFEST_NAME, LOCK_NAME
+from schemas.storage import stage_folders
+from schemas.shards import LOCK_NAME, MANIFEST_NAME
 
 REPAIRED_DIR = "_repaired"
 REPAIR_RECORD = "_REPAIR.json"
 # stages whose output is the checkpoint the next iteration starts from
 _CHECKPOINT_STAGES = ("ppo_update", "critic_update")
-_ITER = re.compile(r"iter=(\d{6})$")
 
 
 class RunRootError(ValueError):
@@ -159,26 +158,13 @@ def run_stages(run_root: str) -> list[StageInfo]:
     Raises:
         FileNotFoundError: ``run_root`` does not exist.
     """
-    fs, root = filesystem(run_root)
-    fs.invalidate_cache(root)
-    if not fs.exists(root):
-        raise FileNotFoundError(f"run folder {run_root!r} does not exist")
     out = []
-    for it_dir in sorted(fs.ls(root, detail=False)):
-        m = _ITER.search(it_dir.rstrip("/"))
-        if not m or not fs.isdir(it_dir):
-            continue
-        for st_dir in sorted(fs.ls(it_dir, detail=False)):
-            if not fs.isdir(st_dir):
-                continue
-            stage = st_dir.rstrip("/").rsplit("/", 1)[-1]
-            uri = stage_uri(run_root, int(m.group(1)), stage)
-            try:
-                manifest, sha = read_manifest(uri)
-                info = StageInfo(uri, int(m.group(1)), stage, sha, tuple(manifest.inputs.values()))
-            except ShardError:
-                info = StageInfo(uri, int(m.group(1)), stage, None, ())
-            out.append(info)
+    for iteration, stage, uri in stage_folders(run_root):
+        try:
+            manifest, sha = read_manifest(uri)
+            out.append(StageInfo(uri, iteration, stage, sha, tuple(manifest.inputs.values())))
+        except ShardError:
+            out.append(StageInfo(uri, iteration, stage, None, ()))
     return out
 
 

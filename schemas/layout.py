@@ -46,3 +46,4 @@ def parse_stage_spec(spec: str) -> tuple[int, str]:
     if not m:
         raise ValueError(f"bad stage {spec!r}: expected iter=N/<stage>, e.g. iter=1/ppo_update")
     return int(m.group("it")), m.group("stage")
+

@@ -9,6 +9,7 @@ import contextlib
 import errno as _errno
 import hashlib
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -16,7 +17,9 @@ from typing import Iterator
 
 import fsspec
 
-from schemas.layout import split_stage_uri, stage_spec
+from schemas.layout import split_stage_uri, stage_spec, stage_uri
+
+_ITER = re.compile(r"iter=(\d{6})$")
 
 MANIFEST_NAME = "_MANIFEST.json"
 # protocols whose single-object PUT is atomic and which have no rename (a "move" is copy + delete)
@@ -239,3 +242,25 @@ def repair_hint(uri: str) -> str:
     return (f". To recompute this stage and the stages that depend on it (moved aside, nothing else touched): "
             f"python -m rft_core.storage repair {where[0]} --stage {stage_spec(where[1], where[2])}, "
             "then rerun the same training command")
+
+
+def stage_folders(run_root: str) -> Iterator[tuple[int, str, str]]:
+    """(iteration, stage, stage URI) of every stage folder of ``run_root``
+    (``iter=NNNNNN/<stage>``), in iteration and name order; the listing is read fresh (no cached
+    listing of an object store hides another process's commit).
+
+    Raises:
+        FileNotFoundError: ``run_root`` does not exist.
+    """
+    fs, root = filesystem(run_root)
+    fs.invalidate_cache(root)
+    if not fs.exists(root):
+        raise FileNotFoundError(f"run folder {run_root!r} does not exist")
+    for it_dir in sorted(fs.ls(root, detail=False)):
+        m = _ITER.search(it_dir.rstrip("/"))
+        if not m or not fs.isdir(it_dir):
+            continue
+        for st_dir in sorted(fs.ls(it_dir, detail=False)):
+            if fs.isdir(st_dir):
+                stage = st_dir.rstrip("/").rsplit("/", 1)[-1]
+                yield int(m.group(1)), stage, stage_uri(run_root, int(m.group(1)), stage)
