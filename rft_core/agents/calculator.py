@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rft_core.config._base import _check_name
 from rft_core.agents.env import ENVIRONMENTS
 from rft_core.agents.tools import TOOL_FORMATS, ToolEnvironment
 
@@ -134,12 +135,7 @@ class CalculatorConfig(BaseModel):
     max_exponent: float = Field(100, gt=0, description="largest |b| in a ** b")
     max_abs: float = Field(1e30, gt=0, description="largest |value| of a literal or intermediate result")
 
-    @field_validator("tool_format")
-    @classmethod
-    def _format(cls, v: str) -> str:
-        if v not in TOOL_FORMATS:
-            raise ValueError(f"unknown tool-call format {v!r}; valid names: {', '.join(TOOL_FORMATS.names())}")
-        return v
+    _format = field_validator("tool_format")(lambda cls, v: _check_name(TOOL_FORMATS, v))
 
 
 @ENVIRONMENTS.register("calculator", info="safe arithmetic on <calc>expr</calc> or hermes tool calls")

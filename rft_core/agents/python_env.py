@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rft_core.config._base import _check_name
 from rft_core.agents.env import ENVIRONMENTS
 from rft_core.agents.tools import TOOL_FORMATS, ToolEnvironment, ToolFailure
 from rft_core.rewards import code as sandbox
@@ -85,12 +86,7 @@ class PythonEnvConfig(BaseModel):
     network: Literal["namespace", "audit"] = "namespace"
     max_output_chars: int = Field(1000, gt=0, description="observation text beyond this is truncated")
 
-    @field_validator("tool_format")
-    @classmethod
-    def _format(cls, v: str) -> str:
-        if v not in TOOL_FORMATS:
-            raise ValueError(f"unknown tool-call format {v!r}; valid names: {', '.join(TOOL_FORMATS.names())}")
-        return v
+    _format = field_validator("tool_format")(lambda cls, v: _check_name(TOOL_FORMATS, v))
 
 
 @ENVIRONMENTS.register("python", info="runs <python>code</python> calls in the code_exec sandbox")

@@ -28,6 +28,7 @@ from typing import Any
 import requests
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rft_core.config._base import _check_name
 from rft_core.agents.env import ENVIRONMENTS, EnvError, Environment, StepResult, coerce_step_result
 from rft_core.agents.tools import TOOL_FORMATS
 from rft_core.rewards.remote import RETRY_STATUSES, make_session
@@ -57,12 +58,7 @@ class RemoteEnvConfig(BaseModel):
             raise ValueError(f"url must start with http:// or https://, got {v!r}")
         return v.rstrip("/")
 
-    @field_validator("tool_format")
-    @classmethod
-    def _format(cls, v: str | None) -> str | None:
-        if v is not None and v not in TOOL_FORMATS:
-            raise ValueError(f"unknown tool-call format {v!r}; valid names: {', '.join(TOOL_FORMATS.names())}")
-        return v
+    _format = field_validator("tool_format")(lambda cls, v: v if v is None else _check_name(TOOL_FORMATS, v))
 
 
 def post_json(session: requests.Session, url: str, payload: dict[str, Any], *, timeout_s: float,
