@@ -14,15 +14,27 @@ ours the per-stage breakdown: stage compute, model/tokenizer/optimizer loads, sh
 writes, checkpoint save + manifest checksums, and Prefect orchestration (iteration wall time
 minus the critical path of the stage tasks).
 
-Variants of ours: ``ours`` = the preset as is (it recomputes old log-probs in an actor stage);
-``ours-matched`` = ``logprobs.recompute_old_logprobs=false``, the same work TRL does with
-``num_iterations=1`` (no separate old-log-prob pass: the rollout's log-probs are the old ones).
-TRL variants: ``trl`` (no checkpoints, the default run) and, with ``--only trl-save-every-step``,
-TRL saving a full checkpoint after every step (the resumability our flow has by construction).
+Distance to the physical limit (issue 19): the parent measures this machine's sustained float32
+GEMM rate (``gemm_rate.py``, ~10 s, in a fresh process) before and after the variants; every
+worker records, per step, each sample's real prompt and response token counts (ours: the rollout
+shard's ``prompt_token_ids`` / ``response_token_ids``; TRL: the prompts' attention mask and the
+completions up to EOS at ``generate``) and the passes the step ran (generation, reference and
+actor log-prob passes, update epochs), plus the model's shape. The report turns them into FLOPs
+per step (``flops.py``), the achieved GFLOP/s and its fraction of the GEMM rate.
+
+Variants of ours: ``ours`` = the preset as is (``logprobs.recompute_old_logprobs: auto`` skips the
+actor log-prob pass when the update is on-policy: the rollout's log-probs are the old ones, the
+work TRL's GRPOTrainer does with ``num_iterations=1``); ``ours-recompute`` =
+``logprobs.recompute_old_logprobs=true``, the actor pass forced (as verl and OpenRLHF do). TRL
+variants: ``trl`` (no checkpoints, the default run). With ``--only``: ``ours-sync-optimizer``
+(``checkpoint.async_optimizer=false``: the AdamW state written inside the update, an A/B of the
+background write) and ``trl-save-every-step`` (TRL saving a full checkpoint after every step, the
+resumability our flow has by construction).
 
     .venv/bin/pip install -c constraints-cpu.txt -e '.[bench]'          # TRL, benchmark-only
-    .venv/bin/python benchmarks/vs_trl.py --steps 5                     # the default four, ~25 min quiet
-    .venv/bin/python benchmarks/vs_trl.py --steps 2 --label "shared CPU pilot"
+    .venv/bin/python benchmarks/vs_trl.py --steps 5                     # the default three, ~20 min quiet
+    .venv/bin/python benchmarks/vs_trl.py --steps 2 --label "shared CPU pilot" --gemm-seconds 0
+    .venv/bin/python benchmarks/vs_trl.py --only ours --only ours-sync-optimizer --only trl-save-every-step
 """
 from __future__ import annotations
 
@@ -43,19 +55,40 @@ from collections import defaultdict
 from pathlib import Path
 
 from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
+from flops import ModelDims
 from vs_trl_report import BACKGROUND_KIND, TRL_VARIANTS, report, with_findings, write_section  # noqa: E402
 
-VARIANTS = {"ours": [], "ours-matched": ["logprobs.recompute_old_logprobs=false"], "trl": [], "trl-save-every-step": [],
-            # ours-matched writing the AdamW state inside the update instead of in the background (an A/B of
-            # checkpoint.async_optimizer)
-            "ours-matched-sync-optimizer": ["logprobs.recompute_old_logprobs=false", "checkpoint.async_optimizer=false"]}
-# TRL variants run TRL; ``trl-save-every-step`` saves a full checkpoint (weights, optimizer, scheduler, RNG) after every
-# step, the resumability our flow has by construction (not part of the default run: --only trl-save-every-step)
-DEFAULT_VARIANTS = ("ours", "ours-matched", "trl", "ours-matched-sync-optimizer")
+VARIANTS = {"ours": [],  # the preset as is: recompute_old_logprobs auto skips the actor pass when on-policy
+            "ours-recompute": ["logprobs.recompute_old_logprobs=true"],  # the actor (old log-prob) pass forced
+            "trl": [],
+            # ours writing the AdamW state inside the update instead of in the background (an A/B of
+            # checkpoint.async_optimizer; --only ours-sync-optimizer)
+            "ours-sync-optimizer": ["checkpoint.async_optimizer=false"],
+            # TRL saving a full checkpoint (weights, optimizer, scheduler, RNG) after every step, the resumability our
+            # flow has by construction (--only trl-save-every-step)
+            "trl-save-every-step": []}
+DEFAULT_VARIANTS = ("ours", "ours-recompute", "trl")
 
 
 def _peak_rss_gib() -> float:
+    """Peak resident memory of this process so far, GiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _gemm_rate(seconds: float) -> dict | None:
+    """This machine's sustained float32 GEMM rate (``gemm_rate.py``'s JSON: GFLOP/s), measured in
+    a fresh process with torch's default threads, as the workers run; None when ``seconds`` <= 0."""
+    if seconds <= 0:
+        return None
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gemm_rate.py"), "--seconds", str(seconds)]
+    try:
+        out = subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True).stdout
+        gemm = json.loads(out.strip().splitlines()[-1])
+    except (subprocess.CalledProcessError, ValueError, IndexError) as exc:  # the variants' results still count
+        print(f"== GEMM rate: not measured ({exc})", flush=True)
+        return None
+    print(f"== GEMM rate: {gemm['gflops_median']:.1f} GFLOP/s (median), {gemm['gflops_best']:.1f} (best)", flush=True)
+    return gemm
 
 
 # --------------------------------------------------------------------------------------- ours
@@ -176,10 +209,35 @@ def run_ours(args, overrides: list[str]) -> dict:
         steps.append({"seconds": step_wall[i - 1], "critical_path": critical, "stages": stages,
                       "generated_tokens": roll["generated_tokens"], "generate_seconds": roll["seconds"],
                       "reward_mean": m.get("reward_mean"), "response_length": m.get("response_length")})
+    _record_tokens(cfg, steps)
+    from transformers import AutoConfig
+
+    from rft_core.models.loading import resolve_model_path
+
+    model = ModelDims.from_config(AutoConfig.from_pretrained(resolve_model_path(cfg.policy.path))).to_dict()
     if not args.keep:
         shutil.rmtree(run_root, ignore_errors=True)
     return {"framework": "ours", "steps": steps, "total_seconds": total, "peak_rss_gib": _peak_rss_gib(),
+            "variant_overrides": VARIANTS[args.worker], "model": model,
             "config": cfg.model_dump(mode="json", include={"data", "rollout", "kl", "update", "logprobs"})}
+
+
+def _record_tokens(cfg, steps: list[dict]) -> None:
+    """Add to each step of ours (in place) ``samples``, [prompt tokens, response tokens] per
+    sample (real tokens, from the rollout shard), and ``passes``, the passes it ran over them
+    (generation; the reference and actor log-prob passes whose stages ran; update epochs)."""
+    import pyarrow.compute as pc
+
+    # the uninstrumented reader: its seconds land in no stage
+    from schemas import read_shard, stage_uri
+
+    for i, step in enumerate(steps, start=1):
+        roll = read_shard(stage_uri(cfg.run_root, i, "rollout"), stage="rollout", verify=False)
+        prompt = pc.list_value_length(roll.column("prompt_token_ids")).to_pylist()
+        response = pc.list_value_length(roll.column("response_token_ids")).to_pylist()
+        step["samples"] = [[int(p), int(r)] for p, r in zip(prompt, response)]
+        step["passes"] = {"generation": 1, "actor_logprobs": int("actor_logprobs" in step["stages"]),
+                          "ref_logprobs": int("ref_logprobs" in step["stages"]), "update": cfg.update.epochs}
 
 
 # ---------------------------------------------------------------------------------------- TRL
@@ -238,10 +296,12 @@ def run_trl(args, overrides: list[str]) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=gcfg, train_dataset=Dataset.from_list(rows),
                           processing_class=tok)
 
-    gen = {"seconds": [], "tokens": []}
+    gen: dict[str, list] = {"seconds": [], "tokens": []}
     gen_eos = model.generation_config.eos_token_id
     eos = {tok.eos_token_id} | set(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
     real_generate = model.generate
+    marks: list[float] = []
+    samples: dict[int, list[list[int]]] = defaultdict(list)  # step index -> [prompt tokens, response tokens] per sample
 
     def timed_generate(*a, **kw):
         t0 = time.perf_counter()
@@ -249,14 +309,17 @@ def run_trl(args, overrides: list[str]) -> dict:
         gen["seconds"].append(time.perf_counter() - t0)
         seqs = outp.sequences if hasattr(outp, "sequences") else outp
         new = seqs[:, kw["input_ids"].shape[1]:] if "input_ids" in kw else seqs
+        mask = kw.get("attention_mask")  # left-padded prompts: their real tokens
+        prompt = mask.sum(dim=1).tolist() if mask is not None else [seqs.shape[1] - new.shape[1]] * seqs.shape[0]
         n = 0
-        for row in new.tolist():
-            n += next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+        for p, row in zip(prompt, new.tolist()):
+            r = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+            samples[len(marks) - 1].append([int(p), r])
+            n += r
         gen["tokens"].append(n)
         return outp
 
     model.generate = timed_generate
-    marks: list[float] = []
     phase: dict[tuple[int, str], float] = defaultdict(float)  # (step index, kind) -> seconds
 
     def timed_method(kind, fn):
@@ -273,6 +336,7 @@ def run_trl(args, overrides: list[str]) -> dict:
     trainer._generate_and_score_completions = timed_method("generate_and_score", trainer._generate_and_score_completions)
     trainer.compute_loss = timed_method("loss_forward", trainer.compute_loss)
     trainer._save_checkpoint = timed_method("checkpoint", trainer._save_checkpoint)  # lands in the next step's interval
+    lp_rows = _count_logprob_passes(trainer, marks)
 
     class StepTimes(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -287,16 +351,60 @@ def run_trl(args, overrides: list[str]) -> dict:
     total = time.perf_counter() - t0
     logs = [h for h in trainer.state.log_history if "loss" in h or "reward" in h]
     steps = []
+    batch: list[list[int]] = []  # the samples the step trains on: its own generation, else the last one
     for i in range(len(marks) - 1):
         lg = logs[i] if i < len(logs) else {}
+        batch = samples.get(i) or batch
         steps.append({"seconds": marks[i + 1] - marks[i], "generated_tokens": gen["tokens"][i] if i < len(gen["tokens"]) else None,
                       "generate_seconds": gen["seconds"][i] if i < len(gen["seconds"]) else None,
                       "reward_mean": lg.get("reward"), "response_length": lg.get("completions/mean_length"),
                       "generate_and_score": phase.get((i, "generate_and_score"), 0.0),
-                      "loss_forward": phase.get((i, "loss_forward"), 0.0), "checkpoint": phase.get((i, "checkpoint"), 0.0)})
+                      "loss_forward": phase.get((i, "loss_forward"), 0.0), "checkpoint": phase.get((i, "checkpoint"), 0.0),
+                      "samples": batch, "passes": _trl_passes(gcfg, i, bool(samples.get(i)), len(batch), lp_rows)})
     shutil.rmtree(out_dir, ignore_errors=True)
     return {"framework": args.worker, "trl_version": __import__("trl").__version__, "steps": steps, "total_seconds": total,
-            "peak_rss_gib": _peak_rss_gib(), "generate_calls": len(gen["seconds"]), "torch_threads": torch.get_num_threads()}
+            "peak_rss_gib": _peak_rss_gib(), "generate_calls": len(gen["seconds"]), "torch_threads": torch.get_num_threads(),
+            "variant_overrides": VARIANTS[args.worker], "model": ModelDims.from_config(model.config).to_dict()}
+
+
+def _count_logprob_passes(trainer, marks: list[float]) -> dict[tuple[int, str], int] | None:
+    """Count the sequences TRL's no-grad log-prob passes process per step: (step index,
+    ``ref_logprobs`` or ``actor_logprobs``) -> sequences, by wrapping
+    ``_get_per_token_logps_and_entropies`` (None when this TRL has no such method). The update's
+    forward runs with gradients and is not counted here."""
+    import torch
+
+    real = getattr(trainer, "_get_per_token_logps_and_entropies", None)
+    if real is None:
+        return None
+    rows: dict[tuple[int, str], int] = defaultdict(int)
+
+    @functools.wraps(real)
+    def counted(*a, **kw):
+        model = a[0] if a else kw.get("model")
+        ids = a[1] if len(a) > 1 else kw.get("input_ids")
+        if ids is not None and not torch.is_grad_enabled():
+            part = "ref_logprobs" if model is not None and model is trainer.ref_model else "actor_logprobs"
+            rows[(len(marks) - 1, part)] += int(ids.shape[0])
+        return real(*a, **kw)
+
+    trainer._get_per_token_logps_and_entropies = counted
+    return rows
+
+
+def _trl_passes(gcfg, step: int, generated: bool, n_samples: int, lp_rows: dict | None) -> dict[str, float]:
+    """The passes TRL's step ``step`` ran over its ``n_samples`` samples: generation (1 when it
+    generated), the reference and old-log-prob passes (counted sequences / samples; without a
+    count, from TRL's rules: a reference pass when beta != 0, an old-log-prob pass only when
+    gradient_accumulation_steps is not a multiple of steps_per_generation x num_iterations) and
+    one update (forward + backward of every sample)."""
+    if lp_rows is not None and n_samples:
+        ref, actor = (lp_rows.get((step, k), 0) / n_samples for k in ("ref_logprobs", "actor_logprobs"))
+    else:
+        ref = float(gcfg.beta != 0.0) if generated else 0.0
+        aligned = gcfg.gradient_accumulation_steps % (gcfg.steps_per_generation * gcfg.num_iterations) == 0
+        actor = float(not aligned) if generated else 0.0
+    return {"generation": int(generated), "actor_logprobs": actor, "ref_logprobs": ref, "update": 1}
 
 
 def main() -> None:
@@ -313,6 +421,8 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep our run folder (checkpoints: ~1.6 GB per step)")
     ap.add_argument("--from-json", default=None, help="rewrite the section from a --json file of an earlier run; runs nothing")
     ap.add_argument("--findings", default=None, help="markdown file appended to the section (what was found and fixed)")
+    ap.add_argument("--gemm-seconds", type=float, default=8.0,
+                    help="seconds of the GEMM-rate measurement before and after the variants (0: skip it)")
     ap.add_argument("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -328,13 +438,17 @@ def main() -> None:
 
     args.load_before = os.getloadavg()[0]
     if args.from_json:
-        results = json.loads(Path(args.from_json).read_text())
-        args.load_before = results.pop("_load_before", float("nan"))
-        args.load_after = results.pop("_load_after", None)
+        raw = json.loads(Path(args.from_json).read_text())
+        args.load_before = raw.get("_load_before", float("nan"))
+        args.load_after = raw.get("_load_after")
+        args.gemm_before, args.gemm_after = raw.get("_gemm_before"), raw.get("_gemm_after")
+        args.measured = raw.get("_measured")  # the date of the run (older JSON: none, today is printed)
+        results = {k: v for k, v in raw.items() if not k.startswith("_")}
         section = with_findings(report(results, args, args.overrides), args.findings)
         write_section(Path(args.out), section)
         print(section)
         return
+    args.gemm_before = _gemm_rate(args.gemm_seconds)  # on the quiet machine, before any variant
     results = {}
     for name in args.only or list(DEFAULT_VARIANTS):
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -347,11 +461,16 @@ def main() -> None:
         subprocess.run(cmd, check=True, cwd=ROOT)
         results[name] = json.loads(Path(result_path).read_text())
         os.unlink(result_path)
-        print(json.dumps({k: v for k, v in results[name].items() if k != "config"}, indent=1)[:3000], flush=True)
+        brief = {k: v for k, v in results[name].items() if k != "config"}
+        brief["steps"] = [{k: v for k, v in st.items() if k != "samples"} for st in brief["steps"]]
+        print(json.dumps(brief, indent=1)[:3000], flush=True)
     args.load_after = os.getloadavg()[0]
+    args.gemm_after = _gemm_rate(args.gemm_seconds)
+    args.measured = time.strftime("%Y-%m-%d")
     if args.json:
-        Path(args.json).write_text(json.dumps({**results, "_load_before": args.load_before, "_load_after": args.load_after},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({**results, "_load_before": args.load_before, "_load_after": args.load_after,
+                                               "_gemm_before": args.gemm_before, "_gemm_after": args.gemm_after,
+                                               "_measured": args.measured}, indent=1))
     section = with_findings(report(results, args, args.overrides), args.findings)
     write_section(Path(args.out), section)
     print(section)

@@ -1,5 +1,7 @@
-"""The markdown section of ``benchmarks/vs_trl.py``: headline table, our per-stage breakdown,
-the side-by-side of where a step goes, and the gap to TRL (from the workers' JSON results)."""
+"""The markdown section of ``benchmarks/vs_trl.py``: headline table, the ratio of seconds per step
+to TRL's, the distance to the machine's GEMM rate (FLOPs per step, achieved GFLOP/s, issue 19),
+our per-stage breakdown, the side-by-side of where a step goes, and the gap to TRL (from the
+workers' JSON results). Fields an older JSON lacks (token counts, GEMM rate) leave their lines out."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -7,6 +9,11 @@ import os
 import platform
 import statistics
 from pathlib import Path
+
+try:  # run as a script (vs_trl.py): benchmarks/ is on sys.path
+    from flops import DEFAULT_PASSES, PARTS, ModelDims, step_flops
+except ModuleNotFoundError:  # imported as benchmarks.vs_trl_report (tests)
+    from benchmarks.flops import DEFAULT_PASSES, PARTS, ModelDims, step_flops
 
 SECTION = "## Speed versus TRL's GRPOTrainer (`benchmarks/vs_trl.py`)"
 TRL_VARIANTS = ("trl", "trl-save-every-step")
@@ -34,8 +41,9 @@ def report(results: dict[str, dict], args, overrides: list[str]) -> str:
     load_after = getattr(args, "load_after", None)
     load = f"{args.load_before:.1f}, after: {load_after:.1f}" if load_after is not None and args.load_before == args.load_before \
         else "not recorded"
+    measured = getattr(args, "measured", None) or _dt.date.today()  # the run's date (JSON's _measured), else today
     lines = [SECTION, "", *([f"**{args.label}.**", ""] if args.label else []),
-             f"Measured {_dt.date.today()} on {platform.machine()}, {os.cpu_count()} CPU cores (load average before: "
+             f"Measured {measured} on {platform.machine()}, {os.cpu_count()} CPU cores (load average before: "
              f"{load}), torch CPU float32, TRL {results.get('trl', {}).get('trl_version', '-')}. "
              f"Model SmolLM2-135M-Instruct, task `{d.task}`, {d.prompts_per_iteration} prompts x {r.n_samples_per_prompt} samples "
              f"per step, max_new_tokens {r.max_new_tokens}, temperature {r.temperature}, lr {u.lr}, micro-batch {u.micro_batch_size}, "
@@ -53,6 +61,9 @@ def report(results: dict[str, dict], args, overrides: list[str]) -> str:
         lines.append(f"| {name} | {_med([s['seconds'] for s in steps])} | {_med(toks)} | "
                      f"{statistics.mean(lens):.1f} | {res['peak_rss_gib']:.2f} |" if lens else
                      f"| {name} | {_med([s['seconds'] for s in steps])} | {_med(toks)} | - | {res['peak_rss_gib']:.2f} |")
+    lines += _variants_line(results)
+    lines += _ratio_line(results, args.skip_first)
+    lines += flops_section(results, args.skip_first, getattr(args, "gemm_before", None), getattr(args, "gemm_after", None))
     for name in [n for n in results if n not in TRL_VARIANTS]:
         steps = _steps_used(results[name], args.skip_first)
         kinds = ["task", "compute", "model_load", "tokenizer_load", "optimizer_load", "shard_read", "shard_write",
@@ -89,6 +100,123 @@ def report(results: dict[str, dict], args, overrides: list[str]) -> str:
         lines += ["", *_side_by_side(results, args.skip_first), "", _gap(results, args.skip_first)]
     lines += ["", "Raw per-step numbers: the JSON written by `--json` (`--from-json` rewrites this section from it).", ""]
     return "\n".join(x for x in lines if x is not None)
+
+
+def _step_seconds(res: dict, skip_first: bool) -> float:
+    """Median seconds per step of a framework's result (the warm-up step left out if asked)."""
+    return statistics.median(s["seconds"] for s in _steps_used(res, skip_first))
+
+
+def _variants_line(results: dict[str, dict]) -> list[str]:
+    """A line naming each variant's config overrides (from the workers' ``variant_overrides``;
+    nothing for a JSON without them)."""
+    named = {n: r["variant_overrides"] for n, r in results.items() if "variant_overrides" in r}
+    if not named:
+        return []
+    trl = {"trl": "TRL's GRPOTrainer with the preset's settings, no checkpoints",
+           "trl-save-every-step": "TRL saving a full checkpoint after every step"}
+    desc = [f"`{n}` ({trl[n] if n in trl else ', '.join(f'`{o}`' for o in ov) or 'the preset as is'})"
+            for n, ov in named.items()]
+    return ["", "Variants: " + "; ".join(desc) + "."]
+
+
+def _ratio_line(results: dict[str, dict], skip_first: bool) -> list[str]:
+    """``ours / TRL`` seconds per step (medians) for every variant of ours; nothing without ``trl``."""
+    if "trl" not in results:
+        return []
+    trl = _step_seconds(results["trl"], skip_first)
+    ratios = [f"{_step_seconds(r, skip_first) / trl:.2f} (`{n}`)" for n, r in results.items() if n not in TRL_VARIANTS]
+    return ["", "Seconds per step, ours / TRL (medians): " + ", ".join(ratios) + "."] if ratios else []
+
+
+def _passes_text(passes: dict | None) -> str:
+    """The log-prob passes of a step, e.g. ``ref + actor``: ``passes`` counts per part
+    (missing: ``DEFAULT_PASSES``)."""
+    passes = {**DEFAULT_PASSES, **(passes or {})}
+
+    def n(x: float) -> str:
+        return "" if x == 1 else f" x{x:g}"
+    parts = [f"{label}{n(passes[k])}" for k, label in (("ref_logprobs", "ref"), ("actor_logprobs", "actor"))
+             if passes.get(k, 0)]
+    return " + ".join(parts) or "none"
+
+
+def step_flop_counts(res: dict, step: dict) -> dict[str, int] | None:
+    """FLOPs per part of one recorded step (``benchmarks.flops.step_flops`` over its
+    ``samples`` and ``passes`` with the result's ``model`` shape), or None when the result does
+    not record them (JSON of an older run)."""
+    if not res.get("model") or step.get("samples") is None:
+        return None
+    return step_flops(ModelDims.from_config(res["model"]), step["samples"], step.get("passes"))
+
+
+def _part_seconds(name: str, step: dict) -> tuple[float | None, float | None]:
+    """Wall seconds of a step's generation and of its policy update (forward, backward,
+    optimizer), as in the side-by-side table; None where not recorded."""
+    if name in TRL_VARIANTS:
+        gen = step.get("generate_seconds")
+        upd = step["seconds"] - step["generate_and_score"] - step.get("checkpoint", 0.0) if "generate_and_score" in step else None
+        return gen, upd
+    stages = step.get("stages", {})
+    return stages.get("rollout", {}).get("compute"), stages.get("ppo_update", {}).get("compute")
+
+
+def _gemm_text(gemm: dict) -> str:
+    """``gemm_rate.py``'s result as text: median and best round, GFLOP/s."""
+    return f"{gemm['gflops_median']:.1f} (best round {gemm['gflops_best']:.1f})"
+
+
+def flops_section(results: dict[str, dict], skip_first: bool, gemm_before: dict | None, gemm_after: dict | None) -> list[str]:
+    """The distance to the physical limit (issue 19): the machine's sustained float32 GEMM rate
+    before and after the runs, and per framework the FLOPs of a step (TFLOP, median over the
+    steps, by part), the achieved rate (GFLOP/s: the step's FLOPs over its wall seconds, median
+    over the steps), its fraction of the GEMM rate, and the rates of generation and of the update
+    alone. Lines whose inputs the results lack are left out (empty list: nothing recorded)."""
+    gemms = [g for g in (gemm_before, gemm_after) if g]
+    peak = max((g["gflops_median"] for g in gemms), default=None)  # GFLOP/s
+    out: list[str] = []
+    if gemms:
+        g = gemms[0]
+        when = [f"{_gemm_text(gemm_before)} before the runs" if gemm_before else None,
+                f"{_gemm_text(gemm_after)} after" if gemm_after else None]
+        out += ["", f"Sustained float32 GEMM rate of this machine (`benchmarks/gemm_rate.py`: {g['n']} x {g['n']} "
+                    f"`torch.matmul`, {g['threads']} threads, median of {len(g['gflops_rounds'])} rounds, GFLOP/s): "
+                    + ", ".join(w for w in when if w) + ". The fractions below are of the higher median, "
+                    f"{peak:.1f} GFLOP/s."]
+    med = statistics.median
+    rows = []
+    for name, res in results.items():
+        steps = _steps_used(res, skip_first)
+        counts = [c for c in (step_flop_counts(res, s) for s in steps) if c is not None]
+        if not steps or len(counts) < len(steps):  # not recorded (an older JSON)
+            continue
+        rate = med(c["total"] / s["seconds"] / 1e9 for c, s in zip(counts, steps))  # GFLOP/s
+        secs = [_part_seconds(name, s) for s in steps]
+        gen = [c["generation"] / g / 1e9 for c, (g, _) in zip(counts, secs) if g]
+        upd = [c["update"] / u / 1e9 for c, (_, u) in zip(counts, secs) if u]
+        tf = {k: med(c[k] for c in counts) / 1e12 for k in (*PARTS, "total")}
+        rows.append(f"| {name} | {_passes_text(steps[-1].get('passes'))} | {tf['generation']:.2f} | "
+                    f"{tf['actor_logprobs'] + tf['ref_logprobs']:.2f} | {tf['update']:.2f} | {tf['total']:.2f} | {rate:.1f} | "
+                    + (f"{100 * rate / peak:.1f}% | " if peak else "- | ")
+                    + (f"{med(gen):.1f} | " if gen else "- | ") + (f"{med(upd):.1f} |" if upd else "- |"))
+    if rows:
+        header = ("| framework | log-prob passes | TFLOP generation | TFLOP log-prob passes | TFLOP update "
+                  "| TFLOP per step | achieved GFLOP/s | of the GEMM rate | generation GFLOP/s | update GFLOP/s |")
+        intro = ("Distance to the physical limit (TFLOP per step: median over the steps; achieved = the step's FLOPs "
+                 "over its wall seconds, median over the steps; generation and update rates: their FLOPs over "
+                 "their own seconds, as in the side-by-side table below):")
+        how = ("How FLOPs are counted (`benchmarks/flops.py`): as Kaplan et al. 2020 (arXiv:2001.08361, Table 1) "
+               "and Chinchilla (arXiv:2203.15556, Appendix F), adapted to grouped-query attention and the SwiGLU MLP: "
+               "per token per layer 2 FLOPs per weight of the q/k/v/o projections and the MLP, plus 4 x context x "
+               "width for attention scores and values (causal), plus 2 x width x vocabulary for each position whose "
+               "logits are computed. Only real "
+               "tokens count (no padding), the same formula for both frameworks on each one's own prompt and response "
+               "lengths: generation = prefill + one decode step per response token, logits where a token is sampled; "
+               "each log-prob pass (reference; actor when the old log-probs are recomputed) = prompt + response "
+               "through the model, logits at the response positions; the update = 3x that forward (forward + "
+               "backward). Norms, softmax, sampling and the AdamW step are left out (well under 1%).")
+        out += ["", intro, "", header, "|---" * 10 + "|", *rows, "", how]
+    return out
 
 
 def _side_by_side(results: dict[str, dict], skip_first: bool) -> list[str]:
@@ -145,13 +273,16 @@ def _gap(results: dict[str, dict], skip_first: bool) -> str:
              + tot("optimizer_wait"),
              "model/tokenizer/optimizer loads": tot("model_load") + tot("tokenizer_load") + tot("optimizer_load"),
              "Prefect orchestration": statistics.median(s["seconds"] - s["critical_path"] for s in steps),
-             "shard reads + writes": tot("shard_read") + tot("shard_write"),
-             "the actor (old log-prob) pass, concurrent with the reference pass": actor}
+             "shard reads + writes": tot("shard_read") + tot("shard_write")}
+    if actor:  # the variant recomputes the old log-probs (TRL with num_iterations=1 does not)
+        parts["the actor (old log-prob) pass, concurrent with the reference pass"] = actor
     gap = med("ours") - med("trl")
     text = (f"Ours minus TRL: {gap:+.1f} s per step (median {med('ours'):.1f} s vs {med('trl'):.1f} s). Costs TRL does "
             "not have, per step: " + "; ".join(f"{k} {v:.1f} s" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])) + ".")
-    if "ours-matched" in results:
-        text += f" Without the actor pass (`ours-matched`): {med('ours-matched'):.1f} s per step ({med('ours-matched') - med('trl'):+.1f} s vs TRL)."
+    for name in [n for n in results if n not in TRL_VARIANTS and n != "ours"]:
+        has_actor = any("actor_logprobs" in s["stages"] for s in _steps_used(results[name], skip_first))
+        text += (f" `{name}` ({'with' if has_actor else 'without'} the actor pass): {med(name):.1f} s per step "
+                 f"({med(name) - med('trl'):+.1f} s vs TRL).")
     return text
 
 

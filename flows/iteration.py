@@ -89,7 +89,7 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
     if with_rewards:
         futures["rewards"] = tasks.tagged(tasks.rewards, tags).submit(inp=RewardsInput(
             rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")))
-    if cfg.logprobs.recompute_old_logprobs:
+    if cfg.recomputes_old_logprobs:
         futures["actor_logprobs"] = tasks.tagged(tasks.actor_logprobs, tags).submit(inp=ActorLogprobsInput(
             rollout=rollout, model=policy, logprobs=cfg.logprobs, temperature=temp, dtype=cfg.policy.dtype,
             out=out("actor_logprobs")), runner=cfg.runner("actor_logprobs"))

@@ -97,7 +97,8 @@ class UpdateConfig(_Frozen):
     gradient_checkpointing: bool = False
     seed: int = 0
     lora: LoraConfig | None = Field(None, description="train LoRA adapters (peft) instead of every weight")
-    packing: bool = Field(False, description="pack each micro-batch into one row without padding")
+    packing: bool = Field(True, description="pack each micro-batch into one row without padding (position ids restart "
+                          "per sequence; False: padded rows)")
     deepspeed: DeepSpeedConfig | None = Field(None, description="DeepSpeed ZeRO (multi-rank, under torchrun)")
 
     _a = field_validator("loss_agg")(lambda cls, v: _check_name(LOSS_AGGREGATIONS, v))
@@ -218,9 +219,9 @@ class TrainConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
-        if self.update.entropy_top_fraction is not None and not self.logprobs.recompute_old_logprobs:
+        if self.update.entropy_top_fraction is not None and self.logprobs.recompute_old_logprobs is False:
             raise ValueError("update.entropy_top_fraction needs the actor stage's entropies: set logprobs.recompute_old_logprobs=true")
-        if self.update.rollout_correction.enabled and not self.logprobs.recompute_old_logprobs:
+        if self.update.rollout_correction.enabled and self.logprobs.recompute_old_logprobs is False:
             raise ValueError("update.rollout_correction weights pi_old / pi_rollout with the trainer's old log-probs: set "
                              "logprobs.recompute_old_logprobs=true (with the engine's log-probs as old log-probs every "
                              "weight is 1; the PPO ratio is then taken against the engine's distribution)")
@@ -236,6 +237,49 @@ class TrainConfig(_Frozen):
         if "://" not in root:
             root = str(Path(root).expanduser().resolve())
         return self.model_copy(update={"run_root": root})
+
+    def old_logprobs_blockers(self) -> list[str]:
+        """Why the rollout engine's log-probs cannot stand for the trainer's old log-probs; empty
+        when they can, and ``logprobs.recompute_old_logprobs: auto`` then skips the actor stage.
+
+        They can when the update is on-policy and the engine scores tokens as the trainer's
+        forward pass does: the hf engine (the policy's own weights and kernels) sampling from the
+        full distribution at ``rollout.temperature`` (top-p 1, no FIRE), in float32 (a bfloat16
+        KV-cache decode and a bfloat16 full-sequence pass round differently, by about 1e-2), one
+        turn per sample (no agent), one optimizer step per rollout (``update.epochs`` 1 and the
+        whole rollout in one step), and nothing that needs the actor stage's own outputs (the
+        entropy filter, rollout correction). Then pi_old is the engine's distribution and the two
+        log-probs agree to float32 rounding (about 1e-6, ``tests/rft_core/engines``); every
+        update checks it again (``approx_kl`` of its first step, before any weight changes, is
+        0.5 * mean((logp - old_logp)^2)). This is TRL's ``num_iterations=1`` behaviour (its
+        GRPOTrainer takes the old log-probs as the current ones, detached) and verl's "bypass"
+        mode.
+        """
+        r, u = self.rollout, self.update
+        reasons = []
+        if r.engine != "hf":
+            reasons.append(f"rollout.engine={r.engine} (other kernels and precision than the trainer)")
+        if r.top_p < 1.0 or r.first_token_temperature is not None:
+            reasons.append("the engine samples from a processed distribution (rollout.top_p < 1 or FIRE)")
+        if r.agent is not None:
+            reasons.append("multi-turn rollout (rollout.agent)")
+        if self.policy.dtype != "float32":
+            reasons.append(f"policy.dtype={self.policy.dtype} (decode and full passes round differently below float32)")
+        rollout_size = self.data.prompts_per_iteration * r.n_samples_per_prompt
+        if u.epochs > 1 or (u.train_batch_size is not None and u.train_batch_size < rollout_size):
+            reasons.append("more than one optimizer step per rollout (update.epochs, update.train_batch_size)")
+        if u.entropy_top_fraction is not None:
+            reasons.append("update.entropy_top_fraction needs the actor stage's entropies")
+        if u.rollout_correction.enabled:
+            reasons.append("update.rollout_correction weighs the trainer's old log-probs against the engine's")
+        return reasons
+
+    @property
+    def recomputes_old_logprobs(self) -> bool:
+        """Whether an actor stage recomputes the old log-probs: ``logprobs.recompute_old_logprobs``
+        resolved (``auto``: when ``old_logprobs_blockers`` names a reason)."""
+        value = self.logprobs.recompute_old_logprobs
+        return bool(self.old_logprobs_blockers()) if value == "auto" else bool(value)
 
     @property
     def needs_critic(self) -> bool:

@@ -48,9 +48,12 @@ class LogprobConfig(_Frozen):
     """Per-token log-prob computation (actor and reference stages)."""
 
     micro_batch_size: int = Field(8, gt=0, description="sequences per forward pass")
-    recompute_old_logprobs: bool = Field(
-        True, description="False: reuse the rollout engine's own log-probs and skip the actor stage"
+    recompute_old_logprobs: bool | Literal["auto"] = Field(
+        "auto", description="True: an actor stage recomputes the old log-probs; False: the rollout engine's own are "
+        "the old log-probs (no actor stage); auto: False where the update is on-policy and the engine scores tokens "
+        "as the trainer does (TrainConfig.old_logprobs_blockers), else True"
     )
-    packing: bool = Field(False, description="pack each micro-batch into one row without padding (position ids restart per sequence)")
+    packing: bool = Field(True, description="pack each micro-batch into one row without padding (position ids restart "
+                          "per sequence; False: padded rows)")
     chunk_size: int | None = Field(None, gt=0, description="positions per float32 (chunk, vocab) slice of the log-prob "
                                    "computation (None: about 64 MiB per slice); changes memory, not the values")

@@ -38,27 +38,72 @@ class Generation:
     finish_reason: str
 
 
-class StepTemperature:
-    """Logits processor: divide by ``first_token_temperature`` at the first generated step and by
-    ``temperature`` afterwards (FIRE sampling, Chen et al. 2024, arXiv:2410.21236)."""
+class InverseCDFSampler:
+    """Logits processor that draws each row's next token from the processed distribution by
+    inverse-CDF sampling and returns scores that are 0 at the drawn token and -inf elsewhere, so
+    ``generate`` with ``do_sample=False`` (greedy argmax) emits exactly that token.
 
-    def __init__(self, *, prompt_len: int, first_token_temperature: float, temperature: float) -> None:
+    The processed distribution of step j (0-based) is softmax(``processed_scores``(logits,
+    temperature_j, top_p)): temperature_0 = ``first_token_temperature`` (FIRE sampling, Chen et
+    al. 2024, arXiv:2410.21236) when given, else ``temperature``; the same scores the engine's
+    ``StepLogprobs`` recorder scores the drawn tokens under. Drawing: p = softmax(x) in float32,
+    c = cumsum(p) in float64, u ~ U[0, 1) per row (float64, torch's global generator, which
+    ``HFEngine.generate`` seeds per batch), token = the first index with c > u * c[-1]. Tokens
+    outside the nucleus have p = 0 (an empty interval) and are never drawn.
+
+    Why not ``do_sample=True``: transformers draws with ``torch.multinomial(probs, 1)``, which on
+    the CPU fills a (B, V) float tensor with exponential noise every step (about 30 ms for
+    32 x 49152 on two cores, 15% of a SmolLM2-135M decode step); one uniform per row and a
+    cumulative sum cost about 3 ms. The distribution is the same; the random stream is not, so
+    a seed draws other tokens than ``do_sample=True`` did.
+
+    Args:
+        prompt_len: columns of the (left-padded) prompt batch; step j sees input_ids of
+            prompt_len + j columns.
+        temperature: > 0, every step after the first.
+        first_token_temperature: FIRE's step-0 temperature (None: ``temperature``).
+        top_p: nucleus of every step (1: none).
+    """
+
+    def __init__(self, *, prompt_len: int, temperature: float, first_token_temperature: float | None = None,
+                 top_p: float = 1.0) -> None:
         self.prompt_len = prompt_len
-        self.first = first_token_temperature
-        self.rest = temperature
+        self.temperature = float(temperature)
+        self.first = float(first_token_temperature) if first_token_temperature is not None else self.temperature
+        self.top_p = float(top_p)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return scores / (self.first if input_ids.shape[1] == self.prompt_len else self.rest)
+        step = input_ids.shape[1] - self.prompt_len
+        x = processed_scores(scores, temperature=self.first if step == 0 else self.temperature, top_p=self.top_p)
+        tokens = sample_inverse_cdf(torch.softmax(x, dim=-1))
+        out = torch.full_like(x, float("-inf"))
+        return out.scatter_(-1, tokens[:, None], 0.0)
+
+
+def sample_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
+    """One draw per row of ``probs`` (B, V), non-negative, rows summing to about 1 (any float
+    dtype): (B,) int64 indices, row i drawn with probability probs[i, k] / sum(probs[i]).
+    Inverse-CDF sampling with a float64 cumulative sum (rounding error about 1e-16 per entry)
+    and one uniform draw per row from torch's global generator.
+
+    Raises:
+        ValueError: ``probs`` is not 2-D.
+    """
+    if probs.dim() != 2:
+        raise ValueError(f"sample_inverse_cdf: probs must be (B, V), got shape {tuple(probs.shape)}")
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def processed_scores(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """The scores ``generate`` samples from, from one step's raw logits: x = logits (float32,
     copied) / temperature, then tokens outside the top-p nucleus set to -inf.
 
-    The same operations in the same order as transformers' sampling path
-    (``GenerationMixin._sample``: float32 copy of the last logits, ``TemperatureLogitsWarper`` /
-    ``StepTemperature``, then ``TopPLogitsWarper``, which is called here itself), so the kept set
-    is the one the sampler used, ties included. softmax(x) is then the processed distribution
+    ``InverseCDFSampler`` draws from these scores and the ``StepLogprobs`` recorder scores the
+    drawn tokens under them, so the kept set is the one the sampler used, ties included (the
+    operations of transformers' own sampling path: float32 copy of the last logits,
+    ``TemperatureLogitsWarper``, ``TopPLogitsWarper``). softmax(x) is then the processed distribution
     (vLLM's ``logprobs_mode="processed_logprobs"``: after temperature and top-p, renormalised).
 
     Args:
@@ -241,19 +286,17 @@ class HFEngine:
 
     def _sampling(self, *, prompt_len: int, temperature: float, top_p: float, first_token_temperature: float | None,
                   greedy: bool) -> tuple[dict, StepLogprobs]:
-        """The ``generate`` settings of one batch and the recorder of the distribution they sample."""
+        """The ``generate`` settings of one batch and the recorder of the distribution they sample:
+        greedy argmax, or draws from the processed distribution by ``InverseCDFSampler``."""
         if greedy:
             return {"do_sample": False}, StepLogprobs(1.0)
         recorder = StepLogprobs(temperature, first_token_temperature=first_token_temperature, top_p=top_p)
-        if first_token_temperature is None:
-            return {"do_sample": True, "temperature": temperature, "top_p": top_p}, recorder
-        from transformers import LogitsProcessorList, TopPLogitsWarper
+        from transformers import LogitsProcessorList
 
-        procs = [StepTemperature(prompt_len=prompt_len, first_token_temperature=first_token_temperature,
-                                 temperature=temperature)]
-        if top_p < 1.0:
-            procs.append(TopPLogitsWarper(top_p))
-        return {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "logits_processor": LogitsProcessorList(procs)}, recorder
+        sampler = InverseCDFSampler(prompt_len=prompt_len, temperature=temperature,
+                                    first_token_temperature=first_token_temperature, top_p=top_p)
+        return {"do_sample": False, "temperature": 1.0, "top_p": 1.0,
+                "logits_processor": LogitsProcessorList([sampler])}, recorder
 
     def _vision(self, chunk: list[tuple[int, int]], input_ids: torch.Tensor, device, images, videos, processor) -> dict:
         """The VL model inputs of a batch's rows (``VLProcessor.batch_inputs``), on ``device``."""

@@ -155,8 +155,27 @@ def _train(inp: PPOUpdateInput, opt_ref: ShardRef | None):
                            dropout=cfg.dropout, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
                            micro_batch_size=cfg.micro_batch_size, temperature=inp.temperature, seed=cfg.seed,
                            packing=cfg.packing, progress=progress, processor=processor)
-    extra = {**corr_metrics, **({"overlong_filtered_frac": sum(data.excluded) / len(data)} if data.excluded else {})}
+    extra = {**corr_metrics, **({"overlong_filtered_frac": sum(data.excluded) / len(data)} if data.excluded else {}),
+             **_engine_old_logprobs_gap(steps, data)}
     return strategy, processor or tok, steps, t.seconds, extra
+
+
+ENGINE_GAP_WARN = 1e-6  # approx_kl of the first step above which the engine's log-probs are not pi_old's
+
+
+def _engine_old_logprobs_gap(steps: list[StepMetrics], data: UpdateData) -> dict[str, float]:
+    """Without an actor stage (the engine's log-probs are the old ones), the first optimizer
+    step's ``approx_kl``, 0.5 * mean((logp - old_logp)^2) over its tokens before any weight
+    changed: the gap between the engine's and the trainer's log-probs of the same weights
+    (``old_logprobs_gap_kl``; float32 rounding gives about 1e-12). Above ``ENGINE_GAP_WARN``
+    (an RMS gap of about 1.4e-3) it logs a warning to set logprobs.recompute_old_logprobs=true."""
+    if data.rollout_logprobs is not None or not steps:
+        return {}
+    gap = steps[0].approx_kl
+    if gap > ENGINE_GAP_WARN:
+        log.warning("ppo_update: the rollout engine's log-probs differ from the policy's own (first-step approx_kl "
+                    "%.3g > %.0e): set logprobs.recompute_old_logprobs=true", gap, ENGINE_GAP_WARN)
+    return {"old_logprobs_gap_kl": gap}
 
 
 def _summary(steps: list[StepMetrics], seconds: float, extra: dict[str, float]) -> dict:

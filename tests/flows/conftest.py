@@ -26,7 +26,9 @@ def flow_cfg(tiny_model, run_root, **extra):
         "name": "flow-test", "run_root": str(run_root), "iterations": 2, "policy.path": tiny_model,
         "data.prompts_per_iteration": 3, "data.size": 50, "rollout.n_samples_per_prompt": 4,
         "rollout.max_new_tokens": 6, "rollout.batch_size": 8, "kl.kl_coef": 0.05, "update.lr": 1e-3,
-        "update.micro_batch_size": 4, **extra,
+        "update.micro_batch_size": 4,
+        # the flow tests cover the actor stage; test_train_flow's auto test covers the default that skips it
+        "logprobs.recompute_old_logprobs": True, **extra,
     }
     return load_config(None, overrides)
 

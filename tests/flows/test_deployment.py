@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
 
 TINY = {"iterations": 1, "data.prompts_per_iteration": 2, "data.size": 20, "rollout.n_samples_per_prompt": 2,
-        "rollout.max_new_tokens": 4, "rollout.batch_size": 4, "update.micro_batch_size": 4, "kl.kl_coef": 0.05}
+        "rollout.max_new_tokens": 4, "rollout.batch_size": 4, "update.micro_batch_size": 4, "kl.kl_coef": 0.05,
+        "logprobs.recompute_old_logprobs": True}
 COMMITTED_BEFORE_FAILURE = ["prompts", "rollout", "rewards", "actor_logprobs"]
 
 

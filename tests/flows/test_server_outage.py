@@ -33,7 +33,8 @@ pytestmark = pytest.mark.timeout(900)
 # RFT_OUTAGE_SECONDS=90 to see a run outlive its retries (docs/reliability.md)
 OUTAGE_SECONDS = float(os.environ.get("RFT_OUTAGE_SECONDS", 20))
 TINY = {"iterations": 1, "data.prompts_per_iteration": 4, "data.size": 20, "rollout.n_samples_per_prompt": 4,
-        "rollout.max_new_tokens": 8, "rollout.batch_size": 4, "update.micro_batch_size": 4, "kl.kl_coef": 0.05}
+        "rollout.max_new_tokens": 8, "rollout.batch_size": 4, "update.micro_batch_size": 4, "kl.kl_coef": 0.05,
+        "logprobs.recompute_old_logprobs": True}
 STAGES = ["prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update"]
 
 

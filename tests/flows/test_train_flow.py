@@ -65,6 +65,24 @@ def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path,
     assert {"reward_mean", "accuracy", "kl", "response_length", "policy_loss", "clip_frac", "seconds/rollout"} <= set(json.loads(lines[0]))
 
 
+def test_default_skips_the_actor_stage_when_the_engine_log_probs_are_pi_old(prefect_harness, tiny_model, tmp_path,
+                                                                           fake_rewards):
+    """``recompute_old_logprobs: auto`` (the default) on the hf engine in float32 with one optimizer
+    step: no actor stage, the update trains against the rollout's log-probs, and its first step
+    measures them against the policy's own forward pass (equal to float32 rounding)."""
+    from flows.train import train
+
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=1, **{"logprobs.recompute_old_logprobs": "auto"})
+    assert cfg.logprobs.recompute_old_logprobs == "auto" and not cfg.recomputes_old_logprobs
+    train(cfg)
+    it = Path(cfg.run_root, "iter=000001")
+    assert not (it / "actor_logprobs").exists()
+    upd, _ = read_manifest(str(it / "ppo_update"))
+    assert "actor_logprobs" not in upd.inputs and "ref_logprobs" in upd.inputs
+    assert 0.0 <= upd.summary["old_logprobs_gap_kl"] < 1e-10  # 0.5 * mean((logp - engine logp)^2)
+    assert upd.summary["optimizer_steps"] == 1
+
+
 def test_crash_in_update_then_resume_reuses_committed_stages(prefect_harness, tiny_model, tmp_path, fake_rewards, monkeypatch):
     from flows.train import train
     from rft_core.stages import update as update_stage

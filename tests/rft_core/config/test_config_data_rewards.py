@@ -280,3 +280,34 @@ def test_presets_load_with_a_kl_that_has_a_gradient(name):
             assert KL_ESTIMATORS.info(cfg.kl.estimator).loss_gradient != GRAD_ZERO, path
     demo = load_config("configs/grpo_demo.yaml")
     assert (demo.kl.mode, demo.kl.estimator, demo.kl.kl_coef) == ("loss", "k3+", 0.01)
+
+
+@pytest.mark.parametrize("overrides, recomputes, reason", [
+    ({}, False, None),  # hf engine, float32, top-p 1, one optimizer step: the engine's log-probs are pi_old's
+    ({"rollout.engine": "vllm"}, True, "rollout.engine=vllm"),
+    ({"rollout.top_p": 0.9}, True, "processed distribution"),
+    ({"rollout.first_token_temperature": 2.0}, True, "processed distribution"),
+    ({"policy.dtype": "bfloat16"}, True, "policy.dtype=bfloat16"),
+    ({"policy.dtype": "auto"}, True, "policy.dtype=auto"),
+    ({"update.epochs": 2}, True, "more than one optimizer step"),
+    ({"update.train_batch_size": 16}, True, "more than one optimizer step"),  # 8 prompts x 4 samples = 32 > 16
+    ({"update.train_batch_size": 32}, False, None),  # the whole rollout in one step
+    ({"update.entropy_top_fraction": 0.2}, True, "entropy_top_fraction"),
+    ({"update.rollout_correction.enabled": True}, True, "rollout_correction"),
+    ({"rollout.agent": {"environment": "calculator"}}, True, "multi-turn"),
+    ({"logprobs.recompute_old_logprobs": True}, True, None),  # explicit wins
+    ({"logprobs.recompute_old_logprobs": False, "update.epochs": 2}, False, "more than one optimizer step"),
+])
+def test_auto_recomputes_old_logprobs_only_where_the_engine_is_not_pi_old(overrides, recomputes, reason):
+    cfg = load_config(None, {"data.prompts_per_iteration": 8, "rollout.n_samples_per_prompt": 4, **overrides})
+    assert cfg.recomputes_old_logprobs is recomputes
+    blockers = cfg.old_logprobs_blockers()
+    assert (not blockers) if reason is None else any(reason in b for b in blockers), blockers
+
+
+def test_auto_old_logprobs_is_the_default_and_parses_from_overrides():
+    assert load_config(None).logprobs.recompute_old_logprobs == "auto"
+    assert load_config(None, ["logprobs.recompute_old_logprobs=false"]).logprobs.recompute_old_logprobs is False
+    assert load_config(None, ["logprobs.recompute_old_logprobs=auto"]).logprobs.recompute_old_logprobs == "auto"
+    with pytest.raises(ConfigError, match="logprobs.recompute_old_logprobs"):
+        load_config(None, ["logprobs.recompute_old_logprobs=sometimes"])
