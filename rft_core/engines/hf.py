@@ -249,6 +249,57 @@ class HFEngine:
             cache.batch_repeat_interleave(n)
         return cache
 
+    def _decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, sampler: "InverseCDFSampler | None",
+                *, max_new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+        """Token-by-token decoding of a text model with a KV cache that drops each row once it has
+        emitted an EOS token, so later steps compute only the rows still generating (HF
+        ``generate`` keeps every row to the end of the batch, for about 45% of the demo's decode
+        steps). ``cache``: the prompts' KV cache without their last token (``_prefill``), or None
+        (the whole prompt is the first forward). Positions follow generate's rule (cumsum of the
+        mask - 1, then +1 per token), so the logits equal generate's. Step j draws from the
+        processed distribution (``processed_scores`` at ``sampler``'s step-j temperature and
+        top-p, by ``sample_inverse_cdf``), or takes the argmax of the raw logits when ``sampler``
+        is None (greedy, log-probs at temperature 1), and records log p(token) = x[token] -
+        logsumexp(x). Returns per row the new tokens (up to and including the first EOS, at most
+        ``max_new_tokens``) and their log-probs (float32 values as Python floats)."""
+        B = input_ids.shape[0]
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logprobs: list[list[float]] = [[] for _ in range(B)]
+        alive = torch.arange(B, device=input_ids.device)
+        mask = attention_mask
+        pos = mask.long().sum(-1, keepdim=True) - 1  # (B, 1) position of each row's last prompt token
+        if cache is None:
+            ids, position_ids = input_ids, (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        else:
+            ids, position_ids = input_ids[:, -1:], pos
+        eos = torch.tensor(sorted(self.eos_ids), device=input_ids.device)
+        for step in range(max_new_tokens):
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            cache, logits = out.past_key_values, out.logits[:, -1, :]
+            if sampler is None:
+                x = logits.detach().to(torch.float32, copy=True)
+                tok = x.argmax(-1)
+            else:
+                x = processed_scores(logits, temperature=sampler.first if step == 0 else sampler.temperature,
+                                     top_p=sampler.top_p)
+                tok = sample_inverse_cdf(torch.softmax(x, dim=-1))
+            lp = (x.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)).tolist()
+            for r, t, v in zip(alive.tolist(), tok.tolist(), lp):
+                tokens[r].append(t)
+                logprobs[r].append(v)
+            keep = ~torch.isin(tok, eos)
+            if step + 1 == max_new_tokens or not bool(keep.any()):
+                break
+            if not bool(keep.all()):
+                idx = keep.nonzero().squeeze(-1)
+                cache.batch_select_indices(idx)
+                alive, tok, mask, pos = alive[idx], tok[idx], mask[idx], pos[idx]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            pos = pos + 1
+            ids, position_ids = tok[:, None], pos
+        return tokens, logprobs
+
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: dict, *, max_new_tokens: int,
                   recorder: StepLogprobs) -> tuple:
         """``model.generate`` with ``sampling``; returns (output, (B, N) float32 log-probs of the N
@@ -379,6 +430,19 @@ class HFEngine:
             attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in rows], side="left").to(device)
             P = input_ids.shape[1]
             torch.manual_seed(seed + b)
+            if not vl and isinstance(self.model, torch.nn.Module):
+                cache = self._prefill(input_ids, attention_mask, n) if share_prefill and P > 1 else None
+                sampler = None if greedy else InverseCDFSampler(prompt_len=P, temperature=temperature, top_p=top_p,
+                                                                first_token_temperature=first_token_temperature)
+                toks, lps_rows = self._decode(input_ids, attention_mask, cache, sampler, max_new_tokens=max_new_tokens)
+                for row, (p, k) in enumerate(chunk):
+                    finish = "stop" if toks[row] and toks[row][-1] in self.eos_ids else "length"
+                    _check_finite(torch.tensor([lps_rows[row]], dtype=torch.float32), row=row)
+                    results[(p, k)] = Generation(p, k, toks[row], lps_rows[row], finish)
+                done += len(chunk)
+                if progress is not None:
+                    progress(done, total)
+                continue
             sampling, recorder = self._sampling(prompt_len=P, temperature=temperature, top_p=top_p,
                                                 first_token_temperature=first_token_temperature, greedy=greedy)
             if vl:

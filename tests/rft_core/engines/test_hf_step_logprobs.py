@@ -53,7 +53,7 @@ def test_generate_keeps_no_logits_and_matches_the_actor_pass(engine, monkeypatch
     monkeypatch.setattr(engine.model, "generate", recording)
     prompts = [[1, 20, 30], [1, 40], [7, 8, 9, 10]]
     gens = engine.generate(prompts, n_samples_per_prompt=2, max_new_tokens=7, temperature=0.7, batch_size=4, seed=4)
-    assert seen and all(flag is False and logits is None for flag, logits in seen)
+    assert seen == []  # a text model decodes in HFEngine._decode (finished rows dropped), not through generate
     want = batched_response_logprobs(engine.model, [prompts[g.prompt_index] for g in gens],
                                      [g.response_token_ids for g in gens], pad_token_id=engine.pad_token_id,
                                      temperature=0.7)
@@ -61,3 +61,28 @@ def test_generate_keeps_no_logits_and_matches_the_actor_pass(engine, monkeypatch
         assert len(g.logprobs) == len(g.response_token_ids) > 0
         assert g.logprobs == pytest.approx(lp, abs=1e-4)
     assert not engine.model._forward_hooks  # the recorder is removed after each batch
+
+
+def test_rows_that_finish_leave_the_batch_and_the_others_decode_as_generate_does(engine, monkeypatch):
+    """Greedy decoding of left-padded rows: every row's tokens equal transformers' own
+    ``generate`` of that prompt alone; then, with a token of row 0's third step made an EOS, row 0
+    stops there and leaves the batch while the other rows keep their tokens and log-probs."""
+    prompts = [[1, 20, 30], [1, 40], [7, 8, 9, 10, 11]]
+    free = engine.generate(prompts, n_samples_per_prompt=2, max_new_tokens=8, batch_size=6, greedy=True)
+    for g in free:
+        ids = torch.tensor([prompts[g.prompt_index]])
+        ref = engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                                    eos_token_id=sorted(engine.eos_ids), pad_token_id=engine.pad_token_id)
+        assert g.response_token_ids == ref[0, ids.shape[1]:].tolist()
+    stop = free[0].response_token_ids[2]
+    monkeypatch.setattr(engine, "eos_ids", engine.eos_ids | {stop})
+    gens = engine.generate(prompts, n_samples_per_prompt=2, max_new_tokens=8, batch_size=6, greedy=True)
+    lengths = []
+    for g, f in zip(gens, free):
+        toks = f.response_token_ids
+        cut = next((j + 1 for j, t in enumerate(toks) if t in engine.eos_ids), len(toks))
+        assert g.response_token_ids == toks[:cut]
+        assert g.logprobs == pytest.approx(f.logprobs[:cut], abs=1e-5)
+        assert g.finish_reason == ("stop" if toks[cut - 1] in engine.eos_ids else "length")
+        lengths.append(cut)
+    assert lengths[0] <= 3 and max(lengths) == 8  # row 0 left early, another row ran to the end
