@@ -19,6 +19,18 @@ markdown report with the numbers, the spread over seeds and the exact command.
 
 A seed whose ``{out}/seed-{s}/result.json`` exists is not rerun, so an interrupted benchmark
 continues with the next unfinished seed when started again with the same ``--out``.
+
+``--with-trl`` (issue 19: learning at least TRL's) also trains TRL's ``GRPOTrainer`` for the same
+number of optimizer steps on the same prompts with the preset's settings, one fresh process per
+seed, and scores its final model with the same held-out evaluation (``benchmarks/learning_trl.py``:
+the mapping and what still differs). The report gets a TRL section: per-seed accuracy before/after,
+TRL's gain with its spread over seeds, and ours minus TRL against the standard error of that
+difference (Welch t at the two-sided 5% level). ``summary.json`` keeps TRL's per-seed results under
+``trl``; each seed's are in ``{out}/trl-seed-{s}/result.json`` (a finished seed is not rerun). Needs
+TRL (``pip install -c constraints-cpu.txt -e '.[bench]'``). About twice the time of the plain run
+(~60 s per iteration per arm on a quiet 2-core CPU: ~2 x 3 x 13 min plus evaluations, ~85 min):
+
+    .venv/bin/python benchmarks/learning.py --with-trl                    # 3 seeds, both arms -> docs/learning.md
 """
 from __future__ import annotations
 
@@ -70,9 +82,9 @@ def _style(ax, ylabel: str, title: str) -> None:
     ax.legend(fontsize=8)
 
 
-def plot(results: list[dict], before: dict, png: Path) -> None:
+def plot(results: list[dict], before: dict, png: Path, trl: list[dict] | None = None) -> None:
     """Left: training reward per iteration (each seed, and the mean). Right: held-out accuracy
-    before and after training, per seed."""
+    before and after training, per seed. With ``trl`` (``--with-trl``): TRL's means, dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -104,6 +116,10 @@ def plot(results: list[dict], before: dict, png: Path) -> None:
     ax2.set_title("Held-out accuracy")
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=8)
+    if trl:
+        from learning_trl import plot_trl
+
+        plot_trl((ax1, ax3, ax2), before, trl)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -169,8 +185,8 @@ def _examples(before: dict, results: list[dict], n: int = 4) -> list[str]:
 
 
 def report(args, cfg, before: dict, results: list[dict], wall: float, png: Path, doc: Path,
-           load_end: float | None = None) -> str:
-    """The markdown report from the measured numbers."""
+           load_end: float | None = None, trl: list[dict] | None = None) -> str:
+    """The markdown report from the measured numbers (with ``trl``: also the TRL section)."""
     load_end = os.getloadavg()[0] if load_end is None else load_end
     accs = [r["after"]["accuracy"] for r in results]
     gains = [a - before["accuracy"] for a in accs]
@@ -180,7 +196,7 @@ def report(args, cfg, before: dict, results: list[dict], wall: float, png: Path,
     cmd = "" .join([".venv/bin/python benchmarks/learning.py", f" --config {args.config_rel}",
                     f" --seeds {' '.join(map(str, args.seeds))}", f" --iterations {cfg.iterations}",
                     f" --eval-prompts {cfg.eval.num_prompts}", "".join(f" --set {o}" for o in args.overrides),
-                    f" --out {args.out}",
+                    f" --out {args.out}", " --with-trl" if trl else "",
                     f" --doc {args.doc}" if Path(args.doc) != ROOT / "docs/learning.md" else "",
                     f" --png {args.png}" if Path(args.png) != ROOT / "docs/learning_curve.png" else ""])
     rel_png = os.path.relpath(png, doc.parent)
@@ -235,6 +251,10 @@ def report(args, cfg, before: dict, results: list[dict], wall: float, png: Path,
         "",
     ]
     lines += _examples(before, results)
+    if trl:
+        from learning_trl import report_section
+
+        lines += report_section(before, results, trl, cfg, args.out)
     div = division_labels(d)
     if div and "/" not in str(d.task_config.get("operators", "+-*/")):
         lines += ["## Why no division", "",
@@ -258,6 +278,8 @@ def main() -> None:
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep every iteration's checkpoint (~1.6 GB each)")
     ap.add_argument("--report-only", action="store_true", help="rewrite --doc and --png from {out}/summary.json; runs nothing")
     ap.add_argument("--note", default="", help="a sentence printed under the heading (e.g. how busy the machine was)")
+    ap.add_argument("--with-trl", action="store_true",
+                    help="also train TRL's GRPOTrainer per seed on the same prompts and score it the same way")
     args = ap.parse_args()
     cfg_path = Path(args.config)
     args.config = str(cfg_path if cfg_path.is_absolute() else ROOT / cfg_path)
@@ -271,9 +293,10 @@ def main() -> None:
         summary = json.loads((out / "summary.json").read_text())
         cfg = load_config(args.config, list(args.overrides) + ([f"iterations={args.iterations}"] if args.iterations else []) +
                           ([f"eval.num_prompts={args.eval_prompts}"] if args.eval_prompts else []))
-        plot(summary["results"], summary["before"], Path(args.png))
+        plot(summary["results"], summary["before"], Path(args.png), trl=summary.get("trl"))
         Path(args.doc).write_text(report(args, cfg, summary["before"], summary["results"], summary["wall_seconds"],
-                                         Path(args.png), Path(args.doc), load_end=summary.get("load_end")))
+                                         Path(args.png), Path(args.doc), load_end=summary.get("load_end"),
+                                         trl=summary.get("trl")))
         print(Path(args.doc).read_text())
         return
 
@@ -286,6 +309,16 @@ def main() -> None:
     ensure_default_model()
     base_over = list(args.overrides) + ([f"iterations={args.iterations}"] if args.iterations else []) + \
         ([f"eval.num_prompts={args.eval_prompts}"] if args.eval_prompts else [])
+    if args.with_trl:  # fail before an hour of training, not after it
+        import importlib.util
+
+        from learning_trl import steps_per_iteration, unmapped_settings
+
+        cfg0 = load_config(args.config, base_over)
+        steps_per_iteration(cfg0)
+        bad = unmapped_settings(cfg0) + ([] if importlib.util.find_spec("trl") else ["TRL is not installed (the bench extra)"])
+        if bad:
+            raise SystemExit("--with-trl: " + "; ".join(bad))
 
     @flow(name="learning-benchmark")
     def learning() -> tuple[dict, list[dict]]:
@@ -311,14 +344,19 @@ def main() -> None:
 
     t0 = time.perf_counter()
     before, results = learning()
+    trl = None
+    if args.with_trl:
+        from learning_trl import run_trl_arm
+
+        trl = run_trl_arm(config=args.config, overrides=base_over, seeds=args.seeds, out=out, eval_numbers=_eval_numbers)
     wall = time.perf_counter() - t0
     cfg = load_config(args.config, base_over)
     png, doc = Path(args.png), Path(args.doc)
-    plot(results, before, png)
+    plot(results, before, png, trl=trl)
     load_end = os.getloadavg()[0]
     (out / "summary.json").write_text(json.dumps({"before": before, "results": results, "wall_seconds": wall,
-                                                  "load_end": load_end}, indent=1))
-    text = report(args, cfg, before, results, wall, png, doc, load_end=load_end)
+                                                  "load_end": load_end, **({"trl": trl} if trl else {})}, indent=1))
+    text = report(args, cfg, before, results, wall, png, doc, load_end=load_end, trl=trl)
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
     print(text)
