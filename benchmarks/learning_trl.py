@@ -320,9 +320,9 @@ def run_trl_arm(*, config: str, overrides: list[str], seeds: list[int], out: Pat
 
 
 # ------------------------------------------------------------------------------------ worker
-def _reward_function(cfg):
+def reward_function(cfg):
     """TRL reward function: our ``score_response`` with ``cfg.reward``'s grader, correct reward
-    and format bonus on the completion text (as ``benchmarks/vs_trl.py``)."""
+    and format bonus on the completion text (``benchmarks/vs_trl.py`` uses it too)."""
     from rft_core.rewards.math import score_response
 
     rw, task = cfg.reward, cfg.data.task
@@ -382,7 +382,7 @@ def run_worker(config: str, overrides: list[str], seed: int, model_out: Path, re
                                 use_cpu=not torch.cuda.is_available())
     tok = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir, dtype="float32", trainable=True)  # our loader and attention kernel
-    trainer = GRPOTrainer(model=model, reward_funcs=[_reward_function(cfg)], args=GRPOConfig(**kwargs),
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_function(cfg)], args=GRPOConfig(**kwargs),
                           train_dataset=Dataset.from_list(dataset_rows(cfg)), processing_class=tok)
     t0 = time.perf_counter()
     trainer.train()

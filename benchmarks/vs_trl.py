@@ -56,6 +56,7 @@ from pathlib import Path
 
 from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
 from flops import ModelDims
+from learning_trl import dataset_rows, reward_function
 from vs_trl_report import BACKGROUND_KIND, TRL_VARIANTS, report, with_findings, write_section  # noqa: E402
 
 VARIANTS = {"ours": [],  # the preset as is: recompute_old_logprobs auto skips the actor pass when on-policy
@@ -249,30 +250,16 @@ def run_trl(args, overrides: list[str]) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from rft_core.config import load_config
-    from rft_core.data.prompts import iteration_indices, load_task
     from rft_core.models.loading import ensure_default_model, load_causal_lm, load_tokenizer
-    from rft_core.rewards.math import score_response
 
     model_dir = str(ensure_default_model())
     cfg = load_config(args.config, overrides)
     d, r, u = cfg.data, cfg.rollout, cfg.update
     if cfg.advantage.estimator != "grpo" or r.first_token_temperature is not None:
         raise SystemExit("vs_trl compares plain GRPO: advantage.estimator=grpo, no first_token_temperature")
-    ds = load_task(d.task, size=d.size, seed=d.seed, task_config=d.task_config)
-    rows = []
-    for step in range(1, args.steps + 1):  # the prompts our flow uses, in the same order
-        for i in iteration_indices(step, per_iteration=d.prompts_per_iteration, size=d.size, seed=d.seed):
-            e = ds[i]
-            msgs = ([{"role": "system", "content": d.system_prompt}] if d.system_prompt else []) + \
-                [{"role": "user", "content": str(e["question"])}]
-            rows.append({"prompt": msgs, "question": str(e["question"]), "label": str(e["answer"]),
-                         "metadata_json": json.dumps(e.get("metadata", {}), default=str, sort_keys=True)})
-
-    def reward(prompts, completions, question, label, metadata_json, **_):
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [score_response(t, source=d.task, question=q, label=lb, metadata_json=mj, grader=cfg.reward.grader,
-                               correct_reward=1.0, format_reward=cfg.reward.format_reward).reward
-                for t, q, lb, mj in zip(texts, question, label, metadata_json)]
+    # the prompts our flow uses, in the same order, and our reward on the completion text
+    rows = dataset_rows(cfg.model_copy(update={"iterations": args.steps}))
+    reward = reward_function(cfg)
 
     n_seq = d.prompts_per_iteration * r.n_samples_per_prompt
     if n_seq % u.micro_batch_size:
