@@ -34,14 +34,18 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/iteration.py
 
-# Ours vs TRL's GRPOTrainer, same settings (docs/benchmarks.md); STEPS=5 by default. Run on a quiet machine.
+# Ours vs TRL's GRPOTrainer, same settings (docs/benchmarks.md, docs/raw/vs_trl.json); STEPS=5 by default,
+# ~17 min. Run on a quiet machine.
 bench-trl: $(STAMP)
 	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[bench]'
-	$(BIN)/python benchmarks/vs_trl.py --steps $(or $(STEPS),5) --skip-first
+	$(BIN)/python benchmarks/vs_trl.py --steps $(or $(STEPS),5) --skip-first --json docs/raw/vs_trl.json \
+		--findings benchmarks/vs_trl_findings.md
 
-# Held-out accuracy before/after GRPO, 3 seeds (docs/learning.md, docs/learning_curve.png); ~1 h on 2 quiet cores.
+# Held-out accuracy before/after GRPO, 3 seeds, ours and TRL's GRPOTrainer on the same prompts
+# (docs/learning.md, docs/learning_curve.png); ~1.5 h on 2 quiet cores.
 bench-learning: $(STAMP)
-	$(BIN)/python benchmarks/learning.py
+	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[bench]'
+	$(BIN)/python benchmarks/learning.py --with-trl
 
 # GPU proof kit (docs/gpu.md) in the current environment (CUDA torch, no install: the Makefile's
 # venv is the CPU build); GPU_PY=/path/to/python, ARGS=--cpu for the dry run on the tiny model
