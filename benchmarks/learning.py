@@ -217,7 +217,7 @@ def report(args, cfg, before: dict, results: list[dict], wall: float, png: Path,
         f"- GRPO: {cfg.iterations} iterations x {d.prompts_per_iteration} prompts x {ro.n_samples_per_prompt} samples "
         f"(temperature {ro.temperature}, max {ro.max_new_tokens} new tokens), `{cfg.advantage.estimator}` advantages, "
         f"KL coefficient {cfg.kl.kl_coef}, lr {u.lr}, {u.train_batch_size or 'all'} sequences per optimizer step, "
-        f"{u.epochs} epoch(s), clip 0.2, old log-probs {'recomputed' if cfg.logprobs.recompute_old_logprobs else 'from the rollout engine'}.",
+        f"{u.epochs} epoch(s), clip 0.2, old log-probs {'recomputed' if cfg.recomputes_old_logprobs else 'from the rollout engine'}.",
         f"- Seeds: {', '.join(map(str, args.seeds))} (`rollout.seed` and `update.seed`; the same prompts in the same order).",
         "",
         "## Results", "",

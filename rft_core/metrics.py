@@ -49,6 +49,8 @@ _FROM_SUMMARY = [
     # rollout/trainer mismatch (rft_core.algorithms.correction): rollout_kl whenever the actor stage
     # ran, the importance-weight statistics when update.rollout_correction is on
     ("rollout_kl", "ppo_update", "rollout_kl"),
+    # without the actor stage: the engine's log-probs against the policy's own, before the first step
+    ("old_logprobs_gap_kl", "ppo_update", "old_logprobs_gap_kl"),
     ("rollout_is_weight_mean", "ppo_update", "rollout_is_weight_mean"),
     ("rollout_is_capped_frac", "ppo_update", "rollout_is_capped_frac"),
     ("rollout_is_token_masked_frac", "ppo_update", "rollout_is_token_masked_frac"),

@@ -26,8 +26,9 @@ def replay_sources(source_run_root: str, iteration: int, cfg: TrainConfig) -> di
         "critic_values" when present.
     Raises:
         ShardNotCommittedError: prompts, rollout or rewards missing.
-        ValueError: ``cfg`` needs ref_logprobs (kl_coef > 0) or critic values (gae) that the
-            source run did not compute.
+        ValueError: ``cfg`` needs ref_logprobs (kl_coef > 0), critic values (gae) or the actor
+            stage's old log-probs (entropy filter, rollout correction) that the source run did
+            not compute.
     """
     out: dict[str, ShardRef] = {}
     for stage in ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "critic_values"):
@@ -42,6 +43,12 @@ def replay_sources(source_run_root: str, iteration: int, cfg: TrainConfig) -> di
     if cfg.needs_critic and "critic_values" not in out:
         raise ValueError(f"advantage.estimator={cfg.advantage.estimator} needs critic values, which "
                          f"{source_run_root} iteration {iteration} does not have")
+    needs_actor = [k for k, on in (("update.entropy_top_fraction", cfg.update.entropy_top_fraction is not None),
+                                   ("update.rollout_correction", cfg.update.rollout_correction.enabled)) if on]
+    if needs_actor and "actor_logprobs" not in out:
+        raise ValueError(f"{' and '.join(needs_actor)} need(s) the actor stage's old log-probs, which {source_run_root} "
+                         f"iteration {iteration} does not have (a replay runs no actor stage; the source run skipped "
+                         "it: logprobs.recompute_old_logprobs auto or false)")
     if not cfg.kl.needs_reference:
         out.pop("ref_logprobs", None)
     return out

@@ -1,6 +1,7 @@
-"""Batched HF ``generate`` rollout engine (the CPU/default engine), also the greedy decoder of
-the eval stage (``HFEngine.generate(..., greedy=True)``), for text-only and vision-language
-(Qwen2-VL / Qwen2.5-VL: images and videos) policies."""
+"""The transformers rollout engine (the CPU/default engine), also the greedy decoder of the eval
+stage (``HFEngine.generate(..., greedy=True)``): text models decode in the engine's own KV-cache
+loop (``HFEngine._decode``), vision-language models (Qwen2-VL / Qwen2.5-VL: images and videos)
+through transformers' ``generate``; both draw by inverse CDF (``InverseCDFSampler``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -92,8 +93,12 @@ def sample_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     if probs.dim() != 2:
         raise ValueError(f"sample_inverse_cdf: probs must be (B, V), got shape {tuple(probs.shape)}")
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    total = cdf[:, -1:]
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * total
+    # strictly below the total, so the first index with cdf > u exists and has probability > 0
+    # (u * total may round up to the total)
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
 def processed_scores(logits: torch.Tensor, *, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -202,7 +207,9 @@ def _check_finite(lps: torch.Tensor, *, row: int | None = None) -> None:
 
 
 class HFEngine:
-    """Generates with ``model.generate`` (KV cache on) in batches of left-padded prompts.
+    """Generates in batches of left-padded prompts with a KV cache: text models in ``_decode``
+    (finished rows leave the batch), vision-language models and generate-only stand-ins with
+    ``model.generate``.
 
     Speed (``benchmarks/rollout_speed.py``): prompts are sorted by length so each batch holds
     prompts of similar length (little left padding), and a batch holds whole groups: each

@@ -139,7 +139,8 @@ class RolloutInput(StageInput):
     stage: ClassVar[str] = "rollout"
     # 2: rollout schema v3 (videos); HF log-probs under the processed distribution (issue 21)
     # 3: rollout schema v4 (multi-turn trajectory columns; rollout.agent, issue 20)
-    version: ClassVar[int] = 3
+    # 4: the HF engine draws by inverse CDF in its own decode loop: another random stream (issue 19)
+    version: ClassVar[int] = 4
     config_paths: ClassVar[Mapping[str, str]] = {"rollout": "rollout", "policy": "policy.path", "dtype": "policy.dtype"}
     prompts: ShardRef
     policy: PolicyRef
@@ -182,6 +183,7 @@ class RolloutMergeInput(StageInput):
 class LogprobsInput(StageInput):
     """Per-token log-probs of the rollout's responses under ``model`` at ``temperature``."""
 
+    version: ClassVar[int] = 2  # 2: logprobs.packing true and recompute_old_logprobs auto by default (issue 19)
     rollout: ShardRef
     model: PolicyRef
     logprobs: LogprobConfig
@@ -271,7 +273,9 @@ class PPOUpdateInput(StageInput):
 
     program: ClassVar[str] = "ppo_update"
     stage: ClassVar[str] = "ppo_update"
-    version: ClassVar[int] = 2  # 2: loss normalisers, dropout off, rollout correction (issue 16)
+    # 2: loss normalisers, dropout off, rollout correction (issue 16); 3: update.packing true, fused AdamW,
+    # old log-probs from the engine where on-policy (issue 19)
+    version: ClassVar[int] = 3
     unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer"})
     config_paths: ClassVar[Mapping[str, str]] = {"update": "update", "kl": "kl", "policy": "policy.path",
                                                  "dtype": "policy.dtype", "temperature": "rollout.temperature"}
@@ -334,7 +338,9 @@ class EvalGenerateInput(StageInput):
 
     program: ClassVar[str] = "eval_generate"
     stage: ClassVar[str] = "rollout"
-    version: ClassVar[int] = 3  # 2: rollout schema v3 (videos); vision-language policies (issue 21); 3: rollout v4 (issue 20)
+    # 2: rollout schema v3 (videos); vision-language policies (issue 21); 3: rollout v4 (issue 20);
+    # 4: greedy decoding in the HF engine's own loop (issue 19)
+    version: ClassVar[int] = 4
     config_paths: ClassVar[Mapping[str, str]] = {"policy": "policy.path", "dtype": "policy.dtype",
                                                  "batch_size": "eval.batch_size"}
     prompts: ShardRef

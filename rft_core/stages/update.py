@@ -173,8 +173,9 @@ def _engine_old_logprobs_gap(steps: list[StepMetrics], data: UpdateData) -> dict
         return {}
     gap = steps[0].approx_kl
     if gap > ENGINE_GAP_WARN:
-        log.warning("ppo_update: the rollout engine's log-probs differ from the policy's own (first-step approx_kl "
-                    "%.3g > %.0e): set logprobs.recompute_old_logprobs=true", gap, ENGINE_GAP_WARN)
+        log.warning("ppo_update: the rollout's log-probs differ from the policy's own (first-step approx_kl %.3g > "
+                    "%.0e): unless these rollouts come from another policy (a replay, update dropout), set "
+                    "logprobs.recompute_old_logprobs=true", gap, ENGINE_GAP_WARN)
     return {"old_logprobs_gap_kl": gap}
 
 

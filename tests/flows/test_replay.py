@@ -68,3 +68,18 @@ def test_replay_refuses_missing_inputs(prefect_harness, tiny_model, tmp_path, fa
 
     with pytest.raises(ShardNotCommittedError, match="nothing to replay"):
         replay(src.run_root, flow_cfg(tiny_model, tmp_path / "r3", iterations=2, **{"kl.kl_coef": 0.0}))
+
+
+def test_replay_of_a_run_without_actor_stage_refuses_what_needs_it(prefect_harness, tiny_model, tmp_path, fake_rewards):
+    """The default (``recompute_old_logprobs: auto``) skips the actor stage on-policy; a replay
+    whose update needs that stage's outputs is refused before it trains, naming the option."""
+    from flows.replay import replay
+    from flows.train import train
+
+    src = flow_cfg(tiny_model, tmp_path / "src", iterations=1, **{"logprobs.recompute_old_logprobs": "auto"})
+    train(src)
+    assert not (tmp_path / "src" / "iter=000001" / "actor_logprobs").exists()
+    cfg = flow_cfg(tiny_model, tmp_path / "r", iterations=1, **{"update.entropy_top_fraction": 0.2})
+    with pytest.raises(ValueError, match="update.entropy_top_fraction need.* the actor stage's old log-probs"):
+        replay(src.run_root, cfg)
+    assert not (tmp_path / "r" / "iter=000001" / "ppo_update").exists()
