@@ -11,14 +11,20 @@ from schemas import read_manifest
 from tests.faults import STAGE_ORDER, baseline_run, run_scenario, write_config
 
 
-@pytest.fixture(scope="module")
-def baseline(prefect_harness, tiny_model, tmp_path_factory):
+def _baseline(tmp_path_factory, name: str, write, model: str):
+    """(config, final weights, stage durations, API URL, folder) of an uninterrupted run of the
+    config ``write(path, model)`` writes."""
     from prefect.settings import PREFECT_API_URL
 
-    d = tmp_path_factory.mktemp("faults")
-    config = write_config(d / "faults.yaml", tiny_model)
+    d = tmp_path_factory.mktemp(name)
+    config = write(d / f"{name}.yaml", model)
     weights, durations = baseline_run(config, d / "baseline", PREFECT_API_URL.value())
     return config, weights, durations, PREFECT_API_URL.value(), d
+
+
+@pytest.fixture(scope="module")
+def baseline(prefect_harness, tiny_model, tmp_path_factory):
+    return _baseline(tmp_path_factory, "faults", write_config, tiny_model)
 
 
 @pytest.mark.parametrize("target, iteration, phase", [(s, 1, "compute") for s in STAGE_ORDER]
@@ -42,14 +48,9 @@ def test_sigkill_then_rerun(baseline, target, iteration, phase):
 
 @pytest.fixture(scope="module")
 def agent_baseline(prefect_harness, tiny_model, tmp_path_factory):
-    from prefect.settings import PREFECT_API_URL
-
     from tests.faults import write_agent_config
 
-    d = tmp_path_factory.mktemp("faults-agent")
-    config = write_agent_config(d / "faults-agent.yaml", tiny_model)
-    weights, durations = baseline_run(config, d / "baseline", PREFECT_API_URL.value())
-    return config, weights, durations, PREFECT_API_URL.value(), d
+    return _baseline(tmp_path_factory, "faults-agent", write_agent_config, tiny_model)
 
 
 @pytest.mark.parametrize("iteration", [1, 2])

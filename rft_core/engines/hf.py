@@ -342,6 +342,20 @@ class HFEngine:
             steps.append(x.gather(-1, new_tokens[:, j:j + 1].to(x.device)).squeeze(-1) - torch.logsumexp(x, dim=-1))
         return gen, torch.stack(steps, dim=1).cpu()
 
+    def _generate_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: dict, *,
+                       max_new_tokens: int, recorder: StepLogprobs) -> tuple[list[list[int]], list[list[float]]]:
+        """``_generate``'s output per row as ``_decode`` returns it: the new tokens up to and
+        including the first EOS, and their log-probs (the padding after EOS dropped unchecked:
+        it may lie outside the nucleus)."""
+        gen, step_lps = self._generate(input_ids, attention_mask, sampling, max_new_tokens=max_new_tokens,
+                                       recorder=recorder)
+        toks, lps = [], []
+        for row, tokens in enumerate(gen.sequences[:, input_ids.shape[1]:].cpu().tolist()):
+            end = next((j + 1 for j, t in enumerate(tokens) if t in self.eos_ids), len(tokens))
+            toks.append(tokens[:end])
+            lps.append(step_lps[row, :end].tolist())
+        return toks, lps
+
     def _sampling(self, *, prompt_len: int, temperature: float, top_p: float, first_token_temperature: float | None,
                   greedy: bool) -> tuple[dict, StepLogprobs]:
         """The ``generate`` settings of one batch and the recorder of the distribution they sample:
@@ -442,33 +456,19 @@ class HFEngine:
                 sampler = None if greedy else InverseCDFSampler(prompt_len=P, temperature=temperature, top_p=top_p,
                                                                 first_token_temperature=first_token_temperature)
                 toks, lps_rows = self._decode(input_ids, attention_mask, cache, sampler, max_new_tokens=max_new_tokens)
-                for row, (p, k) in enumerate(chunk):
-                    finish = "stop" if toks[row] and toks[row][-1] in self.eos_ids else "length"
-                    _check_finite(torch.tensor([lps_rows[row]], dtype=torch.float32), row=row)
-                    results[(p, k)] = Generation(p, k, toks[row], lps_rows[row], finish)
-                done += len(chunk)
-                if progress is not None:
-                    progress(done, total)
-                continue
-            sampling, recorder = self._sampling(prompt_len=P, temperature=temperature, top_p=top_p,
-                                                first_token_temperature=first_token_temperature, greedy=greedy)
-            if vl:
-                sampling.update(self._vision(chunk, input_ids, device, images, videos, processor))
-            elif share_prefill and P > 1:
-                sampling["past_key_values"] = self._prefill(input_ids, attention_mask, n)
-            gen, step_lps = self._generate(input_ids, attention_mask, sampling, max_new_tokens=max_new_tokens,
-                                           recorder=recorder)
-            new_tokens = gen.sequences[:, P:].cpu()
+            else:
+                sampling, recorder = self._sampling(prompt_len=P, temperature=temperature, top_p=top_p,
+                                                    first_token_temperature=first_token_temperature, greedy=greedy)
+                if vl:
+                    sampling.update(self._vision(chunk, input_ids, device, images, videos, processor))
+                elif share_prefill and P > 1:
+                    sampling["past_key_values"] = self._prefill(input_ids, attention_mask, n)
+                toks, lps_rows = self._generate_rows(input_ids, attention_mask, sampling, max_new_tokens=max_new_tokens,
+                                                     recorder=recorder)
             for row, (p, k) in enumerate(chunk):
-                tokens = new_tokens[row].tolist()
-                finish = "length"
-                for j, t in enumerate(tokens):
-                    if t in self.eos_ids:
-                        tokens, finish = tokens[: j + 1], "stop"
-                        break
-                lps = step_lps[row, : len(tokens)]
-                _check_finite(lps[None], row=row)  # the padding after EOS may lie outside the nucleus: not checked
-                results[(p, k)] = Generation(p, k, tokens, lps.tolist(), finish)
+                finish = "stop" if toks[row] and toks[row][-1] in self.eos_ids else "length"
+                _check_finite(torch.tensor([lps_rows[row]], dtype=torch.float32), row=row)
+                results[(p, k)] = Generation(p, k, toks[row], lps_rows[row], finish)
             done += len(chunk)
             if progress is not None:
                 progress(done, total)

@@ -11,7 +11,7 @@ from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.algorithms.value_loss import VALUE_LOSSES
 from rft_core.models.critic import critic_batch, response_values
 from rft_core.models.logprobs import model_device
-from rft_core.training.loop import Normaliser, Strategy, pad_float, train_steps
+from rft_core.training.loop import Normaliser, Strategy, check_per_token_lists, pad_float, train_steps
 from rft_core.training.update import dropout_disabled
 
 
@@ -38,18 +38,7 @@ class CriticData:
     action_masks: list[list[bool]] | None = None
 
     def __post_init__(self) -> None:
-        n = len(self.prompts)
-        if len(self.responses) != n:
-            raise ValueError(f"CriticData: {len(self.responses)} responses for {n} prompts")
-        for name in ("old_values", "returns", "action_masks"):
-            values = getattr(self, name)
-            if values is None:
-                continue
-            if len(values) != n:
-                raise ValueError(f"CriticData: {name} has {len(values)} entries for {n} samples")
-            for i, (v, r) in enumerate(zip(values, self.responses)):
-                if len(v) != len(r):
-                    raise ValueError(f"CriticData: sample {i} has {len(r)} response tokens but {len(v)} {name} entries")
+        check_per_token_lists("CriticData", self, ("old_values", "returns", "action_masks"))
 
     def __len__(self) -> int:
         return len(self.prompts)

@@ -73,6 +73,28 @@ class StepResult:
 MicroStep = Callable[[list[int], Normaliser], tuple[torch.Tensor, dict[str, float]]]
 
 
+def check_per_token_lists(owner: str, data: object, names: Sequence[str]) -> None:
+    """Check that ``data.responses`` has one entry per prompt and every per-token field of
+    ``data`` named in ``names`` (None: absent) one list per sample, as long as its response.
+
+    Raises:
+        ValueError: naming ``owner``, the field and the first sample whose list has another length.
+    """
+    prompts, responses = getattr(data, "prompts"), getattr(data, "responses")
+    n = len(prompts)
+    if len(responses) != n:
+        raise ValueError(f"{owner}: {len(responses)} responses for {n} prompts")
+    for name in names:
+        values = getattr(data, name)
+        if values is None:
+            continue
+        if len(values) != n:
+            raise ValueError(f"{owner}: {name} has {len(values)} entries for {n} samples")
+        for i, (v, r) in enumerate(zip(values, responses)):
+            if len(v) != len(r):
+                raise ValueError(f"{owner}: sample {i} has {len(r)} response tokens but {len(v)} {name} entries")
+
+
 def pad_float(rows: Sequence[Sequence[float]], T: int) -> torch.Tensor:
     """(len(rows), T) float32, each row right-padded with zeros."""
     out = torch.zeros(len(rows), T, dtype=torch.float32)

@@ -29,7 +29,7 @@ from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES, cpgd_policy_drift,
 from rft_core.algorithms.masked import high_entropy_mask
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device, response_logprobs, with_vision
-from rft_core.training.loop import Normaliser, Strategy, pad_float, train_steps
+from rft_core.training.loop import Normaliser, Strategy, check_per_token_lists, pad_float, train_steps
 
 ENTROPY_FILTER_NORMS = ("all", "kept")
 SUM_NORM = "seq-mean-token-sum-norm"
@@ -67,18 +67,7 @@ class UpdateData:
         Raises:
             ValueError: naming the field and the first sample whose list has another length.
         """
-        n = len(self.prompts)
-        if len(self.responses) != n:
-            raise ValueError(f"UpdateData: {len(self.responses)} responses for {n} prompts")
-        for name in ("old_logprobs", "advantages", "ref_logprobs", "entropies", "rollout_logprobs", "action_masks"):
-            values = getattr(self, name)
-            if values is None:
-                continue
-            if len(values) != n:
-                raise ValueError(f"UpdateData: {name} has {len(values)} entries for {n} samples")
-            for i, (v, r) in enumerate(zip(values, self.responses)):
-                if len(v) != len(r):
-                    raise ValueError(f"UpdateData: sample {i} has {len(r)} response tokens but {len(v)} {name} entries")
+        check_per_token_lists("UpdateData", self, ("old_logprobs", "advantages", "ref_logprobs", "entropies", "rollout_logprobs", "action_masks"))
 
     def __len__(self) -> int:
         return len(self.prompts)
