@@ -105,11 +105,12 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
 
 def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef, critic: PolicyRef | None,
              state: TrainState, kl: KLConfig, out: Out, tags: bool,
-             background_optimizer: bool) -> tuple[ShardRef, ShardRef, ShardRef | None]:
+             background_optimizer: bool, save_checkpoint: bool = True) -> tuple[ShardRef, ShardRef, ShardRef | None]:
     """Advantages, then the policy update and (with a ``critic`` and critic values in ``parts``)
     the critic update, submitted together: (advantages, new policy, new critic or None).
     ``parts`` holds the rollout, rewards and whichever of actor_logprobs, ref_logprobs and
-    critic_values ran. The iteration flow and the replay flow both train through here."""
+    critic_values ran. ``save_checkpoint``: the update writes the new weights and AdamW state
+    (``checkpoint.every``). The iteration flow and the replay flow both train through here."""
     rollout, actor, ref, values = parts["rollout"], parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
     adv = tasks.tagged(tasks.advantages, tags)(inp=AdvantagesInput(
         rollout=rollout, rewards=parts["rewards"], actor_logprobs=actor, ref_logprobs=ref, critic_values=values, kl=kl,
@@ -123,7 +124,7 @@ def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef,
     new_policy = tasks.tagged(tasks.ppo_update, tags)(inp=PPOUpdateInput(
         rollout=rollout, advantages=adv, actor_logprobs=actor, ref_logprobs=ref, policy=policy, update=cfg.update, kl=kl,
         temperature=cfg.rollout.temperature, dtype=cfg.policy.dtype, background_optimizer=background_optimizer,
-        out=out("ppo_update")), runner=cfg.runner("ppo_update"))
+        save_checkpoint=save_checkpoint, out=out("ppo_update")), runner=cfg.runner("ppo_update"))
     return adv, new_policy, critic_future.result() if critic_future is not None else None
 
 
@@ -151,7 +152,8 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     parts |= _score(cfg, prompts=prompts, rollout=rollout, policy=policy, critic=critic, kl=kl, out=out, tags=tags,
                     with_rewards=not parts)
     adv, new_policy, new_critic = train_on(cfg, {"rollout": rollout, **parts}, policy=policy, critic=critic, state=state,
-                                           kl=kl, out=out, tags=tags, background_optimizer=cfg.checkpoint.async_optimizer)
+                                           kl=kl, out=out, tags=tags, background_optimizer=cfg.checkpoint.async_optimizer,
+                                           save_checkpoint=cfg.is_checkpoint(iteration))
     refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy,
             **({"critic_update": new_critic} if new_critic else {})}
     metrics = iteration_metrics(iteration, refs)

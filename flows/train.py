@@ -15,6 +15,8 @@ from rft_core.api import (
     curve_markdown,
     format_metrics_line,
     plot_curves,
+    run_counters,
+    stop_workers,
     wait_for_optimizer_writes,
     write_metrics,
     write_tensorboard,
@@ -56,6 +58,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     state = cfg.initial_state
     critic: PolicyRef | None = None
     curve = None
+    pool = cfg.run_root if cfg.orchestration.workers == "resident" else None  # resident workers' pool
     try:
         wandb = WandbLogger.start(cfg.observe.wandb, run_root=cfg.run_root, name=cfg.name, config=cfg.model_dump(mode="json"))
     except ImportError as exc:
@@ -65,6 +68,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         for i in range(1, cfg.iterations + 1):
             result = rl_iteration(cfg, i, policy, state, critic)
             policy, state, critic = result.policy, result.next_state, result.critic
+            result.metrics.update({f"run/{k}": v for k, v in run_counters(pool).items()})
             if cfg.checkpoint.keep_last is not None:
                 tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=i, checkpoint=cfg.checkpoint)
             rows.append(result.metrics)
@@ -80,6 +84,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         # the last iteration's optimizer state may still be being written (checkpoint.async_optimizer)
         wait_for_optimizer_writes()
     finally:
+        if pool:
+            stop_workers(pool)  # after their pending writes; on an error or Ctrl-C too
         if wandb:
             wandb.finish()
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")

@@ -23,6 +23,7 @@ from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.retention import apply_retention, prune_checkpoints
 from rft_core.storage import RunRootError, check_run_root, repair as repair_stage, verify_run
 from rft_core.stages.runner import run_stage
+from rft_core.workers.pool import run_counters, stop_workers
 
 from rft_core.stages import contracts as _contracts
 
@@ -31,7 +32,7 @@ __all__ = [
     "check_config_data", "dataset_fingerprint", "heldout_fingerprint",
     "count_signal_groups", "curve_markdown", "default_eval_root", "eval_markdown", "export_table",
     "format_metrics_line", "iteration_metrics", "next_state", "plot_curves", "prune_checkpoints", "replay_sources",
-    "resolve_checkpoint", "run_stage", "run_status", "sample_text", "samples_markdown", "samples_view",
+    "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "stop_workers", "samples_markdown", "samples_view",
     "wait_for_optimizer_writes",
     "write_metrics", "write_replay_record", "write_tensorboard",
     "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run",

@@ -33,7 +33,8 @@ from rft_core.config.data import DataConfig, DataSourceConfig, EvalConfig  # noq
 from rft_core.config.generation import LogprobConfig, ModelConfig, RolloutConfig  # noqa: F401
 from rft_core.config.run import CheckpointConfig, ObserveConfig, WandbConfig  # noqa: F401
 from rft_core.config.scale import (  # noqa: F401
-    RUNNABLE_STAGES, DeepSpeedConfig, LoraConfig, OrchestrationConfig, RunnerConfig, SGLangConfig, VLLMConfig)
+    RESIDENT_STAGES, RUNNABLE_STAGES, DeepSpeedConfig, LoraConfig, OrchestrationConfig, RunnerConfig, SGLangConfig,
+    VLLMConfig, WorkersConfig)
 
 
 def _given(section: Any) -> Any:
@@ -186,8 +187,41 @@ class TrainConfig(_Frozen):
         return v
 
     def runner(self, stage: str) -> RunnerConfig:
-        """The runner of ``stage`` (in-process unless configured)."""
-        return self.runners.get(stage, RunnerConfig())
+        """The runner of ``stage``: ``runners[stage]`` when configured; with
+        ``orchestration.workers: resident`` a stage of ``RESIDENT_STAGES`` runs in its resident
+        worker (the pool named after the run root); otherwise in the task's process."""
+        if stage in self.runners:
+            return self.runners[stage]
+        o = self.orchestration
+        if o.workers == "resident" and stage in RESIDENT_STAGES:
+            return RunnerConfig(mode="resident", workers=WorkersConfig(
+                pool=self.run_root, ray_address=o.ray_address, ray_init_kwargs=o.ray_init_kwargs,
+                sync_timeout_s=o.sync_timeout_s, sync_bucket_mb=o.sync_bucket_mb, threads=o.worker_threads,
+                options=o.worker_options))
+        return RunnerConfig()
+
+    def is_checkpoint(self, iteration: int) -> bool:
+        """Whether the update of ``iteration`` writes the policy's weights and optimizer state
+        (``checkpoint.every``, and the run's last iteration)."""
+        return self.checkpoint.is_checkpoint(iteration, self.iterations)
+
+    def resident_blockers(self) -> list[str]:
+        """What ``orchestration.workers: resident`` does not cover yet in this config (empty: it
+        covers it). Each is refused when the config loads."""
+        reasons = []
+        if self.rollout.engine != "hf":
+            reasons.append(f"rollout.engine={self.rollout.engine}: resident workers sync weights into the hf engine only "
+                           "so far (vLLM and SGLang reload their checkpoint in place under workers=stage)")
+        if self.update.deepspeed is not None:
+            reasons.append("update.deepspeed: a resident multi-rank DeepSpeed trainer is not built yet (under "
+                           "workers=stage DeepSpeed keeps its optimizer state through its own checkpoints)")
+        if self.update.lora is not None:
+            reasons.append("update.lora: resident workers sync full weights, not LoRA adapters, so far")
+        clash = sorted(s for s in RESIDENT_STAGES if s in self.runners)
+        if clash:
+            reasons.append(f"runners.{clash[0]} says where {clash[0]} runs, and so does orchestration.workers=resident: "
+                           "remove one")
+        return reasons
 
     @model_validator(mode="before")
     @classmethod
@@ -227,6 +261,12 @@ class TrainConfig(_Frozen):
                              "weight is 1; the PPO ratio is then taken against the engine's distribution)")
         if self.update.train_batch_size is not None and self.update.train_batch_size < self.update.micro_batch_size:
             raise ValueError("update.train_batch_size must be >= update.micro_batch_size")
+        if self.checkpoint.every > 1 and self.orchestration.workers != "resident":
+            raise ValueError(f"checkpoint.every={self.checkpoint.every} needs orchestration.workers=resident: with "
+                             "workers=stage every stage loads the policy from the run root, so every iteration must "
+                             "write it (checkpoint.every=1)")
+        if self.orchestration.workers == "resident" and self.resident_blockers():
+            raise ValueError("orchestration.workers=resident: " + "; ".join(self.resident_blockers()))
         return self
 
     def with_resolved_run_root(self, now: "_dt.datetime | None" = None) -> "TrainConfig":

@@ -33,7 +33,12 @@ class CheckpointConfig(_Frozen):
     weights`` (the default) they also lose their weights, except the last ``keep_weights_last``
     iterations and every ``keep_weights_every``-th (10, 20, ...). Shards (Parquet parts) and
     manifests are always kept, so metrics, inspect, DuckDB and replay see every iteration.
-    The defaults bound a run's disk: on SmolLM2-135M about 1.1 GB of optimizer state plus
+    ``every`` (K): iteration ``i`` writes the policy's weights and AdamW state (a checkpoint)
+    when ``i % K == 0`` or ``i`` is the run's last iteration (``is_checkpoint``); the other
+    iterations commit their experience and update shards only. K > 1 needs resident workers
+    (``orchestration.workers: resident``), which hold the policy between checkpoints; after a
+    crash the policy is rebuilt from the last checkpoint by re-applying the committed updates
+    after it (``rft_core.workers.recovery``). The defaults bound a run's disk: on SmolLM2-135M about 1.1 GB of optimizer state plus
     3 x 0.54 GB of weights, plus 54 MB per iteration for every 10th iteration's weights
     (``docs/reliability.md``). ``keep_last: null`` keeps everything.
 
@@ -42,6 +47,9 @@ class CheckpointConfig(_Frozen):
     lost to a crash is recomputed on resume.
     """
 
+    every: int = Field(1, ge=1, description="write the policy's weights and optimizer state every K iterations and at "
+                       "the end of the run (K > 1 needs orchestration.workers=resident: between checkpoints the "
+                       "policy lives in the workers' memory, and a rerun rebuilds it from the last checkpoint)")
     async_optimizer: bool = Field(True, description="write the policy's optimizer state in the background")
     keep_last: int | None = Field(1, ge=1, description="iterations whose checkpoints stay whole, optimizer state "
                                   "included (None: keep every checkpoint whole)")
@@ -51,3 +59,8 @@ class CheckpointConfig(_Frozen):
     keep_weights_last: int = Field(3, ge=1, description="with prune=weights: the last N iterations keep their weights")
     keep_weights_every: int | None = Field(10, ge=1, description="with prune=weights: every N-th iteration (N, 2N, ...) "
                                            "keeps its weights too (None: none)")
+
+    def is_checkpoint(self, iteration: int, iterations: int) -> bool:
+        """Whether ``iteration`` of a run of ``iterations`` writes the policy's weights and
+        optimizer state: every ``every``-th iteration and the last one."""
+        return iteration % self.every == 0 or iteration >= iterations

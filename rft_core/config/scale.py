@@ -55,13 +55,33 @@ class DeepSpeedConfig(_Frozen):
 RUNNABLE_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "critic_values", "critic_update", "ppo_update")
 
 
+# Stages whose program a resident worker runs (orchestration.workers=resident): the policy's
+# trainer (ppo_update), its rollout engine (rollout and the actor pass, which share the engine's
+# copy of the policy) and the reference model.
+RESIDENT_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update")
+
+
+class WorkersConfig(_Frozen):
+    """How a stage reaches its resident worker (``RunnerConfig.mode == "resident"``); filled in by
+    ``TrainConfig.runner`` from ``orchestration``. Never part of a config hash."""
+
+    pool: str = Field(description="the pool's name (the run root): its workers are the Ray actors named after it")
+    ray_address: str | None = Field(None, description="Ray cluster (ray://host:10001, auto); None: a local Ray")
+    ray_init_kwargs: dict[str, Any] = Field(default_factory=dict)
+    sync_timeout_s: float = Field(300.0, gt=0, description="a weight sync that takes longer fails with WeightSyncError")
+    sync_bucket_mb: int = Field(256, gt=0, description="weights move in buckets of this many MiB")
+    threads: int | None = Field(None, gt=0, description="torch threads of each worker (None: the caller's count)")
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Ray actor options per role, e.g. "
+                                               "{rollout: {num_gpus: 1}}")
+
+
 class RunnerConfig(_Frozen):
     """Where a stage program runs: in the task's process (default) or as
     ``python -m rft_core.stages <stage>`` in a subprocess, with another interpreter (e.g. a vLLM
     environment) and optionally under torchrun (multi-rank update). Never part of a config hash:
     both modes commit the same shard."""
 
-    mode: Literal["inprocess", "subprocess"] = "inprocess"
+    mode: Literal["inprocess", "subprocess", "resident"] = "inprocess"
     python: str | None = Field(None, description="interpreter of the subprocess (None: the current one)")
     launcher: Literal["plain", "torchrun"] = "plain"
     nproc_per_node: int = Field(1, gt=0, description="torchrun: ranks on this node")
@@ -72,11 +92,14 @@ class RunnerConfig(_Frozen):
     ray_address: str | None = Field(None, description="Ray cluster for shards > 1 (ray://host:10001, auto); None: start a local one")
     ray_init_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra ray.init arguments (num_cpus, runtime_env, ...)")
     ray_remote_options: dict[str, Any] = Field(default_factory=dict, description="Ray resources of each shard task, e.g. {num_gpus: 1}")
+    workers: WorkersConfig | None = Field(None, description="mode=resident: the pool of resident workers")
 
     @model_validator(mode="after")
     def _check(self) -> "RunnerConfig":
-        if self.mode == "inprocess" and (self.launcher != "plain" or self.python):
+        if self.mode != "subprocess" and (self.launcher != "plain" or self.python):
             raise ValueError("runner.launcher / runner.python need runner.mode=subprocess")
+        if (self.mode == "resident") != (self.workers is not None):
+            raise ValueError("runner.mode=resident and runner.workers go together (set orchestration.workers=resident)")
         return self
 
 
@@ -86,3 +109,17 @@ class OrchestrationConfig(_Frozen):
     concurrency_tags: bool | None = Field(
         None, description="tag stage tasks `gpu`/`cpu` so tag concurrency limits apply; each tagged task costs a "
         "concurrency-slot round trip to the server. None (auto): on when the server has a `gpu` or `cpu` tag limit")
+    workers: Literal["stage", "resident"] = Field(
+        "stage", description="stage: every stage loads its model from the run root (one process, or a subprocess per "
+        "stage); resident: one long-lived Ray actor per model role (policy trainer, rollout engine, reference) keeps "
+        "its model, optimizer and engine across iterations and weights move in memory (docs/scale.md)")
+    ray_address: str | None = Field(None, description="workers=resident: Ray cluster (ray://host:10001, auto); "
+                                    "None: a local Ray started by the run")
+    ray_init_kwargs: dict[str, Any] = Field(default_factory=dict, description="workers=resident: extra ray.init arguments")
+    worker_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="workers=resident: Ray actor options per role (policy, rollout, reference), "
+        "e.g. {rollout: {num_gpus: 1}, policy: {num_gpus: 1}}")
+    worker_threads: int | None = Field(None, gt=0, description="workers=resident: torch threads per worker (None: as "
+                                       "many as the driver's; the same count keeps CPU results bit-identical)")
+    sync_timeout_s: float = Field(300.0, gt=0, description="workers=resident: a weight sync that takes longer fails")
+    sync_bucket_mb: int = Field(256, gt=0, description="workers=resident: weights move in buckets of this many MiB")

@@ -22,7 +22,7 @@ import fsspec
 from rft_core.models.loading import cache_dir
 from rft_core.stages.retention import require_unpruned
 from rft_core.training.checkpoint import OPTIMIZER_FILE
-from schemas import PolicyRef, ShardRef, local_path, verify_files
+from schemas import PolicyRef, ShardRef, local_path, read_manifest, verify_files
 
 POLICY_SUBDIR = "policy"
 CRITIC_SUBDIR = "critic"
@@ -40,8 +40,28 @@ def policy_model_path(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str:
     """
     if isinstance(policy, str):
         return policy
+    require_weights(policy, subdir)
     require_unpruned(policy, subdir, optimizer=False)
     return _checkpoint_folder(policy, subdir)
+
+
+class WeightlessPolicyError(RuntimeError):
+    """A policy was asked for from storage, but its update kept the weights in a resident
+    worker's memory (``checkpoint.every`` > 1): only the resident workers can serve it."""
+
+
+def require_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> None:
+    """Raise ``WeightlessPolicyError`` when the committed training stage ``policy`` wrote no
+    files under ``subdir`` because its weights stayed in memory (its manifest records their
+    digest instead)."""
+    from rft_core.workers.recovery import WEIGHTS_DIGEST_KEY
+
+    manifest, _ = read_manifest(policy.uri)
+    if WEIGHTS_DIGEST_KEY in manifest.summary and not any(e.path.startswith(f"{subdir}/") for e in manifest.files):
+        raise WeightlessPolicyError(
+            f"{policy.uri}: this update kept its weights in the resident workers' memory (checkpoint.every > 1), so "
+            "they are not on storage. Resume the run with orchestration.workers=resident (it rebuilds them from the "
+            "last checkpoint), or use a checkpoint iteration (`rft inspect` lists them)")
 
 
 # a downloaded checkpoint folder is complete once one of these is there (full model, LoRA

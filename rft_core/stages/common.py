@@ -86,18 +86,21 @@ class Timer:
 
 
 def commit_checkpoint(commit: Commit, *, subdir: str, model, tokenizer, optimizer, steps: list, schema: StageSchema,
-                      inputs: Mapping[str, ShardRef], summary: dict) -> ShardRef:
+                      inputs: Mapping[str, ShardRef], summary: dict, save_weights: bool = True) -> ShardRef:
     """Commit a training stage: per-step metric rows (dataclasses, one per optimizer step) as
     Parquet parts plus an HF checkpoint (with the optimizer state unless ``optimizer`` is None)
     under ``{commit.uri}/{subdir}``, all under one manifest written last. Works on any fsspec
     URI (remote: saved to a local temp folder, then uploaded). ``summary`` gains
-    ``checkpoint_seconds``."""
+    ``checkpoint_seconds``. ``save_weights=False``: the metrics parts only (a resident worker
+    keeps the weights in memory; ``checkpoint.every``)."""
     out = commit.uri
     token = prepare_stage_dir(out)
     try:
         with Timer() as t_save, storage_errors(out):
             local = local_path(out)
-            if local is not None:
+            if not save_weights:
+                pass
+            elif local is not None:
                 save_checkpoint(model, tokenizer, optimizer, f"{local}/{subdir}")
             else:
                 tmp = tempfile.mkdtemp(prefix="rft-ckpt-")
@@ -129,7 +132,7 @@ class _WithStateDict:
 
 def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy, *, subdir: str, tokenizer, steps: list,
                    schema: StageSchema, inputs: Mapping[str, ShardRef], summary: dict,
-                   keep_optimizer: bool) -> ShardRef:
+                   keep_optimizer: bool, save_weights: bool = True) -> ShardRef:
     """Commit what ``strategy`` trained (``commit_checkpoint``). One process: the model, with
     its AdamW state inside the checkpoint when ``keep_optimizer``. DeepSpeed: the weights are
     gathered on every rank (a collective), rank 0 commits (no optimizer state: it is partitioned
@@ -138,7 +141,7 @@ def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy, 
     if isinstance(strategy, SingleProcess):
         return commit_checkpoint(commit, subdir=subdir, model=strategy.model, tokenizer=tokenizer,
                                  optimizer=strategy.optimizer if keep_optimizer else None, steps=steps, schema=schema,
-                                 inputs=inputs, summary=summary)
+                                 inputs=inputs, summary=summary, save_weights=save_weights)
     state = strategy.full_state_dict()
     ref = None
     if strategy.rank == 0:

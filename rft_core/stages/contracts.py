@@ -268,7 +268,8 @@ class CriticUpdateInput(StageInput):
 
 class PPOUpdateInput(StageInput):
     """The policy update; ``background_optimizer``: its AdamW state is written by a background
-    thread (how it is written, not what: outside the hash). ``ref_logprobs`` enter the hash only
+    thread (how it is written, not what: outside the hash); ``save_checkpoint`` (outside the
+    hash too: the update computes the same either way) whether the weights go to storage. ``ref_logprobs`` enter the hash only
     when the KL is a loss term (the only case the update reads them)."""
 
     program: ClassVar[str] = "ppo_update"
@@ -276,7 +277,7 @@ class PPOUpdateInput(StageInput):
     # 2: loss normalisers, dropout off, rollout correction (issue 16); 3: update.packing true, fused AdamW,
     # old log-probs from the engine where on-policy (issue 19)
     version: ClassVar[int] = 3
-    unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer"})
+    unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer", "save_checkpoint"})
     config_paths: ClassVar[Mapping[str, str]] = {"update": "update", "kl": "kl", "policy": "policy.path",
                                                  "dtype": "policy.dtype", "temperature": "rollout.temperature"}
     rollout: ShardRef
@@ -289,6 +290,8 @@ class PPOUpdateInput(StageInput):
     temperature: float = Field(gt=0)
     dtype: str = "float32"
     background_optimizer: bool = False
+    save_checkpoint: bool = Field(True, description="write the new weights and AdamW state (checkpoint.every); False: "
+                                  "a resident worker keeps them in memory and the manifest records their digest")
 
     def hash_view(self) -> dict[str, Any]:
         view = super().hash_view()

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from rft_core.models.loading import load_causal_lm, load_tokenizer
-from rft_core.models.logprobs import batched_response_logprobs, default_device, release_device_memory
+from rft_core.models.loading import load_tokenizer
+from rft_core.models.logprobs import batched_response_logprobs, release_device_memory
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
-from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput, stage_program
+from rft_core.workers.memory import config_folder, inference_model
 from schemas import ShardRef, read_shard
 from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS
 
@@ -24,7 +24,8 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
     ``inp.temperature``, the rollout's sampling temperature; ``logprobs.chunk_size`` bounds the
     float32 (chunk, vocab) slices of the log-prob computation. A vision-language model gets each
     sample's images and videos (processor from the model folder), padded or packed
-    (``logprobs.packing``). The model's GPU memory is handed
+    (``logprobs.packing``). In a resident worker the model is the worker's copy
+    (``rft_core.workers.memory.inference_model``). The model's GPU memory is handed
     back to the driver when the program returns (``release_device_memory``)."""
     schema, column = _SCHEMAS[inp.stage]
     commit = stage_commit(inp)
@@ -32,10 +33,10 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
 
     def compute() -> ShardRef:
         table = read_shard(inp.rollout, stage="rollout")
-        path = policy_model_path(inp.model)
+        path = config_folder(inp.model)
         tok = load_tokenizer(path)
-        lm = load_causal_lm(path, dtype=inp.dtype).to(default_device())
         actor = stage == "actor_logprobs"
+        lm = inference_model(inp.model, dtype=inp.dtype, role="policy" if actor else "reference")
         processor = vl_processor_or_none(path)  # a vision-language policy: images and videos go with every batch
         vision = ({"images": table.column("images").to_pylist(), "videos": table.column("videos").to_pylist(),
                    "processor": processor} if processor is not None else {})

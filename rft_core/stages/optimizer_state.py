@@ -156,13 +156,17 @@ def _committed(update: ShardRef) -> ShardRef | None:
 
 
 def _kept_elsewhere(update: ShardRef) -> bool:
-    """Whether ``update`` has no optimizer stage by design: a DeepSpeed update (no state kept).
+    """Whether ``update`` has no optimizer stage by design: a DeepSpeed update (no state kept),
+    or an update between checkpoints whose state stayed in a resident worker's memory (its
+    manifest records the weights' digest instead of weight files).
 
     Raises:
         ShardNotCommittedError: ``update`` is not a committed stage.
     """
+    from rft_core.workers.recovery import WEIGHTS_DIGEST_KEY
+
     manifest, _ = read_manifest(update.uri)
-    return "zero_stage" in manifest.summary
+    return "zero_stage" in manifest.summary or WEIGHTS_DIGEST_KEY in manifest.summary
 
 
 def optimizer_state_missing(update: ShardRef) -> bool:

@@ -10,14 +10,15 @@ import pyarrow.compute as pc
 from rft_core.agents.env import environment_fingerprint
 from rft_core.config import RolloutConfig
 from rft_core.engines.hf import HFEngine
-from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.models.loading import load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
-from rft_core.models.logprobs import default_device, release_device_memory
+from rft_core.models.logprobs import release_device_memory
 from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.common import Commit, Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import RolloutInput, RolloutMergeInput, stage_program
-from schemas import ShardRef, read_manifest, read_shard
+from rft_core.workers.memory import config_folder, count, current_source, inference_model
+from schemas import PolicyRef, ShardRef, read_manifest, read_shard
 from schemas.columns import ROLLOUT, single_turn_columns
 
 SEED_STRIDE = 100_003  # iteration i samples with seed + i * stride: distinct, reproducible streams
@@ -66,20 +67,25 @@ def engine_eos_ids(tok, model_path: str) -> set[int]:
     return eos
 
 
-def make_engine(cfg: RolloutConfig, path: str, *, dtype: str):
-    """The rollout engine of ``cfg.engine`` for the policy at ``path`` (a model folder, alias or
-    hub id, or a LoRA adapter folder) and its tokenizer: (engine, tokenizer).
+def make_engine(cfg: RolloutConfig, policy: PolicyRef, *, dtype: str):
+    """The rollout engine of ``cfg.engine`` for ``policy`` (a model folder, alias or hub id, a
+    LoRA adapter folder, or a committed update) and its tokenizer: (engine, tokenizer).
 
-    ``hf``: a new ``HFEngine`` on ``default_device()`` in ``dtype``. ``vllm`` / ``sglang``: the
+    ``hf``: an ``HFEngine`` on ``default_device()`` in ``dtype`` over the policy's weights
+    (``inference_model``: loaded from storage, or a resident worker's copy). ``vllm`` / ``sglang``: the
     process's cached GPU engine (``get_vllm_engine`` / ``get_sglang_engine``), reused across
     iterations with the new checkpoint loaded in place while the base model and settings stay
     the same; it is given the policy dtype as it is (the engine maps float32/auto to a 16-bit
     dtype itself: ``rft_core.engines.engine_dtype``). A LoRA checkpoint is served on its base
     model as an adapter.
     """
+    path = config_folder(policy)
     tok = load_tokenizer(path)
     if cfg.engine == "hf":
-        return HFEngine(load_causal_lm(path, dtype=dtype).to(default_device()), tok), tok
+        if current_source() is None:
+            count("engine_builds")  # over a model read for it (a resident worker's engine is built once)
+        return HFEngine(inference_model(policy, dtype=dtype), tok), tok
+    path = policy_model_path(policy)
     from rft_core.config.scale import SGLangConfig, VLLMConfig
     from rft_core.models.loading import resolve_model_path
     from rft_core.models.lora import adapter_base_path, is_adapter_dir
@@ -128,14 +134,14 @@ def run(inp: RolloutInput) -> ShardRef:
 
     def compute() -> ShardRef:
         table = read_shard(inp.prompts, stage="prompts")
-        path = policy_model_path(inp.policy)
+        path = config_folder(inp.policy)
         if cfg.agent is not None:
             return _commit_agent_rollout(inp, commit, table, path)
         processor = vl_processor_or_none(path)  # a vision-language policy: its media go with every batch
         if processor is not None and cfg.engine != "hf":
             raise ValueError(f"rollout.engine={cfg.engine!r} does not take images or videos; the vision-language "
                              f"policy {path} rolls out with rollout.engine=hf")
-        engine, tok = make_engine(cfg, path, dtype=inp.dtype)
+        engine, tok = make_engine(cfg, inp.policy, dtype=inp.dtype)
         prompt_ids = table.column("prompt_token_ids").to_pylist()
         images, videos = table.column("images").to_pylist(), table.column("videos").to_pylist()
         vision = {"images": images, "videos": videos, "processor": processor} if processor is not None else {}
@@ -226,7 +232,7 @@ def _commit_agent_rollout(inp: RolloutInput, commit: Commit, table: pa.Table, pa
                          "model; unset rollout.agent or train a text-only model")
     EnvFactory(cfg.agent.environment, cfg.agent.env_config)  # bad settings fail before the model loads
     tok = load_tokenizer(path)
-    agent = AgentRollout(load_causal_lm(path, dtype=inp.dtype).to(default_device()).eval(), tok, cfg.agent)
+    agent = AgentRollout(inference_model(inp.policy, dtype=inp.dtype).eval(), tok, cfg.agent)
     rows = table.to_pylist()
     idx = [p for p in range(len(rows)) if shard is None or p % shard[1] == shard[0]]
     with Timer() as t, progress_reporter("rollout", unit="trajectories") as progress:

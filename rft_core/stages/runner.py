@@ -202,8 +202,9 @@ def launch(inp: StageInput, runner: RunnerConfig, *, log: Callable[[str], None] 
 
 
 def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Callable[[str], None] | None = None) -> Any:
-    """Run the program of ``inp`` in this process (``runner`` None or ``mode="inprocess"``) or
-    as a subprocess (``launch``); same result either way.
+    """Run the program of ``inp`` in this process (``runner`` None or ``mode="inprocess"``), as
+    a subprocess (``launch``) or in its resident worker (``mode="resident"``:
+    ``rft_core.workers.pool.run_resident``); same result either way.
 
     ``log`` receives the subprocess's output lines (unused in-process: the program logs
     through ``logging`` as usual). In-process, CUDA's TF32 matmuls are enabled first
@@ -217,4 +218,9 @@ def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Calla
             return PROGRAMS[inp.program](inp)
         finally:
             release_device_memory()  # what the program dropped (its model, activations) goes back to the driver
+    if runner.mode == "resident":
+        from rft_core.workers.pool import run_resident
+
+        assert runner.workers is not None  # RunnerConfig checks it
+        return run_resident(inp, runner.workers)
     return launch(inp, runner, log=log)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import fsspec
 
@@ -23,7 +25,7 @@ from rft_core.stages.optimizer_state import (
     optimizer_state_ref,
 )
 from rft_core.stages.retention import WEIGHT_SUFFIXES
-from rft_core.training.strategy import OptimizerSettings, SingleProcess, build_strategy
+from rft_core.training.strategy import DeepSpeedStrategy, OptimizerSettings, SingleProcess, build_strategy
 from rft_core.training.update import (
     SampleCorrection,
     StepMetrics,
@@ -31,6 +33,9 @@ from rft_core.training.update import (
     ppo_update,
     rollout_correction_weights,
 )
+from rft_core.workers.memory import count, current_source
+from rft_core.workers.recovery import UPDATE_INPUT_KEY, WEIGHTS_DIGEST_KEY
+from rft_core.workers.sync import state_tensors, weights_digest
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard, sha256_file
 from schemas.batch import align_on_sample_id
 from schemas.columns import PPO_UPDATE
@@ -129,24 +134,60 @@ def _correction(cfg: UpdateConfig, data: UpdateData) -> tuple[SampleCorrection |
     return corr, corr.metrics
 
 
-def _train(inp: PPOUpdateInput, opt_ref: ShardRef | None):
-    """Load the policy, build its strategy (AdamW continued from ``opt_ref``) and run the
-    update: (strategy, tokenizer or VL processor, step metrics, seconds, extra summary)."""
-    cfg = inp.update
-    data = update_data(inp)
-    correction, corr_metrics = _correction(cfg, data)
-    path = policy_model_path(inp.policy)
-    processor = vl_processor_or_none(path)
-    tok = load_tokenizer(path)
-    if cfg.deepspeed is not None and policy_checkpoint_dir(inp.policy) is not None:
+@dataclass
+class PolicyTrainer:
+    """The policy being trained: its strategy (the model and its AdamW state), its tokenizer
+    and, for a vision-language policy, its processor (None for text). A stage-mode update
+    builds one from storage (``build_trainer``) and drops it; a resident worker keeps one
+    across iterations (``rft_core.workers.resident``)."""
+
+    strategy: SingleProcess | DeepSpeedStrategy
+    tokenizer: Any
+    processor: Any = None
+
+    @property
+    def saver(self) -> Any:
+        """What saves next to the weights: the VL processor, else the tokenizer."""
+        return self.processor or self.tokenizer
+
+
+def build_trainer(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str, opt_ref: ShardRef | None) -> PolicyTrainer:
+    """Load ``policy`` from storage and build its strategy, AdamW continued from the optimizer
+    stage ``opt_ref`` (None: fresh).
+
+    Raises:
+        CheckpointPrunedError, ShardCorruptError: the checkpoint's files are gone or damaged.
+        WeightlessPolicyError: ``policy`` kept its weights in memory (``checkpoint.every`` > 1).
+    """
+    path = policy_model_path(policy)
+    count("model_loads")
+    if cfg.deepspeed is not None and policy_checkpoint_dir(policy) is not None:
         log.warning("ppo_update: DeepSpeed starts AdamW afresh (optimizer state is not carried across iterations under ZeRO)")
-    strategy = build_strategy(load_trainable_policy(inp.policy, cfg, dtype=inp.dtype), optim=OptimizerSettings.of(cfg),
+    strategy = build_strategy(load_trainable_policy(policy, cfg, dtype=dtype), optim=OptimizerSettings.of(cfg),
                               deepspeed=cfg.deepspeed,
                               optimizer_state=optimizer_state_dir(opt_ref) if opt_ref is not None else None)
-    quiet = strategy.rank != 0
+    return PolicyTrainer(strategy, load_tokenizer(path), vl_processor_or_none(path))
+
+
+def configure_trainer(trainer: PolicyTrainer, cfg: UpdateConfig) -> None:
+    """Apply this update's learning rate and clipping to a trainer kept from an earlier update,
+    as a stage-mode update does when it restores the optimizer state with the configured
+    learning rate (the other AdamW settings stay those the state was created with)."""
+    s = trainer.strategy
+    if isinstance(s, SingleProcess):
+        s.max_grad_norm = cfg.max_grad_norm
+        for group in s.optimizer.param_groups:
+            group["lr"] = cfg.lr
+
+
+def _run_update(trainer: PolicyTrainer, inp: PPOUpdateInput, data: UpdateData, correction: SampleCorrection | None,
+                *, quiet: bool = False) -> tuple[list[StepMetrics], float]:
+    """The update's optimizer steps on ``trainer``: (step metrics, seconds)."""
+    cfg, strategy = inp.update, trainer.strategy
+    quiet = quiet or strategy.rank != 0
     with Timer() as t, progress_reporter("ppo_update", unit="optimizer steps", use_bar=False if quiet else None,
                                          log_fn=(lambda line: None) if quiet else None) as progress:
-        steps = ppo_update(strategy, data, pad_token_id=tok.pad_token_id, policy_loss=cfg.policy_loss.name,
+        steps = ppo_update(strategy, data, pad_token_id=trainer.tokenizer.pad_token_id, policy_loss=cfg.policy_loss.name,
                            policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss), loss_agg=cfg.loss_agg,
                            loss_norm_tokens=cfg.loss_norm_tokens, entropy_coef=cfg.entropy_coef,
                            entropy_top_fraction=cfg.entropy_top_fraction, entropy_filter_norm=cfg.entropy_filter_norm,
@@ -154,10 +195,33 @@ def _train(inp: PPOUpdateInput, opt_ref: ShardRef | None):
                            kl_clamp=inp.kl.kl_clamp, cpgd_drift_coef=cfg.cpgd_drift_coef, correction=correction,
                            dropout=cfg.dropout, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
                            micro_batch_size=cfg.micro_batch_size, temperature=inp.temperature, seed=cfg.seed,
-                           packing=cfg.packing, progress=progress, processor=processor)
+                           packing=cfg.packing, progress=progress, processor=trainer.processor)
+    return steps, t.seconds
+
+
+def replay_update(trainer: PolicyTrainer, inp: PPOUpdateInput) -> list[StepMetrics]:
+    """Re-apply the committed update ``inp`` to ``trainer`` (which holds ``inp.policy``) from
+    its committed input shards, as it ran the first time (recovery of a policy kept in memory:
+    ``rft_core.workers.recovery``). Commits nothing."""
+    configure_trainer(trainer, inp.update)
+    data = update_data(inp)
+    correction, _ = _correction(inp.update, data)
+    return _run_update(trainer, inp, data, correction, quiet=True)[0]
+
+
+def _train(inp: PPOUpdateInput, opt_ref: ShardRef | None):
+    """The policy trainer holding ``inp.policy`` (a resident worker's, or loaded from storage
+    with AdamW continued from ``opt_ref``) and the update run on it: (trainer, step metrics,
+    seconds, extra summary)."""
+    cfg = inp.update
+    data = update_data(inp)
+    correction, corr_metrics = _correction(cfg, data)
+    source = current_source()
+    trainer = source.trainer(inp) if source is not None else build_trainer(inp.policy, cfg, dtype=inp.dtype, opt_ref=opt_ref)
+    steps, seconds = _run_update(trainer, inp, data, correction)
     extra = {**corr_metrics, **({"overlong_filtered_frac": sum(data.excluded) / len(data)} if data.excluded else {}),
              **_engine_old_logprobs_gap(steps, data)}
-    return strategy, processor or tok, steps, t.seconds, extra
+    return trainer, steps, seconds, extra
 
 
 ENGINE_GAP_WARN = 1e-6  # approx_kl of the first step above which the engine's log-probs are not pi_old's
@@ -221,6 +285,10 @@ def run(inp: PPOUpdateInput) -> ShardRef:
         OptimizerStateError: the optimizer state of ``policy`` is missing.
         CheckpointPrunedError: the checkpoint ``policy`` or its optimizer state was pruned.
     """
+    source = current_source()
+    if not inp.save_checkpoint and source is None:
+        raise ValueError("ppo_update with save_checkpoint=False keeps the new policy in memory only: it runs in a "
+                         "resident worker (orchestration.workers=resident), not in a stage process")
     opt_ref = optimizer_state_ref(inp.policy) if inp.update.deepspeed is None else None
     commit = stage_commit(inp, optimizer=opt_ref)
     done = commit.committed()
@@ -229,22 +297,32 @@ def run(inp: PPOUpdateInput) -> ShardRef:
         if inp.update.deepspeed is None and optimizer_state_missing(done):
             log.warning("ppo_update: %s has no committed optimizer state (its background write was lost); recomputing it",
                         commit.uri)
-            strategy, _, _, _, _ = _train(inp, opt_ref)
-            assert isinstance(strategy, SingleProcess)
-            _recover_optimizer_state(strategy, done)
+            trainer, _, _, _ = _train(inp, opt_ref)
+            assert isinstance(trainer.strategy, SingleProcess)
+            _recover_optimizer_state(trainer.strategy, done)
+            if source is not None:
+                source.trained(done)
         return done
     return _commit_update(inp, commit, opt_ref)
 
 
 def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None) -> ShardRef:
-    strategy, tokenizer, steps, seconds, extra = _train(inp, opt_ref)
+    trainer, steps, seconds, extra = _train(inp, opt_ref)
+    strategy = trainer.strategy
     inputs = {name: ref for name, ref in (("rollout", inp.rollout), ("advantages", inp.advantages),
                                           ("actor_logprobs", inp.actor_logprobs),
                                           ("ref_logprobs", inp.ref_logprobs if inp.kl.in_loss else None),
                                           ("policy", inp.policy if isinstance(inp.policy, ShardRef) else None),
                                           ("optimizer", opt_ref)) if ref is not None}
-    new = commit_trained(commit, strategy, subdir=POLICY_SUBDIR, tokenizer=tokenizer, steps=steps, schema=PPO_UPDATE,
-                         inputs=inputs, summary=_summary(steps, seconds, extra), keep_optimizer=False)
-    if isinstance(strategy, SingleProcess):
+    summary = _summary(steps, seconds, extra)
+    if not inp.save_checkpoint:  # the weights stay in memory: what recovery needs to rebuild them exactly
+        summary[WEIGHTS_DIGEST_KEY] = weights_digest(state_tensors(strategy.model))
+        summary[UPDATE_INPUT_KEY] = inp.model_dump(mode="json")
+    new = commit_trained(commit, strategy, subdir=POLICY_SUBDIR, tokenizer=trainer.saver, steps=steps, schema=PPO_UPDATE,
+                         inputs=inputs, summary=summary, keep_optimizer=False, save_weights=inp.save_checkpoint)
+    if isinstance(strategy, SingleProcess) and inp.save_checkpoint:
         commit_optimizer_state(new, strategy.optimizer.state_dict(), background=inp.background_optimizer)
+    source = current_source()
+    if source is not None:
+        source.trained(new)
     return new

@@ -1,0 +1,182 @@
+"""The pool of resident workers of one training run, as named Ray actors.
+
+``run_resident`` is what ``run_stage`` does for a stage whose runner says ``mode: resident``
+(``TrainConfig.runner`` with ``orchestration.workers: resident``): it finds the worker of the
+stage's role in the run's pool (creating it on first use: a worker is started once per run and
+kept), sends it the stage input model and returns the committed ShardRef. The Prefect task and
+the flow are unchanged: they still decide only where a program runs.
+
+Workers are Ray actors named ``<role>-<sha of the pool name>`` in the namespace ``prefect-rft``
+(a local Ray started on first use, or ``ray_address``), with ``num_cpus=0`` unless the role's
+options say otherwise (they run one stage at a time, as the flow orders them) and the caller's
+torch thread count. A worker that died (killed, out of memory) is replaced once per call and the
+stage runs again: a committed stage is reused, an interrupted one recomputed, and the new
+worker rebuilds its model (``rft_core.workers.resident``). Actors are owned by the process that
+created them, so they end with it (Ctrl-C, SIGTERM, a crash); ``stop_workers`` ends them at the
+end of a run.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any
+
+from rft_core.config import WorkersConfig
+from rft_core.workers.resident import ROLE_OF_PROGRAM, ROLES, ModelWorker
+
+log = logging.getLogger("rft_core.workers")
+
+NAMESPACE = "prefect-rft"
+# environment the workers need from the driver (a local Ray passes its own; a cluster does not)
+_ENV_PREFIXES = ("RFT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PREFECT_RFT_")
+
+
+class WorkerError(RuntimeError):
+    """A resident worker could not be started or reached (Ray missing, cluster unreachable)."""
+
+
+def actor_name(pool: str, role: str) -> str:
+    """The Ray actor name of ``role`` in the pool ``pool`` (the run root)."""
+    return f"{role}-{hashlib.sha256(pool.encode()).hexdigest()[:16]}"
+
+
+def _ray(workers: WorkersConfig | None = None):
+    """The ray module, connected (a local Ray started here, or ``workers.ray_address``).
+
+    Raises:
+        WorkerError: Ray is not installed.
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise WorkerError("orchestration.workers=resident needs Ray: pip install 'prefect-rft[ray]'") from exc
+    if not ray.is_initialized():
+        kw: dict[str, Any] = {"include_dashboard": False, "namespace": NAMESPACE, "log_to_driver": True}
+        if workers is not None:
+            kw.update(workers.ray_init_kwargs)
+            if workers.ray_address:
+                kw["address"] = workers.ray_address
+        env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+        if env:
+            kw.setdefault("runtime_env", {}).setdefault("env_vars", env)
+        ray.init(**kw)
+    return ray
+
+
+def worker_handle(pool: str, role: str):
+    """The live Ray actor of ``role`` in ``pool``, or None."""
+    ray = _ray()
+    try:
+        return ray.get_actor(actor_name(pool, role), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _threads(workers: WorkersConfig) -> int:
+    import torch
+
+    return workers.threads or torch.get_num_threads()
+
+
+def start_worker(workers: WorkersConfig, role: str):
+    """The actor of ``role`` in the pool of ``workers``: the live one, or a new one."""
+    ray = _ray(workers)
+    options = {"num_cpus": 0, **workers.options.get(role, {})}
+    cls = ray.remote(ModelWorker)
+    return cls.options(name=actor_name(workers.pool, role), namespace=NAMESPACE, get_if_exists=True,
+                       max_restarts=0, **options).remote(
+        role, workers.pool, threads=_threads(workers), sync_timeout_s=workers.sync_timeout_s,
+        sync_bucket_mb=workers.sync_bucket_mb)
+
+
+def run_resident(inp, workers: WorkersConfig):
+    """Run the stage program of ``inp`` in its resident worker (see the module docstring).
+
+    Raises:
+        WorkerError: no role runs ``inp.program``, or Ray cannot be reached.
+        Whatever the program raises (re-raised from the worker), e.g. ``WeightSyncError``.
+    """
+    role = ROLE_OF_PROGRAM.get(inp.program)
+    if role is None:
+        raise WorkerError(f"no resident worker runs {inp.program!r}")
+    ray = _ray(workers)
+    from ray.exceptions import RayActorError, RayTaskError
+
+    for attempt in (0, 1):
+        actor = start_worker(workers, role)
+        try:
+            return ray.get(actor.run.remote(inp))
+        except RayTaskError as exc:  # the program raised: the original exception, as the stage process would
+            raise exc.as_instanceof_cause() from None
+        except RayActorError as exc:
+            if attempt:
+                raise WorkerError(f"the {role} worker of {workers.pool} died twice running {inp.program}: {exc}") from exc
+            log.warning("the %s worker died during %s (%s); starting a new one and running the stage again",
+                        role, inp.program, exc)
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001  already gone
+                pass
+    raise AssertionError("unreachable")
+
+
+def worker_stats(pool: str) -> dict[str, dict[str, Any]]:
+    """Each live worker's counters (``ModelWorker.stats``), by role; {} without Ray running."""
+    try:
+        import ray
+    except ImportError:
+        return {}
+    if not ray.is_initialized():
+        return {}
+    out = {}
+    for role in ROLES:
+        handle = worker_handle(pool, role)
+        if handle is not None:
+            out[role] = ray.get(handle.stats.remote())
+    return out
+
+
+def run_counters(pool: str | None) -> dict[str, float]:
+    """The event counters of a run so far (``rft_core.workers.memory.counts``) summed over this
+    process and, with ``pool`` (resident workers), its live workers: ``model_loads``,
+    ``engine_builds``, ``weight_syncs``, ``weight_sync_seconds``, ``weight_sync_bytes``,
+    ``recovered_updates``. Cumulative: the difference between two iterations is what the later
+    one did."""
+    from rft_core.workers.memory import counts
+
+    total: dict[str, float] = dict(counts())
+    for stats in (worker_stats(pool) if pool else {}).values():
+        for k, v in stats.items():
+            if isinstance(v, (int, float)) and k != "pid":
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+def stop_workers(pool: str) -> list[str]:
+    """End the workers of ``pool`` (the roles that were started) after their pending writes;
+    returns their roles.
+
+    Raises:
+        OptimizerStateError: a worker's pending optimizer-state write failed (the worker is
+            stopped anyway; resuming the run recomputes that state).
+    """
+    try:
+        import ray
+    except ImportError:
+        return []
+    if not ray.is_initialized():
+        return []
+    stopped = []
+    for role in ROLES:
+        handle = worker_handle(pool, role)
+        if handle is None:
+            continue
+        try:
+            ray.get(handle.close.remote())  # pending optimizer-state writes first
+        finally:
+            ray.kill(handle)
+        stopped.append(role)
+    if stopped:
+        log.info("stopped the resident workers of %s: %s", pool, ", ".join(stopped))
+    return stopped

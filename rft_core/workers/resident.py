@@ -1,0 +1,313 @@
+"""A resident model worker: one long-lived process per model role that keeps its model (and the
+trainer's optimizer) across iterations and runs the ordinary stage programs with it.
+
+Roles (``ROLE_OF_PROGRAM``):
+
+- ``policy``: the trainer. Runs ``ppo_update``; keeps the policy's model, float32 master
+  weights and AdamW state in memory, and sends the new weights to the rollout worker
+  (``prepare_weights`` / ``send_weights``).
+- ``rollout``: the rollout engine's copy of the policy, in ``policy.dtype``. Runs ``rollout``
+  and ``actor_logprobs`` (both need the policy before the update). When a program asks for a
+  policy version it does not hold, it pulls the weights from the policy worker
+  (``rft_core.workers.sync``: bucketed, under a timeout, digest-verified; its weights count as
+  invalid until the sync has landed, so it never serves a half-updated model).
+- ``reference``: the reference model, loaded once per run. Runs ``ref_logprobs``.
+
+``ModelWorker.run`` runs a stage program exactly as ``run_stage`` does in a stage process,
+inside ``models_from(self)``: the program asks this worker for its model
+(``rft_core.workers.memory``) instead of loading it, and commits the same shards under the same
+config hash. A worker that starts (or restarts after a crash) holds nothing: its first program
+loads the model it needs from storage, and the trainer rebuilds a policy that was never
+written (``checkpoint.every`` > 1) from the last checkpoint by re-applying the committed updates
+after it (``rft_core.workers.recovery``).
+
+The class is plain Python (tests drive it in-process); ``rft_core.workers.pool`` runs it as a
+Ray actor.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from rft_core.workers.memory import count, counts, models_from
+from rft_core.workers.sync import (
+    SyncPlan,
+    WeightSyncError,
+    export_cuda_ipc,
+    free_port,
+    host_address,
+    import_cuda_ipc,
+    receive_weights,
+    send_weights,
+    state_tensors,
+    weights_digest,
+)
+from schemas import PolicyRef, ShardRef
+
+log = logging.getLogger("rft_core.workers")
+
+ROLE_OF_PROGRAM = {"ppo_update": "policy", "rollout": "rollout", "actor_logprobs": "rollout", "ref_logprobs": "reference"}
+ROLES = ("policy", "rollout", "reference")
+
+
+def version_key(ref: PolicyRef) -> str:
+    """What identifies a policy version: a model path, or a committed update's URI and manifest checksum."""
+    return f"path:{ref}" if isinstance(ref, str) else f"{ref.uri}@{ref.manifest_sha256}"
+
+
+def _device_id(device: torch.device) -> str:
+    """The physical device: "cpu", or the GPU's UUID (two processes on one GPU share it)."""
+    if device.type != "cuda":
+        return device.type
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+class ModelWorker:
+    """The body of one resident worker (see the module docstring).
+
+    Args:
+        role: one of ``ROLES``.
+        pool: the pool's name (the run root); the policy worker of the same pool is looked up
+            by name when weights are needed (``peer``).
+        threads: torch threads (None: leave torch's setting). The same count as a stage-mode run
+            keeps CPU results bit-identical.
+        sync_timeout_s, sync_bucket_mb: the weight-sync transaction's limits.
+        peer: for tests without Ray: the policy worker object itself.
+    """
+
+    def __init__(self, role: str, pool: str, *, threads: int | None = None, sync_timeout_s: float = 300.0,
+                 sync_bucket_mb: int = 256, peer: "ModelWorker | None" = None) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown worker role {role!r}; valid: {', '.join(ROLES)}")
+        if threads:
+            torch.set_num_threads(threads)
+        self.role, self.pool = role, pool
+        self.sync_timeout_s, self.sync_bucket_mb = sync_timeout_s, sync_bucket_mb
+        self._peer = peer
+        self.model: torch.nn.Module | None = None  # rollout / reference: the inference copy
+        self.model_dtype: str | None = None
+        self.version: str | None = None  # what self.model (rollout, reference) or the trainer (policy) holds
+        self.held: Any = None  # policy: the rft_core.stages.update.PolicyTrainer it keeps
+        self._ipc_buffers: list | None = None
+        self.syncs: list[dict[str, Any]] = []
+
+    # -- running programs -------------------------------------------------------------------
+    def run(self, inp) -> Any:
+        """Run the stage program of ``inp`` (a stage input model) with this worker's models;
+        returns what the program returns (its committed ShardRef).
+
+        Raises:
+            ValueError: a program this role does not run.
+        """
+        from rft_core.stages.runner import run_stage
+
+        if ROLE_OF_PROGRAM.get(inp.program) != self.role:
+            raise ValueError(f"the {self.role} worker does not run {inp.program!r} (it runs "
+                             f"{', '.join(p for p, r in ROLE_OF_PROGRAM.items() if r == self.role)})")
+        with models_from(self):
+            return run_stage(inp)
+
+    def stats(self) -> dict[str, Any]:
+        """This worker's counters (``rft_core.workers.memory.counts``), its pid, role and the
+        version it holds."""
+        return {**counts(), "role": self.role, "pid": os.getpid(), "version": self.version}
+
+    def close(self) -> None:
+        """Finish this worker's pending background writes (the policy's optimizer state) before it is stopped.
+
+        Raises:
+            OptimizerStateError: a write failed (resuming the run recomputes that state).
+        """
+        from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+
+        wait_for_optimizer_writes()
+
+    def ping(self) -> int:
+        """The worker's pid (a liveness check)."""
+        return os.getpid()
+
+    # -- ModelSource ------------------------------------------------------------------------
+    def inference_model(self, ref: PolicyRef, *, dtype: str, role: str) -> torch.nn.Module:
+        """The model of ``ref`` for an inference pass (``ModelSource``): the reference worker's
+        model (loaded once), or the rollout worker's copy of the policy, synced to ``ref``."""
+        key = version_key(ref)
+        if role == "reference":
+            if self.model is None or self.version != key or self.model_dtype != dtype:
+                self.model, self.version, self.model_dtype = self._load(ref, dtype), key, dtype
+            return self.model
+        if self.model is None or self.model_dtype != dtype:
+            from rft_core.workers.recovery import weights_base
+
+            base = weights_base(ref)
+            self.model, self.model_dtype, self.version = self._load(base, dtype), dtype, version_key(base)
+            count("engine_builds")
+        if self.version != key:
+            self._pull(ref)
+        return self.model
+
+    def trained(self, ref: PolicyRef) -> None:
+        """``ModelSource.trained``: the trainer now holds ``ref``."""
+        self.version = version_key(ref)
+
+    def _load(self, ref: PolicyRef, dtype: str) -> torch.nn.Module:
+        from rft_core.models.loading import load_causal_lm
+        from rft_core.models.logprobs import default_device
+        from rft_core.stages.checkpoints import policy_model_path
+
+        count("model_loads")
+        return load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device()).eval()
+
+    # -- the policy worker: trainer and weight source -----------------------------------------
+    def _ensure_trainer(self, ref: PolicyRef, inp=None):
+        """The trainer holding ``ref``: the one kept in memory, or rebuilt (its base checkpoint
+        loaded, the committed updates after it re-applied)."""
+        from rft_core.workers.recovery import rebuild_trainer
+
+        key = version_key(ref)
+        if self.held is None or self.version != key:
+            self.held = None
+            trainer, report = rebuild_trainer(ref, inp)
+            count("recovered_updates", report["replayed"])
+            self.held, self.version = trainer, key
+        return self.held
+
+    def prepare_weights(self, ref: PolicyRef) -> dict[str, Any]:
+        """Get ready to send ``ref``'s weights: ``{"status": "storage"}`` when this worker does
+        not hold ``ref`` and ``ref`` has its weights on storage (the receiver loads them there:
+        a resume), else rebuild it if needed and return where to meet (``addr``, ``port``) and
+        this worker's device (``device``: same GPU means CUDA IPC instead of a process group)."""
+        from rft_core.workers.recovery import has_weights
+
+        if self.role != "policy":
+            raise ValueError(f"the {self.role} worker holds no trainer")
+        if (self.held is None or self.version != version_key(ref)) and (
+                isinstance(ref, str) or has_weights(ref)):
+            return {"status": "storage"}
+        trainer = self._ensure_trainer(ref)
+        device = next(trainer.strategy.model.parameters()).device
+        return {"status": "ready", "addr": host_address(), "port": free_port(), "device": _device_id(device),
+                "backend": "nccl" if device.type == "cuda" else "gloo"}
+
+    def _send_tensors(self) -> dict[str, torch.Tensor]:
+        return state_tensors(self.held.strategy.model)
+
+    def send_weights(self, ref: PolicyRef, *, addr: str, port: int, dtype: str, backend: str) -> dict[str, Any]:
+        """Rank 0 of the sync of ``ref`` (held after ``prepare_weights``) to a receiver in
+        ``dtype``: returns the sender's report (digest of the weights as sent)."""
+        if self.version != version_key(ref):
+            raise WeightSyncError(f"the policy worker holds {self.version}, not {version_key(ref)}")
+        tensors = self._send_tensors()
+        plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb)
+        device = next(iter(tensors.values())).device
+        rep = send_weights(tensors, plan, addr=addr, port=port, backend=backend, timeout_s=self.sync_timeout_s,
+                           device=device)
+        return {"digest": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds, "buckets": rep.buckets}
+
+    def export_weights(self, ref: PolicyRef, *, dtype: str) -> dict[str, Any]:
+        """CUDA IPC handles of ``ref``'s weights in ``dtype`` for a receiver on the same GPU
+        (``release_export`` frees the buffers once it has copied them)."""
+        if self.version != version_key(ref):
+            raise WeightSyncError(f"the policy worker holds {self.version}, not {version_key(ref)}")
+        tensors = self._send_tensors()
+        plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb)
+        device = next(iter(tensors.values())).device
+        handles, self._ipc_buffers = export_cuda_ipc(tensors, plan, device)
+        cast = {e.name: tensors[e.name].detach().to(getattr(torch, e.dtype)) for e in plan.entries}
+        return {"handles": handles, "digest": weights_digest(cast), "bytes": plan.total_bytes}
+
+    def release_export(self) -> None:
+        """Free the buffers of the last ``export_weights``."""
+        self._ipc_buffers = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # -- the rollout worker: pulling weights --------------------------------------------------
+    def peer(self):
+        """The pool's policy worker (a Ray actor handle, or the object given in tests)."""
+        if self._peer is not None:
+            return self._peer
+        from rft_core.workers.pool import worker_handle
+
+        return worker_handle(self.pool, "policy")
+
+    def _call(self, method: str, *args, **kwargs):
+        """Call ``method`` of the policy worker and wait (Ray or in-process)."""
+        peer = self.peer()
+        if isinstance(peer, ModelWorker):
+            return getattr(peer, method)(*args, **kwargs)
+        import ray
+
+        return ray.get(getattr(peer, method).remote(*args, **kwargs), timeout=self.sync_timeout_s)
+
+    def _pull(self, ref: PolicyRef) -> None:
+        """Make this worker's copy hold ``ref``: from storage when the trainer does not hold it
+        and it is stored (a resume), else by a verified weight sync from the policy worker."""
+        t0 = time.perf_counter()
+        ready = self._call("prepare_weights", ref)
+        if ready["status"] == "storage":
+            self.model, self.version = self._load(ref, self.model_dtype), version_key(ref)
+            return
+        self.version = None  # invalid until the sync has landed and been verified
+        target = state_tensors(self.model)
+        plan = SyncPlan.of(target, bucket_mb=self.sync_bucket_mb)
+        device = next(iter(target.values())).device
+        if device.type == "cuda" and ready["device"] == _device_id(device):
+            sent = self._call("export_weights", ref, dtype=self.model_dtype)
+            try:
+                got = import_cuda_ipc(sent["handles"], target, plan)
+            finally:
+                self._call("release_export")
+        else:
+            got, sent = self._sync_group(ref, ready, target, plan)
+        if got.digest != sent["digest"]:
+            raise WeightSyncError(f"weight sync of {version_key(ref)}: the landed weights' digest {got.digest[:12]} "
+                                  f"differs from the sent {sent['digest'][:12]}")
+        self.version = version_key(ref)
+        seconds = time.perf_counter() - t0
+        count("weight_syncs")
+        count("weight_sync_seconds", seconds)
+        count("weight_sync_bytes", got.bytes)
+        self.syncs.append({"version": self.version, "bytes": got.bytes, "seconds": seconds, "backend": got.backend,
+                           "buckets": got.buckets})
+        log.info("weight sync (%s): %.1f MB in %.2f s (%.2f s/GB), digest verified", got.backend, got.bytes / 1e6,
+                 seconds, seconds / max(got.bytes / 1e9, 1e-12))
+
+    def _sync_group(self, ref: PolicyRef, ready: dict, target: dict, plan: SyncPlan):
+        """Receive ``ref`` over a two-rank process group while the policy worker sends it."""
+        peer = self.peer()
+        kw = {"addr": ready["addr"], "port": ready["port"], "dtype": self.model_dtype, "backend": ready["backend"]}
+        if isinstance(peer, ModelWorker):  # in-process tests: the sender runs in a thread
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(1) as ex:
+                fut = ex.submit(peer.send_weights, ref, **kw)
+                got = receive_weights(target, plan, addr=kw["addr"], port=kw["port"], backend=kw["backend"],
+                                      timeout_s=self.sync_timeout_s)
+                return got, fut.result(timeout=self.sync_timeout_s)
+        import ray
+
+        fut = peer.send_weights.remote(ref, **kw)
+        try:
+            got = receive_weights(target, plan, addr=kw["addr"], port=kw["port"], backend=kw["backend"],
+                                  timeout_s=self.sync_timeout_s)
+        except WeightSyncError:
+            ray.cancel(fut, force=False)
+            raise
+        try:
+            return got, ray.get(fut, timeout=self.sync_timeout_s)
+        except Exception as exc:  # noqa: BLE001  the sender failed after the receiver finished
+            raise WeightSyncError(f"weight sync of {version_key(ref)}: the policy worker failed: {exc}") from exc
+
+    # -- ModelSource.trainer -----------------------------------------------------------------
+    def trainer(self, inp):  # type: ignore[no-redef]
+        """``ModelSource.trainer``: the trainer holding ``inp.policy``, with this update's
+        learning rate and clipping."""
+        from rft_core.stages.update import configure_trainer
+
+        trainer = self._ensure_trainer(inp.policy, inp)
+        configure_trainer(trainer, inp.update)
+        return trainer
