@@ -79,15 +79,25 @@ def _threads(workers: WorkersConfig) -> int:
     return workers.threads or torch.get_num_threads()
 
 
+# handles held by this process: a named actor that is not detached ends when no handle is left,
+# so the process that starts a worker keeps its handle until stop_workers (or its own exit)
+_HANDLES: dict[tuple[str, str], Any] = {}
+
+
 def start_worker(workers: WorkersConfig, role: str):
-    """The actor of ``role`` in the pool of ``workers``: the live one, or a new one."""
+    """The actor of ``role`` in the pool of ``workers``: the live one, or a new one (owned,
+    and kept alive, by this process)."""
     ray = _ray(workers)
+    if (workers.pool, role) in _HANDLES:  # the creating handle: a handle looked up by name does not keep it alive
+        return _HANDLES[(workers.pool, role)]
     options = {"num_cpus": 0, **workers.options.get(role, {})}
     cls = ray.remote(ModelWorker)
-    return cls.options(name=actor_name(workers.pool, role), namespace=NAMESPACE, get_if_exists=True,
-                       max_restarts=0, **options).remote(
+    handle = cls.options(name=actor_name(workers.pool, role), namespace=NAMESPACE, get_if_exists=True,
+                         max_restarts=0, **options).remote(
         role, workers.pool, threads=_threads(workers), sync_timeout_s=workers.sync_timeout_s,
         sync_bucket_mb=workers.sync_bucket_mb)
+    _HANDLES[(workers.pool, role)] = handle
+    return handle
 
 
 def run_resident(inp, workers: WorkersConfig):
@@ -114,6 +124,7 @@ def run_resident(inp, workers: WorkersConfig):
                 raise WorkerError(f"the {role} worker of {workers.pool} died twice running {inp.program}: {exc}") from exc
             log.warning("the %s worker died during %s (%s); starting a new one and running the stage again",
                         role, inp.program, exc)
+            _HANDLES.pop((workers.pool, role), None)
             try:
                 ray.kill(actor)
             except Exception:  # noqa: BLE001  already gone
@@ -176,6 +187,7 @@ def stop_workers(pool: str) -> list[str]:
             ray.get(handle.close.remote())  # pending optimizer-state writes first
         finally:
             ray.kill(handle)
+            _HANDLES.pop((pool, role), None)
         stopped.append(role)
     if stopped:
         log.info("stopped the resident workers of %s: %s", pool, ", ".join(stopped))

@@ -230,9 +230,13 @@ class ModelWorker:
         """The pool's policy worker (a Ray actor handle, or the object given in tests)."""
         if self._peer is not None:
             return self._peer
-        from rft_core.workers.pool import worker_handle
+        from rft_core.workers.pool import WorkerError, worker_handle
 
-        return worker_handle(self.pool, "policy")
+        handle = worker_handle(self.pool, "policy")
+        if handle is None:
+            raise WorkerError(f"the policy worker of {self.pool} is not running: the {self.role} worker needs it for "
+                              "the weights of a policy that is not on storage")
+        return handle
 
     def _call(self, method: str, *args, **kwargs):
         """Call ``method`` of the policy worker and wait (Ray or in-process)."""
