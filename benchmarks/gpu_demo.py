@@ -1,11 +1,9 @@
 """GPU proof (issue 31): the demo preset for N iterations on one GPU, without Prefect.
 
 The device machines have no Prefect (and cannot fetch it), so this runs the stage programs of
-``flows/iteration.py`` in the same order, in one process, each through
-``rft_core.stages.runner.run_stage`` exactly as a Prefect task calls it: prompts -> rollout ->
-rewards, actor log-probs (when recomputed), reference log-probs (when the KL needs them) ->
-advantages -> policy update. Dynamic sampling and critics are not covered (the demo uses
-neither; the script refuses such a config). Per iteration it records the flow's metrics
+``flows/iteration.py`` in the same order, in one process (``tests.drive.drive``), each through
+``rft_core.stages.runner.run_stage`` exactly as a Prefect task calls it. Dynamic sampling and
+critics are not covered (the demo uses neither). Per iteration it records the flow's metrics
 (``iteration_metrics``), wall seconds and peak GPU memory (``torch.cuda.max_memory_allocated``).
 
     python benchmarks/gpu_demo.py [--config configs/grpo_demo.yaml] [--iterations 4] [--set key=value ...] [--json out.json]
@@ -26,53 +24,24 @@ from _env import ROOT  # noqa: E402  (repository on sys.path, offline environmen
 
 
 def run(cfg, cuda: bool) -> list[dict]:
-    """Run ``cfg.iterations`` iterations under ``cfg.run_root``; the metrics of each."""
+    """Run ``cfg.iterations`` iterations under ``cfg.run_root``; the metrics of each, with the
+    peak GPU memory of the iteration (``peak_gpu_gib``)."""
     import torch
 
-    from rft_core.api import (ActorLogprobsInput, AdvantagesInput, PPOUpdateInput, PromptsInput, RefLogprobsInput,
-                              RewardsInput, RolloutInput, dataset_fingerprint, iteration_metrics, next_state, run_stage)
-    from schemas import stage_uri
+    from tests.drive import drive
 
-    if cfg.dynamic_sampling.enabled or cfg.needs_critic:
-        raise SystemExit("gpu_demo covers the demo's stages only: no dynamic sampling, no critic")
-    policy, state, rows = cfg.policy.path, cfg.initial_state, []
-    for it in range(1, cfg.iterations + 1):
-        def out(stage: str) -> str:
-            return stage_uri(cfg.run_root, it, stage)
+    rows: list[dict] = []
 
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
-        temp = cfg.rollout.temperature
-        prompts = run_stage(PromptsInput(data=cfg.data, tokenizer_path=cfg.policy.path, iteration=it, attempt=0,
-                                         out=out("prompts"), data_fingerprint=dataset_fingerprint(cfg.data)))
-        rollout = run_stage(RolloutInput(prompts=prompts, policy=policy, rollout=cfg.rollout, iteration=it,
-                                         dtype=cfg.policy.dtype, attempt=0, out=out("rollout")))
-        parts = {"rewards": run_stage(RewardsInput(rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")))}
-        if cfg.recomputes_old_logprobs:
-            parts["actor_logprobs"] = run_stage(ActorLogprobsInput(
-                rollout=rollout, model=policy, logprobs=cfg.logprobs, temperature=temp, dtype=cfg.policy.dtype,
-                out=out("actor_logprobs")))
-        if kl.needs_reference:
-            parts["ref_logprobs"] = run_stage(RefLogprobsInput(
-                rollout=rollout, model=cfg.reference_model.path, logprobs=cfg.logprobs, temperature=temp,
-                dtype=cfg.reference_model.dtype, out=out("ref_logprobs")))
-        adv = run_stage(AdvantagesInput(
-            rollout=rollout, rewards=parts["rewards"], actor_logprobs=parts.get("actor_logprobs"),
-            ref_logprobs=parts.get("ref_logprobs"), critic_values=None, kl=kl, advantage=cfg.advantage,
-            shaping=cfg.shaping, state=state, max_new_tokens=cfg.rollout.max_new_tokens, out=out("advantages")))
-        policy = run_stage(PPOUpdateInput(
-            rollout=rollout, advantages=adv, actor_logprobs=parts.get("actor_logprobs"),
-            ref_logprobs=parts.get("ref_logprobs"), policy=policy, update=cfg.update, kl=kl, temperature=temp,
-            dtype=cfg.policy.dtype, background_optimizer=False, out=out("ppo_update")))
-        m = iteration_metrics(it, {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": policy})
-        m["seconds/iteration"] = round(time.perf_counter() - t0, 3)
+    def record(m: dict) -> None:
         if cuda:
             m["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-        state = next_state(adv)
+            torch.cuda.reset_peak_memory_stats()
         rows.append(m)
         print(json.dumps(m, default=str), flush=True)
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    drive(cfg, on_iteration=record)
     return rows
 
 

@@ -217,7 +217,7 @@ class ModelWorker:
         device = next(iter(tensors.values())).device
         handles, self._ipc_buffers = export_cuda_ipc(tensors, plan, device)
         cast = {e.name: tensors[e.name].detach().to(getattr(torch, e.dtype)) for e in plan.entries}
-        return {"handles": handles, "digest": weights_digest(cast), "bytes": plan.total_bytes}
+        return {"handles": handles, "digest": weights_digest(cast), "bytes": plan.payload_bytes}
 
     def release_export(self) -> None:
         """Free the buffers of the last ``export_weights``."""

@@ -103,8 +103,13 @@ class SyncPlan:
 
     @property
     def total_bytes(self) -> int:
-        """Bytes moved by one sync."""
+        """Bytes moved by one sync, alignment padding included."""
         return sum(self.bucket_sizes)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the tensors themselves (what a sync's seconds per GB are counted over)."""
+        return sum(e.nbytes for e in self.entries)
 
     def fingerprint(self) -> int:
         """A 63-bit number that differs between plans of different names, dtypes or shapes."""
@@ -118,7 +123,8 @@ class SyncPlan:
 
 @dataclass
 class SyncReport:
-    """What one side of a sync did: bytes moved, seconds, buckets and the digest of the weights."""
+    """What one side of a sync did: bytes of the tensors moved (``SyncPlan.payload_bytes``),
+    seconds, buckets and the digest of the weights."""
 
     bytes: int
     seconds: float
@@ -258,7 +264,7 @@ def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: s
         del pg
     seconds = time.perf_counter() - t0
     cast = {e.name: tensors[e.name].detach().to(_dtype(e.dtype)) for e in plan.entries}
-    return SyncReport(bytes=plan.total_bytes, seconds=seconds, buckets=len(plan.bucket_sizes),
+    return SyncReport(bytes=plan.payload_bytes, seconds=seconds, buckets=len(plan.bucket_sizes),
                       digest=weights_digest(cast), backend=backend)
 
 
@@ -292,7 +298,7 @@ def receive_weights(target: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr:
     finally:
         del pg
     seconds = time.perf_counter() - t0
-    return SyncReport(bytes=plan.total_bytes, seconds=seconds, buckets=len(plan.bucket_sizes),
+    return SyncReport(bytes=plan.payload_bytes, seconds=seconds, buckets=len(plan.bucket_sizes),
                       digest=weights_digest(target), backend=backend)
 
 
@@ -322,5 +328,5 @@ def import_cuda_ipc(handles: Iterable, target: Mapping[str, torch.Tensor], plan:
         _unpack(plan, rebuild(*args), i, target)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return SyncReport(bytes=plan.total_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
+    return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
                       digest=weights_digest(target), backend="cuda_ipc")

@@ -1,0 +1,67 @@
+"""Iterations without Prefect: the stage programs of ``flows/iteration.py`` in the flow's order,
+in this process, each through a ``run`` callable (``run_stage``, or a resident worker's ``run``).
+
+For places that cannot or need not start Prefect: the GPU machines (no Prefect installed,
+``benchmarks/gpu_demo.py``) and unit tests of the resident workers. Dynamic sampling and critics
+are not covered. The flow stays the one place that orders stages for users.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from rft_core.api import (ActorLogprobsInput, AdvantagesInput, PPOUpdateInput, PromptsInput, RefLogprobsInput,
+                          RewardsInput, RolloutInput, dataset_fingerprint, iteration_metrics, next_state, run_stage)
+from schemas import ShardRef, stage_uri
+
+MODEL_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update")
+
+
+def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None = None,
+          on_iteration: Callable[[dict], None] | None = None) -> ShardRef:
+    """Run iterations 1..``cfg.iterations`` (or ..``stop_after``) of ``cfg`` under
+    ``cfg.run_root``; the stages that hold a model go through ``run``, the others through
+    ``run_stage``. ``on_iteration`` gets each iteration's metrics (``iteration_metrics`` plus
+    ``seconds/iteration``). Returns the last update's ShardRef.
+
+    Raises:
+        ValueError: a config with dynamic sampling or a critic.
+    """
+    if cfg.dynamic_sampling.enabled or cfg.needs_critic:
+        raise ValueError("tests.drive covers the demo's stages only: no dynamic sampling, no critic")
+    policy, state = cfg.policy.path, cfg.initial_state
+    temp = cfg.rollout.temperature
+    for it in range(1, (stop_after or cfg.iterations) + 1):
+        def out(stage: str) -> str:
+            return stage_uri(cfg.run_root, it, stage)
+
+        t0 = time.perf_counter()
+        kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
+        prompts = run_stage(PromptsInput(data=cfg.data, tokenizer_path=cfg.policy.path, iteration=it, out=out("prompts"),
+                                         data_fingerprint=dataset_fingerprint(cfg.data)))
+        rollout = run(RolloutInput(prompts=prompts, policy=policy, rollout=cfg.rollout, iteration=it,
+                                   dtype=cfg.policy.dtype, out=out("rollout")))
+        parts = {"rewards": run_stage(RewardsInput(rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")))}
+        if cfg.recomputes_old_logprobs:
+            parts["actor_logprobs"] = run(ActorLogprobsInput(rollout=rollout, model=policy, logprobs=cfg.logprobs,
+                                                             temperature=temp, dtype=cfg.policy.dtype,
+                                                             out=out("actor_logprobs")))
+        if kl.needs_reference:
+            parts["ref_logprobs"] = run(RefLogprobsInput(rollout=rollout, model=cfg.reference_model.path,
+                                                         logprobs=cfg.logprobs, temperature=temp,
+                                                         dtype=cfg.reference_model.dtype, out=out("ref_logprobs")))
+        adv = run_stage(AdvantagesInput(rollout=rollout, rewards=parts["rewards"], actor_logprobs=parts.get("actor_logprobs"),
+                                        ref_logprobs=parts.get("ref_logprobs"), kl=kl, advantage=cfg.advantage,
+                                        shaping=cfg.shaping, state=state, max_new_tokens=cfg.rollout.max_new_tokens,
+                                        out=out("advantages")))
+        policy = run(PPOUpdateInput(rollout=rollout, advantages=adv, actor_logprobs=parts.get("actor_logprobs"),
+                                    ref_logprobs=parts.get("ref_logprobs"), policy=policy, update=cfg.update, kl=kl,
+                                    temperature=temp, dtype=cfg.policy.dtype, save_checkpoint=cfg.is_checkpoint(it),
+                                    out=out("ppo_update")))
+        state = next_state(adv)
+        if on_iteration is not None:
+            m = iteration_metrics(it, {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv,
+                                       "ppo_update": policy})
+            m["seconds/iteration"] = round(time.perf_counter() - t0, 3)
+            on_iteration(m)
+    return policy

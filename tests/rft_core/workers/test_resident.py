@@ -1,0 +1,144 @@
+"""Resident workers in one process (``ModelWorker`` objects, no Ray): the same stage programs
+with models from memory give the weights and shards of stage mode, an update between
+checkpoints keeps its weights in memory only, a crash is recovered exactly from the last
+checkpoint, and a failed weight sync never leaves the engine serving half-updated weights."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rft_core.config import load_config
+from rft_core.stages.checkpoints import WeightlessPolicyError, policy_model_path
+from rft_core.workers import sync as sync_module
+from rft_core.workers.memory import COUNTS
+from rft_core.workers.recovery import WEIGHTS_DIGEST_KEY, has_weights, policy_chain
+from rft_core.workers.resident import ROLE_OF_PROGRAM, ModelWorker
+from rft_core.workers.sync import WeightSyncError
+from schemas import ShardRef, read_manifest, stage_uri
+from tests.drive import drive
+
+BASE = ["data.prompts_per_iteration=4", "data.size=50", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12",
+        "rollout.batch_size=8", "kl.kl_coef=0.05", "update.lr=1e-3", "update.micro_batch_size=4", "update.epochs=2",
+        "iterations=3"]
+
+
+def _cfg(model: str, root, *extra: str):
+    return load_config(None, [*BASE, f"policy.path={model}", f"run_root={root}", *extra])
+
+
+def _pool() -> dict[str, ModelWorker]:
+    policy = ModelWorker("policy", "test")
+    return {"policy": policy, "rollout": ModelWorker("rollout", "test", peer=policy),
+            "reference": ModelWorker("reference", "test")}
+
+
+def _runner(pool):
+    return lambda inp: pool[ROLE_OF_PROGRAM[inp.program]].run(inp)
+
+
+def _weight_files(ref: ShardRef) -> dict[str, str]:
+    m, _ = read_manifest(ref.uri)
+    return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/") and e.path.endswith(".safetensors")}
+
+
+@pytest.fixture(scope="module")
+def stage_run(tiny_model, tmp_path_factory):
+    """3 iterations in stage mode (checkpoint.every=1): the reference result."""
+    root = tmp_path_factory.mktemp("stage")
+    cfg = _cfg(tiny_model, root)
+    return cfg, drive(cfg)
+
+
+def test_resident_every_3_ends_with_the_stage_mode_weights(stage_run, tiny_model, tmp_path):
+    cfg_s, final_s = stage_run
+    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")
+    pool = _pool()
+    COUNTS.clear()
+    loads: list[float] = []
+    final = drive(cfg, _runner(pool), on_iteration=lambda m: loads.append(COUNTS["model_loads"]))
+    assert _weight_files(final) == _weight_files(final_s) and _weight_files(final)
+    # iterations 1 and 2 kept their weights in memory: no files, a digest and the input instead
+    for it in (1, 2):
+        ref = ShardRef.from_manifest(stage_uri(cfg.run_root, it, "ppo_update"))
+        assert not has_weights(ref)
+        summary = read_manifest(ref.uri)[0].summary
+        assert len(summary[WEIGHTS_DIGEST_KEY]) == 64 and summary["update_input"]["policy"]
+        assert not (tmp_path / f"iter={it:06d}" / "ppo_update-optimizer").exists()
+    assert (tmp_path / "iter=000003" / "ppo_update-optimizer" / "_MANIFEST.json").exists()
+    # models read from storage: the engine's, the reference and the trainer's, all in iteration 1
+    assert loads == [3, 3, 3]
+    assert [s["version"].split("@")[0].rsplit("/", 2)[-2] for s in pool["rollout"].syncs] == ["iter=000001", "iter=000002"]
+    # the metrics and shards of every stage equal stage mode's (the engine saw the same weights)
+    for it in (1, 2, 3):
+        for stage in ("rollout", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update"):
+            a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg_s, cfg))
+            parts = lambda m: {e.path: e.sha256 for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
+            assert parts(a) == parts(b), (it, stage)
+
+
+def test_a_weightless_update_is_refused_from_storage_and_chains_to_its_checkpoint(stage_run, tiny_model, tmp_path):
+    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")
+    drive(cfg, _runner(_pool()), stop_after=2)
+    ref2 = ShardRef.from_manifest(stage_uri(cfg.run_root, 2, "ppo_update"))
+    with pytest.raises(WeightlessPolicyError, match="orchestration.workers=resident"):
+        policy_model_path(ref2)
+    base, chain = policy_chain(ref2)
+    assert base == tiny_model and [c.uri for c in chain] == [stage_uri(cfg.run_root, i, "ppo_update") for i in (1, 2)]
+    with pytest.raises(ValueError, match="resident worker"):  # stage mode cannot run an update without a checkpoint
+        from rft_core.stages.runner import run_stage
+        from rft_core.stages.contracts import PPOUpdateInput
+
+        inp = PPOUpdateInput.model_validate(read_manifest(ref2.uri)[0].summary["update_input"])
+        run_stage(inp.model_copy(update={"out": str(tmp_path / "elsewhere")}))
+
+
+def test_crash_after_two_iterations_recovers_exactly(stage_run, tiny_model, tmp_path):
+    """New workers (a crash lost the first ones) rebuild the policy of iteration 2 from the
+    initial model by re-applying the two committed updates, then finish with stage mode's weights."""
+    _, final_s = stage_run
+    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")
+    drive(cfg, _runner(_pool()), stop_after=2)
+    COUNTS.clear()
+    pool = _pool()
+    final = drive(cfg, _runner(pool))
+    assert _weight_files(final) == _weight_files(final_s)
+    assert COUNTS["recovered_updates"] == 2
+
+
+def test_a_failed_sync_leaves_the_engine_without_a_version_until_one_lands(stage_run, tiny_model, tmp_path, monkeypatch):
+    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")
+    pool = _pool()
+    drive(cfg, _runner(pool), stop_after=1)
+    engine = pool["rollout"]
+    real = sync_module.send_weights
+
+    def broken(tensors, plan, **kw):
+        bad = dict(tensors)
+        name = sorted(bad)[0]
+        bad[name] = bad[name] + 1.0  # a corrupted transfer: the digests must disagree
+        return real(bad, plan, **kw)
+
+    monkeypatch.setattr("rft_core.workers.resident.send_weights", broken)
+    ref1 = ShardRef.from_manifest(stage_uri(cfg.run_root, 1, "ppo_update"))
+    with pytest.raises(WeightSyncError, match="digest"):
+        engine.inference_model(ref1, dtype="float32", role="policy")
+    assert engine.version is None  # never served: the next request syncs again
+    monkeypatch.setattr("rft_core.workers.resident.send_weights", real)
+    model = engine.inference_model(ref1, dtype="float32", role="policy")
+    trainer = pool["policy"].held.strategy.model
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), trainer.state_dict().values()))
+
+
+def test_config_refuses_what_resident_workers_do_not_cover(tiny_model, tmp_path):
+    from rft_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="checkpoint.every=3 needs orchestration.workers=resident"):
+        _cfg(tiny_model, tmp_path, "checkpoint.every=3")
+    with pytest.raises(ConfigError, match="rollout.engine=vllm"):
+        _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "rollout.engine=vllm")
+    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=2")
+    assert [cfg.is_checkpoint(i) for i in (1, 2, 3)] == [False, True, True]  # every 2nd and the last
+    assert cfg.runner("ppo_update").mode == "resident" and cfg.runner("rewards").mode == "inprocess"
+    assert json.loads(cfg.runner("rollout").workers.model_dump_json())["pool"] == str(tmp_path)

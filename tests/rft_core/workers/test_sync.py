@@ -1,0 +1,111 @@
+"""Weight sync (rft_core.workers.sync): the plan, the two-rank gloo transaction (exact bytes,
+dtype casts, digests), and its failures (layout mismatch, a peer that never comes)."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from rft_core.workers.sync import (SyncPlan, WeightSyncError, free_port, receive_weights, send_weights, state_tensors,
+                                   weights_digest)
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(300, 17, generator=g), "layers.0.norm.weight": torch.randn(17, generator=g),
+            "layers.0.proj.weight": torch.randn(17, 33, generator=g), "rope.positions": torch.arange(5)}
+
+
+def test_plan_aligns_every_tensor_and_respects_the_bucket_limit():
+    w = _weights()
+    plan = SyncPlan.of(w, bucket_mb=16 * 1024 / 2**20)  # 16 KiB buckets: the 20 KB embedding gets one of its own
+    assert [e.name for e in plan.entries] == sorted(w)
+    assert all(e.offset % 64 == 0 for e in plan.entries)
+    assert {e.name: e.nbytes for e in plan.entries} == {n: t.numel() * t.element_size() for n, t in w.items()}
+    for i, size in enumerate(plan.bucket_sizes):
+        entries = plan.bucket(i)
+        assert size == entries[-1].offset + entries[-1].nbytes
+        assert size <= 16 * 1024 or len(entries) == 1  # only a tensor larger than a bucket exceeds it
+    assert [[e.name for e in plan.bucket(i)] for i in range(2)] == [
+        ["embed.weight"], ["layers.0.norm.weight", "layers.0.proj.weight", "rope.positions"]]  # name order
+    assert plan.total_bytes == sum(plan.bucket_sizes) == 20400 + 2432 + 40  # proj ends at 64 + 17*33*4 = 2308 -> 2368
+    assert plan.payload_bytes == sum(t.numel() * t.element_size() for t in w.values())
+
+
+def test_plan_casts_floating_tensors_only_and_fingerprints_the_layout():
+    w = _weights()
+    plan = SyncPlan.of(w, dtype="bfloat16")
+    dtypes = {e.name: e.dtype for e in plan.entries}
+    assert dtypes["embed.weight"] == "bfloat16" and dtypes["rope.positions"] == "int64"
+    other = dict(w, **{"layers.0.norm.weight": torch.zeros(18)})
+    assert SyncPlan.of(other).fingerprint() != SyncPlan.of(w).fingerprint()
+    assert plan.fingerprint() != SyncPlan.of(w).fingerprint()  # another dtype, another layout
+    assert SyncPlan.of(_weights(1)).fingerprint() == SyncPlan.of(w).fingerprint()  # values do not count
+
+
+def test_digest_changes_with_one_bit():
+    w = _weights()
+    d = weights_digest(w)
+    assert weights_digest({k: v.clone() for k, v in w.items()}) == d
+    flipped = w["layers.0.norm.weight"].clone()
+    flipped.view(torch.int32)[3] ^= 1
+    assert weights_digest(dict(w, **{"layers.0.norm.weight": flipped})) != d
+
+
+def _sync(src: dict, dst: dict, *, dtype=None, bucket_mb=0.01, timeout_s=30.0):
+    """Send ``src`` into ``dst`` over a gloo pair (receiver in a thread): (sender report, receiver report)."""
+    port = free_port()
+    plan_s, plan_r = SyncPlan.of(src, dtype=dtype, bucket_mb=bucket_mb), SyncPlan.of(dst, bucket_mb=bucket_mb)
+    with ThreadPoolExecutor(1) as ex:
+        got = ex.submit(receive_weights, dst, plan_r, addr="127.0.0.1", port=port, timeout_s=timeout_s)
+        sent = send_weights(src, plan_s, addr="127.0.0.1", port=port, timeout_s=timeout_s)
+        return sent, got.result(timeout=timeout_s + 5)
+
+
+def test_gloo_sync_lands_every_byte_in_several_buckets():
+    src, dst = _weights(0), {k: torch.zeros_like(v) for k, v in _weights(0).items()}
+    sent, got = _sync(src, dst)
+    assert sent.buckets == got.buckets > 1
+    assert all(torch.equal(src[k], dst[k]) for k in src)
+    assert sent.digest == got.digest == weights_digest(src)
+    assert got.bytes == sum(t.numel() * t.element_size() for t in src.values())
+
+
+def test_gloo_sync_into_bfloat16_equals_the_cast():
+    src = _weights(0)
+    dst = {k: torch.zeros_like(v, dtype=torch.bfloat16 if v.is_floating_point() else v.dtype) for k, v in src.items()}
+    sent, got = _sync(src, dst, dtype="bfloat16")
+    assert all(torch.equal(src[k].to(dst[k].dtype), dst[k]) for k in src)
+    assert sent.digest == got.digest
+
+
+def test_layout_mismatch_fails_both_sides_before_any_tensor_is_written():
+    src = _weights(0)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    dst["layers.0.norm.weight"] = torch.zeros(18)
+    port = free_port()
+    with ThreadPoolExecutor(1) as ex:
+        got = ex.submit(receive_weights, dst, SyncPlan.of(dst), addr="127.0.0.1", port=port, timeout_s=5)
+        with pytest.raises(WeightSyncError):
+            send_weights(src, SyncPlan.of(src), addr="127.0.0.1", port=port, timeout_s=5)
+        with pytest.raises(WeightSyncError, match="another layout"):
+            got.result(timeout=30)
+    assert all(float(t.abs().sum()) == 0 for t in dst.values())
+
+
+def test_sender_without_receiver_fails_within_the_timeout():
+    t0 = time.perf_counter()
+    with pytest.raises(WeightSyncError, match="rendezvous"):
+        send_weights(_weights(), SyncPlan.of(_weights()), addr="127.0.0.1", port=free_port(), timeout_s=1.5)
+    assert time.perf_counter() - t0 < 15
+
+
+def test_state_tensors_lists_tied_weights_under_each_name(tiny_model):
+    from rft_core.models.loading import load_causal_lm
+
+    model = load_causal_lm(tiny_model)
+    t = state_tensors(model)
+    assert set(t) == set(model.state_dict())
+    assert t["lm_head.weight"].data_ptr() == t["model.embed_tokens.weight"].data_ptr()  # tied: one tensor, two names
