@@ -59,6 +59,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     critic: PolicyRef | None = None
     curve = None
     pool = cfg.run_root if cfg.orchestration.workers == "resident" else None  # resident workers' pool
+    counters0 = run_counters(None)  # this process's model loads etc. before the run (counted from here)
     try:
         wandb = WandbLogger.start(cfg.observe.wandb, run_root=cfg.run_root, name=cfg.name, config=cfg.model_dump(mode="json"))
     except ImportError as exc:
@@ -68,7 +69,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         for i in range(1, cfg.iterations + 1):
             result = rl_iteration(cfg, i, policy, state, critic)
             policy, state, critic = result.policy, result.next_state, result.critic
-            result.metrics.update({f"run/{k}": v for k, v in run_counters(pool).items()})
+            result.metrics.update({f"run/{k}": v - counters0.get(k, 0) for k, v in run_counters(pool).items()})
             if cfg.checkpoint.keep_last is not None:
                 tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=i, checkpoint=cfg.checkpoint)
             rows.append(result.metrics)

@@ -5,6 +5,7 @@ checkpoint, and a failed weight sync never leaves the engine serving half-update
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +143,26 @@ def test_config_refuses_what_resident_workers_do_not_cover(tiny_model, tmp_path)
     assert [cfg.is_checkpoint(i) for i in (1, 2, 3)] == [False, True, True]  # every 2nd and the last
     assert cfg.runner("ppo_update").mode == "resident" and cfg.runner("rewards").mode == "inprocess"
     assert json.loads(cfg.runner("rollout").workers.model_dump_json())["pool"] == str(tmp_path)
+
+
+TIMINGS = {"seconds", "tokens_per_second", "checkpoint_seconds"}
+
+
+def test_every_1_commits_the_same_files_and_manifests_as_stage_mode(stage_run, tiny_model, tmp_path):
+    """checkpoint.every=1: every file (Parquet parts, weights, tokenizer, optimizer state) has the
+    stage-mode sha256; manifests differ only in timings and dates, and in the config hashes and
+    input checksums that follow from them (an input's manifest checksum covers its timings)."""
+    cfg_s, _ = stage_run
+    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident")
+    drive(cfg, _runner(_pool()))
+    for it in (1, 2, 3):
+        for stage in ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update",
+                      "ppo_update-optimizer"):
+            a, b = (json.loads(Path(stage_uri(c.run_root, it, stage), "_MANIFEST.json").read_text()) for c in (cfg_s, cfg))
+            assert a["files"] == b["files"], (it, stage)
+            assert a["contract"] == b["contract"]
+            assert {k for k in a if a[k] != b[k]} <= {"config_hash", "inputs", "summary", "created_at"}, (it, stage)
+            assert {k for k in a["summary"] if a["summary"][k] != b["summary"].get(k)} <= TIMINGS, (it, stage)
+            assert set(a["summary"]) == set(b["summary"])
+    prompts = [read_manifest(stage_uri(c.run_root, 1, "prompts"))[0] for c in (cfg_s, cfg)]
+    assert prompts[0].config_hash == prompts[1].config_hash  # no inputs: the hash is the config's alone

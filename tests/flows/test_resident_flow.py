@@ -1,0 +1,46 @@
+"""Resident workers through the training flow on a local Ray (issue 27): 3 iterations with
+``orchestration.workers=resident`` and ``checkpoint.every=3`` end with the weights of 3
+iterations in stage mode; after its first iteration the resident run reads no model from
+storage and builds no engine; the workers end with the run."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ray")
+
+from schemas import ShardRef, read_manifest, stage_uri  # noqa: E402
+from tests.flows.conftest import flow_cfg  # noqa: E402
+
+
+def _final_files(result) -> dict[str, str]:
+    m, _ = read_manifest(result.final_policy.uri)
+    return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/")}
+
+
+def test_resident_every_3_equals_stage_every_1(prefect_harness, tiny_model, tmp_path):
+    import ray
+
+    from flows.train import train
+    from rft_core.workers.pool import NAMESPACE, actor_name
+
+    stage = train(flow_cfg(tiny_model, tmp_path / "stage", iterations=3))
+    cfg = flow_cfg(tiny_model, tmp_path / "resident", iterations=3, **{"orchestration.workers": "resident",
+                                                                       "checkpoint.every": 3})
+    resident = train(cfg)
+    assert _final_files(resident) == _final_files(stage) and _final_files(stage)
+    for it in (1, 2):  # between checkpoints: the experience and update shards, no weights
+        m, _ = read_manifest(stage_uri(cfg.run_root, it, "ppo_update"))
+        assert not any(e.path.startswith("policy/") for e in m.files)
+    rows = resident.metrics
+    loads = [r["run/model_loads"] for r in rows]
+    builds = [r["run/engine_builds"] for r in rows]
+    assert loads[0] == 3 and loads[1:] == [3, 3], loads  # engine, reference, trainer: iteration 1 only
+    assert builds == [1, 1, 1], builds
+    assert [r.get("run/weight_syncs", 0) for r in rows] == [0, 1, 2]
+    stage_loads = [r["run/model_loads"] for r in stage.metrics]
+    assert stage_loads[1] - stage_loads[0] >= 4  # stage mode: rollout, actor, reference, update every iteration
+    # the workers ended with the run
+    for role in ("policy", "rollout", "reference"):
+        with pytest.raises(ValueError):
+            ray.get_actor(actor_name(cfg.run_root, role), namespace=NAMESPACE)
+    assert ShardRef.from_manifest(stage_uri(cfg.run_root, 3, "ppo_update-optimizer")).stage == "optimizer_state"
