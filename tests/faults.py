@@ -215,10 +215,33 @@ def _interrupted(run_root: Path | str, target: str, iteration: int, out: Outcome
     out.interrupted = "(none: the run had finished)"
 
 
+def write_resident_config(path: Path, model: str, iterations: int = 3) -> Path:
+    """``write_config``'s run with resident workers (issue 27): 3 iterations, a checkpoint every 3,
+    so iterations 1 and 2 keep the policy in the workers' memory only."""
+    write_config(path, model, iterations)
+    path.write_text(path.read_text().replace("name: faults", "name: faults-resident")
+                    + "orchestration: {workers: resident}\ncheckpoint: {every: 3}\n")
+    return path
+
+
+def running_workers() -> list[int]:
+    """Pids of the resident workers (Ray actors) that are running a stage program now: their
+    process title is ``ray::ModelWorker.run`` while ``ModelWorker.run`` executes."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [int(line.split(None, 1)[0]) for line in out.splitlines() if "ray::ModelWorker.run" in line]
+
+
 def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int, durations: dict[str, float],
                  baseline: torch.Tensor, api_url: str | None, rng: random.Random, timeout: float = 300,
-                 phase: str = "compute", env: dict[str, str] | None = None) -> Outcome:
+                 phase: str = "compute", env: dict[str, str] | None = None, kill: str = "driver",
+                 final_iteration: int = 2) -> Outcome:
     """Kill the worker inside ``target`` of ``iteration``, rerun, check.
+
+    ``kill="driver"``: SIGKILL the training process's group (the flow, its local Ray and any
+    resident workers with it). ``kill="worker"``: SIGKILL only the resident worker running a
+    stage program at that moment (``running_workers``); the run replaces it and goes on, and is
+    then rerun like the others (which reuses every committed stage). ``final_iteration``: the
+    run's last iteration (its weights are compared).
 
     ``phase="compute"``: a random time after the stage can start (the stage before it committed),
     within 1.2x its measured duration. ``phase="write"``: within 20 ms after the stage took its
@@ -243,7 +266,16 @@ def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int
         time.sleep(poll)
     time.sleep(delay)
     out = Outcome(target=target, iteration=iteration, phase=phase, delay=round(delay, 3), killed=proc.poll() is None)
-    if out.killed:
+    if kill == "worker":
+        pids = running_workers() if out.killed else []
+        out.killed = bool(pids)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        out.notes.append(f"worker kill: {len(pids)} worker(s)")
+        first, _ = proc.communicate(timeout=timeout)
+        if proc.returncode != 0:
+            out.notes.append("the run did not survive the worker kill: " + first.decode(errors="replace")[-2000:])
+    elif out.killed:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     _interrupted(run_root, target, iteration, out)
@@ -267,12 +299,12 @@ def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int
         out.all_valid = True
     except Exception as exc:  # reported, and the test fails on it
         out.notes.append(f"invalid shard: {exc}")
-    out.same_weights = bool(torch.equal(final_weights(run_root), baseline))
+    out.same_weights = bool(torch.equal(final_weights(run_root, final_iteration), baseline))
     return out
 
 
 def baseline_run(config: Path, run_root: Path | str, api_url: str | None,
-                 env: dict[str, str] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                 env: dict[str, str] | None = None, final_iteration: int = 2) -> tuple[torch.Tensor, dict[str, float]]:
     """An uninterrupted run: its final weights and each stage's seconds in iteration 1."""
     from schemas import read_manifest
 
@@ -286,7 +318,7 @@ def baseline_run(config: Path, run_root: Path | str, api_url: str | None,
     for m in fs.glob(f"{root}/iter=000001/*/_MANIFEST.json"):
         s = read_manifest(prefix + m.rsplit("/", 1)[0])[0].summary
         durations[m.rsplit("/", 2)[-2]] = float(s.get("seconds", 0.0)) + float(s.get("checkpoint_seconds", 0.0))
-    return final_weights(run_root), durations
+    return final_weights(run_root, final_iteration), durations
 
 
 def write_agent_config(path: Path, model: str, iterations: int = 2) -> Path:
