@@ -16,7 +16,9 @@ A pruned folder keeps its config and tokenizer, and the stage keeps its metrics 
 manifest; the shards of every stage are never pruned (metrics, inspect, DuckDB, replay).
 
 Resuming never needs a pruned file: iteration ``i + 1`` starts from iteration ``i``, which is
-kept whole until ``i + 1`` has committed (``keep_last >= 1``). Loading a pruned checkpoint
+kept whole until ``i + 1`` has committed (``keep_last >= 1``). With ``checkpoint.every`` > 1
+the last checkpoint (``latest_policy_checkpoint``) is also kept whole, whatever its age: a
+resume rebuilds the policies after it from it. Loading a pruned checkpoint
 anyway (eval of an old iteration, or a later iteration deleted by hand) raises
 ``CheckpointPrunedError`` naming the files and why they went, instead of silently starting a
 fresh optimizer. Manifests are never rewritten (``schemas.shards.prune_files``).
@@ -100,6 +102,7 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
         raise ValueError(f"checkpoint.keep_weights_last and keep_weights_every must be >= 1, got {keep_weights_last}, "
                          f"{keep_weights_every}")
     done: dict[str, list[str]] = {}
+    keep = latest_policy_checkpoint(run_root, iteration)  # what a resume rebuilds the policy from
     why_opt = f"checkpoint.keep_last={keep_last} after iteration {iteration}"
     why_weights = (f"checkpoint.prune=weights (keep_weights_last={keep_weights_last}, keep_weights_every="
                    f"{keep_weights_every}) after iteration {iteration}")
@@ -107,6 +110,8 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
         drop_weights = prune == "weights" and not keeps_weights(old, iteration, keep_weights_last=keep_weights_last,
                                                                 keep_weights_every=keep_weights_every)
         for stage, subdir in CHECKPOINT_STAGES.items():
+            if old == keep and stage != "critic_update":
+                continue
             uri = stage_uri(run_root, old, stage)
             try:
                 manifest, _ = read_manifest(uri)
@@ -121,6 +126,20 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
                 log.info("pruned %d checkpoint file(s) of %s (%s)", len(removed), uri,
                          why_weights if weights else why_opt)
     return done
+
+
+def latest_policy_checkpoint(run_root: str, iteration: int) -> int | None:
+    """The last iteration ``<= iteration`` whose committed ``ppo_update`` wrote the policy's
+    weights (with ``checkpoint.every`` > 1 the iterations between checkpoints write none), or
+    None. Retention never prunes it: a resume rebuilds the policies after it from it."""
+    for old in range(iteration, 0, -1):
+        try:
+            manifest, _ = read_manifest(stage_uri(run_root, old, "ppo_update"))
+        except ShardNotCommittedError:
+            continue
+        if any(e.path.startswith(f"{CHECKPOINT_STAGES['ppo_update']}/") for e in manifest.files):
+            return old
+    return None
 
 
 def apply_retention(run_root: str, iteration: int, checkpoint: CheckpointConfig) -> dict[str, list[str]]:

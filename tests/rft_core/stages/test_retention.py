@@ -178,3 +178,33 @@ def test_default_retention_over_twelve_iterations(tmp_path):
         policy_model_path(refs[9])
     # keep_last=None keeps everything
     assert apply_retention(str(tmp_path / "other"), 5, CheckpointConfig(keep_last=None)) == {}
+
+
+def _weightless_stage(run_root: str, iteration: int):
+    """A committed ppo_update whose weights stayed in a resident worker (checkpoint.every > 1)."""
+    uri = stage_uri(run_root, iteration, "ppo_update")
+    Path(uri).mkdir(parents=True)
+    table = pa.table({k: [] for k in PPO_UPDATE.schema.names}, schema=PPO_UPDATE.arrow)
+    rows = write_parts(table, uri, schema=PPO_UPDATE)
+    return commit_files(uri, stage="ppo_update", config_hash=f"h{iteration}", schema=PPO_UPDATE, rows_per_file=rows,
+                        summary={"weights_sha256": "0" * 64})
+
+
+def test_the_last_checkpoint_stays_whole_between_checkpoints(tmp_path):
+    """checkpoint.every=4: iterations 4 and 8 write weights. The last checkpoint before the current
+    iteration keeps its weights and optimizer state however old, since a resume rebuilds the
+    policies after it from it; an older checkpoint is pruned as usual."""
+    from rft_core.stages.retention import latest_policy_checkpoint
+
+    root = str(tmp_path / "run")
+    cfg = CheckpointConfig(keep_last=1, keep_weights_last=1, keep_weights_every=None)
+    refs = {}
+    for i in range(1, 11):
+        refs[i] = _checkpoint_stage(root, i) if i % 4 == 0 else _weightless_stage(root, i)
+        apply_retention(root, i, cfg)
+        assert latest_policy_checkpoint(root, i) == (None if i < 4 else 4 if i < 8 else 8)
+        if i in (5, 6, 7):  # iteration 4 is the last checkpoint: whole, although older than keep_last
+            assert pruned_files(refs[4].uri) == {} and policy_checkpoint_dir(refs[4])
+    assert pruned_files(refs[8].uri) == {}
+    assert set(pruned_files(refs[4].uri)) == {"policy/model.safetensors", "policy/optimizer.pt"}
+    assert all(pruned_files(refs[i].uri) == {} for i in (1, 2, 3, 5, 6, 7, 9, 10))  # nothing to prune there
