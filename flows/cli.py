@@ -174,6 +174,12 @@ def inspect(
                 table.add_row(str(r["iteration"]), r["stage"], r["status"], str(r["rows"] if r["rows"] is not None else "-"),
                               str(r["bytes"] if r["bytes"] is not None else "-"), secs, str(r["config_hash"] or "-"))
             console.print(table)
+            kinds: dict[str, list[str]] = {}
+            for r in rows:
+                if r["checkpoint"]:
+                    kinds.setdefault(r["checkpoint"], []).append(str(r["iteration"]))
+            console.print("policy by iteration: " + ("; ".join(f"{k}: {', '.join(v)}" for k, v in kinds.items())
+                                                   or "no committed update yet"))
             return
         if sample is not None:
             from rft_core.api import sample_text

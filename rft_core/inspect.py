@@ -10,7 +10,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from schemas import ShardError, filesystem, pruned_files, read_manifest, read_shard, stage_uri
+from rft_core.stages.retention import WEIGHT_SUFFIXES
+from schemas import ShardError, ShardRef, filesystem, pruned_files, read_manifest, read_shard, stage_uri
 from schemas.storage import stage_folders
 from schemas.experience import align_on_sample_id
 from schemas.shards import MANIFEST_NAME
@@ -18,7 +19,8 @@ from schemas.shards import MANIFEST_NAME
 
 
 def run_status(run_root: str) -> list[dict[str, Any]]:
-    """One row per (iteration, stage folder): status, rows, bytes, seconds, config hash.
+    """One row per (iteration, stage folder): status, rows, bytes, seconds, config hash, and
+    for a ``ppo_update`` what it holds of the policy (``checkpoint``: ``_checkpoint_kind``).
 
     status: ``committed`` (manifest present and readable), ``incomplete`` (no manifest: the
     stage was interrupted or is running), ``corrupt`` (unreadable manifest).
@@ -36,10 +38,36 @@ def run_status(run_root: str) -> list[dict[str, Any]]:
                 row.update(status="committed" + (" (pruned)" if pruned else ""), rows=man.num_rows,
                            bytes=sum(f.bytes for f in man.files if f.path not in pruned),
                            seconds=man.summary.get("seconds"), config_hash=man.config_hash)
+                if stage == "ppo_update":
+                    row["checkpoint"] = _checkpoint_kind(uri, man, pruned)
             except ShardError as exc:
                 row.update(status="corrupt", rows=None, bytes=None, seconds=None, config_hash=str(exc)[:80])
+        row.setdefault("checkpoint", None)
         rows.append(row)
     return rows
+
+
+def _checkpoint_kind(uri: str, manifest, pruned: dict) -> str:
+    """What a committed ``ppo_update`` holds of the policy: ``weights + optimizer`` (a checkpoint
+    a run resumes from), ``weights`` (its optimizer state pruned, or a DeepSpeed update),
+    ``pruned``, or ``in memory`` (``checkpoint.every`` > 1: the weights stayed in the resident
+    workers; its manifest records their digest, and a resume rebuilds them from the checkpoint
+    before it)."""
+    from rft_core.stages.optimizer_state import optimizer_commit
+    from rft_core.workers.recovery import WEIGHTS_DIGEST_KEY
+
+    weights = [f.path for f in manifest.files if f.path.startswith("policy/") and f.path.endswith(WEIGHT_SUFFIXES)]
+    if not weights:
+        return "in memory" if WEIGHTS_DIGEST_KEY in manifest.summary else "-"
+    if all(w in pruned for w in weights):
+        return "pruned"
+    ref = ShardRef.from_manifest(uri)
+    opt = optimizer_commit(ref)
+    try:
+        has_opt = opt.committed(check_files=False) is not None and not pruned_files(opt.uri)
+    except ShardError:
+        has_opt = False
+    return "weights + optimizer" if has_opt else "weights"
 
 
 def samples_view(run_root: str, iteration: int) -> pa.Table:

@@ -68,6 +68,10 @@ def test_resident_every_3_ends_with_the_stage_mode_weights(stage_run, tiny_model
         assert len(summary[WEIGHTS_DIGEST_KEY]) == 64 and summary["update_input"]["policy"]
         assert not (tmp_path / f"iter={it:06d}" / "ppo_update-optimizer").exists()
     assert (tmp_path / "iter=000003" / "ppo_update-optimizer" / "_MANIFEST.json").exists()
+    from rft_core.inspect import run_status
+
+    kinds = {r["iteration"]: r["checkpoint"] for r in run_status(str(tmp_path)) if r["stage"] == "ppo_update"}
+    assert kinds == {1: "in memory", 2: "in memory", 3: "weights + optimizer"}  # what `rft inspect` shows
     # models read from storage: the engine's, the reference and the trainer's, all in iteration 1
     assert loads == [3, 3, 3]
     assert [s["version"].split("@")[0].rsplit("/", 2)[-2] for s in pool["rollout"].syncs] == ["iter=000001", "iter=000002"]
