@@ -36,11 +36,16 @@ def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False
         path: see ``resolve_model_path``.
         dtype: "float32" or "bfloat16".
         trainable: False puts the model in eval mode with gradients off.
+    Counts a model load and the bytes of its weight files (``rft_core.workers.memory.counts``).
     Raises:
         ModelLoadError: unreadable path or weights, named in the message.
     """
     from transformers import AutoModelForCausalLM
 
+    from rft_core.workers.memory import count, count_bytes_read
+
+    count("model_loads")
+    count_bytes_read(resolve_model_path(path))
     if is_adapter_dir(path):
         return load_adapter_policy(path, dtype=dtype, trainable=trainable, merge=True)
     if is_vl_model(path):

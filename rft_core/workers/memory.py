@@ -13,6 +13,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Protocol
 
 from schemas import PolicyRef
@@ -46,9 +48,19 @@ def count(event: str, n: float = 1) -> None:
     COUNTS[event] += n
 
 
+def count_bytes_read(path: "str | os.PathLike") -> None:
+    """Count the bytes of a checkpoint read from storage (``bytes_read``): a file, or the weight
+    files (``*.safetensors``, ``*.bin``) of a model folder. A hub id (no local folder) counts 0."""
+    p = Path(path)
+    if p.is_file():
+        COUNTS["bytes_read"] += p.stat().st_size
+    elif p.is_dir():
+        COUNTS["bytes_read"] += sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".safetensors", ".bin"))
+
+
 def counts() -> dict[str, float]:
-    """This process's event counters: ``model_loads`` (models read from storage by the stage
-    programs), ``engine_builds`` (rollout engines built over a model read for them), and in a
+    """This process's event counters: ``model_loads`` (models read from storage), ``bytes_read``
+    (their weight files and optimizer states), ``engine_builds`` (rollout engines built over a model read for them), and in a
     resident worker the sync and recovery counters (``rft_core.workers.resident``)."""
     return dict(COUNTS)
 
@@ -87,7 +99,6 @@ def inference_model(ref: PolicyRef, *, dtype: str, role: str = "policy") -> "tor
     from rft_core.models.logprobs import default_device
     from rft_core.stages.checkpoints import policy_model_path
 
-    count("model_loads")
     return load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device())
 
 

@@ -158,7 +158,6 @@ class ModelWorker:
         from rft_core.models.logprobs import default_device
         from rft_core.stages.checkpoints import policy_model_path
 
-        count("model_loads")
         return load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device()).eval()
 
     # -- the policy worker: trainer and weight source -----------------------------------------

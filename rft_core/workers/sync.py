@@ -155,8 +155,17 @@ def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
 
 def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a sync moves: ``model.state_dict(keep_vars=True)`` detached (parameters and
-    persistent buffers, tied weights under each of their names)."""
-    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
+    persistent buffers), each tensor once: a tied weight (one tensor under several names, e.g.
+    the embedding and the LM head) under its first name only (copying into it sets them all)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for k, v in model.state_dict(keep_vars=True).items():
+        key = (v.device, v.data_ptr(), v.dtype, tuple(v.shape), v.stride())
+        if v.data_ptr() and key in seen:
+            continue
+        seen.add(key)
+        out[k] = v.detach()
+    return out
 
 
 def free_port() -> int:

@@ -117,20 +117,18 @@ def test_a_failed_sync_leaves_the_engine_without_a_version_until_one_lands(stage
     pool = _pool()
     drive(cfg, _runner(pool), stop_after=1)
     engine = pool["rollout"]
-    real = sync_module.send_weights
+    real = sync_module._unpack
 
-    def broken(tensors, plan, **kw):
-        bad = dict(tensors)
-        name = sorted(bad)[0]
-        bad[name] = bad[name] + 1.0  # a corrupted transfer: the digests must disagree
-        return real(bad, plan, **kw)
+    def corrupted(plan, buf, index, target):
+        buf[0] ^= 1  # one bit flipped in transit: the landed weights' digest must differ from the sent one
+        return real(plan, buf, index, target)
 
-    monkeypatch.setattr("rft_core.workers.resident.send_weights", broken)
+    monkeypatch.setattr(sync_module, "_unpack", corrupted)
     ref1 = ShardRef.from_manifest(stage_uri(cfg.run_root, 1, "ppo_update"))
     with pytest.raises(WeightSyncError, match="digest"):
         engine.inference_model(ref1, dtype="float32", role="policy")
     assert engine.version is None  # never served: the next request syncs again
-    monkeypatch.setattr("rft_core.workers.resident.send_weights", real)
+    monkeypatch.setattr(sync_module, "_unpack", real)
     model = engine.inference_model(ref1, dtype="float32", role="policy")
     trainer = pool["policy"].held.strategy.model
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), trainer.state_dict().values()))
