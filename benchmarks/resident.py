@@ -48,6 +48,14 @@ def bytes_written(run_root: str, iteration: int) -> int:
     return total
 
 
+def final_weights(run_root: str, iteration: int) -> dict[str, str]:
+    """sha256 of each weight file of the last update's checkpoint."""
+    from schemas import read_manifest, stage_uri
+
+    m, _ = read_manifest(stage_uri(run_root, iteration, "ppo_update"))
+    return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/") and e.path.endswith(".safetensors")}
+
+
 def _rows(run_root: str, metrics: list[dict], cumulative: list[dict]) -> list[dict]:
     """Per-iteration rows from the iterations' metrics and the cumulative counters after each."""
     out, prev = [], {}
@@ -124,6 +132,7 @@ def markdown(res: dict) -> str:
             lines.append(f"- {mode}, iterations 2-{res['iterations']}: mean {sum(r['seconds'] for r in its) / len(its):.1f} s, "
                          f"{sum(r['bytes_written'] for r in its) / len(its) / 1e6:.1f} MB written and "
                          f"{sum(r['bytes_read'] for r in its) / len(its) / 1e6:.1f} MB read per iteration.")
+    lines.append(f"- final weights of the two modes identical (sha256): {'yes' if res.get('final_weights_equal') else 'no'}.")
     syncs = [r for r in res["resident"]["iterations"] if r["weight_syncs"]]
     if syncs:
         sb, ss = sum(r["weight_sync_bytes"] for r in syncs), sum(r["weight_sync_s"] for r in syncs)
@@ -158,9 +167,12 @@ def main() -> None:
         cfg = load_config(args.config, [*args.overrides, *extra, f"iterations={args.iterations}", f"run_root={root}"])
         t0 = time.perf_counter()
         rows = run_flow(cfg) if args.driver == "flow" else run_inprocess(cfg)
-        res[mode] = {"iterations": rows, "wall_seconds": round(time.perf_counter() - t0, 1), "run_root": root}
+        res[mode] = {"iterations": rows, "wall_seconds": round(time.perf_counter() - t0, 1), "run_root": root,
+                     "final_weights": final_weights(root, args.iterations)}
         res["model"] = cfg.policy.path + (" (SmolLM2-135M-Instruct)" if cfg.policy.path == DEFAULT_MODEL else "")
         print(json.dumps({mode: rows}, indent=None, default=str), flush=True)
+    if "stage" in res and "resident" in res:
+        res["final_weights_equal"] = res["stage"]["final_weights"] == res["resident"]["final_weights"]
     res["load"] = f"load average (1 min) {load0:.2f} before, {os.getloadavg()[0]:.2f} after"
     res["command"] = ("make bench-resident" if args.driver == "flow" and not args.overrides else
                       "benchmarks/resident.py " + " ".join(f"--set {o}" for o in args.overrides)

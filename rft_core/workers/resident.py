@@ -37,6 +37,7 @@ from rft_core.workers.memory import count, counts, models_from
 from rft_core.workers.sync import (
     SyncPlan,
     WeightSyncError,
+    copy_weights,
     export_cuda_ipc,
     free_port,
     host_address,
@@ -258,7 +259,11 @@ class ModelWorker:
         target = state_tensors(self.model)
         plan = SyncPlan.of(target, bucket_mb=self.sync_bucket_mb)
         device = next(iter(target.values())).device
-        if device.type == "cuda" and ready["device"] == _device_id(device):
+        peer = self.peer()
+        if isinstance(peer, ModelWorker):  # both workers in this process (tests, the no-Ray driver): a memory copy
+            sent_rep, got = copy_weights(state_tensors(peer.held.strategy.model), target, plan)
+            sent = {"digest": sent_rep.digest}
+        elif device.type == "cuda" and ready["device"] == _device_id(device):
             sent = self._call("export_weights", ref, dtype=self.model_dtype)
             try:
                 got = import_cuda_ipc(sent["handles"], target, plan)
@@ -283,14 +288,6 @@ class ModelWorker:
         """Receive ``ref`` over a two-rank process group while the policy worker sends it."""
         peer = self.peer()
         kw = {"addr": ready["addr"], "port": ready["port"], "dtype": self.model_dtype, "backend": ready["backend"]}
-        if isinstance(peer, ModelWorker):  # in-process tests: the sender runs in a thread
-            from concurrent.futures import ThreadPoolExecutor
-
-            with ThreadPoolExecutor(1) as ex:
-                fut = ex.submit(peer.send_weights, ref, **kw)
-                got = receive_weights(target, plan, addr=kw["addr"], port=kw["port"], backend=kw["backend"],
-                                      timeout_s=self.sync_timeout_s)
-                return got, fut.result(timeout=self.sync_timeout_s)
         import ray
 
         fut = peer.send_weights.remote(ref, **kw)

@@ -311,6 +311,28 @@ def receive_weights(target: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr:
                       digest=weights_digest(target), backend=backend)
 
 
+def copy_weights(tensors: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], plan: SyncPlan,
+                 device: torch.device | str | None = None) -> tuple[SyncReport, SyncReport]:
+    """A sync between two models of one process (both workers in one process: tests, the
+    no-Ray benchmark driver): the same plan, buckets and digests as ``send_weights`` /
+    ``receive_weights``, the bytes copied in memory. Returns (sender report, receiver report).
+
+    Raises:
+        WeightSyncError: either side does not fit the plan.
+    """
+    check_fits(plan, tensors)
+    check_fits(plan, target)
+    device = torch.device(device) if device is not None else next(iter(target.values())).device
+    t0 = time.perf_counter()
+    for i in range(len(plan.bucket_sizes)):
+        _unpack(plan, _pack(plan, tensors, i, device), i, target)
+    seconds = time.perf_counter() - t0
+    cast = {e.name: tensors[e.name].detach().to(_dtype(e.dtype)) for e in plan.entries}
+    n = len(plan.bucket_sizes)
+    return (SyncReport(plan.payload_bytes, seconds, n, weights_digest(cast), "local"),
+            SyncReport(plan.payload_bytes, seconds, n, weights_digest(target), "local"))
+
+
 def export_cuda_ipc(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, device: torch.device | str) -> tuple[list, list]:
     """Sender side of a sync between two processes on one GPU: pack ``tensors`` into the plan's
     buckets on ``device`` and return (handles, buffers). ``handles`` (picklable, one per bucket:
