@@ -49,7 +49,7 @@ def run_status(run_root: str) -> list[dict[str, Any]]:
 
 def _checkpoint_kind(uri: str, manifest, pruned: dict) -> str:
     """What a committed ``ppo_update`` holds of the policy: ``weights + optimizer`` (a checkpoint
-    a run resumes from), ``weights`` (its optimizer state pruned, or a DeepSpeed update),
+    a run resumes from), ``weights`` (its optimizer state pruned or not written yet),
     ``pruned``, or ``in memory`` (``checkpoint.every`` > 1: the weights stayed in the resident
     workers; its manifest records their digest, and a resume rebuilds them from the checkpoint
     before it)."""

@@ -65,8 +65,8 @@ def require_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> None:
 
 
 # a downloaded checkpoint folder is complete once one of these is there (full model, LoRA
-# adapter, optimizer stage); the download is renamed into place atomically
-_COMPLETE_MARKERS = ("config.json", "adapter_config.json", OPTIMIZER_FILE)
+# adapter, optimizer stage, DeepSpeed optimizer stage); the download is renamed into place atomically
+_COMPLETE_MARKERS = ("config.json", "adapter_config.json", OPTIMIZER_FILE, "latest")  # latest: a DeepSpeed state
 
 
 def _checkpoint_folder(policy: ShardRef, subdir: str) -> str:

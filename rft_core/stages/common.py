@@ -135,9 +135,11 @@ def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy, 
                    keep_optimizer: bool, save_weights: bool = True) -> ShardRef:
     """Commit what ``strategy`` trained (``commit_checkpoint``). One process: the model, with
     its AdamW state inside the checkpoint when ``keep_optimizer``. DeepSpeed: the weights are
-    gathered on every rank (a collective), rank 0 commits (no optimizer state: it is partitioned
-    over the ranks; the summary records world_size and zero_stage), the other ranks wait for the
-    commit and return the same ref."""
+    gathered on every rank (a collective), rank 0 commits them (the summary records world_size
+    and zero_stage), the other ranks wait for the commit and return the same ref; the ZeRO state
+    (partitioned over the ranks) is not part of this commit: the policy update commits it as its
+    optimizer stage (``rft_core.stages.optimizer_state.commit_deepspeed_optimizer_state``), and
+    ``keep_optimizer`` is ignored (the critic's ZeRO state is not kept)."""
     if isinstance(strategy, SingleProcess):
         return commit_checkpoint(commit, subdir=subdir, model=strategy.model, tokenizer=tokenizer,
                                  optimizer=strategy.optimizer if keep_optimizer else None, steps=steps, schema=schema,

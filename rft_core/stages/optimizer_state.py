@@ -18,17 +18,28 @@ Consumers: the next ``ppo_update`` waits for a pending write of its input
 checksum. A write lost to a crash is recomputed when the run resumes: the committed
 ``ppo_update`` is reused, finds its optimizer stage missing (``optimizer_state_missing``) and
 retrains from the same committed inputs and seeds, checking that the weights come out with the
-committed checksums (``rft_core.stages.update``). A DeepSpeed update keeps no state (ZeRO
-partitions it over the ranks), so it has no optimizer stage by design.
+committed checksums (``rft_core.stages.update``).
+
+A DeepSpeed update (ZeRO over the ranks of a torchrun job) writes the same stage in DeepSpeed's
+own sharded format instead of ``optimizer.pt`` (``commit_deepspeed_optimizer_state``): every
+rank writes its partition of the AdamW moments and float32 master weights with
+``engine.save_checkpoint`` (tag ``DEEPSPEED_TAG``), and after a barrier rank 0 lists every file
+with its sha256 in ``_MANIFEST.json``, written last; the manifest's summary says
+``format: deepspeed`` with the world size, ZeRO stage and dtype the next update must match
+(``deepspeed_checkpoint``, ``rft_core.training.strategy.check_deepspeed_state``). It is written
+synchronously (each rank holds its partition only until it exits).
 """
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import Any, Callable
 
 import fsspec
 import torch
@@ -37,6 +48,7 @@ from rft_core.stages.checkpoints import policy_checkpoint_dir
 from rft_core.stages.common import Commit, stage_commit
 from rft_core.stages.contracts import OptimizerStateInput
 from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
+from rft_core.training.strategy import DeepSpeedCheckpoint, DeepSpeedStateError, DeepSpeedStrategy, init_distributed
 from schemas import ShardRef, commit_files, local_path, prepare_stage_dir, read_manifest, storage_errors
 from schemas.columns import OPTIMIZER_STATE
 from schemas.shards import ShardNotCommittedError, release_stage_lock
@@ -48,6 +60,12 @@ OPTIMIZER_STAGE = OPTIMIZER_STATE.stage  # "optimizer_state"
 _LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
 _PENDING: dict[str, Future] = {}
+
+
+# manifest summary of a DeepSpeed optimizer stage: {"format": DEEPSPEED_FORMAT, "tag", "world_size",
+# "zero_stage", "bf16", "deepspeed_version", "seconds"}
+DEEPSPEED_FORMAT = "deepspeed"
+DEEPSPEED_TAG = "zero"
 
 
 class OptimizerStateError(RuntimeError):
@@ -125,6 +143,122 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
     return None
 
 
+def _raise_if_any_failed(strategy: DeepSpeedStrategy, exc: BaseException | None, what: str) -> None:
+    """A collective: raise on every rank when ``exc`` is set on any (this rank's own ``exc``
+    as it is, the others an ``OptimizerStateError`` naming ``what``), so that no rank waits
+    for a peer that gave up."""
+    failed = int(strategy.all_reduce_sum([0.0 if exc is None else 1.0])[0])
+    if exc is not None:
+        raise exc
+    if failed:
+        raise OptimizerStateError(f"{what} failed on {failed} other rank(s) (see their log lines)")
+
+
+def commit_deepspeed_optimizer_state(update: ShardRef, strategy: DeepSpeedStrategy, *,
+                                     summary: dict | None = None) -> ShardRef:
+    """Write the ZeRO state of ``strategy`` (every rank its partition of the AdamW moments and
+    float32 master weights: DeepSpeed's ``engine.save_checkpoint``, tag ``DEEPSPEED_TAG``) as
+    the optimizer stage of ``update`` and commit it: after every rank has written, rank 0 lists
+    every file with its size and sha256 in ``_MANIFEST.json`` (``commit_files``), written last.
+    A collective: call it on every rank. On a non-local run root each rank saves into a local
+    temporary folder and uploads what it wrote.
+
+    Args:
+        summary: extra manifest summary entries (rank 0's count).
+    Returns:
+        the committed stage's ref, on every rank.
+    Raises:
+        ShardExistsError: (rank 0; OptimizerStateError on the others) the stage is committed.
+        ShardLockedError: another live writer holds the stage.
+        StorageError: the storage refused a write (named stage and cause).
+    """
+    import deepspeed
+
+    commit = optimizer_commit(update)
+    uri = commit.uri
+    t0 = time.perf_counter()
+    token: str | None = None
+    err: BaseException | None = None
+    if strategy.rank == 0:
+        try:
+            token = prepare_stage_dir(uri)  # the lock, leftovers of an interrupted attempt cleared
+        except BaseException as exc:  # noqa: BLE001 - every rank raises below
+            err = exc
+    _raise_if_any_failed(strategy, err, f"{uri}: taking the writer lock")
+    try:
+        local = local_path(uri)
+        if local is not None:
+            with storage_errors(uri):
+                strategy.save_state(local, DEEPSPEED_TAG)  # a collective; every rank writes into the stage folder
+        else:
+            tmp = tempfile.mkdtemp(prefix="rft-ds-opt-")
+            try:
+                with storage_errors(uri):
+                    strategy.save_state(tmp, DEEPSPEED_TAG)  # each rank's folder holds what this rank wrote
+                try:
+                    with storage_errors(uri):
+                        fs, path = fsspec.core.url_to_fs(uri)
+                        fs.put(tmp.rstrip("/") + "/", path.rstrip("/"), recursive=True)
+                except BaseException as exc:  # noqa: BLE001 - every rank raises below
+                    err = exc
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        _raise_if_any_failed(strategy, err, f"{uri}: uploading the ZeRO partitions")
+        ref: ShardRef | None = None
+        if strategy.rank == 0:
+            try:
+                info = {"format": DEEPSPEED_FORMAT, "tag": DEEPSPEED_TAG, "world_size": strategy.world_size,
+                        "zero_stage": strategy.zero_stage, "bf16": strategy.bf16,
+                        "deepspeed_version": deepspeed.__version__}
+                ref = commit_files(uri, stage=OPTIMIZER_STAGE, config_hash=commit.config_hash, inputs={"ppo_update": update},
+                                   summary={**info, **(summary or {}), "seconds": time.perf_counter() - t0},
+                                   schema=OPTIMIZER_STATE, lock_token=token, contract=commit.contract)
+            except BaseException as exc:  # noqa: BLE001 - every rank raises below
+                err = exc
+        _raise_if_any_failed(strategy, err, f"{uri}: committing the manifest")
+    except BaseException:
+        if token is not None:
+            release_stage_lock(uri, token)
+        raise
+    if ref is None:
+        ref = commit.committed(check_files=False)
+        if ref is None:
+            raise OptimizerStateError(f"{uri}: rank 0 reported the commit but no manifest is visible from rank "
+                                      f"{strategy.rank} (is the run root shared by every node?)")
+    if strategy.rank == 0:
+        log.info("optimizer_state: committed %s (DeepSpeed ZeRO-%d, %d ranks, %.2f s)", uri, strategy.zero_stage,
+                 strategy.world_size, time.perf_counter() - t0)
+    return ref
+
+
+def recover_deepspeed_optimizer_state(strategy: DeepSpeedStrategy, done: ShardRef, *,
+                                      weights_match: Callable[[Any, ShardRef], bool]) -> ShardRef:
+    """Commit the optimizer stage of the committed DeepSpeed update ``done`` from ``strategy``,
+    which has just recomputed that update from the same committed inputs and seeds; the
+    recomputed weights (gathered, a collective) are checked on rank 0 with
+    ``weights_match(model_with_save_pretrained, done)`` against the committed checksums (a
+    mismatch, possible with nondeterministic GPU kernels, is logged and training goes on). A
+    collective: call it on every rank.
+
+    Returns:
+        the committed optimizer stage (its summary has ``recovered`` and ``weights_match``).
+    """
+    state = strategy.full_state_dict()
+    summary = None
+    if strategy.rank == 0:
+        module = strategy.model.module
+        saver = SimpleNamespace(save_pretrained=lambda out, **kw: module.save_pretrained(out, state_dict=state, **kw))
+        match = weights_match(saver, done)
+        if match:
+            log.info("ppo_update: recomputed the lost DeepSpeed optimizer state of %s (weights match the commit)",
+                     done.uri)
+        else:
+            log.warning("ppo_update: recomputed the lost DeepSpeed optimizer state of %s, but the recomputed weights "
+                        "differ from the committed ones (nondeterministic kernels?); training goes on with it", done.uri)
+        summary = {"recovered": True, "weights_match": match}
+    return commit_deepspeed_optimizer_state(done, strategy, summary=summary)
+
+
 def wait_for_optimizer_writes(uri: str | None = None) -> None:
     """Block until the pending background write of ``uri`` (None: of every optimizer stage)
     has finished. A no-op when none is pending.
@@ -156,9 +290,9 @@ def _committed(update: ShardRef) -> ShardRef | None:
 
 
 def _kept_elsewhere(update: ShardRef) -> bool:
-    """Whether ``update`` has no optimizer stage by design: a DeepSpeed update (no state kept),
-    or an update between checkpoints whose state stayed in a resident worker's memory (its
-    manifest records the weights' digest instead of weight files).
+    """Whether ``update`` has no optimizer stage by design: an update between checkpoints whose
+    state stayed in a resident worker's memory (its manifest records the weights' digest
+    instead of weight files). A DeepSpeed update has one (``commit_deepspeed_optimizer_state``).
 
     Raises:
         ShardNotCommittedError: ``update`` is not a committed stage.
@@ -166,7 +300,7 @@ def _kept_elsewhere(update: ShardRef) -> bool:
     from rft_core.workers.recovery import WEIGHTS_DIGEST_KEY
 
     manifest, _ = read_manifest(update.uri)
-    return "zero_stage" in manifest.summary or WEIGHTS_DIGEST_KEY in manifest.summary
+    return WEIGHTS_DIGEST_KEY in manifest.summary
 
 
 def optimizer_state_missing(update: ShardRef) -> bool:
@@ -181,13 +315,15 @@ def optimizer_state_missing(update: ShardRef) -> bool:
 
 
 def optimizer_state_ref(policy: ShardRef | str) -> ShardRef | None:
-    """The committed optimizer stage a ``ppo_update`` starting from ``policy`` loads, waiting
-    for a pending background write of it. None: ``policy`` is an initial model or a DeepSpeed
-    checkpoint (no state kept).
+    """The committed optimizer stage a ``ppo_update`` starting from ``policy`` loads (an
+    ``optimizer.pt`` stage or a DeepSpeed one, ``deepspeed_checkpoint``), waiting for a pending
+    background write of it. None: ``policy`` is an initial model, or kept its state in a
+    resident worker's memory.
 
     Raises:
-        OptimizerStateError: the state is missing (a lost background write), or its pending
-            write failed.
+        OptimizerStateError: the state is missing (a lost background write, or a DeepSpeed
+            update that stopped before its state was committed), or its pending write failed;
+            the message says to resume the run, which recomputes it.
     """
     if not isinstance(policy, ShardRef):
         return None
@@ -202,8 +338,8 @@ def optimizer_state_ref(policy: ShardRef | str) -> ShardRef | None:
         return None  # not a ppo_update stage of ours: nothing to load
     raise OptimizerStateError(
         f"{optimizer_state_uri(policy)}: the optimizer state of {policy.uri} was never committed (the process "
-        "stopped during its background write). Rerun the training flow on this run root: resuming that "
-        "iteration recomputes it")
+        "stopped before its write finished). Rerun the training flow on this run root: resuming that "
+        "iteration recomputes it (AdamW is never restarted silently)")
 
 
 def optimizer_state_dir(ref: ShardRef) -> str:
@@ -214,3 +350,79 @@ def optimizer_state_dir(ref: ShardRef) -> str:
         CheckpointPrunedError: the state was pruned (``checkpoint.keep_last``).
     """
     return policy_checkpoint_dir(ref, subdir="")
+
+
+def deepspeed_checkpoint(ref: ShardRef, folder: str) -> DeepSpeedCheckpoint | None:
+    """The saved ZeRO state of the committed optimizer stage ``ref`` whose files are in the
+    local ``folder``, as its manifest describes it; None for a single-process stage
+    (``optimizer.pt``)."""
+    info = read_manifest(ref.uri)[0].summary
+    if info.get("format") != DEEPSPEED_FORMAT:
+        return None
+    return DeepSpeedCheckpoint(folder=folder, tag=str(info["tag"]), world_size=int(info["world_size"]),
+                               zero_stage=int(info["zero_stage"]), bf16=bool(info["bf16"]), source=ref.uri)
+
+
+def _folder_once_per_node(ref: ShardRef) -> str:
+    """``optimizer_state_dir(ref)`` resolved (checked against the manifest, downloaded into the
+    cache when remote) by local rank 0 of each node and shared with that node's other ranks, so
+    that a node hashes and downloads the ZeRO state once. A collective over the job's ranks.
+
+    Raises:
+        the error of ``optimizer_state_dir`` on local rank 0 (``CheckpointPrunedError``,
+        ``ShardCorruptError``); ``OptimizerStateError`` naming it on the node's other ranks.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    _, world = init_distributed()
+    host = socket.gethostname()
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    folder, err = None, None
+    if first:
+        try:
+            folder = optimizer_state_dir(ref)
+        except BaseException as exc:  # noqa: BLE001 - shared below, re-raised here
+            err = exc
+    if world == 1:
+        if err is not None:
+            raise err
+        assert folder is not None
+        return folder
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (host, first, folder, None if err is None else f"{type(err).__name__}: {err}"))
+    if err is not None:
+        raise err
+    if first:
+        assert folder is not None
+        return folder
+    for g_host, g_first, g_folder, g_err in gathered:
+        if g_first and g_host == host:
+            if g_err is not None:
+                raise OptimizerStateError(f"{ref.uri}: local rank 0 on {host} could not open the optimizer state: {g_err}")
+            return g_folder
+    raise OptimizerStateError(f"{ref.uri}: no rank with LOCAL_RANK=0 on {host} to open the optimizer state")
+
+
+def saved_optimizer_state(opt_ref: ShardRef | None, *, deepspeed: bool) -> tuple[str | None, DeepSpeedCheckpoint | None]:
+    """What ``build_strategy`` continues from the committed optimizer stage ``opt_ref``:
+    (folder holding ``optimizer.pt``, None) for a single-process update, (None, the
+    ``DeepSpeedCheckpoint``) for a DeepSpeed one (its folder resolved once per node, a
+    collective), (None, None) without a stage.
+
+    Raises:
+        DeepSpeedStateError: a DeepSpeed state for a single-process update or the other way
+            round (update.deepspeed changed within a run), naming the stage.
+        CheckpointPrunedError: the state was pruned (``checkpoint.keep_last``).
+    """
+    if opt_ref is None:
+        return None, None
+    is_ds = read_manifest(opt_ref.uri)[0].summary.get("format") == DEEPSPEED_FORMAT
+    if is_ds != deepspeed:
+        written, now = ("a DeepSpeed", "single-process") if is_ds else ("a single-process", "DeepSpeed")
+        raise DeepSpeedStateError(f"{opt_ref.uri}: this optimizer state was written by {written} update and cannot be "
+                                  f"continued by a {now} update; keep update.deepspeed the same across a run")
+    if not deepspeed:
+        return optimizer_state_dir(opt_ref), None
+    return None, deepspeed_checkpoint(opt_ref, _folder_once_per_node(opt_ref))

@@ -38,7 +38,8 @@ log = logging.getLogger("rft_core.stages")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 # stage folder -> checkpoint sub-folder ("": the folder itself; ppo_update-optimizer holds the
 # policy's AdamW state, rft_core.stages.optimizer_state)
-CHECKPOINT_STAGES = {"ppo_update": "policy", f"ppo_update{OPTIMIZER_FOLDER_SUFFIX}": "", "critic_update": "critic"}
+OPTIMIZER_STAGE_FOLDER = f"ppo_update{OPTIMIZER_FOLDER_SUFFIX}"
+CHECKPOINT_STAGES = {"ppo_update": "policy", OPTIMIZER_STAGE_FOLDER: "", "critic_update": "critic"}
 
 
 class CheckpointPrunedError(RuntimeError):
@@ -118,7 +119,9 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
             except ShardNotCommittedError:
                 continue
             files = [e.path for e in manifest.files]
-            optimizer = prunable_files(files, subdir, "optimizer")
+            # an optimizer stage is optimizer state through and through: optimizer.pt, or DeepSpeed's
+            # partitions (zero/*_optim_states.pt, *_model_states.pt, latest)
+            optimizer = sorted(files) if stage == OPTIMIZER_STAGE_FOLDER else prunable_files(files, subdir, "optimizer")
             weights = sorted(set(prunable_files(files, subdir, "weights")) - set(optimizer)) if drop_weights else []
             removed = prune_files(uri, optimizer, reason=why_opt) + prune_files(uri, weights, reason=why_weights)
             if removed:
@@ -163,8 +166,11 @@ def require_unpruned(policy: ShardRef, subdir: str, *, optimizer: bool) -> None:
         CheckpointPrunedError: names the stage, the files and why they were pruned.
     """
     pruned = pruned_files(policy.uri)
-    gone = [rel for rel in prunable_files(list(pruned), subdir, "weights")
-            if optimizer or not _is_optimizer(rel.rpartition("/")[2])]
+    if optimizer and not subdir:  # an optimizer stage: any pruned file is its state gone
+        gone = list(pruned)
+    else:
+        gone = [rel for rel in prunable_files(list(pruned), subdir, "weights")
+                if optimizer or not _is_optimizer(rel.rpartition("/")[2])]
     if gone:
         reasons = "; ".join(dict.fromkeys(pruned[rel] for rel in sorted(gone)))
         raise CheckpointPrunedError(

@@ -15,14 +15,16 @@ from rft_core.models.lora import adapter_base_path, apply_lora, is_adapter_dir, 
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.advantages import overlong_filtered
-from rft_core.stages.checkpoints import POLICY_SUBDIR, policy_checkpoint_dir, policy_model_path
+from rft_core.stages.checkpoints import POLICY_SUBDIR, policy_model_path
 from rft_core.stages.common import Commit, Timer, commit_trained, stage_commit
 from rft_core.stages.contracts import PPOUpdateInput, stage_program
 from rft_core.stages.optimizer_state import (
+    commit_deepspeed_optimizer_state,
     commit_optimizer_state,
-    optimizer_state_dir,
     optimizer_state_missing,
     optimizer_state_ref,
+    recover_deepspeed_optimizer_state,
+    saved_optimizer_state,
 )
 from rft_core.stages.retention import WEIGHT_SUFFIXES
 from rft_core.training.strategy import DeepSpeedStrategy, OptimizerSettings, SingleProcess, build_strategy
@@ -33,7 +35,7 @@ from rft_core.training.update import (
     ppo_update,
     rollout_correction_weights,
 )
-from rft_core.workers.memory import count, current_source
+from rft_core.workers.memory import current_source
 from rft_core.workers.recovery import UPDATE_INPUT_KEY, WEIGHTS_DIGEST_KEY
 from rft_core.workers.sync import state_tensors, weights_digest
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard, sha256_file
@@ -153,19 +155,20 @@ class PolicyTrainer:
 
 def build_trainer(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str, opt_ref: ShardRef | None) -> PolicyTrainer:
     """Load ``policy`` from storage and build its strategy, AdamW continued from the optimizer
-    stage ``opt_ref`` (None: fresh).
+    stage ``opt_ref`` (None: fresh): ``optimizer.pt`` in one process, the ZeRO partitions
+    (AdamW moments, float32 masters) under DeepSpeed (``saved_optimizer_state``).
 
     Raises:
         CheckpointPrunedError, ShardCorruptError: the checkpoint's files are gone or damaged.
         WeightlessPolicyError: ``policy`` kept its weights in memory (``checkpoint.every`` > 1).
+        DeepSpeedStateError: the state cannot be continued by this update (update.deepspeed,
+            the world size, ZeRO stage or dtype changed; named).
     """
     path = policy_model_path(policy)
-    count("model_loads")
-    if cfg.deepspeed is not None and policy_checkpoint_dir(policy) is not None:
-        log.warning("ppo_update: DeepSpeed starts AdamW afresh (optimizer state is not carried across iterations under ZeRO)")
+    opt_dir, ds_state = saved_optimizer_state(opt_ref, deepspeed=cfg.deepspeed is not None)
     strategy = build_strategy(load_trainable_policy(policy, cfg, dtype=dtype), optim=OptimizerSettings.of(cfg),
-                              deepspeed=cfg.deepspeed,
-                              optimizer_state=optimizer_state_dir(opt_ref) if opt_ref is not None else None)
+                              deepspeed=cfg.deepspeed, optimizer_state=opt_dir, deepspeed_state=ds_state,
+                              keeps_deepspeed_state=True)
     return PolicyTrainer(strategy, load_tokenizer(path), vl_processor_or_none(path))
 
 
@@ -289,17 +292,19 @@ def run(inp: PPOUpdateInput) -> ShardRef:
     if not inp.save_checkpoint and source is None:
         raise ValueError("ppo_update with save_checkpoint=False keeps the new policy in memory only: it runs in a "
                          "resident worker (orchestration.workers=resident), not in a stage process")
-    opt_ref = optimizer_state_ref(inp.policy) if inp.update.deepspeed is None else None
+    opt_ref = optimizer_state_ref(inp.policy)
     commit = stage_commit(inp, optimizer=opt_ref)
     done = commit.committed()
     if done is not None:
         log.info("ppo_update: reusing committed shard %s (config %s)", commit.uri, commit.config_hash)
-        if inp.update.deepspeed is None and optimizer_state_missing(done):
-            log.warning("ppo_update: %s has no committed optimizer state (its background write was lost); recomputing it",
+        if optimizer_state_missing(done):
+            log.warning("ppo_update: %s has no committed optimizer state (its write was lost); recomputing it",
                         commit.uri)
             trainer, _, _, _ = _train(inp, opt_ref)
-            assert isinstance(trainer.strategy, SingleProcess)
-            _recover_optimizer_state(trainer.strategy, done)
+            if isinstance(trainer.strategy, DeepSpeedStrategy):
+                recover_deepspeed_optimizer_state(trainer.strategy, done, weights_match=_weights_match)
+            else:
+                _recover_optimizer_state(trainer.strategy, done)
             if source is not None:
                 source.trained(done)
         return done
@@ -322,6 +327,8 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None
                          inputs=inputs, summary=summary, keep_optimizer=False, save_weights=inp.save_checkpoint)
     if isinstance(strategy, SingleProcess) and inp.save_checkpoint:
         commit_optimizer_state(new, strategy.optimizer.state_dict(), background=inp.background_optimizer)
+    elif isinstance(strategy, DeepSpeedStrategy) and inp.save_checkpoint:  # every rank its partition, synchronously
+        commit_deepspeed_optimizer_state(new, strategy)
     source = current_source()
     if source is not None:
         source.trained(new)

@@ -24,6 +24,15 @@ master weights travel in the optimizer state dict (``"master_weights"``), which 
 loads (``build_strategy(optimizer_state=...)``), so steps below bfloat16 resolution accumulate
 across iterations as they do within one. DeepSpeed keeps its own bf16 path (bfloat16 weights,
 float32 master partitions and AdamW state inside ZeRO).
+
+DeepSpeed across iterations: ``DeepSpeedStrategy.save_state`` writes the ZeRO state with
+DeepSpeed's own sharded checkpoint (``engine.save_checkpoint``: every rank its partition of the
+float32 master weights and the AdamW moments, rank 0 the module states), and the next update
+loads it (``deepspeed_state``: ``engine.load_checkpoint`` with the optimizer states), so AdamW
+and, in bf16, the float32 masters continue across iterations as in one process. A state is
+continued only by the same world size, ZeRO stage and dtype (``check_deepspeed_state``), and only
+from the weights it was saved with (the local weight partitions before and after the load must
+agree).
 """
 from __future__ import annotations
 
@@ -198,13 +207,70 @@ def check_master_weights(params: dict[str, torch.Tensor], saved: dict[str, torch
                              "this optimizer state belongs to another checkpoint")
 
 
+@dataclass(frozen=True)
+class DeepSpeedCheckpoint:
+    """A ZeRO state saved by ``DeepSpeedStrategy.save_state`` (DeepSpeed's sharded checkpoint
+    format) and what it was saved under.
+
+    Attributes:
+        folder: local folder given to ``engine.save_checkpoint`` (holds ``latest`` and ``{tag}/``).
+        tag: the checkpoint tag inside ``folder``.
+        world_size: data-parallel ranks that wrote it (one ZeRO partition file each).
+        zero_stage: the ZeRO stage it was written under (1, 2 or 3).
+        bf16: whether it was written in DeepSpeed's bf16 mode (float32 master partitions of
+            bfloat16 weights).
+        source: what to name in errors (the optimizer stage's URI).
+    """
+
+    folder: str
+    tag: str
+    world_size: int
+    zero_stage: int
+    bf16: bool
+    source: str
+
+
+class DeepSpeedStateError(ValueError):
+    """A saved ZeRO state this DeepSpeed update cannot continue: another world size, ZeRO stage
+    or dtype, the state of other weights, a single-process ``optimizer.pt`` handed to DeepSpeed
+    or a ZeRO state handed to a single-process update."""
+
+
+def check_deepspeed_state(state: DeepSpeedCheckpoint, *, world_size: int, zero_stage: int, bf16: bool) -> None:
+    """Refuse to continue ``state`` under another world size, ZeRO stage or dtype: DeepSpeed
+    loads a ZeRO checkpoint's partitions only into the layout that wrote them (its universal
+    checkpoint, which re-partitions, is not used here).
+
+    Raises:
+        DeepSpeedStateError: names ``state.source``, the saved and the current value, and how
+            to go on.
+    """
+    how = ("keep runners.ppo_update.nproc_per_node (and --nnodes) and update.deepspeed as they were for this run, or "
+           "start a new run root from this checkpoint's weights (its policy/ folder as policy.path)")
+    if state.world_size != world_size:
+        raise DeepSpeedStateError(f"{state.source}: this DeepSpeed optimizer state was saved by {state.world_size} "
+                                  f"ranks but this update runs on {world_size}: ZeRO partitions cannot be re-split "
+                                  f"between world sizes; {how}")
+    if state.zero_stage != zero_stage:
+        raise DeepSpeedStateError(f"{state.source}: this DeepSpeed optimizer state was saved under ZeRO stage "
+                                  f"{state.zero_stage} but this update runs ZeRO stage {zero_stage}; {how}")
+    if state.bf16 != bf16:
+        saved, now = ("bfloat16" if state.bf16 else "float32"), ("bfloat16" if bf16 else "float32")
+        raise DeepSpeedStateError(f"{state.source}: this DeepSpeed optimizer state was saved by a {saved} model but "
+                                  f"this update trains a {now} model (policy.dtype changed); {how}")
+
+
 def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspeed: DeepSpeedConfig | None = None,
                    optimizer_state: str | None = None, device: torch.device | None = None,
-                   compute_dtype: str | torch.dtype | None = None) -> "SingleProcess | DeepSpeedStrategy":
+                   compute_dtype: str | torch.dtype | None = None,
+                   deepspeed_state: DeepSpeedCheckpoint | None = None,
+                   keeps_deepspeed_state: bool = False) -> "SingleProcess | DeepSpeedStrategy":
     """The strategy that trains ``model``.
 
-    DeepSpeed ZeRO when ``deepspeed`` is set: it places the model on its rank's device, starts
-    AdamW afresh and trains a bfloat16 model with its own bf16 mode (float32 master partitions).
+    DeepSpeed ZeRO when ``deepspeed`` is set: it places the model on its rank's device, trains a
+    bfloat16 model with its own bf16 mode (float32 master partitions) and continues the ZeRO
+    state ``deepspeed_state`` (AdamW moments and float32 master partitions, with the configured
+    learning rate and clipping; None: AdamW starts afresh, the masters from the loaded weights).
     Otherwise one process with the model on ``device`` (default ``default_device()``) and AdamW
     continued from ``optimizer_state`` (a folder holding ``optimizer.pt``; None: fresh), with the
     configured learning rate. A bfloat16 model trains in mixed precision (``MasterWeights``, module
@@ -215,18 +281,32 @@ def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspee
         compute_dtype: the dtype name (``"bfloat16"``, ``"float32"``, ``"auto"``) or torch dtype
             the model was loaded in; None: ``compute_dtype_of(model)``. bfloat16 on a float32
             model is plain automatic mixed precision (float32 weights, bfloat16 autocast).
+        keeps_deepspeed_state: the caller saves this DeepSpeed update's state for the next one
+            (``DeepSpeedStrategy.save_state``; the policy update does). False (the critic): a
+            bfloat16 model gets a warning that its float32 masters end with this update.
     Raises:
         ValueError: float16 compute, a 16-bit model with another compute dtype, or saved master
             weights of another checkpoint (named).
+        DeepSpeedStateError: ``deepspeed_state`` without ``deepspeed``, ``optimizer_state`` with
+            it, or a ZeRO state this update cannot continue (``check_deepspeed_state``, or the
+            state of other weights).
     """
     if deepspeed is not None:
-        if compute_dtype_of(model) == torch.bfloat16:
+        if optimizer_state is not None:
+            raise DeepSpeedStateError(f"{optimizer_state}: a single-process AdamW state (optimizer.pt) cannot be "
+                                      "continued by a DeepSpeed update; keep update.deepspeed the same across a run")
+        if compute_dtype_of(model) == torch.bfloat16 and not keeps_deepspeed_state:
             log.warning("DeepSpeed bf16: the float32 master weights live inside ZeRO for this update only; the "
                         "next iteration starts from the bfloat16 checkpoint (steps below bfloat16 resolution within "
                         "one iteration are kept, across iterations they are rounded away)")
         return DeepSpeedStrategy(model, zero_stage=deepspeed.zero_stage, lr=optim.lr, betas=optim.betas,
                                  weight_decay=optim.weight_decay, max_grad_norm=optim.max_grad_norm,
-                                 offload_optimizer=deepspeed.offload_optimizer, torch_adam=deepspeed.torch_adam)
+                                 offload_optimizer=deepspeed.offload_optimizer, torch_adam=deepspeed.torch_adam,
+                                 state=deepspeed_state)
+    if deepspeed_state is not None:
+        raise DeepSpeedStateError(f"{deepspeed_state.source}: a DeepSpeed ZeRO optimizer state cannot be continued "
+                                  "by a single-process update (update.deepspeed is not set); keep update.deepspeed "
+                                  "the same across a run")
     loaded = compute_dtype_of(model)
     dtype = torch_dtype(compute_dtype) if isinstance(compute_dtype, str) else (compute_dtype or loaded)
     if loaded in HALF_DTYPES and dtype != loaded:
@@ -379,24 +459,84 @@ class DeepSpeedStrategy:
     """DeepSpeed ZeRO over the ranks of this job (see the module docstring).
 
     ``model`` is the DeepSpeed engine (call it like the module); ``full_state_dict()`` gathers the
-    weights (on rank 0 for ZeRO-3).
+    weights (on rank 0 for ZeRO-3); ``save_state`` writes the ZeRO state (AdamW moments, float32
+    master partitions) that the next update continues (``state``).
+
+    Raises:
+        DeepSpeedStateError: ``state`` cannot be continued here (``load_state``).
     """
 
     def __init__(self, model: torch.nn.Module, *, zero_stage: int, lr: float, betas: tuple[float, float],
                  weight_decay: float, max_grad_norm: float, offload_optimizer: bool = False,
-                 torch_adam: bool = True) -> None:
+                 torch_adam: bool = True, state: DeepSpeedCheckpoint | None = None) -> None:
         import deepspeed
         import torch.distributed as dist
 
         self.rank, self.world_size = init_distributed()
         self.zero_stage = zero_stage
-        bf16 = next(model.parameters()).dtype == torch.bfloat16
+        self.bf16 = next(model.parameters()).dtype == torch.bfloat16
+        if state is not None:  # before the engine partitions anything: a mismatch fails fast
+            check_deepspeed_state(state, world_size=self.world_size, zero_stage=zero_stage, bf16=self.bf16)
         cfg = deepspeed_config(zero_stage=zero_stage, lr=lr, betas=betas, weight_decay=weight_decay,
                                max_grad_norm=max_grad_norm, offload_optimizer=offload_optimizer, torch_adam=torch_adam,
-                               bf16=bf16)
+                               bf16=self.bf16)
+        # frozen weights (a LoRA base) come from the policy checkpoint: not written again into each state
+        self._frozen = any(not p.requires_grad for p in model.parameters())
         params = [p for p in model.parameters() if p.requires_grad]
         self.model, self.optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
         self._dist = dist
+        if state is not None:
+            self.load_state(state, lr=lr, max_grad_norm=max_grad_norm)
+
+    def save_state(self, folder: str, tag: str) -> None:
+        """Write the ZeRO state with DeepSpeed's ``engine.save_checkpoint(folder, tag=tag)`` (a
+        collective: call it on every rank): each rank writes its partition of the float32 master
+        weights and AdamW moments (``{tag}/[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt``),
+        rank 0 (every rank under ZeRO-3) the module states, rank 0 ``latest``. Frozen weights are
+        left out. ``folder`` must be one shared folder, or one folder per rank that the caller
+        merges."""
+        self.model.save_checkpoint(folder, tag=tag, save_latest=True, exclude_frozen_parameters=self._frozen)
+
+    def _local_fingerprint(self) -> torch.Tensor:
+        """(number of trainable parameters, 2) float64: sum and sum of squares of this rank's
+        copy of each trainable weight (its partition under ZeRO-3)."""
+        rows = []
+        for p in self.model.module.parameters():
+            if not p.requires_grad:
+                continue
+            t = (p.ds_tensor if hasattr(p, "ds_tensor") else p).detach().double()
+            rows.append(torch.stack([t.sum(), t.square().sum()]))
+        return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
+
+    def load_state(self, state: DeepSpeedCheckpoint, *, lr: float, max_grad_norm: float) -> None:
+        """Continue the saved ZeRO state ``state`` with DeepSpeed's ``engine.load_checkpoint``
+        (optimizer states on: AdamW moments and steps, float32 master partitions; the module
+        states it saved come along and must equal the weights already loaded), then apply this
+        update's learning rate and clipping (the other AdamW settings stay those of the state, as
+        in ``restore_optimizer_state``). A collective: every rank calls it.
+
+        Raises:
+            DeepSpeedStateError: another world size, ZeRO stage or dtype
+                (``check_deepspeed_state``); the checkpoint's files are not in ``state.folder``; or
+                its weights are not the loaded ones (the state of another checkpoint), on every rank.
+        """
+        check_deepspeed_state(state, world_size=self.world_size, zero_stage=self.zero_stage, bf16=self.bf16)
+        before = self._local_fingerprint()
+        load_path, _ = self.model.load_checkpoint(state.folder, tag=state.tag, load_module_strict=not self._frozen,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=False)
+        if load_path is None:
+            raise DeepSpeedStateError(f"{state.source}: DeepSpeed found no checkpoint with tag {state.tag!r} in "
+                                      f"{state.folder}")
+        mismatched = int((self._local_fingerprint() != before).any(dim=1).sum())
+        mismatched = int(self.all_reduce_sum([float(mismatched)])[0])
+        if mismatched:
+            raise DeepSpeedStateError(f"{state.source}: this DeepSpeed optimizer state holds other weights than the "
+                                      f"checkpoint this update loaded ({mismatched} weight partition(s) differ): it "
+                                      "belongs to another checkpoint")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if hasattr(self.optimizer, "clip_grad"):  # ZeRO keeps the saved clipping; this update's applies
+            self.optimizer.clip_grad = max_grad_norm
 
     def training(self) -> ContextManager[None]:
         """Nothing to do: DeepSpeed's bf16 mode keeps its own float32 master weights."""

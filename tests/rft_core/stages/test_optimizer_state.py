@@ -1,6 +1,8 @@
 """The policy's AdamW state as its own stage (rft_core.stages.optimizer_state): written in the
 background and committed after the update, loaded and hashed by the next update, recomputed
-exactly when its write was lost, reported when it failed."""
+exactly when its write was lost, reported when it failed; a DeepSpeed update's (ZeRO partitions)
+is required like any other and continued only by a DeepSpeed update (the 2-rank runs are in
+tests/rft_core/training/test_deepspeed_update.py)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +19,8 @@ from rft_core.stages import optimizer_state as opt_state
 from rft_core.stages.contracts import AdvantagesInput, PPOUpdateInput, PromptsInput, RewardsInput, RolloutInput
 from rft_core.stages.retention import CheckpointPrunedError
 from rft_core.training.checkpoint import OPTIMIZER_FILE
-from schemas import prune_files, read_manifest, read_shard, stage_uri
+from rft_core.training.strategy import DeepSpeedStateError
+from schemas import commit_files, prune_files, read_manifest, read_shard, stage_uri
 from tests.flows.conftest import _fake_score
 
 
@@ -131,3 +134,36 @@ def test_a_failed_background_write_is_reported_once_then_recomputed(cfg, tmp_pat
     monkeypatch.setattr(opt_state.torch, "save", real_save)
     assert _update(cfg, root, 1, cfg.policy.path) == u1
     assert read_manifest(uri)[0].summary["recovered"] is True
+
+
+def _committed_stage(uri: str, stage: str, summary: dict):
+    Path(uri).mkdir(parents=True)
+    return commit_files(uri, stage=stage, config_hash="h", files=[], summary=summary)
+
+
+def test_a_deepspeed_update_without_its_state_is_missing_never_restarted(tmp_path):
+    """A DeepSpeed update has an optimizer stage like any other (its ZeRO partitions): one that
+    never committed (a job killed before rank 0's manifest, or a run written before DeepSpeed kept
+    its state) is reported missing, and the next update refuses to start AdamW afresh."""
+    update = _committed_stage(str(tmp_path / "iter=000001" / "ppo_update"), "ppo_update",
+                              {"world_size": 2, "zero_stage": 2})
+    assert opt_state.optimizer_state_missing(update)  # so resuming that iteration recomputes it
+    with pytest.raises(opt_state.OptimizerStateError, match="ppo_update-optimizer: .*never committed.*Rerun the training"):
+        opt_state.optimizer_state_ref(update)
+
+
+def test_an_optimizer_state_is_continued_only_by_the_kind_of_update_that_wrote_it(tmp_path):
+    torch_state = _committed_stage(str(tmp_path / "a-optimizer"), "optimizer_state", {"seconds": 0.1})
+    zero_state = _committed_stage(str(tmp_path / "b-optimizer"), "optimizer_state",
+                                  {"format": "deepspeed", "tag": "zero", "world_size": 2, "zero_stage": 3, "bf16": False})
+    with pytest.raises(DeepSpeedStateError, match=f"{tmp_path}/a-optimizer: .*written by a single-process update and "
+                                                  "cannot be continued by a DeepSpeed update"):
+        opt_state.saved_optimizer_state(torch_state, deepspeed=True)
+    with pytest.raises(DeepSpeedStateError, match=f"{tmp_path}/b-optimizer: .*written by a DeepSpeed update and "
+                                                  "cannot be continued by a single-process update"):
+        opt_state.saved_optimizer_state(zero_state, deepspeed=False)
+    assert opt_state.saved_optimizer_state(None, deepspeed=True) == (None, None)
+    saved = opt_state.deepspeed_checkpoint(zero_state, "/local/copy")
+    assert (saved.folder, saved.tag, saved.world_size, saved.zero_stage, saved.bf16, saved.source) == (
+        "/local/copy", "zero", 2, 3, False, zero_state.uri)
+    assert opt_state.deepspeed_checkpoint(torch_state, "/x") is None

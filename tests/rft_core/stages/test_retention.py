@@ -208,3 +208,28 @@ def test_the_last_checkpoint_stays_whole_between_checkpoints(tmp_path):
     assert pruned_files(refs[8].uri) == {}
     assert set(pruned_files(refs[4].uri)) == {"policy/model.safetensors", "policy/optimizer.pt"}
     assert all(pruned_files(refs[i].uri) == {} for i in (1, 2, 3, 5, 6, 7, 9, 10))  # nothing to prune there
+
+
+def test_a_deepspeed_optimizer_stage_is_pruned_whole(tmp_path):
+    """DeepSpeed's optimizer stage holds partitions, not optimizer.pt: past keep_last all of it goes,
+    and loading it afterwards names it as pruned."""
+    root = str(tmp_path / "run")
+    for i in (1, 2):
+        _checkpoint_stage(root, i)
+        uri = stage_uri(root, i, "ppo_update-optimizer")
+        files = {"latest": b"global_step1", "zero/global_step1/zero_pp_rank_0_mp_rank_00_optim_states.pt": b"o" * 300,
+                 "zero/global_step1/mp_rank_00_model_states.pt": b"m" * 100}
+        for rel, data in files.items():
+            Path(uri, rel).parent.mkdir(parents=True, exist_ok=True)
+            Path(uri, rel).write_bytes(data)
+        commit_files(uri, stage="optimizer_state", config_hash=f"o{i}", files=sorted(files),
+                     summary={"format": "deepspeed"})
+    apply_retention(root, 2, CheckpointConfig(keep_last=1, prune="optimizer"))
+    opt1 = stage_uri(root, 1, "ppo_update-optimizer")
+    assert set(pruned_files(opt1)) == {"latest", "zero/global_step1/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                       "zero/global_step1/mp_rank_00_model_states.pt"}
+    assert not Path(opt1, "latest").exists() and Path(stage_uri(root, 2, "ppo_update-optimizer"), "latest").exists()
+    from rft_core.stages.optimizer_state import optimizer_state_dir
+
+    with pytest.raises(CheckpointPrunedError, match="ppo_update-optimizer"):
+        optimizer_state_dir(committed_ref(opt1, stage="optimizer_state", config_hash="o1", check_files=False))

@@ -1,7 +1,15 @@
 """DeepSpeed ZeRO 1/2/3 on CPU with 2 ranks (torchrun, gloo, torch AdamW), through the shared
 training loop: the policy update's and the critic update's losses of every step and their final
-weights match the single-process update on the same data."""
+weights match the single-process update on the same data. The policy update keeps its ZeRO state
+(AdamW moments and float32 master partitions, DeepSpeed's sharded checkpoint) in its optimizer
+stage: 3 iterations, each a torchrun job starting from the previous one's committed policy and
+optimizer stage, end with the single-process weights; a lost state is recomputed when its update
+is resumed, another world size is refused by name, and bf16 masters carry over exactly."""
 from __future__ import annotations
+
+import contextlib
+import shutil
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -13,12 +21,37 @@ from rft_core.config import CriticConfig, DeepSpeedConfig, KLConfig, RunnerConfi
 from rft_core.models.critic import load_critic  # noqa: E402
 from rft_core.models.loading import load_causal_lm  # noqa: E402
 from rft_core.models.logprobs import batched_response_logprobs  # noqa: E402
+from rft_core.stages import optimizer_state as opt_state  # noqa: E402
 from rft_core.stages.contracts import CriticUpdateInput, PPOUpdateInput  # noqa: E402
-from rft_core.stages.runner import run_stage  # noqa: E402
-from schemas import read_manifest, read_shard, write_shard  # noqa: E402
-from schemas.columns import ADVANTAGES, CRITIC_VALUES, ROLLOUT, single_turn_columns  # noqa: E402
+from rft_core.stages.runner import StageProcessError, run_stage  # noqa: E402
+from rft_core.training.strategy import (  # noqa: E402
+    DeepSpeedCheckpoint,
+    DeepSpeedStateError,
+    OptimizerSettings,
+    build_strategy,
+    check_deepspeed_state,
+)
+from schemas import commit_files, read_manifest, read_shard, write_shard  # noqa: E402
+from schemas.columns import ADVANTAGES, CRITIC_VALUES, OPTIMIZER_STATE, ROLLOUT, single_turn_columns  # noqa: E402
 
 RUNNER = RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+ITERATIONS = 3
+# what the removed warnings said; neither may appear in a DeepSpeed update's log any more
+STALE_WARNINGS = ("starts AdamW afresh", "master weights live inside ZeRO for this update only")
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Torch on one thread, as in the ranks (RUNNER's OMP_NUM_THREADS=1): CPU kernels round
+    differently with another thread count, and AdamW turns that into weight differences of
+    ~7e-6 after 4 steps where a weight's micro-batch gradients nearly cancel (measured: 2
+    threads 7.0e-6, 1 thread 1.2e-7, on the ZeRO-2 update of this file)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +78,9 @@ def update_inputs(tiny_model, tmp_path_factory):
     a = write_shard(advantages, str(root / "advantages"), schema=ADVANTAGES, config_hash="a")
     # 2 epochs of mini-batches of 5 in micro-batches of 2: 3 micro-batches per step over 2 ranks
     cfg = UpdateConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, max_grad_norm=1.0)
-    single = run_stage(PPOUpdateInput(rollout=r, advantages=a, policy=tiny_model, update=cfg, kl=KLConfig(), temperature=1.0,
-                                      out=str(root / "single")))
+    with one_thread():  # the kernels of the ranks (OMP_NUM_THREADS=1)
+        single = run_stage(PPOUpdateInput(rollout=r, advantages=a, policy=tiny_model, update=cfg, kl=KLConfig(),
+                                          temperature=1.0, out=str(root / "single")))
     return root, r, a, cfg, single
 
 
@@ -54,26 +88,178 @@ def _weights(uri):
     return load_causal_lm(f"{uri}/policy").state_dict()
 
 
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _update(update_inputs, policy, cfg: UpdateConfig, out: str, runner: RunnerConfig | None = None,
+            lines: list[str] | None = None, **kw):
+    root, r, a = update_inputs[:3]
+    inp = PPOUpdateInput(rollout=r, advantages=a, policy=policy, update=cfg, kl=KLConfig(), temperature=1.0,
+                         out=str(root / out), **kw)
+    return run_stage(inp, runner, log=(lines.append if lines is not None else None))
+
+
+def _ds(cfg: UpdateConfig, zero_stage: int) -> UpdateConfig:
+    return cfg.model_copy(update={"deepspeed": DeepSpeedConfig(zero_stage=zero_stage)})
+
+
+@pytest.fixture(scope="module")
+def single_chain(update_inputs):
+    """ITERATIONS single-process updates on the same shards, each from the previous one's policy and
+    optimizer stage (the first is the fixture's update)."""
+    cfg, chain = update_inputs[3], [update_inputs[4]]
+    with one_thread():
+        for i in range(2, ITERATIONS + 1):
+            chain.append(_update(update_inputs, chain[-1], cfg, f"single{i}"))
+    return chain
+
+
+@pytest.fixture(scope="module")
+def ds_chain(update_inputs, tiny_model):
+    """ZeRO stage -> (refs, log lines of each update): ITERATIONS DeepSpeed updates on 2 ranks, each a
+    torchrun job from the previous one's committed policy and optimizer stage; each chain built once."""
+    built: dict[int, tuple[list, list[list[str]]]] = {}
+
+    def chain(zero_stage: int):
+        if zero_stage not in built:
+            refs, logs, policy = [], [], tiny_model
+            for i in range(1, ITERATIONS + 1):
+                lines: list[str] = []
+                policy = _update(update_inputs, policy, _ds(update_inputs[3], zero_stage), f"zero{zero_stage}-{i}",
+                                 RUNNER, lines)
+                refs.append(policy)
+                logs.append(lines)
+            built[zero_stage] = (refs, logs)
+        return built[zero_stage]
+
+    return chain
+
+
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_zero_two_ranks_match_single_process(update_inputs, tiny_model, zero_stage):
-    root, r, a, cfg, single = update_inputs
-    ds_cfg = cfg.model_copy(update={"deepspeed": DeepSpeedConfig(zero_stage=zero_stage)})
+def test_zero_two_ranks_three_iterations_match_single_process(update_inputs, single_chain, ds_chain, tiny_model,
+                                                              zero_stage):
+    refs, logs = ds_chain(zero_stage)
+    previous_opt = None
+    diffs = []
+    for i, (ref, want_ref, lines) in enumerate(zip(refs, single_chain, logs), start=1):
+        manifest, _ = read_manifest(ref.uri)
+        assert manifest.summary["world_size"] == 2 and manifest.summary["zero_stage"] == zero_stage
+        want, got = read_shard(want_ref.uri).to_pydict(), read_shard(ref.uri).to_pydict()
+        assert got["num_tokens"] == want["num_tokens"] and len(got["step"]) == 4
+        assert got["policy_loss"] == pytest.approx(want["policy_loss"], abs=1e-5), i
+        assert got["approx_kl"] == pytest.approx(want["approx_kl"], abs=1e-6), i
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), i
+        # the ZeRO state is the update's optimizer stage: one partition per rank, committed last
+        opt_manifest, opt_sha = read_manifest(opt_state.optimizer_state_uri(ref))
+        assert opt_manifest.stage == "optimizer_state" and opt_manifest.inputs == {"ppo_update": ref.manifest_sha256}
+        assert {k: opt_manifest.summary[k] for k in ("format", "world_size", "zero_stage", "bf16")} == {
+            "format": "deepspeed", "world_size": 2, "zero_stage": zero_stage, "bf16": False}
+        assert sorted(f.path for f in opt_manifest.files if f.path.endswith("optim_states.pt")) == [
+            f"zero/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+        # the next update started from it: its manifest sha256 is an input (and in the config hash)
+        assert manifest.inputs.get("optimizer") == previous_opt
+        previous_opt = opt_sha
+        assert not [line for line in lines if any(w in line for w in STALE_WARNINGS)]
+        diffs.append(_max_diff(_weights(ref.uri), _weights(want_ref.uri)))
+    init, last = load_causal_lm(tiny_model).state_dict(), _weights(single_chain[-1].uri)
+    assert _max_diff(last, init) > 1e-2  # 12 Adam steps of lr 1e-3 moved the weights
+    assert max(diffs) < 1e-6, diffs  # float rounding only, every iteration
+
+
+def test_a_restarted_adamw_would_not_match(update_inputs, single_chain):
+    """What the 1e-6 check above tells apart: iteration 2 with AdamW restarted (its policy given as
+    a plain folder: no optimizer state) ends far from the continued single-process iteration 2."""
+    with one_thread():
+        fresh = _update(update_inputs, f"{single_chain[0].uri}/policy", update_inputs[3], "single2-fresh")
+    assert _max_diff(_weights(fresh.uri), _weights(single_chain[1].uri)) > 1e-4
+
+
+def test_a_lost_deepspeed_state_is_recomputed_when_its_update_is_resumed(update_inputs, ds_chain, tiny_model):
+    refs, _ = ds_chain(2)
+    u1 = refs[0]
+    folder = Path(opt_state.optimizer_state_uri(u1))
+    committed = {f.path: f.sha256 for f in read_manifest(str(folder))[0].files}
+    (folder / "_MANIFEST.json").unlink()  # the job died before rank 0 committed the partitions
+    assert opt_state.optimizer_state_missing(u1)
+    with pytest.raises(opt_state.OptimizerStateError, match=f"{folder}.*never committed.*Rerun the training flow"):
+        opt_state.optimizer_state_ref(u1)  # what the next update would call: it cannot start without it
+    again = _update(update_inputs, tiny_model, _ds(update_inputs[3], 2), "zero2-1", RUNNER)  # the resume
+    assert again == u1  # the committed update is reused, untouched
+    manifest, _ = read_manifest(str(folder))
+    assert manifest.summary["recovered"] is True and manifest.summary["weights_match"] is True
+    assert {f.path: f.sha256 for f in manifest.files} == committed  # every partition bit-identical
+    assert len(committed) >= 4  # the two partitions, the module states, `latest`, ...
+
+
+def test_another_world_size_is_refused_by_name(update_inputs, ds_chain):
+    refs, _ = ds_chain(1)
     lines: list[str] = []
-    ref = run_stage(PPOUpdateInput(rollout=r, advantages=a, policy=tiny_model, update=ds_cfg, kl=KLConfig(), temperature=1.0,
-                                   out=str(root / f"zero{zero_stage}")), RUNNER, log=lines.append)
-    manifest, _ = read_manifest(ref.uri)
-    assert manifest.summary["world_size"] == 2 and manifest.summary["zero_stage"] == zero_stage
-    want = read_shard(single.uri).to_pydict()
-    got = read_shard(ref.uri).to_pydict()
-    assert got["num_tokens"] == want["num_tokens"] and len(got["step"]) == 4
-    assert got["policy_loss"] == pytest.approx(want["policy_loss"], abs=1e-5)
-    assert got["approx_kl"] == pytest.approx(want["approx_kl"], abs=1e-6)
-    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
-    assert want["approx_kl"][-1] > 0  # the policy did move between steps
-    w0, w1, init = _weights(single.uri), _weights(ref.uri), load_causal_lm(tiny_model).state_dict()
-    moved = max((w0[k] - init[k]).abs().max().item() for k in w0)
-    diff = max((w1[k] - w0[k]).abs().max().item() for k in w0)
-    assert moved > 1e-3 and diff < 1e-5, (moved, diff)  # 4 Adam steps of lr 1e-3 vs ~1e-6 rounding (measured)
+    one_rank = RUNNER.model_copy(update={"nproc_per_node": 1})
+    with pytest.raises(StageProcessError):
+        _update(update_inputs, refs[0], _ds(update_inputs[3], 1), "zero1-one-rank", one_rank, lines)
+    assert any("saved by 2 ranks but this update runs on 1" in line for line in lines), lines[-20:]
+    assert not Path(update_inputs[0] / "zero1-one-rank" / "_MANIFEST.json").exists()
+
+
+def test_the_state_of_other_weights_is_refused(update_inputs, ds_chain, tmp_path):
+    """ZeRO-3: iteration 1's optimizer stage replaced by iteration 2's state (re-committed, so every
+    checksum holds): the update from iteration 1's policy refuses it (its weight partitions differ
+    from the loaded ones) instead of training on from other weights."""
+    refs, _ = ds_chain(3)
+    u1, u2 = refs[0], refs[1]
+    folder, donor = Path(opt_state.optimizer_state_uri(u1)), Path(opt_state.optimizer_state_uri(u2))
+    summary = read_manifest(str(donor))[0].summary
+    shutil.rmtree(folder)
+    shutil.copytree(donor, folder)
+    (folder / "_MANIFEST.json").unlink()
+    commit = opt_state.optimizer_commit(u1)
+    commit_files(str(folder), stage=commit.stage, config_hash=commit.config_hash, inputs={"ppo_update": u1},
+                 summary=summary, schema=OPTIMIZER_STATE, contract=commit.contract)
+    lines: list[str] = []
+    with pytest.raises(StageProcessError):
+        _update(update_inputs, u1, _ds(update_inputs[3], 3), "zero3-2-other", RUNNER, lines)
+    assert any("holds other weights than the checkpoint this update loaded" in line for line in lines), lines[-20:]
+
+
+def test_deepspeed_state_checks_name_both_sides(tmp_path):
+    saved = DeepSpeedCheckpoint(folder=str(tmp_path), tag="zero", world_size=2, zero_stage=2, bf16=False,
+                                source="run/iter=000001/ppo_update-optimizer")
+    check_deepspeed_state(saved, world_size=2, zero_stage=2, bf16=False)  # the same layout: continued
+    with pytest.raises(DeepSpeedStateError, match=r"ppo_update-optimizer: .*saved by 2 ranks but this update runs on 4"):
+        check_deepspeed_state(saved, world_size=4, zero_stage=2, bf16=False)
+    with pytest.raises(DeepSpeedStateError, match="saved under ZeRO stage 2 but this update runs ZeRO stage 3"):
+        check_deepspeed_state(saved, world_size=2, zero_stage=3, bf16=False)
+    with pytest.raises(DeepSpeedStateError, match="saved by a float32 model but this update trains a bfloat16 model"):
+        check_deepspeed_state(saved, world_size=2, zero_stage=2, bf16=True)
+    model = torch.nn.Linear(2, 2)
+    settings = OptimizerSettings(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
+    with pytest.raises(DeepSpeedStateError, match="cannot be continued by a single-process update"):
+        build_strategy(model, optim=settings, deepspeed_state=saved)
+    with pytest.raises(DeepSpeedStateError, match="cannot be continued by a DeepSpeed update"):
+        build_strategy(model, optim=settings, deepspeed=DeepSpeedConfig(zero_stage=2), optimizer_state=str(tmp_path))
+
+
+def test_bf16_masters_are_continued_not_rounded(update_inputs, tiny_model):
+    """DeepSpeed bf16: the float32 master partitions of iteration 1 (read back with DeepSpeed's
+    zero_to_fp32) round to its bfloat16 checkpoint but hold more; iteration 2, at a learning rate
+    too small to move any of them (1e-30), ends with them unchanged, not with their rounding."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    cfg = _ds(update_inputs[3], 2)
+    lines: list[str] = []
+    u1 = _update(update_inputs, tiny_model, cfg, "bf16-1", RUNNER, lines, dtype="bfloat16")
+    u2 = _update(update_inputs, u1, cfg.model_copy(update={"lr": 1e-30}), "bf16-2", RUNNER, lines, dtype="bfloat16")
+    assert not [line for line in lines if any(w in line for w in STALE_WARNINGS)]
+    assert read_manifest(opt_state.optimizer_state_uri(u2))[0].summary["bf16"] is True
+    m1, m2 = (get_fp32_state_dict_from_zero_checkpoint(opt_state.optimizer_state_uri(u), tag="zero") for u in (u1, u2))
+    w1 = _weights(u1.uri)
+    assert m1.keys() == m2.keys() and set(m1) <= set(w1) and m1["lm_head.weight"].dtype == torch.float32
+    assert all(torch.equal(m1[k].bfloat16(), w1[k].bfloat16()) for k in m1)  # the checkpoint is their rounding
+    assert _max_diff(m1, {k: v.bfloat16() for k, v in m1.items()}) > 1e-5  # ... and they hold more than it
+    assert _max_diff(m2, m1) < 1e-12  # continued exactly (a restart from the rounding would be off by > 1e-5)
+    assert all(torch.equal(m2[k].bfloat16(), v.bfloat16()) for k, v in _weights(u2.uri).items() if k in m2)
 
 
 def test_critic_update_under_zero2_on_two_ranks_matches_one_process(update_inputs, tiny_model):
