@@ -218,22 +218,32 @@ def kl_shaped_token_rewards(
 
 
 def discounted_returns(token_rewards: torch.Tensor, action_mask: torch.Tensor, *, gamma: float) -> torch.Tensor:
-    """G_t = sum_{k >= t, k unmasked} gamma^(k - t) r_k, the reverse discounted cumulative sum.
+    """G_t = sum_{k >= t, k unmasked} gamma^(n(t, k)) r_k, the reverse discounted cumulative sum
+    over the action tokens, n(t, k) = the number of unmasked positions in (t, k].
 
-    Masked positions contribute nothing and get G = 0; the discount counts every position
-    (responses are right-padded, so masked positions only ever follow the response).
+    The discount counts actions, not positions: a masked position inside a response (an
+    observation token of a multi-turn row, action_mask False there) neither discounts nor resets
+    the return; it passes G through to the action before it and gets G = 0 itself. This is the
+    rule of verl's ``compute_gae_advantage_return`` ("skip values and TD-error on observation
+    tokens", ``verl/trainer/ppo/core_algos.py``), here for the returns of REINFORCE++ (Hu 2025,
+    arXiv:2501.03262, sec. 3: G_t = sum_{k >= t} gamma^(k - t) r_k over the model's actions).
+    verl's REINFORCE++ returns reset G at a masked position ("Reset after EOS") and OpenRLHF's
+    ``get_cumulative_returns`` discounts through it; both agree with this function on
+    right-padded rows, the only masks either was written for. (Before issue 29 every position
+    counted in the power of gamma.)
 
     Args:
         token_rewards: (B, T) float.
         action_mask: (B, T) bool.
+        gamma: the discount per action token.
     Returns:
-        (B, T) returns.
+        (B, T) returns, 0 where action_mask is False.
     """
     r = torch.where(action_mask, token_rewards, _zeros_like_mask(action_mask, token_rewards.dtype))
     out = torch.zeros_like(r)
     running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
     for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
+        running = torch.where(action_mask[:, t], r[:, t] + gamma * running, running)
         out[:, t] = running
     return torch.where(action_mask, out, torch.zeros_like(out))
 
@@ -358,16 +368,29 @@ def gae_advantages(
     token_rewards: torch.Tensor | None = None,
     gamma: float = 1.0,
     gae_lambda: float = 0.95,
+    whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438, eq. 16).
 
     delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lambda A_{t+1};  returns = A + V.
     V after the last response token is 0 (the episode ends). Values at masked positions are
-    replaced by 0 first, so whatever the critic put there cannot leak into the result.
+    replaced by 0 first, so whatever the critic put there cannot leak into the result; a masked
+    position inside a response (an observation token) is skipped, as in verl.
+
+    ``whiten`` (default True): A <- (A - mean(A)) / sqrt(var(A) + 1e-8), mean and unbiased var
+    over every response token (action_mask True) of the batch the function is given (the
+    advantages stage gives it the whole rollout), as verl's ``compute_gae_advantage_return``
+    (``verl_F.masked_whiten(advantages, response_mask)``, always on, over the training batch of
+    the step) and OpenRLHF's ``compute_advantages_and_returns``
+    (``openrlhf/trainer/ppo_utils/experience_maker.py``: mean subtracted and divided by the std
+    over all action tokens of the rollout for gae, unless ``--algo.advantage.no_std_norm``; it
+    uses the population variance). The returns, the critic's targets, are A + V before
+    whitening, in both.
 
     Args:
         values: (B, T) critic values V(s_t) of the response tokens.
         token_rewards: (B, T); default: the outcome reward on the last response token.
+        whiten: whiten the advantages over the batch (``masked_whiten``).
     Returns:
         (advantages, returns), (B, T) each, zero where masked.
     """
@@ -386,7 +409,7 @@ def gae_advantages(
         next_adv = torch.where(m, cur, next_adv)
         next_v = torch.where(m, v[:, t], next_v)
     returns = torch.where(action_mask, adv + v, zeros)
-    return adv, returns
+    return _whiten_if(adv, action_mask, whiten, 1e-8), returns
 
 
 @ADVANTAGE_ESTIMATORS.register("cpgd", info=_OUTCOME_GROUP)

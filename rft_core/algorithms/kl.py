@@ -23,7 +23,13 @@ checks every entry exactly on a 4-way categorical in float64.
 
 All values are clamped to [-kl_clamp, kl_clamp] (default 10 nats) so that one token whose
 reference log-prob underflows cannot dominate the loss; k3's log_ratio is also clamped to
-[-20, 20] before the exp so it never overflows.
+[-20, 20] before the exp so it never overflows. For k1+ / k3+ (``kl_penalty``) the clamp acts on
+the value only; the gradient is k2's, d/dlog pi of 0.5 * log_ratio**2 = log_ratio, saturating at
++-kl_clamp (``_k2_gradient_carrier``). Clamping the k2 term itself (the code before issue 29)
+zeroed the gradient once 0.5 * log_ratio**2 > kl_clamp, i.e. |log_ratio| > sqrt(2 * kl_clamp)
+~ 4.47: the penalty let go exactly where the policy had drifted most. verl's ``kl_penalty``
+clamps no part of the straight-through k2 term (its gradient is log_ratio, unbounded); ours is
+the same up to |log_ratio| = kl_clamp and saturates beyond it.
 """
 from __future__ import annotations
 
@@ -119,6 +125,26 @@ def kl_k3_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tens
     return _straight_through(kl_k3(logprobs, ref_logprobs), kl_k2(logprobs, ref_logprobs))
 
 
+def _k2_gradient_carrier(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, action_mask: torch.Tensor, kl_clamp: float
+) -> torch.Tensor:
+    """A term whose value is exactly 0 and whose gradient w.r.t. ``logprobs`` is
+    clamp(log_ratio, -kl_clamp, kl_clamp) (0 where ``action_mask`` is False).
+
+    Up to |log_ratio| = kl_clamp that is the gradient of k2 = 0.5 * log_ratio**2, the
+    straight-through gradient of verl's ``kl_penalty`` (``verl/trainer/ppo/core_algos.py``,
+    ``backward_score = 0.5 * (logprob - ref_logprob).square()``); beyond it the gradient
+    saturates at +-kl_clamp (the gradient of a Huber loss with threshold kl_clamp) instead of
+    growing without bound on a token whose reference log-prob underflowed. The slope is a detached
+    factor, so the carrier stays finite (and its value exactly 0) whatever the reference
+    log-prob is, -inf included; ``ref_logprobs`` is treated as fixed data.
+    """
+    slope = (logprobs.detach() - ref_logprobs.detach()).clamp(-kl_clamp, kl_clamp)
+    slope = torch.where(action_mask, slope, torch.zeros_like(slope))
+    carrier = logprobs * slope
+    return carrier - carrier.detach()
+
+
 def kl_estimators_with_loss_gradient(gradient: str) -> list[str]:
     """Sorted names whose loss-mode expected gradient is ``gradient`` (``GRAD_*``)."""
     return [n for n in KL_ESTIMATORS if KL_ESTIMATORS.info(n).loss_gradient == gradient]
@@ -156,9 +182,11 @@ def kl_penalty(
 ) -> torch.Tensor:
     """Per-token KL estimate, clamped to [-kl_clamp, kl_clamp], zero where action_mask is False.
 
-    For a straight-through entry (k1+, k3+) the clamp applies to the value and, separately, to
-    the k2 term that carries the gradient, so its gradient is exactly that of
-    ``kl_penalty(..., estimator="k2")``.
+    For a straight-through entry (k1+, k3+; verl's ``kl_penalty``, names ending in "+") the clamp
+    applies to the value only. The gradient w.r.t. ``logprobs`` is k2's, log_ratio =
+    logprobs - ref_logprobs, up to |log_ratio| = kl_clamp and +-kl_clamp beyond it (saturating,
+    never 0; ``_k2_gradient_carrier``): at log_ratio 6 it is 6, at 12 it is 10 with the default
+    clamp. (Plain ``k2`` is clamped as a whole, value and gradient.)
 
     Args:
         logprobs: (B, T) float, log pi(a_t|s_t) of the policy.
@@ -172,8 +200,8 @@ def kl_penalty(
     """
     info = KL_ESTIMATORS.info(estimator)
     if info.straight_through:
-        value = KL_ESTIMATORS[info.value_of](logprobs.detach(), ref_logprobs).clamp(-kl_clamp, kl_clamp)
-        kl = _straight_through(value, kl_k2(logprobs, ref_logprobs).clamp(-kl_clamp, kl_clamp))
+        value = KL_ESTIMATORS[info.value_of](logprobs.detach(), ref_logprobs.detach()).clamp(-kl_clamp, kl_clamp)
+        kl = value + _k2_gradient_carrier(logprobs, ref_logprobs, action_mask, kl_clamp)
     else:
         kl = KL_ESTIMATORS[estimator](logprobs, ref_logprobs).clamp(-kl_clamp, kl_clamp)
     return torch.where(action_mask, kl, torch.zeros_like(kl))

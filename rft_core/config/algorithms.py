@@ -137,11 +137,14 @@ class CPGDAdvantage(_Frozen):
 
 
 class GAEAdvantage(_Frozen):
-    """GAE with a critic (needs the critic stage)."""
+    """GAE with a critic (needs the critic stage); advantages whitened over the rollout's response
+    tokens by default, as verl (``compute_gae_advantage_return``) and OpenRLHF do."""
 
     estimator: Literal["gae"] = "gae"
     gamma: float = Field(1.0, ge=0, le=1)
     gae_lambda: float = Field(0.95, ge=0, le=1)
+    whiten: bool = Field(True, description="(A - mean) / sqrt(var + 1e-8) over every response token of the rollout "
+                         "(verl, OpenRLHF); the returns stay unwhitened")
 
 
 ADVANTAGE_CONFIGS = (GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, ReinforceAdvantage, ReinforceBaselineAdvantage,

@@ -226,7 +226,9 @@ class AdvantagesInput(StageInput):
 
     program: ClassVar[str] = "advantages"
     stage: ClassVar[str] = "advantages"
-    version: ClassVar[int] = 2  # 2: the KL penalty of group-normalised estimators after normalisation (issue 16)
+    # 2: the KL penalty of group-normalised estimators after normalisation (issue 16); 3: gae advantages whitened
+    # by default (advantage.whiten), discounted returns count action tokens only (multi-turn, gamma < 1) (issue 29)
+    version: ClassVar[int] = 3
     config_paths: ClassVar[Mapping[str, str]] = {"kl": "kl", "advantage": "advantage", "shaping": "shaping",
                                                  "state": "initial_state", "max_new_tokens": "rollout.max_new_tokens"}
     rollout: ShardRef
@@ -275,8 +277,9 @@ class PPOUpdateInput(StageInput):
     program: ClassVar[str] = "ppo_update"
     stage: ClassVar[str] = "ppo_update"
     # 2: loss normalisers, dropout off, rollout correction (issue 16); 3: update.packing true, fused AdamW,
-    # old log-probs from the engine where on-policy (issue 19)
-    version: ClassVar[int] = 3
+    # old log-probs from the engine where on-policy (issue 19); 4: the k1+/k3+ KL loss keeps k2's gradient past
+    # |log pi - log ref| = sqrt(2 kl_clamp), saturating at kl_clamp (issue 29)
+    version: ClassVar[int] = 4
     unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer", "save_checkpoint"})
     config_paths: ClassVar[Mapping[str, str]] = {"update": "update", "kl": "kl", "policy": "policy.path",
                                                  "dtype": "policy.dtype", "temperature": "rollout.temperature"}

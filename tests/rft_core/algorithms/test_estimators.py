@@ -79,6 +79,66 @@ def test_discounted_returns_hand_and_loop():
             assert out[b, t].item() == pytest.approx(want, abs=1e-12)
 
 
+def _multi_turn_row():
+    # one multi-turn row: turn 1 = 3 action tokens, an observation of 2 tokens (action_mask False),
+    # turn 2 = 2 action tokens, then padding; and a plain right-padded row
+    mask = torch.tensor([[True, True, True, False, False, True, True, False],
+                         [True, True, True, True, False, False, False, False]])
+    tr = torch.tensor([[0.5, -0.25, 1.0, 7.0, -3.0, 0.125, 2.0, 9.0],
+                       [1.0, 0.0, -0.5, 4.0, 6.0, 6.0, 6.0, 6.0]], dtype=D)
+    return tr, mask
+
+
+def _returns_loop(tr, mask, gamma):
+    """Reference: discount over the action tokens only (observation tokens are not actions)."""
+    out = [[0.0] * mask.shape[1] for _ in range(mask.shape[0])]
+    for b in range(mask.shape[0]):
+        actions = [t for t in range(mask.shape[1]) if mask[b, t]]
+        for i, t in enumerate(actions):
+            out[b][t] = sum(gamma ** (j - i) * tr[b, actions[j]].item() for j in range(i, len(actions)))
+    return out
+
+
+def test_discounted_returns_skip_observation_tokens():
+    tr, mask = _multi_turn_row()
+    g = discounted_returns(tr, mask, gamma=0.5)
+    # row 0, actions at 0, 1, 2, 5, 6 with rewards 0.5, -0.25, 1, 0.125, 2 (7 and -3 are observation
+    # rewards, 9 is padding: ignored): G_6 = 2, G_5 = 0.125 + 0.5 * 2 = 1.125, G_2 = 1 + 0.5 * 1.125
+    # = 1.5625 (the observation neither discounts nor resets), G_1 = -0.25 + 0.78125 = 0.53125,
+    # G_0 = 0.5 + 0.265625 = 0.765625 (counting the observation positions in the powers of gamma,
+    # the code before issue 29, gave G_2 = 1 + 0.125 * 1.125 = 1.140625);
+    # row 1 (right-padded): G_3 = 4, G_2 = -0.5 + 2 = 1.5, G_1 = 0.75, G_0 = 1 + 0.375 = 1.375
+    assert g.tolist() == [[0.765625, 0.53125, 1.5625, 0.0, 0.0, 1.125, 2.0, 0.0],
+                          [1.375, 0.75, 1.5, 4.0, 0.0, 0.0, 0.0, 0.0]]
+    for gamma in (0.9, 0.37, 1.0):
+        got = discounted_returns(tr, mask, gamma=gamma)
+        for row, want in zip(got.tolist(), _returns_loop(tr, mask, gamma)):
+            assert row == pytest.approx(want, abs=1e-12), gamma
+    # random multi-turn masks (holes anywhere), float64 loop
+    gen = torch.Generator().manual_seed(11)
+    mask = torch.rand(9, 12, generator=gen) > 0.35
+    tr = torch.randn(9, 12, generator=gen, dtype=D)
+    got = discounted_returns(tr, mask, gamma=0.9)
+    want = _returns_loop(tr, mask, 0.9)
+    for b in range(9):
+        assert got[b].tolist() == pytest.approx(want[b], abs=1e-12), b
+
+
+def test_reinforce_pp_on_a_multi_turn_row():
+    # REINFORCE++ (gamma 0.5) on the multi-turn row: returns over actions, whitened over action tokens
+    tr, mask = _multi_turn_row()
+    adv, ret = reinforce_pp_advantages(torch.zeros(2, dtype=D), torch.tensor([0, 1]), mask, token_rewards=tr,
+                                       gamma=0.5, eps=1e-8)
+    want = _returns_loop(tr, mask, 0.5)
+    vals = [want[b][t] for b in range(2) for t in range(8) if mask[b, t]]
+    mean = sum(vals) / len(vals)
+    std = math.sqrt(sum((x - mean) ** 2 for x in vals) / (len(vals) - 1) + 1e-8)
+    for b in range(2):
+        assert ret[b].tolist() == pytest.approx(want[b], abs=1e-12)
+        assert adv[b].tolist() == pytest.approx([(want[b][t] - mean) / std if mask[b, t] else 0.0 for t in range(8)],
+                                                abs=1e-12)
+
+
 def test_reinforce_pp_whitens_over_batch():
     # outcome rewards 1 and 0 on rows of 2 tokens, gamma 1: G = [[1, 1], [0, 0]]
     # mean 0.5, unbiased var = 4 * 0.25 / 3 = 1/3 -> A = +-0.5 / sqrt(1/3) = +-0.8660
@@ -129,16 +189,65 @@ def test_gae_hand():
     # r = [0, 1], V = [0.5, 0.8], gamma 1, lambda 0.5
     # t=1: delta = 1 + 0 - 0.8 = 0.2, A_1 = 0.2;  t=0: delta = 0 + 0.8 - 0.5 = 0.3, A_0 = 0.3 + 0.5 * 0.2 = 0.4
     adv, ret = gae_advantages(torch.tensor([1.0], dtype=D), torch.tensor([0]), torch.ones(1, 2, dtype=torch.bool),
-                              values=torch.tensor([[0.5, 0.8]], dtype=D), gamma=1.0, gae_lambda=0.5)
+                              values=torch.tensor([[0.5, 0.8]], dtype=D), gamma=1.0, gae_lambda=0.5, whiten=False)
     torch.testing.assert_close(adv, torch.tensor([[0.4, 0.2]], dtype=D))
     torch.testing.assert_close(ret, torch.tensor([[0.9, 1.0]], dtype=D))
+    # whitened (the default, as verl and OpenRLHF): A = [0.4, 0.2], mean 0.3, unbiased var
+    # (0.01 + 0.01) / 1 = 0.02 -> A = +-0.1 / sqrt(0.02 + 1e-8) = +-0.70710661; returns unchanged
+    adv, ret2 = gae_advantages(torch.tensor([1.0], dtype=D), torch.tensor([0]), torch.ones(1, 2, dtype=torch.bool),
+                               values=torch.tensor([[0.5, 0.8]], dtype=D), gamma=1.0, gae_lambda=0.5)
+    s = 0.1 / math.sqrt(0.02 + 1e-8)
+    torch.testing.assert_close(adv, torch.tensor([[s, -s]], dtype=D), rtol=0, atol=1e-14)
+    assert torch.equal(ret2, ret)
+
+
+def test_gae_whitening_float64_loop():
+    # whiten over every response token of the batch: mean and unbiased var of the raw GAE
+    # advantages (verl: verl_F.masked_whiten(advantages, response_mask)); returns = raw A + V;
+    # multi-turn rows included (observation tokens skipped by the recurrence and the statistics)
+    gen, rewards, groups, mask = _rand(7, B=9, T=8)
+    mask[:3, 2:4] = False  # observation tokens inside three responses
+    mask[:3, 4:6] = True
+    values = torch.randn(mask.shape, generator=gen, dtype=D)
+    tr = torch.randn(mask.shape, generator=gen, dtype=D)
+    adv, ret = gae_advantages(rewards, groups, mask, values=values, token_rewards=tr, gamma=0.95, gae_lambda=0.9)
+    raw, ret_raw = gae_advantages(rewards, groups, mask, values=values, token_rewards=tr, gamma=0.95, gae_lambda=0.9,
+                                  whiten=False)
+    assert torch.equal(ret, ret_raw)
+    B, T = mask.shape
+    A = {}
+    for b in range(B):
+        a_next = v_next = 0.0
+        for t in reversed([t for t in range(T) if mask[b, t]]):
+            a_next = tr[b, t].item() + 0.95 * v_next - values[b, t].item() + 0.95 * 0.9 * a_next
+            v_next = values[b, t].item()
+            A[b, t] = a_next
+    mean = sum(A.values()) / len(A)
+    var = sum((a - mean) ** 2 for a in A.values()) / (len(A) - 1)
+    for b in range(B):
+        for t in range(T):
+            want = (A[b, t] - mean) / math.sqrt(var + 1e-8) if mask[b, t] else 0.0
+            assert adv[b, t].item() == pytest.approx(want, abs=1e-12), (b, t)
+            assert raw[b, t].item() == pytest.approx(A.get((b, t), 0.0), abs=1e-12)
+            assert ret[b, t].item() == pytest.approx(A[b, t] + values[b, t].item() if mask[b, t] else 0.0, abs=1e-12)
+    assert abs(mean) > 1e-3 and abs(var - 1) > 1e-2  # so the whitening is visible
+
+
+def test_gae_whiten_is_a_config_key_defaulting_to_the_peers():
+    from rft_core.config import TrainConfig, estimator_kwargs
+
+    cfg = TrainConfig.model_validate({"advantage": {"estimator": "gae"}})
+    assert estimator_kwargs(cfg.advantage) == {"gamma": 1.0, "gae_lambda": 0.95, "whiten": True}
+    off = TrainConfig.model_validate({"advantage": {"estimator": "gae", "whiten": False}})
+    assert estimator_kwargs(off.advantage)["whiten"] is False
 
 
 def test_gae_reference_recurrence_ignores_masked_values():
     gen, rewards, groups, mask = _rand(3, B=8, T=7)
     values = torch.randn(mask.shape, generator=gen, dtype=D)
     tr = torch.randn(mask.shape, generator=gen, dtype=D)
-    adv, ret = gae_advantages(rewards, groups, mask, values=values, token_rewards=tr, gamma=0.99, gae_lambda=0.9)
+    adv, ret = gae_advantages(rewards, groups, mask, values=values, token_rewards=tr, gamma=0.99, gae_lambda=0.9,
+                              whiten=False)
     for b in range(mask.shape[0]):
         valid = [t for t in range(mask.shape[1]) if mask[b, t]]
         a_next, v_next = 0.0, 0.0
@@ -154,7 +263,8 @@ def test_gae_reference_recurrence_ignores_masked_values():
     # arbitrary (even non-finite) values and rewards at masked positions change nothing
     v2, tr2 = values.clone(), tr.clone()
     v2[~mask], tr2[~mask] = float("nan"), 1e6
-    adv2, ret2 = gae_advantages(rewards, groups, mask, values=v2, token_rewards=tr2, gamma=0.99, gae_lambda=0.9)
+    adv2, ret2 = gae_advantages(rewards, groups, mask, values=v2, token_rewards=tr2, gamma=0.99, gae_lambda=0.9,
+                                whiten=False)
     assert torch.equal(adv2, adv) and torch.equal(ret2, ret)
 
 

@@ -111,7 +111,8 @@ def test_values_hand_computed_unchanged():
 
 @pytest.mark.parametrize("name,base", [("k1+", "k1"), ("k3+", "k3")])
 def test_straight_through_kl_penalty_value_and_gradient(name, base):
-    # log ratios spanning the clamp: -3 (k3 = e^3 - 1 - 3 = 16.1 > 10), -0.5, 0.2, 5 (k2 = 12.5 > 10)
+    # log ratios spanning the value clamp: -3 (k3 = e^3 - 1 - 3 = 16.1 > 10), -0.5, 0.2, 5 (masked);
+    # the gradient equals plain k2's where k2's value is under the clamp (|log_ratio| <= 4.47)
     ref = torch.log(torch.tensor([[0.3, 0.2, 0.25, 0.4]], dtype=D))
     log_ratio = torch.tensor([[-3.0, -0.5, 0.2, 5.0]], dtype=D)
     mask = torch.tensor([[True, True, True, False]])
@@ -124,6 +125,69 @@ def test_straight_through_kl_penalty_value_and_gradient(name, base):
     torch.testing.assert_close(g_st, g_k2, rtol=0, atol=0)
     # k2's gradient is the log ratio (0 where masked); hand values
     torch.testing.assert_close(g_st, torch.tensor([[-3.0, -0.5, 0.2, 0.0]], dtype=D), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("name,value_of", [("k3+", "k3"), ("low_var_kl+", "k3"), ("k1+", "k1")])
+def test_straight_through_gradient_survives_large_log_ratios(name, value_of):
+    # issue 29: the k2 term carrying the gradient used to be clamped to +-kl_clamp, so its gradient
+    # was exactly 0 once 0.5 * log_ratio**2 > 10 (|log_ratio| > 4.47). Now d kl / d log pi is
+    # log_ratio up to |log_ratio| = kl_clamp and +-kl_clamp beyond (never 0); the value is unchanged.
+    ref = torch.log(torch.tensor([[0.3, 0.2, 0.25, 0.4, 0.1, 0.5]], dtype=D))
+    log_ratio = torch.tensor([[6.0, -6.0, 12.0, -12.0, 0.5, -3.0]], dtype=D)
+    mask = torch.ones(1, 6, dtype=torch.bool)
+    lp = (ref + log_ratio).requires_grad_(True)
+    kl = kl_penalty(lp, ref, mask, estimator=name)  # kl_clamp 10 (default)
+    (grad,) = torch.autograd.grad(kl.sum(), lp)
+    assert grad.tolist() == [[6.0, -6.0, 10.0, -10.0, 0.5, -3.0]]
+    # the values: clamp(k, -10, 10), by hand
+    k3 = [math.exp(-6) - 1 + 6, math.exp(6) - 1 - 6, math.exp(-12) - 1 + 12, math.exp(12) - 1 - 12,
+          math.exp(-0.5) - 1 + 0.5, math.exp(3) - 1 - 3]  # 5.0025, 396.4, 11.000006, 162742, 0.1065, 16.09
+    raw = k3 if value_of == "k3" else log_ratio[0].tolist()
+    want = [max(min(v, 10.0), -10.0) for v in raw]
+    torch.testing.assert_close(kl.detach(), torch.tensor([want], dtype=D), rtol=0, atol=1e-15)
+    # with a wider clamp the gradient is k2's, log_ratio, at 12 too
+    lp2 = (ref + log_ratio).requires_grad_(True)
+    (grad2,) = torch.autograd.grad(kl_penalty(lp2, ref, mask, estimator=name, kl_clamp=20.0).sum(), lp2)
+    torch.testing.assert_close(grad2, log_ratio, rtol=0, atol=1e-12)
+    # masked tokens: value 0, gradient 0, even with non-finite log-probs there
+    lp3 = (ref + log_ratio).detach().clone()
+    lp3[0, 2], mask3 = float("nan"), torch.tensor([[True, True, False, True, True, True]])
+    lp3.requires_grad_(True)
+    kl3 = kl_penalty(lp3, ref, mask3, estimator=name)
+    (grad3,) = torch.autograd.grad(kl3.sum(), lp3)
+    assert kl3[0, 2].item() == 0.0 and grad3.tolist() == [[6.0, -6.0, 0.0, -10.0, 0.5, -3.0]]
+    # an underflowed reference (-inf): finite value (the clamp) and gradient (saturated)
+    lp4 = torch.tensor([[-1.0]], dtype=D, requires_grad=True)
+    kl4 = kl_penalty(lp4, torch.tensor([[-math.inf]], dtype=D), torch.ones(1, 1, dtype=torch.bool), estimator=name)
+    (grad4,) = torch.autograd.grad(kl4.sum(), lp4)
+    assert kl4.item() == 10.0 and grad4.item() == 10.0
+
+
+@pytest.mark.parametrize("name", ["k3+", "k1+"])
+def test_straight_through_expected_gradient_is_grad_kl_far_from_the_reference(name):
+    # a policy that drifted far: log pi - log ref from -7.4 to 6.9 on a 4-way categorical; through
+    # kl_penalty (clamp and all) the loss-mode expected gradient is still grad KL(pi||ref) exactly
+    # (before issue 29 the tokens past |log_ratio| 4.47 contributed nothing)
+    theta = torch.tensor([8.0, 0.0, -0.5, 0.3], dtype=D)
+    ref = torch.tensor([0.001, 0.333, 0.333, 0.333], dtype=D)
+    log_ratio = torch.log_softmax(theta, -1) - ref.log()
+    assert log_ratio.abs().max() < 10.0 and (log_ratio.abs() > 4.5).sum() == 4
+    mask = torch.ones(1, 4, dtype=torch.bool)
+
+    def expected_loss(th):
+        lp = _logpi(th)
+        return (lp.exp().detach() * kl_penalty(lp[None], ref.log()[None], mask, estimator=name)[0]).sum()
+
+    def kl_pi_ref(th):
+        lp = _logpi(th)
+        return (lp.exp() * (lp - ref.log())).sum()
+
+    th1 = theta.clone().requires_grad_(True)
+    (got,) = torch.autograd.grad(expected_loss(th1), th1)
+    th2 = theta.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(kl_pi_ref(th2), th2)
+    assert want.abs().max() > 1e-3
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_check_kl_loss_estimator():

@@ -10,7 +10,15 @@ from typing import ClassVar
 import pytest
 from pydantic import Field
 
-from rft_core.config import KLConfig, PPOClipLoss, RolloutConfig, TrainConfig, UpdateConfig
+from rft_core.config import (
+    ADVANTAGE_CONFIGS,
+    POLICY_LOSS_CONFIGS,
+    KLConfig,
+    PPOClipLoss,
+    RolloutConfig,
+    TrainConfig,
+    UpdateConfig,
+)
 from rft_core.stages.common import stage_commit
 from rft_core.stages.contracts import STAGE_INPUTS, PPOUpdateInput, RolloutInput, StageInput, hash_value
 from rft_core.stages.runner import INPUTS, PROGRAMS
@@ -121,7 +129,14 @@ def _flat(obj, prefix: str = "") -> dict:
 
 
 def current_defaults() -> dict:
-    return _flat(TrainConfig().model_dump(mode="json", exclude={"run_root", "name"}))
+    defaults = _flat(TrainConfig().model_dump(mode="json", exclude={"run_root", "name"}))
+    # every advantage estimator's and policy loss's own defaults, not only the default choice's
+    # ("advantage[gae].whiten"): a config of another estimator hashes without its defaults too
+    for cls in ADVANTAGE_CONFIGS:
+        defaults.update(_flat(cls().model_dump(mode="json"), f"advantage[{cls().estimator}]."))
+    for cls in POLICY_LOSS_CONFIGS:
+        defaults.update(_flat(cls().model_dump(mode="json"), f"update.policy_loss[{cls().name}]."))
+    return defaults
 
 
 def test_config_defaults_are_pinned():
