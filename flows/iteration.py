@@ -50,19 +50,30 @@ class IterationResult(BaseModel):
     metrics: dict[str, Any]
 
 
-def _attempt(cfg: TrainConfig, iteration: int, policy: PolicyRef, out: Out, tags: bool, attempt: int,
-             sfx: str = "") -> tuple[ShardRef, ShardRef]:
-    """The prompts and rollout of ``attempt`` (0: the iteration's own; >= 1: a dynamic-sampling refill)."""
-    prompts = tasks.tagged(tasks.prompts, tags)(inp=PromptsInput(
+def _prompts(cfg: TrainConfig, iteration: int, out: Out, tags: bool, attempt: int, sfx: str = "") -> ShardRef:
+    """The prompts of ``attempt`` of ``iteration`` (0: the iteration's own; >= 1: a dynamic-sampling refill)."""
+    return tasks.tagged(tasks.prompts, tags)(inp=PromptsInput(
         data=cfg.data, tokenizer_path=cfg.policy.path, iteration=iteration, attempt=attempt, out=out(f"prompts{sfx}"),
         data_fingerprint=dataset_fingerprint(cfg.data)))  # data.source=files: an edited file makes it stale
-    rollout = fanout.rollout(inp=RolloutInput(prompts=prompts, policy=policy, rollout=cfg.rollout, iteration=iteration,
-                                              dtype=cfg.policy.dtype, attempt=attempt, out=out(f"rollout{sfx}")),
+
+
+def _rollout_input(cfg: TrainConfig, iteration: int, prompts: ShardRef, policy: tuple[PolicyRef, int], out: Out,
+                   attempt: int, sfx: str = "") -> RolloutInput:
+    return RolloutInput(prompts=prompts, policy=policy[0], policy_version=policy[1], rollout=cfg.rollout,
+                        iteration=iteration, dtype=cfg.policy.dtype, attempt=attempt, out=out(f"rollout{sfx}"))
+
+
+def _attempt(cfg: TrainConfig, iteration: int, policy: tuple[PolicyRef, int], out: Out, tags: bool, attempt: int,
+             sfx: str = "") -> tuple[ShardRef, ShardRef]:
+    """The prompts and rollout of ``attempt`` (0: the iteration's own; >= 1: a dynamic-sampling
+    refill), sampled with ``policy`` (the policy and its version)."""
+    prompts = _prompts(cfg, iteration, out, tags, attempt, sfx)
+    rollout = fanout.rollout(inp=_rollout_input(cfg, iteration, prompts, policy, out, attempt, sfx),
                              runner=cfg.runner("rollout"), tags=tags)
     return prompts, rollout
 
 
-def _dynamic_sampling(cfg: TrainConfig, iteration: int, policy: PolicyRef, out: Out,
+def _dynamic_sampling(cfg: TrainConfig, iteration: int, policy: tuple[PolicyRef, int], out: Out,
                       tags: bool) -> tuple[ShardRef, ShardRef, ShardRef]:
     """Rollout attempts (each with its own stage folders) until enough groups have reward
     spread or the refills run out; then the merge stage writes prompts/rollout/rewards."""
@@ -105,12 +116,13 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
 
 def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef, critic: PolicyRef | None,
              state: TrainState, kl: KLConfig, out: Out, tags: bool,
-             background_optimizer: bool, save_checkpoint: bool = True) -> tuple[ShardRef, ShardRef, ShardRef | None]:
+             background_optimizer: bool, save_checkpoint: bool = True,
+             policy_version: int | None = None) -> tuple[ShardRef, ShardRef, ShardRef | None]:
     """Advantages, then the policy update and (with a ``critic`` and critic values in ``parts``)
     the critic update, submitted together: (advantages, new policy, new critic or None).
     ``parts`` holds the rollout, rewards and whichever of actor_logprobs, ref_logprobs and
     critic_values ran. ``save_checkpoint``: the update writes the new weights and AdamW state
-    (``checkpoint.every``). The iteration flow and the replay flow both train through here."""
+    (``checkpoint.every``); ``policy_version``: the version ``policy`` is (recorded by the update). The iteration flow and the replay flow both train through here."""
     rollout, actor, ref, values = parts["rollout"], parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
     adv = tasks.tagged(tasks.advantages, tags)(inp=AdvantagesInput(
         rollout=rollout, rewards=parts["rewards"], actor_logprobs=actor, ref_logprobs=ref, critic_values=values, kl=kl,
@@ -124,16 +136,25 @@ def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef,
     new_policy = tasks.tagged(tasks.ppo_update, tags)(inp=PPOUpdateInput(
         rollout=rollout, advantages=adv, actor_logprobs=actor, ref_logprobs=ref, policy=policy, update=cfg.update, kl=kl,
         temperature=cfg.rollout.temperature, dtype=cfg.policy.dtype, background_optimizer=background_optimizer,
-        save_checkpoint=save_checkpoint, out=out("ppo_update")), runner=cfg.runner("ppo_update"))
+        save_checkpoint=save_checkpoint, policy_version=policy_version, out=out("ppo_update")),
+        runner=cfg.runner("ppo_update"))
     return adv, new_policy, critic_future.result() if critic_future is not None else None
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
 def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: TrainState | None = None,
-                 critic: PolicyRef | None = None) -> IterationResult:
+                 critic: PolicyRef | None = None, rollout_policy: PolicyRef | None = None,
+                 next_rollout_policy: PolicyRef | None = None) -> IterationResult:
     """Run (or resume) iteration ``iteration`` starting from ``policy``, ``state`` (the previous
     iteration's ``next_state``; None: ``cfg.initial_state``) and, for estimators that need
-    values, ``critic`` (None: ``cfg.initial_critic``)."""
+    values, ``critic`` (None: ``cfg.initial_critic``).
+
+    Asynchronous RL (``rollout.max_staleness`` s >= 1): the rollout samples with
+    ``rollout_policy``, version ``cfg.rollout_policy_version(iteration)`` (None: ``policy``, the
+    synchronous case), and ``next_rollout_policy`` (version ``cfg.rollout_policy_version(iteration
+    + 1)``, already trained) lets the prompts and rollout of the next iteration run during this
+    iteration's update: submitted before it, awaited after it. The next iteration's own call of
+    them then finds them committed."""
     t0 = time.perf_counter()
     state = state or cfg.initial_state
     kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
@@ -143,17 +164,32 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     def out(stage: str) -> str:
         return stage_uri(cfg.run_root, iteration, stage)
 
+    behaviour = (rollout_policy if rollout_policy is not None else policy, cfg.rollout_policy_version(iteration))
     if cfg.dynamic_sampling.enabled:
-        prompts, rollout, rewards = _dynamic_sampling(cfg, iteration, policy, out, tags)
+        prompts, rollout, rewards = _dynamic_sampling(cfg, iteration, behaviour, out, tags)
         parts = {"rewards": rewards}
     else:
-        prompts, rollout = _attempt(cfg, iteration, policy, out, tags, attempt=0)
+        prompts, rollout = _attempt(cfg, iteration, behaviour, out, tags, attempt=0)
         parts = {}
     parts |= _score(cfg, prompts=prompts, rollout=rollout, policy=policy, critic=critic, kl=kl, out=out, tags=tags,
                     with_rewards=not parts)
+    ahead = None
+    if next_rollout_policy is not None and iteration < cfg.iterations and not cfg.dynamic_sampling.enabled \
+            and cfg.runner("rollout").shards == 1:
+
+        def out_next(stage: str) -> str:
+            return stage_uri(cfg.run_root, iteration + 1, stage)
+
+        next_prompts = _prompts(cfg, iteration + 1, out_next, tags, attempt=0)
+        ahead = tasks.tagged(tasks.rollout, tags).submit(inp=_rollout_input(
+            cfg, iteration + 1, next_prompts, (next_rollout_policy, cfg.rollout_policy_version(iteration + 1)),
+            out_next, attempt=0), runner=cfg.runner("rollout"))
     adv, new_policy, new_critic = train_on(cfg, {"rollout": rollout, **parts}, policy=policy, critic=critic, state=state,
                                            kl=kl, out=out, tags=tags, background_optimizer=cfg.checkpoint.async_optimizer,
-                                           save_checkpoint=cfg.is_checkpoint(iteration))
+                                           save_checkpoint=cfg.is_checkpoint(iteration),
+                                           policy_version=iteration - 1)
+    if ahead is not None:
+        ahead.result()  # the next iteration's rollout, overlapped with this update (its failure surfaces here)
     refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy,
             **({"critic_update": new_critic} if new_critic else {})}
     metrics = iteration_metrics(iteration, refs)

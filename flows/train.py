@@ -66,9 +66,13 @@ def train(cfg: TrainConfig) -> TrainResult:
         logger.warning("%s", exc)
         wandb = None
     try:
+        versions: dict[int, PolicyRef] = {0: policy}  # version v: the policy the update of iteration v made
         for i in range(1, cfg.iterations + 1):
-            result = rl_iteration(cfg, i, policy, state, critic)
+            ahead = cfg.rollout_policy_version(i + 1) if cfg.rollout.max_staleness else None  # s >= 1: already trained
+            result = rl_iteration(cfg, i, policy, state, critic, rollout_policy=versions[cfg.rollout_policy_version(i)],
+                                  next_rollout_policy=versions[ahead] if ahead is not None else None)
             policy, state, critic = result.policy, result.next_state, result.critic
+            versions[i] = policy
             result.metrics.update({f"run/{k}": v - counters0.get(k, 0) for k, v in run_counters(pool).items()})
             if cfg.checkpoint.keep_last is not None:
                 tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=i, checkpoint=cfg.checkpoint)

@@ -27,6 +27,10 @@ _FROM_SUMMARY = [
     ("response_length", "rollout", "response_length_mean"),
     ("truncated_fraction", "rollout", "truncated_fraction"),
     ("tokens_per_second", "rollout", "tokens_per_second"),
+    # asynchronous RL (rollout.max_staleness): the policy that generated the rollout, and how many
+    # updates it lags behind the one this iteration's update starts from
+    ("policy_version", "rollout", "policy_version"),
+    ("staleness", "rollout", "staleness"),
     # multi-turn rollouts (rollout.agent; rft_core.stages.rollout.rollout_summary): per trajectory
     ("num_turns", "rollout", "num_turns_mean"),
     ("tool_call_rate", "rollout", "tool_call_rate"),
@@ -52,6 +56,7 @@ _FROM_SUMMARY = [
     # without the actor stage: the engine's log-probs against the policy's own, before the first step
     ("old_logprobs_gap_kl", "ppo_update", "old_logprobs_gap_kl"),
     ("rollout_is_weight_mean", "ppo_update", "rollout_is_weight_mean"),
+    ("rollout_is_weight_max", "ppo_update", "rollout_is_weight_max"),
     ("rollout_is_capped_frac", "ppo_update", "rollout_is_capped_frac"),
     ("rollout_is_token_masked_frac", "ppo_update", "rollout_is_token_masked_frac"),
     ("rollout_is_seq_masked_frac", "ppo_update", "rollout_is_seq_masked_frac"),

@@ -35,6 +35,7 @@ from schemas.columns import (
     REWARDS,
     ROLLOUT,
     TRAJECTORY_COLUMNS,
+    policy_version_column,
     single_turn_columns,
 )
 from schemas.shards import ShardSchemaError
@@ -310,6 +311,7 @@ def experience_to_tables(exp: Experience) -> dict[str, pa.Table]:
         "images": [list(m) for m in exp.info.get("images", [[] for _ in range(B)])],
         "videos": [list(m) for m in exp.info.get("videos", [[] for _ in range(B)])],
         **turns,
+        **policy_version_column(B, exp.info.get("policy_version")),
     }, schema=ROLLOUT.arrow)}
     entropy = exp.action_entropy if exp.action_entropy is not None else torch.zeros_like(exp.action_log_probs)
     out["actor_logprobs"] = pa.table({"sample_id": sid, "old_logprobs": pa.array(per_tok(exp.action_log_probs), f32),

@@ -3,7 +3,8 @@ in this process, each through a ``run`` callable (``run_stage``, or a resident w
 
 For places that cannot or need not start Prefect: the GPU machines (no Prefect installed,
 ``benchmarks/gpu_demo.py``) and unit tests of the resident workers. Dynamic sampling and critics
-are not covered. The flow stays the one place that orders stages for users.
+are not covered; ``rollout.max_staleness`` is (each rollout samples with its scheduled version),
+without the overlap. The flow stays the one place that orders stages for users.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
     if cfg.dynamic_sampling.enabled or cfg.needs_critic:
         raise ValueError("tests.drive covers the demo's stages only: no dynamic sampling, no critic")
     policy, state = cfg.policy.path, cfg.initial_state
+    versions = {0: policy}  # rollout.max_staleness: the rollout of iteration k samples with version v(k)
     temp = cfg.rollout.temperature
     for it in range(1, (stop_after or cfg.iterations) + 1):
         def out(stage: str) -> str:
@@ -39,8 +41,9 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
         kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
         prompts = run_stage(PromptsInput(data=cfg.data, tokenizer_path=cfg.policy.path, iteration=it, out=out("prompts"),
                                          data_fingerprint=dataset_fingerprint(cfg.data)))
-        rollout = run(RolloutInput(prompts=prompts, policy=policy, rollout=cfg.rollout, iteration=it,
-                                   dtype=cfg.policy.dtype, out=out("rollout")))
+        v = cfg.rollout_policy_version(it)
+        rollout = run(RolloutInput(prompts=prompts, policy=versions[v], policy_version=v, rollout=cfg.rollout,
+                                   iteration=it, dtype=cfg.policy.dtype, out=out("rollout")))
         parts = {"rewards": run_stage(RewardsInput(rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")))}
         if cfg.recomputes_old_logprobs:
             parts["actor_logprobs"] = run(ActorLogprobsInput(rollout=rollout, model=policy, logprobs=cfg.logprobs,
@@ -57,7 +60,8 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
         policy = run(PPOUpdateInput(rollout=rollout, advantages=adv, actor_logprobs=parts.get("actor_logprobs"),
                                     ref_logprobs=parts.get("ref_logprobs"), policy=policy, update=cfg.update, kl=kl,
                                     temperature=temp, dtype=cfg.policy.dtype, save_checkpoint=cfg.is_checkpoint(it),
-                                    out=out("ppo_update")))
+                                    policy_version=it - 1, out=out("ppo_update")))
+        versions[it] = policy
         state = next_state(adv)
         if on_iteration is not None:
             m = iteration_metrics(it, {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv,

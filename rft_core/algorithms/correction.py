@@ -184,6 +184,7 @@ def _metrics(weights: torch.Tensor, keep: torch.Tensor, capped: torch.Tensor, ac
     seq_masked = nonempty & ~keep.any(-1)
     return {
         "rollout_is_weight_mean": float(weights[keep].mean()) if keep.any() else 0.0,
+        "rollout_is_weight_max": float(weights[keep].max()) if keep.any() else 0.0,
         "rollout_is_capped_frac": float(capped.sum()) / n,
         "rollout_is_token_masked_frac": float((action_mask & ~keep).sum()) / n,
         "rollout_is_seq_masked_frac": float(seq_masked.sum()) / max(int(nonempty.sum()), 1),

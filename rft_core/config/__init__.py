@@ -60,15 +60,16 @@ def _field(section: Any, key: str, default: Any) -> Any:
 def _engine_sampling_differs(rollout: Any) -> bool:
     """Whether the rollout samples from another distribution than the trainer's pi_old at
     ``rollout.temperature``: an engine other than hf (other kernels and precision), top-p
-    truncation, or FIRE's first-token temperature. Unparseable values count as not differing
+    truncation, FIRE's first-token temperature, or an older policy (``rollout.max_staleness``). Unparseable values count as not differing
     (validation reports them)."""
     try:
         engine = _field(rollout, "engine", RolloutConfig.model_fields["engine"].default)
         top_p = float(_field(rollout, "top_p", RolloutConfig.model_fields["top_p"].default))
         fire = _field(rollout, "first_token_temperature", None)
+        stale = int(_field(rollout, "max_staleness", 0) or 0)
     except (TypeError, ValueError):
         return False
-    return engine != "hf" or top_p < 1.0 or fire is not None
+    return engine != "hf" or top_p < 1.0 or fire is not None or stale > 0
 
 
 class UpdateConfig(_Frozen):
@@ -217,6 +218,9 @@ class TrainConfig(_Frozen):
                            "workers=stage DeepSpeed keeps its optimizer state through its own checkpoints)")
         if self.update.lora is not None:
             reasons.append("update.lora: resident workers sync full weights, not LoRA adapters, so far")
+        if self.rollout.max_staleness > 1:
+            reasons.append(f"rollout.max_staleness={self.rollout.max_staleness}: the resident rollout worker holds one "
+                           "policy version (the proximal one, which is the behaviour one at max_staleness 1)")
         clash = sorted(s for s in RESIDENT_STAGES if s in self.runners)
         if clash:
             reasons.append(f"runners.{clash[0]} says where {clash[0]} runs, and so does orchestration.workers=resident: "
@@ -265,6 +269,16 @@ class TrainConfig(_Frozen):
             raise ValueError(f"checkpoint.every={self.checkpoint.every} needs orchestration.workers=resident: with "
                              "workers=stage every stage loads the policy from the run root, so every iteration must "
                              "write it (checkpoint.every=1)")
+        if self.rollout.max_staleness > 0:
+            if self.logprobs.recompute_old_logprobs is False:
+                raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness} trains on tokens sampled by an "
+                                 "older policy: the update needs the actor pass's log-probs of its own starting policy "
+                                 "(the proximal policy); set logprobs.recompute_old_logprobs=true (or auto)")
+            if not self.update.rollout_correction.enabled:
+                raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness} needs "
+                                 "update.rollout_correction.enabled=true: decoupled PPO weighs the policy term by "
+                                 "pi_proximal / pi_behaviour (AReaL, arXiv:2505.24298); without it the stale samples "
+                                 "would be trained on as if on-policy")
         if self.orchestration.workers == "resident" and self.resident_blockers():
             raise ValueError("orchestration.workers=resident: " + "; ".join(self.resident_blockers()))
         return self
@@ -312,7 +326,16 @@ class TrainConfig(_Frozen):
             reasons.append("update.entropy_top_fraction needs the actor stage's entropies")
         if u.rollout_correction.enabled:
             reasons.append("update.rollout_correction weighs the trainer's old log-probs against the engine's")
+        if r.max_staleness > 0:
+            reasons.append("rollout.max_staleness >= 1: the update needs its starting (proximal) policy's log-probs")
         return reasons
+
+    def rollout_policy_version(self, iteration: int) -> int:
+        """The policy version the rollout of ``iteration`` samples with: the policy produced by
+        the update of iteration ``max(0, iteration - 1 - rollout.max_staleness)`` (version 0:
+        the initial policy). A pure function of the iteration and the staleness, never "the
+        latest weights", so an asynchronous run is reproducible and resumable."""
+        return max(0, iteration - 1 - self.rollout.max_staleness)
 
     @property
     def recomputes_old_logprobs(self) -> bool:

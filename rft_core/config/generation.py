@@ -31,6 +31,10 @@ class RolloutConfig(_Frozen):
     batch_size: int = Field(32, gt=0, description="sequences generated at once")
     first_token_temperature: float | None = Field(None, gt=0, description="FIRE sampling (arXiv:2410.21236): temperature of the first token only")
     seed: int = 0
+    max_staleness: int = Field(0, ge=0, description="asynchronous RL: the rollout of iteration k uses the policy of "
+                               "the update of iteration max(0, k-1-s), so it can run while the updates of k-s..k-1 "
+                               "train (0: synchronous). s >= 1 needs the actor pass and the rollout correction "
+                               "(decoupled PPO, docs/algorithms.md)")
     vllm: VLLMConfig | None = Field(None, description="engine=vllm settings (None: defaults)")
     sglang: SGLangConfig | None = Field(None, description="engine=sglang settings (None: defaults)")
     agent: AgentConfig | None = Field(None, description="multi-turn rollout with an environment (docs/agents.md); "

@@ -129,7 +129,8 @@ class PromptsInput(StageInput):
 
 
 class RolloutInput(StageInput):
-    """A group of ``rollout.n_samples_per_prompt`` responses per prompt from ``policy``.
+    """A group of ``rollout.n_samples_per_prompt`` responses per prompt from ``policy``, the
+    policy of version ``policy_version`` (recorded in every row and in the manifest).
 
     ``shard`` (index, count): only the engine batches b with b % count == index (the Ray
     fan-out); the merge of all ``count`` shards equals the whole rollout.
@@ -140,7 +141,8 @@ class RolloutInput(StageInput):
     # 2: rollout schema v3 (videos); HF log-probs under the processed distribution (issue 21)
     # 3: rollout schema v4 (multi-turn trajectory columns; rollout.agent, issue 20)
     # 4: the HF engine draws by inverse CDF in its own decode loop: another random stream (issue 19)
-    version: ClassVar[int] = 4
+    # 5: rollout schema v5, the policy_version column (asynchronous RL, issue 28)
+    version: ClassVar[int] = 5
     config_paths: ClassVar[Mapping[str, str]] = {"rollout": "rollout", "policy": "policy.path", "dtype": "policy.dtype"}
     prompts: ShardRef
     policy: PolicyRef
@@ -149,6 +151,8 @@ class RolloutInput(StageInput):
     dtype: str = "float32"
     attempt: int = Field(0, ge=0)
     shard: tuple[int, int] | None = None
+    policy_version: int = Field(0, ge=0, description="the update whose policy ``policy`` is (0: the initial policy; "
+                                "TrainConfig.rollout_policy_version)")
 
     @model_validator(mode="after")
     def _check_shard(self) -> "RolloutInput":
@@ -280,7 +284,7 @@ class PPOUpdateInput(StageInput):
     # old log-probs from the engine where on-policy (issue 19); 4: the k1+/k3+ KL loss keeps k2's gradient past
     # |log pi - log ref| = sqrt(2 kl_clamp), saturating at kl_clamp (issue 29)
     version: ClassVar[int] = 4
-    unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer", "save_checkpoint"})
+    unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer", "save_checkpoint", "policy_version"})
     config_paths: ClassVar[Mapping[str, str]] = {"update": "update", "kl": "kl", "policy": "policy.path",
                                                  "dtype": "policy.dtype", "temperature": "rollout.temperature"}
     rollout: ShardRef
@@ -295,6 +299,8 @@ class PPOUpdateInput(StageInput):
     background_optimizer: bool = False
     save_checkpoint: bool = Field(True, description="write the new weights and AdamW state (checkpoint.every); False: "
                                   "a resident worker keeps them in memory and the manifest records their digest")
+    policy_version: int | None = Field(None, description="the version ``policy`` is (the iteration whose update made "
+                                       "it; 0: the initial policy), recorded in the manifest; implied by ``policy``")
 
     def hash_view(self) -> dict[str, Any]:
         view = super().hash_view()
@@ -318,7 +324,8 @@ class DynamicMergeInput(StageInput):
 
     program: ClassVar[str] = "dynamic_merge"
     stage: ClassVar[str] = "prompts"
-    version: ClassVar[int] = 3  # 2: writes prompts / rollout schema v3 (videos; issue 21); 3: rollout schema v4 (issue 20)
+    # 2: writes prompts / rollout schema v3 (videos; issue 21); 3: rollout schema v4 (issue 20); 4: rollout v5 (issue 28)
+    version: ClassVar[int] = 4
     unhashed: ClassVar[frozenset[str]] = frozenset({"out", "out_rollout", "out_rewards"})
     attempts: list[tuple[ShardRef, ShardRef, ShardRef]] = Field(min_length=1)
     target_groups: int = Field(gt=0)
@@ -345,8 +352,8 @@ class EvalGenerateInput(StageInput):
     program: ClassVar[str] = "eval_generate"
     stage: ClassVar[str] = "rollout"
     # 2: rollout schema v3 (videos); vision-language policies (issue 21); 3: rollout v4 (issue 20);
-    # 4: greedy decoding in the HF engine's own loop (issue 19)
-    version: ClassVar[int] = 4
+    # 4: greedy decoding in the HF engine's own loop (issue 19); 5: rollout schema v5 (policy_version null, issue 28)
+    version: ClassVar[int] = 5
     config_paths: ClassVar[Mapping[str, str]] = {"policy": "policy.path", "dtype": "policy.dtype",
                                                  "batch_size": "eval.batch_size"}
     prompts: ShardRef

@@ -30,7 +30,7 @@ from rft_core.stages.contracts import EvalGenerateInput, EvalPromptsInput, EvalS
 from rft_core.stages.prompts import build_file_prompts, check_fingerprint, reuse_unless_data_changed, with_fingerprint
 from rft_core.stages.rollout import rollout_summary
 from schemas import PolicyRef, ShardError, ShardRef, ShardSchemaError, read_manifest, read_shard
-from schemas.columns import EVAL, PROMPTS, ROLLOUT, single_turn_columns
+from schemas.columns import EVAL, PROMPTS, ROLLOUT, policy_version_column, single_turn_columns
 
 HELDOUT_PREFIX = "heldout"  # held-out prompt_ids: heldout-{task}-{index:06d}
 
@@ -217,6 +217,7 @@ def run_generate(inp: EvalGenerateInput) -> ShardRef:
             "images": [images[g.prompt_index] for g in gens],
             "videos": [videos[g.prompt_index] for g in gens],
             **single_turn_columns(texts),  # greedy, single-turn (also for an agent run's checkpoints)
+            **policy_version_column(len(texts), None),  # not a training rollout
         }
         table_out = pa.table(rows, schema=ROLLOUT.arrow)
         n_tokens = sum(len(r) for r in responses)

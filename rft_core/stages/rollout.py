@@ -19,7 +19,7 @@ from rft_core.stages.common import Commit, Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import RolloutInput, RolloutMergeInput, stage_program
 from rft_core.workers.memory import config_folder, count, current_source, inference_model
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard
-from schemas.columns import ROLLOUT, single_turn_columns
+from schemas.columns import ROLLOUT, policy_version_column, single_turn_columns
 
 SEED_STRIDE = 100_003  # iteration i samples with seed + i * stride: distinct, reproducible streams
 ATTEMPT_STRIDE = 7_919  # dynamic-sampling refill attempts: another offset
@@ -155,18 +155,30 @@ def run(inp: RolloutInput) -> ShardRef:
                                    seed=rollout_seed(inp),
                                    first_token_temperature=cfg.first_token_temperature, progress=progress,
                                    only_batches=only, **vision)
-        table_out = _rollout_table(table, gens, tok, prompt_ids, images, videos)
+        table_out = _rollout_table(table, gens, tok, prompt_ids, images, videos, inp.policy_version)
         n_tokens = sum(len(g.response_token_ids) for g in gens)
         summary = {"seconds": t.seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(t.seconds, 1e-9),
-                   **rollout_summary(table_out)}
+                   **rollout_summary(table_out), **version_summary(inp)}
         if shard is not None:
             summary.update({"shard": list(shard), "worker": f"{socket.gethostname()}:{os.getpid()}"})
-        return commit.write(table_out, schema=ROLLOUT, inputs={"prompts": inp.prompts}, summary=summary)
+        return commit.write(table_out, schema=ROLLOUT, inputs=rollout_inputs(inp), summary=summary)
 
     try:
         return reuse_or_compute(commit, compute)
     finally:
         release_device_memory()  # the HF engine's model and cache; a cached vLLM/SGLang engine stays (asleep if set)
+
+
+def version_summary(inp: RolloutInput) -> dict[str, int]:
+    """The rollout manifest's record of its policy: ``policy_version`` (the update it comes
+    from; 0: the initial policy) and ``staleness`` (updates between it and the policy this
+    iteration's update starts from: ``iteration - 1 - policy_version``)."""
+    return {"policy_version": inp.policy_version, "staleness": inp.iteration - 1 - inp.policy_version}
+
+
+def rollout_inputs(inp: RolloutInput) -> dict[str, ShardRef]:
+    """The rollout manifest's inputs: its prompts, and the committed update whose policy generated it."""
+    return {"prompts": inp.prompts, **({"policy": inp.policy} if isinstance(inp.policy, ShardRef) else {})}
 
 
 def rollout_seed(inp: RolloutInput) -> int:
@@ -239,18 +251,21 @@ def _commit_agent_rollout(inp: RolloutInput, commit: Commit, table: pa.Table, pa
         trajectories = agent.run([rows[p] for p in idx], n_samples_per_prompt=cfg.n_samples_per_prompt,
                                  temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
                                  seed=rollout_seed(inp), prompt_indices=idx, progress=progress)
-    table_out = pa.table(agent_rows(table, trajectories, tok, idx), schema=ROLLOUT.arrow)
+    table_out = pa.table({**agent_rows(table, trajectories, tok, idx),
+                          **policy_version_column(len(trajectories), inp.policy_version)}, schema=ROLLOUT.arrow)
     n_tokens = sum(sum(tr.is_model) for tr in trajectories)
     summary = {"seconds": t.seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(t.seconds, 1e-9),
-               "environment": cfg.agent.environment, **rollout_summary(table_out, agent=True)}
+               "environment": cfg.agent.environment, **rollout_summary(table_out, agent=True), **version_summary(inp)}
     if shard is not None:
         summary.update({"shard": list(shard), "worker": f"{socket.gethostname()}:{os.getpid()}"})
-    return commit.write(table_out, schema=ROLLOUT, inputs={"prompts": inp.prompts}, summary=summary)
+    return commit.write(table_out, schema=ROLLOUT, inputs=rollout_inputs(inp), summary=summary)
 
 
-def _rollout_table(prompts: pa.Table, gens, tok, prompt_ids: list[list[int]], images: list, videos: list) -> pa.Table:
+def _rollout_table(prompts: pa.Table, gens, tok, prompt_ids: list[list[int]], images: list, videos: list,
+                   policy_version: int | None) -> pa.Table:
     """The rollout rows of the engine's generations (in generation order); each row carries its
-    prompt's encoded images and videos as stored in the prompts shard (the same bytes)."""
+    prompt's encoded images and videos as stored in the prompts shard (the same bytes) and the
+    version of the policy that generated it."""
     pids = prompts.column("prompt_id").to_pylist()
     texts = tok.batch_decode([g.response_token_ids for g in gens], skip_special_tokens=True)
     rows = {
@@ -266,6 +281,7 @@ def _rollout_table(prompts: pa.Table, gens, tok, prompt_ids: list[list[int]], im
         "images": [images[g.prompt_index] for g in gens],
         "videos": [videos[g.prompt_index] for g in gens],
         **single_turn_columns(texts),
+        **policy_version_column(len(gens), policy_version),
     }
     return pa.table(rows, schema=ROLLOUT.arrow)
 

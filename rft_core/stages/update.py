@@ -320,6 +320,8 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None
                                           ("policy", inp.policy if isinstance(inp.policy, ShardRef) else None),
                                           ("optimizer", opt_ref)) if ref is not None}
     summary = _summary(steps, seconds, extra)
+    if inp.policy_version is not None:
+        summary["policy_version"] = inp.policy_version  # the version this update starts from
     if not inp.save_checkpoint:  # the weights stay in memory: what recovery needs to rebuild them exactly
         summary[WEIGHTS_DIGEST_KEY] = weights_digest(state_tensors(strategy.model))
         summary[UPDATE_INPUT_KEY] = inp.model_dump(mode="json")

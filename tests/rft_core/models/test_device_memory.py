@@ -14,7 +14,7 @@ from rft_core.stages import logprobs as logprobs_stage
 from rft_core.stages import runner
 from rft_core.stages.contracts import ActorLogprobsInput
 from schemas import read_shard, write_shard
-from schemas.columns import ROLLOUT, single_turn_columns
+from schemas.columns import ROLLOUT, policy_version_column, single_turn_columns
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def rollout_shard(tiny_model, tmp_path):
                       "sample_index": [0] * n, "prompt_token_ids": prompts, "response_token_ids": responses,
                       "response_text": [""] * n, "rollout_logprobs": [[0.0] * len(r) for r in responses],
                       "action_mask": [[True] * len(r) for r in responses], "finish_reason": ["length"] * n,
-                      "images": [[] for _ in range(n)], "videos": [[] for _ in range(n)], **single_turn_columns([""] * n)},
+                      "images": [[] for _ in range(n)], "videos": [[] for _ in range(n)], **single_turn_columns([""] * n), **policy_version_column(n, 0)},
                      schema=ROLLOUT.arrow)
     return write_shard(table, str(tmp_path / "rollout"), schema=ROLLOUT, config_hash="r")
 

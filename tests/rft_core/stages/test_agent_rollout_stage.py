@@ -21,7 +21,7 @@ from rft_core.stages import rewards as rewards_stage
 from rft_core.stages import rollout as rollout_stage
 from rft_core.stages.contracts import RewardsInput, RolloutInput, RolloutMergeInput
 from schemas import StaleShardError, read_manifest, read_shard, write_shard
-from schemas.columns import PROMPTS, ROLLOUT, single_turn_columns
+from schemas.columns import PROMPTS, ROLLOUT, policy_version_column, single_turn_columns
 
 ENV = "tests.rft_core.stages.test_agent_rollout_stage:AnyTextCalculator"
 RESET = "You may use the calculator."
@@ -132,7 +132,7 @@ def test_rollout_summary_by_hand():
                       "rollout_logprobs": [[-1.0, -1.0, 0.0, -1.0], [-1.0]], "action_mask": [[True, True, False, True], [True]],
                       "finish_reason": ["stop", "env_error"], "images": [[], []], "videos": [[], []], "num_turns": [2, 1],
                       "tool_calls": calls, "env_reward": [1.0, 0.5], "env_fallback": [False, True], "env_error": [None, "down"],
-                      "transcript": ["", ""]}, schema=ROLLOUT.arrow)
+                      "transcript": ["", ""], "policy_version": [0, 0]}, schema=ROLLOUT.arrow)
     assert rollout_stage.rollout_summary(table) == {"response_length_mean": 2.5, "truncated_fraction": 0.0}
     assert rollout_stage.rollout_summary(table, agent=True) == {
         "response_length_mean": 2.5, "truncated_fraction": 0.0, "model_tokens_mean": 2.0, "num_turns_mean": 1.5,
@@ -212,7 +212,7 @@ def test_the_environment_source_refuses_a_single_turn_rollout(tiny_model, tmp_pa
     table = pa.table({"sample_id": ["q0#0", "q0#1"], "prompt_id": ["q0"] * n, "sample_index": [0, 1],
                       "prompt_token_ids": [[1, 2]] * n, "response_token_ids": [[3], [4]], "response_text": ["a", "b"],
                       "rollout_logprobs": [[-1.0], [-1.0]], "action_mask": [[True], [True]], "finish_reason": ["stop"] * n,
-                      "images": [[], []], "videos": [[], []], **single_turn_columns(["a", "b"])}, schema=ROLLOUT.arrow)
+                      "images": [[], []], "videos": [[], []], **single_turn_columns(["a", "b"]), **policy_version_column(2, 0)}, schema=ROLLOUT.arrow)
     rollout = write_shard(table, str(tmp_path / "rollout"), schema=ROLLOUT, config_hash="r")
     with pytest.raises(RewardError, match="sample q0#0 has no environment reward: its rollout was not multi-turn"):
         _rewards(tmp_path, rollout, prompts, ENV_RECIPE)

@@ -26,7 +26,7 @@ from rft_core.stages import update as upd_stage
 from rft_core.stages.contracts import AdvantagesInput, PPOUpdateInput
 from schemas import read_manifest, read_shard, write_shard
 from schemas.batch import join_column_groups
-from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS, REWARDS, ROLLOUT, single_turn_columns
+from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS, REWARDS, ROLLOUT, policy_version_column, single_turn_columns
 
 # two prompts x two samples; prompt "b" has equal task rewards
 PROMPT_IDS = ["a", "a", "b", "b"]
@@ -51,7 +51,7 @@ def _tables(tiny_model: str | None = None) -> dict[str, pa.Table]:
         "sample_id": ids, "prompt_id": PROMPT_IDS, "sample_index": [0, 1, 0, 1], "prompt_token_ids": prompts,
         "response_token_ids": responses, "response_text": ["x"] * 4, "rollout_logprobs": rollout_lp,
         "action_mask": [[True] * n for n in LENGTHS], "finish_reason": FINISH, "images": [[]] * 4, "videos": [[]] * 4,
-        **single_turn_columns(["x"] * 4),
+        **single_turn_columns(["x"] * 4), **policy_version_column(4, 0),
     }, schema=ROLLOUT.arrow)
     rewards = pa.table({
         "sample_id": ids, "prompt_id": PROMPT_IDS, "rewards": REWARDS_, "correct": [r > 0 for r in REWARDS_],

@@ -32,7 +32,7 @@ from rft_core.training.strategy import (  # noqa: E402
     check_deepspeed_state,
 )
 from schemas import commit_files, read_manifest, read_shard, write_shard  # noqa: E402
-from schemas.columns import ADVANTAGES, CRITIC_VALUES, OPTIMIZER_STATE, ROLLOUT, single_turn_columns  # noqa: E402
+from schemas.columns import ADVANTAGES, CRITIC_VALUES, OPTIMIZER_STATE, ROLLOUT, policy_version_column, single_turn_columns  # noqa: E402
 
 RUNNER = RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
 ITERATIONS = 3
@@ -68,7 +68,7 @@ def update_inputs(tiny_model, tmp_path_factory):
                         "prompt_token_ids": prompts, "response_token_ids": responses, "response_text": [""] * n,
                         "rollout_logprobs": old, "action_mask": [[True] * len(r) for r in responses],
                         "finish_reason": ["length"] * n, "images": [[] for _ in range(n)], "videos": [[] for _ in range(n)],
-                        **single_turn_columns([""] * n)},
+                        **single_turn_columns([""] * n), **policy_version_column(n, 0)},
                        schema=ROLLOUT.arrow)
     adv = [[1.0 if i % 3 else -1.0] * len(r) for i, r in enumerate(responses)]
     advantages = pa.table({"sample_id": ids, "prompt_id": [s.split("#")[0] for s in ids], "shaped_rewards": [0.0] * n,

@@ -32,7 +32,7 @@ from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.strategy import OptimizerSettings, SingleProcess, build_strategy
 from rft_core.training.update import UpdateData, ppo_update
 from schemas import ShardRef, write_shard
-from schemas.columns import ADVANTAGES, ROLLOUT, single_turn_columns
+from schemas.columns import ADVANTAGES, ROLLOUT, policy_version_column, single_turn_columns
 
 LR = 1e-6
 OPT = OptimizerSettings(lr=LR, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
@@ -231,7 +231,7 @@ def _shards(root: Path, tiny16: str) -> tuple[ShardRef, ShardRef]:
                         "prompt_token_ids": prompts, "response_token_ids": responses, "response_text": [""] * n,
                         "rollout_logprobs": old, "action_mask": [[True] * len(r) for r in responses],
                         "finish_reason": ["length"] * n, "images": [[] for _ in range(n)], "videos": [[] for _ in range(n)],
-                        **single_turn_columns([""] * n)},
+                        **single_turn_columns([""] * n), **policy_version_column(n, 0)},
                        schema=ROLLOUT.arrow)
     adv = [[1.0 if i % 2 else -1.0] * len(r) for i, r in enumerate(responses)]
     advantages = pa.table({"sample_id": ids, "prompt_id": pids, "shaped_rewards": [0.0] * n,
