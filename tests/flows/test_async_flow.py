@@ -8,6 +8,8 @@ import datetime as dt
 import json
 from pathlib import Path
 
+import pytest
+
 from schemas import read_manifest, read_shard, stage_uri
 from tests.flows.conftest import flow_cfg
 
@@ -43,6 +45,18 @@ def test_staleness_1_is_reproducible_and_records_versions(prefect_harness, tiny_
     # the rollout of iteration k+1 ran while the update of iteration k trained (submitted before it)
     r2, u1 = _window(stage_uri(root, 2, "rollout")), _window(stage_uri(root, 1, "ppo_update"))
     assert r2[0] < u1[1], (r2, u1)
+    # the replay flow reproduces the asynchronous run's updates from its shards, bit for bit
+    from flows.replay import replay
+
+    replayed = replay(root, flow_cfg(tiny_model, tmp_path / "replay", **extra))
+    assert _weights(tmp_path / "replay") == _weights(tmp_path / "a")
+    assert [m["policy_loss"] for m in replayed.metrics] == [m["policy_loss"] for m in a.metrics]
+    # resident workers (checkpoint every 3): the rollout worker samples iteration k+1 with version k-1 while the
+    # trainer trains iteration k, in two processes; the same weights
+    pytest.importorskip("ray")
+    train(flow_cfg(tiny_model, tmp_path / "resident", **extra, **{"orchestration.workers": "resident",
+                                                                  "checkpoint.every": 3}))
+    assert _weights(tmp_path / "resident") == _weights(tmp_path / "a")
 
 
 def test_staleness_0_records_the_previous_iteration_as_the_version(prefect_harness, tiny_model, tmp_path):
