@@ -224,6 +224,16 @@ def write_resident_config(path: Path, model: str, iterations: int = 3) -> Path:
     return path
 
 
+def write_async_config(path: Path, model: str, iterations: int = 2) -> Path:
+    """``write_config``'s run with ``rollout.max_staleness: 1`` (issue 28): the rollout of
+    iteration 2 samples with the initial policy and runs while the update of iteration 1 trains."""
+    write_config(path, model, iterations)
+    path.write_text(path.read_text().replace("name: faults", "name: faults-async").replace(
+        "rollout: {n_samples_per_prompt: 4, max_new_tokens: 48, batch_size: 8}",
+        "rollout: {n_samples_per_prompt: 4, max_new_tokens: 48, batch_size: 8, max_staleness: 1}"))
+    return path
+
+
 def running_workers() -> list[int]:
     """Pids of the resident workers (Ray actors) that are running a stage program now: their
     process title is ``ray::ModelWorker.run`` while ``ModelWorker.run`` executes."""

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import typing
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -33,6 +34,28 @@ from rft_core.stages.contracts import PROGRAMS, STAGE_INPUTS, StageInput
 from schemas import ShardNotCommittedError, ShardRef, read_manifest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+_IMPORT_LOCK = threading.Lock()
+_IMPORTED = False
+
+
+def import_transformers_once() -> None:
+    """Resolve transformers' lazily imported classes once, under a lock, before stage programs
+    run in threads side by side (the actor, reference and reward passes; a rollout overlapping
+    the previous update with ``rollout.max_staleness``). transformers' lazy module is not
+    thread-safe on first access: two threads importing ``AutoModelForCausalLM`` at once can fail
+    with "cannot import name 'AutoModelForCausalLM' from 'transformers'" (seen in a rerun whose
+    first two stages started together)."""
+    global _IMPORTED
+    if _IMPORTED:
+        return
+    with _IMPORT_LOCK:
+        if not _IMPORTED:
+            import transformers
+
+            for name in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "AutoProcessor", "GenerationConfig",
+                         "PreTrainedModel"):
+                getattr(transformers, name)
+            _IMPORTED = True
 # programs that support several ranks (torchrun with nproc_per_node > 1 or several nodes)
 DISTRIBUTED_STAGES = frozenset({"ppo_update", "critic_update"})
 
@@ -213,6 +236,7 @@ def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Calla
     memory goes back to the driver when it exits).
     """
     if runner is None or runner.mode == "inprocess":
+        import_transformers_once()
         configure_cuda_backends()
         try:
             return PROGRAMS[inp.program](inp)
