@@ -10,7 +10,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install demo test test-fast bench bench-trl bench-learning bench-resident gpu-smoke clean
+.PHONY: install demo test test-fast bench bench-trl bench-learning bench-resident bench-async gpu-smoke clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -51,6 +51,11 @@ bench-learning: $(STAMP)
 # the other (docs/benchmarks.md, docs/raw/resident.json); ~6 min. Run on a quiet machine.
 bench-resident: $(STAMP)
 	$(BIN)/python benchmarks/resident.py --iterations 4 --every 4 --json docs/raw/resident.json --doc docs/benchmarks.md
+
+# Asynchronous RL (issue 28): the demo preset 4 iterations with rollout.max_staleness 0 then 1
+# (docs/benchmarks.md, docs/raw/async.json); ~8 min. Run on a quiet machine.
+bench-async: $(STAMP)
+	$(BIN)/python benchmarks/async_rl.py --iterations 4
 
 # GPU proof kit (docs/gpu.md) in the current environment (CUDA torch, no install: the Makefile's
 # venv is the CPU build); GPU_PY=/path/to/python, ARGS=--cpu for the dry run on the tiny model
