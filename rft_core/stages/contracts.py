@@ -263,7 +263,9 @@ class CriticUpdateInput(StageInput):
 
     program: ClassVar[str] = "critic_update"
     stage: ClassVar[str] = "critic_update"
-    version: ClassVar[int] = 2  # 2: dropout off in the critic update (issue 16)
+    # 2: dropout off in the critic update (issue 16); 3: a bfloat16 critic trains on bf16 weights with float32
+    # masters and gradients instead of autocast over float32 weights (issue 29)
+    version: ClassVar[int] = 3
     config_paths: ClassVar[Mapping[str, str]] = {"critic": "critic", "model": "initial_critic"}
     rollout: ShardRef
     advantages: ShardRef
@@ -283,7 +285,7 @@ class PPOUpdateInput(StageInput):
     # 2: loss normalisers, dropout off, rollout correction (issue 16); 3: update.packing true, fused AdamW,
     # old log-probs from the engine where on-policy (issue 19); 4: the k1+/k3+ KL loss keeps k2's gradient past
     # |log pi - log ref| = sqrt(2 kl_clamp), saturating at kl_clamp (issue 29)
-    version: ClassVar[int] = 4
+    version: ClassVar[int] = 5  # 5: bf16 forward/backward on the bfloat16 weights, float32 master grads (issue 29)
     unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer", "save_checkpoint", "policy_version"})
     config_paths: ClassVar[Mapping[str, str]] = {"update": "update", "kl": "kl", "policy": "policy.path",
                                                  "dtype": "policy.dtype", "temperature": "rollout.temperature"}

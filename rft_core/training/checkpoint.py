@@ -5,7 +5,10 @@ mixed-precision update (a bfloat16 model, ``rft_core.training.strategy.MasterWei
 carries the float32 master weights (``"master_weights"``: parameter name -> float32 tensor) and the
 dtype the checkpoint's weights are their rounding to (``"master_weights_dtype"``), as DeepSpeed's
 and Megatron's optimizer states hold their float32 master copies: the weights folder is what the
-rollout loads (bfloat16), the next update continues from the exact float32 weights.
+rollout loads (bfloat16), the next update continues from the exact float32 weights. Its AdamW
+entries are indexed as the model's trainable parameters, each bfloat16 one's moments belonging
+to its float32 master: the same layout before and after issue 29 (which moved the forward from
+autocast over the masters to the bfloat16 parameters), so either code's file loads in the other.
 """
 from __future__ import annotations
 

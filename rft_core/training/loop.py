@@ -8,10 +8,12 @@ mini-batch loss computed in one piece. Under DeepSpeed the micro-batches of each
 dealt out round-robin over the ranks, every rank runs as many passes (zero-weight repeats, since
 ZeRO 2/3 communicate inside backward), and the statistics are summed over ranks.
 
-Precision: the loop runs inside ``strategy.training()`` (mixed precision: the parameters hold
-their float32 master weights there, their bfloat16 rounding afterwards) and each micro-batch's
-forward and loss inside ``strategy.autocast()`` (bfloat16 autocast); backward runs outside
-autocast, as PyTorch's AMP recipe prescribes.
+Precision: the loop runs inside ``strategy.training()`` and each micro-batch's forward and loss
+inside ``strategy.autocast()``; backward runs outside autocast, as PyTorch's AMP recipe
+prescribes. In mixed precision (``rft_core.training.strategy.MasterWeights``) neither switches
+anything: forward and backward run on the bfloat16 parameters, the weights the log-prob passes
+use, each backward's bfloat16 gradients are added into float32 master gradients as they arrive,
+and ``strategy.step()`` updates the float32 masters and rounds them into the parameters.
 """
 from __future__ import annotations
 

@@ -12,18 +12,36 @@ gradients as in one process: the update matches the single-process one up to flo
 DeepSpeed runs with ``managed_gradient_accumulation: false``: ``backward`` only accumulates, each
 ``step`` is an optimizer step (the caller decides the accumulation boundary, as in one process).
 
-Mixed precision (a model loaded in bfloat16, i.e. ``policy.dtype: bfloat16``). One process: the
-16-bit trainable parameters get float32 master copies (``MasterWeights``) that AdamW updates, so
-its state is float32 too, and the forward and loss run under ``torch.autocast`` in bfloat16; the
-float32 gradients land on the master weights (Micikevicius et al. 2018, arXiv:1710.03740, sec. 3.1;
-PyTorch AMP). AdamW on bfloat16 parameters would lose every step below half a bfloat16 ulp
-(between 2**-9 and 2**-8 of the weight: a 1e-6 step is lost on every weight of magnitude
->= 2**-11 = 4.9e-4, whose half ulp is >= 2**-20 = 9.5e-7). After training the
-model holds its weights in bfloat16 again (the checkpoint the next rollout loads) and the float32
-master weights travel in the optimizer state dict (``"master_weights"``), which the next update
-loads (``build_strategy(optimizer_state=...)``), so steps below bfloat16 resolution accumulate
-across iterations as they do within one. DeepSpeed keeps its own bf16 path (bfloat16 weights,
-float32 master partitions and AdamW state inside ZeRO).
+Mixed precision (a model loaded in bfloat16, i.e. ``policy.dtype: bfloat16``), one process, as
+DeepSpeed's ``BF16_Optimizer`` (deepspeed/runtime/bf16_optimizer.py, DeepSpeed 0.19.8) and Megatron-LM's
+``Float16OptimizerWithFloat16Params`` (megatron/core/optimizer/optimizer.py) do it: the model's
+parameters stay bfloat16, the very weights the rollout engine and the log-prob passes run, and
+the forward and backward run on them in bfloat16, without autocast; so the update's log-probs of
+a policy are, bit for bit, the actor and reference passes' log-probs of the same weights and
+micro-batch (issue 29: under autocast over float32 weights the first step saw approx_kl ~2e-3
+between a policy and its identical reference and old policy; what remains is the bfloat16
+kernels' dependence on how samples are grouped into micro-batches, the same between two
+log-prob passes: tests/rft_core/training/test_bf16_logprob_agreement.py). Each
+micro-batch's bfloat16 weight gradient is added into a float32 gradient of a float32 master copy
+as soon as autograd has accumulated it (a post-accumulate-grad hook, then the bfloat16 gradient
+is dropped: DeepSpeed's ``immediate_grad_update`` / ``accumulate_hp_grads_and_remove_lp``,
+Megatron's ``DistributedDataParallel._make_backward_post_hook``: ``main_grad.add_(grad); grad =
+None``), so gradient accumulation over micro-batches sums in float32. Clipping and AdamW work on
+the float32 masters and gradients (AdamW state float32; the masters take the places of the
+bfloat16 parameters in the optimizer's parameter list, as Megatron's ``main_param`` do, so the
+state dict's layout is that of an optimizer over the model's parameters), and after each step
+the masters are rounded (to nearest even) into the bfloat16 parameters (DeepSpeed
+``update_lp_params``, Megatron ``_copy_main_params_to_model_params``). AdamW on bfloat16
+parameters alone would lose every step below half a bfloat16 ulp (between 2**-9 and 2**-8 of the
+weight: a 1e-6 step is lost on every weight of magnitude >= 2**-11 = 4.9e-4, whose half ulp is
+>= 2**-20 = 9.5e-7); the masters keep them (Micikevicius et al. 2018, arXiv:1710.03740, sec. 3.1).
+The float32 masters travel in the optimizer state dict (``"master_weights"``), which the next
+update loads (``build_strategy(optimizer_state=...)``), so steps below bfloat16 resolution
+accumulate across iterations as they do within one. A model whose trainable weights are float32
+on a bfloat16 base (LoRA adapters) computes in those dtypes too (the adapters are their own
+masters); only a float32 model given a bfloat16 ``compute_dtype`` runs under autocast (plain AMP).
+DeepSpeed keeps its own bf16 path (bfloat16 weights, float32 master partitions and AdamW state
+inside ZeRO).
 
 DeepSpeed across iterations: ``DeepSpeedStrategy.save_state`` writes the ZeRO state with
 DeepSpeed's own sharded checkpoint (``engine.save_checkpoint``: every rank its partition of the
@@ -38,8 +56,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ContextManager
@@ -75,23 +95,37 @@ class OptimizerSettings:
         return cls(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
 
 
-def make_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
+                   params: list[torch.Tensor] | None = None) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (Loshchilov & Hutter 2019, arXiv:1711.05101), torch's
     fused implementation where every parameter is a float tensor on the CPU or a CUDA device
     (one kernel for all parameters: 0.07 s instead of 0.26 s per step for SmolLM2-135M on two
-    CPU cores; the same update up to float rounding), else the default (foreach) one."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    CPU cores; the same update up to float rounding), else the default (foreach) one.
+
+    Args:
+        params: the tensors to optimize instead of ``model``'s trainable parameters (mixed
+            precision: ``MasterWeights.optimizer_params``, the float32 masters in their places).
+    """
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)
 
 
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor ``optimizer`` updates, in its param groups' order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
-    """Clip the gradient norm, then step; a step whose gradient norm is not finite is skipped
-    (gradients dropped). Returns the norm before clipping."""
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+    """Clip the gradient norm of the optimizer's tensors (the model's trainable parameters, or in
+    mixed precision their float32 masters), then step; a step whose gradient norm is not finite
+    is skipped (gradients dropped, the model's too). Returns the norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(optimizer_params(optimizer), max_grad_norm)
     if torch.isfinite(grad_norm):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     return float(grad_norm)
 
 
@@ -111,18 +145,31 @@ def compute_dtype_of(model: torch.nn.Module) -> torch.dtype:
     return half.pop() if half else torch.float32
 
 
-class MasterWeights:
-    """Float32 master weights of a model's 16-bit trainable parameters (mixed precision).
+# model -> the MasterWeights whose gradient hooks its parameters carry (weak: the model may be dropped)
+_MASTERS_OF_MODEL: "weakref.WeakKeyDictionary[torch.nn.Module, MasterWeights]" = weakref.WeakKeyDictionary()
 
-    ``promote`` makes each such parameter hold float32 data (its master weight: AdamW then
-    updates and keeps its state in float32); ``demote`` makes it hold the bfloat16 rounding of it
-    again (round to nearest even) and keeps the float32 tensor aside, so that ``state()`` still
-    returns the exact master weights. The Parameter objects stay the same (only ``.data`` is
-    swapped), so an optimizer built over them keeps working. Parameters are named as in
-    ``model.named_parameters()`` (tied weights once).
+
+class MasterWeights:
+    """Float32 master weights and gradients of a model's bfloat16 trainable parameters (mixed
+    precision, module docstring; DeepSpeed ``BF16_Optimizer``, Megatron-LM
+    ``Float16OptimizerWithFloat16Params``).
+
+    The model's parameters keep their bfloat16 data at all times (what forward and backward, a
+    checkpoint and an inference pass use). Each gets a float32 master tensor (same shape and
+    device, ``masters``) that the optimizer updates in its place (``optimizer_params``). A
+    post-accumulate-grad hook on each bfloat16 parameter adds its gradient, upcast exactly, into
+    its master's float32 ``.grad`` as soon as a backward pass has accumulated it, and drops the
+    bfloat16 gradient: micro-batch gradients are summed in float32, never in bfloat16.
+    ``to_params`` rounds the masters into the parameters (round to nearest even) after a step.
+    Parameters are named as in ``model.named_parameters()`` (tied weights once: one master, one
+    gradient sum for the embedding and the LM head).
+
+    One ``MasterWeights`` per model: building another over the same model removes this one's
+    hooks (``detach``).
 
     Args:
-        model: the model, its 16-bit trainable parameters still in ``compute_dtype``.
+        model: the model, its 16-bit trainable parameters in ``compute_dtype``, already on the
+            device it trains on (the masters are made there).
         compute_dtype: torch.bfloat16 (float16 would need loss scaling, which is not implemented).
     Raises:
         ValueError: ``compute_dtype`` is not bfloat16.
@@ -134,45 +181,64 @@ class MasterWeights:
                              "loss scaling (a GradScaler), which is not implemented; use dtype bfloat16 or float32")
         self.compute_dtype = compute_dtype
         self.params = {name: p for name, p in model.named_parameters() if p.requires_grad and p.dtype == compute_dtype}
-        self._aside: dict[str, torch.Tensor] | None = None  # float32 masters while demoted
+        self.masters = {name: p.detach().to(torch.float32, copy=True) for name, p in self.params.items()}
+        previous = _MASTERS_OF_MODEL.get(model)
+        if previous is not None:
+            previous.detach()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(name)) for name, p in self.params.items()]
+        _MASTERS_OF_MODEL[model] = self
 
-    def promote(self, saved: dict[str, torch.Tensor] | None = None, *, saved_dtype: str | None = None,
-                source: str = "optimizer state") -> None:
-        """Parameters hold float32 master weights: ``saved`` ones (checked against the loaded
-        weights with ``check_master_weights``), the ones set aside by ``demote``, or the current
-        16-bit values upcast (exactly).
+    def _grad_hook(self, name: str):
+        master = self.masters[name]
+
+        def accumulate(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is None:
+                return
+            if master.grad is None:
+                master.grad = grad.detach().to(torch.float32, copy=True)
+            else:
+                # float32 += bfloat16: the bfloat16 value is upcast exactly and summed in float32
+                master.grad.add_(grad.detach())
+            param.grad = None
+
+        return accumulate
+
+    def detach(self) -> None:
+        """Remove the gradient hooks (the model's bfloat16 gradients then stay on it)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def load(self, saved: dict[str, torch.Tensor], *, saved_dtype: str | None = None,
+             source: str = "optimizer state") -> None:
+        """Make the masters the ``saved`` float32 ones (an optimizer state's ``master_weights``),
+        after checking that they belong to the parameters' weights (``check_master_weights``).
 
         Raises:
             ValueError: ``saved`` does not belong to these weights (see ``check_master_weights``).
         """
-        if saved is not None:
-            check_master_weights(self.params, saved, saved_dtype=saved_dtype, source=source)
-        for name, p in self.params.items():
-            if saved is not None:
-                p.data = saved[name].to(device=p.device, dtype=torch.float32)
-            elif self._aside is not None:
-                p.data = self._aside[name]
-            elif p.dtype != torch.float32:
-                p.data = p.data.float()
-            p.grad = None
-        self._aside = None
+        check_master_weights(self.params, saved, saved_dtype=saved_dtype, source=source)
+        with torch.no_grad():
+            for name, m in self.masters.items():
+                m.copy_(saved[name])
 
-    def demote(self) -> None:
-        """Parameters hold the ``compute_dtype`` rounding of their master weights again (what a
-        checkpoint saves and an inference pass uses); the float32 masters are kept aside."""
-        if self._aside is not None:
-            return
-        self._aside = {}
+    def optimizer_params(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        """The tensors AdamW updates: ``model``'s trainable parameters in their order, each
+        bfloat16 one replaced by its float32 master (so an optimizer state dict has the layout
+        of one over the model's parameters)."""
+        masters_by_id = {id(p): self.masters[name] for name, p in self.params.items()}
+        return [masters_by_id.get(id(p), p) for p in model.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def to_params(self) -> None:
+        """Round every master into its bfloat16 parameter (round to nearest even, as ``.to``)."""
         for name, p in self.params.items():
-            self._aside[name] = p.data
-            p.data = p.data.to(self.compute_dtype)
-            p.grad = None
+            p.copy_(self.masters[name])
 
     def state(self) -> dict[str, torch.Tensor]:
         """name -> the float32 master weight (the live tensors: do not modify them)."""
-        if self._aside is not None:
-            return dict(self._aside)
-        return {name: p.data for name, p in self.params.items()}
+        return dict(self.masters)
 
     def add_to_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
         """``Optimizer.register_state_dict_post_hook`` hook: the optimizer state dict also carries
@@ -274,13 +340,17 @@ def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspee
     Otherwise one process with the model on ``device`` (default ``default_device()``) and AdamW
     continued from ``optimizer_state`` (a folder holding ``optimizer.pt``; None: fresh), with the
     configured learning rate. A bfloat16 model trains in mixed precision (``MasterWeights``, module
-    docstring): float32 master weights, restored from the optimizer state when it carries them
-    (else the loaded bfloat16 weights upcast), float32 AdamW state, bfloat16 autocast.
+    docstring): forward and backward on its bfloat16 parameters, float32 master weights (restored
+    from the optimizer state when it carries them, else the loaded bfloat16 weights upcast) and
+    float32 gradients, float32 AdamW state. An optimizer state saved before issue 29 (AdamW over
+    the parameters while they held the float32 masters, which it carries as ``master_weights``)
+    has the same layout and continues exactly.
 
     Args:
         compute_dtype: the dtype name (``"bfloat16"``, ``"float32"``, ``"auto"``) or torch dtype
-            the model was loaded in; None: ``compute_dtype_of(model)``. bfloat16 on a float32
-            model is plain automatic mixed precision (float32 weights, bfloat16 autocast).
+            the model was loaded in; None: ``compute_dtype_of(model)``. bfloat16 on a model
+            without 16-bit weights is plain automatic mixed precision (float32 weights, bfloat16
+            autocast).
         keeps_deepspeed_state: the caller saves this DeepSpeed update's state for the next one
             (``DeepSpeedStrategy.save_state``; the policy update does). False (the critic): a
             bfloat16 model gets a warning that its float32 masters end with this update.
@@ -316,66 +386,83 @@ def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspee
     saved = read_optimizer_state(optimizer_state)
     source = str(Path(optimizer_state or ".") / OPTIMIZER_FILE)
     masters, saved_dtype = (saved.pop(MASTER_WEIGHTS_KEY, None), saved.pop(MASTER_DTYPE_KEY, None)) if saved else (None, None)
-    master = MasterWeights(model, dtype) if dtype in HALF_DTYPES else None  # compute dtype and 16-bit weights
-    if master is not None and master.params:
+    master = MasterWeights(model, dtype) if dtype in HALF_DTYPES else None  # refuses float16
+    if master is not None and not master.params:  # no 16-bit trainable weights (LoRA adapters, a float32 model)
+        master = None
+    if master is not None:
         if saved is not None and masters is None:
             log.info("%s holds no master weights: the float32 masters start from the loaded %s weights", source, dtype)
-        master.promote(masters, saved_dtype=saved_dtype, source=source)
+        elif masters is not None:
+            master.load(masters, saved_dtype=saved_dtype, source=source)
     elif masters:  # float32 trainable weights (a bfloat16 run continued in float32): the masters, not their rounding
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         check_master_weights(params, masters, saved_dtype=saved_dtype, source=source)
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(masters[name])
-    opt = make_optimizer(model, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+    opt = make_optimizer(model, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,
+                         params=master.optimizer_params(model) if master is not None else None)
     if saved is not None:
         restore_optimizer_state(opt, saved, lr=optim.lr)
-    if master is not None and master.params:
+    if master is not None:
         opt.register_state_dict_post_hook(master.add_to_state_dict)
-    return SingleProcess(model, opt, max_grad_norm=optim.max_grad_norm, master=master)
+    # autocast only for a model without 16-bit weights asked to compute in 16 bits (plain AMP)
+    autocast_dtype = dtype if dtype in HALF_DTYPES and loaded == torch.float32 else None
+    return SingleProcess(model, opt, max_grad_norm=optim.max_grad_norm, master=master, autocast_dtype=autocast_dtype)
 
 
 class SingleProcess:
     """One process: plain autograd, clip, AdamW step (a non-finite gradient norm skips the step).
 
-    With ``master`` (mixed precision): the forward runs under bfloat16 autocast (``autocast``)
-    and the optimizer updates the float32 master weights, which the parameters hold inside
-    ``training()``; outside it they hold the bfloat16 weights.
+    With ``master`` (mixed precision, ``MasterWeights``): the forward and backward run on the
+    model's bfloat16 parameters as they are (no autocast), each backward's bfloat16 gradients
+    land in the masters' float32 gradients, clipping and AdamW work on the float32 masters, and
+    each step ends by rounding the masters into the bfloat16 parameters. ``autocast_dtype``: the
+    forward runs under autocast to that dtype (a float32 model with a 16-bit compute dtype).
     """
 
     rank = 0
     world_size = 1
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, max_grad_norm: float,
-                 master: MasterWeights | None = None) -> None:
+                 master: MasterWeights | None = None, autocast_dtype: torch.dtype | None = None) -> None:
         self.model, self.optimizer, self.max_grad_norm, self.master = model, optimizer, max_grad_norm, master
+        self.autocast_dtype = autocast_dtype
         if master is None and any(p.requires_grad and p.dtype in HALF_DTYPES for p in model.parameters()):
             log.warning("training 16-bit parameters without float32 master weights: optimizer steps below half a "
                         "16-bit ulp are lost (build the strategy with build_strategy for mixed precision)")
 
     def training(self) -> ContextManager[None]:
-        """The context of a training run: parameters hold the float32 master weights inside it
-        and the bfloat16 weights after it (mixed precision; otherwise nothing changes)."""
-        return _master_context(self.master)
+        """The context of a training run: nothing to switch (the parameters hold the weights the
+        forward uses, bfloat16 ones in mixed precision, inside and after it)."""
+        return contextlib.nullcontext()
 
     def autocast(self) -> ContextManager[Any]:
-        """The context of a forward pass and its loss: bfloat16 autocast on the model's device
-        type in mixed precision, else nothing."""
-        if self.master is None:
+        """The context of a forward pass and its loss: autocast to ``autocast_dtype`` on the
+        model's device type when set, else nothing (mixed precision computes in the bfloat16
+        parameters' own dtype, as the inference passes do)."""
+        if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=model_device(self.model).type, dtype=self.master.compute_dtype)
+        return torch.autocast(device_type=model_device(self.model).type, dtype=self.autocast_dtype)
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients."""
+        """Drop accumulated gradients (the optimizer's, the float32 masters' in mixed precision,
+        and the model's)."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate the gradient of ``loss``."""
+        """Accumulate the gradient of ``loss`` (mixed precision: each bfloat16 parameter's hook adds
+        its gradient into its master's float32 gradient as backward produces it)."""
         loss.backward()
 
     def step(self) -> float:
-        """Clip and step; returns the gradient norm before clipping."""
-        return clip_and_step(self.model, self.optimizer, self.max_grad_norm)
+        """Clip and step (in mixed precision: the float32 master gradients and weights, then the
+        masters rounded into the bfloat16 parameters); returns the gradient norm before clipping."""
+        grad_norm = clip_and_step(self.model, self.optimizer, self.max_grad_norm)
+        if self.master is not None and math.isfinite(grad_norm):
+            self.master.to_params()
+        return grad_norm
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum over ranks (here: the values themselves)."""
@@ -385,18 +472,6 @@ class SingleProcess:
     def lr(self) -> float:
         """Learning rate of the first parameter group."""
         return float(self.optimizer.param_groups[0]["lr"])
-
-
-@contextlib.contextmanager
-def _master_context(master: MasterWeights | None):
-    if master is None:
-        yield
-        return
-    master.promote()
-    try:
-        yield
-    finally:
-        master.demote()
 
 
 def collective_device(backend: str) -> torch.device:
