@@ -58,7 +58,6 @@ def train(cfg: TrainConfig) -> TrainResult:
     state = cfg.initial_state
     critic: PolicyRef | None = None
     curve = None
-    pool = cfg.run_root if cfg.orchestration.workers == "resident" else None  # resident workers' pool
     counters0 = run_counters(None)  # this process's model loads etc. before the run (counted from here)
     try:
         wandb = WandbLogger.start(cfg.observe.wandb, run_root=cfg.run_root, name=cfg.name, config=cfg.model_dump(mode="json"))
@@ -68,12 +67,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     try:
         versions: dict[int, PolicyRef] = {0: policy}  # version v: the policy the update of iteration v made
         for i in range(1, cfg.iterations + 1):
-            ahead = cfg.rollout_policy_version(i + 1) if cfg.rollout.max_staleness else None  # s >= 1: already trained
-            result = rl_iteration(cfg, i, policy, state, critic, rollout_policy=versions[cfg.rollout_policy_version(i)],
-                                  next_rollout_policy=versions[ahead] if ahead is not None else None)
+            ahead = versions[cfg.rollout_policy_version(i + 1)] if cfg.rollout.max_staleness else None  # trained
+            result = rl_iteration(cfg, i, policy, state, critic, versions[cfg.rollout_policy_version(i)], ahead)
             policy, state, critic = result.policy, result.next_state, result.critic
             versions[i] = policy
-            result.metrics.update({f"run/{k}": v - counters0.get(k, 0) for k, v in run_counters(pool).items()})
+            result.metrics.update({f"run/{k}": v - counters0.get(k, 0) for k, v in run_counters(cfg.resident_pool).items()})
             if cfg.checkpoint.keep_last is not None:
                 tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=i, checkpoint=cfg.checkpoint)
             rows.append(result.metrics)
@@ -89,8 +87,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         # the last iteration's optimizer state may still be being written (checkpoint.async_optimizer)
         wait_for_optimizer_writes()
     finally:
-        if pool:
-            stop_workers(pool)  # after their pending writes; on an error or Ctrl-C too
+        if cfg.resident_pool:
+            stop_workers(cfg.resident_pool)  # after their pending writes; on an error or Ctrl-C too
         if wandb:
             wandb.finish()
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")

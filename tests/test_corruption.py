@@ -98,4 +98,4 @@ def test_corrupted_checkpoint_found_on_resume_and_repaired(prefect_harness, tiny
     downstream = ["rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update", "ppo_update-optimizer"]
     assert set(plan.moves) == {f"iter={i}/{s}" for i in (1, 2) for s in downstream}  # not the prompts of either
     assert plan.moves["iter=1/advantages"].startswith("reads ") and \
-        plan.moves["iter=2/rollout"] == "starts from the checkpoint of iteration 1"
+        plan.moves["iter=2/rollout"] == "reads iter=1/ppo_update"  # its inputs name the policy it samples with

@@ -201,6 +201,11 @@ class TrainConfig(_Frozen):
                 options=o.worker_options))
         return RunnerConfig()
 
+    @property
+    def resident_pool(self) -> str | None:
+        """The name of the run's resident workers' pool (the run root), or None with ``workers: stage``."""
+        return self.run_root if self.orchestration.workers == "resident" else None
+
     def is_checkpoint(self, iteration: int) -> bool:
         """Whether the update of ``iteration`` writes the policy's weights and optimizer state
         (``checkpoint.every``, and the run's last iteration)."""

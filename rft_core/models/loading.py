@@ -42,7 +42,7 @@ def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False
     """
     from transformers import AutoModelForCausalLM
 
-    from rft_core.workers.memory import count, count_bytes_read
+    from rft_core.workers.counters import count, count_bytes_read
 
     count("model_loads")
     count_bytes_read(resolve_model_path(path))

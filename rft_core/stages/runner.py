@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import typing
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -26,36 +25,11 @@ from typing import Any, Callable, Mapping
 from pydantic import TypeAdapter
 
 from rft_core.config import RunnerConfig
-from rft_core.models.hub import configure_cuda_backends
-from rft_core.models.logprobs import release_device_memory
-# the stage modules register their programs in PROGRAMS when imported
-from rft_core.stages import advantages, critic, dynamic, evaluate, logprobs, prompts, rewards, rollout, update  # noqa: F401
 from rft_core.stages.contracts import PROGRAMS, STAGE_INPUTS, StageInput
+from rft_core.stages.inprocess import import_transformers_once, run_in_process  # noqa: F401 - registers the programs
 from schemas import ShardNotCommittedError, ShardRef, read_manifest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-_IMPORT_LOCK = threading.Lock()
-_IMPORTED = False
-
-
-def import_transformers_once() -> None:
-    """Resolve transformers' lazily imported classes once, under a lock, before stage programs
-    run in threads side by side (the actor, reference and reward passes; a rollout overlapping
-    the previous update with ``rollout.max_staleness``). transformers' lazy module is not
-    thread-safe on first access: two threads importing ``AutoModelForCausalLM`` at once can fail
-    with "cannot import name 'AutoModelForCausalLM' from 'transformers'" (seen in a rerun whose
-    first two stages started together)."""
-    global _IMPORTED
-    if _IMPORTED:
-        return
-    with _IMPORT_LOCK:
-        if not _IMPORTED:
-            import transformers
-
-            for name in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "AutoProcessor", "GenerationConfig",
-                         "PreTrainedModel"):
-                getattr(transformers, name)
-            _IMPORTED = True
 # programs that support several ranks (torchrun with nproc_per_node > 1 or several nodes)
 DISTRIBUTED_STAGES = frozenset({"ppo_update", "critic_update"})
 
@@ -236,12 +210,7 @@ def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Calla
     memory goes back to the driver when it exits).
     """
     if runner is None or runner.mode == "inprocess":
-        import_transformers_once()
-        configure_cuda_backends()
-        try:
-            return PROGRAMS[inp.program](inp)
-        finally:
-            release_device_memory()  # what the program dropped (its model, activations) goes back to the driver
+        return run_in_process(inp)
     if runner.mode == "resident":
         from rft_core.workers.pool import run_resident
 

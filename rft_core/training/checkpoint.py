@@ -49,7 +49,7 @@ def read_optimizer_state(ckpt_dir: str | Path | None) -> dict | None:
     path = Path(ckpt_dir) / OPTIMIZER_FILE if ckpt_dir else None
     if path is None or not path.exists():
         return None
-    from rft_core.workers.memory import count_bytes_read
+    from rft_core.workers.counters import count_bytes_read
 
     count_bytes_read(path)
     try:

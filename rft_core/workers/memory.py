@@ -10,20 +10,17 @@ weights come from differs.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
-import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
+from rft_core.workers.counters import COUNTS, count, counts  # noqa: F401 - re-exported
 from schemas import PolicyRef
 
 if TYPE_CHECKING:
     import torch
 
     from rft_core.stages.contracts import PPOUpdateInput
-    from rft_core.stages.update import PolicyTrainer
 
 
 class ModelSource(Protocol):
@@ -33,36 +30,12 @@ class ModelSource(Protocol):
         """The model of ``ref`` (``role``: "policy" or "reference") in ``dtype`` on the worker's
         device, in eval mode, holding exactly the weights of ``ref``."""
 
-    def trainer(self, inp: "PPOUpdateInput") -> "PolicyTrainer":
-        """The policy trainer (model, AdamW state) holding exactly ``inp.policy``."""
+    def trainer(self, inp: "PPOUpdateInput") -> Any:
+        """The policy trainer (``rft_core.stages.update.PolicyTrainer``: model, AdamW state)
+        holding exactly ``inp.policy``."""
 
     def trained(self, ref: PolicyRef) -> None:
         """The trainer now holds the policy committed as ``ref``."""
-
-
-COUNTS: collections.Counter = collections.Counter()  # events of this process: model_loads, engine_builds, ...
-
-
-def count(event: str, n: float = 1) -> None:
-    """Add ``n`` to this process's counter ``event`` (read with ``counts``)."""
-    COUNTS[event] += n
-
-
-def count_bytes_read(path: "str | os.PathLike") -> None:
-    """Count the bytes of a checkpoint read from storage (``bytes_read``): a file, or the weight
-    files (``*.safetensors``, ``*.bin``) of a model folder. A hub id (no local folder) counts 0."""
-    p = Path(path)
-    if p.is_file():
-        COUNTS["bytes_read"] += p.stat().st_size
-    elif p.is_dir():
-        COUNTS["bytes_read"] += sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".safetensors", ".bin"))
-
-
-def counts() -> dict[str, float]:
-    """This process's event counters: ``model_loads`` (models read from storage), ``bytes_read``
-    (their weight files and optimizer states), ``engine_builds`` (rollout engines built over a model read for them), and in a
-    resident worker the sync and recovery counters (``rft_core.workers.resident``)."""
-    return dict(COUNTS)
 
 
 _SOURCE: contextvars.ContextVar["ModelSource | None"] = contextvars.ContextVar("rft_model_source", default=None)

@@ -17,28 +17,17 @@ end of a run.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from typing import Any
 
 from rft_core.config import WorkersConfig
-from rft_core.workers.resident import ROLE_OF_PROGRAM, ROLES, ModelWorker
+from rft_core.workers.resident import NAMESPACE, ROLE_OF_PROGRAM, ROLES, ModelWorker, WorkerError, actor_name  # noqa: F401
 
 log = logging.getLogger("rft_core.workers")
 
-NAMESPACE = "prefect-rft"
 # environment the workers need from the driver (a local Ray passes its own; a cluster does not)
 _ENV_PREFIXES = ("RFT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PREFECT_RFT_")
-
-
-class WorkerError(RuntimeError):
-    """A resident worker could not be started or reached (Ray missing, cluster unreachable)."""
-
-
-def actor_name(pool: str, role: str) -> str:
-    """The Ray actor name of ``role`` in the pool ``pool`` (the run root)."""
-    return f"{role}-{hashlib.sha256(pool.encode()).hexdigest()[:16]}"
 
 
 def _ray(workers: WorkersConfig | None = None):

@@ -8,18 +8,14 @@ storage (a checkpoint, or the initial model): ``policy_chain``. ``rebuild_traine
 checkpoint with its AdamW state, exactly as ``workers=stage`` does, then re-applies each
 committed update after it from its own committed input shards (rollout, advantages, log-probs:
 no rollout is regenerated) through the same training code, and checks each result against the
-committed digest. On the CPU the updates are deterministic, so the rebuilt weights and AdamW
+committed digest (``rft_core.workers.resident.rebuild_trainer``; this module only reads
+manifests, so the stage programs can import it). On the CPU the updates are deterministic, so the rebuilt weights and AdamW
 state are those of the uninterrupted run, bit for bit; a digest that differs (a nondeterministic
 GPU kernel) stops with ``RecoveryError`` unless the caller accepts the difference.
 """
 from __future__ import annotations
 
-import logging
-import time
-
 from schemas import PolicyRef, ShardRef, read_manifest
-
-log = logging.getLogger("rft_core.workers")
 
 WEIGHTS_DIGEST_KEY = "weights_sha256"
 UPDATE_INPUT_KEY = "update_input"
@@ -71,45 +67,3 @@ def weights_base(ref: PolicyRef) -> PolicyRef:
 def committed_digest(ref: ShardRef) -> str:
     """The weights digest a weightless update recorded."""
     return read_manifest(ref.uri)[0].summary[WEIGHTS_DIGEST_KEY]
-
-
-def rebuild_trainer(ref: PolicyRef, inp, *, strict: bool = True):
-    """The policy trainer (``rft_core.stages.update.PolicyTrainer``) holding exactly ``ref``,
-    built for the update ``inp`` (its ``update`` config and ``dtype``): the base checkpoint of
-    ``ref`` loaded with its AdamW state, then the committed updates after it re-applied.
-
-    Args:
-        strict: a re-applied update whose weights differ from its committed digest raises
-            (otherwise it is logged and recovery goes on).
-    Returns:
-        (trainer, report): ``report`` has ``base`` (its URI or path), ``replayed`` (updates
-        re-applied) and ``seconds``.
-    Raises:
-        RecoveryError: see the class; ``OptimizerStateError`` / ``CheckpointPrunedError`` when
-            the base checkpoint's AdamW state or weights are gone.
-    """
-    from rft_core.stages.optimizer_state import optimizer_state_ref
-    from rft_core.stages.update import build_trainer, replay_update
-    from rft_core.workers.sync import state_tensors, weights_digest
-
-    t0 = time.perf_counter()
-    base, chain = policy_chain(ref)
-    first = update_input_of(chain[0]) if chain else inp
-    opt_ref = optimizer_state_ref(base) if first.update.deepspeed is None else None
-    trainer = build_trainer(base, first.update, dtype=first.dtype, opt_ref=opt_ref)
-    for u in chain:
-        step_inp = update_input_of(u)
-        replay_update(trainer, step_inp)
-        got, want = weights_digest(state_tensors(trainer.strategy.model)), committed_digest(u)
-        if got != want:
-            msg = (f"re-applying the committed update {u.uri} gave other weights than it recorded (digest {got[:12]} "
-                   f"vs {want[:12]}): nondeterministic kernels, or the input shards changed")
-            if strict:
-                raise RecoveryError(msg)
-            log.warning("%s; recovery goes on with the recomputed weights", msg)
-    report = {"base": base.uri if isinstance(base, ShardRef) else base, "replayed": len(chain),
-              "seconds": time.perf_counter() - t0}
-    if chain:
-        log.info("rebuilt the policy of %s from %s by re-applying %d committed update(s) in %.1f s",
-                 ref.uri if isinstance(ref, ShardRef) else ref, report["base"], len(chain), report["seconds"])
-    return trainer, report

@@ -26,6 +26,7 @@ Ray actor.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -50,6 +51,19 @@ from rft_core.workers.sync import (
 from schemas import PolicyRef, ShardRef
 
 log = logging.getLogger("rft_core.workers")
+
+NAMESPACE = "prefect-rft"  # the Ray namespace of the workers
+
+
+class WorkerError(RuntimeError):
+    """A resident worker could not be started or reached (Ray missing, cluster unreachable, a
+    peer that is not running)."""
+
+
+def actor_name(pool: str, role: str) -> str:
+    """The Ray actor name of ``role`` in the pool ``pool`` (the run root)."""
+    return f"{role}-{hashlib.sha256(pool.encode()).hexdigest()[:16]}"
+
 
 ROLE_OF_PROGRAM = {"ppo_update": "policy", "rollout": "rollout", "actor_logprobs": "rollout", "ref_logprobs": "reference"}
 ROLES = ("policy", "rollout", "reference")
@@ -104,13 +118,13 @@ class ModelWorker:
         Raises:
             ValueError: a program this role does not run.
         """
-        from rft_core.stages.runner import run_stage
+        from rft_core.stages.inprocess import run_in_process
 
         if ROLE_OF_PROGRAM.get(inp.program) != self.role:
             raise ValueError(f"the {self.role} worker does not run {inp.program!r} (it runs "
                              f"{', '.join(p for p, r in ROLE_OF_PROGRAM.items() if r == self.role)})")
         with models_from(self):
-            return run_stage(inp)
+            return run_in_process(inp)
 
     def stats(self) -> dict[str, Any]:
         """This worker's counters (``rft_core.workers.memory.counts``), its pid, role and the
@@ -165,8 +179,6 @@ class ModelWorker:
     def _ensure_trainer(self, ref: PolicyRef, inp=None):
         """The trainer holding ``ref``: the one kept in memory, or rebuilt (its base checkpoint
         loaded, the committed updates after it re-applied)."""
-        from rft_core.workers.recovery import rebuild_trainer
-
         key = version_key(ref)
         if self.held is None or self.version != key:
             self.held = None
@@ -230,13 +242,13 @@ class ModelWorker:
         """The pool's policy worker (a Ray actor handle, or the object given in tests)."""
         if self._peer is not None:
             return self._peer
-        from rft_core.workers.pool import WorkerError, worker_handle
+        import ray
 
-        handle = worker_handle(self.pool, "policy")
-        if handle is None:
+        try:
+            return ray.get_actor(actor_name(self.pool, "policy"), namespace=NAMESPACE)
+        except ValueError:
             raise WorkerError(f"the policy worker of {self.pool} is not running: the {self.role} worker needs it for "
-                              "the weights of a policy that is not on storage")
-        return handle
+                              "the weights of a policy that is not on storage") from None
 
     def _call(self, method: str, *args, **kwargs):
         """Call ``method`` of the policy worker and wait (Ray or in-process)."""
@@ -311,3 +323,46 @@ class ModelWorker:
         trainer = self._ensure_trainer(inp.policy, inp)
         configure_trainer(trainer, inp.update)
         return trainer
+
+
+def rebuild_trainer(ref: PolicyRef, inp, *, strict: bool = True):
+    """The policy trainer (``rft_core.stages.update.PolicyTrainer``) holding exactly ``ref``,
+    built for the update ``inp`` (its ``update`` config and ``dtype``): the base checkpoint of
+    ``ref`` loaded with its AdamW state, then the committed updates after it re-applied.
+
+    Args:
+        strict: a re-applied update whose weights differ from its committed digest raises
+            (otherwise it is logged and recovery goes on).
+    Returns:
+        (trainer, report): ``report`` has ``base`` (its URI or path), ``replayed`` (updates
+        re-applied) and ``seconds``.
+    Raises:
+        RecoveryError: (``rft_core.workers.recovery``) a recorded input is missing, or a
+            re-applied update's weights differ from its digest; ``OptimizerStateError`` / ``CheckpointPrunedError`` when
+            the base checkpoint's AdamW state or weights are gone.
+    """
+    from rft_core.stages.optimizer_state import optimizer_state_ref
+    from rft_core.stages.update import build_trainer, replay_update
+    from rft_core.workers.recovery import RecoveryError, committed_digest, policy_chain, update_input_of
+
+    t0 = time.perf_counter()
+    base, chain = policy_chain(ref)
+    first = update_input_of(chain[0]) if chain else inp
+    opt_ref = optimizer_state_ref(base) if first.update.deepspeed is None else None
+    trainer = build_trainer(base, first.update, dtype=first.dtype, opt_ref=opt_ref)
+    for u in chain:
+        step_inp = update_input_of(u)
+        replay_update(trainer, step_inp)
+        got, want = weights_digest(state_tensors(trainer.strategy.model)), committed_digest(u)
+        if got != want:
+            msg = (f"re-applying the committed update {u.uri} gave other weights than it recorded (digest {got[:12]} "
+                   f"vs {want[:12]}): nondeterministic kernels, or the input shards changed")
+            if strict:
+                raise RecoveryError(msg)
+            log.warning("%s; recovery goes on with the recomputed weights", msg)
+    report = {"base": base.uri if isinstance(base, ShardRef) else base, "replayed": len(chain),
+              "seconds": time.perf_counter() - t0}
+    if chain:
+        log.info("rebuilt the policy of %s from %s by re-applying %d committed update(s) in %.1f s",
+                 ref.uri if isinstance(ref, ShardRef) else ref, report["base"], len(chain), report["seconds"])
+    return trainer, report

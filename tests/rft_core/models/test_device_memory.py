@@ -11,7 +11,7 @@ import torch
 from rft_core.config import LogprobConfig
 from rft_core.models.logprobs import release_device_memory
 from rft_core.stages import logprobs as logprobs_stage
-from rft_core.stages import runner
+from rft_core.stages import inprocess, runner
 from rft_core.stages.contracts import ActorLogprobsInput
 from schemas import read_shard, write_shard
 from schemas.columns import ROLLOUT, policy_version_column, single_turn_columns
@@ -50,8 +50,8 @@ def rollout_shard(tiny_model, tmp_path):
 
 def test_in_process_stage_runs_set_up_cuda_and_release_its_memory(tiny_model, tmp_path, rollout_shard, monkeypatch):
     events = []
-    monkeypatch.setattr(runner, "configure_cuda_backends", lambda: events.append("configure") or False)
-    monkeypatch.setattr(runner, "release_device_memory", lambda: events.append("release") or False)
+    monkeypatch.setattr(inprocess, "configure_cuda_backends", lambda: events.append("configure") or False)
+    monkeypatch.setattr(inprocess, "release_device_memory", lambda: events.append("release") or False)
     monkeypatch.setattr(logprobs_stage, "release_device_memory", lambda: events.append("program release") or False)
     real = logprobs_stage.batched_response_logprobs
     seen = {}
