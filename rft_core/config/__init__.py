@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from rft_core.algorithms import ADVANTAGE_ESTIMATORS
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS, POLICY_LOSSES, check_policy_loss_aggregation
 from rft_core.algorithms.value_loss import VALUE_LOSSES
-from rft_core.config._base import _check_name, _Frozen, _tagged_union  # noqa: F401
+from rft_core.config._base import TAG_KEYS, _check_name, _Frozen, _tagged_union, strip_tags  # noqa: F401
 from rft_core.config.algorithms import (  # noqa: F401
     ADVANTAGE_CONFIGS, DEFAULT_KL_ESTIMATOR, PAPER_KL_MODE, POLICY_LOSS_CONFIGS, AdvantageConfig, CPGDAdvantage, CPGDLoss,
     DrGRPOAdvantage, DualClipLoss, DynamicSamplingConfig, GAEAdvantage, GRPOAdvantage, GSPOLoss, KLConfig,
@@ -31,6 +31,7 @@ from rft_core.config.rewards import (  # noqa: F401
 from rft_core.config.agents import AgentConfig  # noqa: F401
 from rft_core.config.data import DataConfig, DataSourceConfig, EvalConfig  # noqa: F401
 from rft_core.config.generation import LogprobConfig, ModelConfig, RolloutConfig  # noqa: F401
+from rft_core.config.rules import CONTRADICTIONS, contradictions  # noqa: F401
 from rft_core.config.run import CheckpointConfig, ObserveConfig, WandbConfig  # noqa: F401
 from rft_core.config.scale import (  # noqa: F401
     RESIDENT_STAGES, RUNNABLE_STAGES, DeepSpeedConfig, LoraConfig, OrchestrationConfig, RunnerConfig, SGLangConfig,
@@ -55,6 +56,12 @@ def _field(section: Any, key: str, default: Any) -> Any:
         value = section.get(key)
         return default if value is None else value
     return default
+
+
+def _tag(section: Any, key: str, default: str) -> str:
+    """The name that picks the class of a raw tagged section (``_tagged_union``): a bare name
+    (``update.policy_loss=gspo``) as is, else its ``key`` field, else ``default``."""
+    return section if isinstance(section, str) else _field(section, key, default)
 
 
 def _engine_sampling_differs(rollout: Any) -> bool:
@@ -110,7 +117,7 @@ class UpdateConfig(_Frozen):
     def _aggregation_of_the_loss(cls, data: Any) -> Any:
         """A policy loss whose paper fixes the aggregation (GSPO) gets it when loss_agg is left out."""
         if isinstance(data, dict) and data.get("loss_agg") is None:
-            name = _field(data.get("policy_loss"), "name", PPOClipLoss.model_fields["name"].default)
+            name = _tag(data.get("policy_loss"), "name", PPOClipLoss.model_fields["name"].default)
             required = POLICY_LOSSES.info(name).required_loss_agg if name in POLICY_LOSSES else None
             if required is not None:
                 data = {**data, "loss_agg": required}
@@ -244,7 +251,7 @@ class TrainConfig(_Frozen):
             return data
         data = dict(data)
         kl = _given(data.get("kl"))
-        estimator = _field(data.get("advantage"), "estimator", "grpo")
+        estimator = _tag(data.get("advantage"), "estimator", "grpo")
         if isinstance(kl, dict) and "mode" not in kl and estimator in PAPER_KL_MODE:
             data["kl"] = {**kl, "mode": PAPER_KL_MODE[estimator]}
         upd = _given(data.get("update"))
@@ -284,9 +291,25 @@ class TrainConfig(_Frozen):
                                  "update.rollout_correction.enabled=true: decoupled PPO weighs the policy term by "
                                  "pi_proximal / pi_behaviour (AReaL, arXiv:2505.24298); without it the stale samples "
                                  "would be trained on as if on-policy")
+        self._check_estimator_needs()
+        broken = contradictions(self)
+        if broken:
+            raise ValueError("\n".join(broken))
         if self.orchestration.workers == "resident" and self.resident_blockers():
             raise ValueError("orchestration.workers=resident: " + "; ".join(self.resident_blockers()))
         return self
+
+    def _check_estimator_needs(self) -> None:
+        """pass_at_k's k against the group size; remax's greedy baseline against a multi-turn rollout."""
+        adv, n = self.advantage, self.rollout.n_samples_per_prompt
+        if adv.estimator == "pass_at_k" and adv.k > n:
+            raise ValueError(f"advantage.k={adv.k} exceeds rollout.n_samples_per_prompt={n}: pass@k is taken over "
+                             f"k-subsets of each prompt's group of samples, so k must be between 1 and the group size "
+                             f"(k = {n} gives every group zero advantages; the smallest k > 1 is 2)")
+        if self.needs_greedy_baseline and self.rollout.agent is not None:
+            raise ValueError(f"advantage.estimator={adv.estimator} subtracts the reward of a greedy single-turn response "
+                             "of each prompt, which a multi-turn rollout (rollout.agent) has no counterpart of: unset "
+                             "rollout.agent or choose another estimator (e.g. rloo)")
 
     def with_resolved_run_root(self, now: "_dt.datetime | None" = None) -> "TrainConfig":
         """A copy whose run_root has ``{timestamp}`` (YYYYmmdd-HHMMSS) and ``{name}`` filled in
@@ -353,6 +376,12 @@ class TrainConfig(_Frozen):
     def needs_critic(self) -> bool:
         """True when the advantage estimator needs critic values (the critic stages run)."""
         return ADVANTAGE_ESTIMATORS.info(self.advantage.estimator).needs_critic
+
+    @property
+    def needs_greedy_baseline(self) -> bool:
+        """True when the advantage estimator subtracts the reward of a greedy response of each
+        prompt (remax): the iteration runs the ``baseline_rollout`` and ``baseline_rewards`` stages."""
+        return ADVANTAGE_ESTIMATORS.info(self.advantage.estimator).greedy_baseline
 
     @property
     def initial_critic(self) -> str:
@@ -433,6 +462,79 @@ def load_config(path: str | Path | None = None, overrides: list[str] | Mapping[s
     try:
         return TrainConfig.model_validate(raw)
     except ValidationError as exc:
-        lines = [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" + (f" (got {e['input']!r})" if e["type"] == "unknown_name" else "")
-                 for e in exc.errors()]
-        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+        raise ConfigError("invalid config:\n  " + "\n  ".join(_error_line(e) for e in exc.errors())) from None
+
+
+def _error_line(e: Mapping[str, Any]) -> str:
+    """One pydantic error as a line that names the key as a user writes it (tagged-union tags
+    taken out of the path), its problem, and for a tagged section the name given and the two
+    documented forms."""
+    key, tag = strip_tags(e["loc"])
+    if e["type"] == "unknown_name":
+        given = e["input"]
+        tag_key = next((k for k in TAG_KEYS if isinstance(given, Mapping) and k in given), "name")
+        name = given.get(tag_key) if isinstance(given, Mapping) else given
+        return (f"{key}: {e['msg']} (got {name!r}); write {key}=NAME for its defaults, or {key}.{tag_key}=NAME "
+                f"beside its fields ({key}.<field>=...)")
+    where = f" (in {tag})" if tag else ""
+    if e["type"] == "extra_forbidden":
+        return f"{key}{where}: not a setting{_valid_fields(e['loc'])}"
+    msg = e["msg"].removeprefix("Value error, ")
+    return f"{key}{where}: {msg}" if key else msg
+
+
+def _valid_fields(loc: tuple) -> str:
+    """'; valid keys here: a, b, c' for the model that holds the unknown key at ``loc``, or ''
+    when it cannot be found (a dict of sections, a list)."""
+    model: Any = TrainConfig
+    for part in [str(x) for x in loc[:-1]]:
+        if "=" in part and part.split("=", 1)[0] in TAG_KEYS:  # the tagged class: find it by its tag
+            key, name = part.split("=", 1)
+            model = next((m for m in _union_members(model) if m.model_fields[key].default == name), None)
+        elif isinstance(model, type) and issubclass(model, BaseModel) and part in model.model_fields:
+            model = model.model_fields[part].annotation
+        else:
+            model = _dict_value(model) if not part.isdigit() else _list_item(model)
+        if model is None:
+            return ""
+        model = _unwrap(model)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return "; valid keys here: " + ", ".join(model.model_fields)
+    return ""
+
+
+def _unwrap(tp: Any) -> Any:
+    """``X`` from ``X | None`` and ``Annotated[X, ...]`` (a tagged union stays a union)."""
+    import typing
+
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is typing.Annotated:
+            tp = typing.get_args(tp)[0]
+        elif origin in (typing.Union, __import__("types").UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(args) != 1:
+                return tp
+            tp = args[0]
+        else:
+            return tp
+
+
+def _union_members(tp: Any) -> list:
+    import typing
+
+    return [_unwrap(a) for a in typing.get_args(_unwrap(tp))]
+
+
+def _dict_value(tp: Any) -> Any:
+    import typing
+
+    args = typing.get_args(tp)
+    return args[1] if typing.get_origin(tp) is dict and len(args) == 2 else None
+
+
+def _list_item(tp: Any) -> Any:
+    import typing
+
+    args = typing.get_args(tp)
+    return args[0] if typing.get_origin(tp) in (list, tuple) and args else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Tag
 
 
 class _Frozen(BaseModel):
@@ -21,17 +21,34 @@ def _tagged_union(classes: tuple, key: str, default: str, kind: str):
     """A union of configs chosen by the field ``key`` (which may be left out: then ``default``).
 
     Each class's ``key`` is a Literal of one or more names; an unknown name fails with the list
-    of valid names.
+    of valid names. A bare name stands for the section with that name and its defaults, as a
+    verl or TRL user types it: ``update.policy_loss=gspo`` is ``update.policy_loss.name=gspo``.
     """
     aliases = {name: c.model_fields[key].default for c in classes for name in c.model_fields[key].annotation.__args__}
 
     def tag_of(v: Any) -> str | None:
         name = v.get(key, default) if isinstance(v, dict) else getattr(v, key, default)
-        return aliases.get(name, name)
+        return f"{key}={aliases.get(name, name)}"  # the tag shows in error locations: strip_tags
+
+    def bare_name(v: Any) -> Any:
+        return {key: v} if isinstance(v, str) else v
 
     valid = ", ".join(aliases)
-    return Annotated[
-        Union[tuple(Annotated[c, Tag(c.model_fields[key].default)] for c in classes)],
+    union = Annotated[
+        Union[tuple(Annotated[c, Tag(f"{key}={c.model_fields[key].default}")] for c in classes)],
         Discriminator(tag_of, custom_error_type="unknown_name",
                       custom_error_message=f"unknown {kind}; valid names: {valid}"),
     ]
+    TAG_KEYS.add(key)
+    return Annotated[union, BeforeValidator(bare_name)]
+
+
+TAG_KEYS: set[str] = set()  # the fields that pick a tagged union's class (name, estimator, type)
+
+
+def strip_tags(loc: tuple) -> tuple[str, str | None]:
+    """A pydantic error location as the dotted key a user writes, and the tagged class it is in:
+    ``("update", "policy_loss", "name=gspo", "clip_lo")`` -> ``("update.policy_loss.clip_lo", "name=gspo")``."""
+    parts = [str(x) for x in loc]
+    tags = [p for p in parts if "=" in p and p.split("=", 1)[0] in TAG_KEYS]
+    return ".".join(p for p in parts if p not in tags), (tags[-1] if tags else None)

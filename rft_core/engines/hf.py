@@ -257,7 +257,7 @@ class HFEngine:
         return cache
 
     def _decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, sampler: "InverseCDFSampler | None",
-                *, max_new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+                *, max_new_tokens: int, on_step=None) -> tuple[list[list[int]], list[list[float]]]:
         """Token-by-token decoding of a text model with a KV cache that drops each row once it has
         emitted an EOS token, so later steps compute only the rows still generating (HF
         ``generate`` keeps every row to the end of the batch, for about 45% of the demo's decode
@@ -268,7 +268,8 @@ class HFEngine:
         top-p, by ``sample_inverse_cdf``), or takes the argmax of the raw logits when ``sampler``
         is None (greedy, log-probs at temperature 1), and records log p(token) = x[token] -
         logsumexp(x). Returns per row the new tokens (up to and including the first EOS, at most
-        ``max_new_tokens``) and their log-probs (float32 values as Python floats)."""
+        ``max_new_tokens``) and their log-probs (float32 values as Python floats). ``on_step``:
+        optional callable(new_tokens, finished_rows) after each decode step (progress)."""
         B = input_ids.shape[0]
         tokens: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
@@ -296,6 +297,8 @@ class HFEngine:
                 tokens[r].append(t)
                 logprobs[r].append(v)
             keep = ~torch.isin(tok, eos)
+            if on_step is not None:
+                on_step(len(lp), B - int(keep.sum()) if step + 1 < max_new_tokens else B)
             if step + 1 == max_new_tokens or not bool(keep.any()):
                 break
             if not bool(keep.all()):
@@ -410,7 +413,8 @@ class HFEngine:
                 token's at ``first_token_temperature``), i.e. the behaviour policy's.
             sort_by_length, share_prefill: the speed-ups above (both off: the plain batching
                 of the first version, kept for benchmarks and debugging).
-            progress: optional callable(done, total) after each batch (sequences).
+            progress: optional callable(done, total, tokens) after each batch and each decode
+                step (sequences finished, tokens generated so far).
             only_batches: generate only these batches (indices into ``batches(...)``), each with
                 its own seed as in a full run: how a rollout is split over workers whose outputs
                 together equal the single-worker rollout.
@@ -443,7 +447,14 @@ class HFEngine:
         todo = [b for b in range(len(batches)) if only_batches is None or b in only_batches]
         total = sum(len(batches[b]) for b in todo)
         results: dict[tuple[int, int], Generation] = {}
-        done = 0
+        done, generated = 0, 0
+
+        def on_step(new_tokens: int, finished_rows: int) -> None:
+            nonlocal generated
+            generated += new_tokens
+            if progress is not None:
+                progress(done + finished_rows, total, generated)
+
         for b in todo:
             chunk = batches[b]
             rows = [torch.tensor(prompts[p], dtype=torch.long) for p, _ in chunk]
@@ -455,7 +466,8 @@ class HFEngine:
                 cache = self._prefill(input_ids, attention_mask, n) if share_prefill and P > 1 else None
                 sampler = None if greedy else InverseCDFSampler(prompt_len=P, temperature=temperature, top_p=top_p,
                                                                 first_token_temperature=first_token_temperature)
-                toks, lps_rows = self._decode(input_ids, attention_mask, cache, sampler, max_new_tokens=max_new_tokens)
+                toks, lps_rows = self._decode(input_ids, attention_mask, cache, sampler, max_new_tokens=max_new_tokens,
+                                              on_step=on_step)
             else:
                 sampling, recorder = self._sampling(prompt_len=P, temperature=temperature, top_p=top_p,
                                                     first_token_temperature=first_token_temperature, greedy=greedy)
@@ -470,6 +482,7 @@ class HFEngine:
                 _check_finite(torch.tensor([lps_rows[row]], dtype=torch.float32), row=row)
                 results[(p, k)] = Generation(p, k, toks[row], lps_rows[row], finish)
             done += len(chunk)
+            generated = sum(len(g.response_token_ids) for g in results.values())
             if progress is not None:
-                progress(done, total)
+                progress(done, total, generated)
         return [results[(p, k)] for p in range(len(prompts)) for k in range(n) if (p, k) in results]

@@ -177,10 +177,11 @@ def critic_batch(prompts: list[list[int]], responses: list[list[int]], *, pad_to
 def batched_response_values(critic: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]], *,
                             pad_token_id: int, micro_batch_size: int = 8, packing: bool = False, processor=None,
                             images: list[list[bytes]] | None = None,
-                            videos: list[list[bytes]] | None = None) -> list[list[float]]:
+                            videos: list[list[bytes]] | None = None, progress=None) -> list[list[float]]:
     """Unpadded per-sample value lists (len = len(response)), in input order; ``packing``: each
     micro-batch is one packed row without padding; ``processor``, ``images``, ``videos``: a
-    vision-language critic's ``VLProcessor`` and the samples' media (one list per sample).
+    vision-language critic's ``VLProcessor`` and the samples' media (one list per sample);
+    ``progress``: optional callable(done, total) after each micro-batch (samples).
     """
     out: list[list[float]] = [[] for _ in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
@@ -193,4 +194,6 @@ def batched_response_values(critic: torch.nn.Module, prompts: list[list[int]], r
         v = response_values(critic, batch).cpu()
         for row, i in enumerate(idx):
             out[i] = v[row, : len(responses[i])].tolist()
+        if progress is not None:
+            progress(min(start + micro_batch_size, len(order)), len(order))
     return out

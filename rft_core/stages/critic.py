@@ -7,6 +7,7 @@ from rft_core.models.critic import batched_response_values, load_critic
 from rft_core.models.loading import load_tokenizer
 from rft_core.models.logprobs import default_device, release_device_memory
 from rft_core.models.vl import VLProcessor, vl_processor_or_none
+from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path
 from rft_core.stages.common import Timer, commit_trained, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
@@ -46,11 +47,11 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
         processor, media = _vision(path, table)
         tok = load_tokenizer(path)
         model = load_critic(path, dtype=cfg.dtype).to(default_device())
-        with Timer() as t:
+        with Timer() as t, progress_reporter("critic_values", unit="sequences") as progress:
             values = batched_response_values(model, table.column("prompt_token_ids").to_pylist(),
                                              table.column("response_token_ids").to_pylist(),
                                              pad_token_id=tok.pad_token_id, micro_batch_size=cfg.micro_batch_size,
-                                             packing=cfg.packing, processor=processor, **media)
+                                             packing=cfg.packing, processor=processor, progress=progress, **media)
         out_table = pa.table({"sample_id": table.column("sample_id"), "values": pa.array(values, pa.list_(pa.float32()))},
                              schema=CRITIC_VALUES.arrow)
         flat = [v for row in values for v in row]
@@ -91,11 +92,13 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         strategy = build_strategy(load_critic(path, dtype=cfg.dtype, trainable=True), optim=OptimizerSettings.of(cfg),
                                   deepspeed=cfg.deepspeed, compute_dtype=cfg.dtype,
                                   optimizer_state=None if cfg.deepspeed else policy_checkpoint_dir(inp.model, CRITIC_SUBDIR))
-        with Timer() as t:
+        quiet = strategy.rank != 0
+        with Timer() as t, progress_reporter("critic_update", unit="micro-batches", use_bar=False if quiet else None,
+                                             log_fn=(lambda line: None) if quiet else None) as progress:
             steps = critic_update(strategy, data, pad_token_id=tok.pad_token_id, value_loss=cfg.value_loss,
                                   value_clip=cfg.value_clip, loss_agg=cfg.loss_agg, epochs=cfg.epochs,
                                   train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.micro_batch_size,
-                                  seed=cfg.seed, packing=cfg.packing, processor=processor)
+                                  seed=cfg.seed, packing=cfg.packing, processor=processor, progress=progress)
         summary = {"seconds": t.seconds, "value_loss": sum(s.value_loss for s in steps) / len(steps),
                    "value_clip_frac": sum(s.value_clip_frac for s in steps) / len(steps)}
         inputs = {"rollout": inp.rollout, "advantages": inp.advantages, "critic_values": inp.critic_values,

@@ -188,7 +188,7 @@ def _run_update(trainer: PolicyTrainer, inp: PPOUpdateInput, data: UpdateData, c
     """The update's optimizer steps on ``trainer``: (step metrics, seconds)."""
     cfg, strategy = inp.update, trainer.strategy
     quiet = quiet or strategy.rank != 0
-    with Timer() as t, progress_reporter("ppo_update", unit="optimizer steps", use_bar=False if quiet else None,
+    with Timer() as t, progress_reporter("ppo_update", unit="micro-batches", use_bar=False if quiet else None,
                                          log_fn=(lambda line: None) if quiet else None) as progress:
         steps = ppo_update(strategy, data, pad_token_id=trainer.tokenizer.pad_token_id, policy_loss=cfg.policy_loss.name,
                            policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss), loss_agg=cfg.loss_agg,

@@ -134,14 +134,19 @@ def train_steps(strategy: Strategy, n: int, *, micro_step: MicroStep, stats: Seq
         normaliser: the Normaliser of a mini-batch (its sample indices).
         train_batch_size: samples per optimizer step (None: all ``n``).
         seed: seeds the per-epoch shuffle.
-        progress: optional callable(done, total) after each optimizer step.
+        progress: optional callable(done, total) at the start (0) and after each micro-batch
+            of this rank (forward and backward), over all epochs and steps.
     Raises:
         ValueError: ``n`` is 0.
     """
     if n == 0:
         raise ValueError("the update got no samples")
     bs = train_batch_size or n
-    total_steps = epochs * -(-n // bs)
+    sizes = [bs] * (n // bs) + ([n % bs] if n % bs else [])
+    passes = epochs * sum(-(-(-(-size // micro_batch_size)) // strategy.world_size) for size in sizes)
+    done = 0
+    if progress is not None:
+        progress(0, passes)
     model = strategy.model
     results: list[StepResult] = []
     with strategy.training():
@@ -154,6 +159,9 @@ def train_steps(strategy: Strategy, n: int, *, micro_step: MicroStep, stats: Seq
                 with strategy.autocast():
                     loss, values = micro_step(idx, norm)
                 strategy.backward(loss * weight if weight != 1.0 else loss)
+                done += 1
+                if progress is not None:
+                    progress(done, passes)
                 if weight == 0.0:
                     continue
                 for k, v in values.items():
@@ -162,7 +170,5 @@ def train_steps(strategy: Strategy, n: int, *, micro_step: MicroStep, stats: Seq
             grad_norm = strategy.step()
             results.append(StepResult(step=len(results), epoch=epoch, sums=sums, grad_norm=grad_norm, lr=strategy.lr,
                                       norm=norm))
-            if progress is not None:
-                progress(len(results), total_steps)
         model.eval()
     return results

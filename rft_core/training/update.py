@@ -251,7 +251,7 @@ def ppo_update(
         seed: seeds the per-epoch shuffle (torch.Generator), independent of global RNG.
         packing: each micro-batch is one packed row without padding (``build_packed_batch``;
             with vision inputs, per-sequence M-RoPE positions); the same loss up to float rounding.
-        progress: optional callable(done, total) after each optimizer step (steps).
+        progress: optional callable(done, total) after each micro-batch (``train_steps``).
         processor: a vision-language policy's ``VLProcessor``; each micro-batch then gets the
             vision inputs of ``data.images`` and ``data.videos`` (``with_vision``).
     Returns:

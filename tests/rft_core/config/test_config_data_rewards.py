@@ -21,15 +21,17 @@ def test_presets_load(tmp_path):
 
 
 @pytest.mark.parametrize("override, match", [
-    (["advantage.estimator=gae_x"], "unknown advantage estimator; valid names: grpo, group_norm, dr_grpo, rloo, "
-                                     r"reinforce, reinforce_baseline, cpgd, gae \(got \{'estimator': 'gae_x'\}\)"),
+    (["advantage.estimator=gae_x"], r"advantage: unknown advantage estimator; valid names: grpo, group_norm, dr_grpo, "
+                                     r"rloo, reinforce, reinforce_baseline, cpgd, gae\b.* \(got 'gae_x'\); write "
+                                     r"advantage=NAME for its defaults, or advantage.estimator=NAME beside its fields"),
     (["update.policy_loss.name=ppo"], "unknown policy loss; valid names: ppo_clip, dual_clip, gspo, cpgd"),
+    (["update.policy_loss=ppo"], r"update.policy_loss: unknown policy loss; valid names: ppo_clip, .* \(got 'ppo'\)"),
     (["update.policy_loss.name=dual_clip", "update.policy_loss.clip_c=1"], "clip_c"),
     (["critic.value_loss=huber"], "unknown value loss 'huber'; valid names: clipped_mse"),
-    (["advantage.estimator=rloo", "advantage.scale_by_std=false"], "advantage.rloo.scale_by_std: Extra inputs"),
-    (["kl.estimator=k4"], r"unknown KL estimator 'k4'; valid names: k1, k1\+, k2, k3, k3\+, low_var_kl, low_var_kl\+, mse"),
+    (["advantage.estimator=rloo", "advantage.scale_by_std=false"], r"advantage.scale_by_std \(in estimator=rloo\): not a setting; valid keys here: estimator$"),
+    (["kl.estimator=k4"], r"unknown KL estimator 'k4'; valid names: .*k1, k1\+, k2, k3, k3\+, low_var_kl, low_var_kl\+, mse"),
     (["update.loss_agg=sum"], "valid names: seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm, token-mean"),
-    (["rollout.temprature=1"], "rollout.temprature: Extra inputs are not permitted"),
+    (["rollout.temprature=1"], "rollout.temprature: not a setting; valid keys here: engine, n_samples_per_prompt, temperature, "),
     (["rollout.temperature=-1"], "rollout.temperature"),
     (["rollout"], "must look like key.sub=value"),
 ])
@@ -128,7 +130,7 @@ def test_each_estimator_config_matches_its_function_kwargs():
     from rft_core.algorithms import ADVANTAGE_ESTIMATORS
     from rft_core.config import ADVANTAGE_CONFIGS
 
-    tensor_inputs = {"token_rewards", "values"}
+    tensor_inputs = {"token_rewards", "values", "reward_baselines"}
     covered = set()
     for cls in ADVANTAGE_CONFIGS:
         names = cls.model_fields["estimator"].annotation.__args__

@@ -58,6 +58,11 @@ def test_prompt_is_prefilled_once_per_group(engine):
 
 
 def test_progress_reports_sequences(engine):
-    calls: list[tuple[int, int]] = []
-    engine.generate(PROMPTS, n_samples_per_prompt=2, max_new_tokens=2, batch_size=4, progress=lambda d, t: calls.append((d, t)))
-    assert calls == [(4, 10), (8, 10), (10, 10)]
+    calls: list[tuple[int, int, int]] = []
+    gens = engine.generate(PROMPTS, n_samples_per_prompt=2, max_new_tokens=2, batch_size=4,
+                           progress=lambda d, t, tokens: calls.append((d, t, tokens)))
+    # after each decode step and each batch: sequences finished and tokens generated, never going back
+    assert [c[:2] for c in calls if c[0] in (4, 8, 10)][-1] == (10, 10)
+    assert {4, 8, 10} <= {c[0] for c in calls} and all(c[1] == 10 for c in calls)
+    assert [c[0] for c in calls] == sorted(c[0] for c in calls) and [c[2] for c in calls] == sorted(c[2] for c in calls)
+    assert calls[-1][2] == sum(len(g.response_token_ids) for g in gens)

@@ -161,3 +161,38 @@ def test_progress_bar_when_asked_and_log_lines_for_a_second_concurrent_one():
             inner(1, 2)  # rich allows one live display: the second reporter logs instead of failing
         outer(2, 2)
     assert lines == [lines[0]] and lines[0].startswith("inner: 1/2 (50%)")
+
+
+def test_progress_lines_carry_eta_and_token_rate_and_a_heartbeat_fills_silent_stretches():
+    import time
+
+    from rft_core.progress import progress_reporter
+
+    lines: list[str] = []
+    p = LogProgress("rollout", unit="sequences", log_fn=lines.append, every_seconds=3600)
+    p.t0 -= 20.0  # 20 s elapsed
+    p(5, 10, 400)
+    assert lines == ["rollout: 5/10 sequences (50%), 20.0s, ETA 20s, 20.0 tokens/s"]
+    # a unit slower than every_seconds: the heartbeat repeats the state, never silent longer than that
+    lines.clear()
+    with progress_reporter("ppo_update", unit="micro-batches", log_fn=lines.append, every_seconds=0.2,
+                           use_bar=False) as progress:
+        time.sleep(0.5)  # nothing done yet: "started"
+        progress(1, 4)
+        time.sleep(0.5)
+        progress(4, 4)
+    assert lines[0].startswith("ppo_update: started, 0.2s")
+    assert any(line.startswith("ppo_update: 1/4 micro-batches (25%)") and "ETA" in line for line in lines[1:-1])
+    assert lines[-1].startswith("ppo_update: 4/4 micro-batches (100%)")
+    assert len(lines) >= 4
+
+
+def test_the_update_reports_each_micro_batch_of_each_step(tiny_model):
+    model = load_causal_lm(tiny_model, trainable=True)
+    calls: list[tuple[int, int]] = []
+    strategy = SingleProcess(model, make_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999)),
+                             max_grad_norm=1.0)
+    ppo_update(strategy, _data(n=6), pad_token_id=2, epochs=2, train_batch_size=4, micro_batch_size=3,
+               progress=lambda done, total, tokens=None: calls.append((done, total)))
+    # 2 epochs x (a step of 4 samples: 2 micro-batches, a step of 2: 1) = 6 passes, reported from 0
+    assert calls == [(i, 6) for i in range(7)]

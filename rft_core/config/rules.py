@@ -1,0 +1,149 @@
+"""Settings that contradict each other, refused when the config loads (before any stage).
+
+Each ``Rule`` looks at a whole ``TrainConfig`` and returns ``None`` or a one-line message that
+names both keys and the fix. ``TrainConfig``'s validator runs ``CONTRADICTIONS`` (and the older
+checks that live beside the fields they concern); docs/config.md lists every rule with its
+keys, and ``tests/rft_core/config/test_rules.py`` has a case per row.
+
+The rules here are the ones a user of verl, OpenRLHF or TRL can get wrong without any single
+field being invalid: a group baseline with one sample per group (every advantage is 0), an
+adaptive KL controller started at 0 (it only scales the coefficient, so it stays 0), a reward
+source whose inputs the configured prompts never carry. Checks that need the data itself (a
+missing answer, a label the grader does not know) run on the whole dataset before the first
+stage (``rft_core.data.validate``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rft_core.algorithms import ADVANTAGE_ESTIMATORS
+
+BUILTIN_CODE_TASKS = ("humaneval",)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A cross-field rule.
+
+    Attributes:
+        name: short id (the row of docs/config.md).
+        keys: the config keys involved, as a user writes them.
+        check: ``cfg -> message | None``; the message names every key in ``keys`` and the fix.
+    """
+
+    name: str
+    keys: tuple[str, ...]
+    check: Callable[[Any], str | None]
+
+
+def dataset_grader_keys(cfg: Any) -> list[str]:
+    """The keys that make the reward use reasoning-gym's own scorer (grader ``dataset``):
+    ``reward.grader`` for the implicit recipe, ``reward.sources.<name>.grader`` for each
+    ``math_answer`` source that uses it. Empty when no reward term needs it."""
+    reward = cfg.reward
+    if not reward.sources:
+        return ["reward.grader"] if reward.grader == "dataset" else []
+    return [f"reward.sources.{name}.grader" for name, src in reward.sources.items()
+            if src.type == "math_answer" and src.grader == "dataset"]
+
+
+def is_reasoning_gym_dataset(label: str) -> bool:
+    """Whether ``label`` names a reasoning-gym dataset (the ``dataset`` grader scores with it)."""
+    from reasoning_gym.factory import DATASETS
+
+    return label in DATASETS
+
+
+def _group_one_sample(cfg: Any) -> str | None:
+    name = cfg.advantage.estimator
+    if ADVANTAGE_ESTIMATORS.info(name).group_baseline and cfg.rollout.n_samples_per_prompt < 2:
+        return (f"advantage.estimator={name} subtracts a baseline of each prompt's group of samples, but "
+                "rollout.n_samples_per_prompt=1 makes every group one sample and every advantage 0: set "
+                "rollout.n_samples_per_prompt >= 2 (GRPO's paper uses 64, the demo 4) or advantage.estimator=reinforce "
+                "(or gae) for one sample per prompt")
+    return None
+
+
+def _dynamic_one_sample(cfg: Any) -> str | None:
+    if cfg.dynamic_sampling.enabled and cfg.rollout.n_samples_per_prompt < 2:
+        return ("dynamic_sampling.enabled=true drops groups whose rewards are all equal, and with "
+                "rollout.n_samples_per_prompt=1 every group is: set rollout.n_samples_per_prompt >= 2 or "
+                "dynamic_sampling.enabled=false")
+    return None
+
+
+def _train_batch_beyond_rollout(cfg: Any) -> str | None:
+    size = cfg.data.prompts_per_iteration * cfg.rollout.n_samples_per_prompt
+    tb = cfg.update.train_batch_size
+    if tb is not None and tb > size:
+        return (f"update.train_batch_size={tb} samples per optimizer step, but a rollout has only "
+                f"data.prompts_per_iteration x rollout.n_samples_per_prompt = {cfg.data.prompts_per_iteration} x "
+                f"{cfg.rollout.n_samples_per_prompt} = {size}: set update.train_batch_size <= {size} (or null: the "
+                "whole rollout in one step), or generate more per iteration")
+    return None
+
+
+def _adaptive_kl_from_zero(cfg: Any) -> str | None:
+    if cfg.kl.controller == "adaptive" and cfg.kl.kl_coef == 0:
+        return ("kl.controller=adaptive scales the coefficient up or down from kl.kl_coef (Ziegler et al. 2019, "
+                "eq. 2), and from kl.kl_coef=0 it stays 0: set kl.kl_coef > 0 (e.g. 0.05) or kl.controller=fixed")
+    return None
+
+
+def _overlong_buffer_too_long(cfg: Any) -> str | None:
+    buf = cfg.shaping.overlong_buffer_len
+    if buf is not None and buf >= cfg.rollout.max_new_tokens:
+        return (f"shaping.overlong_buffer_len={buf} is the window before rollout.max_new_tokens="
+                f"{cfg.rollout.max_new_tokens} where DAPO's soft penalty grows (arXiv:2503.14476, eq. 13); it must be "
+                "shorter than the response budget: set shaping.overlong_buffer_len < rollout.max_new_tokens")
+    return None
+
+
+def _environment_without_agent(cfg: Any) -> str | None:
+    names = [n for n, s in cfg.reward.sources.items() if s.type == "environment"]
+    if names and cfg.rollout.agent is None:
+        return (f"reward.sources.{names[0]}.type=environment scores the environment's reward of a multi-turn "
+                "rollout, but rollout.agent is not set (single-turn rollouts have no environment): set rollout.agent "
+                "(docs/agents.md) or use another reward source")
+    return None
+
+
+def _code_exec_without_tests(cfg: Any) -> str | None:
+    names = [n for n, s in cfg.reward.sources.items() if s.type == "code_exec"]
+    if names and cfg.data.source == "reasoning_gym" and cfg.data.task not in BUILTIN_CODE_TASKS:
+        return (f"reward.sources.{names[0]}.type=code_exec runs each response against its problem's unit tests, "
+                f"but data.task={cfg.data.task} (reasoning-gym) has none: set data.task=humaneval, or "
+                "data.source=files with rows that carry test and entry_point")
+    return None
+
+
+def _dataset_grader_with_foreign_labels(cfg: Any) -> str | None:
+    if cfg.data.source != "files":
+        return None
+    keys = dataset_grader_keys(cfg)
+    labels = [s.data_source for s in cfg.data.sources if s.data_source is not None]
+    foreign = [label for label in labels if not is_reasoning_gym_dataset(label)]
+    if keys and foreign:
+        return (f"{keys[0]}=dataset grades with the reasoning-gym dataset named by each row's label, but "
+                f"data.sources labels rows {foreign[0]!r}, which is not one (data.source=files): set {keys[0]}="
+                "math_verify (symbolic math answers) or use an exact_match source")
+    return None
+
+
+CONTRADICTIONS: tuple[Rule, ...] = (
+    Rule("group-one-sample", ("advantage.estimator", "rollout.n_samples_per_prompt"), _group_one_sample),
+    Rule("dynamic-one-sample", ("dynamic_sampling.enabled", "rollout.n_samples_per_prompt"), _dynamic_one_sample),
+    Rule("train-batch-beyond-rollout", ("update.train_batch_size", "data.prompts_per_iteration",
+                                        "rollout.n_samples_per_prompt"), _train_batch_beyond_rollout),
+    Rule("adaptive-kl-from-zero", ("kl.controller", "kl.kl_coef"), _adaptive_kl_from_zero),
+    Rule("overlong-buffer-too-long", ("shaping.overlong_buffer_len", "rollout.max_new_tokens"), _overlong_buffer_too_long),
+    Rule("environment-without-agent", ("reward.sources", "rollout.agent"), _environment_without_agent),
+    Rule("code-exec-without-tests", ("reward.sources", "data.task"), _code_exec_without_tests),
+    Rule("dataset-grader-foreign-labels", ("reward.grader", "data.sources"), _dataset_grader_with_foreign_labels),
+)
+
+
+def contradictions(cfg: Any) -> list[str]:
+    """The messages of every rule in ``CONTRADICTIONS`` that ``cfg`` breaks, in table order."""
+    return [msg for rule in CONTRADICTIONS if (msg := rule.check(cfg)) is not None]

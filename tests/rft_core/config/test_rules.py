@@ -1,0 +1,109 @@
+"""Settings that contradict each other are refused when the config loads, with one line that
+names every key involved and the fix (rft_core/config/rules.py, docs/config.md): a case per
+row of docs/config.md's table."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from rft_core.config import CONTRADICTIONS, ConfigError, load_config
+
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "config.md"
+
+# (rule, overrides on the default config, keys the message must name, the fix it must give)
+CASES = [
+    ("group-one-sample", {"rollout.n_samples_per_prompt": 1},
+     ["advantage.estimator=grpo", "rollout.n_samples_per_prompt=1"], "advantage.estimator=reinforce"),
+    ("group-one-sample", {"rollout.n_samples_per_prompt": 1, "advantage.estimator": "rloo"},
+     ["advantage.estimator=rloo", "rollout.n_samples_per_prompt=1"], "rollout.n_samples_per_prompt >= 2"),
+    ("dynamic-one-sample", {"rollout.n_samples_per_prompt": 1, "advantage": "reinforce", "dynamic_sampling.enabled": True},
+     ["dynamic_sampling.enabled=true", "rollout.n_samples_per_prompt=1"], "dynamic_sampling.enabled=false"),
+    ("train-batch-beyond-rollout", {"update.train_batch_size": 64, "data.prompts_per_iteration": 4},
+     ["update.train_batch_size=64", "data.prompts_per_iteration", "rollout.n_samples_per_prompt", "4 x 4 = 16"],
+     "update.train_batch_size <= 16"),
+    ("adaptive-kl-from-zero", {"kl.controller": "adaptive", "kl.target": 6.0},
+     ["kl.controller=adaptive", "kl.kl_coef=0"], "kl.kl_coef > 0"),
+    ("overlong-buffer-too-long", {"shaping.overlong_buffer_len": 256, "rollout.max_new_tokens": 256},
+     ["shaping.overlong_buffer_len=256", "rollout.max_new_tokens=256"], "shaping.overlong_buffer_len < rollout.max_new_tokens"),
+    ("environment-without-agent", {"reward.sources": {"env": {"type": "environment"}}, "reward.recipes": {"default": [{"source": "env"}]},
+                                   "reward.default_recipe": "default"},
+     ["reward.sources.env.type=environment", "rollout.agent"], "set rollout.agent"),
+    ("code-exec-without-tests", {"reward.sources": {"tests": "code_exec"}, "reward.recipes": {"default": [{"source": "tests"}]},
+                                 "reward.default_recipe": "default"},
+     ["reward.sources.tests.type=code_exec", "data.task=basic_arithmetic"], "data.task=humaneval"),
+    ("dataset-grader-foreign-labels", {"data.source": "files", "data.sources": [{"path": "a.jsonl", "data_source": "openai/gsm8k"}]},
+     ["reward.grader=dataset", "data.sources", "'openai/gsm8k'"], "reward.grader=math_verify"),
+    ("dataset-grader-foreign-labels", {"data.source": "files", "data.sources": [{"path": "a.jsonl", "data_source": "mine"}],
+                                       "reward.sources": {"ok": {"type": "math_answer", "grader": "dataset"}},
+                                       "reward.recipes": {"default": [{"source": "ok"}]}, "reward.default_recipe": "default"},
+     ["reward.sources.ok.grader=dataset", "data.sources", "'mine'"], "reward.sources.ok.grader=math_verify"),
+    # the older cross-field checks, beside the fields they concern
+    ("entropy-filter-needs-actor", {"update.entropy_top_fraction": 0.2, "logprobs.recompute_old_logprobs": False},
+     ["update.entropy_top_fraction", "logprobs.recompute_old_logprobs"], "logprobs.recompute_old_logprobs=true"),
+    ("correction-needs-actor", {"update.rollout_correction.enabled": True, "logprobs.recompute_old_logprobs": False},
+     ["update.rollout_correction", "logprobs.recompute_old_logprobs"], "logprobs.recompute_old_logprobs=true"),
+    ("micro-batch-beyond-train-batch", {"update.train_batch_size": 2, "update.micro_batch_size": 4},
+     ["update.train_batch_size", "update.micro_batch_size"], ">="),
+    ("checkpoint-every-needs-resident", {"checkpoint.every": 3},
+     ["checkpoint.every=3", "orchestration.workers=resident"], "checkpoint.every=1"),
+    ("staleness-needs-actor", {"rollout.max_staleness": 1, "logprobs.recompute_old_logprobs": False},
+     ["rollout.max_staleness=1", "logprobs.recompute_old_logprobs"], "recompute_old_logprobs=true"),
+    ("staleness-needs-correction", {"rollout.max_staleness": 1, "update.rollout_correction.enabled": False},
+     ["rollout.max_staleness=1", "update.rollout_correction.enabled=true"], "update.rollout_correction.enabled=true"),
+    ("cpgd-drift-needs-cpgd", {"update.cpgd_drift_coef": 0.1},
+     ["update.cpgd_drift_coef", "update.policy_loss.name=cpgd"], "update.policy_loss.name=cpgd"),
+    ("gspo-needs-sequence-mean", {"update.policy_loss": "gspo", "update.loss_agg": "token-mean"},
+     ["'gspo'", "update.loss_agg='seq-mean-token-mean'"], "seq-mean-token-mean"),
+    ("kl-loss-needs-gradient", {"kl.kl_coef": 0.1, "kl.mode": "loss", "kl.estimator": "k1"},
+     ["k1", "kl.mode"], "k3+"),
+    ("files-keys-need-files", {"data.path": "a.jsonl"},
+     ["data.path", "data.source"], "data.source=files"),
+    ("files-need-one-path", {"data.source": "files"},
+     ["data.source=files", "data.path", "data.sources"], "exactly one"),
+    ("agent-needs-hf", {"rollout.agent": {"environment": "calculator"}, "rollout.engine": "vllm"},
+     ["rollout.agent", "rollout.engine=hf"], "rollout.first_token_temperature=null"),
+    ("shorthand-or-sources", {"reward.sources": {"f": "format"}, "reward.recipes": {"default": [{"source": "f"}]},
+                              "reward.format_reward": 0.2},
+     ["reward.grader/correct_reward/format_reward", "reward.sources"], "reward.recipes"),
+    ("recipe-needs-source", {"reward.sources": {"f": "format"}, "reward.recipes": {"default": [{"source": "g"}]}},
+     ["reward.recipes.default", "'g'", "reward.sources"], "defined: f"),
+    ("resident-blockers", {"orchestration.workers": "resident", "rollout.engine": "vllm"},
+     ["orchestration.workers=resident", "rollout.engine"], "vllm"),
+]
+
+
+@pytest.mark.parametrize("rule, overrides, keys, fix", CASES, ids=[c[0] for c in CASES])
+def test_a_contradiction_is_refused_at_load_naming_its_keys(rule, overrides, keys, fix):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    for key in keys + [fix]:
+        assert key in message, (rule, key, message)
+
+
+def test_every_rule_has_a_case_and_a_row_in_the_docs():
+    table = DOCS.read_text()
+    rows = set(re.findall(r"^\| `([a-z0-9-]+)` \|", table, flags=re.M))
+    assert {r.name for r in CONTRADICTIONS} <= {c[0] for c in CASES}
+    assert {c[0] for c in CASES} == rows
+
+
+def test_the_defaults_and_every_preset_break_no_rule():
+    load_config(None)
+    for preset in sorted(Path("configs").glob("*.yaml")):
+        load_config(preset)
+
+
+def test_a_valid_neighbour_of_each_new_rule_loads():
+    # one step back from each refusal: the same keys with the fix applied
+    load_config(None, {"rollout.n_samples_per_prompt": 1, "advantage": "reinforce"})
+    load_config(None, {"update.train_batch_size": 16, "data.prompts_per_iteration": 4})
+    load_config(None, {"kl.controller": "adaptive", "kl.target": 6.0, "kl.kl_coef": 0.05})
+    load_config(None, {"shaping.overlong_buffer_len": 64, "rollout.max_new_tokens": 256})
+    load_config(None, {"data.source": "files", "data.sources": [{"path": "a.jsonl", "data_source": "chain_sum"}]})
+    load_config(None, {"data.source": "files", "data.sources": [{"path": "a.jsonl", "data_source": "mine"}],
+                       "reward.grader": "math_verify"})
+    load_config(None, {"reward.sources": {"tests": "code_exec"}, "reward.recipes": {"default": [{"source": "tests"}]},
+                       "reward.default_recipe": "default", "data.task": "humaneval"})
