@@ -10,7 +10,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install demo test test-fast bench bench-trl bench-learning bench-resident bench-async gpu-smoke clean
+.PHONY: install demo test test-fast bench bench-trl bench-learning bench-resident bench-async bench-validate gpu-smoke clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m flows.cli train --config $(CONFIG)
+	$(BIN)/rft train --config $(CONFIG)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
@@ -56,6 +56,11 @@ bench-resident: $(STAMP)
 # (docs/benchmarks.md, docs/raw/async.json); ~8 min. Run on a quiet machine.
 bench-async: $(STAMP)
 	$(BIN)/python benchmarks/async_rl.py --iterations 4
+
+# Whole-dataset validation before a run (issue 30): 1,000,000-row JSON Lines and Parquet files, seconds and
+# peak memory, and the per-row Python scan for comparison (docs/benchmarks.md, docs/raw/validate.json); ~2 min.
+bench-validate: $(STAMP)
+	$(BIN)/python benchmarks/validate_data.py --rows 1000000 --with-scan --json docs/raw/validate.json
 
 # GPU proof kit (docs/gpu.md) in the current environment (CUDA torch, no install: the Makefile's
 # venv is the CPU build); GPU_PY=/path/to/python, ARGS=--cpu for the dry run on the tiny model

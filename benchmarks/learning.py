@@ -61,14 +61,18 @@ def train_seed(cfg, *, keep_all: bool) -> tuple[list[dict], object]:
     from rft_core.stages.retention import prune_checkpoints
 
     policy, state, rows = cfg.policy.path, cfg.initial_state, []
+    versions = {0: policy}  # as flows/train.py: version v is the policy the update of iteration v made
     for i in range(1, cfg.iterations + 1):
-        result = rl_iteration(cfg, i, policy, state)
+        ahead = versions[cfg.rollout_policy_version(i + 1)] if cfg.rollout.max_staleness and i < cfg.iterations else None
+        result = rl_iteration(cfg, i, policy, state, None, versions[cfg.rollout_policy_version(i)], ahead)
         policy, state = result.policy, result.next_state
+        versions[i] = policy
         rows.append(result.metrics)
         write_metrics(cfg.run_root, rows)
         print(format_metrics_line(result.metrics), flush=True)
         if not keep_all:  # checkpoint retention: the run stays resumable and its manifests verify
-            prune_checkpoints(cfg.run_root, i, keep_last=1, prune="weights")
+            # rollout.max_staleness s: the next rollouts sample with versions up to s behind
+            prune_checkpoints(cfg.run_root, i, keep_last=1 + cfg.rollout.max_staleness, prune="weights")
     return rows, policy
 
 

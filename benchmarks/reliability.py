@@ -265,9 +265,9 @@ the usual way (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, a profile, or an in
 
 ```bash
 export AWS_ENDPOINT_URL=http://127.0.0.1:9000        # only for a server other than AWS
-.venv/bin/python -m flows.cli train -c configs/grpo_demo.yaml --run-root s3://my-bucket/runs/demo
-.venv/bin/python -m flows.cli inspect s3://my-bucket/runs/demo
-.venv/bin/python -m flows.cli eval s3://my-bucket/runs/demo -c configs/grpo_demo.yaml
+.venv/bin/rft train -c configs/grpo_demo.yaml --run-root s3://my-bucket/runs/demo
+.venv/bin/rft inspect s3://my-bucket/runs/demo
+.venv/bin/rft eval s3://my-bucket/runs/demo -c configs/grpo_demo.yaml
 ```
 
 ```python
@@ -314,7 +314,7 @@ What holds on a store without rename:
 ## Bad input is refused before any stage starts
 
 `train` first writes, reads back and deletes a probe object under `run_root`
-(`rft_core.storage.check_run_root`; also `python -m rft_core.storage check RUN_ROOT`), with a
+(`rft_core.storage.check_run_root`; also `rft check RUN_ROOT`), with a
 client that gives up after one quick try, and stops with `RunRootError` naming the URI and the
 cause:
 
@@ -400,14 +400,14 @@ The error names the file and the command that repairs it, e.g. on resume:
 ```
 ShardCorruptError: /runs/x/iter=000001/ppo_update/policy/model.safetensors: sha256 does not match the manifest:
 the committed file is corrupted. To recompute this stage and the stages that depend on it (moved aside, nothing else
-touched): python -m rft_core.storage repair /runs/x --stage iter=1/ppo_update, then rerun the same training command
+touched): rft repair /runs/x --stage iter=1/ppo_update, then rerun the same training command
 ```
 
 ```bash
-.venv/bin/python -m rft_core.storage verify /runs/x                                  # every committed file vs its manifest
-.venv/bin/python -m rft_core.storage repair /runs/x --stage iter=1/ppo_update --dry-run   # what would move, and why
-.venv/bin/python -m rft_core.storage repair /runs/x --stage iter=1/ppo_update
-.venv/bin/python -m flows.cli train -c configs/grpo_demo.yaml --run-root /runs/x      # recomputes exactly those stages
+.venv/bin/rft verify /runs/x                                            # every committed file vs its manifest
+.venv/bin/rft repair /runs/x --stage iter=1/ppo_update --dry-run        # what would move, and why
+.venv/bin/rft repair /runs/x --stage iter=1/ppo_update
+.venv/bin/rft train -c configs/grpo_demo.yaml --run-root /runs/x        # recomputes exactly those stages
 ```
 
 `repair` moves the stage and every committed stage that depends on it to

@@ -36,13 +36,18 @@ def train(
     """Train with GRPO/PPO; prints one metrics line per iteration and where the results are."""
     cfg = _load_or_exit(config, list(set_) + ([f"run_root={run_root}"] if run_root else []))
     typer.echo(f"run root: {cfg.run_root}")
-    from flows.train import train as train_flow
-    from rft_core.api import RunRootError
+    from rft_core.api import DatasetError, RunRootError, check_run_root, validate_run_data
     from schemas import StorageError
 
     try:
+        # before the flow (and a temporary Prefect server) starts: the run root, then every data row
+        # (the flow checks both again; a passed data check is cached under the run root)
+        check_run_root(cfg.run_root)
+        typer.echo(validate_run_data(cfg).summary())
+        from flows.train import train as train_flow
+
         result = train_flow(cfg)
-    except (RunRootError, StorageError) as exc:
+    except (RunRootError, StorageError, DatasetError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     typer.echo("")
@@ -50,6 +55,19 @@ def train(
     typer.echo(f"metrics:     {result.metrics_uri}")
     typer.echo(f"checkpoints: {result.run_root}/iter=*/ppo_update/policy (final: {result.final_policy.uri}/policy)")
     typer.echo(f"resume:      rerun with --run-root {result.run_root}")
+
+
+@app.command()
+def check(run_root: str = typer.Argument(..., help="Run folder (any fsspec URI), existing or not.")) -> None:
+    """Check that this process can write, read back and delete a file under a run root (object storage: bucket,
+    endpoint, credentials), as train does first; exits 1 naming the cause when it cannot."""
+    from rft_core.api import RunRootError, check_run_root
+
+    try:
+        typer.echo(check_run_root(run_root))
+    except RunRootError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -84,7 +84,8 @@ def evaluate(cfg: TrainConfig, checkpoint: str | ShardRef | None = None, out_roo
     tokenizer_path = policy if isinstance(policy, str) else cfg.policy.path
     prompts = tasks.tagged(tasks.eval_prompts, tags)(inp=EvalPromptsInput(
         data=cfg.data, eval=cfg.eval, tokenizer_path=tokenizer_path, out=f"{root}/prompts",
-        data_fingerprint=heldout_fingerprint(cfg.data, cfg.eval)))  # eval.path: an edited file makes it stale
+        data_fingerprint=heldout_fingerprint(cfg.data, cfg.eval),  # eval.path: an edited file makes it stale
+        answer_required=cfg.reward.needs_reference))
     rollout = tasks.tagged(tasks.eval_generate, tags)(inp=EvalGenerateInput(
         prompts=prompts, policy=policy, max_new_tokens=max_new, batch_size=cfg.eval.batch_size, dtype=cfg.policy.dtype,
         out=f"{root}/rollout"))

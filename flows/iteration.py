@@ -54,7 +54,8 @@ def _prompts(cfg: TrainConfig, iteration: int, out: Out, tags: bool, attempt: in
     """The prompts of ``attempt`` of ``iteration`` (0: the iteration's own; >= 1: a dynamic-sampling refill)."""
     return tasks.tagged(tasks.prompts, tags)(inp=PromptsInput(
         data=cfg.data, tokenizer_path=cfg.policy.path, iteration=iteration, attempt=attempt, out=out(f"prompts{sfx}"),
-        data_fingerprint=dataset_fingerprint(cfg.data)))  # data.source=files: an edited file makes it stale
+        data_fingerprint=dataset_fingerprint(cfg.data),  # data.source=files: an edited file makes it stale
+        answer_required=cfg.reward.needs_reference))
 
 
 def _rollout_input(cfg: TrainConfig, iteration: int, prompts: ShardRef, policy: tuple[PolicyRef, int], out: Out,
@@ -90,6 +91,22 @@ def _dynamic_sampling(cfg: TrainConfig, iteration: int, policy: tuple[PolicyRef,
         attempts=attempts, target_groups=target, out=out("prompts"), out_rollout=out("rollout"), out_rewards=out("rewards")))
 
 
+def _greedy_baseline(cfg: TrainConfig, iteration: int, prompts: ShardRef, policy: tuple[PolicyRef, int], out: Out,
+                     tags: bool) -> dict[str, ShardRef]:
+    """ReMax's baseline (an estimator with ``EstimatorInfo.greedy_baseline``): one greedy response
+    per prompt from the rollout's own policy (the rollout stage with ``greedy``, where the rollout
+    runs, unsharded) and its reward: {"baseline_rollout", "baseline_rewards"}; {} for the others."""
+    if not cfg.needs_greedy_baseline:
+        return {}
+    rollout = tasks.tagged(tasks.rollout, tags)(inp=RolloutInput(
+        prompts=prompts, policy=policy[0], policy_version=policy[1], rollout=cfg.rollout, iteration=iteration,
+        dtype=cfg.policy.dtype, greedy=True, out=out("baseline_rollout")),
+        runner=cfg.runner("rollout").model_copy(update={"shards": 1}))
+    rewards = tasks.tagged(tasks.rewards, tags)(inp=RewardsInput(rollout=rollout, prompts=prompts, reward=cfg.reward,
+                                                                 out=out("baseline_rewards")))
+    return {"baseline_rollout": rollout, "baseline_rewards": rewards}
+
+
 def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: PolicyRef, critic: PolicyRef | None,
            kl: KLConfig, out: Out, tags: bool, with_rewards: bool) -> dict[str, ShardRef]:
     """The stages that read only the rollout, submitted together (they run concurrently): rewards
@@ -120,13 +137,14 @@ def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef,
              policy_version: int | None = None) -> tuple[ShardRef, ShardRef, ShardRef | None]:
     """Advantages, then the policy update and (with a ``critic`` and critic values in ``parts``)
     the critic update, submitted together: (advantages, new policy, new critic or None).
-    ``parts`` holds the rollout, rewards and whichever of actor_logprobs, ref_logprobs and
-    critic_values ran. ``save_checkpoint``: the update writes the new weights and AdamW state
-    (``checkpoint.every``); ``policy_version``: the version ``policy`` is (recorded by the update). The iteration flow and the replay flow both train through here."""
+    ``parts`` holds the rollout, rewards and whichever of actor_logprobs, ref_logprobs,
+    critic_values and baseline_rollout / baseline_rewards (remax) ran. ``save_checkpoint``: the
+    update writes the new weights and AdamW state (``checkpoint.every``); ``policy_version``: the version ``policy`` is (recorded by the update). The iteration flow and the replay flow both train through here."""
     rollout, actor, ref, values = parts["rollout"], parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
     adv = tasks.tagged(tasks.advantages, tags)(inp=AdvantagesInput(
         rollout=rollout, rewards=parts["rewards"], actor_logprobs=actor, ref_logprobs=ref, critic_values=values, kl=kl,
         advantage=cfg.advantage, shaping=cfg.shaping, state=state, max_new_tokens=cfg.rollout.max_new_tokens,
+        baseline_rollout=parts.get("baseline_rollout"), baseline_rewards=parts.get("baseline_rewards"),
         out=out("advantages")))
     critic_future = None
     if critic is not None and values is not None:
@@ -173,6 +191,7 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
         parts = {}
     parts |= _score(cfg, prompts=prompts, rollout=rollout, policy=policy, critic=critic, kl=kl, out=out, tags=tags,
                     with_rewards=not parts)
+    parts |= _greedy_baseline(cfg, iteration, prompts, behaviour, out, tags)  # remax; {} for the other estimators
     ahead = None
     if next_rollout_policy is not None and iteration < cfg.iterations and not cfg.dynamic_sampling.enabled \
             and cfg.runner("rollout").shards == 1:

@@ -46,9 +46,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     Raises:
         RunRootError: before any stage starts, when the run root cannot be written (a missing
             bucket, refused credentials, an unreachable endpoint, a read-only bucket or folder).
+        DataValidationError: before any stage, when data rows cannot be used (file, line, column).
     """
     logger = get_run_logger()
-    logger.info("%s", check_run_root(cfg.run_root))
+    logger.info("%s; %s", check_run_root(cfg.run_root), tasks.validate_data(cfg=cfg))  # storage, data rows: before any stage
     # resolved once for the run (auto: one question to the server); the iterations inherit it
     tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)
     cfg = cfg.model_copy(update={"orchestration": cfg.orchestration.model_copy(update={"concurrency_tags": tags})})

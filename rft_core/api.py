@@ -11,6 +11,8 @@ from __future__ import annotations
 from rft_core.agents.view import sample_text
 from rft_core.data.check import check_config_data
 from rft_core.data.mixture import dataset_fingerprint, heldout_fingerprint
+from rft_core.data.prompts import DatasetError
+from rft_core.data.validate import DataValidationError, validate_run_data
 from rft_core.inspect import export_table, run_status, samples_view
 from rft_core.metrics import format_metrics_line, iteration_metrics, write_metrics
 from rft_core.observe import WandbLogger, curve_markdown, plot_curves, samples_markdown, write_tensorboard
@@ -29,7 +31,8 @@ from rft_core.stages import contracts as _contracts
 
 __all__ = [
     *_contracts.__all__, "WandbLogger", "checkpoint_label",
-    "check_config_data", "dataset_fingerprint", "heldout_fingerprint",
+    "check_config_data", "dataset_fingerprint", "heldout_fingerprint", "DatasetError", "DataValidationError",
+    "validate_run_data",
     "count_signal_groups", "curve_markdown", "default_eval_root", "eval_markdown", "export_table",
     "format_metrics_line", "iteration_metrics", "next_state", "plot_curves", "prune_checkpoints", "replay_sources",
     "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "stop_workers", "samples_markdown", "samples_view",

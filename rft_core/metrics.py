@@ -24,6 +24,9 @@ _FROM_SUMMARY = [
     ("reward_clip_frac", "advantages", "reward_clip_frac"),
     ("advantage_clip_frac", "advantages", "advantage_clip_frac"),
     ("clip_filter_like_weight_mean", "advantages", "clip_filter_like_weight_mean"),
+    # remax: the (shaped) reward of the greedy response of each sample's prompt, and its raw accuracy
+    ("greedy_baseline_reward_mean", "advantages", "greedy_baseline_reward_mean"),
+    ("greedy_accuracy", "baseline_rewards", "accuracy"),
     ("response_length", "rollout", "response_length_mean"),
     ("truncated_fraction", "rollout", "truncated_fraction"),
     ("tokens_per_second", "rollout", "tokens_per_second"),

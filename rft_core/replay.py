@@ -23,15 +23,17 @@ def replay_sources(source_run_root: str, iteration: int, cfg: TrainConfig) -> di
 
     Returns:
         {"prompts", "rollout", "rewards"} plus "actor_logprobs", "ref_logprobs",
-        "critic_values" when present.
+        "critic_values", "baseline_rollout" and "baseline_rewards" (remax's greedy responses) when
+        present.
     Raises:
         ShardNotCommittedError: prompts, rollout or rewards missing.
-        ValueError: ``cfg`` needs ref_logprobs (kl_coef > 0), critic values (gae) or the actor
-            stage's old log-probs (entropy filter, rollout correction) that the source run did
-            not compute.
+        ValueError: ``cfg`` needs ref_logprobs (kl_coef > 0), critic values (gae), the greedy
+            baseline stages (remax) or the actor stage's old log-probs (entropy filter, rollout
+            correction) that the source run did not compute.
     """
     out: dict[str, ShardRef] = {}
-    for stage in ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "critic_values"):
+    for stage in ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "critic_values", "baseline_rollout",
+                  "baseline_rewards"):
         ref = _ref(stage_uri(source_run_root, iteration, stage))
         if ref is not None:
             out[stage] = ref
@@ -43,6 +45,13 @@ def replay_sources(source_run_root: str, iteration: int, cfg: TrainConfig) -> di
     if cfg.needs_critic and "critic_values" not in out:
         raise ValueError(f"advantage.estimator={cfg.advantage.estimator} needs critic values, which "
                          f"{source_run_root} iteration {iteration} does not have")
+    if cfg.needs_greedy_baseline and not {"baseline_rollout", "baseline_rewards"} <= set(out):
+        raise ValueError(f"advantage.estimator={cfg.advantage.estimator} needs the greedy responses of the prompts and "
+                         f"their rewards (baseline_rollout, baseline_rewards), which {source_run_root} iteration "
+                         f"{iteration} does not have")
+    if not cfg.needs_greedy_baseline:
+        out.pop("baseline_rollout", None)
+        out.pop("baseline_rewards", None)
     needs_actor = [k for k, on in (("update.entropy_top_fraction", cfg.update.entropy_top_fraction is not None),
                                    ("update.rollout_correction", cfg.update.rollout_correction.enabled)) if on]
     if needs_actor and "actor_logprobs" not in out:

@@ -1,9 +1,11 @@
 """A run root's storage: the preflight check before a run starts, verifying every committed
 file, and repairing a corrupted stage.
 
-    python -m rft_core.storage check  RUN_ROOT                      # can this process write there?
-    python -m rft_core.storage verify RUN_ROOT                      # every committed file vs its manifest
-    python -m rft_core.storage repair RUN_ROOT --stage iter=1/ppo_update [--dry-run] [--force]
+    rft check  RUN_ROOT                      # can this process write there?
+    rft verify RUN_ROOT                      # every committed file vs its manifest
+    rft repair RUN_ROOT --stage iter=1/ppo_update [--dry-run] [--force]
+
+(the commands are in ``flows/cli.py``; this module is their logic).
 
 ``repair`` moves the stage and every committed stage that depends on it into
 ``{run_root}/_repaired/<timestamp>/`` (nothing is deleted; ``_REPAIR.json`` there says what
@@ -17,12 +19,10 @@ Never imports prefect.
 """
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import os
 import re
-import sys
 import uuid
 from dataclasses import dataclass, field
 
@@ -281,48 +281,3 @@ def repair(run_root: str, spec: str, *, dry_run: bool = False, force: bool = Fal
         fs.invalidate_cache(src)
     plan.moved_to = f"{run_root.rstrip('/')}/{REPAIRED_DIR}/{stamp}"
     return plan
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m rft_core.storage check|verify|repair ...``; exit 0 on success, 1 when
-    ``verify`` finds corruption or a check fails, 2 on bad arguments."""
-    ap = argparse.ArgumentParser(prog="python -m rft_core.storage", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("check", help="can this process write under RUN_ROOT?").add_argument("run_root")
-    sub.add_parser("verify", help="check every committed file of the run against its manifest").add_argument("run_root")
-    rp = sub.add_parser("repair", help="move a corrupted stage and its dependents aside, to be recomputed")
-    rp.add_argument("run_root")
-    rp.add_argument("--stage", required=True, help="iter=N/<stage>, e.g. iter=1/ppo_update")
-    rp.add_argument("--dry-run", action="store_true", help="only say what would move")
-    rp.add_argument("--force", action="store_true", help="move the stage even when its files verify")
-    args = ap.parse_args(argv)
-    try:
-        if args.cmd == "check":
-            print(check_run_root(args.run_root))
-        elif args.cmd == "verify":
-            bad = verify_run(args.run_root)
-            for key, problem in bad.items():
-                print(f"CORRUPT {key}: {problem}\n  repair: python -m rft_core.storage repair {args.run_root} --stage {key}")
-            print(f"{len(bad)} corrupt stage(s)" if bad else "every committed file matches its manifest")
-            return 1 if bad else 0
-        else:
-            plan = repair(args.run_root, args.stage, dry_run=args.dry_run, force=args.force)
-            if plan.problem:
-                print(f"{plan.target}: {plan.problem}")
-            verb = "would move" if args.dry_run else f"moved to {plan.moved_to}"
-            for key, why in plan.moves.items():
-                print(f"  {verb}: {key} ({why})")
-            if not args.dry_run:
-                print("rerun the same training command with --run-root "
-                      f"{args.run_root}: these stages are recomputed, every other one is reused")
-    except (RunRootError, ValueError, RuntimeError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1 if isinstance(exc, RunRootError) else 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

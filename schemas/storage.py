@@ -235,12 +235,12 @@ def storage_errors(uri: str, *, action: str = "writing") -> Iterator[None]:
 
 def repair_hint(uri: str) -> str:
     """The sentence a corruption error ends with: the command that recomputes the stage at
-    ``uri`` and what depends on it (``rft_core.storage``), when ``uri`` is a stage of a run."""
+    ``uri`` and what depends on it (``rft repair``: ``rft_core.storage``), when ``uri`` is a stage of a run."""
     where = split_stage_uri(uri)
     if where is None:
         return ""
     return (f". To recompute this stage and the stages that depend on it (moved aside, nothing else touched): "
-            f"python -m rft_core.storage repair {where[0]} --stage {stage_spec(where[1], where[2])}, "
+            f"rft repair {where[0]} --stage {stage_spec(where[1], where[2])}, "
             "then rerun the same training command")
 
 

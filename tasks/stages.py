@@ -37,8 +37,9 @@ from rft_core.api import (
     count_signal_groups,
     apply_retention,
     run_stage,
+    validate_run_data,
 )
-from rft_core.config import CheckpointConfig, RunnerConfig
+from rft_core.config import CheckpointConfig, RunnerConfig, TrainConfig
 from schemas import ShardRef
 
 P = ParamSpec("P")
@@ -155,3 +156,12 @@ def prune_checkpoints(*, run_root: str, iteration: int, checkpoint: CheckpointCo
     """Checkpoint retention after ``iteration`` (``checkpoint.keep_last``, ``prune``,
     ``keep_weights_last``, ``keep_weights_every``; nothing when keep_last is None)."""
     return apply_retention(run_root, iteration, checkpoint)
+
+
+@_stage_task("validate_data")
+def validate_data(*, cfg: TrainConfig) -> str:
+    """Every row of the run's data files (``data.path`` / ``data.sources``, ``eval.path``) checked
+    against what the run needs, before the first stage; remembered under the run root by the
+    files' fingerprint, so a resume reads no row again. Raises ``DataValidationError`` listing the
+    first bad rows (file, line or row, column, problem); returns the one-line summary."""
+    return validate_run_data(cfg).summary()

@@ -1,7 +1,6 @@
 """A committed file corrupted on disk (one flipped bit, same size and mtime: bit rot) is found
 when the run resumes and needs it: iteration 1's ``policy/model.safetensors`` stops iteration 2
-with an error naming the file and the repair command; ``python -m rft_core.storage verify``
-lists it; ``repair`` moves exactly that stage and what depends on it aside; the same training
+with an error naming the file and the repair command; ``rft verify`` lists it; ``repair`` moves exactly that stage and what depends on it aside; the same training
 command then recomputes them (the same weights, bit for bit, on CPU) and reuses everything else
 untouched. A corrupted Parquet part is refused when its stage is reused."""
 from __future__ import annotations
@@ -29,8 +28,9 @@ def _flip(path: Path, offset: int) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def _storage(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rft_core.storage", *args], cwd=ROOT, capture_output=True, text=True,
+def _rft(*args: str) -> subprocess.CompletedProcess:
+    """``rft ARGS`` (the console script's ``flows.cli:main``)."""
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -55,19 +55,19 @@ def test_corrupted_checkpoint_found_on_resume_and_repaired(prefect_harness, tiny
     rc, log = _train(two, run, api)  # resume into iteration 2, which starts from iteration 1's weights
     assert rc != 0
     assert f"{weights}: sha256 does not match the manifest: the committed file is corrupted" in log, log[-4000:]
-    assert f"python -m rft_core.storage repair {run} --stage iter=1/ppo_update" in log
+    assert f"rft repair {run} --stage iter=1/ppo_update" in log
     assert not (run / "iter=000002/rollout/_MANIFEST.json").exists()  # nothing was trained on the damaged weights
 
-    res = _storage("verify", str(run))
+    res = _rft("verify", str(run))
     assert res.returncode == 1 and "CORRUPT iter=1/ppo_update:" in res.stdout and "1 corrupt stage(s)" in res.stdout
-    res = _storage("repair", str(run), "--stage", "iter=1/ppo_update", "--dry-run")
+    res = _rft("repair", str(run), "--stage", "iter=1/ppo_update", "--dry-run")
     assert res.returncode == 0, res.stderr
     moves = [line.split(": ", 1)[1].split(" (")[0] for line in res.stdout.splitlines() if "would move:" in line]
     assert moves == ["iter=1/ppo_update", "iter=1/ppo_update-optimizer"]  # iteration 2 has only its prompts
     assert (run / "iter=000001/ppo_update/_MANIFEST.json").exists()  # a dry run moves nothing
 
     before = snapshot(run)
-    res = _storage("repair", str(run), "--stage", "iter=1/ppo_update")
+    res = _rft("repair", str(run), "--stage", "iter=1/ppo_update")
     assert res.returncode == 0, res.stderr
     aside = sorted((run / "_repaired").iterdir())
     assert len(aside) == 1 and (aside[0] / "iter=000001/ppo_update/policy/model.safetensors").exists()
@@ -81,7 +81,7 @@ def test_corrupted_checkpoint_found_on_resume_and_repaired(prefect_harness, tiny
     kept = {k: v for k, v in before.items() if not k.startswith(("iter=000001/ppo_update/", "iter=000001/ppo_update-"))}
     assert kept and all(after.get(k) == v for k, v in kept.items())  # every other committed file untouched
     assert any(k.startswith("iter=000001/rollout/") for k in kept) and any(k.startswith("iter=000002/prompts/") for k in kept)
-    assert _storage("verify", str(run)).returncode == 0
+    assert _rft("verify", str(run)).returncode == 0
 
     # a flipped bit in a committed Parquet part: refused when the stage is reused, with the repair command
     from rft_core.storage import plan_repair

@@ -9,11 +9,14 @@ None: unchanged). It carries the rollout/trainer mismatch correction (``correcti
 the high-entropy token filter as 0/1 weights, so that the aggregation can still count every
 response token in its normaliser (see docs/algorithms.md, "Loss normalisers").
 
-``POLICY_LOSSES.info(name)`` is a ``PolicyLossInfo``: the aggregation a loss requires (GSPO
-is sequence-level) or None; ``check_policy_loss_aggregation`` refuses a mismatch.
+``POLICY_LOSSES.info(name)`` is a ``PolicyLossInfo``: the aggregation a loss requires (GSPO,
+GMPO and SAPO are sequence-level) or None, and whether a token's loss depends on the other
+sequences of the same call (``clip_cov``, ``kl_cov``); ``check_policy_loss_aggregation``
+refuses a mismatch.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -47,10 +50,16 @@ class PolicyLossInfo:
         required_loss_agg: the name in ``LOSS_AGGREGATIONS`` the loss's paper defines it with,
             or None when any aggregation is the loss's own choice.
         reason: why (shown by ``check_policy_loss_aggregation``).
+        batch_dependent: True when a token's loss depends on the tokens of *other sequences*
+            passed in the same call: ``clip_cov`` and ``kl_cov`` pick tokens by a covariance
+            over the call's tokens, so (as in verl, which calls them per micro-batch) the
+            micro-batch split changes which tokens are picked, and micro-batch losses do not
+            sum to the mini-batch loss. False for every other loss: each sequence's loss is its own.
     """
 
     required_loss_agg: str | None = None
     reason: str = ""
+    batch_dependent: bool = False
 
 
 PolicyLoss = Callable[..., PolicyLossOutput]
@@ -65,6 +74,20 @@ _GSPO_INFO = PolicyLossInfo(
     "gradient is weighted 1/G, its tokens 1/|y_i|; token-mean would weight each response by its length "
     "relative to the batch's mean length (OpenRLHF forces the per-sample mean for gspo too)",
 )
+
+_GMPO_INFO = PolicyLossInfo(
+    "seq-mean-token-mean",
+    "GMPO's objective is sequence-level (Zhao et al. 2025, arXiv:2507.20673): one geometric-mean ratio per "
+    "response, each response weighted 1/G; every token of a response carries the response's loss, so only "
+    "seq-mean-token-mean gives back the paper's objective (verl's geo_mean ignores loss_agg_mode and takes the "
+    "mean over responses); token-mean would weight each response by its length",
+)
+_SAPO_INFO = PolicyLossInfo(
+    "seq-mean-token-mean",
+    "SAPO's objective averages the gated token terms per response, then over the G responses (Gao et al. 2025, "
+    "arXiv:2511.20347, GRPO's form); verl's sapo loss always aggregates with seq-mean-token-mean",
+)
+_COV_INFO = PolicyLossInfo(batch_dependent=True)
 
 
 def apply_token_weights(token_loss: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -248,6 +271,324 @@ def cpgd_loss(
         clipped=(surr2 < surr1) & action_mask,
         log_ratio=torch.where(action_mask, log_ratio, zeros),
     )
+
+
+def _masked_output(
+    token_loss: torch.Tensor, clipped: torch.Tensor, log_ratio: torch.Tensor, action_mask: torch.Tensor
+) -> PolicyLossOutput:
+    zeros = torch.zeros((), dtype=token_loss.dtype, device=token_loss.device)
+    return PolicyLossOutput(
+        token_loss=torch.where(action_mask, token_loss, zeros),
+        clipped=clipped & action_mask,
+        log_ratio=torch.where(action_mask, log_ratio, zeros),
+    )
+
+
+@POLICY_LOSSES.register("cispo", info=_ANY_AGG)
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    clip_low: float | None = None,
+    clip_high: float = 0.2,
+) -> PolicyLossOutput:
+    """CISPO, clipped IS-weight policy optimization (MiniMax 2025, arXiv:2506.13585, eq. 4-5), per token.
+
+    r_t = exp(logprobs_t - old_logprobs_t) (log-ratio clamped to [-20, 20]);
+    w_t = sg(clip(r_t, 1 - clip_low, 1 + clip_high));  L_t = -w_t * A_t * logprobs_t.
+    A REINFORCE term weighted by a clipped, detached importance weight: unlike PPO's clip, no
+    token's gradient is ever zeroed, the weight only bounds it (gradient -w_t A_t grad log pi).
+    ``clip_low`` None means no lower bound: the paper "did not impose a lower bound on the IS
+    weight" and tuned only eps_high; it gives no value for eps_high: 0.2 is the one of
+    verl's example run (``examples/cispo_trainer``, clip_ratio_high=0.2 with clip_ratio_low=10,
+    i.e. no lower bound). Eq. 4 normalises by the number of tokens of the batch: token-mean, the
+    default aggregation (any is accepted, as in verl). Checked against verl
+    ``compute_policy_loss_cispo`` (``verl/trainer/ppo/core_algos.py``, commit b178a3cd), value
+    and gradient (``tests/rft_core/algorithms/test_policy_losses_2025.py``).
+
+    Args:
+        logprobs: (B, T) float, current policy log-probs of the taken tokens (requires grad).
+        old_logprobs: (B, T) float, log-probs under the policy that generated the rollout.
+        advantages: (B, T) float.
+        action_mask: (B, T) bool.
+        weights: optional (B, T) float multiplying each token's loss (``apply_token_weights``).
+        clip_low: eps_low (>= 0) or None for no lower bound.
+        clip_high: eps_high (>= 0).
+    Returns:
+        PolicyLossOutput, (B, T) terms zero where action_mask is False; ``clipped`` is True where
+        the weight was clipped.
+    Raises:
+        ValueError: a negative ``clip_low`` or ``clip_high``, or ``weights`` of another shape.
+    """
+    if clip_high < 0 or (clip_low is not None and clip_low < 0):
+        raise ValueError(f"cispo: clip_low and clip_high must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio).detach()
+    weight = ratio.clamp(min=None if clip_low is None else 1.0 - clip_low, max=1.0 + clip_high)
+    token_loss = apply_token_weights(-weight * advantages * logprobs, weights)
+    return _masked_output(token_loss, weight != ratio, log_ratio, action_mask)
+
+
+@POLICY_LOSSES.register("gmpo", "geo_mean", info=_GMPO_INFO)
+def gmpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    clip_low: float = 0.4,
+    clip_high: float = 0.4,
+) -> PolicyLossOutput:
+    """GMPO, geometric-mean policy optimization (Zhao et al. 2025, arXiv:2507.20673), verl's ``geo_mean``.
+
+    The paper's objective: per response i, the geometric mean of the token terms,
+    J_i = sgn(A_i) * (prod_t |min(rho_t A_i, clip(rho_t, e^-clip_low, e^clip_high) A_i)|)^(1/|o_i|),
+    J = 1/G sum_i J_i; in log space, with l_t = logprobs_t - old_logprobs_t, J_i = A_i s_i where
+      l'_t = sgn(A_t) * min(sgn(A_t) l_t, sgn(A_t) clip(l_t, -clip_low, clip_high))   (token-level clip)
+      s_i  = exp(mean_t l'_t);   L_i = -A_i s_i,   A_i = mean_t A_t over the response.
+    The clip range is in log space: the paper's (e^-0.4, e^0.4) is ``clip_low = clip_high = 0.4``
+    (verl's GMPO example, ``examples/gmpo_trainer``). The paper assumes one advantage per
+    response (outcome rewards); with token-level advantages A_i is their mean over the response,
+    as in verl. Each token of response i carries L_i (gradient through s_i), so the loss needs
+    ``seq-mean-token-mean`` (``POLICY_LOSSES.info("gmpo")``): mean_i L_i, the paper's
+    1/G sum over responses (verl: ``torch.mean`` over the responses). ``weights`` (B, T)
+    multiply each token's copy of L_i: under seq-mean-token-mean a response's loss is scaled
+    by the arithmetic mean of its token weights (verl scales it by their geometric mean).
+    l_t is clamped to [-20, 20] (verl leaves it unclamped); no other difference.
+    Checked against verl ``compute_policy_loss_geo_mean`` (``core_algos.py``, commit b178a3cd),
+    value and gradient.
+
+    Args:
+        logprobs, old_logprobs, advantages: (B, T) float; action_mask: (B, T) bool.
+        weights: optional (B, T) float (``apply_token_weights``).
+        clip_low, clip_high: the log-space clip range (>= 0).
+    Returns:
+        PolicyLossOutput: ``token_loss`` (B, T) is L_i on every unmasked token of response i;
+        ``clipped`` is True where the clipped branch of the token's min was active;
+        ``log_ratio`` is l_t.
+    Raises:
+        ValueError: a negative ``clip_low`` or ``clip_high``, or ``weights`` of another shape.
+    """
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"gmpo: clip_low and clip_high must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    zeros = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    log_ratio = torch.where(action_mask, (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO), zeros)
+    sign = torch.sign(advantages)
+    clipped_ratio = log_ratio.clamp(-clip_low, clip_high)
+    kept = sign * torch.minimum(sign * log_ratio, sign * clipped_ratio)
+    n = action_mask.sum(-1, keepdim=True).clamp(min=1).to(logprobs.dtype)
+    seq_ratio = torch.exp(torch.where(action_mask, kept, zeros).sum(-1, keepdim=True) / n)
+    seq_adv = torch.where(action_mask, advantages, zeros).sum(-1, keepdim=True) / n
+    token_loss = apply_token_weights((-seq_adv * seq_ratio).expand_as(logprobs), weights)
+    return _masked_output(token_loss, sign * clipped_ratio < sign * log_ratio, log_ratio, action_mask)
+
+
+@POLICY_LOSSES.register("sapo", info=_SAPO_INFO)
+def sapo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> PolicyLossOutput:
+    """SAPO, soft adaptive policy optimization (Gao et al. 2025, Qwen, arXiv:2511.20347), per token.
+
+    r_t = exp(logprobs_t - old_logprobs_t) (log-ratio clamped to [-20, 20]);
+    tau_t = tau_pos if A_t > 0 else tau_neg;  f_t = sigmoid(tau_t (r_t - 1)) * 4 / tau_t;
+    L_t = -f_t A_t.
+    A smooth, temperature-controlled gate in place of PPO's hard clip: the gradient weight
+    df/dr = 4 sigma (1 - sigma) is 1 at r = 1 (the on-policy gradient, as PPO's) and decays
+    smoothly as r leaves 1, faster for larger tau. The paper's defaults, tau_pos = 1.0 and
+    tau_neg = 1.05 (tau_neg > tau_pos damps negative-advantage updates faster), are verl's
+    (``actor.tau_pos``/``tau_neg``). The objective is GRPO's form (per-response token mean,
+    then mean over responses): ``POLICY_LOSSES.info("sapo")`` requires seq-mean-token-mean, which
+    verl's sapo loss applies whatever its ``loss_agg_mode``. No token is clipped: ``clipped`` is all False.
+    Checked against verl ``compute_policy_loss_sapo`` (``core_algos.py``, commit b178a3cd),
+    value and gradient.
+
+    Args:
+        logprobs, old_logprobs, advantages: (B, T) float; action_mask: (B, T) bool.
+        weights: optional (B, T) float (``apply_token_weights``).
+        tau_pos, tau_neg: gate temperatures (> 0) for A > 0 and A <= 0.
+    Raises:
+        ValueError: a temperature <= 0, or ``weights`` of another shape.
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"sapo: tau_pos and tau_neg must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    tau = torch.full_like(ratio, tau_neg).masked_fill(advantages > 0, tau_pos)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    token_loss = apply_token_weights(-gate * advantages, weights)
+    return _masked_output(token_loss, torch.zeros_like(action_mask), log_ratio, action_mask)
+
+
+@POLICY_LOSSES.register("gpg", info=_ANY_AGG)
+def gpg_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """GPG, group policy gradient (Chu et al. 2025, arXiv:2504.02546), per token: L_t = -A_t * logprobs_t.
+
+    The plain policy gradient, no surrogate, ratio or clip: its gradient is the on-policy
+    REINFORCE gradient -A_t grad log pi only while the policy is the one that sampled (first
+    mini-batch of one epoch); later steps get no importance correction. ``old_logprobs`` is
+    used only for the reported ``log_ratio``. GPG's corrected group advantage is an advantage
+    estimator's job, not this loss's. The paper normalises by the tokens of the batch
+    (token-mean, the default); any aggregation is accepted, as in verl. ``clipped`` is all
+    False. Checked against verl ``compute_policy_loss_gpg`` (``core_algos.py``, commit
+    b178a3cd), value and gradient.
+
+    Args:
+        logprobs, old_logprobs, advantages: (B, T) float; action_mask: (B, T) bool.
+        weights: optional (B, T) float (``apply_token_weights``).
+    Raises:
+        ValueError: ``weights`` of another shape.
+    """
+    token_loss = apply_token_weights(-advantages * logprobs, weights)
+    return _masked_output(token_loss, torch.zeros_like(action_mask), logprobs - old_logprobs, action_mask)
+
+
+def _token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """(A_t - mean A) * (logprobs_t - mean logprobs) over the unmasked tokens of the call
+    (Cui et al. 2025, arXiv:2505.22617: the centred cross term whose sum drives the entropy
+    change); detached, (B, T)."""
+    lp = logprobs.detach()
+    return (advantages - masked_mean(advantages, action_mask)) * (lp - masked_mean(lp, action_mask))
+
+
+def _seeded_choice(candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """``k`` of the flat indices ``candidates`` (1-D long) uniformly at random without
+    replacement (all of them when there are no more than ``k``). The generator is seeded by the
+    candidate indices themselves, so the same batch picks the same tokens on every run
+    (verl draws from the global RNG)."""
+    if len(candidates) <= k:
+        return candidates
+    cpu = candidates.cpu()
+    seed = int.from_bytes(hashlib.blake2b(cpu.numpy().tobytes(), digest_size=8).digest(), "little") >> 1
+    order = torch.randperm(len(cpu), generator=torch.Generator().manual_seed(seed))
+    return candidates[order[:k].to(candidates.device)]
+
+
+@POLICY_LOSSES.register("clip_cov", info=_COV_INFO)
+def clip_cov_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 1.0,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+) -> PolicyLossOutput:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617, sec. 4).
+
+    Per token, Cov_t = (A_t - mean A)(logprobs_t - mean logprobs) over the unmasked tokens of
+    the call (``_token_covariance``). Among the tokens with clip_cov_lb < Cov_t < clip_cov_ub
+    that PPO's clip leaves unclipped, max(1, floor(clip_cov_ratio * N)) (N: unmasked tokens of
+    the call) are chosen uniformly at random, and their gradient is detached: their loss is
+    0 (the loss is multiplied by 0 there, as verl's ``corr``). The other tokens get the PPO
+    clip loss with ``clip_low``/``clip_high`` (log-ratio clamped to [-20, 20]; verl leaves it
+    unclamped). High-covariance tokens are the ones whose update lowers the entropy most;
+    dropping a few of them keeps the entropy from collapsing. Defaults: the authors' runs
+    (``recipe/dapo/7b_clip_cov.sh`` of PRIME-RL/Entropy-Mechanism-of-RL: clip_cov_ratio 2e-4,
+    bounds 1 and 5, clip ratios 1 and 1, i.e. no lower PPO clip); verl's ``clip_cov_*`` defaults
+    are the same, its PPO clip is the actor's (0.2). The random pick is seeded by the
+    candidates' positions (``_seeded_choice``), so it is reproducible. The selection is over the
+    tokens of the call, i.e. per micro-batch, as in verl (``POLICY_LOSSES.info("clip_cov")
+    .batch_dependent``). Checked against verl ``compute_policy_loss_clip_cov`` (``core_algos.py``,
+    commit b178a3cd), value and gradient, on inputs where every candidate is chosen (verl's pick
+    draws from the global RNG).
+
+    Args:
+        logprobs, old_logprobs, advantages: (B, T) float; action_mask: (B, T) bool.
+        weights: optional (B, T) float (``apply_token_weights``); the selection ignores them.
+        clip_low, clip_high: PPO clip range (0 <= clip_low <= 1, clip_high >= 0).
+        clip_cov_ratio: fraction of the call's tokens to detach (0 < r <= 1).
+        clip_cov_lb, clip_cov_ub: the covariance band of the candidates (lb < ub).
+    Returns:
+        PolicyLossOutput; ``clipped`` is True where PPO's clip was active or the token was detached.
+    Raises:
+        ValueError: a parameter out of range, or ``weights`` of another shape.
+    """
+    if not 0 < clip_cov_ratio <= 1:
+        raise ValueError(f"clip_cov: clip_cov_ratio must be in (0, 1], got {clip_cov_ratio}")
+    if not clip_cov_lb < clip_cov_ub:
+        raise ValueError(f"clip_cov: clip_cov_lb ({clip_cov_lb}) must be below clip_cov_ub ({clip_cov_ub})")
+    if not 0 <= clip_low <= 1 or clip_high < 0:
+        raise ValueError(f"clip_cov: need 0 <= clip_low <= 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    base = ppo_clip_loss(logprobs, old_logprobs, advantages, action_mask, clip_low=clip_low, clip_high=clip_high)
+    cov = _token_covariance(logprobs, advantages, action_mask)
+    candidates = action_mask & ~base.clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+    n_pick = max(int(clip_cov_ratio * int(action_mask.sum())), 1)
+    picked = torch.zeros(action_mask.numel(), dtype=torch.bool, device=action_mask.device)
+    picked[_seeded_choice(torch.nonzero(candidates.reshape(-1)).squeeze(-1), n_pick)] = True
+    picked = picked.view(action_mask.shape)
+    token_loss = apply_token_weights(base.token_loss.masked_fill(picked, 0.0), weights)
+    return _masked_output(token_loss, base.clipped | picked, base.log_ratio, action_mask)
+
+
+@POLICY_LOSSES.register("kl_cov", info=_COV_INFO)
+def kl_cov_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    action_mask: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    kl_cov_ratio: float = 2e-3,
+    ppo_kl_coef: float = 1.0,
+) -> PolicyLossOutput:
+    """KL-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv:2505.22617, sec. 4).
+
+    r_t = exp(logprobs_t - old_logprobs_t) (log-ratio clamped to [-20, 20]; verl leaves it
+    unclamped); Cov_t as in ``clip_cov_loss``. The k = max(1, floor(kl_cov_ratio * N)) tokens
+    of the call with the largest Cov_t get a KL penalty to the old policy:
+    L_t = -r_t A_t + ppo_kl_coef * |logprobs_t - old_logprobs_t| on them, L_t = -r_t A_t
+    elsewhere (no clip). Defaults: the authors' 7B run (``recipe/dapo/7b_kl_cov.sh`` of
+    PRIME-RL/Entropy-Mechanism-of-RL: k_percent 0.2, i.e. 0.2% of the tokens, ppo_kl_coef 1);
+    their 32B run uses 0.02% (2e-4); verl's defaults are kl_cov_ratio 2e-4 and ppo_kl_coef 0.1. The top-k is over the tokens of the call, i.e. per micro-batch, as in
+    verl (``POLICY_LOSSES.info("kl_cov").batch_dependent``). Checked against verl
+    ``compute_policy_loss_kl_cov`` (``core_algos.py``, commit b178a3cd), value and gradient.
+
+    Args:
+        logprobs, old_logprobs, advantages: (B, T) float; action_mask: (B, T) bool.
+        weights: optional (B, T) float (``apply_token_weights``); the selection ignores them.
+        kl_cov_ratio: fraction of the call's tokens to penalise (0 < k <= 1).
+        ppo_kl_coef: coefficient of |log r_t| on them (>= 0).
+    Returns:
+        PolicyLossOutput; ``clipped`` is True on the penalised tokens.
+    Raises:
+        ValueError: a parameter out of range, or ``weights`` of another shape.
+    """
+    if not 0 < kl_cov_ratio <= 1:
+        raise ValueError(f"kl_cov: kl_cov_ratio must be in (0, 1], got {kl_cov_ratio}")
+    if ppo_kl_coef < 0:
+        raise ValueError(f"kl_cov: ppo_kl_coef must be >= 0, got {ppo_kl_coef}")
+    log_ratio = (logprobs - old_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    surrogate = -advantages * torch.exp(log_ratio)
+    picked = torch.zeros(action_mask.numel(), dtype=torch.bool, device=action_mask.device)
+    n_valid = int(action_mask.sum())
+    if n_valid > 0:
+        valid = torch.nonzero(action_mask.reshape(-1)).squeeze(-1)
+        cov = _token_covariance(logprobs, advantages, action_mask).reshape(-1)[valid]
+        picked[valid[torch.topk(cov, max(1, int(n_valid * kl_cov_ratio))).indices]] = True
+    picked = picked.view(action_mask.shape)
+    token_loss = torch.where(picked, surrogate + ppo_kl_coef * log_ratio.abs(), surrogate)
+    return _masked_output(apply_token_weights(token_loss, weights), picked, log_ratio, action_mask)
 
 
 @LOSS_AGGREGATIONS.register("token-mean")

@@ -24,6 +24,7 @@ from rft_core.config.algorithms import (  # noqa: F401
     ADVANTAGE_CONFIGS, DEFAULT_KL_ESTIMATOR, PAPER_KL_MODE, POLICY_LOSS_CONFIGS, AdvantageConfig, CPGDAdvantage, CPGDLoss,
     DrGRPOAdvantage, DualClipLoss, DynamicSamplingConfig, GAEAdvantage, GRPOAdvantage, GSPOLoss, KLConfig,
     PolicyLossConfig, PPOClipLoss, ReinforceAdvantage, ReinforceBaselineAdvantage, RLOOAdvantage,
+    OPOAdvantage, PassAtKAdvantage, ReMaxAdvantage,
     RolloutCorrectionConfig, ShapingConfig, TrainState, estimator_kwargs, policy_loss_kwargs)
 from rft_core.config.rewards import (  # noqa: F401
     REWARD_SOURCE_CONFIGS, CodeExecSource, ExactMatchSource, FormatSource, MathAnswerSource, PythonSource,
@@ -291,25 +292,12 @@ class TrainConfig(_Frozen):
                                  "update.rollout_correction.enabled=true: decoupled PPO weighs the policy term by "
                                  "pi_proximal / pi_behaviour (AReaL, arXiv:2505.24298); without it the stale samples "
                                  "would be trained on as if on-policy")
-        self._check_estimator_needs()
         broken = contradictions(self)
         if broken:
             raise ValueError("\n".join(broken))
         if self.orchestration.workers == "resident" and self.resident_blockers():
             raise ValueError("orchestration.workers=resident: " + "; ".join(self.resident_blockers()))
         return self
-
-    def _check_estimator_needs(self) -> None:
-        """pass_at_k's k against the group size; remax's greedy baseline against a multi-turn rollout."""
-        adv, n = self.advantage, self.rollout.n_samples_per_prompt
-        if adv.estimator == "pass_at_k" and adv.k > n:
-            raise ValueError(f"advantage.k={adv.k} exceeds rollout.n_samples_per_prompt={n}: pass@k is taken over "
-                             f"k-subsets of each prompt's group of samples, so k must be between 1 and the group size "
-                             f"(k = {n} gives every group zero advantages; the smallest k > 1 is 2)")
-        if self.needs_greedy_baseline and self.rollout.agent is not None:
-            raise ValueError(f"advantage.estimator={adv.estimator} subtracts the reward of a greedy single-turn response "
-                             "of each prompt, which a multi-turn rollout (rollout.agent) has no counterpart of: unset "
-                             "rollout.agent or choose another estimator (e.g. rloo)")
 
     def with_resolved_run_root(self, now: "_dt.datetime | None" = None) -> "TrainConfig":
         """A copy whose run_root has ``{timestamp}`` (YYYYmmdd-HHMMSS) and ``{name}`` filled in

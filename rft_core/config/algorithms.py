@@ -24,6 +24,9 @@ PAPER_KL_MODE: dict[str, str] = {
     "reinforce": "reward",  # Hu 2025, arXiv:2501.03262, sec. 3: per-token KL in the reward
     "reinforce_baseline": "reward",  # same paper, sec. 3.2
     "gae": "reward",  # Ouyang et al. 2022, arXiv:2203.02155, eq. 2
+    "pass_at_k": "loss",  # Chen et al. 2025, arXiv:2508.10751: GRPO-style group advantages (KL as GRPO's, if any)
+    "opo": "loss",  # Hao et al. 2025, arXiv:2505.23585 trains without a KL term; as GRPO's, the method it modifies
+    "remax": "reward",  # Li et al. 2023, arXiv:2310.10505 (RLHF reward); verl's remax example: use_kl_in_reward
 }
 # The estimator used when ``kl.estimator`` is not given, by mode: k1 as a reward (its score-function
 # gradient is grad KL(pi||ref)); k3+ as a loss (the value of GRPO's eq. 4 estimator, the gradient
@@ -147,8 +150,31 @@ class GAEAdvantage(_Frozen):
                          "(verl, OpenRLHF); the returns stay unwhitened")
 
 
+class PassAtKAdvantage(_Frozen):
+    """Pass@k Training (Chen et al. 2025, arXiv:2508.10751): the closed-form advantages of the
+    group's k-subsets rewarded by pass@k; binary rewards. ``k`` must not exceed the group size
+    (``rollout.n_samples_per_prompt``; checked by the training config and again at use)."""
+
+    estimator: Literal["pass_at_k"] = "pass_at_k"
+    k: int = Field(2, ge=1, description="the k of pass@k, 1 <= k <= the group size (k = group size: no signal)")
+    eps: float = Field(1e-6, gt=0, description="added to the group std (the authors' code)")
+
+
+class OPOAdvantage(_Frozen):
+    """OPO (Hao et al. 2025, arXiv:2505.23585): r minus the length-weighted group mean reward."""
+
+    estimator: Literal["opo"] = "opo"
+
+
+class ReMaxAdvantage(_Frozen):
+    """ReMax (Li et al. 2023, arXiv:2310.10505): r minus the reward of the greedy response of the
+    prompt, which each iteration generates (``baseline_rollout``) and scores (``baseline_rewards``)."""
+
+    estimator: Literal["remax"] = "remax"
+
+
 ADVANTAGE_CONFIGS = (GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, ReinforceAdvantage, ReinforceBaselineAdvantage,
-                     CPGDAdvantage, GAEAdvantage)
+                     CPGDAdvantage, GAEAdvantage, PassAtKAdvantage, OPOAdvantage, ReMaxAdvantage)
 AdvantageConfig = _tagged_union(ADVANTAGE_CONFIGS, "estimator", "grpo", "advantage estimator")
 
 
@@ -226,7 +252,70 @@ class CPGDLoss(_Frozen):
     clip_high: float = Field(0.2, ge=0)
 
 
-POLICY_LOSS_CONFIGS = (PPOClipLoss, DualClipLoss, GSPOLoss, CPGDLoss)
+class CISPOLoss(_Frozen):
+    """CISPO (MiniMax-M1, arXiv:2506.13585 eq. 4-5): -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi."""
+
+    name: Literal["cispo"] = "cispo"
+    clip_low: float | None = Field(None, ge=0,
+                                   description="eps_low of the IS weight; None: no lower bound (the paper's)")
+    clip_high: float = Field(0.2, ge=0,
+                             description="eps_high of the IS weight (the paper gives no value; verl's example: 0.2)")
+
+
+class GMPOLoss(_Frozen):
+    """GMPO (arXiv:2507.20673), verl's geo_mean: geometric mean of the token ratios per response,
+    clipped per token in log space; sequence-level (update.loss_agg=seq-mean-token-mean)."""
+
+    name: Literal["gmpo", "geo_mean"] = "gmpo"
+    clip_low: float = Field(0.4, ge=0, description="log-space: token log-ratios clipped at -clip_low (paper: e^-0.4)")
+    clip_high: float = Field(0.4, ge=0, description="log-space: token log-ratios clipped at +clip_high (paper: e^0.4)")
+
+
+class SAPOLoss(_Frozen):
+    """SAPO (arXiv:2511.20347): soft sigmoid gate sigmoid(tau (r - 1)) * 4 / tau in place of the clip;
+    sequence-level (update.loss_agg=seq-mean-token-mean)."""
+
+    name: Literal["sapo"] = "sapo"
+    tau_pos: float = Field(1.0, gt=0, description="gate temperature for A > 0")
+    tau_neg: float = Field(1.05, gt=0, description="gate temperature for A <= 0 (the paper: larger than tau_pos)")
+
+
+class GPGLoss(_Frozen):
+    """GPG (arXiv:2504.02546): the plain policy gradient -A * log pi (no ratio, no clip)."""
+
+    name: Literal["gpg"] = "gpg"
+
+
+class ClipCovLoss(_Frozen):
+    """Clip-Cov (arXiv:2505.22617): PPO clip, with the gradient of a few random high-covariance tokens detached."""
+
+    name: Literal["clip_cov"] = "clip_cov"
+    clip_low: float = Field(1.0, ge=0, le=1, description="PPO clip, lower (the authors' runs: 1, i.e. none)")
+    clip_high: float = Field(1.0, ge=0, description="PPO clip, upper (the authors' runs: 1)")
+    clip_cov_ratio: float = Field(2e-4, gt=0, le=1, description="fraction of the micro-batch's tokens detached")
+    clip_cov_lb: float = Field(1.0, description="candidates: covariance above this")
+    clip_cov_ub: float = Field(5.0, description="candidates: covariance below this")
+
+    @model_validator(mode="after")
+    def _check_band(self) -> "ClipCovLoss":
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"update.policy_loss.clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub "
+                             f"({self.clip_cov_ub})")
+        return self
+
+
+class KLCovLoss(_Frozen):
+    """KL-Cov (arXiv:2505.22617): -r A, plus ppo_kl_coef * |log r| on the top kl_cov_ratio tokens by covariance."""
+
+    name: Literal["kl_cov"] = "kl_cov"
+    kl_cov_ratio: float = Field(2e-3, gt=0, le=1, description="fraction of the micro-batch's tokens penalised "
+                                "(the authors' 7B run; their 32B run and verl: 2e-4)")
+    ppo_kl_coef: float = Field(1.0, ge=0,
+                               description="coefficient of |log r| (the authors' runs: 1; verl's default 0.1)")
+
+
+POLICY_LOSS_CONFIGS = (PPOClipLoss, DualClipLoss, GSPOLoss, CPGDLoss, CISPOLoss, GMPOLoss, SAPOLoss, GPGLoss,
+                       ClipCovLoss, KLCovLoss)
 
 
 PolicyLossConfig = _tagged_union(POLICY_LOSS_CONFIGS, "name", "ppo_clip", "policy loss")

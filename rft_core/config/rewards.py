@@ -2,7 +2,7 @@
 (``rft_core.rewards``)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -10,6 +10,12 @@ from rft_core.config._base import _Frozen, _tagged_union
 
 
 class _RewardSourceBase(_Frozen):
+    # what the source reads from each dataset row (``needs_reference``, ``reference_as_text``,
+    # ``metadata_fields``), so the whole dataset can be checked before training
+    # (``rft_core.data.validate``); the flows pass ``RewardConfig.needs_reference`` to the prompts stages
+    needs_reference: ClassVar[bool] = False  # grades against the row's reference answer: a row must have one
+    reference_as_text: ClassVar[bool] = False  # ... compared as text: text, a number, a bool or chat messages
+    metadata_fields: ClassVar[tuple[str, ...]] = ()  # columns it reads from the row's metadata (non-null text)
     on_error: Literal["raise", "fallback"] = Field(
         "raise", description="a source that raises or returns NaN/inf: stop the stage (raise) or give the "
         "sample `fallback` and count it in reward_metrics['<source>.fallback']")
@@ -20,6 +26,8 @@ class MathAnswerSource(_RewardSourceBase):
     """Correctness of the extracted final answer: the dataset's grader or math-verify."""
 
     type: Literal["math_answer"] = "math_answer"
+    needs_reference: ClassVar[bool] = True
+    reference_as_text: ClassVar[bool] = True
     grader: Literal["dataset", "math_verify"] = "dataset"
     timeout_s: float = Field(5.0, gt=0, description="math_verify: per-sample wall-time limit (a worker process is killed past it)")
 
@@ -28,6 +36,8 @@ class ExactMatchSource(_RewardSourceBase):
     """1.0 when the extracted final answer equals the reference (stripped; optionally ignoring case)."""
 
     type: Literal["exact_match"] = "exact_match"
+    needs_reference: ClassVar[bool] = True
+    reference_as_text: ClassVar[bool] = True
     ignore_case: bool = True
 
 
@@ -41,6 +51,7 @@ class CodeExecSource(_RewardSourceBase):
     """Run the response against the problem's unit tests in a sandboxed subprocess."""
 
     type: Literal["code_exec"] = "code_exec"
+    metadata_fields: ClassVar[tuple[str, ...]] = ("test", "entry_point")
     timeout_s: float = Field(5.0, gt=0, description="wall-time limit per sample (s)")
     memory_mb: int = Field(512, ge=64, description="address-space limit per sample (MiB)")
     max_workers: int | None = Field(None, gt=0, description="samples run at once (None: CPU count)")
@@ -63,6 +74,7 @@ class RemoteSource(_RewardSourceBase):
     """A remote reward model: POST {queries, prompts, labels, references} -> {rewards}."""
 
     type: Literal["remote"] = "remote"
+    needs_reference: ClassVar[bool] = True  # sent as `references`: the server may grade against them
     url: str
     timeout_s: float = Field(30.0, gt=0, description="connect and read timeout per request (s)")
     retries: int = Field(3, ge=0, description="retries on connection errors, timeouts and HTTP 429/5xx")
@@ -81,6 +93,7 @@ class PythonSource(_RewardSourceBase):
     """A user's function, given as `module:function` or `path/to/file.py:function`."""
 
     type: Literal["python"] = "python"
+    needs_reference: ClassVar[bool] = True  # the function gets `sample.reference` and may grade against it
     function: str
     call: Literal["sample", "batch", "lightrft"] = Field(
         "sample", description="sample: fn(sample) -> float | (float, reason); batch: fn(samples) -> list; "
@@ -152,6 +165,20 @@ class RewardConfig(_Frozen):
         if self.default_recipe is not None and self.default_recipe not in self.recipes:
             raise ValueError(f"reward.default_recipe {self.default_recipe!r} is not a recipe (defined: {', '.join(self.recipes)})")
         return self
+
+    def used_sources(self) -> list[_RewardSourceBase]:
+        """The sources some recipe uses (of the ``resolved`` config), in definition order."""
+        cfg = self.resolved
+        used = {item.source for items in cfg.recipes.values() for item in items}
+        return [src for name, src in cfg.sources.items() if name in used]
+
+    @property
+    def needs_reference(self) -> bool:
+        """True when a source some recipe uses grades against the row's reference answer
+        (``math_answer``, ``exact_match``, ``remote``, ``python``); False when every used source
+        reads no answer (``format``, ``code_exec``, ``reward_model``, ``environment``), so rows
+        without an answer are accepted (their reference is empty text)."""
+        return any(src.needs_reference for src in self.used_sources())
 
     @property
     def resolved(self) -> "RewardConfig":

@@ -65,6 +65,24 @@ def _group_one_sample(cfg: Any) -> str | None:
     return None
 
 
+def _pass_at_k_beyond_group(cfg: Any) -> str | None:
+    adv, n = cfg.advantage, cfg.rollout.n_samples_per_prompt
+    if adv.estimator == "pass_at_k" and adv.k > n:
+        return (f"advantage.k={adv.k} exceeds rollout.n_samples_per_prompt={n}: pass@k is taken over k-subsets of each "
+                "prompt's group of samples (Chen et al. 2025, arXiv:2508.10751), so k must be between 1 and the group "
+                f"size: set advantage.k <= {n} (k = {n} gives every group zero advantages; the smallest k > 1 is 2) or "
+                "more samples per prompt")
+    return None
+
+
+def _remax_with_agent(cfg: Any) -> str | None:
+    if cfg.needs_greedy_baseline and cfg.rollout.agent is not None:
+        return (f"advantage.estimator={cfg.advantage.estimator} subtracts the reward of a greedy single-turn response "
+                "of each prompt (ReMax, arXiv:2310.10505), which a multi-turn rollout (rollout.agent) has no "
+                "counterpart of: unset rollout.agent or choose another estimator (e.g. rloo)")
+    return None
+
+
 def _dynamic_one_sample(cfg: Any) -> str | None:
     if cfg.dynamic_sampling.enabled and cfg.rollout.n_samples_per_prompt < 2:
         return ("dynamic_sampling.enabled=true drops groups whose rewards are all equal, and with "
@@ -133,6 +151,8 @@ def _dataset_grader_with_foreign_labels(cfg: Any) -> str | None:
 
 CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("group-one-sample", ("advantage.estimator", "rollout.n_samples_per_prompt"), _group_one_sample),
+    Rule("pass-at-k-beyond-group", ("advantage.k", "rollout.n_samples_per_prompt"), _pass_at_k_beyond_group),
+    Rule("remax-with-agent", ("advantage.estimator", "rollout.agent"), _remax_with_agent),
     Rule("dynamic-one-sample", ("dynamic_sampling.enabled", "rollout.n_samples_per_prompt"), _dynamic_one_sample),
     Rule("train-batch-beyond-rollout", ("update.train_batch_size", "data.prompts_per_iteration",
                                         "rollout.n_samples_per_prompt"), _train_batch_beyond_rollout),

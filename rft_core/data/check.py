@@ -100,7 +100,8 @@ def _candidates(ds, limit: int) -> list[int]:
 def check_data(tokenizer, *, path: str | None = None, sources: Sequence[Mapping[str, Any]] | None = None,
                format: str = "auto", columns: Mapping[str, str] | None = None, data_source: str | None = None,
                system_prompt: str = "", prompt_template: str | None = None, max_prompt_tokens: int | None = None,
-               processor=None, n_examples: int = 2, max_problems: int = 50, check_media: bool = True) -> DataCheckReport:
+               processor=None, n_examples: int = 2, max_problems: int = 50, check_media: bool = True,
+               require_answer: bool = True) -> DataCheckReport:
     """Open, scan and render a dataset the way the prompts stage would.
 
     Args:
@@ -113,6 +114,7 @@ def check_data(tokenizer, *, path: str | None = None, sources: Sequence[Mapping[
         n_examples: prompts to render (the first rows without problems; one per source in turn).
         max_problems: row problems listed (all are counted in ``bad_rows``).
         check_media: check that every image/video path exists during the scan.
+        require_answer: False when the grader reads no reference answer (rows without one pass).
     Returns:
         a ``DataCheckReport``; never raises ``DatasetError`` (problems go into the report).
     """
@@ -126,7 +128,8 @@ def check_data(tokenizer, *, path: str | None = None, sources: Sequence[Mapping[
         tokenizer = load_tokenizer(tokenizer)
     report = DataCheckReport()
     try:
-        ds = open_data(path, format=format, columns=columns, sources=sources, data_source=data_source)
+        ds = open_data(path, format=format, columns=columns, sources=sources, data_source=data_source,
+                       require_answer=require_answer)
     except DatasetError as exc:
         report.problems.append(str(exc))
         return report
@@ -186,8 +189,9 @@ def render_report(report: DataCheckReport) -> str:
 def check_config_data(cfg, path: str | None = None, *, n_examples: int = 2, max_problems: int = 50) -> DataCheckReport:
     """``check_data`` of what a training config would read: ``path`` (any file, e.g. the
     held-out ``eval.path``) or else the config's own ``data.path`` / ``data.sources``, with its
-    ``data`` settings (format, columns, system_prompt, prompt_template, max_prompt_tokens) and
-    the tokenizer (and vision-language processor) of ``policy.path``.
+    ``data`` settings (format, columns, system_prompt, prompt_template, max_prompt_tokens), the
+    tokenizer (and vision-language processor) of ``policy.path``, and an answer required only
+    when a grader of ``reward`` reads one (``RewardConfig.needs_reference``).
 
     Args:
         cfg: a ``rft_core.config.TrainConfig``.
@@ -216,4 +220,5 @@ def check_config_data(cfg, path: str | None = None, *, n_examples: int = 2, max_
     return check_data(tokenizer, processor=processor, path=path if path is not None else (None if sources else data.path),
                       sources=sources, format=data.format, columns=data.columns or None,
                       system_prompt=data.system_prompt, prompt_template=data.prompt_template,
-                      max_prompt_tokens=data.max_prompt_tokens, n_examples=n_examples, max_problems=max_problems)
+                      max_prompt_tokens=data.max_prompt_tokens, n_examples=n_examples, max_problems=max_problems,
+                      require_answer=cfg.reward.needs_reference)

@@ -132,15 +132,19 @@ def _type_problem(key: str, t: pa.DataType) -> str | None:
     return None
 
 
-def resolve_layout(schema: pa.Schema, columns: Mapping[str, str] | None = None, *, where: str) -> Layout:
+def resolve_layout(schema: pa.Schema, columns: Mapping[str, str] | None = None, *, where: str,
+                   require_answer: bool = True) -> Layout:
     """Find the prompt/answer/data_source/images/videos columns of ``schema``.
 
     Args:
         columns: our key -> column (dotted for nested); overrides the detection key by key.
         where: the file, for error messages.
+        require_answer: False when the grader reads no reference answer: a file without an
+            answer column is then accepted (``Layout.columns`` has no ``answer``).
     Raises:
         DatasetError: a mapping with an unknown key or naming an absent column, no prompt or
-            answer column, or a column whose type cannot serve its key (naming file, column, type).
+            (``require_answer``) answer column, or a column whose type cannot serve its key
+            (naming file, column, type).
     """
     columns = dict(columns or {})
     unknown = sorted(set(columns) - set(KEYS))
@@ -157,7 +161,7 @@ def resolve_layout(schema: pa.Schema, columns: Mapping[str, str] | None = None, 
         hit = next((c for c in CANDIDATES[key] if field_type(schema, c) is not None), None)
         if hit is not None:
             found[key] = hit
-    for key in REQUIRED_KEYS:
+    for key in REQUIRED_KEYS if require_answer else ("prompt",):
         if key not in found:
             raise DatasetError(f"{where}: no {key} column (looked for {list(CANDIDATES[key])}); the file has "
                                f"{column_paths(schema)}; map one with data.columns.{key}")
@@ -337,9 +341,13 @@ def read_remote(ref: str | bytes, *, where: str) -> str | bytes:
 
 
 def row_entry(row: Mapping[str, Any], layout: Layout, *, where: str, base_dir: str, data_source: str,
-              data_source_override: str | None = None, check_media: bool = True) -> dict[str, Any]:
+              data_source_override: str | None = None, check_media: bool = True,
+              require_answer: bool = True) -> dict[str, Any]:
     """The entry ``build_prompts`` takes for one row (``row``: column -> Python value).
 
+    Args:
+        require_answer: False when the grader reads no reference answer: a row without one
+            (null, blank, or no answer column) gets the answer ``""``.
     Returns:
         {question, answer, data_source, metadata, images, videos} plus ``messages`` for a chat
         prompt (``question`` is then the last user message's text). ``data_source``: the
@@ -361,11 +369,11 @@ def row_entry(row: Mapping[str, Any], layout: Layout, *, where: str, base_dir: s
         if not isinstance(prompt, str) or not prompt.strip():
             raise DatasetError(f"{where}: empty prompt (column {cols['prompt']!r} is {prompt!r:.40})")
         entry["question"] = prompt
-    answer = _get(row, cols["answer"])
+    answer = _get(row, cols["answer"]) if "answer" in cols else None
     text = None if answer is None else answer_text(answer)
-    if text is None or not text.strip():
+    if (text is None or not text.strip()) and require_answer:
         raise DatasetError(f"{where}: no answer (column {cols['answer']!r} is {answer!r:.40})")
-    entry["answer"] = text
+    entry["answer"] = text or ""
     row_source = _get(row, cols["data_source"]) if "data_source" in cols else None
     entry["data_source"] = data_source_override or row_source or data_source
     entry["metadata"] = {c: jsonable(row.get(c)) for c in layout.metadata_columns}

@@ -15,12 +15,15 @@ A ``FileDataset`` has ``len()``, ``entries(indices)`` (the ``(index, entry)`` pa
 ``rft_core.data.prompts.build_prompts`` takes; only the rows asked for are read and checked),
 ``iteration_indices``/``refill_indices`` (the seeded data order of ``rft_core.data.prompts``),
 ``scan()`` (every row checked, batch by batch) and ``fingerprint()`` (changes when a file does).
-Opening checks what is cheap: the files exist and parse, the columns exist and have usable types.
+Opening checks what is cheap: the files exist and parse, the columns exist and have usable types;
+``rft_core.data.validate`` checks every row, column-wise, before a training run starts.
 
 Formats by extension: ``.parquet``/``.pq``, ``.jsonl``/``.ndjson``, ``.json`` (an array of
 objects, or JSON Lines when it does not start with ``[``), ``.csv``; compressed variants
 (``.jsonl.gz`` ...) through fsspec; a folder with ``state.json`` + ``dataset_info.json`` is a
-``datasets.save_to_disk`` folder. Rows are numbered from 0 within each file in messages.
+``datasets.save_to_disk`` folder. Rows are numbered from 0 within each file in messages; a row
+of a JSON Lines file is also named by its 1-based line, as an editor shows it (blank lines,
+which the reader skips, counted): ``data.jsonl line 4 (row 3)``.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -35,7 +39,8 @@ import numpy as np
 
 from rft_core.data.columns import Layout, field_type, resolve_layout, row_entry
 from rft_core.data.prompts import DatasetError, iteration_indices, refill_indices
-from rft_core.data.readers import ParquetPart, Part, TablePart, base_dir_of, is_hf_disk, read_hf_disk, read_table
+from rft_core.data.readers import (ParquetPart, Part, TablePart, base_dir_of, is_hf_disk, read_hf_disk, read_json,
+                                   read_jsonl, read_table)
 
 FORMATS = ("parquet", "jsonl", "json", "csv", "hf_disk")
 EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv"}
@@ -132,14 +137,85 @@ def resolve_files(path: str, format: str = "auto") -> DataFiles:
     return DataFiles(fs, tuple(paths), format, str(path))
 
 
-def _open_parts(files: DataFiles) -> list[Part]:
+_BLANK_LINE = re.compile(rb"\n[ \t\r]*(?=\n)")  # a newline, then a line of only JSON whitespace
+_BLANK_FIRST = re.compile(rb"\A[ \t\r]*\n")
+
+
+def jsonl_blank_lines(raw: bytes, num_rows: int) -> np.ndarray | None | bool:
+    """Where the rows of a JSON Lines file (``raw``: its bytes) sit among its lines: the reader
+    (pyarrow) skips blank and whitespace-only lines, so a row's line is its index + 1 + the
+    blank lines before it. Returns None when no line is blank (row r is line r + 1); else, per
+    blank line in order, how many rows come before it (``jsonl_line`` takes it); False when the
+    lines do not add up to ``num_rows`` rows (then rows are named by index only).
+
+    Costs one ``bytes.count`` when no line is blank, else a regex scan for newlines followed by
+    a blank line (the C search jumps from newline to newline); nothing per row is stored.
+    """
+    n_lines = raw.count(b"\n") + (1 if raw and not raw.endswith(b"\n") else 0)
+    if n_lines == num_rows:
+        return None
+    blank, newlines, pos = [], 0, 0
+    if _BLANK_FIRST.match(raw):
+        blank.append(1)
+    for m in _BLANK_LINE.finditer(raw):
+        newlines += raw.count(b"\n", pos, m.start())
+        pos = m.start()
+        blank.append(newlines + 2)  # the line after the newline at m.start()
+    last = raw[raw.rfind(b"\n") + 1:]
+    if n_lines - len(blank) - (1 if last and not last.strip(b" \t\r") else 0) != num_rows:
+        return False
+    lines = np.asarray(blank, dtype=np.int64)
+    return lines - 1 - np.arange(len(lines), dtype=np.int64)
+
+
+def jsonl_line(blank: np.ndarray | None, rows):  # blank: jsonl_blank_lines' array or None
+    """The 1-based line of row ``rows`` (an int, or a numpy array of them) of a JSON Lines file,
+    given ``jsonl_blank_lines``' result for it."""
+    return rows + 1 if blank is None else rows + 1 + np.searchsorted(blank, rows, side="right")
+
+
+def _read_raw(fs, path: str, uri: str) -> bytes:
+    from fsspec.utils import infer_compression
+
+    try:
+        with fs.open(path, "rb", compression=infer_compression(path)) as f:
+            return f.read()
+    except (OSError, ValueError, EOFError) as exc:
+        raise DatasetError(f"{uri}: cannot read: {exc}") from exc
+
+
+def _is_json_lines(fmt: str, raw: bytes) -> bool:
+    """JSON Lines: the jsonl format, or a .json file that does not start with ``[`` (as ``read_json``)."""
+    if fmt == "jsonl":
+        return True
+    start = raw.lstrip()[:1]
+    if start == b"\xef":  # UTF-8 byte order mark
+        start = raw.lstrip()[3:4]
+    return fmt == "json" and start != b"["
+
+
+def _text_part(files: DataFiles, p: str) -> tuple[Part, np.ndarray | None | bool]:
+    """A JSON Lines / JSON / CSV file as a ``TablePart``, and where its rows sit among its lines
+    (``jsonl_blank_lines``; False: not a JSON Lines file, rows are named by index only)."""
+    uri = files.uri(p)
+    if files.format == "csv":
+        return TablePart(read_table(files.fs, p, files.format, uri), uri=uri, base_dir=base_dir_of(files.fs, p)), False
+    raw = _read_raw(files.fs, p, uri)
+    table = (read_jsonl if files.format == "jsonl" else read_json)(raw, uri)
+    lines = jsonl_blank_lines(raw, table.num_rows) if _is_json_lines(files.format, raw) else False
+    return TablePart(table, uri=uri, base_dir=base_dir_of(files.fs, p)), lines
+
+
+def _open_parts(files: DataFiles) -> tuple[list[Part], list[np.ndarray | None | bool]]:
+    """The parts of ``files`` and, per part, its rows' lines (see ``_text_part``)."""
     if files.format == "hf_disk":
         uri = files.uri(files.paths[0])
-        return [TablePart(read_hf_disk(uri), uri=uri, base_dir=base_dir_of(files.fs, f"{files.paths[0]}/state.json"))]
+        return [TablePart(read_hf_disk(uri), uri=uri, base_dir=base_dir_of(files.fs, f"{files.paths[0]}/state.json"))], [False]
     if files.format == "parquet":
-        return [ParquetPart(files.fs, p, uri=files.uri(p), base_dir=base_dir_of(files.fs, p)) for p in files.paths]
-    return [TablePart(read_table(files.fs, p, files.format, files.uri(p)), uri=files.uri(p), base_dir=base_dir_of(files.fs, p))
-            for p in files.paths]
+        return ([ParquetPart(files.fs, p, uri=files.uri(p), base_dir=base_dir_of(files.fs, p)) for p in files.paths],
+                [False] * len(files.paths))
+    parts, lines = zip(*(_text_part(files, p) for p in files.paths))
+    return list(parts), list(lines)
 
 
 def _same_layout(first: Part, first_layout: Layout, part: Part, layout: Layout) -> None:
@@ -185,21 +261,24 @@ class FileDataset:
             then kept in ``metadata``); None: the row's column, else ``name``.
         name: the dataset's name (default: the file or folder name without extensions); the
             label of rows without one, and a good ``build_prompts`` ``data_source`` argument.
+        require_answer: False when the grader reads no reference answer
+            (``RewardConfig.needs_reference``): rows without one get the answer ``""``.
     Raises:
         DatasetError: see ``resolve_files``, the readers, and ``resolve_layout``; or no rows.
     """
 
     def __init__(self, path: str, *, format: str = "auto", columns: Mapping[str, str] | None = None,
-                 data_source: str | None = None, name: str | None = None) -> None:
+                 data_source: str | None = None, name: str | None = None, require_answer: bool = True) -> None:
         self.files = resolve_files(path, format)
         self.path, self.format = str(path), self.files.format
         self.name = name or _stem(path)
         self.data_source = data_source
-        self.parts = _open_parts(self.files)
+        self.require_answer = require_answer
+        self.parts, self._lines = _open_parts(self.files)
         self._starts = np.concatenate([[0], np.cumsum([p.num_rows for p in self.parts], dtype=np.int64)])
         if len(self) == 0:
             raise DatasetError(f"{self.path}: no rows")
-        self.layouts = [resolve_layout(p.schema, columns, where=p.uri) for p in self.parts]
+        self.layouts = [resolve_layout(p.schema, columns, where=p.uri, require_answer=require_answer) for p in self.parts]
         for part, layout in zip(self.parts[1:], self.layouts[1:]):
             _same_layout(self.parts[0], self.layouts[0], part, layout)
 
@@ -219,14 +298,25 @@ class FileDataset:
         return k, int(index - self._starts[k])
 
     def where(self, index: int) -> str:
-        """'{file} row {n}' of global row ``index``."""
-        k, row = self.locate(index)
-        return f"{self.parts[k].uri} row {row}"
+        """'{file} row {n}' of global row ``index`` ('{file} line {l} (row {n})' in a JSON Lines file)."""
+        return self.where_in(*self.locate(index))
+
+    def line_of(self, k: int, row: int) -> int | None:
+        """The 1-based line of ``row`` (0-based) of file ``k`` when it is a JSON Lines file, else None."""
+        blank = self._lines[k]
+        return None if blank is False else int(jsonl_line(blank, row))
+
+    def where_in(self, k: int, row: int) -> str:
+        """How messages name ``row`` (0-based) of file ``k``: '{file} row {n}', or
+        '{file} line {l} (row {n})' in a JSON Lines file (``l``: 1-based, blank lines counted)."""
+        line = self.line_of(k, row)
+        return f"{self.parts[k].uri} row {row}" if line is None else f"{self.parts[k].uri} line {line} (row {row})"
 
     def _entry(self, k: int, row: int, values: dict[str, Any], *, check_media: bool = True) -> dict[str, Any]:
         part = self.parts[k]
-        return row_entry(values, self.layouts[k], where=f"{part.uri} row {row}", base_dir=part.base_dir,
-                         data_source=self.name, data_source_override=self.data_source, check_media=check_media)
+        return row_entry(values, self.layouts[k], where=self.where_in(k, row), base_dir=part.base_dir,
+                         data_source=self.name, data_source_override=self.data_source, check_media=check_media,
+                         require_answer=self.require_answer)
 
     def entries(self, indices: Sequence[int]) -> list[tuple[int, dict[str, Any]]]:
         """``(index, entry)`` for each global row index, in the order given (repeats allowed),
@@ -249,7 +339,7 @@ class FileDataset:
                 for row, values in zip(local, part.rows(local)):
                     entry = self._entry(k, int(row), values)
                     for key in ("images", "videos"):
-                        entry[key] = [read_remote(x, where=f"{part.uri} row {row} {key[:-1]} {j}")
+                        entry[key] = [read_remote(x, where=f"{self.where_in(k, int(row))} {key[:-1]} {j}")
                                       for j, x in enumerate(entry[key])]
                     by_index[int(row + lo)] = entry
         return [(int(i), by_index[int(i)]) for i in idx]

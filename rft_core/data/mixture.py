@@ -119,6 +119,7 @@ class MixtureDataset:
     Args:
         sources: each {path, weight (default 1), data_source, columns, format}.
         format, columns: defaults for sources that do not set their own.
+        require_answer: as ``FileDataset``.
     Raises:
         DatasetError: an unknown key, a source without a path, a weight that is not positive,
             or anything ``FileDataset`` raises at open time (naming the source).
@@ -127,7 +128,7 @@ class MixtureDataset:
     name = "mixture"
 
     def __init__(self, sources: Sequence[Mapping[str, Any]], *, format: str = "auto",
-                 columns: Mapping[str, str] | None = None) -> None:
+                 columns: Mapping[str, str] | None = None, require_answer: bool = True) -> None:
         for k, src in enumerate(sources):
             unknown = sorted(set(src) - set(SOURCE_KEYS))
             if unknown or not src.get("path"):
@@ -136,7 +137,8 @@ class MixtureDataset:
         self.p = check_weights(self.weights, names=[str(s["path"]) for s in sources])
         self.sources = [FileDataset(src["path"], format=src.get("format") or format,
                                     columns=src.get("columns") if src.get("columns") is not None else columns,
-                                    data_source=src.get("data_source")) for src in sources]
+                                    data_source=src.get("data_source"), require_answer=require_answer)
+                        for src in sources]
         self.sizes = [len(s) for s in self.sources]
         self._starts = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])
 
@@ -201,11 +203,13 @@ class MixtureDataset:
 
 
 def open_data(path: str | None = None, *, format: str = "auto", columns: Mapping[str, str] | None = None,
-              sources: Sequence[Mapping[str, Any]] | None = None, data_source: str | None = None):
+              sources: Sequence[Mapping[str, Any]] | None = None, data_source: str | None = None,
+              require_answer: bool = True):
     """The dataset of the ``data`` config: ``FileDataset(path, ...)``, or a ``MixtureDataset``
     of ``sources`` (each {path, weight, data_source, columns, format}; ``format`` and ``columns``
     given here are the defaults of each source). Both have ``len()``, ``entries``,
     ``iteration_indices``, ``refill_indices``, ``where``, ``scan`` and ``fingerprint``.
+    ``require_answer`` False: rows without a reference answer are accepted (``FileDataset``).
 
     Raises:
         DatasetError: both or neither of ``path`` and ``sources``; any open-time problem.
@@ -213,8 +217,8 @@ def open_data(path: str | None = None, *, format: str = "auto", columns: Mapping
     if (path is None) == (not sources):
         raise DatasetError("give exactly one of data.path and data.sources")
     if sources:
-        return MixtureDataset(sources, format=format, columns=columns)
-    return FileDataset(path, format=format, columns=columns, data_source=data_source)
+        return MixtureDataset(sources, format=format, columns=columns, require_answer=require_answer)
+    return FileDataset(path, format=format, columns=columns, data_source=data_source, require_answer=require_answer)
 
 
 def data_fingerprint(path: str | None = None, *, format: str = "auto", sources: Sequence[Mapping[str, Any]] | None = None) -> str:
@@ -241,16 +245,17 @@ def source_dicts(data) -> list[dict[str, Any]] | None:
     return [{k: v for k, v in s.model_dump().items() if v is not None} for s in data.sources]
 
 
-def open_data_config(data):
+def open_data_config(data, *, require_answer: bool = True):
     """``open_data`` of a ``rft_core.config.DataConfig`` with ``source: files``: its ``path`` or
-    its ``sources`` mixture, with its ``format`` and ``columns``.
+    its ``sources`` mixture, with its ``format`` and ``columns`` (``require_answer``: as ``open_data``).
 
     Raises:
         DatasetError: ``data.source`` is not ``files``, or anything ``open_data`` raises.
     """
     if data.source != "files":
         raise DatasetError(f"data.source is {data.source!r}; only data.source=files reads files")
-    return open_data(data.path, format=data.format, columns=data.columns or None, sources=source_dicts(data))
+    return open_data(data.path, format=data.format, columns=data.columns or None, sources=source_dicts(data),
+                     require_answer=require_answer)
 
 
 def dataset_fingerprint(data) -> str | None:

@@ -1,5 +1,6 @@
 """Reading users' dataset files into Arrow: Parquet lazily by row group, JSON Lines, JSON arrays,
-CSV and ``datasets.save_to_disk`` folders into (columnar) Arrow tables, through fsspec.
+CSV and ``datasets.save_to_disk`` folders (read with pyarrow: no ``datasets`` needed) into
+(columnar) Arrow tables, through fsspec.
 
 Each file becomes a ``Part``: its schema, its row count, the rows of given local indices, and
 its rows batch by batch. Parquet parts read only their footer when opened and later only the
@@ -276,25 +277,59 @@ def is_hf_disk(fs, root: str) -> bool:
     return fs.isfile(f"{root}/dataset_dict.json") or (fs.isfile(f"{root}/state.json") and fs.isfile(f"{root}/dataset_info.json"))
 
 
+def _read_arrow_stream(fs, path: str, uri: str) -> pa.Table:
+    """One Arrow IPC stream file of a ``save_to_disk`` folder: memory-mapped when local."""
+    try:
+        if _is_local(fs):
+            return pa.ipc.open_stream(pa.memory_map(path, "r")).read_all()
+        return pa.ipc.open_stream(pa.py_buffer(fs.cat_file(path))).read_all()
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise DatasetError(f"{uri}: not a readable Arrow stream file of a datasets.save_to_disk folder: {exc}") from exc
+
+
+def _is_local(fs) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
 def read_hf_disk(uri: str) -> pa.Table:
-    """The (memory-mapped) Arrow table of a ``datasets.save_to_disk`` Dataset folder.
+    """The Arrow table of a ``datasets.save_to_disk`` Dataset folder, read with pyarrow alone
+    (``datasets`` need not be installed): the Arrow IPC stream files that ``state.json`` lists
+    under ``_data_files``, in order, memory-mapped when local. This is the table
+    ``datasets.load_from_disk(uri).data.table`` holds. A folder written by an old ``datasets``
+    that kept an indices mapping (``_indices_data_files``) gives its rows in that mapping's order.
 
     Raises:
-        DatasetError: unreadable, or a DatasetDict (the message lists its splits: point the
-            path at one split's folder).
+        DatasetError: unreadable folder or file, or a DatasetDict (the message lists its splits:
+            point the path at one split's folder).
     """
-    import datasets
+    from fsspec.core import url_to_fs
 
+    fs, root = url_to_fs(uri)
+    root = root.rstrip("/")
     try:
-        ds = datasets.load_from_disk(uri)
-    except Exception as exc:  # datasets raises FileNotFoundError, ValueError, pyarrow errors...
-        raise DatasetError(f"{uri}: cannot load with datasets.load_from_disk: {exc}") from exc
-    if isinstance(ds, datasets.DatasetDict):
-        raise DatasetError(f"{uri} is a DatasetDict with splits {sorted(ds)}; set the path to one split's folder, "
-                           f"e.g. {uri.rstrip('/')}/{min(ds)}")
-    table = ds.data.table
-    if getattr(ds, "_indices", None) is not None:
-        table = table.take(ds._indices.column(0))
+        if fs.isfile(f"{root}/dataset_dict.json"):
+            splits = sorted(json.loads(fs.cat_file(f"{root}/dataset_dict.json"))["splits"])
+            raise DatasetError(f"{uri} is a DatasetDict with splits {splits}; set the path to one split's folder, "
+                               f"e.g. {uri.rstrip('/')}/{splits[0]}")
+        state = json.loads(fs.cat_file(f"{root}/state.json"))
+        files = [f["filename"] for f in state["_data_files"]]
+    except DatasetError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise DatasetError(f"{uri}: not a readable datasets.save_to_disk folder (state.json, dataset_dict.json): "
+                           f"{type(exc).__name__}: {exc}") from exc
+    if not files:
+        raise DatasetError(f"{uri}: state.json lists no data files")
+    tables = [_read_arrow_stream(fs, f"{root}/{name}", f"{uri.rstrip('/')}/{name}") for name in files]
+    try:
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    except pa.ArrowInvalid as exc:
+        raise DatasetError(f"{uri}: its data files have different schemas: {exc}") from exc
+    indices = [f["filename"] for f in state.get("_indices_data_files") or []]
+    if indices:
+        order = pa.concat_tables([_read_arrow_stream(fs, f"{root}/{n}", f"{uri.rstrip('/')}/{n}") for n in indices])
+        table = table.take(order.column(0))
     return table
 
 

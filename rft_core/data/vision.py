@@ -1,6 +1,7 @@
 """``vl_digits``: a real image task with a verifiable answer, offline.
 
-The 1797 8x8 handwritten digits that ship with scikit-learn (``load_digits``, UCI optdigits),
+The 1797 8x8 handwritten digits of scikit-learn's ``load_digits`` (UCI optdigits), shipped
+beside this module as ``digits.csv.gz`` (BSD-3, ``digits.LICENSE.txt``) and read with numpy,
 upscaled to ``image_size`` pixels (nearest neighbour) and stored as PNG bytes. A row asks
 "Which digit is shown in the image?" (one image), or, with ``images_per_prompt=2``, for the sum
 of the two digits (two images); ``text_only_fraction`` of the rows are plain arithmetic
@@ -15,19 +16,31 @@ frame does not reveal. ``text_only_fraction`` of the rows are plain arithmetic q
 """
 from __future__ import annotations
 
+import gzip
 import io
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 
-@lru_cache(maxsize=1)
-def _digits():
-    from sklearn.datasets import load_digits
+DIGITS_FILE = Path(__file__).with_name("digits.csv.gz")
 
-    d = load_digits()
-    return d.images.astype(np.float64), d.target.astype(int)
+
+@lru_cache(maxsize=1)
+def digits_data() -> tuple[np.ndarray, np.ndarray]:
+    """The digits as scikit-learn's ``load_digits()`` gives them, read from ``digits.csv.gz``.
+
+    Returns:
+        (images: (1797, 8, 8) float64 grey levels 0..16, targets: (1797,) int digits 0..9),
+        both read-only.
+    """
+    with gzip.open(DIGITS_FILE, "rt") as f:
+        data = np.loadtxt(f, delimiter=",", dtype=np.float64)
+    images, targets = data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+    images.flags.writeable = targets.flags.writeable = False
+    return images, targets
 
 
 @lru_cache(maxsize=4096)
@@ -36,7 +49,7 @@ def digit_array(index: int, image_size: int) -> np.ndarray:
     scaled to 0..255 and rounded, upscaled by nearest neighbour (read-only array)."""
     from PIL import Image
 
-    images, _ = _digits()
+    images, _ = digits_data()
     arr = np.round(images[index] * (255.0 / 16.0)).astype(np.uint8)
     out = np.asarray(Image.fromarray(arr, mode="L").resize((image_size, image_size), Image.NEAREST))
     out.flags.writeable = False
@@ -87,7 +100,7 @@ class DigitsDataset:
         if not 0 <= i < self.size:
             raise IndexError(f"vl_digits index {i} outside 0..{self.size - 1}")
         rng = np.random.Generator(np.random.PCG64([self.seed, i]))
-        _, targets = _digits()
+        _, targets = digits_data()
         if rng.random() < self.text_only_fraction:
             a, b = (int(x) for x in rng.integers(0, 10, size=2))
             return {"question": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b),
@@ -175,7 +188,7 @@ class VideoDigitsDataset:
         if not 0 <= i < self.size:
             raise IndexError(f"vl_video_digits index {i} outside 0..{self.size - 1}")
         rng = np.random.Generator(np.random.PCG64([self.seed, i]))
-        _, targets = _digits()
+        _, targets = digits_data()
         if rng.random() < self.text_only_fraction:
             a, b = (int(x) for x in rng.integers(0, 10, size=2))
             return {"question": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b),

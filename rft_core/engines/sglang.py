@@ -181,9 +181,11 @@ class SGLangEngine:
 
     def generate(self, prompts: list[list[int]], *, n_samples_per_prompt: int, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, batch_size: int = 256, seed: int = 0, first_token_temperature: float | None = None,
-                 progress=None, only_batches: set[int] | None = None, **_: Any) -> list[Generation]:
+                 progress=None, only_batches: set[int] | None = None, greedy: bool = False,
+                 **_: Any) -> list[Generation]:
         """``HFEngine.generate``'s contract: len(prompts) * n generations (of ``only_batches``),
         grouped by prompt in input order; each response up to and including its first EOS.
+        ``greedy``: argmax decoding (SGLang's temperature 0; ``temperature`` and ``top_p`` play no part).
 
         Raises:
             NotImplementedError: ``first_token_temperature`` (FIRE) was asked for.
@@ -192,6 +194,8 @@ class SGLangEngine:
         if first_token_temperature is not None:
             raise NotImplementedError("rollout.first_token_temperature (FIRE) is not supported by the SGLang engine; "
                                       "use rollout.engine=hf")
+        if greedy:
+            temperature, top_p = 0.0, 1.0
         n = n_samples_per_prompt
         batches = self.batches(prompts, n, batch_size)
         keys = [(p, k) for b, batch in enumerate(batches) if only_batches is None or b in only_batches for p, k in batch]

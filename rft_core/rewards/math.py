@@ -1,8 +1,12 @@
 """Outcome rewards for math-style answers: extraction, grading, format bonus.
 
-Grading uses the dataset's own grader (reasoning-gym ``score_answer``), or ``math-verify``
-(``timeout_seconds=None`` / ``parsing_timeout=None``: its default timeout uses signal.alarm,
-which fails off the main thread where Prefect runs tasks).
+Grading uses the dataset's own grader (reasoning-gym ``score_answer``) on the answer that
+``extract_answer`` cuts out, or ``math-verify``, which extracts the answer itself from the whole
+response (``\\boxed{}``, LaTeX, ``Answer:``/``final answer is`` lines, plain numbers: its ``parse``
+with its default extraction configs), or from the last ``<answer>`` tag when there is one.
+``math-verify`` runs with ``timeout_seconds=None`` / ``parsing_timeout=None``: its default
+timeout uses signal.alarm, which fails off the main thread where Prefect runs tasks; the
+``math_answer`` source bounds it with a killable worker process instead.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def extract_answer(text: str) -> tuple[str | None, bool]:
-    """Extract the final answer from a response.
+    """Extract the final answer from a response: for the format bonus, the ``dataset`` grader and
+    ``exact_match`` (the ``math_verify`` grader extracts on its own: ``grade_math_verify``).
 
     Order: the last ``<answer>...</answer>`` tag; else the text after the last ``Answer:``
     (first line of it); else the last number anywhere in the text.
@@ -64,17 +69,58 @@ def grade_dataset(answer: str | None, *, source: str, question: str, label: str,
     return score
 
 
-def grade_math_verify(answer: str | None, *, label: str) -> float:
-    """1.0 when math-verify finds ``answer`` equivalent to ``label``, else 0.0."""
-    if answer is None:
-        return 0.0
-    from math_verify import parse, verify
+def _mv_parse(text: str, *, bare: bool) -> list:
+    """math-verify's ``parse`` with its default extraction configs (LaTeX, then plain expressions).
 
-    gold = parse(label, parsing_timeout=None)
-    pred = parse(answer, parsing_timeout=None)
+    ``bare``: ``text`` is an answer on its own (a label, the content of an ``<answer>`` tag),
+    not a response: without ``$`` or ``\\boxed`` it is read as one LaTeX expression first, since
+    math-verify reads undelimited LaTeX only in part (``2\\sqrt{2}`` as 2, ``\\dfrac{3}{4}`` not
+    at all); the plain parse when that finds nothing.
+    """
+    from math_verify import parse
+
+    if bare and "$" not in text and "\\boxed" not in text:
+        got = parse(f"${text}$", parsing_timeout=None)
+        if got:
+            return got
+    return parse(text, parsing_timeout=None)
+
+
+def _mv_text(parsed: list) -> str | None:
+    """The answer text math-verify extracted (its string match), else the parsed value's text."""
+    strings = [x for x in parsed if isinstance(x, str)]
+    return strings[-1] if strings else (str(parsed[0]) if parsed else None)
+
+
+def math_verify_grade(response: str | None, *, label: str) -> tuple[float, str | None]:
+    """Grade a response against ``label`` as math-verify grades it.
+
+    math-verify extracts the answer from the whole response (``\\boxed{}`` and ``final answer
+    is`` phrases first, then ``Answer:`` phrases, then the last LaTeX or plain expression), or from
+    the last ``<answer>...</answer>`` tag's content when the response has one. The label is read
+    as one expression (``_mv_parse`` with ``bare``). When either side parses to nothing, the
+    extracted text is compared with the label as a string.
+
+    Returns:
+        (1.0 when equivalent else 0.0, the answer text math-verify extracted: None when none).
+    """
+    if response is None:
+        return 0.0, None
+    from math_verify import verify
+
+    tags = _TAG.findall(response)
+    pred = _mv_parse(tags[-1].strip(), bare=True) if tags else _mv_parse(response, bare=False)
+    extracted = _mv_text(pred) if pred else (tags[-1].strip() if tags else None)
+    gold = _mv_parse(label.strip(), bare=True)
     if not gold or not pred:
-        return float(answer.strip() == label.strip())
-    return float(verify(gold, pred, timeout_seconds=None))
+        return float(extracted is not None and extracted.strip() == label.strip()), extracted
+    return float(verify(gold, pred, timeout_seconds=None)), extracted
+
+
+def grade_math_verify(response: str | None, *, label: str) -> float:
+    """1.0 when math-verify finds the answer of ``response`` equivalent to ``label``, else 0.0
+    (``math_verify_grade``)."""
+    return math_verify_grade(response, label=label)[0]
 
 
 @dataclass(frozen=True)
@@ -114,7 +160,7 @@ def score_response(
     if grader == "dataset":
         score = grade_dataset(answer, source=source, question=question, label=label, metadata_json=metadata_json)
     elif grader == "math_verify":
-        score = grade_math_verify(answer, label=label)
+        score, answer = math_verify_grade(response, label=label)
     else:
         raise ValueError(f"unknown grader {grader!r}; valid: dataset, math_verify")
     reward = correct_reward * score + format_reward * float(formatted)
@@ -123,44 +169,48 @@ def score_response(
 
 # --- reward sources --------------------------------------------------------------------------
 
-def _math_verify_worker(answer: str | None, label: str) -> float:
+def _math_verify_worker(response: str | None, label: str) -> tuple[float, str | None]:
     """Runs in a pool worker process (module-level so spawn can import it)."""
-    return grade_math_verify(answer, label=label)
+    return math_verify_grade(response, label=label)
 
 
 def grade_math_verify_batch(pairs: list[tuple[str | None, str]], *, timeout_s: float,
-                            max_workers: int = 1) -> list[tuple[float, str | None]]:
-    """math-verify on many (answer, label) pairs, each under a wall-time limit.
+                            max_workers: int = 1) -> list[tuple[float, str | None, str | None]]:
+    """math-verify (``math_verify_grade``) on many (response, label) pairs, each under a
+    wall-time limit; extraction runs in the worker too (parsing can be what hangs).
 
     math-verify's own timeout uses ``signal.alarm``, which only works on the main thread (Prefect
     runs tasks in worker threads). Here each pair runs in a ``pebble`` worker process; one that
     passes ``timeout_s`` is killed and replaced, and the pair scores 0 with the reason.
 
     Returns:
-        [(score 0/1, reason or None)], in order.
+        [(score 0/1, extracted answer or None, reason or None)], in order.
     """
     import multiprocessing
 
     from pebble import ProcessPool
 
-    out: list[tuple[float, str | None]] = []
+    out: list[tuple[float, str | None, str | None]] = []
     with ProcessPool(max_workers=max_workers, context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.schedule(_math_verify_worker, args=(a, lab), timeout=timeout_s) for a, lab in pairs]
         for fut in futures:
             try:
-                out.append((float(fut.result()), None))
+                score, extracted = fut.result()
+                out.append((float(score), extracted, None))
             except TimeoutError:
-                out.append((0.0, f"math_verify timeout after {timeout_s:g} s"))
+                out.append((0.0, None, f"math_verify timeout after {timeout_s:g} s"))
     return out
 
 
 class MathAnswerReward:
-    """Source ``math_answer``: 1.0 when the extracted final answer matches the reference.
+    """Source ``math_answer``: 1.0 when the final answer matches the reference.
 
-    The grader is the dataset's own (reasoning-gym ``score_answer``, fractional scores possible)
-    or math-verify (symbolic equivalence: ``1/2`` = ``0.5`` = ``\\frac{1}{2}``), the latter in
-    worker processes with a per-sample wall-time limit. ``extras['format']`` says whether the
-    answer came from an ``Answer:`` line or an ``<answer>`` tag.
+    The grader is the dataset's own (reasoning-gym ``score_answer``, fractional scores possible,
+    on the answer ``extract_answer`` cuts out) or math-verify (its own extraction from the
+    response or the ``<answer>`` tag, ``\\boxed{}`` included, and symbolic equivalence:
+    ``1/2`` = ``0.5`` = ``\\frac{1}{2}``), the latter in worker processes with a per-sample
+    wall-time limit. ``extracted`` is the answer the grader graded; ``extras['format']`` says
+    whether the response has an ``Answer:`` line or an ``<answer>`` tag.
     """
 
     def __init__(self, cfg, name: str = "math_answer") -> None:
@@ -170,11 +220,9 @@ class MathAnswerReward:
         from rft_core.rewards.base import SourceScore
 
         if self.cfg.grader == "math_verify":
-            extracted = [extract_answer(s.response) for s in samples]
-            graded = grade_math_verify_batch([(a, s.reference) for (a, _), s in zip(extracted, samples)],
-                                             timeout_s=self.cfg.timeout_s)
-            return [SourceScore(score, score >= 1.0, a, reason, {"format": float(f)})
-                    for (a, f), (score, reason) in zip(extracted, graded)]
+            graded = grade_math_verify_batch([(s.response, s.reference) for s in samples], timeout_s=self.cfg.timeout_s)
+            return [SourceScore(score, score >= 1.0, a, reason, {"format": float(extract_answer(s.response)[1])})
+                    for s, (score, a, reason) in zip(samples, graded)]
         from rft_core.rewards.base import RewardError
 
         for label in sorted({s.label for s in samples}):

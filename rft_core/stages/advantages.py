@@ -28,7 +28,8 @@ from schemas.columns import ADVANTAGES
 
 
 def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shaping: ShapingConfig | None = None,
-                       state: TrainState | None = None, max_new_tokens: int | None = None) -> dict[str, Any]:
+                       state: TrainState | None = None, max_new_tokens: int | None = None,
+                       greedy_baseline: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
     """Reward shaping, KL shaping and advantage estimation on a joined, padded batch (its
     ``rewards``, ``old_logprobs``, ``ref_logprobs``, ``values``, ``action_mask``, ``prompt_id``,
     ``finish_reason``).
@@ -48,6 +49,14 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
       -kl_coef * k_t plus r on the last token (Ouyang et al. 2022, eq. 2; REINFORCE++).
     In ``loss`` mode rewards are left as they are (the update adds the KL term).
 
+    ``greedy_baseline`` (rewards, response lengths), (B,) each: the reward and length of the
+    greedy response of each sample's prompt, for an estimator with ``EstimatorInfo.greedy_baseline``
+    (remax; its ``reward_baselines``). The baseline is shaped as the rewards are, so that the
+    difference stays a difference of comparable rewards: the overlong penalty of its own length,
+    the running normalisation with the statistics of this batch's sampled rewards (the baseline
+    itself is not counted in them), reward clipping. It carries no KL penalty (verl's
+    ``reward_baselines`` neither).
+
     Overlong filtering (``shaping.overlong_filter``; DAPO, arXiv:2503.14476, sec. 3.4): the
     advantages of truncated responses (finish_reason "length") are set to 0 after everything
     else (the group statistics still include their rewards, as DAPO's and TRL's masking of the
@@ -59,8 +68,8 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
         ``overlong_filtered`` ((B,) bool or None).
     Raises:
         ValueError: no rewards, an overlong penalty without ``max_new_tokens``, an estimator
-            that needs critic values without them, or a finish reason other than stop/length
-            (named with its row) under overlong filtering.
+            that needs critic values or a greedy baseline without them, or a finish reason other
+            than stop/length (named with its row) under overlong filtering.
     """
     shaping = shaping or ShapingConfig()
     state = state or TrainState(kl_coef=kl_cfg.kl_coef)
@@ -68,6 +77,12 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
     if batch.rewards is None:
         raise ValueError("compute_advantages needs the rewards column group")
     rewards = batch.rewards.to(torch.float32)
+    info = ADVANTAGE_ESTIMATORS.info(adv_cfg.estimator)
+    if info.greedy_baseline and greedy_baseline is None:
+        raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs the reward of a greedy response of every "
+                         "prompt: run the rollout stage with greedy=true and the rewards stage on it (baseline_rollout, "
+                         "baseline_rewards)")
+    base, base_len = (greedy_baseline[0].to(torch.float32), greedy_baseline[1]) if greedy_baseline else (None, None)
     metrics: dict[str, float] = {}
     if shaping.overlong_buffer_len is not None:
         if max_new_tokens is None:
@@ -76,12 +91,19 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
                                    penalty_factor=shaping.overlong_penalty_factor)
         rewards = rewards + penalty
         metrics["overlong_penalty_mean"] = float(penalty.mean())
+        if base is not None:
+            base = base + overlong_penalty(base_len, max_new_tokens=max_new_tokens, buffer_len=shaping.overlong_buffer_len,
+                                           penalty_factor=shaping.overlong_penalty_factor)
     moments = RunningMoments(state.reward_count, state.reward_mean, state.reward_m2)
     if shaping.reward_running_norm:
         moments = moments.update(rewards)
         rewards = normalize_rewards(rewards, moments, minus_mean=shaping.reward_running_norm_minus_mean).to(torch.float32)
+        if base is not None:
+            base = normalize_rewards(base, moments, minus_mean=shaping.reward_running_norm_minus_mean).to(torch.float32)
     if shaping.reward_clip is not None:
         rewards, metrics["reward_clip_frac"] = clip_with_fraction(rewards, shaping.reward_clip)
+        if base is not None:
+            base, _ = clip_with_fraction(base, shaping.reward_clip)
     if batch.ref_logprobs is not None:
         kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, mask, estimator=kl_cfg.estimator, kl_clamp=kl_cfg.kl_clamp)
     else:
@@ -89,8 +111,11 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
     coef = kl_cfg.kl_coef if kl_cfg.in_reward else 0.0
     _, group_np = np.unique(np.asarray(batch.prompt_id), return_inverse=True)
     group_ids = torch.as_tensor(group_np, dtype=torch.long)
-    info = ADVANTAGE_ESTIMATORS.info(adv_cfg.estimator)
     kwargs = estimator_kwargs(adv_cfg)
+    if info.greedy_baseline:
+        assert base is not None
+        kwargs["reward_baselines"] = base
+        metrics["greedy_baseline_reward_mean"] = float(base.mean()) if len(base) else 0.0
     if info.needs_critic:
         if batch.values is None:
             raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs critic values: run the critic_values stage")
@@ -137,6 +162,8 @@ def run(inp: AdvantagesInput) -> ShardRef:
     no KL. ``kl.kl_coef`` is this iteration's coefficient; the manifest summary records the
     next one and the whole next ``TrainState`` (``next_state``), so a resumed run continues
     exactly, and whether truncated responses were filtered (``overlong_filtered``).
+    ``baseline_rollout`` / ``baseline_rewards``: the greedy response of each prompt and its
+    reward (remax), matched to the samples by prompt_id (``greedy_baseline_of``).
     """
     commit = stage_commit(inp)
 
@@ -148,9 +175,13 @@ def run(inp: AdvantagesInput) -> ShardRef:
             actor_logprobs=read_shard(inp.actor_logprobs, stage="actor_logprobs") if inp.actor_logprobs else None,
             ref_logprobs=read_shard(inp.ref_logprobs, stage="ref_logprobs") if inp.ref_logprobs else None,
             critic_values=read_shard(inp.critic_values, stage="critic_values") if inp.critic_values else None)
+        baseline = None
+        if inp.baseline_rollout is not None and inp.baseline_rewards is not None:
+            baseline = greedy_baseline_of(batch.prompt_id, read_shard(inp.baseline_rollout, stage="rollout"),
+                                          read_shard(inp.baseline_rewards, stage="rewards"))
         with Timer() as t:
             res = compute_advantages(batch, kl_cfg=inp.kl, adv_cfg=inp.advantage, shaping=inp.shaping, state=inp.state,
-                                     max_new_tokens=inp.max_new_tokens)
+                                     max_new_tokens=inp.max_new_tokens, greedy_baseline=baseline)
         lengths = batch.response_length.tolist()
 
         def lists(x: torch.Tensor) -> pa.Array:
@@ -164,10 +195,36 @@ def run(inp: AdvantagesInput) -> ShardRef:
         summary = {"seconds": t.seconds, **_summary(batch, res, inp.kl, rewards_table)}
         inputs = {name: ref for name, ref in (("rollout", inp.rollout), ("rewards", inp.rewards),
                                               ("actor_logprobs", inp.actor_logprobs), ("ref_logprobs", inp.ref_logprobs),
-                                              ("critic_values", inp.critic_values)) if ref}
+                                              ("critic_values", inp.critic_values),
+                                              ("baseline_rollout", inp.baseline_rollout),
+                                              ("baseline_rewards", inp.baseline_rewards)) if ref}
         return commit.write(table, schema=ADVANTAGES, inputs=inputs, summary=summary)
 
     return reuse_or_compute(commit, compute)
+
+
+def greedy_baseline_of(prompt_ids: list[str], rollout: pa.Table, rewards: pa.Table) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reward and length of the greedy response of each sample's prompt: (rewards, lengths),
+    (B,) float32 and int64, from a greedy rollout (one row per prompt) and its rewards.
+
+    Raises:
+        ValueError: a prompt with no greedy response or more than one, or a greedy sample
+            without a reward.
+    """
+    reward_of = dict(zip(rewards.column("sample_id").to_pylist(), rewards.column("rewards").to_pylist()))
+    by_prompt: dict[str, tuple[float, int]] = {}
+    for sid, pid, mask in zip(rollout.column("sample_id").to_pylist(), rollout.column("prompt_id").to_pylist(),
+                              rollout.column("action_mask").to_pylist()):
+        if pid in by_prompt:
+            raise ValueError(f"greedy baseline: prompt {pid!r} has more than one greedy response")
+        if sid not in reward_of:
+            raise ValueError(f"greedy baseline: sample {sid!r} has no reward in the baseline rewards")
+        by_prompt[pid] = (float(reward_of[sid]), sum(mask))
+    missing = sorted(set(prompt_ids) - set(by_prompt))
+    if missing:
+        raise ValueError(f"greedy baseline: no greedy response for prompt(s) {missing[:3]} of the rollout")
+    return (torch.tensor([by_prompt[p][0] for p in prompt_ids], dtype=torch.float32),
+            torch.tensor([by_prompt[p][1] for p in prompt_ids], dtype=torch.long))
 
 
 def _summary(batch: ColumnBatch, res: dict[str, Any], kl_cfg: KLConfig, rewards_table: pa.Table) -> dict[str, Any]:

@@ -5,7 +5,7 @@ HF checkpoint), as a local folder ``from_pretrained`` can load.
 Every checkpoint folder handed out is checked against its stage's manifest first (each file
 present, same size, same sha256; ``schemas.verify_files``): a flipped byte in a committed
 ``model.safetensors`` or ``optimizer.pt`` stops the stage with an error that names the file and
-the command that recomputes it (``python -m rft_core.storage repair``), instead of training on
+the command that recomputes it (``rft repair``), instead of training on
 from damaged weights. A local file hashed before by this process (the process that committed
 it, or an earlier load), unchanged since, is not hashed again, so a run pays for the check
 only when it resumes or loads a checkpoint another process wrote: about 0.5 s per GB.

@@ -119,13 +119,19 @@ class PromptsInput(StageInput):
     program: ClassVar[str] = "prompts"
     stage: ClassVar[str] = "prompts"
     version: ClassVar[int] = 2  # 2: prompts schema v3, a videos column (issue 21)
-    config_paths: ClassVar[Mapping[str, str]] = {"data": "data", "tokenizer_path": "policy.path"}
+    # answer_required is outside the hash: it only lets rows without an answer through (which
+    # failed before), so every stage it could have committed both ways is the same
+    unhashed: ClassVar[frozenset[str]] = frozenset({"out", "answer_required"})
+    config_paths: ClassVar[Mapping[str, str]] = {"data": "data", "tokenizer_path": "policy.path",
+                                                 "answer_required": "reward.needs_reference"}
     data: DataConfig
     tokenizer_path: str
     iteration: int = Field(ge=1)
     attempt: int = Field(0, ge=0)
     data_fingerprint: str | None = Field(None, description="size and version of the dataset files (data.source=files): "
                                          "an edited dataset makes committed prompts stale")
+    answer_required: bool = Field(True, description="data.source=files: every row needs a reference answer (False when "
+                                  "the grader reads none, RewardConfig.needs_reference: the answer is then '' where absent)")
 
 
 class RolloutInput(StageInput):
@@ -134,6 +140,11 @@ class RolloutInput(StageInput):
 
     ``shard`` (index, count): only the engine batches b with b % count == index (the Ray
     fan-out); the merge of all ``count`` shards equals the whole rollout.
+
+    ``greedy``: one greedy (argmax) response per prompt instead (``rollout.n_samples_per_prompt``,
+    the temperatures, top-p and the seed play no part): the baseline of ReMax, written to the
+    ``baseline_rollout`` stage folder. Left at False it enters no hash, so every committed rollout
+    stays valid.
     """
 
     program: ClassVar[str] = "rollout"
@@ -153,11 +164,14 @@ class RolloutInput(StageInput):
     shard: tuple[int, int] | None = None
     policy_version: int = Field(0, ge=0, description="the update whose policy ``policy`` is (0: the initial policy; "
                                 "TrainConfig.rollout_policy_version)")
+    greedy: bool = Field(False, description="one greedy response per prompt (ReMax's baseline) instead of the sampled group")
 
     @model_validator(mode="after")
     def _check_shard(self) -> "RolloutInput":
         if self.shard is not None and not 0 <= self.shard[0] < self.shard[1]:
             raise ValueError(f"rollout shard index {self.shard[0]} is not in 0..{self.shard[1] - 1}")
+        if self.greedy and self.rollout.agent is not None:
+            raise ValueError("a greedy (baseline) rollout is single-turn: rollout.agent must be unset")
         return self
 
 
@@ -218,6 +232,7 @@ class RewardsInput(StageInput):
 
     program: ClassVar[str] = "rewards"
     stage: ClassVar[str] = "rewards"
+    version: ClassVar[int] = 2  # 2: math_verify grades math-verify's own extraction (\boxed{} etc., issue 30)
     config_paths: ClassVar[Mapping[str, str]] = {"reward": "reward"}
     rollout: ShardRef
     prompts: ShardRef
@@ -226,7 +241,10 @@ class RewardsInput(StageInput):
 
 class AdvantagesInput(StageInput):
     """Rewards shaped (with the KL to the reference when ``ref_logprobs`` is given) and turned
-    into advantages; ``kl.kl_coef`` is this iteration's coefficient (``state.kl_coef``)."""
+    into advantages; ``kl.kl_coef`` is this iteration's coefficient (``state.kl_coef``).
+    ``baseline_rollout`` / ``baseline_rewards`` (both or neither): the greedy response of each
+    prompt and its reward, for an estimator with a greedy baseline (remax). Left out, they enter
+    no hash."""
 
     program: ClassVar[str] = "advantages"
     stage: ClassVar[str] = "advantages"
@@ -240,11 +258,21 @@ class AdvantagesInput(StageInput):
     actor_logprobs: ShardRef | None = None
     ref_logprobs: ShardRef | None = None
     critic_values: ShardRef | None = None
+    # the greedy response of each prompt and its reward (estimators with EstimatorInfo.greedy_baseline: remax)
+    baseline_rollout: ShardRef | None = None
+    baseline_rewards: ShardRef | None = None
     kl: KLConfig
     advantage: AdvantageConfig
     shaping: ShapingConfig = ShapingConfig()
     state: TrainState
     max_new_tokens: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _check_baseline(self) -> "AdvantagesInput":
+        if (self.baseline_rollout is None) != (self.baseline_rewards is None):
+            raise ValueError("advantages: baseline_rollout and baseline_rewards go together (the greedy responses and "
+                             "their rewards)")
+        return self
 
 
 class CriticValuesInput(StageInput):
@@ -341,11 +369,14 @@ class EvalPromptsInput(StageInput):
     program: ClassVar[str] = "eval_prompts"
     stage: ClassVar[str] = "prompts"
     version: ClassVar[int] = 2  # 2: prompts schema v3 (videos); held-out disjoint by question and media (issue 21)
-    config_paths: ClassVar[Mapping[str, str]] = {"data": "data", "eval": "eval", "tokenizer_path": "policy.path"}
+    unhashed: ClassVar[frozenset[str]] = frozenset({"out", "answer_required"})  # as PromptsInput
+    config_paths: ClassVar[Mapping[str, str]] = {"data": "data", "eval": "eval", "tokenizer_path": "policy.path",
+                                                 "answer_required": "reward.needs_reference"}
     data: DataConfig
     eval: EvalConfig
     tokenizer_path: str
     data_fingerprint: str | None = Field(None, description="size and version of the held-out dataset files (eval.path)")
+    answer_required: bool = Field(True, description="eval.path: every row needs a reference answer (as PromptsInput)")
 
 
 class EvalGenerateInput(StageInput):

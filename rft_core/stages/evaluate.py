@@ -137,7 +137,7 @@ def _heldout_task_prompts(inp: EvalPromptsInput, tok, processor) -> tuple[Prompt
 def _heldout_file_prompts(inp: EvalPromptsInput, tok, processor) -> tuple[PromptBatch, dict[str, Any]]:
     """The first ``eval.num_prompts`` rows of ``eval.path`` and their summary fields."""
     data, cfg = inp.data, inp.eval
-    ds = FileDataset(cfg.path, format=data.format, columns=data.columns or None)
+    ds = FileDataset(cfg.path, format=data.format, columns=data.columns or None, require_answer=inp.answer_required)
     fingerprint = check_fingerprint(ds, inp.data_fingerprint, repr(cfg.path))
     idx = list(range(min(cfg.num_prompts, len(ds))))
     batch = build_file_prompts(ds, ds.entries(idx), tok, data=data, processor=processor,

@@ -105,7 +105,7 @@ def build_file_prompts(ds, entries: list[tuple[int, dict[str, Any]]], tokenizer,
 def _file_prompts(inp: PromptsInput, tok, processor) -> tuple[PromptBatch, dict[str, Any]]:
     """The prompts of ``inp`` from the files of ``inp.data`` and what the summary records."""
     cfg = inp.data
-    ds = open_data_config(cfg)
+    ds = open_data_config(cfg, require_answer=inp.answer_required)
     fingerprint = check_fingerprint(ds, inp.data_fingerprint, dataset_label(cfg))
     per, seed = cfg.prompts_per_iteration, cfg.seed
     idx = (ds.iteration_indices(inp.iteration, per_iteration=per, seed=seed) if inp.attempt == 0 else

@@ -127,6 +127,10 @@ def run(inp: RolloutInput) -> ShardRef:
     With ``rollout.agent`` the rollout is multi-turn (``_commit_agent_rollout``): each sample is
     a trajectory of model turns and environment observations; a user environment's source
     file enters the config hash (``environment_fingerprint``).
+
+    With ``inp.greedy`` (ReMax's baseline): one greedy (argmax) response per prompt with the same
+    engine, policy and ``max_new_tokens`` (sample_id ``{prompt_id}#0``; temperatures, top-p, FIRE
+    and the seed play no part); the summary says ``decoding: greedy``.
     """
     cfg, shard = inp.rollout, inp.shard
     env_code = environment_fingerprint(cfg.agent.environment) if cfg.agent is not None else None
@@ -146,19 +150,20 @@ def run(inp: RolloutInput) -> ShardRef:
         images, videos = table.column("images").to_pylist(), table.column("videos").to_pylist()
         vision = {"images": images, "videos": videos, "processor": processor} if processor is not None else {}
         only = None
+        n = 1 if inp.greedy else cfg.n_samples_per_prompt
         if shard is not None:
-            n_batches = len(engine.batches(prompt_ids, cfg.n_samples_per_prompt, cfg.batch_size))
+            n_batches = len(engine.batches(prompt_ids, n, cfg.batch_size))
             only = {b for b in range(n_batches) if b % shard[1] == shard[0]}
+        decoding = {"greedy": True, "first_token_temperature": None} if inp.greedy else {
+            "first_token_temperature": cfg.first_token_temperature}
         with Timer() as t, progress_reporter("rollout", unit="sequences") as progress:
-            gens = engine.generate(prompt_ids, n_samples_per_prompt=cfg.n_samples_per_prompt, max_new_tokens=cfg.max_new_tokens,
+            gens = engine.generate(prompt_ids, n_samples_per_prompt=n, max_new_tokens=cfg.max_new_tokens,
                                    temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size,
-                                   seed=rollout_seed(inp),
-                                   first_token_temperature=cfg.first_token_temperature, progress=progress,
-                                   only_batches=only, **vision)
+                                   seed=rollout_seed(inp), progress=progress, only_batches=only, **decoding, **vision)
         table_out = _rollout_table(table, gens, tok, prompt_ids, images, videos, inp.policy_version)
         n_tokens = sum(len(g.response_token_ids) for g in gens)
         summary = {"seconds": t.seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(t.seconds, 1e-9),
-                   **rollout_summary(table_out), **version_summary(inp)}
+                   **rollout_summary(table_out), **version_summary(inp), **({"decoding": "greedy"} if inp.greedy else {})}
         if shard is not None:
             summary.update({"shard": list(shard), "worker": f"{socket.gethostname()}:{os.getpid()}"})
         return commit.write(table_out, schema=ROLLOUT, inputs=rollout_inputs(inp), summary=summary)
@@ -296,7 +301,7 @@ def run_merge(inp: RolloutMergeInput) -> ShardRef:
         ValueError: the parts do not hold every (prompt, sample) exactly once.
     """
     commit = stage_commit(inp)
-    parts, n_samples = inp.parts, inp.rollout.rollout.n_samples_per_prompt
+    parts, n_samples = inp.parts, 1 if inp.rollout.greedy else inp.rollout.rollout.n_samples_per_prompt
 
     def compute() -> ShardRef:
         order = {pid: i for i, pid in enumerate(read_shard(inp.rollout.prompts, stage="prompts").column("prompt_id").to_pylist())}

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 
-COMMANDS = ["train", "replay", "eval", "inspect", "serve", "verify", "repair"]
+COMMANDS = ["train", "replay", "eval", "inspect", "serve", "check", "verify", "repair"]
 runner = CliRunner()
 
 
@@ -80,8 +80,25 @@ def test_data_check_prints_the_report_and_exits_1_on_problems(tmp_path, tiny_mod
     rows[3]["solution"] = ""
     good.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = runner.invoke(app, ["data", "check", str(good), "--set", f"policy.path={tiny_model}"], env=env)
-    assert out.exit_code == 1 and f"{good} row 3: no answer (column 'solution'" in _plain(out.output)
+    assert out.exit_code == 1 and f"{good} line 4 (row 3): no answer (column 'solution'" in _plain(out.output)
     assert "FAILED: 1 bad row(s), 1 problem(s)" in _plain(out.output)
     out = runner.invoke(app, ["data", "check", str(good), "--set", f"policy.path={tiny_model}", "--set",
                               "data.source=files", "--set", "data.path=x", "--set", "data.columns.answer=label"], env=env)
     assert out.exit_code == 1 and "data.columns.answer names column 'label', which is not in the file" in _plain(out.output)
+
+
+def test_train_on_a_user_file_with_the_demo_config_fails_before_the_flow_naming_both_keys(tmp_path):
+    """Issue 30: the demo config (reward.grader=dataset) with data.source=files on a file of one's
+    own stops in seconds, before any Prefect flow or stage, with the keys and the fix."""
+    import time
+
+    p = tmp_path / "mine.jsonl"
+    p.write_text("".join(f'{{"question": "What is {i} + 1?", "answer": "{i + 1}"}}\n' for i in range(4)))
+    t0 = time.perf_counter()
+    result = runner.invoke(app, ["train", "-c", "configs/grpo_demo.yaml", "--set", "data.source=files", "--set",
+                                 f"data.path={p}", "--run-root", str(tmp_path / "run")])
+    assert time.perf_counter() - t0 < 60
+    assert result.exit_code == 2, result.output
+    assert "reward.grader=dataset" in result.output and "data.source=files" in result.output
+    assert "set reward.grader=math_verify" in result.output
+    assert not list((tmp_path / "run").rglob("_MANIFEST.json"))

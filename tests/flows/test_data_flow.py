@@ -90,6 +90,23 @@ def test_a_mapping_naming_an_absent_column_fails_before_any_commit(prefect_harne
     assert list(Path(cfg.run_root).rglob("_MANIFEST.json")) == []
 
 
+def test_a_jsonl_whose_fourth_line_lacks_its_answer_fails_before_any_stage(prefect_harness, tiny_model, tmp_path,
+                                                                           fake_rewards):
+    """Issue 30: with 3 prompts x 2 iterations this used to train iteration 1 and stop in
+    iteration 2 ("bad.jsonl row 3: no answer"); every row is now checked before the first stage."""
+    from flows.train import train
+    from rft_core.api import DataValidationError
+
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1), "data_source": "basic_arithmetic"} for i in range(6)]
+    del rows[3]["answer"]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = flow_cfg(tiny_model, tmp_path / "run", **{"data.source": "files", "data.path": str(path)})
+    with pytest.raises(DataValidationError, match=rf"{path} line 4 \(row 3\): no answer \(column 'answer' is None\)"):
+        train(cfg)
+    assert list(Path(cfg.run_root).rglob("_MANIFEST.json")) == [] and not list(Path(cfg.run_root).glob("iter=*"))
+
+
 def test_eval_from_eval_path(prefect_harness, tiny_model, tmp_path, fake_rewards):
     from flows.eval import evaluate
 

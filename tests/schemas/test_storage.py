@@ -83,7 +83,7 @@ def test_verify_files_finds_a_flipped_byte_and_names_the_file_and_the_repair(tmp
         verify_files(uri, under="policy")
     msg = str(info.value)
     assert msg.startswith(f"{uri}/policy/model.safetensors: sha256 does not match the manifest")
-    assert f"python -m rft_core.storage repair {tmp_path / 'run'} --stage iter=1/ppo_update" in msg
+    assert f"rft repair {tmp_path / 'run'} --stage iter=1/ppo_update" in msg
     assert calls == [str(w)]  # changed since committed: hashed again
     w.write_bytes(bytes(data[:-1]))
     with pytest.raises(ShardCorruptError, match="10239 bytes, the manifest says 10240"):

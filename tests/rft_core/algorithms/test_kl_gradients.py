@@ -16,6 +16,7 @@ import torch
 from rft_core.algorithms.kl import (
     GRAD_KL_PI_REF,
     GRAD_KL_REF_PI,
+    GRAD_L1,
     GRAD_ZERO,
     KL_ESTIMATORS,
     check_kl_loss_estimator,
@@ -43,12 +44,16 @@ def _references() -> dict[str, torch.Tensor]:
     g_pr = _grad(lambda th: (_logpi(th).exp() * (_logpi(th) - logref)).sum())  # grad KL(pi || ref)
     g_rp = _grad(lambda th: (REF * (logref - _logpi(th))).sum())  # grad KL(ref || pi)
     g_e_k2 = _grad(lambda th: (_logpi(th).exp() * 0.5 * (_logpi(th) - logref) ** 2).sum())  # grad E_pi[k2]
+    g_l1 = _grad(lambda th: (_logpi(th).exp() - REF).abs().sum())  # grad ||pi - ref||_1 (verl's abs as a loss)
+    g_e_abs = _grad(lambda th: (_logpi(th).exp() * (_logpi(th) - logref).abs()).sum())  # grad E_pi|log_ratio|
     return {
         GRAD_ZERO: torch.zeros(4, dtype=D),
         GRAD_KL_PI_REF: g_pr,
         GRAD_KL_REF_PI: g_rp,
+        GRAD_L1: g_l1,
         "grad E_pi[k2] - grad KL(pi||ref)": g_e_k2 - g_pr,
         "grad KL(pi||ref) - grad KL(ref||pi)": g_pr - g_rp,
+        "grad E_pi[abs] - grad ||pi - ref||_1": g_e_abs - g_l1,
     }
 
 

@@ -234,8 +234,10 @@ def test_kl_after_normalisation_errors():
 # ---------------------------------------------------------------- estimator metadata
 def test_estimator_info_flags():
     names = ADVANTAGE_ESTIMATORS.names()
-    assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).token_level} == {"reinforce", "reinforce_baseline", "gae"}
+    assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).token_level} == {"reinforce", "reinforce_baseline", "gae",
+                                                                              "remax"}
     assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).needs_critic} == {"gae"}
+    assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).greedy_baseline} == {"remax"}
 
 
 @pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
@@ -245,5 +247,7 @@ def test_group_baseline_flag_matches_the_formula(name):
     groups = torch.tensor([0, 0, 1, 1])
     mask = torch.tensor([[True, True, True], [True, True, False], [True, True, True], [True, False, False]])
     kw = {"values": torch.tensor([[0.1, 0.2, 0.3]] * 4, dtype=D)} if ADVANTAGE_ESTIMATORS.info(name).needs_critic else {}
+    if ADVANTAGE_ESTIMATORS.info(name).greedy_baseline:  # a greedy response of reward 0.5: not a group statistic
+        kw["reward_baselines"] = torch.full((4,), 0.5, dtype=D)
     adv, _ = ADVANTAGE_ESTIMATORS[name](rewards, groups, mask, **kw)
     assert bool((adv.abs() < 1e-9).all()) == ADVANTAGE_ESTIMATORS.info(name).group_baseline

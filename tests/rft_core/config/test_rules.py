@@ -18,6 +18,10 @@ CASES = [
      ["advantage.estimator=grpo", "rollout.n_samples_per_prompt=1"], "advantage.estimator=reinforce"),
     ("group-one-sample", {"rollout.n_samples_per_prompt": 1, "advantage.estimator": "rloo"},
      ["advantage.estimator=rloo", "rollout.n_samples_per_prompt=1"], "rollout.n_samples_per_prompt >= 2"),
+    ("pass-at-k-beyond-group", {"advantage": {"estimator": "pass_at_k", "k": 8}},
+     ["advantage.k=8", "rollout.n_samples_per_prompt=4"], "advantage.k <= 4"),
+    ("remax-with-agent", {"advantage": "remax", "rollout.agent": {"environment": "calculator"}},
+     ["advantage.estimator=remax", "rollout.agent"], "unset rollout.agent"),
     ("dynamic-one-sample", {"rollout.n_samples_per_prompt": 1, "advantage": "reinforce", "dynamic_sampling.enabled": True},
      ["dynamic_sampling.enabled=true", "rollout.n_samples_per_prompt=1"], "dynamic_sampling.enabled=false"),
     ("train-batch-beyond-rollout", {"update.train_batch_size": 64, "data.prompts_per_iteration": 4},
@@ -100,6 +104,8 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
     # one step back from each refusal: the same keys with the fix applied
     load_config(None, {"rollout.n_samples_per_prompt": 1, "advantage": "reinforce"})
     load_config(None, {"update.train_batch_size": 16, "data.prompts_per_iteration": 4})
+    load_config(None, {"advantage": {"estimator": "pass_at_k", "k": 4}})
+    load_config(None, {"advantage": "remax"})
     load_config(None, {"kl.controller": "adaptive", "kl.target": 6.0, "kl.kl_coef": 0.05})
     load_config(None, {"shaping.overlong_buffer_len": 64, "rollout.max_new_tokens": 256})
     load_config(None, {"data.source": "files", "data.sources": [{"path": "a.jsonl", "data_source": "chain_sum"}]})

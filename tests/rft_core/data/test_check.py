@@ -56,7 +56,7 @@ def test_report_of_a_clean_mixture_and_of_a_broken_path(tmp_path, tok):
                    system_prompt="Be exact.", max_prompt_tokens=5)
     assert [(s.format, s.style, s.rows, s.weight) for s in r.sources] == [("jsonl", "plain", 3, 2), ("csv", "plain", 1, 1)]
     assert r.rows == 4 and r.bad_rows == 0
-    assert [e.where for e in r.examples] == [f"{tmp_path}/a.jsonl row 0", f"{tmp_path}/b.csv row 0"]  # one per source
+    assert [e.where for e in r.examples] == [f"{tmp_path}/a.jsonl line 1 (row 0)", f"{tmp_path}/b.csv row 0"]  # one per source
     assert r.examples[1].prompt_text == tok.apply_chat_template(
         [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "qb0"}], add_generation_prompt=True, tokenize=False)
     assert r.problems == [f"{e.where}: prompt has {e.n_tokens} tokens, data.max_prompt_tokens is 5" for e in r.examples]

@@ -49,10 +49,10 @@ def test_rows_without_prompt_or_answer_fail_only_when_used(tmp_path):
                                       {"question": "q", "answer": ""}])
     ds = open_data(p)  # the cheap checks pass
     assert ds.entries([0])[0][1]["question"] == "ok"
-    _raises(re.escape(f"{p} row 1: no prompt (column 'question' is null)"), ds.entries, [0, 1])
-    _raises(re.escape(f"{p} row 2: no answer (column 'answer' is None)"), ds.entries, [2])
-    _raises(re.escape(f"{p} row 3: empty prompt (column 'question' is '  ')"), ds.entries, [3])
-    _raises(re.escape(f"{p} row 4: no answer (column 'answer' is '')"), ds.entries, [4])
+    _raises(re.escape(f"{p} line 2 (row 1): no prompt (column 'question' is null)"), ds.entries, [0, 1])
+    _raises(re.escape(f"{p} line 3 (row 2): no answer (column 'answer' is None)"), ds.entries, [2])
+    _raises(re.escape(f"{p} line 4 (row 3): empty prompt (column 'question' is '  ')"), ds.entries, [3])
+    _raises(re.escape(f"{p} line 5 (row 4): no answer (column 'answer' is '')"), ds.entries, [4])
     _raises(re.escape(f"{p}: row index 5 out of range (the dataset has 5 rows)"), ds.entries, [5])
 
 
@@ -62,15 +62,15 @@ def test_bad_messages(tmp_path):
                                       {"prompt": [{"role": "robot", "content": "hi"}], "answer": "1"},
                                       {"prompt": [], "answer": "1"}])
     ds = open_data(p)
-    _raises(re.escape(f"{p} row 1 column 'prompt': empty prompt (no user message with text)"), ds.entries, [1])
-    _raises(re.escape(f"{p} row 2 column 'prompt' message 0: expected {{role: one of ['system', 'user', 'assistant', "
+    _raises(re.escape(f"{p} line 2 (row 1) column 'prompt': empty prompt (no user message with text)"), ds.entries, [1])
+    _raises(re.escape(f"{p} line 3 (row 2) column 'prompt' message 0: expected {{role: one of ['system', 'user', 'assistant', "
                       "'tool'], content}, got {'role': 'robot', 'content': 'hi'}"), ds.entries, [2])
-    _raises(re.escape(f"{p} row 3 column 'prompt': empty prompt (no messages)"), ds.entries, [3])
+    _raises(re.escape(f"{p} line 4 (row 3) column 'prompt': empty prompt (no messages)"), ds.entries, [3])
 
 
 def test_image_path_that_does_not_exist(tmp_path):
     p = _jsonl(tmp_path / "v.jsonl", [{"question": "q", "answer": "a", "images": ["pics/missing.png"]}])
-    _raises(re.escape(f"{p} row 0 column 'images' item 0: 'pics/missing.png' does not exist (resolved to "
+    _raises(re.escape(f"{p} line 1 (row 0) column 'images' item 0: 'pics/missing.png' does not exist (resolved to "
                       f"'{tmp_path}/pics/missing.png')"), open_data(p).entries, [0])
 
 

@@ -137,7 +137,7 @@ def test_glob_folder_and_memory_uri(tmp_path):
     for path in (str(tmp_path / "d"), str(tmp_path / "d" / "*.jsonl"), f"file://{tmp_path}/d"):
         ds = open_data(path)
         assert len(ds) == 3 and [e["question"] for _, e in ds.entries([0, 1, 2])] == ["a0", "b0", "b1"]
-        assert ds.where(2) == f"{tmp_path}/d/b.jsonl row 1"
+        assert ds.where(2) == f"{tmp_path}/d/b.jsonl line 2 (row 1)"
     buf = io.BytesIO()
     pq.write_table(pa.table({"prompt": ["m0", "m1"], "answer": ["x", "y"]}), buf)
     fsspec.filesystem("memory").pipe("/rft-test/m.parquet", buf.getvalue())
@@ -157,6 +157,45 @@ def test_datasets_save_to_disk_folder(tmp_path):
     with pytest.raises(DatasetError, match=r"DatasetDict with splits \['train'\].*dd/train"):
         open_data(str(tmp_path / "dd"))
     assert len(open_data(str(tmp_path / "dd" / "train"))) == 1
+
+
+def test_save_to_disk_folder_is_read_with_pyarrow_alone(tmp_path, monkeypatch):
+    """Shards, a shuffled selection, image features and a remote URI, with ``datasets`` not
+    importable: the same table as ``datasets.load_from_disk(...).data.table``."""
+    import sys
+
+    import datasets
+    import fsspec
+
+    from rft_core.data.readers import read_hf_disk
+
+    full = datasets.Dataset.from_dict({"question": [f"q{i}" for i in range(10)], "answer": [str(i) for i in range(10)],
+                                       "image": [{"bytes": _png((i, 0, 0)), "path": None} for i in range(10)]},
+                                      features=datasets.Features({"question": datasets.Value("string"),
+                                                                  "answer": datasets.Value("string"),
+                                                                  "image": datasets.Image()}))
+    full.shuffle(seed=1).select(range(7)).save_to_disk(str(tmp_path / "hf"), num_shards=3)
+    expected = datasets.load_from_disk(str(tmp_path / "hf")).data.table
+    (tmp_path / "bad").mkdir()
+    for name in ("state.json", "dataset_info.json"):
+        (tmp_path / "bad" / name).write_text((tmp_path / "hf" / name).read_text())
+    for i in range(3):
+        (tmp_path / "bad" / f"data-0000{i}-of-00003.arrow").write_bytes(b"not arrow")
+    mem = fsspec.filesystem("memory")
+    for f in (tmp_path / "hf").iterdir():
+        mem.pipe(f"/rft-hf/{f.name}", f.read_bytes())
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now fails
+    table = read_hf_disk(str(tmp_path / "hf"))
+    assert table.equals(expected) and table.column("question").to_pylist() == expected.column("question").to_pylist()
+    assert read_hf_disk("memory://rft-hf").equals(expected)
+    ds = open_data(str(tmp_path / "hf"))
+    assert len(ds) == 7 and [e["question"] for _, e in ds.entries(range(7))] == expected.column("question").to_pylist()
+    with pytest.raises(DatasetError, match=r"bad/data-00000-of-00003.arrow: not a readable Arrow stream file"):
+        read_hf_disk(str(tmp_path / "bad"))
+    (tmp_path / "bad" / "state.json").write_text("{}")
+    with pytest.raises(DatasetError, match=r"bad: not a readable datasets.save_to_disk folder.*KeyError"):
+        read_hf_disk(str(tmp_path / "bad"))
 
 
 def _png(color) -> bytes:

@@ -100,7 +100,7 @@ def test_mixture_dataset_global_indices_and_labels(tmp_path):
     got = ds.entries([6, 0, 4])
     assert [(i, e["question"], e["data_source"]) for i, e in got] == [(6, "b1", "gsm8k"), (0, "a0", "a"), (4, "a4", "a")]
     assert got[0][1]["metadata"] == {"data_source": "file_label"}
-    assert ds.where(6) == f"{tmp_path}/b.jsonl row 1"
+    assert ds.where(6) == f"{tmp_path}/b.jsonl line 2 (row 1)"
     idx = ds.iteration_indices(4, per_iteration=8, seed=1)
     pairs = mixture_indices(4, per_iteration=8, sizes=[5, 3], weights=[3, 1], seed=1)
     assert idx == [s * 5 + r for s, r in pairs]

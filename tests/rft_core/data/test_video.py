@@ -19,7 +19,7 @@ from rft_core.data.video import (
     sample_frame_indices,
     to_video_bytes,
 )
-from rft_core.data.vision import VideoDigitsDataset, digit_array
+from rft_core.data.vision import VideoDigitsDataset, digit_array, digits_data
 
 
 def _frames(n: int, h: int = 24, w: int = 40, seed: int = 0) -> np.ndarray:
@@ -131,9 +131,7 @@ def test_bad_videos_are_named(tmp_path):
 
 
 def test_video_digits_clips_are_seeded_and_show_the_moving_digit():
-    from sklearn.datasets import load_digits
-
-    targets = load_digits().target
+    _, targets = digits_data()
     ds = VideoDigitsDataset(30, seed=5, num_frames=4, fps=2.0)
     row = ds[3]
     assert row == VideoDigitsDataset(30, seed=5)[3] and row != VideoDigitsDataset(30, seed=6)[3]

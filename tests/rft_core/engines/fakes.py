@@ -21,8 +21,10 @@ class _HFBacked:
         self.events: list[tuple] = []
 
     def _sample(self, prompt, *, seed, max_tokens, temperature, top_p, force_eos):
-        g = self.hf.generate([prompt], n_samples_per_prompt=1, max_new_tokens=max_tokens, temperature=temperature,
-                             top_p=top_p, seed=seed, batch_size=1)[0]
+        greedy = temperature == 0  # vLLM's and SGLang's argmax decoding
+        g = self.hf.generate([prompt], n_samples_per_prompt=1, max_new_tokens=max_tokens,
+                             temperature=1.0 if greedy else temperature, top_p=top_p, seed=seed, batch_size=1,
+                             greedy=greedy)[0]
         tokens, lps, finish = list(g.response_token_ids), list(g.logprobs), g.finish_reason
         if force_eos and self.eos_early is not None and len(tokens) >= 3:
             tokens, finish = tokens[:2] + [self.eos_early] + tokens[3:], "length"

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from rft_core.data.images import ImageError, decode_image, to_image_bytes
-from rft_core.data.vision import DigitsDataset, digit_png
+from rft_core.data.vision import DIGITS_FILE, DigitsDataset, digit_png, digits_data
 from rft_core.models.vl import IMAGE_PAD, VLError, build_tiny_qwen2_vl, VLProcessor
 
 
@@ -50,20 +50,32 @@ def test_image_inputs_of_every_form_round_trip(tmp_path):
         to_image_bytes(7)
 
 
-def test_digits_task_is_seeded_and_correct():
-    from sklearn.datasets import load_digits
+def test_digits_file_is_scikit_learns_load_digits():
+    """The shipped digits.csv.gz is scikit-learn 1.9.1's, byte for byte, read as load_digits reads it."""
+    import hashlib
 
-    d = load_digits()
+    images, targets = digits_data()
+    assert hashlib.sha256(DIGITS_FILE.read_bytes()).hexdigest() == (
+        "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22")
+    assert images.shape == (1797, 8, 8) and images.dtype == np.float64 and targets.shape == (1797,)
+    assert np.bincount(targets).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+    assert images[0, 1].tolist() == [0, 0, 13, 15, 10, 15, 5, 0] and targets[0] == 0 and images.max() == 16
+    assert not images.flags.writeable and not targets.flags.writeable
+    assert DIGITS_FILE.with_name("digits.LICENSE.txt").read_text().count("BSD 3-Clause License") == 1
+
+
+def test_digits_task_is_seeded_and_correct():
+    images, targets = digits_data()
     ds = DigitsDataset(50, seed=3)
     row = ds[7]
     assert row == DigitsDataset(50, seed=3)[7] and row != DigitsDataset(50, seed=4)[7]
     (idx,) = row["metadata"]["digit_indices"]
-    assert row["answer"] == str(d.target[idx]) and row["metadata"]["digits"] == [int(d.target[idx])]
+    assert row["answer"] == str(targets[idx]) and row["metadata"]["digits"] == [int(targets[idx])]
     img = np.asarray(decode_image(row["images"][0]).convert("L"))
     assert img.shape == (28, 28)
     # nearest upscaling 8 -> 28: the pixel at each source cell's centre is that cell, scaled to 0..255
     centres = [int((j + 0.5) * 28 / 8) for j in range(8)]
-    assert np.array_equal(img[np.ix_(centres, centres)], np.round(d.images[idx] * 255 / 16).astype(np.uint8))
+    assert np.array_equal(img[np.ix_(centres, centres)], np.round(images[idx] * 255 / 16).astype(np.uint8))
     two = DigitsDataset(40, seed=1, images_per_prompt=2, text_only_fraction=0.5)
     rows = [two[i] for i in range(40)]
     text = [r for r in rows if not r["images"]]

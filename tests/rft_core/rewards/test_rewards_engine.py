@@ -174,7 +174,41 @@ def test_math_verify_forms():
              ("$x^2+2x+1$", "$(x+1)^2$", 1.0), ("13", "12", 0.0), (None, "12", 0.0), ("$\\sqrt{4}$", "2", 1.0),
              ("1,000", "1000", 1.0), ("$\\frac{3}{4}$", "0.74", 0.0)]
     got = grade_math_verify_batch([(a, lab) for a, lab, _ in cases], timeout_s=30)
-    assert got == [(score, None) for _, _, score in cases]
+    assert [(score, reason) for score, _, reason in got] == [(score, None) for _, _, score in cases]
+
+
+# (response, label, score, what math-verify extracted): math-verify extracts from the whole
+# response, \boxed{} first; an <answer> tag's content is graded when there is one
+MATH_VERIFY_RESPONSES = [
+    ("The result is \\boxed{\\frac{1}{2}}.", "0.5", 1.0, "\\frac{1}{2}"),  # the regex took "2" here
+    ("So $x = \\dfrac{3}{4}$, thus \\boxed{\\dfrac{3}{4}}", "0.75", 1.0, "\\frac{3}{4}"),
+    ("\\boxed{\\dfrac{3}{4}}", "\\dfrac{3}{4}", 1.0, "\\frac{3}{4}"),  # a LaTeX label without $ reads whole
+    ("\\boxed{2}", "2\\sqrt{2}", 0.0, "2"),
+    ("The answer is \\boxed{50\\%}", "50", 1.0, "50\\%"),
+    ("The answer is \\boxed{50\\%}", "0.5", 1.0, "50\\%"),
+    ("The price rose by 25%.", "25", 1.0, "25"),
+    ("\\boxed{7}. Let me double check: 3 + 4 = 7, and 2 + 2 = 4.", "7", 1.0, "7"),  # boxed, then more text
+    ("\\boxed{\\frac{1}{2}} is what I get, though 0.4 seemed close", "0.5", 1.0, "\\frac{1}{2}"),
+    ("12", "12", 1.0, "12"),
+    ("First 3, then 1,234", "1234", 1.0, "1234"),
+    ("so it is 12, no wait 13\nAnswer: 12", "12", 1.0, "12"),
+    ("13", "12", 0.0, "13"),
+    ("<answer>\\dfrac{1}{2}</answer> and later 7", "0.5", 1.0, "\\frac{1}{2}"),
+    ("<answer>2\\sqrt{2}</answer>", "2\\sqrt{2}", 1.0, "2\\sqrt{2}"),
+    ("<answer> 12 apples </answer>", "12", 1.0, "12"),
+    ("<answer>0.4</answer> though \\boxed{0.5}", "0.5", 0.0, "0.4"),
+    ("no number here", "4", 0.0, None),
+]
+
+
+@pytest.mark.parametrize("response, label, score, extracted", MATH_VERIFY_RESPONSES)
+def test_math_verify_grades_its_own_extraction(response, label, score, extracted):
+    from rft_core.rewards.math import math_verify_grade, score_response
+
+    assert math_verify_grade(response, label=label) == (score, extracted)
+    r = score_response(response, source="math", question="q", label=label, metadata_json="{}", grader="math_verify",
+                       format_reward=0.1)
+    assert (r.correct, r.extracted, r.metrics["correctness"]) == (score == 1.0, extracted, score)
 
 
 def test_math_answer_source_with_math_verify_off_the_main_thread():
@@ -182,12 +216,43 @@ def test_math_answer_source_with_math_verify_off_the_main_thread():
 
     src = MathAnswerReward(MathAnswerSource(grader="math_verify", timeout_s=30))
     got = {}
-    t = threading.Thread(target=lambda: got.update(r=src.score([_s(0, "Answer: \\frac{8}{2}"), _s(1, "so 5")])))
+    samples = [_s(0, "Answer: \\frac{8}{2}"), _s(1, "so 5"), _s(2, "The result is \\boxed{\\frac{1}{2}}.", reference="0.5"),
+               _s(3, "<answer>4</answer>")]
+    t = threading.Thread(target=lambda: got.update(r=src.score(samples)))
     t.start()
     t.join(60)
     r = got["r"]
-    assert [(x.score, x.correct, x.extracted) for x in r] == [(1.0, True, "\\frac{8}{2}"), (0.0, False, "5")]
-    assert r[0].extras == {"format": 1.0}
+    assert [(x.score, x.correct, x.extracted) for x in r] == [(1.0, True, "\\frac{8}{2}"), (0.0, False, "5"),
+                                                              (1.0, True, "\\frac{1}{2}"), (1.0, True, "4")]
+    assert [x.extras for x in r] == [{"format": 1.0}, {"format": 0.0}, {"format": 0.0}, {"format": 1.0}]
+
+
+def test_rewards_shard_extracted_answer_is_what_math_verify_graded(tmp_path):
+    """The rewards stage writes math-verify's extraction (not the regex's) in extracted_answer."""
+    import pyarrow as pa
+
+    from rft_core import stages
+    from rft_core.stages.contracts import RewardsInput
+    from schemas import read_shard, write_shard
+    from schemas.columns import PROMPTS, ROLLOUT, policy_version_column, single_turn_columns
+
+    responses = ["The result is \\boxed{\\frac{1}{2}}.", "I get 0.25, so \\boxed{\\dfrac{1}{4}}"]
+    n = len(responses)
+    prompts = pa.table({"prompt_id": ["p0"], "data_source": ["math"], "question": ["q"], "prompt_text": ["q"],
+                        "prompt_token_ids": [[1]], "answer": ["0.5"], "metadata_json": ["{}"], "images": [[]],
+                        "videos": [[]]}, schema=PROMPTS.arrow)
+    rollout = pa.table({"sample_id": [f"s{i}" for i in range(n)], "prompt_id": ["p0"] * n, "sample_index": list(range(n)),
+                        "prompt_token_ids": [[1]] * n, "response_token_ids": [[2]] * n, "response_text": responses,
+                        "rollout_logprobs": [[0.0]] * n, "action_mask": [[True]] * n, "finish_reason": ["stop"] * n,
+                        "images": [[]] * n, "videos": [[]] * n, **single_turn_columns(responses),
+                        **policy_version_column(n, 0)}, schema=ROLLOUT.arrow)
+    p = write_shard(prompts, str(tmp_path / "prompts"), schema=PROMPTS, config_hash="p")
+    r = write_shard(rollout, str(tmp_path / "rollout"), schema=ROLLOUT, config_hash="r")
+    reward = load_config(None, {"reward.grader": "math_verify", "reward.format_reward": 0.1}).reward
+    w = stages.rewards.run(RewardsInput(rollout=r, prompts=p, reward=reward, out=str(tmp_path / "rewards")))
+    rows = read_shard(w, stage="rewards").to_pylist()
+    assert [(x["extracted_answer"], x["correct"], x["rewards"]) for x in rows] == [
+        ("\\frac{1}{2}", True, 1.0), ("\\frac{1}{4}", False, 0.0)]  # the regex extracted "2" and "4"
 
 
 def _slow_verify(answer, label):  # stands in for a pathological sympy parse
@@ -203,7 +268,7 @@ def test_math_verify_timeout_kills_the_worker(monkeypatch):
     monkeypatch.setattr(m, "_math_verify_worker", _slow_verify)
     t0 = time.perf_counter()
     out = grade_math_verify_batch([("1", "1")], timeout_s=1.0)
-    assert out == [(0.0, "math_verify timeout after 1 s")]
+    assert out == [(0.0, None, "math_verify timeout after 1 s")]
     assert time.perf_counter() - t0 < 15  # spawn start-up + 1 s, never the 30 s sleep
 
 

@@ -77,7 +77,7 @@ def test_bad_videos_stop_the_prompts_stage_before_the_commit(tiny_vl, tmp_path, 
     rows.write_text(json.dumps({"prompt": "Which digit moves?", "answer": "3", "videos": [str(good), str(bad)]}) + "\n")
     data = DataConfig(source="files", path=str(rows), prompts_per_iteration=1, system_prompt="")
     out = tmp_path / "prompts"
-    with pytest.raises(DatasetError, match=f"rows.jsonl row 0.*row 0 video 1 \\(.*{case}.mp4\\): {why}"):
+    with pytest.raises(DatasetError, match=f"rows.jsonl line 1 \\(row 0\\).*row 0 video 1 \\(.*{case}.mp4\\): {why}"):
         run_prompts(PromptsInput(data=data, tokenizer_path=tiny_vl, iteration=1, out=str(out)))
     assert not (out / "_MANIFEST.json").exists() and not list(out.glob("*.parquet"))
 
@@ -90,6 +90,6 @@ def test_a_video_for_a_text_only_policy_is_refused(tiny_model, tmp_path):
                     + json.dumps({"prompt": "Which digit moves?", "answer": "3", "videos": [str(clip)]}) + "\n")
     data = DataConfig(source="files", path=str(rows), prompts_per_iteration=2, system_prompt="")
     out = tmp_path / "prompts"
-    with pytest.raises(DatasetError, match="rows.jsonl row 1.*has 1 video\\(s\\) but the policy is a text-only model"):
+    with pytest.raises(DatasetError, match="rows.jsonl line 2 \\(row 1\\).*has 1 video\\(s\\) but the policy is a text-only model"):
         run_prompts(PromptsInput(data=data, tokenizer_path=tiny_model, iteration=1, out=str(out)))
     assert not (out / "_MANIFEST.json").exists()
