@@ -120,14 +120,15 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
     if cfg.recomputes_old_logprobs:
         futures["actor_logprobs"] = tasks.tagged(tasks.actor_logprobs, tags).submit(inp=ActorLogprobsInput(
             rollout=rollout, model=policy, logprobs=cfg.logprobs, temperature=temp, dtype=cfg.policy.dtype,
-            out=out("actor_logprobs")), runner=cfg.runner("actor_logprobs"))
+            grouping=cfg.logprob_grouping, out=out("actor_logprobs")), runner=cfg.runner("actor_logprobs"))
     if critic is not None:
         futures["critic_values"] = tasks.tagged(tasks.critic_values, tags).submit(inp=CriticValuesInput(
             rollout=rollout, model=critic, critic=cfg.critic, out=out("critic_values")), runner=cfg.runner("critic_values"))
     if kl.needs_reference:
         futures["ref_logprobs"] = tasks.tagged(tasks.ref_logprobs, tags).submit(inp=RefLogprobsInput(
             rollout=rollout, model=cfg.reference_model.path, logprobs=cfg.logprobs, temperature=temp,
-            dtype=cfg.reference_model.dtype, out=out("ref_logprobs")), runner=cfg.runner("ref_logprobs"))
+            dtype=cfg.reference_model.dtype, grouping=cfg.logprob_grouping, out=out("ref_logprobs")),
+            runner=cfg.runner("ref_logprobs"))
     return {name: f.result() for name, f in futures.items()}
 
 

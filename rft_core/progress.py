@@ -67,10 +67,11 @@ class LogProgress:
 
     def __call__(self, done: int, total: int, tokens: int | None = None) -> None:
         with self._lock:
+            finished_before = self.state is not None and self.state[0] >= self.state[1] == total
             self.state = (done, total, tokens)
             now = time.perf_counter()
-            if done < total and now - self.last < self.every:
-                return
+            if (done < total and now - self.last < self.every) or (done >= total and finished_before):
+                return  # throttled, or the completion line was written already
             self._emit(now)
 
     def heartbeat(self) -> None:

@@ -48,11 +48,12 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
         if cfg.recomputes_old_logprobs:
             parts["actor_logprobs"] = run(ActorLogprobsInput(rollout=rollout, model=policy, logprobs=cfg.logprobs,
                                                              temperature=temp, dtype=cfg.policy.dtype,
-                                                             out=out("actor_logprobs")))
+                                                             grouping=cfg.logprob_grouping, out=out("actor_logprobs")))
         if kl.needs_reference:
             parts["ref_logprobs"] = run(RefLogprobsInput(rollout=rollout, model=cfg.reference_model.path,
                                                          logprobs=cfg.logprobs, temperature=temp,
-                                                         dtype=cfg.reference_model.dtype, out=out("ref_logprobs")))
+                                                         dtype=cfg.reference_model.dtype, grouping=cfg.logprob_grouping,
+                                                         out=out("ref_logprobs")))
         adv = run_stage(AdvantagesInput(rollout=rollout, rewards=parts["rewards"], actor_logprobs=parts.get("actor_logprobs"),
                                         ref_logprobs=parts.get("ref_logprobs"), kl=kl, advantage=cfg.advantage,
                                         shaping=cfg.shaping, state=state, max_new_tokens=cfg.rollout.max_new_tokens,

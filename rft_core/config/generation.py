@@ -48,6 +48,19 @@ class RolloutConfig(_Frozen):
         return self
 
 
+class UpdateGrouping(_Frozen):
+    """How the update groups the samples of a rollout into micro-batches in its first epoch
+    (``rft_core.training.loop.epoch_micro_batches``): below float32 the actor and reference
+    passes group them the same way, so that their log-probs are computed on the very kernel
+    shapes of the update's forward and its first step sees them bit for bit (approx_kl 0 between
+    a policy and itself; TrainConfig.logprob_grouping)."""
+
+    train_batch_size: int | None = Field(None, gt=0, description="samples per optimizer step (None: the whole rollout)")
+    micro_batch_size: int = Field(gt=0)
+    seed: int = 0
+    packing: bool = True
+
+
 class LogprobConfig(_Frozen):
     """Per-token log-prob computation (actor and reference stages)."""
 

@@ -438,22 +438,30 @@ def batched_response_logprobs(
     processor=None,
     chunk_size: int | None = None,
     videos: list[list[bytes]] | None = None,
+    groups: list[list[int]] | None = None,
 ) -> list[list[float]] | tuple[list[list[float]], list[list[float]]]:
     """Unpadded per-sample log-prob lists (len = len(response)) for any number of samples.
 
     Samples are sorted by total length before micro-batching to reduce padding; the output is in
-    the input order. With ``with_entropy`` it returns (logprobs, entropies), same layout.
+    the input order. ``groups``: the micro-batches instead (sample indices, each sample in
+    exactly one; ``micro_batch_size`` is then unused), e.g. the update's
+    (``rft_core.training.loop.epoch_micro_batches``). With ``with_entropy`` it returns
+    (logprobs, entropies), same layout.
     ``packing``: each micro-batch goes through the model as one packed row (no padding).
     ``progress``: optional callable(done, total) called after each micro-batch (samples).
     ``images``, ``videos``, ``processor``: a vision-language model's per-sample images and
     videos (encoded bytes, one list per sample; either may be None) and its ``VLProcessor``
     (``with_vision``; packed or padded). ``chunk_size``: see ``token_logprobs``.
     """
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
+    if groups is None:
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
+        groups = [order[s:s + micro_batch_size] for s in range(0, len(order), micro_batch_size)]
+    elif sorted(i for g in groups for i in g) != list(range(len(prompts))):
+        raise ValueError(f"groups must hold each of the {len(prompts)} samples exactly once")
     result: list[list[float]] = [[] for _ in prompts]
     entropies: list[list[float]] = [[] for _ in prompts]
-    for start in range(0, len(order), micro_batch_size):
-        idx = order[start:start + micro_batch_size]
+    done = 0
+    for idx in groups:
         ps, rs = [prompts[i] for i in idx], [responses[i] for i in idx]
         batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
         if processor is not None:
@@ -466,6 +474,7 @@ def batched_response_logprobs(
             result[i] = lp[row, : len(responses[i])].tolist()
             if ent is not None:
                 entropies[i] = ent[row, : len(responses[i])].tolist()
+        done += len(idx)
         if progress is not None:
-            progress(min(start + micro_batch_size, len(order)), len(order))
+            progress(done, len(prompts))
     return (result, entropies) if with_entropy else result

@@ -39,6 +39,7 @@ from rft_core.config import (
     ShapingConfig,
     TrainState,
     UpdateConfig,
+    UpdateGrouping,
 )
 from schemas import PolicyRef, ShardRef, config_hash
 
@@ -207,6 +208,8 @@ class LogprobsInput(StageInput):
     logprobs: LogprobConfig
     temperature: float = Field(gt=0)
     dtype: str = "float32"
+    grouping: UpdateGrouping | None = Field(None, description="the update's micro-batches instead of length-sorted ones "
+                                            "(below float32: TrainConfig.logprob_grouping); None enters no hash")
 
 
 class ActorLogprobsInput(LogprobsInput):
@@ -215,7 +218,7 @@ class ActorLogprobsInput(LogprobsInput):
     program: ClassVar[str] = "actor_logprobs"
     stage: ClassVar[str] = "actor_logprobs"
     config_paths: ClassVar[Mapping[str, str]] = {"logprobs": "logprobs", "model": "policy.path", "dtype": "policy.dtype",
-                                                 "temperature": "rollout.temperature"}
+                                                 "temperature": "rollout.temperature", "grouping": "logprob_grouping"}
 
 
 class RefLogprobsInput(LogprobsInput):
@@ -224,7 +227,8 @@ class RefLogprobsInput(LogprobsInput):
     program: ClassVar[str] = "ref_logprobs"
     stage: ClassVar[str] = "ref_logprobs"
     config_paths: ClassVar[Mapping[str, str]] = {"logprobs": "logprobs", "model": "reference_model.path",
-                                                 "dtype": "reference_model.dtype", "temperature": "rollout.temperature"}
+                                                 "dtype": "reference_model.dtype", "temperature": "rollout.temperature",
+                                                 "grouping": "logprob_grouping"}
 
 
 class RewardsInput(StageInput):

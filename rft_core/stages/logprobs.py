@@ -9,6 +9,7 @@ from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput, stage_program
+from rft_core.training.loop import epoch_micro_batches
 from rft_core.workers.memory import config_folder, inference_model
 from schemas import ShardRef, read_shard
 from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS
@@ -22,7 +23,9 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
     ``inp.stage``: ``actor_logprobs`` (the policy before the update: old_logprobs and
     action_entropy) or ``ref_logprobs`` (the reference). Logits are divided by
     ``inp.temperature``, the rollout's sampling temperature; ``logprobs.chunk_size`` bounds the
-    float32 (chunk, vocab) slices of the log-prob computation. A vision-language model gets each
+    float32 (chunk, vocab) slices of the log-prob computation. ``inp.grouping`` (below float32):
+    the samples go into the update's first-epoch micro-batches, packed as it packs them, so that
+    its first step computes these very log-probs. A vision-language model gets each
     sample's images and videos (processor from the model folder), padded or packed
     (``logprobs.packing``). In a resident worker the model is the worker's copy
     (``rft_core.workers.memory.inference_model``). The model's GPU memory is handed
@@ -40,12 +43,15 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
         processor = vl_processor_or_none(path)  # a vision-language policy: images and videos go with every batch
         vision = ({"images": table.column("images").to_pylist(), "videos": table.column("videos").to_pylist(),
                    "processor": processor} if processor is not None else {})
+        g = inp.grouping  # below float32: the update's micro-batches, so its first step sees these log-probs exactly
+        groups = None if g is None else epoch_micro_batches(table.num_rows, train_batch_size=g.train_batch_size,
+                                                            micro_batch_size=g.micro_batch_size, seed=g.seed)
         with Timer() as t, progress_reporter(stage, unit="sequences") as progress:
             res = batched_response_logprobs(lm, table.column("prompt_token_ids").to_pylist(),
                                             table.column("response_token_ids").to_pylist(), pad_token_id=tok.pad_token_id,
                                             micro_batch_size=cfg.micro_batch_size, temperature=inp.temperature,
-                                            with_entropy=actor, packing=cfg.packing, progress=progress,
-                                            chunk_size=cfg.chunk_size, **vision)
+                                            with_entropy=actor, packing=cfg.packing if g is None else g.packing,
+                                            progress=progress, chunk_size=cfg.chunk_size, groups=groups, **vision)
         f32 = pa.list_(pa.float32())
         cols = {"sample_id": table.column("sample_id")}
         if actor:  # the policy's entropy at each token: for the entropy metrics and high-entropy filtering

@@ -115,6 +115,17 @@ def minibatches(n: int, *, epochs: int, batch_size: int, seed: int) -> Iterator[
             yield epoch, order[start:start + batch_size]
 
 
+def epoch_micro_batches(n: int, *, train_batch_size: int | None, micro_batch_size: int, seed: int) -> list[list[int]]:
+    """The micro-batches (sample indices, in order) of the first epoch of ``train_steps`` over
+    ``n`` samples: ``minibatches``' seeded permutation cut into optimizer steps of
+    ``train_batch_size`` (None: all) and those into chunks of ``micro_batch_size``, as
+    ``rank_micro_batches`` cuts them (on every rank the same chunks). Every sample is in exactly
+    one. The log-prob passes use them below float32 (``TrainConfig.logprob_grouping``)."""
+    return [mini[i:i + micro_batch_size]
+            for _, mini in minibatches(n, epochs=1, batch_size=train_batch_size or n, seed=seed)
+            for i in range(0, len(mini), micro_batch_size)]
+
+
 def rank_micro_batches(mini: list[int], micro_batch_size: int, *, rank: int, world_size: int) -> list[tuple[list[int], float]]:
     """This rank's micro-batches of mini-batch ``mini`` with weight 1, round-robin, plus
     zero-weight repeats of the first so that every rank runs the same number of passes."""

@@ -246,7 +246,8 @@ def parity_reward(sample) -> float:
 
 def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_weights(sharp16, tmp_path):
     """Three bfloat16 iterations of the demo's stages (hf rollout, actor and reference passes,
-    update), each pass one sample per packed row: iteration 1's update starts at approx_kl 0 and
+    update), the log-prob passes grouped as the update groups the samples (``logprob_grouping``,
+    whatever ``logprobs.micro_batch_size`` says): iteration 1's update starts at approx_kl 0 and
     KL loss 0 (policy = reference = old policy), iteration 2's at approx_kl 0 too (its actor pass
     scores the new bfloat16 weights as the trainer does) with the KL loss its first step made; a resident trainer that
     keeps its float32 masters and AdamW state in memory (checkpoint every 3) ends with the very
@@ -260,7 +261,8 @@ def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_w
               'reward.recipes={"any": [{"source": "parity", "weight": 1.0}]}', "reward.default_recipe=any"]
     base = ["data.prompts_per_iteration=2", "data.size=50", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12",
             "rollout.batch_size=8", "kl.kl_coef=0.05", "update.lr=1e-3", "iterations=3",
-            "update.micro_batch_size=1", "logprobs.micro_batch_size=1",  # the same rows in every pass
+            # different sizes on purpose: below float32 the passes take the update's micro-batches (logprob_grouping)
+            "update.micro_batch_size=3", "logprobs.micro_batch_size=8",
             "policy.dtype=bfloat16", f"policy.path={sharp16}", *reward]
     runs = {}
     for mode, extra in (("stage", []), ("resident", ["orchestration.workers=resident", "checkpoint.every=3"])):
@@ -280,3 +282,44 @@ def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_w
         m, _ = read_manifest(final.uri)
         runs[mode] = {e.path: e.sha256 for e in m.files if e.path.startswith("policy/") and e.path.endswith(".safetensors")}
     assert runs["stage"] and runs["stage"] == runs["resident"]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_passes_grouped_as_the_update_make_its_first_step_exact_on_the_demos_shapes(sharp16, rollout, monkeypatch,
+                                                                                     attention):
+    """The fix of the remaining 7.2e-5 (sdpa) above: the stages' passes take the update's
+    first-epoch micro-batches (``epoch_micro_batches``, what ``TrainConfig.logprob_grouping``
+    hands them below float32), so the update's first step computes their log-probs bit for bit:
+    approx_kl, KL loss and gradient exactly 0 with every reward 0, as in float32 up to rounding."""
+    from rft_core.training.loop import epoch_micro_batches
+
+    monkeypatch.setenv("RFT_ATTN_IMPLEMENTATION", attention)
+    prompts, responses = rollout
+    groups = epoch_micro_batches(len(prompts), train_batch_size=None, micro_batch_size=4, seed=0)
+    assert sorted(i for g in groups for i in g) == list(range(32)) and [len(g) for g in groups] == [4] * 8
+    old = batched_response_logprobs(load_causal_lm(sharp16, dtype="bfloat16"), prompts, responses, pad_token_id=2,
+                                    micro_batch_size=8, packing=True, groups=groups)
+    assert old == _logprobs_grouped_as_the_update(sharp16, rollout, 4, seed=0)
+    data = UpdateData(prompts, responses, old, [[0.0] * len(r) for r in responses], ref_logprobs=old)
+    strategy = build_strategy(load_causal_lm(sharp16, dtype="bfloat16", trainable=True), optim=OPT, device=CPU)
+    step, = ppo_update(strategy, data, pad_token_id=2, kl_coef=0.01, kl_estimator="k3+", micro_batch_size=4,
+                       packing=True, seed=0)
+    assert step.approx_kl == 0.0 and step.kl_loss == 0.0 and step.grad_norm == 0.0
+    with pytest.raises(ValueError, match="each of the 32 samples exactly once"):
+        batched_response_logprobs(load_causal_lm(sharp16, dtype="bfloat16"), prompts, responses, pad_token_id=2,
+                                  groups=groups[1:])
+
+
+def test_logprob_grouping_is_the_updates_below_float32_only():
+    from rft_core.config import UpdateGrouping, load_config
+    from rft_core.stages.contracts import ActorLogprobsInput
+
+    assert load_config("configs/grpo_demo.yaml").logprob_grouping is None  # float32: no hash changes
+    cfg = load_config("configs/grpo_demo.yaml", ["policy.dtype=bfloat16", "update.seed=3", "update.train_batch_size=16"])
+    assert cfg.logprob_grouping == UpdateGrouping(train_batch_size=16, micro_batch_size=4, seed=3, packing=True)
+    from schemas import ShardRef
+
+    ref = ShardRef(uri="file:///r", stage="rollout", num_rows=1, config_hash="0" * 16, manifest_sha256="0" * 64)
+    base = dict(rollout=ref, model="m", logprobs=cfg.logprobs, temperature=0.7, out="file:///o")
+    assert "grouping" not in ActorLogprobsInput(**base).hash_view()
+    assert ActorLogprobsInput(**base, grouping=cfg.logprob_grouping).hash_view()["grouping"]["seed"] == 3
