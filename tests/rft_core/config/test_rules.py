@@ -113,3 +113,19 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
                        "reward.grader": "math_verify"})
     load_config(None, {"reward.sources": {"tests": "code_exec"}, "reward.recipes": {"default": [{"source": "tests"}]},
                        "reward.default_recipe": "default", "data.task": "humaneval"})
+
+
+def test_a_bare_name_is_the_tagged_section_with_its_defaults():
+    """`--set update.policy_loss=gspo`, as a verl or TRL user types it: GSPO with its paper's clip
+    range and sequence-mean aggregation, not pydantic's 'Input should be a valid dictionary'."""
+    from rft_core.config import GSPOLoss
+
+    cfg = load_config("configs/grpo_demo.yaml", ["update.policy_loss=gspo", "advantage=rloo",
+                                                 "reward.sources.fmt=format", "reward.recipes.default=[{source: fmt}]",
+                                                 "reward.grader=dataset", "reward.format_reward=0.0",
+                                                 "reward.default_recipe=default"])
+    assert cfg.update.policy_loss == GSPOLoss() and cfg.update.loss_agg == "seq-mean-token-mean"
+    assert cfg.advantage.estimator == "rloo" and cfg.reward.sources["fmt"].type == "format"
+    # a bare name replaces the section: the preset's fields of another loss are not carried over
+    assert load_config(None, {"update.policy_loss": {"name": "ppo_clip", "clip_high": 0.28}}).update.policy_loss.clip_high == 0.28
+    assert load_config(None, [ "update.policy_loss.clip_high=0.28", "update.policy_loss=gspo"]).update.policy_loss == GSPOLoss()
