@@ -125,6 +125,18 @@ def check_policy_loss_aggregation(policy_loss: str, loss_agg: str) -> None:
         )
 
 
+def _masked_output(
+    token_loss: torch.Tensor, clipped: torch.Tensor, log_ratio: torch.Tensor, action_mask: torch.Tensor
+) -> PolicyLossOutput:
+    """A loss's (B, T) terms zeroed outside ``action_mask`` (tokens the policy did not sample)."""
+    zeros = torch.zeros((), dtype=token_loss.dtype, device=token_loss.device)
+    return PolicyLossOutput(
+        token_loss=torch.where(action_mask, token_loss, zeros),
+        clipped=clipped & action_mask,
+        log_ratio=torch.where(action_mask, log_ratio, zeros),
+    )
+
+
 @POLICY_LOSSES.register("ppo_clip", info=_ANY_AGG)
 def ppo_clip_loss(
     logprobs: torch.Tensor,
@@ -157,12 +169,7 @@ def ppo_clip_loss(
     surr1 = ratio * advantages
     surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     token_loss = apply_token_weights(-torch.minimum(surr1, surr2), weights)
-    zeros = torch.zeros((), dtype=token_loss.dtype, device=token_loss.device)
-    return PolicyLossOutput(
-        token_loss=torch.where(action_mask, token_loss, zeros),
-        clipped=(surr2 < surr1) & action_mask,
-        log_ratio=torch.where(action_mask, log_ratio, zeros),
-    )
+    return _masked_output(token_loss, surr2 < surr1, log_ratio, action_mask)
 
 
 @POLICY_LOSSES.register("dual_clip", info=_ANY_AGG)
@@ -269,17 +276,6 @@ def cpgd_loss(
     return PolicyLossOutput(
         token_loss=torch.where(action_mask, token_loss, zeros),
         clipped=(surr2 < surr1) & action_mask,
-        log_ratio=torch.where(action_mask, log_ratio, zeros),
-    )
-
-
-def _masked_output(
-    token_loss: torch.Tensor, clipped: torch.Tensor, log_ratio: torch.Tensor, action_mask: torch.Tensor
-) -> PolicyLossOutput:
-    zeros = torch.zeros((), dtype=token_loss.dtype, device=token_loss.device)
-    return PolicyLossOutput(
-        token_loss=torch.where(action_mask, token_loss, zeros),
-        clipped=clipped & action_mask,
         log_ratio=torch.where(action_mask, log_ratio, zeros),
     )
 

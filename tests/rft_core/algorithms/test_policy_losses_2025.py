@@ -27,7 +27,7 @@ import torch
 from rft_core.algorithms import POLICY_LOSSES
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS, check_policy_loss_aggregation, ppo_clip_loss
 from rft_core.config import ConfigError, load_config, policy_loss_kwargs
-from rft_core.training.strategy import SingleProcess
+from tests.rft_core.training.test_multiturn_masks import GradRecorder
 
 D = torch.float64
 DATA = Path(__file__).parent / "data" / "verl_policy_losses.json"
@@ -362,19 +362,6 @@ def test_config_refuses_invalid_parameters(overrides, match):
         load_config(None, overrides)
 
 
-class _GradRecorder(SingleProcess):
-    """A single-process strategy whose step records the accumulated gradients and leaves the weights."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model, torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1e9)
-        self.grads: list[dict[str, torch.Tensor]] = []
-
-    def step(self) -> float:
-        self.grads.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
-        self.optimizer.zero_grad(set_to_none=True)
-        return 0.0
-
-
 def _update_data(tiny_model: str):
     from rft_core.models.loading import load_causal_lm
     from rft_core.models.logprobs import batched_response_logprobs
@@ -398,7 +385,7 @@ def test_ppo_update_with_gmpo_has_the_loop_gradient(tiny_model):
     data = _update_data(tiny_model)
     upd = load_config(None, ["update.policy_loss.name=gmpo", "update.policy_loss.clip_low=0.1",
                              "update.policy_loss.clip_high=0.1"]).update
-    strategy = _GradRecorder(load_causal_lm(tiny_model, trainable=True))
+    strategy = GradRecorder(load_causal_lm(tiny_model, trainable=True))
     steps = ppo_update(strategy, data, pad_token_id=2, policy_loss=upd.policy_loss.name,
                        policy_loss_kwargs=policy_loss_kwargs(upd.policy_loss), loss_agg=upd.loss_agg,
                        micro_batch_size=2)
@@ -427,7 +414,7 @@ def test_ppo_update_runs_each_new_loss(tiny_model, name):
     from rft_core.training.update import ppo_update
 
     upd = load_config(None, [f"update.policy_loss.name={name}"]).update
-    strategy = _GradRecorder(load_causal_lm(tiny_model, trainable=True))
+    strategy = GradRecorder(load_causal_lm(tiny_model, trainable=True))
     steps = ppo_update(strategy, _update_data(tiny_model), pad_token_id=2, policy_loss=name,
                        policy_loss_kwargs=policy_loss_kwargs(upd.policy_loss), loss_agg=upd.loss_agg,
                        micro_batch_size=2)
