@@ -42,10 +42,14 @@ bench-trl: $(STAMP)
 		--findings benchmarks/vs_trl_findings.md
 
 # Held-out accuracy before/after GRPO, 3 seeds, ours and TRL's GRPOTrainer on the same prompts
-# (docs/learning.md, docs/learning_curve.png); ~1.5 h on 2 quiet cores.
+# (docs/learning.md, docs/learning_curve.png), then the asynchronous arm: the same 3 seeds with
+# rollout.max_staleness=1 (docs/learning_async.md, docs/raw/learning_async.json); ~2 h on 2 quiet cores.
 bench-learning: $(STAMP)
 	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[bench]'
 	$(BIN)/python benchmarks/learning.py --with-trl
+	$(BIN)/python benchmarks/learning.py --set rollout.max_staleness=1 --set logprobs.recompute_old_logprobs=true \
+		--out runs/learning-s1 --doc docs/learning_async.md --png docs/learning_async_curve.png
+	cp runs/learning-s1/summary.json docs/raw/learning_async.json
 
 # Resident workers against stage mode (issue 27): the demo preset 4 iterations in each mode, one after
 # the other (docs/benchmarks.md, docs/raw/resident.json); ~6 min. Run on a quiet machine.

@@ -120,7 +120,8 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
     if cfg.recomputes_old_logprobs:
         futures["actor_logprobs"] = tasks.tagged(tasks.actor_logprobs, tags).submit(inp=ActorLogprobsInput(
             rollout=rollout, model=policy, logprobs=cfg.logprobs, temperature=temp, dtype=cfg.policy.dtype,
-            grouping=cfg.logprob_grouping, out=out("actor_logprobs")), runner=cfg.runner("actor_logprobs"))
+            grouping=cfg.logprob_grouping, with_sum_pi_squared=cfg.needs_sum_pi_squared, out=out("actor_logprobs")),
+            runner=cfg.runner("actor_logprobs"))
     if critic is not None:
         futures["critic_values"] = tasks.tagged(tasks.critic_values, tags).submit(inp=CriticValuesInput(
             rollout=rollout, model=critic, critic=cfg.critic, out=out("critic_values")), runner=cfg.runner("critic_values"))
@@ -146,7 +147,7 @@ def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef,
         rollout=rollout, rewards=parts["rewards"], actor_logprobs=actor, ref_logprobs=ref, critic_values=values, kl=kl,
         advantage=cfg.advantage, shaping=cfg.shaping, state=state, max_new_tokens=cfg.rollout.max_new_tokens,
         baseline_rollout=parts.get("baseline_rollout"), baseline_rewards=parts.get("baseline_rewards"),
-        out=out("advantages")))
+        rollout_correction=cfg.advantage_rollout_correction, out=out("advantages")))
     critic_future = None
     if critic is not None and values is not None:
         critic_future = tasks.tagged(tasks.critic_update, tags).submit(inp=CriticUpdateInput(

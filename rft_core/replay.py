@@ -29,7 +29,7 @@ def replay_sources(source_run_root: str, iteration: int, cfg: TrainConfig) -> di
         ShardNotCommittedError: prompts, rollout or rewards missing.
         ValueError: ``cfg`` needs ref_logprobs (kl_coef > 0), critic values (gae), the greedy
             baseline stages (remax) or the actor stage's old log-probs (entropy filter, rollout
-            correction) that the source run did not compute.
+            correction, optimal_token_baseline) that the source run did not compute.
     """
     out: dict[str, ShardRef] = {}
     for stage in ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "critic_values", "baseline_rollout",
@@ -53,7 +53,8 @@ def replay_sources(source_run_root: str, iteration: int, cfg: TrainConfig) -> di
         out.pop("baseline_rollout", None)
         out.pop("baseline_rewards", None)
     needs_actor = [k for k, on in (("update.entropy_top_fraction", cfg.update.entropy_top_fraction is not None),
-                                   ("update.rollout_correction", cfg.update.rollout_correction.enabled)) if on]
+                                   ("update.rollout_correction", cfg.update.rollout_correction.enabled),
+                                   (f"advantage.estimator={cfg.advantage.estimator}", cfg.needs_sum_pi_squared)) if on]
     if needs_actor and "actor_logprobs" not in out:
         raise ValueError(f"{' and '.join(needs_actor)} need(s) the actor stage's old log-probs, which {source_run_root} "
                          f"iteration {iteration} does not have (a replay runs no actor stage; the source run skipped "

@@ -97,6 +97,8 @@ class ColumnBatch:
         old_logprobs: (B, T) float32, the actor stage's (the rollout engine's without one).
         ref_logprobs, values, action_entropy, advantages, returns, kl: (B, T) float32 or None
             when their stage is not given.
+        sum_pi_squared: (B, T) float32, the actor stage's sum_v pi_old(v)^2 at each token, or
+            None when its shard does not carry that optional column (or is not given).
         rewards, shaped_rewards: (B,) float32 or None.
     """
 
@@ -119,6 +121,7 @@ class ColumnBatch:
     returns: torch.Tensor | None = None
     kl: torch.Tensor | None = None
     shaped_rewards: torch.Tensor | None = None
+    sum_pi_squared: torch.Tensor | None = None
 
 
 def join_column_groups(
@@ -175,4 +178,6 @@ def join_column_groups(
         action_entropy=per_token("actor_logprobs", "action_entropy"), rewards=per_sample("rewards", "rewards"),
         advantages=per_token("advantages", "advantages"), returns=per_token("advantages", "returns"),
         kl=per_token("advantages", "kl"), shaped_rewards=per_sample("advantages", "shaped_rewards"),
+        sum_pi_squared=(pad_lists(actor.column("sum_pi_squared"), torch.float32)
+                        if actor is not None and "sum_pi_squared" in actor.column_names else None),
     )

@@ -7,27 +7,48 @@ by ``sample_id`` (rollout and later) or ``prompt_id`` (prompts).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 
 
 @dataclass(frozen=True)
 class StageSchema:
-    """An Arrow schema with the stage name and version stamped in its metadata."""
+    """An Arrow schema with the stage name and version stamped in its metadata.
+
+    ``optional``: columns a shard of the stage may carry or leave out (written only when a stage
+    input asks for them, e.g. ``sum_pi_squared`` of ``actor_logprobs``), after the required ones.
+    They are not part of ``schema`` nor of the fingerprint, so adding one leaves every committed
+    shard readable under the same version; when present, a reader checks their type and nulls
+    as it checks the required columns'.
+    """
 
     stage: str
     version: int
     schema: pa.Schema
+    optional: tuple[pa.Field, ...] = field(default=())
 
     @property
     def arrow(self) -> pa.Schema:
-        """The schema with ``stage`` and ``schema_version`` metadata."""
+        """The schema with ``stage`` and ``schema_version`` metadata (required columns only)."""
         return self.schema.with_metadata({"stage": self.stage, "schema_version": str(self.version)})
+
+    def arrow_with(self, names: "list[str] | tuple[str, ...]") -> pa.Schema:
+        """``arrow`` plus the optional columns among ``names`` (in ``optional``'s order).
+
+        Raises:
+            KeyError: a name that is no optional column of the stage.
+        """
+        known = {f.name for f in self.optional}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise KeyError(f"{unknown} are not optional columns of stage {self.stage!r} (optional: {sorted(known)})")
+        extra = [f for f in self.optional if f.name in names]
+        return pa.schema([*self.schema, *extra]).with_metadata(self.arrow.metadata)
 
     @property
     def fingerprint(self) -> str:
-        """sha256 (hex, first 16) over field names, types and nullability, in order."""
+        """sha256 (hex, first 16) over the required fields' names, types and nullability, in order."""
         text = ";".join(f"{f.name}:{f.type}:{f.nullable}" for f in self.schema)
         return hashlib.sha256(f"{self.stage}/{self.version}/{text}".encode()).hexdigest()[:16]
 
@@ -109,7 +130,11 @@ ACTOR_LOGPROBS = StageSchema("actor_logprobs", 1, pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),
     pa.field("old_logprobs", _f32, nullable=False),
     pa.field("action_entropy", _f32, nullable=False),  # entropy (nats) of the policy at each token
-]))
+]), optional=(
+    # sum_v pi_old(v)^2 at each token (pi_old = softmax(logits / temperature)), written only when
+    # ActorLogprobsInput.with_sum_pi_squared (the optimal token baseline's input)
+    pa.field("sum_pi_squared", _f32, nullable=False),
+))
 
 REF_LOGPROBS = StageSchema("ref_logprobs", 1, pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),
@@ -185,7 +210,8 @@ STAGE_SCHEMAS: dict[str, StageSchema] = {
 }
 
 # Per-token list columns that must have one entry per response token.
-PER_TOKEN_COLUMNS = {"rollout_logprobs", "action_mask", "old_logprobs", "action_entropy", "ref_logprobs", "values", "kl", "advantages", "returns"}
+PER_TOKEN_COLUMNS = {"rollout_logprobs", "action_mask", "old_logprobs", "action_entropy", "sum_pi_squared", "ref_logprobs",
+                     "values", "kl", "advantages", "returns"}
 
 
 def schema_for(stage: str) -> StageSchema:

@@ -41,8 +41,14 @@ def _same_type(got: pa.DataType, want: pa.DataType) -> bool:
     return got == want
 
 
+def _present_optional(table: pa.Table, expected: StageSchema) -> list[str]:
+    """The optional columns of ``expected`` that ``table`` has (``StageSchema.optional``)."""
+    return [f.name for f in expected.optional if f.name in table.column_names]
+
+
 def validate_table(table: pa.Table, expected: StageSchema, *, where: str) -> pa.Table:
-    """Check ``table`` against ``expected``; return it with the expected column order.
+    """Check ``table`` against ``expected``; return it with the expected column order (the
+    required columns, then the optional ones it has; other columns dropped).
 
     Raises:
         ShardSchemaError: a missing column or a wrong dtype, named in the message.
@@ -50,13 +56,14 @@ def validate_table(table: pa.Table, expected: StageSchema, *, where: str) -> pa.
     missing = [f.name for f in expected.schema if f.name not in table.column_names]
     if missing:
         raise ShardSchemaError(f"{where}: missing column(s) {missing} for stage {expected.stage!r}")
-    for f in expected.schema:
+    present = _present_optional(table, expected)
+    for f in [*expected.schema, *(f for f in expected.optional if f.name in present)]:
         got = table.schema.field(f.name).type
         if not _same_type(got, f.type):
             raise ShardSchemaError(f"{where}: column {f.name!r} has dtype {got}, expected {f.type}")
         if not f.nullable and table.column(f.name).null_count:
             raise ShardSchemaError(f"{where}: column {f.name!r} has nulls but is not nullable")
-    return table.select([f.name for f in expected.schema])
+    return table.select([f.name for f in expected.schema] + present)
 
 
 def write_parts(table: pa.Table, uri: str, *, schema: StageSchema, rows_per_part: int = 100_000) -> dict[str, int]:
@@ -68,7 +75,8 @@ def write_parts(table: pa.Table, uri: str, *, schema: StageSchema, rows_per_part
         ShardSchemaError: ``table`` does not match ``schema``.
         StorageError: the storage refused a write (no space, read-only, permission), named.
     """
-    table = validate_table(table, schema, where=f"writing {uri}").cast(schema.arrow)
+    table = validate_table(table, schema, where=f"writing {uri}")
+    table = table.cast(schema.arrow_with(_present_optional(table, schema)))
     fs, path = filesystem(uri)
     rows: dict[str, int] = {}
     n_parts = max(1, -(-table.num_rows // rows_per_part))
@@ -163,7 +171,8 @@ def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = 
                 f"{fpath}: file metadata says stage={meta.get(b'stage')!r} schema_version={meta.get(b'schema_version')!r}, "
                 f"expected {want!r} version {expected.version}"
             )
-        tables.append(validate_table(part, expected, where=fpath).cast(expected.arrow))
+        part = validate_table(part, expected, where=fpath)
+        tables.append(part.cast(expected.arrow_with(_present_optional(part, expected))))
     table = pa.concat_tables(tables) if tables else expected.arrow.empty_table()
     if table.num_rows != manifest.num_rows:
         raise ShardCorruptError(f"{uri}: {table.num_rows} rows, manifest says {manifest.num_rows}")

@@ -48,7 +48,9 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
         if cfg.recomputes_old_logprobs:
             parts["actor_logprobs"] = run(ActorLogprobsInput(rollout=rollout, model=policy, logprobs=cfg.logprobs,
                                                              temperature=temp, dtype=cfg.policy.dtype,
-                                                             grouping=cfg.logprob_grouping, out=out("actor_logprobs")))
+                                                             grouping=cfg.logprob_grouping,
+                                                             with_sum_pi_squared=cfg.needs_sum_pi_squared,
+                                                             out=out("actor_logprobs")))
         if kl.needs_reference:
             parts["ref_logprobs"] = run(RefLogprobsInput(rollout=rollout, model=cfg.reference_model.path,
                                                          logprobs=cfg.logprobs, temperature=temp,
@@ -57,7 +59,7 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
         adv = run_stage(AdvantagesInput(rollout=rollout, rewards=parts["rewards"], actor_logprobs=parts.get("actor_logprobs"),
                                         ref_logprobs=parts.get("ref_logprobs"), kl=kl, advantage=cfg.advantage,
                                         shaping=cfg.shaping, state=state, max_new_tokens=cfg.rollout.max_new_tokens,
-                                        out=out("advantages")))
+                                        rollout_correction=cfg.advantage_rollout_correction, out=out("advantages")))
         policy = run(PPOUpdateInput(rollout=rollout, advantages=adv, actor_logprobs=parts.get("actor_logprobs"),
                                     ref_logprobs=parts.get("ref_logprobs"), policy=policy, update=cfg.update, kl=kl,
                                     temperature=temp, dtype=cfg.policy.dtype, save_checkpoint=cfg.is_checkpoint(it),

@@ -33,12 +33,18 @@ class EstimatorInfo:
             prompt as its baseline (keyword ``reward_baselines``, (B,); ReMax): the iteration
             generates that response (the rollout stage with ``greedy``, stage folder
             ``baseline_rollout``) and scores it (``baseline_rewards``).
+        needs_sum_pi_squared: it takes the policy's statistics at every response token
+            (keywords ``old_logprobs`` and ``sum_pi_squared``, (B, T) each: log pi_old of the
+            sampled token and sum_v pi_old(v)^2, both from the actor stage, and
+            ``rollout_is_weights``, the rollout correction's weights or None; the optimal token
+            baseline): the actor stage runs and writes ``sum_pi_squared``.
     """
 
     token_level: bool
     needs_critic: bool
     group_baseline: bool
     greedy_baseline: bool = False
+    needs_sum_pi_squared: bool = False
 
 
 _OUTCOME_GROUP = EstimatorInfo(token_level=False, needs_critic=False, group_baseline=True)
@@ -630,6 +636,10 @@ def remax_advantages(
     return returns - _broadcast(reward_baselines.to(returns.dtype), action_mask), returns
 
 
+@ADVANTAGE_ESTIMATORS.register(
+    "optimal_token_baseline",
+    info=EstimatorInfo(token_level=True, needs_critic=False, group_baseline=True, needs_sum_pi_squared=True),
+)
 def optimal_token_baseline_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -652,21 +662,27 @@ def optimal_token_baseline_advantages(
 
     pi_t = exp(old_logprobs_t), m = action_mask; positions t are aligned by index within the
     group. A group of one sample gets B = 0 (A = G). w_t is ||grad_logits log pi(a_t)||^2 (the
-    logit-gradient proxy of the squared score norm), W_t its running sum.
+    logit-gradient proxy of the squared score norm), W_t its running sum. A group whose returns
+    are all equal gets A_t = G_t eps / (sum W_t + eps), zero up to eps (``group_baseline``).
 
-    **Not wired to a config key yet**: it needs sum_v pi(v)^2 at every response token from the
-    actor's forward pass, which the actor_logprobs stage does not write. Not registered in
-    ``ADVANTAGE_ESTIMATORS`` for that reason. verl's ``handle_zero_tail`` option (default False)
+    ``advantage.estimator=optimal_token_baseline`` (``OptimalTokenBaselineAdvantage``): the
+    actor stage writes ``sum_pi_squared`` next to ``old_logprobs`` (``ActorLogprobsInput.
+    with_sum_pi_squared``, the same chunked pass, ``rft_core.models.logprobs.token_logprobs``)
+    and the advantages stage passes both, with the rollout correction's weights when it is on
+    (``AdvantagesInput.rollout_correction``). verl's ``handle_zero_tail`` option (default False)
     and its multi-turn variant (``tir_optimal_token_baseline``) are not implemented.
 
     Args:
         rewards: (B,) float outcome rewards.
         group_ids: (B,) int.
         action_mask: (B, T) bool.
-        old_logprobs: (B, T) float, log pi_old of the sampled tokens.
-        sum_pi_squared: (B, T) float, sum over the vocabulary of pi_old(v)^2 at each position.
+        old_logprobs: (B, T) float, log pi_old of the sampled tokens (the actor stage's
+            ``old_logprobs``).
+        sum_pi_squared: (B, T) float, sum over the vocabulary of pi_old(v)^2 at each position
+            (the actor stage's ``sum_pi_squared`` column).
         token_rewards: (B, T); default: the outcome reward on the last response token.
-        rollout_is_weights: (B, T) or None, truncated importance weights rho_t.
+        rollout_is_weights: (B, T) or None, truncated importance weights rho_t (the rollout
+            correction's ``weights``, 0 on the tokens it masks).
         eps: added to the denominator (verl's 1e-8).
     Returns:
         (advantages, returns=G), (B, T) each in the dtype of ``old_logprobs``, zero where masked.

@@ -24,7 +24,7 @@ from rft_core.config.algorithms import (  # noqa: F401
     ADVANTAGE_CONFIGS, DEFAULT_KL_ESTIMATOR, PAPER_KL_MODE, POLICY_LOSS_CONFIGS, AdvantageConfig, CPGDAdvantage, CPGDLoss,
     DrGRPOAdvantage, DualClipLoss, DynamicSamplingConfig, GAEAdvantage, GRPOAdvantage, GSPOLoss, KLConfig,
     PolicyLossConfig, PPOClipLoss, ReinforceAdvantage, ReinforceBaselineAdvantage, RLOOAdvantage,
-    OPOAdvantage, PassAtKAdvantage, ReMaxAdvantage,
+    OPOAdvantage, OptimalTokenBaselineAdvantage, PassAtKAdvantage, ReMaxAdvantage,
     RolloutCorrectionConfig, ShapingConfig, TrainState, estimator_kwargs, policy_loss_kwargs)
 from rft_core.config.rewards import (  # noqa: F401
     REWARD_SOURCE_CONFIGS, CodeExecSource, ExactMatchSource, FormatSource, MathAnswerSource, PythonSource,
@@ -318,7 +318,7 @@ class TrainConfig(_Frozen):
         KV-cache decode and a bfloat16 full-sequence pass round differently, by about 1e-2), one
         turn per sample (no agent), one optimizer step per rollout (``update.epochs`` 1 and the
         whole rollout in one step), and nothing that needs the actor stage's own outputs (the
-        entropy filter, rollout correction). Then pi_old is the engine's distribution and the two
+        entropy filter, rollout correction, the optimal token baseline's sum_pi_squared). Then pi_old is the engine's distribution and the two
         log-probs agree to float32 rounding (about 1e-6, ``tests/rft_core/engines``); every
         update checks it again (``approx_kl`` of its first step, before any weight changes, is
         0.5 * mean((logp - old_logp)^2)). This is TRL's ``num_iterations=1`` behaviour (its
@@ -344,6 +344,9 @@ class TrainConfig(_Frozen):
             reasons.append("update.rollout_correction weighs the trainer's old log-probs against the engine's")
         if r.max_staleness > 0:
             reasons.append("rollout.max_staleness >= 1: the update needs its starting (proximal) policy's log-probs")
+        if self.needs_sum_pi_squared:
+            reasons.append(f"advantage.estimator={self.advantage.estimator} needs sum_v pi_old(v)^2 at every token "
+                           "from the actor stage (sum_pi_squared)")
         return reasons
 
     def rollout_policy_version(self, iteration: int) -> int:
@@ -386,6 +389,22 @@ class TrainConfig(_Frozen):
         """True when the advantage estimator subtracts the reward of a greedy response of each
         prompt (remax): the iteration runs the ``baseline_rollout`` and ``baseline_rewards`` stages."""
         return ADVANTAGE_ESTIMATORS.info(self.advantage.estimator).greedy_baseline
+
+    @property
+    def needs_sum_pi_squared(self) -> bool:
+        """True when the advantage estimator takes sum_v pi_old(v)^2 at every response token
+        (optimal_token_baseline, ``EstimatorInfo.needs_sum_pi_squared``): the actor stage runs
+        (``old_logprobs_blockers``) with ``ActorLogprobsInput.with_sum_pi_squared``."""
+        return ADVANTAGE_ESTIMATORS.info(self.advantage.estimator).needs_sum_pi_squared
+
+    @property
+    def advantage_rollout_correction(self) -> RolloutCorrectionConfig | None:
+        """The rollout correction the advantages stage needs (``AdvantagesInput.rollout_correction``):
+        ``update.rollout_correction`` when it is on and the estimator weighs its baseline by the
+        importance weights (``needs_sum_pi_squared``: the optimal token baseline's w_t * rho_t^2,
+        as verl's trainer passes ``rollout_is_weights``); None otherwise, which enters no hash."""
+        rc = self.update.rollout_correction
+        return rc if self.needs_sum_pi_squared and rc.enabled else None
 
     @property
     def initial_critic(self) -> str:

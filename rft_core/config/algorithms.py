@@ -27,6 +27,10 @@ PAPER_KL_MODE: dict[str, str] = {
     "pass_at_k": "loss",  # Chen et al. 2025, arXiv:2508.10751: GRPO-style group advantages (KL as GRPO's, if any)
     "opo": "loss",  # Hao et al. 2025, arXiv:2505.23585 trains without a KL term; as GRPO's, the method it modifies
     "remax": "reward",  # Li et al. 2023, arXiv:2310.10505 (RLHF reward); verl's remax example: use_kl_in_reward
+    # verl's OTB recipe (docs/algo/otb.md, examples/otb_trainer) trains without a KL (use_kl_loss false,
+    # use_kl_in_reward false); its input is the token-level rewards (verl's token_level_rewards, which carry the
+    # KL with use_kl_in_reward), summed into returns-to-go G_t with no std to rescale a penalty: per token as reinforce
+    "optimal_token_baseline": "reward",
 }
 # The estimator used when ``kl.estimator`` is not given, by mode: k1 as a reward (its score-function
 # gradient is grad KL(pi||ref)); k3+ as a loss (the value of GRPO's eq. 4 estimator, the gradient
@@ -173,8 +177,19 @@ class ReMaxAdvantage(_Frozen):
     estimator: Literal["remax"] = "remax"
 
 
+class OptimalTokenBaselineAdvantage(_Frozen):
+    """verl's optimal token baseline (``compute_optimal_token_baseline_advantage``, docs/algo/otb.md):
+    returns-to-go minus a per-group, per-position baseline weighted by the accumulated
+    1 - 2 pi_t + sum_v pi(v)^2 of each sample. Needs the actor stage (it writes
+    ``sum_pi_squared``): ``logprobs.recompute_old_logprobs`` true or auto."""
+
+    estimator: Literal["optimal_token_baseline"] = "optimal_token_baseline"
+    eps: float = Field(1e-8, gt=0, description="added to the baseline's denominator (verl's 1e-8)")
+
+
 ADVANTAGE_CONFIGS = (GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, ReinforceAdvantage, ReinforceBaselineAdvantage,
-                     CPGDAdvantage, GAEAdvantage, PassAtKAdvantage, OPOAdvantage, ReMaxAdvantage)
+                     CPGDAdvantage, GAEAdvantage, PassAtKAdvantage, OPOAdvantage, ReMaxAdvantage,
+                     OptimalTokenBaselineAdvantage)
 AdvantageConfig = _tagged_union(ADVANTAGE_CONFIGS, "estimator", "grpo", "advantage estimator")
 
 

@@ -57,9 +57,12 @@ def is_reasoning_gym_dataset(label: str) -> bool:
 
 def _group_one_sample(cfg: Any) -> str | None:
     name = cfg.advantage.estimator
-    if ADVANTAGE_ESTIMATORS.info(name).group_baseline and cfg.rollout.n_samples_per_prompt < 2:
+    info = ADVANTAGE_ESTIMATORS.info(name)
+    if info.group_baseline and cfg.rollout.n_samples_per_prompt < 2:
+        # the optimal token baseline of a group of one is 0 (verl: "the baseline collapses to returns")
+        what = "no baseline (the advantages are the plain returns)" if info.needs_sum_pi_squared else "every advantage 0"
         return (f"advantage.estimator={name} subtracts a baseline of each prompt's group of samples, but "
-                "rollout.n_samples_per_prompt=1 makes every group one sample and every advantage 0: set "
+                f"rollout.n_samples_per_prompt=1 makes every group one sample and {what}: set "
                 "rollout.n_samples_per_prompt >= 2 (GRPO's paper uses 64, the demo 4) or advantage.estimator=reinforce "
                 "(or gae) for one sample per prompt")
     return None
@@ -80,6 +83,15 @@ def _remax_with_agent(cfg: Any) -> str | None:
         return (f"advantage.estimator={cfg.advantage.estimator} subtracts the reward of a greedy single-turn response "
                 "of each prompt (ReMax, arXiv:2310.10505), which a multi-turn rollout (rollout.agent) has no "
                 "counterpart of: unset rollout.agent or choose another estimator (e.g. rloo)")
+    return None
+
+
+def _sum_pi_squared_without_actor(cfg: Any) -> str | None:
+    if cfg.needs_sum_pi_squared and cfg.logprobs.recompute_old_logprobs is False:
+        return (f"advantage.estimator={cfg.advantage.estimator} weighs its baseline by sum_v pi_old(v)^2 at every "
+                "response token, which only the actor stage computes (verl: actor.calculate_sum_pi_squared), but "
+                "logprobs.recompute_old_logprobs=false skips that stage: set logprobs.recompute_old_logprobs=auto "
+                "(or true) or choose another estimator (e.g. grpo)")
     return None
 
 
@@ -153,6 +165,8 @@ CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("group-one-sample", ("advantage.estimator", "rollout.n_samples_per_prompt"), _group_one_sample),
     Rule("pass-at-k-beyond-group", ("advantage.k", "rollout.n_samples_per_prompt"), _pass_at_k_beyond_group),
     Rule("remax-with-agent", ("advantage.estimator", "rollout.agent"), _remax_with_agent),
+    Rule("otb-without-actor-pass", ("advantage.estimator", "logprobs.recompute_old_logprobs"),
+         _sum_pi_squared_without_actor),
     Rule("dynamic-one-sample", ("dynamic_sampling.enabled", "rollout.n_samples_per_prompt"), _dynamic_one_sample),
     Rule("train-batch-beyond-rollout", ("update.train_batch_size", "data.prompts_per_iteration",
                                         "rollout.n_samples_per_prompt"), _train_batch_beyond_rollout),

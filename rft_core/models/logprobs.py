@@ -93,8 +93,9 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and optionally entropies) of the response tokens, in one forward pass.
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Log-probs (and optionally entropies and sum_v pi(v)^2) of the response tokens, in one forward pass.
 
     Args:
         model: a causal LM whose forward accepts ``logits_to_keep``.
@@ -102,14 +103,17 @@ def response_logprobs(
             forward pass, so keep it small (the caller micro-batches).
         temperature: logits are divided by it (the sampling temperature of the rollout).
         chunk_size: positions per chunk of ``token_logprobs`` (None: ``default_chunk_size``).
+        with_sum_pi_squared: also sum_v softmax(logits / temperature)_v^2 at each response token
+            (``token_logprobs``), as a third element.
     Returns:
-        (logprobs, entropy): (B, T) float32 each (entropy None unless asked), differentiable
-        w.r.t. the model's parameters; values at positions where action_mask is False are
-        meaningless but finite.
+        (logprobs, entropy), or (logprobs, entropy, sum_pi_squared) with ``with_sum_pi_squared``:
+        (B, T) float32 each (entropy None unless asked); logprobs and entropy differentiable
+        w.r.t. the model's parameters, sum_pi_squared not; values at positions where
+        action_mask is False are meaningless but finite.
     """
     if isinstance(batch, PackedBatch):
         return packed_response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy,
-                                        chunk_size=chunk_size)
+                                        chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared)
     T = batch.num_actions
     device = model_device(model)
     if batch.model_inputs:  # VL: the model derives its 3-D positions from the mask and the image grid
@@ -122,9 +126,11 @@ def response_logprobs(
     # result dropped), which keeps the (B, T+1, V) logits a contiguous view instead of a sliced copy
     targets = torch.zeros(batch.input_ids.shape[0], T + 1, dtype=torch.long, device=device)
     targets[:, :T] = batch.input_ids[:, -T:].to(device)
-    lp, ent = token_logprobs(out.logits, targets, temperature=temperature, with_entropy=with_entropy,
-                             chunk_size=chunk_size)
-    return lp[:, :T].contiguous(), (ent[:, :T].contiguous() if ent is not None else None)
+    res = token_logprobs(out.logits, targets, temperature=temperature, with_entropy=with_entropy,
+                         chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared)
+    lp, ent = res[0], res[1]
+    got = lp[:, :T].contiguous(), (ent[:, :T].contiguous() if ent is not None else None)
+    return (*got, res[2][:, :T].contiguous()) if with_sum_pi_squared else got
 
 
 def default_device() -> torch.device:
@@ -242,10 +248,10 @@ def default_chunk_size(vocab_size: int) -> int:
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                   with_entropy: bool = False, chunk_size: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target) and the entropy of softmax(logits / temperature), ``chunk_size`` positions at
-    a time, with bounded extra memory in the forward and the backward pass.
+                   with_entropy: bool = False, chunk_size: int | None = None, with_sum_pi_squared: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """log p(target), the entropy of softmax(logits / temperature) and sum_v p_v^2, ``chunk_size``
+    positions at a time, with bounded extra memory in the forward and the backward pass.
 
     With x = logits / temperature (in float32, float64 for float64 logits) and
     lse = logsumexp(x): log p(target) = x[target] - lse and H = -sum_v p_v log p_v with
@@ -258,6 +264,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     ``verl/utils/torch_functional.py``; OpenRLHF ``log_probs_from_logits``,
     ``openrlhf/models/utils.py``), which need a full-size softmax.
 
+    ``with_sum_pi_squared``: also sum_v p_v^2 with p = softmax(logits / temperature), the
+    collision probability of the categorical distribution, from the same chunk's p = exp(x - lse)
+    (no further (chunk, V) temporary besides p itself). It equals verl's
+    ``exp(logsumexp(2 x) - 2 lse)`` (``calculate_sum_pi_squared``; the ``sum_pi_squared`` of the
+    optimal token baseline, ``rft_core.algorithms.advantages.optimal_token_baseline_advantages``).
+    It is data, not a differentiable output (verl computes it in the no-grad log-prob pass).
+
     Args:
         logits: (..., V) any float dtype (the model's: bfloat16 on a GPU); its leading dims are
             flattened with ``reshape`` (a view for a contiguous tensor).
@@ -265,9 +278,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
         temperature: > 0.
         with_entropy: also return the entropies.
         chunk_size: positions per chunk (None: ``default_chunk_size(V)``).
+        with_sum_pi_squared: also return sum_v p_v^2 (a third element).
     Returns:
-        (logprobs, entropy): float32 tensors of targets' shape (float64 for float64 logits);
-        entropy None unless asked. Differentiable w.r.t. ``logits``.
+        (logprobs, entropy), or (logprobs, entropy, sum_pi_squared) with ``with_sum_pi_squared``:
+        float32 tensors of targets' shape (float64 for float64 logits); entropy None unless
+        asked. logprobs and entropy are differentiable w.r.t. ``logits``, sum_pi_squared is not.
     Raises:
         ValueError: shapes that do not match, a temperature <= 0 or a chunk_size < 1.
     """
@@ -280,9 +295,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     chunk = default_chunk_size(V) if chunk_size is None else int(chunk_size)
     if chunk < 1:
         raise ValueError(f"token_logprobs: chunk_size must be >= 1, got {chunk_size}")
-    lp, ent = _ChunkedTokenLogprobs.apply(logits.reshape(-1, V), targets.reshape(-1).to(logits.device),
-                                          float(temperature), bool(with_entropy), chunk)
-    return lp.view(targets.shape), (ent.view(targets.shape) if with_entropy else None)
+    lp, ent, spi2 = _ChunkedTokenLogprobs.apply(logits.reshape(-1, V), targets.reshape(-1).to(logits.device),
+                                                float(temperature), bool(with_entropy), chunk, bool(with_sum_pi_squared))
+    out = lp.view(targets.shape), (ent.view(targets.shape) if with_entropy else None)
+    return (*out, spi2.view(targets.shape)) if with_sum_pi_squared else out
 
 
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -290,33 +306,41 @@ def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """(N, V) logits, (N,) targets -> (N,) log-probs and (N,) entropies (empty when not asked);
-    see ``token_logprobs``. Saves the logits (no copy), targets, lse and entropies."""
+    """(N, V) logits, (N,) targets -> (N,) log-probs, (N,) entropies and (N,) sum_v p_v^2 (each of
+    the last two empty when not asked; sum_v p_v^2 is never differentiable); see
+    ``token_logprobs``. Saves the logits (no copy), targets, lse and entropies."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, with_entropy, chunk):
+    def forward(ctx, logits, targets, temperature, with_entropy, chunk, with_sum_pi_squared=False):
         N = logits.shape[0]
         dtype = _compute_dtype(logits)
         logprobs = torch.empty(N, dtype=dtype, device=logits.device)
         lse = torch.empty(N, dtype=dtype, device=logits.device)
         entropy = torch.empty(N if with_entropy else 0, dtype=dtype, device=logits.device)
+        sum_pi2 = torch.empty(N if with_sum_pi_squared else 0, dtype=dtype, device=logits.device)
         for s in range(0, N, chunk):
             e = min(s + chunk, N)
             x = _scaled_chunk(logits, s, e, dtype, temperature)
             lse_c = torch.logsumexp(x, dim=-1)
             lse[s:e] = lse_c
             logprobs[s:e] = x.gather(-1, targets[s:e, None]).squeeze(-1) - lse_c
-            if with_entropy:  # H = -sum_v p_v log p_v with log p = x - lse (no cancellation against lse)
+            if with_entropy or with_sum_pi_squared:
                 logp = x.sub_(lse_c[:, None])
-                entropy[s:e] = -(logp.exp() * logp).sum(-1)
+                p = logp.exp()
+                if with_entropy:  # H = -sum_v p_v log p_v with log p = x - lse (no cancellation against lse)
+                    entropy[s:e] = -(p * logp).sum(-1)
+                if with_sum_pi_squared:  # sum_v p_v^2, in place on this chunk's p
+                    sum_pi2[s:e] = p.mul_(p).sum(-1)
+                del p  # not alive while the next chunk is allocated
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
+        ctx.mark_non_differentiable(sum_pi2)
+        return logprobs, entropy, sum_pi2
 
     @staticmethod
-    def backward(ctx, grad_lp, grad_ent):
+    def backward(ctx, grad_lp, grad_ent, grad_sum_pi2):
         logits, targets, lse, entropy = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         use_ent = grad_ent is not None and entropy.numel() > 0
@@ -335,7 +359,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 logp.add_(entropy[s:e, None]).mul_(p).mul_(grad_ent[s:e, None].to(dtype))
                 g.sub_(logp)
             grad[s:e] = g.div_(T)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def _scaled_chunk(logits: torch.Tensor, s: int, e: int, dtype: torch.dtype, temperature: float) -> torch.Tensor:
@@ -400,8 +424,9 @@ def build_packed_batch(prompts: list[list[int]], responses: list[list[int]]) -> 
 
 
 def packed_response_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0,
-                             with_entropy: bool = False, chunk_size: int | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                             with_entropy: bool = False, chunk_size: int | None = None, with_sum_pi_squared: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None,
+                                                                                      torch.Tensor]:
     """``response_logprobs`` for a packed batch: same (B, T) float32 outputs (zero where
     action_mask is False), differentiable; the (M, V) logits of the M response positions go
     through ``token_logprobs`` in chunks."""
@@ -410,16 +435,17 @@ def packed_response_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temp
     B, T = mask.shape
     if batch.logit_index.numel() == 0:  # no response token at all
         zeros = torch.zeros(B, T, device=device)
-        return zeros, (zeros.clone() if with_entropy else None)
+        empty = zeros, (zeros.clone() if with_entropy else None)
+        return (*empty, zeros.clone()) if with_sum_pi_squared else empty
     out = model(input_ids=batch.input_ids.to(device), attention_mask=None, logits_to_keep=batch.logit_index.to(device),
                 use_cache=False, **packed_model_inputs(model, batch, device))
-    flat_lp, flat_ent = token_logprobs(out.logits[0], batch.target_ids.to(device), temperature=temperature,
-                                       with_entropy=with_entropy, chunk_size=chunk_size)
-    logprobs = torch.zeros(B, T, device=device, dtype=flat_lp.dtype).masked_scatter(mask, flat_lp)
-    entropy = None
-    if flat_ent is not None:
-        entropy = torch.zeros(B, T, device=device, dtype=flat_ent.dtype).masked_scatter(mask, flat_ent)
-    return logprobs, entropy
+    flat = token_logprobs(out.logits[0], batch.target_ids.to(device), temperature=temperature,
+                          with_entropy=with_entropy, chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared)
+
+    def unpack(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else torch.zeros(B, T, device=device, dtype=x.dtype).masked_scatter(mask, x)
+
+    return tuple(unpack(x) for x in flat)
 
 
 @torch.no_grad()
@@ -439,14 +465,18 @@ def batched_response_logprobs(
     chunk_size: int | None = None,
     videos: list[list[bytes]] | None = None,
     groups: list[list[int]] | None = None,
-) -> list[list[float]] | tuple[list[list[float]], list[list[float]]]:
+    with_sum_pi_squared: bool = False,
+) -> list[list[float]] | tuple[list[list[float]], list[list[float]]] | tuple[list[list[float]], list[list[float]] | None,
+                                                                             list[list[float]]]:
     """Unpadded per-sample log-prob lists (len = len(response)) for any number of samples.
 
     Samples are sorted by total length before micro-batching to reduce padding; the output is in
     the input order. ``groups``: the micro-batches instead (sample indices, each sample in
     exactly one; ``micro_batch_size`` is then unused), e.g. the update's
     (``rft_core.training.loop.epoch_micro_batches``). With ``with_entropy`` it returns
-    (logprobs, entropies), same layout.
+    (logprobs, entropies), same layout. With ``with_sum_pi_squared`` it returns (logprobs,
+    entropies or None, sum_pi_squared): sum_v softmax(logits / temperature)_v^2 at each response
+    token (``token_logprobs``), same layout (the optimal token baseline's input).
     ``packing``: each micro-batch goes through the model as one packed row (no padding).
     ``progress``: optional callable(done, total) called after each micro-batch (samples).
     ``images``, ``videos``, ``processor``: a vision-language model's per-sample images and
@@ -460,6 +490,7 @@ def batched_response_logprobs(
         raise ValueError(f"groups must hold each of the {len(prompts)} samples exactly once")
     result: list[list[float]] = [[] for _ in prompts]
     entropies: list[list[float]] = [[] for _ in prompts]
+    sum_pi2: list[list[float]] = [[] for _ in prompts]
     done = 0
     for idx in groups:
         ps, rs = [prompts[i] for i in idx], [responses[i] for i in idx]
@@ -467,14 +498,19 @@ def batched_response_logprobs(
         if processor is not None:
             batch = with_vision(batch, processor, [images[i] for i in idx] if images is not None else None,
                                 [videos[i] for i in idx] if videos is not None else None)
-        lp, ent = response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy,
-                                    chunk_size=chunk_size)
-        lp, ent = lp.cpu(), (ent.cpu() if ent is not None else None)
+        res = response_logprobs(model, batch, temperature=temperature, with_entropy=with_entropy,
+                                chunk_size=chunk_size, with_sum_pi_squared=with_sum_pi_squared)
+        lp, ent = res[0].cpu(), (res[1].cpu() if res[1] is not None else None)
+        spi2 = res[2].cpu() if with_sum_pi_squared else None
         for row, i in enumerate(idx):
             result[i] = lp[row, : len(responses[i])].tolist()
             if ent is not None:
                 entropies[i] = ent[row, : len(responses[i])].tolist()
+            if spi2 is not None:
+                sum_pi2[i] = spi2[row, : len(responses[i])].tolist()
         done += len(idx)
         if progress is not None:
             progress(done, len(prompts))
+    if with_sum_pi_squared:
+        return result, (entropies if with_entropy else None), sum_pi2
     return (result, entropies) if with_entropy else result

@@ -14,11 +14,12 @@ from rft_core.algorithms import (
     masked_mean,
     masked_whiten,
     overlong_filter_mask,
+    rollout_correction,
 )
 from rft_core.algorithms.advantages import clip_filter_like_weights, kl_shaped_token_rewards
 from rft_core.algorithms.kl import next_kl_coef
 from rft_core.algorithms.shaping import RunningMoments, clip_with_fraction, normalize_rewards, overlong_penalty
-from rft_core.config import AdvantageConfig, KLConfig, ShapingConfig, TrainState, estimator_kwargs
+from rft_core.config import AdvantageConfig, KLConfig, RolloutCorrectionConfig, ShapingConfig, TrainState, estimator_kwargs
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import AdvantagesInput, stage_program
 from rft_core.stages.rewards import signal_prompt_ids
@@ -29,7 +30,8 @@ from schemas.columns import ADVANTAGES
 
 def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shaping: ShapingConfig | None = None,
                        state: TrainState | None = None, max_new_tokens: int | None = None,
-                       greedy_baseline: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
+                       greedy_baseline: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       correction: RolloutCorrectionConfig | None = None) -> dict[str, Any]:
     """Reward shaping, KL shaping and advantage estimation on a joined, padded batch (its
     ``rewards``, ``old_logprobs``, ``ref_logprobs``, ``values``, ``action_mask``, ``prompt_id``,
     ``finish_reason``).
@@ -57,6 +59,12 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
     itself is not counted in them), reward clipping. It carries no KL penalty (verl's
     ``reward_baselines`` neither).
 
+    An estimator with ``EstimatorInfo.needs_sum_pi_squared`` (optimal_token_baseline) gets the
+    batch's ``old_logprobs`` and ``sum_pi_squared`` (the actor stage's, (B, T) float32) and, with
+    ``correction`` enabled (the update's rollout correction), ``rollout_is_weights``: the
+    correction's weights of these old log-probs against the rollout's (0 on masked tokens), as
+    verl's trainer passes its ``rollout_is_weights``; otherwise None.
+
     Overlong filtering (``shaping.overlong_filter``; DAPO, arXiv:2503.14476, sec. 3.4): the
     advantages of truncated responses (finish_reason "length") are set to 0 after everything
     else (the group statistics still include their rewards, as DAPO's and TRL's masking of the
@@ -69,7 +77,9 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
     Raises:
         ValueError: no rewards, an overlong penalty without ``max_new_tokens``, an estimator
             that needs critic values or a greedy baseline without them, or a finish reason other
-            than stop/length (named with its row) under overlong filtering.
+            than stop/length (named with its row) under overlong filtering, or an estimator that
+            needs ``sum_pi_squared`` without it (no actor stage, or one run without
+            ``with_sum_pi_squared``).
     """
     shaping = shaping or ShapingConfig()
     state = state or TrainState(kl_coef=kl_cfg.kl_coef)
@@ -120,6 +130,17 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
         if batch.values is None:
             raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs critic values: run the critic_values stage")
         kwargs["values"] = batch.values
+    if info.needs_sum_pi_squared:
+        if batch.sum_pi_squared is None:
+            raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs sum_v pi_old(v)^2 at every token: run the "
+                             "actor_logprobs stage with with_sum_pi_squared=true (logprobs.recompute_old_logprobs auto or "
+                             "true)")
+        kwargs["old_logprobs"], kwargs["sum_pi_squared"] = batch.old_logprobs, batch.sum_pi_squared
+        kwargs["rollout_is_weights"] = None
+        if correction is not None and correction.enabled:
+            kwargs["rollout_is_weights"] = rollout_correction(
+                batch.old_logprobs, batch.rollout_logprobs, mask, mode=correction.mode, cap=correction.cap,
+                low=correction.low).weights
 
     def shape(adv: torch.Tensor) -> torch.Tensor:  # clip-filter-like weights, then whitening
         if shaping.clip_filter_like_weight:
@@ -164,6 +185,8 @@ def run(inp: AdvantagesInput) -> ShardRef:
     exactly, and whether truncated responses were filtered (``overlong_filtered``).
     ``baseline_rollout`` / ``baseline_rewards``: the greedy response of each prompt and its
     reward (remax), matched to the samples by prompt_id (``greedy_baseline_of``).
+    ``actor_logprobs`` with the optional ``sum_pi_squared`` column: the optimal token baseline's
+    input (``compute_advantages``), weighted by ``rollout_correction``'s weights when given.
     """
     commit = stage_commit(inp)
 
@@ -181,7 +204,8 @@ def run(inp: AdvantagesInput) -> ShardRef:
                                           read_shard(inp.baseline_rewards, stage="rewards"))
         with Timer() as t:
             res = compute_advantages(batch, kl_cfg=inp.kl, adv_cfg=inp.advantage, shaping=inp.shaping, state=inp.state,
-                                     max_new_tokens=inp.max_new_tokens, greedy_baseline=baseline)
+                                     max_new_tokens=inp.max_new_tokens, greedy_baseline=baseline,
+                                     correction=inp.rollout_correction)
         lengths = batch.response_length.tolist()
 
         def lists(x: torch.Tensor) -> pa.Array:

@@ -36,6 +36,7 @@ from rft_core.config import (
     LogprobConfig,
     RewardConfig,
     RolloutConfig,
+    RolloutCorrectionConfig,
     ShapingConfig,
     TrainState,
     UpdateConfig,
@@ -213,12 +214,18 @@ class LogprobsInput(StageInput):
 
 
 class ActorLogprobsInput(LogprobsInput):
-    """``old_logprobs`` (and ``action_entropy``) under the policy before the update."""
+    """``old_logprobs`` (and ``action_entropy``) under the policy before the update; with
+    ``with_sum_pi_squared`` also ``sum_pi_squared`` (sum_v pi_old(v)^2 at each response token, the
+    optional column of ``schemas.columns.ACTOR_LOGPROBS``; the optimal token baseline's input).
+    Left at False it enters no hash, so every committed actor stage stays valid."""
 
     program: ClassVar[str] = "actor_logprobs"
     stage: ClassVar[str] = "actor_logprobs"
     config_paths: ClassVar[Mapping[str, str]] = {"logprobs": "logprobs", "model": "policy.path", "dtype": "policy.dtype",
-                                                 "temperature": "rollout.temperature", "grouping": "logprob_grouping"}
+                                                 "temperature": "rollout.temperature", "grouping": "logprob_grouping",
+                                                 "with_sum_pi_squared": "needs_sum_pi_squared"}
+    with_sum_pi_squared: bool = Field(False, description="also write sum_pi_squared: sum_v softmax(logits / temperature)_v^2 "
+                                      "at each response token (TrainConfig.needs_sum_pi_squared: optimal_token_baseline)")
 
 
 class RefLogprobsInput(LogprobsInput):
@@ -247,8 +254,10 @@ class AdvantagesInput(StageInput):
     """Rewards shaped (with the KL to the reference when ``ref_logprobs`` is given) and turned
     into advantages; ``kl.kl_coef`` is this iteration's coefficient (``state.kl_coef``).
     ``baseline_rollout`` / ``baseline_rewards`` (both or neither): the greedy response of each
-    prompt and its reward, for an estimator with a greedy baseline (remax). Left out, they enter
-    no hash."""
+    prompt and its reward, for an estimator with a greedy baseline (remax). ``rollout_correction``:
+    the update's rollout correction, for an estimator that weighs its baseline by the importance
+    weights (``EstimatorInfo.needs_sum_pi_squared``: optimal_token_baseline;
+    ``TrainConfig.advantage_rollout_correction``). Left out, they enter no hash."""
 
     program: ClassVar[str] = "advantages"
     stage: ClassVar[str] = "advantages"
@@ -256,7 +265,8 @@ class AdvantagesInput(StageInput):
     # by default (advantage.whiten), discounted returns count action tokens only (multi-turn, gamma < 1) (issue 29)
     version: ClassVar[int] = 3
     config_paths: ClassVar[Mapping[str, str]] = {"kl": "kl", "advantage": "advantage", "shaping": "shaping",
-                                                 "state": "initial_state", "max_new_tokens": "rollout.max_new_tokens"}
+                                                 "state": "initial_state", "max_new_tokens": "rollout.max_new_tokens",
+                                                 "rollout_correction": "advantage_rollout_correction"}
     rollout: ShardRef
     rewards: ShardRef
     actor_logprobs: ShardRef | None = None
@@ -270,6 +280,9 @@ class AdvantagesInput(StageInput):
     shaping: ShapingConfig = ShapingConfig()
     state: TrainState
     max_new_tokens: int | None = Field(None, gt=0)
+    rollout_correction: RolloutCorrectionConfig | None = Field(
+        None, description="the update's rollout correction (enabled), whose weights the optimal token baseline squares "
+        "into its token weights; None: no weights")
 
     @model_validator(mode="after")
     def _check_baseline(self) -> "AdvantagesInput":

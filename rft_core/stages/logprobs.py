@@ -29,7 +29,13 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
     sample's images and videos (processor from the model folder), padded or packed
     (``logprobs.packing``). In a resident worker the model is the worker's copy
     (``rft_core.workers.memory.inference_model``). The model's GPU memory is handed
-    back to the driver when the program returns (``release_device_memory``)."""
+    back to the driver when the program returns (``release_device_memory``).
+
+    ``with_sum_pi_squared`` (actor only): also the optional column ``sum_pi_squared``,
+    list<float32> with one entry per response token like ``old_logprobs``: sum_v pi_old(v)^2 with
+    pi_old = softmax(logits / temperature), computed in the same chunked pass
+    (``token_logprobs``); the optimal token baseline's input. Without it the shard is exactly
+    what it was before that column existed."""
     schema, column = _SCHEMAS[inp.stage]
     commit = stage_commit(inp)
     cfg, stage = inp.logprobs, inp.stage
@@ -43,6 +49,7 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
         processor = vl_processor_or_none(path)  # a vision-language policy: images and videos go with every batch
         vision = ({"images": table.column("images").to_pylist(), "videos": table.column("videos").to_pylist(),
                    "processor": processor} if processor is not None else {})
+        spi2 = actor and bool(getattr(inp, "with_sum_pi_squared", False))
         g = inp.grouping  # below float32: the update's micro-batches, so its first step sees these log-probs exactly
         groups = None if g is None else epoch_micro_batches(table.num_rows, train_batch_size=g.train_batch_size,
                                                             micro_batch_size=g.micro_batch_size, seed=g.seed)
@@ -51,14 +58,17 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
                                             table.column("response_token_ids").to_pylist(), pad_token_id=tok.pad_token_id,
                                             micro_batch_size=cfg.micro_batch_size, temperature=inp.temperature,
                                             with_entropy=actor, packing=cfg.packing if g is None else g.packing,
-                                            progress=progress, chunk_size=cfg.chunk_size, groups=groups, **vision)
+                                            progress=progress, chunk_size=cfg.chunk_size, groups=groups,
+                                            with_sum_pi_squared=spi2, **vision)
         f32 = pa.list_(pa.float32())
         cols = {"sample_id": table.column("sample_id")}
         if actor:  # the policy's entropy at each token: for the entropy metrics and high-entropy filtering
             cols.update({column: pa.array(res[0], f32), "action_entropy": pa.array(res[1], f32)})
+            if spi2:  # sum_v pi_old(v)^2 at each token: the optimal token baseline's input
+                cols["sum_pi_squared"] = pa.array(res[2], f32)
         else:
             cols[column] = pa.array(res, f32)
-        out_table = pa.table(cols, schema=schema.arrow)
+        out_table = pa.table(cols, schema=schema.arrow_with(["sum_pi_squared"] if spi2 else []))
         summary = {"seconds": t.seconds}
         if actor:
             masks = table.column("action_mask").to_pylist()  # model tokens only (multi-turn: no observations)

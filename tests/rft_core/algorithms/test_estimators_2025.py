@@ -246,7 +246,8 @@ def test_optimal_token_baseline_against_the_loop_and_verl():
         torch.testing.assert_close(ret, torch.tensor(loop_ret, dtype=D), rtol=0, atol=1e-12)
         torch.testing.assert_close(adv, torch.tensor(case["advantages"], dtype=D), rtol=0, atol=1e-12)
         torch.testing.assert_close(ret, torch.tensor(case["returns"], dtype=D), rtol=0, atol=1e-12)
-    assert "optimal_token_baseline" not in ADVANTAGE_ESTIMATORS  # no config key: the actor stage has no sum pi^2
+    assert ADVANTAGE_ESTIMATORS["optimal_token_baseline"] is optimal_token_baseline_advantages
+    assert ADVANTAGE_ESTIMATORS.info("optimal_token_baseline").needs_sum_pi_squared
 
 
 # -------------------------------------------------------------------------------------- abs KL

@@ -235,9 +235,10 @@ def test_kl_after_normalisation_errors():
 def test_estimator_info_flags():
     names = ADVANTAGE_ESTIMATORS.names()
     assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).token_level} == {"reinforce", "reinforce_baseline", "gae",
-                                                                              "remax"}
+                                                                              "remax", "optimal_token_baseline"}
     assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).needs_critic} == {"gae"}
     assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).greedy_baseline} == {"remax"}
+    assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).needs_sum_pi_squared} == {"optimal_token_baseline"}
 
 
 @pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
@@ -249,5 +250,9 @@ def test_group_baseline_flag_matches_the_formula(name):
     kw = {"values": torch.tensor([[0.1, 0.2, 0.3]] * 4, dtype=D)} if ADVANTAGE_ESTIMATORS.info(name).needs_critic else {}
     if ADVANTAGE_ESTIMATORS.info(name).greedy_baseline:  # a greedy response of reward 0.5: not a group statistic
         kw["reward_baselines"] = torch.full((4,), 0.5, dtype=D)
+    tol = 1e-9
+    if ADVANTAGE_ESTIMATORS.info(name).needs_sum_pi_squared:  # OTB: A = G eps / (sum W + eps), zero up to its eps 1e-8
+        kw |= {"old_logprobs": torch.full((4, 3), math.log(0.5), dtype=D), "sum_pi_squared": torch.full((4, 3), 0.3, dtype=D)}
+        tol = 1e-7
     adv, _ = ADVANTAGE_ESTIMATORS[name](rewards, groups, mask, **kw)
-    assert bool((adv.abs() < 1e-9).all()) == ADVANTAGE_ESTIMATORS.info(name).group_baseline
+    assert bool((adv.abs() < tol).all()) == ADVANTAGE_ESTIMATORS.info(name).group_baseline

@@ -130,7 +130,7 @@ def test_each_estimator_config_matches_its_function_kwargs():
     from rft_core.algorithms import ADVANTAGE_ESTIMATORS
     from rft_core.config import ADVANTAGE_CONFIGS
 
-    tensor_inputs = {"token_rewards", "values", "reward_baselines"}
+    tensor_inputs = {"token_rewards", "values", "reward_baselines", "old_logprobs", "sum_pi_squared", "rollout_is_weights"}
     covered = set()
     for cls in ADVANTAGE_CONFIGS:
         names = cls.model_fields["estimator"].annotation.__args__

@@ -22,6 +22,9 @@ CASES = [
      ["advantage.k=8", "rollout.n_samples_per_prompt=4"], "advantage.k <= 4"),
     ("remax-with-agent", {"advantage": "remax", "rollout.agent": {"environment": "calculator"}},
      ["advantage.estimator=remax", "rollout.agent"], "unset rollout.agent"),
+    ("otb-without-actor-pass", {"advantage": "optimal_token_baseline", "logprobs.recompute_old_logprobs": False},
+     ["advantage.estimator=optimal_token_baseline", "logprobs.recompute_old_logprobs=false"],
+     "logprobs.recompute_old_logprobs=auto"),
     ("dynamic-one-sample", {"rollout.n_samples_per_prompt": 1, "advantage": "reinforce", "dynamic_sampling.enabled": True},
      ["dynamic_sampling.enabled=true", "rollout.n_samples_per_prompt=1"], "dynamic_sampling.enabled=false"),
     ("train-batch-beyond-rollout", {"update.train_batch_size": 64, "data.prompts_per_iteration": 4},
@@ -106,6 +109,7 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
     load_config(None, {"update.train_batch_size": 16, "data.prompts_per_iteration": 4})
     load_config(None, {"advantage": {"estimator": "pass_at_k", "k": 4}})
     load_config(None, {"advantage": "remax"})
+    load_config(None, {"advantage": "optimal_token_baseline", "logprobs.recompute_old_logprobs": "auto"})
     load_config(None, {"kl.controller": "adaptive", "kl.target": 6.0, "kl.kl_coef": 0.05})
     load_config(None, {"shaping.overlong_buffer_len": 64, "rollout.max_new_tokens": 256})
     load_config(None, {"data.source": "files", "data.sources": [{"path": "a.jsonl", "data_source": "chain_sum"}]})
