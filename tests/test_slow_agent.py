@@ -21,7 +21,8 @@ def test_agent_preset_one_iteration_on_smollm2(prefect_harness, tmp_path):
     from flows.train import train
 
     cfg = load_config("configs/grpo_agent_calc.yaml", {"run_root": str(tmp_path / "run"), "iterations": 1,
-                                                       "data.prompts_per_iteration": 4, "rollout.n_samples_per_prompt": 4})
+                                                       "data.prompts_per_iteration": 4, "rollout.n_samples_per_prompt": 4,
+                                                       "update.train_batch_size": 16})  # the preset's 32 > 4 x 4
     result = train(cfg)
     root = cfg.run_root
     rows = read_shard(stage_uri(root, 1, "rollout"), stage="rollout").to_pylist()

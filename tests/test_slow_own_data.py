@@ -40,7 +40,8 @@ def test_one_smollm2_iteration_on_the_example_jsonl(prefect_harness, tmp_path):
     lines = [json.loads(x) for x in made["trl"].read_text().splitlines()]
     prompts = read_shard(f"{cfg.run_root}/iter=000001/prompts", stage="prompts").to_pylist()
     summary = read_manifest(f"{cfg.run_root}/iter=000001/prompts")[0].summary
-    assert len(prompts) == 2 and summary["rows"] == [f"{made['trl']} row {i}" for i in summary["dataset_indices"]]
+    assert len(prompts) == 2 and summary["rows"] == [f"{made['trl']} line {i + 1} (row {i})"  # no blank lines
+                                                  for i in summary["dataset_indices"]]
     for row, i in zip(prompts, summary["dataset_indices"]):
         system, user = lines[i]["prompt"]
         assert (row["question"], row["answer"], row["data_source"]) == (user["content"], lines[i]["solution"], "arith_trl")
