@@ -144,6 +144,9 @@ def test_config_defaults_are_pinned():
     changed = {k: (v, now.get(k, "<removed>")) for k, v in pinned.items() if now.get(k, "<removed>") != v}
     assert not changed, (f"config defaults changed {changed}: bump the version of the stage contracts that read them, "
                          "then rewrite the snapshot (python -m tests.rft_core.stages.test_contracts)")
+    unpinned = sorted(set(now) - set(pinned))  # a new setting is pinned when it is added, not sessions later
+    assert not unpinned, (f"new config defaults {unpinned}: pin them (python -m tests.rft_core.stages.test_contracts) "
+                          "once they enter no committed stage's hash at their default")
 
 
 if __name__ == "__main__":
