@@ -32,6 +32,7 @@ from rft_core.config.rewards import (  # noqa: F401
 from rft_core.config.agents import AgentConfig  # noqa: F401
 from rft_core.config.data import DataConfig, DataSourceConfig, EvalConfig  # noqa: F401
 from rft_core.config.generation import LogprobConfig, ModelConfig, RolloutConfig, UpdateGrouping  # noqa: F401
+from rft_core.config._errors import error_line
 from rft_core.config.rules import CONTRADICTIONS, contradictions  # noqa: F401
 from rft_core.config.run import CheckpointConfig, ObserveConfig, WandbConfig  # noqa: F401
 from rft_core.config.scale import (  # noqa: F401
@@ -485,79 +486,4 @@ def load_config(path: str | Path | None = None, overrides: list[str] | Mapping[s
     try:
         return TrainConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError("invalid config:\n  " + "\n  ".join(_error_line(e) for e in exc.errors())) from None
-
-
-def _error_line(e: Mapping[str, Any]) -> str:
-    """One pydantic error as a line that names the key as a user writes it (tagged-union tags
-    taken out of the path), its problem, and for a tagged section the name given and the two
-    documented forms."""
-    key, tag = strip_tags(e["loc"])
-    if e["type"] == "unknown_name":
-        given = e["input"]
-        tag_key = next((k for k in TAG_KEYS if isinstance(given, Mapping) and k in given), "name")
-        name = given.get(tag_key) if isinstance(given, Mapping) else given
-        return (f"{key}: {e['msg']} (got {name!r}); write {key}=NAME for its defaults, or {key}.{tag_key}=NAME "
-                f"beside its fields ({key}.<field>=...)")
-    where = f" (in {tag})" if tag else ""
-    if e["type"] == "extra_forbidden":
-        return f"{key}{where}: not a setting{_valid_fields(e['loc'])}"
-    msg = e["msg"].removeprefix("Value error, ")
-    return f"{key}{where}: {msg}" if key else msg
-
-
-def _valid_fields(loc: tuple) -> str:
-    """'; valid keys here: a, b, c' for the model that holds the unknown key at ``loc``, or ''
-    when it cannot be found (a dict of sections, a list)."""
-    model: Any = TrainConfig
-    for part in [str(x) for x in loc[:-1]]:
-        if "=" in part and part.split("=", 1)[0] in TAG_KEYS:  # the tagged class: find it by its tag
-            key, name = part.split("=", 1)
-            model = next((m for m in _union_members(model) if m.model_fields[key].default == name), None)
-        elif isinstance(model, type) and issubclass(model, BaseModel) and part in model.model_fields:
-            model = model.model_fields[part].annotation
-        else:
-            model = _dict_value(model) if not part.isdigit() else _list_item(model)
-        if model is None:
-            return ""
-        model = _unwrap(model)
-    if isinstance(model, type) and issubclass(model, BaseModel):
-        return "; valid keys here: " + ", ".join(model.model_fields)
-    return ""
-
-
-def _unwrap(tp: Any) -> Any:
-    """``X`` from ``X | None`` and ``Annotated[X, ...]`` (a tagged union stays a union)."""
-    import typing
-
-    while True:
-        origin = typing.get_origin(tp)
-        if origin is typing.Annotated:
-            tp = typing.get_args(tp)[0]
-        elif origin in (typing.Union, __import__("types").UnionType):
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            if len(args) != 1:
-                return tp
-            tp = args[0]
-        else:
-            return tp
-
-
-def _union_members(tp: Any) -> list:
-    import typing
-
-    return [_unwrap(a) for a in typing.get_args(_unwrap(tp))]
-
-
-def _dict_value(tp: Any) -> Any:
-    import typing
-
-    args = typing.get_args(tp)
-    return args[1] if typing.get_origin(tp) is dict and len(args) == 2 else None
-
-
-def _list_item(tp: Any) -> Any:
-    import typing
-
-    args = typing.get_args(tp)
-    return args[0] if typing.get_origin(tp) in (list, tuple) and args else None
+        raise ConfigError("invalid config:\n  " + "\n  ".join(error_line(e, TrainConfig) for e in exc.errors())) from None

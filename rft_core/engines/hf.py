@@ -447,7 +447,7 @@ class HFEngine:
         todo = [b for b in range(len(batches)) if only_batches is None or b in only_batches]
         total = sum(len(batches[b]) for b in todo)
         results: dict[tuple[int, int], Generation] = {}
-        done, generated = 0, 0
+        done, generated, finished_tokens = 0, 0, 0
 
         def on_step(new_tokens: int, finished_rows: int) -> None:
             nonlocal generated
@@ -482,7 +482,8 @@ class HFEngine:
                 _check_finite(torch.tensor([lps_rows[row]], dtype=torch.float32), row=row)
                 results[(p, k)] = Generation(p, k, toks[row], lps_rows[row], finish)
             done += len(chunk)
-            generated = sum(len(g.response_token_ids) for g in results.values())
+            finished_tokens += sum(len(t) for t in toks)  # the decode steps' count, also where generate ran instead
+            generated = finished_tokens
             if progress is not None:
                 progress(done, total, generated)
         return [results[(p, k)] for p in range(len(prompts)) for k in range(n) if (p, k) in results]
