@@ -43,7 +43,7 @@ class Strategy(Protocol):
 @dataclass(frozen=True)
 class Normaliser:
     """Totals of one mini-batch, handed to every loss aggregation of its micro-batches
-    (``rft_core.algorithms.policy_loss.LOSS_AGGREGATIONS`` keywords).
+    (``rft_core.algorithms.aggregation.LOSS_AGGREGATIONS`` keywords).
 
     num_tokens: response tokens that count; num_sequences: samples; norm_tokens: the constant
     token budget of ``seq-mean-token-sum-norm``.

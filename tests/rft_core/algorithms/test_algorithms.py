@@ -9,7 +9,8 @@ import torch
 
 from rft_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, kl_penalty, masked_mean, masked_whiten
 from rft_core.algorithms.advantages import group_normalized_advantages, group_stats
-from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS, ppo_clip_loss, seq_mean_token_mean, token_mean
+from rft_core.algorithms.aggregation import LOSS_AGGREGATIONS, seq_mean_token_mean, token_mean
+from rft_core.algorithms.policy_loss import ppo_clip_loss
 from rft_core.registry import UnknownNameError
 
 D = torch.float64

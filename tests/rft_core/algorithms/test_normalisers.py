@@ -14,15 +14,8 @@ from rft_core.algorithms.advantages import (
 )
 from rft_core.algorithms.kl import kl_penalty
 from rft_core.algorithms.masked import high_entropy_mask
-from rft_core.algorithms.policy_loss import (
-    LOSS_AGGREGATIONS,
-    POLICY_LOSSES,
-    check_policy_loss_aggregation,
-    ppo_clip_loss,
-    seq_mean_token_mean,
-    seq_mean_token_sum_norm,
-    token_mean,
-)
+from rft_core.algorithms.aggregation import LOSS_AGGREGATIONS, seq_mean_token_mean, seq_mean_token_sum_norm, token_mean
+from rft_core.algorithms.policy_loss import POLICY_LOSSES, check_policy_loss_aggregation, ppo_clip_loss
 from rft_core.algorithms.shaping import overlong_filter_mask
 
 D = torch.float64
