@@ -17,7 +17,7 @@ from rft_core.algorithms.policy_loss import (
     check_policy_loss_aggregation,
 )
 from rft_core.algorithms.shaping import overlong_filter_mask
-from rft_core.algorithms import covariance_losses  # noqa: F401,E402  (registers clip_cov, kl_cov)
+from rft_core.algorithms import baselines, covariance_losses  # noqa: F401,E402  (register pass_at_k ... and clip_cov, kl_cov)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

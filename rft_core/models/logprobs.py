@@ -268,7 +268,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     collision probability of the categorical distribution, from the same chunk's p = exp(x - lse)
     (no further (chunk, V) temporary besides p itself). It equals verl's
     ``exp(logsumexp(2 x) - 2 lse)`` (``calculate_sum_pi_squared``; the ``sum_pi_squared`` of the
-    optimal token baseline, ``rft_core.algorithms.advantages.optimal_token_baseline_advantages``).
+    optimal token baseline, ``rft_core.algorithms.baselines.optimal_token_baseline_advantages``).
     It is data, not a differentiable output (verl computes it in the no-grad log-prob pass).
 
     Args:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rft_core.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, kl_penalty
-from rft_core.algorithms.advantages import optimal_token_baseline_advantages
+from rft_core.algorithms.baselines import optimal_token_baseline_advantages
 from rft_core.algorithms.kl import GRAD_L1, check_kl_loss_estimator
 from rft_core.config import ConfigError, GRPOAdvantage, KLConfig, ShapingConfig, TrainState, estimator_kwargs, load_config
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rft_core.algorithms import rollout_correction
-from rft_core.algorithms.advantages import optimal_token_baseline_advantages
+from rft_core.algorithms.baselines import optimal_token_baseline_advantages
 from rft_core.config import RolloutCorrectionConfig, load_config
 from rft_core.models.logprobs import batched_response_logprobs, token_logprobs
 from rft_core.stages.contracts import ActorLogprobsInput, AdvantagesInput
