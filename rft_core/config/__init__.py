@@ -207,7 +207,7 @@ class TrainConfig(_Frozen):
             return RunnerConfig(mode="resident", workers=WorkersConfig(
                 pool=self.run_root, ray_address=o.ray_address, ray_init_kwargs=o.ray_init_kwargs,
                 sync_timeout_s=o.sync_timeout_s, sync_bucket_mb=o.sync_bucket_mb, threads=o.worker_threads,
-                options=o.worker_options))
+                options=o.worker_options, policy_ranks=o.policy_ranks))
         return RunnerConfig()
 
     @property
@@ -227,11 +227,12 @@ class TrainConfig(_Frozen):
         if self.rollout.engine != "hf":
             reasons.append(f"rollout.engine={self.rollout.engine}: resident workers sync weights into the hf engine only "
                            "so far (vLLM and SGLang reload their checkpoint in place under workers=stage)")
-        if self.update.deepspeed is not None:
-            reasons.append("update.deepspeed: a resident multi-rank DeepSpeed trainer is not built yet (under "
-                           "workers=stage DeepSpeed keeps its optimizer state through its own checkpoints)")
-        if self.update.lora is not None:
-            reasons.append("update.lora: resident workers sync full weights, not LoRA adapters, so far")
+        if self.update.deepspeed is not None and self.update.lora is not None:
+            reasons.append("update.deepspeed with update.lora: the resident DeepSpeed trainer syncs full weights, not "
+                           "merged LoRA adapters, so far (LoRA alone, or DeepSpeed alone, is covered)")
+        if self.orchestration.policy_ranks > 1 and self.update.deepspeed is None:
+            reasons.append(f"orchestration.policy_ranks={self.orchestration.policy_ranks}: several policy ranks are "
+                           "DeepSpeed data parallelism; set update.deepspeed.zero_stage (1, 2 or 3)")
         if self.rollout.max_staleness > 1:
             reasons.append(f"rollout.max_staleness={self.rollout.max_staleness}: the resident rollout worker holds one "
                            "policy version (the proximal one, which is the behaviour one at max_staleness 1)")

@@ -73,6 +73,8 @@ class WorkersConfig(_Frozen):
     threads: int | None = Field(None, gt=0, description="torch threads of each worker (None: the caller's count)")
     options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Ray actor options per role, e.g. "
                                                "{rollout: {num_gpus: 1}}")
+    policy_ranks: int = Field(1, gt=0, description="data-parallel ranks of the policy trainer (DeepSpeed ZeRO): one "
+                              "Ray actor each, in one torch.distributed group kept for the run")
 
 
 class RunnerConfig(_Frozen):
@@ -123,3 +125,6 @@ class OrchestrationConfig(_Frozen):
                                        "many as the driver's; the same count keeps CPU results bit-identical)")
     sync_timeout_s: float = Field(300.0, gt=0, description="workers=resident: a weight sync that takes longer fails")
     sync_bucket_mb: int = Field(256, gt=0, description="workers=resident: weights move in buckets of this many MiB")
+    policy_ranks: int = Field(1, gt=0, description="workers=resident: data-parallel ranks of the policy trainer "
+                              "(update.deepspeed, ZeRO 1/2/3), one Ray actor each; give each its GPU with "
+                              "worker_options.policy.num_gpus=1 (under workers=stage: runners.ppo_update with torchrun)")

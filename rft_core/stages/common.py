@@ -144,12 +144,13 @@ def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy, 
         return commit_checkpoint(commit, subdir=subdir, model=strategy.model, tokenizer=tokenizer,
                                  optimizer=strategy.optimizer if keep_optimizer else None, steps=steps, schema=schema,
                                  inputs=inputs, summary=summary, save_weights=save_weights)
-    state = strategy.full_state_dict()
+    state = strategy.full_state_dict() if save_weights else None
     ref = None
     if strategy.rank == 0:
         ref = commit_checkpoint(commit, subdir=subdir, model=_WithStateDict(strategy.model.module, state), tokenizer=tokenizer,
                                 optimizer=None, steps=steps, schema=schema, inputs=inputs,
-                                summary={**summary, "world_size": strategy.world_size, "zero_stage": strategy.zero_stage})
+                                summary={**summary, "world_size": strategy.world_size, "zero_stage": strategy.zero_stage},
+                                save_weights=save_weights)
     strategy.barrier()
     if ref is None:
         ref = commit.committed()

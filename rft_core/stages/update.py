@@ -37,7 +37,7 @@ from rft_core.training.update import (
 )
 from rft_core.workers.memory import current_source
 from rft_core.workers.recovery import UPDATE_INPUT_KEY, WEIGHTS_DIGEST_KEY
-from rft_core.workers.sync import state_tensors, weights_digest
+from rft_core.workers.trained import trained_digest
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard, sha256_file
 from schemas.batch import align_on_sample_id
 from schemas.columns import PPO_UPDATE
@@ -179,8 +179,10 @@ def configure_trainer(trainer: PolicyTrainer, cfg: UpdateConfig) -> None:
     s = trainer.strategy
     if isinstance(s, SingleProcess):
         s.max_grad_norm = cfg.max_grad_norm
-        for group in s.optimizer.param_groups:
-            group["lr"] = cfg.lr
+    elif hasattr(s.optimizer, "clip_grad"):  # ZeRO's optimizer clips; as DeepSpeedStrategy.load_state sets it
+        s.optimizer.clip_grad = cfg.max_grad_norm
+    for group in s.optimizer.param_groups:
+        group["lr"] = cfg.lr
 
 
 def _run_update(trainer: PolicyTrainer, inp: PPOUpdateInput, data: UpdateData, correction: SampleCorrection | None,
@@ -323,7 +325,7 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None
     if inp.policy_version is not None:
         summary["policy_version"] = inp.policy_version  # the version this update starts from
     if not inp.save_checkpoint:  # the weights stay in memory: what recovery needs to rebuild them exactly
-        summary[WEIGHTS_DIGEST_KEY] = weights_digest(state_tensors(strategy.model))
+        summary[WEIGHTS_DIGEST_KEY] = trained_digest(strategy)  # a collective under DeepSpeed
         summary[UPDATE_INPUT_KEY] = inp.model_dump(mode="json")
     new = commit_trained(commit, strategy, subdir=POLICY_SUBDIR, tokenizer=trainer.saver, steps=steps, schema=PPO_UPDATE,
                          inputs=inputs, summary=summary, keep_optimizer=False, save_weights=inp.save_checkpoint)

@@ -6,12 +6,15 @@ stage's role in the run's pool (creating it on first use: a worker is started on
 kept), sends it the stage input model and returns the committed ShardRef. The Prefect task and
 the flow are unchanged: they still decide only where a program runs.
 
-Workers are Ray actors named ``<role>-<sha of the pool name>`` in the namespace ``prefect-rft``
+Workers are Ray actors named ``<role>-<sha of the pool name>`` (``-rank<r>`` after it for the
+policy trainer's ranks above 0: ``orchestration.policy_ranks``, DeepSpeed data parallelism, every
+rank runs each update and rank 0's result is the stage's) in the namespace ``prefect-rft``
 (a local Ray started on first use, or ``ray_address``), with ``num_cpus=0`` unless the role's
 options say otherwise (they run one stage at a time, as the flow orders them) and the caller's
 torch thread count. A worker that died (killed, out of memory) is replaced once per call and the
 stage runs again: a committed stage is reused, an interrupted one recomputed, and the new
-worker rebuilds its model (``rft_core.workers.resident``). Actors are owned by the process that
+worker rebuilds its model (``rft_core.workers.resident``); a policy rank that dies or fails ends
+its whole gang (its peers would wait in a collective), which is started anew the same way. Actors are owned by the process that
 created them, so they end with it (Ctrl-C, SIGTERM, a crash); ``stop_workers`` ends them at the
 end of a run.
 """
@@ -53,11 +56,11 @@ def _ray(workers: WorkersConfig | None = None):
     return ray
 
 
-def worker_handle(pool: str, role: str):
-    """The live Ray actor of ``role`` in ``pool``, or None."""
+def worker_handle(pool: str, role: str, rank: int = 0):
+    """The live Ray actor of ``role`` (its rank ``rank``) in ``pool``, or None."""
     ray = _ray()
     try:
-        return ray.get_actor(actor_name(pool, role), namespace=NAMESPACE)
+        return ray.get_actor(actor_name(pool, role, rank=rank), namespace=NAMESPACE)
     except ValueError:
         return None
 
@@ -70,23 +73,68 @@ def _threads(workers: WorkersConfig) -> int:
 
 # handles held by this process: a named actor that is not detached ends when no handle is left,
 # so the process that starts a worker keeps its handle until stop_workers (or its own exit)
-_HANDLES: dict[tuple[str, str], Any] = {}
+_HANDLES: dict[tuple[str, str, int], Any] = {}
 
 
 def start_worker(workers: WorkersConfig, role: str):
-    """The actor of ``role`` in the pool of ``workers``: the live one, or a new one (owned,
-    and kept alive, by this process)."""
+    """The actor of ``role`` in the pool of ``workers`` (rank 0 of the policy's ranks): the live
+    one, or a new one (owned, and kept alive, by this process)."""
+    return start_gang(workers, role)[0]
+
+
+def _gang_size(workers: WorkersConfig, role: str) -> int:
+    return workers.policy_ranks if role == "policy" else 1
+
+
+def start_gang(workers: WorkersConfig, role: str) -> list:
+    """Every rank's actor of ``role``: one for the rollout and reference workers, and
+    ``workers.policy_ranks`` for the policy trainer (DeepSpeed data parallelism). The ranks of a
+    new gang are given one rendezvous (rank 0's address and a free port: ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0`` since Ray gives each actor its
+    own GPUs) before any program runs; DeepSpeed's process group is then formed on the first
+    update and kept for the run."""
     ray = _ray(workers)
-    if (workers.pool, role) in _HANDLES:  # the creating handle: a handle looked up by name does not keep it alive
-        return _HANDLES[(workers.pool, role)]
+    n = _gang_size(workers, role)
+    if all((workers.pool, role, r) in _HANDLES for r in range(n)):  # the creating handles keep the actors alive
+        return [_HANDLES[(workers.pool, role, r)] for r in range(n)]
     options = {"num_cpus": 0, **workers.options.get(role, {})}
     cls = ray.remote(ModelWorker)
-    handle = cls.options(name=actor_name(workers.pool, role), namespace=NAMESPACE, get_if_exists=True,
-                         max_restarts=0, **options).remote(
+    gang = [cls.options(name=actor_name(workers.pool, role, rank=r), namespace=NAMESPACE, get_if_exists=True,
+                        max_restarts=0, **options).remote(
         role, workers.pool, threads=_threads(workers), sync_timeout_s=workers.sync_timeout_s,
-        sync_bucket_mb=workers.sync_bucket_mb)
-    _HANDLES[(workers.pool, role)] = handle
-    return handle
+        sync_bucket_mb=workers.sync_bucket_mb, policy_ranks=workers.policy_ranks) for r in range(n)]
+    if n > 1:
+        meet = ray.get(gang[0].rendezvous.remote())
+        ray.get([a.set_dist_env.remote({"RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": str(n),
+                                        "MASTER_ADDR": meet["addr"], "MASTER_PORT": str(meet["port"])})
+                 for r, a in enumerate(gang)])
+    for r, a in enumerate(gang):
+        _HANDLES[(workers.pool, role, r)] = a
+    return gang
+
+
+def _kill_gang(pool: str, role: str, gang: list) -> None:
+    """End every rank of a gang (one that died leaves the others stuck in their collectives)."""
+    import ray
+
+    for r, a in enumerate(gang):
+        _HANDLES.pop((pool, role, r), None)
+        try:
+            ray.kill(a)
+        except Exception:  # noqa: BLE001  already gone
+            pass
+
+
+def _gather(ray, futures: list, timeout_s: float | None = None) -> list:
+    """Wait for every rank's result; the first rank that fails raises at once (its peers may be
+    blocked in a collective that will never complete)."""
+    pending = list(futures)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        if not done:
+            raise WorkerError(f"no rank answered within {timeout_s} s")
+        ray.get(done[0])  # raises the rank's error
+    return ray.get(futures)
 
 
 def run_resident(inp, workers: WorkersConfig):
@@ -103,22 +151,31 @@ def run_resident(inp, workers: WorkersConfig):
     from ray.exceptions import RayActorError, RayTaskError
 
     for attempt in (0, 1):
-        actor = start_worker(workers, role)
+        gang = start_gang(workers, role)
         try:
-            return ray.get(actor.run.remote(inp))
+            return _gather(ray, [a.run.remote(inp) for a in gang])[0]  # every rank runs it; rank 0's result
         except RayTaskError as exc:  # the program raised: the original exception, as the stage process would
+            if len(gang) > 1:  # the other ranks may wait in a collective for the failed one
+                _kill_gang(workers.pool, role, gang)
             raise exc.as_instanceof_cause() from None
         except RayActorError as exc:
+            _kill_gang(workers.pool, role, gang)
             if attempt:
                 raise WorkerError(f"the {role} worker of {workers.pool} died twice running {inp.program}: {exc}") from exc
             log.warning("the %s worker died during %s (%s); starting a new one and running the stage again",
                         role, inp.program, exc)
-            _HANDLES.pop((workers.pool, role), None)
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001  already gone
-                pass
     raise AssertionError("unreachable")
+
+
+def _live_gang(pool: str, role: str) -> list:
+    """The live actors of ``role`` in ``pool``, rank 0 first (empty: none)."""
+    gang, r = [], 0
+    while True:
+        handle = worker_handle(pool, role, rank=r)
+        if handle is None:
+            return gang
+        gang.append(handle)
+        r += 1
 
 
 def worker_stats(pool: str) -> dict[str, dict[str, Any]]:
@@ -131,9 +188,8 @@ def worker_stats(pool: str) -> dict[str, dict[str, Any]]:
         return {}
     out = {}
     for role in ROLES:
-        handle = worker_handle(pool, role)
-        if handle is not None:
-            out[role] = ray.get(handle.stats.remote())
+        for r, handle in enumerate(_live_gang(pool, role)):
+            out[role if r == 0 else f"{role}-rank{r}"] = ray.get(handle.stats.remote())
     return out
 
 
@@ -169,14 +225,13 @@ def stop_workers(pool: str) -> list[str]:
         return []
     stopped = []
     for role in ROLES:
-        handle = worker_handle(pool, role)
-        if handle is None:
+        gang = _live_gang(pool, role)
+        if not gang:
             continue
         try:
-            ray.get(handle.close.remote())  # pending optimizer-state writes first
+            ray.get([a.close.remote() for a in gang])  # pending optimizer-state writes first
         finally:
-            ray.kill(handle)
-            _HANDLES.pop((pool, role), None)
+            _kill_gang(pool, role, gang)
         stopped.append(role)
     if stopped:
         log.info("stopped the resident workers of %s: %s", pool, ", ".join(stopped))

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from rft_core.workers.memory import count, counts, models_from
+from rft_core.workers.trained import strategy_device, trained_digest, trained_tensors
 from rft_core.workers.sync import (
     SyncPlan,
     WeightSyncError,
@@ -60,9 +61,11 @@ class WorkerError(RuntimeError):
     peer that is not running)."""
 
 
-def actor_name(pool: str, role: str) -> str:
-    """The Ray actor name of ``role`` in the pool ``pool`` (the run root)."""
-    return f"{role}-{hashlib.sha256(pool.encode()).hexdigest()[:16]}"
+def actor_name(pool: str, role: str, rank: int = 0) -> str:
+    """The Ray actor name of ``role`` (its rank ``rank``: the policy trainer's data-parallel
+    ranks) in the pool ``pool`` (the run root)."""
+    name = f"{role}-{hashlib.sha256(pool.encode()).hexdigest()[:16]}"
+    return name if rank == 0 else f"{name}-rank{rank}"
 
 
 ROLE_OF_PROGRAM = {"ppo_update": "policy", "rollout": "rollout", "actor_logprobs": "rollout", "ref_logprobs": "reference"}
@@ -91,11 +94,14 @@ class ModelWorker:
         threads: torch threads (None: leave torch's setting). The same count as a stage-mode run
             keeps CPU results bit-identical.
         sync_timeout_s, sync_bucket_mb: the weight-sync transaction's limits.
+        policy_ranks: the policy trainer's data-parallel ranks (DeepSpeed), one worker each: the
+            rollout worker asks every rank (a ZeRO-3 gather and a rebuild are collectives) and
+            takes rank 0's answer.
         peer: for tests without Ray: the policy worker object itself.
     """
 
     def __init__(self, role: str, pool: str, *, threads: int | None = None, sync_timeout_s: float = 300.0,
-                 sync_bucket_mb: int = 256, peer: "ModelWorker | None" = None) -> None:
+                 sync_bucket_mb: int = 256, policy_ranks: int = 1, peer: "ModelWorker | None" = None) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; valid: {', '.join(ROLES)}")
         if threads:
@@ -103,6 +109,7 @@ class ModelWorker:
         self.role, self.pool = role, pool
         self.sync_timeout_s, self.sync_bucket_mb = sync_timeout_s, sync_bucket_mb
         self._peer = peer
+        self.policy_ranks = policy_ranks
         self.model: torch.nn.Module | None = None  # rollout / reference: the inference copy
         self.model_dtype: str | None = None
         self.version: str | None = None  # what self.model (rollout, reference) or the trainer (policy) holds
@@ -144,6 +151,15 @@ class ModelWorker:
     def ping(self) -> int:
         """The worker's pid (a liveness check)."""
         return os.getpid()
+
+    def rendezvous(self) -> dict[str, Any]:
+        """Where the ranks of a new policy gang meet (this is rank 0): an address of this host and a free port."""
+        return {"addr": host_address(), "port": free_port()}
+
+    def set_dist_env(self, env: dict[str, str]) -> None:
+        """Set this rank's torch.distributed environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+        ...) before its first update forms DeepSpeed's process group (``init_distributed``)."""
+        os.environ.update(env)
 
     # -- ModelSource ------------------------------------------------------------------------
     def inference_model(self, ref: PolicyRef, *, dtype: str, role: str) -> torch.nn.Module:
@@ -187,11 +203,14 @@ class ModelWorker:
             self.held, self.version = trainer, key
         return self.held
 
-    def prepare_weights(self, ref: PolicyRef) -> dict[str, Any]:
+    def prepare_weights(self, ref: PolicyRef, dtype: str | None = None) -> dict[str, Any]:
         """Get ready to send ``ref``'s weights: ``{"status": "storage"}`` when this worker does
         not hold ``ref`` and ``ref`` has its weights on storage (the receiver loads them there:
         a resume), else rebuild it if needed and return where to meet (``addr``, ``port``) and
-        this worker's device (``device``: same GPU means CUDA IPC instead of a process group)."""
+        this worker's device (``device``: same GPU means CUDA IPC instead of a process group).
+        With ``dtype`` (a receiver without an HF-named copy of the model of its own: a vLLM or
+        SGLang engine) the answer also has ``plan``: the sync plan in that dtype
+        (``SyncPlan.to_json``)."""
         from rft_core.workers.recovery import has_weights
 
         if self.role != "policy":
@@ -200,24 +219,37 @@ class ModelWorker:
                 isinstance(ref, str) or has_weights(ref)):
             return {"status": "storage"}
         trainer = self._ensure_trainer(ref)
-        device = next(trainer.strategy.model.parameters()).device
-        return {"status": "ready", "addr": host_address(), "port": free_port(), "device": _device_id(device),
-                "backend": "nccl" if device.type == "cuda" else "gloo"}
+        device = strategy_device(trainer.strategy)
+        ready = {"status": "ready", "addr": host_address(), "port": free_port(), "device": _device_id(device),
+                 "backend": "nccl" if device.type == "cuda" else "gloo"}
+        if dtype is not None:
+            tensors = self._send_tensors()
+            if tensors is not None:
+                ready["plan"] = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb).to_json()
+        return ready
 
-    def _send_tensors(self) -> dict[str, torch.Tensor]:
-        return state_tensors(self.held.strategy.model)
+    def _send_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The policy's weights as an inference copy holds them (``inference_tensors``); under
+        DeepSpeed gathered from the ranks (a collective: every rank calls it), on rank 0 only
+        (None on the others)."""
+        return trained_tensors(self.held.strategy)
 
-    def send_weights(self, ref: PolicyRef, *, addr: str, port: int, dtype: str, backend: str) -> dict[str, Any]:
-        """Rank 0 of the sync of ``ref`` (held after ``prepare_weights``) to a receiver in
-        ``dtype``: returns the sender's report (digest of the weights as sent)."""
+    def send_weights(self, ref: PolicyRef, *, addr: str, port: int, dtype: str, backend: str,
+                     world_size: int = 2) -> dict[str, Any]:
+        """Rank 0 of the sync of ``ref`` (held after ``prepare_weights``) to ``world_size - 1``
+        receivers in ``dtype``: returns the sender's report (``checksum``, and the same value as
+        ``digest``, of the weights as sent)."""
         if self.version != version_key(ref):
             raise WeightSyncError(f"the policy worker holds {self.version}, not {version_key(ref)}")
         tensors = self._send_tensors()
+        if tensors is None:  # a rank above 0: it took part in the gather, rank 0 sends
+            return {}
         plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb)
         device = next(iter(tensors.values())).device
         rep = send_weights(tensors, plan, addr=addr, port=port, backend=backend, timeout_s=self.sync_timeout_s,
-                           device=device)
-        return {"digest": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds, "buckets": rep.buckets}
+                           device=device, world_size=world_size)
+        return {"checksum": rep.digest, "digest": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds,
+                "buckets": rep.buckets}
 
     def export_weights(self, ref: PolicyRef, *, dtype: str) -> dict[str, Any]:
         """CUDA IPC handles of ``ref``'s weights in ``dtype`` for a receiver on the same GPU
@@ -250,14 +282,35 @@ class ModelWorker:
             raise WorkerError(f"the policy worker of {self.pool} is not running: the {self.role} worker needs it for "
                               "the weights of a policy that is not on storage") from None
 
+    def peers(self) -> list:
+        """Every rank of the pool's policy worker, rank 0 first (one unless ``policy_ranks`` > 1)."""
+        first = self.peer()
+        if self.policy_ranks == 1 or isinstance(first, ModelWorker):
+            return [first]
+        import ray
+
+        try:
+            return [first, *(ray.get_actor(actor_name(self.pool, "policy", rank=r), namespace=NAMESPACE)
+                             for r in range(1, self.policy_ranks))]
+        except ValueError:
+            raise WorkerError(f"a rank of the policy worker of {self.pool} is not running") from None
+
+    def _call_async(self, method: str, *args, **kwargs) -> list:
+        """Start ``method`` on every policy rank (Ray object refs, rank 0 first)."""
+        return [getattr(p, method).remote(*args, **kwargs) for p in self.peers()]
+
+    def _wait(self, futures: list):
+        """Rank 0's result of ``_call_async``'s calls, after all of them (a failed rank raises)."""
+        import ray
+
+        return ray.get(futures, timeout=self.sync_timeout_s)[0]
+
     def _call(self, method: str, *args, **kwargs):
-        """Call ``method`` of the policy worker and wait (Ray or in-process)."""
+        """Call ``method`` of the policy worker (every rank) and wait for rank 0's answer (Ray or in-process)."""
         peer = self.peer()
         if isinstance(peer, ModelWorker):
             return getattr(peer, method)(*args, **kwargs)
-        import ray
-
-        return ray.get(getattr(peer, method).remote(*args, **kwargs), timeout=self.sync_timeout_s)
+        return self._wait(self._call_async(method, *args, **kwargs))
 
     def _pull(self, ref: PolicyRef) -> None:
         """Make this worker's copy hold ``ref``: from storage when the trainer does not hold it
@@ -273,7 +326,7 @@ class ModelWorker:
         device = next(iter(target.values())).device
         peer = self.peer()
         if isinstance(peer, ModelWorker):  # both workers in this process (tests, the no-Ray driver): a memory copy
-            sent_rep, got = copy_weights(state_tensors(peer.held.strategy.model), target, plan)
+            sent_rep, got = copy_weights(peer._send_tensors(), target, plan)
             sent = {"digest": sent_rep.digest}
         elif device.type == "cuda" and ready["device"] == _device_id(device):
             sent = self._call("export_weights", ref, dtype=self.model_dtype)
@@ -298,19 +351,19 @@ class ModelWorker:
 
     def _sync_group(self, ref: PolicyRef, ready: dict, target: dict, plan: SyncPlan):
         """Receive ``ref`` over a two-rank process group while the policy worker sends it."""
-        peer = self.peer()
         kw = {"addr": ready["addr"], "port": ready["port"], "dtype": self.model_dtype, "backend": ready["backend"]}
         import ray
 
-        fut = peer.send_weights.remote(ref, **kw)
+        futs = self._call_async("send_weights", ref, **kw)
         try:
             got = receive_weights(target, plan, addr=kw["addr"], port=kw["port"], backend=kw["backend"],
                                   timeout_s=self.sync_timeout_s)
         except WeightSyncError:
-            ray.cancel(fut, force=False)
+            for fut in futs:
+                ray.cancel(fut, force=False)
             raise
         try:
-            return got, ray.get(fut, timeout=self.sync_timeout_s)
+            return got, self._wait(futs)
         except Exception as exc:  # noqa: BLE001  the sender failed after the receiver finished
             raise WeightSyncError(f"weight sync of {version_key(ref)}: the policy worker failed: {exc}") from exc
 
@@ -348,13 +401,12 @@ def rebuild_trainer(ref: PolicyRef, inp, *, strict: bool = True):
     t0 = time.perf_counter()
     base, chain = policy_chain(ref)
     first = update_input_of(chain[0]) if chain else inp
-    opt_ref = optimizer_state_ref(base) if first.update.deepspeed is None else None
-    trainer = build_trainer(base, first.update, dtype=first.dtype, opt_ref=opt_ref)
+    trainer = build_trainer(base, first.update, dtype=first.dtype, opt_ref=optimizer_state_ref(base))
     for u in chain:
         step_inp = update_input_of(u)
         replay_update(trainer, step_inp)
-        got, want = weights_digest(state_tensors(trainer.strategy.model)), committed_digest(u)
-        if got != want:
+        got, want = trained_digest(trainer.strategy), committed_digest(u)
+        if got is not None and got != want:  # None: a DeepSpeed rank above 0 (rank 0 checks)
             msg = (f"re-applying the committed update {u.uri} gave other weights than it recorded (digest {got[:12]} "
                    f"vs {want[:12]}): nondeterministic kernels, or the input shards changed")
             if strict:

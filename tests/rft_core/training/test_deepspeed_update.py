@@ -282,3 +282,79 @@ def test_critic_update_under_zero2_on_two_ranks_matches_one_process(update_input
     assert want["value_loss"][0] == pytest.approx(0.5)  # V = 0 against returns +-1: 0.5 (V - R)^2 = 0.5 on every token
     w0, w1 = load_critic(f"{single.uri}/critic").state_dict(), load_critic(f"{ds.uri}/critic").state_dict()
     assert max((w1[k] - w0[k]).abs().max().item() for k in w0) < 1e-5
+
+
+# -- the resident DeepSpeed trainer (issue 27): ranks as Ray actors that keep ZeRO's state -----------
+
+
+def _resident_workers(pool: str):
+    from rft_core.config import WorkersConfig
+
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    return WorkersConfig(pool=pool, threads=1, policy_ranks=2, options={"policy": {"runtime_env": {"env_vars": env}}})
+
+
+def _resident_chain(update_inputs, tiny_model, workers, zero_stage: int, tag: str, *, stop_after: int | None = None,
+                    start: list | None = None):
+    """ITERATIONS updates in the resident policy gang of ``workers``, as checkpoint.every=3 runs
+    them: the first two keep their weights in the ranks' memory, the last commits weights and the
+    ZeRO state. ``start``: refs committed by an earlier (crashed) gang, continued from."""
+    from rft_core.workers.pool import run_resident
+
+    root, r, a = update_inputs[:3]
+    refs, policy = list(start or []), (start[-1] if start else tiny_model)
+    for i in range(len(refs) + 1, (stop_after or ITERATIONS) + 1):
+        inp = PPOUpdateInput(rollout=r, advantages=a, policy=policy, update=_ds(update_inputs[3], zero_stage), kl=KLConfig(),
+                             temperature=1.0, out=str(root / f"{tag}-{i}"), save_checkpoint=i == ITERATIONS)
+        policy = run_resident(inp, workers)
+        refs.append(policy)
+    return refs
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_resident_zero_gang_keeps_its_state_and_equals_the_torchrun_updates(update_inputs, single_chain, ds_chain,
+                                                                            tiny_model, zero_stage, tmp_path):
+    """Two ranks kept as Ray actors for the run (orchestration.policy_ranks=2): 3 updates, the
+    first two without writing weights or ZeRO state (checkpoint.every=3), end with the weights of
+    the 3 torchrun updates that each restored ZeRO's state from storage, bit for bit, and so
+    within 1e-6 of the single process; every step's loss is the torchrun one."""
+    pytest.importorskip("ray")
+    from rft_core.workers.pool import stop_workers
+    from rft_core.workers.recovery import WEIGHTS_DIGEST_KEY, has_weights
+
+    workers = _resident_workers(str(tmp_path))
+    try:
+        refs = _resident_chain(update_inputs, tiny_model, workers, zero_stage, f"resident-zero{zero_stage}")
+    finally:
+        stop_workers(workers.pool)
+    staged, _ = ds_chain(zero_stage)
+    for ref, want in zip(refs, staged):
+        assert read_shard(ref.uri).to_pydict()["policy_loss"] == read_shard(want.uri).to_pydict()["policy_loss"]
+    assert [has_weights(r) for r in refs] == [False, False, True]
+    assert len(read_manifest(refs[0].uri)[0].summary[WEIGHTS_DIGEST_KEY]) == 64
+    got, want = _weights(refs[-1].uri), _weights(staged[-1].uri)
+    assert all(torch.equal(got[k], want[k]) for k in want), _max_diff(got, want)
+    assert _max_diff(got, _weights(single_chain[-1].uri)) < 1e-6
+    opt_manifest, _ = read_manifest(opt_state.optimizer_state_uri(refs[-1]))
+    assert opt_manifest.summary["world_size"] == 2 and opt_manifest.summary["zero_stage"] == zero_stage
+
+
+def test_a_crashed_zero3_gang_is_rebuilt_exactly_from_the_committed_updates(update_inputs, ds_chain, tiny_model,
+                                                                            tmp_path):
+    """The gang ends after 2 weightless updates (a crash: its memory is gone); a new gang rebuilds
+    the policy from the initial model by re-applying both committed updates on its 2 ranks
+    (digests checked on rank 0), then the third update ends with the uninterrupted weights."""
+    pytest.importorskip("ray")
+    from rft_core.workers.pool import stop_workers, worker_stats
+
+    workers = _resident_workers(str(tmp_path))
+    try:
+        first = _resident_chain(update_inputs, tiny_model, workers, 3, "crash-zero3", stop_after=2)
+        stop_workers(workers.pool)
+        refs = _resident_chain(update_inputs, tiny_model, workers, 3, "crash-zero3", start=first)
+        stats = worker_stats(workers.pool)
+        assert stats["policy"]["recovered_updates"] == 2 and stats["policy-rank1"]["recovered_updates"] == 2
+    finally:
+        stop_workers(workers.pool)
+    got, want = _weights(refs[-1].uri), _weights(ds_chain(3)[0][-1].uri)
+    assert all(torch.equal(got[k], want[k]) for k in want), _max_diff(got, want)

@@ -168,3 +168,23 @@ def test_every_1_commits_the_same_files_and_manifests_as_stage_mode(stage_run, t
             assert set(a["summary"]) == set(b["summary"])
     prompts = [read_manifest(stage_uri(c.run_root, 1, "prompts"))[0] for c in (cfg_s, cfg)]
     assert prompts[0].config_hash == prompts[1].config_hash  # no inputs: the hash is the config's alone
+
+
+def test_lora_resident_every_3_equals_stage_mode(tiny_model, tmp_path):
+    """A LoRA policy: the trainer keeps its adapters, the rollout worker gets the merged weights
+    (peft's merge_and_unload on a copy, as a stage-mode pass merges the adapter checkpoint on
+    load); every shard of every iteration and the final adapter equal stage mode's bit for bit."""
+    lora = ["update.lora.rank=4", "update.lora.alpha=8"]
+    cfg_s = _cfg(tiny_model, tmp_path / "stage", *lora)
+    final_s = drive(cfg_s)
+    cfg = _cfg(tiny_model, tmp_path / "resident", *lora, "orchestration.workers=resident", "checkpoint.every=3")
+    pool = _pool()
+    final = drive(cfg, _runner(pool))
+    files = _weight_files(final)
+    assert files == _weight_files(final_s) and "policy/adapter_model.safetensors" in files
+    assert len(pool["rollout"].syncs) == 2  # iterations 2 and 3 rolled out on synced, merged weights
+    for it in (1, 2, 3):
+        for stage in ("rollout", "actor_logprobs", "advantages", "ppo_update"):
+            a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg_s, cfg))
+            parts = lambda m: {e.path: e.sha256 for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
+            assert parts(a) == parts(b), (it, stage)

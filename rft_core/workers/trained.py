@@ -1,0 +1,69 @@
+"""What a trained policy hands to its inference copies and to recovery: its weights as an
+inference model holds them (LoRA adapters merged, ZeRO partitions gathered) and their digest.
+Imported by the update stage program and the resident workers alike (no Ray, no Prefect)."""
+from __future__ import annotations
+
+import torch
+
+from rft_core.workers.sync import state_tensors, weights_digest
+
+
+def inference_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of the trained ``model`` as an inference copy of the policy holds them: its
+    ``state_tensors``; for a peft LoRA model, the base weights with the adapters merged in, by
+    peft's own ``merge_and_unload`` on a copy (the trainer keeps its adapters), which is what a
+    stage-mode inference pass computes from the adapter checkpoint (``load_causal_lm`` merges on
+    load; the float32 adapters round-trip the checkpoint exactly), so a resident LoRA run is
+    bit-identical to a stage-mode one. The copy costs one more model in memory during a sync."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        PeftModel = ()  # noqa: N806
+    if not isinstance(model, PeftModel):
+        return state_tensors(model)
+    import copy
+
+    with torch.no_grad():
+        merged = copy.deepcopy(model).merge_and_unload()
+    return state_tensors(merged)
+
+
+def strategy_device(strategy) -> torch.device:
+    """The device a trainer computes on (a ZeRO-3 parameter is empty outside a gather: its
+    partition's device)."""
+    p = next(strategy.model.parameters())
+    return getattr(p, "ds_tensor", p).device
+
+
+def trained_tensors(strategy) -> dict[str, torch.Tensor] | None:
+    """The trained policy's weights as an inference copy holds them: ``inference_tensors`` of a
+    single-process trainer's model; under DeepSpeed ``strategy.full_state_dict()`` (a collective:
+    every rank calls it; ZeRO-3 gathers the partitions) on rank 0 and None on the other ranks,
+    tied weights under their first name only (as ``state_tensors``: by parameter identity, since
+    a ZeRO-3 parameter has no storage of its own outside a gather)."""
+    from rft_core.training.strategy import DeepSpeedStrategy
+
+    if not isinstance(strategy, DeepSpeedStrategy):
+        return inference_tensors(strategy.model)
+    full = strategy.full_state_dict()
+    if strategy.rank != 0:
+        return None
+    module, seen, names = strategy.model.module, set(), []
+    for name, v in module.state_dict(keep_vars=True).items():
+        if id(v) not in seen:
+            seen.add(id(v))
+            names.append(name)
+    return {n: full[n].detach() for n in names}
+
+
+def trained_digest(strategy) -> str | None:
+    """The digest a weightless update records and recovery checks (``weights_digest``): of the
+    trainer's own tensors in one process (a LoRA model's adapters and base, ``state_tensors``),
+    of the gathered weights under DeepSpeed (``trained_tensors``: a collective, None on ranks
+    above 0)."""
+    from rft_core.training.strategy import DeepSpeedStrategy
+
+    if not isinstance(strategy, DeepSpeedStrategy):
+        return weights_digest(state_tensors(strategy.model))
+    tensors = trained_tensors(strategy)
+    return None if tensors is None else weights_digest(tensors)
