@@ -230,6 +230,9 @@ class TrainConfig(_Frozen):
         if self.update.deepspeed is not None and self.update.lora is not None:
             reasons.append("update.deepspeed with update.lora: the resident DeepSpeed trainer syncs full weights, not "
                            "merged LoRA adapters, so far (LoRA alone, or DeepSpeed alone, is covered)")
+        if self.critic.deepspeed is not None:
+            reasons.append("critic.deepspeed: the resident critic worker trains in one process so far (the policy's "
+                           "DeepSpeed ranks are covered: orchestration.policy_ranks)")
         if self.orchestration.policy_ranks > 1 and self.update.deepspeed is None:
             reasons.append(f"orchestration.policy_ranks={self.orchestration.policy_ranks}: several policy ranks are "
                            "DeepSpeed data parallelism; set update.deepspeed.zero_stage (1, 2 or 3)")

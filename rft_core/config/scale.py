@@ -58,7 +58,7 @@ RUNNABLE_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "critic_values",
 # Stages whose program a resident worker runs (orchestration.workers=resident): the policy's
 # trainer (ppo_update), its rollout engine (rollout and the actor pass, which share the engine's
 # copy of the policy) and the reference model.
-RESIDENT_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update")
+RESIDENT_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update", "critic_values", "critic_update")
 
 
 class WorkersConfig(_Frozen):

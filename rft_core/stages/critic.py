@@ -5,7 +5,7 @@ import pyarrow as pa
 
 from rft_core.models.critic import batched_response_values, load_critic
 from rft_core.models.loading import load_tokenizer
-from rft_core.models.logprobs import default_device, release_device_memory
+from rft_core.models.logprobs import release_device_memory
 from rft_core.models.vl import VLProcessor, vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path
@@ -13,6 +13,7 @@ from rft_core.stages.common import Timer, commit_trained, reuse_or_compute, stag
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.strategy import OptimizerSettings, build_strategy
+from rft_core.workers.memory import critic_model, critic_strategy, critic_trained
 from schemas import PolicyRef, ShardRef, read_shard
 from schemas.batch import align_on_sample_id
 from schemas.columns import CRITIC_UPDATE, CRITIC_VALUES
@@ -46,7 +47,7 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
         path = critic_model_path(inp.model)
         processor, media = _vision(path, table)
         tok = load_tokenizer(path)
-        model = load_critic(path, dtype=cfg.dtype).to(default_device())
+        model = critic_model(inp.model, dtype=cfg.dtype)
         with Timer() as t, progress_reporter("critic_values", unit="sequences") as progress:
             values = batched_response_values(model, table.column("prompt_token_ids").to_pylist(),
                                              table.column("response_token_ids").to_pylist(),
@@ -89,9 +90,10 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
                           v.column("values").to_pylist(), a.column("returns").to_pylist(), **media,
                           action_masks=r.column("action_mask").to_pylist())
         tok = load_tokenizer(path)
-        strategy = build_strategy(load_critic(path, dtype=cfg.dtype, trainable=True), optim=OptimizerSettings.of(cfg),
-                                  deepspeed=cfg.deepspeed, compute_dtype=cfg.dtype,
-                                  optimizer_state=None if cfg.deepspeed else policy_checkpoint_dir(inp.model, CRITIC_SUBDIR))
+        strategy = critic_strategy(inp.model, lambda: build_strategy(
+            load_critic(path, dtype=cfg.dtype, trainable=True), optim=OptimizerSettings.of(cfg), deepspeed=cfg.deepspeed,
+            compute_dtype=cfg.dtype, optimizer_state=None if cfg.deepspeed else policy_checkpoint_dir(inp.model, CRITIC_SUBDIR)),
+            lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
         quiet = strategy.rank != 0
         with Timer() as t, progress_reporter("critic_update", unit="micro-batches", use_bar=False if quiet else None,
                                              log_fn=(lambda line: None) if quiet else None) as progress:
@@ -103,9 +105,10 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
                    "value_clip_frac": sum(s.value_clip_frac for s in steps) / len(steps)}
         inputs = {"rollout": inp.rollout, "advantages": inp.advantages, "critic_values": inp.critic_values,
                   **({"critic": inp.model} if isinstance(inp.model, ShardRef) else {})}
-        return commit_trained(commit, strategy, subdir=CRITIC_SUBDIR, tokenizer=processor or tok, steps=steps,
-                              schema=CRITIC_UPDATE,
-                              inputs=inputs, summary=summary, keep_optimizer=True)
+        new = commit_trained(commit, strategy, subdir=CRITIC_SUBDIR, tokenizer=processor or tok, steps=steps,
+                             schema=CRITIC_UPDATE, inputs=inputs, summary=summary, keep_optimizer=True)
+        critic_trained(new)
+        return new
 
     try:
         return reuse_or_compute(commit, compute)

@@ -27,7 +27,7 @@ from rft_core.stages.optimizer_state import (
     saved_optimizer_state,
 )
 from rft_core.stages.retention import WEIGHT_SUFFIXES
-from rft_core.training.strategy import DeepSpeedStrategy, OptimizerSettings, SingleProcess, build_strategy
+from rft_core.training.strategy import DeepSpeedStrategy, OptimizerSettings, SingleProcess, build_strategy, continue_with
 from rft_core.training.update import (
     SampleCorrection,
     StepMetrics,
@@ -176,13 +176,7 @@ def configure_trainer(trainer: PolicyTrainer, cfg: UpdateConfig) -> None:
     """Apply this update's learning rate and clipping to a trainer kept from an earlier update,
     as a stage-mode update does when it restores the optimizer state with the configured
     learning rate (the other AdamW settings stay those the state was created with)."""
-    s = trainer.strategy
-    if isinstance(s, SingleProcess):
-        s.max_grad_norm = cfg.max_grad_norm
-    elif hasattr(s.optimizer, "clip_grad"):  # ZeRO's optimizer clips; as DeepSpeedStrategy.load_state sets it
-        s.optimizer.clip_grad = cfg.max_grad_norm
-    for group in s.optimizer.param_groups:
-        group["lr"] = cfg.lr
+    continue_with(trainer.strategy, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
 
 
 def _run_update(trainer: PolicyTrainer, inp: PPOUpdateInput, data: UpdateData, correction: SampleCorrection | None,

@@ -474,6 +474,19 @@ class SingleProcess:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
+def continue_with(strategy: "SingleProcess | DeepSpeedStrategy", *, lr: float, max_grad_norm: float) -> None:
+    """Apply an update's learning rate and clipping to a strategy kept from an earlier update (a
+    resident worker's), as a strategy built from storage gets them when it restores its optimizer
+    state with the configured learning rate (``restore_optimizer_state``,
+    ``DeepSpeedStrategy.load_state``); the other AdamW settings stay those the state was created with."""
+    if isinstance(strategy, SingleProcess):
+        strategy.max_grad_norm = max_grad_norm
+    elif hasattr(strategy.optimizer, "clip_grad"):  # ZeRO's optimizer clips
+        strategy.optimizer.clip_grad = max_grad_norm
+    for group in strategy.optimizer.param_groups:
+        group["lr"] = lr
+
+
 def collective_device(backend: str) -> torch.device:
     """Where the tensors of a collective must live for ``backend``: this rank's GPU for NCCL
     (which accepts only CUDA tensors), the CPU for gloo and the others."""

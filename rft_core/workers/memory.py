@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from rft_core.workers.counters import COUNTS, count, counts  # noqa: F401 - re-exported
 from schemas import PolicyRef
@@ -37,6 +37,15 @@ class ModelSource(Protocol):
     def trained(self, ref: PolicyRef) -> None:
         """The trainer now holds the policy committed as ``ref``."""
 
+    def critic_model(self, ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
+        """The critic of ``ref`` in ``dtype``, in eval mode (the values pass)."""
+
+    def critic_strategy(self, ref: PolicyRef, build: Callable[[], Any], *, lr: float, max_grad_norm: float) -> Any:
+        """The critic's strategy holding ``ref`` (``build()`` when not held)."""
+
+    def critic_trained(self, ref: PolicyRef) -> None:
+        """The critic's strategy now holds the critic committed as ``ref``."""
+
 
 _SOURCE: contextvars.ContextVar["ModelSource | None"] = contextvars.ContextVar("rft_model_source", default=None)
 
@@ -47,8 +56,8 @@ def current_source() -> "ModelSource | None":
 
 
 @contextlib.contextmanager
-def models_from(source: "ModelSource") -> Iterator[None]:
-    """Stage programs run inside this context take their models from ``source``."""
+def models_from(source: "ModelSource | None") -> Iterator[None]:
+    """Stage programs run inside this context take their models from ``source`` (None: from storage)."""
     token = _SOURCE.set(source)
     try:
         yield
@@ -73,6 +82,41 @@ def inference_model(ref: PolicyRef, *, dtype: str, role: str = "policy") -> "tor
     from rft_core.stages.checkpoints import policy_model_path
 
     return load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device())
+
+
+def critic_model(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
+    """The critic of ``ref`` (an initial model path or a committed ``critic_update``) for the
+    values pass: the resident critic worker's trained model when it holds ``ref``, else loaded
+    from storage onto ``default_device()``.
+
+    Raises:
+        CheckpointPrunedError, ShardCorruptError: (from storage) see ``policy_model_path``.
+    """
+    source = current_source()
+    if source is not None:
+        return source.critic_model(ref, dtype=dtype)
+    from rft_core.models.critic import load_critic
+    from rft_core.models.logprobs import default_device
+    from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_model_path
+
+    return load_critic(policy_model_path(ref, CRITIC_SUBDIR), dtype=dtype).to(default_device())
+
+
+def critic_strategy(ref: PolicyRef, build: "Callable[[], Any]", *, lr: float, max_grad_norm: float) -> Any:
+    """The critic's training strategy (model and AdamW state) holding ``ref``: the resident
+    critic worker's, continued with this update's ``lr`` and ``max_grad_norm``, or ``build()``
+    (from storage) outside a worker or when the worker does not hold ``ref``."""
+    source = current_source()
+    if source is None:
+        return build()
+    return source.critic_strategy(ref, build, lr=lr, max_grad_norm=max_grad_norm)
+
+
+def critic_trained(ref: PolicyRef) -> None:
+    """Tell the resident critic worker (if any) that its strategy now holds the committed ``ref``."""
+    source = current_source()
+    if source is not None:
+        source.critic_trained(ref)
 
 
 def config_folder(ref: PolicyRef) -> str:

@@ -12,6 +12,10 @@ Roles (``ROLE_OF_PROGRAM``):
   (``rft_core.workers.sync``: bucketed, under a timeout, digest-verified; its weights count as
   invalid until the sync has landed, so it never serves a half-updated model).
 - ``reference``: the reference model, loaded once per run. Runs ``ref_logprobs``.
+- ``critic``: the critic (value model) with its AdamW state. Runs ``critic_values`` (on the
+  trained model it holds) and ``critic_update`` (continuing its strategy in memory). The critic
+  still commits its weights and AdamW state every iteration (``checkpoint.every`` concerns the
+  policy), so its files equal stage mode's; what it saves is the two loads per iteration.
 
 ``ModelWorker.run`` runs a stage program exactly as ``run_stage`` does in a stage process,
 inside ``models_from(self)``: the program asks this worker for its model
@@ -68,8 +72,9 @@ def actor_name(pool: str, role: str, rank: int = 0) -> str:
     return name if rank == 0 else f"{name}-rank{rank}"
 
 
-ROLE_OF_PROGRAM = {"ppo_update": "policy", "rollout": "rollout", "actor_logprobs": "rollout", "ref_logprobs": "reference"}
-ROLES = ("policy", "rollout", "reference")
+ROLE_OF_PROGRAM = {"ppo_update": "policy", "rollout": "rollout", "actor_logprobs": "rollout", "ref_logprobs": "reference",
+                   "critic_values": "critic", "critic_update": "critic"}
+ROLES = ("policy", "rollout", "reference", "critic")
 
 
 def version_key(ref: PolicyRef) -> str:
@@ -114,6 +119,8 @@ class ModelWorker:
         self.model_dtype: str | None = None
         self.version: str | None = None  # what self.model (rollout, reference) or the trainer (policy) holds
         self.held: Any = None  # policy: the rft_core.stages.update.PolicyTrainer it keeps
+        self.critic_held: Any = None  # critic: its training strategy (model and AdamW state)
+        self.critic_version: str | None = None
         self._ipc_buffers: list | None = None
         self.syncs: list[dict[str, Any]] = []
 
@@ -183,6 +190,37 @@ class ModelWorker:
     def trained(self, ref: PolicyRef) -> None:
         """``ModelSource.trained``: the trainer now holds ``ref``."""
         self.version = version_key(ref)
+
+    # -- the critic worker ---------------------------------------------------------------------
+    def critic_model(self, ref: PolicyRef, *, dtype: str) -> torch.nn.Module:
+        """``ModelSource.critic_model``: the trained critic this worker holds when it holds
+        ``ref`` in ``dtype`` (eval mode), else the critic loaded from storage (not kept: the
+        update builds its own strategy)."""
+        from rft_core.models.hub import torch_dtype
+        from rft_core.workers.memory import critic_model
+
+        held = self.critic_held
+        if held is not None and self.critic_version == version_key(ref) and \
+                next(held.model.parameters()).dtype == torch_dtype(dtype):
+            return held.model.eval()
+        with models_from(None):  # type: ignore[arg-type]  # storage
+            return critic_model(ref, dtype=dtype)
+
+    def critic_strategy(self, ref: PolicyRef, build, *, lr: float, max_grad_norm: float):
+        """``ModelSource.critic_strategy``: the kept strategy when it holds ``ref`` (continued
+        with ``lr`` and ``max_grad_norm``), else ``build()`` (from storage), kept from now on."""
+        from rft_core.training.strategy import continue_with
+
+        if self.critic_held is None or self.critic_version != version_key(ref):
+            self.critic_held, self.critic_version = None, None
+            self.critic_held, self.critic_version = build(), version_key(ref)
+            return self.critic_held
+        continue_with(self.critic_held, lr=lr, max_grad_norm=max_grad_norm)
+        return self.critic_held
+
+    def critic_trained(self, ref: PolicyRef) -> None:
+        """``ModelSource.critic_trained``: the kept strategy now holds ``ref``."""
+        self.critic_version = version_key(ref)
 
     def _load(self, ref: PolicyRef, dtype: str) -> torch.nn.Module:
         from rft_core.models.loading import load_causal_lm

@@ -44,3 +44,29 @@ def test_resident_every_3_equals_stage_every_1(prefect_harness, tiny_model, tmp_
         with pytest.raises(ValueError):
             ray.get_actor(actor_name(cfg.run_root, role), namespace=NAMESPACE)
     assert ShardRef.from_manifest(stage_uri(cfg.run_root, 3, "ppo_update-optimizer")).stage == "optimizer_state"
+
+
+def test_resident_critic_keeps_its_model_and_commits_stage_modes_files(prefect_harness, tiny_model, tmp_path,
+                                                                        fake_rewards):
+    """PPO with a critic (gae), 3 iterations: the resident critic worker computes the values on
+    the critic it trained and continues its AdamW state in memory; every critic file and values
+    shard, and the final policy, equal stage mode's, and after iteration 1 nothing is loaded."""
+    from flows.train import train
+
+    gae = {"advantage.estimator": "gae", "advantage.gae_lambda": 0.9, "critic.lr": 1e-2}
+    stage = train(flow_cfg(tiny_model, tmp_path / "stage", iterations=3, **gae))
+    cfg = flow_cfg(tiny_model, tmp_path / "resident", iterations=3, **gae,
+                   **{"orchestration.workers": "resident", "checkpoint.every": 3})
+    resident = train(cfg)
+    assert _final_files(resident) == _final_files(stage)
+
+    def files(root, it, stage_name):
+        m, _ = read_manifest(stage_uri(root, it, stage_name))
+        return {e.path: e.sha256 for e in m.files}
+
+    for it in (1, 2, 3):
+        for name in ("critic_values", "critic_update"):
+            assert files(str(tmp_path / "stage"), it, name) == files(cfg.run_root, it, name), (it, name)
+    loads = [r["run/model_loads"] for r in resident.metrics]
+    # iteration 1: engine, reference, trainer, and the critic twice (values, then its update)
+    assert loads[1:] == [loads[0]] * 2, loads

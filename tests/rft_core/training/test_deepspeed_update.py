@@ -322,11 +322,22 @@ def test_resident_zero_gang_keeps_its_state_and_equals_the_torchrun_updates(upda
     from rft_core.workers.pool import stop_workers
     from rft_core.workers.recovery import WEIGHTS_DIGEST_KEY, has_weights
 
+    import ray
+
+    from rft_core.workers.pool import start_worker
+
     workers = _resident_workers(str(tmp_path))
     try:
         refs = _resident_chain(update_inputs, tiny_model, workers, zero_stage, f"resident-zero{zero_stage}")
+        # the rollout worker pulls the gang's weights (a ZeRO-3 gather on both ranks) over gloo
+        rollout = start_worker(workers, "rollout")
+        ray.get(rollout.inference_model.remote(tiny_model, dtype="float32", role="policy"))
+        synced = ray.get(rollout.inference_model.remote(refs[-1], dtype="float32", role="policy")).state_dict()
+        syncs = ray.get(rollout.stats.remote())["weight_syncs"]
     finally:
         stop_workers(workers.pool)
+    assert syncs == 1
+    assert all(torch.equal(synced[k], v) for k, v in _weights(refs[-1].uri).items())
     staged, _ = ds_chain(zero_stage)
     for ref, want in zip(refs, staged):
         assert read_shard(ref.uri).to_pydict()["policy_loss"] == read_shard(want.uri).to_pydict()["policy_loss"]
