@@ -207,7 +207,8 @@ class TrainConfig(_Frozen):
             return RunnerConfig(mode="resident", workers=WorkersConfig(
                 pool=self.run_root, ray_address=o.ray_address, ray_init_kwargs=o.ray_init_kwargs,
                 sync_timeout_s=o.sync_timeout_s, sync_bucket_mb=o.sync_bucket_mb, threads=o.worker_threads,
-                options=o.worker_options, policy_ranks=o.policy_ranks))
+                options=o.worker_options, policy_ranks=o.policy_ranks,
+                rollout_versions=max(1, self.rollout.max_staleness)))
         return RunnerConfig()
 
     @property
@@ -236,9 +237,10 @@ class TrainConfig(_Frozen):
         if self.orchestration.policy_ranks > 1 and self.update.deepspeed is None:
             reasons.append(f"orchestration.policy_ranks={self.orchestration.policy_ranks}: several policy ranks are "
                            "DeepSpeed data parallelism; set update.deepspeed.zero_stage (1, 2 or 3)")
-        if self.rollout.max_staleness > 1:
-            reasons.append(f"rollout.max_staleness={self.rollout.max_staleness}: the resident rollout worker holds one "
-                           "policy version (the proximal one, which is the behaviour one at max_staleness 1)")
+        if self.rollout.max_staleness > 1 and self.rollout.engine != "hf":
+            reasons.append(f"rollout.max_staleness={self.rollout.max_staleness} with rollout.engine={self.rollout.engine}: "
+                           "a resident GPU engine holds one policy version (the hf engine's rollout worker keeps one "
+                           "copy per version)")
         clash = sorted(s for s in RESIDENT_STAGES if s in self.runners)
         if clash:
             reasons.append(f"runners.{clash[0]} says where {clash[0]} runs, and so does orchestration.workers=resident: "

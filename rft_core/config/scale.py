@@ -75,6 +75,8 @@ class WorkersConfig(_Frozen):
                                                "{rollout: {num_gpus: 1}}")
     policy_ranks: int = Field(1, gt=0, description="data-parallel ranks of the policy trainer (DeepSpeed ZeRO): one "
                               "Ray actor each, in one torch.distributed group kept for the run")
+    rollout_versions: int = Field(1, gt=0, description="policy versions the rollout worker keeps a copy of "
+                                  "(rollout.max_staleness s > 1: s)")
 
 
 class RunnerConfig(_Frozen):

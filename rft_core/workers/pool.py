@@ -102,7 +102,8 @@ def start_gang(workers: WorkersConfig, role: str) -> list:
     gang = [cls.options(name=actor_name(workers.pool, role, rank=r), namespace=NAMESPACE, get_if_exists=True,
                         max_restarts=0, **options).remote(
         role, workers.pool, threads=_threads(workers), sync_timeout_s=workers.sync_timeout_s,
-        sync_bucket_mb=workers.sync_bucket_mb, policy_ranks=workers.policy_ranks) for r in range(n)]
+        sync_bucket_mb=workers.sync_bucket_mb, policy_ranks=workers.policy_ranks,
+        rollout_versions=workers.rollout_versions) for r in range(n)]
     if n > 1:
         meet = ray.get(gang[0].rendezvous.remote())
         ray.get([a.set_dist_env.remote({"RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": str(n),

@@ -102,11 +102,14 @@ class ModelWorker:
         policy_ranks: the policy trainer's data-parallel ranks (DeepSpeed), one worker each: the
             rollout worker asks every rank (a ZeRO-3 gather and a rebuild are collectives) and
             takes rank 0's answer.
+        rollout_versions: policy versions the rollout worker keeps a copy of (``rollout.max_staleness``
+            s > 1 samples with version i-s while the actor pass needs i-1: s copies).
         peer: for tests without Ray: the policy worker object itself.
     """
 
     def __init__(self, role: str, pool: str, *, threads: int | None = None, sync_timeout_s: float = 300.0,
-                 sync_bucket_mb: int = 256, policy_ranks: int = 1, peer: "ModelWorker | None" = None) -> None:
+                 sync_bucket_mb: int = 256, policy_ranks: int = 1, rollout_versions: int = 1,
+                 peer: "ModelWorker | None" = None) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; valid: {', '.join(ROLES)}")
         if threads:
@@ -115,6 +118,9 @@ class ModelWorker:
         self.sync_timeout_s, self.sync_bucket_mb = sync_timeout_s, sync_bucket_mb
         self._peer = peer
         self.policy_ranks = policy_ranks
+        self.rollout_versions = rollout_versions
+        self._kept: dict[str, torch.nn.Module] = {}  # rollout: the copies of other policy versions
+        self._arrived: dict[str, int] = {}  # rollout: version -> the order it arrived in (load or sync)
         self.model: torch.nn.Module | None = None  # rollout / reference: the inference copy
         self.model_dtype: str | None = None
         self.version: str | None = None  # what self.model (rollout, reference) or the trainer (policy) holds
@@ -181,11 +187,41 @@ class ModelWorker:
             from rft_core.workers.recovery import weights_base
 
             base = weights_base(ref)
+            self._kept.clear()
             self.model, self.model_dtype, self.version = self._load(base, dtype), dtype, version_key(base)
+            self._arrived = {self.version: 0}
             count("engine_builds")
+        if self.version != key:
+            self._switch(key)
         if self.version != key:
             self._pull(ref)
         return self.model
+
+    def _switch(self, key: str) -> None:
+        """With ``rollout_versions`` > 1 (asynchronous RL, ``rollout.max_staleness`` s: the
+        rollout samples with version i-s while the actor pass needs i-1): make ``self.model``
+        the kept copy holding ``key`` if there is one; otherwise free a copy to sync the new
+        version into: a new copy while fewer than ``rollout_versions`` exist, else the copy whose
+        version arrived first (versions first arrive in order, for the actor passes, and the
+        rollouts ask for the last s of them). A version no copy holds any more is synced again
+        (``_pull``)."""
+        if self.rollout_versions <= 1 or self.version is None:
+            return
+        if key in self._kept:
+            held, self.model = self.model, self._kept.pop(key)
+            self._kept[self.version], self.version = held, key
+            return
+        import copy
+
+        copies = [*self._kept, self.version]
+        if len(copies) < self.rollout_versions:
+            self._kept[self.version], self.model = self.model, copy.deepcopy(self.model)
+        else:
+            oldest = min(copies, key=lambda k: self._arrived.get(k, -1))
+            self._arrived.pop(oldest, None)
+            if oldest != self.version:  # else the current copy is the oldest: the new version replaces it
+                self._kept[self.version], self.model = self.model, self._kept.pop(oldest)
+        self.version = None  # the freed copy holds no version until the sync lands
 
     def trained(self, ref: PolicyRef) -> None:
         """``ModelSource.trained``: the trainer now holds ``ref``."""
@@ -357,6 +393,7 @@ class ModelWorker:
         ready = self._call("prepare_weights", ref)
         if ready["status"] == "storage":
             self.model, self.version = self._load(ref, self.model_dtype), version_key(ref)
+            self._arrived[self.version] = max(self._arrived.values(), default=-1) + 1
             return
         self.version = None  # invalid until the sync has landed and been verified
         target = state_tensors(self.model)
@@ -378,6 +415,7 @@ class ModelWorker:
             raise WeightSyncError(f"weight sync of {version_key(ref)}: the landed weights' digest {got.digest[:12]} "
                                   f"differs from the sent {sent['digest'][:12]}")
         self.version = version_key(ref)
+        self._arrived[self.version] = max(self._arrived.values(), default=-1) + 1
         seconds = time.perf_counter() - t0
         count("weight_syncs")
         count("weight_sync_seconds", seconds)

@@ -68,3 +68,30 @@ def test_staleness_0_records_the_previous_iteration_as_the_version(prefect_harne
         assert set(col) == {k - 1}
     assert json.loads(Path(stage_uri(str(tmp_path), 2, "rollout"), "_MANIFEST.json").read_text())["summary"][
         "staleness"] == 0
+
+
+def test_staleness_2_resident_keeps_two_versions_and_equals_stage_mode(prefect_harness, tiny_model, tmp_path):
+    """s = 2 with resident workers: the rollout worker keeps a copy of each of the last two policy
+    versions (the rollout of iteration k samples with version k-3 while the actor pass of
+    iteration k-1 needs version k-2); the weights and every rollout equal stage mode's, and no
+    version is synced twice."""
+    pytest.importorskip("ray")
+    from flows.train import train
+
+    extra = {"iterations": 4, "rollout.max_staleness": 2}
+    train(flow_cfg(tiny_model, tmp_path / "stage", **extra))
+    res = train(flow_cfg(tiny_model, tmp_path / "resident", **extra, **{"orchestration.workers": "resident",
+                                                                        "checkpoint.every": 4}))
+    for run in ("stage", "resident"):
+        versions = [set(read_shard(stage_uri(str(tmp_path / run), k, "rollout"), stage="rollout")
+                        .column("policy_version").to_pylist()) for k in (1, 2, 3, 4)]
+        assert versions == [{0}, {0}, {0}, {1}]  # max(0, k - 3)
+    last = lambda run: {e.path: e.sha256 for e in read_manifest(stage_uri(str(tmp_path / run), 4, "ppo_update"))[0].files  # noqa: E731
+                        if e.path.startswith("policy/")}
+    assert last("resident") == last("stage") and last("stage")
+    for k in (1, 2, 3, 4):
+        parts = [{e.path: e.sha256 for e in read_manifest(stage_uri(str(tmp_path / run), k, "rollout"))[0].files}
+                 for run in ("stage", "resident")]
+        assert parts[0] == parts[1], k
+    # versions 1, 2 and 3 reached the rollout worker once each (the actor passes of iterations 2-4)
+    assert res.metrics[-1]["run/weight_syncs"] == 3
