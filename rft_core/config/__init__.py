@@ -225,9 +225,6 @@ class TrainConfig(_Frozen):
         """What ``orchestration.workers: resident`` does not cover yet in this config (empty: it
         covers it). Each is refused when the config loads."""
         reasons = []
-        if self.rollout.engine != "hf":
-            reasons.append(f"rollout.engine={self.rollout.engine}: resident workers sync weights into the hf engine only "
-                           "so far (vLLM and SGLang reload their checkpoint in place under workers=stage)")
         if self.update.deepspeed is not None and self.update.lora is not None:
             reasons.append("update.deepspeed with update.lora: the resident DeepSpeed trainer syncs full weights, not "
                            "merged LoRA adapters, so far (LoRA alone, or DeepSpeed alone, is covered)")

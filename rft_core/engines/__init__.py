@@ -143,18 +143,22 @@ class EngineCache:
 ENGINE_CACHE = EngineCache()
 
 
-def cached_engine(engine_cls: type, model_path: str, *, eos_ids: set[int], lora_path: str | None, **settings: Any) -> Any:
+def cached_engine(engine_cls: type, model_path: str, *, eos_ids: set[int], lora_path: str | None, reload: bool = True,
+                  **settings: Any) -> Any:
     """The process's cached ``engine_cls`` (a GPU engine: ``VLLMEngine``, ``SGLangEngine``)
     serving ``model_path`` (+ ``lora_path``): reused, with ``load_policy`` pointing it at the new
     checkpoint, while the engine settings (its keyword arguments) and ``checkpoint_key`` match;
     otherwise the cached engine is closed and a new one built. Use it where an engine is made
-    per rollout (``make_engine``), so a long-lived process keeps one engine across iterations."""
+    per rollout (``make_engine``), so a long-lived process keeps one engine across iterations.
+    ``reload=False``: a reused engine keeps the weights it holds (the caller gives it its
+    weights: a resident rollout worker's in-memory sync)."""
     key = (engine_cls.__name__, checkpoint_key(model_path, lora_path), tuple(sorted(settings.items())))
     engine, reused = ENGINE_CACHE.get(key, lambda: engine_cls(model_path, eos_ids=eos_ids, lora_path=lora_path,
                                                               **settings))
     if reused:
         engine.eos_ids = set(eos_ids)
-        engine.load_policy(model_path, lora_path)
+        if reload:
+            engine.load_policy(model_path, lora_path)
     return engine
 
 

@@ -34,6 +34,10 @@ return_logprob=True, lora_path=[...])``, which answers one dict per request:
   back before the next (``resume_memory_occupation``); released weights are not kept, so they are
   reloaded from disk (and a LoRA adapter re-loaded) after a release.
 - FIRE sampling is refused, as with vLLM.
+- In-memory weight sync (a resident rollout worker, ``rft_core.workers.engine_sync``):
+  ``SGLangEngine.receive_weights`` receives the trainer's buckets in this process and hands each
+  to ``Engine.update_weights_from_tensor`` (see its docstring for why not SGLang's own
+  ``update_weights_from_distributed`` group).
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from typing import Any
 
 from rft_core.engines import ENGINE_CACHE, SGLANG_SEED_BITS, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
+from rft_core.workers.sync import SyncPlan, WeightSyncError, receive_buckets
 
 log = logging.getLogger("rft_core.engines.sglang")
 
@@ -108,6 +113,7 @@ class SGLangEngine:
         self.eos_ids = set(eos_ids)
         self.deterministic = deterministic
         self.release_after_generate = enable_memory_saver
+        self._policy_dtype = dtype
         if engine is None:
             kwargs: dict[str, Any] = {
                 "model_path": model_path, "tp_size": tensor_parallel_size, "mem_fraction_static": mem_fraction_static,
@@ -122,8 +128,9 @@ class SGLangEngine:
         if not deterministic:
             log.warning("SGLang without enable_deterministic_inference ignores per-request seeds: rollout samples "
                         "are not reproducible")
-        self.weights_path = model_path
-        self._loaded_path: str | None = model_path
+        self.weights_path: str | None = model_path  # the checkpoint to serve; None: synced or invalid
+        self._loaded_path: str | None = model_path  # the checkpoint the GPU weights hold
+        self.weights_version: str | None = None  # the synced version the GPU weights hold (receive_weights)
         self._released = False
         self._lora = lora_path is not None
         self._lora_path = lora_path  # the adapter to serve
@@ -143,16 +150,28 @@ class SGLangEngine:
                              f"cannot serve {lora_path or model_path} on it (release it first)")
         if lora_path is not None and model_path != self.weights_path:
             raise ValueError(f"LoRA adapter {lora_path} has base {model_path}, the engine serves {self.weights_path}")
-        self.weights_path = model_path
+        self.weights_path, self.weights_version = model_path, None
         self._lora_path = lora_path
 
-    def _ensure_ready(self) -> None:
-        """Take the GPU memory back if released, reload weights that are not ``weights_path``'s,
-        and load the adapter to serve."""
+    def _resume(self) -> None:
         if self._released:
             self.engine.resume_memory_occupation()
             self._released = False
-        if self._loaded_path != self.weights_path:
+
+    def _ensure_ready(self) -> None:
+        """Take the GPU memory back if released, reload weights that are not ``weights_path``'s
+        (or keep the synced ones), and load the adapter to serve.
+
+        Raises:
+            WeightSyncError: the weights are invalid (a failed sync, synced weights released):
+                nothing is served until a sync or ``load_policy`` succeeds.
+        """
+        self._resume()
+        if self.weights_path is None:
+            if self.weights_version is None:
+                raise WeightSyncError("the SGLang engine's weights are invalid (a weight sync failed, or its synced "
+                                      "weights were released): sync them again or load a checkpoint")
+        elif self._loaded_path != self.weights_path:
             log.info("SGLang: reloading weights in place from %s", self.weights_path)
             _check_ok(self.engine.update_weights_from_disk(self.weights_path), f"update_weights_from_disk({self.weights_path})")
             self.engine.flush_cache()
@@ -163,6 +182,80 @@ class SGLangEngine:
             name = f"policy-{next(self._lora_names)}"
             _check_ok(self.engine.load_lora_adapter(name, self._lora_path), f"load_lora_adapter({self._lora_path})")
             self._lora_name, self._lora_loaded = name, self._lora_path
+
+    @property
+    def sync_world_size(self) -> int:
+        """The size of a weight-sync group into this engine: the sender and this process (2).
+
+        Raises:
+            ValueError: a LoRA engine (it serves adapters; a sync moves full weights).
+        """
+        if self._lora:
+            raise ValueError("an SGLang engine built with LoRA serves adapters; an in-memory weight sync needs an "
+                             "engine built on the full model (lora_path=None)")
+        return 2
+
+    @property
+    def sync_dtype(self) -> str:
+        """The dtype of the engine's weights (``engine_dtype`` of the policy dtype): the plan's."""
+        return engine_dtype(self._policy_dtype)
+
+    def invalidate_weights(self) -> None:
+        """Hold the GPU weights as invalid: nothing is served until a sync or ``load_policy``."""
+        self.weights_path = self._loaded_path = self.weights_version = None
+
+    def receive_weights(self, plan: "SyncPlan | str", *, addr: str, port: int, backend: str, timeout_s: float,
+                        version: str) -> dict[str, Any]:
+        """Receive the trainer's weights in memory: take released GPU memory back, receive the
+        buckets in this process (``rft_core.workers.sync.receive_buckets``, rank 1 of 2, on this
+        process's current CUDA device with NCCL, on the CPU with gloo) and hand each bucket's
+        (HF name, tensor) list to ``Engine.update_weights_from_tensor(named_tensors,
+        load_format=None, flush_cache=True)`` (``python/sglang/srt/entrypoints/engine.py``: the
+        tensors go to every tensor-parallel scheduler process by ``MultiprocessingSerializer``,
+        CUDA IPC for GPU tensors, and each loads them with its model's ``load_weights``, which
+        keeps its shard), ``flush_cache`` on the last bucket only; every answer is checked
+        (``_check_ok``). Records ``version`` as what the GPU weights hold (``weights_version``).
+
+        Why not SGLang's ``init_weights_update_group`` + ``update_weights_from_distributed``
+        (the scheduler processes joining the trainer's group directly, saving one device copy
+        per bucket): the trainer would have to speak SGLang's group protocol (its group naming,
+        its per-call names/dtypes/shapes or flattened-bucket layout, which changed between
+        releases: one tensor per call in 0.4, lists and ``load_format`` later), the engine would
+        give no checksum of what it received, and neither side can be tested without GPUs. The
+        tensor path keeps this module's own transaction (plan check, timeouts, checksum of the
+        received bytes) at the cost of one bucket of device memory in this process.
+
+        Args:
+            plan: the sender's ``SyncPlan`` (or its JSON), in ``sync_dtype``.
+            addr, port, backend: where the sender (rank 0) waits.
+            timeout_s: the limit of each collective of the transaction.
+            version: what the weights are (the caller's key of the policy version).
+        Returns:
+            {"checksum" (of the received tensors), "bytes", "seconds", "buckets", "backend"}.
+        Raises:
+            ValueError: a LoRA engine (``sync_world_size``).
+            WeightSyncError: the sync failed or SGLang refused a bucket; the weights are then
+                invalid (``generate`` refuses until a sync or ``load_policy`` succeeds).
+        """
+        import torch
+
+        self.sync_world_size  # noqa: B018  refuses a LoRA engine
+        plan = SyncPlan.from_json(plan) if isinstance(plan, str) else plan
+        self._resume()
+        self.invalidate_weights()
+        n, landed = len(plan.bucket_sizes), [0]
+
+        def on_bucket(named: list) -> None:
+            landed[0] += 1
+            _check_ok(self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=landed[0] == n),
+                      f"update_weights_from_tensor (bucket {landed[0]}/{n})")
+
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        rep = receive_buckets(plan, addr=addr, port=port, rank=1, world_size=2, backend=backend, timeout_s=timeout_s,
+                              device=device, on_bucket=on_bucket)
+        self.weights_version = version
+        return {"checksum": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds, "buckets": rep.buckets,
+                "backend": backend}
 
     def batches(self, prompts: list[list[int]], n: int, batch_size: int, **_: Any) -> list[list[tuple[int, int]]]:
         """Whole groups, prompts sorted by length, max(1, batch_size // n) prompts per batch: the
@@ -242,12 +335,13 @@ class SGLangEngine:
 
     def sleep(self) -> None:
         """Release the GPU memory of weights and KV cache (``release_memory_occupation``; needs
-        ``enable_memory_saver``); the weights are reloaded on the next ``generate``."""
+        ``enable_memory_saver``); the weights are reloaded on the next ``generate`` (synced
+        weights are not kept: the engine is invalid until the next sync)."""
         if self._released:
             return
         self.engine.release_memory_occupation()
         self._released = True
-        self._loaded_path = None
+        self._loaded_path = self.weights_version = None
         self._lora_loaded = None
 
     def wake_up(self) -> None:
@@ -261,11 +355,12 @@ class SGLangEngine:
             engine.shutdown()
 
 
-def get_sglang_engine(model_path: str, *, eos_ids: set[int], lora_path: str | None = None, **settings: Any) -> SGLangEngine:
+def get_sglang_engine(model_path: str, *, eos_ids: set[int], lora_path: str | None = None, reload: bool = True,
+                      **settings: Any) -> SGLangEngine:
     """The process's cached ``SGLangEngine`` for ``model_path`` (+ ``lora_path``), reused across
-    iterations (``rft_core.engines.cached_engine``); ``settings`` are ``SGLangEngine``'s keyword
-    arguments."""
-    return cached_engine(SGLangEngine, model_path, eos_ids=eos_ids, lora_path=lora_path, **settings)
+    iterations (``rft_core.engines.cached_engine``, ``reload`` as there); ``settings`` are
+    ``SGLangEngine``'s keyword arguments."""
+    return cached_engine(SGLangEngine, model_path, eos_ids=eos_ids, lora_path=lora_path, reload=reload, **settings)
 
 
 def release_sglang_engine() -> bool:

@@ -28,8 +28,15 @@ checkpoint of the same model is loaded into it in place by ``WeightReloadExtensi
 worker ``reload_weights``, reached through ``LLM.collective_rpc``), then the prefix cache is
 reset; a new LoRA checkpoint is a new ``LoRARequest`` id. With ``enable_sleep_mode`` the engine
 sleeps after each ``generate`` (level 2 for full weights, which the next iteration reloads
-anyway; level 1 for LoRA, whose base weights are kept in CPU memory) and wakes up (weights,
-reload, then KV cache) before the next one, so the GPU is free for the other stages in between.
+anyway; level 1 for LoRA, whose base weights are kept in CPU memory, and for weights received
+by a sync, which are on no storage) and wakes up (weights, reload, then KV cache) before the
+next one, so the GPU is free for the other stages in between.
+
+In-memory weight sync (a resident rollout worker, ``rft_core.workers.engine_sync``):
+``VLLMEngine.receive_weights`` has every worker join the trainer's sync group
+(``rft_core.workers.sync``) through ``WeightReloadExtension.rft_receive_weights`` and load each
+bucket with the model's own ``load_weights``, as vLLM's RLHF example does
+(``examples/offline_inference/rlhf_utils.py``, ``WorkerExtension.update_weight``).
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ from typing import Any
 
 from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
+from rft_core.workers.sync import SyncPlan, WeightSyncError, receive_buckets
 
 log = logging.getLogger("rft_core.engines.vllm")
 
@@ -103,6 +111,66 @@ class WeightReloadExtension:
             runner.model_config.model = path
             self.reload_weights()
 
+    def _rft_tp_rank(self) -> int:
+        """This worker's tensor-parallel rank: ``get_tensor_model_parallel_rank()``
+        (``vllm/distributed/parallel_state.py``); without vllm (tests) the worker's ``rank``
+        (``WorkerBase.__init__``, ``vllm/v1/worker/worker_base.py``: the global rank, which is
+        the tensor-parallel rank of a tensor-parallel-only engine)."""
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        except ImportError:
+            return int(self.rank)
+        return int(get_tensor_model_parallel_rank())
+
+    def rft_receive_weights(self, plan_json: str, addr: str, port: int, world_size: int, backend: str,
+                            timeout_s: float) -> dict[str, Any]:
+        """Receive a weight sync into this worker's model: join the sync group at ``addr:port``
+        as rank 1 + tensor-parallel rank of ``world_size`` (``rft_core.workers.sync.receive_buckets``
+        on ``self.device``) and hand each bucket's (HF name, tensor) list to the model's own
+        ``self.model_runner.model.load_weights(weights=...)`` (``load_weights(self, weights:
+        Iterable[tuple[str, Tensor]]) -> set[str]``, e.g. ``vllm/model_executor/models/llama.py``:
+        it maps HF names onto vLLM's fused parameters, q/k/v -> qkv_proj, gate/up -> gate_up_proj,
+        and each parameter's ``weight_loader`` keeps this rank's shard). As vLLM's own loader does
+        (``DefaultModelLoader.load_weights``, ``vllm/model_executor/model_loader/default_loader.py``),
+        an unquantized model whose ``load_weights`` reports the loaded names must have had every
+        parameter loaded. Quantized models (whose weights need ``process_weights_after_loading``)
+        are not supported.
+
+        Args:
+            plan_json: the sender's plan (``SyncPlan.to_json``).
+            world_size: 1 + tensor_parallel_size.
+            backend: "nccl" (GPU) or "gloo".
+            timeout_s: the limit of each collective.
+        Returns:
+            {"checksum": ``sync_checksum`` of the received tensors (computed on the GPU),
+            "bytes", "seconds", "buckets"}.
+        Raises:
+            WeightSyncError: the sync failed (timeout, a peer gone, a bucket ``load_weights``
+                refused: unknown name or shape, naming it); the model is then partly written.
+        """
+        import torch
+
+        plan = SyncPlan.from_json(plan_json)
+        model = self.model_runner.model
+        quantized = getattr(getattr(self, "model_config", None), "quantization", None) is not None
+        expected = {name for name, _ in model.named_parameters()}
+        state: dict[str, Any] = {"loaded": set(), "landed": 0}
+
+        def on_bucket(weights: list) -> None:
+            got = model.load_weights(weights=weights)
+            state["loaded"] = None if got is None or state["loaded"] is None else state["loaded"] | set(got)
+            state["landed"] += 1
+            if state["landed"] == len(plan.bucket_sizes) and state["loaded"] is not None and not quantized:
+                missing = sorted(expected - state["loaded"])
+                if missing:
+                    raise ValueError(f"{len(missing)} parameter(s) of the vLLM model were not in the sync: {missing[:5]}")
+
+        rep = receive_buckets(plan, addr=addr, port=port, rank=1 + self._rft_tp_rank(), world_size=world_size,
+                              backend=backend, timeout_s=timeout_s, device=self.device, on_bucket=on_bucket)
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"checksum": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds, "buckets": rep.buckets}
+
 
 class VLLMEngine:
     """Rollouts with ``vllm.LLM``.
@@ -125,6 +193,8 @@ class VLLMEngine:
                  sampling_params: Callable[..., Any] | None = None) -> None:
         self.eos_ids = set(eos_ids)
         self.sleep_after_generate = enable_sleep_mode
+        self.tensor_parallel_size = tensor_parallel_size
+        self._policy_dtype = dtype
         if llm is None:
             kwargs: dict[str, Any] = {
                 "model": model_path, "tensor_parallel_size": tensor_parallel_size,
@@ -138,9 +208,11 @@ class VLLMEngine:
             llm = build_llm(**kwargs)
         self.llm = llm
         self.sampling_params = sampling_params or vllm_sampling_params()
-        self.weights_path = model_path  # the checkpoint the engine serves (the LoRA base with lora_path)
-        self._loaded_path: str | None = model_path  # what the GPU weights hold now (None: discarded by sleep)
+        self.weights_path: str | None = model_path  # the checkpoint to serve (the LoRA base); None: synced or invalid
+        self._loaded_path: str | None = model_path  # the checkpoint the GPU weights hold (None: synced, discarded)
+        self.weights_version: str | None = None  # the synced version the GPU weights hold (receive_weights)
         self._sleep_level = 0
+        self._weights_awake = False  # the weights were woken while the KV cache still sleeps
         self._lora_ids = itertools.count(1)
         self.lora_request = lora_request(lora_path, next(self._lora_ids)) if lora_path is not None else None
         self._lora_path = lora_path
@@ -164,20 +236,95 @@ class VLLMEngine:
                 self.lora_request = lora_request(lora_path, next(self._lora_ids))
                 self._lora_path = lora_path
             return
-        self.weights_path = model_path
+        self.weights_path, self.weights_version = model_path, None
+
+    def _wake_weights(self) -> None:
+        if self._sleep_level and not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
 
     def _ensure_ready(self) -> None:
-        """Wake the engine if it sleeps and make its GPU weights those of ``weights_path``."""
-        if self._sleep_level:
-            self.llm.wake_up(tags=["weights"])
-        if self._loaded_path != self.weights_path:
+        """Wake the engine if it sleeps and make its GPU weights those of ``weights_path`` (or
+        keep the synced ones).
+
+        Raises:
+            WeightSyncError: the weights are invalid (a failed sync, synced weights discarded by
+                a level-2 sleep): nothing is served until a sync or ``load_policy`` succeeds.
+        """
+        self._wake_weights()
+        if self.weights_path is None:
+            if self.weights_version is None:
+                raise WeightSyncError("the vLLM engine's weights are invalid (a weight sync failed, or its synced weights "
+                                      "were discarded by a level-2 sleep): sync them again or load a checkpoint")
+        elif self._loaded_path != self.weights_path:
             log.info("vLLM: reloading weights in place from %s", self.weights_path)
             self.llm.collective_rpc("rft_reload_weights", args=(self.weights_path,))
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
             self._loaded_path = self.weights_path
         if self._sleep_level:
             self.llm.wake_up(tags=["kv_cache"])
-            self._sleep_level = 0
+            self._sleep_level, self._weights_awake = 0, False
+
+    @property
+    def sync_world_size(self) -> int:
+        """The size of a weight-sync group into this engine: the sender and one receiver per
+        tensor-parallel worker (1 + tensor_parallel_size).
+
+        Raises:
+            ValueError: a LoRA engine (it serves adapters; a sync moves full weights).
+        """
+        if self.lora_request is not None:
+            raise ValueError("a vLLM engine built with LoRA serves adapters; an in-memory weight sync needs an engine "
+                             "built on the full model (lora_path=None)")
+        return 1 + self.tensor_parallel_size
+
+    @property
+    def sync_dtype(self) -> str:
+        """The dtype of the engine's weights (``engine_dtype`` of the policy dtype): the plan's."""
+        return engine_dtype(self._policy_dtype)
+
+    def invalidate_weights(self) -> None:
+        """Hold the GPU weights as invalid: nothing is served until a sync or ``load_policy``."""
+        self.weights_path = self._loaded_path = self.weights_version = None
+
+    def receive_weights(self, plan: "SyncPlan | str", *, addr: str, port: int, backend: str, timeout_s: float,
+                        version: str) -> dict[str, Any]:
+        """Receive the trainer's weights in memory: wake a sleeping engine's weights, have every
+        worker join the sync group and load the buckets (``LLM.collective_rpc(method, timeout=None,
+        args=(), kwargs=None) -> list`` of ``vllm/entrypoints/llm.py``, one result per worker,
+        calling ``WeightReloadExtension.rft_receive_weights``), check that every worker received
+        the same weights (their checksums), reset the prefix cache and record ``version`` as what
+        the GPU weights hold (``weights_version``; ``generate`` then reloads nothing).
+
+        Args:
+            plan: the sender's ``SyncPlan`` (or its JSON), in ``sync_dtype``.
+            addr, port, backend: where the sender (rank 0) meets its ``sync_world_size - 1`` receivers.
+            timeout_s: the limit of each collective of the transaction.
+            version: what the weights are (the caller's key of the policy version).
+        Returns:
+            {"checksum", "bytes", "seconds" (the slowest worker), "buckets", "backend", "workers"}.
+        Raises:
+            ValueError: a LoRA engine (``sync_world_size``).
+            WeightSyncError: the sync failed or the workers' checksums differ; the weights are
+                then invalid (``generate`` refuses until a sync or ``load_policy`` succeeds).
+        """
+        world_size = self.sync_world_size
+        plan_json = plan if isinstance(plan, str) else plan.to_json()
+        self._wake_weights()
+        self.invalidate_weights()
+        try:
+            results = self.llm.collective_rpc("rft_receive_weights",
+                                              args=(plan_json, addr, port, world_size, backend, float(timeout_s)))
+        except Exception as exc:  # noqa: BLE001  a worker's WeightSyncError comes back wrapped by the executor
+            raise WeightSyncError(f"vLLM weight sync of {version} failed: {type(exc).__name__}: {exc}") from exc
+        checksums = sorted({r["checksum"] for r in results})
+        if len(results) != world_size - 1 or len(checksums) != 1:
+            raise WeightSyncError(f"vLLM weight sync of {version}: {len(results)} worker(s) of {world_size - 1} answered "
+                                  f"with checksums {checksums}")
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.weights_version = version
+        return {"checksum": checksums[0], "bytes": results[0]["bytes"], "seconds": max(r["seconds"] for r in results),
+                "buckets": results[0]["buckets"], "backend": backend, "workers": len(results)}
 
     def batches(self, prompts: list[list[int]], n: int, batch_size: int, **_: Any) -> list[list[tuple[int, int]]]:
         """Whole groups, prompts sorted by length, max(1, batch_size // n) prompts per batch: the
@@ -247,15 +394,16 @@ class VLLMEngine:
     def sleep(self, level: int | None = None) -> None:
         """Free the GPU memory of the KV cache and the weights (``LLM.sleep``, which also resets
         the prefix cache). Level 1 offloads the weights to CPU memory, level 2 discards them
-        (they are reloaded from ``weights_path`` on wake-up); None: 1 for LoRA (the base stays),
-        2 otherwise. Needs ``enable_sleep_mode``."""
+        (they are reloaded from ``weights_path`` on wake-up; synced weights are then invalid);
+        None: 1 for LoRA (the base stays) and for synced weights (on no storage), 2 otherwise.
+        Needs ``enable_sleep_mode``."""
         if self._sleep_level:
             return
-        level = level if level is not None else (1 if self.lora_request is not None else 2)
+        level = level if level is not None else (1 if self.lora_request is not None or self.weights_version else 2)
         self.llm.sleep(level=level)
-        self._sleep_level = level
+        self._sleep_level, self._weights_awake = level, False
         if level >= 2:
-            self._loaded_path = None
+            self._loaded_path = self.weights_version = None
 
     def wake_up(self) -> None:
         """Restore what ``sleep`` freed (weights reloaded after a level-2 sleep)."""
@@ -278,11 +426,12 @@ class VLLMEngine:
         release_device_memory()
 
 
-def get_vllm_engine(model_path: str, *, eos_ids: set[int], lora_path: str | None = None, **settings: Any) -> VLLMEngine:
+def get_vllm_engine(model_path: str, *, eos_ids: set[int], lora_path: str | None = None, reload: bool = True,
+                      **settings: Any) -> VLLMEngine:
     """The process's cached ``VLLMEngine`` for ``model_path`` (+ ``lora_path``), reused across
-    iterations (``rft_core.engines.cached_engine``); ``settings`` are ``VLLMEngine``'s keyword
-    arguments."""
-    return cached_engine(VLLMEngine, model_path, eos_ids=eos_ids, lora_path=lora_path, **settings)
+    iterations (``rft_core.engines.cached_engine``, ``reload`` as there); ``settings`` are
+    ``VLLMEngine``'s keyword arguments."""
+    return cached_engine(VLLMEngine, model_path, eos_ids=eos_ids, lora_path=lora_path, reload=reload, **settings)
 
 
 def release_vllm_engine() -> bool:

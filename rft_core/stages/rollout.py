@@ -78,6 +78,14 @@ def make_engine(cfg: RolloutConfig, policy: PolicyRef, *, dtype: str):
     the same; it is given the policy dtype as it is (the engine maps float32/auto to a 16-bit
     dtype itself: ``rft_core.engines.engine_dtype``). A LoRA checkpoint is served on its base
     model as an adapter.
+
+    Inside a resident worker that provides ``engine_policy(engine, ref)``
+    (``rft_core.workers.memory.current_source``), a vLLM/SGLang engine is built (or reused
+    without reloading) from ``config_folder(policy)``, the checkpoint ``policy``'s weights
+    descend from (an update that kept its weights in memory has no weights on storage:
+    ``policy_model_path`` raises ``WeightlessPolicyError``), as a full model (a LoRA policy's
+    synced weights are merged), and gets ``policy``'s weights from ``source.engine_policy``
+    (an in-memory sync, ``rft_core.workers.engine_sync``).
     """
     path = config_folder(policy)
     tok = load_tokenizer(path)
@@ -85,29 +93,38 @@ def make_engine(cfg: RolloutConfig, policy: PolicyRef, *, dtype: str):
         if current_source() is None:
             count("engine_builds")  # over a model read for it (a resident worker's engine is built once)
         return HFEngine(inference_model(policy, dtype=dtype), tok), tok
-    path = policy_model_path(policy)
+    source = current_source()
+    synced = source is not None and hasattr(source, "engine_policy")  # weights from the resident worker's memory
+    if not synced:
+        path = policy_model_path(policy)
     from rft_core.config.scale import SGLangConfig, VLLMConfig
     from rft_core.models.loading import resolve_model_path
     from rft_core.models.lora import adapter_base_path, is_adapter_dir
 
     lora = path if is_adapter_dir(path) else None
     base = resolve_model_path(adapter_base_path(path) if lora else path)
+    if synced:
+        lora = None  # a LoRA policy's synced weights are merged: the engine serves the full model
     eos = engine_eos_ids(tok, base)
     if cfg.engine == "vllm":
         from rft_core.engines.vllm import get_vllm_engine
 
         v = cfg.vllm or VLLMConfig()
-        return get_vllm_engine(base, eos_ids=eos, lora_path=lora, tensor_parallel_size=v.tensor_parallel_size,
-                               gpu_memory_utilization=v.gpu_memory_utilization, dtype=dtype,
-                               max_model_len=v.max_model_len, enable_sleep_mode=v.enable_sleep_mode,
-                               max_lora_rank=v.max_lora_rank), tok
-    from rft_core.engines.sglang import get_sglang_engine
+        engine = get_vllm_engine(base, eos_ids=eos, lora_path=lora, tensor_parallel_size=v.tensor_parallel_size,
+                                 gpu_memory_utilization=v.gpu_memory_utilization, dtype=dtype,
+                                 max_model_len=v.max_model_len, enable_sleep_mode=v.enable_sleep_mode,
+                                 max_lora_rank=v.max_lora_rank, reload=not synced)
+    else:
+        from rft_core.engines.sglang import get_sglang_engine
 
-    sg = cfg.sglang or SGLangConfig()
-    return get_sglang_engine(base, eos_ids=eos, lora_path=lora, tensor_parallel_size=sg.tensor_parallel_size,
-                             mem_fraction_static=sg.mem_fraction_static, dtype=dtype, max_model_len=sg.max_model_len,
-                             enable_memory_saver=sg.enable_memory_saver, max_lora_rank=sg.max_lora_rank,
-                             deterministic=sg.deterministic), tok
+        sg = cfg.sglang or SGLangConfig()
+        engine = get_sglang_engine(base, eos_ids=eos, lora_path=lora, tensor_parallel_size=sg.tensor_parallel_size,
+                                   mem_fraction_static=sg.mem_fraction_static, dtype=dtype,
+                                   max_model_len=sg.max_model_len, enable_memory_saver=sg.enable_memory_saver,
+                                   max_lora_rank=sg.max_lora_rank, deterministic=sg.deterministic, reload=not synced)
+    if synced:
+        source.engine_policy(engine, policy)
+    return engine, tok
 
 
 @stage_program(RolloutInput)

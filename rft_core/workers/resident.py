@@ -43,6 +43,7 @@ from rft_core.workers.trained import strategy_device, trained_digest, trained_te
 from rft_core.workers.sync import (
     SyncPlan,
     WeightSyncError,
+    buffers_checksum,
     copy_weights,
     export_cuda_ipc,
     free_port,
@@ -51,7 +52,6 @@ from rft_core.workers.sync import (
     receive_weights,
     send_weights,
     state_tensors,
-    weights_digest,
 )
 from schemas import PolicyRef, ShardRef
 
@@ -128,6 +128,7 @@ class ModelWorker:
         self.critic_held: Any = None  # critic: its training strategy (model and AdamW state)
         self.critic_version: str | None = None
         self._ipc_buffers: list | None = None
+        self._merged: str | None = None  # rollout: a LoRA checkpoint merged for a GPU engine (engine_policy)
         self.syncs: list[dict[str, Any]] = []
 
     # -- running programs -------------------------------------------------------------------
@@ -226,6 +227,57 @@ class ModelWorker:
     def trained(self, ref: PolicyRef) -> None:
         """``ModelSource.trained``: the trainer now holds ``ref``."""
         self.version = version_key(ref)
+
+    def engine_policy(self, engine, ref: PolicyRef) -> None:
+        """Make the rollout worker's GPU engine (``VLLMEngine``, ``SGLangEngine``, built once per
+        run by ``make_engine``) hold ``ref``: an in-memory sync from the policy worker into the
+        engine's own loader (``rft_core.workers.engine_sync.pull_into_engine``: every rank of the
+        policy gang takes part, the engine's workers receive, checksums compared; the engine is
+        invalid until it lands), or, when the trainer does not hold ``ref`` and it is on storage
+        (the initial model, a resume), its checkpoint reloaded in place: a LoRA adapter merged
+        into a local folder first (``rft_core.models.lora.merge_adapter``), since the engine serves
+        the merged weights.
+
+        Raises:
+            WeightSyncError: the sync failed or its checksums differ.
+            WorkerError: the policy worker is not a Ray actor (an engine sync crosses processes).
+        """
+        from rft_core.workers.engine_sync import pull_into_engine
+
+        key = version_key(ref)
+        if engine.weights_version == key:
+            return
+        if isinstance(self.peer(), ModelWorker):
+            raise WorkerError("a GPU engine receives its weights from the policy worker's process: run the workers as "
+                              "Ray actors (rft_core.workers.pool)")
+        rep = pull_into_engine(engine, ref, prepare=lambda r, dtype: self._call("prepare_weights", r, dtype=dtype),
+                               send_async=lambda r, **kw: self._call_async("send_weights", r, **kw), wait=self._wait,
+                               timeout_s=self.sync_timeout_s, bucket_mb=self.sync_bucket_mb)
+        if rep["status"] == "storage":
+            engine.load_policy(self._full_checkpoint(ref))
+            return
+        count("weight_syncs")
+        count("weight_sync_seconds", rep["seconds"])
+        count("weight_sync_bytes", rep["bytes"])
+        self.syncs.append({"version": key, "bytes": rep["bytes"], "seconds": rep["seconds"], "backend": rep["backend"],
+                           "buckets": rep["buckets"], "engine": type(engine).__name__})
+
+    def _full_checkpoint(self, ref: PolicyRef) -> str:
+        """A folder of ``ref``'s full weights: its checkpoint, or a LoRA checkpoint's merge
+        (written once into a local temporary folder, the previous one removed)."""
+        import shutil
+        import tempfile
+
+        from rft_core.models.lora import is_adapter_dir, merge_adapter
+        from rft_core.stages.checkpoints import policy_model_path
+
+        path = policy_model_path(ref)
+        if not is_adapter_dir(path):
+            return path
+        old, self._merged = self._merged, tempfile.mkdtemp(prefix="rft-merged-policy-")
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        return merge_adapter(path, self._merged)
 
     # -- the critic worker ---------------------------------------------------------------------
     def critic_model(self, ref: PolicyRef, *, dtype: str) -> torch.nn.Module:
@@ -334,8 +386,7 @@ class ModelWorker:
         plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb)
         device = next(iter(tensors.values())).device
         handles, self._ipc_buffers = export_cuda_ipc(tensors, plan, device)
-        cast = {e.name: tensors[e.name].detach().to(getattr(torch, e.dtype)) for e in plan.entries}
-        return {"handles": handles, "digest": weights_digest(cast), "bytes": plan.payload_bytes}
+        return {"handles": handles, "digest": buffers_checksum(plan, self._ipc_buffers), "bytes": plan.payload_bytes}
 
     def release_export(self) -> None:
         """Free the buffers of the last ``export_weights``."""

@@ -3,26 +3,26 @@ engine, the actor pass) without touching storage.
 
 One transaction moves every tensor of a model's ``state_dict`` in the receiver's dtype:
 
-1. **Plan.** Both sides build the same plan from their own model (``SyncPlan.of``): the
-   state-dict entries by name, in the receiver's dtype, packed in order into byte buckets of at
-   most ``bucket_mb`` MiB (a tensor larger than a bucket gets a bucket of its own). The sender
-   checks that its tensors fit the plan (each tensor starts on a 64-byte boundary); the first message is the plan's fingerprint, so two
-   sides with different models stop at once with ``WeightSyncError`` instead of writing bytes
-   into the wrong tensors.
+1. **Plan.** The tensors by name, in the receiver's dtype, packed in order into byte buckets of
+   at most ``bucket_mb`` MiB, each tensor on a 64-byte boundary (a tensor larger than a bucket
+   gets one of its own): ``SyncPlan.of``, built by both sides from their own model, or by the
+   sender alone and handed to a receiver without HF-named tensors (``to_json``/``from_json``).
+   The first message is the plan's fingerprint, so sides with different models stop at once.
 2. **Buckets.** Each bucket is one flat ``uint8`` tensor broadcast from rank 0 (the trainer) to
-   rank 1 (the engine) over a two-rank process group of its own (``torch.distributed``:
-   ``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` between two GPUs), created for the sync
-   from a ``TCPStore`` rendezvous and destroyed after it. This is how verl, OpenRLHF and NeMo-RL
-   move weights into their engines (a dedicated NCCL group next to the training group), here
-   with gloo for the CPU. Every collective runs under ``timeout_s``: a peer that is gone or
-   hung fails the sync with ``WeightSyncError`` naming the stage of the transaction.
-3. **Landing.** The receiver copies each bucket into its tensors as it arrives, so it needs no
-   second copy of the model; until the sync has landed and been verified, the caller holds the
-   engine's weights as invalid (``rft_core.workers.resident``), so the engine never serves a
-   half-updated model: a failed sync leaves it without a version, and the next request syncs
-   again.
-4. **Verification.** Both sides compute ``weights_digest`` (sha256 over names, dtypes, shapes
-   and bytes) of the weights as sent and as landed; the caller compares them.
+   ranks 1 .. world_size - 1 (the engine: one rank, or one per tensor-parallel worker of a vLLM
+   engine) over a process group of its own (``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL``
+   between GPUs) from a ``TCPStore`` rendezvous, destroyed after it: how verl, OpenRLHF and
+   NeMo-RL move weights into their engines. Every collective runs under ``timeout_s``; after
+   the plan check and at the end each rank reports whether it failed (an all-reduce of one flag
+   per rank), so all ranks stop together with ``WeightSyncError`` naming the failed ranks.
+3. **Landing.** The receiver copies each bucket into its tensors as it arrives
+   (``receive_weights``) or hands the bucket's tensors to the engine's own loader
+   (``receive_buckets``: vLLM and SGLang map HF names to their fused, sharded parameters), so
+   it needs no second copy of the model. Until the sync has landed and been verified the
+   caller holds the engine's weights as invalid: a failed sync is never served.
+4. **Verification.** Both sides compute ``sync_checksum`` (``rft_core.workers.checksum``: exact,
+   on the tensors' own device) of the weights as sent and as landed (``SyncReport.digest``);
+   the caller compares them. ``weights_digest`` (sha256 on the host) is what commits record.
 
 Two processes on one GPU cannot form an NCCL group (NCCL 2.28 refuses: "Duplicate GPU
 detected", docs/gpu.md); such a pair moves weights by CUDA IPC handles instead
@@ -36,11 +36,12 @@ import json
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from rft_core.models.hub import torch_dtype
+from rft_core.workers.checksum import combine, sync_checksum, word_sums  # noqa: F401 - re-exported
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -120,11 +121,43 @@ class SyncPlan:
         """The entries of bucket ``index``, in order."""
         return [e for e in self.entries if e.bucket == index]
 
+    def layout(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of every entry, in name order (what ``sync_checksum`` hashes)."""
+        return [(e.name, e.dtype, e.shape) for e in self.entries]
+
+    def to_json(self) -> str:
+        """The plan as JSON text (``from_json`` gives back an equal plan): for a receiver that
+        has no HF-named copy of the model to build the plan from (a vLLM or SGLang engine)."""
+        return json.dumps({"format": 1, "bucket_sizes": list(self.bucket_sizes),
+                           "entries": [[e.name, e.dtype, list(e.shape), e.bucket, e.offset, e.nbytes]
+                                       for e in self.entries]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "SyncPlan":
+        """The plan of ``to_json``'s ``text``.
+
+        Raises:
+            ValueError: not a plan's JSON (malformed, another format, an unknown dtype).
+        """
+        try:
+            data = json.loads(text)
+            if data.get("format") != 1:
+                raise ValueError(f"unknown sync plan format {data.get('format')!r}")
+            entries = tuple(SyncEntry(str(n), str(dt), tuple(int(x) for x in shape), int(b), int(o), int(nb))
+                            for n, dt, shape, b, o, nb in data["entries"])
+            plan = cls(entries, tuple(int(x) for x in data["bucket_sizes"]))
+        except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not a sync plan's JSON: {exc}") from exc
+        bad = [e.dtype for e in entries if not isinstance(getattr(torch, e.dtype, None), torch.dtype)]
+        if bad:
+            raise ValueError(f"sync plan has unknown dtype(s) {bad[:3]}")
+        return plan
+
 
 @dataclass
 class SyncReport:
     """What one side of a sync did: bytes of the tensors moved (``SyncPlan.payload_bytes``),
-    seconds, buckets and the digest of the weights."""
+    seconds, buckets and the digest of the weights (their ``sync_checksum``)."""
 
     bytes: int
     seconds: float
@@ -187,23 +220,33 @@ def host_address() -> str:
     return "127.0.0.1"
 
 
-def _process_group(backend: str, addr: str, port: int, rank: int, timeout_s: float):
-    """A two-rank process group of its own (not the default group), rank 0 hosting the store."""
+def _process_group(backend: str, addr: str, port: int, rank: int, timeout_s: float, world_size: int = 2):
+    """A process group of ``world_size`` ranks of its own (not the default group), rank 0
+    hosting the ``TCPStore`` (``torch.distributed.TCPStore``, ``ProcessGroupGloo``,
+    ``ProcessGroupNCCL``: torch/distributed/distributed_c10d.py).
+
+    Raises:
+        WeightSyncError: not every rank met at ``addr:port`` within ``timeout_s``.
+        ValueError: an unknown backend, or ``rank`` outside 0 .. world_size - 1.
+    """
     import torch.distributed as dist
 
+    if world_size < 2 or not 0 <= rank < world_size:
+        raise ValueError(f"weight sync rank {rank} of world size {world_size}: need 0 <= rank < world_size, world_size >= 2")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"unknown weight-sync backend {backend!r}; valid: gloo, nccl")
     timeout = _dt.timedelta(seconds=timeout_s)
     try:
-        store = dist.TCPStore(addr, port, world_size=2, is_master=rank == 0, timeout=timeout, wait_for_workers=True)
-    except Exception as exc:  # noqa: BLE001  RuntimeError/DistNetworkError: the peer never came
-        raise WeightSyncError(f"weight sync rendezvous at {addr}:{port} (rank {rank}) failed within {timeout_s:g} s: "
-                              f"{exc}") from exc
+        store = dist.TCPStore(addr, port, world_size=world_size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=True)
+    except Exception as exc:  # noqa: BLE001  RuntimeError/DistNetworkError: a peer never came
+        raise WeightSyncError(f"weight sync rendezvous at {addr}:{port} (rank {rank} of {world_size}) failed within "
+                              f"{timeout_s:g} s: {exc}") from exc
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, 2, timeout)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, opts)
-    raise ValueError(f"unknown weight-sync backend {backend!r}; valid: gloo, nccl")
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
 
 
 def _broadcast(pg, tensor: torch.Tensor, what: str, timeout_s: float) -> None:
@@ -218,6 +261,23 @@ def _broadcast(pg, tensor: torch.Tensor, what: str, timeout_s: float) -> None:
         raise WeightSyncError(f"weight sync failed during {what}: {type(exc).__name__}: {exc}") from exc
 
 
+def _failed_ranks(pg, rank: int, world_size: int, failed: bool, device: torch.device, what: str,
+                  timeout_s: float) -> list[int]:
+    """Every rank says whether it failed (an all-reduce of one flag per rank): the ranks that did."""
+    import torch.distributed as dist
+
+    flags = torch.zeros(world_size, dtype=torch.int64, device=device)
+    flags[rank] = int(failed)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    opts.timeout = _dt.timedelta(seconds=timeout_s)
+    try:
+        pg.allreduce([flags], opts).wait()
+    except Exception as exc:  # noqa: BLE001
+        raise WeightSyncError(f"weight sync failed during {what}: {type(exc).__name__}: {exc}") from exc
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
 def _pack(plan: SyncPlan, tensors: Mapping[str, torch.Tensor], index: int, device: torch.device) -> torch.Tensor:
     buf = torch.empty(plan.bucket_sizes[index], dtype=torch.uint8, device=device)
     for e in plan.bucket(index):
@@ -226,12 +286,26 @@ def _pack(plan: SyncPlan, tensors: Mapping[str, torch.Tensor], index: int, devic
     return buf
 
 
+def bucket_views(plan: SyncPlan, buf: torch.Tensor, index: int) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of bucket ``index`` of ``plan`` held in the flat uint8 ``buf``:
+    views (no copy) with the plan's dtype and shape."""
+    return [(e.name, buf[e.offset:e.offset + e.nbytes].view(_dtype(e.dtype)).reshape(e.shape)) for e in plan.bucket(index)]
+
+
 def _unpack(plan: SyncPlan, buf: torch.Tensor, index: int, target: Mapping[str, torch.Tensor]) -> None:
-    for e in plan.bucket(index):
-        dst = target[e.name]
-        src = buf[e.offset:e.offset + e.nbytes].view(_dtype(e.dtype)).reshape(e.shape)
-        with torch.no_grad():
-            dst.copy_(src)
+    with torch.no_grad():
+        for name, src in bucket_views(plan, buf, index):
+            target[name].copy_(src)
+
+
+def buffers_checksum(plan: SyncPlan, buffers: Iterable[torch.Tensor]) -> str:
+    """``sync_checksum`` of the tensors held in ``plan``'s packed buckets ``buffers`` (one flat
+    uint8 tensor per bucket, e.g. ``export_cuda_ipc``'s): computed on the buffers' device, equal
+    to ``sync_checksum`` of the tensors packed into them."""
+    sums = {}
+    for i, buf in enumerate(buffers):
+        sums.update({name: word_sums(t) for name, t in bucket_views(plan, buf, i)})
+    return combine(plan.layout(), sums)
 
 
 def check_fits(plan: SyncPlan, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -248,40 +322,85 @@ def check_fits(plan: SyncPlan, tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: str, port: int, backend: str = "gloo",
-                 timeout_s: float = 300.0, device: torch.device | str = "cpu") -> SyncReport:
+                 timeout_s: float = 300.0, device: torch.device | str = "cpu", world_size: int = 2) -> SyncReport:
     """Rank 0 of a sync: broadcast ``tensors`` (cast to the plan's dtypes) bucket by bucket to
-    the receiver waiting at ``addr:port`` (``receive_weights``). Returns the sender's report,
-    whose digest is that of the weights as sent.
+    the ``world_size - 1`` receivers meeting at ``addr:port`` (``receive_weights`` /
+    ``receive_buckets``). Returns the sender's report, whose digest is the ``sync_checksum`` of
+    the weights as sent (computed on ``device`` from the packed buckets).
 
     Raises:
-        WeightSyncError: the tensors do not fit the plan, the receiver's plan differs, or a
-            collective failed or timed out.
+        WeightSyncError: the tensors do not fit the plan, a receiver's plan differs, a receiver
+            failed to land a bucket, or a collective failed or timed out.
     """
     check_fits(plan, tensors)
     device = torch.device(device)
     t0 = time.perf_counter()
-    pg = _process_group(backend, addr, port, 0, timeout_s)
+    pg = _process_group(backend, addr, port, 0, timeout_s, world_size)
+    sums: dict[str, torch.Tensor] = {}
     try:
         header = torch.tensor([plan.fingerprint(), len(plan.bucket_sizes)], dtype=torch.int64, device=device)
         _broadcast(pg, header, "the plan check", timeout_s)
+        bad = _failed_ranks(pg, 0, world_size, False, device, "the plan check", timeout_s)
+        if bad:
+            raise WeightSyncError(f"weight sync: receiver rank(s) {bad} expect another layout than the sender's weights "
+                                  "(names, dtypes or shapes differ): is the engine's model the policy's architecture?")
         for i in range(len(plan.bucket_sizes)):
             buf = _pack(plan, tensors, i, device)
             _broadcast(pg, buf, f"bucket {i + 1}/{len(plan.bucket_sizes)}", timeout_s)
-        ok = torch.zeros(1, dtype=torch.int64, device=device)
-        _broadcast(pg, ok, "the end of the transaction", timeout_s)
+            sums.update({name: word_sums(t) for name, t in bucket_views(plan, buf, i)})
+        bad = _failed_ranks(pg, 0, world_size, False, device, "the end of the transaction", timeout_s)
+        if bad:
+            raise WeightSyncError(f"weight sync: receiver rank(s) {bad} could not land the weights (see their error)")
     finally:
         del pg
-    seconds = time.perf_counter() - t0
-    cast = {e.name: tensors[e.name].detach().to(_dtype(e.dtype)) for e in plan.entries}
-    return SyncReport(bytes=plan.payload_bytes, seconds=seconds, buckets=len(plan.bucket_sizes),
-                      digest=weights_digest(cast), backend=backend)
+    return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
+                      digest=combine(plan.layout(), sums), backend=backend)
+
+
+def _receive(plan: SyncPlan, *, addr: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
+             device: torch.device, land) -> dict[str, torch.Tensor]:
+    """The receiving side of one transaction: calls ``land(index, buf)`` for each bucket as it
+    arrives (a ``land`` that raises stops further landing, the transaction runs to its end and
+    then fails on every rank); returns the ``word_sums`` of every received tensor."""
+    pg = _process_group(backend, addr, port, rank, timeout_s, world_size)
+    sums: dict[str, torch.Tensor] = {}
+    error: BaseException | None = None
+    try:
+        header = torch.zeros(2, dtype=torch.int64, device=device)
+        _broadcast(pg, header, "the plan check", timeout_s)
+        mismatch = int(header[0]) != plan.fingerprint() or int(header[1]) != len(plan.bucket_sizes)
+        bad = _failed_ranks(pg, rank, world_size, mismatch, device, "the plan check", timeout_s)
+        if mismatch:
+            raise WeightSyncError("the sender's weights have another layout than the receiver's model (names, dtypes "
+                                  "or shapes differ): is the engine's model the policy's architecture?")
+        if bad:
+            raise WeightSyncError(f"weight sync: rank(s) {bad} expect another layout than the sender's weights")
+        for i, size in enumerate(plan.bucket_sizes):
+            buf = torch.empty(size, dtype=torch.uint8, device=device)
+            _broadcast(pg, buf, f"bucket {i + 1}/{len(plan.bucket_sizes)}", timeout_s)
+            sums.update({name: word_sums(t) for name, t in bucket_views(plan, buf, i)})
+            if error is None:
+                try:
+                    land(i, buf)
+                except Exception as exc:  # noqa: BLE001  reported to every rank below, then raised
+                    error = exc
+                    where = f"bucket {i + 1}/{len(plan.bucket_sizes)} ({plan.bucket(i)[0].name} .. {plan.bucket(i)[-1].name})"
+        bad = _failed_ranks(pg, rank, world_size, error is not None, device, "the end of the transaction", timeout_s)
+    finally:
+        del pg
+    if error is not None:
+        raise WeightSyncError(f"weight sync: rank {rank} could not land {where}: {type(error).__name__}: {error}") from error
+    if bad:
+        raise WeightSyncError(f"weight sync: rank(s) {bad} could not land the weights (see their error)")
+    return sums
 
 
 def receive_weights(target: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: str, port: int, backend: str = "gloo",
-                    timeout_s: float = 300.0) -> SyncReport:
-    """Rank 1 of a sync: receive every bucket from ``send_weights`` and copy it into ``target``
-    (name -> the receiver's own tensors, e.g. ``state_tensors(model)``). Returns the report,
-    whose digest is that of ``target`` after landing.
+                    timeout_s: float = 300.0, rank: int = 1, world_size: int = 2) -> SyncReport:
+    """A receiver of a sync (rank ``rank`` of ``world_size``): receive every bucket from
+    ``send_weights`` and copy it into ``target`` (name -> the receiver's own tensors, e.g.
+    ``state_tensors(model)``). Returns the report, whose digest is the ``sync_checksum`` of
+    ``target`` after landing (on ``target``'s device).
 
     Raises:
         WeightSyncError: ``target`` does not fit the plan, the sender's plan differs, or a
@@ -291,30 +410,40 @@ def receive_weights(target: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr:
     check_fits(plan, target)
     device = next(iter(target.values())).device if target else torch.device("cpu")
     t0 = time.perf_counter()
-    pg = _process_group(backend, addr, port, 1, timeout_s)
-    try:
-        header = torch.zeros(2, dtype=torch.int64, device=device)
-        _broadcast(pg, header, "the plan check", timeout_s)
-        if int(header[0]) != plan.fingerprint() or int(header[1]) != len(plan.bucket_sizes):
-            raise WeightSyncError("the sender's weights have another layout than the receiver's model (names, dtypes "
-                                  "or shapes differ): is the engine's model the policy's architecture?")
-        for i, size in enumerate(plan.bucket_sizes):
-            buf = torch.empty(size, dtype=torch.uint8, device=device)
-            _broadcast(pg, buf, f"bucket {i + 1}/{len(plan.bucket_sizes)}", timeout_s)
-            _unpack(plan, buf, i, target)
-        ok = torch.zeros(1, dtype=torch.int64, device=device)
-        _broadcast(pg, ok, "the end of the transaction", timeout_s)
-    finally:
-        del pg
-    seconds = time.perf_counter() - t0
-    return SyncReport(bytes=plan.payload_bytes, seconds=seconds, buckets=len(plan.bucket_sizes),
-                      digest=weights_digest(target), backend=backend)
+    _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
+             device=device, land=lambda i, buf: _unpack(plan, buf, i, target))
+    return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
+                      digest=sync_checksum(target), backend=backend)
+
+
+def receive_buckets(plan: SyncPlan, *, addr: str, port: int, rank: int = 1, world_size: int = 2, backend: str = "gloo",
+                    timeout_s: float = 300.0, device: torch.device | str = "cpu",
+                    on_bucket: Callable[[list[tuple[str, torch.Tensor]]], Any]) -> SyncReport:
+    """A receiver of a sync that holds no tensors of the plan's names (a vLLM worker, an SGLang
+    engine): receive every bucket from ``send_weights`` onto ``device`` and call
+    ``on_bucket([(name, tensor), ...])`` with the bucket's tensors as it lands (views into the
+    bucket with the plan's dtype and shape, valid until ``on_bucket`` returns: it must copy
+    what it keeps). Returns the report, whose digest is the ``sync_checksum`` of the received
+    tensors (computed on ``device``).
+
+    Raises:
+        WeightSyncError: the sender's plan differs, ``on_bucket`` raised (the transaction runs to
+            its end first, so the sender and the other receivers fail at once too; the error
+            names the bucket and chains ``on_bucket``'s exception), another rank failed, or a
+            collective failed or timed out.
+    """
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    sums = _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
+                    device=device, land=lambda i, buf: on_bucket(bucket_views(plan, buf, i)))
+    return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
+                      digest=combine(plan.layout(), sums), backend=backend)
 
 
 def copy_weights(tensors: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], plan: SyncPlan,
                  device: torch.device | str | None = None) -> tuple[SyncReport, SyncReport]:
     """A sync between two models of one process (both workers in one process: tests, the
-    no-Ray benchmark driver): the same plan, buckets and digests as ``send_weights`` /
+    no-Ray benchmark driver): the same plan, buckets and checksums as ``send_weights`` /
     ``receive_weights``, the bytes copied in memory. Returns (sender report, receiver report).
 
     Raises:
@@ -324,20 +453,23 @@ def copy_weights(tensors: Mapping[str, torch.Tensor], target: Mapping[str, torch
     check_fits(plan, target)
     device = torch.device(device) if device is not None else next(iter(target.values())).device
     t0 = time.perf_counter()
+    sums: dict[str, torch.Tensor] = {}
     for i in range(len(plan.bucket_sizes)):
-        _unpack(plan, _pack(plan, tensors, i, device), i, target)
+        buf = _pack(plan, tensors, i, device)
+        sums.update({name: word_sums(t) for name, t in bucket_views(plan, buf, i)})
+        _unpack(plan, buf, i, target)
     seconds = time.perf_counter() - t0
-    cast = {e.name: tensors[e.name].detach().to(_dtype(e.dtype)) for e in plan.entries}
     n = len(plan.bucket_sizes)
-    return (SyncReport(plan.payload_bytes, seconds, n, weights_digest(cast), "local"),
-            SyncReport(plan.payload_bytes, seconds, n, weights_digest(target), "local"))
+    return (SyncReport(plan.payload_bytes, seconds, n, combine(plan.layout(), sums), "local"),
+            SyncReport(plan.payload_bytes, seconds, n, sync_checksum(target), "local"))
 
 
 def export_cuda_ipc(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, device: torch.device | str) -> tuple[list, list]:
     """Sender side of a sync between two processes on one GPU: pack ``tensors`` into the plan's
     buckets on ``device`` and return (handles, buffers). ``handles`` (picklable, one per bucket:
     ``torch.multiprocessing.reductions.reduce_tensor``) go to the receiver; the caller keeps
-    ``buffers`` alive until the receiver has imported them.
+    ``buffers`` alive until the receiver has imported them (``buffers_checksum(plan, buffers)``
+    is the checksum of the weights as sent).
 
     Raises:
         WeightSyncError: the tensors do not fit the plan.
@@ -352,7 +484,8 @@ def export_cuda_ipc(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, device:
 
 
 def import_cuda_ipc(handles: Iterable, target: Mapping[str, torch.Tensor], plan: SyncPlan) -> SyncReport:
-    """Receiver side of ``export_cuda_ipc``: open each bucket's handle and copy it into ``target``."""
+    """Receiver side of ``export_cuda_ipc``: open each bucket's handle and copy it into
+    ``target``; the report's digest is the ``sync_checksum`` of ``target`` after landing."""
     check_fits(plan, target)
     t0 = time.perf_counter()
     for i, (rebuild, args) in enumerate(handles):
@@ -360,4 +493,4 @@ def import_cuda_ipc(handles: Iterable, target: Mapping[str, torch.Tensor], plan:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                      digest=weights_digest(target), backend="cuda_ipc")
+                      digest=sync_checksum(target), backend="cuda_ipc")

@@ -76,8 +76,8 @@ CASES = [
      ["reward.grader/correct_reward/format_reward", "reward.sources"], "reward.recipes"),
     ("recipe-needs-source", {"reward.sources": {"f": "format"}, "reward.recipes": {"default": [{"source": "g"}]}},
      ["reward.recipes.default", "'g'", "reward.sources"], "defined: f"),
-    ("resident-blockers", {"orchestration.workers": "resident", "rollout.engine": "vllm"},
-     ["orchestration.workers=resident", "rollout.engine"], "vllm"),
+    ("resident-blockers", {"orchestration.workers": "resident", "rollout.engine": "vllm", "rollout.max_staleness": 2},
+     ["orchestration.workers=resident", "rollout.max_staleness=2", "rollout.engine=vllm"], "hf engine"),
 ]
 
 

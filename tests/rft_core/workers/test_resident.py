@@ -139,8 +139,15 @@ def test_config_refuses_what_resident_workers_do_not_cover(tiny_model, tmp_path)
 
     with pytest.raises(ConfigError, match="checkpoint.every=3 needs orchestration.workers=resident"):
         _cfg(tiny_model, tmp_path, "checkpoint.every=3")
-    with pytest.raises(ConfigError, match="rollout.engine=vllm"):
-        _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "rollout.engine=vllm")
+    with pytest.raises(ConfigError, match="orchestration.policy_ranks=2: several policy ranks are DeepSpeed"):
+        _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "orchestration.policy_ranks=2")
+    with pytest.raises(ConfigError, match="critic.deepspeed: the resident critic worker trains in one process"):
+        _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "critic.deepspeed.zero_stage=2")
+    for engine in ("vllm", "sglang"):  # in-memory sync into the GPU engines; one version held
+        _cfg(tiny_model, tmp_path, "orchestration.workers=resident", f"rollout.engine={engine}")
+        with pytest.raises(ConfigError, match=f"rollout.max_staleness=2 with rollout.engine={engine}"):
+            _cfg(tiny_model, tmp_path, "orchestration.workers=resident", f"rollout.engine={engine}",
+                 "rollout.max_staleness=2")
     cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=2")
     assert [cfg.is_checkpoint(i) for i in (1, 2, 3)] == [False, True, True]  # every 2nd and the last
     assert cfg.runner("ppo_update").mode == "resident" and cfg.runner("rewards").mode == "inprocess"
