@@ -62,7 +62,7 @@ def sync_once(kind: str, tensors: dict) -> dict:
     import torch
     import torch.multiprocessing as mp
 
-    from rft_core.workers.sync import SyncPlan, export_cuda_ipc, free_port, send_weights, weights_digest
+    from rft_core.workers.sync import SyncPlan, export_cuda_ipc, free_port, send_weights, sync_checksum
 
     ctx = mp.get_context("spawn")
     q_in, q_out, port = ctx.Queue(), ctx.Queue(), free_port()
@@ -93,10 +93,29 @@ def sync_once(kind: str, tensors: dict) -> dict:
         p.kill()
     res.update(got)
     if got.get("ok"):
-        res["digest_match"] = got["digest"] == weights_digest(tensors)
+        res["digest_match"] = got["digest"] == sync_checksum(tensors)
         res["receiver_s_per_gb"] = round(got["seconds"] / max(got["bytes"] / 1e9, 1e-12), 4)
     torch.cuda.synchronize()
     return res
+
+
+def checksum_speed(tensors: dict) -> dict:
+    """Seconds per GB of the sync's verification on the GPU (``sync_checksum``, the tensors where
+    they are) and of the host-side sha256 it replaced (``weights_digest``: copy to host, hash)."""
+    import torch
+
+    from rft_core.workers.sync import sync_checksum, weights_digest
+
+    gb = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
+    sync_checksum(tensors)  # its multiplier table, once per device
+    torch.cuda.synchronize()
+    out = {}
+    for name, fn in (("sync_checksum", sync_checksum), ("sha256_host", weights_digest)):
+        t0 = time.perf_counter()
+        fn(tensors)
+        torch.cuda.synchronize()
+        out[f"{name}_s_per_gb"] = round((time.perf_counter() - t0) / max(gb, 1e-12), 4)
+    return out
 
 
 def main() -> int:
@@ -119,6 +138,9 @@ def main() -> int:
         cases.append((args.model, lambda: state_tensors(load_causal_lm(args.model, dtype="bfloat16").to("cuda"))))
     for name, make in cases:
         tensors = make()
+        speed = {"case": name, "kind": "checksum", **checksum_speed(tensors)}
+        results.append(speed)
+        print(json.dumps(speed), flush=True)
         for kind in ("cuda_ipc", "nccl"):
             r = sync_once(kind, tensors)
             r["case"] = name

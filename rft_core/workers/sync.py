@@ -347,21 +347,24 @@ def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: s
         for i in range(len(plan.bucket_sizes)):
             buf = _pack(plan, tensors, i, device)
             _broadcast(pg, buf, f"bucket {i + 1}/{len(plan.bucket_sizes)}", timeout_s)
-            sums.update({name: word_sums(t) for name, t in bucket_views(plan, buf, i)})
         bad = _failed_ranks(pg, 0, world_size, False, device, "the end of the transaction", timeout_s)
         if bad:
             raise WeightSyncError(f"weight sync: receiver rank(s) {bad} could not land the weights (see their error)")
     finally:
         del pg
+    # after the transfer, while the receivers checksum what landed (not between buckets, where it would hold them up)
+    for e in plan.entries:
+        sums[e.name] = word_sums(tensors[e.name].detach().to(device=device, dtype=_dtype(e.dtype)))
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
                       digest=combine(plan.layout(), sums), backend=backend)
 
 
 def _receive(plan: SyncPlan, *, addr: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
-             device: torch.device, land) -> dict[str, torch.Tensor]:
+             device: torch.device, land, sums_of_buckets: bool = True) -> dict[str, torch.Tensor]:
     """The receiving side of one transaction: calls ``land(index, buf)`` for each bucket as it
     arrives (a ``land`` that raises stops further landing, the transaction runs to its end and
-    then fails on every rank); returns the ``word_sums`` of every received tensor."""
+    then fails on every rank); returns the ``word_sums`` of every received tensor (with
+    ``sums_of_buckets``; else {}: the caller checksums what landed)."""
     pg = _process_group(backend, addr, port, rank, timeout_s, world_size)
     sums: dict[str, torch.Tensor] = {}
     error: BaseException | None = None
@@ -378,7 +381,8 @@ def _receive(plan: SyncPlan, *, addr: str, port: int, rank: int, world_size: int
         for i, size in enumerate(plan.bucket_sizes):
             buf = torch.empty(size, dtype=torch.uint8, device=device)
             _broadcast(pg, buf, f"bucket {i + 1}/{len(plan.bucket_sizes)}", timeout_s)
-            sums.update({name: word_sums(t) for name, t in bucket_views(plan, buf, i)})
+            if sums_of_buckets:
+                sums.update({name: word_sums(t) for name, t in bucket_views(plan, buf, i)})
             if error is None:
                 try:
                     land(i, buf)
@@ -411,7 +415,7 @@ def receive_weights(target: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr:
     device = next(iter(target.values())).device if target else torch.device("cpu")
     t0 = time.perf_counter()
     _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
-             device=device, land=lambda i, buf: _unpack(plan, buf, i, target))
+             device=device, land=lambda i, buf: _unpack(plan, buf, i, target), sums_of_buckets=False)
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
                       digest=sync_checksum(target), backend=backend)
 
