@@ -20,9 +20,11 @@ One transaction moves every tensor of a model's ``state_dict`` in the receiver's
    (``receive_buckets``: vLLM and SGLang map HF names to their fused, sharded parameters), so
    it needs no second copy of the model. Until the sync has landed and been verified the
    caller holds the engine's weights as invalid: a failed sync is never served.
-4. **Verification.** Both sides compute ``sync_checksum`` (``rft_core.workers.checksum``: exact,
-   on the tensors' own device) of the weights as sent and as landed (``SyncReport.digest``);
-   the caller compares them. ``weights_digest`` (sha256 on the host) is what commits record.
+4. **Verification.** Both sides compute ``sync_checksum`` of the weights as sent and as landed
+   (``SyncReport.digest``) by the method of the backend (``checksum_method``): over NCCL and
+   CUDA IPC exact sums on the GPU (``rft_core.workers.checksum``, no copy to the host), over
+   gloo and in one CPU process hashlib's sha256 on the host (twice as fast on a CPU); the
+   caller compares them. ``weights_digest`` (sha256 on the host) is what commits record.
 
 Two processes on one GPU cannot form an NCCL group (NCCL 2.28 refuses: "Duplicate GPU
 detected", docs/gpu.md); such a pair moves weights by CUDA IPC handles instead
@@ -41,7 +43,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from rft_core.models.hub import torch_dtype
-from rft_core.workers.checksum import combine, sync_checksum, word_sums  # noqa: F401 - re-exported
+from rft_core.workers.checksum import Checksum, checksum_method, combine, sync_checksum, word_sums  # noqa: F401 - re-exported
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -336,7 +338,7 @@ def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: s
     device = torch.device(device)
     t0 = time.perf_counter()
     pg = _process_group(backend, addr, port, 0, timeout_s, world_size)
-    sums: dict[str, torch.Tensor] = {}
+    check = Checksum(plan.layout(), checksum_method(backend))
     try:
         header = torch.tensor([plan.fingerprint(), len(plan.bucket_sizes)], dtype=torch.int64, device=device)
         _broadcast(pg, header, "the plan check", timeout_s)
@@ -354,19 +356,18 @@ def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: s
         del pg
     # after the transfer, while the receivers checksum what landed (not between buckets, where it would hold them up)
     for e in plan.entries:
-        sums[e.name] = word_sums(tensors[e.name].detach().to(device=device, dtype=_dtype(e.dtype)))
+        check.add(e.name, tensors[e.name].detach().to(device=device, dtype=_dtype(e.dtype)))
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                      digest=combine(plan.layout(), sums), backend=backend)
+                      digest=check.hexdigest(), backend=backend)
 
 
 def _receive(plan: SyncPlan, *, addr: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
-             device: torch.device, land, sums_of_buckets: bool = True) -> dict[str, torch.Tensor]:
+             device: torch.device, land, check: Checksum | None = None) -> None:
     """The receiving side of one transaction: calls ``land(index, buf)`` for each bucket as it
     arrives (a ``land`` that raises stops further landing, the transaction runs to its end and
-    then fails on every rank); returns the ``word_sums`` of every received tensor (with
-    ``sums_of_buckets``; else {}: the caller checksums what landed)."""
+    then fails on every rank), and adds every received tensor to ``check`` (None: the caller
+    checksums what landed)."""
     pg = _process_group(backend, addr, port, rank, timeout_s, world_size)
-    sums: dict[str, torch.Tensor] = {}
     error: BaseException | None = None
     try:
         header = torch.zeros(2, dtype=torch.int64, device=device)
@@ -381,8 +382,9 @@ def _receive(plan: SyncPlan, *, addr: str, port: int, rank: int, world_size: int
         for i, size in enumerate(plan.bucket_sizes):
             buf = torch.empty(size, dtype=torch.uint8, device=device)
             _broadcast(pg, buf, f"bucket {i + 1}/{len(plan.bucket_sizes)}", timeout_s)
-            if sums_of_buckets:
-                sums.update({name: word_sums(t) for name, t in bucket_views(plan, buf, i)})
+            if check is not None:
+                for name, t in bucket_views(plan, buf, i):
+                    check.add(name, t)
             if error is None:
                 try:
                     land(i, buf)
@@ -396,7 +398,6 @@ def _receive(plan: SyncPlan, *, addr: str, port: int, rank: int, world_size: int
         raise WeightSyncError(f"weight sync: rank {rank} could not land {where}: {type(error).__name__}: {error}") from error
     if bad:
         raise WeightSyncError(f"weight sync: rank(s) {bad} could not land the weights (see their error)")
-    return sums
 
 
 def receive_weights(target: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: str, port: int, backend: str = "gloo",
@@ -415,9 +416,9 @@ def receive_weights(target: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr:
     device = next(iter(target.values())).device if target else torch.device("cpu")
     t0 = time.perf_counter()
     _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
-             device=device, land=lambda i, buf: _unpack(plan, buf, i, target), sums_of_buckets=False)
+             device=device, land=lambda i, buf: _unpack(plan, buf, i, target))
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                      digest=sync_checksum(target), backend=backend)
+                      digest=sync_checksum(target, checksum_method(backend)), backend=backend)
 
 
 def receive_buckets(plan: SyncPlan, *, addr: str, port: int, rank: int = 1, world_size: int = 2, backend: str = "gloo",
@@ -438,10 +439,11 @@ def receive_buckets(plan: SyncPlan, *, addr: str, port: int, rank: int = 1, worl
     """
     device = torch.device(device)
     t0 = time.perf_counter()
-    sums = _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
-                    device=device, land=lambda i, buf: on_bucket(bucket_views(plan, buf, i)))
+    check = Checksum(plan.layout(), checksum_method(backend))
+    _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
+             device=device, land=lambda i, buf: on_bucket(bucket_views(plan, buf, i)), check=check)
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                      digest=combine(plan.layout(), sums), backend=backend)
+                      digest=check.hexdigest(), backend=backend)
 
 
 def copy_weights(tensors: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], plan: SyncPlan,
@@ -457,15 +459,17 @@ def copy_weights(tensors: Mapping[str, torch.Tensor], target: Mapping[str, torch
     check_fits(plan, target)
     device = torch.device(device) if device is not None else next(iter(target.values())).device
     t0 = time.perf_counter()
-    sums: dict[str, torch.Tensor] = {}
+    method = checksum_method("local" if device.type == "cpu" else "cuda_ipc")  # host sha256 on CPU, else on the GPU
+    check = Checksum(plan.layout(), method)
     for i in range(len(plan.bucket_sizes)):
         buf = _pack(plan, tensors, i, device)
-        sums.update({name: word_sums(t) for name, t in bucket_views(plan, buf, i)})
+        for name, t in bucket_views(plan, buf, i):
+            check.add(name, t)
         _unpack(plan, buf, i, target)
     seconds = time.perf_counter() - t0
     n = len(plan.bucket_sizes)
-    return (SyncReport(plan.payload_bytes, seconds, n, combine(plan.layout(), sums), "local"),
-            SyncReport(plan.payload_bytes, seconds, n, sync_checksum(target), "local"))
+    return (SyncReport(plan.payload_bytes, seconds, n, check.hexdigest(), "local"),
+            SyncReport(plan.payload_bytes, seconds, n, sync_checksum(target, method), "local"))
 
 
 def export_cuda_ipc(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, device: torch.device | str) -> tuple[list, list]:

@@ -9,6 +9,7 @@ checksums and the engines' bookkeeping are the real ones; the sender runs ``send
 thread."""
 from __future__ import annotations
 
+import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ from rft_core.engines.hf import HFEngine
 from rft_core.engines.sglang import SGLangEngine
 from rft_core.engines.vllm import VLLMEngine, WeightReloadExtension
 from rft_core.models.loading import load_causal_lm, load_tokenizer
-from rft_core.workers.checksum import CHUNK, M31, multipliers, name_weight, row_weights, word_sums
+from rft_core.workers.checksum import CHUNK, M31, meta_digest, multipliers, name_weight, row_weights, word_sums
 from rft_core.workers.engine_sync import pull_into_engine
 from rft_core.workers import sync as sync_module
 from rft_core.workers.sync import (SyncPlan, WeightSyncError, buffers_checksum, free_port, receive_weights, send_weights,
@@ -126,9 +127,12 @@ def test_one_sender_lands_the_same_bytes_in_two_receivers():
         sent = send_weights(src, plan, addr="127.0.0.1", port=port, timeout_s=30, world_size=3)
         reports = [f.result(timeout=60) for f in got]
     assert all(torch.equal(d[k], src[k]) for d in dsts for k in src)
-    assert sent.digest == reports[0].digest == reports[1].digest == sync_checksum(src)
+    assert sent.digest == reports[0].digest == reports[1].digest == sync_checksum(src, "sha256")  # gloo: on the host
+    assert sent.digest.split("-", 1)[1] == "sha256:" + hashlib.sha256(
+        meta_digest(plan.layout()).encode() + b"".join(src[k].numpy().tobytes() for k in sorted(src))).hexdigest()
     packed = [sync_module._pack(plan, src, i, torch.device("cpu")) for i in range(len(plan.bucket_sizes))]
-    assert buffers_checksum(plan, packed) == sent.digest  # what a CUDA IPC export reports (export_cuda_ipc's buffers)
+    assert buffers_checksum(plan, packed) == sync_checksum(src)  # what a CUDA IPC export reports (device sums)
+    assert sync_checksum(src) != sync_checksum(src, "sha256")
 
 
 # -- engines: fakes ----------------------------------------------------------------------------
@@ -277,7 +281,8 @@ def test_vllm_workers_receive_the_trainers_weights_bit_for_bit(tiny_model, tok, 
     assert rep["status"] == "synced" and rep["buckets"] > 1 and rep["backend"] == "gloo"
     assert all(_equal_to_sent(w.model_runner.model.hf, sender) for w in workers)
     cast = {k: v.to(torch.bfloat16) for k, v in sender.tensors.items()}
-    assert rep["checksum"] == sync_checksum(cast) == sync_checksum(state_tensors(workers[0].model_runner.model.hf))
+    assert rep["checksum"] == sync_checksum(cast, "sha256") == sync_checksum(state_tensors(workers[0].model_runner.model.hf),
+                                                                             "sha256")  # gloo: checked on the host
     assert all(w.model_runner.model.calls == rep["buckets"] for w in workers)  # one load_weights per bucket
     assert engine.weights_version == f"path:{REF}" and engine.llm.events[-1] == ("reset_prefix_cache",)
     engine.generate([[1, 20, 30]], n_samples_per_prompt=1, max_new_tokens=2)
@@ -352,7 +357,7 @@ def test_sglang_engine_receives_the_trainers_weights_bit_for_bit(tiny_model, tok
     sender = Sender(_policy(tiny_model, 3))
     rep = sender.pull(engine)
     assert _equal_to_sent(fake.hf.model, sender)
-    assert rep["checksum"] == sync_checksum(state_tensors(fake.hf.model)) and rep["buckets"] > 1
+    assert rep["checksum"] == sync_checksum(state_tensors(fake.hf.model), "sha256") and rep["buckets"] > 1
     updates = [e for e in fake.events if e[0] == "update_weights_from_tensor"]
     assert len(updates) == rep["buckets"] and [e[2] for e in updates] == [False] * (len(updates) - 1) + [True]
     assert engine.weights_version == f"path:{REF}"
@@ -436,3 +441,19 @@ def test_resident_rollout_worker_syncs_its_vllm_engine_from_the_policy_actor(tin
         assert all(torch.equal(got[k], want[k]) for k in want)
     assert engine.weights_version == version_key(ref1)
     assert [s["engine"] for s in rollout.syncs] == ["VLLMEngine"] and rollout.syncs[0]["backend"] == "gloo"
+
+
+def test_checksum_methods_follow_the_backend_and_refuse_out_of_order_tensors():
+    from rft_core.workers.checksum import Checksum, checksum_method
+
+    assert [checksum_method(b) for b in ("gloo", "local", "nccl", "cuda_ipc")] == ["sha256", "sha256", "device", "device"]
+    t = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, dtype=torch.bfloat16)}
+    layout = [(k, t[k].dtype, tuple(t[k].shape)) for k in sorted(t)]
+    c = Checksum(layout, "sha256")
+    with pytest.raises(ValueError, match="'b' added where the layout has 'a' next"):
+        c.add("b", t["b"])
+    with pytest.raises(ValueError, match="unknown checksum method 'md5'"):
+        Checksum(layout, "md5")
+    flipped = t["a"].clone()
+    flipped.view(torch.int32)[3] ^= 1
+    assert sync_checksum({**t, "a": flipped}, "sha256") != sync_checksum(t, "sha256")
