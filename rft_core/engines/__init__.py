@@ -53,6 +53,28 @@ def engine_dtype(policy_dtype: str, *, bf16_supported: bool | None = None) -> st
     return chosen
 
 
+class SyncedWeights:
+    """What the GPU engines (``VLLMEngine``, ``SGLangEngine``) share as receivers of an in-memory
+    weight sync (``rft_core.workers.engine_sync``): the dtype of the plan and how their weights
+    are held as invalid. The engine sets ``_policy_dtype``, ``weights_path`` (the checkpoint to
+    serve), ``_loaded_path`` (the checkpoint its weights hold) and ``weights_version`` (the synced
+    version they hold)."""
+
+    _policy_dtype: str
+    weights_path: str | None
+    _loaded_path: str | None
+    weights_version: str | None
+
+    @property
+    def sync_dtype(self) -> str:
+        """The dtype of the engine's weights (``engine_dtype`` of the policy dtype): the plan's."""
+        return engine_dtype(self._policy_dtype)
+
+    def invalidate_weights(self) -> None:
+        """Hold the GPU weights as invalid: nothing is served until a sync or ``load_policy``."""
+        self.weights_path = self._loaded_path = self.weights_version = None
+
+
 def seed_base(seed: int, *, bits: int) -> int:
     """A ``bits``-bit integer derived from the rollout seed by BLAKE2b, so that neighbouring
     rollout seeds (seed, seed + 1) start their per-sample seed ranges far apart."""

@@ -46,7 +46,7 @@ import logging
 import os
 from typing import Any
 
-from rft_core.engines import ENGINE_CACHE, SGLANG_SEED_BITS, cached_engine, engine_dtype, sample_seed
+from rft_core.engines import ENGINE_CACHE, SGLANG_SEED_BITS, SyncedWeights, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
 from rft_core.workers.sync import SyncPlan, WeightSyncError, receive_buckets
 
@@ -85,7 +85,7 @@ def _check_ok(result: Any, what: str) -> None:
         raise RuntimeError(f"SGLang {what} failed: {message}")
 
 
-class SGLangEngine:
+class SGLangEngine(SyncedWeights):
     """Rollouts with ``sglang.Engine``.
 
     Args:
@@ -194,15 +194,6 @@ class SGLangEngine:
             raise ValueError("an SGLang engine built with LoRA serves adapters; an in-memory weight sync needs an "
                              "engine built on the full model (lora_path=None)")
         return 2
-
-    @property
-    def sync_dtype(self) -> str:
-        """The dtype of the engine's weights (``engine_dtype`` of the policy dtype): the plan's."""
-        return engine_dtype(self._policy_dtype)
-
-    def invalidate_weights(self) -> None:
-        """Hold the GPU weights as invalid: nothing is served until a sync or ``load_policy``."""
-        self.weights_path = self._loaded_path = self.weights_version = None
 
     def receive_weights(self, plan: "SyncPlan | str", *, addr: str, port: int, backend: str, timeout_s: float,
                         version: str) -> dict[str, Any]:

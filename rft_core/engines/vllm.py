@@ -47,7 +47,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, cached_engine, engine_dtype, sample_seed
+from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, SyncedWeights, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
 from rft_core.workers.sync import SyncPlan, WeightSyncError, receive_buckets
 
@@ -172,7 +172,7 @@ class WeightReloadExtension:
         return {"checksum": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds, "buckets": rep.buckets}
 
 
-class VLLMEngine:
+class VLLMEngine(SyncedWeights):
     """Rollouts with ``vllm.LLM``.
 
     Args:
@@ -277,15 +277,6 @@ class VLLMEngine:
             raise ValueError("a vLLM engine built with LoRA serves adapters; an in-memory weight sync needs an engine "
                              "built on the full model (lora_path=None)")
         return 1 + self.tensor_parallel_size
-
-    @property
-    def sync_dtype(self) -> str:
-        """The dtype of the engine's weights (``engine_dtype`` of the policy dtype): the plan's."""
-        return engine_dtype(self._policy_dtype)
-
-    def invalidate_weights(self) -> None:
-        """Hold the GPU weights as invalid: nothing is served until a sync or ``load_policy``."""
-        self.weights_path = self._loaded_path = self.weights_version = None
 
     def receive_weights(self, plan: "SyncPlan | str", *, addr: str, port: int, backend: str, timeout_s: float,
                         version: str) -> dict[str, Any]:
