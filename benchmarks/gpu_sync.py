@@ -2,7 +2,7 @@
 GPU, timed per GB, and whether NCCL accepts such a pair.
 
 Parent = the trainer, child = the rollout engine, both on ``cuda:0``:
-1. CUDA IPC (``rft_core.workers.sync.export_cuda_ipc`` / ``import_cuda_ipc``, what two workers
+1. CUDA IPC (``rft_core.workers.cuda_ipc.export_cuda_ipc`` / ``import_cuda_ipc``, what two workers
    on one GPU use): the parent packs the weights into buckets and sends their IPC handles; the
    child copies them into its own tensors; both digests must agree.
 2. A two-rank NCCL group (``send_weights`` / ``receive_weights`` with backend ``nccl``): what two
@@ -41,7 +41,8 @@ def synthetic(gb: float, device: str = "cuda") -> dict:
 def _child(kind: str, shapes: dict, q_in, q_out, port: int) -> None:
     import torch
 
-    from rft_core.workers.sync import SyncPlan, import_cuda_ipc, receive_weights
+    from rft_core.workers.cuda_ipc import import_cuda_ipc
+    from rft_core.workers.sync import SyncPlan, receive_weights
 
     torch.cuda.set_device(0)
     target = {k: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for k, s in shapes.items()}
@@ -62,7 +63,8 @@ def sync_once(kind: str, tensors: dict) -> dict:
     import torch
     import torch.multiprocessing as mp
 
-    from rft_core.workers.sync import SyncPlan, export_cuda_ipc, free_port, send_weights, sync_checksum
+    from rft_core.workers.cuda_ipc import export_cuda_ipc
+    from rft_core.workers.sync import SyncPlan, free_port, send_weights, sync_checksum
 
     ctx = mp.get_context("spawn")
     q_in, q_out, port = ctx.Queue(), ctx.Queue(), free_port()

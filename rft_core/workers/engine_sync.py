@@ -61,7 +61,7 @@ def pull_into_engine(engine: Any, ref: PolicyRef, *, prepare: Callable[[PolicyRe
             then invalid. After a receive failure the sender is not waited for: it fails on its
             own within ``timeout_s``.
     """
-    from rft_core.workers.resident import version_key
+    from rft_core.workers.memory import version_key
 
     world_size, dtype = engine.sync_world_size, engine.sync_dtype
     ready = prepare(ref, dtype)
@@ -91,3 +91,54 @@ def pull_into_engine(engine: Any, ref: PolicyRef, *, prepare: Callable[[PolicyRe
              backend, got["bytes"] / 1e6, seconds)
     return {"status": "synced", "bytes": got["bytes"], "seconds": seconds, "backend": backend,
             "buckets": got["buckets"], "checksum": got["checksum"]}
+
+
+def engine_policy(worker, engine: Any, ref: PolicyRef) -> None:
+    """Make a resident rollout worker's GPU engine hold ``ref``: an in-memory sync from the
+    policy worker into the engine's own loader (``pull_into_engine``: every rank of the policy
+    gang takes part, the engine's workers receive, checksums compared; the engine is invalid
+    until it lands), or, when the trainer does not hold ``ref`` and it is on storage (the
+    initial model, a resume), its checkpoint reloaded in place: a LoRA adapter merged into a
+    local folder first (``rft_core.models.lora.merge_adapter``), since the engine serves the
+    merged weights. The sync is counted and recorded in ``worker.syncs``.
+
+    Args:
+        worker: the rollout ``ModelWorker`` (its policy peer a Ray actor).
+
+    Raises:
+        WeightSyncError: the sync failed or its checksums differ.
+    """
+    from rft_core.workers.memory import count, version_key
+
+    key = version_key(ref)
+    if engine.weights_version == key:
+        return
+    rep = pull_into_engine(engine, ref, prepare=lambda r, dtype: worker._call("prepare_weights", r, dtype=dtype),
+                           send_async=lambda r, **kw: worker._call_async("send_weights", r, **kw), wait=worker._wait,
+                           timeout_s=worker.sync_timeout_s, bucket_mb=worker.sync_bucket_mb)
+    if rep["status"] == "storage":
+        engine.load_policy(_full_checkpoint(worker, ref))
+        return
+    count("weight_syncs")
+    count("weight_sync_seconds", rep["seconds"])
+    count("weight_sync_bytes", rep["bytes"])
+    worker.syncs.append({"version": key, "bytes": rep["bytes"], "seconds": rep["seconds"], "backend": rep["backend"],
+                         "buckets": rep["buckets"], "engine": type(engine).__name__})
+
+
+def _full_checkpoint(worker, ref: PolicyRef) -> str:
+    """A folder of ``ref``'s full weights: its checkpoint, or a LoRA checkpoint's merge (written
+    once into a local temporary folder kept in ``worker._merged``, the previous one removed)."""
+    import shutil
+    import tempfile
+
+    from rft_core.models.lora import is_adapter_dir, merge_adapter
+    from rft_core.stages.checkpoints import policy_model_path
+
+    path = policy_model_path(ref)
+    if not is_adapter_dir(path):
+        return path
+    old, worker._merged = worker._merged, tempfile.mkdtemp(prefix="rft-merged-policy-")
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    return merge_adapter(path, worker._merged)

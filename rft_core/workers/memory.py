@@ -47,6 +47,11 @@ class ModelSource(Protocol):
         """The critic's strategy now holds the critic committed as ``ref``."""
 
 
+def version_key(ref: PolicyRef) -> str:
+    """What identifies a policy version: a model path, or a committed update's URI and manifest checksum."""
+    return f"path:{ref}" if isinstance(ref, str) else f"{ref.uri}@{ref.manifest_sha256}"
+
+
 _SOURCE: contextvars.ContextVar["ModelSource | None"] = contextvars.ContextVar("rft_model_source", default=None)
 
 

@@ -38,17 +38,16 @@ from typing import Any
 
 import torch
 
-from rft_core.workers.memory import count, counts, models_from
+from rft_core.workers.cuda_ipc import export_cuda_ipc, import_cuda_ipc
+from rft_core.workers.memory import count, counts, models_from, version_key  # noqa: F401 - version_key re-exported
 from rft_core.workers.trained import strategy_device, trained_digest, trained_tensors
 from rft_core.workers.sync import (
     SyncPlan,
     WeightSyncError,
     buffers_checksum,
     copy_weights,
-    export_cuda_ipc,
     free_port,
     host_address,
-    import_cuda_ipc,
     receive_weights,
     send_weights,
     state_tensors,
@@ -75,11 +74,6 @@ def actor_name(pool: str, role: str, rank: int = 0) -> str:
 ROLE_OF_PROGRAM = {"ppo_update": "policy", "rollout": "rollout", "actor_logprobs": "rollout", "ref_logprobs": "reference",
                    "critic_values": "critic", "critic_update": "critic"}
 ROLES = ("policy", "rollout", "reference", "critic")
-
-
-def version_key(ref: PolicyRef) -> str:
-    """What identifies a policy version: a model path, or a committed update's URI and manifest checksum."""
-    return f"path:{ref}" if isinstance(ref, str) else f"{ref.uri}@{ref.manifest_sha256}"
 
 
 def _device_id(device: torch.device) -> str:
@@ -230,54 +224,18 @@ class ModelWorker:
 
     def engine_policy(self, engine, ref: PolicyRef) -> None:
         """Make the rollout worker's GPU engine (``VLLMEngine``, ``SGLangEngine``, built once per
-        run by ``make_engine``) hold ``ref``: an in-memory sync from the policy worker into the
-        engine's own loader (``rft_core.workers.engine_sync.pull_into_engine``: every rank of the
-        policy gang takes part, the engine's workers receive, checksums compared; the engine is
-        invalid until it lands), or, when the trainer does not hold ``ref`` and it is on storage
-        (the initial model, a resume), its checkpoint reloaded in place: a LoRA adapter merged
-        into a local folder first (``rft_core.models.lora.merge_adapter``), since the engine serves
-        the merged weights.
+        run by ``make_engine``) hold ``ref`` (``rft_core.workers.engine_sync.engine_policy``).
 
         Raises:
             WeightSyncError: the sync failed or its checksums differ.
             WorkerError: the policy worker is not a Ray actor (an engine sync crosses processes).
         """
-        from rft_core.workers.engine_sync import pull_into_engine
+        from rft_core.workers.engine_sync import engine_policy
 
-        key = version_key(ref)
-        if engine.weights_version == key:
-            return
-        if isinstance(self.peer(), ModelWorker):
-            raise WorkerError("a GPU engine receives its weights from the policy worker's process: run the workers as "
-                              "Ray actors (rft_core.workers.pool)")
-        rep = pull_into_engine(engine, ref, prepare=lambda r, dtype: self._call("prepare_weights", r, dtype=dtype),
-                               send_async=lambda r, **kw: self._call_async("send_weights", r, **kw), wait=self._wait,
-                               timeout_s=self.sync_timeout_s, bucket_mb=self.sync_bucket_mb)
-        if rep["status"] == "storage":
-            engine.load_policy(self._full_checkpoint(ref))
-            return
-        count("weight_syncs")
-        count("weight_sync_seconds", rep["seconds"])
-        count("weight_sync_bytes", rep["bytes"])
-        self.syncs.append({"version": key, "bytes": rep["bytes"], "seconds": rep["seconds"], "backend": rep["backend"],
-                           "buckets": rep["buckets"], "engine": type(engine).__name__})
-
-    def _full_checkpoint(self, ref: PolicyRef) -> str:
-        """A folder of ``ref``'s full weights: its checkpoint, or a LoRA checkpoint's merge
-        (written once into a local temporary folder, the previous one removed)."""
-        import shutil
-        import tempfile
-
-        from rft_core.models.lora import is_adapter_dir, merge_adapter
-        from rft_core.stages.checkpoints import policy_model_path
-
-        path = policy_model_path(ref)
-        if not is_adapter_dir(path):
-            return path
-        old, self._merged = self._merged, tempfile.mkdtemp(prefix="rft-merged-policy-")
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-        return merge_adapter(path, self._merged)
+        if not isinstance(self.peer(), ModelWorker):
+            return engine_policy(self, engine, ref)
+        raise WorkerError("a GPU engine receives its weights from the policy worker's process: run the workers as "
+                          "Ray actors (rft_core.workers.pool)")
 
     # -- the critic worker ---------------------------------------------------------------------
     def critic_model(self, ref: PolicyRef, *, dtype: str) -> torch.nn.Module:

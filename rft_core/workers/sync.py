@@ -28,7 +28,7 @@ One transaction moves every tensor of a model's ``state_dict`` in the receiver's
 
 Two processes on one GPU cannot form an NCCL group (NCCL 2.28 refuses: "Duplicate GPU
 detected", docs/gpu.md); such a pair moves weights by CUDA IPC handles instead
-(``export_cuda_ipc`` / ``import_cuda_ipc``), as verl's and OpenRLHF's colocated modes do.
+(``rft_core.workers.cuda_ipc``), as verl's and OpenRLHF's colocated modes do.
 """
 from __future__ import annotations
 
@@ -470,35 +470,3 @@ def copy_weights(tensors: Mapping[str, torch.Tensor], target: Mapping[str, torch
     n = len(plan.bucket_sizes)
     return (SyncReport(plan.payload_bytes, seconds, n, check.hexdigest(), "local"),
             SyncReport(plan.payload_bytes, seconds, n, sync_checksum(target, method), "local"))
-
-
-def export_cuda_ipc(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, device: torch.device | str) -> tuple[list, list]:
-    """Sender side of a sync between two processes on one GPU: pack ``tensors`` into the plan's
-    buckets on ``device`` and return (handles, buffers). ``handles`` (picklable, one per bucket:
-    ``torch.multiprocessing.reductions.reduce_tensor``) go to the receiver; the caller keeps
-    ``buffers`` alive until the receiver has imported them (``buffers_checksum(plan, buffers)``
-    is the checksum of the weights as sent).
-
-    Raises:
-        WeightSyncError: the tensors do not fit the plan.
-    """
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    check_fits(plan, tensors)
-    device = torch.device(device)
-    buffers = [_pack(plan, tensors, i, device) for i in range(len(plan.bucket_sizes))]
-    torch.cuda.synchronize(device)
-    return [reduce_tensor(b) for b in buffers], buffers
-
-
-def import_cuda_ipc(handles: Iterable, target: Mapping[str, torch.Tensor], plan: SyncPlan) -> SyncReport:
-    """Receiver side of ``export_cuda_ipc``: open each bucket's handle and copy it into
-    ``target``; the report's digest is the ``sync_checksum`` of ``target`` after landing."""
-    check_fits(plan, target)
-    t0 = time.perf_counter()
-    for i, (rebuild, args) in enumerate(handles):
-        _unpack(plan, rebuild(*args), i, target)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                      digest=sync_checksum(target), backend="cuda_ipc")
