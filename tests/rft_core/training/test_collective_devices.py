@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rft_core.training import strategy as strategy_module
+from rft_core.training import zero as zero_module  # where DeepSpeedStrategy and its helpers live
 from rft_core.training.strategy import DeepSpeedStrategy, collective_device
 
 
@@ -45,7 +45,7 @@ def test_all_reduce_sum_puts_its_tensor_on_the_backends_device(backend, monkeypa
         asked.append(name)
         return torch.device("cpu")
 
-    monkeypatch.setattr(strategy_module, "collective_device", device_for)
+    monkeypatch.setattr(zero_module, "collective_device", device_for)
     ds = DeepSpeedStrategy.__new__(DeepSpeedStrategy)  # no deepspeed.initialize: only the collective
     ds._dist = _FakeGroup(backend)
     assert ds.all_reduce_sum([1.5, -2.0, 0.25]) == [3.0, -4.0, 0.5]
@@ -66,5 +66,5 @@ def test_nccl_ranks_select_their_gpu_before_the_process_group_starts(monkeypatch
     monkeypatch.setattr(deepspeed, "init_distributed", lambda dist_backend: calls.append(("init", dist_backend)))
     monkeypatch.setattr(dist, "get_rank", lambda: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    assert strategy_module.init_distributed() == (1, 2)
+    assert zero_module.init_distributed() == (1, 2)
     assert calls == [("set_device", 1), ("init", "nccl")]
