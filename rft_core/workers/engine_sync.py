@@ -108,7 +108,7 @@ def engine_policy(worker, engine: Any, ref: PolicyRef) -> None:
     Raises:
         WeightSyncError: the sync failed or its checksums differ.
     """
-    from rft_core.workers.memory import count, version_key
+    from rft_core.workers.memory import version_key
 
     key = version_key(ref)
     if engine.weights_version == key:
@@ -119,11 +119,7 @@ def engine_policy(worker, engine: Any, ref: PolicyRef) -> None:
     if rep["status"] == "storage":
         engine.load_policy(_full_checkpoint(worker, ref))
         return
-    count("weight_syncs")
-    count("weight_sync_seconds", rep["seconds"])
-    count("weight_sync_bytes", rep["bytes"])
-    worker.syncs.append({"version": key, "bytes": rep["bytes"], "seconds": rep["seconds"], "backend": rep["backend"],
-                         "buckets": rep["buckets"], "engine": type(engine).__name__})
+    worker.record_sync(key, rep["bytes"], rep["seconds"], rep["backend"], rep["buckets"], engine=type(engine).__name__)
 
 
 def _full_checkpoint(worker, ref: PolicyRef) -> str:

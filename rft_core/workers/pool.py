@@ -126,14 +126,12 @@ def _kill_gang(pool: str, role: str, gang: list) -> None:
             pass
 
 
-def _gather(ray, futures: list, timeout_s: float | None = None) -> list:
+def _gather(ray, futures: list) -> list:
     """Wait for every rank's result; the first rank that fails raises at once (its peers may be
     blocked in a collective that will never complete)."""
     pending = list(futures)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=timeout_s)
-        if not done:
-            raise WorkerError(f"no rank answered within {timeout_s} s")
+        done, pending = ray.wait(pending, num_returns=1)
         ray.get(done[0])  # raises the rank's error
     return ray.get(futures)
 

@@ -40,7 +40,7 @@ import torch
 
 from rft_core.workers.cuda_ipc import export_cuda_ipc, import_cuda_ipc
 from rft_core.workers.memory import count, counts, models_from, version_key  # noqa: F401 - version_key re-exported
-from rft_core.workers.trained import strategy_device, trained_digest, trained_tensors
+from rft_core.workers.trained import strategy_device, trained_tensors
 from rft_core.workers.sync import (
     SyncPlan,
     WeightSyncError,
@@ -52,7 +52,7 @@ from rft_core.workers.sync import (
     send_weights,
     state_tensors,
 )
-from schemas import PolicyRef, ShardRef
+from schemas import PolicyRef
 
 log = logging.getLogger("rft_core.workers")
 
@@ -123,6 +123,7 @@ class ModelWorker:
         self.critic_version: str | None = None
         self._ipc_buffers: list | None = None
         self._merged: str | None = None  # rollout: a LoRA checkpoint merged for a GPU engine (engine_policy)
+        self._prepared: tuple[str | None, Any] | None = None  # policy: (version, tensors) of a prepared sync
         self.syncs: list[dict[str, Any]] = []
 
     # -- running programs -------------------------------------------------------------------
@@ -219,8 +220,9 @@ class ModelWorker:
         self.version = None  # the freed copy holds no version until the sync lands
 
     def trained(self, ref: PolicyRef) -> None:
-        """``ModelSource.trained``: the trainer now holds ``ref``."""
-        self.version = version_key(ref)
+        """``ModelSource.trained``: the trainer now holds ``ref`` (weights kept for a sync of the
+        version before are dropped)."""
+        self.version, self._prepared = version_key(ref), None
 
     def engine_policy(self, engine, ref: PolicyRef) -> None:
         """Make the rollout worker's GPU engine (``VLLMEngine``, ``SGLangEngine``, built once per
@@ -232,10 +234,10 @@ class ModelWorker:
         """
         from rft_core.workers.engine_sync import engine_policy
 
-        if not isinstance(self.peer(), ModelWorker):
-            return engine_policy(self, engine, ref)
-        raise WorkerError("a GPU engine receives its weights from the policy worker's process: run the workers as "
-                          "Ray actors (rft_core.workers.pool)")
+        if isinstance(self.peer(), ModelWorker):
+            raise WorkerError("a GPU engine receives its weights from the policy worker's process: run the workers as "
+                              "Ray actors (rft_core.workers.pool)")
+        engine_policy(self, engine, ref)
 
     # -- the critic worker ---------------------------------------------------------------------
     def critic_model(self, ref: PolicyRef, *, dtype: str) -> torch.nn.Module:
@@ -258,7 +260,7 @@ class ModelWorker:
         from rft_core.training.strategy import continue_with
 
         if self.critic_held is None or self.critic_version != version_key(ref):
-            self.critic_held, self.critic_version = None, None
+            self.critic_held = None  # the old strategy is freed before the new one is loaded
             self.critic_held, self.critic_version = build(), version_key(ref)
             return self.critic_held
         continue_with(self.critic_held, lr=lr, max_grad_norm=max_grad_norm)
@@ -282,6 +284,8 @@ class ModelWorker:
         key = version_key(ref)
         if self.held is None or self.version != key:
             self.held = None
+            from rft_core.workers.rebuild import rebuild_trainer
+
             trainer, report = rebuild_trainer(ref, inp)
             count("recovered_updates", report["replayed"])
             self.held, self.version = trainer, key
@@ -307,16 +311,25 @@ class ModelWorker:
         ready = {"status": "ready", "addr": host_address(), "port": free_port(), "device": _device_id(device),
                  "backend": "nccl" if device.type == "cuda" else "gloo"}
         if dtype is not None:
-            tensors = self._send_tensors()
+            tensors = self._send_tensors(keep=True)  # the send that follows uses them: one gather, one merge
             if tensors is not None:
                 ready["plan"] = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb).to_json()
         return ready
 
-    def _send_tensors(self) -> dict[str, torch.Tensor] | None:
+    def _send_tensors(self, *, keep: bool = False) -> dict[str, torch.Tensor] | None:
         """The policy's weights as an inference copy holds them (``inference_tensors``); under
         DeepSpeed gathered from the ranks (a collective: every rank calls it), on rank 0 only
-        (None on the others)."""
-        return trained_tensors(self.held.strategy)
+        (None on the others). ``keep``: hold them for the next call (a ``prepare_weights`` whose
+        plan needs them, then its ``send_weights``), which takes them; a ZeRO-3 gather or a LoRA
+        merge then runs once per sync."""
+        kept, self._prepared = self._prepared, None
+        if kept is not None and kept[0] == self.version:
+            tensors = kept[1]
+        else:
+            tensors = trained_tensors(self.held.strategy)
+        if keep:
+            self._prepared = (self.version, tensors)
+        return tensors
 
     def send_weights(self, ref: PolicyRef, *, addr: str, port: int, dtype: str, backend: str,
                      world_size: int = 2) -> dict[str, Any]:
@@ -426,13 +439,18 @@ class ModelWorker:
         self.version = version_key(ref)
         self._arrived[self.version] = max(self._arrived.values(), default=-1) + 1
         seconds = time.perf_counter() - t0
-        count("weight_syncs")
-        count("weight_sync_seconds", seconds)
-        count("weight_sync_bytes", got.bytes)
-        self.syncs.append({"version": self.version, "bytes": got.bytes, "seconds": seconds, "backend": got.backend,
-                           "buckets": got.buckets})
+        self.record_sync(self.version, got.bytes, seconds, got.backend, got.buckets)
         log.info("weight sync (%s): %.1f MB in %.2f s (%.2f s/GB), digest verified", got.backend, got.bytes / 1e6,
                  seconds, seconds / max(got.bytes / 1e9, 1e-12))
+
+    def record_sync(self, version: str, nbytes: int, seconds: float, backend: str, buckets: int, **extra) -> None:
+        """Count a landed sync (``weight_syncs``, ``weight_sync_seconds``, ``weight_sync_bytes``)
+        and keep its record in ``syncs``."""
+        count("weight_syncs")
+        count("weight_sync_seconds", seconds)
+        count("weight_sync_bytes", nbytes)
+        self.syncs.append({"version": version, "bytes": nbytes, "seconds": seconds, "backend": backend,
+                           "buckets": buckets, **extra})
 
     def _sync_group(self, ref: PolicyRef, ready: dict, target: dict, plan: SyncPlan):
         """Receive ``ref`` over a two-rank process group while the policy worker sends it."""
@@ -461,45 +479,3 @@ class ModelWorker:
         trainer = self._ensure_trainer(inp.policy, inp)
         configure_trainer(trainer, inp.update)
         return trainer
-
-
-def rebuild_trainer(ref: PolicyRef, inp, *, strict: bool = True):
-    """The policy trainer (``rft_core.stages.update.PolicyTrainer``) holding exactly ``ref``,
-    built for the update ``inp`` (its ``update`` config and ``dtype``): the base checkpoint of
-    ``ref`` loaded with its AdamW state, then the committed updates after it re-applied.
-
-    Args:
-        strict: a re-applied update whose weights differ from its committed digest raises
-            (otherwise it is logged and recovery goes on).
-    Returns:
-        (trainer, report): ``report`` has ``base`` (its URI or path), ``replayed`` (updates
-        re-applied) and ``seconds``.
-    Raises:
-        RecoveryError: (``rft_core.workers.recovery``) a recorded input is missing, or a
-            re-applied update's weights differ from its digest; ``OptimizerStateError`` / ``CheckpointPrunedError`` when
-            the base checkpoint's AdamW state or weights are gone.
-    """
-    from rft_core.stages.optimizer_state import optimizer_state_ref
-    from rft_core.stages.update import build_trainer, replay_update
-    from rft_core.workers.recovery import RecoveryError, committed_digest, policy_chain, update_input_of
-
-    t0 = time.perf_counter()
-    base, chain = policy_chain(ref)
-    first = update_input_of(chain[0]) if chain else inp
-    trainer = build_trainer(base, first.update, dtype=first.dtype, opt_ref=optimizer_state_ref(base))
-    for u in chain:
-        step_inp = update_input_of(u)
-        replay_update(trainer, step_inp)
-        got, want = trained_digest(trainer.strategy), committed_digest(u)
-        if got is not None and got != want:  # None: a DeepSpeed rank above 0 (rank 0 checks)
-            msg = (f"re-applying the committed update {u.uri} gave other weights than it recorded (digest {got[:12]} "
-                   f"vs {want[:12]}): nondeterministic kernels, or the input shards changed")
-            if strict:
-                raise RecoveryError(msg)
-            log.warning("%s; recovery goes on with the recomputed weights", msg)
-    report = {"base": base.uri if isinstance(base, ShardRef) else base, "replayed": len(chain),
-              "seconds": time.perf_counter() - t0}
-    if chain:
-        log.info("rebuilt the policy of %s from %s by re-applying %d committed update(s) in %.1f s",
-                 ref.uri if isinstance(ref, ShardRef) else ref, report["base"], len(chain), report["seconds"])
-    return trainer, report

@@ -304,10 +304,11 @@ def buffers_checksum(plan: SyncPlan, buffers: Iterable[torch.Tensor]) -> str:
     """``sync_checksum`` of the tensors held in ``plan``'s packed buckets ``buffers`` (one flat
     uint8 tensor per bucket, e.g. ``export_cuda_ipc``'s): computed on the buffers' device, equal
     to ``sync_checksum`` of the tensors packed into them."""
-    sums = {}
+    check = Checksum(plan.layout(), "device")
     for i, buf in enumerate(buffers):
-        sums.update({name: word_sums(t) for name, t in bucket_views(plan, buf, i)})
-    return combine(plan.layout(), sums)
+        for name, t in bucket_views(plan, buf, i):
+            check.add(name, t)
+    return check.hexdigest()
 
 
 def check_fits(plan: SyncPlan, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -195,3 +195,25 @@ def test_lora_resident_every_3_equals_stage_mode(tiny_model, tmp_path):
             a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg_s, cfg))
             parts = lambda m: {e.path: e.sha256 for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
             assert parts(a) == parts(b), (it, stage)
+
+
+def test_an_engine_sync_takes_the_weights_its_plan_was_made_from(tiny_model, tmp_path, monkeypatch):
+    """prepare_weights with a dtype (a GPU engine's sync) builds the plan from the trainer's
+    weights and keeps them for the send that follows: a ZeRO-3 gather or a LoRA merge runs once
+    per sync, and only once is kept."""
+    from rft_core.workers import resident as resident_module
+    from rft_core.workers.sync import SyncPlan
+
+    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")
+    pool = _pool()
+    drive(cfg, _runner(pool), stop_after=1)
+    policy, calls = pool["policy"], []
+    real = resident_module.trained_tensors
+    monkeypatch.setattr(resident_module, "trained_tensors", lambda s: calls.append(s) or real(s))
+    ready = policy.prepare_weights(ShardRef.from_manifest(stage_uri(cfg.run_root, 1, "ppo_update")), dtype="bfloat16")
+    plan = SyncPlan.from_json(ready["plan"])
+    assert ready["status"] == "ready" and {e.dtype for e in plan.entries} == {"bfloat16"}
+    sent = policy._send_tensors()  # what send_weights takes
+    assert len(calls) == 1 and sorted(sent) == [e.name for e in plan.entries]
+    policy._send_tensors()
+    assert len(calls) == 2  # taken once: a later sync gathers afresh
