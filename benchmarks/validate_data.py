@@ -17,8 +17,9 @@ file (row groups of 100,000), into a temp folder. Then, per file, in a fresh chi
                  Lines: parsed into one Arrow table; Parquet: the footer), columns and types checked)
   check_s        and ``validate_dataset`` on the opened dataset: every row, column-wise
 
-and, with ``--with-scan``, the per-row Python pass the project had before (``ds.scan()``, in
-another child) for comparison. Prints one JSON object (with ``uptime``'s load averages) and,
+and, with ``--with-scan``, the per-row Python pass the project had before (``row_scan``: every
+row through the prompts stage's own row check, ``FileDataset._entry``; kept here only, for this
+comparison), in another child. Prints one JSON object (with ``uptime``'s load averages) and,
 with ``--json FILE``, writes it there.
 
     .venv/bin/python benchmarks/validate_data.py [--rows 1000000] [--with-scan] [--json docs/raw/validate.json]
@@ -155,21 +156,43 @@ def measure(path: str) -> dict:
             "arrow_peak_mb": round(max(arrow_mb, base_arrow) / 2**20, 1)}
 
 
+def row_scan(ds) -> tuple[int, int]:
+    """(rows, bad rows) of a ``FileDataset``: every row, batch by batch (``Part.batches``), through
+    the prompts stage's own Python row check (``FileDataset._entry``); an unreadable Parquet row
+    group counts as one bad row. The per-row pass ``rft data check`` used before it ran the
+    column checks (``rft_core.data.validate``); only this comparison uses it now."""
+    from rft_core.data.prompts import DatasetError
+
+    rows = bad = 0
+    for k, part in enumerate(ds.parts):
+        try:
+            for start, batch in part.batches():
+                for j, values in enumerate(batch):
+                    rows += 1
+                    try:
+                        ds._entry(k, start + j, values)
+                    except DatasetError:
+                        bad += 1
+        except DatasetError:  # an unreadable Parquet row group: the rest of the file is skipped
+            bad += 1
+    return rows, bad
+
+
 def measure_scan(path: str) -> dict:
-    """Run in the child: the per-row Python check over every row (``FileDataset.scan``)."""
+    """Run in the child: the per-row Python check over every row (``row_scan``)."""
     from rft_core.data.mixture import open_data
 
     with tempfile.TemporaryDirectory(prefix="rft-validate-scan-") as tmp:
-        open_data(_small_copy(path, tmp)).scan()  # warm-up, as in measure
+        row_scan(open_data(_small_copy(path, tmp)))  # warm-up, as in measure
     base_mb = _reset_peak()
     t = time.perf_counter()
     ds = open_data(path)
     open_s = time.perf_counter() - t
     t = time.perf_counter()
-    result = ds.scan()
+    rows, bad = row_scan(ds)
     scan_s = time.perf_counter() - t
-    assert result.bad_rows == 0 and result.rows == len(ds)
-    return {"rows": result.rows, "open_s": round(open_s, 3), "scan_s": round(scan_s, 3),
+    assert bad == 0 and rows == len(ds)
+    return {"rows": rows, "open_s": round(open_s, 3), "scan_s": round(scan_s, 3),
             "peak_rss_mb": round(_peak_mb(), 1), "data_rss_mb": round(_peak_mb() - base_mb, 1)}
 
 
@@ -187,7 +210,7 @@ def _load() -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
-    ap.add_argument("--with-scan", action="store_true", help="also time the per-row Python scan (ds.scan())")
+    ap.add_argument("--with-scan", action="store_true", help="also time the per-row Python scan (row_scan)")
     ap.add_argument("--json", help="write the result here too")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()

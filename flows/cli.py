@@ -37,7 +37,7 @@ def train(
     cfg = _load_or_exit(config, list(set_) + ([f"run_root={run_root}"] if run_root else []))
     typer.echo(f"run root: {cfg.run_root}")
     from rft_core.api import DatasetError, RunRootError, check_run_root, validate_run_data
-    from schemas import StorageError
+    from schemas import ShardError, StorageError
 
     try:
         # before the flow (and a temporary Prefect server) starts: the run root, then every data row
@@ -47,7 +47,7 @@ def train(
         from flows.train import train as train_flow
 
         result = train_flow(cfg)
-    except (RunRootError, StorageError, DatasetError) as exc:
+    except (RunRootError, StorageError, DatasetError, ShardError) as exc:  # ShardError: e.g. a run of an older version
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     typer.echo("")
@@ -134,12 +134,16 @@ def eval_(
                                           "(task, seed, size) defines the held-out split, or eval.path names a file of "
                                           "held-out rows (required with data.source=files); its reward grades."),
     set_: List[str] = typer.Option([], "--set", "-s", help="Dotted override, repeatable: --set eval.num_prompts=100 "
-                                   "(eval.seed, eval.max_new_tokens, eval.batch_size too)."),
+                                   "(eval.seed, eval.max_new_tokens, eval.batch_size too; eval.n_samples=8 samples 8 "
+                                   "answers per prompt: avg@8, pass@1..8, maj@8; eval.temperature, eval.top_p, "
+                                   "eval.sampling_seed)."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Folder (any fsspec URI) for the eval stages. Default: "
                                       "{run}/eval/iter=N-<hash> for a run checkpoint, else runs/eval/<name>-<hash>."),
 ) -> None:
-    """Score a checkpoint on held-out prompts (greedy): accuracy and mean reward. The prompts are a split of the
-    training task disjoint from its training data, or the first eval.num_prompts rows of eval.path."""
+    """Score a checkpoint on held-out prompts (greedy): accuracy and mean reward; with eval.n_samples > 1 sampled
+    answers: avg@n, pass@1..n and maj@n with standard errors. The prompts are a split of the training task disjoint
+    from its training data, or the first eval.num_prompts rows of eval.path (GSM8K, MATH-500 and AIME files as the
+    hub ships them are read without a mapping)."""
     from rft_core.config import ConfigError, load_config
 
     try:
@@ -148,6 +152,7 @@ def eval_(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     from flows.eval import evaluate
+    from rft_core.api import eval_report_lines
     from schemas import ShardError
 
     try:
@@ -158,8 +163,14 @@ def eval_(
     s = result.summary
     typer.echo("")
     typer.echo(f"checkpoint:  {result.policy}")
-    typer.echo(f"accuracy:    {result.accuracy:.3f} ± {s['accuracy_stderr']:.3f} ({result.num_prompts} held-out prompts, greedy)")
-    typer.echo(f"mean reward: {result.reward_mean:.3f} ± {s['reward_stderr']:.3f}")
+    report = eval_report_lines(s)  # sampled answers: avg@n, pass@1..n, maj@n
+    if report:
+        for line in report:
+            typer.echo(line)
+    else:
+        typer.echo(f"accuracy:    {result.accuracy:.3f} ± {s['accuracy_stderr']:.3f} ({result.num_prompts} held-out prompts, greedy)")
+    se = s["reward_stderr"]
+    typer.echo(f"mean reward: {result.reward_mean:.3f} ± {'n/a' if se is None else f'{se:.3f}'}")
     typer.echo(f"samples:     {result.shard.uri} (+ prompts, rollout, rewards under {result.out_root})")
 
 
@@ -295,7 +306,8 @@ def data_check(
     examples: int = typer.Option(2, "--examples", "-n", min=0, help="How many prompts to render as the policy sees them."),
 ) -> None:
     """Check a dataset as training reads it: detected format, column mapping, row count, the first
-    prompts exactly as the policy sees them, and every problem a scan of all rows finds. Exits 1 when
+    prompts exactly as the policy sees them, and every problem of its rows, found by the same checks
+    (and reported with the same messages) as `rft train` runs before its first stage. Exits 1 when
     there are problems."""
     cfg = _load_or_exit(config, list(set_))
     from rft_core.api import check_config_data

@@ -20,7 +20,7 @@ from rft_core.replay import replay_sources, write_replay_record
 from rft_core.stages.advantages import next_state
 from rft_core.stages.contracts import *  # noqa: F403 - every stage input model is public
 from rft_core.stages.dynamic import count_signal_groups
-from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, resolve_checkpoint
+from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, eval_report_lines, resolve_checkpoint
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.retention import apply_retention, prune_checkpoints
 from rft_core.storage import RunRootError, check_run_root, repair as repair_stage, verify_run
@@ -33,7 +33,7 @@ __all__ = [
     *_contracts.__all__, "WandbLogger", "checkpoint_label",
     "check_config_data", "dataset_fingerprint", "heldout_fingerprint", "DatasetError", "DataValidationError",
     "validate_run_data",
-    "count_signal_groups", "curve_markdown", "default_eval_root", "eval_markdown", "export_table",
+    "count_signal_groups", "curve_markdown", "default_eval_root", "eval_markdown", "eval_report_lines", "export_table",
     "format_metrics_line", "iteration_metrics", "next_state", "plot_curves", "prune_checkpoints", "replay_sources",
     "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "stop_workers", "samples_markdown", "samples_view",
     "wait_for_optimizer_writes",

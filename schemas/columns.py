@@ -198,7 +198,12 @@ EVAL = StageSchema("eval", 1, pa.schema([  # held-out evaluation (flows/eval.py)
     pa.field("correct", pa.bool_(), nullable=False),
     pa.field("response_length", pa.int32(), nullable=False),  # response tokens
     pa.field("finish_reason", pa.string(), nullable=False),
-]))
+]), optional=(
+    # written by a sampled evaluation (eval.n_samples / eval.temperature): the prompt's label and
+    # the response's index among its prompt's n; a greedy eval shard has neither (as before)
+    pa.field("data_source", pa.string(), nullable=False),
+    pa.field("sample_index", pa.int32(), nullable=False),
+))
 
 # The policy's AdamW state (rft_core.stages.optimizer_state): one checkpoint file, optimizer.pt,
 # and no rows; the manifest's summary says how it was written (seconds, recovered).

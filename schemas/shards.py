@@ -36,6 +36,7 @@ from typing import Any, Iterable, Mapping, Union
 from pydantic import BaseModel, ConfigDict
 
 from schemas.columns import StageSchema
+from schemas.layout import split_stage_uri
 from schemas.storage import (  # noqa: F401 - re-exported: the shard contract's storage primitives
     MANIFEST_NAME,
     OBJECT_STORE_PROTOCOLS,
@@ -283,7 +284,34 @@ def _ref(uri: str, manifest: Manifest, sha: str) -> ShardRef:
 
 class OlderVersionError(StaleShardError):
     """A committed stage was written under another stage contract (another version of this
-    project): its config hash cannot be compared with this version's."""
+    project): its config hash cannot be compared with this version's. The message names the
+    stage, its iteration, both contract ids, and how to go on (``older_version_message``)."""
+
+
+def _contract_version(contract: str | None) -> tuple[str, int] | None:
+    """(program, version) of a contract id ``"<program> v<version>"``, or None."""
+    program, _, version = (contract or "").rpartition(" v")
+    return (program, int(version)) if program and version.isdigit() else None
+
+
+def older_version_message(uri: str, old: str | None, new: str) -> str:
+    """Why the stage committed at ``uri`` under contract ``old`` (None: before contracts
+    existed) is refused by this version, which writes ``new``, and how to go on: resume with
+    the version that wrote it, or a new run folder. ``rft_core.stages.common`` adds the command
+    that starts a new run from the run's last checkpoint."""
+    was, now = _contract_version(old), _contract_version(new)
+    if old is None or (was and now and was[0] == now[0] and was[1] < now[1]):
+        who = "an older version of prefect-rft"
+    elif was and now and was[0] == now[0] and was[1] > now[1]:
+        who = "a newer version of prefect-rft"
+    else:
+        who = "another version of prefect-rft"
+    where = split_stage_uri(uri)
+    stage = f"stage {where[2]!r} of iteration {where[1]}" if where else "this stage"
+    return (f"{uri}: {stage} was written by {who} (stage contract {old or 'none'}; this version writes {new}): what "
+            "its settings mean changed since, so its config hash cannot be compared with this run's and it is not "
+            "reused (committed results are never overwritten). To go on: resume this run with the version that wrote "
+            "it, or start a new run folder (--run-root <new folder>, or no --run-root for a new timestamped one).")
 
 
 def committed_ref(uri: str, *, stage: str, config_hash: str, contract: str | None = None,
@@ -308,12 +336,7 @@ def committed_ref(uri: str, *, stage: str, config_hash: str, contract: str | Non
     except ShardNotCommittedError:
         return None
     if manifest.config_hash != config_hash and contract is not None and manifest.contract != contract:
-        raise OlderVersionError(
-            f"{uri}: written by {'an older version of prefect-rft' if manifest.contract is None else 'another version of prefect-rft'} "
-            f"(stage contract {manifest.contract or 'none'}; this version writes {contract}), so its config hash "
-            "cannot be compared with this run's. Resume it with the version that wrote it, or start a new run root "
-            "(committed results are never overwritten)."
-        )
+        raise OlderVersionError(older_version_message(uri, manifest.contract, contract))
     if manifest.stage != stage or manifest.config_hash != config_hash:
         raise StaleShardError(
             f"{uri}: committed by stage {manifest.stage!r} with config hash {manifest.config_hash}, "

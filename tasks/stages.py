@@ -160,8 +160,9 @@ def prune_checkpoints(*, run_root: str, iteration: int, checkpoint: CheckpointCo
 
 @_stage_task("validate_data")
 def validate_data(*, cfg: TrainConfig) -> str:
-    """Every row of the run's data files (``data.path`` / ``data.sources``, ``eval.path``) checked
-    against what the run needs, before the first stage; remembered under the run root by the
-    files' fingerprint, so a resume reads no row again. Raises ``DataValidationError`` listing the
-    first bad rows (file, line or row, column, problem); returns the one-line summary."""
+    """Every row of the run's data files (``data.path`` / ``data.sources``; not ``eval.path``, which
+    training never reads) checked against what the run needs, before the first stage; remembered
+    under the run root by the files' fingerprint, so a resume reads no row again. Raises
+    ``DataValidationError`` listing the first bad rows (file, line or row, column, problem);
+    returns the one-line summary."""
     return validate_run_data(cfg).summary()

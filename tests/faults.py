@@ -20,6 +20,7 @@ import torch
 
 from rft_core.agents import StepResult
 from rft_core.agents.calculator import CalculatorEnv
+from tests.varying import REWARD_YAML
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGE_ORDER = ["prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update"]
@@ -31,7 +32,9 @@ PREVIOUS = {"prompts": None, "rollout": "prompts", "actor_logprobs": "rollout", 
 
 
 def write_config(path: Path, model: str, iterations: int = 2) -> Path:
-    """A tiny training config (2 iterations by default) whose stages take a noticeable time."""
+    """A tiny training config (2 iterations by default) whose stages take a noticeable time and
+    whose rewards vary inside each group (``tests/varying.py``: non-zero advantages, so the final
+    weights compared after a kill come from real policy-gradient updates)."""
     path.write_text(f"""
 name: faults
 iterations: {iterations}
@@ -40,7 +43,7 @@ data: {{prompts_per_iteration: 4, size: 50}}
 rollout: {{n_samples_per_prompt: 4, max_new_tokens: 48, batch_size: 8}}
 kl: {{kl_coef: 0.05}}
 update: {{lr: 1.0e-3, micro_batch_size: 2, epochs: 2}}
-""")
+{REWARD_YAML}""")
     return path
 
 
@@ -345,7 +348,7 @@ rollout:
   agent: {{environment: "tests.faults:FaultCalculator", max_turns: 3, max_total_tokens: 48}}
 kl: {{kl_coef: 0.05}}
 update: {{lr: 1.0e-3, micro_batch_size: 2, epochs: 2}}
-""")
+{REWARD_YAML}""")
     return path
 
 

@@ -52,18 +52,23 @@ def _module(name: str, **attrs: Any) -> types.ModuleType:
 
 
 class ActorConfig(types.SimpleNamespace):
-    """Stand-in for verl's ``ActorConfig``: the fields the policy losses read."""
+    """Stand-in for verl's ``ActorConfig``: the fields the policy losses read, and ``get`` (verl's
+    ``BaseConfig.get``: the field, or ``default`` when the config has none), which the DPPO losses
+    call for ``clip_ratio_c``."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
 
 
 class AlgoConfig(types.SimpleNamespace):
     """Stand-in for verl's ``AlgoConfig`` (only used in ``isinstance`` checks)."""
 
 
-def load_verl(git_dir: Path) -> types.ModuleType:
-    """verl's ``core_algos`` module, imported from ``git_dir`` with stubbed dependencies."""
+def load_verl(git_dir: Path, rev: str = "HEAD") -> types.ModuleType:
+    """verl's ``core_algos`` module at commit ``rev``, imported from ``git_dir`` with stubbed dependencies."""
     tmp = Path(tempfile.mkdtemp(prefix="verl_src_"))
     for rel in ("verl/trainer/ppo/core_algos.py", "verl/utils/torch_functional.py"):
-        (tmp / Path(rel).name).write_text(_git(git_dir, "show", f"HEAD:{rel}"))
+        (tmp / Path(rel).name).write_text(_git(git_dir, "show", f"{rev}:{rel}"))
 
     def unused(*args, **kwargs):
         raise NotImplementedError("stub: not used by the policy losses")

@@ -1,7 +1,7 @@
 """Pure RL math: advantage estimators, policy losses, KL estimators, masked reductions,
-rollout/trainer mismatch correction."""
+rollout/trainer mismatch correction (importance weights and rejection masks)."""
 from rft_core.algorithms.advantages import ADVANTAGE_ESTIMATORS, EstimatorInfo, kl_penalized_outcome_advantages
-from rft_core.algorithms.correction import ROLLOUT_CORRECTIONS, RolloutCorrection, rollout_correction
+from rft_core.algorithms.correction import REJECTION_MASKS, ROLLOUT_CORRECTIONS, RolloutCorrection, rollout_correction
 from rft_core.algorithms.kl import (
     KL_ESTIMATORS,
     KLEstimatorInfo,
@@ -18,11 +18,13 @@ from rft_core.algorithms.policy_loss import (
 )
 from rft_core.algorithms.shaping import overlong_filter_mask
 from rft_core.algorithms import baselines, covariance_losses  # noqa: F401,E402  (register pass_at_k ... and clip_cov, kl_cov)
+from rft_core.algorithms import divergence_losses, group_estimators  # noqa: F401,E402  (register dppo_*, gpg, gdpo)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
+    "REJECTION_MASKS",
     "ROLLOUT_CORRECTIONS",
     "EstimatorInfo",
     "KLEstimatorInfo",

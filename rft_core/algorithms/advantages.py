@@ -38,6 +38,9 @@ class EstimatorInfo:
             sampled token and sum_v pi_old(v)^2, both from the actor stage, and
             ``rollout_is_weights``, the rollout correction's weights or None; the optimal token
             baseline): the actor stage runs and writes ``sum_pi_squared``.
+        needs_reward_sources: it takes the score of each reward source separately (keyword
+            ``source_rewards``: source name -> (B,) float, NaN where a sample's recipe has no such
+            source; GDPO), read from the rewards shard's ``reward_metrics``.
     """
 
     token_level: bool
@@ -45,6 +48,7 @@ class EstimatorInfo:
     group_baseline: bool
     greedy_baseline: bool = False
     needs_sum_pi_squared: bool = False
+    needs_reward_sources: bool = False
 
 
 _OUTCOME_GROUP = EstimatorInfo(token_level=False, needs_critic=False, group_baseline=True)

@@ -190,8 +190,8 @@ def remax_advantages(
 
 
 @ADVANTAGE_ESTIMATORS.register(
-    "optimal_token_baseline",
-    info=EstimatorInfo(token_level=True, needs_critic=False, group_baseline=True, needs_sum_pi_squared=True),
+    "optimal_token_baseline", "tir_optimal_token_baseline",
+    info=EstimatorInfo(token_level=True, needs_critic=False, group_baseline=False, needs_sum_pi_squared=True),
 )
 def optimal_token_baseline_advantages(
     rewards: torch.Tensor,
@@ -202,28 +202,45 @@ def optimal_token_baseline_advantages(
     sum_pi_squared: torch.Tensor,
     token_rewards: torch.Tensor | None = None,
     rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
     eps: float = 1e-8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Optimal token baseline (OTB) advantages, as verl's ``compute_optimal_token_baseline_advantage``
-    (``verl/trainer/ppo/core_algos.py``, verl commit b178a3cd; ``docs/algo/otb.md`` there, after
-    R. Li's "Optimal Token Baseline" blog post): a baseline per group and token position,
+    and, for multi-turn rows, ``compute_multi_turn_optimal_token_baseline_advantage``
+    (``tir_optimal_token_baseline``) (``verl/trainer/ppo/core_algos.py``, verl commit 1dda039b;
+    ``docs/algo/otb.md`` there, after R. Li's "Optimal Token Baseline" blog post): a baseline per
+    group and action-token index k,
 
-        G_t = sum_{k >= t} r_k,   w_t = 1 - 2 pi_t + sum_v pi(v)^2  (x rho_t^2 with IS weights),
-        W_t = sum_{j <= t, unmasked} w_j,
-        B_t = sum_{i in g} G_t^i W_t^i m_t^i / (sum_{i in g} W_t^i m_t^i + eps),
-        A_t = (G_t - B_t) m_t,
+        G_k = sum_{j >= k} r_j,   w_k = 1 - 2 pi_k + sum_v pi(v)^2  (x rho_k^2 with IS weights),
+        W_k = sum_{j <= k} w_j,
+        B_k = sum_{i in g} G_k^i W_k^i / (sum_{i in g} W_k^i + eps),   A_k = G_k - B_k,
 
-    pi_t = exp(old_logprobs_t), m = action_mask; positions t are aligned by index within the
-    group. A group of one sample gets B = 0 (A = G). w_t is ||grad_logits log pi(a_t)||^2 (the
-    logit-gradient proxy of the squared score norm), W_t its running sum. A group whose returns
-    are all equal gets A_t = G_t eps / (sum W_t + eps), zero up to eps (``group_baseline``).
+    pi_k = exp(old_logprobs) at the k-th action token of a response (the k-th True of its row of
+    ``action_mask``); the sums run over the responses of the group that have a k-th action token.
+    Indexing by action token is verl's multi-turn form: observation tokens inside a multi-turn
+    row (``action_mask`` False) are skipped, so the k-th decision of every response is compared
+    with the k-th of the others, whatever the turns in between. On right-padded single-turn rows
+    the k-th action token is position k and this is verl's single-turn OTB exactly; both names
+    (``optimal_token_baseline``, ``tir_optimal_token_baseline``) reach this function. A group
+    with one non-empty response gets B = 0 (A = G); empty responses (no action token) are in no
+    group (verl's multi-turn form; its single-turn form counts them).
+
+    ``handle_zero_tail`` (default True, verl's default since verl PR #5380): past the
+    second-longest response of a group only the longest has tokens, so B_k = G_k W_k / (W_k + eps)
+    ~ G_k and its advantage there would be ~0 whatever its reward; with ``handle_zero_tail`` the
+    baseline of the longest response is 0 from the second-longest length on (A = G there, the
+    return without a baseline). Applied when one response is strictly the longest of its group
+    (lengths in action tokens). So a group whose rewards are all equal gets A = 0 only up to eps
+    and outside that tail (``group_baseline`` False).
+
+    w_k is ||grad_logits log pi(a_k)||^2 (the logit-gradient proxy of the squared score norm),
+    W_k its running sum.
 
     ``advantage.estimator=optimal_token_baseline`` (``OptimalTokenBaselineAdvantage``): the
     actor stage writes ``sum_pi_squared`` next to ``old_logprobs`` (``ActorLogprobsInput.
     with_sum_pi_squared``, the same chunked pass, ``rft_core.models.logprobs.token_logprobs``)
     and the advantages stage passes both, with the rollout correction's weights when it is on
-    (``AdvantagesInput.rollout_correction``). verl's ``handle_zero_tail`` option (default False)
-    and its multi-turn variant (``tir_optimal_token_baseline``) are not implemented.
+    (``AdvantagesInput.rollout_correction``).
 
     Args:
         rewards: (B,) float outcome rewards.
@@ -236,6 +253,8 @@ def optimal_token_baseline_advantages(
         token_rewards: (B, T); default: the outcome reward on the last response token.
         rollout_is_weights: (B, T) or None, truncated importance weights rho_t (the rollout
             correction's ``weights``, 0 on the tokens it masks).
+        handle_zero_tail: zero the baseline of a group's strictly longest response past the
+            second-longest length (above).
         eps: added to the denominator (verl's 1e-8).
     Returns:
         (advantages, returns=G), (B, T) each in the dtype of ``old_logprobs``, zero where masked.
@@ -248,9 +267,27 @@ def optimal_token_baseline_advantages(
     if rollout_is_weights is not None:
         w = w * rollout_is_weights.to(dtype) ** 2
     cum_w = (w * m).cumsum(-1)
+    # compact each row to its action tokens: index k = number of action tokens before it
+    lengths = action_mask.sum(-1)
+    L = int(lengths.max()) if lengths.numel() else 0
+    rows, cols = torch.nonzero(action_mask, as_tuple=True)
+    k = (action_mask.cumsum(-1) - 1)[rows, cols]
+    g_c = returns.new_zeros((len(rewards), max(L, 1)))
+    w_c = torch.zeros_like(g_c)
+    g_c[rows, k], w_c[rows, k] = returns[rows, cols], cum_w[rows, cols]
     inverse, n_groups = _group_index(group_ids)
-    num = _group_sum(returns * cum_w * m, inverse, n_groups)
-    den = _group_sum(cum_w * m, inverse, n_groups) + eps
-    counts = torch.bincount(inverse, minlength=n_groups)
-    baseline = torch.where((counts > 1)[:, None], num / den, torch.zeros_like(num))[inverse]
-    return (returns - baseline) * m, returns
+    nonempty = lengths > 0
+    members = torch.bincount(inverse[nonempty], minlength=n_groups)
+    num = _group_sum(g_c * w_c, inverse, n_groups)
+    den = _group_sum(w_c, inverse, n_groups) + eps
+    baseline = torch.where((members > 1)[:, None], num / den, torch.zeros_like(num))[inverse]
+    if handle_zero_tail:
+        for g in torch.nonzero(members > 1).flatten().tolist():
+            idx = torch.nonzero((inverse == g) & nonempty).flatten()
+            lens = lengths[idx]
+            top2 = torch.topk(lens, 2).values
+            if int((lens == top2[0]).sum()) == 1 and int(top2[0]) > int(top2[1]):
+                baseline[idx[int(torch.argmax(lens))], int(top2[1]):] = 0.0
+    adv = torch.zeros_like(returns)
+    adv[rows, cols] = (g_c - baseline)[rows, k]
+    return adv * m, returns

@@ -10,6 +10,7 @@ log_ratio = logprobs - ref_logprobs = log pi(a|s) - log pi_ref(a|s), sampled fro
   ``kl_penalty`` in ``verl/trainer/ppo/core_algos.py``, names ending in "+").
 - abs = |log_ratio|                      (verl's ``abs``; not a KL estimate: E_pi|log_ratio| >= KL(pi||ref);
   as a loss its expected gradient is that of the L1 distance ||pi - ref||_1 = 2 TV(pi, ref))
+- abs+: the value of abs with the gradient of k2 (verl's ``abs+``).
 
 verl's aliases are registered too: ``mse`` = k2, ``low_var_kl`` = k3, ``low_var_kl+`` = k3+.
 
@@ -93,6 +94,9 @@ _K3_PLUS = KLEstimatorInfo("k3", True, _K3.value, _K3.value_estimates, GRAD_KL_P
 _ABS = KLEstimatorInfo("abs", False, "abs(log_ratio)", "E_pi|log_ratio| >= KL(pi||ref): not a KL estimate",
                       GRAD_L1, "grad E_pi[abs] - grad ||pi - ref||_1",
                       "verl, verl/trainer/ppo/core_algos.py: kl_penalty_forward ('abs')")
+_ABS_PLUS = KLEstimatorInfo("abs", True, _ABS.value, _ABS.value_estimates, GRAD_KL_PI_REF, _ABS.reward_gradient,
+                           "verl, verl/trainer/ppo/core_algos.py (commit 1dda039b): kl_penalty('abs+'), the value of "
+                           "abs with the straight-through gradient of k2")
 
 
 @KL_ESTIMATORS.register("k1", info=_K1)
@@ -149,6 +153,22 @@ def kl_k1_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tens
 def kl_k3_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Value of k3, gradient of k2 (verl ``k3+`` / ``low_var_kl+``). Shapes (B, T) -> (B, T)."""
     return _straight_through(kl_k3(logprobs, ref_logprobs), kl_k2(logprobs, ref_logprobs))
+
+
+@KL_ESTIMATORS.register("abs+", info=_ABS_PLUS)
+def kl_abs_plus(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Value of abs = |log pi - log pi_ref|, gradient of k2, log_ratio (verl ``abs+``: ``kl_penalty``
+    in ``verl/trainer/ppo/core_algos.py``, verl commit 1dda039b, strips the "+" and binds the
+    value of ``kl_penalty_forward(..., "abs")`` to the gradient of 0.5 * log_ratio**2). Shapes
+    (B, T) -> (B, T).
+
+    As a loss term its expected gradient is grad KL(pi||ref) (k2's), unlike plain ``abs``, whose
+    gradient pulls pi towards ref in total variation; the value stays E_pi|log_ratio| >= KL, so the
+    logged ``kl`` over-reports the KL. As a reward penalty it acts as ``abs``. In ``kl_penalty`` the
+    clamp applies to the value only and the gradient saturates at +-kl_clamp, as for k1+ and k3+
+    (verl clamps neither).
+    """
+    return _straight_through(kl_abs(logprobs, ref_logprobs), kl_k2(logprobs, ref_logprobs))
 
 
 def _k2_gradient_carrier(

@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rft_core.algorithms import KL_ESTIMATORS, ROLLOUT_CORRECTIONS, check_kl_loss_estimator
+from rft_core.algorithms import KL_ESTIMATORS, REJECTION_MASKS, ROLLOUT_CORRECTIONS, check_kl_loss_estimator
+from rft_core.algorithms.correction import check_rejection
 from rft_core.config._base import _check_name, _Frozen, _tagged_union
 
 
@@ -31,6 +32,9 @@ PAPER_KL_MODE: dict[str, str] = {
     # use_kl_in_reward false); its input is the token-level rewards (verl's token_level_rewards, which carry the
     # KL with use_kl_in_reward), summed into returns-to-go G_t with no std to rescale a penalty: per token as reinforce
     "optimal_token_baseline": "reward",
+    "tir_optimal_token_baseline": "reward",  # the same function (action-token indexing), verl's multi-turn name
+    "gpg": "loss",  # Chu et al. 2025, arXiv:2504.02546 trains without a KL or reference; GRPO-style group advantages
+    "gdpo": "loss",  # Liu et al. 2026, arXiv:2601.05242: GRPO per reward (its KL as GRPO's, if any)
 }
 # The estimator used when ``kl.estimator`` is not given, by mode: k1 as a reward (its score-function
 # gradient is grad KL(pi||ref)); k3+ as a loss (the value of GRPO's eq. 4 estimator, the gradient
@@ -178,18 +182,46 @@ class ReMaxAdvantage(_Frozen):
 
 
 class OptimalTokenBaselineAdvantage(_Frozen):
-    """verl's optimal token baseline (``compute_optimal_token_baseline_advantage``, docs/algo/otb.md):
-    returns-to-go minus a per-group, per-position baseline weighted by the accumulated
+    """verl's optimal token baseline (``compute_optimal_token_baseline_advantage``, docs/algo/otb.md;
+    ``tir_optimal_token_baseline``, its multi-turn form, is the same function): returns-to-go minus
+    a per-group baseline at each action-token index, weighted by the accumulated
     1 - 2 pi_t + sum_v pi(v)^2 of each sample. Needs the actor stage (it writes
     ``sum_pi_squared``): ``logprobs.recompute_old_logprobs`` true or auto."""
 
-    estimator: Literal["optimal_token_baseline"] = "optimal_token_baseline"
+    estimator: Literal["optimal_token_baseline", "tir_optimal_token_baseline"] = "optimal_token_baseline"
     eps: float = Field(1e-8, gt=0, description="added to the baseline's denominator (verl's 1e-8)")
+    handle_zero_tail: bool = Field(True, description="baseline 0 on a group's strictly longest response past the "
+                                   "second-longest length (verl's default since PR #5380)")
+
+
+class GPGAdvantage(_Frozen):
+    """GPG (Chu et al. 2025, arXiv:2504.02546): alpha (r - group mean) / F_norm, alpha = B / (B - M)
+    with M the samples of groups whose rewards are all equal; F_norm = 1, or std + eps."""
+
+    estimator: Literal["gpg"] = "gpg"
+    scale_by_std: bool = Field(False, description="F_norm = group std + eps (the paper's best run: F_norm = 1)")
+    eps: float = Field(1e-4, gt=0, description="added to the std with scale_by_std (the authors' 1e-4)")
+
+
+class GDPOAdvantage(_Frozen):
+    """GDPO (Liu et al. 2026, arXiv:2601.05242): each reward source's score normalised within its
+    group, the normalised scores summed with ``reward_weights``, the sum normalised over the batch.
+    Reads the per-source scores of the rewards shard (``reward_metrics``)."""
+
+    estimator: Literal["gdpo"] = "gdpo"
+    reward_weights: dict[str, float] | None = Field(
+        None, description="reward source -> weight of its group-normalised score; None: every source weight 1 "
+        "(refused when the reward recipes weigh sources otherwise: rule gdpo-reward-weights)")
+    scale_by_std: bool = Field(True, description="divide each source's centred score by its group std + eps")
+    eps: float = Field(1e-6, gt=0, description="added to the group and batch stds")
+    batch_norm: Literal["samples", "tokens", "none"] = Field(
+        "samples", description="samples: (S - mean) / (std + eps) over the samples (the paper's); tokens: verl's "
+        "masked_whiten over the response tokens; none: the weighted sum itself")
 
 
 ADVANTAGE_CONFIGS = (GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, ReinforceAdvantage, ReinforceBaselineAdvantage,
                      CPGDAdvantage, GAEAdvantage, PassAtKAdvantage, OPOAdvantage, ReMaxAdvantage,
-                     OptimalTokenBaselineAdvantage)
+                     OptimalTokenBaselineAdvantage, GPGAdvantage, GDPOAdvantage)
 AdvantageConfig = _tagged_union(ADVANTAGE_CONFIGS, "estimator", "grpo", "advantage estimator")
 
 
@@ -329,8 +361,31 @@ class KLCovLoss(_Frozen):
                                description="coefficient of |log r| (the authors' runs: 1; verl's default 0.1)")
 
 
+class DPPOTVLoss(_Frozen):
+    """DPPO-Binary-TV (Qi et al. 2026, arXiv:2602.04879, eq. 11, 13): -M r A, r = pi / pi_rollout, M drops
+    tokens whose |pi - pi_rollout| left [-clip_low, clip_high] in their advantage's direction. Needs the
+    rollout's log-probs as old log-probs (no actor pass: rule dppo-anchor-is-the-rollout)."""
+
+    name: Literal["dppo_tv"] = "dppo_tv"
+    clip_low: float = Field(0.15, ge=0, le=1, description="TV threshold for A <= 0 (a probability; verl's example: 0.15)")
+    clip_high: float = Field(0.15, ge=0, le=1, description="TV threshold for A > 0 (a probability; verl's example: 0.15)")
+    ratio_cap: float | None = Field(None, gt=0, description="None: the paper's untruncated ratio; C: the gradient's "
+                                    "ratio truncated at C (verl's clip_ratio_c)")
+
+
+class DPPOKLLoss(_Frozen):
+    """DPPO-Binary-KL (Qi et al. 2026, arXiv:2602.04879, eq. 11, 14): as dppo_tv with the binary KL
+    KL(Bernoulli(pi_rollout) || Bernoulli(pi)) of the sampled token in place of the TV."""
+
+    name: Literal["dppo_kl"] = "dppo_kl"
+    clip_low: float = Field(0.05, ge=0, description="binary-KL threshold (nats) for A <= 0 (verl's example: 0.05)")
+    clip_high: float = Field(0.05, ge=0, description="binary-KL threshold (nats) for A > 0 (verl's example: 0.05)")
+    ratio_cap: float | None = Field(None, gt=0, description="None: the paper's untruncated ratio; C: the gradient's "
+                                    "ratio truncated at C (verl's clip_ratio_c)")
+
+
 POLICY_LOSS_CONFIGS = (PPOClipLoss, DualClipLoss, GSPOLoss, CPGDLoss, CISPOLoss, GMPOLoss, SAPOLoss, GPGLoss,
-                       ClipCovLoss, KLCovLoss)
+                       ClipCovLoss, KLCovLoss, DPPOTVLoss, DPPOKLLoss)
 
 
 PolicyLossConfig = _tagged_union(POLICY_LOSS_CONFIGS, "name", "ppo_clip", "policy loss")
@@ -356,11 +411,20 @@ class RolloutCorrectionConfig(_Frozen):
     """
 
     enabled: bool = Field(False, description="left out of a training config: on where the engine's sampling is not the trainer's")
-    mode: str = Field("tis", description="tis, icepop, seq-mask-tis or sequence_mask")
-    cap: float = Field(2.0, gt=0, description="upper bound (truncation for tis, masking threshold for the others)")
+    mode: str = Field("tis", description="tis, icepop, seq-mask-tis, sequence_mask, seq-tis, geo-tis or none (no weight: "
+                      "the rejection mask alone)")
+    cap: float = Field(2.0, gt=0, description="upper bound (truncation for tis, seq-tis, geo-tis; masking threshold "
+                       "for the others)")
     low: float | None = Field(None, ge=0, description="lower bound (None: none)")
+    rejection: str | None = Field(None, description="a rejection mask on top of the weights: token_k1, seq_sum_k1, "
+                                  "seq_mean_k1, token_k3, seq_sum_k3, seq_mean_k3 or seq_max_k3 (verl's rollout_rs)")
+    rejection_cap: float | None = Field(None, gt=0, description="the rejection mask's upper bound: on the ratio "
+                                        "pi_old / pi_rollout (k1), on the k3 statistic in nats (k3)")
+    rejection_low: float | None = Field(None, gt=0, description="k1 only: lower bound on the ratio (None: "
+                                        "1 / rejection_cap, verl's)")
 
     _m = field_validator("mode")(lambda cls, v: _check_name(ROLLOUT_CORRECTIONS, v))
+    _r = field_validator("rejection")(lambda cls, v: v if v is None else _check_name(REJECTION_MASKS, v))
 
     @model_validator(mode="after")
     def _check_bounds(self) -> "RolloutCorrectionConfig":
@@ -368,4 +432,15 @@ class RolloutCorrectionConfig(_Frozen):
             raise ValueError(f"update.rollout_correction.cap must be finite, got {self.cap}")
         if self.low is not None and self.low >= self.cap:
             raise ValueError(f"update.rollout_correction.low ({self.low}) must be below cap ({self.cap})")
+        try:
+            check_rejection(self.rejection, self.rejection_cap, self.rejection_low)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("rollout_correction: ", "update.rollout_correction.")) from None
+        if self.mode == "none" and self.rejection is None:
+            raise ValueError("update.rollout_correction.mode=none applies no importance weight: it needs "
+                             "update.rollout_correction.rejection (a rejection mask), or another mode")
         return self
+
+    def correction_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``rft_core.algorithms.rollout_correction`` (every field but ``enabled``)."""
+        return self.model_dump(exclude={"enabled"})

@@ -97,14 +97,52 @@ class DataConfig(_Frozen):
 
 
 class EvalConfig(_Frozen):
-    """Held-out evaluation (``flows/eval.py``): greedy decoding on prompts of the training task
-    whose prompts (question text and images/videos) never occur in the training dataset (``heldout_entries``), or, with
+    """Held-out evaluation (``flows/eval.py``) on prompts of the training task whose prompts
+    (question text and images/videos) never occur in the training dataset (``heldout_entries``), or, with
     ``path``, on the first ``num_prompts`` rows of a file of your own (read with ``data.format``
-    and ``data.columns``; required when ``data.source`` is ``files``)."""
+    and ``data.columns``; required when ``data.source`` is ``files``). Only ``rft eval`` reads
+    ``path`` (the train flow runs no evaluation), so only it checks the file: a preset's
+    ``eval.path`` need not exist to train.
 
-    num_prompts: int = Field(200, gt=0, description="held-out prompts, one greedy response each")
+    Decoding: one greedy answer per prompt by default (``n_samples`` 1, ``temperature`` unset);
+    ``n_samples`` > 1 or a ``temperature`` > 0 samples ``n_samples`` answers per prompt and adds
+    avg@k, pass@k (k = 1..n) and maj@n (``rft_core.evaluation.metrics``). Rule
+    ``eval-sampling`` (docs/config.md): several answers need a temperature > 0, and ``top_p``
+    applies only to sampling."""
+
+    num_prompts: int = Field(200, gt=0, description="held-out prompts")
     seed: int | None = Field(None, description="dataset seed of the held-out split; None: data.seed + data.size + 1000003")
     max_new_tokens: int | None = Field(None, gt=0, description="None: rollout.max_new_tokens")
     batch_size: int = Field(32, gt=0, description="sequences generated at once")
     path: str | None = Field(None, description="held-out prompts from this file (first num_prompts rows); "
                              "required with data.source=files")
+    n_samples: int = Field(1, gt=0, description="answers per prompt: 1 (with temperature unset) is one greedy answer; "
+                           "> 1 samples them and reports avg@n, pass@1..n and maj@n")
+    temperature: float | None = Field(None, ge=0, description="sampling temperature; None: rollout.temperature when "
+                                      "n_samples > 1, greedy when n_samples = 1; 0: greedy (n_samples must be 1)")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling; None: rollout.top_p (sampling only)")
+    sampling_seed: int = Field(0, description="seed of the sampled answers (greedy decoding uses none)")
+
+    @property
+    def sampled(self) -> bool:
+        """True when the answers are sampled (``n_samples`` > 1 or ``temperature`` > 0), False
+        for greedy decoding."""
+        return self.n_samples > 1 or bool(self.temperature)
+
+    def decoding(self, rollout_temperature: float, rollout_top_p: float) -> tuple[float | None, float]:
+        """(temperature, top_p) of the answers: (None, 1.0) for greedy decoding; when sampled,
+        ``temperature`` / ``top_p`` or, where unset, the rollout's (``rollout.temperature``,
+        ``rollout.top_p``: the policy is evaluated as it was trained to sample)."""
+        if not self.sampled:
+            return None, 1.0
+        return (self.temperature or rollout_temperature), (self.top_p if self.top_p is not None else rollout_top_p)
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> "EvalConfig":
+        if self.n_samples > 1 and self.temperature == 0:
+            raise ValueError(f"eval.n_samples={self.n_samples} with eval.temperature=0 (greedy): every answer would be "
+                             "the same; set eval.temperature > 0, or leave it unset (rollout.temperature)")
+        if not self.sampled and self.top_p is not None:
+            raise ValueError(f"eval.top_p={self.top_p:g} is set but decoding is greedy (eval.n_samples=1, eval.temperature "
+                             "unset or 0): set eval.temperature > 0 or eval.n_samples > 1 to sample, or unset eval.top_p")
+        return self

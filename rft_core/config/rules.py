@@ -58,7 +58,7 @@ def is_reasoning_gym_dataset(label: str) -> bool:
 def _group_one_sample(cfg: Any) -> str | None:
     name = cfg.advantage.estimator
     info = ADVANTAGE_ESTIMATORS.info(name)
-    if info.group_baseline and cfg.rollout.n_samples_per_prompt < 2:
+    if (info.group_baseline or info.needs_sum_pi_squared) and cfg.rollout.n_samples_per_prompt < 2:
         # the optimal token baseline of a group of one is 0 (verl: "the baseline collapses to returns")
         what = "no baseline (the advantages are the plain returns)" if info.needs_sum_pi_squared else "every advantage 0"
         return (f"advantage.estimator={name} subtracts a baseline of each prompt's group of samples, but "
@@ -92,6 +92,57 @@ def _sum_pi_squared_without_actor(cfg: Any) -> str | None:
                 "response token, which only the actor stage computes (verl: actor.calculate_sum_pi_squared), but "
                 "logprobs.recompute_old_logprobs=false skips that stage: set logprobs.recompute_old_logprobs=auto "
                 "(or true) or choose another estimator (e.g. grpo)")
+    return None
+
+
+DPPO_LOSSES = ("dppo_tv", "dppo_kl")
+
+
+def _dppo_anchor(cfg: Any) -> str | None:
+    name = cfg.update.policy_loss.name
+    if name in DPPO_LOSSES and cfg.recomputes_old_logprobs:
+        why = cfg.old_logprobs_blockers() if cfg.logprobs.recompute_old_logprobs == "auto" else []
+        ran = f"runs the actor pass here ({why[0]})" if why else "runs the actor pass"
+        return (f"update.policy_loss.name={name} measures its ratio and trust region against the policy that sampled "
+                "the tokens, the rollout's log-probs (Qi et al. 2026, arXiv:2602.04879, eq. 11), but "
+                f"logprobs.recompute_old_logprobs={str(cfg.logprobs.recompute_old_logprobs).lower()} {ran}, whose "
+                "log-probs would take their place (verl's default, the authors' *_recompute ablation): set "
+                "logprobs.recompute_old_logprobs=false, or another policy loss (e.g. ppo_clip)")
+    return None
+
+
+def _gdpo_reward_weights(cfg: Any) -> str | None:
+    if cfg.advantage.estimator != "gdpo":
+        return None
+    reward = cfg.reward.resolved
+    given = cfg.advantage.reward_weights
+    if given is not None:
+        unknown = sorted(set(given) - set(reward.sources))
+        if unknown:
+            return (f"advantage.reward_weights names {unknown}, which reward.sources does not define (defined: "
+                    f"{', '.join(reward.sources)}): GDPO normalises the score of each reward source within its group "
+                    "(arXiv:2601.05242): name defined sources")
+        return None
+    weighted = [(label, item) for label, items in reward.recipes.items() for item in items if item.weight != 1.0]
+    if weighted:
+        label, item = weighted[0]
+        recipe = ", ".join(f"{i.source}: {i.weight:g}" for i in reward.recipes[label])
+        return (f"advantage.estimator=gdpo sums the group-normalised scores of the reward sources with "
+                f"advantage.reward_weights, left out: weight 1 each, but reward.recipes.{label} weighs {item.source} "
+                f"{item.weight:g} (GDPO, arXiv:2601.05242, normalises each reward before the weighted sum, so the "
+                f"recipe's weights do not carry over): set advantage.reward_weights (e.g. {{{recipe}}})")
+    return None
+
+
+def _gdpo_scalar_shaping(cfg: Any) -> str | None:
+    sh = cfg.shaping
+    keys = [k for k, on in (("shaping.overlong_buffer_len", sh.overlong_buffer_len is not None),
+                            ("shaping.reward_running_norm", sh.reward_running_norm),
+                            ("shaping.reward_clip", sh.reward_clip is not None)) if on]
+    if cfg.advantage.estimator == "gdpo" and keys:
+        return (f"advantage.estimator=gdpo reads each reward source's own score (reward_metrics), not the summed "
+                f"reward that {keys[0]} shapes, so that step would change nothing: unset {keys[0]} (a length "
+                "penalty can be a reward source of its own), or choose another estimator (e.g. grpo)")
     return None
 
 
@@ -167,6 +218,10 @@ CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("remax-with-agent", ("advantage.estimator", "rollout.agent"), _remax_with_agent),
     Rule("otb-without-actor-pass", ("advantage.estimator", "logprobs.recompute_old_logprobs"),
          _sum_pi_squared_without_actor),
+    Rule("dppo-anchor-is-the-rollout", ("update.policy_loss.name", "logprobs.recompute_old_logprobs"), _dppo_anchor),
+    Rule("gdpo-reward-weights", ("advantage.reward_weights", "reward.recipes"), _gdpo_reward_weights),
+    Rule("gdpo-scalar-shaping", ("advantage.estimator", "shaping.overlong_buffer_len", "shaping.reward_running_norm",
+                                 "shaping.reward_clip"), _gdpo_scalar_shaping),
     Rule("dynamic-one-sample", ("dynamic_sampling.enabled", "rollout.n_samples_per_prompt"), _dynamic_one_sample),
     Rule("train-batch-beyond-rollout", ("update.train_batch_size", "data.prompts_per_iteration",
                                         "rollout.n_samples_per_prompt"), _train_batch_beyond_rollout),

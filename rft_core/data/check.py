@@ -1,8 +1,10 @@
 """``rft data check PATH [-c cfg]``: what the trainer will make of a dataset, before training.
 
-``check_data`` opens the dataset as training would (``rft_core.data.files.open_data``), scans
-every row, and renders the first prompts exactly as the policy sees them (the chat template or
-``prompt_template`` applied, via ``build_prompts``); ``render_report`` turns the result into text.
+``check_data`` opens the dataset as training would (``rft_core.data.mixture.open_data``), checks
+every row with the column checks ``rft train`` runs before its first stage
+(``rft_core.data.validate.validate_dataset``: the same checks, the same messages), and renders
+the first prompts exactly as the policy sees them (the chat template or ``prompt_template``
+applied, via ``build_prompts``); ``render_report`` turns the result into text.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from rft_core.data.prompts import DatasetError, build_prompts
+from rft_core.data.validate import Needs, validate_dataset
 
 
 @dataclass
@@ -57,9 +60,10 @@ class DataCheckReport:
     Attributes:
         sources: one per path.
         rows: total rows.
-        bad_rows: rows with a problem (full scan).
+        bad_rows: rows with a problem (every row checked, as ``rft train`` checks them).
         examples: rendered prompts (the first rows without problems).
-        problems: every problem found (the first ``max_problems`` row messages), or the error
+        problems: every problem of a whole file or column, the first ``max_problems`` bad rows'
+            messages (the texts ``rft train`` gives), and overlong example prompts; or the error
             that stopped the dataset from opening.
         fingerprint: ``rft_core.data.files.fingerprint_files`` of the files (None if unopenable).
     """
@@ -101,8 +105,8 @@ def check_data(tokenizer, *, path: str | None = None, sources: Sequence[Mapping[
                format: str = "auto", columns: Mapping[str, str] | None = None, data_source: str | None = None,
                system_prompt: str = "", prompt_template: str | None = None, max_prompt_tokens: int | None = None,
                processor=None, n_examples: int = 2, max_problems: int = 50, check_media: bool = True,
-               require_answer: bool = True) -> DataCheckReport:
-    """Open, scan and render a dataset the way the prompts stage would.
+               require_answer: bool = True, needs: Needs | None = None) -> DataCheckReport:
+    """Open, check and render a dataset the way a training run would.
 
     Args:
         tokenizer: the policy's tokenizer, or a model path/alias (then loaded with
@@ -112,9 +116,12 @@ def check_data(tokenizer, *, path: str | None = None, sources: Sequence[Mapping[
         system_prompt, prompt_template, processor: as ``build_prompts``.
         max_prompt_tokens: examples longer than this are reported as problems (None: no limit).
         n_examples: prompts to render (the first rows without problems; one per source in turn).
-        max_problems: row problems listed (all are counted in ``bad_rows``).
-        check_media: check that every image/video path exists during the scan.
+        max_problems: bad rows listed (all are counted in ``bad_rows``).
+        check_media: check that every image/video path exists.
         require_answer: False when the grader reads no reference answer (rows without one pass).
+        needs: what the graders read of every row (``Needs.of(cfg.reward)``, as ``rft train``);
+            None: ``Needs(answer=require_answer, media=check_media)``, which then override
+            ``require_answer`` and ``check_media``.
     Returns:
         a ``DataCheckReport``; never raises ``DatasetError`` (problems go into the report).
     """
@@ -126,21 +133,25 @@ def check_data(tokenizer, *, path: str | None = None, sources: Sequence[Mapping[
 
         processor = processor if processor is not None else vl_processor_or_none(tokenizer)
         tokenizer = load_tokenizer(tokenizer)
+    needs = needs if needs is not None else Needs(answer=require_answer, media=check_media)
     report = DataCheckReport()
     try:
         ds = open_data(path, format=format, columns=columns, sources=sources, data_source=data_source,
-                       require_answer=require_answer)
+                       require_answer=needs.answer)
     except DatasetError as exc:
         report.problems.append(str(exc))
         return report
     subs = getattr(ds, "sources", None)
     report.sources = ([_source_report(s, w) for s, w in zip(subs, ds.weights)] if subs else [_source_report(ds)])
     report.rows, report.fingerprint = len(ds), ds.fingerprint()
-    scan = ds.scan(max_problems=max_problems, check_media=check_media)
-    report.bad_rows, report.problems = scan.bad_rows, list(scan.problems)
+    checked = validate_dataset(ds, needs, max_listed=max_problems)
+    report.bad_rows, report.problems = checked.bad_rows, checked.file_problems + checked.problems
     for i in _candidates(ds, limit=max(n_examples, 1) * 50):
         if len(report.examples) >= n_examples:
             break
+        where = ds.where(i)
+        if any(p.startswith((f"{where}:", f"{where} column")) for p in checked.problems):
+            continue  # a row the checks refused (its label, say, which the row's own read does not check)
         try:
             (index, entry), = ds.entries([i])
             table = build_prompts([(index, entry)], tokenizer, data_source=ds.name, system_prompt=system_prompt,
@@ -149,7 +160,6 @@ def check_data(tokenizer, *, path: str | None = None, sources: Sequence[Mapping[
             if str(exc) not in report.problems:
                 report.problems.append(str(exc))
             continue
-        where = ds.where(i)
         n = len(table.column("prompt_token_ids")[0].as_py())
         report.examples.append(PromptExample(where, table.column("prompt_text")[0].as_py(), n,
                                              table.column("answer")[0].as_py(), table.column("data_source")[0].as_py()))
@@ -190,8 +200,9 @@ def check_config_data(cfg, path: str | None = None, *, n_examples: int = 2, max_
     """``check_data`` of what a training config would read: ``path`` (any file, e.g. the
     held-out ``eval.path``) or else the config's own ``data.path`` / ``data.sources``, with its
     ``data`` settings (format, columns, system_prompt, prompt_template, max_prompt_tokens), the
-    tokenizer (and vision-language processor) of ``policy.path``, and an answer required only
-    when a grader of ``reward`` reads one (``RewardConfig.needs_reference``).
+    tokenizer (and vision-language processor) of ``policy.path``, and the row checks of
+    ``rft train`` for what the graders of ``reward`` read (``Needs.of``: an answer only when one
+    reads it, its type, metadata columns, labels with a recipe).
 
     Args:
         cfg: a ``rft_core.config.TrainConfig``.
@@ -221,4 +232,4 @@ def check_config_data(cfg, path: str | None = None, *, n_examples: int = 2, max_
                       sources=sources, format=data.format, columns=data.columns or None,
                       system_prompt=data.system_prompt, prompt_template=data.prompt_template,
                       max_prompt_tokens=data.max_prompt_tokens, n_examples=n_examples, max_problems=max_problems,
-                      require_answer=cfg.reward.needs_reference)
+                      needs=Needs.of(cfg.reward))

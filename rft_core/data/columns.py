@@ -4,15 +4,23 @@ Recognised without a mapping (first match wins, per key):
 
 | our key | columns tried | layouts |
 |---|---|---|
-| prompt | ``prompt``, ``question``, ``problem`` | verl (``prompt`` = chat messages), TRL standard (``prompt`` text) and conversational (``prompt`` messages), plain |
-| answer | ``reward_model.ground_truth``, ``answer``, ``solution``, ``ground_truth``, ``completion`` | verl nests the reference in ``reward_model``; TRL passes ``solution``/``answer`` columns to reward functions |
+| prompt | ``prompt``, ``question``, ``problem``, ``Problem`` | verl (``prompt`` = chat messages), TRL standard (``prompt`` text) and conversational (``prompt`` messages), plain, GSM8K (``question``), MATH-500 (``problem``), AIME 2024 as ``Maxwell-Jia/AIME_2024`` ships it (``Problem``) |
+| answer | ``reward_model.ground_truth``, ``answer``, ``solution``, ``ground_truth``, ``completion``, ``Answer`` | verl nests the reference in ``reward_model``; TRL passes ``solution``/``answer`` columns to reward functions; GSM8K, MATH-500 (``answer``), ``Maxwell-Jia/AIME_2024`` (``Answer``, an integer) |
 | data_source | ``data_source`` | verl |
 | images | ``images``, ``image`` | verl / HF ``Image`` features ({bytes, path}), paths, URIs |
 | videos | ``videos``, ``video`` | paths, URIs, bytes |
 
 A ``columns`` mapping (our key -> the file's column, dotted for a nested field:
 ``reward_model.ground_truth``) overrides the detection key by key, e.g. OpenRLHF's
-``{prompt: input, answer: label}``. Every top-level column not mapped directly is kept in the
+``{prompt: input, answer: label}``. The capitalised names come last, so no file that read
+before reads differently.
+
+GSM8K (``openai/gsm8k``, configs ``main`` and ``socratic``: columns ``question``, ``answer``)
+ships a worked solution as the answer, its last line ``#### N``. When the prompt column is
+``question`` and the answer column ``answer`` (``Layout.gsm8k_answers``), an answer whose last
+line is ``#### N`` is read as N with the commas between digits removed (``gsm8k_final_answer``:
+``#### 1,200`` -> ``1200``); other answers of such a file are kept as they are (a plain
+question/answer file). Every top-level column not mapped directly is kept in the
 entry's ``metadata`` (JSON-serialisable: bytes become base64 text), so reward functions see it.
 
 A prompt is text (a string column) or chat messages (a list of {role, content} structs); see
@@ -24,6 +32,7 @@ import base64
 import json
 import os
 import posixpath
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import unquote, urlparse
@@ -35,8 +44,8 @@ from rft_core.data.prompts import CHAT_ROLES, IMAGE_MARKER, VIDEO_MARKER, Datase
 KEYS = ("prompt", "answer", "data_source", "images", "videos")
 REQUIRED_KEYS = ("prompt", "answer")
 CANDIDATES: dict[str, tuple[str, ...]] = {
-    "prompt": ("prompt", "question", "problem"),
-    "answer": ("reward_model.ground_truth", "answer", "solution", "ground_truth", "completion"),
+    "prompt": ("prompt", "question", "problem", "Problem"),
+    "answer": ("reward_model.ground_truth", "answer", "solution", "ground_truth", "completion", "Answer"),
     "data_source": ("data_source",),
     "images": ("images", "image"),
     "videos": ("videos", "video"),
@@ -54,12 +63,15 @@ class Layout:
         style: "verl", "trl_conversational", "trl_standard", "plain" (detected) or "mapped"
             (a ``columns`` mapping was given).
         metadata_columns: top-level columns copied into ``metadata``.
+        gsm8k_answers: the prompt column is ``question`` and the answer column ``answer``
+            (text), GSM8K's names: an answer ending in a ``#### N`` line is read as N.
     """
 
     columns: dict[str, str]
     prompt_kind: str
     style: str
     metadata_columns: tuple[str, ...]
+    gsm8k_answers: bool = False
 
 
 def column_paths(schema: pa.Schema) -> list[str]:
@@ -178,7 +190,23 @@ def resolve_layout(schema: pa.Schema, columns: Mapping[str, str] | None = None, 
         style = "trl_standard" if found["prompt"] == "prompt" else "plain"
     direct = {c for c in found.values() if c in schema.names}
     meta = tuple(n for n in schema.names if n not in direct)
-    return Layout(found, "messages" if messages else "text", style, meta)
+    gsm8k = (found["prompt"] == "question" and found.get("answer") == "answer"
+             and _is_text(field_type(schema, "answer")))
+    return Layout(found, "messages" if messages else "text", style, meta, gsm8k_answers=gsm8k)
+
+
+_GSM8K_FINAL = re.compile(r"(?:\A|\n)[ \t]*####[ \t]*([^\n]*?)\s*\Z")
+
+
+def gsm8k_final_answer(text: str) -> str | None:
+    """The final answer of a GSM8K solution (``openai/gsm8k``: a worked solution whose last line
+    is ``#### N``): the text after ``####`` with the commas between digits removed
+    (``"...\\n#### 1,200"`` -> ``"1200"``, as GSM8K's own evaluation reads it); None when the
+    last non-blank line is not a ``####`` line with text after it."""
+    m = _GSM8K_FINAL.search(text)
+    if m is None or not m.group(1).strip():
+        return None
+    return re.sub(r"(?<=\d),(?=\d)", "", m.group(1).strip())
 
 
 def _get(row: Mapping[str, Any], dotted: str) -> Any:
@@ -371,6 +399,8 @@ def row_entry(row: Mapping[str, Any], layout: Layout, *, where: str, base_dir: s
         entry["question"] = prompt
     answer = _get(row, cols["answer"]) if "answer" in cols else None
     text = None if answer is None else answer_text(answer)
+    if layout.gsm8k_answers and text is not None:
+        text = gsm8k_final_answer(text) or text
     if (text is None or not text.strip()) and require_answer:
         raise DatasetError(f"{where}: no answer (column {cols['answer']!r} is {answer!r:.40})")
     entry["answer"] = text or ""

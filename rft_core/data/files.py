@@ -13,10 +13,15 @@ data:
 
 A ``FileDataset`` has ``len()``, ``entries(indices)`` (the ``(index, entry)`` pairs that
 ``rft_core.data.prompts.build_prompts`` takes; only the rows asked for are read and checked),
-``iteration_indices``/``refill_indices`` (the seeded data order of ``rft_core.data.prompts``),
-``scan()`` (every row checked, batch by batch) and ``fingerprint()`` (changes when a file does).
-Opening checks what is cheap: the files exist and parse, the columns exist and have usable types;
-``rft_core.data.validate`` checks every row, column-wise, before a training run starts.
+``iteration_indices``/``refill_indices`` (the seeded data order of ``rft_core.data.prompts``)
+and ``fingerprint()`` (changes when a file does). Opening checks what is cheap: the files exist
+and parse, the columns exist and have usable types; ``rft_core.data.validate`` checks every row,
+column-wise, before a training run starts (and for ``rft data check``).
+
+Every error of opening a dataset names the config key its path came from (``key``:
+``data.path``, ``eval.path``, ``data.sources[k].path``): ``eval.path 'test.jsonl': no such file
+or folder``, or the key before the file's own message (``data.sources[1].path: b.jsonl line 3
+(row 2): not valid JSON ...``).
 
 Formats by extension: ``.parquet``/``.pq``, ``.jsonl``/``.ndjson``, ``.json`` (an array of
 objects, or JSON Lines when it does not start with ``[``), ``.csv``; compressed variants
@@ -32,7 +37,7 @@ import json
 import os
 import posixpath
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -67,12 +72,14 @@ class DataFiles:
         paths: the data files (for ``hf_disk``: the folder), sorted.
         format: one of ``FORMATS``.
         path: the path as given.
+        key: the config key it came from (``data.path``, ``eval.path``, ``data.sources[k].path``).
     """
 
     fs: Any
     paths: tuple[str, ...]
     format: str
     path: str
+    key: str = "data.path"
 
     def uri(self, p: str) -> str:
         """``p`` as shown to users: a local path, or the URI with its protocol."""
@@ -89,52 +96,65 @@ def _visible(root: str, p: str) -> bool:
     return not any(part.startswith((".", "_")) for part in rel.split("/"))
 
 
-def resolve_files(path: str, format: str = "auto") -> DataFiles:
+def format_key(key: str) -> str:
+    """The config key that sets the format of the path at ``key``: ``data.sources[k].format``
+    for a source of a mixture (``data.format`` when it is unset), else ``data.format`` (the
+    held-out ``eval.path`` is read with ``data.format`` too)."""
+    return f"{key[:-len('.path')]}.format (or data.format)" if key.startswith("data.sources[") else "data.format"
+
+
+def resolve_files(path: str, format: str = "auto", *, key: str = "data.path") -> DataFiles:
     """The files of ``path`` (file, glob, folder, ``save_to_disk`` folder; any fsspec URI) and
     their format (``auto``: from the extensions, or the folder's ``state.json``).
 
+    Args:
+        key: the config key ``path`` came from (``data.path``, ``eval.path``,
+            ``data.sources[k].path``); every error names it: ``eval.path 'test.jsonl': no such
+            file or folder``.
     Raises:
         DatasetError: unknown format, nothing at ``path``, a glob matching nothing, a folder
             without data files, an extension that says no format, or several formats mixed.
     """
     import fsspec
 
+    where = f"{key} {str(path)!r}"
     if format not in ("auto", *FORMATS):
-        raise DatasetError(f"data.format {format!r} is not one of {['auto', *FORMATS]}")
+        raise DatasetError(f"{format_key(key)} {format!r} is not one of {['auto', *FORMATS]} (reading {where})")
     try:
         fs, root = fsspec.core.url_to_fs(str(path))
     except (ValueError, ImportError) as exc:
-        raise DatasetError(f"data.path {path!r}: {exc}") from exc
+        raise DatasetError(f"{where}: {exc}") from exc
     root = root.rstrip("/") or root
     if any(c in root for c in _GLOB_CHARS):
         paths = sorted(p for p in fs.glob(root) if fs.isfile(p))
         if not paths:
-            raise DatasetError(f"data.path {path!r} matches no files")
+            raise DatasetError(f"{where} matches no files")
     elif fs.isdir(root):
         if format in ("auto", "hf_disk") and is_hf_disk(fs, root):
-            return DataFiles(fs, (root,), "hf_disk", str(path))
+            return DataFiles(fs, (root,), "hf_disk", str(path), key)
         if format == "hf_disk":
-            raise DatasetError(f"{path}: not a datasets.save_to_disk folder (no state.json + dataset_info.json)")
+            raise DatasetError(f"{where}: not a datasets.save_to_disk folder (no state.json + dataset_info.json)")
         paths = sorted(p for p in fs.find(root) if _visible(root, p)
                        and (format != "auto" or format_of(p) is not None))
         if not paths:
-            raise DatasetError(f"{path}: the folder holds no data files ({', '.join(EXTENSIONS)})")
+            raise DatasetError(f"{where}: the folder holds no data files ({', '.join(EXTENSIONS)})")
     elif fs.isfile(root):
         paths = [root]
     else:
-        raise DatasetError(f"data.path {path!r}: no such file or folder")
+        raise DatasetError(f"{where}: no such file or folder")
     if format == "hf_disk":
-        raise DatasetError(f"{path}: format hf_disk needs a datasets.save_to_disk folder, not files")
+        raise DatasetError(f"{where}: format hf_disk needs a datasets.save_to_disk folder, not files")
     if format == "auto":
         fmts = {p: format_of(p) for p in paths}
         unknown = [p for p, f in fmts.items() if f is None]
         if unknown:
-            raise DatasetError(f"cannot tell the format of {unknown[0]!r} from its extension; set data.format to one of {list(FORMATS)}")
+            raise DatasetError(f"{where}: cannot tell the format of {unknown[0]!r} from its extension; set "
+                               f"{format_key(key)} to one of {list(FORMATS)}")
         if len(set(fmts.values())) > 1:
-            raise DatasetError(f"{path}: files of several formats {sorted(set(fmts.values()))}; keep one format per "
+            raise DatasetError(f"{where}: files of several formats {sorted(set(fmts.values()))}; keep one format per "
                                "path (a mixture takes several paths: data.sources)")
         format = next(iter(fmts.values()))
-    return DataFiles(fs, tuple(paths), format, str(path))
+    return DataFiles(fs, tuple(paths), format, str(path), key)
 
 
 _BLANK_LINE = re.compile(rb"\n[ \t\r]*(?=\n)")  # a newline, then a line of only JSON whitespace
@@ -235,21 +255,6 @@ def _stem(path: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "data"
 
 
-@dataclass
-class ScanResult:
-    """What a full scan of a dataset found.
-
-    Attributes:
-        rows: rows scanned.
-        bad_rows: rows (or unreadable blocks) with a problem.
-        problems: the first ``max_problems`` messages, each naming file, row and column.
-    """
-
-    rows: int = 0
-    bad_rows: int = 0
-    problems: list[str] = field(default_factory=list)
-
-
 class FileDataset:
     """The rows of one path (file, glob, folder, ``save_to_disk`` folder, fsspec URI).
 
@@ -263,24 +268,32 @@ class FileDataset:
             label of rows without one, and a good ``build_prompts`` ``data_source`` argument.
         require_answer: False when the grader reads no reference answer
             (``RewardConfig.needs_reference``): rows without one get the answer ``""``.
+        key: the config key ``path`` came from (``data.path``, ``eval.path``,
+            ``data.sources[k].path``): every error of opening names it.
     Raises:
         DatasetError: see ``resolve_files``, the readers, and ``resolve_layout``; or no rows.
+            The message starts with ``key``.
     """
 
     def __init__(self, path: str, *, format: str = "auto", columns: Mapping[str, str] | None = None,
-                 data_source: str | None = None, name: str | None = None, require_answer: bool = True) -> None:
-        self.files = resolve_files(path, format)
-        self.path, self.format = str(path), self.files.format
+                 data_source: str | None = None, name: str | None = None, require_answer: bool = True,
+                 key: str = "data.path") -> None:
+        self.files = resolve_files(path, format, key=key)
+        self.path, self.format, self.key = str(path), self.files.format, key
         self.name = name or _stem(path)
         self.data_source = data_source
         self.require_answer = require_answer
-        self.parts, self._lines = _open_parts(self.files)
-        self._starts = np.concatenate([[0], np.cumsum([p.num_rows for p in self.parts], dtype=np.int64)])
-        if len(self) == 0:
-            raise DatasetError(f"{self.path}: no rows")
-        self.layouts = [resolve_layout(p.schema, columns, where=p.uri, require_answer=require_answer) for p in self.parts]
-        for part, layout in zip(self.parts[1:], self.layouts[1:]):
-            _same_layout(self.parts[0], self.layouts[0], part, layout)
+        try:
+            self.parts, self._lines = _open_parts(self.files)
+            self._starts = np.concatenate([[0], np.cumsum([p.num_rows for p in self.parts], dtype=np.int64)])
+            if len(self) == 0:
+                raise DatasetError(f"{self.path}: no rows")
+            self.layouts = [resolve_layout(p.schema, columns, where=p.uri, require_answer=require_answer)
+                            for p in self.parts]
+            for part, layout in zip(self.parts[1:], self.layouts[1:]):
+                _same_layout(self.parts[0], self.layouts[0], part, layout)
+        except DatasetError as exc:  # the file's own message (file, line, column), after the key it came from
+            raise DatasetError(f"{key}: {exc}") from exc
 
     @property
     def layout(self) -> Layout:
@@ -312,10 +325,10 @@ class FileDataset:
         line = self.line_of(k, row)
         return f"{self.parts[k].uri} row {row}" if line is None else f"{self.parts[k].uri} line {line} (row {row})"
 
-    def _entry(self, k: int, row: int, values: dict[str, Any], *, check_media: bool = True) -> dict[str, Any]:
+    def _entry(self, k: int, row: int, values: dict[str, Any]) -> dict[str, Any]:
         part = self.parts[k]
         return row_entry(values, self.layouts[k], where=self.where_in(k, row), base_dir=part.base_dir,
-                         data_source=self.name, data_source_override=self.data_source, check_media=check_media,
+                         data_source=self.name, data_source_override=self.data_source,
                          require_answer=self.require_answer)
 
     def entries(self, indices: Sequence[int]) -> list[tuple[int, dict[str, Any]]]:
@@ -353,31 +366,6 @@ class FileDataset:
         """Dynamic-sampling refill rows: ``rft_core.data.prompts.refill_indices`` over ``len(self)``."""
         return refill_indices(iteration, attempt, per_iteration=per_iteration, size=len(self), seed=seed)
 
-    def scan(self, *, max_problems: int = 50, check_media: bool = True) -> ScanResult:
-        """Check every row (batch by batch; memory bounded by one batch): prompt, answer,
-        messages, image/video files (``check_media``).
-
-        Returns:
-            a ``ScanResult``; unreadable Parquet row groups count as one problem each.
-        """
-        out = ScanResult()
-        for k, part in enumerate(self.parts):
-            try:
-                for start, rows in part.batches():
-                    for j, values in enumerate(rows):
-                        out.rows += 1
-                        try:
-                            self._entry(k, start + j, values, check_media=check_media)
-                        except DatasetError as exc:
-                            out.bad_rows += 1
-                            if len(out.problems) < max_problems:
-                                out.problems.append(str(exc))
-            except DatasetError as exc:  # an unreadable Parquet row group: the rest of the file is skipped
-                out.bad_rows += 1
-                if len(out.problems) < max_problems:
-                    out.problems.append(str(exc))
-        return out
-
     def fingerprint(self) -> str:
         """See ``fingerprint_files``."""
         return fingerprint_files(self.files)
@@ -408,7 +396,7 @@ def fingerprint_files(files: DataFiles) -> str:
         try:
             info = fs.info(p)
         except (OSError, ValueError) as exc:
-            raise DatasetError(f"{files.uri(p)}: cannot read file info: {exc}") from exc
+            raise DatasetError(f"{files.key}: {files.uri(p)}: cannot read file info: {exc}") from exc
         version = next((info[k] for k in _VERSION_KEYS if info.get(k) is not None), None)
         items.append([posixpath.relpath(p, root), info.get("size"), str(version) if version is not None else fs.ukey(p)])
         total += int(info.get("size") or 0)

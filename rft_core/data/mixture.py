@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rft_core.data.files import FileDataset, ScanResult, fingerprint_files, resolve_files
+from rft_core.data.files import FileDataset, fingerprint_files, resolve_files
 from rft_core.data.prompts import DatasetError, stream_indices
 
 MIX_KEY = 2  # PCG64 key tag of the per-iteration source draw (the main order uses (seed, epoch))
@@ -137,8 +137,9 @@ class MixtureDataset:
         self.p = check_weights(self.weights, names=[str(s["path"]) for s in sources])
         self.sources = [FileDataset(src["path"], format=src.get("format") or format,
                                     columns=src.get("columns") if src.get("columns") is not None else columns,
-                                    data_source=src.get("data_source"), require_answer=require_answer)
-                        for src in sources]
+                                    data_source=src.get("data_source"), require_answer=require_answer,
+                                    key=f"data.sources[{k}].path")
+                        for k, src in enumerate(sources)]
         self.sizes = [len(s) for s in self.sources]
         self._starts = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])
 
@@ -189,14 +190,6 @@ class MixtureDataset:
                 got[self.global_index(s, local)] = entry
         return [(i, got[i]) for i in idx]
 
-    def scan(self, *, max_problems: int = 50, check_media: bool = True) -> ScanResult:
-        """``FileDataset.scan`` of every source, summed."""
-        out = ScanResult()
-        for s in self.sources:
-            r = s.scan(max_problems=max(0, max_problems - len(out.problems)), check_media=check_media)
-            out.rows, out.bad_rows, out.problems = out.rows + r.rows, out.bad_rows + r.bad_rows, out.problems + r.problems
-        return out
-
     def fingerprint(self) -> str:
         """The sources' fingerprints joined with ``+``, in source order."""
         return "+".join(s.fingerprint() for s in self.sources)
@@ -208,7 +201,7 @@ def open_data(path: str | None = None, *, format: str = "auto", columns: Mapping
     """The dataset of the ``data`` config: ``FileDataset(path, ...)``, or a ``MixtureDataset``
     of ``sources`` (each {path, weight, data_source, columns, format}; ``format`` and ``columns``
     given here are the defaults of each source). Both have ``len()``, ``entries``,
-    ``iteration_indices``, ``refill_indices``, ``where``, ``scan`` and ``fingerprint``.
+    ``iteration_indices``, ``refill_indices``, ``where`` and ``fingerprint``.
     ``require_answer`` False: rows without a reference answer are accepted (``FileDataset``).
 
     Raises:
@@ -221,10 +214,12 @@ def open_data(path: str | None = None, *, format: str = "auto", columns: Mapping
     return FileDataset(path, format=format, columns=columns, data_source=data_source, require_answer=require_answer)
 
 
-def data_fingerprint(path: str | None = None, *, format: str = "auto", sources: Sequence[Mapping[str, Any]] | None = None) -> str:
+def data_fingerprint(path: str | None = None, *, format: str = "auto", sources: Sequence[Mapping[str, Any]] | None = None,
+                     key: str = "data.path") -> str:
     """The fingerprint of the ``data`` config's files without reading them (fsspec ``info``
     only): ``fingerprint_files`` of ``path``, or of each source joined with ``+``; equal to
-    ``open_data(...).fingerprint()``. For the prompts stage's config hash.
+    ``open_data(...).fingerprint()``. For the prompts stage's config hash. ``key``: the config key
+    ``path`` came from, named by its errors (a source's are ``data.sources[k].path``).
 
     Raises:
         DatasetError: both or neither of ``path`` and ``sources``; a path that resolves to no
@@ -233,8 +228,9 @@ def data_fingerprint(path: str | None = None, *, format: str = "auto", sources: 
     if (path is None) == (not sources):
         raise DatasetError("give exactly one of data.path and data.sources")
     if sources:
-        return "+".join(fingerprint_files(resolve_files(s["path"], s.get("format") or format)) for s in sources)
-    return fingerprint_files(resolve_files(path, format))
+        return "+".join(fingerprint_files(resolve_files(s["path"], s.get("format") or format, key=f"data.sources[{k}].path"))
+                        for k, s in enumerate(sources))
+    return fingerprint_files(resolve_files(path, format, key=key))
 
 
 def source_dicts(data) -> list[dict[str, Any]] | None:
@@ -280,4 +276,4 @@ def heldout_fingerprint(data, eval) -> str | None:
     """
     if eval.path is None:
         return None
-    return data_fingerprint(eval.path, format=data.format)
+    return data_fingerprint(eval.path, format=data.format, key="eval.path")

@@ -4,7 +4,10 @@ With ``data.source: files`` an iteration reads only the rows it draws, so a bad 
 surface only when some iteration happened to draw it: a run could train for hours and then
 stop. ``validate_run_data`` runs once, before the first stage of a run (the train flow's
 ``validate_data`` task): every row of the data files (``data.path`` or each ``data.sources``
-file) and of the held-out file ``eval.path`` is checked against what the run needs:
+file) is checked against what the run needs. The held-out file ``eval.path`` is not: a training
+run never reads it (the train flow runs no evaluation; ``rft eval`` does, and its prompts stage
+checks the rows it reads), so a preset's ``eval.path`` need not exist to train. ``rft data
+check`` (``rft_core.data.check``) runs the same checks on the dataset it is given. A row needs:
 
 - a prompt: text that is not blank, or chat messages (a non-empty list of {role, content} with a
   known role, content as text or a list of text/image/video parts, and a user turn with text);
@@ -138,7 +141,8 @@ class ValidationReport:
     """The result of validating the datasets of a run.
 
     Attributes:
-        datasets: what was validated (the data path or sources, ``eval.path``).
+        datasets: what was validated, by config key (``data.path '...'``, or each
+            ``data.sources[k].path '...'``).
         rows: rows checked.
         bad_rows: rows with a problem (all counted).
         problems: the first ``MAX_LISTED`` bad rows, each as the prompts stage names it:
@@ -170,8 +174,8 @@ class ValidationReport:
             return "data: a generated task, no files to validate"
         what = " and ".join(self.datasets)
         if self.cached:
-            return f"data {what}: validated before (fingerprint {self.fingerprint}), not read again"
-        return f"data {what}: all {self.rows:,} rows valid ({self.seconds:.2f} s; fingerprint {self.fingerprint})"
+            return f"{what}: validated before (fingerprint {self.fingerprint}), not read again"
+        return f"{what}: all {self.rows:,} rows valid ({self.seconds:.2f} s; fingerprint {self.fingerprint})"
 
     def message(self) -> str:
         """The error text: the counts, the file and column problems, then the listed bad rows
@@ -340,12 +344,14 @@ def validate_dataset(ds, needs: Needs = Needs(), *, max_listed: int = MAX_LISTED
 
     Returns:
         the report (``report`` when given, with this dataset's rows and problems added; a new
-        one naming ``ds.path`` otherwise). Bad rows, unusable columns and unreadable Parquet row
-        groups go into the report; nothing is raised for them.
+        one naming its paths by config key otherwise: ``data.path 'train.jsonl'``). Bad rows,
+        unusable columns and unreadable Parquet row groups go into the report; nothing is
+        raised for them.
     """
-    report = report or ValidationReport(datasets=[repr(getattr(ds, "path", ds.name))])
+    subs = getattr(ds, "sources", None) or [ds]
+    report = report or ValidationReport(datasets=[", ".join(f"{sub.key} {sub.path!r}" for sub in subs)])
     exists = _Exists()
-    for sub in getattr(ds, "sources", None) or [ds]:
+    for sub in subs:
         for k in range(len(sub.parts)):
             _validate_file(sub, k, needs, report, exists, max_listed)
     return report
@@ -353,33 +359,37 @@ def validate_dataset(ds, needs: Needs = Needs(), *, max_listed: int = MAX_LISTED
 
 # ------------------------------------------------------------------------------- a training run
 
+def _label(data) -> str:
+    """How reports name the training files of a ``DataConfig``: by config key and path,
+    ``data.path 'train.jsonl'`` or ``data.sources[0].path 'a.jsonl', data.sources[1].path 'b.jsonl'``."""
+    if data.path is not None:
+        return f"data.path {data.path!r}"
+    return ", ".join(f"data.sources[{k}].path {s.path!r}" for k, s in enumerate(data.sources))
+
+
 def _datasets(cfg, needs: Needs) -> list[tuple[str, Any]]:
-    """(label, opener) of each dataset the run reads: the training files and ``eval.path``."""
-    from rft_core.data.files import FileDataset
+    """(label, opener) of each dataset a training run reads: the training files (``eval.path``
+    is read by ``rft eval`` only: see the module docstring)."""
     from rft_core.data.mixture import open_data_config
 
-    data, out = cfg.data, []
-    if data.source == "files":
-        label = repr(data.path) if data.path is not None else "mixture of " + ", ".join(repr(s.path) for s in data.sources)
-        out.append((label, lambda: open_data_config(data, require_answer=needs.answer)))
-    if cfg.eval.path is not None:
-        out.append((f"eval.path {cfg.eval.path!r}", lambda: FileDataset(
-            cfg.eval.path, format=data.format, columns=data.columns or None, require_answer=needs.answer)))
-    return out
+    data = cfg.data
+    if data.source != "files":
+        return []
+    return [(_label(data), lambda: open_data_config(data, require_answer=needs.answer))]
 
 
 def _fingerprints(cfg) -> str:
-    from rft_core.data.mixture import dataset_fingerprint, heldout_fingerprint
+    from rft_core.data.mixture import dataset_fingerprint
 
-    return "|".join(fp for fp in (dataset_fingerprint(cfg.data), heldout_fingerprint(cfg.data, cfg.eval)) if fp)
+    return dataset_fingerprint(cfg.data) or ""
 
 
 def cache_key(cfg, needs: Needs, fingerprint: str) -> str:
     """sha256 (16 hex) of what decides the validation's outcome: the checks' version, the files'
-    fingerprints, the data settings that say how rows are read (path, sources, format, columns,
-    eval.path) and ``needs``."""
+    fingerprints, the data settings that say how rows are read (path, sources, format, columns)
+    and ``needs``."""
     data = cfg.data
-    what = {"version": VERSION, "fingerprint": fingerprint, "needs": asdict(needs), "eval_path": cfg.eval.path,
+    what = {"version": VERSION, "fingerprint": fingerprint, "needs": asdict(needs),
             "data": data.model_dump(mode="json", include={"path", "format", "columns", "sources"})}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -395,18 +405,20 @@ def validate_run_data(cfg, *, use_cache: bool = True, max_listed: int = MAX_LIST
 
     Args:
         cfg: a ``rft_core.config.TrainConfig``: ``data`` (``source: files``: ``path`` or
-            ``sources``, ``format``, ``columns``), ``eval.path``, ``reward`` (what the graders
-            read, ``Needs.of``) and ``run_root`` (where the marker of a passed validation goes).
+            ``sources``, ``format``, ``columns``), ``reward`` (what the graders read,
+            ``Needs.of``) and ``run_root`` (where the marker of a passed validation goes).
+            ``eval.path`` is not read: the train flow runs no evaluation.
         use_cache: look for (and write) the marker ``{run_root}/_data_checks/{cache_key}.json``.
     Returns:
         the report (``cached`` True when the marker was found: no row was read). A run with a
-        generated task and no ``eval.path`` has nothing to validate: an empty report.
+        generated task has nothing to validate: an empty report.
     Raises:
         DataValidationError: bad rows or unusable columns; the message lists the first
             ``max_listed`` (file, ``line N (row n)`` for JSON Lines or ``row n``, column,
             problem) and counts them all. Raised before any stage, so nothing is committed.
         DatasetError: a dataset that cannot be opened (no such file, unparsable, a mapping
-            naming an absent column, no prompt or needed answer column).
+            naming an absent column, no prompt or needed answer column); the message starts with
+            the config key of the path (``data.path``, ``data.sources[k].path``).
     """
     needs = Needs.of(cfg.reward)
     datasets = _datasets(cfg, needs)

@@ -7,6 +7,7 @@ Nothing here imports vllm or sglang; their modules import them lazily.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -53,14 +54,71 @@ def engine_dtype(policy_dtype: str, *, bf16_supported: bool | None = None) -> st
     return chosen
 
 
+@functools.lru_cache(maxsize=8)
+def hf_layout(model_path: str) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
+    """(name, shape, floating) of every tensor an HF model of ``model_path``'s architecture holds,
+    as a weight sync moves them (``rft_core.workers.sync.state_tensors``: parameters and
+    persistent buffers, a tied weight once under its first name), in name order. The model is
+    built from the folder's (or hub id's) config on the meta device (``from_config`` under
+    ``torch.device("meta")``: no weights read, no memory), with the class ``load_causal_lm`` uses
+    (``AutoModelForImageTextToText`` for a vision-language folder, else ``AutoModelForCausalLM``).
+
+    Raises:
+        OSError, ValueError: transformers cannot read the config (a missing folder, a hub id
+            that is not cached while offline, an unknown architecture).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from rft_core.models.pretrained import resolve_model_path
+    from rft_core.models.vl import is_vl_model
+
+    cls = AutoModelForImageTextToText if is_vl_model(model_path) else AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(resolve_model_path(model_path))
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    seen: set[int] = set()
+    out = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, tuple(t.shape), t.is_floating_point()))
+    return tuple(sorted(out))
+
+
+def layout_refusal(plan, layout, *, dtype: str, what: str) -> str | None:
+    """Why a sync plan does not fit an engine's model, or None when it does: the plan
+    (``rft_core.workers.sync.SyncPlan``) must carry exactly the tensors of ``layout``
+    (``hf_layout``), each in its shape, floating ones in ``dtype`` (the engine's). vLLM and SGLang
+    load whatever names they are given without checking that every weight came (SGLang skips an
+    unknown name with a warning, and a tensor of another shape kills its scheduler): this is the
+    check that an incomplete or mis-shaped sync is refused before any tensor reaches the engine.
+    ``what`` names the engine's model in the message."""
+    want = {name: (shape, floating) for name, shape, floating in layout}
+    got = {e.name: e for e in plan.entries}
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        return (f"the sync does not fit {what}: {len(missing)} tensor(s) missing {missing[:5]}, {len(extra)} unexpected "
+                f"{extra[:5]}")
+    for name, (shape, floating) in want.items():
+        e = got[name]
+        if e.shape != shape:
+            return f"the sync does not fit {what}: {name!r} has shape {e.shape}, the engine's model {shape}"
+        if floating and e.dtype != dtype:
+            return f"the sync does not fit {what}: {name!r} comes in {e.dtype}, the engine runs in {dtype}"
+    return None
+
+
 class SyncedWeights:
     """What the GPU engines (``VLLMEngine``, ``SGLangEngine``) share as receivers of an in-memory
-    weight sync (``rft_core.workers.engine_sync``): the dtype of the plan and how their weights
-    are held as invalid. The engine sets ``_policy_dtype``, ``weights_path`` (the checkpoint to
-    serve), ``_loaded_path`` (the checkpoint its weights hold) and ``weights_version`` (the synced
-    version they hold)."""
+    weight sync (``rft_core.workers.engine_sync``): the dtype of the plan, the check that a plan
+    fits the engine's model, and how their weights are held as invalid. The engine sets
+    ``_policy_dtype``, ``_model_path`` (the checkpoint it was built from: its architecture),
+    ``weights_path`` (the checkpoint to serve), ``_loaded_path`` (the checkpoint its weights hold)
+    and ``weights_version`` (the synced version they hold)."""
 
     _policy_dtype: str
+    _model_path: str
     weights_path: str | None
     _loaded_path: str | None
     weights_version: str | None
@@ -69,6 +127,16 @@ class SyncedWeights:
     def sync_dtype(self) -> str:
         """The dtype of the engine's weights (``engine_dtype`` of the policy dtype): the plan's."""
         return engine_dtype(self._policy_dtype)
+
+    def plan_refusal(self, plan) -> str | None:
+        """Why ``plan`` does not fit this engine's model (``layout_refusal`` against the
+        ``hf_layout`` of the checkpoint the engine was built from), or None."""
+        try:
+            layout = hf_layout(self._model_path)
+        except (OSError, ValueError) as exc:
+            return f"cannot check the sync against the engine's model {self._model_path}: {type(exc).__name__}: {exc}"
+        return layout_refusal(plan, layout, dtype=self.sync_dtype, what=f"the {type(self).__name__}'s model "
+                                                                        f"({self._model_path})")
 
     def invalidate_weights(self) -> None:
         """Hold the GPU weights as invalid: nothing is served until a sync or ``load_policy``."""

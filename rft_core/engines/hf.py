@@ -48,9 +48,10 @@ class InverseCDFSampler:
     temperature_j, top_p)): temperature_0 = ``first_token_temperature`` (FIRE sampling, Chen et
     al. 2024, arXiv:2410.21236) when given, else ``temperature``; the same scores the engine's
     ``StepLogprobs`` recorder scores the drawn tokens under. Drawing: p = softmax(x) in float32,
-    c = cumsum(p) in float64, u ~ U[0, 1) per row (float64, torch's global generator, which
-    ``HFEngine.generate`` seeds per batch), token = the first index with c > u * c[-1]. Tokens
-    outside the nucleus have p = 0 (an empty interval) and are never drawn.
+    c = cumsum(p) in float64, u ~ U[0, 1) per row (float64, from ``generator``: the batch's own
+    ``torch.Generator`` that ``HFEngine.generate`` seeds, never torch's global one), token = the
+    first index with c > u * c[-1]. Tokens outside the nucleus have p = 0 (an empty interval)
+    and are never drawn.
 
     Why not ``do_sample=True``: transformers draws with ``torch.multinomial(probs, 1)``, which on
     the CPU fills a (B, V) float tensor with exponential noise every step (about 30 ms for
@@ -64,28 +65,31 @@ class InverseCDFSampler:
         temperature: > 0, every step after the first.
         first_token_temperature: FIRE's step-0 temperature (None: ``temperature``).
         top_p: nucleus of every step (1: none).
+        generator: where the uniforms come from (None: torch's global generator).
     """
 
     def __init__(self, *, prompt_len: int, temperature: float, first_token_temperature: float | None = None,
-                 top_p: float = 1.0) -> None:
+                 top_p: float = 1.0, generator: torch.Generator | None = None) -> None:
         self.prompt_len = prompt_len
         self.temperature = float(temperature)
         self.first = float(first_token_temperature) if first_token_temperature is not None else self.temperature
         self.top_p = float(top_p)
+        self.generator = generator
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_len
         x = processed_scores(scores, temperature=self.first if step == 0 else self.temperature, top_p=self.top_p)
-        tokens = sample_inverse_cdf(torch.softmax(x, dim=-1))
+        tokens = sample_inverse_cdf(torch.softmax(x, dim=-1), generator=self.generator)
         out = torch.full_like(x, float("-inf"))
         return out.scatter_(-1, tokens[:, None], 0.0)
 
 
-def sample_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
+def sample_inverse_cdf(probs: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row of ``probs`` (B, V), non-negative, rows summing to about 1 (any float
     dtype): (B,) int64 indices, row i drawn with probability probs[i, k] / sum(probs[i]).
     Inverse-CDF sampling with a float64 cumulative sum (rounding error about 1e-16 per entry)
-    and one uniform draw per row from torch's global generator.
+    and one uniform draw per row (``torch.rand``) from ``generator`` (on ``probs``' device;
+    None: torch's global generator).
 
     Raises:
         ValueError: ``probs`` is not 2-D.
@@ -94,7 +98,7 @@ def sample_inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"sample_inverse_cdf: probs must be (B, V), got shape {tuple(probs.shape)}")
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device) * total
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator) * total
     # strictly below the total, so the first index with cdf > u exists and has probability > 0
     # (u * total may round up to the total)
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
@@ -218,8 +222,13 @@ class HFEngine:
     prefix instead of recomputing the prompt n times. Outputs are returned in the original
     (prompt, sample) order.
 
-    Each batch reseeds torch with ``seed + batch number``, so a rerun with the same seed and
-    inputs produces the same samples whatever ran before in the process.
+    Each batch draws from its own ``torch.Generator`` (on the model's device) seeded with
+    ``seed + batch number``, so a rerun with the same seed and inputs produces the same samples
+    whatever ran before in the process or runs beside it in another thread (the asynchronous
+    prefetched rollout shares its process with the update, whose LoRA dropout and gradient
+    checkpointing use torch's global generator). The engine never reads or reseeds torch's
+    global generator. A generator seeded with s gives the same stream as ``torch.manual_seed(s)``
+    gave the global one, which the engine reseeded per batch before issue 39: the same tokens.
     """
 
     def __init__(self, model, tokenizer) -> None:
@@ -291,7 +300,7 @@ class HFEngine:
             else:
                 x = processed_scores(logits, temperature=sampler.first if step == 0 else sampler.temperature,
                                      top_p=sampler.top_p)
-                tok = sample_inverse_cdf(torch.softmax(x, dim=-1))
+                tok = sample_inverse_cdf(torch.softmax(x, dim=-1), generator=sampler.generator)
             lp = (x.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)).tolist()
             for r, t, v in zip(alive.tolist(), tok.tolist(), lp):
                 tokens[r].append(t)
@@ -360,16 +369,17 @@ class HFEngine:
         return toks, lps
 
     def _sampling(self, *, prompt_len: int, temperature: float, top_p: float, first_token_temperature: float | None,
-                  greedy: bool) -> tuple[dict, StepLogprobs]:
+                  greedy: bool, generator: torch.Generator | None = None) -> tuple[dict, StepLogprobs]:
         """The ``generate`` settings of one batch and the recorder of the distribution they sample:
-        greedy argmax, or draws from the processed distribution by ``InverseCDFSampler``."""
+        greedy argmax, or draws from the processed distribution by ``InverseCDFSampler`` (its
+        uniforms from ``generator``)."""
         if greedy:
             return {"do_sample": False}, StepLogprobs(1.0)
         recorder = StepLogprobs(temperature, first_token_temperature=first_token_temperature, top_p=top_p)
         from transformers import LogitsProcessorList
 
         sampler = InverseCDFSampler(prompt_len=prompt_len, temperature=temperature,
-                                    first_token_temperature=first_token_temperature, top_p=top_p)
+                                    first_token_temperature=first_token_temperature, top_p=top_p, generator=generator)
         return {"do_sample": False, "temperature": 1.0, "top_p": 1.0,
                 "logits_processor": LogitsProcessorList([sampler])}, recorder
 
@@ -461,16 +471,18 @@ class HFEngine:
             input_ids = zero_pad_sequences(rows, side="left", value=self.pad_token_id).to(device)
             attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in rows], side="left").to(device)
             P = input_ids.shape[1]
-            torch.manual_seed(seed + b)
+            generator = torch.Generator(device=device).manual_seed(seed + b)
             if not vl and isinstance(self.model, torch.nn.Module):
                 cache = self._prefill(input_ids, attention_mask, n) if share_prefill and P > 1 else None
                 sampler = None if greedy else InverseCDFSampler(prompt_len=P, temperature=temperature, top_p=top_p,
-                                                                first_token_temperature=first_token_temperature)
+                                                                first_token_temperature=first_token_temperature,
+                                                                generator=generator)
                 toks, lps_rows = self._decode(input_ids, attention_mask, cache, sampler, max_new_tokens=max_new_tokens,
                                               on_step=on_step)
             else:
                 sampling, recorder = self._sampling(prompt_len=P, temperature=temperature, top_p=top_p,
-                                                    first_token_temperature=first_token_temperature, greedy=greedy)
+                                                    first_token_temperature=first_token_temperature, greedy=greedy,
+                                                    generator=generator)
                 if vl:
                     sampling.update(self._vision(chunk, input_ids, device, images, videos, processor))
                 elif share_prefill and P > 1:

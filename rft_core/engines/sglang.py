@@ -1,7 +1,7 @@
 """SGLang rollout engine (``rollout.engine=sglang``): the interface and outputs of ``HFEngine`` and
 ``VLLMEngine`` (token ids, rollout log-probs, finish reasons) on SGLang's offline engine. GPU only,
-in its own environment like vLLM (``runners.rollout: {mode: subprocess, python: ...}``); sglang
-is imported lazily. Needs SGLang >= 0.5.3 (``sampling_seed`` and ``enable_deterministic_inference``).
+in the project's environment or one of its own like vLLM (``runners.rollout: {mode: subprocess,
+python: ...}``); sglang is imported lazily. Needs SGLang >= 0.5.3 (``sampling_seed`` and ``enable_deterministic_inference``).
 
 Written against ``sglang.Engine`` (``python/sglang/srt/entrypoints/engine.py``):
 ``Engine(model_path=..., tp_size=..., mem_fraction_static=..., dtype=..., skip_tokenizer_init=True,
@@ -36,11 +36,14 @@ return_logprob=True, lora_path=[...])``, which answers one dict per request:
 - FIRE sampling is refused, as with vLLM.
 - In-memory weight sync (a resident rollout worker, ``rft_core.workers.engine_sync``):
   ``SGLangEngine.receive_weights`` receives the trainer's buckets in this process and hands each
-  to ``Engine.update_weights_from_tensor`` (see its docstring for why not SGLang's own
-  ``update_weights_from_distributed`` group).
+  to ``Engine.update_weights_from_tensor`` inside SGLang's weight-update session where the
+  release has one (0.5.21+), after the project's own check that the sync carries every tensor of
+  the engine's model in its shape (SGLang checks neither; see its docstring, and for why not
+  SGLang's own ``update_weights_from_distributed`` group).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -114,6 +117,7 @@ class SGLangEngine(SyncedWeights):
         self.deterministic = deterministic
         self.release_after_generate = enable_memory_saver
         self._policy_dtype = dtype
+        self._model_path = model_path  # its architecture: what a sync must fit (plan_refusal)
         if engine is None:
             kwargs: dict[str, Any] = {
                 "model_path": model_path, "tp_size": tensor_parallel_size, "mem_fraction_static": mem_fraction_static,
@@ -173,8 +177,9 @@ class SGLangEngine(SyncedWeights):
                                       "weights were released): sync them again or load a checkpoint")
         elif self._loaded_path != self.weights_path:
             log.info("SGLang: reloading weights in place from %s", self.weights_path)
+            self._loaded_path = None  # a failed load leaves the weights partly written
             _check_ok(self.engine.update_weights_from_disk(self.weights_path), f"update_weights_from_disk({self.weights_path})")
-            self.engine.flush_cache()
+            _check_ok(self.engine.flush_cache(), "flush_cache")
             self._loaded_path = self.weights_path
         if self._lora and self._lora_loaded != self._lora_path:
             if self._lora_name is not None:
@@ -207,6 +212,23 @@ class SGLangEngine(SyncedWeights):
         keeps its shard), ``flush_cache`` on the last bucket only; every answer is checked
         (``_check_ok``). Records ``version`` as what the GPU weights hold (``weights_version``).
 
+        The session: SGLang 0.5.21+ answers ``success=False`` to an ``update_weights_from_tensor``
+        that does not run between ``Engine.begin_weight_update()`` and ``end_weight_update()``
+        (``managers/scheduler_components/weight_updater.py``, 0.5.23; ``end`` finalises the
+        loaded weights into the kernels' layout). Where the engine has ``begin_weight_update`` the
+        buckets land inside one session, closed also when the sync fails; older releases (no such
+        method) get the calls without it. The flush on the last bucket is refused while requests
+        run (0.5.23: "the cache was not flushed because requests are still running"): the sync
+        then fails and the engine is invalid.
+
+        Completeness: SGLang's ``load_weights`` (``models/qwen2.py``, ``llama.py``) skips an
+        unknown name with a warning, never checks that every parameter came, and a tensor of
+        another shape fails an assertion inside the scheduler, which kills the engine's processes.
+        So before anything reaches SGLang the plan is checked against the engine's model
+        (``plan_refusal``: every tensor of its HF layout, none more, each in its shape and the
+        engine's dtype); a plan that does not fit fails the transaction's plan check on both sides
+        and the engine keeps nothing of it.
+
         Why not SGLang's ``init_weights_update_group`` + ``update_weights_from_distributed``
         (the scheduler processes joining the trainer's group directly, saving one device copy
         per bucket): the trainer would have to speak SGLang's group protocol (its group naming,
@@ -225,13 +247,15 @@ class SGLangEngine(SyncedWeights):
             {"checksum" (of the received tensors), "bytes", "seconds", "buckets", "backend"}.
         Raises:
             ValueError: a LoRA engine (``sync_world_size``).
-            WeightSyncError: the sync failed or SGLang refused a bucket; the weights are then
-                invalid (``generate`` refuses until a sync or ``load_policy`` succeeds).
+            WeightSyncError: the plan does not fit the engine's model, the sync failed, or SGLang
+                refused a bucket or the session; the weights are then invalid (``generate``
+                refuses until a sync or ``load_policy`` succeeds).
         """
-        import torch
+        from rft_core.workers.sync import sync_device
 
         self.sync_world_size  # noqa: B018  refuses a LoRA engine
         plan = SyncPlan.from_json(plan) if isinstance(plan, str) else plan
+        refusal = self.plan_refusal(plan)
         self._resume()
         self.invalidate_weights()
         n, landed = len(plan.bucket_sizes), [0]
@@ -241,9 +265,26 @@ class SGLangEngine(SyncedWeights):
             _check_ok(self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=landed[0] == n),
                       f"update_weights_from_tensor (bucket {landed[0]}/{n})")
 
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        rep = receive_buckets(plan, addr=addr, port=port, rank=1, world_size=2, backend=backend, timeout_s=timeout_s,
-                              device=device, on_bucket=on_bucket)
+        session = refusal is None and hasattr(self.engine, "begin_weight_update")
+        if session:
+            try:
+                _check_ok(self.engine.begin_weight_update(), "begin_weight_update")
+            except RuntimeError as exc:
+                refusal = str(exc)  # joined and refused at the plan check: the sender stops at once
+                session = False
+        try:
+            rep = receive_buckets(plan, addr=addr, port=port, rank=1, world_size=2, backend=backend,
+                                  timeout_s=timeout_s, device=sync_device(backend), on_bucket=on_bucket, refusal=refusal)
+        except BaseException:
+            if session:  # closed so that the next sync can open one; the sync's own error is the one raised
+                with contextlib.suppress(Exception):
+                    self.engine.end_weight_update()
+            raise
+        if session:
+            try:
+                _check_ok(self.engine.end_weight_update(), "end_weight_update")
+            except RuntimeError as exc:
+                raise WeightSyncError(f"SGLang weight sync of {version}: {exc}") from exc
         self.weights_version = version
         return {"checksum": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds, "buckets": rep.buckets,
                 "backend": backend}

@@ -31,7 +31,8 @@ from schemas.columns import ADVANTAGES
 def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: AdvantageConfig, shaping: ShapingConfig | None = None,
                        state: TrainState | None = None, max_new_tokens: int | None = None,
                        greedy_baseline: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       correction: RolloutCorrectionConfig | None = None) -> dict[str, Any]:
+                       correction: RolloutCorrectionConfig | None = None,
+                       source_rewards: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Reward shaping, KL shaping and advantage estimation on a joined, padded batch (its
     ``rewards``, ``old_logprobs``, ``ref_logprobs``, ``values``, ``action_mask``, ``prompt_id``,
     ``finish_reason``).
@@ -65,6 +66,10 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
     correction's weights of these old log-probs against the rollout's (0 on masked tokens), as
     verl's trainer passes its ``rollout_is_weights``; otherwise None.
 
+    An estimator with ``EstimatorInfo.needs_reward_sources`` (gdpo) gets ``source_rewards``: each
+    reward source's score per sample, (B,) float, NaN where the sample's recipe has no such source
+    (``reward_source_scores``, from the rewards shard's ``reward_metrics``).
+
     Overlong filtering (``shaping.overlong_filter``; DAPO, arXiv:2503.14476, sec. 3.4): the
     advantages of truncated responses (finish_reason "length") are set to 0 after everything
     else (the group statistics still include their rewards, as DAPO's and TRL's masking of the
@@ -79,7 +84,7 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
             that needs critic values or a greedy baseline without them, or a finish reason other
             than stop/length (named with its row) under overlong filtering, or an estimator that
             needs ``sum_pi_squared`` without it (no actor stage, or one run without
-            ``with_sum_pi_squared``).
+            ``with_sum_pi_squared``), or one that needs per-source scores without them.
     """
     shaping = shaping or ShapingConfig()
     state = state or TrainState(kl_coef=kl_cfg.kl_coef)
@@ -139,8 +144,12 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
         kwargs["rollout_is_weights"] = None
         if correction is not None and correction.enabled:
             kwargs["rollout_is_weights"] = rollout_correction(
-                batch.old_logprobs, batch.rollout_logprobs, mask, mode=correction.mode, cap=correction.cap,
-                low=correction.low).weights
+                batch.old_logprobs, batch.rollout_logprobs, mask, **correction.correction_kwargs()).weights
+    if info.needs_reward_sources:
+        if source_rewards is None:
+            raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs the score of each reward source: pass "
+                             "source_rewards (reward_source_scores of the rewards shard)")
+        kwargs["source_rewards"] = source_rewards
 
     def shape(adv: torch.Tensor) -> torch.Tensor:  # clip-filter-like weights, then whitening
         if shaping.clip_filter_like_weight:
@@ -202,10 +211,14 @@ def run(inp: AdvantagesInput) -> ShardRef:
         if inp.baseline_rollout is not None and inp.baseline_rewards is not None:
             baseline = greedy_baseline_of(batch.prompt_id, read_shard(inp.baseline_rollout, stage="rollout"),
                                           read_shard(inp.baseline_rewards, stage="rewards"))
+        sources = None
+        if ADVANTAGE_ESTIMATORS.info(inp.advantage.estimator).needs_reward_sources:
+            weights = getattr(inp.advantage, "reward_weights", None)
+            sources = reward_source_scores(batch.sample_id, rewards_table, names=list(weights) if weights else None)
         with Timer() as t:
             res = compute_advantages(batch, kl_cfg=inp.kl, adv_cfg=inp.advantage, shaping=inp.shaping, state=inp.state,
                                      max_new_tokens=inp.max_new_tokens, greedy_baseline=baseline,
-                                     correction=inp.rollout_correction)
+                                     correction=inp.rollout_correction, source_rewards=sources)
         lengths = batch.response_length.tolist()
 
         def lists(x: torch.Tensor) -> pa.Array:
@@ -225,6 +238,36 @@ def run(inp: AdvantagesInput) -> ShardRef:
         return commit.write(table, schema=ADVANTAGES, inputs=inputs, summary=summary)
 
     return reuse_or_compute(commit, compute)
+
+
+def reward_source_scores(sample_ids: list[str], rewards: pa.Table, *,
+                         names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Each reward source's score of every sample, from the rewards shard's ``reward_metrics``
+    (``{source: score, 'source.extra': value}``; ``rft_core.rewards.engine``): source name ->
+    (B,) float64 in the order of ``sample_ids``, NaN where a sample has no score of that source
+    (its recipe does not use it).
+
+    Args:
+        sample_ids: the batch's samples, in order.
+        rewards: the rewards shard (``sample_id``, ``reward_metrics``).
+        names: the sources to read; None: every key without a "." (the source scores, not their
+            extras or fallback counters).
+    Raises:
+        ValueError: a sample without a row in the rewards shard, or a named source that no
+            sample has (the message lists the scores found).
+    """
+    metrics = dict(zip(rewards.column("sample_id").to_pylist(), rewards.column("reward_metrics").to_pylist()))
+    missing = [sid for sid in sample_ids if sid not in metrics]
+    if missing:
+        raise ValueError(f"reward sources: sample {missing[0]!r} has no row in the rewards shard")
+    rows = [dict(metrics[sid] or []) for sid in sample_ids]
+    found = sorted({k for row in rows for k in row if "." not in k})
+    wanted = found if names is None else list(names)
+    absent = [n for n in wanted if not any(n in row for row in rows)]
+    if absent:
+        raise ValueError(f"reward sources: no sample of the rewards shard has a score of {absent[0]!r} in its "
+                         f"reward_metrics (scores found: {', '.join(found) or 'none'})")
+    return {n: torch.tensor([float(row.get(n, float("nan"))) for row in rows], dtype=torch.float64) for n in wanted}
 
 
 def greedy_baseline_of(prompt_ids: list[str], rollout: pa.Table, rewards: pa.Table) -> tuple[torch.Tensor, torch.Tensor]:

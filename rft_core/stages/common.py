@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import tempfile
 import time
@@ -12,15 +13,19 @@ import fsspec
 import pyarrow as pa
 
 from rft_core.stages.contracts import StageInput
+from rft_core.stages.retention import CHECKPOINT_STAGES, latest_policy_checkpoint
 from rft_core.training.checkpoint import save_checkpoint
 from rft_core.training.strategy import DeepSpeedStrategy, SingleProcess
 from schemas import (
+    OlderVersionError,
     ShardRef,
     StageSchema,
     commit_files,
     committed_ref,
     local_path,
     prepare_stage_dir,
+    split_stage_uri,
+    stage_uri,
     storage_errors,
     write_parts,
     write_shard,
@@ -48,9 +53,39 @@ class Commit:
                            contract=self.contract)
 
     def committed(self, *, check_files: bool = True) -> ShardRef | None:
-        """The committed ref to reuse, or None (see ``schemas.committed_ref``)."""
-        return committed_ref(self.uri, stage=self.stage, config_hash=self.config_hash, contract=self.contract,
-                             check_files=check_files)
+        """The committed ref to reuse, or None (see ``schemas.committed_ref``).
+
+        Raises:
+            OlderVersionError: as ``committed_ref``; its message also gives the command that
+                starts a new run from the run's last policy checkpoint (``continue_from_checkpoint``).
+        """
+        try:
+            return committed_ref(self.uri, stage=self.stage, config_hash=self.config_hash, contract=self.contract,
+                                 check_files=check_files)
+        except OlderVersionError as exc:
+            raise OlderVersionError(f"{exc}{continue_from_checkpoint(self.uri)}") from exc
+
+
+def continue_from_checkpoint(uri: str) -> str:
+    """The sentence an ``OlderVersionError`` of the stage at ``uri`` ends with: the command that
+    starts a new run from the last committed policy checkpoint of the run ``uri`` belongs to
+    (``latest_policy_checkpoint``: its ``iter=N/ppo_update/policy`` folder, an HF model folder
+    that ``policy.path`` takes); '' when ``uri`` is not a stage folder of a run."""
+    where = split_stage_uri(uri)
+    if where is None:
+        return ""
+    root = where[0]
+    fs, path = fsspec.core.url_to_fs(root)
+    found = (re.search(r"/iter=(\d+)$", p.rstrip("/")) for p in fs.glob(f"{path.rstrip('/')}/iter=*"))
+    iterations = [int(m.group(1)) for m in found if m]
+    last = latest_policy_checkpoint(root, max(iterations)) if iterations else None
+    if last is None:
+        return " No iteration of this run committed a policy checkpoint: a new run folder starts from the initial policy."
+    checkpoint = f"{stage_uri(root, last, 'ppo_update')}/{CHECKPOINT_STAGES['ppo_update']}"
+    return (f" Or start a new run from this run's last checkpoint (iteration {last}): rft train -c <your config> "
+            f"--set policy.path={checkpoint} (without this --run-root: a new run folder, counting iterations from 1 "
+            "with a fresh optimizer; with a KL term also --set reference.path=<the policy.path this run started "
+            "from>, so its reference stays the initial model).")
 
 
 def stage_commit(inp: StageInput, *, uri: str | None = None, stage: str | None = None, **derived: Any) -> Commit:

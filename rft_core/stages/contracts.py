@@ -262,8 +262,9 @@ class AdvantagesInput(StageInput):
     program: ClassVar[str] = "advantages"
     stage: ClassVar[str] = "advantages"
     # 2: the KL penalty of group-normalised estimators after normalisation (issue 16); 3: gae advantages whitened
-    # by default (advantage.whiten), discounted returns count action tokens only (multi-turn, gamma < 1) (issue 29)
-    version: ClassVar[int] = 3
+    # by default (advantage.whiten), discounted returns count action tokens only (multi-turn, gamma < 1) (issue 29);
+    # 4: the optimal token baseline's handle_zero_tail on by default and its positions counted in action tokens (issue 38)
+    version: ClassVar[int] = 4
     config_paths: ClassVar[Mapping[str, str]] = {"kl": "kl", "advantage": "advantage", "shaping": "shaping",
                                                  "state": "initial_state", "max_new_tokens": "rollout.max_new_tokens",
                                                  "rollout_correction": "advantage_rollout_correction"}
@@ -397,7 +398,9 @@ class EvalPromptsInput(StageInput):
 
 
 class EvalGenerateInput(StageInput):
-    """One greedy response per held-out prompt."""
+    """One greedy response per held-out prompt, or (``temperature`` set) ``n_samples`` sampled
+    ones. The sampling fields default to greedy decoding, so a greedy stage's config hash is
+    the one it had before they existed."""
 
     program: ClassVar[str] = "eval_generate"
     stage: ClassVar[str] = "rollout"
@@ -405,24 +408,47 @@ class EvalGenerateInput(StageInput):
     # 4: greedy decoding in the HF engine's own loop (issue 19); 5: rollout schema v5 (policy_version null, issue 28)
     version: ClassVar[int] = 5
     config_paths: ClassVar[Mapping[str, str]] = {"policy": "policy.path", "dtype": "policy.dtype",
-                                                 "batch_size": "eval.batch_size"}
+                                                 "batch_size": "eval.batch_size", "n_samples": "eval.n_samples",
+                                                 "seed": "eval.sampling_seed"}  # temperature, top_p: --arg
     prompts: ShardRef
     policy: PolicyRef
     max_new_tokens: int = Field(gt=0)
     batch_size: int = Field(gt=0)
     dtype: str = "float32"
+    n_samples: int = Field(1, gt=0, description="responses per prompt (> 1 needs a temperature)")
+    temperature: float | None = Field(None, gt=0, description="sampling temperature; None: greedy decoding")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (sampled decoding only)")
+    seed: int = Field(0, description="seed of the sampled responses (greedy decoding uses none)")
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> "EvalGenerateInput":
+        if self.temperature is None and (self.n_samples > 1 or self.top_p != 1.0):
+            raise ValueError(f"n_samples={self.n_samples}, top_p={self.top_p:g} need a sampling temperature "
+                             "(temperature is None: greedy decoding, one response per prompt)")
+        return self
 
 
 class EvalSummaryInput(StageInput):
-    """Prompts, responses and rewards joined per sample: accuracy and mean reward."""
+    """Prompts, responses and rewards joined per sample: accuracy and mean reward; for sampled
+    responses (``sampled``) also avg@n, pass@1..n and maj@n per data_source and overall. The
+    defaults are the greedy summary, whose config hash is the one it had before they existed."""
 
     program: ClassVar[str] = "eval_summary"
     stage: ClassVar[str] = "eval"
-    config_paths: ClassVar[Mapping[str, str]] = {"policy": "policy.path"}
+    config_paths: ClassVar[Mapping[str, str]] = {"policy": "policy.path", "n_samples": "eval.n_samples",
+                                                 "sampled": "eval.sampled"}
     prompts: ShardRef
     rollout: ShardRef
     rewards: ShardRef
     policy: PolicyRef
+    n_samples: int = Field(1, gt=0, description="responses per prompt the rollout must hold")
+    sampled: bool = Field(False, description="the responses were sampled (EvalGenerateInput.temperature set)")
+
+    @model_validator(mode="after")
+    def _check_sampled(self) -> "EvalSummaryInput":
+        if self.n_samples > 1 and not self.sampled:
+            raise ValueError(f"n_samples={self.n_samples} with sampled=false: greedy decoding gives one response per prompt")
+        return self
 
 
 # program name -> its function (each stage module registers its programs with ``stage_program``)

@@ -70,13 +70,39 @@ def _take(tables: list[pa.Table], kept: list[tuple[int, str]]) -> pa.Table:
     return pa.concat_tables(parts)
 
 
+VERSION_KEYS = ("policy_version", "staleness")
+
+
+def rollout_versions(summaries: list[dict], uris: list[str]) -> dict[str, int]:
+    """``policy_version`` and ``staleness`` of the rollout attempts' manifest summaries
+    (``rft_core.stages.rollout.version_summary``), which every attempt of an iteration shares
+    (one behaviour policy per iteration); {} when no attempt records them.
+
+    Raises:
+        ValueError: two attempts (named by ``uris``) record different values.
+    """
+    seen = {tuple(s.get(k) for k in VERSION_KEYS): uri for s, uri in zip(summaries, uris)
+            if any(k in s for k in VERSION_KEYS)}
+    if len(seen) > 1:
+        (a, ua), (b, ub) = list(seen.items())[:2]
+        raise ValueError(f"dynamic sampling: rollout attempts of one iteration record different (policy_version, "
+                         f"staleness): {a} in {ua}, {b} in {ub}")
+    return {k: v for k, v in zip(VERSION_KEYS, next(iter(seen), ())) if v is not None}
+
+
 @stage_program(DynamicMergeInput)
 def run_merge(inp: DynamicMergeInput) -> tuple[ShardRef, ShardRef, ShardRef]:
     """Write the kept groups of all (prompts, rollout, rewards) attempts as three shards: the
     iteration's prompts (``inp.out``), rollout (``inp.out_rollout``) and rewards
     (``inp.out_rewards``). Rows are copied whole, so multi-turn rollouts keep their trajectory
     columns; the rollout summary is that of the kept rows (with the multi-turn statistics when
-    the attempts were multi-turn: their summaries name an ``environment``)."""
+    the attempts were multi-turn: their summaries name an ``environment``) and keeps the
+    attempts' ``policy_version`` and ``staleness`` (``rollout_versions``), which the iteration's
+    metrics read.
+
+    Raises:
+        ValueError: the rollout attempts record different policy versions or staleness.
+    """
     attempts, target_groups = inp.attempts, inp.target_groups
     summary_cache: dict = {}
 
@@ -100,7 +126,8 @@ def run_merge(inp: DynamicMergeInput) -> tuple[ShardRef, ShardRef, ShardRef]:
                 env = next((s["environment"] for s in tries if "environment" in s), None)  # multi-turn attempts
                 summary.update(seconds=secs, generated_tokens=gen, tokens_per_second=gen / max(secs, 1e-9),
                                **({"environment": env} if env is not None else {}),
-                               **rollout_summary(table, agent=env is not None))
+                               **rollout_summary(table, agent=env is not None),
+                               **rollout_versions(tries, [t[index].uri for t in attempts]))
             if stage == "prompts":
                 summary.update(seconds=sum(s.get("seconds", 0.0) for s in tries),
                                skipped_overlong=sum(s.get("skipped_overlong", 0) for s in tries))

@@ -4,8 +4,13 @@ Three programs, run in order by ``flows/eval.py`` (the reward stage in between i
 one, ``rft_core.stages.rewards.run``, so held-out rewards are graded exactly as in training):
 
 ``run_prompts``   held-out prompts (disjoint from the training dataset)               -> `prompts`
-``run_generate``  one greedy response per prompt                                      -> `rollout`
+``run_generate``  one greedy response per prompt, or n sampled ones                   -> `rollout`
 ``run_summary``   prompts + rollout + rewards joined per sample, accuracy and mean reward -> `eval`
+                  (sampled: avg@n, pass@1..n, maj@n per data_source and overall,
+                  ``rft_core.evaluation.metrics``)
+
+Greedy decoding (the default) writes the very shards, config hashes and summaries it wrote
+before sampling existed; the sampling fields of the stage inputs are left at their defaults.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from rft_core.data.files import FileDataset
 from rft_core.data.mixture import heldout_fingerprint
 from rft_core.data.prompts import DatasetError, PromptBatch, build_prompts, heldout_entries, heldout_seed
 from rft_core.engines.hf import Generation, HFEngine
+from rft_core.evaluation.metrics import PromptAnswers, mean_stderr, sampled_metrics, shown_ks
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.models.logprobs import default_device
@@ -137,7 +143,8 @@ def _heldout_task_prompts(inp: EvalPromptsInput, tok, processor) -> tuple[Prompt
 def _heldout_file_prompts(inp: EvalPromptsInput, tok, processor) -> tuple[PromptBatch, dict[str, Any]]:
     """The first ``eval.num_prompts`` rows of ``eval.path`` and their summary fields."""
     data, cfg = inp.data, inp.eval
-    ds = FileDataset(cfg.path, format=data.format, columns=data.columns or None, require_answer=inp.answer_required)
+    ds = FileDataset(cfg.path, format=data.format, columns=data.columns or None, require_answer=inp.answer_required,
+                     key="eval.path")
     fingerprint = check_fingerprint(ds, inp.data_fingerprint, repr(cfg.path))
     idx = list(range(min(cfg.num_prompts, len(ds))))
     batch = build_file_prompts(ds, ds.entries(idx), tok, data=data, processor=processor,
@@ -172,13 +179,42 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], *, max_new_token
                            processor=processor)
 
 
+def sample_generate(model, tokenizer, prompts: list[list[int]], *, n_samples: int, temperature: float, top_p: float,
+                    seed: int, max_new_tokens: int, batch_size: int, images: list[list[bytes]] | None = None,
+                    videos: list[list[bytes]] | None = None, processor=None) -> list[Generation]:
+    """``n_samples`` sampled responses per prompt: the rollout engine's sampling path
+    (``HFEngine.generate`` with its default batching, as a training rollout samples), each batch
+    seeded from ``seed`` so a rerun gives the same responses on the same hardware.
+
+    Args:
+        prompts, images, videos, processor: as ``greedy_generate``.
+        temperature: > 0; top_p: nucleus in (0, 1].
+    Returns:
+        len(prompts) * n_samples generations grouped by prompt in input order (``sample_index``
+        0..n-1); ``logprobs`` are float32 log-probs under the distribution each token was sampled
+        from (temperature and nucleus applied).
+    Raises:
+        ValueError: ``n_samples``, ``max_new_tokens`` or ``batch_size`` < 1, or ``temperature`` <= 0.
+    """
+    if n_samples < 1 or max_new_tokens < 1 or batch_size < 1 or not temperature > 0:
+        raise ValueError(f"n_samples, max_new_tokens, batch_size must be >= 1 and temperature > 0, got {n_samples}, "
+                         f"{max_new_tokens}, {batch_size}, {temperature}")
+    engine = HFEngine(model, tokenizer)
+    return engine.generate(prompts, n_samples_per_prompt=n_samples, max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_p=top_p, batch_size=batch_size, seed=seed, images=images,
+                           videos=videos, processor=processor)
+
+
 @stage_program(EvalGenerateInput)
 def run_generate(inp: EvalGenerateInput) -> ShardRef:
-    """Greedy-decode one response per held-out prompt with ``policy`` on ``default_device()``;
-    writes a single-turn `rollout` shard (sample_id ``{prompt_id}#0``; no environment, also
-    when the run trained with ``rollout.agent``) whose rows carry their prompt's images and videos. A vision-language policy gets them with every batch (its processor
-    loaded from the model folder, as in training). The summary holds seconds, generated tokens,
-    tokens/second.
+    """Greedy-decode one response per held-out prompt with ``policy`` on ``default_device()``
+    (``temperature`` None), or sample ``n_samples`` responses per prompt at ``temperature`` and
+    ``top_p`` with ``seed`` (``sample_generate``); writes a single-turn `rollout` shard
+    (sample_id ``{prompt_id}#{sample_index}``; no environment, also when the run trained with
+    ``rollout.agent``) whose rows carry their prompt's images and videos. A vision-language
+    policy gets them with every batch (its processor loaded from the model folder, as in
+    training). The summary holds seconds, generated tokens, tokens/second and the decoding
+    (``greedy``, or ``sampled`` with n_samples, temperature, top_p, seed).
 
     Raises:
         StaleShardError: ``out`` is committed with another config.
@@ -200,14 +236,20 @@ def run_generate(inp: EvalGenerateInput) -> ShardRef:
         if processor is None and (any(images) or any(videos)):
             raise ValueError(f"{prompts.uri}: prompts with images or videos, but {path} is a text-only model")
         with Timer() as t:
-            gens = greedy_generate(model, tok, prompt_ids, max_new_tokens=max_new_tokens, batch_size=batch_size, **media)
+            if inp.temperature is None:
+                gens = greedy_generate(model, tok, prompt_ids, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                       **media)
+            else:
+                gens = sample_generate(model, tok, prompt_ids, n_samples=inp.n_samples, temperature=inp.temperature,
+                                       top_p=inp.top_p, seed=inp.seed, max_new_tokens=max_new_tokens,
+                                       batch_size=batch_size, **media)
         pids = table.column("prompt_id").to_pylist()
         responses = [g.response_token_ids for g in gens]
         texts = tok.batch_decode(responses, skip_special_tokens=True)
         rows = {
-            "sample_id": [f"{pids[g.prompt_index]}#0" for g in gens],
+            "sample_id": [f"{pids[g.prompt_index]}#{g.sample_index}" for g in gens],
             "prompt_id": [pids[g.prompt_index] for g in gens],
-            "sample_index": [0] * len(gens),
+            "sample_index": [g.sample_index for g in gens],
             "prompt_token_ids": [prompt_ids[g.prompt_index] for g in gens],
             "response_token_ids": responses,
             "response_text": texts,
@@ -216,13 +258,16 @@ def run_generate(inp: EvalGenerateInput) -> ShardRef:
             "finish_reason": [g.finish_reason for g in gens],
             "images": [images[g.prompt_index] for g in gens],
             "videos": [videos[g.prompt_index] for g in gens],
-            **single_turn_columns(texts),  # greedy, single-turn (also for an agent run's checkpoints)
+            **single_turn_columns(texts),  # single-turn (also for an agent run's checkpoints)
             **policy_version_column(len(texts), None),  # not a training rollout
         }
         table_out = pa.table(rows, schema=ROLLOUT.arrow)
         n_tokens = sum(len(r) for r in responses)
+        decoding = {"decoding": "greedy"} if inp.temperature is None else {
+            "decoding": "sampled", "n_samples": inp.n_samples, "temperature": inp.temperature, "top_p": inp.top_p,
+            "seed": inp.seed}
         summary = {"seconds": t.seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(t.seconds, 1e-9),
-                   "decoding": "greedy", "policy": checkpoint_label(policy), **rollout_summary(table_out)}
+                   **decoding, "policy": checkpoint_label(policy), **rollout_summary(table_out)}
         return commit.write(table_out, schema=ROLLOUT, inputs={"prompts": prompts}, summary=summary)
 
     return reuse_or_compute(commit, compute)
@@ -252,13 +297,55 @@ def eval_summary(table: pa.Table) -> dict[str, Any]:
             "truncated_fraction": sum(f == "length" for f in table.column("finish_reason").to_pylist()) / n}
 
 
+def sampled_eval_summary(table: pa.Table, *, n_samples: int) -> dict[str, Any]:
+    """The summary of a sampled `eval` table (columns ``data_source`` and ``sample_index``
+    present): ``num_prompts`` (prompts, not rows), ``num_samples`` (rows), ``n_samples``;
+    ``accuracy`` = avg@n and ``reward_mean`` = the mean reward of the rows (equal to the mean of
+    the per-prompt means), each with its standard error across prompts (sd of the per-prompt
+    means, ddof 1, / sqrt(prompts): the answers of one prompt are not independent, so the
+    greedy summary's binomial error over rows would be too small); the mean response length and
+    the fraction cut at max_new_tokens over rows; and ``metrics``:
+    ``rft_core.evaluation.metrics.sampled_metrics`` (avg@n, pass@1..n, maj@n with standard
+    errors, ``overall`` and ``by_data_source``).
+
+    Raises:
+        ValueError: an empty table, or a prompt without exactly ``n_samples`` rows (naming it).
+    """
+    if table.num_rows == 0:
+        raise ValueError("eval table has no rows")
+    rows = table.select(["prompt_id", "data_source", "sample_index", "correct", "extracted_answer", "rewards"]).to_pylist()
+    by_prompt: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_prompt.setdefault(r["prompt_id"], []).append(r)
+    for pid, group in by_prompt.items():
+        if sorted(r["sample_index"] for r in group) != list(range(n_samples)):
+            raise ValueError(f"prompt {pid!r} has responses {sorted(r['sample_index'] for r in group)}, expected sample "
+                             f"indices 0..{n_samples - 1}")
+    groups = [sorted(g, key=lambda r: r["sample_index"]) for g in by_prompt.values()]
+    answers = [PromptAnswers(g[0]["data_source"], tuple(bool(r["correct"]) for r in g),
+                             tuple(r["extracted_answer"] for r in g)) for g in groups]
+    metrics = sampled_metrics(answers)
+    reward_mean, reward_stderr = mean_stderr([math.fsum(float(r["rewards"]) for r in g) / n_samples for g in groups])
+    overall = metrics["overall"]
+    return {"num_prompts": len(groups), "num_samples": table.num_rows, "n_samples": n_samples,
+            "accuracy": overall[f"avg@{n_samples}"], "accuracy_stderr": overall[f"avg@{n_samples}_stderr"],
+            "reward_mean": reward_mean, "reward_stderr": reward_stderr,
+            "response_length_mean": float(pc.mean(table.column("response_length")).as_py()),
+            "truncated_fraction": sum(f == "length" for f in table.column("finish_reason").to_pylist()) / table.num_rows,
+            "metrics": metrics}
+
+
 @stage_program(EvalSummaryInput)
 def run_summary(inp: EvalSummaryInput) -> ShardRef:
-    """Join prompts, greedy responses and rewards per sample into an `eval` shard; the manifest
-    summary holds ``eval_summary`` plus the checkpoint evaluated.
+    """Join prompts, responses and rewards per sample into an `eval` shard; the manifest
+    summary holds ``eval_summary`` plus the checkpoint evaluated. Sampled responses
+    (``inp.sampled``) also get each row's ``data_source`` and ``sample_index`` (optional
+    columns of the `eval` schema) and ``sampled_eval_summary`` with the decoding settings of
+    the rollout (temperature, top_p, seed).
 
     Raises:
         ShardSchemaError: a rollout or rewards sample without a matching prompt or reward.
+        ValueError: (sampled) a prompt without exactly ``n_samples`` responses.
         StaleShardError: ``out`` is committed with another config.
     """
     commit = stage_commit(inp)
@@ -271,24 +358,32 @@ def run_summary(inp: EvalSummaryInput) -> ShardRef:
         by_sample = dict(zip(w.column("sample_id").to_pylist(),
                              zip(w.column("rewards").to_pylist(), w.column("correct").to_pylist(),
                                  w.column("extracted_answer").to_pylist())))
-        rows: dict[str, list] = {f.name: [] for f in EVAL.schema}
-        for sid, pid, text, toks, finish in zip(r.column("sample_id").to_pylist(), r.column("prompt_id").to_pylist(),
-                                                r.column("response_text").to_pylist(),
-                                                r.column("response_token_ids").to_pylist(),
-                                                r.column("finish_reason").to_pylist()):
+        extra = ["data_source", "sample_index"] if inp.sampled else []
+        schema = EVAL.arrow_with(extra)
+        rows: dict[str, list] = {f.name: [] for f in schema}
+        for sid, pid, k, text, toks, finish in zip(
+                r.column("sample_id").to_pylist(), r.column("prompt_id").to_pylist(),
+                r.column("sample_index").to_pylist(), r.column("response_text").to_pylist(),
+                r.column("response_token_ids").to_pylist(), r.column("finish_reason").to_pylist()):
             if pid not in p:
                 raise ShardSchemaError(f"{rollout.uri}: prompt_id {pid!r} is not in {prompts.uri}")
             if sid not in by_sample:
                 raise ShardSchemaError(f"{rollout.uri}: sample_id {sid!r} has no row in {rewards.uri}")
             reward, correct, extracted = by_sample[sid]
-            for k, v in (("sample_id", sid), ("prompt_id", pid), ("question", p[pid]["question"]),
-                         ("answer", p[pid]["answer"]), ("response_text", text), ("extracted_answer", extracted),
-                         ("rewards", reward), ("correct", correct), ("response_length", len(toks)),
-                         ("finish_reason", finish)):
-                rows[k].append(v)
-        table = pa.table(rows, schema=EVAL.arrow)
+            for key, v in (("sample_id", sid), ("prompt_id", pid), ("question", p[pid]["question"]),
+                           ("answer", p[pid]["answer"]), ("response_text", text), ("extracted_answer", extracted),
+                           ("rewards", reward), ("correct", correct), ("response_length", len(toks)),
+                           ("finish_reason", finish), ("data_source", p[pid]["data_source"]), ("sample_index", k)):
+                if key in rows:
+                    rows[key].append(v)
+        table = pa.table(rows, schema=schema)
         gen_summary = read_manifest(rollout.uri)[0].summary
-        summary = {**eval_summary(table), "policy": checkpoint_label(policy),
+        if inp.sampled:
+            decoding = {k: gen_summary.get(k) for k in ("decoding", "temperature", "top_p", "seed")}
+            head = {**sampled_eval_summary(table, n_samples=inp.n_samples), **decoding}
+        else:
+            head = eval_summary(table)
+        summary = {**head, "policy": checkpoint_label(policy),
                    "generate_seconds": gen_summary.get("seconds"), "tokens_per_second": gen_summary.get("tokens_per_second")}
         return commit.write(table, schema=EVAL, inputs={"prompts": prompts, "rollout": rollout, "rewards": rewards},
                             summary=summary)
@@ -296,17 +391,65 @@ def run_summary(inp: EvalSummaryInput) -> ShardRef:
     return reuse_or_compute(commit, compute)
 
 
+def _se(se: float | None) -> str:
+    return "n/a" if se is None else f"{se:.3f}"
+
+
+def _pm(summary: dict[str, Any], name: str) -> str:
+    """``"0.417 ± 0.120"`` of metric ``name`` in a metrics block (``± n/a`` for one prompt)."""
+    return f"{summary[name]:.3f} ± {_se(summary.get(f'{name}_stderr'))}"
+
+
+def eval_report_lines(summary: dict[str, Any]) -> list[str]:
+    """The lines ``rft eval`` prints for a sampled evaluation (an `eval` manifest summary with
+    ``metrics``): the decoding, avg@n, pass@k (every k up to 16, else powers of two and n:
+    ``shown_ks``; the manifest holds every k) and maj@n with standard errors across prompts,
+    then the same per data_source when there are several. Empty for a greedy summary."""
+    if "metrics" not in summary:
+        return []
+    n, overall, by_source = summary["n_samples"], summary["metrics"]["overall"], summary["metrics"]["by_data_source"]
+    lines = [f"decoding:    sampled, {n} answers per prompt (temperature {summary.get('temperature')}, top-p "
+             f"{summary.get('top_p')}, seed {summary.get('seed')}); {summary['num_prompts']} held-out prompts",
+             f"avg@{n}:{' ' * max(1, 12 - len(f'avg@{n}:'))}{_pm(overall, f'avg@{n}')}"]
+    lines += [f"pass@{k}:{' ' * max(1, 12 - len(f'pass@{k}:'))}{_pm(overall, f'pass@{k}')}" for k in shown_ks(n)]
+    lines.append(f"maj@{n}:{' ' * max(1, 12 - len(f'maj@{n}:'))}{_pm(overall, f'maj@{n}')}")
+    if len(by_source) > 1:
+        lines.append("by data_source:")
+        for src, block in by_source.items():
+            lines.append(f"  {src} ({block['num_prompts']} prompts): avg@{n} {_pm(block, f'avg@{n}')} · pass@{n} "
+                         f"{_pm(block, f'pass@{n}')} · maj@{n} {_pm(block, f'maj@{n}')}")
+    lines.append("(± standard errors across prompts; pass@k: the unbiased estimator of Chen et al. 2021)")
+    return lines
+
+
 def eval_markdown(table: pa.Table, summary: dict[str, Any], *, n: int = 10, width: int = 160) -> str:
-    """Markdown of an evaluation: the summary line and the first ``n`` samples."""
+    """Markdown of an evaluation: the summary line, for sampled answers a table of avg@n,
+    pass@k (``shown_ks``) and maj@n ± standard error overall and per data_source, and the first
+    ``n`` samples."""
     def cell(v: Any) -> str:
         text = "" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
         text = text.replace("|", "\\|").replace("\n", " ")
         return text if len(text) <= width else text[: width - 1] + "…"
 
-    head = (f"### Held-out evaluation of `{summary.get('policy')}`\n\n"
-            f"accuracy **{summary['accuracy']:.3f}** ± {summary['accuracy_stderr']:.3f} · mean reward "
-            f"**{summary['reward_mean']:.3f}** ± {summary['reward_stderr']:.3f} · {summary['num_prompts']} prompts, greedy · "
-            f"mean length {summary['response_length_mean']:.1f} tokens · truncated {summary['truncated_fraction']:.2f}\n")
+    if "metrics" not in summary:
+        head = (f"### Held-out evaluation of `{summary.get('policy')}`\n\n"
+                f"accuracy **{summary['accuracy']:.3f}** ± {summary['accuracy_stderr']:.3f} · mean reward "
+                f"**{summary['reward_mean']:.3f}** ± {summary['reward_stderr']:.3f} · {summary['num_prompts']} prompts, greedy · "
+                f"mean length {summary['response_length_mean']:.1f} tokens · truncated {summary['truncated_fraction']:.2f}\n")
+    else:
+        k_n = summary["n_samples"]
+        names = [f"avg@{k_n}", *(f"pass@{k}" for k in shown_ks(k_n)), f"maj@{k_n}"]
+        blocks = {"overall": summary["metrics"]["overall"], **summary["metrics"]["by_data_source"]}
+        table_md = ["| data_source | prompts | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 2)]
+        table_md += [f"| {cell(src)} | {b['num_prompts']} | " + " | ".join(_pm(b, m) for m in names) + " |"
+                     for src, b in blocks.items()]
+        head = (f"### Held-out evaluation of `{summary.get('policy')}`\n\n"
+                f"{summary['num_prompts']} prompts × {k_n} sampled answers (temperature {summary.get('temperature')}, "
+                f"top-p {summary.get('top_p')}, seed {summary.get('seed')}) · mean reward "
+                f"**{summary['reward_mean']:.3f}** ± {_se(summary['reward_stderr'])} · mean length "
+                f"{summary['response_length_mean']:.1f} tokens · truncated {summary['truncated_fraction']:.2f}\n\n"
+                + "\n".join(table_md) + "\n\n± standard errors across prompts; pass@k: the unbiased estimator of "
+                "Chen et al. 2021 (arXiv:2107.03374); maj@n: majority vote, ties split\n")
     cols = ["question", "answer", "response_text", "extracted_answer", "rewards", "correct"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(row[c]) for c in cols) + " |" for row in table.slice(0, n).to_pylist()]

@@ -312,10 +312,14 @@ def _rollout_table(prompts: pa.Table, gens, tok, prompt_ids: list[list[int]], im
 def run_merge(inp: RolloutMergeInput) -> ShardRef:
     """The rollout of ``inp.rollout`` from its shards ``inp.parts``: rows in prompt order then
     sample index, as the single-worker rollout writes them, under the same contract and config
-    hash (so either can stand for the other on resume).
+    hash (so either can stand for the other on resume). The manifest records what the
+    single-worker rollout's does: its prompts and policy among the inputs (and the shards), the
+    rollout summary of the merged rows, and ``policy_version`` / ``staleness``
+    (``version_summary``), which the iteration's metrics read.
 
     Raises:
-        ValueError: the parts do not hold every (prompt, sample) exactly once.
+        ValueError: the parts do not hold every (prompt, sample) exactly once, or a part's
+            manifest records another policy version than ``inp.rollout``'s.
     """
     commit = stage_commit(inp)
     parts, n_samples = inp.parts, 1 if inp.rollout.greedy else inp.rollout.rollout.n_samples_per_prompt
@@ -331,13 +335,18 @@ def run_merge(inp: RolloutMergeInput) -> ShardRef:
                              f"{len(want)}: shards missing or overlapping")
         table = table.take(sorted(range(len(keys)), key=lambda i: (order[keys[i][0]], keys[i][1])))
         sums = [read_manifest(p.uri)[0].summary for p in parts]
+        versions = version_summary(inp.rollout)
+        for p, s in zip(parts, sums):
+            if s.get("policy_version", versions["policy_version"]) != versions["policy_version"]:
+                raise ValueError(f"rollout shard {p.uri} was sampled with policy version {s['policy_version']}, "
+                                 f"the merged rollout with {versions['policy_version']}: shards of another rollout")
         n_tokens = sum(s["generated_tokens"] for s in sums)
         seconds = max(s["seconds"] for s in sums)  # the shards ran in parallel
         agent = inp.rollout.rollout.agent
         summary = {"seconds": seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(seconds, 1e-9),
                    **({"environment": agent.environment} if agent is not None else {}),
-                   **rollout_summary(table, agent=agent is not None), "shards": len(parts)}
+                   **rollout_summary(table, agent=agent is not None), **versions, "shards": len(parts)}
         return commit.write(table, schema=ROLLOUT, summary=summary,
-                            inputs={"prompts": inp.rollout.prompts, **{f"shard{i}": p for i, p in enumerate(parts)}})
+                            inputs={**rollout_inputs(inp.rollout), **{f"shard{i}": p for i, p in enumerate(parts)}})
 
     return reuse_or_compute(commit, compute)

@@ -130,7 +130,7 @@ def _correction(cfg: UpdateConfig, data: UpdateData) -> tuple[SampleCorrection |
     rc = cfg.rollout_correction
     if data.rollout_logprobs is None:
         return None, {}
-    corr = rollout_correction_weights(data, mode=rc.mode, cap=rc.cap, low=rc.low)
+    corr = rollout_correction_weights(data, **rc.correction_kwargs())
     if not rc.enabled:
         return None, {"rollout_kl": corr.metrics["rollout_kl"]}
     return corr, corr.metrics

@@ -16,6 +16,19 @@ correction weight (1 without one; 0 on the tokens it masks). ``agg_M`` is ``upda
 with the mini-batch's counts of M (tokens, sequences) as normalisers, so a filtered or masked
 token still counts in the normaliser, as in TRL and OpenRLHF. With
 ``entropy_filter_norm="kept"`` M is the kept tokens instead (every term on them only).
+
+The entropy term takes e_t and never c_t, with or without a filter: H_t is the policy's entropy
+at the state before token t, a sum over the whole vocabulary computed from the logits, not a
+function of the sampled token, so the correction (an importance weight of the sampled token:
+pi_old / pi_rollout, AReaL's behaviour weight) neither weights nor masks it, as it leaves the
+KL term alone (AReaL's ``grpo_loss_fn``, areal/engine/ppo/actor.py, has no entropy term in its
+loss: it only logs the detached entropy).
+
+Randomness: the update's own draws (LoRA dropout, ``update.dropout``; gradient checkpointing
+saves and restores them) come from torch's global generator, seeded at the start of every update
+(``update_rng``) and restored after it; the HF rollout engine never touches that generator
+(``rft_core.engines.hf``), so a rollout running beside the update in another thread (the
+asynchronous prefetch) and the update cannot change each other's draws.
 """
 from __future__ import annotations
 
@@ -130,7 +143,7 @@ def _row_mask(data: UpdateData) -> torch.Tensor:
 
 
 def rollout_correction_weights(data: UpdateData, *, mode: str = "tis", cap: float = 2.0,
-                               low: float | None = None) -> SampleCorrection:
+                               low: float | None = None, **rejection: float | str | None) -> SampleCorrection:
     """Truncated importance weights pi_old / pi_rollout of every response token
     (``rft_core.algorithms.correction.rollout_correction``; Yao et al. 2025): ``data.old_logprobs``
     are the trainer's log pi_old, ``data.rollout_logprobs`` the engine's. Computed once, before
@@ -148,7 +161,7 @@ def rollout_correction_weights(data: UpdateData, *, mode: str = "tis", cap: floa
     mask = _row_mask(data)
     T = mask.shape[1]
     res = rollout_correction(pad_float(data.old_logprobs, T), pad_float(data.rollout_logprobs, T), mask,
-                             mode=mode, cap=cap, low=low)
+                             mode=mode, cap=cap, low=low, **rejection)  # rejection, rejection_cap, rejection_low
     n = [len(r) for r in data.responses]
     return SampleCorrection(weights=[res.weights[i, :k] for i, k in enumerate(n)],
                             keep=[res.loss_mask[i, :k] for i, k in enumerate(n)], metrics=res.metrics)
@@ -200,6 +213,28 @@ def dropout_disabled(model: torch.nn.Module) -> Iterator[int]:
             setattr(module, attr, value)
 
 
+@contextlib.contextmanager
+def update_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """torch's global generator seeded with ``seed`` inside the block (the CPU generator, and the
+    default generator of ``device`` when it is a CUDA device), its state before the block restored
+    on exit (``torch.random.fork_rng``).
+
+    What draws from it in an update: peft's ``lora_dropout`` and, with ``update.dropout``, the
+    model's dropout (``nn.Dropout`` takes no generator argument); gradient checkpointing saves its
+    state in the forward and restores it for the recomputation, so the recomputed masks equal the
+    forward's. Seeded per update, the masks depend on the update's seed and inputs only, not on
+    what ran before in the process (a resumed run, another iteration order, a resident worker's
+    earlier updates, the rollout engine: which draws from its own ``torch.Generator``).
+    """
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        for d in cuda:
+            with torch.cuda.device(d):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
 def ppo_update(
     strategy: Strategy,
     data: UpdateData,
@@ -238,7 +273,8 @@ def ppo_update(
         kl_coef, kl_estimator, kl_clamp: the KL loss term (when ``kl_coef`` > 0 and
             ``data.ref_logprobs`` is given; its gradient by estimator: docs/algorithms.md), on
             every response token of the rows in the loss, without correction weights.
-        entropy_coef: weight of the entropy bonus (on the kept tokens under a filter).
+        entropy_coef: weight of the entropy bonus (on the kept tokens under a filter; the rollout
+            correction neither weights nor masks it: module docstring).
         entropy_top_fraction: train the policy term only on this top fraction of tokens by
             ``data.entropies`` (``high_entropy_mask``, over the whole of ``data``); None: every token.
         entropy_filter_norm: "all": the filter's tokens stay in the normaliser and the KL term
@@ -248,7 +284,8 @@ def ppo_update(
         dropout: keep the model's dropout on (default off: ``dropout_disabled``).
         train_batch_size: samples per optimizer step (None: all of ``data``).
         micro_batch_size: samples per forward/backward pass.
-        seed: seeds the per-epoch shuffle (torch.Generator), independent of global RNG.
+        seed: seeds the per-epoch shuffle (torch.Generator), independent of global RNG, and the
+            update's global-RNG draws (``update_rng``: LoRA / model dropout).
         packing: each micro-batch is one packed row without padding (``build_packed_batch``;
             with vision inputs, per-sequence M-RoPE positions); the same loss up to float rounding.
         progress: optional callable(done, total) after each micro-batch (``train_steps``).
@@ -297,20 +334,21 @@ def ppo_update(
         T = batch.num_actions
         mask = (batch.action_mask & data.action_mask(idx, T)
                 & torch.tensor([data.included(i) for i in idx], dtype=torch.bool)[:, None])
-        policy_mask, weights = mask, None
+        policy_mask, weights, entropy_weights = mask, None, None
         if keep is not None:
             kept = padded(keep, idx, T).bool()
             policy_mask = mask & kept
             if kept_norm:
                 mask = policy_mask
             else:
-                weights = kept.float()
+                weights = entropy_weights = kept.float()
         if correction is not None:
             policy_mask = policy_mask & padded(correction.keep, idx, T).bool()
             cw = padded(correction.weights, idx, T)
             weights = cw if weights is None else weights * cw
         mask, policy_mask = mask.to(device), policy_mask.to(device)
         weights = weights.to(device) if weights is not None else None
+        entropy_weights = entropy_weights.to(device) if entropy_weights is not None else None
         old = pad_float([data.old_logprobs[i] for i in idx], T).to(device)
         adv = pad_float([data.advantages[i] for i in idx], T).to(device)
         logprobs, entropy = response_logprobs(strategy.model, batch, temperature=temperature, with_entropy=entropy_coef > 0)
@@ -318,8 +356,8 @@ def ppo_update(
         agg = norm.as_kwargs()
         pg = agg_fn(out.token_loss, mask, **agg)
         loss = pg
-        if entropy_coef > 0:
-            bonus = entropy if keep is None or kept_norm else entropy * policy_mask.to(entropy.dtype)
+        if entropy_coef > 0:  # e_t * H_t: the filter's tokens, never the correction's weights or mask (module doc)
+            bonus = entropy if entropy_weights is None else entropy * entropy_weights.to(entropy.dtype)
             loss = loss - entropy_coef * agg_fn(bonus, mask, **agg)
         stats = {"policy_loss": float(pg.detach()), "clipped": float((out.clipped & policy_mask).sum()),
                  "approx_kl": float((0.5 * out.log_ratio.detach() ** 2)[policy_mask].sum()),
@@ -335,7 +373,7 @@ def ppo_update(
             stats["cpgd_drift"] = float(drift.detach())
         return loss, stats
 
-    with contextlib.nullcontext() if dropout else dropout_disabled(strategy.model):
+    with update_rng(seed, device), contextlib.nullcontext() if dropout else dropout_disabled(strategy.model):
         steps = train_steps(strategy, len(data), micro_step=micro_step,
                             stats=("policy_loss", "kl_loss", "cpgd_drift", "clipped", "approx_kl", "policy_tokens"),
                             normaliser=normaliser, epochs=epochs, train_batch_size=train_batch_size,

@@ -1,42 +1,103 @@
 """A weight sync between two processes on one GPU (``rft_core.workers.sync``'s plan and buckets):
 NCCL refuses two ranks on one GPU, so the sender shares its packed buckets as CUDA IPC handles
-and the receiver copies from them, as verl's and OpenRLHF's colocated modes do."""
+and the receiver copies from them, as verl's and OpenRLHF's colocated modes do.
+
+The handle names the GPU by its UUID, not by the sender's device index: two processes may number
+their GPUs differently (each its own ``CUDA_VISIBLE_DEVICES`` order), and torch's handle carries
+the sender's index, which the receiver would open on whatever GPU it numbers so (torch's own
+``rebuild_cuda_tensor``; the pending fix is pytorch PR 149248). As SGLang does
+(``sglang/srt/utils/patch_torch.py``, 0.5.23: ``_device_to_uuid`` / ``_device_from_maybe_uuid``),
+the 7th argument of torch's ``reduce_tensor`` answer (``storage_device``,
+``torch/multiprocessing/reductions.py``, torch 2.13) becomes the UUID, and the receiver maps it
+back to its own index of that GPU before torch's rebuild opens the handle. SGLang patches
+torch's reductions process-wide; here only the sync's own handles are rewritten.
+"""
 from __future__ import annotations
 
 import time
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from rft_core.workers.sync import SyncPlan, SyncReport, _pack, _unpack, check_fits, sync_checksum
+from rft_core.workers.sync import SyncPlan, SyncReport, WeightSyncError, _pack, _unpack, check_fits, sync_checksum
+
+_DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, storage_device, ...)
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device ``index`` (``torch.cuda.get_device_properties``)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_index(uuid: str) -> int:
+    """This process's index of the CUDA device with ``uuid``.
+
+    Raises:
+        WeightSyncError: no visible device has that UUID (the receiver does not see the
+            sender's GPU: its ``CUDA_VISIBLE_DEVICES`` leaves it out).
+    """
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(index) == uuid:
+            return index
+    raise WeightSyncError(f"CUDA IPC: the sender's GPU {uuid} is not visible to this process (its CUDA devices: "
+                          f"{[device_uuid(i) for i in range(torch.cuda.device_count())]}); a same-GPU sync needs "
+                          "both processes to see that GPU")
+
+
+def share_cuda_ipc(buffer: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
+    """The CUDA IPC handle of ``buffer`` (a CUDA tensor): torch's ``reduce_tensor`` answer
+    (rebuild function, arguments) with the device index replaced by the device's UUID."""
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(buffer)
+    return rebuild, (*args[:_DEVICE_ARG], device_uuid(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1:])
+
+
+def open_cuda_ipc(handle: tuple[Callable[..., torch.Tensor], tuple[Any, ...]]) -> torch.Tensor:
+    """The tensor of a ``share_cuda_ipc`` handle, opened on this process's index of its GPU.
+
+    Raises:
+        WeightSyncError: the GPU is not visible here (``device_index``).
+    """
+    rebuild, args = handle
+    device = args[_DEVICE_ARG]
+    if isinstance(device, str):
+        device = device_index(device)
+    return rebuild(*args[:_DEVICE_ARG], device, *args[_DEVICE_ARG + 1:])
 
 
 def export_cuda_ipc(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, device: torch.device | str) -> tuple[list, list]:
-    """Sender side of a sync between two processes on one GPU: pack ``tensors`` into the plan's
-    buckets on ``device`` and return (handles, buffers). ``handles`` (picklable, one per bucket:
-    ``torch.multiprocessing.reductions.reduce_tensor``) go to the receiver; the caller keeps
-    ``buffers`` alive until the receiver has imported them (``buffers_checksum(plan, buffers)``
-    is the checksum of the weights as sent).
+    """Sender side of a sync between two processes on one GPU: pack ``tensors`` (any device:
+    each is copied into its bucket) into the plan's buckets on the CUDA ``device`` and return
+    (handles, buffers). ``handles`` (picklable, one per bucket: ``share_cuda_ipc``) go to the
+    receiver; the caller keeps ``buffers`` alive until the receiver has imported them
+    (``buffers_checksum(plan, buffers)`` is the checksum of the weights as sent).
 
     Raises:
         WeightSyncError: the tensors do not fit the plan.
+        ValueError: ``device`` is not a CUDA device.
     """
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    check_fits(plan, tensors)
     device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"CUDA IPC exports from a CUDA device, got {device}")
+    check_fits(plan, tensors)
     buffers = [_pack(plan, tensors, i, device) for i in range(len(plan.bucket_sizes))]
     torch.cuda.synchronize(device)
-    return [reduce_tensor(b) for b in buffers], buffers
+    return [share_cuda_ipc(b) for b in buffers], buffers
 
 
 def import_cuda_ipc(handles: Iterable, target: Mapping[str, torch.Tensor], plan: SyncPlan) -> SyncReport:
-    """Receiver side of ``export_cuda_ipc``: open each bucket's handle and copy it into
-    ``target``; the report's digest is the ``sync_checksum`` of ``target`` after landing."""
+    """Receiver side of ``export_cuda_ipc``: open each bucket's handle on this process's index of
+    the sender's GPU (``open_cuda_ipc``) and copy it into ``target``; the report's digest is the
+    ``sync_checksum`` of ``target`` after landing.
+
+    Raises:
+        WeightSyncError: ``target`` does not fit the plan, or the sender's GPU is not visible here.
+    """
     check_fits(plan, target)
     t0 = time.perf_counter()
-    for i, (rebuild, args) in enumerate(handles):
-        _unpack(plan, rebuild(*args), i, target)
+    for i, handle in enumerate(handles):
+        _unpack(plan, open_cuda_ipc(handle), i, target)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),

@@ -51,6 +51,7 @@ from rft_core.workers.sync import (
     receive_weights,
     send_weights,
     state_tensors,
+    sync_device,
 )
 from schemas import PolicyRef
 
@@ -334,29 +335,35 @@ class ModelWorker:
     def send_weights(self, ref: PolicyRef, *, addr: str, port: int, dtype: str, backend: str,
                      world_size: int = 2) -> dict[str, Any]:
         """Rank 0 of the sync of ``ref`` (held after ``prepare_weights``) to ``world_size - 1``
-        receivers in ``dtype``: returns the sender's report (``checksum``, and the same value as
-        ``digest``, of the weights as sent)."""
+        receivers in ``dtype``, packed bucket by bucket on the backend's device
+        (``sync_device``: this rank's GPU for NCCL, wherever the weights are: DeepSpeed ZeRO-3
+        gathers them to the CPU); returns the sender's report (``checksum``, and the same value
+        as ``digest``, of the weights as sent). The other ranks of a DeepSpeed gang take part in
+        the gather and return ``{}``."""
         if self.version != version_key(ref):
             raise WeightSyncError(f"the policy worker holds {self.version}, not {version_key(ref)}")
         tensors = self._send_tensors()
         if tensors is None:  # a rank above 0: it took part in the gather, rank 0 sends
             return {}
         plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb)
-        device = next(iter(tensors.values())).device
+        # the backend's device, not the tensors': a ZeRO-3 export is on the CPU, NCCL sends from the GPU
         rep = send_weights(tensors, plan, addr=addr, port=port, backend=backend, timeout_s=self.sync_timeout_s,
-                           device=device, world_size=world_size)
+                           device=sync_device(backend), world_size=world_size)
         return {"checksum": rep.digest, "digest": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds,
                 "buckets": rep.buckets}
 
     def export_weights(self, ref: PolicyRef, *, dtype: str) -> dict[str, Any]:
-        """CUDA IPC handles of ``ref``'s weights in ``dtype`` for a receiver on the same GPU
-        (``release_export`` frees the buffers once it has copied them)."""
+        """CUDA IPC handles of ``ref``'s weights in ``dtype`` for a receiver on the same GPU,
+        packed on this rank's GPU (``sync_device("nccl")``: a ZeRO-3 export is on the CPU);
+        ``release_export`` frees the buffers once it has copied them. Under DeepSpeed every rank
+        takes part in the gather and the ranks above 0 return ``{}`` (rank 0 exports)."""
         if self.version != version_key(ref):
             raise WeightSyncError(f"the policy worker holds {self.version}, not {version_key(ref)}")
         tensors = self._send_tensors()
+        if tensors is None:  # a rank above 0: it took part in the gather, rank 0 exports
+            return {}
         plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb)
-        device = next(iter(tensors.values())).device
-        handles, self._ipc_buffers = export_cuda_ipc(tensors, plan, device)
+        handles, self._ipc_buffers = export_cuda_ipc(tensors, plan, sync_device("nccl"))
         return {"handles": handles, "digest": buffers_checksum(plan, self._ipc_buffers), "bytes": plan.payload_bytes}
 
     def release_export(self) -> None:
@@ -455,6 +462,10 @@ class ModelWorker:
     def _sync_group(self, ref: PolicyRef, ready: dict, target: dict, plan: SyncPlan):
         """Receive ``ref`` over a two-rank process group while the policy worker sends it."""
         kw = {"addr": ready["addr"], "port": ready["port"], "dtype": self.model_dtype, "backend": ready["backend"]}
+        device = next(iter(target.values())).device
+        if kw["backend"] == "nccl" and device.type != "cuda":  # before the sender starts and waits for us
+            raise WeightSyncError(f"weight sync of {version_key(ref)}: the policy worker sends over NCCL from its GPU but "
+                                  f"this {self.role} worker's model is on {device}: give the {self.role} role a GPU")
         import ray
 
         futs = self._call_async("send_weights", ref, **kw)

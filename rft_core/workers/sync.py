@@ -26,6 +26,24 @@ One transaction moves every tensor of a model's ``state_dict`` in the receiver's
    gloo and in one CPU process hashlib's sha256 on the host (twice as fast on a CPU); the
    caller compares them. ``weights_digest`` (sha256 on the host) is what commits record.
 
+Devices. The backend, not the tensors, decides where a transaction's buffers live
+(``sync_device``): NCCL moves CUDA tensors only (``ProcessGroupNCCL`` refuses CPU ones: "Tensors
+must be CUDA and dense"), so over NCCL every bucket is packed on the rank's current CUDA device,
+whatever device the weights come from (DeepSpeed ZeRO-3's consolidated state dict is on the
+CPU: ``param.detach().cpu()`` in deepspeed/runtime/engine.py, 0.19.8); gloo packs on the CPU.
+Only one bucket at a time is on the device, as OpenRLHF's and verl's ZeRO-3 broadcasts (one
+``GatheredParameters`` at a time) keep it. A CPU device for NCCL is refused before anyone meets.
+
+Failures under NCCL. ``ProcessGroupNCCL``'s ``Work.wait()`` does not block the CPU by default,
+and its watchdog thread tears the whole process down when a collective fails or times out
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 3, torch 2.13). The sync's own NCCL group is therefore
+built with ``TORCH_NCCL_BLOCKING_WAIT=1`` (read once by the group's constructor; set only around
+it, so no other group of the process changes): no watchdog runs for it, ``wait()`` blocks the
+CPU and raises ``DistBackendError`` after ``timeout_s``, which becomes ``WeightSyncError``. The
+one wait not covered is NCCL's communicator setup at the first collective (``ncclCommInitRank``
+blocks while a peer that met at the rendezvous never arrives); the Ray-level ``sync_timeout_s``
+of the caller bounds it.
+
 Two processes on one GPU cannot form an NCCL group (NCCL 2.28 refuses: "Duplicate GPU
 detected", docs/gpu.md); such a pair moves weights by CUDA IPC handles instead
 (``rft_core.workers.cuda_ipc``), as verl's and OpenRLHF's colocated modes do.
@@ -35,7 +53,9 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -43,6 +63,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from rft_core.models.hub import torch_dtype
+from rft_core.training.zero import collective_device
 from rft_core.workers.checksum import Checksum, checksum_method, combine, sync_checksum, word_sums  # noqa: F401 - re-exported
 
 
@@ -248,7 +269,38 @@ def _process_group(backend: str, addr: str, port: int, rank: int, timeout_s: flo
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    with _ENV_LOCK:  # the constructor reads the variable once: this group blocks, no other one changes
+        before = os.environ.get("TORCH_NCCL_BLOCKING_WAIT")
+        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+        try:
+            return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        finally:
+            if before is None:
+                del os.environ["TORCH_NCCL_BLOCKING_WAIT"]
+            else:
+                os.environ["TORCH_NCCL_BLOCKING_WAIT"] = before
+
+
+_ENV_LOCK = threading.Lock()
+
+
+def sync_device(backend: str) -> torch.device:
+    """Where the buffers of a transaction over ``backend`` live: this rank's current CUDA device
+    for ``nccl`` (``rft_core.training.zero.collective_device``), the CPU for ``gloo``."""
+    return collective_device(backend)
+
+
+def check_device(backend: str, device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``, refused when ``backend`` cannot move tensors there.
+
+    Raises:
+        ValueError: a non-CUDA device for ``nccl`` (``ProcessGroupNCCL`` takes CUDA tensors only).
+    """
+    device = torch.device(device)
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"weight sync over nccl from/to {device}: NCCL moves CUDA tensors only (ProcessGroupNCCL "
+                         "refuses CPU tensors); pack on the rank's GPU (sync_device('nccl')), or sync over gloo")
+    return device
 
 
 def _broadcast(pg, tensor: torch.Tensor, what: str, timeout_s: float) -> None:
@@ -325,18 +377,21 @@ def check_fits(plan: SyncPlan, tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: str, port: int, backend: str = "gloo",
-                 timeout_s: float = 300.0, device: torch.device | str = "cpu", world_size: int = 2) -> SyncReport:
-    """Rank 0 of a sync: broadcast ``tensors`` (cast to the plan's dtypes) bucket by bucket to
-    the ``world_size - 1`` receivers meeting at ``addr:port`` (``receive_weights`` /
-    ``receive_buckets``). Returns the sender's report, whose digest is the ``sync_checksum`` of
-    the weights as sent (computed on ``device`` from the packed buckets).
+                 timeout_s: float = 300.0, device: torch.device | str | None = None, world_size: int = 2) -> SyncReport:
+    """Rank 0 of a sync: broadcast ``tensors`` (cast to the plan's dtypes, on any device: each
+    is copied into the bucket being packed) bucket by bucket to the ``world_size - 1`` receivers
+    meeting at ``addr:port`` (``receive_weights`` / ``receive_buckets``). The buckets are packed
+    on ``device`` (None: ``sync_device(backend)``, the rank's GPU for NCCL). Returns the sender's
+    report, whose digest is the ``sync_checksum`` of the weights as sent (computed on ``device``).
 
     Raises:
+        ValueError: ``device`` is not one ``backend`` moves tensors from (``check_device``),
+            before anyone meets.
         WeightSyncError: the tensors do not fit the plan, a receiver's plan differs, a receiver
             failed to land a bucket, or a collective failed or timed out.
     """
+    device = check_device(backend, sync_device(backend) if device is None else device)
     check_fits(plan, tensors)
-    device = torch.device(device)
     t0 = time.perf_counter()
     pg = _process_group(backend, addr, port, 0, timeout_s, world_size)
     check = Checksum(plan.layout(), checksum_method(backend))
@@ -345,8 +400,9 @@ def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: s
         _broadcast(pg, header, "the plan check", timeout_s)
         bad = _failed_ranks(pg, 0, world_size, False, device, "the plan check", timeout_s)
         if bad:
-            raise WeightSyncError(f"weight sync: receiver rank(s) {bad} expect another layout than the sender's weights "
-                                  "(names, dtypes or shapes differ): is the engine's model the policy's architecture?")
+            raise WeightSyncError(f"weight sync: receiver rank(s) {bad} refused the sender's weights at the plan check "
+                                  "(another layout: names, dtypes or shapes differ; see their error): is the engine's "
+                                  "model the policy's architecture?")
         for i in range(len(plan.bucket_sizes)):
             buf = _pack(plan, tensors, i, device)
             _broadcast(pg, buf, f"bucket {i + 1}/{len(plan.bucket_sizes)}", timeout_s)
@@ -363,21 +419,24 @@ def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: s
 
 
 def _receive(plan: SyncPlan, *, addr: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
-             device: torch.device, land, check: Checksum | None = None) -> None:
+             device: torch.device, land, check: Checksum | None = None, refusal: str | None = None) -> None:
     """The receiving side of one transaction: calls ``land(index, buf)`` for each bucket as it
     arrives (a ``land`` that raises stops further landing, the transaction runs to its end and
     then fails on every rank), and adds every received tensor to ``check`` (None: the caller
-    checksums what landed)."""
+    checksums what landed). ``refusal``: this receiver refuses the plan (why): it fails the plan
+    check, so every rank stops before a bucket moves."""
     pg = _process_group(backend, addr, port, rank, timeout_s, world_size)
     error: BaseException | None = None
     try:
         header = torch.zeros(2, dtype=torch.int64, device=device)
         _broadcast(pg, header, "the plan check", timeout_s)
         mismatch = int(header[0]) != plan.fingerprint() or int(header[1]) != len(plan.bucket_sizes)
-        bad = _failed_ranks(pg, rank, world_size, mismatch, device, "the plan check", timeout_s)
+        bad = _failed_ranks(pg, rank, world_size, mismatch or refusal is not None, device, "the plan check", timeout_s)
         if mismatch:
             raise WeightSyncError("the sender's weights have another layout than the receiver's model (names, dtypes "
                                   "or shapes differ): is the engine's model the policy's architecture?")
+        if refusal is not None:
+            raise WeightSyncError(refusal)
         if bad:
             raise WeightSyncError(f"weight sync: rank(s) {bad} expect another layout than the sender's weights")
         for i, size in enumerate(plan.bucket_sizes):
@@ -409,12 +468,14 @@ def receive_weights(target: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr:
     ``target`` after landing (on ``target``'s device).
 
     Raises:
+        ValueError: ``target`` is on a device ``backend`` cannot move tensors to (``check_device``).
         WeightSyncError: ``target`` does not fit the plan, the sender's plan differs, or a
             collective failed or timed out (``target`` is then partly written: the caller must
             hold it as invalid).
     """
-    check_fits(plan, target)
     device = next(iter(target.values())).device if target else torch.device("cpu")
+    check_device(backend, device)
+    check_fits(plan, target)
     t0 = time.perf_counter()
     _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
              device=device, land=lambda i, buf: _unpack(plan, buf, i, target))
@@ -424,25 +485,28 @@ def receive_weights(target: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr:
 
 def receive_buckets(plan: SyncPlan, *, addr: str, port: int, rank: int = 1, world_size: int = 2, backend: str = "gloo",
                     timeout_s: float = 300.0, device: torch.device | str = "cpu",
-                    on_bucket: Callable[[list[tuple[str, torch.Tensor]]], Any]) -> SyncReport:
+                    on_bucket: Callable[[list[tuple[str, torch.Tensor]]], Any], refusal: str | None = None) -> SyncReport:
     """A receiver of a sync that holds no tensors of the plan's names (a vLLM worker, an SGLang
     engine): receive every bucket from ``send_weights`` onto ``device`` and call
     ``on_bucket([(name, tensor), ...])`` with the bucket's tensors as it lands (views into the
     bucket with the plan's dtype and shape, valid until ``on_bucket`` returns: it must copy
-    what it keeps). Returns the report, whose digest is the ``sync_checksum`` of the received
-    tensors (computed on ``device``).
+    what it keeps). ``refusal`` (the engine's check found that the plan does not fit its model):
+    this receiver fails the plan check with that message, so every rank stops before a bucket
+    moves. Returns the report, whose digest is the ``sync_checksum`` of the received tensors
+    (computed on ``device``).
 
     Raises:
-        WeightSyncError: the sender's plan differs, ``on_bucket`` raised (the transaction runs to
+        ValueError: ``device`` is not one ``backend`` moves tensors to (``check_device``).
+        WeightSyncError: the sender's plan differs, ``refusal`` was given, ``on_bucket`` raised (the transaction runs to
             its end first, so the sender and the other receivers fail at once too; the error
             names the bucket and chains ``on_bucket``'s exception), another rank failed, or a
             collective failed or timed out.
     """
-    device = torch.device(device)
+    device = check_device(backend, device)
     t0 = time.perf_counter()
     check = Checksum(plan.layout(), checksum_method(backend))
     _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
-             device=device, land=lambda i, buf: on_bucket(bucket_views(plan, buf, i)), check=check)
+             device=device, land=lambda i, buf: on_bucket(bucket_views(plan, buf, i)), check=check, refusal=refusal)
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
                       digest=check.hexdigest(), backend=backend)
 

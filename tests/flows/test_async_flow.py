@@ -1,7 +1,8 @@
 """Asynchronous RL on a fixed staleness schedule (issue 28, ``rollout.max_staleness``): with
 s = 1 the rollout of iteration k samples with the policy of iteration k-2's update and runs
 while iteration k-1's update trains; two fresh runs end with the same weights bit for bit; every
-rollout row records its policy version."""
+rollout row records its policy version. The rewards vary inside each group (``tests/varying.py``):
+each equality test first asserts non-zero advantages and policy loss in every iteration it compares."""
 from __future__ import annotations
 
 import datetime as dt
@@ -12,6 +13,7 @@ import pytest
 
 from schemas import read_manifest, read_shard, stage_uri
 from tests.flows.conftest import flow_cfg
+from tests.varying import REWARD, assert_training_signal
 
 
 def _weights(run_root) -> dict[str, str]:
@@ -28,8 +30,9 @@ def _window(uri: str) -> tuple[float, float]:
 def test_staleness_1_is_reproducible_and_records_versions(prefect_harness, tiny_model, tmp_path):
     from flows.train import train
 
-    extra = {"iterations": 3, "rollout.max_staleness": 1}
+    extra = {"iterations": 3, "rollout.max_staleness": 1, **REWARD}
     a = train(flow_cfg(tiny_model, tmp_path / "a", **extra))
+    assert_training_signal(tmp_path / "a", (1, 2, 3))
     b = train(flow_cfg(tiny_model, tmp_path / "b", **extra))
     assert _weights(tmp_path / "a") == _weights(tmp_path / "b") and _weights(tmp_path / "a")
     root = str(tmp_path / "a")
@@ -78,8 +81,9 @@ def test_staleness_2_resident_keeps_two_versions_and_equals_stage_mode(prefect_h
     pytest.importorskip("ray")
     from flows.train import train
 
-    extra = {"iterations": 4, "rollout.max_staleness": 2}
+    extra = {"iterations": 4, "rollout.max_staleness": 2, **REWARD}
     train(flow_cfg(tiny_model, tmp_path / "stage", **extra))
+    assert_training_signal(tmp_path / "stage", (1, 2, 3, 4))
     res = train(flow_cfg(tiny_model, tmp_path / "resident", **extra, **{"orchestration.workers": "resident",
                                                                         "checkpoint.every": 4}))
     for run in ("stage", "resident"):

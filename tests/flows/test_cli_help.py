@@ -66,7 +66,9 @@ def test_data_check_prints_the_report_and_exits_1_on_problems(tmp_path, tiny_mod
     good = tmp_path / "good.jsonl"
     good.write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = {"COLUMNS": "200", "NO_COLOR": "1"}
-    out = runner.invoke(app, ["data", "check", str(good), "--set", f"policy.path={tiny_model}"], env=env)
+    # math_verify: these rows carry no reasoning-gym label, which the default grader (dataset) needs, as rft train says
+    check = ["data", "check", str(good), "--set", f"policy.path={tiny_model}", "--set", "reward.grader=math_verify"]
+    out = runner.invoke(app, check, env=env)
     text = _plain(out.output)
     assert out.exit_code == 0, text
     assert "format:   jsonl" in text and "layout:   trl_conversational" in text
@@ -79,10 +81,10 @@ def test_data_check_prints_the_report_and_exits_1_on_problems(tmp_path, tiny_mod
     # one blank answer and a mapping of the config: every problem listed, exit code 1
     rows[3]["solution"] = ""
     good.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = runner.invoke(app, ["data", "check", str(good), "--set", f"policy.path={tiny_model}"], env=env)
+    out = runner.invoke(app, check, env=env)
     assert out.exit_code == 1 and f"{good} line 4 (row 3): no answer (column 'solution'" in _plain(out.output)
     assert "FAILED: 1 bad row(s), 1 problem(s)" in _plain(out.output)
-    out = runner.invoke(app, ["data", "check", str(good), "--set", f"policy.path={tiny_model}", "--set",
+    out = runner.invoke(app, [*check, "--set",
                               "data.source=files", "--set", "data.path=x", "--set", "data.columns.answer=label"], env=env)
     assert out.exit_code == 1 and "data.columns.answer names column 'label', which is not in the file" in _plain(out.output)
 

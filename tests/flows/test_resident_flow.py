@@ -1,7 +1,8 @@
 """Resident workers through the training flow on a local Ray (issue 27): 3 iterations with
 ``orchestration.workers=resident`` and ``checkpoint.every=3`` end with the weights of 3
 iterations in stage mode; after its first iteration the resident run reads no model from
-storage and builds no engine; the workers end with the run."""
+storage and builds no engine; the workers end with the run. The rewards vary inside each group
+(``tests/varying.py``): each test first asserts non-zero advantages and policy loss."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ pytest.importorskip("ray")
 
 from schemas import ShardRef, read_manifest, stage_uri  # noqa: E402
 from tests.flows.conftest import flow_cfg  # noqa: E402
+from tests.varying import REWARD, assert_training_signal  # noqa: E402
 
 
 def _final_files(result) -> dict[str, str]:
@@ -23,9 +25,10 @@ def test_resident_every_3_equals_stage_every_1(prefect_harness, tiny_model, tmp_
     from flows.train import train
     from rft_core.workers.pool import NAMESPACE, actor_name
 
-    stage = train(flow_cfg(tiny_model, tmp_path / "stage", iterations=3))
-    cfg = flow_cfg(tiny_model, tmp_path / "resident", iterations=3, **{"orchestration.workers": "resident",
-                                                                       "checkpoint.every": 3})
+    stage = train(flow_cfg(tiny_model, tmp_path / "stage", iterations=3, **REWARD))
+    assert_training_signal(tmp_path / "stage", (1, 2, 3))
+    cfg = flow_cfg(tiny_model, tmp_path / "resident", iterations=3, **REWARD, **{"orchestration.workers": "resident",
+                                                                                 "checkpoint.every": 3})
     resident = train(cfg)
     assert _final_files(resident) == _final_files(stage) and _final_files(stage)
     for it in (1, 2):  # between checkpoints: the experience and update shards, no weights
@@ -46,15 +49,15 @@ def test_resident_every_3_equals_stage_every_1(prefect_harness, tiny_model, tmp_
     assert ShardRef.from_manifest(stage_uri(cfg.run_root, 3, "ppo_update-optimizer")).stage == "optimizer_state"
 
 
-def test_resident_critic_keeps_its_model_and_commits_stage_modes_files(prefect_harness, tiny_model, tmp_path,
-                                                                        fake_rewards):
+def test_resident_critic_keeps_its_model_and_commits_stage_modes_files(prefect_harness, tiny_model, tmp_path):
     """PPO with a critic (gae), 3 iterations: the resident critic worker computes the values on
     the critic it trained and continues its AdamW state in memory; every critic file and values
     shard, and the final policy, equal stage mode's, and after iteration 1 nothing is loaded."""
     from flows.train import train
 
-    gae = {"advantage.estimator": "gae", "advantage.gae_lambda": 0.9, "critic.lr": 1e-2}
+    gae = {"advantage.estimator": "gae", "advantage.gae_lambda": 0.9, "critic.lr": 1e-2, **REWARD}
     stage = train(flow_cfg(tiny_model, tmp_path / "stage", iterations=3, **gae))
+    assert_training_signal(tmp_path / "stage", (1, 2, 3))
     cfg = flow_cfg(tiny_model, tmp_path / "resident", iterations=3, **gae,
                    **{"orchestration.workers": "resident", "checkpoint.every": 3})
     resident = train(cfg)

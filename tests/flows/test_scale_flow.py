@@ -9,6 +9,7 @@ import torch
 from rft_core.models.loading import load_causal_lm
 from schemas import read_manifest
 from tests.flows.conftest import flow_cfg
+from tests.varying import REWARD, assert_training_signal
 
 
 def _hashes(root: Path, stage: str) -> dict[str, str]:
@@ -25,13 +26,14 @@ class _Collect(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_subprocess_runners_commit_what_the_in_process_flow_commits(prefect_harness, tiny_model, tmp_path, fake_rewards):
+def test_subprocess_runners_commit_what_the_in_process_flow_commits(prefect_harness, tiny_model, tmp_path):
     from flows.train import train
 
     sub = {"mode": "subprocess"}
-    base = flow_cfg(tiny_model, tmp_path / "inproc", iterations=1)
+    base = flow_cfg(tiny_model, tmp_path / "inproc", iterations=1, **REWARD)
     a = train(base)
-    cfg = flow_cfg(tiny_model, tmp_path / "sub", iterations=1,
+    assert_training_signal(a.run_root, (1,))  # rewards vary in each group: the update has a policy gradient
+    cfg = flow_cfg(tiny_model, tmp_path / "sub", iterations=1, **REWARD,
                    runners={"rollout": sub, "actor_logprobs": sub, "ref_logprobs": sub, "ppo_update": sub})
     collect = _Collect()
     task_logger = logging.getLogger("prefect.task_runs")  # prefect's loggers do not propagate to caplog

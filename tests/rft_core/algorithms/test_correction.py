@@ -111,8 +111,9 @@ def test_sequence_mask_uses_the_product_ratio():
 def test_weights_are_detached():
     old, rollout = _case()
     old = torch.where(MASK, old, torch.zeros_like(old)).requires_grad_(True)
-    for mode in ROLLOUT_CORRECTIONS:
-        assert not rollout_correction(old, rollout, MASK, mode=mode, cap=5.0, low=0.1).weights.requires_grad
+    for mode in ROLLOUT_CORRECTIONS:  # mode none weighs nothing: it comes with a rejection mask
+        rejection = {"rejection": "token_k3", "rejection_cap": 1.0} if mode == "none" else {}
+        assert not rollout_correction(old, rollout, MASK, mode=mode, cap=5.0, low=0.1, **rejection).weights.requires_grad
 
 
 def test_bad_input_errors():

@@ -237,8 +237,9 @@ def test_optimal_token_baseline_against_the_loop_and_verl():
         r = torch.tensor(case["rewards"], dtype=D)
         lp, spi2 = torch.tensor(case["old_logprobs"], dtype=D), torch.tensor(case["sum_pi_squared"], dtype=D)
         w = None if case["rollout_is_weights"] is None else torch.tensor(case["rollout_is_weights"], dtype=D)
+        # verl b178a3cd's default handle_zero_tail=False (True since verl PR #5380: test_estimators_2026.py)
         adv, ret = optimal_token_baseline_advantages(r, _groups(case["group"]), mask, old_logprobs=lp, sum_pi_squared=spi2,
-                                                     rollout_is_weights=w)
+                                                     rollout_is_weights=w, handle_zero_tail=False)
         tr = [[(case["rewards"][i] if t == n - 1 else 0.0) for t in range(case["T"])] for i, n in enumerate(case["lengths"])]
         loop_adv, loop_ret = _otb_loop(tr, mask.tolist(), case["group"], case["old_logprobs"], case["sum_pi_squared"],
                                        case["rollout_is_weights"])

@@ -227,11 +227,13 @@ def test_kl_after_normalisation_errors():
 # ---------------------------------------------------------------- estimator metadata
 def test_estimator_info_flags():
     names = ADVANTAGE_ESTIMATORS.names()
+    otb = {"optimal_token_baseline", "tir_optimal_token_baseline"}
     assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).token_level} == {"reinforce", "reinforce_baseline", "gae",
-                                                                              "remax", "optimal_token_baseline"}
+                                                                              "remax"} | otb
     assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).needs_critic} == {"gae"}
     assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).greedy_baseline} == {"remax"}
-    assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).needs_sum_pi_squared} == {"optimal_token_baseline"}
+    assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).needs_sum_pi_squared} == otb
+    assert {n for n in names if ADVANTAGE_ESTIMATORS.info(n).needs_reward_sources} == {"gdpo"}
 
 
 @pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
@@ -244,8 +246,12 @@ def test_group_baseline_flag_matches_the_formula(name):
     if ADVANTAGE_ESTIMATORS.info(name).greedy_baseline:  # a greedy response of reward 0.5: not a group statistic
         kw["reward_baselines"] = torch.full((4,), 0.5, dtype=D)
     tol = 1e-9
-    if ADVANTAGE_ESTIMATORS.info(name).needs_sum_pi_squared:  # OTB: A = G eps / (sum W + eps), zero up to its eps 1e-8
+    if ADVANTAGE_ESTIMATORS.info(name).needs_sum_pi_squared:
+        # OTB: A = G eps / (sum W + eps) up to the second-longest length, but the longest response of a group
+        # (row 0, 3 tokens vs 2) has baseline 0 past it (handle_zero_tail): A = G = 1 at its last token
         kw |= {"old_logprobs": torch.full((4, 3), math.log(0.5), dtype=D), "sum_pi_squared": torch.full((4, 3), 0.3, dtype=D)}
         tol = 1e-7
+    if ADVANTAGE_ESTIMATORS.info(name).needs_reward_sources:  # GDPO: one source, the reward itself
+        kw["source_rewards"] = {"r": rewards}
     adv, _ = ADVANTAGE_ESTIMATORS[name](rewards, groups, mask, **kw)
     assert bool((adv.abs() < tol).all()) == ADVANTAGE_ESTIMATORS.info(name).group_baseline

@@ -1,5 +1,6 @@
 """``check_data``: detected format and mapping, row count, prompts rendered as the policy sees
-them, and every problem of a full scan, as an object and as text."""
+them, and every problem the column checks of ``rft train`` find (issue 38: the same checks, the
+same messages), as an object and as text."""
 from __future__ import annotations
 
 import json
@@ -71,3 +72,36 @@ def test_tokenizer_given_as_a_model_path(tmp_path, tok, tiny_model):
     (tmp_path / "a.jsonl").write_text(json.dumps({"question": "q0", "answer": "0"}) + "\n")
     by_path = check_data(tiny_model, path=str(tmp_path / "a.jsonl"))
     assert by_path.examples == check_data(tok, path=str(tmp_path / "a.jsonl")).examples and by_path.ok
+
+
+def test_check_config_data_runs_the_column_checks_of_rft_train(tmp_path, tiny_model):
+    """What the graders of the config read is checked as `rft train` checks it, with its texts:
+    a label without a reward recipe (which the per-row scan `rft data check` ran before let pass),
+    a struct answer a text-comparing grader cannot read, and a bad row."""
+    from rft_core.config import load_config
+    from rft_core.data.check import check_config_data
+    from rft_core.data.validate import DataValidationError, validate_run_data
+
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1), "data_source": "gsm8k"} for i in range(4)]
+    rows[1]["data_source"], rows[2]["answer"] = "other", " "
+    p = tmp_path / "l.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, {"policy.path": tiny_model, "run_root": str(tmp_path / "run"), "data.source": "files",
+                             "data.path": str(p), "reward.sources": {"em": {"type": "exact_match"}},
+                             "reward.recipes": {"gsm8k": [{"source": "em"}]}})
+    with pytest.raises(DataValidationError) as err:
+        validate_run_data(cfg, use_cache=False)
+    want = [f"{p} line 2 (row 1) column 'data_source': a label without a reward recipe (recipes: gsm8k; "
+            "reward.default_recipe is not set)", f"{p} line 3 (row 2): no answer (column 'answer' is ' ')"]
+    assert err.value.report.problems == want
+    r = check_config_data(cfg)
+    assert (r.rows, r.bad_rows, r.problems, r.ok) == (4, 2, want, False)
+    assert [e.where for e in r.examples] == [f"{p} line 1 (row 0)", f"{p} line 4 (row 3)"]  # the good rows
+    assert render_report(r).endswith("FAILED: 2 bad row(s), 2 problem(s)")
+    # a whole column the grader cannot read: the file problem of rft train, first
+    pq.write_table(pa.table({"question": ["q0", "q1"], "answer": [{"v": 1}, {"v": 2}], "data_source": ["gsm8k"] * 2}),
+                   tmp_path / "s.parquet")
+    s = check_config_data(cfg, str(tmp_path / "s.parquet"))
+    assert s.bad_rows == 0 and s.problems[0] == (f"{tmp_path}/s.parquet: column 'answer' (used as answer) has type "
+                                                 "struct<v: int64>: the grader compares the answer as text: give text, "
+                                                 "a number, a bool or chat messages") and not s.ok

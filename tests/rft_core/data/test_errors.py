@@ -27,7 +27,8 @@ def _raises(match, fn, *args, **kw):
 def test_missing_columns_and_bad_mappings(tmp_path):
     p = _jsonl(tmp_path / "d.jsonl", [{"question": "q", "label": "1"}])
     _raises(re.escape(f"{p}: no answer column (looked for ['reward_model.ground_truth', 'answer', 'solution', "
-                      "'ground_truth', 'completion']); the file has ['question', 'label']; map one with data.columns.answer"),
+                      "'ground_truth', 'completion', 'Answer']); the file has ['question', 'label']; map one with "
+                      "data.columns.answer"),
             open_data, p)
     _raises(re.escape(f"{p}: data.columns.answer names column 'meta.label', which is not in the file; "
                       "columns: ['question', 'label']"), open_data, p, columns={"answer": "meta.label"})
@@ -143,3 +144,35 @@ def test_bad_paths_formats_and_sources(tmp_path):
     _raises(re.escape(f"{tmp_path}/empty.csv: no rows"), FileDataset, str(tmp_path / "empty.csv"))
     _raises("exactly one of data.path and data.sources", open_data)
     _raises(re.escape("data.sources[0]: needs 'path'; unknown key(s) ['wieght']"), open_data, sources=[{"path": "a", "wieght": 1}])
+
+
+def test_every_open_error_names_the_config_key_of_its_path(tmp_path):
+    """Issue 38: the held-out file of configs/grpo_my_data.yaml, missing, was reported as
+    `data.path 'examples/data/arith_test.jsonl': no such file or folder`; each error now names the
+    key the path came from (data.path, eval.path, data.sources[k].path), for a missing path and for
+    a file that opens but cannot be read."""
+    from rft_core.config import load_config
+    from rft_core.data.mixture import data_fingerprint, heldout_fingerprint, open_data_config
+
+    good = _jsonl(tmp_path / "good.jsonl", [{"question": "q", "answer": "1"}])
+    (tmp_path / "broken.jsonl").write_text('{"question": "q", "answer": "1"}\n{"question": \n')
+    broken = str(tmp_path / "broken.jsonl")
+    missing = str(tmp_path / "arith_test.jsonl")
+    cfg = load_config(None, {"data.source": "files", "data.path": good, "eval.path": missing})
+    _raises(f"^{re.escape(f'eval.path {missing!r}: no such file or folder')}$", heldout_fingerprint, cfg.data, cfg.eval)
+    _raises(f"^{re.escape(f'eval.path {missing!r}: no such file or folder')}$", FileDataset, missing, key="eval.path")
+    _raises(f"^{re.escape(f'data.path {missing!r}: no such file or folder')}$", open_data, missing)
+    _raises(f"^{re.escape(f'eval.path: {broken} line 2 (row 1): not valid JSON')}", FileDataset, broken, key="eval.path")
+    _raises(f"^{re.escape(f'data.path: {broken} line 2 (row 1): not valid JSON')}", open_data, broken)
+    # a mixture: each source by its index, whether the flow fingerprints it or opens it
+    mix = load_config(None, {"data.source": "files", "data.sources": [{"path": good}, {"path": missing}]})
+    _raises(f"^{re.escape(f'data.sources[1].path {missing!r}: no such file or folder')}$", open_data_config, mix.data)
+    _raises(f"^{re.escape(f'data.sources[1].path {missing!r}: no such file or folder')}$", data_fingerprint,
+            sources=[{"path": good}, {"path": missing}])
+    _raises(f"^{re.escape(f'data.sources[0].path: {broken} line 2 (row 1): not valid JSON')}", open_data,
+            sources=[{"path": broken}, {"path": good}])
+    # the format key of a source is its own (falling back to data.format)
+    (tmp_path / "d.txt").write_text("x")
+    _raises(re.escape(f"data.sources[0].path '{tmp_path}/d.txt': cannot tell the format of '{tmp_path}/d.txt' from its "
+                      "extension; set data.sources[0].format (or data.format) to one of"),
+            open_data, sources=[{"path": str(tmp_path / "d.txt")}])

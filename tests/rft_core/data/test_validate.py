@@ -1,7 +1,7 @@
 """The whole dataset validated before a run starts (issue 30 item 1): every row of the data files
-(and of eval.path) checked column-wise, bad rows reported by file and 1-based JSON Lines line (or
-row index) with their column, at most 20 listed and all counted, nothing written on failure, and
-a passed validation remembered by the files' fingerprint."""
+(not eval.path, which training never reads: issue 38) checked column-wise, bad rows reported by
+file and 1-based JSON Lines line (or row index) with their column, at most 20 listed and all
+counted, nothing written on failure, and a passed validation remembered by the files' fingerprint."""
 from __future__ import annotations
 
 import json
@@ -270,19 +270,28 @@ def test_labels_without_a_reward_recipe(tmp_path):
         validate_run_data(_cfg(tmp_path, r, **recipes))
 
 
-def test_mixtures_and_the_heldout_file_are_validated_too(tmp_path):
+def test_mixtures_are_validated_and_the_heldout_file_is_left_to_rft_eval(tmp_path):
+    """Every source of a mixture is checked, each named by its config key; eval.path is not read
+    by a training run (the train flow runs no evaluation), so a bad or missing held-out file
+    does not stop it (issue 38: configs/grpo_my_data.yaml with one's own data.path)."""
     a = _jsonl(tmp_path / "a.jsonl", [_good(i) for i in range(3)])
     b = _jsonl(tmp_path / "b.jsonl", [_good(0), {"question": "q", "answer": None}])
     held = _jsonl(tmp_path / "held.jsonl", [_good(0), {"question": None, "answer": "1"}])
-    cfg = load_config(None, {"run_root": str(tmp_path / "run"), "data.source": "files",
-                             "data.sources": [{"path": a, "weight": 2}, {"path": b}], "eval.path": held})
+    mixture = {"run_root": str(tmp_path / "run"), "data.source": "files", "reward.grader": "math_verify",
+               "data.sources": [{"path": a, "weight": 2}, {"path": b}]}
     with pytest.raises(DataValidationError) as err:
-        validate_run_data(cfg)
-    assert err.value.report.problems == [f"{b} line 2 (row 1): no answer (column 'answer' is None)",
-                                         f"{held} line 2 (row 1): no prompt (column 'question' is null)"]
-    assert f"mixture of '{a}', '{b}' and eval.path '{held}'" in str(err.value)
-    # a generated task without eval.path: nothing to validate, nothing read
-    plain = load_config(None, {"run_root": str(tmp_path / "run2")})
+        validate_run_data(load_config(None, {**mixture, "eval.path": held}))
+    assert err.value.report.problems == [f"{b} line 2 (row 1): no answer (column 'answer' is None)"]
+    assert err.value.report.rows == 5  # the held-out file's rows are not among them
+    assert str(err.value).splitlines()[0].endswith(f"in data.sources[0].path '{a}', data.sources[1].path '{b}'")
+    # the same files, fixed: the run validates with a bad eval.path and with a missing one
+    b = _jsonl(tmp_path / "b.jsonl", [_good(0), _good(1)])
+    for eval_path in (held, str(tmp_path / "no-such-test.jsonl")):
+        report = validate_run_data(load_config(None, {**mixture, "eval.path": eval_path}), use_cache=False)
+        assert report.ok and report.rows == 5 and report.datasets == [f"data.sources[0].path '{a}', data.sources[1].path '{b}'"]
+    assert report.summary().startswith(f"data.sources[0].path '{a}', data.sources[1].path '{b}': all 5 rows valid")
+    # a generated task: nothing to validate, nothing read
+    plain = load_config(None, {"run_root": str(tmp_path / "run2"), "eval.path": held})
     assert validate_run_data(plain).ok and validate_run_data(plain).rows == 0
 
 

@@ -300,12 +300,15 @@ def test_update_runs_with_dropout_off_unless_asked(tiny_model):
     runs = {}
     for dropout in (False, True):
         for seed in (0, 1):
-            torch.manual_seed(seed)  # the dropout masks come from the global generator
+            torch.manual_seed(seed)  # the global generator's state before the update plays no part (update_rng)
             runs[dropout, seed], _ = _sgd_delta(tiny_model, data, model=_dropout_model(tiny_model), dropout=dropout)
     assert torch.equal(runs[False, 0], runs[False, 1])  # no randomness left in the update
     plain, _ = _sgd_delta(tiny_model, data)
     torch.testing.assert_close(runs[False, 0], plain, atol=1e-7, rtol=0)  # = the model without dropout
-    assert (runs[True, 0] - runs[True, 1]).abs().max() > 1e-4  # dropout on when asked for
+    assert (runs[True, 0] - plain).abs().max() > 1e-4  # dropout on when asked for
+    assert torch.equal(runs[True, 0], runs[True, 1])  # its masks drawn from the update's own seed
+    reseeded, _ = _sgd_delta(tiny_model, data, model=_dropout_model(tiny_model), dropout=True, seed=1)
+    assert (runs[True, 0] - reseeded).abs().max() > 1e-4  # another update seed, other masks
     # settings restored afterwards; LoRA's own dropout and nn.Dropout modules
     model = _dropout_model(tiny_model)
     seq = torch.nn.Sequential(torch.nn.Dropout(0.3), torch.nn.Linear(2, 2))

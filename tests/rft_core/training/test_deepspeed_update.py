@@ -33,6 +33,7 @@ from rft_core.training.strategy import (  # noqa: E402
 )
 from schemas import commit_files, read_manifest, read_shard, write_shard  # noqa: E402
 from schemas.columns import ADVANTAGES, CRITIC_VALUES, OPTIMIZER_STATE, ROLLOUT, policy_version_column, single_turn_columns  # noqa: E402
+from tests.varying import assert_shard_advantages_nonzero, assert_update_signal  # noqa: E402
 
 RUNNER = RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
 ITERATIONS = 3
@@ -81,6 +82,9 @@ def update_inputs(tiny_model, tmp_path_factory):
     with one_thread():  # the kernels of the ranks (OMP_NUM_THREADS=1)
         single = run_stage(PPOUpdateInput(rollout=r, advantages=a, policy=tiny_model, update=cfg, kl=KLConfig(),
                                           temperature=1.0, out=str(root / "single")))
+    # what every equality test below compares is a real policy-gradient update (issue 39)
+    assert_shard_advantages_nonzero(a)
+    assert_update_signal(single)
     return root, r, a, cfg, single
 
 

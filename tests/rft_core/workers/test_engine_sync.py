@@ -1,18 +1,20 @@
 """In-memory weight sync into the GPU engines (rft_core.workers.engine_sync, the vLLM worker
 extension, SGLang's update_weights_from_tensor) and the device-side checksum (sync_checksum).
 
-No GPU here: vLLM's workers are stand-ins running the real ``WeightReloadExtension`` code over a
-tiny HF model with vLLM's ``load_weights`` contract, called from a fake ``LLM.collective_rpc`` in
-threads (tensor parallel 2 = two receivers in one group); SGLang's engine is a stand-in whose
-``update_weights_from_tensor`` writes into a tiny model. The gloo process groups, the plans, the
-checksums and the engines' bookkeeping are the real ones; the sender runs ``send_weights`` in a
-thread."""
+No GPU here: vLLM and SGLang are the strict stand-ins of ``tests/standins`` (vLLM 0.33.0, SGLang
+0.5.23; what each copies is in its docstring): the engines hold fused (q/k/v, gate/up),
+tensor-parallel-sharded parameters loaded through their own ``load_weights`` from HF names,
+vLLM's executor keeps a reply queue per worker as ``multiproc_executor.py`` does, SGLang has its
+weight-update session and refuses a cache flush while requests run. The project's
+``WeightReloadExtension`` runs in the vLLM stand-in's workers (tensor parallel 2 = two receivers
+in one group). The gloo process groups, the plans, the checksums and the engines' bookkeeping are
+the real ones; the sender runs ``send_weights`` in a thread. Every message a test matches is the
+project's."""
 from __future__ import annotations
 
 import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +28,10 @@ from rft_core.workers.engine_sync import pull_into_engine
 from rft_core.workers import sync as sync_module
 from rft_core.workers.sync import (SyncPlan, WeightSyncError, buffers_checksum, free_port, receive_weights, send_weights,
                                    state_tensors, sync_checksum)
-from tests.rft_core.engines.fakes import HFBackedLLM, HFBackedSGLang, SamplingParams
+from tests.rft_core.engines.fakes import HFBackedLLM, SamplingParams
+from tests.standins import sglang as sglang_standin
+from tests.standins import vllm as vllm_standin
+from tests.standins.engine_model import to_hf
 
 BUCKET_MB = 0.05  # several buckets for the tiny model (its embedding gets one of its own)
 REF = "/policies/v1"  # a policy version (its key: "path:/policies/v1")
@@ -135,93 +140,29 @@ def test_one_sender_lands_the_same_bytes_in_two_receivers():
     assert sync_checksum(src) != sync_checksum(src, "sha256")
 
 
-# -- engines: fakes ----------------------------------------------------------------------------
-
-
-class VLLMStyleModel:
-    """An HF model behind vLLM's ``load_weights(weights) -> set[str]`` contract: a name must be a
-    parameter (vLLM: ``params_dict[name]``), a shape must match (``default_weight_loader``'s
-    assertion), a tied LM head is skipped (``AutoWeightsLoader(skip_prefixes=["lm_head."])``)."""
-
-    def __init__(self, hf):
-        self.hf = hf
-        self.calls = 0
-
-    def named_parameters(self):
-        return self.hf.named_parameters()
-
-    def load_weights(self, weights):
-        self.calls += 1
-        params, loaded = dict(self.hf.named_parameters()), set()
-        for name, w in weights:
-            if name.startswith("lm_head.") and self.hf.config.tie_word_embeddings:
-                continue
-            param = params[name]
-            assert param.size() == w.size(), f"Attempted to load weight ({w.size()}) into parameter ({param.size()})"
-            with torch.no_grad():
-                param.data.copy_(w)
-            loaded.add(name)
-        return loaded
-
-
-class FakeVLLMWorker(WeightReloadExtension):
-    """What vLLM's GPU worker gives the extension: ``rank``, ``device``, ``model_runner.model``."""
-
-    def __init__(self, hf, rank: int):
-        self.rank, self.device = rank, torch.device("cpu")
-        self.model_runner = SimpleNamespace(model=VLLMStyleModel(hf))
-
-
-class FakeLLM(HFBackedLLM):
-    """``vllm.LLM`` over tensor-parallel workers: ``collective_rpc`` runs the method on every
-    worker at once (threads) and answers one result per worker, raising a worker's error."""
-
-    def __init__(self, workers, tok):
-        super().__init__(workers[0].model_runner.model.hf, tok)
-        self.workers = workers
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        if method != "rft_receive_weights":
-            return super().collective_rpc(method, args, kwargs)
-        self.events.append(("collective_rpc", method))
-        with ThreadPoolExecutor(len(self.workers)) as ex:
-            futures = [ex.submit(getattr(w, method), *args, **(kwargs or {})) for w in self.workers]
-            return [f.result() for f in futures]
-
-
-class TensorSGLang(HFBackedSGLang):
-    """``sglang.Engine`` with ``update_weights_from_tensor(named_tensors, load_format, flush_cache)``
-    writing into its model; refuses an unknown name or shape as SGLang answers: (False, message)."""
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.events.append(("update_weights_from_tensor", len(named_tensors), flush_cache))
-        params = dict(self.hf.model.named_parameters())
-        for name, t in named_tensors:
-            if name not in params or params[name].shape != t.shape:
-                return False, f"Failed to update weights: {name} {tuple(t.shape)} does not fit the model", 0
-        with torch.no_grad():
-            for name, t in named_tensors:
-                params[name].copy_(t)
-        return True, "Succeeded to update model weights.", 0
+# -- engines: the strict stand-ins of tests/standins ------------------------------------------------
 
 
 class Sender:
     """The policy worker's side (``ModelWorker.prepare_weights`` / ``send_weights``) in threads."""
 
-    def __init__(self, model, *, show_up: bool = True):
-        self.tensors, self.show_up = state_tensors(model), show_up
+    def __init__(self, tensors, *, show_up: bool = True, dtype: str | None = None):
+        self.tensors = tensors if isinstance(tensors, dict) else state_tensors(tensors)
+        self.show_up, self.dtype = show_up, dtype  # dtype: send in this one, not the engine's
         self.pool = ThreadPoolExecutor(1)
+        self.futures: list = []
 
     def prepare(self, ref, dtype):
-        plan = SyncPlan.of(self.tensors, dtype=dtype, bucket_mb=BUCKET_MB)
+        plan = SyncPlan.of(self.tensors, dtype=self.dtype or dtype, bucket_mb=BUCKET_MB)
         return {"status": "ready", "addr": "127.0.0.1", "port": free_port(), "backend": "gloo", "plan": plan.to_json()}
 
     def send_async(self, ref, *, addr, port, dtype, backend, world_size):
         if not self.show_up:
             return None
-        plan = SyncPlan.of(self.tensors, dtype=dtype, bucket_mb=BUCKET_MB)
-        return self.pool.submit(send_weights, self.tensors, plan, addr=addr, port=port, backend=backend, timeout_s=20,
-                                world_size=world_size)
+        plan = SyncPlan.of(self.tensors, dtype=self.dtype or dtype, bucket_mb=BUCKET_MB)
+        self.futures.append(self.pool.submit(send_weights, self.tensors, plan, addr=addr, port=port, backend=backend,
+                                             timeout_s=20, world_size=world_size))
+        return self.futures[-1]
 
     @staticmethod
     def wait(future):
@@ -256,18 +197,27 @@ def _other_layout(tiny_model):
     return LlamaForCausalLM(cfg)
 
 
-def _vllm(tiny_model, tok, tp: int):
-    workers = [FakeVLLMWorker(load_causal_lm(tiny_model, dtype="bfloat16").eval(), rank) for rank in range(tp)]
-    llm = FakeLLM(workers, tok)
-    eos = HFEngine(workers[0].model_runner.model.hf, tok).eos_ids
-    return VLLMEngine("/base", eos_ids=eos, llm=llm, sampling_params=SamplingParams, dtype="bfloat16",
-                      tensor_parallel_size=tp), workers
+def _vllm(tiny_model, tok, tp: int, **kw):
+    """A ``VLLMEngine`` on the vLLM stand-in: ``tp`` workers (the project's worker extension mixed
+    in) holding ``tiny_model``'s checkpoint in bfloat16, fused and sharded."""
+    llm = vllm_standin.LLM(tiny_model, tok, tensor_parallel_size=tp, dtype=torch.bfloat16,
+                           extension=WeightReloadExtension)
+    return VLLMEngine(tiny_model, eos_ids=HFEngine(llm.hf.model, tok).eos_ids, llm=llm, sampling_params=SamplingParams,
+                      dtype="bfloat16", tensor_parallel_size=tp, **kw), llm
 
 
-def _equal_to_sent(hf, sender: Sender) -> bool:
-    got = state_tensors(hf)
-    return set(got) == set(sender.tensors) and all(
-        torch.equal(got[k], sender.tensors[k].to(got[k].dtype)) for k in got)
+def _shards(llm) -> list:
+    return [w.model_runner.model for w in llm.workers]
+
+
+def _holds(shards, tensors) -> bool:
+    """The engine's shards hold exactly ``tensors`` cast to bfloat16 (every HF tensor, nothing more)."""
+    got = to_hf(shards)
+    return set(got) == set(tensors) and all(torch.equal(got[k], tensors[k].to(torch.bfloat16)) for k in got)
+
+
+def _without(tensors, name):
+    return {k: v for k, v in tensors.items() if k != name}
 
 
 # -- vLLM -----------------------------------------------------------------------------------------
@@ -275,49 +225,111 @@ def _equal_to_sent(hf, sender: Sender) -> bool:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vllm_workers_receive_the_trainers_weights_bit_for_bit(tiny_model, tok, tp):
-    engine, workers = _vllm(tiny_model, tok, tp)
+    engine, llm = _vllm(tiny_model, tok, tp)
     sender = Sender(_policy(tiny_model, 1))
+    assert not _holds(_shards(llm), sender.tensors)  # the check below can fail: the engine starts elsewhere
+    loads = [s.loads for s in _shards(llm)]
     rep = sender.pull(engine)
     assert rep["status"] == "synced" and rep["buckets"] > 1 and rep["backend"] == "gloo"
-    assert all(_equal_to_sent(w.model_runner.model.hf, sender) for w in workers)
+    assert _holds(_shards(llm), sender.tensors)  # fused q/k/v and gate/up, sharded over tp workers
     cast = {k: v.to(torch.bfloat16) for k, v in sender.tensors.items()}
-    assert rep["checksum"] == sync_checksum(cast, "sha256") == sync_checksum(state_tensors(workers[0].model_runner.model.hf),
-                                                                             "sha256")  # gloo: checked on the host
-    assert all(w.model_runner.model.calls == rep["buckets"] for w in workers)  # one load_weights per bucket
-    assert engine.weights_version == f"path:{REF}" and engine.llm.events[-1] == ("reset_prefix_cache",)
+    assert rep["checksum"] == sync_checksum(cast, "sha256") == sync_checksum(to_hf(_shards(llm)), "sha256")
+    assert [s.loads - n for s, n in zip(_shards(llm), loads)] == [rep["buckets"]] * tp  # one load_weights per bucket
+    assert engine.weights_version == f"path:{REF}" and llm.events[-1] == ("reset_prefix_cache",)
     engine.generate([[1, 20, 30]], n_samples_per_prompt=1, max_new_tokens=2)
-    assert not any(e[1] == "rft_reload_weights" for e in engine.llm.events if e[0] == "collective_rpc")
+    assert not any(e[1] == "rft_reload_weights" for e in llm.events if e[0] == "collective_rpc")
 
 
-def test_vllm_sender_with_another_layout_fails_both_sides_and_invalidates_the_engine(tiny_model, tok):
-    engine, _ = _vllm(tiny_model, tok, 2)
+def test_vllm_refuses_a_sync_of_another_layout_on_every_worker_before_a_bucket_moves(tiny_model, tok):
+    engine, llm = _vllm(tiny_model, tok, 2)
+    before = to_hf(_shards(llm))
     sender = Sender(_other_layout(tiny_model))
-    futures = []
-    send = sender.send_async
-    sender.send_async = lambda *a, **k: futures.append(send(*a, **k)) or futures[-1]
-    mismatch = r"Attempted to load weight \(torch.Size\(\[32, 48\]\)\) into parameter \(torch.Size\(\[32, 64\]\)\)"
-    with pytest.raises(WeightSyncError, match=mismatch):
+    with pytest.raises(WeightSyncError, match=r"failed on worker\(s\) \[0, 1\]: WeightSyncError: the sync does not fit the "
+                                              r"VLLMEngine's model .*'model.layers.0.mlp.down_proj.weight' has shape "
+                                              r"\(32, 48\), the engine's model \(32, 64\)"):
         sender.pull(engine)
-    with pytest.raises(WeightSyncError, match=r"receiver rank\(s\) \[1, 2\] could not land"):
-        futures[0].result(timeout=30)
+    with pytest.raises(WeightSyncError, match=r"receiver rank\(s\) \[1, 2\] refused the sender's weights at the plan check"):
+        sender.futures[0].result(timeout=30)
+    assert all(torch.equal(before[k], v) for k, v in to_hf(_shards(llm)).items())  # nothing landed
     assert engine.weights_version is None
     with pytest.raises(WeightSyncError, match="invalid"):
         engine.generate([[1, 20]], n_samples_per_prompt=1, max_new_tokens=2)
     engine.load_policy(tiny_model)  # a checkpoint load makes it servable again
     engine.generate([[1, 20]], n_samples_per_prompt=1, max_new_tokens=2)
-    assert ("collective_rpc", "rft_reload_weights", (tiny_model,)) in engine.llm.events
+    assert ("collective_rpc", "rft_reload_weights", (tiny_model,)) in llm.events
 
 
-def test_vllm_sender_that_never_comes_fails_within_the_timeout(tiny_model, tok):
-    engine, _ = _vllm(tiny_model, tok, 2)
+@pytest.mark.parametrize("change", ["missing", "unexpected", "dtype"])
+def test_vllm_refuses_an_incomplete_or_mis_shaped_sync(tiny_model, tok, change):
+    """The project's check (``plan_refusal``) names what does not fit; nothing lands."""
+    engine, llm = _vllm(tiny_model, tok, 2)
+    tensors = state_tensors(_policy(tiny_model, 1))
+    if change == "missing":
+        tensors, want = _without(tensors, "model.norm.weight"), r"1 tensor\(s\) missing \['model.norm.weight'\]"
+    elif change == "unexpected":
+        tensors, want = {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1}, \
+            r"1 unexpected \['lm_head.weight'\]"
+    else:  # a sender that plans in another dtype than the engine's
+        want = r"'model.embed_tokens.weight' comes in float16, the engine runs in bfloat16"
+    before = to_hf(_shards(llm))
+    with pytest.raises(WeightSyncError, match=want):
+        Sender(tensors, dtype="float16" if change == "dtype" else None).pull(engine)
+    assert all(torch.equal(before[k], v) for k, v in to_hf(_shards(llm)).items())
+    assert engine.weights_version is None
+
+
+def test_vllm_workers_refuse_a_sync_that_leaves_a_parameter_out(tiny_model, tok):
+    """Below the project's plan check, the worker extension itself refuses a sync after which a
+    parameter of the vLLM model was never loaded (vLLM 0.33 only logs it: ``reload_weights``,
+    model_loader/reload/inplace.py), and answers its failure instead of raising it."""
+    _, llm = _vllm(tiny_model, tok, 2)
+    tensors = _without(state_tensors(_policy(tiny_model, 1)), "model.layers.1.post_attention_layernorm.weight")
+    plan, port = SyncPlan.of(tensors, dtype="bfloat16", bucket_mb=BUCKET_MB), free_port()
+    with ThreadPoolExecutor(1) as ex:
+        sent = ex.submit(send_weights, tensors, plan, addr="127.0.0.1", port=port, timeout_s=20, world_size=3)
+        answers = llm.collective_rpc("rft_receive_weights", args=(plan.to_json(), "127.0.0.1", port, 3, "gloo", 20.0))
+        with pytest.raises(WeightSyncError, match=r"rank\(s\) \[1, 2\] could not land"):
+            sent.result(timeout=30)
+    assert [a["ok"] for a in answers] == [False, False] and [a["rank"] for a in answers] == [0, 1]
+    assert all("1 parameter(s) of the vLLM model were not in the sync: "
+               "['model.layers.1.post_attention_layernorm.weight']" in a["error"] for a in answers)
+    assert all(q.empty() for q in llm.executor.responses)
+
+
+def test_vllm_failed_sync_leaves_no_reply_queued_for_the_next_call(tiny_model, tok):
+    """Finding 4 (issue 36): a sync that fails on every worker (the sender never comes) is read
+    to the end; vLLM's executor would otherwise leave worker 1's failure queued for the next
+    ``collective_rpc``, failing the sync after it."""
+    engine, llm = _vllm(tiny_model, tok, 2)
     t0 = time.perf_counter()
-    with pytest.raises(WeightSyncError, match="rendezvous"):
+    with pytest.raises(WeightSyncError, match=r"failed on worker\(s\) \[0, 1\]: WeightSyncError: weight sync rendezvous"):
         Sender(_policy(tiny_model, 1), show_up=False).pull(engine, timeout_s=1.5)
     assert time.perf_counter() - t0 < 15
+    assert all(q.empty() for q in llm.executor.responses)
     with pytest.raises(WeightSyncError, match="invalid"):
         engine.generate([[1, 20]], n_samples_per_prompt=1, max_new_tokens=2)
-    rep = Sender(_policy(tiny_model, 2)).pull(engine)  # the next sync lands
-    assert rep["status"] == "synced" and engine.weights_version == f"path:{REF}"
+    sender = Sender(_policy(tiny_model, 2))
+    rep = sender.pull(engine)  # the next sync lands
+    assert rep["status"] == "synced" and engine.weights_version == f"path:{REF}" and _holds(_shards(llm), sender.tensors)
+
+
+def test_vllm_synced_weights_survive_a_level_1_sleep(tiny_model, tok):
+    """Sleep mode after a sync: level 1 (the weights are on no storage) offloads them to the
+    CPU and the next ``generate`` wakes them back; a level-2 sleep would discard them, and the
+    engine then holds itself invalid."""
+    engine, llm = _vllm(tiny_model, tok, 2, enable_sleep_mode=True)
+    sender = Sender(_policy(tiny_model, 1))
+    sender.pull(engine)
+    engine.generate([[1, 20]], n_samples_per_prompt=1, max_new_tokens=2)
+    assert llm.events[-1] == ("sleep", 1) and all(w.asleep for w in llm.workers)
+    assert all(torch.isnan(p).all() for s in _shards(llm) for _, p in s.named_parameters())  # the GPU copy is gone
+    engine.generate([[1, 20]], n_samples_per_prompt=1, max_new_tokens=2)
+    assert llm.events[-4:] == [("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("generate", 1), ("sleep", 1)]
+    engine.wake_up()
+    assert _holds(_shards(llm), sender.tensors) and engine.weights_version == f"path:{REF}"
+    engine.sleep(level=2)
+    with pytest.raises(WeightSyncError, match="invalid"):
+        engine.generate([[1, 20]], n_samples_per_prompt=1, max_new_tokens=2)
 
 
 def test_storage_answer_and_lora_engines_move_nothing(tiny_model, tok):
@@ -328,7 +340,7 @@ def test_storage_answer_and_lora_engines_move_nothing(tiny_model, tok):
 
     rep = pull_into_engine(engine, REF, prepare=lambda ref, dtype: {"status": "storage"}, send_async=never, wait=never,
                            timeout_s=5, bucket_mb=BUCKET_MB)
-    assert rep == {"status": "storage"} and engine.weights_path == "/base"
+    assert rep == {"status": "storage"} and engine.weights_path == tiny_model
     engine.lora_request = ("lora", "/adapter", 1)
     with pytest.raises(ValueError, match="LoRA"):
         pull_into_engine(engine, REF, prepare=never, send_async=never, wait=never, timeout_s=5, bucket_mb=BUCKET_MB)
@@ -347,33 +359,91 @@ def test_a_checksum_the_sender_disagrees_with_invalidates_the_engine(tiny_model,
 # -- SGLang -------------------------------------------------------------------------------------------
 
 
-def _sglang(tiny_model, tok):
-    fake = TensorSGLang(load_causal_lm(tiny_model, dtype="bfloat16").eval(), tok)
-    return SGLangEngine("/base", eos_ids=HFEngine(fake.hf.model, tok).eos_ids, engine=fake, dtype="bfloat16"), fake
+def _sglang(tiny_model, tok, *, session=True, tp=1):
+    """An ``SGLangEngine`` on the SGLang stand-in (0.5.23 with ``session``, else an older release)."""
+    fake = sglang_standin.Engine(tiny_model, tok, tp_size=tp, dtype=torch.bfloat16, session=session)
+    return SGLangEngine(tiny_model, eos_ids=HFEngine(fake.hf.model, tok).eos_ids, engine=fake, dtype="bfloat16"), fake
 
 
-def test_sglang_engine_receives_the_trainers_weights_bit_for_bit(tiny_model, tok):
-    engine, fake = _sglang(tiny_model, tok)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sglang_sync_runs_inside_a_weight_update_session(tiny_model, tok, tp):
+    """Finding 2 (issue 36): SGLang 0.5.21+ answers success=False to an update outside
+    ``begin_weight_update()`` .. ``end_weight_update()``; every bucket lands inside one session."""
+    engine, fake = _sglang(tiny_model, tok, tp=tp)
     sender = Sender(_policy(tiny_model, 3))
+    assert not _holds(fake.shards, sender.tensors)
     rep = sender.pull(engine)
-    assert _equal_to_sent(fake.hf.model, sender)
-    assert rep["checksum"] == sync_checksum(state_tensors(fake.hf.model), "sha256") and rep["buckets"] > 1
-    updates = [e for e in fake.events if e[0] == "update_weights_from_tensor"]
-    assert len(updates) == rep["buckets"] and [e[2] for e in updates] == [False] * (len(updates) - 1) + [True]
+    assert _holds(fake.shards, sender.tensors)
+    assert rep["checksum"] == sync_checksum(to_hf(fake.shards), "sha256") and rep["buckets"] > 1
+    kinds = [e[0] for e in fake.events]
+    n = rep["buckets"]
+    assert kinds == ["begin_weight_update"] + ["update_weights_from_tensor"] * n + ["end_weight_update"]
+    assert [e[2] for e in fake.events[1:-1]] == [False] * (n - 1) + [True]  # the cache flushed once, at the end
     assert engine.weights_version == f"path:{REF}"
     engine.generate([[1, 20, 30]], n_samples_per_prompt=1, max_new_tokens=2)
     assert not any(e[0] == "update_weights_from_disk" for e in fake.events)
 
 
-def test_sglang_refusal_and_missing_sender_invalidate_the_engine(tiny_model, tok):
+def test_sglang_before_0_5_21_gets_the_updates_without_a_session(tiny_model, tok):
+    engine, fake = _sglang(tiny_model, tok, session=False)
+    sender = Sender(_policy(tiny_model, 3))
+    sender.pull(engine)
+    assert _holds(fake.shards, sender.tensors)
+    assert {e[0] for e in fake.events} == {"update_weights_from_tensor"}
+
+
+@pytest.mark.parametrize("change", ["missing", "unexpected", "shape"])
+def test_sglang_refuses_an_incomplete_or_mis_shaped_sync_before_sglang_sees_it(tiny_model, tok, change):
+    """SGLang itself would skip an unknown name, never notice a missing one, and die on a tensor
+    of another shape (the stand-in's ``SchedulerCrash``): the project's check refuses all three
+    at the plan check, names what does not fit, and the engine stays alive and untouched."""
     engine, fake = _sglang(tiny_model, tok)
-    with pytest.raises(WeightSyncError, match="does not fit the model"):
-        Sender(_other_layout(tiny_model)).pull(engine)
+    policy = _policy(tiny_model, 1)
+    tensors = state_tensors(policy)
+    if change == "missing":
+        tensors, want = _without(tensors, "model.layers.0.mlp.up_proj.weight"), \
+            r"1 tensor\(s\) missing \['model.layers.0.mlp.up_proj.weight'\]"
+    elif change == "unexpected":
+        tensors, want = {**tensors, "model.layers.0.self_attn.rotary.weight": torch.ones(4)}, \
+            r"1 unexpected \['model.layers.0.self_attn.rotary.weight'\]"
+    else:
+        tensors, want = state_tensors(_other_layout(tiny_model)), r"'model.layers.0.mlp.down_proj.weight' has shape"
+    before = to_hf(fake.shards)
+    sender = Sender(tensors)
+    with pytest.raises(WeightSyncError, match=r"the sync does not fit the SGLangEngine's model .*" + want):
+        sender.pull(engine)
+    with pytest.raises(WeightSyncError, match=r"receiver rank\(s\) \[1\] refused the sender's weights at the plan check"):
+        sender.futures[0].result(timeout=30)
+    assert not any(e[0] == "update_weights_from_tensor" for e in fake.events) and fake.dead is None
+    assert all(torch.equal(before[k], v) for k, v in to_hf(fake.shards).items())
     with pytest.raises(WeightSyncError, match="invalid"):
         engine.generate([[1, 20]], n_samples_per_prompt=1, max_new_tokens=2)
+    good = Sender(policy)
+    good.pull(engine)  # the session was never opened or was closed: the next sync lands
+    assert _holds(fake.shards, good.tensors)
+
+
+def test_sglang_refused_cache_flush_fails_the_sync_and_closes_the_session(tiny_model, tok):
+    """Requests still running when the last bucket asks for the flush: SGLang 0.5.23 answers
+    failure; the sync fails naming the bucket, the engine is invalid, the session is closed."""
+    engine, fake = _sglang(tiny_model, tok)
+    fake.running = 1
+    with pytest.raises(WeightSyncError, match=r"SGLang update_weights_from_tensor \(bucket (\d+)/\1\) failed"):
+        Sender(_policy(tiny_model, 1)).pull(engine)
+    assert fake.events[-1] == ("end_weight_update",) and engine.weights_version is None
+    fake.running = 0
+    sender = Sender(_policy(tiny_model, 2))
+    sender.pull(engine)
+    assert _holds(fake.shards, sender.tensors) and engine.weights_version == f"path:{REF}"
+
+
+def test_sglang_missing_sender_invalidates_the_engine_and_closes_the_session(tiny_model, tok):
+    engine, fake = _sglang(tiny_model, tok)
     with pytest.raises(WeightSyncError, match="rendezvous"):
         Sender(_policy(tiny_model, 1), show_up=False).pull(engine, timeout_s=1.5)
-    assert engine.weights_version is None
+    assert engine.weights_version is None and [e[0] for e in fake.events] == ["begin_weight_update", "end_weight_update"]
+    with pytest.raises(WeightSyncError, match="invalid"):
+        engine.generate([[1, 20]], n_samples_per_prompt=1, max_new_tokens=2)
 
 
 # -- make_engine inside a resident worker --------------------------------------------------------------
@@ -412,33 +482,39 @@ def test_make_engine_takes_the_weights_from_the_resident_worker(tiny_model, monk
 
 def test_resident_rollout_worker_syncs_its_vllm_engine_from_the_policy_actor(tiny_model, tok, tmp_path):
     """The real pieces around the engine: the policy worker is a Ray actor holding the trainer of
-    a committed update (run there by ``run_resident``); the rollout worker's ``engine_policy``
-    asks it for the plan in the engine's dtype, and the actor broadcasts over gloo into the two
+    a committed update (run there by ``run_resident``) trained on rewards that vary (so its
+    weights moved: non-zero advantages and a policy loss, asserted first); the vLLM engine starts
+    from another model of the same architecture. The rollout worker's ``engine_policy`` asks the
+    actor for the plan in the engine's dtype, and the actor broadcasts over gloo into the two
     tensor-parallel workers of the vLLM engine. The engine then holds the update's weights (cast
-    to bfloat16), once: asking again moves nothing."""
+    to bfloat16), every tensor of them, once: asking again moves nothing."""
     pytest.importorskip("ray")
-    from rft_core.config import WorkersConfig, load_config
+    from rft_core.config import WorkersConfig
     from rft_core.stages.runner import run_stage
     from rft_core.workers.pool import run_resident, stop_workers
     from rft_core.workers.resident import ModelWorker, version_key
     from tests.drive import drive
+    from tests.tiny import build_tiny_model
+    from tests.varying import assert_advantages_vary, assert_update_signal, assert_weights_moved, varying_config
 
-    cfg = load_config(None, ["data.prompts_per_iteration=2", "data.size=20", "rollout.n_samples_per_prompt=2",
-                             "rollout.max_new_tokens=4", "update.micro_batch_size=4", "iterations=1",
-                             f"policy.path={tiny_model}", f"run_root={tmp_path / 'run'}"])
-    workers = WorkersConfig(pool=str(tmp_path / "run"), threads=1)
+    root = tmp_path / "run"
+    cfg = varying_config(tiny_model, root, "iterations=1")
+    workers = WorkersConfig(pool=str(root), threads=1)
+    other = build_tiny_model(tmp_path / "other", seed=1)  # the engine's start: neither the initial nor the trained weights
     try:
         ref1 = drive(cfg, lambda inp: run_resident(inp, workers) if inp.program == "ppo_update" else run_stage(inp))
-        engine, vllm_workers = _vllm(tiny_model, tok, 2)
+        assert_advantages_vary(root, 1)
+        assert_update_signal(ref1)
+        assert_weights_moved(root, 1, tiny_model)
+        engine, llm = _vllm(other, tok, 2)
+        want = {k: v for k, v in load_causal_lm(f"{ref1.uri}/policy").state_dict().items() if k != "lm_head.weight"}
+        assert not _holds(_shards(llm), want)
         rollout = ModelWorker("rollout", workers.pool)
         rollout.engine_policy(engine, ref1)
         rollout.engine_policy(engine, ref1)
     finally:
         stop_workers(workers.pool)
-    want = load_causal_lm(f"{ref1.uri}/policy", dtype="bfloat16").state_dict()
-    for w in vllm_workers:
-        got = w.model_runner.model.hf.state_dict()
-        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert _holds(_shards(llm), want)
     assert engine.weights_version == version_key(ref1)
     assert [s["engine"] for s in rollout.syncs] == ["VLLMEngine"] and rollout.syncs[0]["backend"] == "gloo"
 

@@ -1,7 +1,9 @@
 """Resident workers in one process (``ModelWorker`` objects, no Ray): the same stage programs
 with models from memory give the weights and shards of stage mode, an update between
 checkpoints keeps its weights in memory only, a crash is recovered exactly from the last
-checkpoint, and a failed weight sync never leaves the engine serving half-updated weights."""
+checkpoint, and a failed weight sync never leaves the engine serving half-updated weights. Every
+run here has rewards that vary inside each group (``tests/varying.py``), and each equality test
+first asserts that the advantages and the policy loss of what it compares are not 0."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from rft_core.config import load_config
+from rft_core.models.loading import load_causal_lm
 from rft_core.stages.checkpoints import WeightlessPolicyError, policy_model_path
 from rft_core.workers import sync as sync_module
 from rft_core.workers.memory import COUNTS
@@ -19,8 +22,9 @@ from rft_core.workers.resident import ROLE_OF_PROGRAM, ModelWorker
 from rft_core.workers.sync import WeightSyncError
 from schemas import ShardRef, read_manifest, stage_uri
 from tests.drive import drive
+from tests.varying import assert_training_signal, reward_args
 
-BASE = ["data.prompts_per_iteration=4", "data.size=50", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12",
+BASE = [*reward_args(), "data.prompts_per_iteration=4", "data.size=50", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12",
         "rollout.batch_size=8", "kl.kl_coef=0.05", "update.lr=1e-3", "update.micro_batch_size=4", "update.epochs=2",
         "iterations=3"]
 
@@ -54,6 +58,7 @@ def stage_run(tiny_model, tmp_path_factory):
 
 def test_resident_every_3_ends_with_the_stage_mode_weights(stage_run, tiny_model, tmp_path):
     cfg_s, final_s = stage_run
+    assert_training_signal(cfg_s.run_root, (1, 2, 3))
     cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")
     pool = _pool()
     COUNTS.clear()
@@ -102,7 +107,8 @@ def test_a_weightless_update_is_refused_from_storage_and_chains_to_its_checkpoin
 def test_crash_after_two_iterations_recovers_exactly(stage_run, tiny_model, tmp_path):
     """New workers (a crash lost the first ones) rebuild the policy of iteration 2 from the
     initial model by re-applying the two committed updates, then finish with stage mode's weights."""
-    _, final_s = stage_run
+    cfg_s, final_s = stage_run
+    assert_training_signal(cfg_s.run_root, (1, 2, 3))
     cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")
     drive(cfg, _runner(_pool()), stop_after=2)
     COUNTS.clear()
@@ -131,6 +137,8 @@ def test_a_failed_sync_leaves_the_engine_without_a_version_until_one_lands(stage
     monkeypatch.setattr(sync_module, "_unpack", real)
     model = engine.inference_model(ref1, dtype="float32", role="policy")
     trainer = pool["policy"].held.strategy.model
+    initial = load_causal_lm(tiny_model).state_dict()
+    assert max((v - initial[k]).abs().max().item() for k, v in trainer.state_dict().items()) > 1e-4  # it trained
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), trainer.state_dict().values()))
 
 
@@ -162,6 +170,7 @@ def test_every_1_commits_the_same_files_and_manifests_as_stage_mode(stage_run, t
     stage-mode sha256; manifests differ only in timings and dates, and in the config hashes and
     input checksums that follow from them (an input's manifest checksum covers its timings)."""
     cfg_s, _ = stage_run
+    assert_training_signal(cfg_s.run_root, (1, 2, 3))
     cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident")
     drive(cfg, _runner(_pool()))
     for it in (1, 2, 3):
@@ -184,6 +193,7 @@ def test_lora_resident_every_3_equals_stage_mode(tiny_model, tmp_path):
     lora = ["update.lora.rank=4", "update.lora.alpha=8"]
     cfg_s = _cfg(tiny_model, tmp_path / "stage", *lora)
     final_s = drive(cfg_s)
+    assert_training_signal(cfg_s.run_root, (1, 2, 3))
     cfg = _cfg(tiny_model, tmp_path / "resident", *lora, "orchestration.workers=resident", "checkpoint.every=3")
     pool = _pool()
     final = drive(cfg, _runner(pool))
