@@ -25,10 +25,11 @@ PARTS = ("sigkill", "s3", "disk")
 def _table(rows) -> list[str]:
     ok = lambda b: "yes" if b else "**NO**"  # noqa: E731
     return [
-        "| target stage | iter | phase | kill after (s) | interrupted (iteration: stages) | partial files | committed | rerun ok | untouched | valid | same weights |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-        *[f"| {o.target} | {o.iteration} | {o.phase} | {o.delay} | {o.interrupted} | {'yes' if o.partial_files else 'no'} | "
-          f"{o.committed_before} | {ok(o.rerun_ok)} | {ok(o.committed_untouched)} | {ok(o.all_valid)} | {ok(o.same_weights)} |"
+        "| target stage | iter | phase | kill after (s) | landed (tries) | interrupted (iteration: stages) | partial files | committed | rerun ok | redone | untouched | valid | same weights |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *[f"| {o.target} | {o.iteration} | {o.phase} | {o.delay} | {ok(o.landed)} ({o.attempts}) | {o.interrupted} | "
+          f"{'yes' if o.partial_files else 'no'} | {o.committed_before} | {ok(o.rerun_ok)} | {ok(o.redone)} | "
+          f"{ok(o.committed_untouched)} | {ok(o.all_valid)} | {ok(o.same_weights)} |"
           for o in rows]]
 
 
@@ -36,7 +37,7 @@ def sigkill(d: Path, model: str, api: str, args) -> list[str]:
     from tests.faults import STAGE_ORDER, baseline_run, run_scenario, write_config
 
     config = write_config(d / "faults.yaml", model)
-    weights, durations = baseline_run(config, d / "baseline", api)
+    weights, timeline = baseline_run(config, d / "baseline", api)
     rng = random.Random(args.seed)
     targets = ([(s, 1, "compute") for s in STAGE_ORDER] + [(s, 1, "write") for s in STAGE_ORDER]
                + [("rollout", 2, "compute"), ("ppo_update", 2, "compute"), ("ppo_update", 2, "write"),
@@ -44,12 +45,12 @@ def sigkill(d: Path, model: str, api: str, args) -> list[str]:
     rows = []
     for target, it, phase in targets:
         for k in range(args.repeats):
-            rows.append(run_scenario(config, d / f"run-{target}-{it}-{phase}-{k}", target, it, durations, weights, api, rng,
+            rows.append(run_scenario(config, d / f"run-{target}-{it}-{phase}-{k}", target, it, timeline, weights, api, rng,
                                      phase=phase))
             print(rows[-1], flush=True)
     return [*SIGKILL_INTRO, *_table(rows), "",
             "Stage seconds in the uninterrupted run (iteration 1): "
-            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(durations.items())) + ".", "", *SIGKILL_OUTRO]
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(timeline.durations(1).items())) + ".", "", *SIGKILL_OUTRO]
 
 
 def s3(d: Path, model: str, api: str, args) -> list[str]:
@@ -65,9 +66,9 @@ def s3(d: Path, model: str, api: str, args) -> list[str]:
         s3fs.S3FileSystem.clear_instance_cache()
         server.client().create_bucket(Bucket="rft")
         config = write_config(d / "s3.yaml", model)
-        weights, durations = baseline_run(config, "s3://rft/baseline", api, env=env)
+        weights, timeline = baseline_run(config, "s3://rft/baseline", api, env=env)
         rng = random.Random(args.seed)
-        rows = [run_scenario(config, f"s3://rft/run-{t}-{p}", t, 1, durations, weights, api, rng, phase=p, env=env)
+        rows = [run_scenario(config, f"s3://rft/run-{t}-{p}", t, 1, timeline, weights, api, rng, phase=p, env=env)
                 for t, p in (("rollout", "compute"), ("rollout", "write"), ("ppo_update", "compute"), ("ppo_update", "write"),
                              ("ppo_update-optimizer", "write"))]
     finally:
@@ -202,15 +203,20 @@ def main() -> None:
 
 
 SIGKILL_INTRO = [
-    "Each row: a 2-iteration training (tiny random Llama, 4 prompts x 4 samples, KL on) runs as a",
-    "worker subprocess (`python -m flows.cli train`). Phase *compute*: once the target stage can",
-    "start (the stage before it committed), the driver waits a random time within 1.2x that",
-    "stage's measured duration; phase *write*: it waits until the stage takes its writer lock",
-    "(it is writing parts or checkpoint files) plus 0-20 ms. Then it sends SIGKILL to the",
-    "worker's process group, and runs the same command again. Fast stages often finish before",
-    "the kill lands; the *interrupted* column says where it really landed.",
+    "Each row: a 2-iteration training (tiny random Llama, 4 prompts x 4 samples, KL on, rewards that",
+    "vary inside each group: `tests/varying.py`) runs as a worker subprocess (`python -m flows.cli",
+    "train`). Phase *compute*: once the target stage can start (every stage it waits for committed),",
+    "the driver waits as long as the stage waited to start in the uninterrupted run plus a random",
+    "part (up to 85%) of its duration there, in the same iteration; phase *write*: it waits until",
+    "the stage takes its writer lock (it is writing parts or checkpoint files) plus 0-20 ms. Then",
+    "it sends SIGKILL to the worker's process group, and runs the same command again",
+    "(`tests/faults.py` `run_scenario`, which `tests/test_faults.py` runs on the same rows).",
     "",
-    "Columns: *interrupted* = the first iteration with uncommitted stages at the kill, and its first",
+    "Columns: *landed* = the committed manifests at the kill show it in the row's stage and",
+    "iteration (that stage uncommitted, every stage it waits for committed; a kill that would have",
+    "come after the stage committed is not sent, and the row starts again with a third of the",
+    "delay: *tries*); *redone* = the rerun committed that stage anew (a manifest written after the",
+    "kill); *interrupted* = the first iteration with uncommitted stages at the kill, and its first",
     "uncommitted stage in stage order (actor_logprobs, ref_logprobs and rewards run concurrently, so",
     "the kill may have hit any of them); \"computing, no files yet\" = the stage folder did not exist",
     "yet (a stage creates it only when it starts writing);",
@@ -219,7 +225,7 @@ SIGKILL_INTRO = [
     "committed file has the same mtime and sha256 after the rerun (files that checkpoint retention",
     "pruned on purpose, recorded in `_PRUNED.json`, excepted); *valid* = every shard of the run",
     "passes the validating reader; *same weights* = the final policy equals an uninterrupted run's",
-    "bit for bit.",
+    "bit for bit (what `tests/test_faults.py` asserts on each row).",
     "",
 ]
 SIGKILL_OUTRO = [
@@ -229,7 +235,7 @@ SIGKILL_OUTRO = [
     "writer lock of a dead worker (also a lock file it had created but not yet written), clears the",
     "interrupted stage's leftovers and redoes it. Seeds are fixed per iteration and stage; optimizer",
     "state, the KL coefficient and reward statistics are restored from the committed checkpoint and",
-    "manifests, so the resumed run is identical.",
+    "manifests, so the resumed run is identical (`tests/test_faults.py`).",
     "",
     "The policy's AdamW state is a stage of its own (`ppo_update-optimizer`), written in a background",
     "thread after `ppo_update` committed (`checkpoint.async_optimizer`). A kill during that write",
@@ -240,18 +246,24 @@ SIGKILL_OUTRO = [
 ]
 PROSE = """# Reliability: nothing lost at scale
 
-Each scenario below runs in CI, bounded in time (tiny models, loopback only); the measured
-sections (tables) are written by `benchmarks/reliability.py`, each with the command, date and
-machine load that produced it.
+Each scenario below has a test, named in its row, bounded in time (tiny models, loopback only).
+`make test` runs them in CI except the SIGKILL rows that do not fit CI's time, which
+`make test-faults-all` runs (each row below says which run where; e.g. `tests/test_faults_resident.py`
+runs 7 of its 11 rows in CI). Every SIGKILL row asserts that the kill was sent, that it landed in the
+stage and iteration the row names (from the committed manifests at the kill), and that the
+interrupted stage was redone. The measured sections (tables) are written by
+`benchmarks/reliability.py`, each with the command, date and machine load that produced it.
 
 | scenario | CI test | what must hold |
 |---|---|---|
-| SIGKILL inside every stage, local disk | `tests/test_faults.py` | rerun resumes; committed files untouched; final weights bit-identical |
+| SIGKILL inside every stage, local disk (CI: a kill while each stage computes, the update's checkpoint write in iterations 1 and 2, the optimizer state's background write, and 2 multi-turn rollouts; `make test-faults-all`: also the write phase of every stage and the rest of the table below) | `tests/test_faults.py` | rerun resumes; the interrupted stage redone; committed files untouched; final weights bit-identical to an uninterrupted run's |
 | `run_root: s3://...` (a real S3 server: moto, on 127.0.0.1) | `tests/test_object_storage.py`, `tests/schemas/test_object_store.py` | full training; SIGKILL in rollout and update then resume (same ETags); inspect, replay, eval, pandas and DuckDB read the bucket; manifest-last without renames; one of two writers commits |
 | bad storage: missing bucket, wrong credentials, unreachable endpoint, read-only bucket or folder | `tests/test_object_storage.py` | refused before any stage starts, naming the URI and the cause |
 | the Prefect API server dies during the rollout, comes back | `tests/flows/test_server_outage.py` | the flow run ends (continues, or fails loudly and a UI-style retry completes); stages committed before the outage untouched |
 | the disk fills up mid-run (a 64 MiB tmpfs) | `tests/test_disk_full.py` | the error names the stage, the run and the cause; no manifest for the partial stage; the previous checkpoint intact; the same command resumes once space is freed |
 | a flipped bit in a committed checkpoint or shard | `tests/test_corruption.py`, `tests/schemas/test_storage.py` | refused on resume naming the file; `repair` recomputes exactly that stage and what depends on it |
+| SIGKILL of the driver (in each of the 7 stages; CI runs the 5 that hold a model or sit between them, `make test-faults-all` all 7) or of a resident worker (in each of the 4 model stages: rollout, actor, reference, update; CI runs rollout and update, `make test-faults-all` all 4; the driver's log must name the killed worker and the stage), `orchestration.workers: resident`, `checkpoint.every: 3`, in iteration 2 (whose policy exists only in memory) | `tests/test_faults_resident.py` | the rerun (or, for a worker, the run itself, which replaces it) rebuilds the policy from the last checkpoint by re-applying the committed updates; the interrupted stage redone; committed files untouched; final weights bit-identical to stage mode's (an uninterrupted run with a checkpoint every iteration) |
+| SIGKILL while the rollout of iteration 2 and the update of iteration 1 run side by side (`rollout.max_staleness: 1`; both rows in CI) | `tests/test_faults_async.py` | the kill landed while both were in flight (both could start, neither had committed); rerun reuses every committed stage and redoes both; the rollout samples with the scheduled policy whatever had finished; final weights bit-identical to an uninterrupted run |
 | bounded disk by default | `tests/rft_core/stages/test_retention.py`, `tests/flows/test_retention_flow.py` | optimizer state of the last iteration, weights of the last 3 and every 10th; resume and replay never need a pruned file |
 
 ## SIGKILL on a local disk

@@ -132,7 +132,8 @@ def markdown(res: dict) -> str:
             lines.append(f"- {mode}, iterations 2-{res['iterations']}: mean {sum(r['seconds'] for r in its) / len(its):.1f} s, "
                          f"{sum(r['bytes_written'] for r in its) / len(its) / 1e6:.1f} MB written and "
                          f"{sum(r['bytes_read'] for r in its) / len(its) / 1e6:.1f} MB read per iteration.")
-    lines.append(f"- final weights of the two modes identical (sha256): {'yes' if res.get('final_weights_equal') else 'no'}.")
+    lines.append(f"- final weights of the two modes identical (sha256): {'yes' if res.get('final_weights_equal') else 'no'} "
+                 "(on the tiny model in CI: `tests/flows/test_resident_flow.py`).")
     syncs = [r for r in res["resident"]["iterations"] if r["weight_syncs"]]
     if syncs:
         sb, ss = sum(r["weight_sync_bytes"] for r in syncs), sum(r["weight_sync_s"] for r in syncs)

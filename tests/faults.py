@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +25,19 @@ from tests.varying import REWARD_YAML
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGE_ORDER = ["prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update"]
-# the stage whose commit means `stage` can start (actor/ref/rewards start together after the rollout)
-PREVIOUS = {"prompts": None, "rollout": "prompts", "actor_logprobs": "rollout", "ref_logprobs": "rollout",
-            "rewards": "rollout", "advantages": "rewards", "ppo_update": "advantages",
-            # the policy's AdamW state, written in the background after ppo_update commits
-            "ppo_update-optimizer": "ppo_update"}
+# the stages of the same iteration whose commits let ``stage`` start (none: the previous iteration's
+# update; actor, reference and rewards start together after the rollout)
+PREDECESSORS = {"prompts": (), "rollout": ("prompts",), "actor_logprobs": ("rollout",), "ref_logprobs": ("rollout",),
+                "rewards": ("rollout",), "advantages": ("actor_logprobs", "ref_logprobs", "rewards"),
+                "ppo_update": ("advantages",),
+                # the policy's AdamW state, written in the background after ppo_update commits
+                "ppo_update-optimizer": ("ppo_update",)}
+# The resident workers of the fault configs, in the order they start: each on first use, in the
+# flow's order (iteration 1's rollout, then its reference pass, then its update). A worker kill
+# picks its victim by this order and then checks the driver's own log line ("the <role> worker
+# died during <program>", rft_core/workers/pool.py), so a wrong pick fails the row.
+WORKER_START_ORDER = ("rollout", "reference", "policy")
+ROLE_OF_STAGE = {"rollout": "rollout", "actor_logprobs": "rollout", "ref_logprobs": "reference", "ppo_update": "policy"}
 
 
 def write_config(path: Path, model: str, iterations: int = 2) -> Path:
@@ -178,7 +187,21 @@ def final_weights(run_root: Path | str, iteration: int = 2) -> torch.Tensor:
 
 @dataclass
 class Outcome:
-    """One fault-injection run, as reported in docs/reliability.md."""
+    """One fault-injection run, as reported in docs/reliability.md.
+
+    ``killed``: a SIGKILL was sent (to the driver's process group, or to a resident worker that
+    was running a stage program). ``landed``: the committed manifests right after the kill show
+    it where the row names it: ``target`` of ``iteration`` (and ``also``, for an overlap row) not
+    committed, every stage it waits for committed (``PREDECESSORS``), its writer lock taken for a
+    kill in the write phase, and for a worker kill the driver's log names the worker and the
+    stage. ``overlap_live``: for an overlap row, both stages of the pair were in flight at the
+    kill: every stage each of them waits for had committed (so the flow had submitted both; it
+    submits a stage as soon as its inputs commit) and neither had committed. ``redone``: after the rerun (or, for a worker kill, the run that
+    replaced the worker) the interrupted stage(s) are committed by a manifest written after the
+    kill. ``attempts``: kills tried; a kill that would miss (the stage committed first, or no
+    worker was running it) is not sent and the row is tried again from scratch with a shorter
+    delay, at most 3 times.
+    """
 
     target: str
     iteration: int
@@ -192,6 +215,12 @@ class Outcome:
     committed_untouched: bool = False
     all_valid: bool = False
     same_weights: bool = False
+    landed: bool = False
+    overlap_live: bool | None = None
+    redone: bool = False
+    attempts: int = 0
+    kill_time: float = 0.0
+    committed_at_kill: set = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
 
 
@@ -199,17 +228,28 @@ def _has_files(fs, path: str) -> bool:
     return fs.exists(path) and bool(fs.find(path))
 
 
+def committed(run_root: Path | str) -> set[tuple[int, str]]:
+    """(iteration, stage) of every committed stage of the run (a ``_MANIFEST.json`` present now)."""
+    fs, root = _fs(run_root)
+    out = set()
+    for m in fs.glob(f"{root}/iter=*/*/_MANIFEST.json"):
+        it_dir, stage = m.rsplit("/", 3)[-3:-1]
+        out.add((int(it_dir.split("=")[1]), stage))
+    return out
+
+
 def _interrupted(run_root: Path | str, target: str, iteration: int, out: Outcome) -> None:
     """Fill ``out.interrupted`` and ``out.partial_files``: where the kill landed."""
     fs, root = _fs(run_root)
-    for it in (1, 2):
+    iterations = sorted({it for it, _ in committed(run_root)} | {iteration})
+    for it in iterations:
         d = f"{root}/iter={it:06d}"
         if target not in STAGE_ORDER and it == iteration and not fs.exists(f"{d}/{target}/_MANIFEST.json"):
             out.interrupted = f"{it}: {target}"  # a stage outside the main order (the background optimizer write)
             out.partial_files = _has_files(fs, f"{d}/{target}")
             return
-        committed = {p.rsplit("/", 2)[-2] for p in fs.glob(f"{d}/*/_MANIFEST.json")}
-        pending = [s for s in STAGE_ORDER if s not in committed]
+        done = {p.rsplit("/", 2)[-2] for p in fs.glob(f"{d}/*/_MANIFEST.json")}
+        pending = [s for s in STAGE_ORDER if s not in done]
         if pending:
             started = [s for s in pending if _has_files(fs, f"{d}/{s}")]
             out.interrupted = f"{it}: " + (" + ".join(started) if started else f"{pending[0]} (computing, no files yet)")
@@ -218,12 +258,14 @@ def _interrupted(run_root: Path | str, target: str, iteration: int, out: Outcome
     out.interrupted = "(none: the run had finished)"
 
 
-def write_resident_config(path: Path, model: str, iterations: int = 3) -> Path:
+def write_resident_config(path: Path, model: str, iterations: int = 3, *, stage: bool = False) -> Path:
     """``write_config``'s run with resident workers (issue 27): 3 iterations, a checkpoint every 3,
-    so iterations 1 and 2 keep the policy in the workers' memory only."""
+    so iterations 1 and 2 keep the policy in the workers' memory only. ``stage``: the same run in
+    stage mode (every stage loads its model, a checkpoint every iteration), what the resident run
+    must equal."""
     write_config(path, model, iterations)
-    path.write_text(path.read_text().replace("name: faults", "name: faults-resident")
-                    + "orchestration: {workers: resident}\ncheckpoint: {every: 3}\n")
+    text = path.read_text().replace("name: faults", "name: faults-resident")
+    path.write_text(text if stage else text + "orchestration: {workers: resident}\ncheckpoint: {every: 3}\n")
     return path
 
 
@@ -237,101 +279,314 @@ def write_async_config(path: Path, model: str, iterations: int = 2) -> Path:
     return path
 
 
-def running_workers() -> list[int]:
-    """Pids of the resident workers (Ray actors) that are running a stage program now: their
-    process title is ``ray::ModelWorker.run`` while ``ModelWorker.run`` executes."""
-    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return [int(line.split(None, 1)[0]) for line in out.splitlines() if "ray::ModelWorker.run" in line]
+def _ps() -> list[tuple[int, int, str]]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    rows = []
+    for line in out.splitlines():
+        pid, ppid, *args = line.split(None, 2)
+        rows.append((int(pid), int(ppid), args[0] if args else ""))
+    return rows
 
 
-def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int, durations: dict[str, float],
+def _start_ticks(pid: int) -> int:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat, field 22)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[19])
+
+
+def resident_workers(driver_pid: int) -> list[tuple[int, str]]:
+    """(pid, process title) of the live resident workers (Ray actors ``ModelWorker``) started
+    under the training process ``driver_pid`` (its descendants; Ray gives each worker a session
+    of its own, so the process group does not find them), oldest first. The title is
+    ``ray::ModelWorker.run`` while ``ModelWorker.run`` (a stage program) executes."""
+    rows = _ps()
+    children: dict[int, list[int]] = {}
+    for pid, ppid, _ in rows:
+        children.setdefault(ppid, []).append(pid)
+    below, todo = set(), [driver_pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in below:
+                below.add(c)
+                todo.append(c)
+    found = []
+    for pid, _, title in rows:
+        if pid in below and title.startswith("ray::ModelWorker"):
+            try:
+                found.append((_start_ticks(pid), pid, title))
+            except (OSError, IndexError, ValueError):  # it just ended
+                continue
+    return [(pid, title) for _, pid, title in sorted(found)]
+
+
+class _Output:
+    """The lines a subprocess prints, read as they come (a thread), with the time of each."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc) -> None:
+        for raw in proc.stdout:
+            self.lines.append((time.time(), raw.decode(errors="replace").rstrip("\n")))
+
+    def first(self, text: str) -> float | None:
+        """When the first line containing ``text`` came (None: not yet)."""
+        return next((t for t, line in list(self.lines) if text in line), None)
+
+    def text(self) -> str:
+        self._thread.join(10)
+        return "\n".join(line for _, line in self.lines)
+
+
+# the line the CLI prints after its data check, right before the flow (and so iteration 1's
+# prompts) starts: the trigger of a kill in the prompts of iteration 1, which waits for no stage
+DATA_CHECKED = "data: "
+
+
+@dataclass
+class Timeline:
+    """When the stages of an uninterrupted run ran: ``stages[(iteration, stage)] = (start, end)``
+    in epoch seconds (end: the manifest's ``created_at``; start: end minus the stage's
+    ``seconds`` and ``checkpoint_seconds``); ``data_checked``: when the CLI printed its data check."""
+
+    stages: dict[tuple[int, str], tuple[float, float]]
+    data_checked: float
+
+    def seconds(self, iteration: int, stage: str) -> float:
+        start, end = self.stages[(iteration, stage)]
+        return end - start
+
+    def durations(self, iteration: int = 1) -> dict[str, float]:
+        """Each stage's seconds in ``iteration``."""
+        return {s: self.seconds(it, s) for it, s in self.stages if it == iteration}
+
+
+def _waits_for(iteration: int, stage: str, present) -> list[tuple[int, str]]:
+    """The (iteration, stage) commits ``stage`` of ``iteration`` waits for, among those in ``present``."""
+    if not PREDECESSORS[stage]:
+        return [(iteration - 1, "ppo_update")] if iteration > 1 else []
+    same = [(iteration, p) for p in PREDECESSORS[stage] if (iteration, p) in present]
+    if not same:
+        raise AssertionError(f"none of the stages {stage} of iteration {iteration} waits for "
+                             f"({PREDECESSORS[stage]}) ran in the uninterrupted run")
+    return same
+
+
+def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int, timeline: Timeline,
                  baseline: torch.Tensor, api_url: str | None, rng: random.Random, timeout: float = 300,
                  phase: str = "compute", env: dict[str, str] | None = None, kill: str = "driver",
-                 final_iteration: int = 2) -> Outcome:
-    """Kill the worker inside ``target`` of ``iteration``, rerun, check.
+                 final_iteration: int = 2, also: tuple[str, int] | None = None, attempts: int = 3) -> Outcome:
+    """Kill the training inside ``target`` of ``iteration``, rerun, check (``Outcome`` says what).
 
-    ``kill="driver"``: SIGKILL the training process's group (the flow, its local Ray and any
-    resident workers with it). ``kill="worker"``: SIGKILL only the resident worker running a
-    stage program at that moment (``running_workers``); the run replaces it and goes on, and is
-    then rerun like the others (which reuses every committed stage). ``final_iteration``: the
-    run's last iteration (its weights are compared).
+    ``kill="driver"``: SIGKILL the training process's group (the flow and its local Ray; the
+    resident workers end with their Ray). ``kill="worker"``: SIGKILL only the resident worker of
+    ``target``'s role (``ROLE_OF_STAGE``), and only while it runs a stage program; the run
+    replaces it and goes on, and is then rerun like the others (which reuses every committed
+    stage). ``final_iteration``: the run's last iteration (its weights are compared with
+    ``baseline``). ``also``: (stage, iteration) that must be running too at the kill (an overlap
+    row of ``rollout.max_staleness`` >= 1); the kill then waits for the predecessors of both and
+    lands inside the stretch where both ran in the uninterrupted run.
 
-    ``phase="compute"``: a random time after the stage can start (the stage before it committed),
-    within 1.2x its measured duration. ``phase="write"``: within 20 ms after the stage took its
-    writer lock, i.e. while it writes its parts or checkpoint files. ``run_root`` may be an
-    ``s3://`` URI (``env``: the server's endpoint and credentials).
+    ``phase="compute"``: once the stage can start (its predecessors committed), wait as long as
+    it waited to start in the uninterrupted run (``timeline``, the same iteration) plus a random
+    part (up to 85%) of its duration there. ``phase="write"``: within 20 ms after the stage took
+    its writer lock, i.e. while it writes its parts or checkpoint files. ``run_root`` may be an
+    ``s3://`` URI (``env``: the server's endpoint and credentials). A kill that would miss (the
+    stage committed first, no worker running it) is not sent: the row starts again in a fresh
+    run root with a third of the delay, up to ``attempts`` times.
     """
-    from schemas import read_shard
+    scale, out = 1.0, None
+    for attempt in range(1, attempts + 1):
+        root = str(run_root).rstrip("/") + ("" if attempt == 1 else f"-retry{attempt}")
+        out = _kill_once(config, root, target, iteration, timeline, api_url, rng, timeout, phase, env, kill, also, scale)
+        out.attempts = attempt
+        if out.landed:
+            break
+        scale /= 3
+    assert out is not None
+    if not out.landed:
+        return out
+    _rerun_and_check(config, root, out, baseline, api_url, timeout, env, final_iteration, also)
+    print(f"fault row {target} {iteration} {phase} {kill}: tries {out.attempts}, kill after {out.delay} s, "
+          f"interrupted {out.interrupted!r}, overlap {out.overlap_live}, redone {out.redone}", flush=True)
+    return out
 
-    root = str(run_root).rstrip("/")
-    it_dir = f"{root}/iter={iteration:06d}"
-    prev = PREVIOUS[target]
+
+def _kill_once(config, root: str, target: str, iteration: int, timeline: Timeline, api_url, rng, timeout, phase, env,
+               kill: str, also, scale: float) -> Outcome:
+    """One try of ``run_scenario``'s kill; ``out.landed`` says whether it landed where it should."""
+    pending = [(iteration, target)] + ([(also[1], also[0])] if also else [])
+    waits = sorted({w for it, s in pending for w in _waits_for(it, s, timeline.stages)})
     if phase == "write":
-        trigger, delay = f"{it_dir}/{target}/.writer.lock", rng.uniform(0.0, 0.02)
+        triggers = [f"{root}/iter={iteration:06d}/{target}/.writer.lock"]
+        delay = rng.uniform(0.0, 0.02) * scale
     else:
-        trigger = (f"{it_dir}/{prev}/_MANIFEST.json") if prev else (
-            f"{root}/iter={iteration - 1:06d}/ppo_update/_MANIFEST.json" if iteration > 1 else None)
-        delay = rng.uniform(0.0, 1.2 * max(durations.get(target, 0.5), 0.2))
+        triggers = [f"{root}/iter={it:06d}/{s}/_MANIFEST.json" for it, s in waits]
+        t_trig = max((timeline.stages[w][1] for w in waits), default=timeline.data_checked)
+        starts = [timeline.stages[p][0] for p in pending]
+        ends = [timeline.stages[p][1] for p in pending]
+        lo, hi = max(starts), min(ends)
+        if hi <= lo:
+            raise AssertionError(f"{pending}: these stages did not run side by side in the uninterrupted run "
+                                 f"({dict((p, timeline.stages[p]) for p in pending)}): no overlap to kill in")
+        delay = (max(lo - t_trig, 0.0) + rng.uniform(0.0, 0.85) * (hi - lo)) * scale
     poll = 0.002 if "://" not in root else 0.02
-    proc = start_training(config, run_root, api_url, env)
+    proc = start_training(config, root, api_url, env)
+    output = _Output(proc)
     t0 = time.time()
-    while trigger is not None and time.time() - t0 < timeout and proc.poll() is None and not exists(trigger):
+    while proc.poll() is None and time.time() - t0 < timeout:
+        if all(exists(t) for t in triggers) and (triggers or output.first(DATA_CHECKED) is not None):
+            break
         time.sleep(poll)
     time.sleep(delay)
-    out = Outcome(target=target, iteration=iteration, phase=phase, delay=round(delay, 3), killed=proc.poll() is None)
+    out = Outcome(target=target, iteration=iteration, phase=phase, delay=round(delay, 3), killed=False)
+    state = committed(root) if proc.poll() is None else None
+    if state is None or any(p in state for p in pending):
+        out.notes.append(f"attempt at {root}: no kill sent, " + ("the run had ended" if state is None else
+                         f"{[p for p in pending if p in state]} committed within {delay:.3f} s"))
+        _end(proc)
+        return out
+    victim = None
     if kill == "worker":
-        pids = running_workers() if out.killed else []
-        out.killed = bool(pids)
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        out.notes.append(f"worker kill: {len(pids)} worker(s)")
-        first, _ = proc.communicate(timeout=timeout)
+        workers = resident_workers(proc.pid)
+        role = ROLE_OF_STAGE[target]
+        index = WORKER_START_ORDER.index(role)
+        if len(workers) > index and workers[index][1].startswith("ray::ModelWorker.run"):
+            victim = workers[index][0]
+        else:
+            out.notes.append(f"attempt at {root}: no kill sent, the {role} worker was not running a stage "
+                             f"(workers, oldest first: {workers})")
+            _end(proc)
+            return out
+        os.kill(victim, signal.SIGKILL)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    out.kill_time, out.killed = time.time(), True
+    out.committed_at_kill = committed(root)
+    _interrupted(root, target, iteration, out)
+    out.overlap_live = None if also is None else not any(p in out.committed_at_kill for p in pending)
+    out.landed = (not any(p in out.committed_at_kill for p in pending)
+                  and all(w in out.committed_at_kill for w in waits))
+    if kill == "worker":
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _end(proc)
+        log = output.text()
+        said = f"the {ROLE_OF_STAGE[target]} worker died during {target}"
+        if said not in log:
+            out.landed = False
+            out.notes.append(f"the driver's log does not say {said!r}: " + log[-2000:])
         if proc.returncode != 0:
-            out.notes.append("the run did not survive the worker kill: " + first.decode(errors="replace")[-2000:])
-    elif out.killed:
+            out.notes.append("the run did not survive the worker kill: " + log[-2000:])
+    if not out.landed:
+        out.notes.append(f"attempt at {root}: the kill missed {pending}; committed then: {sorted(out.committed_at_kill)}")
+    return out
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Stop an attempt's training for good (its process group; its Ray workers end with their Ray)."""
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    _interrupted(run_root, target, iteration, out)
-    before = snapshot(run_root)
+
+
+def _rerun_and_check(config, root: str, out: Outcome, baseline, api_url, timeout, env, final_iteration: int, also) -> None:
+    import datetime as dt
+
+    from schemas import read_manifest, read_shard
+
+    before = snapshot(root)
     out.committed_before = len({"/".join(k.split("/")[:2]) for k in before})
-    rerun = start_training(config, run_root, api_url, env)
+    rerun = start_training(config, root, api_url, env)
     log, _ = rerun.communicate(timeout=timeout)
     out.rerun_ok = rerun.returncode == 0
     if not out.rerun_ok:
         out.notes.append(log.decode(errors="replace")[-2000:])
-        return out
-    changed = untouched(before, snapshot(run_root), run_root)
+        return
+    changed = untouched(before, snapshot(root), root)
     out.committed_untouched = not changed
     if changed:
         out.notes.append(f"changed: {changed}")
+    redone = []
+    for it, stage in [(out.iteration, out.target)] + ([(also[1], also[0])] if also else []):
+        try:
+            m, _ = read_manifest(f"{root}/iter={it:06d}/{stage}")
+            redone.append(dt.datetime.fromisoformat(m.created_at).timestamp() > out.kill_time)
+        except Exception as exc:  # reported, and the test fails on it
+            out.notes.append(f"iteration {it} {stage} not committed after the rerun: {exc}")
+            redone.append(False)
+    out.redone = all(redone)
     try:
-        fs, _ = _fs(run_root)
+        fs, _ = _fs(root)
         for manifest in fs.glob(f"{root.split('://', 1)[-1]}/iter=*/*/_MANIFEST.json"):
             stage_dir = manifest.rsplit("/", 1)[0]
             read_shard(f"{root.split('://', 1)[0]}://{stage_dir}" if "://" in root else stage_dir)
         out.all_valid = True
     except Exception as exc:  # reported, and the test fails on it
         out.notes.append(f"invalid shard: {exc}")
-    out.same_weights = bool(torch.equal(final_weights(run_root, final_iteration), baseline))
-    return out
+    out.same_weights = bool(torch.equal(final_weights(root, final_iteration), baseline))
 
 
 def baseline_run(config: Path, run_root: Path | str, api_url: str | None,
-                 env: dict[str, str] | None = None, final_iteration: int = 2) -> tuple[torch.Tensor, dict[str, float]]:
-    """An uninterrupted run: its final weights and each stage's seconds in iteration 1."""
+                 env: dict[str, str] | None = None, final_iteration: int = 2) -> tuple[torch.Tensor, Timeline]:
+    """An uninterrupted run: its final weights and its ``Timeline``. Asserts first that its
+    rewards vary and its updates have a policy gradient in every iteration
+    (``tests.varying.assert_training_signal``): the weights the fault rows compare come from
+    real updates."""
+    import datetime as dt
+
     from schemas import read_manifest
+    from tests.varying import assert_training_signal
 
     proc = start_training(config, run_root, api_url, env)
-    log, _ = proc.communicate(timeout=600)
+    output = _Output(proc)
+    proc.wait(timeout=600)
     if proc.returncode != 0:
-        raise RuntimeError(log.decode(errors="replace")[-3000:])
-    durations = {}
+        raise RuntimeError(output.text()[-3000:])
+    assert_training_signal(run_root, range(1, final_iteration + 1))
+    stages = {}
     fs, root = _fs(run_root)
     prefix = f"{str(run_root).split('://', 1)[0]}://" if "://" in str(run_root) else ""
-    for m in fs.glob(f"{root}/iter=000001/*/_MANIFEST.json"):
-        s = read_manifest(prefix + m.rsplit("/", 1)[0])[0].summary
-        durations[m.rsplit("/", 2)[-2]] = float(s.get("seconds", 0.0)) + float(s.get("checkpoint_seconds", 0.0))
-    return final_weights(run_root, final_iteration), durations
+    for m in fs.glob(f"{root}/iter=*/*/_MANIFEST.json"):
+        man = read_manifest(prefix + m.rsplit("/", 1)[0])[0]
+        end = dt.datetime.fromisoformat(man.created_at).timestamp()
+        seconds = float(man.summary.get("seconds", 0.0)) + float(man.summary.get("checkpoint_seconds", 0.0))
+        it_dir, stage = m.rsplit("/", 3)[-3:-1]
+        stages[(int(it_dir.split("=")[1]), stage)] = (end - seconds, end)
+    checked = output.first(DATA_CHECKED)
+    if checked is None:
+        raise RuntimeError(f"the CLI printed no {DATA_CHECKED!r} line: " + output.text()[-2000:])
+    return final_weights(run_root, final_iteration), Timeline(stages, checked)
+
+
+# ``make test-faults-all`` sets RFT_FAULTS_ALL=1: every row the docs list runs; otherwise (CI) the
+# rows marked ``ci`` run and the others are skipped with the reason
+ALL_ROWS = os.environ.get("RFT_FAULTS_ALL") == "1"
+
+
+def row(*values, ci: bool):
+    """A ``pytest.mark.parametrize`` row of a fault test: run in CI (``ci``) or only by ``make test-faults-all``."""
+    import pytest
+
+    marks = () if ci or ALL_ROWS else (pytest.mark.skipif(True, reason="not in CI (time): make test-faults-all runs it"),)
+    return pytest.param(*values, marks=marks)
+
+
+def assert_row(out: Outcome) -> None:
+    """What every SIGKILL row must show: the kill was sent and landed where the row names it, the
+    interrupted work was redone, the rerun resumed with every committed file untouched and every
+    shard valid, and the final weights equal the baseline's bit for bit."""
+    assert out.killed, f"no kill was sent: {out.notes}"
+    assert out.landed, f"the kill did not land in iteration {out.iteration}'s {out.target}: {out.notes}"
+    assert out.rerun_ok, out.notes
+    assert out.redone, f"the interrupted stage was not redone after the kill: {out.notes}"
+    assert out.committed_untouched, f"a committed stage was rewritten: {out.notes}"
+    assert out.all_valid, out.notes
+    assert out.same_weights, "the resumed run's final weights differ from the uninterrupted run's"
 
 
 def write_agent_config(path: Path, model: str, iterations: int = 2) -> Path:

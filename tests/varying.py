@@ -41,12 +41,15 @@ API (import from ``tests.varying``)
 ``assert_shard_advantages_nonzero(advantages_uri) -> float``
     ``assert_advantages_vary``'s advantage check on an ``advantages`` shard given by its URI.
 ``assert_training_signal(run_root, iterations) -> None``
-    Both of the above for each iteration in ``iterations``.
+    ``assert_advantages_vary`` and ``assert_policy_loss_nonzero`` for each iteration in
+    ``iterations``: the one call an equality test of two modes makes first.
 ``policy_weights(ref_or_uri) -> dict[str, Tensor]``
     The stored weights of a committed update (a ``ShardRef`` or its folder's URI), LoRA merged.
 ``assert_weights_moved(run_root, iteration, initial_model, atol=1e-4) -> float``
     Asserts that the stored policy of ``iteration`` differs from ``initial_model``'s weights by
     more than ``atol`` somewhere; returns the largest difference.
+
+The reward and the checks are tested on hand-made shards in ``tests/test_varying.py``.
 """
 from __future__ import annotations
 

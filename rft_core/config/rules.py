@@ -212,6 +212,19 @@ def _dataset_grader_with_foreign_labels(cfg: Any) -> str | None:
     return None
 
 
+def _stale_untruncated_weights(cfg: Any) -> str | None:
+    rc, s = cfg.update.rollout_correction, cfg.rollout.max_staleness
+    if s >= 1 and rc.enabled and rc.mode == "seq-mask-tis":
+        return (f"update.rollout_correction.mode=seq-mask-tis bounds only each response's geometric-mean ratio and "
+                "keeps every token's weight pi_proximal / pi_behaviour untruncated (OpenRLHF's code), but "
+                f"rollout.max_staleness={s} samples with a policy {s} update(s) older than the proximal one, where "
+                "single tokens get unbounded weights; AReaL's decoupled objective (arXiv:2505.24298, eq. 5) caps every "
+                "token's weight (behav_imp_weight_cap): set update.rollout_correction.mode=tis with "
+                f"update.rollout_correction.rejection=seq_mean_k1 and rejection_cap={rc.cap:g} (the same geometric-mean "
+                "filter, with token weights truncated at cap: verl's Geo-RS-Token-TIS), or mode=icepop")
+    return None
+
+
 CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("group-one-sample", ("advantage.estimator", "rollout.n_samples_per_prompt"), _group_one_sample),
     Rule("pass-at-k-beyond-group", ("advantage.k", "rollout.n_samples_per_prompt"), _pass_at_k_beyond_group),
@@ -230,6 +243,8 @@ CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("environment-without-agent", ("reward.sources", "rollout.agent"), _environment_without_agent),
     Rule("code-exec-without-tests", ("reward.sources", "data.task"), _code_exec_without_tests),
     Rule("dataset-grader-foreign-labels", ("reward.grader", "data.sources"), _dataset_grader_with_foreign_labels),
+    Rule("staleness-untruncated-weights", ("rollout.max_staleness", "update.rollout_correction.mode"),
+         _stale_untruncated_weights),
 )
 
 

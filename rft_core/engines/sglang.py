@@ -15,7 +15,8 @@ return_logprob=True, lora_path=[...])``, which answers one dict per request:
 
 - Log-probs: SGLang's sampler returns log softmax(logits / temperature) of the sampled token,
   before top-k/top-p renormalisation (``Sampler.forward``, ``python/sglang/srt/layers/sampler.py``):
-  the HF engine's and the actor stage's quantity. The environment switch
+  the actor stage's quantity (and the HF and vLLM engines' at top_p = 1; under top-p they
+  renormalise over the nucleus, docs/algorithms.md). The environment switch
   ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (``RETURN_ORIGINAL_LOGPROB`` in 0.5.3) makes them
   pre-temperature: the engine refuses to start with it set.
 - Seeds: one request per sample (n = 1), each with its own ``sampling_seed``

@@ -44,7 +44,8 @@ def adapter_base_path(adapter_dir: str | Path) -> str:
     return base
 
 
-def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float, target_modules, base_path: str):
+def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float, target_modules, base_path: str,
+               seed: int | None = None):
     """Wrap ``model`` in a peft LoRA model whose adapters are the only trainable parameters.
 
     Args:
@@ -52,6 +53,9 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: floa
             layer (peft's own detection, i.e. q/k/v/o and the MLP projections of a Llama).
         base_path: recorded in the adapter config as ``base_model_name_or_path`` (keep the
             configured path or alias, not a machine-local cache path).
+        seed: peft draws the A matrices (Kaiming-uniform; B is 0) from torch's global generator:
+            with a seed they are drawn with it seeded (the generator restored afterwards), so the
+            first adapter does not depend on what ran before in the process; None: as it stands.
     Returns:
         A ``peft.PeftModel`` (adapters in float32 even on a bfloat16 base).
     """
@@ -59,7 +63,15 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: floa
 
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, bias="none",
                      task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, cfg)
+    device = next(model.parameters()).device
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, enabled=seed is not None):
+        if seed is not None:
+            torch.default_generator.manual_seed(seed)
+            for d in cuda:
+                with torch.cuda.device(d):
+                    torch.cuda.manual_seed(seed)
+        peft_model = get_peft_model(model, cfg)
     peft_model.peft_config["default"].base_model_name_or_path = base_path
     return peft_model
 

@@ -331,7 +331,10 @@ class PPOUpdateInput(StageInput):
     # 2: loss normalisers, dropout off, rollout correction (issue 16); 3: update.packing true, fused AdamW,
     # old log-probs from the engine where on-policy (issue 19); 4: the k1+/k3+ KL loss keeps k2's gradient past
     # |log pi - log ref| = sqrt(2 kl_clamp), saturating at kl_clamp (issue 29)
-    version: ClassVar[int] = 5  # 5: bf16 forward/backward on the bfloat16 weights, float32 master grads (issue 29)
+    # 5: bf16 forward/backward on the bfloat16 weights, float32 master grads (issue 29); 6: the update's random draws
+    # seeded by update.seed (LoRA's initial A matrices, LoRA / model dropout masks), the entropy bonus never masked by
+    # the rollout correction (issue 39)
+    version: ClassVar[int] = 6
     unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer", "save_checkpoint", "policy_version"})
     config_paths: ClassVar[Mapping[str, str]] = {"update": "update", "kl": "kl", "policy": "policy.path",
                                                  "dtype": "policy.dtype", "temperature": "rollout.temperature"}

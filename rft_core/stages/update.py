@@ -67,7 +67,7 @@ def load_trainable_policy(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str):
         base = path
     if cfg.lora is not None and not is_adapter_dir(path):
         model = apply_lora(model, rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                           target_modules=cfg.lora.target_modules, base_path=base)
+                           target_modules=cfg.lora.target_modules, base_path=base, seed=cfg.seed)
     if cfg.gradient_checkpointing:
         # non-reentrant checkpointing needs no input that requires grad (frozen LoRA base)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

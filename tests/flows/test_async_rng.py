@@ -47,6 +47,49 @@ def dropout_calls(monkeypatch) -> list[float]:
     return calls
 
 
+def test_the_hf_engine_neither_reads_nor_moves_the_global_generator(tiny_model):
+    from rft_core.engines.hf import HFEngine
+    from rft_core.models.loading import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(tiny_model)
+    engine = HFEngine(load_causal_lm(tiny_model).eval(), tok)
+    prompts = [tok.encode(t) for t in ("one two", "three four five", "six")]
+    runs, states = [], []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        before = torch.get_rng_state()
+        gens = engine.generate(prompts, n_samples_per_prompt=2, max_new_tokens=8, batch_size=2, seed=7, top_p=0.9)
+        states.append(torch.equal(torch.get_rng_state(), before))
+        runs.append([(g.response_token_ids, g.logprobs) for g in gens])
+    assert states == [True, True] and runs[0] == runs[1]
+    assert len({tuple(t) for t, _ in runs[0]}) > 1  # sampled, not one response repeated
+
+
+def test_the_update_seeds_its_own_dropout_and_restores_the_global_generator(tiny_model, dropout_calls):
+    from rft_core.models.loading import load_causal_lm
+    from rft_core.models.lora import apply_lora
+    from rft_core.training.strategy import SingleProcess
+    from rft_core.training.update import UpdateData, ppo_update
+
+    prompts, responses = [[11, 12, 13], [21, 22]], [[101, 102, 103], [201, 202, 203, 204]]
+    data = UpdateData(prompts, responses, [[-2.0] * len(r) for r in responses], [[1.0] * 3, [-1.0] * 4])
+
+    def update(global_seed: int, seed: int) -> torch.Tensor:
+        torch.manual_seed(global_seed)
+        model = apply_lora(load_causal_lm(tiny_model, trainable=True), rank=4, alpha=8.0, dropout=0.5,
+                           target_modules="all-linear", base_path=tiny_model, seed=0)  # the same A matrices
+        before = torch.get_rng_state()
+        ppo_update(SingleProcess(model, torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=1.0),
+                                 max_grad_norm=1e9), data, pad_token_id=2, seed=seed)
+        assert torch.equal(torch.get_rng_state(), before)  # the process's generator as it was
+        return torch.cat([q.detach().flatten() for n, q in model.named_parameters() if "lora_" in n])
+
+    first = update(0, seed=0)
+    assert dropout_calls and set(dropout_calls) == {0.5}  # LoRA dropout drew masks
+    assert torch.equal(update(1, seed=0), first)  # whatever the global generator held before
+    assert (update(0, seed=1) - first).abs().max() > 1e-6  # the update's seed sets the masks (rounding: ~1e-12)
+
+
 def test_two_staleness_1_runs_with_lora_dropout_and_checkpointing_end_equal(prefect_harness, tiny_model, tmp_path,
                                                                              dropout_calls):
     from flows.train import train

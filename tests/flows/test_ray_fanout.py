@@ -37,6 +37,10 @@ def test_two_ray_shards_union_equals_single_worker_rollout(prefect_harness, tiny
     want, _ = read_manifest(single.uri)
     got, _ = read_manifest(merged.uri)
     assert [(f.path, f.sha256) for f in got.files] == [(f.path, f.sha256) for f in want.files]
+    # the merged manifest keeps what the iteration's metrics read from the rollout (issue 39)
+    versions = ("policy_version", "staleness")
+    assert {k: got.summary[k] for k in versions} == {k: want.summary[k] for k in versions} == {"policy_version": 0,
+                                                                                             "staleness": 0}
     # each shard holds half of the samples and ran in its own Ray worker process, not here
     shards = [read_manifest(shard_uri(out, i, 2))[0] for i in range(2)]
     assert [s.num_rows for s in shards] == [4, 4]

@@ -59,6 +59,9 @@ CASES = [
      ["rollout.max_staleness=1", "logprobs.recompute_old_logprobs"], "recompute_old_logprobs=true"),
     ("staleness-needs-correction", {"rollout.max_staleness": 1, "update.rollout_correction.enabled": False},
      ["rollout.max_staleness=1", "update.rollout_correction.enabled=true"], "update.rollout_correction.enabled=true"),
+    ("staleness-untruncated-weights", {"rollout.max_staleness": 1, "update.rollout_correction.mode": "seq-mask-tis"},
+     ["rollout.max_staleness=1", "update.rollout_correction.mode=seq-mask-tis"],
+     "update.rollout_correction.mode=tis with update.rollout_correction.rejection=seq_mean_k1 and rejection_cap=2"),
     ("cpgd-drift-needs-cpgd", {"update.cpgd_drift_coef": 0.1},
      ["update.cpgd_drift_coef", "update.policy_loss.name=cpgd"], "update.policy_loss.name=cpgd"),
     ("gspo-needs-sequence-mean", {"update.policy_loss": "gspo", "update.loss_agg": "token-mean"},
@@ -121,6 +124,10 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
                        "reward.grader": "math_verify"})
     load_config(None, {"reward.sources": {"tests": "code_exec"}, "reward.recipes": {"default": [{"source": "tests"}]},
                        "reward.default_recipe": "default", "data.task": "humaneval"})
+    load_config(None, {"rollout.max_staleness": 1, "update.rollout_correction": {
+        "mode": "tis", "rejection": "seq_mean_k1", "rejection_cap": 2.0}})
+    load_config(None, {"update.rollout_correction.mode": "seq-mask-tis"})  # s = 0: the engine mismatch alone
+    load_config(None, {"rollout.max_staleness": 1, "update.rollout_correction.mode": "sequence_mask"})  # docs/algorithms.md
 
 
 def test_a_bare_name_is_the_tagged_section_with_its_defaults():

@@ -168,3 +168,117 @@ def test_default_eval_root(tmp_path):
     assert default_eval_root("smollm2-135m-instruct", fingerprint="abc", base=str(tmp_path / "ev")) == \
         f"{tmp_path}/ev/smollm2-135m-instruct-abc"
     assert default_eval_root("/models/my model/", fingerprint="f", base="memory://ev") == "memory://ev/my-model-f"
+
+
+def _sampled_table(rows: list[tuple[str, str, int, bool, str | None, float]]) -> pa.Table:
+    """An `eval` table with the sampled columns from (prompt_id, data_source, sample_index,
+    correct, extracted_answer, reward) tuples."""
+    cols = {f.name: [] for f in EVAL.arrow_with(["data_source", "sample_index"])}
+    for pid, src, k, ok, extracted, reward in rows:
+        for key, v in (("sample_id", f"{pid}#{k}"), ("prompt_id", pid), ("question", "q"), ("answer", "1"),
+                       ("response_text", "r"), ("extracted_answer", extracted), ("rewards", reward), ("correct", ok),
+                       ("response_length", 4 + k), ("finish_reason", "length" if k == 0 else "stop"),
+                       ("data_source", src), ("sample_index", k)):
+            cols[key].append(v)
+    return pa.table(cols, schema=EVAL.arrow_with(["data_source", "sample_index"]))
+
+
+def test_sampled_eval_summary_by_hand():
+    from rft_core.stages.evaluate import sampled_eval_summary
+
+    table = _sampled_table([
+        ("p0", "gsm8k", 0, True, "1", 1.0), ("p0", "gsm8k", 1, False, "2", 0.0),
+        ("p1", "gsm8k", 1, False, "3", 0.1), ("p1", "gsm8k", 0, False, "3", 0.0),   # out of order: sorted by index
+        ("p2", "aime", 0, True, "1", 1.1), ("p2", "aime", 1, True, "1.0", 1.0),
+    ])
+    s = sampled_eval_summary(table, n_samples=2)
+    assert (s["num_prompts"], s["num_samples"], s["n_samples"]) == (3, 6, 2)
+    acc = [0.5, 0.0, 1.0]  # per prompt
+    assert s["accuracy"] == pytest.approx(0.5) and s["metrics"]["overall"]["avg@2"] == pytest.approx(0.5)
+    se = math.sqrt(sum((a - 0.5) ** 2 for a in acc) / 2 / 3)  # sd (ddof 1) / sqrt(prompts), not binomial over rows
+    assert s["accuracy_stderr"] == pytest.approx(se) and s["metrics"]["overall"]["avg@2_stderr"] == pytest.approx(se)
+    assert s["reward_mean"] == pytest.approx(3.2 / 6)
+    means = [0.5, 0.05, 1.05]
+    m = sum(means) / 3
+    assert s["reward_stderr"] == pytest.approx(math.sqrt(sum((x - m) ** 2 for x in means) / 2 / 3))
+    overall = s["metrics"]["overall"]
+    assert overall["pass@1"] == pytest.approx(0.5) and overall["pass@2"] == pytest.approx(2 / 3)
+    assert overall["maj@2"] == pytest.approx((0.5 + 0 + 1) / 3)  # p0: a tie of "correct" and "2"
+    assert s["metrics"]["by_data_source"]["aime"]["avg@2"] == 1.0 and s["metrics"]["by_data_source"]["aime"]["avg@2_stderr"] is None
+    assert s["metrics"]["by_data_source"]["gsm8k"]["pass@2"] == pytest.approx(0.5)
+    assert s["response_length_mean"] == pytest.approx(4.5) and s["truncated_fraction"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match=r"prompt 'p2' has responses \[0\], expected sample indices 0..1"):
+        sampled_eval_summary(table.slice(0, 5), n_samples=2)
+
+
+def test_eval_report_lines_and_markdown():
+    from rft_core.stages.evaluate import eval_markdown, eval_report_lines, sampled_eval_summary
+
+    table = _sampled_table([(f"p{i}", "gsm8k" if i < 2 else "aime", k, (i + k) % 3 == 0, str((i + k) % 3), 0.0)
+                            for i in range(3) for k in range(3)])
+    s = {**sampled_eval_summary(table, n_samples=3), "temperature": 0.7, "top_p": 0.95, "seed": 0, "policy": "m"}
+    lines = eval_report_lines(s)
+    o = s["metrics"]["overall"]
+    for name in ("avg@3", "pass@1", "pass@2", "pass@3", "maj@3"):
+        line = next(x for x in lines if x.startswith(f"{name}:"))
+        assert line.split(":", 1)[1].split() == [f"{o[name]:.3f}", "±", f"{o[name + '_stderr']:.3f}"]
+    assert "by data_source:" in lines and any(x.startswith("  aime (1 prompts): avg@3") and "± n/a" in x for x in lines)
+    assert lines[0].startswith("decoding:    sampled, 3 answers per prompt (temperature 0.7, top-p 0.95, seed 0)")
+    md = eval_markdown(table, s)
+    assert "| data_source | prompts | avg@3 | pass@1 | pass@2 | pass@3 | maj@3 |" in md
+    assert f"| overall | 3 | {o['avg@3']:.3f} ± {o['avg@3_stderr']:.3f} |" in md
+    assert eval_report_lines({"accuracy": 0.5}) == []  # greedy: the CLI prints its accuracy line as before
+
+
+def test_eval_config_decoding_and_sampling_rules():
+    from rft_core.config import ConfigError, EvalConfig, load_config
+
+    assert not EvalConfig().sampled and EvalConfig().decoding(0.7, 0.9) == (None, 1.0)  # greedy, as before
+    assert EvalConfig(n_samples=8).decoding(0.7, 0.9) == (0.7, 0.9)  # the rollout's sampling
+    assert EvalConfig(n_samples=8, temperature=0.6, top_p=0.95).decoding(0.7, 0.9) == (0.6, 0.95)
+    assert EvalConfig(temperature=0.6).sampled and EvalConfig(temperature=0.6).decoding(1.0, 1.0) == (0.6, 1.0)
+    assert not EvalConfig(temperature=0).sampled
+    load_config(None, {"eval.n_samples": 8, "eval.top_p": 0.95})  # the valid neighbours of rule eval-sampling
+    with pytest.raises(ConfigError, match="eval.temperature=0"):
+        load_config(None, {"eval.n_samples": 8, "eval.temperature": 0})
+    with pytest.raises(ConfigError, match="eval.top_p=0.95 is set but decoding is greedy"):
+        load_config(None, {"eval.top_p": 0.95})
+
+
+def test_eval_stage_inputs_greedy_defaults_keep_their_hash():
+    from rft_core.stages.contracts import EvalGenerateInput, EvalSummaryInput
+
+    ref = ShardRef(uri="memory://p", stage="prompts", num_rows=1, config_hash="c", manifest_sha256="m")
+    greedy = EvalGenerateInput(prompts=ref, policy="m", max_new_tokens=4, batch_size=2, out="memory://o")
+    assert set(greedy.hash_view()) == {"prompts", "policy", "max_new_tokens", "batch_size"}  # the fields it had before
+    sampled = EvalGenerateInput(prompts=ref, policy="m", max_new_tokens=4, batch_size=2, out="memory://o", n_samples=4,
+                                temperature=1.0)
+    assert sampled.config_hash() != greedy.config_hash() and greedy.contract == "eval_generate v5"
+    with pytest.raises(ValueError, match="need a sampling temperature"):
+        EvalGenerateInput(prompts=ref, policy="m", max_new_tokens=4, batch_size=2, out="o", n_samples=4)
+    s = EvalSummaryInput(prompts=ref, rollout=ref, rewards=ref, policy="m", out="o")
+    assert set(s.hash_view()) == {"prompts", "rollout", "rewards", "policy"} and s.contract == "eval_summary v1"
+    with pytest.raises(ValueError, match="greedy decoding gives one response"):
+        EvalSummaryInput(prompts=ref, rollout=ref, rewards=ref, policy="m", out="o", n_samples=4)
+
+
+@torch.no_grad()
+def test_sample_generate_groups_seeds_and_near_zero_temperature_is_greedy(tiny_model):
+    from rft_core.models.loading import load_causal_lm, load_tokenizer
+    from rft_core.stages.evaluate import sample_generate
+
+    model, tok = load_causal_lm(tiny_model), load_tokenizer(tiny_model)
+    model.eval()
+    prompts = [[1, 520, 33, 901, 17], [44, 45], [300, 301, 302]]
+    kw = {"n_samples": 4, "top_p": 1.0, "max_new_tokens": 6, "batch_size": 8}
+    gens = sample_generate(model, tok, prompts, temperature=1.0, seed=3, **kw)
+    assert [(g.prompt_index, g.sample_index) for g in gens] == [(p, k) for p in range(3) for k in range(4)]
+    texts = [tuple(g.response_token_ids) for g in gens]
+    assert len(set(texts[:4])) > 1  # a random tiny model at temperature 1: the 4 answers of a prompt differ
+    assert [tuple(g.response_token_ids) for g in sample_generate(model, tok, prompts, temperature=1.0, seed=3, **kw)] == texts
+    assert [tuple(g.response_token_ids) for g in sample_generate(model, tok, prompts, temperature=1.0, seed=4, **kw)] != texts
+    cold = sample_generate(model, tok, prompts, temperature=1e-4, seed=3, **kw)
+    greedy = greedy_generate(model, tok, prompts, max_new_tokens=6, batch_size=8)
+    assert all(c.response_token_ids == greedy[c.prompt_index].response_token_ids for c in cold)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        sample_generate(model, tok, prompts, temperature=0.0, seed=0, **kw)

@@ -238,12 +238,6 @@ def test_a_resumed_update_continues_the_in_memory_one_bit_for_bit(sharp16, rollo
     assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) and float(sa[i]["step"]) == 4.0 for i in sa)
 
 
-def parity_reward(sample) -> float:
-    """A reward source for the test below: the parity of the response's character codes (a
-    random model earns no task reward; this one varies within each group)."""
-    return float(sum(map(ord, sample.response)) % 2)
-
-
 def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_weights(sharp16, tmp_path):
     """Three bfloat16 iterations of the demo's stages (hf rollout, actor and reference passes,
     update), the log-prob passes grouped as the update groups the samples (``logprob_grouping``,
@@ -256,9 +250,9 @@ def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_w
     from rft_core.workers.resident import ROLE_OF_PROGRAM, ModelWorker
     from schemas import read_manifest, stage_uri
     from tests.drive import drive
+    from tests.varying import assert_training_signal, reward_args
 
-    reward = [f'reward.sources={{"parity": {{"type": "python", "function": "{__name__}:parity_reward"}}}}',
-              'reward.recipes={"any": [{"source": "parity", "weight": 1.0}]}', "reward.default_recipe=any"]
+    reward = reward_args()  # rewards that vary inside each group (a random model earns no task reward)
     base = ["data.prompts_per_iteration=2", "data.size=50", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12",
             "rollout.batch_size=8", "kl.kl_coef=0.05", "update.lr=1e-3", "iterations=3",
             # different sizes on purpose: below float32 the passes take the update's micro-batches (logprob_grouping)
@@ -269,6 +263,7 @@ def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_w
         cfg = load_config(None, [*base, *extra, f"run_root={tmp_path / mode}"])
         if mode == "stage":
             final = drive(cfg)
+            assert_training_signal(cfg.run_root, (1, 2, 3))  # what the two modes must agree on is a real update
         else:
             policy = ModelWorker("policy", "test")
             pool = {"policy": policy, "rollout": ModelWorker("rollout", "test", peer=policy),

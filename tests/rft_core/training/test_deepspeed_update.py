@@ -356,17 +356,38 @@ def test_resident_zero_gang_keeps_its_state_and_equals_the_torchrun_updates(upda
 
 def test_a_crashed_zero3_gang_is_rebuilt_exactly_from_the_committed_updates(update_inputs, ds_chain, tiny_model,
                                                                             tmp_path):
-    """The gang ends after 2 weightless updates (a crash: its memory is gone); a new gang rebuilds
-    the policy from the initial model by re-applying both committed updates on its 2 ranks
-    (digests checked on rank 0), then the third update ends with the uninterrupted weights."""
+    """Both ranks of the gang are SIGKILLed after 2 weightless updates (a crash: their memory is
+    gone, nothing is flushed); a new gang rebuilds the policy from the initial model by
+    re-applying both committed updates on its 2 ranks (digests checked on rank 0), then the third
+    update ends with the uninterrupted weights."""
     pytest.importorskip("ray")
-    from rft_core.workers.pool import stop_workers, worker_stats
+    import os
+    import signal
+    import time
+
+    import ray
+
+    from rft_core.workers.pool import stop_workers, worker_handle, worker_stats
 
     workers = _resident_workers(str(tmp_path))
     try:
         first = _resident_chain(update_inputs, tiny_model, workers, 3, "crash-zero3", stop_after=2)
-        stop_workers(workers.pool)
+        pids = [ray.get(worker_handle(workers.pool, "policy", rank=r).ping.remote()) for r in (0, 1)]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while any(worker_handle(workers.pool, "policy", rank=r) is not None for r in (0, 1)):
+            assert time.monotonic() < deadline, "Ray still lists the killed ranks"
+            time.sleep(0.1)
+        for pid in pids:  # the kill landed: both rank processes are gone (or dead, not yet reaped by the raylet)
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except FileNotFoundError:
+                state = "gone"
+            assert state in ("gone", "Z", "X"), (pid, state)
         refs = _resident_chain(update_inputs, tiny_model, workers, 3, "crash-zero3", start=first)
+        new = [ray.get(worker_handle(workers.pool, "policy", rank=r).ping.remote()) for r in (0, 1)]
+        assert not set(new) & set(pids)
         stats = worker_stats(workers.pool)
         assert stats["policy"]["recovered_updates"] == 2 and stats["policy-rank1"]["recovered_updates"] == 2
     finally:
