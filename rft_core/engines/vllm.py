@@ -1,7 +1,7 @@
 """vLLM rollout engine: the same interface and outputs as ``HFEngine`` (token ids, rollout
-log-probs, finish reasons), on vLLM's batched generation. GPU only; vLLM lives in its own
-environment (it pins its own torch and cannot share one with Prefect): run the rollout stage
-there with ``runners.rollout: {mode: subprocess, python: /path/to/vllm-env/bin/python}``
+log-probs, finish reasons), on vLLM's batched generation. GPU only; vLLM installs into the
+project's environment (one torch and one NCCL for the trainer and the engine, docs/gpu.md), or
+into one of its own, reached with ``runners.rollout: {mode: subprocess, python: /path/to/env/bin/python}``
 (docs/scale.md). Imported lazily: nothing here imports vllm at module import. Needs vLLM >= 0.10.2
 (``logprobs_mode="processed_logprobs"`` includes the temperature from that release on).
 
@@ -13,10 +13,9 @@ Differences from the HF engine, by design:
 - All prompts of a call go to one ``LLM.generate`` (vLLM schedules them); ``batch_size`` only
   defines the batches that rollout shards split (``only_batches``).
 - Log-probs come from ``logprobs_mode="processed_logprobs"``: log-softmax of the logits after
-  temperature and after top-k/top-p masking (renormalised over the nucleus when ``top_p < 1``:
-  the HF engine's quantity; vLLM 0.10.2 ``vllm/v1/sample/ops/topk_topp_sampler.py``
-  ``forward_native``); the actor log-prob stage recomputes the untruncated ones unless
-  ``logprobs.recompute_old_logprobs=false``.
+  temperature (and after top-p masking when ``top_p < 1``, where they differ from the HF
+  engine's; the actor log-prob stage recomputes them anyway unless
+  ``logprobs.recompute_old_logprobs=false``).
 - The engine runs in bfloat16 (float16 without bfloat16 support) for a float32 or ``auto``
   policy (``rft_core.engines.engine_dtype``).
 - FIRE sampling (``first_token_temperature``) is not supported (vLLM has no per-step
@@ -95,22 +94,43 @@ class WeightReloadExtension:
     ``LLM.collective_rpc("rft_reload_weights", args=(path,))``.
 
     Loads the HF checkpoint folder ``path`` into the running model in place: vLLM releases whose
-    model runner's ``reload_weights`` takes ``weights_path`` (``vllm/v1/worker/gpu_model_runner.py``)
+    model runner's ``reload_weights`` takes ``weights_path`` (``reload_weights(weights_iterator=None,
+    weights_path=None, is_checkpoint_format=True)``, ``vllm/v1/worker/gpu_model_runner.py``, 0.33.0)
     are given the path; older ones (0.10.x, ``reload_weights()`` re-reading
     ``model_config.model``; vLLM's ``examples/offline_inference`` in-place weight-loading example)
     get the runner's ``model_config.model`` pointed at ``path`` first. Each worker reads its own
     tensor-parallel shard. Parameter shapes stay the same, so compiled graphs and CUDA graphs
     stay valid.
+
+    No method of this extension raises through ``collective_rpc``: each answers
+    ``{"ok": True, ...}`` or ``{"ok": False, "rank", "error"}`` and the driver raises after it has
+    read every worker's answer. vLLM's executor (``MultiprocExecutor.collective_rpc``,
+    ``vllm/v1/executor/multiproc_executor.py``, 0.33.0) reads the workers' reply queues in rank
+    order and raises at the first failed reply, leaving the other workers' replies queued, where
+    the next ``collective_rpc`` would read them as its own.
     """
 
-    def rft_reload_weights(self, path: str) -> None:
-        """Reload this worker's weights from the checkpoint folder ``path``."""
-        runner = self.model_runner
-        if "weights_path" in inspect.signature(runner.reload_weights).parameters:
-            self.reload_weights(weights_path=path)
-        else:
-            runner.model_config.model = path
-            self.reload_weights()
+    def _rft_answer(self, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``call()``'s answer with ``"ok": True``, or its exception as ``{"ok": False, ...}``."""
+        try:
+            return {"ok": True, **call()}
+        except Exception as exc:  # noqa: BLE001  answered, never raised through collective_rpc (see the class doc)
+            log.exception("rft worker extension call failed on rank %s", self._rft_tp_rank())
+            return {"ok": False, "rank": self._rft_tp_rank(), "error": f"{type(exc).__name__}: {exc}"}
+
+    def rft_reload_weights(self, path: str) -> dict[str, Any]:
+        """Reload this worker's weights from the checkpoint folder ``path``: ``{"ok": True}`` or
+        ``{"ok": False, "rank", "error"}``."""
+        def reload() -> dict[str, Any]:
+            runner = self.model_runner
+            if "weights_path" in inspect.signature(runner.reload_weights).parameters:
+                self.reload_weights(weights_path=path)
+            else:
+                runner.model_config.model = path
+                self.reload_weights()
+            return {}
+
+        return self._rft_answer(reload)
 
     def _rft_tp_rank(self) -> int:
         """This worker's tensor-parallel rank: ``get_tensor_model_parallel_rank()``
@@ -124,7 +144,7 @@ class WeightReloadExtension:
         return int(get_tensor_model_parallel_rank())
 
     def rft_receive_weights(self, plan_json: str, addr: str, port: int, world_size: int, backend: str,
-                            timeout_s: float) -> dict[str, Any]:
+                            timeout_s: float, refusal: str | None = None) -> dict[str, Any]:
         """Receive a weight sync into this worker's model: join the sync group at ``addr:port``
         as rank 1 + tensor-parallel rank of ``world_size`` (``rft_core.workers.sync.receive_buckets``
         on ``self.device``) and hand each bucket's (HF name, tensor) list to the model's own
@@ -142,13 +162,20 @@ class WeightReloadExtension:
             world_size: 1 + tensor_parallel_size.
             backend: "nccl" (GPU) or "gloo".
             timeout_s: the limit of each collective.
+            refusal: the driver found that the plan does not fit the model
+                (``SyncedWeights.plan_refusal``): join and fail the plan check with it, so every
+                rank stops before a bucket moves.
         Returns:
-            {"checksum": ``sync_checksum`` of the received tensors (computed on the GPU),
-            "bytes", "seconds", "buckets"}.
-        Raises:
-            WeightSyncError: the sync failed (timeout, a peer gone, a bucket ``load_weights``
-                refused: unknown name or shape, naming it); the model is then partly written.
+            ``{"ok": True, "checksum": sync_checksum of the received tensors (computed on the
+            GPU), "bytes", "seconds", "buckets"}``, or ``{"ok": False, "rank", "error"}`` when the
+            sync failed (timeout, a peer gone, the plan refused, a bucket ``load_weights`` refused:
+            unknown name or shape, a parameter left out): the model is then partly written.
+            Never raises (see the class docstring).
         """
+        return self._rft_answer(lambda: self._rft_receive(plan_json, addr, port, world_size, backend, timeout_s, refusal))
+
+    def _rft_receive(self, plan_json: str, addr: str, port: int, world_size: int, backend: str, timeout_s: float,
+                     refusal: str | None) -> dict[str, Any]:
         import torch
 
         plan = SyncPlan.from_json(plan_json)
@@ -167,7 +194,8 @@ class WeightReloadExtension:
                     raise ValueError(f"{len(missing)} parameter(s) of the vLLM model were not in the sync: {missing[:5]}")
 
         rep = receive_buckets(plan, addr=addr, port=port, rank=1 + self._rft_tp_rank(), world_size=world_size,
-                              backend=backend, timeout_s=timeout_s, device=self.device, on_bucket=on_bucket)
+                              backend=backend, timeout_s=timeout_s, device=self.device, on_bucket=on_bucket,
+                              refusal=refusal)
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
         return {"checksum": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds, "buckets": rep.buckets}
@@ -196,6 +224,7 @@ class VLLMEngine(SyncedWeights):
         self.sleep_after_generate = enable_sleep_mode
         self.tensor_parallel_size = tensor_parallel_size
         self._policy_dtype = dtype
+        self._model_path = model_path  # its architecture: what a sync must fit (plan_refusal)
         if llm is None:
             kwargs: dict[str, Any] = {
                 "model": model_path, "tensor_parallel_size": tensor_parallel_size,
@@ -259,7 +288,11 @@ class VLLMEngine(SyncedWeights):
                                       "were discarded by a level-2 sleep): sync them again or load a checkpoint")
         elif self._loaded_path != self.weights_path:
             log.info("vLLM: reloading weights in place from %s", self.weights_path)
-            self.llm.collective_rpc("rft_reload_weights", args=(self.weights_path,))
+            self._loaded_path = None  # a failed reload leaves the weights partly written
+            failed = [a for a in self.llm.collective_rpc("rft_reload_weights", args=(self.weights_path,)) if not a["ok"]]
+            if failed:
+                raise RuntimeError(f"vLLM: reloading {self.weights_path} failed on worker(s) "
+                                   f"{[a['rank'] for a in failed]}: {'; '.join(a['error'] for a in failed)}")
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
             self._loaded_path = self.weights_path
         if self._sleep_level:
@@ -286,7 +319,12 @@ class VLLMEngine(SyncedWeights):
         args=(), kwargs=None) -> list`` of ``vllm/entrypoints/llm.py``, one result per worker,
         calling ``WeightReloadExtension.rft_receive_weights``), check that every worker received
         the same weights (their checksums), reset the prefix cache and record ``version`` as what
-        the GPU weights hold (``weights_version``; ``generate`` then reloads nothing).
+        the GPU weights hold (``weights_version``; ``generate`` then reloads nothing). A plan that
+        does not fit the engine's model (``plan_refusal``: a tensor missing, unexpected or of
+        another shape or dtype) is refused by every worker at the plan check, before a bucket
+        moves. The workers answer a status each (``WeightReloadExtension``), so a failure on one
+        worker leaves no reply queued in vLLM's executor; the error raised here names each failed
+        worker's own error.
 
         Args:
             plan: the sender's ``SyncPlan`` (or its JSON), in ``sync_dtype``.
@@ -301,14 +339,20 @@ class VLLMEngine(SyncedWeights):
                 then invalid (``generate`` refuses until a sync or ``load_policy`` succeeds).
         """
         world_size = self.sync_world_size
-        plan_json = plan if isinstance(plan, str) else plan.to_json()
+        plan = SyncPlan.from_json(plan) if isinstance(plan, str) else plan
+        refusal = self.plan_refusal(plan)
         self._wake_weights()
         self.invalidate_weights()
         try:
             results = self.llm.collective_rpc("rft_receive_weights",
-                                              args=(plan_json, addr, port, world_size, backend, float(timeout_s)))
-        except Exception as exc:  # noqa: BLE001  a worker's WeightSyncError comes back wrapped by the executor
+                                              args=(plan.to_json(), addr, port, world_size, backend, float(timeout_s),
+                                                    refusal))
+        except Exception as exc:  # noqa: BLE001  the executor failed (a worker process died, a timeout)
             raise WeightSyncError(f"vLLM weight sync of {version} failed: {type(exc).__name__}: {exc}") from exc
+        failed = [r for r in results if not r.get("ok")]
+        if failed:
+            raise WeightSyncError(f"vLLM weight sync of {version} failed on worker(s) {[r['rank'] for r in failed]}: "
+                                  + "; ".join(r["error"] for r in failed))
         checksums = sorted({r["checksum"] for r in results})
         if len(results) != world_size - 1 or len(checksums) != 1:
             raise WeightSyncError(f"vLLM weight sync of {version}: {len(results)} worker(s) of {world_size - 1} answered "

@@ -9,9 +9,18 @@ the flow are unchanged: they still decide only where a program runs.
 Workers are Ray actors named ``<role>-<sha of the pool name>`` (``-rank<r>`` after it for the
 policy trainer's ranks above 0: ``orchestration.policy_ranks``, DeepSpeed data parallelism, every
 rank runs each update and rank 0's result is the stage's) in the namespace ``prefect-rft``
-(a local Ray started on first use, or ``ray_address``), with ``num_cpus=0`` unless the role's
-options say otherwise (they run one stage at a time, as the flow orders them) and the caller's
-torch thread count. A worker that died (killed, out of memory) is replaced once per call and the
+(a local Ray started on first use, or ``ray_address``), with the caller's torch thread count
+and the Ray options of ``actor_options``: ``num_cpus=0`` (they run one stage at a time, as the
+flow orders them) and, when the cluster has GPUs (``ray.cluster_resources()["GPU"]``), GPUs for
+every model role (one each; the rollout engine's ``tensor_parallel_size`` for the rollout worker
+of vLLM or SGLang; a quarter each when the whole cluster has one GPU, which the roles then share),
+``orchestration.worker_options`` overriding any of it per role. Where each actor landed (node id,
+node IP, GPU ids) is logged at INFO on ``rft_core.workers`` when it starts, which the run's task
+log shows. An actor that Ray cannot place within ``RFT_WORKER_PLACEMENT_TIMEOUT_S`` seconds
+(default 300: no node has the resources it asks for, e.g. its node died) fails with
+``WorkerError`` naming the role, what it asks for, the live nodes and the node it last ran on.
+
+A worker that died (killed, out of memory, its node gone) is replaced once per call and the
 stage runs again: a committed stage is reused, an interrupted one recomputed, and the new
 worker rebuilds its model (``rft_core.workers.resident``); a policy rank that dies or fails ends
 its whole gang (its peers would wait in a collective), which is started anew the same way. Actors are owned by the process that
@@ -31,6 +40,9 @@ log = logging.getLogger("rft_core.workers")
 
 # environment the workers need from the driver (a local Ray passes its own; a cluster does not)
 _ENV_PREFIXES = ("RFT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PREFECT_RFT_")
+# a cluster with one GPU: every role gets this share of it (all of ROLES fit; two workers on one
+# GPU sync by CUDA IPC, rft_core/workers/cuda_ipc.py)
+_SHARED_GPU = 1 / len(ROLES)
 
 
 def _ray(workers: WorkersConfig | None = None):
@@ -52,6 +64,7 @@ def _ray(workers: WorkersConfig | None = None):
         env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
         if env:
             kw.setdefault("runtime_env", {}).setdefault("env_vars", env)
+        _HANDLES.clear()  # handles of an earlier connection: their actors ended with it
         ray.init(**kw)
     return ray
 
@@ -76,34 +89,126 @@ def _threads(workers: WorkersConfig) -> int:
 _HANDLES: dict[tuple[str, str, int], Any] = {}
 
 
+# where each started actor runs: (pool, role, rank) -> actor_placement's answer, kept after the
+# actor died so that errors can name the node it was on
+_PLACEMENT: dict[tuple[str, str, int], dict[str, Any]] = {}
+
+
 def start_worker(workers: WorkersConfig, role: str):
     """The actor of ``role`` in the pool of ``workers`` (rank 0 of the policy's ranks): the live
     one, or a new one (owned, and kept alive, by this process)."""
     return start_gang(workers, role)[0]
 
 
+def engine_gpus(inp) -> int:
+    """GPUs the rollout engine of a stage input needs: vLLM's or SGLang's
+    ``tensor_parallel_size`` for a ``RolloutInput`` with ``rollout.engine`` vllm or sglang, else 1."""
+    rollout = getattr(inp, "rollout", None)
+    engine = getattr(rollout, "engine", "hf")
+    if engine in ("vllm", "sglang"):
+        settings = getattr(rollout, engine, None)
+        return settings.tensor_parallel_size if settings is not None else 1
+    return 1
+
+
+def actor_options(workers: WorkersConfig, role: str, *, cluster_gpus: float, engine_gpus: int = 1) -> dict[str, Any]:
+    """The Ray actor options of each actor of ``role`` (every policy rank gets the same).
+
+    Args:
+        workers: the pool's settings; ``workers.options[role]`` (``orchestration.worker_options``)
+            overrides any default key, e.g. ``{num_gpus: 0.5}`` or ``{resources: {node_a: 1}}``.
+        role: one of ``ROLES``; all of them hold a model.
+        cluster_gpus: ``ray.cluster_resources().get("GPU", 0)``, GPUs of the whole cluster.
+        engine_gpus: GPUs of the rollout worker's engine (``engine_gpus``), rollout only.
+
+    Returns:
+        ``{"num_cpus": 0}`` plus, when ``cluster_gpus`` >= 1, ``num_gpus``: 1 per actor (the
+        rollout worker: ``engine_gpus``); on a one-GPU cluster ``1 / len(ROLES)`` (0.25), so every
+        role fits on the one GPU; then the overrides.
+    """
+    options: dict[str, Any] = {"num_cpus": 0}
+    if cluster_gpus >= 2:
+        options["num_gpus"] = engine_gpus if role == "rollout" else 1
+    elif cluster_gpus >= 1:
+        options["num_gpus"] = _SHARED_GPU
+    options.update(workers.options.get(role, {}))
+    return options
+
+
+def actor_placement(_actor=None) -> dict[str, Any]:
+    """Where the calling Ray worker process runs: node id and IP, the GPU ids Ray gave it
+    (``ray.get_gpu_ids()``, what ``CUDA_VISIBLE_DEVICES`` lists) and its pid. Run inside an actor
+    with ``actor.__ray_call__.remote(actor_placement)``."""
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
+
+
+def _where(pool: str, role: str, rank: int = 0) -> str:
+    """'node <id> (<ip>)' of the last actor of ``role`` rank ``rank`` started in ``pool``, or ''."""
+    p = _PLACEMENT.get((pool, role, rank))
+    return f"node {p['node_id']} ({p['node_ip']})" if p else ""
+
+
+def _placement_timeout_s() -> float:
+    return float(os.environ.get("RFT_WORKER_PLACEMENT_TIMEOUT_S", "300"))
+
+
+def _place(ray, workers: WorkersConfig, role: str, gang: list, options: dict[str, Any]) -> None:
+    """Wait until Ray has placed every actor of a new gang, record and log where each runs.
+
+    Raises:
+        WorkerError: an actor was not placed within ``RFT_WORKER_PLACEMENT_TIMEOUT_S`` (naming the
+            role, its options, the live nodes' resources and the node it last ran on).
+    """
+    futures = [a.__ray_call__.remote(actor_placement) for a in gang]
+    ready, _ = ray.wait(futures, num_returns=len(futures), timeout=_placement_timeout_s())
+    if len(ready) < len(futures):
+        last = "; ".join(f"rank {r} last ran on {_where(workers.pool, role, r)}" for r in range(len(gang))
+                         if _where(workers.pool, role, r))
+        nodes = [f"{n['NodeID']} ({n['NodeManagerAddress']}): {n['Resources']}" for n in ray.nodes() if n["Alive"]]
+        _kill_gang(workers.pool, role, gang)
+        raise WorkerError(f"the {role} worker of {workers.pool} could not be placed within "
+                          f"{_placement_timeout_s():.0f} s (RFT_WORKER_PLACEMENT_TIMEOUT_S): it asks for {options}; "
+                          f"live nodes: {'; '.join(nodes)}" + (f"; {last}" if last else ""))
+    for r, where in enumerate(ray.get(futures)):
+        _PLACEMENT[(workers.pool, role, r)] = where
+        log.info("resident worker %s%s of %s: node %s (%s), GPUs %s, options %s", role, f" rank {r}" if r else "",
+                 workers.pool, where["node_id"], where["node_ip"], where["gpus"] or "none", options)
+
+
+def placements(pool: str) -> dict[str, dict[str, Any]]:
+    """Where the actors of ``pool`` started by this process run (or last ran), by role
+    (``policy-rank1`` for rank 1): ``actor_placement``'s answer."""
+    return {role if r == 0 else f"{role}-rank{r}": where for (p, role, r), where in _PLACEMENT.items() if p == pool}
+
+
 def _gang_size(workers: WorkersConfig, role: str) -> int:
     return workers.policy_ranks if role == "policy" else 1
 
 
-def start_gang(workers: WorkersConfig, role: str) -> list:
+def start_gang(workers: WorkersConfig, role: str, *, engine_gpus: int = 1) -> list:
     """Every rank's actor of ``role``: one for the rollout and reference workers, and
-    ``workers.policy_ranks`` for the policy trainer (DeepSpeed data parallelism). The ranks of a
-    new gang are given one rendezvous (rank 0's address and a free port: ``MASTER_ADDR``,
-    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0`` since Ray gives each actor its
-    own GPUs) before any program runs; DeepSpeed's process group is then formed on the first
-    update and kept for the run."""
+    ``workers.policy_ranks`` for the policy trainer (DeepSpeed data parallelism), with the Ray
+    options of ``actor_options`` (``engine_gpus``: the rollout engine's GPUs). A new gang is
+    placed (``_place``: logged, or ``WorkerError`` when Ray cannot place it), then its ranks are
+    given one rendezvous (rank 0's address and a free port: ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0`` since Ray gives each actor its own GPUs) before any
+    program runs; DeepSpeed's process group is then formed on the first update and kept for the run."""
     ray = _ray(workers)
     n = _gang_size(workers, role)
     if all((workers.pool, role, r) in _HANDLES for r in range(n)):  # the creating handles keep the actors alive
         return [_HANDLES[(workers.pool, role, r)] for r in range(n)]
-    options = {"num_cpus": 0, **workers.options.get(role, {})}
+    options = actor_options(workers, role, cluster_gpus=float(ray.cluster_resources().get("GPU", 0)),
+                            engine_gpus=engine_gpus)
     cls = ray.remote(ModelWorker)
     gang = [cls.options(name=actor_name(workers.pool, role, rank=r), namespace=NAMESPACE, get_if_exists=True,
                         max_restarts=0, **options).remote(
         role, workers.pool, threads=_threads(workers), sync_timeout_s=workers.sync_timeout_s,
         sync_bucket_mb=workers.sync_bucket_mb, policy_ranks=workers.policy_ranks,
         rollout_versions=workers.rollout_versions) for r in range(n)]
+    _place(ray, workers, role, gang, options)
     if n > 1:
         meet = ray.get(gang[0].rendezvous.remote())
         ray.get([a.set_dist_env.remote({"RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": str(n),
@@ -150,8 +255,9 @@ def run_resident(inp, workers: WorkersConfig):
     from ray.exceptions import RayActorError, RayTaskError
 
     for attempt in (0, 1):
-        gang = start_gang(workers, role)
+        gang: list = []
         try:
+            gang = start_gang(workers, role, engine_gpus=engine_gpus(inp))  # an actor dying as it starts: below
             return _gather(ray, [a.run.remote(inp) for a in gang])[0]  # every rank runs it; rank 0's result
         except RayTaskError as exc:  # the program raised: the original exception, as the stage process would
             if len(gang) > 1:  # the other ranks may wait in a collective for the failed one
@@ -159,10 +265,13 @@ def run_resident(inp, workers: WorkersConfig):
             raise exc.as_instanceof_cause() from None
         except RayActorError as exc:
             _kill_gang(workers.pool, role, gang)
+            where = "; ".join(f"rank {r} on {_where(workers.pool, role, r) or 'an unknown node'}"
+                              for r in range(_gang_size(workers, role)))
             if attempt:
-                raise WorkerError(f"the {role} worker of {workers.pool} died twice running {inp.program}: {exc}") from exc
-            log.warning("the %s worker died during %s (%s); starting a new one and running the stage again",
-                        role, inp.program, exc)
+                raise WorkerError(f"the {role} worker of {workers.pool} ({where}) died twice running {inp.program}: "
+                                  f"{exc}") from exc
+            log.warning("the %s worker (%s) died during %s (%s); starting a new one and running the stage again",
+                        role, where, inp.program, exc)
     raise AssertionError("unreachable")
 
 

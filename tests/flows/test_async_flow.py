@@ -2,7 +2,7 @@
 s = 1 the rollout of iteration k samples with the policy of iteration k-2's update and runs
 while iteration k-1's update trains; two fresh runs end with the same weights bit for bit; every
 rollout row records its policy version. The rewards vary inside each group (``tests/varying.py``):
-each equality test first asserts non-zero advantages and policy loss in every iteration it compares."""
+each equality test first asserts non-zero advantages and a policy gradient in every iteration it compares."""
 from __future__ import annotations
 
 import datetime as dt

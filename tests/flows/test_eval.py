@@ -4,9 +4,11 @@ from its run root, the preset entry point and the CLI command."""
 from __future__ import annotations
 
 import hashlib
+import re
 import zlib
 from pathlib import Path
 
+import pytest
 import yaml
 
 from rft_core.data.prompts import load_task
@@ -88,3 +90,64 @@ def test_eval_from_preset_and_cli(prefect_harness, tiny_model, tmp_path, fake_re
     assert r.exit_code == 2 and "committed 'prompts' stage" in r.output
     r = CliRunner().invoke(app, ["eval", "-c", str(preset), "--set", "eval.num_prompts=0"])
     assert r.exit_code == 2 and "eval.num_prompts" in r.output
+
+
+def _vote_score(text, **kw):
+    """A grader for sampled answers that also extracts one: crc32 mod 3 is the 'answer', 0 is right."""
+    from rft_core.rewards.math import RewardResult
+
+    a = zlib.crc32(text.encode()) % 3
+    return RewardResult(float(a == 0), a == 0, str(a), {"correctness": float(a == 0), "format": 0.0})
+
+
+def test_cli_sampled_eval_prints_avg_pass_maj_with_standard_errors(prefect_harness, tiny_model, tmp_path, monkeypatch):
+    """`rft eval --set eval.n_samples=4`: 4 sampled answers per prompt; the printed avg@4,
+    pass@1..4 and maj@4 (± standard errors across prompts) are those of a float64 reference
+    loop over the eval shard's rows (pass@k by exact binomials, Chen et al. 2021 eq. 1)."""
+    import math
+    import statistics
+
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    monkeypatch.setattr("rft_core.rewards.math.score_response", _vote_score)
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(yaml.safe_dump({"name": "ev", "policy": {"path": tiny_model}, "data": {"size": 50},
+                                      "rollout": {"temperature": 1.0}, "eval": {"num_prompts": 4, "max_new_tokens": 4}}))
+    out = tmp_path / "sampled"
+    r = CliRunner().invoke(app, ["eval", "-c", str(preset), "--set", "eval.n_samples=4", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = read_shard(f"{out}/eval").to_pylist()
+    assert len(rows) == 16 and sorted((x["prompt_id"], x["sample_index"]) for x in rows) == \
+        sorted((p, k) for p in {x["prompt_id"] for x in rows} for k in range(4))
+    assert all(x["data_source"] == "basic_arithmetic" for x in rows)
+    groups: dict[str, list[dict]] = {}
+    for x in rows:
+        groups.setdefault(x["prompt_id"], []).append(x)
+    assert any(len({x["response_text"] for x in g}) > 1 for g in groups.values())  # sampled, not 4 greedy copies
+    counts = [sum(x["correct"] for x in g) for g in groups.values()]
+    assert 0 < sum(counts) < 16 and len(set(counts)) > 1  # a spread, so pass@k grows with k
+
+    def maj(g):  # the vote: correct answers one class, wrong ones by extracted answer, ties split
+        votes: dict[str, int] = {}
+        for x in g:
+            key = "correct" if x["correct"] else x["extracted_answer"]
+            votes[key] = votes.get(key, 0) + 1
+        top = [k for k, v in votes.items() if v == max(votes.values())]
+        return 1 / len(top) if "correct" in top else 0.0
+
+    ref = {"avg@4": [c / 4 for c in counts], "maj@4": [maj(g) for g in groups.values()]}
+    for k in range(1, 5):
+        ref[f"pass@{k}"] = [1 - math.comb(4 - c, k) / math.comb(4, k) for c in counts]
+    printed = {line.split(":")[0]: line.split(":", 1)[1].split() for line in r.output.splitlines()
+               if re.match(r"(avg|pass|maj)@\d+:", line)}
+    assert list(printed) == ["avg@4", "pass@1", "pass@2", "pass@3", "pass@4", "maj@4"]
+    for name, vals in ref.items():
+        mean, se = sum(vals) / len(vals), statistics.stdev(vals) / math.sqrt(len(vals))
+        assert printed[name] == [f"{mean:.3f}", "±", f"{se:.3f}"], (name, printed[name], mean, se)
+    summary = read_manifest(f"{out}/eval")[0].summary
+    assert summary["metrics"]["by_data_source"]["basic_arithmetic"] == summary["metrics"]["overall"]
+    assert summary["num_prompts"] == 4 and summary["accuracy"] == pytest.approx(sum(counts) / 16)
+    assert read_manifest(f"{out}/rollout")[0].summary["decoding"] == "sampled"
+    assert "temperature 1.0, top-p 1.0, seed 0" in r.output

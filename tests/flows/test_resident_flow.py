@@ -2,7 +2,7 @@
 ``orchestration.workers=resident`` and ``checkpoint.every=3`` end with the weights of 3
 iterations in stage mode; after its first iteration the resident run reads no model from
 storage and builds no engine; the workers end with the run. The rewards vary inside each group
-(``tests/varying.py``): each test first asserts non-zero advantages and policy loss."""
+(``tests/varying.py``): each test first asserts non-zero advantages and a policy gradient."""
 from __future__ import annotations
 
 import pytest

@@ -1,8 +1,9 @@
-"""The SGLang engine adapter against the engine interface, with the HF engine standing in for
-``sglang.Engine`` (no GPU here): requests (one per sample, all in one call, a seed each), output
-conversion (EOS cut, finish reasons, log-probs), refusals (FIRE, aborts, missing log-probs,
-pre-temperature log-probs), engine arguments, LoRA adapters, the engine cache with weights
-reloaded from disk in place and memory released between rollouts."""
+"""The SGLang engine adapter against the engine interface, with the SGLang stand-in of
+``tests/standins/sglang.py`` (SGLang 0.5.23; generation through the HF engine on the weights its
+schedulers hold) for ``sglang.Engine`` (no GPU here): requests (one per sample, all in one call,
+a seed each), output conversion (EOS cut, finish reasons, log-probs), refusals (FIRE, aborts,
+missing log-probs, pre-temperature log-probs), engine arguments, LoRA adapters, the engine cache
+with weights reloaded from disk in place and memory released between rollouts."""
 from __future__ import annotations
 
 import logging
@@ -169,5 +170,5 @@ def test_cached_engine_reloads_from_disk_and_releases_memory(parts, tiny_model, 
 def test_a_failed_weight_update_is_an_error(parts):
     eng, _ = _engine(parts, fail_update=True)
     eng.load_policy("/ckpt/iter9")
-    with pytest.raises(RuntimeError, match=r"update_weights_from_disk\(/ckpt/iter9\) failed: cannot load /ckpt/iter9"):
+    with pytest.raises(RuntimeError, match=r"SGLang update_weights_from_disk\(/ckpt/iter9\) failed: "):
         eng.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)

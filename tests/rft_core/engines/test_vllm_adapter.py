@@ -1,8 +1,10 @@
-"""The vLLM engine adapter against the engine interface, with the HF engine standing in for
-``vllm.LLM`` (no GPU here): one generate call for all prompts, one seed per sample (distinct over
-realistic rollouts), output conversion (EOS cut, finish reasons, log-probs), shards, FIRE
-refusal, the engine dtype, the process-level engine cache (weights reloaded in place through the
-worker extension, sleep/wake, release) and LoRA requests."""
+"""The vLLM engine adapter against the engine interface, with the vLLM stand-in of
+``tests/standins/vllm.py`` (vLLM 0.33.0's workers, executor and sleep mode; generation through
+the HF engine on the weights the workers hold) for ``vllm.LLM`` (no GPU here): one generate call
+for all prompts, one seed per sample (distinct over realistic rollouts), output conversion (EOS
+cut, finish reasons, log-probs), shards, FIRE refusal, the engine dtype, the process-level engine
+cache (weights reloaded in place through the worker extension, sleep/wake, release) and LoRA
+requests."""
 from __future__ import annotations
 
 import logging
@@ -238,6 +240,8 @@ def test_cached_lora_engine_gets_a_new_request_id_per_adapter(parts, tiny_model,
 
 
 class _NewRunner:
+    """``GPUModelRunner.reload_weights`` of vLLM 0.33.0 (vllm/v1/worker/gpu_model_runner.py): its signature."""
+
     def __init__(self):
         self.model_config = SimpleNamespace(model="/base")
 
@@ -246,20 +250,24 @@ class _NewRunner:
 
 
 class _OldRunner(_NewRunner):
+    """vLLM 0.10.x: ``reload_weights()`` re-reads ``model_config.model``."""
+
     def reload_weights(self):
         raise AssertionError("the worker's reload_weights is called, not the runner's")
 
 
 class _Worker:
-    """vLLM's GPU worker surface: ``model_runner`` and ``reload_weights`` (which wraps the
-    runner's in the weights memory pool)."""
+    """vLLM's GPU worker surface (vllm/v1/worker/gpu_worker.py): ``rank``, ``model_runner`` and
+    ``reload_weights(*args, **kwargs)`` (which passes on to the runner's)."""
 
-    def __init__(self, runner):
-        self.model_runner = runner
+    def __init__(self, runner, fail=None):
+        self.model_runner, self.rank, self.fail = runner, 0, fail
         self.calls = []
 
     def reload_weights(self, *args, **kwargs):
         self.calls.append((args, kwargs, self.model_runner.model_config.model))
+        if self.fail:
+            raise FileNotFoundError(self.fail)
 
 
 class _ExtendedWorker(_Worker, WeightReloadExtension):
@@ -268,8 +276,31 @@ class _ExtendedWorker(_Worker, WeightReloadExtension):
 
 def test_worker_extension_reloads_from_the_new_folder_on_old_and_new_vllm():
     new = _ExtendedWorker(_NewRunner())
-    new.rft_reload_weights("/ckpt/iter2")
+    assert new.rft_reload_weights("/ckpt/iter2") == {"ok": True}
     assert new.calls == [((), {"weights_path": "/ckpt/iter2"}, "/base")]
     old = _ExtendedWorker(_OldRunner())
-    old.rft_reload_weights("/ckpt/iter2")
+    assert old.rft_reload_weights("/ckpt/iter2") == {"ok": True}
     assert old.calls == [((), {}, "/ckpt/iter2")] and old.model_runner.model_config.model == "/ckpt/iter2"
+    # a failure is answered, never raised through collective_rpc (vLLM's executor would leave the other replies queued)
+    failing = _ExtendedWorker(_NewRunner(), fail="no *.safetensors in /ckpt/iter3")
+    assert failing.rft_reload_weights("/ckpt/iter3") == {"ok": False, "rank": 0,
+                                                         "error": "FileNotFoundError: no *.safetensors in /ckpt/iter3"}
+
+
+def test_a_reload_that_fails_on_a_worker_raises_after_every_worker_answered(parts, tiny_model, tmp_path):
+    """Tensor parallel 2 on the vLLM stand-in: a checkpoint folder with no weights fails both
+    workers' reload; the engine reads both answers (none left queued in vLLM's executor), names
+    the failed workers, and the next good checkpoint loads."""
+    model, tok = parts
+    llm = HFBackedLLM(model, tok, tensor_parallel_size=2)
+    engine = VLLMEngine("unused", eos_ids=HFEngine(model, tok).eos_ids, llm=llm, sampling_params=SamplingParams)
+    (tmp_path / "empty").mkdir()
+    engine.load_policy(str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match=r"vLLM: reloading .*empty failed on worker\(s\) \[0, 1\]: FileNotFoundError"):
+        engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    assert [q.qsize() for q in llm.executor.responses] == [0, 0]
+    good, new_model = _perturbed_checkpoint(tiny_model, tmp_path / "good")
+    engine.load_policy(good)
+    gens = engine.generate(PROMPTS[:2], n_samples_per_prompt=1, max_new_tokens=3)
+    for g, lp in zip(gens, _teacher_forced(new_model, tok, PROMPTS[:2], gens)):
+        assert g.logprobs == pytest.approx(lp, abs=1e-4)

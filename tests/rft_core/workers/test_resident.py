@@ -3,7 +3,7 @@ with models from memory give the weights and shards of stage mode, an update bet
 checkpoints keeps its weights in memory only, a crash is recovered exactly from the last
 checkpoint, and a failed weight sync never leaves the engine serving half-updated weights. Every
 run here has rewards that vary inside each group (``tests/varying.py``), and each equality test
-first asserts that the advantages and the policy loss of what it compares are not 0."""
+first asserts that the advantages and the policy gradient of what it compares are not 0."""
 from __future__ import annotations
 
 import json

@@ -1,0 +1,122 @@
+"""Resident workers' Ray options (issue 36): every model role gets a GPU by default when the
+cluster has GPUs, the rollout worker of vLLM/SGLang its tensor-parallel GPUs, a one-GPU
+cluster shares its GPU, ``orchestration.worker_options`` overrides any of it; where each actor
+landed is logged, and an actor Ray cannot place fails naming the role instead of waiting forever.
+
+The cluster test runs a real Ray cluster (``ray.cluster_utils.Cluster``) whose node declares 2
+GPUs: Ray schedules by the declared count and sets ``CUDA_VISIBLE_DEVICES`` in the actor, which
+is what the options decide, with no GPU present."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from rft_core.config import RolloutConfig, SGLangConfig, TrainConfig, VLLMConfig, WorkersConfig
+from rft_core.workers.pool import actor_options, engine_gpus
+
+W = WorkersConfig(pool="p")
+
+
+@pytest.mark.parametrize("gpus, role, engine, want", [
+    (0, "policy", 1, {"num_cpus": 0}),                    # CPU cluster: as before issue 36
+    (0, "rollout", 2, {"num_cpus": 0}),
+    (8, "policy", 1, {"num_cpus": 0, "num_gpus": 1}),
+    (8, "reference", 1, {"num_cpus": 0, "num_gpus": 1}),
+    (8, "critic", 1, {"num_cpus": 0, "num_gpus": 1}),
+    (8, "rollout", 1, {"num_cpus": 0, "num_gpus": 1}),
+    (8, "rollout", 2, {"num_cpus": 0, "num_gpus": 2}),   # vLLM/SGLang tensor parallel 2
+    (8, "reference", 2, {"num_cpus": 0, "num_gpus": 1}),  # engine GPUs concern the rollout only
+    (2, "policy", 1, {"num_cpus": 0, "num_gpus": 1}),
+    (1, "policy", 1, {"num_cpus": 0, "num_gpus": 0.25}),  # one GPU: the 4 roles share it
+    (1, "rollout", 1, {"num_cpus": 0, "num_gpus": 0.25}),
+])
+def test_default_options(gpus, role, engine, want):
+    assert actor_options(W, role, cluster_gpus=gpus, engine_gpus=engine) == want
+
+
+def test_worker_options_override_the_defaults():
+    w = WorkersConfig(pool="p", options={"reference": {"num_gpus": 0.5}, "rollout": {"resources": {"node_b": 1}},
+                                         "policy": {"num_cpus": 2, "num_gpus": 0}})
+    assert actor_options(w, "reference", cluster_gpus=8) == {"num_cpus": 0, "num_gpus": 0.5}
+    assert actor_options(w, "rollout", cluster_gpus=8, engine_gpus=2) == {"num_cpus": 0, "num_gpus": 2,
+                                                                          "resources": {"node_b": 1}}
+    assert actor_options(w, "policy", cluster_gpus=8) == {"num_cpus": 2, "num_gpus": 0}
+    assert actor_options(w, "critic", cluster_gpus=0) == {"num_cpus": 0}
+
+
+def test_the_config_reaches_the_pool():
+    """orchestration.worker_options -> TrainConfig.runner -> WorkersConfig.options, per stage."""
+    cfg = TrainConfig(run_root="/tmp/r", orchestration={"workers": "resident",
+                                                        "worker_options": {"rollout": {"num_gpus": 2}}})
+    workers = cfg.runner("rollout").workers
+    assert actor_options(workers, "rollout", cluster_gpus=8) == {"num_cpus": 0, "num_gpus": 2}
+    assert actor_options(cfg.runner("ppo_update").workers, "policy", cluster_gpus=8) == {"num_cpus": 0, "num_gpus": 1}
+
+
+def test_engine_gpus_follow_the_rollout_engine(tiny_model):
+    from rft_core.api import RolloutInput
+    from schemas import ShardRef
+
+    prompts = ShardRef(uri="/tmp/x/iter=000001/prompts", stage="prompts", num_rows=1, config_hash="0" * 64,
+                       manifest_sha256="0" * 64)
+
+    def inp(rollout: RolloutConfig) -> RolloutInput:
+        return RolloutInput(prompts=prompts, policy=tiny_model, rollout=rollout, iteration=1, out="/tmp/x/r")
+
+    assert engine_gpus(inp(RolloutConfig())) == 1  # hf
+    assert engine_gpus(inp(RolloutConfig(engine="vllm"))) == 1
+    assert engine_gpus(inp(RolloutConfig(engine="vllm", vllm=VLLMConfig(tensor_parallel_size=4)))) == 4
+    assert engine_gpus(inp(RolloutConfig(engine="sglang", sglang=SGLangConfig(tensor_parallel_size=2)))) == 2
+
+
+@pytest.fixture
+def gpu_cluster():
+    """A one-node Ray cluster whose node declares 2 GPUs (and no CPU to spare: actors take 0)."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()  # a local Ray another test started
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2})
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_actors_get_gpus_on_a_cluster_with_gpus(gpu_cluster, tmp_path, caplog, monkeypatch):
+    import ray
+
+    from rft_core.workers.pool import WorkerError, placements, start_gang, stop_workers
+
+    monkeypatch.setenv("RFT_WORKER_PLACEMENT_TIMEOUT_S", "5")
+    pool = str(tmp_path / "run")
+    workers = WorkersConfig(pool=pool, ray_address=gpu_cluster.address, threads=1,
+                            options={"critic": {"num_gpus": 0}})
+    try:
+        with caplog.at_level(logging.INFO, logger="rft_core.workers"):
+            reference = start_gang(workers, "reference")[0]
+        assert ray.cluster_resources()["GPU"] == 2
+        where = placements(pool)["reference"]
+        assert len(where["gpus"]) == 1 and where["gpus"][0] in ("0", "1")
+        assert where["node_id"] == gpu_cluster.head_node.node_id
+        # what the actor's CUDA libraries would see: the GPU Ray gave it
+        assert ray.get(reference.__ray_call__.remote(lambda _: os.environ["CUDA_VISIBLE_DEVICES"])) == where["gpus"][0]
+        logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resident worker reference")]
+        assert logged and f"node {where['node_id']}" in logged[0] and str(where["gpus"]) in logged[0], logged
+
+        # the override: the critic asks for no GPU and gets none
+        start_gang(workers, "critic")
+        assert placements(pool)["critic"]["gpus"] == []
+        # a vLLM engine of tensor parallel 2 needs both GPUs; the reference holds one: never placed
+        with pytest.raises(WorkerError, match=r"the rollout worker of .* could not be placed within 5 s") as err:
+            start_gang(workers, "rollout", engine_gpus=2)
+        assert "'num_gpus': 2" in str(err.value) and gpu_cluster.head_node.node_id in str(err.value)
+        # with the GPU free again it is placed, on both GPUs
+        assert sorted(stop_workers(pool)) == ["critic", "reference"]
+        start_gang(workers, "rollout", engine_gpus=2)
+        assert sorted(placements(pool)["rollout"]["gpus"]) == ["0", "1"]
+    finally:
+        stop_workers(pool)
