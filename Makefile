@@ -103,3 +103,10 @@ gpu-smoke:
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# The stand-ins of tests/standins (vLLM, SGLang) against the upstream code the open pins install today: the newest
+# wheels of vllm>=0.10.2 and sglang>=0.5.3, downloaded without dependencies into .cache/upstream (~380 MB, once per
+# release) and read, never imported (tests/standins/test_upstream.py); ~1 min after the download.
+test-upstream: $(STAMP)
+	$(BIN)/pip download -q --no-deps -d .cache/upstream "vllm>=0.10.2" "sglang>=0.5.3"
+	RFT_UPSTREAM=.cache/upstream $(BIN)/python -m pytest -q tests/standins/test_upstream.py

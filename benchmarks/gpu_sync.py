@@ -5,8 +5,12 @@ Parent = the trainer, child = the rollout engine, both on ``cuda:0``:
 1. CUDA IPC (``rft_core.workers.cuda_ipc.export_cuda_ipc`` / ``import_cuda_ipc``, what two workers
    on one GPU use): the parent packs the weights into buckets and sends their IPC handles; the
    child copies them into its own tensors; both digests must agree.
+   ``cuda_ipc_from_cpu``: the same with the parent's weights on the CPU, packed onto the GPU by
+   ``export_cuda_ipc`` (what a DeepSpeed ZeRO-3 export hands over: its consolidated state dict
+   is on the CPU).
 2. A two-rank NCCL group (``send_weights`` / ``receive_weights`` with backend ``nccl``): what two
-   workers on different GPUs use. On one GPU NCCL refuses the pair; the error is recorded.
+   workers on different GPUs use. On one GPU NCCL refuses the pair; the error is recorded (the
+   sync's NCCL group blocks on its waits, so the refusal is raised, not a watchdog teardown).
 
 Weights: ``--sizes`` synthetic bfloat16 state dicts of that many GB (in 64 MB tensors), plus
 ``--model`` (a model path, bfloat16) when given.
@@ -48,7 +52,7 @@ def _child(kind: str, shapes: dict, q_in, q_out, port: int) -> None:
     target = {k: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for k, s in shapes.items()}
     plan = SyncPlan.of(target, bucket_mb=1024)
     try:
-        if kind == "cuda_ipc":
+        if kind.startswith("cuda_ipc"):
             handles = q_in.get(timeout=600)
             rep = import_cuda_ipc(handles, target, plan)
         else:
@@ -75,8 +79,10 @@ def sync_once(kind: str, tensors: dict) -> dict:
     t0 = time.perf_counter()
     res: dict = {"kind": kind, "gb": round(plan.payload_bytes / 1e9, 3)}
     try:
-        if kind == "cuda_ipc":
-            handles, buffers = export_cuda_ipc(tensors, plan, "cuda")
+        if kind.startswith("cuda_ipc"):
+            src = {k: v.cpu() for k, v in tensors.items()} if kind == "cuda_ipc_from_cpu" else tensors
+            t0 = time.perf_counter()
+            handles, buffers = export_cuda_ipc(src, plan, "cuda")
             res["pack_s"] = round(time.perf_counter() - t0, 4)
             q_in.put(handles)
             got = q_out.get(timeout=600)
@@ -143,7 +149,7 @@ def main() -> int:
         speed = {"case": name, "kind": "checksum", **checksum_speed(tensors)}
         results.append(speed)
         print(json.dumps(speed), flush=True)
-        for kind in ("cuda_ipc", "nccl"):
+        for kind in ("cuda_ipc", "cuda_ipc_from_cpu", "nccl"):
             r = sync_once(kind, tensors)
             r["case"] = name
             results.append(r)

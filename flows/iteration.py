@@ -1,4 +1,4 @@
-"""One RL iteration as a flow: prompts -> rollout -> {actor, ref, rewards, critic values} ->
+"""One RL iteration as a flow: prompts -> rollout -> {actor, ref, teacher, rewards, critic values} ->
 advantages -> update (policy, and critic when the estimator needs values).
 
 Every stage is called with keywords only, with its input model (``rft_core.api``); the stage
@@ -27,6 +27,7 @@ from rft_core.api import (
     RefLogprobsInput,
     RewardsInput,
     RolloutInput,
+    TeacherLogprobsInput,
     dataset_fingerprint,
     iteration_metrics,
     next_state,
@@ -111,7 +112,8 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
            kl: KLConfig, out: Out, tags: bool, with_rewards: bool) -> dict[str, ShardRef]:
     """The stages that read only the rollout, submitted together (they run concurrently): rewards
     (unless dynamic sampling wrote them), actor log-probs (when old log-probs are recomputed),
-    critic values (estimators with a critic), reference log-probs (a KL coefficient > 0)."""
+    critic values (estimators with a critic), reference log-probs (a KL coefficient > 0),
+    teacher log-probs (on-policy distillation: teacher.path set)."""
     temp = cfg.rollout.temperature
     futures: dict[str, PrefectFuture] = {}
     if with_rewards:
@@ -130,6 +132,11 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
             rollout=rollout, model=cfg.reference_model.path, logprobs=cfg.logprobs, temperature=temp,
             dtype=cfg.reference_model.dtype, grouping=cfg.logprob_grouping, out=out("ref_logprobs")),
             runner=cfg.runner("ref_logprobs"))
+    if cfg.teacher.path is not None:  # on-policy distillation: the teacher scores the student's tokens
+        futures["teacher_logprobs"] = tasks.tagged(tasks.teacher_logprobs, tags).submit(inp=TeacherLogprobsInput(
+            rollout=rollout, model=cfg.teacher.path, logprobs=cfg.logprobs, temperature=cfg.teacher.temperature,
+            dtype=cfg.teacher.dtype, tokenizer_path=cfg.policy.path, out=out("teacher_logprobs")),
+            runner=cfg.runner("teacher_logprobs"))
     return {name: f.result() for name, f in futures.items()}
 
 
@@ -140,14 +147,15 @@ def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef,
     """Advantages, then the policy update and (with a ``critic`` and critic values in ``parts``)
     the critic update, submitted together: (advantages, new policy, new critic or None).
     ``parts`` holds the rollout, rewards and whichever of actor_logprobs, ref_logprobs,
-    critic_values and baseline_rollout / baseline_rewards (remax) ran. ``save_checkpoint``: the
+    critic_values, teacher_logprobs and baseline_rollout / baseline_rewards (remax) ran. ``save_checkpoint``: the
     update writes the new weights and AdamW state (``checkpoint.every``); ``policy_version``: the version ``policy`` is (recorded by the update). The iteration flow and the replay flow both train through here."""
     rollout, actor, ref, values = parts["rollout"], parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
     adv = tasks.tagged(tasks.advantages, tags)(inp=AdvantagesInput(
         rollout=rollout, rewards=parts["rewards"], actor_logprobs=actor, ref_logprobs=ref, critic_values=values, kl=kl,
         advantage=cfg.advantage, shaping=cfg.shaping, state=state, max_new_tokens=cfg.rollout.max_new_tokens,
         baseline_rollout=parts.get("baseline_rollout"), baseline_rewards=parts.get("baseline_rewards"),
-        rollout_correction=cfg.advantage_rollout_correction, out=out("advantages")))
+        rollout_correction=cfg.advantage_rollout_correction, teacher_logprobs=parts.get("teacher_logprobs"),
+        teacher=cfg.teacher, out=out("advantages")))
     critic_future = None
     if critic is not None and values is not None:
         critic_future = tasks.tagged(tasks.critic_update, tags).submit(inp=CriticUpdateInput(

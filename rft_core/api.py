@@ -23,6 +23,7 @@ from rft_core.stages.dynamic import count_signal_groups
 from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, eval_report_lines, resolve_checkpoint
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.retention import apply_retention, prune_checkpoints
+from rft_core.stages.teacher import check_teacher_tokenizer
 from rft_core.storage import RunRootError, check_run_root, repair as repair_stage, verify_run
 from rft_core.stages.runner import run_stage
 from rft_core.workers.pool import run_counters, stop_workers
@@ -38,5 +39,5 @@ __all__ = [
     "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "stop_workers", "samples_markdown", "samples_view",
     "wait_for_optimizer_writes",
     "write_metrics", "write_replay_record", "write_tensorboard",
-    "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run",
+    "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run", "check_teacher_tokenizer",
 ]

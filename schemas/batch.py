@@ -99,6 +99,8 @@ class ColumnBatch:
             when their stage is not given.
         sum_pi_squared: (B, T) float32, the actor stage's sum_v pi_old(v)^2 at each token, or
             None when its shard does not carry that optional column (or is not given).
+        teacher_logprobs: (B, T) float32, the teacher stage's log nu(y_t) of each response token
+            (on-policy distillation), or None when that stage is not given.
         rewards, shaped_rewards: (B,) float32 or None.
     """
 
@@ -122,6 +124,7 @@ class ColumnBatch:
     kl: torch.Tensor | None = None
     shaped_rewards: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
 
 def join_column_groups(
@@ -132,6 +135,7 @@ def join_column_groups(
     rewards: pa.Table | None = None,
     advantages: pa.Table | None = None,
     critic_values: pa.Table | None = None,
+    teacher_logprobs: pa.Table | None = None,
     pad_token_id: int = 0,
 ) -> ColumnBatch:
     """Join the column groups of the stages given (tables of the stage named by each keyword)
@@ -144,7 +148,7 @@ def join_column_groups(
     check_token_lengths(rollout, name="rollout", lengths=lengths)
     groups = {}
     for name, t in (("actor_logprobs", actor_logprobs), ("ref_logprobs", ref_logprobs), ("rewards", rewards),
-                    ("advantages", advantages), ("critic_values", critic_values)):
+                    ("advantages", advantages), ("critic_values", critic_values), ("teacher_logprobs", teacher_logprobs)):
         if t is not None:
             t = align_on_sample_id(rollout, t, name=name)
             check_token_lengths(t, name=name, lengths=lengths)
@@ -180,4 +184,5 @@ def join_column_groups(
         kl=per_token("advantages", "kl"), shaped_rewards=per_sample("advantages", "shaped_rewards"),
         sum_pi_squared=(pad_lists(actor.column("sum_pi_squared"), torch.float32)
                         if actor is not None and "sum_pi_squared" in actor.column_names else None),
+        teacher_logprobs=per_token("teacher_logprobs", "teacher_logprobs"),
     )

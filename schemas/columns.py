@@ -141,6 +141,12 @@ REF_LOGPROBS = StageSchema("ref_logprobs", 1, pa.schema([
     pa.field("ref_logprobs", _f32, nullable=False),
 ]))
 
+# On-policy distillation (TrainConfig.teacher): log nu(y_t) of every response token under the teacher
+TEACHER_LOGPROBS = StageSchema("teacher_logprobs", 1, pa.schema([
+    pa.field("sample_id", pa.string(), nullable=False),
+    pa.field("teacher_logprobs", _f32, nullable=False),
+]))
+
 CRITIC_VALUES = StageSchema("critic_values", 1, pa.schema([  # PPO with a critic (GAE)
     pa.field("sample_id", pa.string(), nullable=False),
     pa.field("values", _f32, nullable=False),
@@ -211,12 +217,12 @@ OPTIMIZER_STATE = StageSchema("optimizer_state", 1, pa.schema([]))
 
 STAGE_SCHEMAS: dict[str, StageSchema] = {
     s.stage: s for s in (PROMPTS, ROLLOUT, ACTOR_LOGPROBS, REF_LOGPROBS, CRITIC_VALUES, REWARDS, ADVANTAGES, PPO_UPDATE,
-                         CRITIC_UPDATE, EVAL, OPTIMIZER_STATE)
+                         CRITIC_UPDATE, EVAL, OPTIMIZER_STATE, TEACHER_LOGPROBS)
 }
 
 # Per-token list columns that must have one entry per response token.
 PER_TOKEN_COLUMNS = {"rollout_logprobs", "action_mask", "old_logprobs", "action_entropy", "sum_pi_squared", "ref_logprobs",
-                     "values", "kl", "advantages", "returns"}
+                     "values", "kl", "advantages", "returns", "teacher_logprobs"}
 
 
 def schema_for(stage: str) -> StageSchema:

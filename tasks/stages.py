@@ -34,6 +34,8 @@ from rft_core.api import (
     RewardsInput,
     RolloutInput,
     RolloutMergeInput,
+    TeacherLogprobsInput,
+    check_teacher_tokenizer,
     count_signal_groups,
     apply_retention,
     run_stage,
@@ -101,6 +103,12 @@ def ref_logprobs(*, inp: RefLogprobsInput, runner: RunnerConfig | None = None) -
     return run_stage(inp, runner, log=_stage_log())
 
 
+@_stage_task("teacher_logprobs", retries=1)
+def teacher_logprobs(*, inp: TeacherLogprobsInput, runner: RunnerConfig | None = None) -> ShardRef:
+    """Log-probs of the responses under the teacher (`teacher_logprobs`; on-policy distillation)."""
+    return run_stage(inp, runner, log=_stage_log())
+
+
 @_stage_task("rewards", retries=1)
 def rewards(*, inp: RewardsInput) -> ShardRef:
     """Score every response of the rollout; writes the `rewards` column group."""
@@ -163,6 +171,8 @@ def validate_data(*, cfg: TrainConfig) -> str:
     """Every row of the run's data files (``data.path`` / ``data.sources``; not ``eval.path``, which
     training never reads) checked against what the run needs, before the first stage; remembered
     under the run root by the files' fingerprint, so a resume reads no row again. Raises
-    ``DataValidationError`` listing the first bad rows (file, line or row, column, problem);
-    returns the one-line summary."""
-    return validate_run_data(cfg).summary()
+    ``DataValidationError`` listing the first bad rows (file, line or row, column, problem).
+    With a teacher (on-policy distillation, ``teacher.path``) also its tokenizer against the
+    policy's (``TeacherTokenizerError`` naming both paths). Returns the one-line summary."""
+    line = validate_run_data(cfg).summary()
+    return line if cfg.teacher.path is None else f"{line}; {check_teacher_tokenizer(cfg.policy.path, cfg.teacher.path)}"

@@ -196,11 +196,11 @@ class Outcome:
     kill in the write phase, and for a worker kill the driver's log names the worker and the
     stage. ``overlap_live``: for an overlap row, both stages of the pair were in flight at the
     kill: every stage each of them waits for had committed (so the flow had submitted both; it
-    submits a stage as soon as its inputs commit) and neither had committed. ``redone``: after the rerun (or, for a worker kill, the run that
-    replaced the worker) the interrupted stage(s) are committed by a manifest written after the
-    kill. ``attempts``: kills tried; a kill that would miss (the stage committed first, or no
-    worker was running it) is not sent and the row is tried again from scratch with a shorter
-    delay, at most 3 times.
+    submits a stage as soon as its inputs commit) and neither had committed. ``redone``: after
+    the rerun (or, for a worker kill, the run that replaced the worker) the interrupted stage(s)
+    are committed by a manifest written after the kill. ``attempts``: kills tried; a kill that
+    would miss (the stage committed first, or no worker was running it) is not sent and the row
+    is tried again from scratch with a shorter delay, at most 3 times.
     """
 
     target: str

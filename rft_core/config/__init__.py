@@ -31,7 +31,7 @@ from rft_core.config.rewards import (  # noqa: F401
     RecipeItem, RemoteSource, RewardConfig, RewardModelSource, RewardSourceConfig)
 from rft_core.config.agents import AgentConfig  # noqa: F401
 from rft_core.config.data import DataConfig, DataSourceConfig, EvalConfig  # noqa: F401
-from rft_core.config.generation import LogprobConfig, ModelConfig, RolloutConfig, UpdateGrouping  # noqa: F401
+from rft_core.config.generation import LogprobConfig, ModelConfig, RolloutConfig, TeacherConfig, UpdateGrouping  # noqa: F401
 from rft_core.config._errors import error_line
 from rft_core.config.rules import CONTRADICTIONS, contradictions  # noqa: F401
 from rft_core.config.run import CheckpointConfig, ObserveConfig, WandbConfig  # noqa: F401
@@ -169,6 +169,8 @@ class TrainConfig(_Frozen):
     iterations: int = Field(2, gt=0)
     policy: ModelConfig = ModelConfig()
     reference: ModelConfig | None = Field(None, description="None: the initial policy")
+    teacher: TeacherConfig = Field(TeacherConfig(), description="on-policy distillation: the teacher and the weight of "
+                                   "its per-token signal (off while teacher.path is None)")
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()

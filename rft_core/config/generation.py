@@ -1,5 +1,5 @@
-"""The models and how they generate and score tokens: which model (``policy``, ``reference``),
-the rollout engine's sampling (``rollout``), the log-prob passes (``logprobs``)."""
+"""The models and how they generate and score tokens: which model (``policy``, ``reference``,
+``teacher``), the rollout engine's sampling (``rollout``), the log-prob passes (``logprobs``)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -19,11 +19,48 @@ class ModelConfig(_Frozen):
     dtype: Literal["float32", "bfloat16", "auto"] = Field("float32", description="auto: bfloat16 on a GPU that supports it, else float32")
 
 
+class TeacherConfig(_Frozen):
+    """On-policy distillation (docs/algorithms.md, "On-policy distillation"): a teacher model
+    scores the student's own sampled tokens (the ``teacher_logprobs`` stage) and the per-token
+    signal d_t = -(log pi_old(y_t) - log nu(y_t)), the negative reverse-KL estimate (Agarwal et al.
+    2024, arXiv:2306.13649; Thinking Machines, "On-policy distillation", 2025), goes into the
+    advantages. Off while ``path`` is None (the default); every other field then stays unset.
+
+    ``use_task_rewards`` (verl's ``distillation_loss.use_task_rewards``): True adds ``coef`` * d_t
+    to the task reward's advantage of every action token; False trains on ``coef`` * d_t alone
+    (the task rewards are still scored and reported). The teacher must have the policy's
+    tokenizer (refused before the first stage otherwise, naming both)."""
+
+    path: str | None = Field(None, description="the teacher: an HF folder (e.g. a checkpoint's policy/ folder), a hub "
+                             "id or the embedded default; None: no distillation")
+    dtype: Literal["float32", "bfloat16", "auto"] = Field("float32", description="dtype of the teacher's forward pass")
+    temperature: float = Field(1.0, gt=0, description="the teacher's logits are divided by this (verl: always 1.0, the "
+                               "teacher's own distribution); the student's log-probs are at rollout.temperature")
+    coef: float = Field(1.0, gt=0, description="weight of the distillation advantage coef * d_t (verl's "
+                        "distillation_loss_coef)")
+    use_task_rewards: bool = Field(True, description="True: coef * d_t is added to the task reward's advantage; False: "
+                                   "the advantages are coef * d_t alone (distillation only)")
+
+    @model_validator(mode="after")
+    def _check_enabled(self) -> "TeacherConfig":
+        given = sorted(self.model_fields_set - {"path"})
+        if self.path is None and given:
+            raise ValueError(f"teacher.{given[0]} is set but teacher.path is not: distillation is off without a teacher; "
+                             "set teacher.path (an HF folder, hub id or the embedded default) or remove teacher."
+                             f"{given[0]}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether distillation is on (a teacher is set): the ``teacher_logprobs`` stage runs."""
+        return self.path is not None
+
+
 class RolloutConfig(_Frozen):
     """Sampling settings of the rollout engine."""
 
     engine: Literal["hf", "vllm", "sglang"] = Field("hf", description="hf: transformers generate (any device); "
-                                                   "vllm / sglang: GPU engines in their own environment (docs/scale.md)")
+                                                   "vllm / sglang: GPU engines (make install-gpu; docs/scale.md)")
     n_samples_per_prompt: int = Field(4, gt=0, description="group size G")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)

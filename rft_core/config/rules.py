@@ -55,9 +55,16 @@ def is_reasoning_gym_dataset(label: str) -> bool:
     return label in DATASETS
 
 
+def _distill_alone(cfg: Any) -> bool:
+    """On-policy distillation without the task advantages (teacher.use_task_rewards false)."""
+    return cfg.teacher.path is not None and not cfg.teacher.use_task_rewards
+
+
 def _group_one_sample(cfg: Any) -> str | None:
     name = cfg.advantage.estimator
     info = ADVANTAGE_ESTIMATORS.info(name)
+    if _distill_alone(cfg):  # the estimator's advantages are not used: one sample per prompt is fine
+        return None
     if (info.group_baseline or info.needs_sum_pi_squared) and cfg.rollout.n_samples_per_prompt < 2:
         # the optimal token baseline of a group of one is 0 (verl: "the baseline collapses to returns")
         what = "no baseline (the advantages are the plain returns)" if info.needs_sum_pi_squared else "every advantage 0"
@@ -225,6 +232,40 @@ def _stale_untruncated_weights(cfg: Any) -> str | None:
     return None
 
 
+def _teacher_resident(cfg: Any) -> str | None:
+    if cfg.teacher.path is not None and cfg.orchestration.workers == "resident":
+        return (f"teacher.path={cfg.teacher.path!r} (on-policy distillation) with orchestration.workers=resident: the "
+                "resident workers have no teacher role yet (it comes with the worker rework); set "
+                "orchestration.workers=stage (the teacher_logprobs stage then loads the teacher each iteration) or unset "
+                "teacher.path")
+    return None
+
+
+def _distill_alone_task_settings(cfg: Any) -> str | None:
+    """With teacher.use_task_rewards false the advantages are the distillation signal alone, so a
+    setting that only acts on the task reward or its advantages, or runs a stage for them, would
+    change nothing (or compute for nothing)."""
+    if not _distill_alone(cfg):
+        return None
+    info = ADVANTAGE_ESTIMATORS.info(cfg.advantage.estimator)
+    sh = cfg.shaping
+    unused = [k for k, on in (
+        (f"advantage.estimator={cfg.advantage.estimator} (it needs a critic)", info.needs_critic),
+        (f"advantage.estimator={cfg.advantage.estimator} (it runs a greedy baseline rollout)", info.greedy_baseline),
+        ("kl.mode=reward (the KL penalty rides on the task advantages)", cfg.kl.in_reward),
+        ("shaping.overlong_buffer_len", sh.overlong_buffer_len is not None),
+        ("shaping.reward_running_norm", sh.reward_running_norm), ("shaping.reward_clip", sh.reward_clip is not None),
+        ("shaping.advantage_whiten", sh.advantage_whiten), ("shaping.advantage_clip", sh.advantage_clip is not None),
+        ("shaping.clip_filter_like_weight", sh.clip_filter_like_weight),
+        ("dynamic_sampling.enabled (it keeps groups by task-reward spread)", cfg.dynamic_sampling.enabled)) if on]
+    if unused:
+        return (f"teacher.use_task_rewards=false trains on the distillation signal alone (advantages = teacher.coef * "
+                f"(log nu - log pi_old) per token), so {unused[0]} would act on task advantages that are not used: "
+                "remove it (a KL to the reference goes in the loss: kl.mode=loss), or set teacher.use_task_rewards=true "
+                "to add the signal to the task advantages")
+    return None
+
+
 CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("group-one-sample", ("advantage.estimator", "rollout.n_samples_per_prompt"), _group_one_sample),
     Rule("pass-at-k-beyond-group", ("advantage.k", "rollout.n_samples_per_prompt"), _pass_at_k_beyond_group),
@@ -245,6 +286,9 @@ CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("dataset-grader-foreign-labels", ("reward.grader", "data.sources"), _dataset_grader_with_foreign_labels),
     Rule("staleness-untruncated-weights", ("rollout.max_staleness", "update.rollout_correction.mode"),
          _stale_untruncated_weights),
+    Rule("teacher-resident", ("teacher.path", "orchestration.workers"), _teacher_resident),
+    Rule("distill-alone-task-settings", ("teacher.use_task_rewards", "advantage.estimator", "kl.mode", "shaping",
+                                         "dynamic_sampling.enabled"), _distill_alone_task_settings),
 )
 
 

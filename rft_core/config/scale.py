@@ -10,7 +10,7 @@ from rft_core.config._base import _Frozen
 
 
 class VLLMConfig(_Frozen):
-    """vLLM engine settings (``rollout.engine=vllm``; GPU, its own environment: docs/scale.md)."""
+    """vLLM engine settings (``rollout.engine=vllm``; GPU, ``make install-gpu``: docs/scale.md)."""
 
     tensor_parallel_size: int = Field(1, gt=0)
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
@@ -20,8 +20,8 @@ class VLLMConfig(_Frozen):
 
 
 class SGLangConfig(_Frozen):
-    """SGLang engine settings (``rollout.engine=sglang``; GPU, its own environment: docs/scale.md;
-    ``rft_core.engines.sglang.SGLangEngine``)."""
+    """SGLang engine settings (``rollout.engine=sglang``; GPU, ``make install-gpu GPU_EXTRA=gpu-sglang``:
+    docs/scale.md; ``rft_core.engines.sglang.SGLangEngine``)."""
 
     tensor_parallel_size: int = Field(1, gt=0, description="SGLang tp_size")
     mem_fraction_static: float = Field(0.5, gt=0, le=1, description="fraction of GPU memory for weights and KV cache")
@@ -48,11 +48,13 @@ class DeepSpeedConfig(_Frozen):
 
     zero_stage: Literal[1, 2, 3] = 2
     offload_optimizer: bool = Field(False, description="ZeRO-Offload of the optimizer state to CPU memory")
-    torch_adam: bool = Field(True, description="torch's AdamW instead of DeepSpeed's compiled Adam ops")
+    torch_adam: bool = Field(True, description="torch's AdamW instead of DeepSpeed's FusedAdam (whose CUDA op "
+                             "DeepSpeed compiles with nvcc and ninja on first use)")
 
 
 # Stages whose program can run in a subprocess (another interpreter, torchrun): those holding a model.
-RUNNABLE_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "critic_values", "critic_update", "ppo_update")
+RUNNABLE_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "critic_values", "critic_update", "ppo_update",
+                   "teacher_logprobs")
 
 
 # Stages whose program a resident worker runs (orchestration.workers=resident): the policy's

@@ -228,7 +228,10 @@ class HFEngine:
     prefetched rollout shares its process with the update, whose LoRA dropout and gradient
     checkpointing use torch's global generator). The engine never reads or reseeds torch's
     global generator. A generator seeded with s gives the same stream as ``torch.manual_seed(s)``
-    gave the global one, which the engine reseeded per batch before issue 39: the same tokens.
+    gave the global one, which the engine reseeded per batch before issue 39, so the tokens are
+    those of before: checked on the CPU against the previous engine (tokens and log-probs equal,
+    with top-p, FIRE and both decode paths); on CUDA a generator seeded with s starts the Philox
+    stream the default generator starts after ``torch.manual_seed(s)`` (not checked on a GPU).
     """
 
     def __init__(self, model, tokenizer) -> None:

@@ -17,9 +17,11 @@ from rft_core.algorithms import (
     rollout_correction,
 )
 from rft_core.algorithms.advantages import clip_filter_like_weights, kl_shaped_token_rewards
+from rft_core.algorithms.distill import distillation_advantages
 from rft_core.algorithms.kl import next_kl_coef
 from rft_core.algorithms.shaping import RunningMoments, clip_with_fraction, normalize_rewards, overlong_penalty
-from rft_core.config import AdvantageConfig, KLConfig, RolloutCorrectionConfig, ShapingConfig, TrainState, estimator_kwargs
+from rft_core.config import (AdvantageConfig, KLConfig, RolloutCorrectionConfig, ShapingConfig, TeacherConfig, TrainState,
+                              estimator_kwargs)
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import AdvantagesInput, stage_program
 from rft_core.stages.rewards import signal_prompt_ids
@@ -32,7 +34,8 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
                        state: TrainState | None = None, max_new_tokens: int | None = None,
                        greedy_baseline: tuple[torch.Tensor, torch.Tensor] | None = None,
                        correction: RolloutCorrectionConfig | None = None,
-                       source_rewards: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+                       source_rewards: dict[str, torch.Tensor] | None = None,
+                       teacher: TeacherConfig | None = None) -> dict[str, Any]:
     """Reward shaping, KL shaping and advantage estimation on a joined, padded batch (its
     ``rewards``, ``old_logprobs``, ``ref_logprobs``, ``values``, ``action_mask``, ``prompt_id``,
     ``finish_reason``).
@@ -75,6 +78,12 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
     else (the group statistics still include their rewards, as DAPO's and TRL's masking of the
     loss does); the update leaves them out of the loss entirely.
 
+    On-policy distillation (``teacher``, its path set; ``rft_core.algorithms.distill``): after
+    the advantage clip and before overlong filtering, A_t = A_t + teacher.coef * d_t with
+    d_t = log nu(y_t) - log pi_old(y_t) (the batch's ``teacher_logprobs`` and ``old_logprobs``),
+    or with ``teacher.use_task_rewards`` False A_t = teacher.coef * d_t alone (returns = A); the
+    signal is not whitened, clipped or group-normalised (verl, Thinking Machines).
+
     Returns:
         dict with kl, advantages, returns (B, T) float32, shaped_rewards (B,) float32 (the
         reward minus the reward-mode KL penalty), the next ``state``, the shaping metrics and
@@ -84,7 +93,8 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
             that needs critic values or a greedy baseline without them, or a finish reason other
             than stop/length (named with its row) under overlong filtering, or an estimator that
             needs ``sum_pi_squared`` without it (no actor stage, or one run without
-            ``with_sum_pi_squared``), or one that needs per-source scores without them.
+            ``with_sum_pi_squared``), or one that needs per-source scores without them, or a
+            ``teacher`` without the batch's ``teacher_logprobs``.
     """
     shaping = shaping or ShapingConfig()
     state = state or TrainState(kl_coef=kl_cfg.kl_coef)
@@ -168,6 +178,13 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
                                                    transform=shape, **kwargs)
     if shaping.advantage_clip is not None:
         adv, metrics["advantage_clip_frac"] = clip_with_fraction(adv, shaping.advantage_clip, mask)
+    if teacher is not None and teacher.enabled:  # on-policy distillation: the teacher's per-token signal
+        if batch.teacher_logprobs is None:
+            raise ValueError(f"teacher.path={teacher.path!r} (distillation) needs the teacher_logprobs column group: run "
+                             "the teacher_logprobs stage")
+        adv, ret, distill_metrics = distillation_advantages(adv, ret, batch.old_logprobs, batch.teacher_logprobs, mask,
+                                                            coef=teacher.coef, use_task_rewards=teacher.use_task_rewards)
+        metrics.update(distill_metrics)
     filtered = None
     if shaping.overlong_filter:
         kept = overlong_filter_mask(mask, batch.finish_reason)  # checks every finish reason
@@ -196,6 +213,8 @@ def run(inp: AdvantagesInput) -> ShardRef:
     reward (remax), matched to the samples by prompt_id (``greedy_baseline_of``).
     ``actor_logprobs`` with the optional ``sum_pi_squared`` column: the optimal token baseline's
     input (``compute_advantages``), weighted by ``rollout_correction``'s weights when given.
+    ``teacher_logprobs`` with ``teacher``: on-policy distillation's per-token signal goes into the
+    advantages (``compute_advantages``).
     """
     commit = stage_commit(inp)
 
@@ -206,7 +225,8 @@ def run(inp: AdvantagesInput) -> ShardRef:
             r, rewards=rewards_table,
             actor_logprobs=read_shard(inp.actor_logprobs, stage="actor_logprobs") if inp.actor_logprobs else None,
             ref_logprobs=read_shard(inp.ref_logprobs, stage="ref_logprobs") if inp.ref_logprobs else None,
-            critic_values=read_shard(inp.critic_values, stage="critic_values") if inp.critic_values else None)
+            critic_values=read_shard(inp.critic_values, stage="critic_values") if inp.critic_values else None,
+            teacher_logprobs=read_shard(inp.teacher_logprobs, stage="teacher_logprobs") if inp.teacher_logprobs else None)
         baseline = None
         if inp.baseline_rollout is not None and inp.baseline_rewards is not None:
             baseline = greedy_baseline_of(batch.prompt_id, read_shard(inp.baseline_rollout, stage="rollout"),
@@ -218,7 +238,7 @@ def run(inp: AdvantagesInput) -> ShardRef:
         with Timer() as t:
             res = compute_advantages(batch, kl_cfg=inp.kl, adv_cfg=inp.advantage, shaping=inp.shaping, state=inp.state,
                                      max_new_tokens=inp.max_new_tokens, greedy_baseline=baseline,
-                                     correction=inp.rollout_correction, source_rewards=sources)
+                                     correction=inp.rollout_correction, source_rewards=sources, teacher=inp.teacher)
         lengths = batch.response_length.tolist()
 
         def lists(x: torch.Tensor) -> pa.Array:
@@ -233,6 +253,7 @@ def run(inp: AdvantagesInput) -> ShardRef:
         inputs = {name: ref for name, ref in (("rollout", inp.rollout), ("rewards", inp.rewards),
                                               ("actor_logprobs", inp.actor_logprobs), ("ref_logprobs", inp.ref_logprobs),
                                               ("critic_values", inp.critic_values),
+                                              ("teacher_logprobs", inp.teacher_logprobs),
                                               ("baseline_rollout", inp.baseline_rollout),
                                               ("baseline_rewards", inp.baseline_rewards)) if ref}
         return commit.write(table, schema=ADVANTAGES, inputs=inputs, summary=summary)

@@ -38,6 +38,7 @@ from rft_core.config import (
     RolloutConfig,
     RolloutCorrectionConfig,
     ShapingConfig,
+    TeacherConfig,
     TrainState,
     UpdateConfig,
     UpdateGrouping,
@@ -48,7 +49,7 @@ from schemas import PolicyRef, ShardRef, config_hash
 __all__ = ["PROGRAMS", "STAGE_INPUTS", "ActorLogprobsInput", "AdvantagesInput", "CriticUpdateInput", "CriticValuesInput",
            "DynamicMergeInput", "EvalGenerateInput", "EvalPromptsInput", "EvalSummaryInput", "LogprobsInput",
            "OptimizerStateInput", "PPOUpdateInput", "PromptsInput", "RefLogprobsInput", "RewardsInput", "RolloutInput",
-           "RolloutMergeInput", "StageInput", "hash_value", "stage_program"]
+           "RolloutMergeInput", "StageInput", "TeacherLogprobsInput", "hash_value", "stage_program"]
 
 
 def hash_value(value: Any) -> Any:
@@ -120,7 +121,7 @@ class PromptsInput(StageInput):
 
     program: ClassVar[str] = "prompts"
     stage: ClassVar[str] = "prompts"
-    version: ClassVar[int] = 2  # 2: prompts schema v3, a videos column (issue 21)
+    version: ClassVar[int] = 3  # 2: prompts schema v3, a videos column (issue 21); 3: GSM8K `#### N` answers read as N
     # answer_required is outside the hash: it only lets rows without an answer through (which
     # failed before), so every stage it could have committed both ways is the same
     unhashed: ClassVar[frozenset[str]] = frozenset({"out", "answer_required"})
@@ -238,6 +239,29 @@ class RefLogprobsInput(LogprobsInput):
                                                  "grouping": "logprob_grouping"}
 
 
+class TeacherLogprobsInput(LogprobsInput):
+    """``teacher_logprobs``: log nu(y_t) of every response token under the teacher ``model`` (on-policy
+    distillation, ``TrainConfig.teacher``), its logits divided by ``temperature`` (the teacher's,
+    ``teacher.temperature``). ``tokenizer_path``: the policy's tokenizer (``policy.path``), which
+    the rollout's token ids are in; a teacher with another tokenizer is refused before anything is
+    computed (``rft_core.stages.teacher.check_teacher_tokenizer``). No ``grouping``: the teacher is
+    not the model the update trains."""
+
+    program: ClassVar[str] = "teacher_logprobs"
+    stage: ClassVar[str] = "teacher_logprobs"
+    version: ClassVar[int] = 1
+    config_paths: ClassVar[Mapping[str, str]] = {"logprobs": "logprobs", "model": "teacher.path", "dtype": "teacher.dtype",
+                                                 "temperature": "teacher.temperature", "tokenizer_path": "policy.path"}
+    tokenizer_path: str = Field(description="the policy's tokenizer (policy.path): the rollout's token ids are its ids")
+
+    @model_validator(mode="after")
+    def _check_grouping(self) -> "TeacherLogprobsInput":
+        if self.grouping is not None:
+            raise ValueError("teacher_logprobs: grouping is the update's micro-batching of the policy's own passes; the "
+                             "teacher's pass takes none")
+        return self
+
+
 class RewardsInput(StageInput):
     """Every response of the rollout scored by the reward engine."""
 
@@ -267,7 +291,8 @@ class AdvantagesInput(StageInput):
     version: ClassVar[int] = 4
     config_paths: ClassVar[Mapping[str, str]] = {"kl": "kl", "advantage": "advantage", "shaping": "shaping",
                                                  "state": "initial_state", "max_new_tokens": "rollout.max_new_tokens",
-                                                 "rollout_correction": "advantage_rollout_correction"}
+                                                 "rollout_correction": "advantage_rollout_correction",
+                                                 "teacher": "teacher"}
     rollout: ShardRef
     rewards: ShardRef
     actor_logprobs: ShardRef | None = None
@@ -284,12 +309,30 @@ class AdvantagesInput(StageInput):
     rollout_correction: RolloutCorrectionConfig | None = Field(
         None, description="the update's rollout correction (enabled), whose weights the optimal token baseline squares "
         "into its token weights; None: no weights")
+    # on-policy distillation: the teacher stage's log-probs and the teacher section (coef, use_task_rewards)
+    teacher_logprobs: ShardRef | None = None
+    teacher: TeacherConfig | None = Field(None, description="distillation (teacher.path set): the weight of the "
+                                          "per-token signal and whether the task advantages stay; None: none")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_teacher_when_off(cls, data: Any) -> Any:
+        """A teacher section without a path (distillation off) is no teacher: None, which enters no hash."""
+        if isinstance(data, dict):
+            t = data.get("teacher")
+            path = t.get("path") if isinstance(t, dict) else getattr(t, "path", "")
+            if t is not None and path is None:
+                data = {**data, "teacher": None}
+        return data
 
     @model_validator(mode="after")
     def _check_baseline(self) -> "AdvantagesInput":
         if (self.baseline_rollout is None) != (self.baseline_rewards is None):
             raise ValueError("advantages: baseline_rollout and baseline_rewards go together (the greedy responses and "
                              "their rewards)")
+        if (self.teacher_logprobs is None) != (self.teacher is None or not self.teacher.enabled):
+            raise ValueError("advantages: teacher_logprobs (the teacher stage's shard) and teacher (a TeacherConfig with "
+                             "its path set) go together: distillation needs both")
         return self
 
 
@@ -389,7 +432,8 @@ class EvalPromptsInput(StageInput):
 
     program: ClassVar[str] = "eval_prompts"
     stage: ClassVar[str] = "prompts"
-    version: ClassVar[int] = 2  # 2: prompts schema v3 (videos); held-out disjoint by question and media (issue 21)
+    version: ClassVar[int] = 3  # 2: prompts schema v3 (videos); held-out disjoint by question and media (issue 21);
+    # 3: GSM8K `#### N` answers read as N
     unhashed: ClassVar[frozenset[str]] = frozenset({"out", "answer_required"})  # as PromptsInput
     config_paths: ClassVar[Mapping[str, str]] = {"data": "data", "eval": "eval", "tokenizer_path": "policy.path",
                                                  "answer_required": "reward.needs_reference"}
@@ -479,4 +523,4 @@ def stage_program(*inputs: type[StageInput]) -> Callable[[F], F]:
 STAGE_INPUTS: tuple[type[StageInput], ...] = (
     PromptsInput, RolloutInput, RolloutMergeInput, ActorLogprobsInput, RefLogprobsInput, RewardsInput, AdvantagesInput,
     CriticValuesInput, CriticUpdateInput, PPOUpdateInput, OptimizerStateInput, DynamicMergeInput, EvalPromptsInput,
-    EvalGenerateInput, EvalSummaryInput)
+    EvalGenerateInput, EvalSummaryInput, TeacherLogprobsInput)

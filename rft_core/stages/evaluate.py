@@ -410,9 +410,9 @@ def eval_report_lines(summary: dict[str, Any]) -> list[str]:
     n, overall, by_source = summary["n_samples"], summary["metrics"]["overall"], summary["metrics"]["by_data_source"]
     lines = [f"decoding:    sampled, {n} answers per prompt (temperature {summary.get('temperature')}, top-p "
              f"{summary.get('top_p')}, seed {summary.get('seed')}); {summary['num_prompts']} held-out prompts",
-             f"avg@{n}:{' ' * max(1, 12 - len(f'avg@{n}:'))}{_pm(overall, f'avg@{n}')}"]
-    lines += [f"pass@{k}:{' ' * max(1, 12 - len(f'pass@{k}:'))}{_pm(overall, f'pass@{k}')}" for k in shown_ks(n)]
-    lines.append(f"maj@{n}:{' ' * max(1, 12 - len(f'maj@{n}:'))}{_pm(overall, f'maj@{n}')}")
+             f"{f'avg@{n}:':<12} {_pm(overall, f'avg@{n}')}"]
+    lines += [f"{f'pass@{k}:':<12} {_pm(overall, f'pass@{k}')}" for k in shown_ks(n)]
+    lines.append(f"{f'maj@{n}:':<12} {_pm(overall, f'maj@{n}')}")
     if len(by_source) > 1:
         lines.append("by data_source:")
         for src, block in by_source.items():

@@ -1,4 +1,4 @@
-"""Actor and reference log-prob stages: per-token log-probs of the rollout's responses."""
+"""Actor, reference and teacher log-prob stages: per-token log-probs of the rollout's responses."""
 from __future__ import annotations
 
 import pyarrow as pa
@@ -8,21 +8,27 @@ from rft_core.models.logprobs import batched_response_logprobs, release_device_m
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
-from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput, stage_program
+from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput, TeacherLogprobsInput, stage_program
+from rft_core.stages.teacher import check_teacher_tokenizer
 from rft_core.training.loop import epoch_micro_batches
 from rft_core.workers.memory import config_folder, inference_model
 from schemas import ShardRef, read_shard
-from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS
+from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS, TEACHER_LOGPROBS
 
-_SCHEMAS = {"actor_logprobs": (ACTOR_LOGPROBS, "old_logprobs"), "ref_logprobs": (REF_LOGPROBS, "ref_logprobs")}
+_SCHEMAS = {"actor_logprobs": (ACTOR_LOGPROBS, "old_logprobs"), "ref_logprobs": (REF_LOGPROBS, "ref_logprobs"),
+            "teacher_logprobs": (TEACHER_LOGPROBS, "teacher_logprobs")}
+_ROLES = {"actor_logprobs": "policy", "ref_logprobs": "reference", "teacher_logprobs": "teacher"}
 
 
-@stage_program(ActorLogprobsInput, RefLogprobsInput)
-def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
+@stage_program(ActorLogprobsInput, RefLogprobsInput, TeacherLogprobsInput)
+def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> ShardRef:
     """Compute log-probs of every response token under ``inp.model``; write the column group of
     ``inp.stage``: ``actor_logprobs`` (the policy before the update: old_logprobs and
-    action_entropy) or ``ref_logprobs`` (the reference). Logits are divided by
-    ``inp.temperature``, the rollout's sampling temperature; ``logprobs.chunk_size`` bounds the
+    action_entropy), ``ref_logprobs`` (the reference) or ``teacher_logprobs`` (on-policy
+    distillation's teacher, whose tokenizer is first checked against the policy's,
+    ``inp.tokenizer_path``: ``TeacherTokenizerError`` before anything is computed). Logits are
+    divided by ``inp.temperature``, the rollout's sampling temperature (the teacher's own,
+    ``teacher.temperature``, for the teacher); ``logprobs.chunk_size`` bounds the
     float32 (chunk, vocab) slices of the log-prob computation. ``inp.grouping`` (below float32):
     the samples go into the update's first-epoch micro-batches, packed as it packs them, so that
     its first step computes these very log-probs. A vision-language model gets each
@@ -41,11 +47,13 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput) -> ShardRef:
     cfg, stage = inp.logprobs, inp.stage
 
     def compute() -> ShardRef:
+        if isinstance(inp, TeacherLogprobsInput):  # its log-probs must be of the policy's token ids
+            check_teacher_tokenizer(inp.tokenizer_path, config_folder(inp.model))
         table = read_shard(inp.rollout, stage="rollout")
         path = config_folder(inp.model)
         tok = load_tokenizer(path)
         actor = stage == "actor_logprobs"
-        lm = inference_model(inp.model, dtype=inp.dtype, role="policy" if actor else "reference")
+        lm = inference_model(inp.model, dtype=inp.dtype, role=_ROLES[stage])
         processor = vl_processor_or_none(path)  # a vision-language policy: images and videos go with every batch
         vision = ({"images": table.column("images").to_pylist(), "videos": table.column("videos").to_pylist(),
                    "processor": processor} if processor is not None else {})

@@ -9,7 +9,9 @@ nothing (its ``generate`` raises ``WeightSyncError``) until a sync or a checkpoi
 
 The engine's side of the protocol (``VLLMEngine``, ``SGLangEngine``): ``sync_world_size``,
 ``sync_dtype``, ``receive_weights(plan, *, addr, port, backend, timeout_s, version) -> dict``,
-``invalidate_weights()`` and ``weights_version`` (the synced version the GPU weights hold).
+``invalidate_weights()`` and ``weights_version`` (the synced version the GPU weights hold). An
+engine refuses a plan that does not fit its model (``SyncedWeights.plan_refusal``) at the
+transaction's plan check, so the sender fails at once too and nothing lands.
 """
 from __future__ import annotations
 

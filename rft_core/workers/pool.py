@@ -181,7 +181,8 @@ def _place(ray, workers: WorkersConfig, role: str, gang: list, options: dict[str
 def placements(pool: str) -> dict[str, dict[str, Any]]:
     """Where the actors of ``pool`` started by this process run (or last ran), by role
     (``policy-rank1`` for rank 1): ``actor_placement``'s answer."""
-    return {role if r == 0 else f"{role}-rank{r}": where for (p, role, r), where in _PLACEMENT.items() if p == pool}
+    return {role if r == 0 else f"{role}-rank{r}": where for (p, role, r), where in _PLACEMENT.copy().items()
+            if p == pool}
 
 
 def _gang_size(workers: WorkersConfig, role: str) -> int:

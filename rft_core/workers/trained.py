@@ -40,7 +40,10 @@ def trained_tensors(strategy) -> dict[str, torch.Tensor] | None:
     single-process trainer's model; under DeepSpeed ``strategy.full_state_dict()`` (a collective:
     every rank calls it; ZeRO-3 gathers the partitions) on rank 0 and None on the other ranks,
     tied weights under their first name only (as ``state_tensors``: by parameter identity, since
-    a ZeRO-3 parameter has no storage of its own outside a gather)."""
+    a ZeRO-3 parameter has no storage of its own outside a gather). Where they are: the model's
+    device, except under ZeRO-3, whose consolidated state dict is on the CPU
+    (``param.detach().cpu()``, deepspeed/runtime/engine.py 0.19.8); a sync packs them onto its
+    backend's device bucket by bucket (``rft_core.workers.sync.sync_device``)."""
     from rft_core.training.strategy import DeepSpeedStrategy
 
     if not isinstance(strategy, DeepSpeedStrategy):

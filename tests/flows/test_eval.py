@@ -45,10 +45,33 @@ def test_eval_base_model_heldout_shards(prefect_harness, tiny_model, tmp_path, f
     rollout = read_shard(f"{out}/rollout", stage="rollout")
     assert rollout.column("response_text").to_pylist() == [r["response_text"] for r in rows]
     assert read_manifest(f"{out}/rollout")[0].summary["decoding"] == "greedy"
+    # greedy writes what it wrote before sampled evaluation existed: no sampled columns, the same summary
+    from schemas.columns import EVAL
+
+    assert read_shard(f"{out}/eval").schema.names == EVAL.schema.names
+    assert sorted(read_manifest(f"{out}/eval")[0].summary) == [
+        "accuracy", "accuracy_stderr", "generate_seconds", "num_prompts", "policy", "response_length_mean",
+        "reward_mean", "reward_stderr", "tokens_per_second", "truncated_fraction"]
     # a rerun reuses every committed stage: same manifest, no file touched
     before = _files(out)
     again = evaluate(cfg, None, str(out))
     assert again.shard == res.shard and _files(out) == before
+
+
+def test_greedy_eval_root_name_leaves_the_sampling_fields_out(tiny_model, tmp_path):
+    """The default eval folder's hash of a greedy evaluation is computed from the eval settings
+    as they were before eval.n_samples / temperature / top_p / sampling_seed existed."""
+    from flows.eval import _fingerprint
+    from schemas import config_hash
+
+    cfg = flow_cfg(tiny_model, tmp_path / "run", **EVAL_SET)
+    old = cfg.eval.model_dump(mode="json")
+    for name in ("n_samples", "temperature", "top_p", "sampling_seed"):
+        del old[name]
+    assert _fingerprint(cfg, tiny_model, 5) == config_hash("eval-root", cfg.data, old, cfg.reward, tiny_model,
+                                                           cfg.policy.dtype)[:10]
+    sampled = flow_cfg(tiny_model, tmp_path / "run", **EVAL_SET, **{"eval.n_samples": 4})
+    assert _fingerprint(sampled, tiny_model, 5) != _fingerprint(cfg, tiny_model, 5)
 
 
 def test_eval_trained_checkpoint_from_run_root(prefect_harness, tiny_model, tmp_path, fake_rewards):

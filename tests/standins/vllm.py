@@ -35,7 +35,6 @@ import queue
 import threading
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 

@@ -65,8 +65,8 @@ def test_bad_data_config_is_refused_naming_the_key(over, message):
 # PromptsInput(iteration=3) and EvalPromptsInput hashes of every preset, computed with the code of
 # the commit before these fields existed (git archive of c7bd0f9): new defaults must not move them.
 # Those hashes were made under the contracts "prompts v1" / "eval_prompts v1"; issue 21 moved both
-# to v2 (the videos column), so the hash views are checked under the old contract ids, and the
-# new hashes differ from them only by the contract id.
+# to v2 (the videos column) and issue 38 to v3 (GSM8K `#### N` answers), so the hash views are checked
+# under the old contract ids, and the new hashes differ from them only by the contract id.
 HASHES_BEFORE = {
     "grpo_demo.yaml": ("5dc0a8b4cb79c0ce", "7e355bbcd33c0403"),
     "grpo_gsm_symbolic.yaml": ("5da06e4f64042155", "2ff9017110404932"),
@@ -84,9 +84,9 @@ def test_reasoning_gym_presets_load_and_hash_as_before(preset):
     e = EvalPromptsInput(data=cfg.data, eval=cfg.eval, tokenizer_path=cfg.policy.path, out="x")
     got = (config_hash("prompts v1", p.hash_view(), {}), config_hash("eval_prompts v1", e.hash_view(), {}))
     assert got == HASHES_BEFORE[preset]
-    assert (p.contract, e.contract) == ("prompts v2", "eval_prompts v2")
-    assert (p.config_hash(), e.config_hash()) == (config_hash("prompts v2", p.hash_view(), {}),
-                                                  config_hash("eval_prompts v2", e.hash_view(), {}))
+    assert (p.contract, e.contract) == ("prompts v3", "eval_prompts v3")
+    assert (p.config_hash(), e.config_hash()) == (config_hash("prompts v3", p.hash_view(), {}),
+                                                  config_hash("eval_prompts v3", e.hash_view(), {}))
     assert dataset_fingerprint(cfg.data) is None
     assert not {"path", "format", "columns", "sources", "prompt_template"} & set(hash_value(cfg.data))
 

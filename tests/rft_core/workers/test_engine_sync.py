@@ -426,6 +426,21 @@ def test_sglang_refuses_an_incomplete_or_mis_shaped_sync_before_sglang_sees_it(t
     assert _holds(fake.shards, good.tensors)
 
 
+def test_sglang_on_its_own_takes_an_incomplete_update_and_dies_on_a_mis_shaped_one(tiny_model, tok):
+    """Why the project checks the plan first: the SGLang stand-in (0.5.23's loaders) reports
+    success for an update that carries one tensor of the model's 20, skips an unknown name, and
+    its scheduler dies on a tensor of another shape, taking the engine with it."""
+    fake = sglang_standin.Engine(tiny_model, tok)
+    assert fake.begin_weight_update() == (True, "Success")
+    norm = ("model.norm.weight", torch.full((32,), 2.0, dtype=torch.bfloat16))
+    assert fake.update_weights_from_tensor([norm, ("model.unknown.weight", torch.ones(3))], flush_cache=False)[0]
+    assert torch.equal(fake.shards[0].param("model.norm.weight").data, norm[1])
+    with pytest.raises(sglang_standin.SchedulerCrash):
+        fake.update_weights_from_tensor([("model.norm.weight", torch.ones(33, dtype=torch.bfloat16))])
+    with pytest.raises(RuntimeError):
+        fake.generate(input_ids=[[1, 20]], sampling_params=[{}], return_logprob=True)
+
+
 def test_sglang_refused_cache_flush_fails_the_sync_and_closes_the_session(tiny_model, tok):
     """Requests still running when the last bucket asks for the flush: SGLang 0.5.23 answers
     failure; the sync fails naming the bucket, the engine is invalid, the session is closed."""

@@ -13,6 +13,7 @@ without GPUs: DeepSpeed ZeRO-3's export and NCCL are the strict stand-ins of ``t
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ from rft_core.workers import resident
 from rft_core.workers import sync as sync_module
 from rft_core.workers.memory import version_key
 from rft_core.workers.resident import ModelWorker
-from rft_core.workers.sync import SyncPlan, SyncReport, WeightSyncError, free_port, state_tensors
+from rft_core.workers.sync import SyncPlan, SyncReport, WeightSyncError, free_port
 from tests.standins.deepspeed import zero3_strategy
 from tests.standins.nccl import (StandInNCCL, WatchdogTeardown, check_gpu_device, check_gpu_single_tensor,
                                  host_memory_is_gpu, nccl_standin)
@@ -55,8 +56,7 @@ def on_gpu(monkeypatch):
             raise ValueError(f"Expected a cuda device, but got: {torch.device(device)}")
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(local, "index", 0))
-    monkeypatch.setattr(torch.cuda, "set_device", lambda i: setattr(local, "index", torch.device("cuda", i).index
-                                                                     if not isinstance(i, int) else i))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: setattr(local, "index", int(index)))
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=f"GPU-{i}"))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -170,8 +170,6 @@ def test_nccl_stalled_peer_raises_weight_sync_error_instead_of_tearing_the_proce
         got.result(timeout=30)
     assert time.perf_counter() - t0 < 15
     assert [pg.blocking_wait for pg in StandInNCCL.made] == [True, True]
-    import os
-
     assert "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
 
 

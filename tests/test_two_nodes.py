@@ -1,0 +1,183 @@
+"""Resident workers on a Ray cluster of two nodes (issue 36): ``ray.cluster_utils.Cluster`` starts
+a head node (``node_a``) and a second node (``node_b``) on this machine, each its own raylet and
+worker processes; the run root is a bucket of the S3 server the object-storage tests use (moto,
+``tests/faults.py``). ``orchestration.worker_options`` pins the policy trainer and the reference
+to node_a and the rollout engine to node_b through custom node resources, so every weight sync
+crosses from one node's worker process to the other's.
+
+* 3 resident iterations (``checkpoint.every=3``: iterations 1 and 2 keep the policy in memory
+  only) end with the weights of stage mode bit for bit (the same sha256), the workers where the
+  options put them and their placement in the log;
+* node_b is killed (its raylet and workers SIGKILLed: ``cluster.remove_node(...,
+  allow_graceful=False)``) while its rollout worker runs the rollout of iteration 2 (asserted:
+  the worker was running a stage and that rollout was not committed when the node died): the
+  stage fails with ``WorkerError`` naming the rollout worker and the dead node, and no rollout of
+  iteration 2 is committed; a rerun of the same run on a fresh node_b ends with the weights of
+  the uninterrupted runs.
+
+The runs are driven without Prefect (``tests/drive.py``: the flow's stage order, each model stage
+through ``run_stage`` with the config's runner). Rewards vary inside each group
+(``tests/varying.py``); the equality is asserted after the advantages and policy losses are
+shown not to be 0."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+from schemas import read_manifest, stage_uri  # noqa: E402
+from tests.drive import drive  # noqa: E402
+from tests.faults import MotoServer, exists  # noqa: E402
+from tests.varying import assert_training_signal, varying_config  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+PINNED = {"policy": {"resources": {"node_a": 1}}, "reference": {"resources": {"node_a": 1}},
+          "rollout": {"resources": {"node_b": 1}}}
+# a dead node is noticed in ~3 s (Ray's default: 5 missed checks 3 s apart)
+FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+
+
+def _policy_files(run_root: str, iteration: int = 3) -> dict[str, str]:
+    m, _ = read_manifest(stage_uri(run_root, iteration, "ppo_update"))
+    return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/")}
+
+
+def _title(pid: int) -> str:
+    """The process title Ray gives a worker (``ray::ModelWorker.run`` while it runs a stage)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tiny_model, tmp_path_factory):
+    """(cluster, node_b, S3 server, stage mode's run root): the S3 environment is set before the
+    nodes start, so their worker processes reach the bucket as the driver does."""
+    import ray
+    import s3fs
+    from ray.cluster_utils import Cluster
+
+    d = tmp_path_factory.mktemp("two-nodes")
+    server = MotoServer(d)
+    mp = pytest.MonkeyPatch()
+    cluster = None
+    try:
+        for k, v in {**server.env(), "RFT_CACHE_DIR": str(d / "cache"), "RFT_WORKER_PLACEMENT_TIMEOUT_S": "5"}.items():
+            mp.setenv(k, v)
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.client().create_bucket(Bucket="rft")
+        ray.shutdown()  # a local Ray another test started; this test's driver joins the cluster instead
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 4},
+                                                                "_system_config": FAST_FAILURE_DETECTION})
+        node_b = cluster.add_node(num_cpus=2, resources={"node_b": 1})
+        cluster.wait_for_nodes()
+        stage_root = "s3://rft/stage"
+        drive(varying_config(tiny_model, stage_root, iterations=3))
+        assert_training_signal(stage_root, (1, 2, 3))
+        yield {"cluster": cluster, "node_b": node_b, "stage_root": stage_root, "model": tiny_model}
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        mp.undo()
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
+def _resident(env, run_root: str):
+    cfg = varying_config(env["model"], run_root, "orchestration.workers=resident", "checkpoint.every=3",
+                         f"orchestration.ray_address={env['cluster'].address}",
+                         f"orchestration.worker_options={json.dumps(PINNED)}", iterations=3)
+    return cfg, (lambda inp: _run(cfg, inp))
+
+
+def _run(cfg, inp):
+    from rft_core.api import run_stage
+
+    return run_stage(inp, cfg.runner(inp.stage))
+
+
+def test_resident_on_two_nodes_equals_stage_mode(two_nodes, caplog):
+    from rft_core.workers.pool import placements, stop_workers
+
+    cluster, node_b = two_nodes["cluster"], two_nodes["node_b"]
+    cfg, run = _resident(two_nodes, "s3://rft/resident")
+    try:
+        with caplog.at_level(logging.INFO, logger="rft_core.workers"):
+            drive(cfg, run)
+        where = placements(cfg.run_root)
+        assert where["policy"]["node_id"] == where["reference"]["node_id"] == cluster.head_node.node_id
+        assert where["rollout"]["node_id"] == node_b.node_id != cluster.head_node.node_id
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        for role in ("policy", "rollout", "reference"):  # the placement is in the run's log
+            assert f"resident worker {role} of {cfg.run_root}: node {where[role]['node_id']}" in logged, logged
+    finally:
+        stop_workers(cfg.run_root)
+    assert_training_signal(cfg.run_root, (1, 2, 3))
+    for it in (1, 2):  # between checkpoints the policy lived only in the workers' memory
+        m, _ = read_manifest(stage_uri(cfg.run_root, it, "ppo_update"))
+        assert not any(e.path.startswith("policy/") for e in m.files)
+    assert _policy_files(cfg.run_root) == _policy_files(two_nodes["stage_root"]) and _policy_files(cfg.run_root)
+
+
+def test_killing_the_rollout_node_mid_iteration_then_rerun(two_nodes):
+    import ray
+
+    from rft_core.workers.pool import WorkerError, placements
+
+    cluster, node_b = two_nodes["cluster"], two_nodes["node_b"]
+    cfg, run = _resident(two_nodes, "s3://rft/killed")
+    rollout_2 = stage_uri(cfg.run_root, 2, "rollout")
+    kill: dict = {}
+
+    def killer() -> None:
+        """Once iteration 2 has started (its prompts committed) and the rollout worker runs a
+        stage (its rollout: the sync of iteration 1's weights, then generation), SIGKILL node_b."""
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not kill:
+            pid = placements(cfg.run_root).get("rollout", {}).get("pid")
+            if pid and exists(f"{stage_uri(cfg.run_root, 2, 'prompts')}/_MANIFEST.json"):
+                title = _title(pid)
+                if title.startswith("ray::ModelWorker.run"):
+                    cluster.remove_node(node_b, allow_graceful=False)
+                    kill.update(title=title, rollout_committed=exists(f"{rollout_2}/_MANIFEST.json"),
+                                node=placements(cfg.run_root)["rollout"]["node_id"])
+                    return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    with pytest.raises(WorkerError) as err:
+        drive(cfg, run)
+    thread.join(10)
+    # the kill landed mid-iteration 2, inside the rollout worker's stage, on node_b
+    assert kill, "node_b was never killed"
+    assert kill["title"].startswith("ray::ModelWorker.run") and not kill["rollout_committed"], kill
+    assert kill["node"] == node_b.node_id
+    # the stage failed naming the role and the node
+    assert "the rollout worker of s3://rft/killed" in str(err.value) and node_b.node_id in str(err.value), err.value
+    assert not exists(f"{rollout_2}/_MANIFEST.json")
+    assert exists(f"{stage_uri(cfg.run_root, 1, 'ppo_update')}/_MANIFEST.json")
+
+    # the run ends (its process, and with it the workers it owns); a rerun on a fresh node_b
+    ray.shutdown()
+    fresh = two_nodes["node_b"] = cluster.add_node(num_cpus=2, resources={"node_b": 1})
+    cluster.wait_for_nodes()
+    from rft_core.workers.pool import stop_workers
+
+    try:
+        drive(cfg, run)
+        assert placements(cfg.run_root)["rollout"]["node_id"] == fresh.node_id
+    finally:
+        stop_workers(cfg.run_root)
+    assert_training_signal(cfg.run_root, (1, 2, 3))
+    assert _policy_files(cfg.run_root) == _policy_files(two_nodes["stage_root"])
