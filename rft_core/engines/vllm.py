@@ -13,9 +13,9 @@ Differences from the HF engine, by design:
 - All prompts of a call go to one ``LLM.generate`` (vLLM schedules them); ``batch_size`` only
   defines the batches that rollout shards split (``only_batches``).
 - Log-probs come from ``logprobs_mode="processed_logprobs"``: log-softmax of the logits after
-  temperature (and after top-p masking when ``top_p < 1``, where they differ from the HF
-  engine's; the actor log-prob stage recomputes them anyway unless
-  ``logprobs.recompute_old_logprobs=false``).
+  temperature and after top-k/top-p masking (vLLM 0.10.2 ``v1/sample/ops/topk_topp_sampler.py``
+  ``forward_native``), i.e. over the renormalised nucleus: the same quantity as the HF engine's
+  ``StepLogprobs`` (they differ only by the bf16 kernels; docs/algorithms.md "behaviour weight").
 - The engine runs in bfloat16 (float16 without bfloat16 support) for a float32 or ``auto``
   policy (``rft_core.engines.engine_dtype``).
 - FIRE sampling (``first_token_temperature``) is not supported (vLLM has no per-step
