@@ -27,6 +27,8 @@ _FROM_SUMMARY = [
     # remax: the (shaped) reward of the greedy response of each sample's prompt, and its raw accuracy
     ("greedy_baseline_reward_mean", "advantages", "greedy_baseline_reward_mean"),
     ("greedy_accuracy", "baseline_rewards", "accuracy"),
+    # on-policy distillation (teacher.path): mean over action tokens of log pi_old - log nu (k1 of the reverse KL)
+    ("distill_reverse_kl", "advantages", "distill_reverse_kl"),
     ("response_length", "rollout", "response_length_mean"),
     ("truncated_fraction", "rollout", "truncated_fraction"),
     ("tokens_per_second", "rollout", "tokens_per_second"),

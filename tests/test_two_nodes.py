@@ -159,6 +159,7 @@ def test_killing_the_rollout_node_mid_iteration_then_rerun(two_nodes):
     with pytest.raises(WorkerError) as err:
         drive(cfg, run)
     thread.join(10)
+    print(f"two nodes: killed node_b ({kill.get('title')!r}); the stage failed with: {err.value}")
     # the kill landed mid-iteration 2, inside the rollout worker's stage, on node_b
     assert kill, "node_b was never killed"
     assert kill["title"].startswith("ray::ModelWorker.run") and not kill["rollout_committed"], kill

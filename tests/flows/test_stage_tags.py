@@ -14,7 +14,8 @@ def test_stage_tasks_tag_by_stage_kind():
         on = tasks.tagged(task, True)
         assert on.tags == ({"gpu"} if task.name in tasks.DEVICE_STAGES else {"cpu"}) and on.fn is task.fn
     assert {t.name for t in tasks.STAGE_TASKS if tasks.tagged(t, True).tags == {"gpu"}} == {
-        "rollout", "actor_logprobs", "ref_logprobs", "critic_values", "critic_update", "ppo_update", "eval_generate"}
+        "rollout", "actor_logprobs", "ref_logprobs", "critic_values", "critic_update", "ppo_update", "eval_generate",
+        "teacher_logprobs"}
     assert tasks.resolve_concurrency_tags(True) is True and tasks.resolve_concurrency_tags(False) is False
 
 

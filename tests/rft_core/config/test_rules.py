@@ -85,6 +85,20 @@ CASES = [
      ["reward.recipes.default", "'g'", "reward.sources"], "defined: f"),
     ("resident-blockers", {"orchestration.workers": "resident", "rollout.engine": "vllm", "rollout.max_staleness": 2},
      ["orchestration.workers=resident", "rollout.max_staleness=2", "rollout.engine=vllm"], "hf engine"),
+    # on-policy distillation (teacher)
+    ("teacher-resident", {"teacher.path": "smollm2-135m-instruct", "orchestration.workers": "resident"},
+     ["teacher.path='smollm2-135m-instruct'", "orchestration.workers=resident", "worker rework"],
+     "set orchestration.workers=stage"),
+    ("distill-alone-task-settings", {"teacher.path": "t", "teacher.use_task_rewards": False,
+                                     "shaping.advantage_whiten": True},
+     ["teacher.use_task_rewards=false", "shaping.advantage_whiten"], "set teacher.use_task_rewards=true"),
+    ("distill-alone-task-settings", {"teacher.path": "t", "teacher.use_task_rewards": False, "advantage": "gae"},
+     ["teacher.use_task_rewards=false", "advantage.estimator=gae (it needs a critic)"], "remove it"),
+    ("distill-alone-task-settings", {"teacher.path": "t", "teacher.use_task_rewards": False, "kl.kl_coef": 0.1,
+                                     "kl.mode": "reward"},
+     ["teacher.use_task_rewards=false", "kl.mode=reward"], "kl.mode=loss"),
+    ("teacher-needs-path", {"teacher.use_task_rewards": False},
+     ["teacher.use_task_rewards", "teacher.path"], "set teacher.path"),
 ]
 
 
@@ -128,6 +142,10 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
         "mode": "tis", "rejection": "seq_mean_k1", "rejection_cap": 2.0}})
     load_config(None, {"update.rollout_correction.mode": "seq-mask-tis"})  # s = 0: the engine mismatch alone
     load_config(None, {"rollout.max_staleness": 1, "update.rollout_correction.mode": "sequence_mask"})  # docs/algorithms.md
+    # distillation alone needs no group: one sample per prompt loads, and so does the KL as a loss term
+    load_config(None, {"teacher.path": "t", "teacher.use_task_rewards": False, "rollout.n_samples_per_prompt": 1})
+    load_config(None, {"teacher.path": "t", "teacher.use_task_rewards": False, "kl.kl_coef": 0.1})
+    load_config(None, {"teacher.path": "t", "shaping.advantage_whiten": True, "advantage": "gae"})  # with task rewards
 
 
 def test_a_bare_name_is_the_tagged_section_with_its_defaults():

@@ -20,6 +20,7 @@ from rft_core.stages.contracts import AdvantagesInput, TeacherLogprobsInput
 from rft_core.stages.runner import INPUTS, PROGRAMS, run_stage
 from rft_core.stages.teacher import TeacherTokenizerError, check_teacher_tokenizer
 from schemas import read_manifest, read_shard, write_shard
+from schemas.batch import join_column_groups
 from schemas.columns import REWARDS, ROLLOUT, policy_version_column, single_turn_columns
 from tests.tiny import build_tiny_model
 
@@ -104,6 +105,15 @@ def test_committed_shard_equals_a_float64_forward_pass_of_the_teacher(tiny_model
     for row, g, o, m in zip(rows, got, old, MASKS):
         expect = [0.5 * (gt - ot) if k else 0.0 for gt, ot, k in zip(g, o, m)]
         assert row["advantages"] == pytest.approx(expect, abs=1e-6) and row["returns"] == pytest.approx(expect, abs=1e-6)
+    # added to the task reward's advantage: GRPO's advantages plus the signal, token by token
+    batch = join_column_groups(read_shard(rollout), rewards=read_shard(rewards), teacher_logprobs=read_shard(ref))
+    task = adv_stage.compute_advantages(batch, kl_cfg=KLConfig(), adv_cfg=GRPOAdvantage())["advantages"]
+    both = adv_stage.compute_advantages(batch, kl_cfg=KLConfig(), adv_cfg=GRPOAdvantage(),
+                                        teacher=distill.model_copy(update={"use_task_rewards": True}))["advantages"]
+    signal = torch.tensor([[0.5 * (gt - ot) if k else 0.0 for gt, ot, k in zip(g, o, m)] + [0.0] * (5 - len(g))
+                           for g, o, m in zip(got, old, MASKS)])
+    assert task.abs().max() > 0.5
+    torch.testing.assert_close(both, task + signal, atol=1e-6, rtol=0)
     summary, _ = read_manifest(adv.uri)
     assert summary.inputs["teacher_logprobs"] == ref.manifest_sha256
     assert summary.summary["distill_reverse_kl"] == pytest.approx(
