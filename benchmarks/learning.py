@@ -269,6 +269,18 @@ def report(args, cfg, before: dict, results: list[dict], wall: float, png: Path,
     return "\n".join(lines)
 
 
+def with_kept_sections(new: str, doc: Path) -> str:
+    """``new`` plus every ``<!-- NAME:begin -->`` ... ``<!-- NAME:end -->`` section of the file
+    ``doc`` (if it exists) that ``new`` lacks, appended in their order: the sections other
+    benchmarks write into the same file (``benchmarks/distill.py``) survive a rewrite."""
+    import re
+
+    old = doc.read_text() if doc.exists() else ""
+    kept = [m.group(0) for m in re.finditer(r"<!-- ([a-z0-9_-]+):begin -->.*?<!-- \1:end -->", old, flags=re.S)
+            if f"<!-- {m.group(1)}:begin -->" not in new]
+    return "\n\n".join([new.rstrip("\n"), *kept]) + "\n" if kept else new
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/grpo_learning.yaml")
@@ -298,9 +310,9 @@ def main() -> None:
         cfg = load_config(args.config, list(args.overrides) + ([f"iterations={args.iterations}"] if args.iterations else []) +
                           ([f"eval.num_prompts={args.eval_prompts}"] if args.eval_prompts else []))
         plot(summary["results"], summary["before"], Path(args.png), trl=summary.get("trl"))
-        Path(args.doc).write_text(report(args, cfg, summary["before"], summary["results"], summary["wall_seconds"],
-                                         Path(args.png), Path(args.doc), load_end=summary.get("load_end"),
-                                         trl=summary.get("trl")))
+        Path(args.doc).write_text(with_kept_sections(report(
+            args, cfg, summary["before"], summary["results"], summary["wall_seconds"], Path(args.png), Path(args.doc),
+            load_end=summary.get("load_end"), trl=summary.get("trl")), Path(args.doc)))
         print(Path(args.doc).read_text())
         return
 
@@ -362,7 +374,7 @@ def main() -> None:
                                                   "load_end": load_end, **({"trl": trl} if trl else {})}, indent=1))
     text = report(args, cfg, before, results, wall, png, doc, load_end=load_end, trl=trl)
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
+    doc.write_text(with_kept_sections(text, doc))  # benchmarks/distill.py's section stays
     print(text)
 
 

@@ -134,7 +134,7 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
             runner=cfg.runner("ref_logprobs"))
     if cfg.teacher.path is not None:  # on-policy distillation: the teacher scores the student's tokens
         futures["teacher_logprobs"] = tasks.tagged(tasks.teacher_logprobs, tags).submit(inp=TeacherLogprobsInput(
-            rollout=rollout, model=cfg.teacher.path, logprobs=cfg.logprobs, temperature=cfg.teacher.temperature,
+            rollout=rollout, model=cfg.teacher.path, logprobs=cfg.logprobs, temperature=cfg.teacher_temperature,
             dtype=cfg.teacher.dtype, tokenizer_path=cfg.policy.path, out=out("teacher_logprobs")),
             runner=cfg.runner("teacher_logprobs"))
     return {name: f.result() for name, f in futures.items()}

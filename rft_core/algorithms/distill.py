@@ -28,7 +28,11 @@ student to the teacher on the states the student visits:
   Thinking Machines) and goes into the advantages, ``A_t = A^task_t + coef * d_t``, trained by
   the configured policy loss. Without clipping (one optimizer step per rollout, the ratio 1 at
   that step) the two give the same gradient; with clipping verl clips the two terms separately,
-  this clips their sum.
+  this clips their sum. verl also always scores the teacher at temperature 1 while the student's
+  log-probs are at the rollout temperature; here the teacher is scored at the rollout temperature
+  unless ``teacher.temperature`` says otherwise, so that a student equal to its teacher gets
+  d_t = 0 (verl's own debugging advice, "the loss should be approximately zero", holds only at
+  rollout temperature 1).
 """
 from __future__ import annotations
 

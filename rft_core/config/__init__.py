@@ -413,6 +413,12 @@ class TrainConfig(_Frozen):
         return rc if self.needs_sum_pi_squared and rc.enabled else None
 
     @property
+    def teacher_temperature(self) -> float:
+        """The temperature of the teacher's log-probs (on-policy distillation): ``teacher.temperature``,
+        or when unset ``rollout.temperature``, the temperature of the student's pi_old."""
+        return self.teacher.temperature if self.teacher.temperature is not None else self.rollout.temperature
+
+    @property
     def initial_critic(self) -> str:
         """Model path the critic starts from."""
         return (self.critic.model or self.policy).path

@@ -34,8 +34,9 @@ class TeacherConfig(_Frozen):
     path: str | None = Field(None, description="the teacher: an HF folder (e.g. a checkpoint's policy/ folder), a hub "
                              "id or the embedded default; None: no distillation")
     dtype: Literal["float32", "bfloat16", "auto"] = Field("float32", description="dtype of the teacher's forward pass")
-    temperature: float = Field(1.0, gt=0, description="the teacher's logits are divided by this (verl: always 1.0, the "
-                               "teacher's own distribution); the student's log-probs are at rollout.temperature")
+    temperature: float | None = Field(None, gt=0, description="the teacher's logits are divided by this; None: "
+                                      "rollout.temperature, the distribution the student samples from (a student "
+                                      "equal to the teacher then gets a zero signal; verl scores the teacher at 1.0)")
     coef: float = Field(1.0, gt=0, description="weight of the distillation advantage coef * d_t (verl's "
                         "distillation_loss_coef)")
     use_task_rewards: bool = Field(True, description="True: coef * d_t is added to the task reward's advantage; False: "

@@ -241,8 +241,8 @@ class RefLogprobsInput(LogprobsInput):
 
 class TeacherLogprobsInput(LogprobsInput):
     """``teacher_logprobs``: log nu(y_t) of every response token under the teacher ``model`` (on-policy
-    distillation, ``TrainConfig.teacher``), its logits divided by ``temperature`` (the teacher's,
-    ``teacher.temperature``). ``tokenizer_path``: the policy's tokenizer (``policy.path``), which
+    distillation, ``TrainConfig.teacher``), its logits divided by ``temperature``
+    (``TrainConfig.teacher_temperature``: ``teacher.temperature``, or the rollout's). ``tokenizer_path``: the policy's tokenizer (``policy.path``), which
     the rollout's token ids are in; a teacher with another tokenizer is refused before anything is
     computed (``rft_core.stages.teacher.check_teacher_tokenizer``). No ``grouping``: the teacher is
     not the model the update trains."""
@@ -251,7 +251,7 @@ class TeacherLogprobsInput(LogprobsInput):
     stage: ClassVar[str] = "teacher_logprobs"
     version: ClassVar[int] = 1
     config_paths: ClassVar[Mapping[str, str]] = {"logprobs": "logprobs", "model": "teacher.path", "dtype": "teacher.dtype",
-                                                 "temperature": "teacher.temperature", "tokenizer_path": "policy.path"}
+                                                 "temperature": "teacher_temperature", "tokenizer_path": "policy.path"}
     tokenizer_path: str = Field(description="the policy's tokenizer (policy.path): the rollout's token ids are its ids")
 
     @model_validator(mode="after")

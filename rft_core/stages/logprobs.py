@@ -27,8 +27,8 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
     action_entropy), ``ref_logprobs`` (the reference) or ``teacher_logprobs`` (on-policy
     distillation's teacher, whose tokenizer is first checked against the policy's,
     ``inp.tokenizer_path``: ``TeacherTokenizerError`` before anything is computed). Logits are
-    divided by ``inp.temperature``, the rollout's sampling temperature (the teacher's own,
-    ``teacher.temperature``, for the teacher); ``logprobs.chunk_size`` bounds the
+    divided by ``inp.temperature``, the rollout's sampling temperature (for the teacher
+    ``TrainConfig.teacher_temperature``, the rollout's unless ``teacher.temperature`` is set); ``logprobs.chunk_size`` bounds the
     float32 (chunk, vocab) slices of the log-prob computation. ``inp.grouping`` (below float32):
     the samples go into the update's first-epoch micro-batches, packed as it packs them, so that
     its first step computes these very log-probs. A vision-language model gets each
