@@ -10,7 +10,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 180
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install demo test test-fast bench bench-trl bench-learning bench-resident bench-async bench-validate gpu-smoke clean
+.PHONY: install demo test test-fast bench bench-trl bench-learning bench-resident bench-async bench-validate gpu-smoke clean bench-distill
 .PHONY: install-gpu check-gpu-deps
 
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -110,3 +110,9 @@ clean:
 test-upstream: $(STAMP)
 	$(BIN)/pip download -q --no-deps -d .cache/upstream "vllm>=0.10.2" "sglang>=0.5.3"
 	RFT_UPSTREAM=.cache/upstream $(BIN)/python -m pytest -q tests/standins/test_upstream.py
+
+# On-policy distillation against GRPO from the same untrained student (issue 38): a GRPO teacher trained on
+# configs/grpo_learning.yaml, then 12 iterations of distillation alone and of GRPO, 3 seeds, held-out accuracy
+# (the distill section of docs/learning.md, docs/raw/distill.json); ~70 min on 2 quiet cores (benchmarks/distill.py).
+bench-distill: $(STAMP)
+	$(BIN)/python benchmarks/distill.py

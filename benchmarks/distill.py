@@ -26,7 +26,8 @@ A finished arm and seed (``{out}/<arm>-seed-{s}/result.json``) and a finished te
 Time on a quiet 2-core CPU, estimated from docs/learning.md's measured GRPO seeds (12 iterations and
 the final evaluation: 8.7-9.1 min each): the teacher ~9 min, each GRPO seed ~9 min, each
 distillation seed ~10 min (one more forward pass of the 135M teacher over the iteration's 64
-sequences, like the reference pass), two extra evaluations ~2 min: ~9 + 3 x (9 + 10) + 2 = ~68 min.
+sequences, like the reference pass: ~11 s next to the ~55 s of a learning-preset iteration), two extra
+evaluations ~2 min: ~9 + 3 x (9 + 10.5) + 2 = ~70 min.
 """
 from __future__ import annotations
 

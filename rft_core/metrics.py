@@ -93,14 +93,16 @@ def iteration_metrics(iteration: int, refs: Mapping[str, ShardRef | None]) -> di
 
 def format_metrics_line(m: Mapping[str, Any]) -> str:
     """One human-readable line per iteration (the rollout correction's mean weight and capped
-    fraction, the overlong-filtered fraction, and for a multi-turn run the mean number of model
-    turns and the tool-call rate, when the run has them)."""
+    fraction, the overlong-filtered fraction, on-policy distillation's reverse-KL estimate, and
+    for a multi-turn run the mean number of model turns and the tool-call rate, when the run has
+    them)."""
     def f(key: str, fmt: str = ".3f") -> str:
         return format(m[key], fmt) if key in m else "-"
     stages = " ".join(f"{k.split('/', 1)[1]}={v:.1f}s" for k, v in m.items() if k.startswith("seconds/"))
     optional = "".join(f" {label} {f(key)}" for label, key in (("is_w", "rollout_is_weight_mean"),
                                                                 ("is_capped", "rollout_is_capped_frac"),
                                                                 ("overlong_filtered", "overlong_filtered_frac"),
+                                                                ("distill_kl", "distill_reverse_kl"),
                                                                 ("turns", "num_turns"), ("tools", "tool_call_rate"))
                        if key in m)
     return (f"iter {m['iteration']:>3} | reward {f('reward_mean')}±{f('reward_std')} acc {f('accuracy')} "

@@ -11,15 +11,17 @@ with the policy-gradient loss, so that its expected gradient lowers the reverse 
 student to the teacher on the states the student visits:
 
 - Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from Self-Generated
-  Mistakes" (GKD, arXiv:2306.13649): on-policy student samples, a divergence to the teacher per
-  token, reverse KL among them (sec. 3, eq. 4 with lambda = 1). GKD back-propagates the full
-  distribution's divergence; here, as below, only its sampled-token estimate as a reward.
+  Mistakes" (GKD, arXiv:2306.13649, sec. 3): on-policy student samples (its student-data
+  fraction lambda = 1), a token-level divergence to the teacher, the reverse KL among the
+  choices, and its combination with an RL reward. GKD back-propagates the full distribution's
+  divergence; here, as below, only its sampled-token estimate is used, as a reward.
 - Thinking Machines Lab (Lu et al. 2025, "On-policy distillation"): exactly the per-token
   advantage -(log pi_student - log pi_teacher) of the sampled tokens with the policy-gradient
   loss, discount 0 (each token's own signal, no sum over the tokens after it), optionally added
   to the task reward's advantage.
-- The Qwen3 technical report (arXiv:2505.09388, sec. 4.5): on-policy distillation of the small
-  models from the flagship's logits, the student's own samples (its full-logit KL is GKD's).
+- The Qwen3 technical report (arXiv:2505.09388, "Strong-to-Weak Distillation", its on-policy
+  phase): the small models sample and are trained to match the flagship teacher's logits on
+  those samples by minimising the KL (the full-logit form, as GKD's).
 - verl (docs/algo/opd.md, "PG OPD", verl-project/verl at 01dcf9f): reward
   r_t = sg(log nu(y_t) - log pi_theta(y_t)) with the k1 estimator, the teacher at temperature 1.
   Where this departs: verl takes log pi_theta of the current parameters inside its loss and adds

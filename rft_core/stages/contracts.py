@@ -240,10 +240,11 @@ class RefLogprobsInput(LogprobsInput):
 
 
 class TeacherLogprobsInput(LogprobsInput):
-    """``teacher_logprobs``: log nu(y_t) of every response token under the teacher ``model`` (on-policy
-    distillation, ``TrainConfig.teacher``), its logits divided by ``temperature``
-    (``TrainConfig.teacher_temperature``: ``teacher.temperature``, or the rollout's). ``tokenizer_path``: the policy's tokenizer (``policy.path``), which
-    the rollout's token ids are in; a teacher with another tokenizer is refused before anything is
+    """``teacher_logprobs``: log nu(y_t) of every response token under the teacher ``model``
+    (on-policy distillation, ``TrainConfig.teacher``), its logits divided by ``temperature``
+    (``TrainConfig.teacher_temperature``: ``teacher.temperature``, or the rollout's).
+    ``tokenizer_path``: the policy's tokenizer (``policy.path``), which the rollout's token ids
+    are in; a teacher with another tokenizer is refused before anything is
     computed (``rft_core.stages.teacher.check_teacher_tokenizer``). No ``grouping``: the teacher is
     not the model the update trains."""
 

@@ -28,9 +28,9 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
     distillation's teacher, whose tokenizer is first checked against the policy's,
     ``inp.tokenizer_path``: ``TeacherTokenizerError`` before anything is computed). Logits are
     divided by ``inp.temperature``, the rollout's sampling temperature (for the teacher
-    ``TrainConfig.teacher_temperature``, the rollout's unless ``teacher.temperature`` is set); ``logprobs.chunk_size`` bounds the
-    float32 (chunk, vocab) slices of the log-prob computation. ``inp.grouping`` (below float32):
-    the samples go into the update's first-epoch micro-batches, packed as it packs them, so that
+    ``TrainConfig.teacher_temperature``: the rollout's unless ``teacher.temperature`` is set);
+    ``logprobs.chunk_size`` bounds the float32 (chunk, vocab) slices of the log-prob computation.
+    ``inp.grouping`` (below float32): the samples go into the update's first-epoch micro-batches, packed as it packs them, so that
     its first step computes these very log-probs. A vision-language model gets each
     sample's images and videos (processor from the model folder), padded or packed
     (``logprobs.packing``). In a resident worker the model is the worker's copy

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rft_core.metrics import format_metrics_line
 from rft_core.stages.teacher import TeacherTokenizerError
 from schemas import read_manifest, read_shard
 from tests.flows.conftest import flow_cfg
@@ -50,6 +51,7 @@ def test_two_iterations_of_distillation_alone(prefect_harness, tiny_model, teach
         assert adv_manifest.summary["distill_reverse_kl"] == pytest.approx(result.metrics[it - 1]["distill_reverse_kl"])
     lines = [json.loads(x) for x in Path(cfg.run_root, "metrics.jsonl").read_text().splitlines()]
     assert all("seconds/teacher_logprobs" in m and "distill_reverse_kl" in m for m in lines)
+    assert f"distill_kl {lines[0]['distill_reverse_kl']:.3f}" in format_metrics_line(lines[0])
     assert read_manifest(f"{cfg.run_root}/iter=000002/ppo_update")[0].summary["optimizer_steps"] >= 1
 
 
