@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -419,9 +420,11 @@ def _kill_once(config, root: str, target: str, iteration: int, timeline: Timelin
     """One try of ``run_scenario``'s kill; ``out.landed`` says whether it landed where it should."""
     pending = [(iteration, target)] + ([(also[1], also[0])] if also else [])
     waits = sorted({w for it, s in pending for w in _waits_for(it, s, timeline.stages)})
+    lock = f"{root}/iter={iteration:06d}/{target}/.writer.lock"
     if phase == "write":
-        triggers = [f"{root}/iter={iteration:06d}/{target}/.writer.lock"]
-        delay = rng.uniform(0.0, 0.02) * scale
+        triggers = [lock]
+        # a small shard is written within a few ms of taking the lock: the last try kills at once
+        delay = rng.uniform(0.0, 0.02) * scale if scale > 0.2 else 0.0
     else:
         triggers = [f"{root}/iter={it:06d}/{s}/_MANIFEST.json" for it, s in waits]
         t_trig = max((timeline.stages[w][1] for w in waits), default=timeline.data_checked)
@@ -436,16 +439,27 @@ def _kill_once(config, root: str, target: str, iteration: int, timeline: Timelin
     proc = start_training(config, root, api_url, env)
     output = _Output(proc)
     t0 = time.time()
+    if phase == "write" and "://" not in root:
+        # wait (polling) until the stage can start, then watch for its lock without sleeping: the
+        # write of a small shard (advantages, rewards) takes the lock and commits within a few ms
+        ready = [f"{root}/iter={it:06d}/{s}/_MANIFEST.json" for it, s in waits]
+        while proc.poll() is None and time.time() - t0 < timeout and not (
+                all(os.path.exists(t) for t in ready) and (ready or output.first(DATA_CHECKED) is not None)):
+            time.sleep(poll)
+        while proc.poll() is None and time.time() - t0 < timeout and not os.path.exists(lock):
+            pass
     while proc.poll() is None and time.time() - t0 < timeout:
         if all(exists(t) for t in triggers) and (triggers or output.first(DATA_CHECKED) is not None):
             break
         time.sleep(poll)
     time.sleep(delay)
     out = Outcome(target=target, iteration=iteration, phase=phase, delay=round(delay, 3), killed=False)
-    state = committed(root) if proc.poll() is None else None
-    if state is None or any(p in state for p in pending):
-        out.notes.append(f"attempt at {root}: no kill sent, " + ("the run had ended" if state is None else
-                         f"{[p for p in pending if p in state]} committed within {delay:.3f} s"))
+    # before the kill, only the pending stages' manifests are looked at (a listing of the run takes ms)
+    done = None if proc.poll() is not None else [
+        p for p in pending if exists(f"{root}/iter={p[0]:06d}/{p[1]}/_MANIFEST.json")]
+    if done is None or done:
+        out.notes.append(f"attempt at {root}: no kill sent, " + ("the run had ended" if done is None else
+                         f"{done} committed within {delay:.3f} s"))
         _end(proc)
         return out
     victim = None
@@ -470,14 +484,18 @@ def _kill_once(config, root: str, target: str, iteration: int, timeline: Timelin
     out.overlap_live = None if also is None else not any(p in out.committed_at_kill for p in pending)
     out.landed = (not any(p in out.committed_at_kill for p in pending)
                   and all(w in out.committed_at_kill for w in waits))
+    if phase == "write" and not exists(lock):  # a writer killed while writing leaves its lock
+        out.landed = False
+        out.notes.append(f"attempt at {root}: no writer lock {lock} after the kill: the stage was not writing")
     if kill == "worker":
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             _end(proc)
         log = output.text()
-        said = f"the {ROLE_OF_STAGE[target]} worker died during {target}"
-        if said not in log:
+        # rft_core/workers/pool.py's warning: "the <role> worker (<rank and node>) died during <program> (...)"
+        said = rf"the {ROLE_OF_STAGE[target]} worker(?: \(.*\))? died during {target} "
+        if not re.search(said, log):
             out.landed = False
             out.notes.append(f"the driver's log does not say {said!r}: " + log[-2000:])
         if proc.returncode != 0:

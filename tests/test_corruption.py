@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.faults import ROOT, snapshot, start_training, write_config
+from tests.varying import assert_training_signal
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,6 +48,7 @@ def test_corrupted_checkpoint_found_on_resume_and_repaired(prefect_harness, tiny
     run = tmp_path / "run"
     rc, log = _train(write_config(tmp_path / "one.yaml", tiny_model, iterations=1), run, api)
     assert rc == 0, log[-3000:]
+    assert_training_signal(run, (1,))  # the update recomputed below is a real policy-gradient step (tests/varying.py)
     weights = run / "iter=000001/ppo_update/policy/model.safetensors"
     good = hashlib.sha256(weights.read_bytes()).hexdigest()
     _flip(weights, weights.stat().st_size // 2)

@@ -110,8 +110,9 @@ def gdpo_advantages(
     each sample weighted by its length, (S - mean) / sqrt(var + 1e-8)), or "none" (S itself).
     verl also gives a group of one mean 0 and std 1 (A^k = s^k / (1 + eps)); here such a group's
     A^k is 0, as GRPO's (``group_stats``). A group whose scores of every source are equal has
-    S = 0, but after the batch normalisation it gets -mean_B S / std_B S (``group_baseline``
-    holds before that step only).
+    S = 0; with ``batch_norm="samples"`` it keeps A = 0 (up to rounding: each group's centred
+    scores sum to 0, so mean_B S = 0; ``group_baseline``), while verl's token whitening gives it
+    -mean_T S / std_T S, the length-weighted mean being no longer 0.
 
     Args:
         rewards: (B,) float, the combined reward (used for the returns and the shape only).

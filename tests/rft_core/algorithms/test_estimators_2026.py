@@ -375,3 +375,19 @@ def test_gdpo_stage_reads_the_per_source_scores(gdpo_run):
     got = reward_source_scores(["y", "x"], partial)
     assert sorted(got) == ["acc", "len"] and got["acc"].tolist() == [0.0, 1.0]
     assert math.isnan(got["len"][0]) and float(got["len"][1]) == 0.5
+
+
+def test_gdpo_flat_group_keeps_zero_advantage_with_the_sample_normalisation():
+    """Each group's centred scores sum to 0, so the batch mean of S is 0 and a flat group (S = 0)
+    keeps A = 0 after the paper's per-sample normalisation; verl's token whitening (a length-weighted
+    mean, not 0 here) gives it -mean_T S / std_T S."""
+    g = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+    mask = torch.ones(8, 3, dtype=torch.bool)
+    mask[0, 1:] = False
+    src = {"a": torch.tensor([1, 0, 1, 0.5, 0.5, 0.5, 1, 0], dtype=D),
+           "b": torch.tensor([0.2, 0.7, 0.1, 0.3, 0.3, 0.3, 0, 1], dtype=D)}
+    samples, _ = gdpo_advantages(torch.zeros(8, dtype=D), g, mask, source_rewards=src)
+    tokens, _ = gdpo_advantages(torch.zeros(8, dtype=D), g, mask, source_rewards=src, batch_norm="tokens")
+    assert float(samples[:, 0].abs().max()) > 0.5  # the other groups are not flat
+    assert float(samples[3:6].abs().max()) < 1e-14
+    assert float(tokens[3:6, 0].abs().min()) > 0.1

@@ -25,6 +25,22 @@ CASES = [
     ("otb-without-actor-pass", {"advantage": "optimal_token_baseline", "logprobs.recompute_old_logprobs": False},
      ["advantage.estimator=optimal_token_baseline", "logprobs.recompute_old_logprobs=false"],
      "logprobs.recompute_old_logprobs=auto"),
+    ("dppo-anchor-is-the-rollout", {"update.policy_loss": "dppo_tv", "update.epochs": 2},
+     ["update.policy_loss.name=dppo_tv", "logprobs.recompute_old_logprobs=auto", "runs the actor pass here"],
+     "set logprobs.recompute_old_logprobs=false"),
+    ("dppo-anchor-is-the-rollout", {"update.policy_loss": "dppo_kl", "logprobs.recompute_old_logprobs": True},
+     ["update.policy_loss.name=dppo_kl", "logprobs.recompute_old_logprobs=true"], "another policy loss (e.g. ppo_clip)"),
+    ("gdpo-reward-weights", {"advantage": "gdpo"},
+     ["advantage.estimator=gdpo", "advantage.reward_weights", "reward.recipes.default weighs format 0"],
+     "set advantage.reward_weights (e.g. {correctness: 1, format: 0})"),
+    ("gdpo-reward-weights", {"advantage": {"estimator": "gdpo", "reward_weights": {"acc": 1.0}}},
+     ["advantage.reward_weights names ['acc']", "reward.sources", "defined: correctness, format"], "name defined sources"),
+    ("gdpo-scalar-shaping", {"advantage": {"estimator": "gdpo", "reward_weights": {"correctness": 1.0}},
+                             "shaping.overlong_buffer_len": 16},
+     ["advantage.estimator=gdpo", "shaping.overlong_buffer_len"], "unset shaping.overlong_buffer_len"),
+    ("gdpo-scalar-shaping", {"advantage": {"estimator": "gdpo", "reward_weights": {"correctness": 1.0}},
+                             "shaping.reward_running_norm": True},
+     ["advantage.estimator=gdpo", "shaping.reward_running_norm"], "choose another estimator"),
     ("dynamic-one-sample", {"rollout.n_samples_per_prompt": 1, "advantage": "reinforce", "dynamic_sampling.enabled": True},
      ["dynamic_sampling.enabled=true", "rollout.n_samples_per_prompt=1"], "dynamic_sampling.enabled=false"),
     ("train-batch-beyond-rollout", {"update.train_batch_size": 64, "data.prompts_per_iteration": 4},
@@ -138,6 +154,11 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
                        "reward.grader": "math_verify"})
     load_config(None, {"reward.sources": {"tests": "code_exec"}, "reward.recipes": {"default": [{"source": "tests"}]},
                        "reward.default_recipe": "default", "data.task": "humaneval"})
+    load_config(None, {"update.policy_loss": "dppo_tv", "update.epochs": 2, "logprobs.recompute_old_logprobs": False})
+    load_config(None, {"update.policy_loss": "dppo_kl"})  # one step per rollout: auto runs no actor pass
+    load_config(None, {"advantage": {"estimator": "gdpo", "reward_weights": {"correctness": 1.0, "format": 0.0}}})
+    load_config(None, {"advantage": {"estimator": "gdpo", "reward_weights": {"correctness": 1.0}},
+                       "shaping.advantage_whiten": True})  # advantage shaping acts on GDPO's advantages
     load_config(None, {"rollout.max_staleness": 1, "update.rollout_correction": {
         "mode": "tis", "rejection": "seq_mean_k1", "rejection_cap": 2.0}})
     load_config(None, {"update.rollout_correction.mode": "seq-mask-tis"})  # s = 0: the engine mismatch alone
