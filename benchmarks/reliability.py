@@ -27,7 +27,7 @@ def _table(rows) -> list[str]:
     return [
         "| target stage | iter | phase | kill after (s) | landed (tries) | interrupted (iteration: stages) | partial files | committed | rerun ok | redone | untouched | valid | same weights |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *[f"| {o.target} | {o.iteration} | {o.phase} | {o.delay} | {ok(o.landed)} ({o.attempts}) | {o.interrupted} | "
+        *[f"| {o.target} | {o.iteration} | {o.phase}{' (paused)' if o.write_paused else ''} | {o.delay} | {ok(o.landed)} ({o.attempts}) | {o.interrupted} | "
           f"{'yes' if o.partial_files else 'no'} | {o.committed_before} | {ok(o.rerun_ok)} | {ok(o.redone)} | "
           f"{ok(o.committed_untouched)} | {ok(o.all_valid)} | {ok(o.same_weights)} |"
           for o in rows]]
@@ -208,8 +208,10 @@ SIGKILL_INTRO = [
     "train`). Phase *compute*: once the target stage can start (every stage it waits for committed),",
     "the driver waits as long as the stage waited to start in the uninterrupted run plus a random",
     "part (up to 85%) of its duration there, in the same iteration; phase *write*: it waits until",
-    "the stage takes its writer lock (it is writing parts or checkpoint files) plus 0-20 ms. Then",
-    "it sends SIGKILL to the worker's process group, and runs the same command again",
+    "the stage takes its writer lock (it is writing parts or checkpoint files) plus 0-20 ms; a",
+    "Parquet stage writes within a few ms, so its writer is paused 5 s between its parts and its",
+    "manifest (*write (paused)*; `tests/faults.py` `PAUSED_WRITES`). Then it sends SIGKILL to the",
+    "worker's process group, and runs the same command again",
     "(`tests/faults.py` `run_scenario`, which `tests/test_faults.py` runs on the same rows).",
     "",
     "Columns: *landed* = the committed manifests at the kill show it in the row's stage and",
@@ -256,7 +258,7 @@ interrupted stage was redone. The measured sections (tables) are written by
 
 | scenario | CI test | what must hold |
 |---|---|---|
-| SIGKILL inside every stage, local disk (CI: a kill while each stage of iteration 1 computes, while iteration 2's update computes, while iteration 1's update writes its checkpoint and while the optimizer state's background write runs, and in 2 multi-turn rollouts; `make test-faults-all`: also the write phase of every other stage and the other rows of the table below) | `tests/test_faults.py` | rerun resumes; the interrupted stage redone; committed files untouched; final weights bit-identical to an uninterrupted run's |
+| SIGKILL inside every stage, local disk (CI: a kill while each stage of iteration 1 computes, while iteration 2's update computes, while iteration 1's update writes its checkpoint and while the optimizer state's background write runs, and in 2 multi-turn rollouts; `make test-faults-all`: also the write phase of every other stage, its writer paused between its parts and its manifest so that the kill lands there, and the other rows of the table below) | `tests/test_faults.py` | rerun resumes; the interrupted stage redone; committed files untouched; final weights bit-identical to an uninterrupted run's |
 | `run_root: s3://...` (a real S3 server: moto, on 127.0.0.1) | `tests/test_object_storage.py`, `tests/schemas/test_object_store.py` | full training; SIGKILL in rollout and update then resume (same ETags); inspect, replay, eval, pandas and DuckDB read the bucket; manifest-last without renames; one of two writers commits |
 | bad storage: missing bucket, wrong credentials, unreachable endpoint, read-only bucket or folder | `tests/test_object_storage.py` | refused before any stage starts, naming the URI and the cause |
 | the Prefect API server dies during the rollout, comes back | `tests/flows/test_server_outage.py` | the flow run ends (continues, or fails loudly and a UI-style retry completes); stages committed before the outage untouched |

@@ -121,10 +121,48 @@ def _env(api_url: str | None, extra: dict[str, str] | None = None) -> dict:
     return env
 
 
+# The write phase of a Parquet stage (prompts to advantages) lasts a few milliseconds: a kill sent
+# when its writer lock appears mostly comes after its manifest. Its rows therefore run the CLI with
+# the writer paused WRITE_PAUSE_SECONDS between its parts and its manifest (``write_pause``): the
+# kill lands while the stage holds its lock with its parts written and no manifest, a state a kill
+# of the unpaused writer reaches too, only by chance. ppo_update's checkpoint and the optimizer
+# state's background write take long enough to be hit unpaused.
+PAUSED_WRITES = ("prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages")
+WRITE_PAUSE_ENV = "RFT_FAULTS_WRITE_PAUSE"
+WRITE_PAUSE_SECONDS = 5.0
+
+
+def cli_with_write_pause() -> None:
+    """``python -m flows.cli`` (arguments from ``sys.argv``) whose ``schemas.tables.write_parts``
+    sleeps after writing the parts of one stage folder, given by the environment variable
+    ``WRITE_PAUSE_ENV`` as ``iter=NNNNNN/<stage>@<seconds>``; every other write is untouched."""
+    import runpy
+
+    import schemas.tables as tables
+
+    folder, seconds = os.environ[WRITE_PAUSE_ENV].rsplit("@", 1)
+    real = tables.write_parts
+
+    def write_parts(table, uri, **kw):
+        rows = real(table, uri, **kw)
+        if uri.rstrip("/").endswith("/" + folder):
+            time.sleep(float(seconds))
+        return rows
+
+    tables.write_parts = write_parts  # what write_shard calls
+    sys.argv[0] = "rft"
+    runpy.run_module("flows.cli", run_name="__main__", alter_sys=True)
+
+
 def start_training(config: Path, run_root: Path | str, api_url: str | None,
-                   env: dict[str, str] | None = None) -> subprocess.Popen:
-    """The worker: the CLI, in its own process group (so the kill takes all its threads)."""
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "-c", str(config), "--run-root", str(run_root)],
+                   env: dict[str, str] | None = None, write_pause: str | None = None) -> subprocess.Popen:
+    """The worker: the CLI, in its own process group (so the kill takes all its threads).
+    ``write_pause``: ``iter=NNNNNN/<stage>@<seconds>``, run through ``cli_with_write_pause``."""
+    cli = ["-m", "flows.cli"]
+    if write_pause:
+        cli = ["-c", "from tests.faults import cli_with_write_pause; cli_with_write_pause()"]
+        env = {**(env or {}), WRITE_PAUSE_ENV: write_pause}
+    return subprocess.Popen([sys.executable, *cli, "train", "-c", str(config), "--run-root", str(run_root)],
                             cwd=ROOT, env=_env(api_url, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -201,7 +239,8 @@ class Outcome:
     the rerun (or, for a worker kill, the run that replaced the worker) the interrupted stage(s)
     are committed by a manifest written after the kill. ``attempts``: kills tried; a kill that
     would miss (the stage committed first, or no worker was running it) is not sent and the row
-    is tried again from scratch with a shorter delay, at most 3 times.
+    is tried again from scratch with a shorter delay, at most 3 times. ``write_paused``: the
+    writer was paused between its parts and its manifest (``PAUSED_WRITES``).
     """
 
     target: str
@@ -220,6 +259,7 @@ class Outcome:
     overlap_live: bool | None = None
     redone: bool = False
     attempts: int = 0
+    write_paused: bool = False
     kill_time: float = 0.0
     committed_at_kill: set = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
@@ -393,7 +433,9 @@ def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int
     ``phase="compute"``: once the stage can start (its predecessors committed), wait as long as
     it waited to start in the uninterrupted run (``timeline``, the same iteration) plus a random
     part (up to 85%) of its duration there. ``phase="write"``: within 20 ms after the stage took
-    its writer lock, i.e. while it writes its parts or checkpoint files. ``run_root`` may be an
+    its writer lock, i.e. while it writes its parts or checkpoint files (a Parquet stage,
+    ``PAUSED_WRITES``, with its writer paused between its parts and its manifest; the kill must
+    leave the lock behind). ``run_root`` may be an
     ``s3://`` URI (``env``: the server's endpoint and credentials). A kill that would miss (the
     stage committed first, no worker running it) is not sent: the row starts again in a fresh
     run root with a third of the delay, up to ``attempts`` times.
@@ -423,8 +465,7 @@ def _kill_once(config, root: str, target: str, iteration: int, timeline: Timelin
     lock = f"{root}/iter={iteration:06d}/{target}/.writer.lock"
     if phase == "write":
         triggers = [lock]
-        # a small shard is written within a few ms of taking the lock: the last try kills at once
-        delay = rng.uniform(0.0, 0.02) * scale if scale > 0.2 else 0.0
+        delay = rng.uniform(0.0, 0.02) * scale
     else:
         triggers = [f"{root}/iter={it:06d}/{s}/_MANIFEST.json" for it, s in waits]
         t_trig = max((timeline.stages[w][1] for w in waits), default=timeline.data_checked)
@@ -436,24 +477,18 @@ def _kill_once(config, root: str, target: str, iteration: int, timeline: Timelin
                                  f"({dict((p, timeline.stages[p]) for p in pending)}): no overlap to kill in")
         delay = (max(lo - t_trig, 0.0) + rng.uniform(0.0, 0.85) * (hi - lo)) * scale
     poll = 0.002 if "://" not in root else 0.02
-    proc = start_training(config, root, api_url, env)
+    paused = phase == "write" and target in PAUSED_WRITES
+    proc = start_training(config, root, api_url, env,
+                          write_pause=f"iter={iteration:06d}/{target}@{WRITE_PAUSE_SECONDS}" if paused else None)
     output = _Output(proc)
     t0 = time.time()
-    if phase == "write" and "://" not in root:
-        # wait (polling) until the stage can start, then watch for its lock without sleeping: the
-        # write of a small shard (advantages, rewards) takes the lock and commits within a few ms
-        ready = [f"{root}/iter={it:06d}/{s}/_MANIFEST.json" for it, s in waits]
-        while proc.poll() is None and time.time() - t0 < timeout and not (
-                all(os.path.exists(t) for t in ready) and (ready or output.first(DATA_CHECKED) is not None)):
-            time.sleep(poll)
-        while proc.poll() is None and time.time() - t0 < timeout and not os.path.exists(lock):
-            pass
     while proc.poll() is None and time.time() - t0 < timeout:
         if all(exists(t) for t in triggers) and (triggers or output.first(DATA_CHECKED) is not None):
             break
         time.sleep(poll)
     time.sleep(delay)
-    out = Outcome(target=target, iteration=iteration, phase=phase, delay=round(delay, 3), killed=False)
+    out = Outcome(target=target, iteration=iteration, phase=phase, delay=round(delay, 3), killed=False,
+                  write_paused=paused)
     # before the kill, only the pending stages' manifests are looked at (a listing of the run takes ms)
     done = None if proc.poll() is not None else [
         p for p in pending if exists(f"{root}/iter={p[0]:06d}/{p[1]}/_MANIFEST.json")]

@@ -30,9 +30,9 @@ def test_the_7b_recipe_loads_with_what_the_page_says():
 def test_the_7b_workers_fill_one_8_gpu_node():
     cfg = load_config(CONFIG)
     workers = cfg.runner("ppo_update").workers
-    tp = cfg.rollout.vllm.tensor_parallel_size
     roles = {"policy": workers.policy_ranks, "rollout": 1, "reference": 1}  # grpo: no critic; kl_coef > 0: a reference
     assert cfg.kl.kl_coef > 0 and not cfg.needs_critic
-    gpus = {role: actor_options(workers, role, cluster_gpus=8, engine_gpus=tp)["num_gpus"] for role in roles}
+    assert workers.rollout_gpus == cfg.rollout.vllm.tensor_parallel_size == 2
+    gpus = {role: actor_options(workers, role, cluster_gpus=8)["num_gpus"] for role in roles}
     assert gpus == {"policy": 1, "rollout": 2, "reference": 1}
     assert sum(gpus[r] * n for r, n in roles.items()) == 8

@@ -210,7 +210,8 @@ class TrainConfig(_Frozen):
                 pool=self.run_root, ray_address=o.ray_address, ray_init_kwargs=o.ray_init_kwargs,
                 sync_timeout_s=o.sync_timeout_s, sync_bucket_mb=o.sync_bucket_mb, threads=o.worker_threads,
                 options=o.worker_options, policy_ranks=o.policy_ranks,
-                rollout_versions=max(1, self.rollout.max_staleness)))
+                rollout_versions=max(1, self.rollout.max_staleness),
+                rollout_gpus=getattr(getattr(self.rollout, self.rollout.engine, None), "tensor_parallel_size", 1)))
         return RunnerConfig()
 
     @property

@@ -80,6 +80,9 @@ class WorkersConfig(_Frozen):
                               "Ray actor each, in one torch.distributed group kept for the run")
     rollout_versions: int = Field(1, gt=0, description="policy versions the rollout worker keeps a copy of "
                                   "(rollout.max_staleness s > 1: s)")
+    rollout_gpus: int = Field(1, gt=0, description="GPUs of the rollout worker on a cluster with GPUs: the "
+                              "engine's tensor_parallel_size (rollout.vllm/sglang), else 1; the same whichever stage "
+                              "starts the worker (the rollout, or the actor pass of a resumed run)")
 
 
 class RunnerConfig(_Frozen):

@@ -100,18 +100,7 @@ def start_worker(workers: WorkersConfig, role: str):
     return start_gang(workers, role)[0]
 
 
-def engine_gpus(inp) -> int:
-    """GPUs the rollout engine of a stage input needs: vLLM's or SGLang's
-    ``tensor_parallel_size`` for a ``RolloutInput`` with ``rollout.engine`` vllm or sglang, else 1."""
-    rollout = getattr(inp, "rollout", None)
-    engine = getattr(rollout, "engine", "hf")
-    if engine in ("vllm", "sglang"):
-        settings = getattr(rollout, engine, None)
-        return settings.tensor_parallel_size if settings is not None else 1
-    return 1
-
-
-def actor_options(workers: WorkersConfig, role: str, *, cluster_gpus: float, engine_gpus: int = 1) -> dict[str, Any]:
+def actor_options(workers: WorkersConfig, role: str, *, cluster_gpus: float) -> dict[str, Any]:
     """The Ray actor options of each actor of ``role`` (every policy rank gets the same).
 
     Args:
@@ -119,16 +108,16 @@ def actor_options(workers: WorkersConfig, role: str, *, cluster_gpus: float, eng
             overrides any default key, e.g. ``{num_gpus: 0.5}`` or ``{resources: {node_a: 1}}``.
         role: one of ``ROLES``; all of them hold a model.
         cluster_gpus: ``ray.cluster_resources().get("GPU", 0)``, GPUs of the whole cluster.
-        engine_gpus: GPUs of the rollout worker's engine (``engine_gpus``), rollout only.
 
     Returns:
         ``{"num_cpus": 0}`` plus, when ``cluster_gpus`` >= 1, ``num_gpus``: 1 per actor (the
-        rollout worker: ``engine_gpus``); on a one-GPU cluster ``1 / len(ROLES)`` (0.25), so every
+        rollout worker: ``workers.rollout_gpus``, its engine's ``tensor_parallel_size``, whichever
+        stage starts it, the rollout or the actor pass); on a one-GPU cluster ``1 / len(ROLES)`` (0.25), so every
         role fits on the one GPU; then the overrides.
     """
     options: dict[str, Any] = {"num_cpus": 0}
     if cluster_gpus >= 2:
-        options["num_gpus"] = engine_gpus if role == "rollout" else 1
+        options["num_gpus"] = workers.rollout_gpus if role == "rollout" else 1
     elif cluster_gpus >= 1:
         options["num_gpus"] = _SHARED_GPU
     options.update(workers.options.get(role, {}))
@@ -189,10 +178,10 @@ def _gang_size(workers: WorkersConfig, role: str) -> int:
     return workers.policy_ranks if role == "policy" else 1
 
 
-def start_gang(workers: WorkersConfig, role: str, *, engine_gpus: int = 1) -> list:
+def start_gang(workers: WorkersConfig, role: str) -> list:
     """Every rank's actor of ``role``: one for the rollout and reference workers, and
     ``workers.policy_ranks`` for the policy trainer (DeepSpeed data parallelism), with the Ray
-    options of ``actor_options`` (``engine_gpus``: the rollout engine's GPUs). A new gang is
+    options of ``actor_options``. A new gang is
     placed (``_place``: logged, or ``WorkerError`` when Ray cannot place it), then its ranks are
     given one rendezvous (rank 0's address and a free port: ``MASTER_ADDR``, ``MASTER_PORT``,
     ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0`` since Ray gives each actor its own GPUs) before any
@@ -201,8 +190,7 @@ def start_gang(workers: WorkersConfig, role: str, *, engine_gpus: int = 1) -> li
     n = _gang_size(workers, role)
     if all((workers.pool, role, r) in _HANDLES for r in range(n)):  # the creating handles keep the actors alive
         return [_HANDLES[(workers.pool, role, r)] for r in range(n)]
-    options = actor_options(workers, role, cluster_gpus=float(ray.cluster_resources().get("GPU", 0)),
-                            engine_gpus=engine_gpus)
+    options = actor_options(workers, role, cluster_gpus=float(ray.cluster_resources().get("GPU", 0)))
     cls = ray.remote(ModelWorker)
     gang = [cls.options(name=actor_name(workers.pool, role, rank=r), namespace=NAMESPACE, get_if_exists=True,
                         max_restarts=0, **options).remote(
@@ -258,7 +246,7 @@ def run_resident(inp, workers: WorkersConfig):
     for attempt in (0, 1):
         gang: list = []
         try:
-            gang = start_gang(workers, role, engine_gpus=engine_gpus(inp))  # an actor dying as it starts: below
+            gang = start_gang(workers, role)  # an actor dying as it starts: below
             return _gather(ray, [a.run.remote(inp) for a in gang])[0]  # every rank runs it; rank 0's result
         except RayTaskError as exc:  # the program raised: the original exception, as the stage process would
             if len(gang) > 1:  # the other ranks may wait in a collective for the failed one

@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from rft_core.config import RolloutConfig, SGLangConfig, TrainConfig, VLLMConfig, WorkersConfig
-from rft_core.workers.pool import actor_options, engine_gpus
+from rft_core.config import TrainConfig, WorkersConfig
+from rft_core.workers.pool import actor_options
 
 W = WorkersConfig(pool="p")
 
@@ -33,14 +33,14 @@ W = WorkersConfig(pool="p")
     (1, "rollout", 1, {"num_cpus": 0, "num_gpus": 0.25}),
 ])
 def test_default_options(gpus, role, engine, want):
-    assert actor_options(W, role, cluster_gpus=gpus, engine_gpus=engine) == want
+    assert actor_options(W.model_copy(update={"rollout_gpus": engine}), role, cluster_gpus=gpus) == want
 
 
 def test_worker_options_override_the_defaults():
-    w = WorkersConfig(pool="p", options={"reference": {"num_gpus": 0.5}, "rollout": {"resources": {"node_b": 1}},
+    w = WorkersConfig(pool="p", rollout_gpus=2, options={"reference": {"num_gpus": 0.5}, "rollout": {"resources": {"node_b": 1}},
                                          "policy": {"num_cpus": 2, "num_gpus": 0}})
     assert actor_options(w, "reference", cluster_gpus=8) == {"num_cpus": 0, "num_gpus": 0.5}
-    assert actor_options(w, "rollout", cluster_gpus=8, engine_gpus=2) == {"num_cpus": 0, "num_gpus": 2,
+    assert actor_options(w, "rollout", cluster_gpus=8) == {"num_cpus": 0, "num_gpus": 2,
                                                                           "resources": {"node_b": 1}}
     assert actor_options(w, "policy", cluster_gpus=8) == {"num_cpus": 2, "num_gpus": 0}
     assert actor_options(w, "critic", cluster_gpus=0) == {"num_cpus": 0}
@@ -55,20 +55,24 @@ def test_the_config_reaches_the_pool():
     assert actor_options(cfg.runner("ppo_update").workers, "policy", cluster_gpus=8) == {"num_cpus": 0, "num_gpus": 1}
 
 
-def test_engine_gpus_follow_the_rollout_engine(tiny_model):
-    from rft_core.api import RolloutInput
-    from schemas import ShardRef
-
-    prompts = ShardRef(uri="/tmp/x/iter=000001/prompts", stage="prompts", num_rows=1, config_hash="0" * 64,
-                       manifest_sha256="0" * 64)
-
-    def inp(rollout: RolloutConfig) -> RolloutInput:
-        return RolloutInput(prompts=prompts, policy=tiny_model, rollout=rollout, iteration=1, out="/tmp/x/r")
-
-    assert engine_gpus(inp(RolloutConfig())) == 1  # hf
-    assert engine_gpus(inp(RolloutConfig(engine="vllm"))) == 1
-    assert engine_gpus(inp(RolloutConfig(engine="vllm", vllm=VLLMConfig(tensor_parallel_size=4)))) == 4
-    assert engine_gpus(inp(RolloutConfig(engine="sglang", sglang=SGLangConfig(tensor_parallel_size=2)))) == 2
+@pytest.mark.parametrize("rollout, gpus", [
+    ({}, 1),                                                                   # hf
+    ({"engine": "vllm"}, 1),
+    ({"engine": "vllm", "vllm": {"tensor_parallel_size": 4}}, 4),
+    ({"engine": "sglang", "sglang": {"tensor_parallel_size": 2}}, 2),
+    ({"engine": "hf", "vllm": {"tensor_parallel_size": 4}}, 1),              # another engine's settings: unused
+])
+def test_the_rollout_worker_gets_its_engines_gpus_whichever_stage_starts_it(rollout, gpus):
+    """The rollout worker is started by the first stage that needs it: the rollout, or (a run
+    resumed after its rollout was committed) the actor pass, whose input carries no engine
+    settings. Either way it gets the engine's tensor-parallel GPUs, which every later rollout on
+    that worker needs."""
+    cfg = TrainConfig(run_root="/tmp/r", orchestration={"workers": "resident"}, rollout=rollout)
+    for stage in ("rollout", "actor_logprobs"):
+        workers = cfg.runner(stage).workers
+        assert workers.rollout_gpus == gpus, stage
+        assert actor_options(workers, "rollout", cluster_gpus=8)["num_gpus"] == gpus, stage
+    assert actor_options(cfg.runner("ref_logprobs").workers, "reference", cluster_gpus=8)["num_gpus"] == 1
 
 
 @pytest.fixture
@@ -95,6 +99,7 @@ def test_actors_get_gpus_on_a_cluster_with_gpus(gpu_cluster, tmp_path, caplog, m
     pool = str(tmp_path / "run")
     workers = WorkersConfig(pool=pool, ray_address=gpu_cluster.address, threads=1,
                             options={"critic": {"num_gpus": 0}})
+    tp2 = workers.model_copy(update={"rollout_gpus": 2})  # the rollout worker of a vLLM engine of tensor parallel 2
     try:
         with caplog.at_level(logging.INFO, logger="rft_core.workers"):
             reference = start_gang(workers, "reference")[0]
@@ -112,11 +117,11 @@ def test_actors_get_gpus_on_a_cluster_with_gpus(gpu_cluster, tmp_path, caplog, m
         assert placements(pool)["critic"]["gpus"] == []
         # a vLLM engine of tensor parallel 2 needs both GPUs; the reference holds one: never placed
         with pytest.raises(WorkerError, match=r"the rollout worker of .* could not be placed within 5 s") as err:
-            start_gang(workers, "rollout", engine_gpus=2)
+            start_gang(tp2, "rollout")
         assert "'num_gpus': 2" in str(err.value) and gpu_cluster.head_node.node_id in str(err.value)
         # with the GPU free again it is placed, on both GPUs
         assert sorted(stop_workers(pool)) == ["critic", "reference"]
-        start_gang(workers, "rollout", engine_gpus=2)
+        start_gang(tp2, "rollout")
         assert sorted(placements(pool)["rollout"]["gpus"]) == ["0", "1"]
     finally:
         stop_workers(pool)
