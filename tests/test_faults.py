@@ -16,7 +16,10 @@ import pytest
 from schemas import read_manifest
 from tests.faults import STAGE_ORDER, assert_row, baseline_run, row, run_scenario, write_config
 
-ROWS = ([row(s, 1, "compute", ci=True) for s in STAGE_ORDER]
+# CI: the kill in iteration 1 of a model stage, of a stage between them and of the update (the
+# other 4 compute rows: make test-faults-all; CI's time, issue 39)
+CI_COMPUTE = ("rollout", "advantages", "ppo_update")
+ROWS = ([row(s, 1, "compute", ci=s in CI_COMPUTE) for s in STAGE_ORDER]
         + [row(s, 1, "write", ci=s == "ppo_update") for s in STAGE_ORDER]
         + [row("rollout", 2, "compute", ci=False), row("ppo_update", 2, "compute", ci=True),
            row("ppo_update", 2, "write", ci=False), row("ppo_update-optimizer", 1, "write", ci=True)])

@@ -44,7 +44,9 @@ class TeacherConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check_enabled(self) -> "TeacherConfig":
-        given = sorted(self.model_fields_set - {"path"})
+        # fields that differ from their defaults (a dumped config round-trips: every field is "set" there)
+        given = sorted(name for name in self.model_fields_set - {"path"}
+                       if getattr(self, name) != type(self).model_fields[name].default)
         if self.path is None and given:
             raise ValueError(f"teacher.{given[0]} is set but teacher.path is not: distillation is off without a teacher; "
                              "set teacher.path (an HF folder, hub id or the embedded default) or remove teacher."

@@ -320,6 +320,7 @@ def test_observability_outputs(prefect_harness, tiny_model, tmp_path, fake_rewar
     the markdown sample artifact exist."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from flows.train import train
@@ -339,7 +340,9 @@ def test_observability_outputs(prefect_harness, tiny_model, tmp_path, fake_rewar
 
     async def artifact():
         async with get_client() as client:
-            arts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["samples-iter-000001"])))
+            # the newest one: other tests of the session's Prefect server write the same key
+            arts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["samples-iter-000001"])),
+                                               sort=ArtifactSort.CREATED_DESC)
             return arts[0].data if arts else ""
 
     import asyncio

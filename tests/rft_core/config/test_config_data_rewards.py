@@ -130,7 +130,8 @@ def test_each_estimator_config_matches_its_function_kwargs():
     from rft_core.algorithms import ADVANTAGE_ESTIMATORS
     from rft_core.config import ADVANTAGE_CONFIGS
 
-    tensor_inputs = {"token_rewards", "values", "reward_baselines", "old_logprobs", "sum_pi_squared", "rollout_is_weights"}
+    tensor_inputs = {"token_rewards", "values", "reward_baselines", "old_logprobs", "sum_pi_squared", "rollout_is_weights",
+                     "source_rewards"}  # data, not settings (gdpo: each reward source's scores)
     covered = set()
     for cls in ADVANTAGE_CONFIGS:
         names = cls.model_fields["estimator"].annotation.__args__
@@ -208,7 +209,7 @@ def test_kl_default_also_fills_in_config_models_given_as_objects():
 
 def test_k1_as_a_loss_term_is_refused_naming_the_alternatives():
     with pytest.raises(ConfigError, match=r"'k1' has zero expected gradient as a loss term.*grad KL\(pi\|\|ref\) use one "
-                                          r"of k1\+, k2, k3\+, low_var_kl\+, mse; for grad KL\(ref\|\|pi\): k3, low_var_kl"
+                                          r"of abs\+, k1\+, k2, k3\+, low_var_kl\+, mse; for grad KL\(ref\|\|pi\): k3, low_var_kl"
                                           r".*loss for grpo"):
         load_config(None, {"kl.kl_coef": 0.01, "kl.estimator": "k1"})  # grpo: kl.mode defaults to loss
     with pytest.raises(ConfigError, match="zero expected gradient"):
@@ -254,7 +255,7 @@ def test_rollout_correction_is_on_where_the_engine_samples_another_distribution(
 @pytest.mark.parametrize("overrides, match", [
     ({"update.rollout_correction.enabled": True, "logprobs.recompute_old_logprobs": False},
      "rollout_correction weights pi_old / pi_rollout with the trainer's old log-probs: set logprobs.recompute_old_logprobs=true"),
-    ({"update.rollout_correction.mode": "tis2"}, "unknown rollout correction mode 'tis2'; valid names: icepop, seq-mask-tis"),
+    ({"update.rollout_correction.mode": "tis2"}, "unknown rollout correction mode 'tis2'; valid names: geo-tis, icepop, none, seq-mask-tis, seq-tis, sequence_mask, tis"),
     ({"update.rollout_correction.low": 2.0}, r"low \(2.0\) must be below cap \(2.0\)"),
     ({"update.cpgd_drift_coef": 0.1}, "cpgd_drift_coef is CPGD's policy-drift term .* needs update.policy_loss.name=cpgd"),
     ({"update.entropy_filter_norm": "some"}, "update.entropy_filter_norm"),
