@@ -2,7 +2,7 @@
 GPU, timed per GB, and whether NCCL accepts such a pair.
 
 Parent = the trainer, child = the rollout engine, both on ``cuda:0``:
-1. CUDA IPC (``rft_core.workers.cuda_ipc.export_cuda_ipc`` / ``import_cuda_ipc``, what two workers
+1. CUDA IPC (``rft_core.weightsync.cuda_ipc.export_cuda_ipc`` / ``import_cuda_ipc``, what two workers
    on one GPU use): the parent packs the weights into buckets and sends their IPC handles; the
    child copies them into its own tensors; both digests must agree.
    ``cuda_ipc_from_cpu``: the same with the parent's weights on the CPU, packed onto the GPU by
@@ -45,8 +45,9 @@ def synthetic(gb: float, device: str = "cuda") -> dict:
 def _child(kind: str, shapes: dict, q_in, q_out, port: int) -> None:
     import torch
 
-    from rft_core.workers.cuda_ipc import import_cuda_ipc
-    from rft_core.workers.sync import SyncPlan, receive_weights
+    from rft_core.weightsync.collective import receive_weights
+    from rft_core.weightsync.cuda_ipc import import_cuda_ipc
+    from rft_core.weightsync.plan import SyncPlan
 
     torch.cuda.set_device(0)
     target = {k: torch.zeros(s, dtype=torch.bfloat16, device="cuda") for k, s in shapes.items()}
@@ -67,8 +68,10 @@ def sync_once(kind: str, tensors: dict) -> dict:
     import torch
     import torch.multiprocessing as mp
 
-    from rft_core.workers.cuda_ipc import export_cuda_ipc
-    from rft_core.workers.sync import SyncPlan, free_port, send_weights, sync_checksum
+    from rft_core.weightsync.checksum import sync_checksum
+    from rft_core.weightsync.collective import free_port, send_weights
+    from rft_core.weightsync.cuda_ipc import export_cuda_ipc
+    from rft_core.weightsync.plan import SyncPlan
 
     ctx = mp.get_context("spawn")
     q_in, q_out, port = ctx.Queue(), ctx.Queue(), free_port()
@@ -112,7 +115,8 @@ def checksum_speed(tensors: dict) -> dict:
     they are) and of the host-side sha256 it replaced (``weights_digest``: copy to host, hash)."""
     import torch
 
-    from rft_core.workers.sync import sync_checksum, weights_digest
+    from rft_core.weightsync.checksum import sync_checksum
+    from rft_core.weightsync.plan import weights_digest
 
     gb = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
     sync_checksum(tensors)  # its multiplier table, once per device
@@ -141,7 +145,7 @@ def main() -> int:
     cases = [(f"synthetic {gb} GB", lambda gb=gb: synthetic(float(gb))) for gb in args.sizes.split(",")]
     if args.model:
         from rft_core.models.loading import load_causal_lm
-        from rft_core.workers.sync import state_tensors
+        from rft_core.weightsync.plan import state_tensors
 
         cases.append((args.model, lambda: state_tensors(load_causal_lm(args.model, dtype="bfloat16").to("cuda"))))
     for name, make in cases:

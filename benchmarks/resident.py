@@ -5,7 +5,7 @@ Per iteration and mode it records:
 - ``bytes_written``: the bytes of every file committed under the run root for that iteration
   (Parquet parts, weights, tokenizer, optimizer state), read from the manifests;
 - ``bytes_read``: the bytes of model weights and optimizer states read from storage
-  (``rft_core.workers.memory.counts``; the experience shards, a few MB, are not counted);
+  (``rft_core.counters.counts``; the experience shards, a few MB, are not counted);
 - ``model_loads``: models read from storage; ``engine_builds``: rollout engines built over a
   model read for them;
 - ``weight_syncs``, ``weight_sync_s``, ``weight_sync_bytes``: in-memory weight syncs
@@ -84,7 +84,7 @@ def run_flow(cfg) -> list[dict]:
 def run_inprocess(cfg) -> list[dict]:
     """``tests.drive`` in this process; resident workers as ``ModelWorker`` objects."""
     from rft_core.stages.runner import run_stage
-    from rft_core.workers.memory import COUNTS
+    from rft_core.counters import COUNTS
     from rft_core.workers.resident import ROLE_OF_PROGRAM, ModelWorker
     from tests.drive import drive
 

@@ -71,7 +71,7 @@ def _attempt(cfg: TrainConfig, iteration: int, policy: tuple[PolicyRef, int], ou
     refill), sampled with ``policy`` (the policy and its version)."""
     prompts = _prompts(cfg, iteration, out, tags, attempt, sfx)
     rollout = fanout.rollout(inp=_rollout_input(cfg, iteration, prompts, policy, out, attempt, sfx),
-                             runner=cfg.runner("rollout"), tags=tags)
+                             runner=cfg.runner("rollout"), ray=cfg.ray, tags=tags)
     return prompts, rollout
 
 

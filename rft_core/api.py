@@ -8,7 +8,10 @@ sources). Everything else in ``rft_core`` is internal to it and may change shape
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from rft_core.agents.view import sample_text
+from rft_core.config import RunnerConfig
 from rft_core.data.check import check_config_data
 from rft_core.data.mixture import dataset_fingerprint, heldout_fingerprint
 from rft_core.data.prompts import DatasetError
@@ -19,16 +22,28 @@ from rft_core.observe import WandbLogger, curve_markdown, plot_curves, samples_m
 from rft_core.replay import replay_sources, write_replay_record
 from rft_core.stages.advantages import next_state
 from rft_core.stages.contracts import *  # noqa: F403 - every stage input model is public
+from rft_core.stages.contracts import StageInput
 from rft_core.stages.dynamic import count_signal_groups
 from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, eval_report_lines, resolve_checkpoint
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.retention import apply_retention, prune_checkpoints
 from rft_core.stages.teacher import check_teacher_tokenizer
 from rft_core.storage import RunRootError, check_run_root, repair as repair_stage, verify_run
-from rft_core.stages.runner import run_stage
-from rft_core.workers.pool import run_counters, stop_workers
+from rft_core.stages.runner import run_stage as _run_stage
+from rft_core.workers.pool import run_counters, run_resident, stop_workers
 
 from rft_core.stages import contracts as _contracts
+
+
+def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Callable[[str], None] | None = None) -> Any:
+    """Run the program of ``inp`` where ``runner`` says (``rft_core.stages.runner.run_stage``):
+    in this process, as a subprocess, or in its resident worker, for which this hands the
+    runner the workers' launcher (``rft_core.workers.pool.run_resident``).
+
+    Raises:
+        StageProcessError: a stage subprocess failed; whatever the program raises in-process.
+    """
+    return _run_stage(inp, runner, log=log, resident=run_resident)
 
 __all__ = [
     *_contracts.__all__, "WandbLogger", "checkpoint_label",

@@ -14,7 +14,7 @@ with the responses in the last A columns; per-action tensors are (B, A), right-p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
@@ -82,14 +82,6 @@ class Experience:
     info: dict = field(default_factory=dict)
     kl: torch.Tensor | None = None
     action_entropy: torch.Tensor | None = None
-
-    def to_device(self, device: torch.device | str) -> None:
-        """Move every tensor (and tensors in ``info``) to ``device`` in place."""
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
-                setattr(self, f.name, v.to(device))
-        self.info = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.info.items()}
 
 
 @dataclass

@@ -33,6 +33,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping, Union
 
+import fsspec
 from pydantic import BaseModel, ConfigDict
 
 from schemas.columns import StageSchema
@@ -478,21 +479,7 @@ def commit_files(
     fresh_listing(fs, path)
     if fs.exists(mpath):
         raise ShardExistsError(f"{uri}: already committed; refusing to overwrite it")
-    if files is None:
-        found = fs.find(path)
-        files = sorted(
-            p[len(path) + 1:] for p in (f.rstrip("/") for f in found)
-            if not p.rsplit("/", 1)[-1].startswith(".tmp-") and not p.endswith(MANIFEST_NAME) and not p.endswith(LOCK_NAME)
-        )
-    rows_per_file = rows_per_file or {}
-    files = list(files)
-    # hashlib releases the GIL on large buffers: a checkpoint's weights and optimizer state are
-    # hashed at the same time (0.85 -> 0.57 s for SmolLM2-135M's 1.5 GB on 2 cores)
-    with ThreadPoolExecutor(max_workers=min(4, max(1, len(files)))) as pool:
-        sums = list(pool.map(lambda rel: sha256_file(fs, f"{path}/{rel}"), files))
-    for rel, (_, sha) in zip(files, sums):
-        remember_sha256(fs, f"{path}/{rel}", sha)
-    entries = [FileEntry(path=rel, bytes=size, sha256=sha, rows=rows_per_file.get(rel)) for rel, (size, sha) in zip(files, sums)]
+    entries = _file_entries(fs, path, _stage_files(fs, path) if files is None else list(files), rows_per_file or {})
     manifest = Manifest(
         stage=stage,
         schema_version=schema.version if schema else None,
@@ -506,6 +493,43 @@ def commit_files(
         contract=contract,
     )
     raw = manifest.model_dump_json(indent=1).encode()
+    _put_manifest(fs, mpath, raw, uri=uri)
+    if lock_token is not None:
+        release_stage_lock(uri, lock_token)
+    return _ref(uri, manifest, hashlib.sha256(raw).hexdigest())
+
+
+def _stage_files(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    """Every file below the stage folder ``path`` (relative, sorted) but temporaries
+    (``.tmp-*``), the manifest and the writer lock."""
+    found = fs.find(path)
+    return sorted(
+        p[len(path) + 1:] for p in (f.rstrip("/") for f in found)
+        if not p.rsplit("/", 1)[-1].startswith(".tmp-") and not p.endswith(MANIFEST_NAME) and not p.endswith(LOCK_NAME)
+    )
+
+
+def _file_entries(fs: fsspec.AbstractFileSystem, path: str, files: list[str],
+                  rows_per_file: Mapping[str, int]) -> list[FileEntry]:
+    """The manifest entries (size, sha256, rows) of ``files`` below ``path``; each checksum is
+    remembered for later verification (``remember_sha256``)."""
+    # hashlib releases the GIL on large buffers: a checkpoint's weights and optimizer state are
+    # hashed at the same time (0.85 -> 0.57 s for SmolLM2-135M's 1.5 GB on 2 cores)
+    with ThreadPoolExecutor(max_workers=min(4, max(1, len(files)))) as pool:
+        sums = list(pool.map(lambda rel: sha256_file(fs, f"{path}/{rel}"), files))
+    for rel, (_, sha) in zip(files, sums):
+        remember_sha256(fs, f"{path}/{rel}", sha)
+    return [FileEntry(path=rel, bytes=size, sha256=sha, rows=rows_per_file.get(rel)) for rel, (size, sha) in zip(files, sums)]
+
+
+def _put_manifest(fs: fsspec.AbstractFileSystem, mpath: str, raw: bytes, *, uri: str) -> None:
+    """Write the manifest bytes ``raw`` at ``mpath``: the commit point (an atomic rename on a
+    local folder, a conditional PUT where an object store has one).
+
+    Raises:
+        ShardExistsError: another writer's manifest won the conditional write just now.
+        StorageError: the storage refused the write.
+    """
     with storage_errors(uri, action="committing"):
         if local_path_of(fs, mpath) is not None:
             atomic_put(fs, mpath, raw)
@@ -515,8 +539,5 @@ def commit_files(
             except FileExistsError:
                 raise ShardExistsError(f"{uri}: committed by another writer a moment ago (its manifest won the "
                                        "conditional write); this attempt's result is discarded") from None
-    if lock_token is not None:
-        release_stage_lock(uri, lock_token)
-    return _ref(uri, manifest, hashlib.sha256(raw).hexdigest())
 
 

@@ -5,6 +5,9 @@ inside a function):
 - ``rft_core`` never imports prefect, ``tasks`` or ``flows``;
 - ``tasks`` and ``flows`` import from ``rft_core`` only its public surface, ``rft_core.api``
   and ``rft_core.config``; ``tasks`` never imports ``flows``;
+- inside ``rft_core``, a package imports only its own floor and the floors below it
+  (``RFT_CORE_FLOORS``: the workers above the stages, the weight sync below the engines), except
+  the at most 2 upward imports listed in ``UPWARD_IMPORTS`` and in docs/architecture.md;
 - no import cycle between the project's modules.
 """
 from __future__ import annotations
@@ -23,6 +26,29 @@ RULES: dict[str, tuple[set[str], tuple[str, ...] | None]] = {
     "rft_core": ({"prefect"}, ("rft_core", "schemas")),
     "tasks": (set(), ("tasks", "schemas", *RFT_CORE_PUBLIC)),
     "flows": (set(), ("flows", "tasks", "schemas", *RFT_CORE_PUBLIC)),
+}
+
+
+# rft_core's floors, bottom to top (docs/architecture.md, "Layers"): a subpackage or top-level
+# module of rft_core imports its own floor and the floors below, never one above
+RFT_CORE_FLOORS: tuple[tuple[str, ...], ...] = (
+    ("registry", "counters", "storage", "progress", "metrics", "evaluation"),  # leaves
+    ("algorithms",),
+    ("models", "data"),
+    ("config",),
+    ("training", "rewards"),
+    ("weightsync",),  # the transport library: below the engines and the workers that use it
+    ("engines",),
+    ("agents",),
+    ("stages",),
+    ("workers",),  # the Ray runtime: runs the stages, which never import it
+    ("inspect", "observe", "replay", "api"),  # the surface for flows and tasks, and its helpers
+)
+# the imports that run back up the floors (importer, imported module), each listed in
+# docs/architecture.md; at most 2
+UPWARD_IMPORTS = {
+    ("rft_core.config.agents", "rft_core.agents.env"),
+    ("rft_core.data.validate", "rft_core.config.rules"),
 }
 
 
@@ -79,6 +105,61 @@ def test_layer_imports(package):
     assert any(n.split(".")[0] == package for n in mods), f"no python files under {package}"
     bad = _violations(package, mods)
     assert not bad, f"layer rule of {package} broken (see tests/test_layers.py): {bad}"
+
+
+def _floor(module: str) -> int | None:
+    """The floor of an rft_core module (None: not in rft_core, or ``rft_core`` itself)."""
+    parts = module.split(".")
+    if parts[0] != "rft_core" or len(parts) < 2:
+        return None
+    for i, names in enumerate(RFT_CORE_FLOORS):
+        if parts[1] in names:
+            return i
+    raise AssertionError(f"{module}: rft_core.{parts[1]} has no floor: add it to RFT_CORE_FLOORS (tests/test_layers.py) "
+                         "and to docs/architecture.md")
+
+
+def _upward(mods: dict[str, Path]) -> set[tuple[str, str]]:
+    """(importer, imported module) of every rft_core import, at module top or inside a
+    function, whose target sits on a higher floor than its importer."""
+    out = set()
+    for name, path in mods.items():
+        low = _floor(name)
+        if low is None:
+            continue
+        for imp in _imported_modules(path):
+            target = _resolve(imp, mods)
+            high = _floor(target) if target is not None else None
+            if high is not None and high > low:
+                out.add((name, target))
+    return out
+
+
+def test_rft_core_floors():
+    """The workers sit above the stages and the weight sync below the engines: no import runs
+    back up the floors except the documented ones (at most 2)."""
+    mods = _project_modules()
+    assert len(UPWARD_IMPORTS) <= 2
+    docs = (ROOT / "docs" / "architecture.md").read_text()
+    undocumented = [f"{a} -> {b}" for a, b in sorted(UPWARD_IMPORTS) if f"`{a}` -> `{b}`" not in docs]
+    assert not undocumented, f"upward imports not listed in docs/architecture.md: {undocumented}"
+    extra = _upward(mods) - UPWARD_IMPORTS
+    assert not extra, f"imports that run back up rft_core's floors (RFT_CORE_FLOORS): {sorted(extra)}"
+
+
+def test_floor_checker_sees_an_upward_import(tmp_path):
+    """A stage module importing the workers, a weight-sync module importing an engine: both found."""
+    up, down = tmp_path / "up.py", tmp_path / "down.py"
+    up.write_text("def f():\n    from rft_core.workers.pool import run_resident\n")
+    down.write_text("from rft_core.stages.sources import version_key\n")
+    (tmp_path / "sync.py").write_text("import rft_core.engines.vllm\n")
+    (tmp_path / "leaf.py").write_text("import torch\n")
+    mods = {"rft_core.stages.rollout": up, "rft_core.workers.pool": down, "rft_core.stages.sources": tmp_path / "leaf.py",
+            "rft_core.weightsync.engine": tmp_path / "sync.py", "rft_core.engines.vllm": tmp_path / "leaf.py"}
+    assert _upward(mods) == {("rft_core.stages.rollout", "rft_core.workers.pool"),
+                             ("rft_core.weightsync.engine", "rft_core.engines.vllm")}
+    with pytest.raises(AssertionError, match="has no floor"):
+        _floor("rft_core.newpackage.x")
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:

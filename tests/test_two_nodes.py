@@ -1,7 +1,7 @@
 """Resident workers on a Ray cluster of two nodes (issue 36): ``ray.cluster_utils.Cluster`` starts
 a head node (``node_a``) and a second node (``node_b``) on this machine, each its own raylet and
 worker processes; the run root is a bucket of the S3 server the object-storage tests use (moto,
-``tests/faults.py``). ``orchestration.worker_options`` pins the policy trainer and the reference
+``tests/faults.py``). ``ray.options`` pins the policy trainer and the reference
 to node_a and the rollout engine to node_b through custom node resources, so every weight sync
 crosses from one node's worker process to the other's.
 
@@ -95,8 +95,8 @@ def two_nodes(tiny_model, tmp_path_factory):
 
 def _resident(env, run_root: str):
     cfg = varying_config(env["model"], run_root, "orchestration.workers=resident", "checkpoint.every=3",
-                         f"orchestration.ray_address={env['cluster'].address}",
-                         f"orchestration.worker_options={json.dumps(PINNED)}", iterations=3)
+                         f"ray.address={env['cluster'].address}",
+                         f"ray.options={json.dumps(PINNED)}", iterations=3)
     return cfg, (lambda inp: _run(cfg, inp))
 
 

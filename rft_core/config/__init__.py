@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from rft_core.algorithms import ADVANTAGE_ESTIMATORS
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS, POLICY_LOSSES, check_policy_loss_aggregation
 from rft_core.algorithms.value_loss import VALUE_LOSSES
-from rft_core.config._base import TAG_KEYS, _check_name, _Frozen, _tagged_union, strip_tags  # noqa: F401
+from rft_core.config._base import TAG_KEYS, _check_name, _Frozen, _given, _tagged_union, strip_tags  # noqa: F401
 from rft_core.config.algorithms import (  # noqa: F401
     ADVANTAGE_CONFIGS, DEFAULT_KL_ESTIMATOR, PAPER_KL_MODE, POLICY_LOSS_CONFIGS, AdvantageConfig, CPGDAdvantage, CPGDLoss,
     DrGRPOAdvantage, DualClipLoss, DynamicSamplingConfig, GAEAdvantage, GRPOAdvantage, GSPOLoss, KLConfig,
@@ -31,23 +31,14 @@ from rft_core.config.rewards import (  # noqa: F401
     RecipeItem, RemoteSource, RewardConfig, RewardModelSource, RewardSourceConfig)
 from rft_core.config.agents import AgentConfig  # noqa: F401
 from rft_core.config.data import DataConfig, DataSourceConfig, EvalConfig  # noqa: F401
+from rft_core.config.deprecated import DeprecatedKeyWarning, move_renamed_keys  # noqa: F401
 from rft_core.config.generation import LogprobConfig, ModelConfig, RolloutConfig, TeacherConfig, UpdateGrouping  # noqa: F401
 from rft_core.config._errors import error_line
 from rft_core.config.rules import CONTRADICTIONS, contradictions  # noqa: F401
 from rft_core.config.run import CheckpointConfig, ObserveConfig, WandbConfig  # noqa: F401
 from rft_core.config.scale import (  # noqa: F401
-    RESIDENT_STAGES, RUNNABLE_STAGES, DeepSpeedConfig, LoraConfig, OrchestrationConfig, RunnerConfig, SGLangConfig,
-    VLLMConfig, WorkersConfig)
-
-
-def _given(section: Any) -> Any:
-    """The explicitly given fields of a raw config section: a mapping as is, a config model's
-    set fields, {} for None; anything else unchanged (validation reports it)."""
-    if section is None:
-        return {}
-    if isinstance(section, BaseModel):
-        return {k: getattr(section, k) for k in section.model_fields_set}
-    return dict(section) if isinstance(section, Mapping) else section
+    RAY_ROLES, RESIDENT_STAGES, ROLLOUT_SHARD, RUNNABLE_STAGES, DeepSpeedConfig, LoraConfig, OrchestrationConfig,
+    RayConfig, RunnerConfig, SGLangConfig, VLLMConfig, WorkersConfig)
 
 
 def _field(section: Any, key: str, default: Any) -> Any:
@@ -185,6 +176,8 @@ class TrainConfig(_Frozen):
     observe: ObserveConfig = ObserveConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
+    ray: RayConfig = Field(RayConfig(), description="the Ray cluster and each role's Ray options, for the rollout "
+                           "fan-out (runners.rollout.shards > 1) and the resident workers (orchestration.workers=resident)")
     runners: dict[str, RunnerConfig] = Field(default_factory=dict, description=f"per stage ({', '.join(RUNNABLE_STAGES)}): where its program runs")
 
     @field_validator("runners")
@@ -201,15 +194,17 @@ class TrainConfig(_Frozen):
     def runner(self, stage: str) -> RunnerConfig:
         """The runner of ``stage``: ``runners[stage]`` when configured; with
         ``orchestration.workers: resident`` a stage of ``RESIDENT_STAGES`` runs in its resident
-        worker (the pool named after the run root); otherwise in the task's process."""
+        worker (the pool named after the run root, on the Ray cluster of ``ray``); otherwise in
+        the task's process."""
         if stage in self.runners:
             return self.runners[stage]
-        o = self.orchestration
+        o, ray = self.orchestration, self.ray
         if o.workers == "resident" and stage in RESIDENT_STAGES:
             return RunnerConfig(mode="resident", workers=WorkersConfig(
-                pool=self.run_root, ray_address=o.ray_address, ray_init_kwargs=o.ray_init_kwargs,
+                pool=self.run_root, ray_address=ray.address, ray_init_kwargs=ray.init_kwargs,
                 sync_timeout_s=o.sync_timeout_s, sync_bucket_mb=o.sync_bucket_mb, threads=o.worker_threads,
-                options=o.worker_options, policy_ranks=o.policy_ranks,
+                options={role: opts for role, opts in ray.options.items() if role in RAY_ROLES},
+                policy_ranks=o.policy_ranks,
                 rollout_versions=max(1, self.rollout.max_staleness),
                 rollout_gpus=getattr(getattr(self.rollout, self.rollout.engine, None), "tensor_parallel_size", 1)))
         return RunnerConfig()
@@ -243,9 +238,17 @@ class TrainConfig(_Frozen):
                            "copy per version)")
         clash = sorted(s for s in RESIDENT_STAGES if s in self.runners)
         if clash:
-            reasons.append(f"runners.{clash[0]} says where {clash[0]} runs, and so does orchestration.workers=resident: "
-                           "remove one")
+            reasons.append(f"runners.{clash[0]} sets how {clash[0]} starts a process of its own, but "
+                           "orchestration.workers=resident runs it in its resident worker: remove "
+                           f"runners.{clash[0]}, or set orchestration.workers=stage")
         return reasons
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """The old keys of ``rft_core.config.deprecated`` moved to their new keys, each with a
+        ``DeprecatedKeyWarning`` that names the new key (read this release, removed in the next)."""
+        return move_renamed_keys(data) if isinstance(data, Mapping) else data
 
     @model_validator(mode="before")
     @classmethod

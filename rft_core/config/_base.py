@@ -2,13 +2,23 @@
 tagged unions."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Mapping, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Tag
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _given(section: Any) -> Any:
+    """The explicitly given fields of a raw config section: a mapping as is, a config model's
+    set fields, {} for None; anything else unchanged (validation reports it)."""
+    if section is None:
+        return {}
+    if isinstance(section, BaseModel):
+        return {k: getattr(section, k) for k in section.model_fields_set}
+    return dict(section) if isinstance(section, Mapping) else section
 
 
 def _check_name(registry, value: str) -> str:

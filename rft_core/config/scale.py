@@ -1,10 +1,10 @@
-"""Scale-out configs: the vLLM and SGLang engines, LoRA, DeepSpeed ZeRO, and where each stage
-program runs (``runners``; docs/scale.md)."""
+"""Scale-out configs: the vLLM and SGLang engines, LoRA, DeepSpeed ZeRO, where each stage
+program runs (``runners``, ``orchestration.workers``) and the Ray cluster (``ray``; docs/scale.md)."""
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rft_core.config._base import _Frozen
 
@@ -63,21 +63,53 @@ RUNNABLE_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "critic_values",
 RESIDENT_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update", "critic_values", "critic_update")
 
 
+# The resident workers' roles (``rft_core.workers.resident.ROLES``), and the task of each shard of
+# the rollout fan-out: the keys of ``ray.options``.
+RAY_ROLES = ("policy", "rollout", "reference", "critic")
+ROLLOUT_SHARD = "rollout_shard"
+
+
+class RayConfig(_Frozen):
+    """The Ray cluster a run uses and what it asks of it: one section for both users of Ray, the
+    rollout fan-out (``runners.rollout.shards`` > 1: prefect-ray's ``RayTaskRunner``) and the
+    resident workers (``orchestration.workers: resident``: ``rft_core.workers.pool``). Never part
+    of a config hash."""
+
+    address: str | None = Field(None, description="the cluster to join: ray://host:10001 or auto; None: a local Ray "
+                                "started by the run")
+    init_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra ray.init arguments (num_cpus, "
+                                        "runtime_env, ...)")
+    options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Ray options (num_gpus, resources, runtime_env, ...) per role: policy, "
+        "rollout, reference, critic (each resident worker, over its defaults: num_cpus 0 and, when the Ray cluster has "
+        "GPUs, one GPU per actor; rollout: the engine's tensor_parallel_size; a one-GPU cluster: 0.25 each, shared) "
+        "and rollout_shard (each task of the rollout fan-out), e.g. {reference: {num_gpus: 0.5}, rollout_shard: "
+        "{num_gpus: 1}}")
+
+    @field_validator("options")
+    @classmethod
+    def _check_roles(cls, v: dict) -> dict:
+        bad = sorted(set(v) - {*RAY_ROLES, ROLLOUT_SHARD})
+        if bad:
+            raise ValueError(f"unknown role(s) {bad}; valid names: {', '.join((*RAY_ROLES, ROLLOUT_SHARD))}")
+        return v
+
+
 class WorkersConfig(_Frozen):
-    """How a stage reaches its resident worker (``RunnerConfig.mode == "resident"``); filled in by
-    ``TrainConfig.runner`` from ``orchestration``. Never part of a config hash."""
+    """How a stage reaches its resident worker (``RunnerConfig.mode == "resident"``): a runtime
+    object, not a config section. ``TrainConfig.runner`` builds it from ``ray`` and
+    ``orchestration`` (a user's ``runners.<stage>.workers`` is a deprecated key,
+    ``rft_core.config.deprecated``). Never part of a config hash."""
 
     pool: str = Field(description="the pool's name (the run root): its workers are the Ray actors named after it")
-    ray_address: str | None = Field(None, description="Ray cluster (ray://host:10001, auto); None: a local Ray")
-    ray_init_kwargs: dict[str, Any] = Field(default_factory=dict)
-    sync_timeout_s: float = Field(300.0, gt=0, description="a weight sync that takes longer fails with WeightSyncError")
-    sync_bucket_mb: int = Field(256, gt=0, description="weights move in buckets of this many MiB")
-    threads: int | None = Field(None, gt=0, description="torch threads of each worker (None: the caller's count)")
-    options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Ray actor options per role, over "
-                                               "rft_core.workers.pool.actor_options' defaults, e.g. "
-                                               "{rollout: {num_gpus: 2}}")
-    policy_ranks: int = Field(1, gt=0, description="data-parallel ranks of the policy trainer (DeepSpeed ZeRO): one "
-                              "Ray actor each, in one torch.distributed group kept for the run")
+    ray_address: str | None = Field(None, description="ray.address")
+    ray_init_kwargs: dict[str, Any] = Field(default_factory=dict, description="ray.init_kwargs")
+    sync_timeout_s: float = Field(300.0, gt=0, description="orchestration.sync_timeout_s")
+    sync_bucket_mb: int = Field(256, gt=0, description="orchestration.sync_bucket_mb")
+    threads: int | None = Field(None, gt=0, description="orchestration.worker_threads (None: the caller's count)")
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="ray.options of the roles, over "
+                                               "rft_core.workers.pool.actor_options' defaults")
+    policy_ranks: int = Field(1, gt=0, description="orchestration.policy_ranks")
     rollout_versions: int = Field(1, gt=0, description="policy versions the rollout worker keeps a copy of "
                                   "(rollout.max_staleness s > 1: s)")
     rollout_gpus: int = Field(1, gt=0, description="GPUs of the rollout worker on a cluster with GPUs: the "
@@ -89,7 +121,9 @@ class RunnerConfig(_Frozen):
     """Where a stage program runs: in the task's process (default) or as
     ``python -m rft_core.stages <stage>`` in a subprocess, with another interpreter (e.g. a vLLM
     environment) and optionally under torchrun (multi-rank update). Never part of a config hash:
-    both modes commit the same shard."""
+    both modes commit the same shard. ``mode: resident`` and ``workers`` are set by
+    ``TrainConfig.runner`` under ``orchestration.workers: resident``, the one way to ask for
+    resident workers (written in ``runners``, they are deprecated keys)."""
 
     mode: Literal["inprocess", "subprocess", "resident"] = "inprocess"
     python: str | None = Field(None, description="interpreter of the subprocess (None: the current one)")
@@ -98,11 +132,10 @@ class RunnerConfig(_Frozen):
     torchrun_args: list[str] = Field(default_factory=list, description="extra torchrun flags, e.g. --nnodes=2 --rdzv-endpoint=host:29500")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables of the subprocess")
     tail_lines: int = Field(40, gt=0, description="output lines quoted in the error of a failed subprocess")
-    shards: int = Field(1, gt=0, description="rollout only: split over this many Prefect tasks on a Ray cluster (prefect-ray)")
-    ray_address: str | None = Field(None, description="Ray cluster for shards > 1 (ray://host:10001, auto); None: start a local one")
-    ray_init_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra ray.init arguments (num_cpus, runtime_env, ...)")
-    ray_remote_options: dict[str, Any] = Field(default_factory=dict, description="Ray resources of each shard task, e.g. {num_gpus: 1}")
-    workers: WorkersConfig | None = Field(None, description="mode=resident: the pool of resident workers")
+    shards: int = Field(1, gt=0, description="rollout only: split over this many Prefect tasks on the Ray cluster "
+                        "of the ray section (prefect-ray; each task's resources: ray.options.rollout_shard)")
+    workers: WorkersConfig | None = Field(None, description="mode=resident: the pool of resident workers (set by "
+                                          "TrainConfig.runner)")
 
     @model_validator(mode="after")
     def _check(self) -> "RunnerConfig":
@@ -114,7 +147,10 @@ class RunnerConfig(_Frozen):
 
 
 class OrchestrationConfig(_Frozen):
-    """How stage tasks meet Prefect's own machinery. Never part of a config hash."""
+    """How stage tasks meet Prefect's own machinery, and where the model stages run: ``workers``
+    is the one key that puts them in resident workers (``runners.<stage>`` then has nothing to
+    say about them; under ``workers: stage`` it says how each stage's own process starts). Never
+    part of a config hash."""
 
     concurrency_tags: bool | None = Field(
         None, description="tag stage tasks `gpu`/`cpu` so tag concurrency limits apply; each tagged task costs a "
@@ -122,15 +158,8 @@ class OrchestrationConfig(_Frozen):
     workers: Literal["stage", "resident"] = Field(
         "stage", description="stage: every stage loads its model from the run root (one process, or a subprocess per "
         "stage); resident: one long-lived Ray actor per model role (policy trainer, rollout engine, reference) keeps "
-        "its model, optimizer and engine across iterations and weights move in memory (docs/scale.md)")
-    ray_address: str | None = Field(None, description="workers=resident: Ray cluster (ray://host:10001, auto); "
-                                    "None: a local Ray started by the run")
-    ray_init_kwargs: dict[str, Any] = Field(default_factory=dict, description="workers=resident: extra ray.init arguments")
-    worker_options: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="workers=resident: Ray actor options per role (policy, rollout, reference, "
-        "critic) over the defaults: num_cpus 0 and, when the Ray cluster has GPUs, one GPU per actor (rollout: the "
-        "engine's tensor_parallel_size; a one-GPU cluster: 0.25 each, shared), e.g. {reference: {num_gpus: 0.5}, "
-        "rollout: {resources: {node_b: 1}}}")
+        "its model, optimizer and engine across iterations and weights move in memory (docs/scale.md); the Ray "
+        "cluster and each role's Ray options: the ray section")
     worker_threads: int | None = Field(None, gt=0, description="workers=resident: torch threads per worker (None: as "
                                        "many as the driver's; the same count keeps CPU results bit-identical)")
     sync_timeout_s: float = Field(300.0, gt=0, description="workers=resident: a weight sync that takes longer fails")

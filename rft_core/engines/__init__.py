@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 log = logging.getLogger("rft_core.engines")
 
@@ -57,7 +57,7 @@ def engine_dtype(policy_dtype: str, *, bf16_supported: bool | None = None) -> st
 @functools.lru_cache(maxsize=8)
 def hf_layout(model_path: str) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
     """(name, shape, floating) of every tensor an HF model of ``model_path``'s architecture holds,
-    as a weight sync moves them (``rft_core.workers.sync.state_tensors``: parameters and
+    as a weight sync moves them (``rft_core.weightsync.plan.state_tensors``: parameters and
     persistent buffers, a tied weight once under its first name), in name order. The model is
     built from the folder's (or hub id's) config on the meta device (``from_config`` under
     ``torch.device("meta")``: no weights read, no memory), with the class ``load_causal_lm`` uses
@@ -67,6 +67,8 @@ def hf_layout(model_path: str) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
         OSError, ValueError: transformers cannot read the config (a missing folder, a hub id
             that is not cached while offline, an unknown architecture).
     """
+    # lazy: torch and transformers (rft_core.models.vl imports torch) load only when a layout is
+    # asked for; ``import rft_core.engines`` stays torch-free for the agents that import it
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -88,7 +90,7 @@ def hf_layout(model_path: str) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
 
 def layout_refusal(plan, layout, *, dtype: str, what: str) -> str | None:
     """Why a sync plan does not fit an engine's model, or None when it does: the plan
-    (``rft_core.workers.sync.SyncPlan``) must carry exactly the tensors of ``layout``
+    (``rft_core.weightsync.plan.SyncPlan``) must carry exactly the tensors of ``layout``
     (``hf_layout``), each in its shape, floating ones in ``dtype`` (the engine's). vLLM and SGLang
     load whatever names they are given without checking that every weight came (SGLang skips an
     unknown name with a warning, and a tensor of another shape kills its scheduler): this is the
@@ -111,12 +113,14 @@ def layout_refusal(plan, layout, *, dtype: str, what: str) -> str | None:
 
 class SyncedWeights:
     """What the GPU engines (``VLLMEngine``, ``SGLangEngine``) share as receivers of an in-memory
-    weight sync (``rft_core.workers.engine_sync``): the dtype of the plan, the check that a plan
+    weight sync (``rft_core.weightsync.engine``): the dtype of the plan, the check that a plan
     fits the engine's model, and how their weights are held as invalid. The engine sets
     ``_policy_dtype``, ``_model_path`` (the checkpoint it was built from: its architecture),
     ``weights_path`` (the checkpoint to serve), ``_loaded_path`` (the checkpoint its weights hold)
-    and ``weights_version`` (the synced version they hold)."""
+    and ``weights_version`` (the synced version they hold). ``sync_transport`` names the
+    engine's transport (``rft_core.weightsync.choose.choose_transport``)."""
 
+    sync_transport: ClassVar[str]
     _policy_dtype: str
     _model_path: str
     weights_path: str | None

@@ -392,6 +392,49 @@ class HFEngine:
         vision = processor.batch_inputs(per_row(images) or [[] for _ in chunk], input_ids.cpu(), per_row(videos))
         return {k: v.to(device) for k, v in vision.items()}
 
+    def _generate_batch(self, chunk: list[tuple[int, int]], rows: list[list[int]], *, device: torch.device, seed: int,
+                        n: int, max_new_tokens: int, temperature: float, top_p: float,
+                        first_token_temperature: float | None, greedy: bool, share_prefill: bool,
+                        media: tuple | None, on_step) -> list[Generation]:
+        """One batch of ``generate`` (its arguments): ``chunk``'s (prompt index, sample index)
+        rows with prompt token ids ``rows``, left-padded on ``device``, drawn with the batch's own
+        generator seeded with ``seed``; decoded by the engine's KV-cache loop (``_decode``: a text
+        ``nn.Module``) or by transformers' ``generate`` (``_generate_rows``: a vision-language
+        batch, ``media`` = (images, videos, processor), or a generate-only stand-in). One
+        Generation per row, in ``chunk``'s order.
+
+        Raises:
+            RuntimeError: a generated token outside its step's processed distribution.
+        """
+        ids = [torch.tensor(r, dtype=torch.long) for r in rows]
+        input_ids = zero_pad_sequences(ids, side="left", value=self.pad_token_id).to(device)
+        attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in ids], side="left").to(device)
+        P = input_ids.shape[1]
+        generator = torch.Generator(device=device).manual_seed(seed)
+        if media is None and isinstance(self.model, torch.nn.Module):
+            cache = self._prefill(input_ids, attention_mask, n) if share_prefill and P > 1 else None
+            sampler = None if greedy else InverseCDFSampler(prompt_len=P, temperature=temperature, top_p=top_p,
+                                                            first_token_temperature=first_token_temperature,
+                                                            generator=generator)
+            toks, lps_rows = self._decode(input_ids, attention_mask, cache, sampler, max_new_tokens=max_new_tokens,
+                                          on_step=on_step)
+        else:
+            sampling, recorder = self._sampling(prompt_len=P, temperature=temperature, top_p=top_p,
+                                                first_token_temperature=first_token_temperature, greedy=greedy,
+                                                generator=generator)
+            if media is not None:
+                sampling.update(self._vision(chunk, input_ids, device, *media))
+            elif share_prefill and P > 1:
+                sampling["past_key_values"] = self._prefill(input_ids, attention_mask, n)
+            toks, lps_rows = self._generate_rows(input_ids, attention_mask, sampling, max_new_tokens=max_new_tokens,
+                                                 recorder=recorder)
+        generations = []
+        for row, (p, k) in enumerate(chunk):
+            finish = "stop" if toks[row] and toks[row][-1] in self.eos_ids else "length"
+            _check_finite(torch.tensor([lps_rows[row]], dtype=torch.float32), row=row)
+            generations.append(Generation(p, k, toks[row], lps_rows[row], finish))
+        return generations
+
     @torch.no_grad()
     def generate(
         self,
@@ -470,34 +513,14 @@ class HFEngine:
 
         for b in todo:
             chunk = batches[b]
-            rows = [torch.tensor(prompts[p], dtype=torch.long) for p, _ in chunk]
-            input_ids = zero_pad_sequences(rows, side="left", value=self.pad_token_id).to(device)
-            attention_mask = zero_pad_sequences([torch.ones(len(r), dtype=torch.long) for r in rows], side="left").to(device)
-            P = input_ids.shape[1]
-            generator = torch.Generator(device=device).manual_seed(seed + b)
-            if not vl and isinstance(self.model, torch.nn.Module):
-                cache = self._prefill(input_ids, attention_mask, n) if share_prefill and P > 1 else None
-                sampler = None if greedy else InverseCDFSampler(prompt_len=P, temperature=temperature, top_p=top_p,
-                                                                first_token_temperature=first_token_temperature,
-                                                                generator=generator)
-                toks, lps_rows = self._decode(input_ids, attention_mask, cache, sampler, max_new_tokens=max_new_tokens,
-                                              on_step=on_step)
-            else:
-                sampling, recorder = self._sampling(prompt_len=P, temperature=temperature, top_p=top_p,
-                                                    first_token_temperature=first_token_temperature, greedy=greedy,
-                                                    generator=generator)
-                if vl:
-                    sampling.update(self._vision(chunk, input_ids, device, images, videos, processor))
-                elif share_prefill and P > 1:
-                    sampling["past_key_values"] = self._prefill(input_ids, attention_mask, n)
-                toks, lps_rows = self._generate_rows(input_ids, attention_mask, sampling, max_new_tokens=max_new_tokens,
-                                                     recorder=recorder)
-            for row, (p, k) in enumerate(chunk):
-                finish = "stop" if toks[row] and toks[row][-1] in self.eos_ids else "length"
-                _check_finite(torch.tensor([lps_rows[row]], dtype=torch.float32), row=row)
-                results[(p, k)] = Generation(p, k, toks[row], lps_rows[row], finish)
+            generations = self._generate_batch(
+                chunk, [prompts[p] for p, _ in chunk], device=device, seed=seed + b, n=n, max_new_tokens=max_new_tokens,
+                temperature=temperature, top_p=top_p, first_token_temperature=first_token_temperature, greedy=greedy,
+                share_prefill=share_prefill, media=(images, videos, processor) if vl else None, on_step=on_step)
+            results.update({(g.prompt_index, g.sample_index): g for g in generations})
             done += len(chunk)
-            finished_tokens += sum(len(t) for t in toks)  # the decode steps' count, also where generate ran instead
+            # the decode steps' count, also where generate ran instead
+            finished_tokens += sum(len(g.response_token_ids) for g in generations)
             generated = finished_tokens
             if progress is not None:
                 progress(done, total, generated)

@@ -35,7 +35,7 @@ return_logprob=True, lora_path=[...])``, which answers one dict per request:
   back before the next (``resume_memory_occupation``); released weights are not kept, so they are
   reloaded from disk (and a LoRA adapter re-loaded) after a release.
 - FIRE sampling is refused, as with vLLM.
-- In-memory weight sync (a resident rollout worker, ``rft_core.workers.engine_sync``):
+- In-memory weight sync (a resident rollout worker, ``rft_core.weightsync.engine``, transport ``sglang``):
   ``SGLangEngine.receive_weights`` receives the trainer's buckets in this process and hands each
   to ``Engine.update_weights_from_tensor`` inside SGLang's weight-update session where the
   release has one (0.5.21+), after the project's own check that the sync carries every tensor of
@@ -52,7 +52,8 @@ from typing import Any
 
 from rft_core.engines import ENGINE_CACHE, SGLANG_SEED_BITS, SyncedWeights, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
-from rft_core.workers.sync import SyncPlan, WeightSyncError, receive_buckets
+from rft_core.weightsync.collective import receive_buckets
+from rft_core.weightsync.plan import SyncPlan, WeightSyncError, sync_device
 
 log = logging.getLogger("rft_core.engines.sglang")
 
@@ -108,6 +109,8 @@ class SGLangEngine(SyncedWeights):
     Raises:
         ValueError: ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set.
     """
+
+    sync_transport = "sglang"  # rft_core.weightsync.engine.SGLangTransport
 
     def __init__(self, model_path: str, *, eos_ids: set[int], lora_path: str | None = None, tensor_parallel_size: int = 1,
                  mem_fraction_static: float = 0.5, dtype: str = "auto", max_model_len: int | None = None,
@@ -204,7 +207,7 @@ class SGLangEngine(SyncedWeights):
     def receive_weights(self, plan: "SyncPlan | str", *, addr: str, port: int, backend: str, timeout_s: float,
                         version: str) -> dict[str, Any]:
         """Receive the trainer's weights in memory: take released GPU memory back, receive the
-        buckets in this process (``rft_core.workers.sync.receive_buckets``, rank 1 of 2, on this
+        buckets in this process (``rft_core.weightsync.collective.receive_buckets``, rank 1 of 2, on this
         process's current CUDA device with NCCL, on the CPU with gloo) and hand each bucket's
         (HF name, tensor) list to ``Engine.update_weights_from_tensor(named_tensors,
         load_format=None, flush_cache=True)`` (``python/sglang/srt/entrypoints/engine.py``: the
@@ -252,8 +255,6 @@ class SGLangEngine(SyncedWeights):
                 refused a bucket or the session; the weights are then invalid (``generate``
                 refuses until a sync or ``load_policy`` succeeds).
         """
-        from rft_core.workers.sync import sync_device
-
         self.sync_world_size  # noqa: B018  refuses a LoRA engine
         plan = SyncPlan.from_json(plan) if isinstance(plan, str) else plan
         refusal = self.plan_refusal(plan)

@@ -32,9 +32,9 @@ anyway; level 1 for LoRA, whose base weights are kept in CPU memory, and for wei
 by a sync, which are on no storage) and wakes up (weights, reload, then KV cache) before the
 next one, so the GPU is free for the other stages in between.
 
-In-memory weight sync (a resident rollout worker, ``rft_core.workers.engine_sync``):
+In-memory weight sync (a resident rollout worker, ``rft_core.weightsync.engine``, transport ``vllm``):
 ``VLLMEngine.receive_weights`` has every worker join the trainer's sync group
-(``rft_core.workers.sync``) through ``WeightReloadExtension.rft_receive_weights`` and load each
+(``rft_core.weightsync``) through ``WeightReloadExtension.rft_receive_weights`` and load each
 bucket with the model's own ``load_weights``, as vLLM's RLHF example does
 (``examples/offline_inference/rlhf_utils.py``, ``WorkerExtension.update_weight``).
 """
@@ -49,7 +49,9 @@ from typing import Any
 
 from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, SyncedWeights, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
-from rft_core.workers.sync import SyncPlan, WeightSyncError, receive_buckets
+from rft_core.models.logprobs import release_device_memory
+from rft_core.weightsync.collective import receive_buckets
+from rft_core.weightsync.plan import SyncPlan, WeightSyncError
 
 log = logging.getLogger("rft_core.engines.vllm")
 
@@ -146,7 +148,7 @@ class WeightReloadExtension:
     def rft_receive_weights(self, plan_json: str, addr: str, port: int, world_size: int, backend: str,
                             timeout_s: float, refusal: str | None = None) -> dict[str, Any]:
         """Receive a weight sync into this worker's model: join the sync group at ``addr:port``
-        as rank 1 + tensor-parallel rank of ``world_size`` (``rft_core.workers.sync.receive_buckets``
+        as rank 1 + tensor-parallel rank of ``world_size`` (``rft_core.weightsync.collective.receive_buckets``
         on ``self.device``) and hand each bucket's (HF name, tensor) list to the model's own
         ``self.model_runner.model.load_weights(weights=...)`` (``load_weights(self, weights:
         Iterable[tuple[str, Tensor]]) -> set[str]``, e.g. ``vllm/model_executor/models/llama.py``:
@@ -215,6 +217,8 @@ class VLLMEngine(SyncedWeights):
             (tests pass one backed by the HF engine); None builds ``vllm.LLM`` from the other arguments.
         sampling_params: the SamplingParams class (default ``vllm.SamplingParams``).
     """
+
+    sync_transport = "vllm"  # rft_core.weightsync.engine.VLLMTransport
 
     def __init__(self, model_path: str, *, eos_ids: set[int], lora_path: str | None = None, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, dtype: str = "auto", max_model_len: int | None = None,
@@ -457,8 +461,6 @@ class VLLMEngine(SyncedWeights):
         del llm
         gc.collect()
         _cleanup_vllm()
-        from rft_core.models.logprobs import release_device_memory
-
         release_device_memory()
 
 

@@ -7,6 +7,7 @@ tokenizer, ``from_pretrained`` under the lock), re-exported here as the public s
 """
 from __future__ import annotations
 
+from rft_core.counters import count, count_bytes_read
 from rft_core.models.hub import (
     DEFAULT_MODEL,
     LOAD_LOCK,
@@ -36,13 +37,11 @@ def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False
         path: see ``resolve_model_path``.
         dtype: "float32" or "bfloat16".
         trainable: False puts the model in eval mode with gradients off.
-    Counts a model load and the bytes of its weight files (``rft_core.workers.memory.counts``).
+    Counts a model load and the bytes of its weight files (``rft_core.counters.counts``).
     Raises:
         ModelLoadError: unreadable path or weights, named in the message.
     """
     from transformers import AutoModelForCausalLM
-
-    from rft_core.workers.counters import count, count_bytes_read
 
     count("model_loads")
     count_bytes_read(resolve_model_path(path))

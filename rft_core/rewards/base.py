@@ -7,7 +7,6 @@ values, applies each source's error policy and combines the scores by recipe.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -90,12 +89,3 @@ class RewardSource(Protocol):
 
 # type name (the config's `type`) -> factory(config, name) -> RewardSource
 REWARD_SOURCES: Registry[Callable[..., RewardSource]] = Registry("reward source type")
-
-
-def finite_or_none(x: Any) -> float | None:
-    """``float(x)`` when it is a finite number, else None (NaN, inf, non-numbers)."""
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None

@@ -16,7 +16,7 @@ from rft_core.algorithms import (
     overlong_filter_mask,
     rollout_correction,
 )
-from rft_core.algorithms.advantages import clip_filter_like_weights, kl_shaped_token_rewards
+from rft_core.algorithms.advantages import EstimatorInfo, clip_filter_like_weights, kl_shaped_token_rewards
 from rft_core.algorithms.distill import distillation_advantages
 from rft_core.algorithms.kl import next_kl_coef
 from rft_core.algorithms.shaping import RunningMoments, clip_with_fraction, normalize_rewards, overlong_penalty
@@ -41,9 +41,12 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
     ``finish_reason``).
 
     Order (``rft_core.algorithms.shaping``): overlong penalty, running reward normalisation
-    (statistics of ``state`` updated with this batch's rewards), reward clipping, KL, the
-    estimator, clip-filter-like weights, advantage whitening, the reward-mode KL penalty of
-    outcome estimators, advantage clipping, overlong filtering.
+    (statistics of ``state`` updated with this batch's rewards), reward clipping
+    (``_shape_rewards``, which also shapes ``greedy_baseline``), KL (``_token_kl``), the
+    estimator with its inputs (``_estimator_inputs``: ``greedy_baseline``, ``correction``,
+    ``source_rewards``), clip-filter-like weights, advantage whitening, the reward-mode KL
+    penalty of outcome estimators (``_estimate``), advantage clipping, on-policy distillation
+    with ``teacher`` and overlong filtering (``_finish_advantages``).
 
     KL per token k_t = estimator(old_logprobs_t, ref_logprobs_t) (zero without a reference), in
     ``reward`` mode:
@@ -55,35 +58,14 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
       -kl_coef * k_t plus r on the last token (Ouyang et al. 2022, eq. 2; REINFORCE++).
     In ``loss`` mode rewards are left as they are (the update adds the KL term).
 
-    ``greedy_baseline`` (rewards, response lengths), (B,) each: the reward and length of the
-    greedy response of each sample's prompt, for an estimator with ``EstimatorInfo.greedy_baseline``
-    (remax; its ``reward_baselines``). The baseline is shaped as the rewards are, so that the
-    difference stays a difference of comparable rewards: the overlong penalty of its own length,
-    the running normalisation with the statistics of this batch's sampled rewards (the baseline
-    itself is not counted in them), reward clipping. It carries no KL penalty (verl's
-    ``reward_baselines`` neither).
-
-    An estimator with ``EstimatorInfo.needs_sum_pi_squared`` (optimal_token_baseline) gets the
-    batch's ``old_logprobs`` and ``sum_pi_squared`` (the actor stage's, (B, T) float32) and, with
-    ``correction`` enabled (the update's rollout correction), ``rollout_is_weights``: the
-    correction's weights of these old log-probs against the rollout's (0 on masked tokens), as
-    verl's trainer passes its ``rollout_is_weights``; otherwise None.
-
-    An estimator with ``EstimatorInfo.needs_reward_sources`` (gdpo) gets ``source_rewards``: each
-    reward source's score per sample, (B,) float, NaN where the sample's recipe has no such source
-    (``reward_source_scores``, from the rewards shard's ``reward_metrics``).
-
-    Overlong filtering (``shaping.overlong_filter``; DAPO, arXiv:2503.14476, sec. 3.4): the
-    advantages of truncated responses (finish_reason "length") are set to 0 after everything
-    else (the group statistics still include their rewards, as DAPO's and TRL's masking of the
-    loss does); the update leaves them out of the loss entirely.
-
-    On-policy distillation (``teacher``, its path set; ``rft_core.algorithms.distill``): after
-    the advantage clip and before overlong filtering, A_t = A_t + teacher.coef * d_t with
-    d_t = log nu(y_t) - log pi_old(y_t) (the batch's ``teacher_logprobs`` and ``old_logprobs``),
-    or with ``teacher.use_task_rewards`` False A_t = teacher.coef * d_t alone (returns = A); the
-    signal is not whitened, clipped or group-normalised (verl, Thinking Machines).
-
+    Args:
+        greedy_baseline: (rewards, response lengths), (B,) each: the reward and length of the
+            greedy response of each sample's prompt, for an estimator with
+            ``EstimatorInfo.greedy_baseline`` (remax; ``_shape_rewards``).
+        correction: the update's rollout correction (``_estimator_inputs``: optimal_token_baseline).
+        source_rewards: each reward source's score per sample, (B,) float, NaN where the
+            sample's recipe has no such source (``reward_source_scores``; gdpo).
+        teacher: on-policy distillation (``_finish_advantages``).
     Returns:
         dict with kl, advantages, returns (B, T) float32, shaped_rewards (B,) float32 (the
         reward minus the reward-mode KL penalty), the next ``state``, the shaping metrics and
@@ -98,17 +80,51 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
     """
     shaping = shaping or ShapingConfig()
     state = state or TrainState(kl_coef=kl_cfg.kl_coef)
-    mask = batch.action_mask
     if batch.rewards is None:
         raise ValueError("compute_advantages needs the rewards column group")
-    rewards = batch.rewards.to(torch.float32)
     info = ADVANTAGE_ESTIMATORS.info(adv_cfg.estimator)
     if info.greedy_baseline and greedy_baseline is None:
         raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs the reward of a greedy response of every "
                          "prompt: run the rollout stage with greedy=true and the rewards stage on it (baseline_rollout, "
                          "baseline_rewards)")
-    base, base_len = (greedy_baseline[0].to(torch.float32), greedy_baseline[1]) if greedy_baseline else (None, None)
     metrics: dict[str, float] = {}
+    rewards, base, moments = _shape_rewards(batch.rewards.to(torch.float32), batch.action_mask, shaping, state,
+                                            greedy_baseline=greedy_baseline, max_new_tokens=max_new_tokens,
+                                            metrics=metrics)
+    kl = _token_kl(batch, kl_cfg)
+    coef = kl_cfg.kl_coef if kl_cfg.in_reward else 0.0
+    kwargs = _estimator_inputs(batch, adv_cfg, info, base, correction=correction, source_rewards=source_rewards,
+                               metrics=metrics)
+    adv, ret = _estimate(batch, adv_cfg.estimator, info, rewards, kl, coef, kwargs, shaping=shaping, metrics=metrics)
+    adv, ret, filtered = _finish_advantages(batch, adv, ret, shaping=shaping, teacher=teacher, metrics=metrics)
+    shaped = rewards - coef * kl.sum(-1)
+    seq_kl = float(kl.sum(-1).mean()) if kl.numel() else 0.0
+    next_state = TrainState(
+        kl_coef=next_kl_coef(kl_cfg.kl_coef, seq_kl, controller=kl_cfg.controller, target=kl_cfg.target,
+                             horizon=kl_cfg.horizon, n_steps=len(rewards)),
+        reward_count=moments.count, reward_mean=moments.mean, reward_m2=moments.m2)
+    return {"kl": kl, "advantages": adv.to(torch.float32), "returns": ret.to(torch.float32), "shaped_rewards": shaped,
+            "state": next_state, "metrics": metrics, "overlong_filtered": filtered}
+
+
+def _shape_rewards(rewards: torch.Tensor, mask: torch.Tensor, shaping: ShapingConfig, state: TrainState, *,
+                   greedy_baseline: tuple[torch.Tensor, torch.Tensor] | None, max_new_tokens: int | None,
+                   metrics: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor | None, RunningMoments]:
+    """The rewards ((B,) float32) shaped in order: overlong penalty, running normalisation (the
+    statistics of ``state`` updated with them), clipping; metrics added to ``metrics``.
+
+    The greedy baseline (rewards, response lengths; None: none) is shaped as the rewards are, so
+    that the difference stays a difference of comparable rewards: the overlong penalty of its
+    own length, the running normalisation with the statistics of this batch's sampled rewards
+    (the baseline itself is not counted in them), reward clipping. It carries no KL penalty
+    (verl's ``reward_baselines`` neither).
+
+    Returns:
+        (rewards, the shaped baseline (B,) float32 or None, the updated running moments).
+    Raises:
+        ValueError: an overlong penalty without ``max_new_tokens``.
+    """
+    base, base_len = (greedy_baseline[0].to(torch.float32), greedy_baseline[1]) if greedy_baseline else (None, None)
     if shaping.overlong_buffer_len is not None:
         if max_new_tokens is None:
             raise ValueError("shaping.overlong_buffer_len needs max_new_tokens")
@@ -129,13 +145,35 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
         rewards, metrics["reward_clip_frac"] = clip_with_fraction(rewards, shaping.reward_clip)
         if base is not None:
             base, _ = clip_with_fraction(base, shaping.reward_clip)
+    return rewards, base, moments
+
+
+def _token_kl(batch: ColumnBatch, kl_cfg: KLConfig) -> torch.Tensor:
+    """(B, T) k_t = ``kl_cfg.estimator``(old_logprobs_t, ref_logprobs_t) (``kl_penalty``); zeros without a reference."""
     if batch.ref_logprobs is not None:
-        kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, mask, estimator=kl_cfg.estimator, kl_clamp=kl_cfg.kl_clamp)
-    else:
-        kl = torch.zeros_like(batch.old_logprobs)
-    coef = kl_cfg.kl_coef if kl_cfg.in_reward else 0.0
-    _, group_np = np.unique(np.asarray(batch.prompt_id), return_inverse=True)
-    group_ids = torch.as_tensor(group_np, dtype=torch.long)
+        return kl_penalty(batch.old_logprobs, batch.ref_logprobs, batch.action_mask, estimator=kl_cfg.estimator,
+                          kl_clamp=kl_cfg.kl_clamp)
+    return torch.zeros_like(batch.old_logprobs)
+
+
+def _estimator_inputs(batch: ColumnBatch, adv_cfg: AdvantageConfig, info: EstimatorInfo, base: torch.Tensor | None, *,
+                      correction: RolloutCorrectionConfig | None, source_rewards: dict[str, torch.Tensor] | None,
+                      metrics: dict[str, float]) -> dict[str, Any]:
+    """The keyword arguments of the advantage estimator (``estimator_kwargs``) plus the inputs
+    its ``EstimatorInfo`` (``info``) asks for:
+
+    - ``greedy_baseline`` (remax): ``reward_baselines``, the shaped greedy baseline ``base``.
+    - ``needs_critic`` (gae): the batch's critic ``values``.
+    - ``needs_sum_pi_squared`` (optimal_token_baseline): the batch's ``old_logprobs`` and
+      ``sum_pi_squared`` (the actor stage's, (B, T) float32) and, with ``correction`` enabled
+      (the update's rollout correction), ``rollout_is_weights``: the correction's weights of
+      these old log-probs against the rollout's (0 on masked tokens), as verl's trainer passes
+      its ``rollout_is_weights``; otherwise None.
+    - ``needs_reward_sources`` (gdpo): ``source_rewards``, each reward source's score per sample.
+
+    Raises:
+        ValueError: an input the estimator needs is missing (named, with the stage that makes it).
+    """
     kwargs = estimator_kwargs(adv_cfg)
     if info.greedy_baseline:
         assert base is not None
@@ -154,12 +192,25 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
         kwargs["rollout_is_weights"] = None
         if correction is not None and correction.enabled:
             kwargs["rollout_is_weights"] = rollout_correction(
-                batch.old_logprobs, batch.rollout_logprobs, mask, **correction.correction_kwargs()).weights
+                batch.old_logprobs, batch.rollout_logprobs, batch.action_mask, **correction.correction_kwargs()).weights
     if info.needs_reward_sources:
         if source_rewards is None:
             raise ValueError(f"advantage estimator {adv_cfg.estimator!r} needs the score of each reward source: pass "
                              "source_rewards (reward_source_scores of the rewards shard)")
         kwargs["source_rewards"] = source_rewards
+    return kwargs
+
+
+def _estimate(batch: ColumnBatch, estimator: str, info: EstimatorInfo, rewards: torch.Tensor, kl: torch.Tensor, coef: float,
+              kwargs: dict[str, Any], *, shaping: ShapingConfig,
+              metrics: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), (B, T): the estimator on the shaped ``rewards`` over the groups of
+    the batch's ``prompt_id``, then clip-filter-like weights and whitening (``shaping``), with the
+    reward-mode KL penalty ``coef`` * k_t (``compute_advantages``'s docstring): on each token's
+    reward for a token-level estimator, after the shaping for an outcome estimator."""
+    mask = batch.action_mask
+    _, group_np = np.unique(np.asarray(batch.prompt_id), return_inverse=True)
+    group_ids = torch.as_tensor(group_np, dtype=torch.long)
 
     def shape(adv: torch.Tensor) -> torch.Tensor:  # clip-filter-like weights, then whitening
         if shaping.clip_filter_like_weight:
@@ -171,11 +222,35 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
 
     if info.token_level:  # the KL penalty goes on each token
         kwargs["token_rewards"] = kl_shaped_token_rewards(rewards, kl, mask, kl_coef=coef)
-        adv, ret = ADVANTAGE_ESTIMATORS[adv_cfg.estimator](rewards, group_ids, mask, **kwargs)
-        adv = shape(adv)
-    else:  # outcome estimators: the KL penalty after the group statistics and the shaping steps
-        adv, ret = kl_penalized_outcome_advantages(adv_cfg.estimator, rewards, group_ids, mask, kl=kl, kl_coef=coef,
-                                                   transform=shape, **kwargs)
+        adv, ret = ADVANTAGE_ESTIMATORS[estimator](rewards, group_ids, mask, **kwargs)
+        return shape(adv), ret
+    # outcome estimators: the KL penalty after the group statistics and the shaping steps
+    return kl_penalized_outcome_advantages(estimator, rewards, group_ids, mask, kl=kl, kl_coef=coef, transform=shape,
+                                           **kwargs)
+
+
+def _finish_advantages(batch: ColumnBatch, adv: torch.Tensor, ret: torch.Tensor, *, shaping: ShapingConfig,
+                       teacher: TeacherConfig | None,
+                       metrics: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The estimator's advantages after advantage clipping, on-policy distillation and overlong
+    filtering, in that order: (advantages, returns, the (B,) bool overlong-filtered rows or None).
+
+    On-policy distillation (``teacher``, its path set; ``rft_core.algorithms.distill``):
+    A_t = A_t + teacher.coef * d_t with d_t = log nu(y_t) - log pi_old(y_t) (the batch's
+    ``teacher_logprobs`` and ``old_logprobs``), or with ``teacher.use_task_rewards`` False
+    A_t = teacher.coef * d_t alone (returns = A); the signal is not whitened, clipped or
+    group-normalised (verl, Thinking Machines).
+
+    Overlong filtering (``shaping.overlong_filter``; DAPO, arXiv:2503.14476, sec. 3.4): the
+    advantages of truncated responses (finish_reason "length") are set to 0 after everything
+    else (the group statistics still include their rewards, as DAPO's and TRL's masking of the
+    loss does); the update leaves them out of the loss entirely.
+
+    Raises:
+        ValueError: a ``teacher`` without the batch's ``teacher_logprobs``, or a finish reason
+            other than stop/length (named with its row) under overlong filtering.
+    """
+    mask = batch.action_mask
     if shaping.advantage_clip is not None:
         adv, metrics["advantage_clip_frac"] = clip_with_fraction(adv, shaping.advantage_clip, mask)
     if teacher is not None and teacher.enabled:  # on-policy distillation: the teacher's per-token signal
@@ -191,14 +266,7 @@ def compute_advantages(batch: ColumnBatch, *, kl_cfg: KLConfig, adv_cfg: Advanta
         filtered = torch.tensor([r == "length" for r in batch.finish_reason], dtype=torch.bool)
         adv = torch.where(kept, adv, torch.zeros_like(adv))
         metrics["overlong_filtered_frac"] = float(filtered.float().mean()) if len(filtered) else 0.0
-    shaped = rewards - coef * kl.sum(-1)
-    seq_kl = float(kl.sum(-1).mean()) if kl.numel() else 0.0
-    next_state = TrainState(
-        kl_coef=next_kl_coef(kl_cfg.kl_coef, seq_kl, controller=kl_cfg.controller, target=kl_cfg.target,
-                             horizon=kl_cfg.horizon, n_steps=len(rewards)),
-        reward_count=moments.count, reward_mean=moments.mean, reward_m2=moments.m2)
-    return {"kl": kl, "advantages": adv.to(torch.float32), "returns": ret.to(torch.float32), "shaped_rewards": shaped,
-            "state": next_state, "metrics": metrics, "overlong_filtered": filtered}
+    return adv, ret, filtered
 
 
 @stage_program(AdvantagesInput)

@@ -20,6 +20,7 @@ from pathlib import Path
 import fsspec
 
 from rft_core.models.loading import cache_dir
+from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY
 from rft_core.stages.retention import require_unpruned
 from rft_core.training.checkpoint import OPTIMIZER_FILE
 from schemas import PolicyRef, ShardRef, local_path, read_manifest, verify_files
@@ -54,8 +55,6 @@ def require_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> None:
     """Raise ``WeightlessPolicyError`` when the committed training stage ``policy`` wrote no
     files under ``subdir`` because its weights stayed in memory (its manifest records their
     digest instead)."""
-    from rft_core.workers.recovery import WEIGHTS_DIGEST_KEY
-
     manifest, _ = read_manifest(policy.uri)
     if WEIGHTS_DIGEST_KEY in manifest.summary and not any(e.path.startswith(f"{subdir}/") for e in manifest.files):
         raise WeightlessPolicyError(

@@ -11,9 +11,9 @@ from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path
 from rft_core.stages.common import Timer, commit_trained, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
+from rft_core.stages.sources import critic_model, critic_strategy, critic_trained
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.strategy import OptimizerSettings, build_strategy
-from rft_core.workers.memory import critic_model, critic_strategy, critic_trained
 from schemas import PolicyRef, ShardRef, read_shard
 from schemas.batch import align_on_sample_id
 from schemas.columns import CRITIC_UPDATE, CRITIC_VALUES

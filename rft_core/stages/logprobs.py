@@ -9,9 +9,9 @@ from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput, TeacherLogprobsInput, stage_program
+from rft_core.stages.sources import config_folder, inference_model
 from rft_core.stages.teacher import check_teacher_tokenizer
 from rft_core.training.loop import epoch_micro_batches
-from rft_core.workers.memory import config_folder, inference_model
 from schemas import ShardRef, read_shard
 from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS, TEACHER_LOGPROBS
 

@@ -47,6 +47,7 @@ import torch
 from rft_core.stages.checkpoints import policy_checkpoint_dir
 from rft_core.stages.common import Commit, stage_commit
 from rft_core.stages.contracts import OptimizerStateInput
+from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY
 from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
 from rft_core.training.strategy import DeepSpeedCheckpoint, DeepSpeedStateError, DeepSpeedStrategy, init_distributed
 from schemas import ShardRef, commit_files, local_path, prepare_stage_dir, read_manifest, storage_errors
@@ -154,6 +155,36 @@ def _raise_if_any_failed(strategy: DeepSpeedStrategy, exc: BaseException | None,
         raise OptimizerStateError(f"{what} failed on {failed} other rank(s) (see their log lines)")
 
 
+def _save_partitions(strategy: DeepSpeedStrategy, uri: str) -> BaseException | None:
+    """Every rank writes its ZeRO partitions (``strategy.save_state``, a collective) into the
+    stage folder ``uri``: directly where it is a local folder, else into a local temporary
+    folder that it then uploads. Returns the upload's error on this rank (None: uploaded), for
+    ``_raise_if_any_failed``; a failed save raises here (a collective every rank is in).
+
+    Raises:
+        StorageError: the save refused a write (named stage and cause).
+    """
+    local = local_path(uri)
+    if local is not None:
+        with storage_errors(uri):
+            strategy.save_state(local, DEEPSPEED_TAG)  # a collective; every rank writes into the stage folder
+        return None
+    err: BaseException | None = None
+    tmp = tempfile.mkdtemp(prefix="rft-ds-opt-")
+    try:
+        with storage_errors(uri):
+            strategy.save_state(tmp, DEEPSPEED_TAG)  # each rank's folder holds what this rank wrote
+        try:
+            with storage_errors(uri):
+                fs, path = fsspec.core.url_to_fs(uri)
+                fs.put(tmp.rstrip("/") + "/", path.rstrip("/"), recursive=True)
+        except BaseException as exc:  # noqa: BLE001 - every rank raises in _raise_if_any_failed
+            err = exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return err
+
+
 def commit_deepspeed_optimizer_state(update: ShardRef, strategy: DeepSpeedStrategy, *,
                                      summary: dict | None = None) -> ShardRef:
     """Write the ZeRO state of ``strategy`` (every rank its partition of the AdamW moments and
@@ -186,23 +217,7 @@ def commit_deepspeed_optimizer_state(update: ShardRef, strategy: DeepSpeedStrate
             err = exc
     _raise_if_any_failed(strategy, err, f"{uri}: taking the writer lock")
     try:
-        local = local_path(uri)
-        if local is not None:
-            with storage_errors(uri):
-                strategy.save_state(local, DEEPSPEED_TAG)  # a collective; every rank writes into the stage folder
-        else:
-            tmp = tempfile.mkdtemp(prefix="rft-ds-opt-")
-            try:
-                with storage_errors(uri):
-                    strategy.save_state(tmp, DEEPSPEED_TAG)  # each rank's folder holds what this rank wrote
-                try:
-                    with storage_errors(uri):
-                        fs, path = fsspec.core.url_to_fs(uri)
-                        fs.put(tmp.rstrip("/") + "/", path.rstrip("/"), recursive=True)
-                except BaseException as exc:  # noqa: BLE001 - every rank raises below
-                    err = exc
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+        err = _save_partitions(strategy, uri)
         _raise_if_any_failed(strategy, err, f"{uri}: uploading the ZeRO partitions")
         ref: ShardRef | None = None
         if strategy.rank == 0:
@@ -297,8 +312,6 @@ def _kept_elsewhere(update: ShardRef) -> bool:
     Raises:
         ShardNotCommittedError: ``update`` is not a committed stage.
     """
-    from rft_core.workers.recovery import WEIGHTS_DIGEST_KEY
-
     manifest, _ = read_manifest(update.uri)
     return WEIGHTS_DIGEST_KEY in manifest.summary
 

@@ -9,6 +9,7 @@ import pyarrow.compute as pc
 
 from rft_core.agents.env import environment_fingerprint
 from rft_core.config import RolloutConfig
+from rft_core.counters import count
 from rft_core.engines.hf import HFEngine
 from rft_core.models.loading import load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
@@ -17,7 +18,7 @@ from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.common import Commit, Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import RolloutInput, RolloutMergeInput, stage_program
-from rft_core.workers.memory import config_folder, count, current_source, inference_model
+from rft_core.stages.sources import config_folder, current_source, inference_model
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard
 from schemas.columns import ROLLOUT, policy_version_column, single_turn_columns
 
@@ -79,13 +80,12 @@ def make_engine(cfg: RolloutConfig, policy: PolicyRef, *, dtype: str):
     dtype itself: ``rft_core.engines.engine_dtype``). A LoRA checkpoint is served on its base
     model as an adapter.
 
-    Inside a resident worker that provides ``engine_policy(engine, ref)``
-    (``rft_core.workers.memory.current_source``), a vLLM/SGLang engine is built (or reused
+    Inside a resident worker (``rft_core.stages.sources.current_source``), a vLLM/SGLang engine is built (or reused
     without reloading) from ``config_folder(policy)``, the checkpoint ``policy``'s weights
     descend from (an update that kept its weights in memory has no weights on storage:
     ``policy_model_path`` raises ``WeightlessPolicyError``), as a full model (a LoRA policy's
     synced weights are merged), and gets ``policy``'s weights from ``source.engine_policy``
-    (an in-memory sync, ``rft_core.workers.engine_sync``).
+    (``ModelSource.engine_policy``: an in-memory sync, ``rft_core.weightsync``).
     """
     path = config_folder(policy)
     tok = load_tokenizer(path)
@@ -94,7 +94,7 @@ def make_engine(cfg: RolloutConfig, policy: PolicyRef, *, dtype: str):
             count("engine_builds")  # over a model read for it (a resident worker's engine is built once)
         return HFEngine(inference_model(policy, dtype=dtype), tok), tok
     source = current_source()
-    synced = source is not None and hasattr(source, "engine_policy")  # weights from the resident worker's memory
+    synced = source is not None  # weights from the resident worker's memory (ModelSource.engine_policy)
     if not synced:
         path = policy_model_path(policy)
     from rft_core.config.scale import SGLangConfig, VLLMConfig

@@ -26,7 +26,7 @@ from pydantic import TypeAdapter
 
 from rft_core.config import RunnerConfig
 from rft_core.stages.contracts import PROGRAMS, STAGE_INPUTS, StageInput
-from rft_core.stages.inprocess import import_transformers_once, run_in_process  # noqa: F401 - registers the programs
+from rft_core.stages.inprocess import run_in_process  # importing it registers the programs
 from schemas import ShardNotCommittedError, ShardRef, read_manifest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -198,10 +198,16 @@ def launch(inp: StageInput, runner: RunnerConfig, *, log: Callable[[str], None] 
         raise StageProcessError(program, rc, cmd, tail + ["(exit code 0 but no result was written)"])
 
 
-def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Callable[[str], None] | None = None) -> Any:
+def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Callable[[str], None] | None = None,
+              resident: Callable[[StageInput, Any], Any] | None = None) -> Any:
     """Run the program of ``inp`` in this process (``runner`` None or ``mode="inprocess"``), as
-    a subprocess (``launch``) or in its resident worker (``mode="resident"``:
-    ``rft_core.workers.pool.run_resident``); same result either way.
+    a subprocess (``launch``) or in its resident worker (``mode="resident"``: ``resident(inp,
+    runner.workers)``, the launcher the caller hands in: ``rft_core.api.run_stage`` hands
+    ``rft_core.workers.pool.run_resident``, since the workers sit above the stages); same result
+    either way.
+
+    Raises:
+        ValueError: ``mode="resident"`` without a ``resident`` launcher.
 
     ``log`` receives the subprocess's output lines (unused in-process: the program logs
     through ``logging`` as usual). In-process, CUDA's TF32 matmuls are enabled first
@@ -212,8 +218,10 @@ def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Calla
     if runner is None or runner.mode == "inprocess":
         return run_in_process(inp)
     if runner.mode == "resident":
-        from rft_core.workers.pool import run_resident
-
+        if resident is None:
+            raise ValueError(f"stage {inp.program!r} runs in a resident worker (runner mode 'resident'), but no resident "
+                             "launcher was handed in: call rft_core.api.run_stage, or pass "
+                             "resident=rft_core.workers.pool.run_resident")
         assert runner.workers is not None  # RunnerConfig checks it
-        return run_resident(inp, runner.workers)
+        return resident(inp, runner.workers)
     return launch(inp, runner, log=log)

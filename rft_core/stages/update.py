@@ -9,7 +9,7 @@ from typing import Any
 
 import fsspec
 
-from rft_core.config import UpdateConfig, policy_loss_kwargs
+from rft_core.config import UpdateConfig
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.lora import adapter_base_path, apply_lora, is_adapter_dir, load_adapter_policy
 from rft_core.models.vl import vl_processor_or_none
@@ -32,12 +32,13 @@ from rft_core.training.update import (
     SampleCorrection,
     StepMetrics,
     UpdateData,
+    UpdateSettings,
     ppo_update,
     rollout_correction_weights,
 )
-from rft_core.workers.memory import current_source
-from rft_core.workers.recovery import UPDATE_INPUT_KEY, WEIGHTS_DIGEST_KEY
-from rft_core.workers.trained import trained_digest
+from rft_core.stages.recovery import UPDATE_INPUT_KEY, WEIGHTS_DIGEST_KEY
+from rft_core.stages.sources import current_source
+from rft_core.weightsync.trained import trained_digest
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard, sha256_file
 from schemas.batch import align_on_sample_id
 from schemas.columns import PPO_UPDATE
@@ -186,15 +187,9 @@ def _run_update(trainer: PolicyTrainer, inp: PPOUpdateInput, data: UpdateData, c
     quiet = quiet or strategy.rank != 0
     with Timer() as t, progress_reporter("ppo_update", unit="micro-batches", use_bar=False if quiet else None,
                                          log_fn=(lambda line: None) if quiet else None) as progress:
-        steps = ppo_update(strategy, data, pad_token_id=trainer.tokenizer.pad_token_id, policy_loss=cfg.policy_loss.name,
-                           policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss), loss_agg=cfg.loss_agg,
-                           loss_norm_tokens=cfg.loss_norm_tokens, entropy_coef=cfg.entropy_coef,
-                           entropy_top_fraction=cfg.entropy_top_fraction, entropy_filter_norm=cfg.entropy_filter_norm,
-                           kl_coef=inp.kl.kl_coef if inp.kl.in_loss else 0.0, kl_estimator=inp.kl.estimator,
-                           kl_clamp=inp.kl.kl_clamp, cpgd_drift_coef=cfg.cpgd_drift_coef, correction=correction,
-                           dropout=cfg.dropout, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
-                           micro_batch_size=cfg.micro_batch_size, temperature=inp.temperature, seed=cfg.seed,
-                           packing=cfg.packing, progress=progress, processor=trainer.processor)
+        steps = ppo_update(strategy, data, UpdateSettings.of(cfg, inp.kl, temperature=inp.temperature),
+                           pad_token_id=trainer.tokenizer.pad_token_id, correction=correction, progress=progress,
+                           processor=trainer.processor)
     return steps, t.seconds
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from rft_core.counters import count_bytes_read
+
 OPTIMIZER_FILE = "optimizer.pt"
 # the policy's optimizer state is the stage "{ppo_update folder}-optimizer" (rft_core.stages.optimizer_state)
 OPTIMIZER_FOLDER_SUFFIX = "-optimizer"
@@ -49,7 +51,6 @@ def read_optimizer_state(ckpt_dir: str | Path | None) -> dict | None:
     path = Path(ckpt_dir) / OPTIMIZER_FILE if ckpt_dir else None
     if path is None or not path.exists():
         return None
-    from rft_core.workers.counters import count_bytes_read
 
     count_bytes_read(path)
     try:

@@ -316,21 +316,37 @@ def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspee
             state of other weights).
     """
     if deepspeed is not None:
-        if optimizer_state is not None:
-            raise DeepSpeedStateError(f"{optimizer_state}: a single-process AdamW state (optimizer.pt) cannot be "
-                                      "continued by a DeepSpeed update; keep update.deepspeed the same across a run")
-        if compute_dtype_of(model) == torch.bfloat16 and not keeps_deepspeed_state:
-            log.warning("DeepSpeed bf16: the float32 master weights live inside ZeRO for this update only; the "
-                        "next iteration starts from the bfloat16 checkpoint (steps below bfloat16 resolution within "
-                        "one iteration are kept, across iterations they are rounded away)")
-        return DeepSpeedStrategy(model, zero_stage=deepspeed.zero_stage, lr=optim.lr, betas=optim.betas,
-                                 weight_decay=optim.weight_decay, max_grad_norm=optim.max_grad_norm,
-                                 offload_optimizer=deepspeed.offload_optimizer, torch_adam=deepspeed.torch_adam,
-                                 state=deepspeed_state)
+        return _deepspeed_strategy(model, optim=optim, deepspeed=deepspeed, optimizer_state=optimizer_state,
+                                   deepspeed_state=deepspeed_state, keeps_deepspeed_state=keeps_deepspeed_state)
     if deepspeed_state is not None:
         raise DeepSpeedStateError(f"{deepspeed_state.source}: a DeepSpeed ZeRO optimizer state cannot be continued "
                                   "by a single-process update (update.deepspeed is not set); keep update.deepspeed "
                                   "the same across a run")
+    return _single_process(model, optim=optim, optimizer_state=optimizer_state, device=device,
+                           compute_dtype=compute_dtype)
+
+
+def _deepspeed_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspeed: DeepSpeedConfig,
+                        optimizer_state: str | None, deepspeed_state: DeepSpeedCheckpoint | None,
+                        keeps_deepspeed_state: bool) -> "DeepSpeedStrategy":
+    """``build_strategy`` under DeepSpeed ZeRO (its arguments)."""
+    if optimizer_state is not None:
+        raise DeepSpeedStateError(f"{optimizer_state}: a single-process AdamW state (optimizer.pt) cannot be "
+                                  "continued by a DeepSpeed update; keep update.deepspeed the same across a run")
+    if compute_dtype_of(model) == torch.bfloat16 and not keeps_deepspeed_state:
+        log.warning("DeepSpeed bf16: the float32 master weights live inside ZeRO for this update only; the "
+                    "next iteration starts from the bfloat16 checkpoint (steps below bfloat16 resolution within "
+                    "one iteration are kept, across iterations they are rounded away)")
+    return DeepSpeedStrategy(model, zero_stage=deepspeed.zero_stage, lr=optim.lr, betas=optim.betas,
+                             weight_decay=optim.weight_decay, max_grad_norm=optim.max_grad_norm,
+                             offload_optimizer=deepspeed.offload_optimizer, torch_adam=deepspeed.torch_adam,
+                             state=deepspeed_state)
+
+
+def _single_process(model: torch.nn.Module, *, optim: OptimizerSettings, optimizer_state: str | None,
+                    device: torch.device | None, compute_dtype: str | torch.dtype | None) -> "SingleProcess":
+    """``build_strategy`` in one process (its arguments): the model on ``device``, its float32
+    master weights in mixed precision (``_master_weights``), AdamW continued from ``optimizer_state``."""
     loaded = compute_dtype_of(model)
     dtype = torch_dtype(compute_dtype) if isinstance(compute_dtype, str) else (compute_dtype or loaded)
     if loaded in HALF_DTYPES and dtype != loaded:
@@ -339,6 +355,29 @@ def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspee
     model.to(device or default_device())  # before the optimizer, so its state lands on the same device
     saved = read_optimizer_state(optimizer_state)
     source = str(Path(optimizer_state or ".") / OPTIMIZER_FILE)
+    master = _master_weights(model, dtype, saved, source=source)
+    opt = make_optimizer(model, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,
+                         params=master.optimizer_params(model) if master is not None else None)
+    if saved is not None:
+        restore_optimizer_state(opt, saved, lr=optim.lr)
+    if master is not None:
+        opt.register_state_dict_post_hook(master.add_to_state_dict)
+    # autocast only for a model without 16-bit weights asked to compute in 16 bits (plain AMP)
+    autocast_dtype = dtype if dtype in HALF_DTYPES and loaded == torch.float32 else None
+    return SingleProcess(model, opt, max_grad_norm=optim.max_grad_norm, master=master, autocast_dtype=autocast_dtype)
+
+
+def _master_weights(model: torch.nn.Module, dtype: torch.dtype, saved: dict | None, *,
+                    source: str) -> MasterWeights | None:
+    """The float32 master weights of a 16-bit ``dtype`` model (None: no 16-bit trainable weights),
+    restored from the optimizer state ``saved`` when it carries them (popped from it, with their
+    dtype), else the loaded weights upcast. A float32 model continued from a state that carries
+    masters (a bfloat16 run continued in float32) gets the masters copied into its trainable
+    parameters instead of their rounding.
+
+    Raises:
+        ValueError: float16 ``dtype``, or saved master weights of another checkpoint (named).
+    """
     masters, saved_dtype = (saved.pop(MASTER_WEIGHTS_KEY, None), saved.pop(MASTER_DTYPE_KEY, None)) if saved else (None, None)
     master = MasterWeights(model, dtype) if dtype in HALF_DTYPES else None  # refuses float16
     if master is not None and not master.params:  # no 16-bit trainable weights (LoRA adapters, a float32 model)
@@ -354,15 +393,7 @@ def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspee
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(masters[name])
-    opt = make_optimizer(model, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,
-                         params=master.optimizer_params(model) if master is not None else None)
-    if saved is not None:
-        restore_optimizer_state(opt, saved, lr=optim.lr)
-    if master is not None:
-        opt.register_state_dict_post_hook(master.add_to_state_dict)
-    # autocast only for a model without 16-bit weights asked to compute in 16 bits (plain AMP)
-    autocast_dtype = dtype if dtype in HALF_DTYPES and loaded == torch.float32 else None
-    return SingleProcess(model, opt, max_grad_norm=optim.max_grad_norm, master=master, autocast_dtype=autocast_dtype)
+    return master
 
 
 class SingleProcess:

@@ -34,15 +34,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import torch
 
 from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES, cpgd_policy_drift, kl_penalty, rollout_correction
 from rft_core.algorithms.masked import high_entropy_mask
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
+from rft_core.config import KLConfig, UpdateConfig, policy_loss_kwargs
 from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device, response_logprobs, with_vision
-from rft_core.training.loop import Normaliser, Strategy, check_per_token_lists, pad_float, train_steps
+from rft_core.training.loop import Normaliser, StepResult, Strategy, check_per_token_lists, pad_float, train_steps
 
 ENTROPY_FILTER_NORMS = ("all", "kept")
 SUM_NORM = "seq-mean-token-sum-norm"
@@ -235,39 +236,15 @@ def update_rng(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def ppo_update(
-    strategy: Strategy,
-    data: UpdateData,
-    *,
-    pad_token_id: int,
-    policy_loss: str = "ppo_clip",
-    policy_loss_kwargs: dict | None = None,
-    loss_agg: str = "token-mean",
-    loss_norm_tokens: int | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3+",
-    kl_clamp: float = 10.0,
-    entropy_coef: float = 0.0,
-    entropy_top_fraction: float | None = None,
-    entropy_filter_norm: str = "all",
-    cpgd_drift_coef: float = 0.0,
-    correction: SampleCorrection | None = None,
-    dropout: bool = False,
-    epochs: int = 1,
-    train_batch_size: int | None = None,
-    micro_batch_size: int = 4,
-    temperature: float = 1.0,
-    seed: int = 0,
-    packing: bool = False,
-    progress=None,
-    processor=None,
-) -> list[StepMetrics]:
-    """Run PPO epochs over ``data`` with ``strategy`` (which holds the model and its optimizer:
-    ``rft_core.training.strategy.build_strategy``); mutates the model. The loss is the module
-    docstring's.
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What one policy update (``ppo_update``) does, field by field; ``of`` builds it from the
+    ``update`` and ``kl`` config sections and the rollout temperature. The defaults are those of
+    a plain PPO update (no KL, no entropy term, one epoch over all samples in one step).
 
-    Args:
-        policy_loss, policy_loss_kwargs: name in POLICY_LOSSES and its keyword arguments.
+    Attributes:
+        policy_loss, policy_loss_kwargs: name in POLICY_LOSSES and its keyword arguments
+            (``update.policy_loss``).
         loss_agg: name in LOSS_AGGREGATIONS; ``loss_norm_tokens`` is the constant of
             seq-mean-token-sum-norm (Dr. GRPO's generation budget, ``rollout.max_new_tokens``).
         kl_coef, kl_estimator, kl_clamp: the KL loss term (when ``kl_coef`` > 0 and
@@ -280,106 +257,214 @@ def ppo_update(
         entropy_filter_norm: "all": the filter's tokens stay in the normaliser and the KL term
             (TRL); "kept": every term and the normaliser on the kept tokens only.
         cpgd_drift_coef: weight of CPGD's policy drift KL(pi_old || pi) (``cpgd_policy_drift``).
-        correction: the rollout correction (``rollout_correction_weights``), or None.
         dropout: keep the model's dropout on (default off: ``dropout_disabled``).
+        epochs: passes over the data.
         train_batch_size: samples per optimizer step (None: all of ``data``).
         micro_batch_size: samples per forward/backward pass.
+        temperature: the rollout's sampling temperature (the log-probs are of logits / temperature).
         seed: seeds the per-epoch shuffle (torch.Generator), independent of global RNG, and the
             update's global-RNG draws (``update_rng``: LoRA / model dropout).
         packing: each micro-batch is one packed row without padding (``build_packed_batch``;
             with vision inputs, per-sequence M-RoPE positions); the same loss up to float rounding.
+    Raises:
+        ValueError: an unknown ``entropy_filter_norm``, or seq-mean-token-sum-norm without
+            ``loss_norm_tokens``.
+    """
+
+    policy_loss: str = "ppo_clip"
+    policy_loss_kwargs: Mapping[str, Any] | None = None
+    loss_agg: str = "token-mean"
+    loss_norm_tokens: int | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3+"
+    kl_clamp: float = 10.0
+    entropy_coef: float = 0.0
+    entropy_top_fraction: float | None = None
+    entropy_filter_norm: str = "all"
+    cpgd_drift_coef: float = 0.0
+    dropout: bool = False
+    epochs: int = 1
+    train_batch_size: int | None = None
+    micro_batch_size: int = 4
+    temperature: float = 1.0
+    seed: int = 0
+    packing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.entropy_filter_norm not in ENTROPY_FILTER_NORMS:
+            raise ValueError(f"entropy_filter_norm must be one of {ENTROPY_FILTER_NORMS}, got {self.entropy_filter_norm!r}")
+        if self.loss_agg == SUM_NORM and self.loss_norm_tokens is None:
+            raise ValueError(f"loss_agg={SUM_NORM!r} needs loss_norm_tokens, its constant token budget (Dr. GRPO: the "
+                             "generation budget, rollout.max_new_tokens)")
+
+    @classmethod
+    def of(cls, cfg: UpdateConfig, kl: KLConfig, *, temperature: float) -> "UpdateSettings":
+        """The settings of the ``update`` config section ``cfg``, with the KL term of ``kl``
+        (``kl_coef`` 0 unless the KL is a loss term, ``kl.in_loss``) at the rollout's
+        ``temperature``."""
+        return cls(policy_loss=cfg.policy_loss.name, policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss),
+                   loss_agg=cfg.loss_agg, loss_norm_tokens=cfg.loss_norm_tokens,
+                   kl_coef=kl.kl_coef if kl.in_loss else 0.0, kl_estimator=kl.estimator, kl_clamp=kl.kl_clamp,
+                   entropy_coef=cfg.entropy_coef, entropy_top_fraction=cfg.entropy_top_fraction,
+                   entropy_filter_norm=cfg.entropy_filter_norm, cpgd_drift_coef=cfg.cpgd_drift_coef,
+                   dropout=cfg.dropout, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
+                   micro_batch_size=cfg.micro_batch_size, temperature=temperature, seed=cfg.seed, packing=cfg.packing)
+
+
+STEP_STATS = ("policy_loss", "kl_loss", "cpgd_drift", "clipped", "approx_kl", "policy_tokens")
+
+
+class _TokenMasks(NamedTuple):
+    """The (B, T) masks and weights of a micro-batch's loss terms, on the model's device.
+
+    mask: the tokens in the loss (sampled, in a row in the loss; under the "kept" filter norm
+    the filter's tokens only); policy_mask: those the policy term trains on (filter and
+    correction applied); weights: w_t of the policy term (float32, None: 1); entropy_weights:
+    e_t of the entropy bonus (float32, None: 1)."""
+
+    mask: torch.Tensor
+    policy_mask: torch.Tensor
+    weights: torch.Tensor | None
+    entropy_weights: torch.Tensor | None
+
+
+class _PPOLoss:
+    """The module docstring's loss of one micro-batch and the normaliser of a mini-batch, as
+    ``train_steps`` calls them (``micro_step``, ``normaliser``).
+
+    Raises:
+        UnknownNameError: unknown policy loss, aggregation or KL estimator (on construction).
+    """
+
+    def __init__(self, model: torch.nn.Module, data: UpdateData, settings: UpdateSettings, *, pad_token_id: int,
+                 keep: list[torch.Tensor] | None, correction: SampleCorrection | None, processor=None) -> None:
+        self.model, self.data, self.settings, self.pad_token_id = model, data, settings, pad_token_id
+        self.keep, self.correction, self.processor = keep, correction, processor
+        self.kept_norm = keep is not None and settings.entropy_filter_norm == "kept"
+        self.use_kl = settings.kl_coef > 0 and data.ref_logprobs is not None
+        self.loss_fn, self.agg_fn = POLICY_LOSSES[settings.policy_loss], LOSS_AGGREGATIONS[settings.loss_agg]
+        KL_ESTIMATORS[settings.kl_estimator]  # fail before any work on an unknown name
+        self.norm_tokens = settings.loss_norm_tokens or 1
+        self.device = model_device(model)
+
+    def normaliser(self, mini: list[int]) -> Normaliser:
+        """The token and sequence counts of M over the mini-batch ``mini`` (module docstring)."""
+        data, keep = self.data, self.keep
+        rows = [i for i in mini if data.included(i)]
+        n_tokens = sum(int(keep[i].sum()) if self.kept_norm and keep is not None else data.action_count(i) for i in rows)
+        return Normaliser(num_tokens=n_tokens, num_sequences=len(rows), norm_tokens=self.norm_tokens)
+
+    def _batch(self, idx: list[int]):
+        """The model inputs of samples ``idx``: padded or packed, with their vision inputs."""
+        data = self.data
+        ps, rs = [data.prompts[i] for i in idx], [data.responses[i] for i in idx]
+        batch = (build_packed_batch(ps, rs) if self.settings.packing
+                 else build_token_batch(ps, rs, pad_token_id=self.pad_token_id))
+        if self.processor is not None:
+            batch = with_vision(batch, self.processor, [data.images[i] for i in idx] if data.images is not None else None,
+                                [data.videos[i] for i in idx] if data.videos is not None else None)
+        return batch
+
+    def _masks(self, idx: list[int], batch_mask: torch.Tensor, T: int) -> _TokenMasks:
+        """The masks and weights of samples ``idx`` (``batch_mask``: the batch's (B, T) response tokens)."""
+        data, keep, correction = self.data, self.keep, self.correction
+
+        def padded(values: list[torch.Tensor]) -> torch.Tensor:
+            return pad_float([values[i].float().tolist() for i in idx], T)
+
+        mask = (batch_mask & data.action_mask(idx, T)
+                & torch.tensor([data.included(i) for i in idx], dtype=torch.bool)[:, None])
+        policy_mask, weights, entropy_weights = mask, None, None
+        if keep is not None:
+            kept = padded(keep).bool()
+            policy_mask = mask & kept
+            if self.kept_norm:
+                mask = policy_mask
+            else:
+                weights = entropy_weights = kept.float()
+        if correction is not None:
+            policy_mask = policy_mask & padded(correction.keep).bool()
+            cw = padded(correction.weights)
+            weights = cw if weights is None else weights * cw
+        device = self.device
+        return _TokenMasks(mask.to(device), policy_mask.to(device), weights.to(device) if weights is not None else None,
+                           entropy_weights.to(device) if entropy_weights is not None else None)
+
+    def micro_step(self, idx: list[int], norm: Normaliser) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of samples ``idx`` under the mini-batch's ``norm`` and its statistics (``STEP_STATS``)."""
+        data, s, device, agg_fn = self.data, self.settings, self.device, self.agg_fn
+        batch = self._batch(idx)
+        T = batch.num_actions
+        mask, policy_mask, weights, entropy_weights = self._masks(idx, batch.action_mask, T)
+        old = pad_float([data.old_logprobs[i] for i in idx], T).to(device)
+        adv = pad_float([data.advantages[i] for i in idx], T).to(device)
+        logprobs, entropy = response_logprobs(self.model, batch, temperature=s.temperature, with_entropy=s.entropy_coef > 0)
+        out = self.loss_fn(logprobs, old, adv, mask, weights, **(s.policy_loss_kwargs or {}))
+        agg = norm.as_kwargs()
+        pg = agg_fn(out.token_loss, mask, **agg)
+        loss = pg
+        if s.entropy_coef > 0:  # e_t * H_t: the filter's tokens, never the correction's weights or mask (module doc)
+            bonus = entropy if entropy_weights is None else entropy * entropy_weights.to(entropy.dtype)
+            loss = loss - s.entropy_coef * agg_fn(bonus, mask, **agg)
+        stats = {"policy_loss": float(pg.detach()), "clipped": float((out.clipped & policy_mask).sum()),
+                 "approx_kl": float((0.5 * out.log_ratio.detach() ** 2)[policy_mask].sum()),
+                 "policy_tokens": float(policy_mask.sum())}
+        if self.use_kl:
+            ref = pad_float([data.ref_logprobs[i] for i in idx], T).to(device)
+            kl_term = agg_fn(kl_penalty(logprobs, ref, mask, estimator=s.kl_estimator, kl_clamp=s.kl_clamp), mask, **agg)
+            loss = loss + s.kl_coef * kl_term
+            stats["kl_loss"] = float(kl_term.detach())
+        if s.cpgd_drift_coef > 0:
+            drift = agg_fn(cpgd_policy_drift(logprobs, old, mask, kl_clamp=s.kl_clamp), mask, **agg)
+            loss = loss + s.cpgd_drift_coef * drift
+            stats["cpgd_drift"] = float(drift.detach())
+        return loss, stats
+
+
+def _step_metrics(r: StepResult) -> StepMetrics:
+    """The diagnostics of one optimizer step from its summed statistics (``STEP_STATS``)."""
+    return StepMetrics(step=r.step, epoch=r.epoch, policy_loss=r.sums["policy_loss"], kl_loss=r.sums["kl_loss"],
+                       clip_frac=r.sums["clipped"] / max(r.sums["policy_tokens"], 1.0),
+                       approx_kl=r.sums["approx_kl"] / max(r.sums["policy_tokens"], 1.0), grad_norm=r.grad_norm,
+                       lr=r.lr, num_tokens=round(r.sums["policy_tokens"]), cpgd_drift=r.sums["cpgd_drift"])
+
+
+def ppo_update(strategy: Strategy, data: UpdateData, settings: UpdateSettings, *, pad_token_id: int,
+               correction: SampleCorrection | None = None, progress=None, processor=None) -> list[StepMetrics]:
+    """Run PPO epochs over ``data`` with ``strategy`` (which holds the model and its optimizer:
+    ``rft_core.training.strategy.build_strategy``) as ``settings`` say; mutates the model. The
+    loss is the module docstring's.
+
+    The recipe: check the inputs; select the high-entropy tokens (over all of ``data``); then,
+    with the update's seeded random draws and the model's dropout off (unless
+    ``settings.dropout``), ``train_steps`` runs the optimizer steps, each accumulating the loss of
+    its micro-batches (``_PPOLoss.micro_step``) under the normaliser of its mini-batch.
+
+    Args:
+        settings: the update's loss and batching settings (``UpdateSettings.of`` the config).
+        pad_token_id: the tokenizer's padding token (padded micro-batches).
+        correction: the rollout correction (``rollout_correction_weights``), or None.
         progress: optional callable(done, total) after each micro-batch (``train_steps``).
         processor: a vision-language policy's ``VLProcessor``; each micro-batch then gets the
             vision inputs of ``data.images`` and ``data.videos`` (``with_vision``).
     Returns:
         One StepMetrics per optimizer step (the same on every rank).
     Raises:
-        ValueError: empty ``data``, entropy filtering without ``data.entropies``, an unknown
-            ``entropy_filter_norm``, seq-mean-token-sum-norm without ``loss_norm_tokens``, or a
+        ValueError: empty ``data``, entropy filtering without ``data.entropies``, or a
             correction or exclusion list of another length than ``data``.
         UnknownNameError: unknown policy loss, aggregation or KL estimator.
     """
     if len(data) == 0:
         raise ValueError("ppo_update got no samples")
-    if entropy_filter_norm not in ENTROPY_FILTER_NORMS:
-        raise ValueError(f"entropy_filter_norm must be one of {ENTROPY_FILTER_NORMS}, got {entropy_filter_norm!r}")
-    if loss_agg == SUM_NORM and loss_norm_tokens is None:
-        raise ValueError(f"loss_agg={SUM_NORM!r} needs loss_norm_tokens, its constant token budget (Dr. GRPO: the "
-                         "generation budget, rollout.max_new_tokens)")
     for name, values in (("correction", correction.weights if correction else None), ("data.excluded", data.excluded)):
         if values is not None and len(values) != len(data):
             raise ValueError(f"ppo_update: {name} has {len(values)} entries for {len(data)} samples")
-    keep = _entropy_keep(data, entropy_top_fraction) if entropy_top_fraction is not None else None
-    kept_norm = keep is not None and entropy_filter_norm == "kept"
-    use_kl = kl_coef > 0 and data.ref_logprobs is not None
-    loss_fn, agg_fn = POLICY_LOSSES[policy_loss], LOSS_AGGREGATIONS[loss_agg]
-    KL_ESTIMATORS[kl_estimator]  # fail before any work on an unknown name
-    norm_tokens = loss_norm_tokens or 1
-    device = model_device(strategy.model)
-
-    def normaliser(mini: list[int]) -> Normaliser:
-        rows = [i for i in mini if data.included(i)]
-        n_tokens = sum(int(keep[i].sum()) if kept_norm and keep is not None else data.action_count(i) for i in rows)
-        return Normaliser(num_tokens=n_tokens, num_sequences=len(rows), norm_tokens=norm_tokens)
-
-    def padded(values: list[torch.Tensor], idx: list[int], T: int) -> torch.Tensor:
-        return pad_float([values[i].float().tolist() for i in idx], T)
-
-    def micro_step(idx: list[int], norm: Normaliser) -> tuple[torch.Tensor, dict[str, float]]:
-        ps, rs = [data.prompts[i] for i in idx], [data.responses[i] for i in idx]
-        batch = build_packed_batch(ps, rs) if packing else build_token_batch(ps, rs, pad_token_id=pad_token_id)
-        if processor is not None:
-            batch = with_vision(batch, processor, [data.images[i] for i in idx] if data.images is not None else None,
-                                [data.videos[i] for i in idx] if data.videos is not None else None)
-        T = batch.num_actions
-        mask = (batch.action_mask & data.action_mask(idx, T)
-                & torch.tensor([data.included(i) for i in idx], dtype=torch.bool)[:, None])
-        policy_mask, weights, entropy_weights = mask, None, None
-        if keep is not None:
-            kept = padded(keep, idx, T).bool()
-            policy_mask = mask & kept
-            if kept_norm:
-                mask = policy_mask
-            else:
-                weights = entropy_weights = kept.float()
-        if correction is not None:
-            policy_mask = policy_mask & padded(correction.keep, idx, T).bool()
-            cw = padded(correction.weights, idx, T)
-            weights = cw if weights is None else weights * cw
-        mask, policy_mask = mask.to(device), policy_mask.to(device)
-        weights = weights.to(device) if weights is not None else None
-        entropy_weights = entropy_weights.to(device) if entropy_weights is not None else None
-        old = pad_float([data.old_logprobs[i] for i in idx], T).to(device)
-        adv = pad_float([data.advantages[i] for i in idx], T).to(device)
-        logprobs, entropy = response_logprobs(strategy.model, batch, temperature=temperature, with_entropy=entropy_coef > 0)
-        out = loss_fn(logprobs, old, adv, mask, weights, **(policy_loss_kwargs or {}))
-        agg = norm.as_kwargs()
-        pg = agg_fn(out.token_loss, mask, **agg)
-        loss = pg
-        if entropy_coef > 0:  # e_t * H_t: the filter's tokens, never the correction's weights or mask (module doc)
-            bonus = entropy if entropy_weights is None else entropy * entropy_weights.to(entropy.dtype)
-            loss = loss - entropy_coef * agg_fn(bonus, mask, **agg)
-        stats = {"policy_loss": float(pg.detach()), "clipped": float((out.clipped & policy_mask).sum()),
-                 "approx_kl": float((0.5 * out.log_ratio.detach() ** 2)[policy_mask].sum()),
-                 "policy_tokens": float(policy_mask.sum())}
-        if use_kl:
-            ref = pad_float([data.ref_logprobs[i] for i in idx], T).to(device)
-            kl_term = agg_fn(kl_penalty(logprobs, ref, mask, estimator=kl_estimator, kl_clamp=kl_clamp), mask, **agg)
-            loss = loss + kl_coef * kl_term
-            stats["kl_loss"] = float(kl_term.detach())
-        if cpgd_drift_coef > 0:
-            drift = agg_fn(cpgd_policy_drift(logprobs, old, mask, kl_clamp=kl_clamp), mask, **agg)
-            loss = loss + cpgd_drift_coef * drift
-            stats["cpgd_drift"] = float(drift.detach())
-        return loss, stats
-
-    with update_rng(seed, device), contextlib.nullcontext() if dropout else dropout_disabled(strategy.model):
-        steps = train_steps(strategy, len(data), micro_step=micro_step,
-                            stats=("policy_loss", "kl_loss", "cpgd_drift", "clipped", "approx_kl", "policy_tokens"),
-                            normaliser=normaliser, epochs=epochs, train_batch_size=train_batch_size,
-                            micro_batch_size=micro_batch_size, seed=seed, progress=progress)
-    return [StepMetrics(step=r.step, epoch=r.epoch, policy_loss=r.sums["policy_loss"], kl_loss=r.sums["kl_loss"],
-                        clip_frac=r.sums["clipped"] / max(r.sums["policy_tokens"], 1.0),
-                        approx_kl=r.sums["approx_kl"] / max(r.sums["policy_tokens"], 1.0), grad_norm=r.grad_norm,
-                        lr=r.lr, num_tokens=round(r.sums["policy_tokens"]), cpgd_drift=r.sums["cpgd_drift"])
-            for r in steps]
+    s = settings
+    keep = _entropy_keep(data, s.entropy_top_fraction) if s.entropy_top_fraction is not None else None
+    loss = _PPOLoss(strategy.model, data, s, pad_token_id=pad_token_id, keep=keep, correction=correction,
+                    processor=processor)
+    with update_rng(s.seed, loss.device), contextlib.nullcontext() if s.dropout else dropout_disabled(strategy.model):
+        steps = train_steps(strategy, len(data), micro_step=loss.micro_step, stats=STEP_STATS,
+                            normaliser=loss.normaliser, epochs=s.epochs, train_batch_size=s.train_batch_size,
+                            micro_batch_size=s.micro_batch_size, seed=s.seed, progress=progress)
+    return [_step_metrics(r) for r in steps]

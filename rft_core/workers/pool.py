@@ -9,12 +9,12 @@ the flow are unchanged: they still decide only where a program runs.
 Workers are Ray actors named ``<role>-<sha of the pool name>`` (``-rank<r>`` after it for the
 policy trainer's ranks above 0: ``orchestration.policy_ranks``, DeepSpeed data parallelism, every
 rank runs each update and rank 0's result is the stage's) in the namespace ``prefect-rft``
-(a local Ray started on first use, or ``ray_address``), with the caller's torch thread count
+(a local Ray started on first use, or ``ray.address``), with the caller's torch thread count
 and the Ray options of ``actor_options``: ``num_cpus=0`` (they run one stage at a time, as the
 flow orders them) and, when the cluster has GPUs (``ray.cluster_resources()["GPU"]``), GPUs for
 every model role (one each; the rollout engine's ``tensor_parallel_size`` for the rollout worker
 of vLLM or SGLang; a quarter each when the whole cluster has one GPU, which the roles then share),
-``orchestration.worker_options`` overriding any of it per role. Where each actor landed (node id,
+``ray.options`` overriding any of it per role. Where each actor landed (node id,
 node IP, GPU ids) is logged at INFO on ``rft_core.workers`` when it starts, which the run's task
 log shows. An actor that Ray cannot place within ``RFT_WORKER_PLACEMENT_TIMEOUT_S`` seconds
 (default 300: no node has the resources it asks for, e.g. its node died) fails with
@@ -33,15 +33,18 @@ import logging
 import os
 from typing import Any
 
+import torch
+
 from rft_core.config import WorkersConfig
-from rft_core.workers.resident import NAMESPACE, ROLE_OF_PROGRAM, ROLES, ModelWorker, WorkerError, actor_name  # noqa: F401
+from rft_core.counters import counts
+from rft_core.workers.resident import NAMESPACE, ROLE_OF_PROGRAM, ROLES, ModelWorker, WorkerError, actor_name
 
 log = logging.getLogger("rft_core.workers")
 
 # environment the workers need from the driver (a local Ray passes its own; a cluster does not)
 _ENV_PREFIXES = ("RFT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PREFECT_RFT_")
 # a cluster with one GPU: every role gets this share of it (all of ROLES fit; two workers on one
-# GPU sync by CUDA IPC, rft_core/workers/cuda_ipc.py)
+# GPU sync by CUDA IPC, rft_core/weightsync/cuda_ipc.py)
 _SHARED_GPU = 1 / len(ROLES)
 
 
@@ -52,7 +55,7 @@ def _ray(workers: WorkersConfig | None = None):
         WorkerError: Ray is not installed.
     """
     try:
-        import ray
+        import ray  # lazy: Ray is optional (installed for the resident workers only)
     except ImportError as exc:
         raise WorkerError("orchestration.workers=resident needs Ray: pip install 'prefect-rft[ray]'") from exc
     if not ray.is_initialized():
@@ -79,8 +82,6 @@ def worker_handle(pool: str, role: str, rank: int = 0):
 
 
 def _threads(workers: WorkersConfig) -> int:
-    import torch
-
     return workers.threads or torch.get_num_threads()
 
 
@@ -104,7 +105,7 @@ def actor_options(workers: WorkersConfig, role: str, *, cluster_gpus: float) -> 
     """The Ray actor options of each actor of ``role`` (every policy rank gets the same).
 
     Args:
-        workers: the pool's settings; ``workers.options[role]`` (``orchestration.worker_options``)
+        workers: the pool's settings; ``workers.options[role]`` (``ray.options``)
             overrides any default key, e.g. ``{num_gpus: 0.5}`` or ``{resources: {node_a: 1}}``.
         role: one of ``ROLES``; all of them hold a model.
         cluster_gpus: ``ray.cluster_resources().get("GPU", 0)``, GPUs of the whole cluster.
@@ -128,7 +129,7 @@ def actor_placement(_actor=None) -> dict[str, Any]:
     """Where the calling Ray worker process runs: node id and IP, the GPU ids Ray gave it
     (``ray.get_gpu_ids()``, what ``CUDA_VISIBLE_DEVICES`` lists) and its pid. Run inside an actor
     with ``actor.__ray_call__.remote(actor_placement)``."""
-    import ray
+    import ray  # lazy: Ray is optional (installed for the resident workers only)
 
     return {"node_id": ray.get_runtime_context().get_node_id(), "node_ip": ray.util.get_node_ip_address(),
             "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
@@ -210,7 +211,7 @@ def start_gang(workers: WorkersConfig, role: str) -> list:
 
 def _kill_gang(pool: str, role: str, gang: list) -> None:
     """End every rank of a gang (one that died leaves the others stuck in their collectives)."""
-    import ray
+    import ray  # lazy: Ray is optional (installed for the resident workers only)
 
     for r, a in enumerate(gang):
         _HANDLES.pop((pool, role, r), None)
@@ -241,7 +242,7 @@ def run_resident(inp, workers: WorkersConfig):
     if role is None:
         raise WorkerError(f"no resident worker runs {inp.program!r}")
     ray = _ray(workers)
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import RayActorError, RayTaskError  # lazy: Ray is optional
 
     for attempt in (0, 1):
         gang: list = []
@@ -278,7 +279,7 @@ def _live_gang(pool: str, role: str) -> list:
 def worker_stats(pool: str) -> dict[str, dict[str, Any]]:
     """Each live worker's counters (``ModelWorker.stats``), by role; {} without Ray running."""
     try:
-        import ray
+        import ray  # lazy: Ray is optional (installed for the resident workers only)
     except ImportError:
         return {}
     if not ray.is_initialized():
@@ -291,13 +292,11 @@ def worker_stats(pool: str) -> dict[str, dict[str, Any]]:
 
 
 def run_counters(pool: str | None) -> dict[str, float]:
-    """The event counters of a run so far (``rft_core.workers.memory.counts``) summed over this
+    """The event counters of a run so far (``rft_core.counters.counts``) summed over this
     process and, with ``pool`` (resident workers), its live workers: ``model_loads``,
     ``engine_builds``, ``weight_syncs``, ``weight_sync_seconds``, ``weight_sync_bytes``,
     ``recovered_updates``. Cumulative: the difference between two iterations is what the later
     one did."""
-    from rft_core.workers.memory import counts
-
     total: dict[str, float] = dict(counts())
     for stats in (worker_stats(pool) if pool else {}).values():
         for k, v in stats.items():
@@ -315,7 +314,7 @@ def stop_workers(pool: str) -> list[str]:
             stopped anyway; resuming the run recomputes that state).
     """
     try:
-        import ray
+        import ray  # lazy: Ray is optional (installed for the resident workers only)
     except ImportError:
         return []
     if not ray.is_initialized():

@@ -1,12 +1,15 @@
 """Rebuilding a policy trainer that lived only in memory (``checkpoint.every`` > 1): its base
 checkpoint loaded with its AdamW (or ZeRO) state, then the committed updates after it re-applied
-from their own input shards (``rft_core.workers.recovery`` finds the chain)."""
+from their own input shards (``rft_core.stages.recovery`` finds the chain)."""
 from __future__ import annotations
 
 import logging
 import time
 
-from rft_core.workers.trained import trained_digest
+from rft_core.stages.optimizer_state import optimizer_state_ref
+from rft_core.stages.recovery import RecoveryError, committed_digest, policy_chain, update_input_of
+from rft_core.stages.update import build_trainer, replay_update
+from rft_core.weightsync.trained import trained_digest
 from schemas import PolicyRef, ShardRef
 
 log = logging.getLogger("rft_core.workers")
@@ -24,14 +27,10 @@ def rebuild_trainer(ref: PolicyRef, inp, *, strict: bool = True):
         (trainer, report): ``report`` has ``base`` (its URI or path), ``replayed`` (updates
         re-applied) and ``seconds``.
     Raises:
-        RecoveryError: (``rft_core.workers.recovery``) a recorded input is missing, or a
+        RecoveryError: (``rft_core.stages.recovery``) a recorded input is missing, or a
             re-applied update's weights differ from its digest; ``OptimizerStateError`` / ``CheckpointPrunedError`` when
             the base checkpoint's AdamW state or weights are gone.
     """
-    from rft_core.stages.optimizer_state import optimizer_state_ref
-    from rft_core.stages.update import build_trainer, replay_update
-    from rft_core.workers.recovery import RecoveryError, committed_digest, policy_chain, update_input_of
-
     t0 = time.perf_counter()
     base, chain = policy_chain(ref)
     first = update_input_of(chain[0]) if chain else inp

@@ -9,7 +9,7 @@ Roles (``ROLE_OF_PROGRAM``):
 - ``rollout``: the rollout engine's copy of the policy, in ``policy.dtype``. Runs ``rollout``
   and ``actor_logprobs`` (both need the policy before the update). When a program asks for a
   policy version it does not hold, it pulls the weights from the policy worker
-  (``rft_core.workers.sync``: bucketed, under a timeout, digest-verified; its weights count as
+  (``rft_core.weightsync``: bucketed, under a timeout, digest-verified; its weights count as
   invalid until the sync has landed, so it never serves a half-updated model).
 - ``reference``: the reference model, loaded once per run. Runs ``ref_logprobs``.
 - ``critic``: the critic (value model) with its AdamW state. Runs ``critic_values`` (on the
@@ -19,40 +19,43 @@ Roles (``ROLE_OF_PROGRAM``):
 
 ``ModelWorker.run`` runs a stage program exactly as ``run_stage`` does in a stage process,
 inside ``models_from(self)``: the program asks this worker for its model
-(``rft_core.workers.memory``) instead of loading it, and commits the same shards under the same
+(``rft_core.stages.sources``) instead of loading it, and commits the same shards under the same
 config hash. A worker that starts (or restarts after a crash) holds nothing: its first program
 loads the model it needs from storage, and the trainer rebuilds a policy that was never
 written (``checkpoint.every`` > 1) from the last checkpoint by re-applying the committed updates
-after it (``rft_core.workers.recovery``).
+after it (``rft_core.stages.recovery``, ``rft_core.workers.rebuild``).
 
 The class is plain Python (tests drive it in-process); ``rft_core.workers.pool`` runs it as a
 Ray actor.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from rft_core.workers.cuda_ipc import export_cuda_ipc, import_cuda_ipc
-from rft_core.workers.memory import count, counts, models_from, version_key  # noqa: F401 - version_key re-exported
-from rft_core.workers.trained import strategy_device, trained_tensors
-from rft_core.workers.sync import (
-    SyncPlan,
-    WeightSyncError,
-    buffers_checksum,
-    copy_weights,
-    free_port,
-    host_address,
-    receive_weights,
-    send_weights,
-    state_tensors,
-    sync_device,
-)
+from rft_core.counters import count, counts
+from rft_core.models.hub import torch_dtype
+from rft_core.models.loading import load_causal_lm
+from rft_core.models.logprobs import default_device
+from rft_core.stages.checkpoints import policy_model_path
+from rft_core.stages.inprocess import run_in_process
+from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.stages.recovery import has_weights, weights_base
+from rft_core.stages.sources import critic_model, models_from, version_key
+from rft_core.stages.update import configure_trainer
+from rft_core.training.strategy import continue_with
+from rft_core.weightsync.choose import choose_transport, device_id, group_backend, transport
+from rft_core.weightsync.collective import free_port, host_address
+from rft_core.weightsync.plan import SyncPlan, WeightSyncError, state_tensors, sync_device
+from rft_core.weightsync.trained import strategy_device, trained_tensors
+from rft_core.workers.engine_sync import full_checkpoint, pull_into_engine
+from rft_core.workers.rebuild import rebuild_trainer
 from schemas import PolicyRef
 
 log = logging.getLogger("rft_core.workers")
@@ -75,13 +78,6 @@ def actor_name(pool: str, role: str, rank: int = 0) -> str:
 ROLE_OF_PROGRAM = {"ppo_update": "policy", "rollout": "rollout", "actor_logprobs": "rollout", "ref_logprobs": "reference",
                    "critic_values": "critic", "critic_update": "critic"}
 ROLES = ("policy", "rollout", "reference", "critic")
-
-
-def _device_id(device: torch.device) -> str:
-    """The physical device: "cpu", or the GPU's UUID (two processes on one GPU share it)."""
-    if device.type != "cuda":
-        return device.type
-    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 class ModelWorker:
@@ -122,7 +118,7 @@ class ModelWorker:
         self.held: Any = None  # policy: the rft_core.stages.update.PolicyTrainer it keeps
         self.critic_held: Any = None  # critic: its training strategy (model and AdamW state)
         self.critic_version: str | None = None
-        self._ipc_buffers: list | None = None
+        self._ipc = transport("cuda_ipc", timeout_s=sync_timeout_s)  # policy: what export_weights shares
         self._merged: str | None = None  # rollout: a LoRA checkpoint merged for a GPU engine (engine_policy)
         self._prepared: tuple[str | None, Any] | None = None  # policy: (version, tensors) of a prepared sync
         self.syncs: list[dict[str, Any]] = []
@@ -135,8 +131,6 @@ class ModelWorker:
         Raises:
             ValueError: a program this role does not run.
         """
-        from rft_core.stages.inprocess import run_in_process
-
         if ROLE_OF_PROGRAM.get(inp.program) != self.role:
             raise ValueError(f"the {self.role} worker does not run {inp.program!r} (it runs "
                              f"{', '.join(p for p, r in ROLE_OF_PROGRAM.items() if r == self.role)})")
@@ -144,7 +138,7 @@ class ModelWorker:
             return run_in_process(inp)
 
     def stats(self) -> dict[str, Any]:
-        """This worker's counters (``rft_core.workers.memory.counts``), its pid, role and the
+        """This worker's counters (``rft_core.counters.counts``), its pid, role and the
         version it holds."""
         return {**counts(), "role": self.role, "pid": os.getpid(), "version": self.version}
 
@@ -154,12 +148,10 @@ class ModelWorker:
         Raises:
             OptimizerStateError: a write failed (resuming the run recomputes that state).
         """
-        from rft_core.stages.optimizer_state import wait_for_optimizer_writes
-
         wait_for_optimizer_writes()
 
     def ping(self) -> int:
-        """The worker's pid (a liveness check)."""
+        """The worker's pid (a liveness check: tests/rft_core/training/test_deepspeed_update.py)."""
         return os.getpid()
 
     def rendezvous(self) -> dict[str, Any]:
@@ -181,8 +173,6 @@ class ModelWorker:
                 self.model, self.version, self.model_dtype = self._load(ref, dtype), key, dtype
             return self.model
         if self.model is None or self.model_dtype != dtype:
-            from rft_core.workers.recovery import weights_base
-
             base = weights_base(ref)
             self._kept.clear()
             self.model, self.model_dtype, self.version = self._load(base, dtype), dtype, version_key(base)
@@ -208,8 +198,6 @@ class ModelWorker:
             held, self.model = self.model, self._kept.pop(key)
             self._kept[self.version], self.version = held, key
             return
-        import copy
-
         copies = [*self._kept, self.version]
         if len(copies) < self.rollout_versions:
             self._kept[self.version], self.model = self.model, copy.deepcopy(self.model)
@@ -226,28 +214,39 @@ class ModelWorker:
         self.version, self._prepared = version_key(ref), None
 
     def engine_policy(self, engine, ref: PolicyRef) -> None:
-        """Make the rollout worker's GPU engine (``VLLMEngine``, ``SGLangEngine``, built once per
-        run by ``make_engine``) hold ``ref`` (``rft_core.workers.engine_sync.engine_policy``).
+        """``ModelSource.engine_policy``: make the rollout worker's GPU engine (``VLLMEngine``,
+        ``SGLangEngine``, built once per run by ``make_engine``) hold ``ref``: an in-memory sync
+        from the policy worker into the engine's own loader (``pull_into_engine``: the ``vllm`` or
+        ``sglang`` transport of ``rft_core.weightsync``; every rank of the policy gang takes
+        part, checksums compared, the engine invalid until it lands), or, when the trainer does
+        not hold ``ref`` and it is on storage (the initial model, a resume), its checkpoint
+        reloaded in place (``full_checkpoint``: a LoRA adapter merged first). A sync is counted
+        and recorded in ``syncs``.
 
         Raises:
             WeightSyncError: the sync failed or its checksums differ.
             WorkerError: the policy worker is not a Ray actor (an engine sync crosses processes).
         """
-        from rft_core.workers.engine_sync import engine_policy
-
         if isinstance(self.peer(), ModelWorker):
             raise WorkerError("a GPU engine receives its weights from the policy worker's process: run the workers as "
                               "Ray actors (rft_core.workers.pool)")
-        engine_policy(self, engine, ref)
+        key = version_key(ref)
+        if engine.weights_version == key:
+            return
+        rep = pull_into_engine(engine, ref, prepare=lambda r, dtype: self._call("prepare_weights", r, dtype=dtype),
+                               send_async=lambda r, **kw: self._call_async("send_weights", r, **kw), wait=self._wait,
+                               timeout_s=self.sync_timeout_s, bucket_mb=self.sync_bucket_mb)
+        if rep["status"] == "storage":
+            path, self._merged = full_checkpoint(ref, self._merged)
+            engine.load_policy(path)
+            return
+        self.record_sync(key, rep["bytes"], rep["seconds"], rep["backend"], rep["buckets"], engine=type(engine).__name__)
 
     # -- the critic worker ---------------------------------------------------------------------
     def critic_model(self, ref: PolicyRef, *, dtype: str) -> torch.nn.Module:
         """``ModelSource.critic_model``: the trained critic this worker holds when it holds
         ``ref`` in ``dtype`` (eval mode), else the critic loaded from storage (not kept: the
         update builds its own strategy)."""
-        from rft_core.models.hub import torch_dtype
-        from rft_core.workers.memory import critic_model
-
         held = self.critic_held
         if held is not None and self.critic_version == version_key(ref) and \
                 next(held.model.parameters()).dtype == torch_dtype(dtype):
@@ -258,8 +257,6 @@ class ModelWorker:
     def critic_strategy(self, ref: PolicyRef, build, *, lr: float, max_grad_norm: float):
         """``ModelSource.critic_strategy``: the kept strategy when it holds ``ref`` (continued
         with ``lr`` and ``max_grad_norm``), else ``build()`` (from storage), kept from now on."""
-        from rft_core.training.strategy import continue_with
-
         if self.critic_held is None or self.critic_version != version_key(ref):
             self.critic_held = None  # the old strategy is freed before the new one is loaded
             self.critic_held, self.critic_version = build(), version_key(ref)
@@ -272,10 +269,6 @@ class ModelWorker:
         self.critic_version = version_key(ref)
 
     def _load(self, ref: PolicyRef, dtype: str) -> torch.nn.Module:
-        from rft_core.models.loading import load_causal_lm
-        from rft_core.models.logprobs import default_device
-        from rft_core.stages.checkpoints import policy_model_path
-
         return load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device()).eval()
 
     # -- the policy worker: trainer and weight source -----------------------------------------
@@ -285,8 +278,6 @@ class ModelWorker:
         key = version_key(ref)
         if self.held is None or self.version != key:
             self.held = None
-            from rft_core.workers.rebuild import rebuild_trainer
-
             trainer, report = rebuild_trainer(ref, inp)
             count("recovered_updates", report["replayed"])
             self.held, self.version = trainer, key
@@ -300,8 +291,6 @@ class ModelWorker:
         With ``dtype`` (a receiver without an HF-named copy of the model of its own: a vLLM or
         SGLang engine) the answer also has ``plan``: the sync plan in that dtype
         (``SyncPlan.to_json``)."""
-        from rft_core.workers.recovery import has_weights
-
         if self.role != "policy":
             raise ValueError(f"the {self.role} worker holds no trainer")
         if (self.held is None or self.version != version_key(ref)) and (
@@ -309,8 +298,8 @@ class ModelWorker:
             return {"status": "storage"}
         trainer = self._ensure_trainer(ref)
         device = strategy_device(trainer.strategy)
-        ready = {"status": "ready", "addr": host_address(), "port": free_port(), "device": _device_id(device),
-                 "backend": "nccl" if device.type == "cuda" else "gloo"}
+        ready = {"status": "ready", "addr": host_address(), "port": free_port(), "device": device_id(device),
+                 "backend": group_backend(device)}
         if dtype is not None:
             tensors = self._send_tensors(keep=True)  # the send that follows uses them: one gather, one merge
             if tensors is not None:
@@ -347,15 +336,16 @@ class ModelWorker:
             return {}
         plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb)
         # the backend's device, not the tensors': a ZeRO-3 export is on the CPU, NCCL sends from the GPU
-        rep = send_weights(tensors, plan, addr=addr, port=port, backend=backend, timeout_s=self.sync_timeout_s,
-                           device=sync_device(backend), world_size=world_size)
+        rep = transport(backend, timeout_s=self.sync_timeout_s).send(tensors, plan, addr=addr, port=port,
+                                                                     device=sync_device(backend), world_size=world_size)
         return {"checksum": rep.digest, "digest": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds,
                 "buckets": rep.buckets}
 
     def export_weights(self, ref: PolicyRef, *, dtype: str) -> dict[str, Any]:
-        """CUDA IPC handles of ``ref``'s weights in ``dtype`` for a receiver on the same GPU,
-        packed on this rank's GPU (``sync_device("nccl")``: a ZeRO-3 export is on the CPU);
-        ``release_export`` frees the buffers once it has copied them. Under DeepSpeed every rank
+        """CUDA IPC handles of ``ref``'s weights in ``dtype`` for a receiver on the same GPU
+        (the ``cuda_ipc`` transport's ``prepare``), packed on this rank's GPU
+        (``sync_device("nccl")``: a ZeRO-3 export is on the CPU); ``release_export`` frees the
+        buffers once it has copied them. Under DeepSpeed every rank
         takes part in the gather and the ranks above 0 return ``{}`` (rank 0 exports)."""
         if self.version != version_key(ref):
             raise WeightSyncError(f"the policy worker holds {self.version}, not {version_key(ref)}")
@@ -363,21 +353,18 @@ class ModelWorker:
         if tensors is None:  # a rank above 0: it took part in the gather, rank 0 exports
             return {}
         plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb)
-        handles, self._ipc_buffers = export_cuda_ipc(tensors, plan, sync_device("nccl"))
-        return {"handles": handles, "digest": buffers_checksum(plan, self._ipc_buffers), "bytes": plan.payload_bytes}
+        return self._ipc.prepare(tensors, plan, device=sync_device("nccl"))
 
     def release_export(self) -> None:
-        """Free the buffers of the last ``export_weights``."""
-        self._ipc_buffers = None
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        """Free the buffers of the last ``export_weights`` (the ``cuda_ipc`` transport's ``finalize``)."""
+        self._ipc.finalize()
 
     # -- the rollout worker: pulling weights --------------------------------------------------
     def peer(self):
         """The pool's policy worker (a Ray actor handle, or the object given in tests)."""
         if self._peer is not None:
             return self._peer
-        import ray
+        import ray  # lazy: Ray is only needed when the workers are Ray actors
 
         try:
             return ray.get_actor(actor_name(self.pool, "policy"), namespace=NAMESPACE)
@@ -390,7 +377,7 @@ class ModelWorker:
         first = self.peer()
         if self.policy_ranks == 1 or isinstance(first, ModelWorker):
             return [first]
-        import ray
+        import ray  # lazy: Ray is only needed when the workers are Ray actors
 
         try:
             return [first, *(ray.get_actor(actor_name(self.pool, "policy", rank=r), namespace=NAMESPACE)
@@ -404,7 +391,7 @@ class ModelWorker:
 
     def _wait(self, futures: list):
         """Rank 0's result of ``_call_async``'s calls, after all of them (a failed rank raises)."""
-        import ray
+        import ray  # lazy: Ray is only needed when the workers are Ray actors
 
         return ray.get(futures, timeout=self.sync_timeout_s)[0]
 
@@ -428,21 +415,11 @@ class ModelWorker:
         target = state_tensors(self.model)
         plan = SyncPlan.of(target, bucket_mb=self.sync_bucket_mb)
         device = next(iter(target.values())).device
-        peer = self.peer()
-        if isinstance(peer, ModelWorker):  # both workers in this process (tests, the no-Ray driver): a memory copy
-            sent_rep, got = copy_weights(peer._send_tensors(), target, plan)
-            sent = {"digest": sent_rep.digest}
-        elif device.type == "cuda" and ready["device"] == _device_id(device):
-            sent = self._call("export_weights", ref, dtype=self.model_dtype)
-            try:
-                got = import_cuda_ipc(sent["handles"], target, plan)
-            finally:
-                self._call("release_export")
-        else:
-            got, sent = self._sync_group(ref, ready, target, plan)
-        if got.digest != sent["digest"]:
-            raise WeightSyncError(f"weight sync of {version_key(ref)}: the landed weights' digest {got.digest[:12]} "
-                                  f"differs from the sent {sent['digest'][:12]}")
+        name = choose_transport(backend=ready["backend"], sender_device=ready["device"], receiver_device=device,
+                                same_process=isinstance(self.peer(), ModelWorker))
+        got = transport(name, timeout_s=self.sync_timeout_s).receive(
+            target, plan, PolicySender(self, ref), what=f"weight sync of {version_key(ref)}", addr=ready["addr"],
+            port=ready["port"], dtype=self.model_dtype, who=self.role)
         self.version = version_key(ref)
         self._arrived[self.version] = max(self._arrived.values(), default=-1) + 1
         seconds = time.perf_counter() - t0
@@ -459,34 +436,46 @@ class ModelWorker:
         self.syncs.append({"version": version, "bytes": nbytes, "seconds": seconds, "backend": backend,
                            "buckets": buckets, **extra})
 
-    def _sync_group(self, ref: PolicyRef, ready: dict, target: dict, plan: SyncPlan):
-        """Receive ``ref`` over a two-rank process group while the policy worker sends it."""
-        kw = {"addr": ready["addr"], "port": ready["port"], "dtype": self.model_dtype, "backend": ready["backend"]}
-        device = next(iter(target.values())).device
-        if kw["backend"] == "nccl" and device.type != "cuda":  # before the sender starts and waits for us
-            raise WeightSyncError(f"weight sync of {version_key(ref)}: the policy worker sends over NCCL from its GPU but "
-                                  f"this {self.role} worker's model is on {device}: give the {self.role} role a GPU")
-        import ray
-
-        futs = self._call_async("send_weights", ref, **kw)
-        try:
-            got = receive_weights(target, plan, addr=kw["addr"], port=kw["port"], backend=kw["backend"],
-                                  timeout_s=self.sync_timeout_s)
-        except WeightSyncError:
-            for fut in futs:
-                ray.cancel(fut, force=False)
-            raise
-        try:
-            return got, self._wait(futs)
-        except Exception as exc:  # noqa: BLE001  the sender failed after the receiver finished
-            raise WeightSyncError(f"weight sync of {version_key(ref)}: the policy worker failed: {exc}") from exc
-
     # -- ModelSource.trainer -----------------------------------------------------------------
     def trainer(self, inp):  # type: ignore[no-redef]
         """``ModelSource.trainer``: the trainer holding ``inp.policy``, with this update's
         learning rate and clipping."""
-        from rft_core.stages.update import configure_trainer
-
         trainer = self._ensure_trainer(inp.policy, inp)
         configure_trainer(trainer, inp.update)
         return trainer
+
+
+class PolicySender:
+    """The rollout worker's handle on the policy worker's side of one sync of ``ref``
+    (``rft_core.weightsync.base.Sender``): the calls a transport makes, fanned out to every rank
+    of the policy gang (Ray) or made on the in-process policy worker (tests, the no-Ray driver)."""
+
+    def __init__(self, worker: ModelWorker, ref: PolicyRef) -> None:
+        self.worker, self.ref = worker, ref
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """The in-process policy worker's weights (the ``local`` transport)."""
+        return self.worker.peer()._send_tensors()
+
+    def start(self, **meet: Any) -> list:
+        """Start ``send_weights`` of ``ref`` on every policy rank (Ray object refs)."""
+        return self.worker._call_async("send_weights", self.ref, **meet)
+
+    def wait(self, started: list) -> dict[str, Any]:
+        """Rank 0's report of ``start``'s sends, after all of them (a failed rank raises)."""
+        return self.worker._wait(started)
+
+    def cancel(self, started: list) -> None:
+        """Cancel ``start``'s sends (the receiver failed)."""
+        import ray  # lazy: Ray is only needed when the workers are Ray actors
+
+        for fut in started:
+            ray.cancel(fut, force=False)
+
+    def export(self) -> dict[str, Any]:
+        """The policy worker's ``export_weights`` of ``ref`` in the receiver's dtype (CUDA IPC)."""
+        return self.worker._call("export_weights", self.ref, dtype=self.worker.model_dtype)
+
+    def release(self) -> None:
+        """The policy worker's ``release_export``."""
+        self.worker._call("release_export")

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("ray")
 pytest.importorskip("prefect_ray")
 
-from rft_core.config import RunnerConfig  # noqa: E402
+from rft_core.config import RayConfig, RunnerConfig  # noqa: E402
 from rft_core.stages import prompts as prompts_stage  # noqa: E402
 from rft_core.stages import rollout as rollout_stage  # noqa: E402
 from rft_core.stages.contracts import PromptsInput, RolloutInput  # noqa: E402
@@ -29,10 +29,10 @@ def test_two_ray_shards_union_equals_single_worker_rollout(prefect_harness, tiny
     single = rollout_stage.run(inp)
     # Ray workers default to 1 torch thread; the same thread count as here gives bit-equal matmuls
     threads = {"env_vars": {"OMP_NUM_THREADS": str(torch.get_num_threads())}}
-    runner = RunnerConfig(shards=2, ray_init_kwargs={"num_cpus": 2, "include_dashboard": False,
-                                                     "_node_ip_address": "127.0.0.1", "runtime_env": threads})
+    ray = RayConfig(init_kwargs={"num_cpus": 2, "include_dashboard": False, "_node_ip_address": "127.0.0.1",
+                                 "runtime_env": threads})
     out = str(tmp_path / "fanout" / "rollout")
-    merged = sharded_rollout(inp.model_copy(update={"out": out}), runner)
+    merged = sharded_rollout(inp.model_copy(update={"out": out}), RunnerConfig(shards=2), ray)
     assert merged.config_hash == single.config_hash and merged.num_rows == single.num_rows == 8
     want, _ = read_manifest(single.uri)
     got, _ = read_manifest(merged.uri)

@@ -33,10 +33,10 @@ def test_deepspeed_zero3_export_lands_on_the_cpu_on_rank_0_only():
 
 
 def test_torch_cuda_ipc_handle_carries_the_device_index_as_its_7th_argument():
-    """rft_core/workers/cuda_ipc.py rewrites argument 6 of torch's ``rebuild_cuda_tensor``."""
+    """rft_core/weightsync/cuda_ipc.py rewrites argument 6 of torch's ``rebuild_cuda_tensor``."""
     from torch.multiprocessing import reductions
 
-    from rft_core.workers.cuda_ipc import _DEVICE_ARG
+    from rft_core.weightsync.cuda_ipc import _DEVICE_ARG
 
     assert list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)[_DEVICE_ARG] == "storage_device"
 
@@ -118,6 +118,6 @@ def test_sglang_session_flush_and_loading_are_as_the_standin_models():
         set(engine_model.STACKED)
     assert 'logger.warning(f"Parameter {name} not found in params_dict")' in legacy  # unknown names skipped
     patch = _source("sglang", "sglang/srt/utils/patch_torch.py")
-    from rft_core.workers.cuda_ipc import _DEVICE_ARG
+    from rft_core.weightsync.cuda_ipc import _DEVICE_ARG
 
     assert f"_REDUCE_TENSOR_ARG_DEVICE_INDEX = {_DEVICE_ARG}" in patch

@@ -101,6 +101,9 @@ CASES = [
      ["reward.recipes.default", "'g'", "reward.sources"], "defined: f"),
     ("resident-blockers", {"orchestration.workers": "resident", "rollout.engine": "vllm", "rollout.max_staleness": 2},
      ["orchestration.workers=resident", "rollout.max_staleness=2", "rollout.engine=vllm"], "hf engine"),
+    ("resident-blockers", {"orchestration.workers": "resident", "runners.ppo_update.mode": "subprocess"},
+     ["runners.ppo_update sets how ppo_update starts a process of its own", "orchestration.workers=resident"],
+     "remove runners.ppo_update, or set orchestration.workers=stage"),
     # on-policy distillation (teacher)
     ("teacher-resident", {"teacher.path": "smollm2-135m-instruct", "orchestration.workers": "resident"},
      ["teacher.path='smollm2-135m-instruct'", "orchestration.workers=resident", "worker rework"],

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from rft_core.engines.vllm import WeightReloadExtension
-from rft_core.workers.sync import state_tensors
+from rft_core.weightsync.plan import state_tensors
 from tests.standins import sglang as sglang_standin
 from tests.standins import vllm as vllm_standin
 

@@ -14,7 +14,7 @@ from rft_core.engines.hf import HFEngine
 from rft_core.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, resolve_model_path
 from rft_core.models.logprobs import batched_response_logprobs, build_token_batch, response_logprobs
 from rft_core.training.strategy import SingleProcess, make_optimizer
-from rft_core.training.update import UpdateData, ppo_update
+from rft_core.training.update import UpdateData, UpdateSettings, ppo_update
 
 
 def test_token_batch_layout():
@@ -113,7 +113,7 @@ def test_update_micro_batch_invariance(tiny_model):
     for mb in (1, 4):
         model = load_causal_lm(tiny_model, trainable=True)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        steps = ppo_update(SingleProcess(model, opt, max_grad_norm=1e9), data, pad_token_id=2, micro_batch_size=mb)
+        steps = ppo_update(SingleProcess(model, opt, max_grad_norm=1e9), data, UpdateSettings(micro_batch_size=mb), pad_token_id=2)
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
         assert len(steps) == 1 and steps[0].num_tokens == 14
     base = torch.cat([p.detach().flatten() for p in load_causal_lm(tiny_model).parameters()])
@@ -126,7 +126,7 @@ def test_update_moves_logprobs_in_advantage_direction(tiny_model):
     data = _update_data(tiny_model)
     model = load_causal_lm(tiny_model, trainable=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    steps = ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, pad_token_id=2, micro_batch_size=2, epochs=2, train_batch_size=2)
+    steps = ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, UpdateSettings(micro_batch_size=2, epochs=2, train_batch_size=2), pad_token_id=2)
     assert len(steps) == 4 and {s.epoch for s in steps} == {0, 1}
     new = batched_response_logprobs(model, data.prompts, data.responses, pad_token_id=2)
     delta = [sum(n) - sum(o) for n, o in zip(new, data.old_logprobs)]
@@ -136,7 +136,7 @@ def test_update_moves_logprobs_in_advantage_direction(tiny_model):
 def test_update_rejects_empty_data(tiny_model):
     model = load_causal_lm(tiny_model, trainable=True)
     with pytest.raises(ValueError, match="no samples"):
-        ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0), UpdateData([], [], [], []), pad_token_id=2)
+        ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0), UpdateData([], [], [], []), UpdateSettings(), pad_token_id=2)
 
 
 def test_unreadable_model_path_is_named(tmp_path):
@@ -155,12 +155,12 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def _sgd_delta(tiny_model, data, *, lr=0.5, model=None, **kw):
+def _sgd_delta(tiny_model, data, *, lr=0.5, model=None, correction=None, **kw):
     """The parameter change of one plain-SGD update (no gradient clipping: linear in the loss)."""
     model = model or load_causal_lm(tiny_model, trainable=True)
     base = _flat(model)
     steps = ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=lr), max_grad_norm=1e9), data,
-                       pad_token_id=2, **kw)
+                       UpdateSettings(**kw), pad_token_id=2, correction=correction)
     return _flat(model) - base, steps
 
 
@@ -328,7 +328,7 @@ def test_entropy_bonus_raises_entropy(tiny_model):
     b = build_token_batch(data.prompts, data.responses, pad_token_id=2)
     with torch.no_grad():
         before = response_logprobs(model, b, with_entropy=True)[1][b.action_mask].mean()
-    ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=1.0), max_grad_norm=1.0), zero_adv, pad_token_id=2, entropy_coef=1.0, epochs=3)
+    ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=1.0), max_grad_norm=1.0), zero_adv, UpdateSettings(entropy_coef=1.0, epochs=3), pad_token_id=2)
     with torch.no_grad():
         after = response_logprobs(model, b, with_entropy=True)[1][b.action_mask].mean()
     assert after > before
@@ -369,7 +369,7 @@ def test_checkpoint_restores_optimizer_state_with_configured_lr(tiny_model, tmp_
     data = _update_data(tiny_model)
     model = load_causal_lm(tiny_model, trainable=True)
     opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0)
-    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, pad_token_id=2)
+    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, UpdateSettings(), pad_token_id=2)
     save_checkpoint(model, load_tokenizer(tiny_model), opt, tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".pt") == ["optimizer.pt"]
 

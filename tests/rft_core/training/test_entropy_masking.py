@@ -10,7 +10,7 @@ import torch
 
 from rft_core.models.loading import load_causal_lm
 from rft_core.training.strategy import SingleProcess
-from rft_core.training.update import UpdateData, ppo_update, rollout_correction_weights
+from rft_core.training.update import UpdateData, UpdateSettings, ppo_update, rollout_correction_weights
 
 PROMPTS = [[11, 12, 13], [21, 22, 23, 24, 25], [31, 32], [41, 42, 43, 44]]
 RESPONSES = [[101, 102, 103, 104], [201, 202], [301, 302, 303, 304, 305], [401, 402, 403]]  # 14 tokens
@@ -31,13 +31,13 @@ def _data() -> UpdateData:
                       rollout_logprobs=[[o - math.log(p) for o, p in zip(os, ps)] for os, ps in zip(old, RHO)])
 
 
-def _step(tiny_model, data: UpdateData, **kw) -> torch.Tensor:
+def _step(tiny_model, data: UpdateData, correction=None, **kw) -> torch.Tensor:
     """The parameter change of one plain SGD step (no clipping) of ``ppo_update`` with the entropy
     bonus alone: every advantage 0 gives the policy term value 0 and gradient 0, no KL."""
     model = load_causal_lm(tiny_model, trainable=True)
     base = _flat(model)
     ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=LR), max_grad_norm=1e9), data,
-               pad_token_id=2, entropy_coef=COEF, micro_batch_size=3, **kw)
+               UpdateSettings(entropy_coef=COEF, micro_batch_size=3, **kw), pad_token_id=2, correction=correction)
     return _flat(model) - base
 
 

@@ -11,7 +11,7 @@ from rft_core.models.loading import load_causal_lm
 from rft_core.models.logprobs import batched_response_logprobs
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.strategy import SingleProcess
-from rft_core.training.update import UpdateData, ppo_update
+from rft_core.training.update import UpdateData, UpdateSettings, ppo_update
 
 # per sample: the response's model/observation layout (1 = model token, 0 = observation token)
 MASKS = [[1, 1, 0, 0, 0, 1, 1], [1, 1, 1], [1, 0, 0, 1], [1, 1, 1, 1, 0, 0, 1]]
@@ -49,7 +49,7 @@ def _data(tiny_model: str, **changes) -> UpdateData:
 
 def _grads(tiny_model: str, data: UpdateData, **kwargs):
     strategy = GradRecorder(load_causal_lm(tiny_model, trainable=True))
-    steps = ppo_update(strategy, data, pad_token_id=2, micro_batch_size=2, **kwargs)
+    steps = ppo_update(strategy, data, UpdateSettings(micro_batch_size=2, **kwargs), pad_token_id=2)
     assert len(strategy.grads) == 1
     return strategy.grads[0], steps
 

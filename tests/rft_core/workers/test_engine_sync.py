@@ -24,11 +24,12 @@ from rft_core.engines.hf import HFEngine
 from rft_core.engines.sglang import SGLangEngine
 from rft_core.engines.vllm import VLLMEngine, WeightReloadExtension
 from rft_core.models.loading import load_causal_lm, load_tokenizer
-from rft_core.workers.checksum import CHUNK, M31, meta_digest, multipliers, name_weight, row_weights, word_sums
+from rft_core.weightsync import plan as sync_module
+from rft_core.weightsync.checksum import (CHUNK, M31, meta_digest, multipliers, name_weight, row_weights, sync_checksum,
+                                          word_sums)
+from rft_core.weightsync.collective import free_port, receive_weights, send_weights
+from rft_core.weightsync.plan import SyncPlan, WeightSyncError, buffers_checksum, state_tensors
 from rft_core.workers.engine_sync import pull_into_engine
-from rft_core.workers import sync as sync_module
-from rft_core.workers.sync import (SyncPlan, WeightSyncError, buffers_checksum, free_port, receive_weights, send_weights,
-                                   state_tensors, sync_checksum)
 from tests.rft_core.engines.fakes import HFBackedLLM, SamplingParams
 from tests.standins import sglang as sglang_standin
 from tests.standins import vllm as vllm_standin
@@ -472,7 +473,7 @@ def test_make_engine_takes_the_weights_from_the_resident_worker(tiny_model, monk
     from rft_core.engines import release_engine
     from rft_core.engines import vllm as vllm_module
     from rft_core.stages.rollout import make_engine
-    from rft_core.workers.memory import models_from
+    from rft_core.stages.sources import models_from
 
     built = []
     monkeypatch.setattr(vllm_module, "build_llm", lambda **kw: built.append(kw) or HFBackedLLM(
@@ -510,7 +511,8 @@ def test_resident_rollout_worker_syncs_its_vllm_engine_from_the_policy_actor(tin
     from rft_core.config import WorkersConfig
     from rft_core.stages.runner import run_stage
     from rft_core.workers.pool import run_resident, stop_workers
-    from rft_core.workers.resident import ModelWorker, version_key
+    from rft_core.stages.sources import version_key
+    from rft_core.workers.resident import ModelWorker
     from tests.drive import drive
     from tests.tiny import build_tiny_model
     from tests.varying import assert_advantages_vary, assert_update_signal, assert_weights_moved, varying_config
@@ -538,7 +540,7 @@ def test_resident_rollout_worker_syncs_its_vllm_engine_from_the_policy_actor(tin
 
 
 def test_checksum_methods_follow_the_backend_and_refuse_out_of_order_tensors():
-    from rft_core.workers.checksum import Checksum, checksum_method
+    from rft_core.weightsync.checksum import Checksum, checksum_method
 
     assert [checksum_method(b) for b in ("gloo", "local", "nccl", "cuda_ipc")] == ["sha256", "sha256", "device", "device"]
     t = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, dtype=torch.bfloat16)}

@@ -1,6 +1,6 @@
 """Resident workers' Ray options (issue 36): every model role gets a GPU by default when the
 cluster has GPUs, the rollout worker of vLLM/SGLang its tensor-parallel GPUs, a one-GPU
-cluster shares its GPU, ``orchestration.worker_options`` overrides any of it; where each actor
+cluster shares its GPU, ``ray.options`` overrides any of it; where each actor
 landed is logged, and an actor Ray cannot place fails naming the role instead of waiting forever.
 
 The cluster test runs a real Ray cluster (``ray.cluster_utils.Cluster``) whose node declares 2
@@ -47,9 +47,9 @@ def test_worker_options_override_the_defaults():
 
 
 def test_the_config_reaches_the_pool():
-    """orchestration.worker_options -> TrainConfig.runner -> WorkersConfig.options, per stage."""
-    cfg = TrainConfig(run_root="/tmp/r", orchestration={"workers": "resident",
-                                                        "worker_options": {"rollout": {"num_gpus": 2}}})
+    """ray.options -> TrainConfig.runner -> WorkersConfig.options, per stage."""
+    cfg = TrainConfig(run_root="/tmp/r", orchestration={"workers": "resident"},
+                      ray={"options": {"rollout": {"num_gpus": 2}}})
     workers = cfg.runner("rollout").workers
     assert actor_options(workers, "rollout", cluster_gpus=8) == {"num_cpus": 0, "num_gpus": 2}
     assert actor_options(cfg.runner("ppo_update").workers, "policy", cluster_gpus=8) == {"num_cpus": 0, "num_gpus": 1}

@@ -15,11 +15,11 @@ import torch
 from rft_core.config import load_config
 from rft_core.models.loading import load_causal_lm
 from rft_core.stages.checkpoints import WeightlessPolicyError, policy_model_path
-from rft_core.workers import sync as sync_module
-from rft_core.workers.memory import COUNTS
-from rft_core.workers.recovery import WEIGHTS_DIGEST_KEY, has_weights, policy_chain
+from rft_core.weightsync import local as sync_module
+from rft_core.counters import COUNTS
+from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, has_weights, policy_chain
 from rft_core.workers.resident import ROLE_OF_PROGRAM, ModelWorker
-from rft_core.workers.sync import WeightSyncError
+from rft_core.weightsync.plan import WeightSyncError
 from schemas import ShardRef, read_manifest, stage_uri
 from tests.drive import drive
 from tests.varying import assert_training_signal, reward_args
@@ -212,7 +212,7 @@ def test_an_engine_sync_takes_the_weights_its_plan_was_made_from(tiny_model, tmp
     weights and keeps them for the send that follows: a ZeRO-3 gather or a LoRA merge runs once
     per sync, and only once is kept."""
     from rft_core.workers import resident as resident_module
-    from rft_core.workers.sync import SyncPlan
+    from rft_core.weightsync.plan import SyncPlan
 
     cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")
     pool = _pool()

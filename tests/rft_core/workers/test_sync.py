@@ -1,4 +1,4 @@
-"""Weight sync (rft_core.workers.sync): the plan, the two-rank gloo transaction (exact bytes,
+"""Weight sync (rft_core.weightsync): the plan, the two-rank gloo transaction (exact bytes,
 dtype casts, digests), and its failures (layout mismatch, a peer that never comes)."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from rft_core.workers.sync import (SyncPlan, WeightSyncError, free_port, receive_weights, send_weights, state_tensors,
-                                   sync_checksum, weights_digest)
+from rft_core.weightsync.checksum import sync_checksum
+from rft_core.weightsync.collective import free_port, receive_weights, send_weights
+from rft_core.weightsync.plan import SyncPlan, WeightSyncError, state_tensors, weights_digest
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:

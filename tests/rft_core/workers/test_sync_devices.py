@@ -23,11 +23,13 @@ import pytest
 import torch
 
 from rft_core.models.loading import load_causal_lm
-from rft_core.workers import resident
-from rft_core.workers import sync as sync_module
-from rft_core.workers.memory import version_key
+from rft_core.stages.sources import version_key
+from rft_core.weightsync import collective
+from rft_core.weightsync import collective as sync_module
+from rft_core.weightsync import cuda_ipc
+from rft_core.weightsync.collective import free_port
+from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
 from rft_core.workers.resident import ModelWorker
-from rft_core.workers.sync import SyncPlan, SyncReport, WeightSyncError, free_port
 from tests.standins.deepspeed import zero3_strategy
 from tests.standins.nccl import (StandInNCCL, WatchdogTeardown, check_gpu_device, check_gpu_single_tensor,
                                  host_memory_is_gpu, nccl_standin)
@@ -74,7 +76,7 @@ def test_zero3_gang_sync_over_nccl_sends_from_the_ranks_gpu(tiny_model, on_gpu, 
         check_gpu_device(device)  # ProcessGroupNCCL's check of every bucket it is handed (packed on `device`)
         return SyncReport(plan.payload_bytes, 0.0, len(plan.bucket_sizes), "digest", backend)
 
-    monkeypatch.setattr(resident, "send_weights", send_over_nccl)
+    monkeypatch.setattr(collective, "send_weights", send_over_nccl)
     rep = worker.send_weights(REF, addr="127.0.0.1", port=1, dtype="bfloat16", backend="nccl")
     assert rep["digest"] == "digest"
     assert sent[0]["device"] == torch.device("cuda", 0)
@@ -106,8 +108,8 @@ def test_cuda_ipc_under_deepspeed_every_rank_exports_and_rank_0_packs_on_its_gpu
         torch.cuda.synchronize(device)  # what export_cuda_ipc does after packing
         return [("handle", i) for i in range(len(plan.bucket_sizes))], ["buffer"]
 
-    monkeypatch.setattr(resident, "export_cuda_ipc", export)
-    monkeypatch.setattr(resident, "buffers_checksum", lambda plan, buffers: "checksum")
+    monkeypatch.setattr(cuda_ipc, "export_cuda_ipc", export)
+    monkeypatch.setattr(cuda_ipc, "buffers_checksum", lambda plan, buffers: "checksum")
     rank1 = _policy_worker(tiny_model, rank=1)
     assert rank1.export_weights(REF, dtype="bfloat16") == {}
     assert rank1.held.strategy.model.exports == 1  # it took part in the gather
@@ -182,8 +184,6 @@ def test_cuda_ipc_handle_opens_on_the_receivers_index_of_the_senders_gpu(on_gpu,
     by UUID and the receiver opens it on its own index of that GPU (1), as SGLang does
     (sglang/srt/utils/patch_torch.py, 0.5.23)."""
     from torch.multiprocessing import reductions
-
-    from rft_core.workers import cuda_ipc
 
     physical = {"sender": ["GPU-A", "GPU-B"], "receiver": ["GPU-B", "GPU-A"]}  # CUDA_VISIBLE_DEVICES orders
     side = {"now": "sender"}

@@ -1,4 +1,5 @@
-"""A weight sync between two processes on one GPU (``rft_core.workers.sync``'s plan and buckets):
+"""The CUDA IPC transport (``cuda_ipc``): a weight sync between two processes on one GPU
+(``rft_core.weightsync.plan``'s plan and buckets):
 NCCL refuses two ranks on one GPU, so the sender shares its packed buckets as CUDA IPC handles
 and the receiver copies from them, as verl's and OpenRLHF's colocated modes do.
 
@@ -18,8 +19,11 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
+from torch.multiprocessing import reductions
 
-from rft_core.workers.sync import SyncPlan, SyncReport, WeightSyncError, _pack, _unpack, check_fits, sync_checksum
+from rft_core.weightsync.base import Sender, Transport, register, verify_digest
+from rft_core.weightsync.checksum import sync_checksum
+from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError, _pack, _unpack, buffers_checksum, check_fits
 
 _DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, storage_device, ...)
 
@@ -47,8 +51,6 @@ def device_index(uuid: str) -> int:
 def share_cuda_ipc(buffer: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
     """The CUDA IPC handle of ``buffer`` (a CUDA tensor): torch's ``reduce_tensor`` answer
     (rebuild function, arguments) with the device index replaced by the device's UUID."""
-    from torch.multiprocessing import reductions
-
     rebuild, args = reductions.reduce_tensor(buffer)
     return rebuild, (*args[:_DEVICE_ARG], device_uuid(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1:])
 
@@ -102,3 +104,52 @@ def import_cuda_ipc(handles: Iterable, target: Mapping[str, torch.Tensor], plan:
         torch.cuda.synchronize()
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
                       digest=sync_checksum(target), backend="cuda_ipc")
+
+
+@register
+class CudaIpc(Transport):
+    """Two processes on one GPU: the sender ``prepare``s its packed buckets as CUDA IPC handles
+    (``export_cuda_ipc``) and keeps them until ``finalize``; the receiver copies from them."""
+
+    name = "cuda_ipc"
+    device = "one GPU shared by both processes"
+    upstream = "torch/multiprocessing/reductions.py (reduce_tensor, rebuild_cuda_tensor)"
+
+    def __init__(self, *, timeout_s: float = 300.0) -> None:
+        super().__init__(timeout_s=timeout_s)
+        self._buffers: list | None = None
+
+    def prepare(self, tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, device: torch.device | str) -> dict:
+        """Pack ``tensors`` on the CUDA ``device`` and share them: ``{"handles", "digest"
+        (``buffers_checksum`` of the weights as sent), "bytes"}``; the buffers are kept until
+        ``finalize``.
+
+        Raises:
+            WeightSyncError: the tensors do not fit the plan.
+            ValueError: ``device`` is not a CUDA device.
+        """
+        handles, self._buffers = export_cuda_ipc(tensors, plan, device)
+        return {"handles": handles, "digest": buffers_checksum(plan, self._buffers), "bytes": plan.payload_bytes}
+
+    def finalize(self) -> None:
+        """Free the buffers of the last ``prepare`` (and the CUDA cache)."""
+        self._buffers = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def receive(self, into: Mapping[str, torch.Tensor], plan: SyncPlan, sender: Sender, *, what: str,
+                **meet: Any) -> SyncReport:
+        """Take the sender's handles (``sender.export()``), copy them into ``into``
+        (``import_cuda_ipc``), let the sender free them (``sender.release()``), check the checksums.
+
+        Raises:
+            WeightSyncError: ``into`` does not fit the plan, the sender's GPU is not visible
+                here, or the checksums differ.
+        """
+        sent = sender.export()
+        try:
+            got = import_cuda_ipc(sent["handles"], into, plan)
+        finally:
+            sender.release()
+        verify_digest(got.digest, sent["digest"], what)
+        return got

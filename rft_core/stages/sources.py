@@ -3,8 +3,8 @@ storage.
 
 A stage program asks for its model through the functions here; outside a resident worker they
 load it from storage exactly as before (``policy_model_path`` + ``load_causal_lm``), inside one
-(``models_from(source)``, set by ``rft_core.workers.resident.ModelWorker`` around each program
-it runs) they hand out the worker's resident copy, synced to the requested policy first. The
+(``models_from(source)``, set by the resident worker, ``rft_core.workers.resident.ModelWorker``,
+around each program it runs) they hand out the worker's resident copy, synced to the requested policy first. The
 programs, their inputs, config hashes and shards are the same either way: only where the
 weights come from differs.
 """
@@ -14,7 +14,11 @@ import contextlib
 import contextvars
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
-from rft_core.workers.counters import COUNTS, count, counts  # noqa: F401 - re-exported
+from rft_core.models.critic import load_critic
+from rft_core.models.loading import load_causal_lm
+from rft_core.models.logprobs import default_device
+from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_model_path
+from rft_core.stages.recovery import weights_base
 from schemas import PolicyRef
 
 if TYPE_CHECKING:
@@ -24,7 +28,8 @@ if TYPE_CHECKING:
 
 
 class ModelSource(Protocol):
-    """What a resident worker provides to the stage programs it runs."""
+    """What a resident worker provides to the stage programs it runs (``rft_core.workers``
+    implements it; the stage programs only see this protocol)."""
 
     def inference_model(self, ref: PolicyRef, *, dtype: str, role: str) -> "torch.nn.Module":
         """The model of ``ref`` (``role``: "policy" or "reference") in ``dtype`` on the worker's
@@ -45,6 +50,15 @@ class ModelSource(Protocol):
 
     def critic_trained(self, ref: PolicyRef) -> None:
         """The critic's strategy now holds the critic committed as ``ref``."""
+
+    def engine_policy(self, engine: Any, ref: PolicyRef) -> None:
+        """Make the rollout's GPU engine (``VLLMEngine``, ``SGLangEngine``, built once per run by
+        ``rft_core.stages.rollout.make_engine``) hold exactly ``ref``: an in-memory weight sync
+        (``rft_core.weightsync``) or, when ``ref`` is on storage and not held, a reload.
+
+        Raises:
+            WeightSyncError: the sync failed or its checksums differ (the engine is then invalid).
+        """
 
 
 def version_key(ref: PolicyRef) -> str:
@@ -82,10 +96,6 @@ def inference_model(ref: PolicyRef, *, dtype: str, role: str = "policy") -> "tor
     source = current_source()
     if source is not None:
         return source.inference_model(ref, dtype=dtype, role=role)
-    from rft_core.models.loading import load_causal_lm
-    from rft_core.models.logprobs import default_device
-    from rft_core.stages.checkpoints import policy_model_path
-
     return load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device())
 
 
@@ -100,10 +110,6 @@ def critic_model(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
     source = current_source()
     if source is not None:
         return source.critic_model(ref, dtype=dtype)
-    from rft_core.models.critic import load_critic
-    from rft_core.models.logprobs import default_device
-    from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_model_path
-
     return load_critic(policy_model_path(ref, CRITIC_SUBDIR), dtype=dtype).to(default_device())
 
 
@@ -132,7 +138,4 @@ def config_folder(ref: PolicyRef) -> str:
     Raises:
         CheckpointPrunedError, ShardCorruptError: see ``policy_model_path``.
     """
-    from rft_core.stages.checkpoints import policy_model_path
-    from rft_core.workers.recovery import weights_base
-
     return policy_model_path(weights_base(ref))

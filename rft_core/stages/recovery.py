@@ -1,7 +1,7 @@
 """Exact recovery of a policy that lived only in memory (``checkpoint.every`` > 1).
 
 Between checkpoints a ``ppo_update`` commits its metrics but no weights; its manifest records
-the digest of the weights it produced (``weights_sha256``, ``rft_core.workers.sync.weights_digest``)
+the digest of the weights it produced (``weights_sha256``, ``rft_core.weightsync.plan.weights_digest``)
 and its own input (``update_input``: the ``PPOUpdateInput``, whose ``policy`` names the update
 before it). So every such policy has a chain back to the last policy whose weights are on
 storage (a checkpoint, or the initial model): ``policy_chain``. ``rebuild_trainer`` loads that
@@ -9,12 +9,14 @@ checkpoint with its AdamW state, exactly as ``workers=stage`` does, then re-appl
 committed update after it from its own committed input shards (rollout, advantages, log-probs:
 no rollout is regenerated) through the same training code, and checks each result against the
 committed digest (``rft_core.workers.rebuild.rebuild_trainer``; this module only reads
-manifests, so the stage programs can import it). On the CPU the updates are deterministic, so the rebuilt weights and AdamW
-state are those of the uninterrupted run, bit for bit; a digest that differs (a nondeterministic
+manifests: the stage programs own it, the workers import it). On the CPU the updates are
+deterministic, so the rebuilt weights and AdamW state are those of the uninterrupted run, bit
+for bit; a digest that differs (a nondeterministic
 GPU kernel) stops with ``RecoveryError`` unless the caller accepts the difference.
 """
 from __future__ import annotations
 
+from rft_core.stages.contracts import PPOUpdateInput
 from schemas import PolicyRef, ShardRef, read_manifest
 
 WEIGHTS_DIGEST_KEY = "weights_sha256"
@@ -39,8 +41,6 @@ def update_input_of(ref: ShardRef):
         RecoveryError: the manifest records no input (an update that wrote its weights, or one
             written by an older version).
     """
-    from rft_core.stages.contracts import PPOUpdateInput
-
     summary = read_manifest(ref.uri)[0].summary
     if UPDATE_INPUT_KEY not in summary:
         raise RecoveryError(f"{ref.uri}: this update kept its weights in memory but its manifest does not record its "

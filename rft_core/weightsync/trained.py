@@ -3,9 +3,12 @@ inference model holds them (LoRA adapters merged, ZeRO partitions gathered) and 
 Imported by the update stage program and the resident workers alike (no Ray, no Prefect)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from rft_core.workers.sync import state_tensors, weights_digest
+from rft_core.training.strategy import DeepSpeedStrategy
+from rft_core.weightsync.plan import state_tensors, weights_digest
 
 
 def inference_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -16,13 +19,11 @@ def inference_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     load; the float32 adapters round-trip the checkpoint exactly), so a resident LoRA run is
     bit-identical to a stage-mode one. The copy costs one more model in memory during a sync."""
     try:
-        from peft import PeftModel
+        from peft import PeftModel  # lazy: peft is heavy and only a trained model needs it
     except ImportError:  # pragma: no cover - peft is a dependency
         PeftModel = ()  # noqa: N806
     if not isinstance(model, PeftModel):
         return state_tensors(model)
-    import copy
-
     with torch.no_grad():
         merged = copy.deepcopy(model).merge_and_unload()
     return state_tensors(merged)
@@ -43,9 +44,7 @@ def trained_tensors(strategy) -> dict[str, torch.Tensor] | None:
     a ZeRO-3 parameter has no storage of its own outside a gather). Where they are: the model's
     device, except under ZeRO-3, whose consolidated state dict is on the CPU
     (``param.detach().cpu()``, deepspeed/runtime/engine.py 0.19.8); a sync packs them onto its
-    backend's device bucket by bucket (``rft_core.workers.sync.sync_device``)."""
-    from rft_core.training.strategy import DeepSpeedStrategy
-
+    backend's device bucket by bucket (``rft_core.weightsync.plan.sync_device``)."""
     if not isinstance(strategy, DeepSpeedStrategy):
         return inference_tensors(strategy.model)
     full = strategy.full_state_dict()
@@ -64,8 +63,6 @@ def trained_digest(strategy) -> str | None:
     trainer's own tensors in one process (a LoRA model's adapters and base, ``state_tensors``),
     of the gathered weights under DeepSpeed (``trained_tensors``: a collective, None on ranks
     above 0)."""
-    from rft_core.training.strategy import DeepSpeedStrategy
-
     if not isinstance(strategy, DeepSpeedStrategy):
         return weights_digest(state_tensors(strategy.model))
     tensors = trained_tensors(strategy)
