@@ -13,20 +13,20 @@ from rft_core.training.update import UpdateSettings
 def _config() -> UpdateConfig:
     """An update section whose every field that the update reads differs from its default."""
     return UpdateConfig.model_validate({
-        "policy_loss": {"name": "gmpo", "clip_low": 0.1, "clip_high": 0.3}, "loss_agg": "seq-mean-token-sum-norm",
+        "policy_loss": {"name": "cpgd", "clip_low": 0.1, "clip_high": 0.3}, "loss_agg": "seq-mean-token-sum-norm",
         "loss_norm_tokens": 7, "epochs": 3, "train_batch_size": 5, "micro_batch_size": 2, "entropy_coef": 0.01,
         "entropy_top_fraction": 0.2, "entropy_filter_norm": "kept", "dropout": True, "cpgd_drift_coef": 0.5,
-        "seed": 11, "packing": False})
+        "seed": 11, "packing": True})
 
 
 def test_of_carries_every_setting_of_the_config_sections():
     cfg = _config()
     got = UpdateSettings.of(cfg, KLConfig(kl_coef=0.3, mode="loss", estimator="k2", kl_clamp=4.0), temperature=0.7)
     assert got == UpdateSettings(
-        policy_loss="gmpo", policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss), loss_agg="seq-mean-token-sum-norm",
+        policy_loss="cpgd", policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss), loss_agg="seq-mean-token-sum-norm",
         loss_norm_tokens=7, kl_coef=0.3, kl_estimator="k2", kl_clamp=4.0, entropy_coef=0.01, entropy_top_fraction=0.2,
         entropy_filter_norm="kept", cpgd_drift_coef=0.5, dropout=True, epochs=3, train_batch_size=5,
-        micro_batch_size=2, temperature=0.7, seed=11, packing=False)
+        micro_batch_size=2, temperature=0.7, seed=11, packing=True)
     assert got.policy_loss_kwargs["clip_low"] == 0.1 and got.policy_loss_kwargs["clip_high"] == 0.3
     # the test can fail: every setting differs from UpdateSettings' default, so a field not carried shows
     defaults = UpdateSettings()
