@@ -1,7 +1,7 @@
 """A local deployment stack for ``rft serve``: a Prefect server, the process work pool, the `gpu`
 tag concurrency limit, the deployments of prefect.yaml, and a worker.
 
-Each step is the Prefect CLI command the README gives (``prefect server start``,
+Each step is the Prefect CLI command docs/deploy.md gives (``prefect server start``,
 ``prefect work-pool create local --type process``, ``prefect concurrency-limit create gpu 1``,
 ``prefect deploy --all``, ``prefect worker start --pool local``), run as a subprocess of this
 Python with ``PREFECT_API_URL`` pointing at the server, so ``serve`` does nothing a user could
