@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
+from rft_core.stages.optimizer_state import optimizer_commit
 from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY
 from rft_core.stages.retention import WEIGHT_SUFFIXES
 from schemas import ShardError, ShardRef, filesystem, pruned_files, read_manifest, read_shard, stage_uri
@@ -54,8 +55,6 @@ def _checkpoint_kind(uri: str, manifest, pruned: dict) -> str:
     ``pruned``, or ``in memory`` (``checkpoint.every`` > 1: the weights stayed in the resident
     workers; its manifest records their digest, and a resume rebuilds them from the checkpoint
     before it)."""
-    from rft_core.stages.optimizer_state import optimizer_commit
-
     weights = [f.path for f in manifest.files if f.path.startswith("policy/") and f.path.endswith(WEIGHT_SUFFIXES)]
     if not weights:
         return "in memory" if WEIGHTS_DIGEST_KEY in manifest.summary else "-"

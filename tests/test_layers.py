@@ -8,11 +8,15 @@ inside a function):
 - inside ``rft_core``, a package imports only its own floor and the floors below it
   (``RFT_CORE_FLOORS``: the workers above the stages, the weight sync below the engines), except
   the at most 2 upward imports listed in ``UPWARD_IMPORTS`` and in docs/architecture.md;
-- no import cycle between the project's modules.
+- no import cycle between the project's modules;
+- no import of the project's own modules inside a function in ``rft_core`` that only dodges a
+  cycle: each one says why it is lazy in a ``# lazy:`` comment on its line (an optional heavy
+  package, or the documented upward import).
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -48,7 +52,6 @@ RFT_CORE_FLOORS: tuple[tuple[str, ...], ...] = (
 # docs/architecture.md; at most 2
 UPWARD_IMPORTS = {
     ("rft_core.config.agents", "rft_core.agents.env"),
-    ("rft_core.data.validate", "rft_core.config.rules"),
 }
 
 
@@ -218,6 +221,60 @@ def test_checkers_see_violations(tmp_path):
     assert _violations("flows", mods) == {"flows.a": ["rft_core.stages", "rft_core.stages.runner"]}
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+LAZY_COMMENT = re.compile(r"#\s*lazy:")
+
+
+def _unmarked_local_imports(path: Path) -> list[int]:
+    """Line of each import of the project's own modules (``PACKAGES``, or relative) inside a
+    function of ``path`` (nested functions and methods included) with no ``# lazy:`` comment on
+    any line of the import statement."""
+    source = path.read_text()
+    lines = source.splitlines()
+    out: list[int] = []
+
+    def own(node: ast.Import | ast.ImportFrom) -> bool:
+        if isinstance(node, ast.ImportFrom):
+            return node.level > 0 or (node.module or "").split(".")[0] in PACKAGES
+        return any(a.name.split(".")[0] in PACKAGES for a in node.names)
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if (in_function and isinstance(child, (ast.Import, ast.ImportFrom)) and own(child)
+                    and not any(LAZY_COMMENT.search(lines[i - 1]) for i in range(child.lineno, child.end_lineno + 1))):
+                out.append(child.lineno)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(source, filename=str(path)), False)
+    return out
+
+
+def test_function_local_imports_say_why():
+    """An import of the project's own modules inside a function in rft_core (rft_core/workers/
+    included) only dodging a cycle means the code is in the wrong place (issue 37, item 2): it
+    goes to module top, or the code moves; one that stays says why on its line (``# lazy:``)."""
+    bad = [f"{path.relative_to(ROOT)}:{line}" for path in sorted((ROOT / "rft_core").rglob("*.py"))
+           for line in _unmarked_local_imports(path)]
+    assert not bad, f"function-local imports of the project's modules without a '# lazy: <why>' comment: {bad}"
+
+
+def test_local_import_checker_sees_violations(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from rft_core.config import load_config\n"           # 1 module top: fine
+                 "def f():\n"
+                 "    import torch\n"                                   # 3 not the project's: fine
+                 "    from rft_core.models.hub import torch_dtype\n"   # 4
+                 "    from rft_core.engines.vllm import (  # lazy: vllm\n"
+                 "        get_vllm_engine)\n"                           # 5-6 marked: fine
+                 "class C:\n"
+                 "    def m(self):\n"
+                 "        def inner():\n"
+                 "            import schemas.columns\n"                 # 10
+                 "        from . import sibling\n"                      # 11
+                 "        from rft_core import x  # not lazy: no marker\n"  # 12
+                 "        import rft_core.agents  # lazy: upward import\n")  # 13 marked: fine
+    assert _unmarked_local_imports(f) == [4, 10, 11, 12]
 
 
 def test_orchestration_functions_are_short():

@@ -34,6 +34,8 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ValidationError
 
 from rft_core.registry import Registry
+from rft_core.rewards.base import RewardError
+from rft_core.rewards.user import load_function
 
 
 class EnvError(RuntimeError):
@@ -142,9 +144,6 @@ def load_environment_class(spec: str) -> type:
             raise EnvConfigError(f"unknown environment {spec!r}; valid names: {', '.join(ENVIRONMENTS.names())}, "
                                  "or 'path/to/file.py:Class' / 'package.module:Class'")
         return ENVIRONMENTS[spec]
-    from rft_core.rewards.base import RewardError
-    from rft_core.rewards.user import load_function
-
     try:
         cls = load_function(spec, kind="environment")
     except RewardError as exc:

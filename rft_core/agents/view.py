@@ -12,6 +12,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rft_core.models.loading import load_tokenizer
+from schemas import ShardError, read_shard, stage_uri
+
 __all__ = ["render_trajectory", "sample_text", "segments"]
 
 
@@ -110,8 +113,6 @@ def sample_text(run_root: str, iteration: int, sample_id: str, *, tokenizer: Any
     import fsspec
     import pyarrow.compute as pc
 
-    from schemas import ShardError, read_shard, stage_uri
-
     rollout = read_shard(stage_uri(run_root, iteration, "rollout"), stage="rollout")
     hit = rollout.filter(pc.equal(rollout.column("sample_id"), sample_id))
     if hit.num_rows == 0:
@@ -130,7 +131,5 @@ def sample_text(run_root: str, iteration: int, sample_id: str, *, tokenizer: Any
         fs, path = fsspec.core.url_to_fs(f"{stage_uri(run_root, iteration, 'ppo_update')}/policy")
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
         if "file" in protocols and fs.exists(f"{path}/tokenizer_config.json"):
-            from rft_core.models.loading import load_tokenizer
-
             tokenizer = load_tokenizer(path)
     return render_trajectory(row, tokenizer=tokenizer, **extra)

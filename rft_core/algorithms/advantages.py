@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from rft_core.algorithms.masked import masked_whiten
 from rft_core.registry import Registry
 
 AdvantageEstimator = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -310,8 +311,6 @@ def rloo_advantages(
 
 
 def _whiten_if(adv: torch.Tensor, action_mask: torch.Tensor, whiten: bool, eps: float) -> torch.Tensor:
-    from rft_core.algorithms.masked import masked_whiten
-
     return masked_whiten(adv, action_mask, eps=eps) if whiten else adv
 
 

@@ -32,7 +32,9 @@ class AgentConfig(BaseModel):
     @field_validator("environment")
     @classmethod
     def _known(cls, v: str) -> str:
-        from rft_core.agents.env import ENVIRONMENTS
+        # the one import back up rft_core's floors (docs/architecture.md, "Layers"): rft_core.agents imports
+        # the config, so at module top this would be an import cycle
+        from rft_core.agents.env import ENVIRONMENTS  # lazy: upward import (see above)
 
         if ":" not in v and v not in ENVIRONMENTS:
             raise ValueError(f"unknown environment {v!r}; valid names: {', '.join(ENVIRONMENTS.names())}, or "

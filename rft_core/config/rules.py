@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rft_core.algorithms import ADVANTAGE_ESTIMATORS
+from rft_core.data.prompts import is_reasoning_gym_dataset
 
 BUILTIN_CODE_TASKS = ("humaneval",)
 
@@ -46,13 +47,6 @@ def dataset_grader_keys(cfg: Any) -> list[str]:
         return ["reward.grader"] if reward.grader == "dataset" else []
     return [f"reward.sources.{name}.grader" for name, src in reward.sources.items()
             if src.type == "math_answer" and src.grader == "dataset"]
-
-
-def is_reasoning_gym_dataset(label: str) -> bool:
-    """Whether ``label`` names a reasoning-gym dataset (the ``dataset`` grader scores with it)."""
-    from reasoning_gym.factory import DATASETS
-
-    return label in DATASETS
 
 
 def _distill_alone(cfg: Any) -> bool:

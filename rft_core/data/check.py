@@ -11,8 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from rft_core.data.mixture import open_data, source_dicts
 from rft_core.data.prompts import DatasetError, build_prompts
 from rft_core.data.validate import Needs, validate_dataset
+from rft_core.models.hub import ModelLoadError
+from rft_core.models.loading import load_tokenizer
+from rft_core.models.vl import vl_processor_or_none
 
 
 @dataclass
@@ -125,12 +129,7 @@ def check_data(tokenizer, *, path: str | None = None, sources: Sequence[Mapping[
     Returns:
         a ``DataCheckReport``; never raises ``DatasetError`` (problems go into the report).
     """
-    from rft_core.data.mixture import open_data
-
     if isinstance(tokenizer, str):
-        from rft_core.models.loading import load_tokenizer
-        from rft_core.models.vl import vl_processor_or_none
-
         processor = processor if processor is not None else vl_processor_or_none(tokenizer)
         tokenizer = load_tokenizer(tokenizer)
     needs = needs if needs is not None else Needs(answer=require_answer, media=check_media)
@@ -216,11 +215,6 @@ def check_config_data(cfg, path: str | None = None, *, n_examples: int = 2, max_
         report.problems.append("no dataset to check: give a PATH, or a config with data.source: files "
                                "(and data.path or data.sources)")
         return report
-    from rft_core.data.mixture import source_dicts
-    from rft_core.models.hub import ModelLoadError
-    from rft_core.models.loading import load_tokenizer
-    from rft_core.models.vl import vl_processor_or_none
-
     try:
         tokenizer, processor = load_tokenizer(cfg.policy.path), vl_processor_or_none(cfg.policy.path)
     except ModelLoadError as exc:

@@ -42,7 +42,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rft_core.data.columns import Layout, field_type, resolve_layout, row_entry
+from rft_core.data.columns import Layout, field_type, read_remote, resolve_layout, row_entry
 from rft_core.data.prompts import DatasetError, iteration_indices, refill_indices
 from rft_core.data.readers import (ParquetPart, Part, TablePart, base_dir_of, is_hf_disk, read_hf_disk, read_json,
                                    read_jsonl, read_table)
@@ -339,8 +339,6 @@ class FileDataset:
         Raises:
             DatasetError: an index out of range, or a bad row (see ``row_entry``); the first one.
         """
-        from rft_core.data.columns import read_remote
-
         idx = np.asarray(list(indices), dtype=np.int64)
         for i in idx:
             self.locate(int(i))

@@ -23,6 +23,11 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
+from rft_core.data.humaneval import HumanEvalDataset
+from rft_core.data.images import ImageError, to_image_bytes
+from rft_core.data.video import VideoError, to_video_bytes
+from rft_core.data.vision import DigitsDataset, VideoDigitsDataset
+from rft_core.models.vl import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from schemas.columns import PROMPTS
 
 
@@ -39,15 +44,11 @@ def _dataset(task: str, size: int, seed: int, task_config_json: str):
 
     kwargs = json.loads(task_config_json)
     if task in ("vl_digits", "vl_video_digits"):  # built in: digit images / moving-digit clips for vision-language RL
-        from rft_core.data.vision import DigitsDataset, VideoDigitsDataset
-
         try:
             return (DigitsDataset if task == "vl_digits" else VideoDigitsDataset)(size, seed, **kwargs)
         except (TypeError, ValueError) as exc:
             raise DatasetError(f"{task} dataset with size={size}, {kwargs}: {exc}") from exc
     if task == "humaneval":  # built in: code problems graded by the code_exec reward source
-        from rft_core.data.humaneval import HumanEvalDataset
-
         try:
             return HumanEvalDataset(size, **kwargs)
         except (TypeError, ValueError) as exc:
@@ -56,6 +57,13 @@ def _dataset(task: str, size: int, seed: int, task_config_json: str):
         return reasoning_gym.create_dataset(task, size=size, seed=seed, **kwargs)
     except Exception as exc:
         raise DatasetError(f"cannot create reasoning-gym dataset {task!r} with {kwargs}: {exc}") from exc
+
+
+def is_reasoning_gym_dataset(label: str) -> bool:
+    """Whether ``label`` names a reasoning-gym dataset (the ``dataset`` grader scores with it)."""
+    from reasoning_gym.factory import DATASETS
+
+    return label in DATASETS
 
 
 def load_task(task: str, *, size: int, seed: int, task_config: dict[str, Any] | None = None):
@@ -262,8 +270,6 @@ def _media_bytes(entry: dict[str, Any], where: str) -> tuple[list[bytes], list[b
     """The entry's images and videos as checked, encoded bytes (``to_image_bytes`` /
     ``to_video_bytes``: every video decoded once, so an unreadable, truncated or frameless one
     fails here, named ``{where} video k``, before anything is committed)."""
-    from rft_core.data.images import ImageError, to_image_bytes
-
     def named(item: Any) -> str:  # a path or URL is named in the error too
         return f" ({item})" if isinstance(item, (str, Path)) else ""
 
@@ -275,8 +281,6 @@ def _media_bytes(entry: dict[str, Any], where: str) -> tuple[list[bytes], list[b
     videos_in = entry.get("videos") or []
     if not videos_in:
         return images, []
-    from rft_core.data.video import VideoError, to_video_bytes
-
     try:
         return images, [to_video_bytes(v, where=f"{where} video {k}{named(v)}") for k, v in enumerate(videos_in)]
     except VideoError as exc:
@@ -358,8 +362,6 @@ def _with_placeholders(messages: list[dict[str, Any]], n_images: int, n_videos: 
     Raises:
         DatasetError: markers of a kind present but not one per item.
     """
-    from rft_core.models.vl import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
-
     out = [dict(m) for m in messages]
     for marker, placeholder, n in ((VIDEO_MARKER, VIDEO_PLACEHOLDER, n_videos), (IMAGE_MARKER, IMAGE_PLACEHOLDER, n_images)):
         n_markers = sum(m["content"].count(marker) for m in out)

@@ -52,7 +52,9 @@ from rft_core.data.column_checks import (
     _blank, _column, _Exists, _is_text, _labels, _labels_bad, _answer_bad, _answer_type_problem, _media_paths,
     _messages_bad, _np, _to_rows,
 )
-from rft_core.data.prompts import DatasetError
+from rft_core.data.files import _is_local
+from rft_core.data.mixture import dataset_fingerprint, open_data_config
+from rft_core.data.prompts import DatasetError, is_reasoning_gym_dataset
 
 VERSION = 2  # of the checks: part of the cache key, so changed checks run again
 MAX_LISTED = 20  # bad rows listed in the error (all are counted)
@@ -122,8 +124,6 @@ class Needs:
         """Whether the ``dataset`` grader would have to grade rows labelled ``label`` (its recipe,
         or the default recipe for a label without one, uses it) and no reasoning-gym dataset has
         that name."""
-        from rft_core.config.rules import is_reasoning_gym_dataset
-
         if self.dataset_grader is None:
             return False
         graded = label in self.dataset_graded if label in self.recipe_labels else self.dataset_graded_by_default
@@ -293,8 +293,6 @@ def _batches(ds, k: int, columns: list[str]) -> Iterator[pa.RecordBatch]:
         return
     import pyarrow.parquet as pq
 
-    from rft_core.data.files import _is_local
-
     fs, path = ds.files.fs, ds.files.paths[k]
     try:
         with (pq.ParquetFile(path) if _is_local(fs) else pq.ParquetFile(fs.open(path, "rb"))) as pf:
@@ -370,8 +368,6 @@ def _label(data) -> str:
 def _datasets(cfg, needs: Needs) -> list[tuple[str, Any]]:
     """(label, opener) of each dataset a training run reads: the training files (``eval.path``
     is read by ``rft eval`` only: see the module docstring)."""
-    from rft_core.data.mixture import open_data_config
-
     data = cfg.data
     if data.source != "files":
         return []
@@ -379,8 +375,6 @@ def _datasets(cfg, needs: Needs) -> list[tuple[str, Any]]:
 
 
 def _fingerprints(cfg) -> str:
-    from rft_core.data.mixture import dataset_fingerprint
-
     return dataset_fingerprint(cfg.data) or ""
 
 

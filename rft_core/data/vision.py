@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from rft_core.data.video import encode_video
+
 
 DIGITS_FILE = Path(__file__).with_name("digits.csv.gz")
 
@@ -183,8 +185,6 @@ class VideoDigitsDataset:
         return self.size
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        from rft_core.data.video import encode_video
-
         if not 0 <= i < self.size:
             raise IndexError(f"vl_video_digits index {i} outside 0..{self.size - 1}")
         rng = np.random.Generator(np.random.PCG64([self.seed, i]))

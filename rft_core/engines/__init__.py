@@ -16,6 +16,11 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+
+from rft_core.models.pretrained import resolve_model_path
+from rft_core.models.vl import is_vl_model
+
 log = logging.getLogger("rft_core.engines")
 
 # Seed widths: vLLM seeds a torch.Generator per request (64-bit seeds); SGLang 0.5.3 stores
@@ -45,8 +50,6 @@ def engine_dtype(policy_dtype: str, *, bf16_supported: bool | None = None) -> st
     if policy_dtype not in ("float32", "auto"):
         raise ValueError(f"unknown policy dtype {policy_dtype!r}; valid names: float32, bfloat16, float16, auto")
     if bf16_supported is None:
-        import torch
-
         bf16_supported = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
     chosen = "bfloat16" if bf16_supported else "float16"
     log.info("policy dtype %s: the rollout engine runs in %s (%s)", policy_dtype, chosen,
@@ -67,13 +70,8 @@ def hf_layout(model_path: str) -> tuple[tuple[str, tuple[int, ...], bool], ...]:
         OSError, ValueError: transformers cannot read the config (a missing folder, a hub id
             that is not cached while offline, an unknown architecture).
     """
-    # lazy: torch and transformers (rft_core.models.vl imports torch) load only when a layout is
-    # asked for; ``import rft_core.engines`` stays torch-free for the agents that import it
-    import torch
+    # lazy: transformers' model classes are slow to import and load only when a layout is asked for
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from rft_core.models.pretrained import resolve_model_path
-    from rft_core.models.vl import is_vl_model
 
     cls = AutoModelForImageTextToText if is_vl_model(model_path) else AutoModelForCausalLM
     config = AutoConfig.from_pretrained(resolve_model_path(model_path))

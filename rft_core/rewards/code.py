@@ -38,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from rft_core.rewards.base import RewardError, SourceScore
+
 HARNESS = Path(__file__).with_name("_sandbox_harness.py")
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.S | re.I)
 _EXIT_REASONS = {2: "syntax error", 3: "refused by the sandbox", 4: "called exit", 5: "out of memory"}
@@ -208,8 +210,6 @@ class CodeExecReward:
         self.cfg, self.name = cfg, name
 
     def _one(self, s):
-        from rft_core.rewards.base import SourceScore
-
         prompt = s.metadata.get("prompt", s.question)
         program = humaneval_program(prompt, s.response, s.metadata["test"], s.metadata["entry_point"])
         r = run_sandboxed(program, timeout_s=self.cfg.timeout_s, memory_mb=self.cfg.memory_mb, network=self.cfg.network)
@@ -217,8 +217,6 @@ class CodeExecReward:
                            {"seconds": round(r.seconds, 4), "netns": float(r.isolation == "namespace+audit")})
 
     def score(self, samples):
-        from rft_core.rewards.base import RewardError
-
         for s in samples:
             missing = [k for k in ("test", "entry_point") if k not in s.metadata]
             if missing:

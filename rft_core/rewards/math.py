@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from rft_core.rewards.base import RewardError, SourceScore
+
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
 _ANSWER_LINE = re.compile(r"answer\s*[:：]\s*(.+)", re.I)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -217,14 +219,10 @@ class MathAnswerReward:
         self.cfg, self.name = cfg, name
 
     def score(self, samples):
-        from rft_core.rewards.base import SourceScore
-
         if self.cfg.grader == "math_verify":
             graded = grade_math_verify_batch([(s.response, s.reference) for s in samples], timeout_s=self.cfg.timeout_s)
             return [SourceScore(score, score >= 1.0, a, reason, {"format": float(extract_answer(s.response)[1])})
                     for s, (score, a, reason) in zip(samples, graded)]
-        from rft_core.rewards.base import RewardError
-
         for label in sorted({s.label for s in samples}):
             try:
                 _rg_scorer(label)
@@ -247,8 +245,6 @@ class FormatReward:
         self.cfg, self.name = cfg, name
 
     def score(self, samples):
-        from rft_core.rewards.base import SourceScore
-
         return [SourceScore(float(extract_answer(s.response)[1])) for s in samples]
 
 
@@ -260,8 +256,6 @@ class ExactMatchReward:
         self.cfg, self.name = cfg, name
 
     def score(self, samples):
-        from rft_core.rewards.base import SourceScore
-
         out = []
         for s in samples:
             answer, formatted = extract_answer(s.response)

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from rft_core.models.loading import load_pretrained, load_tokenizer
 from rft_core.rewards.base import RewardError, RewardSample, SourceScore
 
 
@@ -55,8 +56,6 @@ class RewardModelReward:
     def _load(self):
         if self._model is None:
             from transformers import AutoModelForSequenceClassification
-
-            from rft_core.models.loading import load_pretrained, load_tokenizer
 
             self._tokenizer = load_tokenizer(self.cfg.path)
             model = load_pretrained(AutoModelForSequenceClassification, self.cfg.path, dtype=self.cfg.dtype,

@@ -33,6 +33,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rft_core.config import load_config
+from rft_core.models.hub import configure_cuda_backends
+from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.stages.runner import DISTRIBUTED_STAGES, INPUTS, PROGRAMS, encode_result, input_from_args
+
 
 def _parse_value(text: str) -> Any:
     if text.startswith("@"):
@@ -68,8 +73,6 @@ def _raw_input(ns: argparse.Namespace, config_paths: dict[str, str]) -> dict[str
     if ns.out is not None:
         raw["out"] = ns.out
     if ns.config is not None or ns.set:
-        from rft_core.config import load_config
-
         cfg = load_config(ns.config, ns.set)
         for name, path in config_paths.items():
             if name not in raw:
@@ -81,8 +84,6 @@ def _raw_input(ns: argparse.Namespace, config_paths: dict[str, str]) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, run the stage program, write its result; returns the exit status."""
     from pydantic import ValidationError
-
-    from rft_core.stages.runner import DISTRIBUTED_STAGES, INPUTS, PROGRAMS, encode_result, input_from_args
 
     ns = _parser(list(PROGRAMS)).parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -102,12 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stage {ns.stage!r}: bad input (give --input FILE, --arg NAME=VALUE, --out or --config):\n{exc}",
               file=sys.stderr)
         return 2
-    from rft_core.models.hub import configure_cuda_backends
-
     configure_cuda_backends()  # TF32 matmuls on CUDA (a no-op on CPU)
     result = PROGRAMS[ns.stage](inp)
-    from rft_core.stages.optimizer_state import wait_for_optimizer_writes
-
     wait_for_optimizer_writes()  # a background optimizer-state write commits before the process exits
     text = encode_result(ns.stage, result)
     if ns.result and rank == 0:

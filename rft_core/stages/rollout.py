@@ -7,11 +7,16 @@ import socket
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rft_core.agents import AgentRollout, EnvFactory
 from rft_core.agents.env import environment_fingerprint
 from rft_core.config import RolloutConfig
+from rft_core.config.scale import SGLangConfig, VLLMConfig
 from rft_core.counters import count
 from rft_core.engines.hf import HFEngine
-from rft_core.models.loading import load_tokenizer
+from rft_core.engines.sglang import get_sglang_engine
+from rft_core.engines.vllm import get_vllm_engine
+from rft_core.models.loading import load_tokenizer, resolve_model_path
+from rft_core.models.lora import adapter_base_path, is_adapter_dir
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.models.logprobs import release_device_memory
 from rft_core.progress import progress_reporter
@@ -97,26 +102,18 @@ def make_engine(cfg: RolloutConfig, policy: PolicyRef, *, dtype: str):
     synced = source is not None  # weights from the resident worker's memory (ModelSource.engine_policy)
     if not synced:
         path = policy_model_path(policy)
-    from rft_core.config.scale import SGLangConfig, VLLMConfig
-    from rft_core.models.loading import resolve_model_path
-    from rft_core.models.lora import adapter_base_path, is_adapter_dir
-
     lora = path if is_adapter_dir(path) else None
     base = resolve_model_path(adapter_base_path(path) if lora else path)
     if synced:
         lora = None  # a LoRA policy's synced weights are merged: the engine serves the full model
     eos = engine_eos_ids(tok, base)
     if cfg.engine == "vllm":
-        from rft_core.engines.vllm import get_vllm_engine
-
         v = cfg.vllm or VLLMConfig()
         engine = get_vllm_engine(base, eos_ids=eos, lora_path=lora, tensor_parallel_size=v.tensor_parallel_size,
                                  gpu_memory_utilization=v.gpu_memory_utilization, dtype=dtype,
                                  max_model_len=v.max_model_len, enable_sleep_mode=v.enable_sleep_mode,
                                  max_lora_rank=v.max_lora_rank, reload=not synced)
     else:
-        from rft_core.engines.sglang import get_sglang_engine
-
         sg = cfg.sglang or SGLangConfig()
         engine = get_sglang_engine(base, eos_ids=eos, lora_path=lora, tensor_parallel_size=sg.tensor_parallel_size,
                                    mem_fraction_static=sg.mem_fraction_static, dtype=dtype,
@@ -257,8 +254,6 @@ def _commit_agent_rollout(inp: RolloutInput, commit: Commit, table: pa.Table, pa
         EnvConfigError: an unknown environment or bad ``env_config``.
         EnvError: an environment failed with ``on_env_error: raise``.
     """
-    from rft_core.agents import AgentRollout, EnvFactory
-
     cfg, shard = inp.rollout, inp.shard
     assert cfg.agent is not None
     if vl_processor_or_none(path) is not None:
