@@ -82,17 +82,20 @@ def run_flow(cfg) -> list[dict]:
 
 
 def run_inprocess(cfg) -> list[dict]:
-    """``tests.drive`` in this process; resident workers as ``ModelWorker`` objects."""
+    """``tests.drive`` in this process; resident workers as worker objects of their roles."""
     from rft_core.stages.runner import run_stage
     from rft_core.counters import COUNTS
-    from rft_core.workers.resident import ROLE_OF_PROGRAM, ModelWorker
+    from rft_core.workers.policy import PolicyWorker
+    from rft_core.workers.pool import ROLE_OF_PROGRAM
+    from rft_core.workers.reference import ReferenceWorker
+    from rft_core.workers.rollout import RolloutWorker
     from tests.drive import drive
 
     run = run_stage
     if cfg.orchestration.workers == "resident":
-        policy = ModelWorker("policy", cfg.run_root)
-        pool = {"policy": policy, "rollout": ModelWorker("rollout", cfg.run_root, peer=policy),
-                "reference": ModelWorker("reference", cfg.run_root)}
+        policy = PolicyWorker(cfg.run_root)
+        pool = {"policy": policy, "rollout": RolloutWorker(cfg.run_root, peer=policy),
+                "reference": ReferenceWorker(cfg.run_root)}
 
         def run(inp):  # noqa: F811
             return pool[ROLE_OF_PROGRAM[inp.program]].run(inp) if inp.program in ROLE_OF_PROGRAM else run_stage(inp)

@@ -28,5 +28,5 @@ def counts() -> dict[str, float]:
     """This process's event counters: ``model_loads`` (models read from storage), ``bytes_read``
     (their weight files and optimizer states), ``engine_builds`` (rollout engines built over a
     model read for them), and in a resident worker ``weight_syncs``, ``weight_sync_seconds``,
-    ``weight_sync_bytes`` and ``recovered_updates`` (``rft_core.workers.resident``)."""
+    ``weight_sync_bytes`` and ``recovered_updates`` (``rft_core.workers.rollout``, ``rft_core.workers.policy``)."""
     return dict(COUNTS)

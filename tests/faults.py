@@ -22,6 +22,7 @@ import torch
 
 from rft_core.agents import StepResult
 from rft_core.agents.calculator import CalculatorEnv
+from rft_core.workers.pool import WORKER_CLASSES
 from tests.varying import REWARD_YAML
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -336,10 +337,10 @@ def _start_ticks(pid: int) -> int:
 
 
 def resident_workers(driver_pid: int) -> list[tuple[int, str]]:
-    """(pid, process title) of the live resident workers (Ray actors ``ModelWorker``) started
+    """(pid, process title) of the live resident workers (Ray actors of ``WORKER_CLASSES``) started
     under the training process ``driver_pid`` (its descendants; Ray gives each worker a session
     of its own, so the process group does not find them), oldest first. The title is
-    ``ray::ModelWorker.run`` while ``ModelWorker.run`` (a stage program) executes."""
+    ``ray::<class>.run`` (e.g. ``ray::RolloutWorker.run``) while ``run`` (a stage program) executes."""
     rows = _ps()
     children: dict[int, list[int]] = {}
     for pid, ppid, _ in rows:
@@ -352,7 +353,7 @@ def resident_workers(driver_pid: int) -> list[tuple[int, str]]:
                 todo.append(c)
     found = []
     for pid, _, title in rows:
-        if pid in below and title.startswith("ray::ModelWorker"):
+        if pid in below and title.startswith(tuple(f"ray::{c.__name__}" for c in WORKER_CLASSES.values())):
             try:
                 found.append((_start_ticks(pid), pid, title))
             except (OSError, IndexError, ValueError):  # it just ended
@@ -502,7 +503,7 @@ def _kill_once(config, root: str, target: str, iteration: int, timeline: Timelin
         workers = resident_workers(proc.pid)
         role = ROLE_OF_STAGE[target]
         index = WORKER_START_ORDER.index(role)
-        if len(workers) > index and workers[index][1].startswith("ray::ModelWorker.run"):
+        if len(workers) > index and workers[index][1].startswith(f"ray::{WORKER_CLASSES[role].__name__}.run"):
             victim = workers[index][0]
         else:
             out.notes.append(f"attempt at {root}: no kill sent, the {role} worker was not running a stage "

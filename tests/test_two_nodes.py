@@ -51,7 +51,7 @@ def _policy_files(run_root: str, iteration: int = 3) -> dict[str, str]:
 
 
 def _title(pid: int) -> str:
-    """The process title Ray gives a worker (``ray::ModelWorker.run`` while it runs a stage)."""
+    """The process title Ray gives a worker (``ray::RolloutWorker.run`` while the rollout worker runs a stage)."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
@@ -147,7 +147,7 @@ def test_killing_the_rollout_node_mid_iteration_then_rerun(two_nodes):
             pid = placements(cfg.run_root).get("rollout", {}).get("pid")
             if pid and exists(f"{stage_uri(cfg.run_root, 2, 'prompts')}/_MANIFEST.json"):
                 title = _title(pid)
-                if title.startswith("ray::ModelWorker.run"):
+                if title.startswith("ray::RolloutWorker.run"):
                     cluster.remove_node(node_b, allow_graceful=False)
                     kill.update(title=title, rollout_committed=exists(f"{rollout_2}/_MANIFEST.json"),
                                 node=placements(cfg.run_root)["rollout"]["node_id"])
@@ -162,7 +162,7 @@ def test_killing_the_rollout_node_mid_iteration_then_rerun(two_nodes):
     print(f"two nodes: killed node_b ({kill.get('title')!r}); the stage failed with: {err.value}")
     # the kill landed mid-iteration 2, inside the rollout worker's stage, on node_b
     assert kill, "node_b was never killed"
-    assert kill["title"].startswith("ray::ModelWorker.run") and not kill["rollout_committed"], kill
+    assert kill["title"].startswith("ray::RolloutWorker.run") and not kill["rollout_committed"], kill
     assert kill["node"] == node_b.node_id
     # the stage failed naming the role and the node
     assert "the rollout worker of s3://rft/killed" in str(err.value) and node_b.node_id in str(err.value), err.value

@@ -63,7 +63,7 @@ RUNNABLE_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "critic_values",
 RESIDENT_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update", "critic_values", "critic_update")
 
 
-# The resident workers' roles (``rft_core.workers.resident.ROLES``), and the task of each shard of
+# The resident workers' roles (``rft_core.workers.pool.ROLES``), and the task of each shard of
 # the rollout fan-out: the keys of ``ray.options``.
 RAY_ROLES = ("policy", "rollout", "reference", "critic")
 ROLLOUT_SHARD = "rollout_shard"

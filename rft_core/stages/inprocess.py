@@ -1,5 +1,5 @@
 """Run a stage program in this process: what ``run_stage`` does without a runner, and what a
-resident worker does with its models from memory (``rft_core.workers.resident``). Importing
+resident worker does with its models from memory (``rft_core.workers.base.ResidentWorker.run``). Importing
 this module registers every stage program (``PROGRAMS``)."""
 from __future__ import annotations
 

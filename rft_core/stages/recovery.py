@@ -8,7 +8,7 @@ storage (a checkpoint, or the initial model): ``policy_chain``. ``rebuild_traine
 checkpoint with its AdamW state, exactly as ``workers=stage`` does, then re-applies each
 committed update after it from its own committed input shards (rollout, advantages, log-probs:
 no rollout is regenerated) through the same training code, and checks each result against the
-committed digest (``rft_core.workers.rebuild.rebuild_trainer``; this module only reads
+committed digest (``rft_core.workers.policy.rebuild_trainer``; this module only reads
 manifests: the stage programs own it, the workers import it). On the CPU the updates are
 deterministic, so the rebuilt weights and AdamW state are those of the uninterrupted run, bit
 for bit; a digest that differs (a nondeterministic

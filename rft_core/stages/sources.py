@@ -3,7 +3,7 @@ storage.
 
 A stage program asks for its model through the functions here; outside a resident worker they
 load it from storage exactly as before (``policy_model_path`` + ``load_causal_lm``), inside one
-(``models_from(source)``, set by the resident worker, ``rft_core.workers.resident.ModelWorker``,
+(``models_from(source)``, set by the resident worker, ``rft_core.workers.base.ResidentWorker.run``,
 around each program it runs) they hand out the worker's resident copy, synced to the requested policy first. The
 programs, their inputs, config hashes and shards are the same either way: only where the
 weights come from differs.
@@ -29,7 +29,10 @@ if TYPE_CHECKING:
 
 class ModelSource(Protocol):
     """What a resident worker provides to the stage programs it runs (``rft_core.workers``
-    implements it; the stage programs only see this protocol)."""
+    implements it, each role's worker the part its programs call: the policy trainer
+    ``trainer`` and ``trained``, the rollout engine ``inference_model`` and ``engine_policy``,
+    the reference ``inference_model``, the critic the ``critic_*`` methods; the stage programs
+    only see this protocol)."""
 
     def inference_model(self, ref: PolicyRef, *, dtype: str, role: str) -> "torch.nn.Module":
         """The model of ``ref`` (``role``: "policy" or "reference") in ``dtype`` on the worker's

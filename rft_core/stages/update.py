@@ -142,7 +142,7 @@ class PolicyTrainer:
     """The policy being trained: its strategy (the model and its AdamW state), its tokenizer
     and, for a vision-language policy, its processor (None for text). A stage-mode update
     builds one from storage (``build_trainer``) and drops it; a resident worker keeps one
-    across iterations (``rft_core.workers.resident``)."""
+    across iterations (``rft_core.workers.policy.PolicyWorker``)."""
 
     strategy: SingleProcess | DeepSpeedStrategy
     tokenizer: Any

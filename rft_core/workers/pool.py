@@ -3,7 +3,8 @@
 ``run_resident`` is what ``run_stage`` does for a stage whose runner says ``mode: resident``
 (``TrainConfig.runner`` with ``orchestration.workers: resident``): it finds the worker of the
 stage's role in the run's pool (creating it on first use: a worker is started once per run and
-kept), sends it the stage input model and returns the committed ShardRef. The Prefect task and
+kept), sends it the stage input model and returns the committed ShardRef. ``WORKER_CLASSES`` is
+the one place a role's worker class is picked. The Prefect task and
 the flow are unchanged: they still decide only where a program runs.
 
 Workers are Ray actors named ``<role>-<sha of the pool name>`` (``-rank<r>`` after it for the
@@ -22,7 +23,7 @@ log shows. An actor that Ray cannot place within ``RFT_WORKER_PLACEMENT_TIMEOUT_
 
 A worker that died (killed, out of memory, its node gone) is replaced once per call and the
 stage runs again: a committed stage is reused, an interrupted one recomputed, and the new
-worker rebuilds its model (``rft_core.workers.resident``); a policy rank that dies or fails ends
+worker rebuilds its model (``rft_core.workers.policy.rebuild_trainer``); a policy rank that dies or fails ends
 its whole gang (its peers would wait in a collective), which is started anew the same way. Actors are owned by the process that
 created them, so they end with it (Ctrl-C, SIGTERM, a crash); ``stop_workers`` ends them at the
 end of a run.
@@ -33,13 +34,22 @@ import logging
 import os
 from typing import Any
 
-import torch
-
 from rft_core.config import WorkersConfig
 from rft_core.counters import counts
-from rft_core.workers.resident import NAMESPACE, ROLE_OF_PROGRAM, ROLES, ModelWorker, WorkerError, actor_name
+from rft_core.workers.base import NAMESPACE, Gang, ResidentWorker, WorkerError, actor_name
+from rft_core.workers.critic import CriticWorker
+from rft_core.workers.policy import PolicyWorker
+from rft_core.workers.reference import ReferenceWorker
+from rft_core.workers.rollout import RolloutWorker
 
 log = logging.getLogger("rft_core.workers")
+
+# the worker class of each role: the one place a role's class is picked
+WORKER_CLASSES: dict[str, type[ResidentWorker]] = {
+    cls.role: cls for cls in (PolicyWorker, RolloutWorker, ReferenceWorker, CriticWorker)}
+ROLES = tuple(WORKER_CLASSES)
+# the stage programs of each role (its class's ``programs``), by program
+ROLE_OF_PROGRAM = {program: role for role, cls in WORKER_CLASSES.items() for program in cls.programs}
 
 # environment the workers need from the driver (a local Ray passes its own; a cluster does not)
 _ENV_PREFIXES = ("RFT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PREFECT_RFT_")
@@ -79,10 +89,6 @@ def worker_handle(pool: str, role: str, rank: int = 0):
         return ray.get_actor(actor_name(pool, role, rank=rank), namespace=NAMESPACE)
     except ValueError:
         return None
-
-
-def _threads(workers: WorkersConfig) -> int:
-    return workers.threads or torch.get_num_threads()
 
 
 # handles held by this process: a named actor that is not detached ends when no handle is left,
@@ -179,37 +185,32 @@ def _gang_size(workers: WorkersConfig, role: str) -> int:
     return workers.policy_ranks if role == "policy" else 1
 
 
-def start_gang(workers: WorkersConfig, role: str) -> list:
-    """Every rank's actor of ``role``: one for the rollout and reference workers, and
-    ``workers.policy_ranks`` for the policy trainer (DeepSpeed data parallelism), with the Ray
-    options of ``actor_options``. A new gang is
+def start_gang(workers: WorkersConfig, role: str) -> Gang:
+    """Every rank's actor of ``role`` (its class: ``WORKER_CLASSES``): one for the rollout,
+    reference and critic workers, and ``workers.policy_ranks`` for the policy trainer (DeepSpeed
+    data parallelism), with the Ray options of ``actor_options``. A new gang is
     placed (``_place``: logged, or ``WorkerError`` when Ray cannot place it), then its ranks are
-    given one rendezvous (rank 0's address and a free port: ``MASTER_ADDR``, ``MASTER_PORT``,
-    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0`` since Ray gives each actor its own GPUs) before any
-    program runs; DeepSpeed's process group is then formed on the first update and kept for the run."""
+    given one rendezvous (``ResidentWorker.rendezvous`` on rank 0, ``join`` on every rank:
+    ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) before any program runs;
+    DeepSpeed's process group is then formed on the first update and kept for the run."""
     ray = _ray(workers)
-    n = _gang_size(workers, role)
+    cls, n = WORKER_CLASSES[role], _gang_size(workers, role)
     if all((workers.pool, role, r) in _HANDLES for r in range(n)):  # the creating handles keep the actors alive
-        return [_HANDLES[(workers.pool, role, r)] for r in range(n)]
+        return Gang(cls, [_HANDLES[(workers.pool, role, r)] for r in range(n)])
     options = actor_options(workers, role, cluster_gpus=float(ray.cluster_resources().get("GPU", 0)))
-    cls = ray.remote(ModelWorker)
-    gang = [cls.options(name=actor_name(workers.pool, role, rank=r), namespace=NAMESPACE, get_if_exists=True,
-                        max_restarts=0, **options).remote(
-        role, workers.pool, threads=_threads(workers), sync_timeout_s=workers.sync_timeout_s,
-        sync_bucket_mb=workers.sync_bucket_mb, policy_ranks=workers.policy_ranks,
-        rollout_versions=workers.rollout_versions) for r in range(n)]
+    actor, kwargs = ray.remote(cls), cls.kwargs_from(workers)
+    gang = Gang(cls, [actor.options(name=actor_name(workers.pool, role, rank=r), namespace=NAMESPACE,
+                                    get_if_exists=True, max_restarts=0, **options).remote(
+        workers.pool, rank=r, ranks=n, **kwargs) for r in range(n)])
     _place(ray, workers, role, gang, options)
     if n > 1:
-        meet = ray.get(gang[0].rendezvous.remote())
-        ray.get([a.set_dist_env.remote({"RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": str(n),
-                                        "MASTER_ADDR": meet["addr"], "MASTER_PORT": str(meet["port"])})
-                 for r, a in enumerate(gang)])
+        gang.call("join", **gang.call("rendezvous"))
     for r, a in enumerate(gang):
         _HANDLES[(workers.pool, role, r)] = a
     return gang
 
 
-def _kill_gang(pool: str, role: str, gang: list) -> None:
+def _kill_gang(pool: str, role: str, gang) -> None:
     """End every rank of a gang (one that died leaves the others stuck in their collectives)."""
     import ray  # lazy: Ray is optional (installed for the resident workers only)
 
@@ -219,16 +220,6 @@ def _kill_gang(pool: str, role: str, gang: list) -> None:
             ray.kill(a)
         except Exception:  # noqa: BLE001  already gone
             pass
-
-
-def _gather(ray, futures: list) -> list:
-    """Wait for every rank's result; the first rank that fails raises at once (its peers may be
-    blocked in a collective that will never complete)."""
-    pending = list(futures)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done[0])  # raises the rank's error
-    return ray.get(futures)
 
 
 def run_resident(inp, workers: WorkersConfig):
@@ -241,14 +232,14 @@ def run_resident(inp, workers: WorkersConfig):
     role = ROLE_OF_PROGRAM.get(inp.program)
     if role is None:
         raise WorkerError(f"no resident worker runs {inp.program!r}")
-    ray = _ray(workers)
+    _ray(workers)
     from ray.exceptions import RayActorError, RayTaskError  # lazy: Ray is optional
 
     for attempt in (0, 1):
-        gang: list = []
+        gang: Gang | list = []
         try:
             gang = start_gang(workers, role)  # an actor dying as it starts: below
-            return _gather(ray, [a.run.remote(inp) for a in gang])[0]  # every rank runs it; rank 0's result
+            return gang.call("run", inp)  # every rank runs it; rank 0's result (FanOut.COLLECTIVE)
         except RayTaskError as exc:  # the program raised: the original exception, as the stage process would
             if len(gang) > 1:  # the other ranks may wait in a collective for the failed one
                 _kill_gang(workers.pool, role, gang)
@@ -265,19 +256,20 @@ def run_resident(inp, workers: WorkersConfig):
     raise AssertionError("unreachable")
 
 
-def _live_gang(pool: str, role: str) -> list:
-    """The live actors of ``role`` in ``pool``, rank 0 first (empty: none)."""
-    gang, r = [], 0
+def _live_gang(pool: str, role: str) -> Gang | None:
+    """The live actors of ``role`` in ``pool``, rank 0 first (None: none)."""
+    members, r = [], 0
     while True:
         handle = worker_handle(pool, role, rank=r)
         if handle is None:
-            return gang
-        gang.append(handle)
+            return Gang(WORKER_CLASSES[role], members) if members else None
+        members.append(handle)
         r += 1
 
 
 def worker_stats(pool: str) -> dict[str, dict[str, Any]]:
-    """Each live worker's counters (``ModelWorker.stats``), by role; {} without Ray running."""
+    """Each live worker's counters (``ResidentWorker.stats``), by role (``policy-rank1`` for
+    rank 1); {} without Ray running."""
     try:
         import ray  # lazy: Ray is optional (installed for the resident workers only)
     except ImportError:
@@ -286,8 +278,9 @@ def worker_stats(pool: str) -> dict[str, dict[str, Any]]:
         return {}
     out = {}
     for role in ROLES:
-        for r, handle in enumerate(_live_gang(pool, role)):
-            out[role if r == 0 else f"{role}-rank{r}"] = ray.get(handle.stats.remote())
+        gang = _live_gang(pool, role)
+        for r, stats in enumerate(gang.call("stats") if gang else []):
+            out[role if r == 0 else f"{role}-rank{r}"] = stats
     return out
 
 
@@ -325,7 +318,7 @@ def stop_workers(pool: str) -> list[str]:
         if not gang:
             continue
         try:
-            ray.get([a.close.remote() for a in gang])  # pending optimizer-state writes first
+            gang.call("close")  # pending optimizer-state writes first, on every rank
         finally:
             _kill_gang(pool, role, gang)
         stopped.append(role)

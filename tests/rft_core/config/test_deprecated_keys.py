@@ -186,7 +186,7 @@ def test_ray_options_name_known_roles():
     with pytest.raises(ConfigError, match=r"ray.options: .*unknown role\(s\) \['refrence'\]; valid names: policy, "
                                           r"rollout, reference, critic, rollout_shard"):
         load_config(None, {"ray.options": {"refrence": {"num_gpus": 1}}})
-    from rft_core.workers.resident import ROLES
+    from rft_core.workers.pool import ROLES
 
     assert set(RAY_ROLES) == set(ROLES)
 

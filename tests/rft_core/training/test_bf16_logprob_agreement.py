@@ -247,7 +247,10 @@ def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_w
     keeps its float32 masters and AdamW state in memory (checkpoint every 3) ends with the very
     weights of stage mode, which carries them through optimizer.pt every iteration."""
     from rft_core.config import load_config
-    from rft_core.workers.resident import ROLE_OF_PROGRAM, ModelWorker
+    from rft_core.workers.policy import PolicyWorker
+    from rft_core.workers.pool import ROLE_OF_PROGRAM
+    from rft_core.workers.reference import ReferenceWorker
+    from rft_core.workers.rollout import RolloutWorker
     from schemas import read_manifest, stage_uri
     from tests.drive import drive
     from tests.varying import assert_training_signal, reward_args
@@ -265,9 +268,9 @@ def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_w
             final = drive(cfg)
             assert_training_signal(cfg.run_root, (1, 2, 3))  # what the two modes must agree on is a real update
         else:
-            policy = ModelWorker("policy", "test")
-            pool = {"policy": policy, "rollout": ModelWorker("rollout", "test", peer=policy),
-                    "reference": ModelWorker("reference", "test")}
+            policy = PolicyWorker("test")
+            pool = {"policy": policy, "rollout": RolloutWorker("test", peer=policy),
+                    "reference": ReferenceWorker("test")}
             final = drive(cfg, lambda inp: pool[ROLE_OF_PROGRAM[inp.program]].run(inp))
         first, second = (read_manifest(stage_uri(cfg.run_root, it, "ppo_update"))[0].summary for it in (1, 2))
         assert first["optimizer_steps"] == 1 and first["approx_kl"] == 0.0 and first["kl_loss"] == 0.0, (mode, first)

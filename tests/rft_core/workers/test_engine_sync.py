@@ -1,4 +1,4 @@
-"""In-memory weight sync into the GPU engines (rft_core.workers.engine_sync, the vLLM worker
+"""In-memory weight sync into the GPU engines (rft_core.workers.rollout, the vLLM worker
 extension, SGLang's update_weights_from_tensor) and the device-side checksum (sync_checksum).
 
 No GPU here: vLLM and SGLang are the strict stand-ins of ``tests/standins`` (vLLM 0.33.0, SGLang
@@ -29,7 +29,7 @@ from rft_core.weightsync.checksum import (CHUNK, M31, meta_digest, multipliers, 
                                           word_sums)
 from rft_core.weightsync.collective import free_port, receive_weights, send_weights
 from rft_core.weightsync.plan import SyncPlan, WeightSyncError, buffers_checksum, state_tensors
-from rft_core.workers.engine_sync import pull_into_engine
+from rft_core.workers.rollout import pull_into_engine
 from tests.rft_core.engines.fakes import HFBackedLLM, SamplingParams
 from tests.standins import sglang as sglang_standin
 from tests.standins import vllm as vllm_standin
@@ -146,7 +146,7 @@ def test_one_sender_lands_the_same_bytes_in_two_receivers():
 
 
 class Sender:
-    """The policy worker's side (``ModelWorker.prepare_weights`` / ``send_weights``) in threads."""
+    """The policy worker's side (``PolicyWorker.prepare_weights`` / ``send_weights``) in threads."""
 
     def __init__(self, tensors, *, show_up: bool = True, dtype: str | None = None):
         self.tensors = tensors if isinstance(tensors, dict) else state_tensors(tensors)
@@ -512,7 +512,7 @@ def test_resident_rollout_worker_syncs_its_vllm_engine_from_the_policy_actor(tin
     from rft_core.stages.runner import run_stage
     from rft_core.workers.pool import run_resident, stop_workers
     from rft_core.stages.sources import version_key
-    from rft_core.workers.resident import ModelWorker
+    from rft_core.workers.rollout import RolloutWorker
     from tests.drive import drive
     from tests.tiny import build_tiny_model
     from tests.varying import assert_advantages_vary, assert_update_signal, assert_weights_moved, varying_config
@@ -529,7 +529,7 @@ def test_resident_rollout_worker_syncs_its_vllm_engine_from_the_policy_actor(tin
         engine, llm = _vllm(other, tok, 2)
         want = {k: v for k, v in load_causal_lm(f"{ref1.uri}/policy").state_dict().items() if k != "lm_head.weight"}
         assert not _holds(_shards(llm), want)
-        rollout = ModelWorker("rollout", workers.pool)
+        rollout = RolloutWorker(workers.pool)
         rollout.engine_policy(engine, ref1)
         rollout.engine_policy(engine, ref1)
     finally:

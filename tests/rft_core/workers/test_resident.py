@@ -1,4 +1,4 @@
-"""Resident workers in one process (``ModelWorker`` objects, no Ray): the same stage programs
+"""Resident workers in one process (``PolicyWorker``, ``RolloutWorker``, ``ReferenceWorker`` objects, no Ray): the same stage programs
 with models from memory give the weights and shards of stage mode, an update between
 checkpoints keeps its weights in memory only, a crash is recovered exactly from the last
 checkpoint, and a failed weight sync never leaves the engine serving half-updated weights. Every
@@ -18,7 +18,10 @@ from rft_core.stages.checkpoints import WeightlessPolicyError, policy_model_path
 from rft_core.weightsync import local as sync_module
 from rft_core.counters import COUNTS
 from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, has_weights, policy_chain
-from rft_core.workers.resident import ROLE_OF_PROGRAM, ModelWorker
+from rft_core.workers.policy import PolicyWorker
+from rft_core.workers.pool import ROLE_OF_PROGRAM
+from rft_core.workers.reference import ReferenceWorker
+from rft_core.workers.rollout import RolloutWorker
 from rft_core.weightsync.plan import WeightSyncError
 from schemas import ShardRef, read_manifest, stage_uri
 from tests.drive import drive
@@ -33,10 +36,10 @@ def _cfg(model: str, root, *extra: str):
     return load_config(None, [*BASE, f"policy.path={model}", f"run_root={root}", *extra])
 
 
-def _pool() -> dict[str, ModelWorker]:
-    policy = ModelWorker("policy", "test")
-    return {"policy": policy, "rollout": ModelWorker("rollout", "test", peer=policy),
-            "reference": ModelWorker("reference", "test")}
+def _pool() -> dict:
+    policy = PolicyWorker("test")
+    return {"policy": policy, "rollout": RolloutWorker("test", peer=policy),
+            "reference": ReferenceWorker("test")}
 
 
 def _runner(pool):
@@ -211,7 +214,7 @@ def test_an_engine_sync_takes_the_weights_its_plan_was_made_from(tiny_model, tmp
     """prepare_weights with a dtype (a GPU engine's sync) builds the plan from the trainer's
     weights and keeps them for the send that follows: a ZeRO-3 gather or a LoRA merge runs once
     per sync, and only once is kept."""
-    from rft_core.workers import resident as resident_module
+    from rft_core.workers import policy as resident_module
     from rft_core.weightsync.plan import SyncPlan
 
     cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")

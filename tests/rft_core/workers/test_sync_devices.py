@@ -29,7 +29,7 @@ from rft_core.weightsync import collective as sync_module
 from rft_core.weightsync import cuda_ipc
 from rft_core.weightsync.collective import free_port
 from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
-from rft_core.workers.resident import ModelWorker
+from rft_core.workers.policy import PolicyWorker
 from tests.standins.deepspeed import zero3_strategy
 from tests.standins.nccl import (StandInNCCL, WatchdogTeardown, check_gpu_device, check_gpu_single_tensor,
                                  host_memory_is_gpu, nccl_standin)
@@ -37,9 +37,9 @@ from tests.standins.nccl import (StandInNCCL, WatchdogTeardown, check_gpu_device
 REF = "/policies/v1"
 
 
-def _policy_worker(tiny_model, *, rank: int) -> ModelWorker:
+def _policy_worker(tiny_model, *, rank: int) -> PolicyWorker:
     """A policy worker holding a ZeRO-3 trainer (rank ``rank`` of 2) on ``cuda:<rank>``."""
-    worker = ModelWorker("policy", "pool", policy_ranks=2)
+    worker = PolicyWorker("pool", rank=rank, ranks=2)
     model = load_causal_lm(tiny_model)
     worker.held = SimpleNamespace(strategy=zero3_strategy(model, rank=rank, world_size=2, device=f"cuda:{rank}"))
     worker.version = version_key(REF)

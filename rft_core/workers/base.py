@@ -1,0 +1,309 @@
+"""What every resident worker shares: the Ray actor plumbing (``ResidentWorker``: run a stage
+program, stats, close, a gang's rendezvous) and the fan-out of a call across the ranks of a gang,
+declared once per method (``fan_out``) and carried out by one dispatcher (``Gang``).
+
+A role's worker is one Ray actor per rank of its gang: the policy trainer has
+``orchestration.policy_ranks`` ranks (DeepSpeed data parallelism), the other roles one. How a
+call to a gang reaches its ranks is a property of the method, not of the caller, so each method
+that is called across a gang says it with ``@fan_out(...)``:
+
+=============== ============================== ==========================================
+``FanOut``      who runs it                    what the caller gets
+=============== ============================== ==========================================
+``COLLECTIVE``  every rank, together (they     rank 0's result; the first rank that fails
+                meet in collectives: a ZeRO    raises at once (its peers may wait forever
+                gather, a DeepSpeed step)      in a collective)
+``RANK0``       rank 0 alone                   its result
+``EACH``        every rank, on its own         every rank's result, rank 0 first, after
+                                               all of them
+=============== ============================== ==========================================
+
+``Gang.call`` / ``Gang.start`` + ``Gang.wait`` look the method's mode up on the role's class
+and do the rest; a method without a declaration cannot be called across a gang. Modelled on
+verl's ``single_controller`` (``verl/single_controller/base/decorator.py``: ``@register`` with a
+dispatch and an execute mode, read by the worker group), reduced to the three modes this project
+uses and Ray actor handles (or, in tests and the no-Ray driver, the worker objects themselves).
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any, Callable, ClassVar, Iterator
+
+import torch
+
+from rft_core.config import WorkersConfig
+from rft_core.counters import counts
+from rft_core.models.loading import load_causal_lm
+from rft_core.models.logprobs import default_device
+from rft_core.stages.checkpoints import policy_model_path
+from rft_core.stages.inprocess import run_in_process
+from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.stages.sources import models_from
+from rft_core.weightsync.collective import free_port, host_address
+from schemas import PolicyRef
+
+NAMESPACE = "prefect-rft"  # the Ray namespace of the workers
+
+
+class WorkerError(RuntimeError):
+    """A resident worker could not be started or reached (Ray missing, cluster unreachable, a
+    peer that is not running)."""
+
+
+def actor_name(pool: str, role: str, rank: int = 0) -> str:
+    """The Ray actor name of ``role`` (its rank ``rank``: the policy trainer's data-parallel
+    ranks) in the pool ``pool`` (the run root)."""
+    name = f"{role}-{hashlib.sha256(pool.encode()).hexdigest()[:16]}"
+    return name if rank == 0 else f"{name}-rank{rank}"
+
+
+# -- the fan-out declaration ------------------------------------------------------------------
+
+
+class FanOut(enum.Enum):
+    """How a call to a gang's method reaches its ranks (the table of the module docstring)."""
+
+    COLLECTIVE = "every rank, together; rank 0's result, the first failure at once"
+    RANK0 = "rank 0 alone; its result"
+    EACH = "every rank on its own; every rank's result, after all of them"
+
+
+def fan_out(mode: FanOut) -> Callable[[Callable], Callable]:
+    """Method decorator: declare how a call of this method across a gang fans out (``FanOut``).
+    Marks the method only (its ``fan_out`` attribute); ``Gang`` reads it."""
+    def mark(method: Callable) -> Callable:
+        method.fan_out = mode  # type: ignore[attr-defined]
+        return method
+    return mark
+
+
+def fan_out_of(cls: type, method: str) -> FanOut:
+    """The declared ``FanOut`` of ``cls.method``.
+
+    Raises:
+        TypeError: ``cls`` has no such method, or it declares no fan-out.
+    """
+    mode = getattr(getattr(cls, method, None), "fan_out", None)
+    if not isinstance(mode, FanOut):
+        raise TypeError(f"{cls.__name__}.{method} declares no fan-out (@fan_out): it cannot be called across a gang")
+    return mode
+
+
+@dataclass
+class Started:
+    """Calls a ``Gang`` started (``Gang.start``): the method's mode and one Ray object ref per rank called."""
+
+    mode: FanOut
+    futures: list
+
+
+class Gang(Sequence):
+    """The ranks of one role's worker, rank 0 first: Ray actor handles, or (tests, the no-Ray
+    driver) the worker objects themselves (``local``). Calls fan out as each method declares
+    (``fan_out``).
+
+    Args:
+        cls: the role's worker class (where the declarations are read).
+        members: one per rank, rank 0 first.
+        timeout_s: the limit of a wait for a call's results (None: none).
+    """
+
+    def __init__(self, cls: type, members: Sequence, *, timeout_s: float | None = None) -> None:
+        if not members:
+            raise ValueError(f"a gang of {cls.__name__} needs at least one rank")
+        self.cls, self.members, self.timeout_s = cls, list(members), timeout_s
+
+    @classmethod
+    def named(cls, worker_cls: type, pool: str, ranks: int, *, timeout_s: float | None = None) -> "Gang":
+        """The running Ray actors of ``worker_cls.role`` in ``pool`` (``ranks`` of them), by name.
+
+        Raises:
+            WorkerError: a rank is not running.
+        """
+        import ray  # lazy: Ray is only needed when the workers are Ray actors
+
+        members = []
+        for r in range(ranks):
+            try:
+                members.append(ray.get_actor(actor_name(pool, worker_cls.role, rank=r), namespace=NAMESPACE))
+            except ValueError:
+                raise WorkerError(f"the {worker_cls.role} worker of {pool}"
+                                  f"{f' (rank {r})' if r else ''} is not running") from None
+        return cls(worker_cls, members, timeout_s=timeout_s)
+
+    def __getitem__(self, rank):  # type: ignore[override]
+        return self.members[rank]
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __iter__(self) -> Iterator:
+        return iter(self.members)
+
+    @property
+    def local(self) -> bool:
+        """Whether the ranks are worker objects of this process (no Ray)."""
+        return isinstance(self.members[0], self.cls)
+
+    def _targets(self, mode: FanOut) -> list:
+        return self.members[:1] if mode is FanOut.RANK0 else self.members
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` on the gang as it declares and return what its mode returns (the
+        table of the module docstring).
+
+        Raises:
+            TypeError: ``method`` declares no fan-out.
+            Whatever a rank raised; ``ray.exceptions.GetTimeoutError`` after ``timeout_s``.
+        """
+        if self.local:
+            mode = fan_out_of(self.cls, method)
+            results = [getattr(m, method)(*args, **kwargs) for m in self._targets(mode)]
+            return results if mode is FanOut.EACH else results[0]
+        return self.wait(self.start(method, *args, **kwargs))
+
+    def start(self, method: str, *args: Any, **kwargs: Any) -> Started:
+        """Start ``method`` on the ranks its mode names (Ray actors only; ``wait`` takes the answer).
+
+        Raises:
+            TypeError: ``method`` declares no fan-out.
+            WorkerError: the ranks are objects of this process (their calls cannot run alongside the caller).
+        """
+        mode = fan_out_of(self.cls, method)
+        if self.local:
+            raise WorkerError(f"{self.cls.__name__}.{method} cannot be started alongside the caller in one process: "
+                              "run the workers as Ray actors (rft_core.workers.pool)")
+        return Started(mode, [getattr(m, method).remote(*args, **kwargs) for m in self._targets(mode)])
+
+    def wait(self, started: Started) -> Any:
+        """The answer of ``start``'s calls as their mode says (the module docstring's table).
+
+        Raises:
+            Whatever a rank raised; ``ray.exceptions.GetTimeoutError`` after ``timeout_s``.
+        """
+        import ray  # lazy: Ray is only needed when the workers are Ray actors
+
+        if started.mode is FanOut.COLLECTIVE:
+            return _first_failure_or_all(ray, started.futures, self.timeout_s)[0]
+        results = ray.get(started.futures, timeout=self.timeout_s)
+        return results if started.mode is FanOut.EACH else results[0]
+
+    def cancel(self, started: Started) -> None:
+        """Cancel ``start``'s calls (the caller gave up on them)."""
+        import ray  # lazy: Ray is only needed when the workers are Ray actors
+
+        for fut in started.futures:
+            ray.cancel(fut, force=False)
+
+
+def _first_failure_or_all(ray, futures: list, timeout_s: float | None) -> list:
+    """Every future's result; the first one that fails raises at once (its peers may be blocked
+    in a collective that will never complete).
+
+    Raises:
+        ray.exceptions.GetTimeoutError: not all done within ``timeout_s`` seconds.
+    """
+    from ray.exceptions import GetTimeoutError  # lazy: Ray is only needed when the workers are Ray actors
+
+    pending = list(futures)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while pending:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not done:
+            raise GetTimeoutError(f"{len(pending)} of {len(futures)} ranks did not answer within {timeout_s} s")
+        ray.get(done[0])  # raises the rank's error
+    return ray.get(futures)
+
+
+# -- the shared base ----------------------------------------------------------------------------
+
+
+class ResidentWorker:
+    """The body of one rank of a resident worker: what every role shares. Subclasses set
+    ``role`` and ``programs`` (the stage programs it runs) and implement the part of
+    ``rft_core.stages.sources.ModelSource`` that those programs call. ``version`` is the
+    ``version_key`` of the model the worker holds (None: none yet, or invalid); each role
+    documents which model that is. Plain Python (tests drive it in-process); ``rft_core.workers.pool`` runs it
+    as a Ray actor.
+
+    Args:
+        pool: the pool's name (the run root).
+        rank, ranks: this worker's rank in its role's gang and the gang's size (the policy
+            trainer's DeepSpeed ranks; 1 for the other roles).
+        threads: torch threads (None: leave torch's setting). The same count as a stage-mode run
+            keeps CPU results bit-identical.
+    """
+
+    role: ClassVar[str]
+    programs: ClassVar[tuple[str, ...]]
+
+    def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.pool, self.rank, self.ranks = pool, rank, ranks
+        self.version: str | None = None
+
+    @classmethod
+    def kwargs_from(cls, workers: WorkersConfig) -> dict[str, Any]:
+        """The constructor's keyword arguments (beyond ``pool``, ``rank``, ``ranks``) from the pool's settings."""
+        return {"threads": workers.threads or torch.get_num_threads()}
+
+    @fan_out(FanOut.COLLECTIVE)
+    def run(self, inp) -> Any:
+        """Run the stage program of ``inp`` (a stage input model) exactly as ``run_stage`` does in
+        a stage process, inside ``models_from(self)`` (the program asks this worker for its
+        model instead of loading it); returns what the program returns (its committed ShardRef).
+        Every rank of a gang runs it; rank 0's result is the stage's.
+
+        Raises:
+            ValueError: a program this role does not run.
+        """
+        if inp.program not in self.programs:
+            raise ValueError(f"the {self.role} worker does not run {inp.program!r} (it runs {', '.join(self.programs)})")
+        with models_from(self):  # type: ignore[arg-type]  # the part of ModelSource this role's programs call
+            return run_in_process(inp)
+
+    @fan_out(FanOut.EACH)
+    def stats(self) -> dict[str, Any]:
+        """This worker's counters (``rft_core.counters.counts``), its pid, role and the
+        version it holds."""
+        return {**counts(), "role": self.role, "pid": os.getpid(), "version": self.version}
+
+    @fan_out(FanOut.EACH)
+    def close(self) -> None:
+        """Finish this worker's pending background writes (the policy's optimizer state) before it is stopped.
+
+        Raises:
+            OptimizerStateError: a write failed (resuming the run recomputes that state).
+        """
+        wait_for_optimizer_writes()
+
+    @fan_out(FanOut.EACH)
+    def ping(self) -> int:
+        """The worker's pid (a liveness check: tests/rft_core/training/test_deepspeed_update.py)."""
+        return os.getpid()
+
+    @fan_out(FanOut.RANK0)
+    def rendezvous(self) -> dict[str, Any]:
+        """Where the ranks of a new gang meet (this is rank 0): an address of this host and a free port."""
+        return {"addr": host_address(), "port": free_port()}
+
+    @fan_out(FanOut.EACH)
+    def join(self, addr: str, port: int) -> None:
+        """Set this rank's torch.distributed environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+        ``MASTER_PORT``, ``LOCAL_RANK=0`` since Ray gives each actor its own GPUs) before its
+        first update forms DeepSpeed's process group (``init_distributed``)."""
+        os.environ.update({"RANK": str(self.rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(self.ranks),
+                           "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+
+
+def load_inference_copy(ref: PolicyRef, dtype: str) -> torch.nn.Module:
+    """The model of ``ref`` loaded from storage in ``dtype`` onto ``default_device()``, in eval
+    mode (a frozen copy: the reference, the rollout engine's policy)."""
+    return load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device()).eval()

@@ -1,0 +1,59 @@
+"""The critic's resident worker (``CriticWorker``): runs ``critic_values`` on the trained critic
+it holds and ``critic_update`` by continuing its training strategy (model and AdamW state) in
+memory. The critic still commits its weights and AdamW state every iteration
+(``checkpoint.every`` concerns the policy), so its files equal stage mode's; what it saves is
+the two loads per iteration."""
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from rft_core.models.hub import torch_dtype
+from rft_core.stages.sources import critic_model, models_from, version_key
+from rft_core.training.strategy import continue_with
+from rft_core.workers.base import ResidentWorker
+from schemas import PolicyRef
+
+
+class CriticWorker(ResidentWorker):
+    """The critic's worker (see the module docstring).
+
+    ``version``: the critic version (``version_key``: the initial critic's path, or the committed
+    ``critic_update``) that the kept strategy ``held`` holds; None before the first update.
+
+    Args:
+        pool, rank, ranks, threads: ``ResidentWorker``'s.
+    """
+
+    role: ClassVar[str] = "critic"
+    programs: ClassVar[tuple[str, ...]] = ("critic_values", "critic_update")
+
+    def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None) -> None:
+        super().__init__(pool, rank=rank, ranks=ranks, threads=threads)
+        self.held: Any = None  # its training strategy (model and AdamW state)
+
+    def critic_model(self, ref: PolicyRef, *, dtype: str) -> torch.nn.Module:
+        """``ModelSource.critic_model``: the trained critic this worker holds when it holds
+        ``ref`` in ``dtype`` (eval mode), else the critic loaded from storage (not kept: the
+        update builds its own strategy)."""
+        held = self.held
+        if held is not None and self.version == version_key(ref) and \
+                next(held.model.parameters()).dtype == torch_dtype(dtype):
+            return held.model.eval()
+        with models_from(None):  # storage
+            return critic_model(ref, dtype=dtype)
+
+    def critic_strategy(self, ref: PolicyRef, build: Callable[[], Any], *, lr: float, max_grad_norm: float):
+        """``ModelSource.critic_strategy``: the kept strategy when it holds ``ref`` (continued
+        with ``lr`` and ``max_grad_norm``), else ``build()`` (from storage), kept from now on."""
+        if self.held is None or self.version != version_key(ref):
+            self.held = None  # the old strategy is freed before the new one is loaded
+            self.held, self.version = build(), version_key(ref)
+            return self.held
+        continue_with(self.held, lr=lr, max_grad_norm=max_grad_norm)
+        return self.held
+
+    def critic_trained(self, ref: PolicyRef) -> None:
+        """``ModelSource.critic_trained``: the kept strategy now holds ``ref``."""
+        self.version = version_key(ref)

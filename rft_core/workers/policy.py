@@ -1,0 +1,228 @@
+"""The policy trainer's resident worker (``PolicyWorker``): runs ``ppo_update``, keeps the
+policy's model, float32 master weights and AdamW (or ZeRO) state in memory across iterations,
+and is the sender of every weight sync to the rollout engine (``prepare_weights``,
+``send_weights``, ``export_weights``). Under DeepSpeed it is a gang of
+``orchestration.policy_ranks`` ranks, one Ray actor each; its sync methods are collectives (a
+ZeRO-3 gather, a rebuild) that every rank runs, rank 0 holding the weights and sending them.
+
+A trainer that was never written (``checkpoint.every`` > 1) and is not in memory (a new or
+restarted worker) is rebuilt exactly: ``rebuild_trainer`` loads its base checkpoint with its
+AdamW state and re-applies the committed updates after it (``rft_core.stages.recovery`` finds
+the chain).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, ClassVar
+
+import torch
+
+from rft_core.config import WorkersConfig
+from rft_core.counters import count
+from rft_core.stages.optimizer_state import optimizer_state_ref
+from rft_core.stages.recovery import RecoveryError, committed_digest, has_weights, policy_chain, update_input_of
+from rft_core.stages.sources import version_key
+from rft_core.stages.update import build_trainer, configure_trainer, replay_update
+from rft_core.weightsync.choose import device_id, group_backend, transport
+from rft_core.weightsync.collective import free_port, host_address
+from rft_core.weightsync.plan import SyncPlan, WeightSyncError, sync_device
+from rft_core.weightsync.trained import strategy_device, trained_digest, trained_tensors
+from rft_core.workers.base import FanOut, ResidentWorker, fan_out
+from schemas import PolicyRef, ShardRef
+
+log = logging.getLogger("rft_core.workers")
+
+
+class PolicyWorker(ResidentWorker):
+    """One rank of the policy trainer (see the module docstring).
+
+    ``version``: the policy version (``version_key``) the trainer ``held`` holds: the update it
+    last ran or was rebuilt to; None before its first update.
+
+    Args:
+        pool, rank, ranks, threads: ``ResidentWorker``'s.
+        sync_timeout_s, sync_bucket_mb: the weight-sync transaction's limits.
+    """
+
+    role: ClassVar[str] = "policy"
+    programs: ClassVar[tuple[str, ...]] = ("ppo_update",)
+
+    def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None,
+                 sync_timeout_s: float = 300.0, sync_bucket_mb: int = 256) -> None:
+        super().__init__(pool, rank=rank, ranks=ranks, threads=threads)
+        self.sync_timeout_s, self.sync_bucket_mb = sync_timeout_s, sync_bucket_mb
+        self.held: Any = None  # the rft_core.stages.update.PolicyTrainer it keeps
+        self._ipc = transport("cuda_ipc", timeout_s=sync_timeout_s)  # what export_weights shares
+        self._prepared: tuple[str | None, Any] | None = None  # (version, tensors) of a prepared sync
+
+    @classmethod
+    def kwargs_from(cls, workers: WorkersConfig) -> dict[str, Any]:
+        """``ResidentWorker.kwargs_from`` and the sync's limits."""
+        return {**super().kwargs_from(workers), "sync_timeout_s": workers.sync_timeout_s,
+                "sync_bucket_mb": workers.sync_bucket_mb}
+
+    # -- ModelSource: the trainer ------------------------------------------------------------
+    def trainer(self, inp):
+        """``ModelSource.trainer``: the trainer holding ``inp.policy``, with this update's
+        learning rate and clipping."""
+        trainer = self._ensure_trainer(inp.policy, inp)
+        configure_trainer(trainer, inp.update)
+        return trainer
+
+    def trained(self, ref: PolicyRef) -> None:
+        """``ModelSource.trained``: the trainer now holds ``ref`` (weights kept for a sync of the
+        version before are dropped)."""
+        self.version, self._prepared = version_key(ref), None
+
+    def _ensure_trainer(self, ref: PolicyRef, inp=None):
+        """The trainer holding ``ref``: the one kept in memory, or rebuilt (its base checkpoint
+        loaded, the committed updates after it re-applied)."""
+        key = version_key(ref)
+        if self.held is None or self.version != key:
+            self.held = None
+            trainer, report = rebuild_trainer(ref, inp)
+            count("recovered_updates", report["replayed"])
+            self.held, self.version = trainer, key
+        return self.held
+
+    # -- the sending side of a weight sync ---------------------------------------------------
+    @fan_out(FanOut.COLLECTIVE)
+    def prepare_weights(self, ref: PolicyRef, dtype: str | None = None) -> dict[str, Any]:
+        """Get ready to send ``ref``'s weights: ``{"status": "storage"}`` when this worker does
+        not hold ``ref`` and ``ref`` has its weights on storage (the receiver loads them there:
+        a resume), else rebuild it if needed and return where to meet (``addr``, ``port``) and
+        this worker's device (``device``: same GPU means CUDA IPC instead of a process group).
+        With ``dtype`` (a receiver without an HF-named copy of the model of its own: a vLLM or
+        SGLang engine) the answer also has ``plan``: the sync plan in that dtype
+        (``SyncPlan.to_json``)."""
+        if (self.held is None or self.version != version_key(ref)) and (
+                isinstance(ref, str) or has_weights(ref)):
+            return {"status": "storage"}
+        trainer = self._ensure_trainer(ref)
+        device = strategy_device(trainer.strategy)
+        ready = {"status": "ready", "addr": host_address(), "port": free_port(), "device": device_id(device),
+                 "backend": group_backend(device)}
+        if dtype is not None:
+            tensors = self._send_tensors(keep=True)  # the send that follows uses them: one gather, one merge
+            if tensors is not None:
+                ready["plan"] = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb).to_json()
+        return ready
+
+    def _send_tensors(self, *, keep: bool = False) -> dict[str, torch.Tensor] | None:
+        """The policy's weights as an inference copy holds them (``inference_tensors``); under
+        DeepSpeed gathered from the ranks (a collective: every rank calls it), on rank 0 only
+        (None on the others). ``keep``: hold them for the next call (a ``prepare_weights`` whose
+        plan needs them, then its ``send_weights``), which takes them; a ZeRO-3 gather or a LoRA
+        merge then runs once per sync."""
+        kept, self._prepared = self._prepared, None
+        if kept is not None and kept[0] == self.version:
+            tensors = kept[1]
+        else:
+            tensors = trained_tensors(self.held.strategy)
+        if keep:
+            self._prepared = (self.version, tensors)
+        return tensors
+
+    def _check_holds(self, ref: PolicyRef) -> None:
+        if self.version != version_key(ref):
+            raise WeightSyncError(f"the policy worker holds {self.version}, not {version_key(ref)}")
+
+    @fan_out(FanOut.COLLECTIVE)
+    def tensors(self, ref: PolicyRef) -> dict[str, torch.Tensor] | None:
+        """``ref``'s weights (held after ``prepare_weights``) for a receiver in this process (the
+        ``local`` transport): ``_send_tensors``' answer.
+
+        Raises:
+            WeightSyncError: this worker does not hold ``ref``.
+        """
+        self._check_holds(ref)
+        return self._send_tensors()
+
+    @fan_out(FanOut.COLLECTIVE)
+    def send_weights(self, ref: PolicyRef, *, addr: str, port: int, dtype: str, backend: str,
+                     world_size: int = 2) -> dict[str, Any]:
+        """Rank 0 of the sync of ``ref`` (held after ``prepare_weights``) to ``world_size - 1``
+        receivers in ``dtype``, packed bucket by bucket on the backend's device
+        (``sync_device``: this rank's GPU for NCCL, wherever the weights are: DeepSpeed ZeRO-3
+        gathers them to the CPU); returns the sender's report (``checksum``, and the same value
+        as ``digest``, of the weights as sent). The other ranks of a DeepSpeed gang take part in
+        the gather and return ``{}``.
+
+        Raises:
+            WeightSyncError: this worker does not hold ``ref``, or the send failed.
+        """
+        self._check_holds(ref)
+        tensors = self._send_tensors()
+        if tensors is None:  # a rank above 0: it took part in the gather, rank 0 sends
+            return {}
+        plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb)
+        # the backend's device, not the tensors': a ZeRO-3 export is on the CPU, NCCL sends from the GPU
+        rep = transport(backend, timeout_s=self.sync_timeout_s).send(tensors, plan, addr=addr, port=port,
+                                                                     device=sync_device(backend), world_size=world_size)
+        return {"checksum": rep.digest, "digest": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds,
+                "buckets": rep.buckets}
+
+    @fan_out(FanOut.COLLECTIVE)
+    def export_weights(self, ref: PolicyRef, *, dtype: str) -> dict[str, Any]:
+        """CUDA IPC handles of ``ref``'s weights in ``dtype`` for a receiver on the same GPU
+        (the ``cuda_ipc`` transport's ``prepare``), packed on this rank's GPU
+        (``sync_device("nccl")``: a ZeRO-3 export is on the CPU); ``release_export`` frees the
+        buffers once it has copied them. Under DeepSpeed every rank
+        takes part in the gather and the ranks above 0 return ``{}`` (rank 0 exports).
+
+        Raises:
+            WeightSyncError: this worker does not hold ``ref``.
+        """
+        self._check_holds(ref)
+        tensors = self._send_tensors()
+        if tensors is None:  # a rank above 0: it took part in the gather, rank 0 exports
+            return {}
+        plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb)
+        return self._ipc.prepare(tensors, plan, device=sync_device("nccl"))
+
+    @fan_out(FanOut.RANK0)
+    def release_export(self) -> None:
+        """Free the buffers of the last ``export_weights`` (the ``cuda_ipc`` transport's
+        ``finalize``; rank 0 exported them)."""
+        self._ipc.finalize()
+
+
+def rebuild_trainer(ref: PolicyRef, inp, *, strict: bool = True):
+    """The policy trainer (``rft_core.stages.update.PolicyTrainer``) holding exactly ``ref``,
+    built for the update ``inp`` (its ``update`` config and ``dtype``): the base checkpoint of
+    ``ref`` loaded with its AdamW state, then the committed updates after it re-applied from
+    their own input shards (rollout, advantages, log-probs: no rollout is regenerated) through the
+    same training code, each checked against its committed digest.
+
+    Args:
+        strict: a re-applied update whose weights differ from its committed digest raises
+            (otherwise it is logged and recovery goes on).
+    Returns:
+        (trainer, report): ``report`` has ``base`` (its URI or path), ``replayed`` (updates
+        re-applied) and ``seconds``.
+    Raises:
+        RecoveryError: (``rft_core.stages.recovery``) a recorded input is missing, or a
+            re-applied update's weights differ from its digest; ``OptimizerStateError`` / ``CheckpointPrunedError`` when
+            the base checkpoint's AdamW state or weights are gone.
+    """
+    t0 = time.perf_counter()
+    base, chain = policy_chain(ref)
+    first = update_input_of(chain[0]) if chain else inp
+    trainer = build_trainer(base, first.update, dtype=first.dtype, opt_ref=optimizer_state_ref(base))
+    for u in chain:
+        step_inp = update_input_of(u)
+        replay_update(trainer, step_inp)
+        got, want = trained_digest(trainer.strategy), committed_digest(u)
+        if got is not None and got != want:  # None: a DeepSpeed rank above 0 (rank 0 checks)
+            msg = (f"re-applying the committed update {u.uri} gave other weights than it recorded (digest {got[:12]} "
+                   f"vs {want[:12]}): nondeterministic kernels, or the input shards changed")
+            if strict:
+                raise RecoveryError(msg)
+            log.warning("%s; recovery goes on with the recomputed weights", msg)
+    report = {"base": base.uri if isinstance(base, ShardRef) else base, "replayed": len(chain),
+              "seconds": time.perf_counter() - t0}
+    if chain:
+        log.info("rebuilt the policy of %s from %s by re-applying %d committed update(s) in %.1f s",
+                 ref.uri if isinstance(ref, ShardRef) else ref, report["base"], len(chain), report["seconds"])
+    return trainer, report

@@ -1,0 +1,44 @@
+"""The reference model's resident worker (``ReferenceWorker``): runs ``ref_logprobs`` on the
+frozen reference model, loaded from storage once per run (again only if another reference or
+dtype is asked for)."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from rft_core.stages.sources import version_key
+from rft_core.workers.base import ResidentWorker, load_inference_copy
+from schemas import PolicyRef
+
+
+class ReferenceWorker(ResidentWorker):
+    """The reference model's worker (see the module docstring).
+
+    ``version``: the reference checkpoint (``version_key``: its path, or a committed update's URI
+    and checksum) that ``model`` was loaded from; None before the first pass.
+
+    Args:
+        pool, rank, ranks, threads: ``ResidentWorker``'s.
+    """
+
+    role: ClassVar[str] = "reference"
+    programs: ClassVar[tuple[str, ...]] = ("ref_logprobs",)
+
+    def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None) -> None:
+        super().__init__(pool, rank=rank, ranks=ranks, threads=threads)
+        self.model: torch.nn.Module | None = None
+        self.model_dtype: str | None = None
+
+    def inference_model(self, ref: PolicyRef, *, dtype: str, role: str) -> torch.nn.Module:
+        """``ModelSource.inference_model``: the reference model of ``ref`` in ``dtype``, loaded once.
+
+        Raises:
+            ValueError: ``role`` is not "reference".
+        """
+        if role != "reference":
+            raise ValueError(f"the reference worker holds the reference model, not the {role}")
+        key = version_key(ref)
+        if self.model is None or self.version != key or self.model_dtype != dtype:
+            self.model, self.version, self.model_dtype = load_inference_copy(ref, dtype), key, dtype
+        return self.model

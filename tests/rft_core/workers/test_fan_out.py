@@ -1,0 +1,151 @@
+"""The fan-out of a call across a gang's ranks (``rft_core.workers.base``: ``fan_out``, ``Gang``):
+each mode reaches the ranks it names and returns what it says, in one process and across Ray
+actors; a collective's first failing rank raises at once while its peer still runs; a method
+without a declaration cannot be called across a gang; every method the workers call across a gang
+declares its mode, and a role's class has only the methods of its role."""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from rft_core.workers.base import FanOut, Gang, WorkerError, fan_out, fan_out_of
+from rft_core.workers.critic import CriticWorker
+from rft_core.workers.policy import PolicyWorker
+from rft_core.workers.pool import ROLE_OF_PROGRAM, WORKER_CLASSES
+from rft_core.workers.reference import ReferenceWorker
+from rft_core.workers.rollout import RolloutWorker
+
+WORKERS = Path(__file__).resolve().parents[3] / "rft_core" / "workers"
+
+
+class Ranks:
+    """A worker with one method per mode; each records how often it was called."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.calls = rank, 0
+
+    @fan_out(FanOut.COLLECTIVE)
+    def together(self, fail_rank: int | None = None, sleep_s: float = 0.0) -> int:
+        self.calls += 1
+        if self.rank == fail_rank:
+            raise ValueError(f"rank {self.rank} failed")
+        time.sleep(sleep_s)
+        return 10 + self.rank
+
+    @fan_out(FanOut.RANK0)
+    def first(self) -> int:
+        self.calls += 1
+        return 10 + self.rank
+
+    @fan_out(FanOut.EACH)
+    def each(self) -> int:
+        self.calls += 1
+        return 10 + self.rank
+
+    def undeclared(self) -> int:
+        return self.rank
+
+    def count(self) -> int:
+        return self.calls
+
+
+def test_in_process_gang_calls_the_ranks_each_mode_names():
+    ranks = [Ranks(0), Ranks(1)]
+    gang = Gang(Ranks, ranks)
+    assert gang.local and len(gang) == 2 and gang[1] is ranks[1]
+    assert gang.call("first") == 10 and [r.calls for r in ranks] == [1, 0]  # rank 0 alone
+    assert gang.call("each") == [10, 11] and [r.calls for r in ranks] == [2, 1]
+    assert gang.call("together") == 10 and [r.calls for r in ranks] == [3, 2]  # every rank, rank 0's answer
+    with pytest.raises(TypeError, match=r"Ranks.undeclared declares no fan-out"):
+        gang.call("undeclared")
+    with pytest.raises(WorkerError, match="cannot be started alongside the caller"):
+        gang.start("each")
+    with pytest.raises(ValueError, match="at least one rank"):
+        Gang(Ranks, [])
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="test-fan-out")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def _actors(ray, n: int = 2) -> list:
+    actor = ray.remote(Ranks)
+    return [actor.options(num_cpus=0).remote(r) for r in range(n)]
+
+
+def test_ray_gang_calls_the_ranks_each_mode_names(ray_session):
+    ray = ray_session
+    members = _actors(ray)
+    gang = Gang(Ranks, members, timeout_s=60)
+    assert not gang.local
+    assert gang.call("first") == 10
+    assert ray.get([m.count.remote() for m in members]) == [1, 0]
+    assert gang.call("each") == [10, 11]
+    assert gang.call("together") == 10
+    assert ray.get([m.count.remote() for m in members]) == [3, 2]
+    started = gang.start("together")
+    assert started.mode is FanOut.COLLECTIVE and len(started.futures) == 2 and gang.wait(started) == 10
+
+
+def test_a_collective_raises_the_first_failure_while_its_peer_still_runs(ray_session):
+    ray = ray_session
+    gang = Gang(Ranks, _actors(ray), timeout_s=60)
+    gang.call("each")  # both actors up before the clock starts
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="rank 1 failed"):
+        gang.call("together", 1, 30.0)  # rank 0 sleeps 30 s, as a peer stuck in a collective would
+    assert time.perf_counter() - t0 < 15
+
+
+def test_a_gang_wait_gives_up_after_its_timeout(ray_session):
+    ray = ray_session
+    from ray.exceptions import GetTimeoutError
+
+    members = _actors(ray)
+    Gang(Ranks, members, timeout_s=60).call("each")  # both actors up before the clock starts
+    gang = Gang(Ranks, members, timeout_s=1.0)
+    t0 = time.perf_counter()
+    with pytest.raises(GetTimeoutError, match="2 of 2 ranks did not answer within 1.0 s"):
+        gang.call("together", None, 20.0)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_every_method_called_across_a_gang_declares_its_fan_out():
+    called = set()
+    for path in WORKERS.glob("*.py"):
+        called |= set(re.findall(r"\.(?:call|start)\(\"(\w+)\"", path.read_text()))
+    assert {"run", "stats", "close", "rendezvous", "join", "prepare_weights", "send_weights", "tensors",
+            "export_weights", "release_export"} <= called
+    for name in called:
+        assert any(getattr(getattr(c, name, None), "fan_out", None) for c in WORKER_CLASSES.values()), name
+    # the policy's side of a sync is a collective: a ZeRO-3 gather or a rebuild needs every rank
+    for name in ("prepare_weights", "send_weights", "export_weights", "tensors"):
+        assert fan_out_of(PolicyWorker, name) is FanOut.COLLECTIVE
+    assert fan_out_of(PolicyWorker, "rendezvous") is FanOut.RANK0 and fan_out_of(PolicyWorker, "close") is FanOut.EACH
+
+
+def test_one_class_per_role_with_only_its_roles_methods():
+    assert {r: c.__name__ for r, c in WORKER_CLASSES.items()} == {
+        "policy": "PolicyWorker", "rollout": "RolloutWorker", "reference": "ReferenceWorker", "critic": "CriticWorker"}
+    assert ROLE_OF_PROGRAM == {"ppo_update": "policy", "rollout": "rollout", "actor_logprobs": "rollout",
+                               "ref_logprobs": "reference", "critic_values": "critic", "critic_update": "critic"}
+    serves = {PolicyWorker: {"trainer", "trained", "prepare_weights", "send_weights", "export_weights"},
+              RolloutWorker: {"inference_model", "engine_policy"}, ReferenceWorker: {"inference_model"},
+              CriticWorker: {"critic_model", "critic_strategy", "critic_trained"}}
+    every = set().union(*serves.values())
+    for cls, own in serves.items():
+        assert {m for m in every if hasattr(cls, m)} == own, cls.__name__
+    with pytest.raises(ValueError, match="the reference worker holds the reference model, not the policy"):
+        ReferenceWorker("p").inference_model("/m", dtype="float32", role="policy")
+    with pytest.raises(ValueError, match="the rollout worker holds the policy, not the reference"):
+        RolloutWorker("p").inference_model("/m", dtype="float32", role="reference")
