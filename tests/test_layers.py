@@ -7,11 +7,12 @@ inside a function):
   and ``rft_core.config``; ``tasks`` never imports ``flows``;
 - inside ``rft_core``, a package imports only its own floor and the floors below it
   (``RFT_CORE_FLOORS``: the workers above the stages, the weight sync below the engines), except
-  the at most 2 upward imports listed in ``UPWARD_IMPORTS`` and in docs/architecture.md;
-- no import cycle between the project's modules;
+  the upward imports listed in ``UPWARD_IMPORTS`` and in docs/architecture.md (at most 2; none now);
+- no import cycle between the project's modules, counting the package ``__init__`` modules an
+  import runs;
 - no import of the project's own modules inside a function in ``rft_core`` that only dodges a
   cycle: each one says why it is lazy in a ``# lazy:`` comment on its line (an optional heavy
-  package, or the documented upward import).
+  package).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ RULES: dict[str, tuple[set[str], tuple[str, ...] | None]] = {
 # rft_core's floors, bottom to top (docs/architecture.md, "Layers"): a subpackage or top-level
 # module of rft_core imports its own floor and the floors below, never one above
 RFT_CORE_FLOORS: tuple[tuple[str, ...], ...] = (
-    ("registry", "counters", "storage", "progress", "metrics", "evaluation"),  # leaves
+    ("registry", "environments", "counters", "storage", "progress", "metrics", "evaluation"),  # leaves
     ("algorithms",),
     ("models", "data"),
     ("config",),
@@ -50,9 +51,7 @@ RFT_CORE_FLOORS: tuple[tuple[str, ...], ...] = (
 )
 # the imports that run back up the floors (importer, imported module), each listed in
 # docs/architecture.md; at most 2
-UPWARD_IMPORTS = {
-    ("rft_core.config.agents", "rft_core.agents.env"),
-}
+UPWARD_IMPORTS: set[tuple[str, str]] = set()
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -200,17 +199,34 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def _packages_run_by(importer: str, target: str, mods: dict[str, Path]) -> set[str]:
+    """The project packages whose ``__init__`` importing ``target`` from ``importer`` runs
+    besides ``target`` itself: Python imports every parent package of a module first, except
+    those the importer sits in (already imported by the time it runs)."""
+    parts = target.split(".")
+    out = set()
+    for i in range(1, len(parts)):
+        package = ".".join(parts[:i])
+        if package in mods and not (importer == package or importer.startswith(package + ".")):
+            out.add(package)
+    return out
+
+
 def _edges(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules importing it runs: what it imports (at module top or
+    inside a function) and the parent packages of those (their ``__init__`` runs first)."""
     edges: dict[str, set[str]] = {}
     for name, path in mods.items():
-        targets = {_resolve(imp, mods) for imp in _imported_modules(path)}
-        edges[name] = {t for t in targets if t is not None and t != name}
+        targets = {_resolve(imp, mods) for imp in _imported_modules(path)} - {None}
+        targets |= {p for t in targets for p in _packages_run_by(name, t, mods)}
+        edges[name] = {t for t in targets if t != name}
     return edges
 
 
 def test_no_import_cycles():
     mods = _project_modules()
-    assert not _cycles(_edges(mods)), "import cycles between project modules"
+    cycles = _cycles(_edges(mods))
+    assert not cycles, f"import cycles between project modules (package __init__ imports count): {cycles}"
 
 
 def test_checkers_see_violations(tmp_path):
@@ -221,6 +237,18 @@ def test_checkers_see_violations(tmp_path):
     assert _violations("flows", mods) == {"flows.a": ["rft_core.stages", "rft_core.stages.runner"]}
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+    # p.a imports q.b; q's __init__ imports q.c, which imports p.a: a cycle only through q's
+    # __init__, which Python runs before q.b (the config -> agents cycle of issue 37)
+    leaf, init, back = tmp_path / "leaf.py", tmp_path / "init.py", tmp_path / "back.py"
+    leaf.write_text("import torch\n")
+    init.write_text("from q.c import thing\n")
+    back.write_text("def f():\n    from p.a import thing\n")
+    (tmp_path / "pa.py").write_text("from q.b import thing\n")
+    pkg_mods = {"p": leaf, "p.a": tmp_path / "pa.py", "q": init, "q.b": leaf, "q.c": back}
+    assert _edges(pkg_mods)["p.a"] == {"q", "q.b"}
+    assert _edges(pkg_mods)["q.c"] == {"p", "p.a"}
+    assert _edges({"q": init, "q.b": leaf, "q.c": tmp_path / "pa.py"})["q.c"] == {"q.b"}  # q: q.c's own package
+    assert _cycles(_edges(pkg_mods)) == [["p.a", "q", "q.c"]]
 
 
 LAZY_COMMENT = re.compile(r"#\s*lazy:")
@@ -273,7 +301,7 @@ def test_local_import_checker_sees_violations(tmp_path):
                  "            import schemas.columns\n"                 # 10
                  "        from . import sibling\n"                      # 11
                  "        from rft_core import x  # not lazy: no marker\n"  # 12
-                 "        import rft_core.agents  # lazy: upward import\n")  # 13 marked: fine
+                 "        import rft_core.agents  # lazy: optional package\n")  # 13 marked: fine
     assert _unmarked_local_imports(f) == [4, 10, 11, 12]
 
 

@@ -2,14 +2,12 @@
 (``tools``), the built-in environments (``calculator``, ``python``, ``remote``), and the
 token-in-token-out rollout loop (``loop``). ``docs/agents.md`` describes all of it.
 
-Importing the package registers the built-in environments in ``ENVIRONMENTS``.
+The registry of environment names, ``ENVIRONMENTS``, lives on rft_core's lowest floor
+(``rft_core.environments``) so that the config can check a name without importing this package.
 """
 from __future__ import annotations
 
-from rft_core.agents import calculator, python_env, remote  # noqa: F401 - register the built-ins
-from rft_core.agents.config import AgentConfig
 from rft_core.agents.env import (
-                                 ENVIRONMENTS,
                                  EnvConfigError,
                                  EnvError,
                                  EnvFactory,
@@ -19,6 +17,8 @@ from rft_core.agents.env import (
 )
 from rft_core.agents.loop import AgentRollout, Trajectory, run_agent_rollout
 from rft_core.agents.tools import TOOL_FORMATS, ToolCall, ToolCallError, ToolEnvironment, ToolFailure, ToolFormat
+from rft_core.config.agents import AgentConfig
+from rft_core.environments import ENVIRONMENTS
 
 __all__ = [
                                  "ENVIRONMENTS",

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rft_core.config._base import _check_name
-from rft_core.agents.env import ENVIRONMENTS
 from rft_core.agents.tools import TOOL_FORMATS, ToolEnvironment
 
 
@@ -138,7 +137,6 @@ class CalculatorConfig(BaseModel):
     _format = field_validator("tool_format")(lambda cls, v: _check_name(TOOL_FORMATS, v))
 
 
-@ENVIRONMENTS.register("calculator", info="safe arithmetic on <calc>expr</calc> or hermes tool calls")
 class CalculatorEnv(ToolEnvironment):
     """Answers each ``calculator`` call with the expression's value (``format_number``) or an
     ``error: ...`` observation (``evaluate``'s refusals); a turn without a call ends the

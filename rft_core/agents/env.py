@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ValidationError
 
-from rft_core.registry import Registry
+from rft_core.environments import ENVIRONMENTS
 from rft_core.rewards.base import RewardError
 from rft_core.rewards.user import load_function
 
@@ -95,9 +95,6 @@ class Environment:
         """Release what the trajectory held (sessions, processes). Default: nothing."""
 
 
-ENVIRONMENTS: Registry[type] = Registry("environment")
-
-
 def coerce_step_result(value: Any, *, where: str) -> StepResult:
     """Check what ``step`` returned: a ``StepResult``, a gym-style ``(observation, reward, done,
     info)`` tuple or a dict with those keys.
@@ -129,7 +126,8 @@ def coerce_step_result(value: Any, *, where: str) -> StepResult:
 
 
 def load_environment_class(spec: str) -> type:
-    """The environment class named ``spec``: a registered name, or ``path/to/file.py:Class`` /
+    """The environment class named ``spec``: a name registered in ``ENVIRONMENTS`` (a class, or
+    for a built-in the import path of one, ``rft_core.environments``), or ``path/to/file.py:Class`` /
     ``package.module:Class`` (imported with the reward functions' loader,
     ``rft_core.rewards.user.load_function``; a relative file is taken from the current
     directory).
@@ -143,7 +141,10 @@ def load_environment_class(spec: str) -> type:
         if spec not in ENVIRONMENTS:
             raise EnvConfigError(f"unknown environment {spec!r}; valid names: {', '.join(ENVIRONMENTS.names())}, "
                                  "or 'path/to/file.py:Class' / 'package.module:Class'")
-        return ENVIRONMENTS[spec]
+        entry = ENVIRONMENTS[spec]
+        if not isinstance(entry, str):
+            return entry
+        spec = entry  # a built-in, registered by its import path (rft_core.environments)
     try:
         cls = load_function(spec, kind="environment")
     except RewardError as exc:

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from rft_core.agents.chat import ObservationRenderer
-from rft_core.agents.config import AgentConfig
 from rft_core.agents.env import EnvError, EnvFactory, coerce_step_result
+from rft_core.config.agents import AgentConfig
 from rft_core.engines import sample_seed
 from rft_core.engines.hf import StepLogprobs
 from schemas.experience import zero_pad_sequences

@@ -20,7 +20,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rft_core.config._base import _check_name
-from rft_core.agents.env import ENVIRONMENTS
 from rft_core.agents.tools import TOOL_FORMATS, ToolEnvironment, ToolFailure
 from rft_core.rewards import code as sandbox
 
@@ -89,7 +88,6 @@ class PythonEnvConfig(BaseModel):
     _format = field_validator("tool_format")(lambda cls, v: _check_name(TOOL_FORMATS, v))
 
 
-@ENVIRONMENTS.register("python", info="runs <python>code</python> calls in the code_exec sandbox")
 class PythonEnv(ToolEnvironment):
     """Tool ``python(code)``: the observation is the program's stdout (and stderr when there is
     any); a program that raises, is refused by the sandbox, runs out of memory or time gives an

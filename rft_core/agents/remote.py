@@ -29,7 +29,7 @@ import requests
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rft_core.config._base import _check_name
-from rft_core.agents.env import ENVIRONMENTS, EnvError, Environment, StepResult, coerce_step_result
+from rft_core.agents.env import EnvError, Environment, StepResult, coerce_step_result
 from rft_core.agents.tools import TOOL_FORMATS
 from rft_core.rewards.remote import RETRY_STATUSES, make_session
 
@@ -89,7 +89,6 @@ def post_json(session: requests.Session, url: str, payload: dict[str, Any], *, t
     return body
 
 
-@ENVIRONMENTS.register("remote", info="an HTTP environment server (reset/step JSON protocol)")
 class RemoteEnv(Environment):
     """One session on an environment server (protocol in the module docstring)."""
 

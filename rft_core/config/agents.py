@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from rft_core.environments import ENVIRONMENTS
+
 
 class AgentConfig(BaseModel):
     """A multi-turn rollout: the model and an environment take turns (``rft_core.agents.loop``).
@@ -32,10 +34,6 @@ class AgentConfig(BaseModel):
     @field_validator("environment")
     @classmethod
     def _known(cls, v: str) -> str:
-        # the one import back up rft_core's floors (docs/architecture.md, "Layers"): rft_core.agents imports
-        # the config, so at module top this would be an import cycle
-        from rft_core.agents.env import ENVIRONMENTS  # lazy: upward import (see above)
-
         if ":" not in v and v not in ENVIRONMENTS:
             raise ValueError(f"unknown environment {v!r}; valid names: {', '.join(ENVIRONMENTS.names())}, or "
                              "'path/to/file.py:Class' / 'package.module:Class'")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import builtins
 import math
+import subprocess
+import sys
 import time
 
 import pytest
@@ -20,6 +22,7 @@ from rft_core.agents import (
     ToolCall,
     ToolCallError,
     ToolEnvironment,
+    load_environment_class,
 )
 from rft_core.agents.calculator import CalculatorEnv, CalculatorError, evaluate, format_number
 from rft_core.agents.env import coerce_step_result
@@ -196,6 +199,26 @@ def test_factory_names_and_settings():
     with pytest.raises(ValidationError, match="max_turn"):
         AgentConfig(max_turn=3)
     assert AgentConfig(environment="my_env.py:MyEnv").environment == "my_env.py:MyEnv"
+
+
+def test_builtin_environments_resolve_from_the_leaf_registry():
+    """The built-ins are registered below the config by import path (rft_core.environments);
+    each path names the class the agents package defines, and the config checks a name
+    without importing the agents package (no import cycle, issue 37)."""
+    from rft_core.agents.python_env import PythonEnv
+    from rft_core.agents.remote import RemoteEnv
+    from rft_core.environments import ENVIRONMENTS
+
+    assert ENVIRONMENTS.names() == ["calculator", "python", "remote"]
+    assert [load_environment_class(n) for n in ENVIRONMENTS.names()] == [CalculatorEnv, PythonEnv, RemoteEnv]
+    assert load_environment_class("rft_core.agents.calculator:CalculatorEnv") is CalculatorEnv
+    code = ("import sys; from rft_core.config.agents import AgentConfig; from pydantic import ValidationError\n"
+            "assert AgentConfig(environment='python').environment == 'python'\n"
+            "try:\n    AgentConfig(environment='calc')\nexcept ValidationError as e:\n    print(e.errors()[0]['msg'])\n"
+            "print(sorted(m for m in sys.modules if m.startswith('rft_core.agents')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["Value error, unknown environment 'calc'; valid names: calculator, python, remote, or "
+                   "'path/to/file.py:Class' / 'package.module:Class'", "[]"]
 
 
 USER_ENV = '''
