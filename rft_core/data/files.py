@@ -44,8 +44,8 @@ import numpy as np
 
 from rft_core.data.columns import Layout, field_type, read_remote, resolve_layout, row_entry
 from rft_core.data.prompts import DatasetError, iteration_indices, refill_indices
-from rft_core.data.readers import (ParquetPart, Part, TablePart, base_dir_of, is_hf_disk, read_hf_disk, read_json,
-                                   read_jsonl, read_table)
+from rft_core.data.readers import (ParquetPart, Part, TablePart, base_dir_of, is_hf_disk, is_local_fs, read_hf_disk,
+                                   read_json, read_jsonl, read_table)
 
 FORMATS = ("parquet", "jsonl", "json", "csv", "hf_disk")
 EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv"}
@@ -83,12 +83,7 @@ class DataFiles:
 
     def uri(self, p: str) -> str:
         """``p`` as shown to users: a local path, or the URI with its protocol."""
-        return p if _is_local(self.fs) else self.fs.unstrip_protocol(p)
-
-
-def _is_local(fs) -> bool:
-    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "file" in protocols or "local" in protocols
+        return p if is_local_fs(self.fs) else self.fs.unstrip_protocol(p)
 
 
 def _visible(root: str, p: str) -> bool:

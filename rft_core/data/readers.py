@@ -280,14 +280,15 @@ def is_hf_disk(fs, root: str) -> bool:
 def _read_arrow_stream(fs, path: str, uri: str) -> pa.Table:
     """One Arrow IPC stream file of a ``save_to_disk`` folder: memory-mapped when local."""
     try:
-        if _is_local(fs):
+        if is_local_fs(fs):
             return pa.ipc.open_stream(pa.memory_map(path, "r")).read_all()
         return pa.ipc.open_stream(pa.py_buffer(fs.cat_file(path))).read_all()
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise DatasetError(f"{uri}: not a readable Arrow stream file of a datasets.save_to_disk folder: {exc}") from exc
 
 
-def _is_local(fs) -> bool:
+def is_local_fs(fs) -> bool:
+    """True when the fsspec filesystem ``fs`` is the local disk (protocol ``file`` or ``local``)."""
     protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "file" in protocol or "local" in protocol
 

@@ -52,7 +52,7 @@ from rft_core.data.column_checks import (
     _blank, _column, _Exists, _is_text, _labels, _labels_bad, _answer_bad, _answer_type_problem, _media_paths,
     _messages_bad, _np, _to_rows,
 )
-from rft_core.data.files import _is_local
+from rft_core.data.readers import is_local_fs
 from rft_core.data.mixture import dataset_fingerprint, open_data_config
 from rft_core.data.prompts import DatasetError, is_reasoning_gym_dataset
 
@@ -295,7 +295,7 @@ def _batches(ds, k: int, columns: list[str]) -> Iterator[pa.RecordBatch]:
 
     fs, path = ds.files.fs, ds.files.paths[k]
     try:
-        with (pq.ParquetFile(path) if _is_local(fs) else pq.ParquetFile(fs.open(path, "rb"))) as pf:
+        with (pq.ParquetFile(path) if is_local_fs(fs) else pq.ParquetFile(fs.open(path, "rb"))) as pf:
             yield from pf.iter_batches(batch_size=BATCH_ROWS, columns=columns, use_threads=False)
     except (pa.ArrowException, OSError) as exc:
         raise DatasetError(f"{part.uri}: cannot be read (corrupt file?): {exc}") from exc
