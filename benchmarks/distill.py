@@ -75,6 +75,13 @@ def summarise(before: dict, teacher: dict, results: dict[str, list[dict]]) -> di
             "distill_minus_grpo": {k: cmp[k] for k in ("diff", "se", "t", "df", "t_crit", "verdict")}}
 
 
+def _shown(path: str) -> str:
+    """``path`` as the docs show it: relative to its ``runs/`` folder when it has one (the
+    checkout it ran in differs between machines), else unchanged."""
+    head, sep, tail = path.rpartition("/runs/")
+    return f"runs/{tail}" if sep else path
+
+
 def report_section(args, cfg, teacher_label: str, before: dict, teacher: dict, results: dict[str, list[dict]],
                    summary: dict, wall: float) -> str:
     """The markdown section for docs/learning.md, from the measured numbers."""
@@ -86,8 +93,11 @@ def report_section(args, cfg, teacher_label: str, before: dict, teacher: dict, r
                     f"--teacher {args.teacher}" if args.teacher else f"--teacher-iterations {args.teacher_iterations} "
                     f"--teacher-seed {args.teacher_seed}", f"--out {args.out}"])
     lines = [BEGIN, "## On-policy distillation against GRPO (`benchmarks/distill.py`, issue 38)", "",
-             f"Generated on {_dt.date.today()}, {platform.machine()}, {os.cpu_count()} CPU cores, torch CPU float32; wall "
-             f"time {wall / 60:.1f} min. Raw numbers: `{os.path.relpath(args.json, ROOT)}`." + (f" {args.note}" if args.note else ""),
+             f"Generated on {_dt.date.today()}, {platform.machine()}, {os.cpu_count()} CPU cores, torch CPU float32; "
+             f"training time of the {sum(map(len, results.values()))} arms "
+             f"{sum(r['train_seconds'] for rs in results.values() for r in rs) / 60:.1f} min (each arm's own, also when an "
+             f"earlier invocation ran it), wall time of this invocation {wall / 60:.1f} min. Raw numbers: "
+             f"`{os.path.relpath(args.json, ROOT)}`." + (f" {args.note}" if args.note else ""),
              "", f"Command: `{cmd}`", "",
              f"- Teacher: {teacher_label}; held-out accuracy {teacher['accuracy']:.3f} ± {teacher['accuracy_stderr']:.3f}.",
              f"- Student: the untrained `{cfg.policy.path}` (held-out accuracy {before['accuracy']:.3f} ± "
@@ -169,13 +179,14 @@ def main(argv: list[str] | None = None) -> dict:
         elif done.exists():
             record = json.loads(done.read_text())
             teacher_path, label, teacher = record["path"], record["label"], record["after"]
+            label = label.replace(f"`{teacher_path}`", f"`{_shown(teacher_path)}`")
         else:  # GRPO on the preset, as the learning benchmark trains its checkpoints
             cfg_t = load_config(args.config, [*base, f"iterations={args.teacher_iterations}",
                                               *seed_over(args.teacher_seed, out / "teacher", "distill-teacher")])
             _, policy = train_seed(cfg_t, keep_all=False)
             teacher_path = f"{policy.uri}/policy"
             label = (f"`{cfg_t.policy.path}` after {cfg_t.iterations} GRPO iterations of the preset (seed "
-                     f"{args.teacher_seed}; `{teacher_path}`)")
+                     f"{args.teacher_seed}; `{_shown(teacher_path)}`)")
             teacher = _eval_numbers(evaluate(cfg_t, policy, f"{out}/eval-teacher"))
             done.write_text(json.dumps({"path": teacher_path, "label": label, "after": teacher}, indent=1))
         print(f"teacher {teacher_path}: {check_teacher_tokenizer(cfg.policy.path, teacher_path)}; held-out accuracy "
