@@ -226,15 +226,6 @@ def _stale_untruncated_weights(cfg: Any) -> str | None:
     return None
 
 
-def _teacher_resident(cfg: Any) -> str | None:
-    if cfg.teacher.path is not None and cfg.orchestration.workers == "resident":
-        return (f"teacher.path={cfg.teacher.path!r} (on-policy distillation) with orchestration.workers=resident: the "
-                "resident workers have no teacher role yet (it comes with the worker rework); set "
-                "orchestration.workers=stage (the teacher_logprobs stage then loads the teacher each iteration) or unset "
-                "teacher.path")
-    return None
-
-
 def _distill_alone_task_settings(cfg: Any) -> str | None:
     """With teacher.use_task_rewards false the advantages are the distillation signal alone, so a
     setting that only acts on the task reward or its advantages, or runs a stage for them, would
@@ -280,7 +271,6 @@ CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("dataset-grader-foreign-labels", ("reward.grader", "data.sources"), _dataset_grader_with_foreign_labels),
     Rule("staleness-untruncated-weights", ("rollout.max_staleness", "update.rollout_correction.mode"),
          _stale_untruncated_weights),
-    Rule("teacher-resident", ("teacher.path", "orchestration.workers"), _teacher_resident),
     Rule("distill-alone-task-settings", ("teacher.use_task_rewards", "advantage.estimator", "kl.mode", "shaping",
                                          "dynamic_sampling.enabled"), _distill_alone_task_settings),
 )

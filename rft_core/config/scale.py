@@ -59,13 +59,15 @@ RUNNABLE_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "critic_values",
 
 # Stages whose program a resident worker runs (orchestration.workers=resident): the policy's
 # trainer (ppo_update), its rollout engine (rollout and the actor pass, which share the engine's
-# copy of the policy) and the reference model.
-RESIDENT_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update", "critic_values", "critic_update")
+# copy of the policy), the reference model, the critic (values and its update) and on-policy
+# distillation's teacher.
+RESIDENT_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update", "critic_values", "critic_update",
+                   "teacher_logprobs")
 
 
 # The resident workers' roles (``rft_core.workers.pool.ROLES``), and the task of each shard of
 # the rollout fan-out: the keys of ``ray.options``.
-RAY_ROLES = ("policy", "rollout", "reference", "critic")
+RAY_ROLES = ("policy", "rollout", "reference", "critic", "teacher")
 ROLLOUT_SHARD = "rollout_shard"
 
 
@@ -81,8 +83,8 @@ class RayConfig(_Frozen):
                                         "runtime_env, ...)")
     options: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Ray options (num_gpus, resources, runtime_env, ...) per role: policy, "
-        "rollout, reference, critic (each resident worker, over its defaults: num_cpus 0 and, when the Ray cluster has "
-        "GPUs, one GPU per actor; rollout: the engine's tensor_parallel_size; a one-GPU cluster: 0.25 each, shared) "
+        "rollout, reference, critic, teacher (each resident worker, over its defaults: num_cpus 0 and, when the Ray cluster has "
+        "GPUs, one GPU per actor; rollout: the engine's tensor_parallel_size; a one-GPU cluster: 0.2 each, shared) "
         "and rollout_shard (each task of the rollout fan-out), e.g. {reference: {num_gpus: 0.5}, rollout_shard: "
         "{num_gpus: 1}}")
 

@@ -35,7 +35,7 @@ class ModelSource(Protocol):
     only see this protocol)."""
 
     def inference_model(self, ref: PolicyRef, *, dtype: str, role: str) -> "torch.nn.Module":
-        """The model of ``ref`` (``role``: "policy" or "reference") in ``dtype`` on the worker's
+        """The model of ``ref`` (``role``: "policy", "reference" or "teacher") in ``dtype`` on the worker's
         device, in eval mode, holding exactly the weights of ``ref``."""
 
     def trainer(self, inp: "PPOUpdateInput") -> Any:

@@ -14,7 +14,7 @@ rank runs each update and rank 0's result is the stage's) in the namespace ``pre
 and the Ray options of ``actor_options``: ``num_cpus=0`` (they run one stage at a time, as the
 flow orders them) and, when the cluster has GPUs (``ray.cluster_resources()["GPU"]``), GPUs for
 every model role (one each; the rollout engine's ``tensor_parallel_size`` for the rollout worker
-of vLLM or SGLang; a quarter each when the whole cluster has one GPU, which the roles then share),
+of vLLM or SGLang; a fifth each when the whole cluster has one GPU, which the roles then share),
 ``ray.options`` overriding any of it per role. Where each actor landed (node id,
 node IP, GPU ids) is logged at INFO on ``rft_core.workers`` when it starts, which the run's task
 log shows. An actor that Ray cannot place within ``RFT_WORKER_PLACEMENT_TIMEOUT_S`` seconds
@@ -41,12 +41,13 @@ from rft_core.workers.critic import CriticWorker
 from rft_core.workers.policy import PolicyWorker
 from rft_core.workers.reference import ReferenceWorker
 from rft_core.workers.rollout import RolloutWorker
+from rft_core.workers.teacher import TeacherWorker
 
 log = logging.getLogger("rft_core.workers")
 
 # the worker class of each role: the one place a role's class is picked
 WORKER_CLASSES: dict[str, type[ResidentWorker]] = {
-    cls.role: cls for cls in (PolicyWorker, RolloutWorker, ReferenceWorker, CriticWorker)}
+    cls.role: cls for cls in (PolicyWorker, RolloutWorker, ReferenceWorker, CriticWorker, TeacherWorker)}
 ROLES = tuple(WORKER_CLASSES)
 # the stage programs of each role (its class's ``programs``), by program
 ROLE_OF_PROGRAM = {program: role for role, cls in WORKER_CLASSES.items() for program in cls.programs}
@@ -119,7 +120,7 @@ def actor_options(workers: WorkersConfig, role: str, *, cluster_gpus: float) -> 
     Returns:
         ``{"num_cpus": 0}`` plus, when ``cluster_gpus`` >= 1, ``num_gpus``: 1 per actor (the
         rollout worker: ``workers.rollout_gpus``, its engine's ``tensor_parallel_size``, whichever
-        stage starts it, the rollout or the actor pass); on a one-GPU cluster ``1 / len(ROLES)`` (0.25), so every
+        stage starts it, the rollout or the actor pass); on a one-GPU cluster ``1 / len(ROLES)`` (0.2), so every
         role fits on the one GPU; then the overrides.
     """
     options: dict[str, Any] = {"num_cpus": 0}
@@ -187,7 +188,7 @@ def _gang_size(workers: WorkersConfig, role: str) -> int:
 
 def start_gang(workers: WorkersConfig, role: str) -> Gang:
     """Every rank's actor of ``role`` (its class: ``WORKER_CLASSES``): one for the rollout,
-    reference and critic workers, and ``workers.policy_ranks`` for the policy trainer (DeepSpeed
+    reference, critic and teacher workers, and ``workers.policy_ranks`` for the policy trainer (DeepSpeed
     data parallelism), with the Ray options of ``actor_options``. A new gang is
     placed (``_place``: logged, or ``WorkerError`` when Ray cannot place it), then its ranks are
     given one rendezvous (``ResidentWorker.rendezvous`` on rank 0, ``join`` on every rank:

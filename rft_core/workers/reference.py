@@ -31,13 +31,14 @@ class ReferenceWorker(ResidentWorker):
         self.model_dtype: str | None = None
 
     def inference_model(self, ref: PolicyRef, *, dtype: str, role: str) -> torch.nn.Module:
-        """``ModelSource.inference_model``: the reference model of ``ref`` in ``dtype``, loaded once.
+        """``ModelSource.inference_model``: the model of ``ref`` in ``dtype``, loaded once.
 
         Raises:
-            ValueError: ``role`` is not "reference".
+            ValueError: ``role`` is not this worker's (``self.role``: "reference", or "teacher"
+                for ``TeacherWorker``).
         """
-        if role != "reference":
-            raise ValueError(f"the reference worker holds the reference model, not the {role}")
+        if role != self.role:
+            raise ValueError(f"the {self.role} worker holds the {self.role} model, not the {role}")
         key = version_key(ref)
         if self.model is None or self.version != key or self.model_dtype != dtype:
             self.model, self.version, self.model_dtype = load_inference_copy(ref, dtype), key, dtype

@@ -73,3 +73,38 @@ def test_resident_critic_keeps_its_model_and_commits_stage_modes_files(prefect_h
     loads = [r["run/model_loads"] for r in resident.metrics]
     # iteration 1: engine, reference, trainer, and the critic twice (values, then its update)
     assert loads[1:] == [loads[0]] * 2, loads
+
+
+def test_resident_teacher_equals_stage_mode(prefect_harness, tiny_model, tmp_path):
+    """On-policy distillation (a teacher: another tiny model with the policy's tokenizer) with the
+    task reward, 2 iterations: the resident teacher worker loads the teacher once and commits the
+    teacher log-probs, advantages and final policy of stage mode, file for file."""
+    import ray
+
+    from flows.train import train
+    from rft_core.workers.pool import NAMESPACE, actor_name
+    from tests.tiny import build_tiny_model
+
+    teacher = build_tiny_model(tmp_path / "teacher", seed=1)
+    distill = {"teacher.path": teacher, "teacher.coef": 0.5, **REWARD}
+    stage = train(flow_cfg(tiny_model, tmp_path / "stage", iterations=2, **distill))
+    assert_training_signal(tmp_path / "stage", (1, 2))
+    cfg = flow_cfg(tiny_model, tmp_path / "resident", iterations=2, **distill,
+                   **{"orchestration.workers": "resident", "checkpoint.every": 2})
+    resident = train(cfg)
+
+    def files(root, it, stage_name):
+        m, _ = read_manifest(stage_uri(str(root), it, stage_name))
+        return {e.path: e.sha256 for e in m.files}
+
+    for it in (1, 2):
+        for name in ("teacher_logprobs", "advantages"):
+            assert files(tmp_path / "stage", it, name) == files(cfg.run_root, it, name), (it, name)
+    assert stage.metrics[0]["distill_reverse_kl"] != 0
+    assert _final_files(resident) == _final_files(stage) and _final_files(stage)
+    loads = [r["run/model_loads"] for r in resident.metrics]
+    assert loads == [4, 4], loads  # engine, reference, trainer, teacher: iteration 1 only
+    stage_loads = [r["run/model_loads"] for r in stage.metrics]
+    assert stage_loads[1] - stage_loads[0] >= 5  # stage mode: rollout, actor, reference, teacher, update
+    with pytest.raises(ValueError):  # the teacher worker ended with the run
+        ray.get_actor(actor_name(cfg.run_root, "teacher"), namespace=NAMESPACE)

@@ -184,7 +184,7 @@ def test_an_unknown_key_of_the_old_workers_section_is_refused():
 
 def test_ray_options_name_known_roles():
     with pytest.raises(ConfigError, match=r"ray.options: .*unknown role\(s\) \['refrence'\]; valid names: policy, "
-                                          r"rollout, reference, critic, rollout_shard"):
+                                          r"rollout, reference, critic, teacher, rollout_shard"):
         load_config(None, {"ray.options": {"refrence": {"num_gpus": 1}}})
     from rft_core.workers.pool import ROLES
 

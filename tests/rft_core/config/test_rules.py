@@ -105,9 +105,6 @@ CASES = [
      ["runners.ppo_update sets how ppo_update starts a process of its own", "orchestration.workers=resident"],
      "remove runners.ppo_update, or set orchestration.workers=stage"),
     # on-policy distillation (teacher)
-    ("teacher-resident", {"teacher.path": "smollm2-135m-instruct", "orchestration.workers": "resident"},
-     ["teacher.path='smollm2-135m-instruct'", "orchestration.workers=resident", "worker rework"],
-     "set orchestration.workers=stage"),
     ("distill-alone-task-settings", {"teacher.path": "t", "teacher.use_task_rewards": False,
                                      "shaping.advantage_whiten": True},
      ["teacher.use_task_rewards=false", "shaping.advantage_whiten"], "set teacher.use_task_rewards=true"),

@@ -17,6 +17,7 @@ from rft_core.workers.policy import PolicyWorker
 from rft_core.workers.pool import ROLE_OF_PROGRAM, WORKER_CLASSES
 from rft_core.workers.reference import ReferenceWorker
 from rft_core.workers.rollout import RolloutWorker
+from rft_core.workers.teacher import TeacherWorker
 
 WORKERS = Path(__file__).resolve().parents[3] / "rft_core" / "workers"
 
@@ -136,16 +137,20 @@ def test_every_method_called_across_a_gang_declares_its_fan_out():
 
 def test_one_class_per_role_with_only_its_roles_methods():
     assert {r: c.__name__ for r, c in WORKER_CLASSES.items()} == {
-        "policy": "PolicyWorker", "rollout": "RolloutWorker", "reference": "ReferenceWorker", "critic": "CriticWorker"}
+        "policy": "PolicyWorker", "rollout": "RolloutWorker", "reference": "ReferenceWorker", "critic": "CriticWorker",
+        "teacher": "TeacherWorker"}
     assert ROLE_OF_PROGRAM == {"ppo_update": "policy", "rollout": "rollout", "actor_logprobs": "rollout",
-                               "ref_logprobs": "reference", "critic_values": "critic", "critic_update": "critic"}
+                               "ref_logprobs": "reference", "critic_values": "critic", "critic_update": "critic",
+                               "teacher_logprobs": "teacher"}
     serves = {PolicyWorker: {"trainer", "trained", "prepare_weights", "send_weights", "export_weights"},
               RolloutWorker: {"inference_model", "engine_policy"}, ReferenceWorker: {"inference_model"},
-              CriticWorker: {"critic_model", "critic_strategy", "critic_trained"}}
+              CriticWorker: {"critic_model", "critic_strategy", "critic_trained"}, TeacherWorker: {"inference_model"}}
     every = set().union(*serves.values())
     for cls, own in serves.items():
         assert {m for m in every if hasattr(cls, m)} == own, cls.__name__
     with pytest.raises(ValueError, match="the reference worker holds the reference model, not the policy"):
         ReferenceWorker("p").inference_model("/m", dtype="float32", role="policy")
+    with pytest.raises(ValueError, match="the teacher worker holds the teacher model, not the reference"):
+        TeacherWorker("p").inference_model("/m", dtype="float32", role="reference")
     with pytest.raises(ValueError, match="the rollout worker holds the policy, not the reference"):
         RolloutWorker("p").inference_model("/m", dtype="float32", role="reference")

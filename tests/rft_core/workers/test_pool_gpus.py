@@ -29,8 +29,8 @@ W = WorkersConfig(pool="p")
     (8, "rollout", 2, {"num_cpus": 0, "num_gpus": 2}),   # vLLM/SGLang tensor parallel 2
     (8, "reference", 2, {"num_cpus": 0, "num_gpus": 1}),  # engine GPUs concern the rollout only
     (2, "policy", 1, {"num_cpus": 0, "num_gpus": 1}),
-    (1, "policy", 1, {"num_cpus": 0, "num_gpus": 0.25}),  # one GPU: the 4 roles share it
-    (1, "rollout", 1, {"num_cpus": 0, "num_gpus": 0.25}),
+    (1, "policy", 1, {"num_cpus": 0, "num_gpus": 0.2}),  # one GPU: the 5 roles share it
+    (1, "rollout", 1, {"num_cpus": 0, "num_gpus": 0.2}),
 ])
 def test_default_options(gpus, role, engine, want):
     assert actor_options(W.model_copy(update={"rollout_gpus": engine}), role, cluster_gpus=gpus) == want
