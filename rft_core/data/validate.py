@@ -52,9 +52,9 @@ from rft_core.data.column_checks import (
     _blank, _column, _Exists, _is_text, _labels, _labels_bad, _answer_bad, _answer_type_problem, _media_paths,
     _messages_bad, _np, _to_rows,
 )
-from rft_core.data.readers import is_local_fs
 from rft_core.data.mixture import dataset_fingerprint, open_data_config
 from rft_core.data.prompts import DatasetError, is_reasoning_gym_dataset
+from rft_core.data.readers import is_local_fs
 
 VERSION = 2  # of the checks: part of the cache key, so changed checks run again
 MAX_LISTED = 20  # bad rows listed in the error (all are counted)

@@ -18,27 +18,26 @@ from rft_core.models.critic import load_critic
 from rft_core.models.loading import load_causal_lm
 from rft_core.models.logprobs import default_device
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_model_path
+from rft_core.stages.contracts import PPOUpdateInput
 from rft_core.stages.recovery import weights_base
 from schemas import PolicyRef
 
 if TYPE_CHECKING:
     import torch
 
-    from rft_core.stages.contracts import PPOUpdateInput
-
 
 class ModelSource(Protocol):
     """What a resident worker provides to the stage programs it runs (``rft_core.workers``
     implements it, each role's worker the part its programs call: the policy trainer
     ``trainer`` and ``trained``, the rollout engine ``inference_model`` and ``engine_policy``,
-    the reference ``inference_model``, the critic the ``critic_*`` methods; the stage programs
+    the reference and the teacher ``inference_model``, the critic the ``critic_*`` methods; the stage programs
     only see this protocol)."""
 
     def inference_model(self, ref: PolicyRef, *, dtype: str, role: str) -> "torch.nn.Module":
         """The model of ``ref`` (``role``: "policy", "reference" or "teacher") in ``dtype`` on the worker's
         device, in eval mode, holding exactly the weights of ``ref``."""
 
-    def trainer(self, inp: "PPOUpdateInput") -> Any:
+    def trainer(self, inp: PPOUpdateInput) -> Any:
         """The policy trainer (``rft_core.stages.update.PolicyTrainer``: model, AdamW state)
         holding exactly ``inp.policy``."""
 
