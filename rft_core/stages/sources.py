@@ -98,7 +98,18 @@ def inference_model(ref: PolicyRef, *, dtype: str, role: str = "policy") -> "tor
     source = current_source()
     if source is not None:
         return source.inference_model(ref, dtype=dtype, role=role)
-    return load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device())
+    return load_from_storage(ref, dtype=dtype)
+
+
+def load_from_storage(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
+    """The model of ``ref`` read from storage in ``dtype`` onto ``default_device()``, in eval
+    mode: what a stage-mode inference pass loads, and a resident worker's frozen copy (the
+    reference, the teacher, the rollout worker's policy) before it stays in memory.
+
+    Raises:
+        CheckpointPrunedError, ShardCorruptError, WeightlessPolicyError: see ``inference_model``.
+    """
+    return load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device()).eval()
 
 
 def critic_model(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":

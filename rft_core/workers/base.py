@@ -38,14 +38,10 @@ import torch
 
 from rft_core.config import WorkersConfig
 from rft_core.counters import counts
-from rft_core.models.loading import load_causal_lm
-from rft_core.models.logprobs import default_device
-from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.inprocess import run_in_process
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.sources import models_from
 from rft_core.weightsync.collective import free_port, host_address
-from schemas import PolicyRef
 
 NAMESPACE = "prefect-rft"  # the Ray namespace of the workers
 
@@ -301,9 +297,3 @@ class ResidentWorker:
         first update forms DeepSpeed's process group (``init_distributed``)."""
         os.environ.update({"RANK": str(self.rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(self.ranks),
                            "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
-
-
-def load_inference_copy(ref: PolicyRef, dtype: str) -> torch.nn.Module:
-    """The model of ``ref`` loaded from storage in ``dtype`` onto ``default_device()``, in eval
-    mode (a frozen copy: the reference, the rollout engine's policy)."""
-    return load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device()).eval()

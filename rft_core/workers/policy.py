@@ -188,16 +188,13 @@ class PolicyWorker(ResidentWorker):
         self._ipc.finalize()
 
 
-def rebuild_trainer(ref: PolicyRef, inp, *, strict: bool = True):
+def rebuild_trainer(ref: PolicyRef, inp):
     """The policy trainer (``rft_core.stages.update.PolicyTrainer``) holding exactly ``ref``,
     built for the update ``inp`` (its ``update`` config and ``dtype``): the base checkpoint of
     ``ref`` loaded with its AdamW state, then the committed updates after it re-applied from
     their own input shards (rollout, advantages, log-probs: no rollout is regenerated) through the
     same training code, each checked against its committed digest.
 
-    Args:
-        strict: a re-applied update whose weights differ from its committed digest raises
-            (otherwise it is logged and recovery goes on).
     Returns:
         (trainer, report): ``report`` has ``base`` (its URI or path), ``replayed`` (updates
         re-applied) and ``seconds``.
@@ -215,11 +212,8 @@ def rebuild_trainer(ref: PolicyRef, inp, *, strict: bool = True):
         replay_update(trainer, step_inp)
         got, want = trained_digest(trainer.strategy), committed_digest(u)
         if got is not None and got != want:  # None: a DeepSpeed rank above 0 (rank 0 checks)
-            msg = (f"re-applying the committed update {u.uri} gave other weights than it recorded (digest {got[:12]} "
-                   f"vs {want[:12]}): nondeterministic kernels, or the input shards changed")
-            if strict:
-                raise RecoveryError(msg)
-            log.warning("%s; recovery goes on with the recomputed weights", msg)
+            raise RecoveryError(f"re-applying the committed update {u.uri} gave other weights than it recorded (digest "
+                                f"{got[:12]} vs {want[:12]}): nondeterministic kernels, or the input shards changed")
     report = {"base": base.uri if isinstance(base, ShardRef) else base, "replayed": len(chain),
               "seconds": time.perf_counter() - t0}
     if chain:

@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from rft_core.stages.sources import version_key
-from rft_core.workers.base import ResidentWorker, load_inference_copy
+from rft_core.stages.sources import load_from_storage, version_key
+from rft_core.workers.base import ResidentWorker
 from schemas import PolicyRef
 
 
@@ -41,5 +41,5 @@ class ReferenceWorker(ResidentWorker):
             raise ValueError(f"the {self.role} worker holds the {self.role} model, not the {role}")
         key = version_key(ref)
         if self.model is None or self.version != key or self.model_dtype != dtype:
-            self.model, self.version, self.model_dtype = load_inference_copy(ref, dtype), key, dtype
+            self.model, self.version, self.model_dtype = load_from_storage(ref, dtype=dtype), key, dtype
         return self.model

@@ -29,11 +29,11 @@ from rft_core.counters import count
 from rft_core.models.lora import is_adapter_dir, merge_adapter
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.recovery import weights_base
-from rft_core.stages.sources import version_key
+from rft_core.stages.sources import load_from_storage, version_key
 from rft_core.weightsync.choose import choose_transport, transport
 from rft_core.weightsync.engine import check_buckets
 from rft_core.weightsync.plan import SyncPlan, WeightSyncError, state_tensors
-from rft_core.workers.base import Gang, ResidentWorker, Started, WorkerError, load_inference_copy
+from rft_core.workers.base import Gang, ResidentWorker, Started, WorkerError
 from rft_core.workers.policy import PolicyWorker
 from schemas import PolicyRef
 
@@ -106,7 +106,7 @@ class RolloutWorker(ResidentWorker):
         if self.model is None or self.model_dtype != dtype:
             base = weights_base(ref)
             self._kept.clear()
-            self.model, self.model_dtype, self.version = load_inference_copy(base, dtype), dtype, version_key(base)
+            self.model, self.model_dtype, self.version = load_from_storage(base, dtype=dtype), dtype, version_key(base)
             self._arrived = {self.version: 0}
             count("engine_builds")
         if self.version != key:
@@ -146,7 +146,7 @@ class RolloutWorker(ResidentWorker):
         policy = self.policy()
         ready = policy.call("prepare_weights", ref)
         if ready["status"] == "storage":
-            self.model, self.version = load_inference_copy(ref, self.model_dtype), version_key(ref)
+            self.model, self.version = load_from_storage(ref, dtype=self.model_dtype), version_key(ref)
             self._arrived[self.version] = max(self._arrived.values(), default=-1) + 1
             return
         self.version = None  # invalid until the sync has landed and been verified
@@ -179,13 +179,13 @@ class RolloutWorker(ResidentWorker):
             WeightSyncError: the sync failed or its checksums differ.
             WorkerError: the policy worker is not a Ray actor (an engine sync crosses processes).
         """
+        key = version_key(ref)
+        if engine.weights_version == key:  # already holds it: no policy lookup on this path
+            return
         policy = self.policy()
         if policy.local:
             raise WorkerError("a GPU engine receives its weights from the policy worker's process: run the workers as "
                               "Ray actors (rft_core.workers.pool)")
-        key = version_key(ref)
-        if engine.weights_version == key:
-            return
         rep = pull_into_engine(engine, ref, prepare=lambda r, dtype: policy.call("prepare_weights", r, dtype=dtype),
                                send_async=lambda r, **kw: policy.start("send_weights", r, **kw), wait=policy.wait,
                                timeout_s=self.sync_timeout_s, bucket_mb=self.sync_bucket_mb)
