@@ -128,6 +128,17 @@ class PolicyWorker(ResidentWorker):
         if self.version != version_key(ref):
             raise WeightSyncError(f"the policy worker holds {self.version}, not {version_key(ref)}")
 
+    def _held_plan(self, ref: PolicyRef, dtype: str) -> tuple[dict[str, torch.Tensor], SyncPlan] | None:
+        """``ref``'s weights to send (``_send_tensors``) and their plan in ``dtype``; None on a
+        DeepSpeed rank above 0 (it took part in the gather).
+
+        Raises:
+            WeightSyncError: this worker does not hold ``ref``.
+        """
+        self._check_holds(ref)
+        tensors = self._send_tensors()
+        return None if tensors is None else (tensors, SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb))
+
     @fan_out(FanOut.COLLECTIVE)
     def tensors(self, ref: PolicyRef) -> dict[str, torch.Tensor] | None:
         """``ref``'s weights (held after ``prepare_weights``) for a receiver in this process (the
@@ -152,11 +163,10 @@ class PolicyWorker(ResidentWorker):
         Raises:
             WeightSyncError: this worker does not hold ``ref``, or the send failed.
         """
-        self._check_holds(ref)
-        tensors = self._send_tensors()
-        if tensors is None:  # a rank above 0: it took part in the gather, rank 0 sends
+        held = self._held_plan(ref, dtype)
+        if held is None:  # a rank above 0: it took part in the gather, rank 0 sends
             return {}
-        plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb)
+        tensors, plan = held
         # the backend's device, not the tensors': a ZeRO-3 export is on the CPU, NCCL sends from the GPU
         rep = transport(backend, timeout_s=self.sync_timeout_s).send(tensors, plan, addr=addr, port=port,
                                                                      device=sync_device(backend), world_size=world_size)
@@ -174,11 +184,10 @@ class PolicyWorker(ResidentWorker):
         Raises:
             WeightSyncError: this worker does not hold ``ref``.
         """
-        self._check_holds(ref)
-        tensors = self._send_tensors()
-        if tensors is None:  # a rank above 0: it took part in the gather, rank 0 exports
+        held = self._held_plan(ref, dtype)
+        if held is None:  # a rank above 0: it took part in the gather, rank 0 exports
             return {}
-        plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb)
+        tensors, plan = held
         return self._ipc.prepare(tensors, plan, device=sync_device("nccl"))
 
     @fan_out(FanOut.RANK0)

@@ -139,6 +139,11 @@ class RolloutWorker(ResidentWorker):
                 self._kept[self.version], self.model = self.model, self._kept.pop(oldest)
         self.version = None  # the freed copy holds no version until the sync lands
 
+    def _landed(self) -> None:
+        """Record that ``self.version`` arrived after every version before it (``_switch`` frees
+        the copy whose version arrived first)."""
+        self._arrived[self.version] = max(self._arrived.values(), default=-1) + 1
+
     def _pull(self, ref: PolicyRef) -> None:
         """Make this worker's copy hold ``ref``: from storage when the trainer does not hold it
         and it is stored (a resume), else by a verified weight sync from the policy gang."""
@@ -147,7 +152,7 @@ class RolloutWorker(ResidentWorker):
         ready = policy.call("prepare_weights", ref)
         if ready["status"] == "storage":
             self.model, self.version = load_from_storage(ref, dtype=self.model_dtype), version_key(ref)
-            self._arrived[self.version] = max(self._arrived.values(), default=-1) + 1
+            self._landed()
             return
         self.version = None  # invalid until the sync has landed and been verified
         target = state_tensors(self.model)
@@ -159,7 +164,7 @@ class RolloutWorker(ResidentWorker):
             target, plan, PolicySender(policy, ref, self.model_dtype), what=f"weight sync of {version_key(ref)}",
             addr=ready["addr"], port=ready["port"], dtype=self.model_dtype, who=self.role)
         self.version = version_key(ref)
-        self._arrived[self.version] = max(self._arrived.values(), default=-1) + 1
+        self._landed()
         seconds = time.perf_counter() - t0
         self.record_sync(self.version, got.bytes, seconds, got.backend, got.buckets)
         log.info("weight sync (%s): %.1f MB in %.2f s (%.2f s/GB), digest verified", got.backend, got.bytes / 1e6,
