@@ -27,6 +27,7 @@ from rft_core.weightsync.plan import WeightSyncError
 from schemas import ShardRef, read_manifest, stage_uri
 from tests.drive import drive
 from tests.varying import assert_training_signal, reward_args
+from tests.weights import policy_files
 
 BASE = [*reward_args(), "data.prompts_per_iteration=4", "data.size=50", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12",
         "rollout.batch_size=8", "kl.kl_coef=0.05", "update.lr=1e-3", "update.micro_batch_size=4", "update.epochs=2",
@@ -48,13 +49,7 @@ def _runner(pool):
 
 
 def _weight_files(ref: ShardRef) -> dict[str, str]:
-    """sha256 of the policy weight files of ``ref`` where they are: its folder, or the sibling a
-    background checkpoint committed (pending background writes finished first)."""
-    wait_for_optimizer_writes()
-    held = weights_stage(ref)
-    assert held is not None, f"{ref.uri}: no weights on storage"
-    m, _ = read_manifest(held.uri)
-    return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/") and e.path.endswith(".safetensors")}
+    return policy_files(ref, suffix=".safetensors")
 
 
 @pytest.fixture(scope="module")
