@@ -11,6 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
 .PHONY: install demo test test-fast bench bench-trl bench-learning bench-resident bench-async bench-validate gpu-smoke clean bench-distill
+.PHONY: bench-gpu
 .PHONY: install-gpu check-gpu-deps
 
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -80,6 +81,16 @@ bench-learning: $(STAMP)
 	$(BIN)/python benchmarks/learning.py --set rollout.max_staleness=1 --set logprobs.recompute_old_logprobs=true \
 		--out runs/learning-s1 --doc docs/learning_async.md --png docs/learning_async_curve.png
 	cp runs/learning-s1/summary.json docs/raw/learning_async.json
+
+# Seconds per GRPO step, ours (resident workers, stage mode) against TRL's GRPOTrainer doing the same work (issue 44):
+# a random Qwen2 built from a seed (Qwen2.5-0.5B's shape on a GPU, a small one on the CPU), the default model's
+# tokenizer, configs/bench_gpu.yaml; the time outside the stage programs broken down (docs/benchmarks.md, "GPU step
+# cost"; docs/raw/bench_gpu_cpu.json). No network, no model hub. ~15 min on 2 quiet cores, ~5 min on one GPU
+# (there: GPU_PY=python3 ARGS='--tokenizer <folder>' with TRL's wheels installed, docs/gpu.md).
+bench-gpu: $(STAMP)
+	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[bench]'
+	$(or $(GPU_PY),$(BIN)/python) benchmarks/gpu_bench.py --json $(or $(JSON),docs/raw/bench_gpu_cpu.json) \
+		--doc docs/benchmarks.md $(ARGS)
 
 # Resident workers against stage mode (issue 27): the demo preset 4 iterations in each mode, one after
 # the other (docs/benchmarks.md, docs/raw/resident.json); ~6 min. Run on a quiet machine.

@@ -81,25 +81,34 @@ def run_flow(cfg) -> list[dict]:
     return _rows(cfg.run_root, result.metrics, cumulative)
 
 
-def run_inprocess(cfg) -> list[dict]:
-    """``tests.drive`` in this process; resident workers as worker objects of their roles."""
+def inprocess_runner(cfg):
+    """The ``run`` callable of ``tests.drive`` for ``cfg``: ``run_stage``, or under
+    ``orchestration.workers=resident`` the role workers as objects of this process (policy,
+    rollout with the policy as its in-process peer, reference), each stage to its role's worker."""
     from rft_core.stages.runner import run_stage
-    from rft_core.counters import COUNTS
     from rft_core.workers.policy import PolicyWorker
     from rft_core.workers.pool import ROLE_OF_PROGRAM
     from rft_core.workers.reference import ReferenceWorker
     from rft_core.workers.rollout import RolloutWorker
+
+    if cfg.orchestration.workers != "resident":
+        return run_stage
+    policy = PolicyWorker(cfg.run_root)
+    pool = {"policy": policy, "rollout": RolloutWorker(cfg.run_root, peer=policy),
+            "reference": ReferenceWorker(cfg.run_root)}
+
+    def run(inp):
+        return pool[ROLE_OF_PROGRAM[inp.program]].run(inp) if inp.program in ROLE_OF_PROGRAM else run_stage(inp)
+
+    return run
+
+
+def run_inprocess(cfg) -> list[dict]:
+    """``tests.drive`` in this process; resident workers as worker objects of their roles."""
+    from rft_core.counters import COUNTS
     from tests.drive import drive
 
-    run = run_stage
-    if cfg.orchestration.workers == "resident":
-        policy = PolicyWorker(cfg.run_root)
-        pool = {"policy": policy, "rollout": RolloutWorker(cfg.run_root, peer=policy),
-                "reference": ReferenceWorker(cfg.run_root)}
-
-        def run(inp):  # noqa: F811
-            return pool[ROLE_OF_PROGRAM[inp.program]].run(inp) if inp.program in ROLE_OF_PROGRAM else run_stage(inp)
-
+    run = inprocess_runner(cfg)
     COUNTS.clear()
     metrics, cumulative = [], []
 

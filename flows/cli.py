@@ -36,7 +36,7 @@ def train(
     """Train with GRPO/PPO; prints one metrics line per iteration and where the results are."""
     cfg = _load_or_exit(config, list(set_) + ([f"run_root={run_root}"] if run_root else []))
     typer.echo(f"run root: {cfg.run_root}")
-    from rft_core.api import DatasetError, RunRootError, check_run_root, validate_run_data
+    from rft_core.api import DatasetError, RunRootError, check_run_root, policy_checkpoint_folder, validate_run_data
     from schemas import ShardError, StorageError
 
     try:
@@ -53,7 +53,8 @@ def train(
     typer.echo("")
     typer.echo(f"shards:      {result.run_root}/iter=*/<stage>/part-*.parquet (+ _MANIFEST.json)")
     typer.echo(f"metrics:     {result.metrics_uri}")
-    typer.echo(f"checkpoints: {result.run_root}/iter=*/ppo_update/policy (final: {result.final_policy.uri}/policy)")
+    typer.echo(f"checkpoints: {result.run_root}/iter=*/ppo_update[-policy]/policy "
+               f"(final: {policy_checkpoint_folder(result.final_policy)})")
     typer.echo(f"resume:      rerun with --run-root {result.run_root}")
 
 

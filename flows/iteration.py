@@ -164,7 +164,8 @@ def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef,
     new_policy = tasks.tagged(tasks.ppo_update, tags)(inp=PPOUpdateInput(
         rollout=rollout, advantages=adv, actor_logprobs=actor, ref_logprobs=ref, policy=policy, update=cfg.update, kl=kl,
         temperature=cfg.rollout.temperature, dtype=cfg.policy.dtype, background_optimizer=background_optimizer,
-        save_checkpoint=save_checkpoint, policy_version=policy_version, out=out("ppo_update")),
+        save_checkpoint=save_checkpoint, policy_version=policy_version, background_checkpoint=cfg.background_checkpoint,
+        out=out("ppo_update")),
         runner=cfg.runner("ppo_update"))
     return adv, new_policy, critic_future.result() if critic_future is not None else None
 

@@ -50,6 +50,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     """
     logger = get_run_logger()
     logger.info("%s; %s", check_run_root(cfg.run_root), tasks.validate_data(cfg=cfg))  # storage, data rows: before any stage
+    logger.info("%s", cfg.workers_choice or f"orchestration.workers={cfg.orchestration.workers} (set in the config)")
     # resolved once for the run (auto: one question to the server); the iterations inherit it
     tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)
     cfg = cfg.model_copy(update={"orchestration": cfg.orchestration.model_copy(update={"concurrency_tags": tags})})

@@ -26,11 +26,13 @@ from rft_core.stages.contracts import StageInput
 from rft_core.stages.dynamic import count_signal_groups
 from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, eval_report_lines, resolve_checkpoint
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.stages.recovery import weights_stage
 from rft_core.stages.retention import apply_retention, prune_checkpoints
 from rft_core.stages.teacher import check_teacher_tokenizer
 from rft_core.storage import RunRootError, check_run_root, repair as repair_stage, verify_run
 from rft_core.stages.runner import run_stage as _run_stage
 from rft_core.workers.pool import run_counters, run_resident, stop_workers
+from schemas import PolicyRef
 
 from rft_core.stages import contracts as _contracts
 
@@ -52,7 +54,19 @@ __all__ = [
     "count_signal_groups", "curve_markdown", "default_eval_root", "eval_markdown", "eval_report_lines", "export_table",
     "format_metrics_line", "iteration_metrics", "next_state", "plot_curves", "prune_checkpoints", "replay_sources",
     "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "stop_workers", "samples_markdown", "samples_view",
-    "wait_for_optimizer_writes",
+    "wait_for_optimizer_writes", "policy_checkpoint_folder",
     "write_metrics", "write_replay_record", "write_tensorboard",
     "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run", "check_teacher_tokenizer",
 ]
+
+
+def policy_checkpoint_folder(ref: PolicyRef) -> str:
+    """The URI of the HF folder holding the committed policy ``ref``'s weights:
+    ``{ppo_update}/policy``, or ``{ppo_update}-policy/policy`` for a resident checkpoint iteration
+    written in the background (``weights_stage``); a model path as is; ``"(in memory)"`` for an
+    update whose weights stayed in the resident workers (``checkpoint.every`` > 1)."""
+    if isinstance(ref, str):
+        return ref
+    held = weights_stage(ref)
+    return f"{held.uri}/policy" if held is not None else f"{ref.uri} (in memory)"
+

@@ -11,7 +11,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
 from rft_core.stages.optimizer_state import optimizer_commit
-from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY
+from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, weights_stage
 from rft_core.stages.retention import WEIGHT_SUFFIXES
 from schemas import ShardError, ShardRef, filesystem, pruned_files, read_manifest, read_shard, stage_uri
 from schemas.storage import stage_folders
@@ -54,13 +54,17 @@ def _checkpoint_kind(uri: str, manifest, pruned: dict) -> str:
     a run resumes from), ``weights`` (its optimizer state pruned or not written yet),
     ``pruned``, or ``in memory`` (``checkpoint.every`` > 1: the weights stayed in the resident
     workers; its manifest records their digest, and a resume rebuilds them from the checkpoint
-    before it)."""
-    weights = [f.path for f in manifest.files if f.path.startswith("policy/") and f.path.endswith(WEIGHT_SUFFIXES)]
-    if not weights:
+    before it). The weights of a resident checkpoint iteration written in the background are
+    in the sibling stage ``ppo_update-policy`` (``weights_stage``)."""
+    ref = ShardRef.from_manifest(uri)
+    held = weights_stage(ref)
+    if held is None:
         return "in memory" if WEIGHTS_DIGEST_KEY in manifest.summary else "-"
+    if held.uri != ref.uri:
+        manifest, pruned = read_manifest(held.uri)[0], pruned_files(held.uri)
+    weights = [f.path for f in manifest.files if f.path.startswith("policy/") and f.path.endswith(WEIGHT_SUFFIXES)]
     if all(w in pruned for w in weights):
         return "pruned"
-    ref = ShardRef.from_manifest(uri)
     opt = optimizer_commit(ref)
     try:
         has_opt = opt.committed(check_files=False) is not None and not pruned_files(opt.uri)

@@ -214,10 +214,12 @@ EVAL = StageSchema("eval", 1, pa.schema([  # held-out evaluation (flows/eval.py)
 # The policy's AdamW state (rft_core.stages.optimizer_state): one checkpoint file, optimizer.pt,
 # and no rows; the manifest's summary says how it was written (seconds, recovered).
 OPTIMIZER_STATE = StageSchema("optimizer_state", 1, pa.schema([]))
+# the policy's weights of a resident checkpoint iteration, written after its ppo_update (rft_core.stages.optimizer_state)
+POLICY_CHECKPOINT = StageSchema("policy_checkpoint", 1, pa.schema([]))
 
 STAGE_SCHEMAS: dict[str, StageSchema] = {
     s.stage: s for s in (PROMPTS, ROLLOUT, ACTOR_LOGPROBS, REF_LOGPROBS, CRITIC_VALUES, REWARDS, ADVANTAGES, PPO_UPDATE,
-                         CRITIC_UPDATE, EVAL, OPTIMIZER_STATE, TEACHER_LOGPROBS)
+                         CRITIC_UPDATE, EVAL, OPTIMIZER_STATE, POLICY_CHECKPOINT, TEACHER_LOGPROBS)
 }
 
 # Per-token list columns that must have one entry per response token.

@@ -63,6 +63,7 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
         policy = run(PPOUpdateInput(rollout=rollout, advantages=adv, actor_logprobs=parts.get("actor_logprobs"),
                                     ref_logprobs=parts.get("ref_logprobs"), policy=policy, update=cfg.update, kl=kl,
                                     temperature=temp, dtype=cfg.policy.dtype, save_checkpoint=cfg.is_checkpoint(it),
+                                    background_checkpoint=cfg.background_checkpoint,
                                     policy_version=it - 1, out=out("ppo_update")))
         versions[it] = policy
         state = next_state(adv)

@@ -34,6 +34,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
 from schemas import read_manifest, stage_uri  # noqa: E402
+from tests.weights import iteration_policy_files  # noqa: E402
 from tests.drive import drive  # noqa: E402
 from tests.faults import MotoServer, exists  # noqa: E402
 from tests.varying import assert_training_signal, varying_config  # noqa: E402
@@ -46,8 +47,7 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_
 
 
 def _policy_files(run_root: str, iteration: int = 3) -> dict[str, str]:
-    m, _ = read_manifest(stage_uri(run_root, iteration, "ppo_update"))
-    return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/")}
+    return iteration_policy_files(run_root, iteration)
 
 
 def _title(pid: int) -> str:

@@ -10,11 +10,12 @@ everything is re-exported here, so ``from rft_core.config import X`` works for e
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from rft_core.algorithms import ADVANTAGE_ESTIMATORS
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS, POLICY_LOSSES, check_policy_loss_aggregation
@@ -34,6 +35,7 @@ from rft_core.config.data import DataConfig, DataSourceConfig, EvalConfig  # noq
 from rft_core.config.deprecated import DeprecatedKeyWarning, move_renamed_keys  # noqa: F401
 from rft_core.config.generation import LogprobConfig, ModelConfig, RolloutConfig, TeacherConfig, UpdateGrouping  # noqa: F401
 from rft_core.config._errors import error_line
+from rft_core.models.logprobs import default_device
 from rft_core.config.rules import CONTRADICTIONS, contradictions  # noqa: F401
 from rft_core.config.run import CheckpointConfig, ObserveConfig, WandbConfig  # noqa: F401
 from rft_core.config.scale import (  # noqa: F401
@@ -152,6 +154,22 @@ class CriticConfig(_Frozen):
         return self.model.dtype if self.model else "float32"
 
 
+def auto_workers(cfg: "TrainConfig") -> tuple[str, str]:
+    """What ``orchestration.workers: auto`` runs ``cfg`` with, and why: ``resident`` when this
+    process sees a CUDA device (``default_device()``: ``$RFT_DEVICE`` wins), Ray is installed and
+    resident workers cover ``cfg`` (``TrainConfig.resident_blockers``); else ``stage``. On a GPU
+    the resident workers are the fast mode (issue 44: 2.2x stage mode on an H100 at the demo
+    preset); on a CPU the stages' compute hides the loads, and stage mode needs no Ray."""
+    if default_device().type != "cuda":
+        return "stage", f"no CUDA device is visible (device {default_device()})"
+    if importlib.util.find_spec("ray") is None:
+        return "stage", "a CUDA device is visible but Ray is not installed (pip install 'prefect-rft[gpu]')"
+    blockers = cfg.resident_blockers()
+    if blockers:
+        return "stage", "resident workers do not cover this config: " + "; ".join(blockers)
+    return "resident", "a CUDA device is visible and Ray is installed"
+
+
 class TrainConfig(_Frozen):
     """A whole training run: N iterations under one run root."""
 
@@ -179,6 +197,7 @@ class TrainConfig(_Frozen):
     ray: RayConfig = Field(RayConfig(), description="the Ray cluster and each role's Ray options, for the rollout "
                            "fan-out (runners.rollout.shards > 1) and the resident workers (orchestration.workers=resident)")
     runners: dict[str, RunnerConfig] = Field(default_factory=dict, description=f"per stage ({', '.join(RUNNABLE_STAGES)}): where its program runs")
+    _workers_choice: str | None = PrivateAttr(None)
 
     @field_validator("runners")
     @classmethod
@@ -206,8 +225,15 @@ class TrainConfig(_Frozen):
                 options={role: opts for role, opts in ray.options.items() if role in RAY_ROLES},
                 policy_ranks=o.policy_ranks,
                 rollout_versions=max(1, self.rollout.max_staleness),
-                rollout_gpus=getattr(getattr(self.rollout, self.rollout.engine, None), "tensor_parallel_size", 1)))
+                rollout_gpus=getattr(getattr(self.rollout, self.rollout.engine, None), "tensor_parallel_size", 1),
+                keep_device_cache=self.rollout.engine == "hf"))
         return RunnerConfig()
+
+    @property
+    def background_checkpoint(self) -> bool:
+        """Whether a checkpoint iteration's weights are written in the background
+        (``checkpoint.async_weights`` under resident workers; ``PPOUpdateInput.background_checkpoint``)."""
+        return self.checkpoint.async_weights and self.orchestration.workers == "resident"
 
     @property
     def resident_pool(self) -> str | None:
@@ -277,6 +303,22 @@ class TrainConfig(_Frozen):
             upd["loss_norm_tokens"] = _field(rollout, "max_new_tokens", RolloutConfig.model_fields["max_new_tokens"].default)
         data["update"] = upd
         return data
+
+    @model_validator(mode="after")
+    def _choose_workers(self) -> "TrainConfig":
+        """``orchestration.workers: auto`` becomes ``resident`` or ``stage`` here, before the
+        checks that depend on it (``_check``); ``workers_choice`` keeps the sentence the run logs."""
+        if self.orchestration.workers != "auto":
+            return self
+        mode, why = auto_workers(self)
+        object.__setattr__(self, "orchestration", self.orchestration.model_copy(update={"workers": mode}))
+        self._workers_choice = f"orchestration.workers=auto chose {mode}: {why}"
+        return self
+
+    @property
+    def workers_choice(self) -> str | None:
+        """What ``orchestration.workers: auto`` chose and why (None: the config named the mode)."""
+        return self._workers_choice
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

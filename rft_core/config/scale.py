@@ -117,6 +117,8 @@ class WorkersConfig(_Frozen):
     rollout_gpus: int = Field(1, gt=0, description="GPUs of the rollout worker on a cluster with GPUs: the "
                               "engine's tensor_parallel_size (rollout.vllm/sglang), else 1; the same whichever stage "
                               "starts the worker (the rollout, or the actor pass of a resumed run)")
+    keep_device_cache: bool = Field(True, description="each worker keeps its CUDA cache between stages (False: a vLLM or "
+                                    "SGLang engine shares the GPUs and must find their memory free: rollout.engine != hf)")
 
 
 class RunnerConfig(_Frozen):
@@ -157,11 +159,13 @@ class OrchestrationConfig(_Frozen):
     concurrency_tags: bool | None = Field(
         None, description="tag stage tasks `gpu`/`cpu` so tag concurrency limits apply; each tagged task costs a "
         "concurrency-slot round trip to the server. None (auto): on when the server has a `gpu` or `cpu` tag limit")
-    workers: Literal["stage", "resident"] = Field(
-        "stage", description="stage: every stage loads its model from the run root (one process, or a subprocess per "
+    workers: Literal["auto", "stage", "resident"] = Field(
+        "auto", description="stage: every stage loads its model from the run root (one process, or a subprocess per "
         "stage); resident: one long-lived Ray actor per model role (policy trainer, rollout engine, reference) keeps "
         "its model, optimizer and engine across iterations and weights move in memory (docs/scale.md); the Ray "
-        "cluster and each role's Ray options: the ray section")
+        "cluster and each role's Ray options: the ray section. auto: resident when a CUDA device is visible, Ray is "
+        "installed and resident covers the config, else stage (chosen when the config loads; the run's log says "
+        "which and why)")
     worker_threads: int | None = Field(None, gt=0, description="workers=resident: torch threads per worker (None: as "
                                        "many as the driver's; the same count keeps CPU results bit-identical)")
     sync_timeout_s: float = Field(300.0, gt=0, description="workers=resident: a weight sync that takes longer fails")

@@ -3,6 +3,9 @@
 transformers Auto class under the process-wide load lock."""
 from __future__ import annotations
 
+import collections
+import hashlib
+import threading
 from pathlib import Path
 
 from rft_core.models.hub import (
@@ -43,8 +46,38 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
+# the tokenizer files of a model folder (the weights, optimizer state and generation config are not read)
+_TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+_NOT_TOKENIZER = ("generation_config.json", "model.safetensors.index.json", "adapter_config.json")
+_TOKENIZERS: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+_TOKENIZERS_KEPT = 16
+
+
+def tokenizer_fingerprint(resolved: str) -> str:
+    """What identifies a tokenizer: for a local folder, sha256 of the names and bytes of its
+    top-level files a tokenizer may read (``*.json`` but the generation config and weight index,
+    ``*.txt``, ``*.model``, ``*.jinja``, ``*.tiktoken``); else (a hub id) the id itself. Two
+    checkpoints of one run hold the same tokenizer files, so they share one fingerprint."""
+    folder = Path(resolved)
+    if not folder.is_dir():
+        return f"id:{resolved}"
+    h = hashlib.sha256()
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and f.suffix in _TOKENIZER_SUFFIXES and f.name not in _NOT_TOKENIZER:
+            h.update(f"{f.name}\0".encode())
+            h.update(f.read_bytes())
+    return f"sha256:{h.hexdigest()}"
+
+
 def load_tokenizer(path: str):
     """Tokenizer of ``path`` with a pad token set (EOS when the model has none) and left padding.
+
+    Loaded once per thread and ``tokenizer_fingerprint`` (the last 16 kept): a resident worker
+    and a run's stages ask for the same tokenizer every iteration, and a fast tokenizer's load
+    (about 0.2 s for SmolLM2's) was paid each time (issue 44). Per thread, since a fast
+    tokenizer's Rust object is not safe to call from two threads at once (its padding and
+    truncation settings are set on each call; transformers' ``PreTrainedTokenizerFast``). The
+    same object is returned to every caller of a thread: callers must not change its settings.
 
     Raises:
         ModelLoadError: the tokenizer cannot be loaded.
@@ -53,11 +86,19 @@ def load_tokenizer(path: str):
 
     with LOAD_LOCK:
         resolved = resolve_model_path(path)
+        key = (threading.get_ident(), tokenizer_fingerprint(resolved))
+        tok = _TOKENIZERS.get(key)
+        if tok is not None:
+            _TOKENIZERS.move_to_end(key)
+            return tok
         try:
-            tok = AutoTokenizer.from_pretrained(resolved)
+            tok = prepare_tokenizer(AutoTokenizer.from_pretrained(resolved))
         except Exception as exc:
             raise ModelLoadError(f"cannot load tokenizer from {path!r} ({resolved}): {exc}") from exc
-    return prepare_tokenizer(tok)
+        _TOKENIZERS[key] = tok
+        while len(_TOKENIZERS) > _TOKENIZERS_KEPT:
+            _TOKENIZERS.popitem(last=False)
+    return tok
 
 
 def load_pretrained(auto_cls, path: str, *, dtype: str = "float32", trainable: bool = False, what: str = "model",

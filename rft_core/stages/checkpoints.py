@@ -20,7 +20,7 @@ from pathlib import Path
 import fsspec
 
 from rft_core.models.loading import cache_dir
-from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY
+from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, weights_stage
 from rft_core.stages.retention import require_unpruned
 from rft_core.training.checkpoint import OPTIMIZER_FILE
 from schemas import PolicyRef, ShardRef, local_path, read_manifest, verify_files
@@ -41,9 +41,9 @@ def policy_model_path(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str:
     """
     if isinstance(policy, str):
         return policy
-    require_weights(policy, subdir)
-    require_unpruned(policy, subdir, optimizer=False)
-    return _checkpoint_folder(policy, subdir)
+    stage = require_weights(policy, subdir)
+    require_unpruned(stage, subdir, optimizer=False)
+    return _checkpoint_folder(stage, subdir)
 
 
 class WeightlessPolicyError(RuntimeError):
@@ -51,16 +51,25 @@ class WeightlessPolicyError(RuntimeError):
     worker's memory (``checkpoint.every`` > 1): only the resident workers can serve it."""
 
 
-def require_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> None:
-    """Raise ``WeightlessPolicyError`` when the committed training stage ``policy`` wrote no
-    files under ``subdir`` because its weights stayed in memory (its manifest records their
-    digest instead)."""
+def require_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> ShardRef:
+    """The committed stage holding ``policy``'s ``subdir/`` weights (``weights_stage``: the stage
+    itself, or the sibling a background checkpoint committed).
+
+    Raises:
+        WeightlessPolicyError: ``policy`` wrote no files under ``subdir`` because its weights
+            stayed in memory (its manifest records their digest instead) and no background
+            checkpoint of them committed.
+    """
+    stage = weights_stage(policy, subdir)
+    if stage is not None:
+        return stage
     manifest, _ = read_manifest(policy.uri)
-    if WEIGHTS_DIGEST_KEY in manifest.summary and not any(e.path.startswith(f"{subdir}/") for e in manifest.files):
+    if WEIGHTS_DIGEST_KEY in manifest.summary:
         raise WeightlessPolicyError(
             f"{policy.uri}: this update kept its weights in the resident workers' memory (checkpoint.every > 1), so "
             "they are not on storage. Resume the run with orchestration.workers=resident (it rebuilds them from the "
             "last checkpoint), or use a checkpoint iteration (`rft inspect` lists them)")
+    return policy
 
 
 # a downloaded checkpoint folder is complete once one of these is there (full model, LoRA
@@ -109,5 +118,6 @@ def policy_checkpoint_dir(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str
     """
     if isinstance(policy, str):
         return None
-    require_unpruned(policy, subdir, optimizer=True)  # covers the weights too: one check
-    return _checkpoint_folder(policy, subdir)
+    stage = require_weights(policy, subdir) if subdir else policy
+    require_unpruned(stage, subdir, optimizer=True)  # covers the weights too: one check
+    return _checkpoint_folder(stage, subdir)

@@ -13,6 +13,7 @@ import fsspec
 import pyarrow as pa
 
 from rft_core.stages.contracts import StageInput
+from rft_core.stages.recovery import weights_stage
 from rft_core.stages.retention import CHECKPOINT_STAGES, latest_policy_checkpoint
 from rft_core.training.checkpoint import save_checkpoint
 from rft_core.training.strategy import DeepSpeedStrategy, SingleProcess
@@ -81,7 +82,8 @@ def continue_from_checkpoint(uri: str) -> str:
     last = latest_policy_checkpoint(root, max(iterations)) if iterations else None
     if last is None:
         return " No iteration of this run committed a policy checkpoint: a new run folder starts from the initial policy."
-    checkpoint = f"{stage_uri(root, last, 'ppo_update')}/{CHECKPOINT_STAGES['ppo_update']}"
+    held = weights_stage(ShardRef.from_manifest(stage_uri(root, last, "ppo_update")))
+    checkpoint = f"{held.uri}/{CHECKPOINT_STAGES['ppo_update']}"
     return (f" Or start a new run from this run's last checkpoint (iteration {last}): rft train -c <your config> "
             f"--set policy.path={checkpoint} (without this --run-root: a new run folder, counting iterations from 1 "
             "with a fresh optimizer; with a KL term also --set reference.path=<the policy.path this run started "

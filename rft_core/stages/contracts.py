@@ -48,7 +48,7 @@ from schemas import PolicyRef, ShardRef, config_hash
 
 __all__ = ["PROGRAMS", "STAGE_INPUTS", "ActorLogprobsInput", "AdvantagesInput", "CriticUpdateInput", "CriticValuesInput",
            "DynamicMergeInput", "EvalGenerateInput", "EvalPromptsInput", "EvalSummaryInput", "LogprobsInput",
-           "OptimizerStateInput", "PPOUpdateInput", "PromptsInput", "RefLogprobsInput", "RewardsInput", "RolloutInput",
+           "OptimizerStateInput", "PPOUpdateInput", "PolicyCheckpointInput", "PromptsInput", "RefLogprobsInput", "RewardsInput", "RolloutInput",
            "RolloutMergeInput", "StageInput", "TeacherLogprobsInput", "hash_value", "stage_program"]
 
 
@@ -379,7 +379,8 @@ class PPOUpdateInput(StageInput):
     # seeded by update.seed (LoRA's initial A matrices, LoRA / model dropout masks), the entropy bonus never masked by
     # the rollout correction (issue 39)
     version: ClassVar[int] = 6
-    unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer", "save_checkpoint", "policy_version"})
+    unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer", "save_checkpoint", "policy_version",
+                                                    "background_checkpoint"})
     config_paths: ClassVar[Mapping[str, str]] = {"update": "update", "kl": "kl", "policy": "policy.path",
                                                  "dtype": "policy.dtype", "temperature": "rollout.temperature"}
     rollout: ShardRef
@@ -396,6 +397,10 @@ class PPOUpdateInput(StageInput):
                                   "a resident worker keeps them in memory and the manifest records their digest")
     policy_version: int | None = Field(None, description="the version ``policy`` is (the iteration whose update made "
                                        "it; 0: the initial policy), recorded in the manifest; implied by ``policy``")
+    background_checkpoint: bool = Field(False, description="with save_checkpoint, in a resident worker (one process): "
+                                        "commit the update as between checkpoints (the weights' digest, no weights) and "
+                                        "write the weights and AdamW state in the background as the sibling stages "
+                                        "``{out}-policy`` and ``{out}-optimizer`` (checkpoint.async_weights)")
 
     def hash_view(self) -> dict[str, Any]:
         view = super().hash_view()
@@ -410,6 +415,16 @@ class OptimizerStateInput(StageInput):
 
     program: ClassVar[str] = "optimizer_state"
     stage: ClassVar[str] = "optimizer_state"
+    update: ShardRef
+
+
+class PolicyCheckpointInput(StageInput):
+    """The policy's weights after the committed ``update``, as the sibling stage ``{update}-policy``
+    (a resident checkpoint iteration writes them in the background after committing ``update``;
+    ``rft_core.stages.optimizer_state``)."""
+
+    program: ClassVar[str] = "policy_checkpoint"
+    stage: ClassVar[str] = "policy_checkpoint"
     update: ShardRef
 
 
@@ -523,5 +538,6 @@ def stage_program(*inputs: type[StageInput]) -> Callable[[F], F]:
 
 STAGE_INPUTS: tuple[type[StageInput], ...] = (
     PromptsInput, RolloutInput, RolloutMergeInput, ActorLogprobsInput, RefLogprobsInput, RewardsInput, AdvantagesInput,
-    CriticValuesInput, CriticUpdateInput, PPOUpdateInput, OptimizerStateInput, DynamicMergeInput, EvalPromptsInput,
+    CriticValuesInput, CriticUpdateInput, PPOUpdateInput, OptimizerStateInput, PolicyCheckpointInput, DynamicMergeInput,
+    EvalPromptsInput,
     EvalGenerateInput, EvalSummaryInput, TeacherLogprobsInput)

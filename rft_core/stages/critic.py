@@ -5,13 +5,12 @@ import pyarrow as pa
 
 from rft_core.models.critic import batched_response_values, load_critic
 from rft_core.models.loading import load_tokenizer
-from rft_core.models.logprobs import release_device_memory
 from rft_core.models.vl import VLProcessor, vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path
 from rft_core.stages.common import Timer, commit_trained, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
-from rft_core.stages.sources import critic_model, critic_strategy, critic_trained
+from rft_core.stages.sources import critic_model, critic_strategy, critic_trained, release_models
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.strategy import OptimizerSettings, build_strategy
 from schemas import PolicyRef, ShardRef, read_shard
@@ -62,7 +61,7 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
     try:
         return reuse_or_compute(commit, compute)
     finally:
-        release_device_memory()
+        release_models()
 
 
 @stage_program(CriticUpdateInput)
@@ -113,4 +112,4 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
     try:
         return reuse_or_compute(commit, compute)
     finally:
-        release_device_memory()
+        release_models()

@@ -7,10 +7,10 @@ import threading
 from typing import Any
 
 from rft_core.models.hub import configure_cuda_backends
-from rft_core.models.logprobs import release_device_memory
 # the stage modules register their programs in PROGRAMS when imported
 from rft_core.stages import advantages, critic, dynamic, evaluate, logprobs, prompts, rewards, rollout, update  # noqa: F401
 from rft_core.stages.contracts import PROGRAMS, StageInput
+from rft_core.stages.sources import release_models
 
 _IMPORT_LOCK = threading.Lock()
 _IMPORTED = False
@@ -39,10 +39,11 @@ def import_transformers_once() -> None:
 def run_in_process(inp: StageInput) -> Any:
     """Run the program of ``inp`` here and return what it returns. TF32 matmuls are enabled
     first (``configure_cuda_backends``) and the CUDA cache is emptied afterwards
-    (``release_device_memory``), so a dropped model's memory goes back to the driver."""
+    (``release_models``), so a dropped model's memory goes back to the driver, except in a
+    resident worker that keeps its cache."""
     import_transformers_once()
     configure_cuda_backends()
     try:
         return PROGRAMS[inp.program](inp)
     finally:
-        release_device_memory()
+        release_models()

@@ -1,4 +1,5 @@
-"""The policy's AdamW state as a stage of its own, written in a background thread.
+"""The policy's AdamW state as a stage of its own, written in a background thread; and, for a
+resident checkpoint iteration, the policy's weights too (``commit_policy_checkpoint``).
 
 Layout: next to ``iter=K/ppo_update`` (metrics parts + ``policy/`` weights) sits
 ``iter=K/ppo_update-optimizer`` with ``optimizer.pt`` and its own ``_MANIFEST.json`` (stage
@@ -28,6 +29,17 @@ with its sha256 in ``_MANIFEST.json``, written last; the manifest's summary says
 ``format: deepspeed`` with the world size, ZeRO stage and dtype the next update must match
 (``deepspeed_checkpoint``, ``rft_core.training.strategy.check_deepspeed_state``). It is written
 synchronously (each rank holds its partition only until it exits).
+
+A resident checkpoint iteration (``PPOUpdateInput.background_checkpoint``, issue 44) takes the
+weights off the critical path as well: its ``ppo_update`` commits as between checkpoints (the
+weights' digest and its own input, no weights: ``rft_core.stages.recovery``), then the same
+writer thread writes the optimizer stage and, after it, ``iter=K/ppo_update-policy`` (stage
+``policy_checkpoint``: ``policy/``, the HF folder ``policy_model_path`` hands out, under its own
+manifest), while the next iteration's rollout runs. The weights stage commits last, so a policy
+whose weights are on storage always has its AdamW state there too; a crash before it leaves the
+previous checkpoint the one a resume rebuilds from (the committed updates after it re-applied).
+The next ``ppo_update`` waits for both writes before it changes the weights they read
+(``optimizer_state_ref``).
 """
 from __future__ import annotations
 
@@ -46,12 +58,12 @@ import torch
 
 from rft_core.stages.checkpoints import policy_checkpoint_dir
 from rft_core.stages.common import Commit, stage_commit
-from rft_core.stages.contracts import OptimizerStateInput
-from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY
-from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
+from rft_core.stages.contracts import OptimizerStateInput, PolicyCheckpointInput
+from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri
+from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX, save_checkpoint
 from rft_core.training.strategy import DeepSpeedCheckpoint, DeepSpeedStateError, DeepSpeedStrategy, init_distributed
 from schemas import ShardRef, commit_files, local_path, prepare_stage_dir, read_manifest, storage_errors
-from schemas.columns import OPTIMIZER_STATE
+from schemas.columns import OPTIMIZER_STATE, POLICY_CHECKPOINT
 from schemas.shards import ShardNotCommittedError, release_stage_lock
 
 log = logging.getLogger("rft_core.stages")
@@ -119,6 +131,59 @@ def _lower_priority() -> None:
         pass
 
 
+def _write_policy(update: ShardRef, model, saver, digest: str) -> ShardRef:
+    """Write ``model`` and ``saver`` (tokenizer or processor) as ``policy/`` of the sibling stage
+    ``policy_checkpoint_uri(update)`` and commit it (its summary repeats the weights' ``digest``
+    the update recorded). Runs only after ``update``'s optimizer stage committed (the writer's order)."""
+    commit = stage_commit(PolicyCheckpointInput(update=update, out=policy_checkpoint_uri(update)))
+    uri, t0 = commit.uri, time.perf_counter()
+    if _committed(update) is None:
+        raise OptimizerStateError(f"{uri}: not written, since the optimizer state of {update.uri} did not commit "
+                                  "(a policy checkpoint always has its AdamW state)")
+    token = prepare_stage_dir(uri)
+    try:
+        with storage_errors(uri):
+            local = local_path(uri)
+            if local is not None:
+                save_checkpoint(model, saver, None, os.path.join(local, "policy"))
+            else:
+                with tempfile.TemporaryDirectory(prefix="rft-policy-") as tmp:
+                    save_checkpoint(model, saver, None, tmp)
+                    fs, path = fsspec.core.url_to_fs(uri)
+                    fs.put(tmp.rstrip("/") + "/", f"{path.rstrip('/')}/policy", recursive=True)
+        ref = commit_files(uri, stage=POLICY_CHECKPOINT.stage, config_hash=commit.config_hash, inputs={"ppo_update": update},
+                           summary={WEIGHTS_DIGEST_KEY: digest, "seconds": time.perf_counter() - t0},
+                           schema=POLICY_CHECKPOINT, lock_token=token, contract=commit.contract)
+    except BaseException:
+        release_stage_lock(uri, token)
+        raise
+    log.info("policy_checkpoint: committed %s (%.2f s)", uri, time.perf_counter() - t0)
+    return ref
+
+
+def _submit(uri: str, fn: Callable[..., ShardRef], *args: Any) -> None:
+    """Queue ``fn(*args)`` on this process's writer thread (one at a time, in submission order,
+    at a lower CPU priority) as the pending write of ``uri``."""
+    global _EXECUTOR
+    with _LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-optimizer-state",
+                                           initializer=_lower_priority)
+        _PENDING[uri] = _EXECUTOR.submit(fn, *args)
+
+
+def commit_policy_checkpoint(update: ShardRef, model, saver, *, digest: str) -> None:
+    """Queue the write of ``model``'s weights (and ``saver``'s tokenizer or processor files) as the
+    sibling stage ``{update}-policy`` on the writer thread, after the optimizer stage queued
+    before it (the module docstring); ``wait_for_optimizer_writes`` joins it. The caller must not
+    change the weights until it has finished (the next ``ppo_update`` waits: ``optimizer_state_ref``).
+
+    Raises (from the writer, through ``wait_for_optimizer_writes``):
+        OptimizerStateError: the optimizer stage of ``update`` did not commit (nothing written).
+    """
+    _submit(policy_checkpoint_uri(update), _write_policy, update, model, saver, digest)
+
+
 def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
                            summary: dict | None = None) -> ShardRef | None:
     """Write ``state`` (``optimizer.state_dict()``, tensors on CPU) as the optimizer stage of
@@ -134,13 +199,7 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
     summary = dict(summary or {})
     if not background:
         return _write(update, state, summary)
-    global _EXECUTOR
-    uri = optimizer_state_uri(update)
-    with _LOCK:
-        if _EXECUTOR is None:
-            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-optimizer-state",
-                                           initializer=_lower_priority)
-        _PENDING[uri] = _EXECUTOR.submit(_write, update, state, summary)
+    _submit(optimizer_state_uri(update), _write, update, state, summary)
     return None
 
 
@@ -275,8 +334,8 @@ def recover_deepspeed_optimizer_state(strategy: DeepSpeedStrategy, done: ShardRe
 
 
 def wait_for_optimizer_writes(uri: str | None = None) -> None:
-    """Block until the pending background write of ``uri`` (None: of every optimizer stage)
-    has finished. A no-op when none is pending.
+    """Block until the pending background write of ``uri`` (None: every pending write: optimizer
+    stages and background policy checkpoints) has finished. A no-op when none is pending.
 
     Raises:
         OptimizerStateError: a write failed (names the stage and the cause); it is reported
@@ -340,6 +399,7 @@ def optimizer_state_ref(policy: ShardRef | str) -> ShardRef | None:
     """
     if not isinstance(policy, ShardRef):
         return None
+    wait_for_optimizer_writes(policy_checkpoint_uri(policy))  # a background checkpoint reads the weights: done first
     wait_for_optimizer_writes(optimizer_state_uri(policy))
     ref = _committed(policy)
     if ref is not None:

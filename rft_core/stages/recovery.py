@@ -17,7 +17,9 @@ GPU kernel) stops with ``RecoveryError`` unless the caller accepts the differenc
 from __future__ import annotations
 
 from rft_core.stages.contracts import PPOUpdateInput
+from rft_core.training.checkpoint import POLICY_FOLDER_SUFFIX
 from schemas import PolicyRef, ShardRef, read_manifest
+from schemas.shards import ShardNotCommittedError
 
 WEIGHTS_DIGEST_KEY = "weights_sha256"
 UPDATE_INPUT_KEY = "update_input"
@@ -28,10 +30,36 @@ class RecoveryError(RuntimeError):
     recorded input, or re-applying it gave other weights than the committed digest."""
 
 
-def has_weights(ref: ShardRef, subdir: str = "policy") -> bool:
-    """Whether the committed training stage ``ref`` lists weight files under ``subdir``."""
+def policy_checkpoint_uri(update: ShardRef) -> str:
+    """URI of the sibling stage ``{update}-policy`` that holds the weights of a ``ppo_update``
+    committed without them by a resident checkpoint iteration (``PPOUpdateInput.background_checkpoint``)."""
+    return update.uri.rstrip("/") + POLICY_FOLDER_SUFFIX
+
+
+def weights_stage(ref: ShardRef, subdir: str = "policy") -> ShardRef | None:
+    """The committed stage whose ``subdir/`` folder holds the weights of the committed training
+    stage ``ref``: ``ref`` itself when its manifest lists files there; for a ``ppo_update``
+    committed without them (``WEIGHTS_DIGEST_KEY`` in its summary), its sibling
+    ``policy_checkpoint_uri(ref)`` once committed with ``ref`` as its input (a background
+    checkpoint that finished); else None (the weights live in a resident worker's memory, or
+    their background write has not committed: a crash during it leaves the previous checkpoint
+    the one a resume starts from)."""
     manifest, _ = read_manifest(ref.uri)
-    return any(e.path.startswith(f"{subdir}/") for e in manifest.files)
+    if any(e.path.startswith(f"{subdir}/") for e in manifest.files):
+        return ref
+    if subdir != "policy" or WEIGHTS_DIGEST_KEY not in manifest.summary:
+        return None
+    try:
+        sibling = ShardRef.from_manifest(policy_checkpoint_uri(ref))
+    except ShardNotCommittedError:
+        return None
+    sib, _ = read_manifest(sibling.uri)
+    return sibling if sib.inputs.get("ppo_update") == ref.manifest_sha256 else None
+
+
+def has_weights(ref: ShardRef, subdir: str = "policy") -> bool:
+    """Whether the weights of the committed training stage ``ref`` are on storage (``weights_stage``)."""
+    return weights_stage(ref, subdir) is not None
 
 
 def update_input_of(ref: ShardRef):

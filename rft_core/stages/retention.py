@@ -29,7 +29,8 @@ import logging
 from typing import Literal
 
 from rft_core.config import CheckpointConfig
-from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX
+from rft_core.stages.recovery import has_weights
+from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX, POLICY_FOLDER_SUFFIX
 from schemas import ShardRef, prune_files, pruned_files, read_manifest, stage_uri
 from schemas.shards import ShardNotCommittedError
 
@@ -37,9 +38,12 @@ log = logging.getLogger("rft_core.stages")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 # stage folder -> checkpoint sub-folder ("": the folder itself; ppo_update-optimizer holds the
-# policy's AdamW state, rft_core.stages.optimizer_state)
+# policy's AdamW state, ppo_update-policy the weights a resident checkpoint iteration wrote in the
+# background, rft_core.stages.optimizer_state)
 OPTIMIZER_STAGE_FOLDER = f"ppo_update{OPTIMIZER_FOLDER_SUFFIX}"
-CHECKPOINT_STAGES = {"ppo_update": "policy", OPTIMIZER_STAGE_FOLDER: "", "critic_update": "critic"}
+POLICY_STAGE_FOLDER = f"ppo_update{POLICY_FOLDER_SUFFIX}"
+CHECKPOINT_STAGES = {"ppo_update": "policy", OPTIMIZER_STAGE_FOLDER: "", POLICY_STAGE_FOLDER: "policy",
+                     "critic_update": "critic"}
 
 
 class CheckpointPrunedError(RuntimeError):
@@ -132,15 +136,16 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
 
 
 def latest_policy_checkpoint(run_root: str, iteration: int) -> int | None:
-    """The last iteration ``<= iteration`` whose committed ``ppo_update`` wrote the policy's
-    weights (with ``checkpoint.every`` > 1 the iterations between checkpoints write none), or
+    """The last iteration ``<= iteration`` whose committed ``ppo_update`` has the policy's
+    weights on storage (``has_weights``: in its folder, or in the sibling a background checkpoint
+    committed; with ``checkpoint.every`` > 1 the iterations between checkpoints have none), or
     None. Retention never prunes it: a resume rebuilds the policies after it from it."""
     for old in range(iteration, 0, -1):
         try:
-            manifest, _ = read_manifest(stage_uri(run_root, old, "ppo_update"))
+            ref = ShardRef.from_manifest(stage_uri(run_root, old, "ppo_update"))
         except ShardNotCommittedError:
             continue
-        if any(e.path.startswith(f"{CHECKPOINT_STAGES['ppo_update']}/") for e in manifest.files):
+        if has_weights(ref):
             return old
     return None
 

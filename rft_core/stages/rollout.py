@@ -18,12 +18,11 @@ from rft_core.engines.vllm import get_vllm_engine
 from rft_core.models.loading import load_tokenizer, resolve_model_path
 from rft_core.models.lora import adapter_base_path, is_adapter_dir
 from rft_core.models.vl import vl_processor_or_none
-from rft_core.models.logprobs import release_device_memory
 from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.common import Commit, Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import RolloutInput, RolloutMergeInput, stage_program
-from rft_core.stages.sources import config_folder, current_source, inference_model
+from rft_core.stages.sources import config_folder, current_source, inference_model, release_models
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard
 from schemas.columns import ROLLOUT, policy_version_column, single_turn_columns
 
@@ -185,7 +184,7 @@ def run(inp: RolloutInput) -> ShardRef:
     try:
         return reuse_or_compute(commit, compute)
     finally:
-        release_device_memory()  # the HF engine's model and cache; a cached vLLM/SGLang engine stays (asleep if set)
+        release_models()  # the HF engine's model and cache; a cached vLLM/SGLang engine stays (asleep if set)
 
 
 def version_summary(inp: RolloutInput) -> dict[str, int]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from rft_core.models.critic import load_critic
 from rft_core.models.loading import load_causal_lm
-from rft_core.models.logprobs import default_device
+from rft_core.models.logprobs import default_device, release_device_memory
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_model_path
 from rft_core.stages.contracts import PPOUpdateInput
 from rft_core.stages.recovery import weights_base
@@ -52,6 +52,10 @@ class ModelSource(Protocol):
 
     def critic_trained(self, ref: PolicyRef) -> None:
         """The critic's strategy now holds the critic committed as ``ref``."""
+
+    keeps_device_cache: bool
+    """Whether the worker keeps the CUDA caching allocator's blocks after a program: a resident
+    worker runs the same passes every iteration and reuses them (``release_models``)."""
 
     def engine_policy(self, engine: Any, ref: PolicyRef) -> None:
         """Make the rollout's GPU engine (``VLLMEngine``, ``SGLangEngine``, built once per run by
@@ -99,6 +103,24 @@ def inference_model(ref: PolicyRef, *, dtype: str, role: str = "policy") -> "tor
     if source is not None:
         return source.inference_model(ref, dtype=dtype, role=role)
     return load_from_storage(ref, dtype=dtype)
+
+
+def release_models() -> bool:
+    """After a stage program dropped its models: give the CUDA cache back to the driver
+    (``release_device_memory``), so the next stage's process, a colocated engine (vLLM's
+    free-memory check, SGLang) or another worker on the GPU finds the memory free; except inside
+    a resident worker that keeps its cache (``ModelSource.keeps_device_cache``): it holds its
+    models and runs the same passes every iteration, and re-growing the cache through
+    ``cudaMalloc`` after every stage cost seconds per iteration and made the rollout's time swing
+    on a GPU (issue 44; an H200, 2026-11-28: the same rollout in 2.8 to 8.6 s).
+
+    Returns:
+        True if the cache was emptied.
+    """
+    source = current_source()
+    if source is not None and getattr(source, "keeps_device_cache", False):
+        return False
+    return release_device_memory()
 
 
 def load_from_storage(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":

@@ -21,6 +21,7 @@ from rft_core.stages.contracts import PPOUpdateInput, stage_program
 from rft_core.stages.optimizer_state import (
     commit_deepspeed_optimizer_state,
     commit_optimizer_state,
+    commit_policy_checkpoint,
     optimizer_state_missing,
     optimizer_state_ref,
     recover_deepspeed_optimizer_state,
@@ -313,12 +314,19 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None
     summary = _summary(steps, seconds, extra)
     if inp.policy_version is not None:
         summary["policy_version"] = inp.policy_version  # the version this update starts from
-    if not inp.save_checkpoint:  # the weights stay in memory: what recovery needs to rebuild them exactly
+    # a resident checkpoint iteration in one process: commit as between checkpoints, the checkpoint in the background
+    background = (inp.save_checkpoint and inp.background_checkpoint and current_source() is not None
+                  and isinstance(strategy, SingleProcess))
+    in_memory = not inp.save_checkpoint or background
+    if in_memory:  # the weights stay in memory: what recovery needs to rebuild them exactly
         summary[WEIGHTS_DIGEST_KEY] = trained_digest(strategy)  # a collective under DeepSpeed
         summary[UPDATE_INPUT_KEY] = inp.model_dump(mode="json")
     new = commit_trained(commit, strategy, subdir=POLICY_SUBDIR, tokenizer=trainer.saver, steps=steps, schema=PPO_UPDATE,
-                         inputs=inputs, summary=summary, keep_optimizer=False, save_weights=inp.save_checkpoint)
-    if isinstance(strategy, SingleProcess) and inp.save_checkpoint:
+                         inputs=inputs, summary=summary, keep_optimizer=False, save_weights=not in_memory)
+    if background:  # the optimizer stage first, the weights after it (rft_core.stages.optimizer_state)
+        commit_optimizer_state(new, strategy.optimizer.state_dict(), background=True)
+        commit_policy_checkpoint(new, strategy.model, trainer.saver, digest=summary[WEIGHTS_DIGEST_KEY])
+    elif isinstance(strategy, SingleProcess) and inp.save_checkpoint:
         commit_optimizer_state(new, strategy.optimizer.state_dict(), background=inp.background_optimizer)
     elif isinstance(strategy, DeepSpeedStrategy) and inp.save_checkpoint:  # every rank its partition, synchronously
         commit_deepspeed_optimizer_state(new, strategy)

@@ -21,6 +21,8 @@ from rft_core.counters import count_bytes_read
 OPTIMIZER_FILE = "optimizer.pt"
 # the policy's optimizer state is the stage "{ppo_update folder}-optimizer" (rft_core.stages.optimizer_state)
 OPTIMIZER_FOLDER_SUFFIX = "-optimizer"
+# a resident checkpoint iteration's weights written in the background: the stage "{ppo_update folder}-policy"
+POLICY_FOLDER_SUFFIX = "-policy"
 MASTER_WEIGHTS_KEY = "master_weights"
 MASTER_DTYPE_KEY = "master_weights_dtype"
 

@@ -234,21 +234,26 @@ class ResidentWorker:
             trainer's DeepSpeed ranks; 1 for the other roles).
         threads: torch threads (None: leave torch's setting). The same count as a stage-mode run
             keeps CPU results bit-identical.
+        keep_device_cache: keep the CUDA caching allocator's blocks between programs
+            (``ModelSource.keeps_device_cache``, ``rft_core.stages.sources.release_models``); False
+            when a GPU engine (vLLM, SGLang) shares the devices and must find their memory free.
     """
 
     role: ClassVar[str]
     programs: ClassVar[tuple[str, ...]]
 
-    def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None) -> None:
+    def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None,
+                 keep_device_cache: bool = True) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.pool, self.rank, self.ranks = pool, rank, ranks
+        self.keeps_device_cache = keep_device_cache
         self.version: str | None = None
 
     @classmethod
     def kwargs_from(cls, workers: WorkersConfig) -> dict[str, Any]:
         """The constructor's keyword arguments (beyond ``pool``, ``rank``, ``ranks``) from the pool's settings."""
-        return {"threads": workers.threads or torch.get_num_threads()}
+        return {"threads": workers.threads or torch.get_num_threads(), "keep_device_cache": workers.keep_device_cache}
 
     @fan_out(FanOut.COLLECTIVE)
     def run(self, inp) -> Any:

@@ -23,14 +23,15 @@ class CriticWorker(ResidentWorker):
     ``critic_update``) that the kept strategy ``held`` holds; None before the first update.
 
     Args:
-        pool, rank, ranks, threads: ``ResidentWorker``'s.
+        pool, rank, ranks, threads, keep_device_cache: ``ResidentWorker``'s.
     """
 
     role: ClassVar[str] = "critic"
     programs: ClassVar[tuple[str, ...]] = ("critic_values", "critic_update")
 
-    def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None) -> None:
-        super().__init__(pool, rank=rank, ranks=ranks, threads=threads)
+    def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None,
+                 keep_device_cache: bool = True) -> None:
+        super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache)
         self.held: Any = None  # its training strategy (model and AdamW state)
 
     def critic_model(self, ref: PolicyRef, *, dtype: str) -> torch.nn.Module:

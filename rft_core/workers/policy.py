@@ -41,7 +41,7 @@ class PolicyWorker(ResidentWorker):
     last ran or was rebuilt to; None before its first update.
 
     Args:
-        pool, rank, ranks, threads: ``ResidentWorker``'s.
+        pool, rank, ranks, threads, keep_device_cache: ``ResidentWorker``'s.
         sync_timeout_s, sync_bucket_mb: the weight-sync transaction's limits.
     """
 
@@ -49,8 +49,9 @@ class PolicyWorker(ResidentWorker):
     programs: ClassVar[tuple[str, ...]] = ("ppo_update",)
 
     def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None,
+                 keep_device_cache: bool = True,
                  sync_timeout_s: float = 300.0, sync_bucket_mb: int = 256) -> None:
-        super().__init__(pool, rank=rank, ranks=ranks, threads=threads)
+        super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache)
         self.sync_timeout_s, self.sync_bucket_mb = sync_timeout_s, sync_bucket_mb
         self.held: Any = None  # the rft_core.stages.update.PolicyTrainer it keeps
         self._ipc = transport("cuda_ipc", timeout_s=sync_timeout_s)  # what export_weights shares

@@ -19,14 +19,15 @@ class ReferenceWorker(ResidentWorker):
     and checksum) that ``model`` was loaded from; None before the first pass.
 
     Args:
-        pool, rank, ranks, threads: ``ResidentWorker``'s.
+        pool, rank, ranks, threads, keep_device_cache: ``ResidentWorker``'s.
     """
 
     role: ClassVar[str] = "reference"
     programs: ClassVar[tuple[str, ...]] = ("ref_logprobs",)
 
-    def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None) -> None:
-        super().__init__(pool, rank=rank, ranks=ranks, threads=threads)
+    def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None,
+                 keep_device_cache: bool = True) -> None:
+        super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache)
         self.model: torch.nn.Module | None = None
         self.model_dtype: str | None = None
 

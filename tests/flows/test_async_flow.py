@@ -14,11 +14,11 @@ import pytest
 from schemas import read_manifest, read_shard, stage_uri
 from tests.flows.conftest import flow_cfg
 from tests.varying import REWARD, assert_training_signal
+from tests.weights import iteration_policy_files
 
 
 def _weights(run_root) -> dict[str, str]:
-    m, _ = read_manifest(stage_uri(str(run_root), 3, "ppo_update"))
-    return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/")}
+    return iteration_policy_files(run_root, 3)
 
 
 def _window(uri: str) -> tuple[float, float]:
@@ -90,8 +90,7 @@ def test_staleness_2_resident_keeps_two_versions_and_equals_stage_mode(prefect_h
         versions = [set(read_shard(stage_uri(str(tmp_path / run), k, "rollout"), stage="rollout")
                         .column("policy_version").to_pylist()) for k in (1, 2, 3, 4)]
         assert versions == [{0}, {0}, {0}, {1}]  # max(0, k - 3)
-    last = lambda run: {e.path: e.sha256 for e in read_manifest(stage_uri(str(tmp_path / run), 4, "ppo_update"))[0].files  # noqa: E731
-                        if e.path.startswith("policy/")}
+    last = lambda run: iteration_policy_files(tmp_path / run, 4)  # noqa: E731
     assert last("resident") == last("stage") and last("stage")
     for k in (1, 2, 3, 4):
         parts = [{e.path: e.sha256 for e in read_manifest(stage_uri(str(tmp_path / run), k, "rollout"))[0].files}

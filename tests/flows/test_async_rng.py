@@ -14,6 +14,7 @@ import torch
 
 from schemas import read_manifest, stage_uri
 from tests.varying import assert_advantages_vary, assert_weights_moved, varying_config
+from tests.weights import iteration_policy_files
 
 ITERATIONS = 3
 ASYNC_LORA = ("rollout.max_staleness=1", "update.lora.rank=8", "update.lora.dropout=0.1",
@@ -21,8 +22,7 @@ ASYNC_LORA = ("rollout.max_staleness=1", "update.lora.rank=8", "update.lora.drop
 
 
 def _weights(run_root) -> dict[str, str]:
-    m, _ = read_manifest(stage_uri(str(run_root), ITERATIONS, "ppo_update"))
-    return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/")}
+    return iteration_policy_files(run_root, ITERATIONS)
 
 
 def _window(uri: str) -> tuple[float, float]:

@@ -12,11 +12,11 @@ pytest.importorskip("ray")
 from schemas import ShardRef, read_manifest, stage_uri  # noqa: E402
 from tests.flows.conftest import flow_cfg  # noqa: E402
 from tests.varying import REWARD, assert_training_signal  # noqa: E402
+from tests.weights import policy_files  # noqa: E402
 
 
 def _final_files(result) -> dict[str, str]:
-    m, _ = read_manifest(result.final_policy.uri)
-    return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/")}
+    return policy_files(result.final_policy)
 
 
 def test_resident_every_3_equals_stage_every_1(prefect_harness, tiny_model, tmp_path):

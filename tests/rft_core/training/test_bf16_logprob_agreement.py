@@ -40,6 +40,7 @@ from rft_core.training.checkpoint import MASTER_DTYPE_KEY, MASTER_WEIGHTS_KEY, O
 from rft_core.training.loop import minibatches
 from rft_core.training.strategy import OptimizerSettings, build_strategy
 from rft_core.training.update import StepMetrics, UpdateData, UpdateSettings, ppo_update
+from tests.weights import policy_files
 
 CPU = torch.device("cpu")
 OPT = OptimizerSettings(lr=2e-6, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
@@ -277,8 +278,7 @@ def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_w
         assert first["grad_norm"] > 0 and second["kl_loss"] > 1e-6, (mode, first, second)  # rewarded, then moved
         # iteration 2's actor pass scored the checkpoint (the masters' rounding) as the trainer computes it
         assert second["approx_kl"] == 0.0, (mode, second)
-        m, _ = read_manifest(final.uri)
-        runs[mode] = {e.path: e.sha256 for e in m.files if e.path.startswith("policy/") and e.path.endswith(".safetensors")}
+        runs[mode] = policy_files(final, suffix=".safetensors")
     assert runs["stage"] and runs["stage"] == runs["resident"]
 
 

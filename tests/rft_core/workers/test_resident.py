@@ -17,7 +17,8 @@ from rft_core.models.loading import load_causal_lm
 from rft_core.stages.checkpoints import WeightlessPolicyError, policy_model_path
 from rft_core.weightsync import local as sync_module
 from rft_core.counters import COUNTS
-from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, has_weights, policy_chain
+from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, has_weights, policy_chain, weights_stage
 from rft_core.workers.policy import PolicyWorker
 from rft_core.workers.pool import ROLE_OF_PROGRAM
 from rft_core.workers.reference import ReferenceWorker
@@ -26,6 +27,7 @@ from rft_core.weightsync.plan import WeightSyncError
 from schemas import ShardRef, read_manifest, stage_uri
 from tests.drive import drive
 from tests.varying import assert_training_signal, reward_args
+from tests.weights import policy_files
 
 BASE = [*reward_args(), "data.prompts_per_iteration=4", "data.size=50", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12",
         "rollout.batch_size=8", "kl.kl_coef=0.05", "update.lr=1e-3", "update.micro_batch_size=4", "update.epochs=2",
@@ -47,8 +49,7 @@ def _runner(pool):
 
 
 def _weight_files(ref: ShardRef) -> dict[str, str]:
-    m, _ = read_manifest(ref.uri)
-    return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/") and e.path.endswith(".safetensors")}
+    return policy_files(ref, suffix=".safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +175,9 @@ def test_every_1_commits_the_same_files_and_manifests_as_stage_mode(stage_run, t
     input checksums that follow from them (an input's manifest checksum covers its timings)."""
     cfg_s, _ = stage_run
     assert_training_signal(cfg_s.run_root, (1, 2, 3))
-    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident")
+    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.async_weights=false")
     drive(cfg, _runner(_pool()))
+    wait_for_optimizer_writes()
     for it in (1, 2, 3):
         for stage in ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update",
                       "ppo_update-optimizer"):
@@ -230,3 +232,52 @@ def test_an_engine_sync_takes_the_weights_its_plan_was_made_from(tiny_model, tmp
     assert len(calls) == 1 and sorted(sent) == [e.name for e in plan.entries]
     policy._send_tensors()
     assert len(calls) == 2  # taken once: a later sync gathers afresh
+
+
+def test_background_checkpoints_commit_after_their_update_with_the_stage_mode_files(stage_run, tiny_model, tmp_path):
+    """checkpoint.async_weights (the default under resident workers): each checkpoint iteration's
+    ppo_update commits as between checkpoints (digest, no weights), then its AdamW state and
+    weights commit in the background as ``ppo_update-optimizer`` and ``ppo_update-policy``, whose
+    files have the stage-mode checkpoint's sha256; storage readers find the weights there."""
+    cfg_s, _ = stage_run
+    assert_training_signal(cfg_s.run_root, (1, 2, 3))
+    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident")
+    assert cfg.background_checkpoint
+    drive(cfg, _runner(_pool()))
+    wait_for_optimizer_writes()
+    for it in (1, 2, 3):
+        ref = ShardRef.from_manifest(stage_uri(cfg.run_root, it, "ppo_update"))
+        stage_ref = ShardRef.from_manifest(stage_uri(cfg_s.run_root, it, "ppo_update"))
+        m = read_manifest(ref.uri)[0]
+        assert not any(e.path.startswith("policy/") for e in m.files) and len(m.summary[WEIGHTS_DIGEST_KEY]) == 64
+        held = weights_stage(ref)
+        assert held.uri == ref.uri + "-policy" and read_manifest(held.uri)[0].inputs == {"ppo_update": ref.manifest_sha256}
+        files = lambda r: {e.path: e.sha256 for e in read_manifest(r.uri)[0].files if e.path.startswith("policy/")}  # noqa: E731
+        assert files(held) == files(stage_ref) and files(held), it  # weights, config and tokenizer files
+        opt = [json.loads(Path(stage_uri(c.run_root, it, "ppo_update-optimizer"), "_MANIFEST.json").read_text())["files"]
+               for c in (cfg_s, cfg)]
+        assert opt[0] == opt[1], it
+        assert policy_model_path(ref) == str(Path(held.uri) / "policy")
+    from rft_core.inspect import run_status
+
+    kinds = {r["iteration"]: r["checkpoint"] for r in run_status(str(tmp_path)) if r["stage"] == "ppo_update"}
+    assert kinds == {1: "weights + optimizer", 2: "weights + optimizer", 3: "weights + optimizer"}
+
+
+def test_a_background_checkpoint_lost_to_a_crash_resumes_from_the_one_before(stage_run, tiny_model, tmp_path):
+    """A crash during iteration 2's background checkpoint write (its ``ppo_update-policy`` never
+    committed): new workers rebuild iteration 2's policy from iteration 1's checkpoint by
+    re-applying the committed update 2, and the run ends with stage mode's weights. (The SIGKILL
+    of a real writer: tests/test_faults_resident.py.)"""
+    cfg_s, final_s = stage_run
+    assert_training_signal(cfg_s.run_root, (1, 2, 3))
+    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident")
+    drive(cfg, _runner(_pool()), stop_after=2)
+    wait_for_optimizer_writes()
+    ref2 = ShardRef.from_manifest(stage_uri(cfg.run_root, 2, "ppo_update"))
+    Path(weights_stage(ref2).uri, "_MANIFEST.json").unlink()  # the commit point of the write never landed
+    assert not has_weights(ref2) and policy_chain(ref2)[1] == [ref2]
+    COUNTS.clear()
+    final = drive(cfg, _runner(_pool()))
+    assert COUNTS["recovered_updates"] == 1
+    assert _weight_files(final) == _weight_files(final_s)

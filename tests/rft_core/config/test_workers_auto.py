@@ -1,0 +1,66 @@
+"""``orchestration.workers: auto`` (the default, issue 44): resident workers when a CUDA device is
+visible, Ray is installed and resident workers cover the config; stage mode otherwise. The choice
+is made when the config loads, so every check after it (``checkpoint.every`` needs resident, the
+resident blockers) sees the mode chosen, and the run logs ``workers_choice``."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import rft_core.config as config_module
+from rft_core.config import ConfigError, load_config
+
+BASE = ["policy.path=/tmp/no-model-needed"]
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Set what the config sees: ``machine(cuda=..., ray=...)``."""
+    real_find_spec = importlib.util.find_spec
+
+    def set_(*, cuda: bool, ray: bool) -> None:
+        monkeypatch.setattr(config_module, "default_device", lambda: torch.device("cuda:0" if cuda else "cpu"))
+        monkeypatch.setattr(config_module.importlib.util, "find_spec",
+                            lambda name, *a: (real_find_spec(name, *a) if name != "ray" else (object() if ray else None)))
+    return set_
+
+
+def test_auto_is_the_default_and_picks_stage_without_a_gpu(machine):
+    machine(cuda=False, ray=True)
+    cfg = load_config(None, BASE)
+    assert cfg.orchestration.workers == "stage"
+    assert cfg.workers_choice == "orchestration.workers=auto chose stage: no CUDA device is visible (device cpu)"
+    assert cfg.runner("rollout").mode == "inprocess" and not cfg.background_checkpoint
+
+
+def test_auto_picks_resident_on_a_gpu_with_ray(machine):
+    machine(cuda=True, ray=True)
+    cfg = load_config(None, BASE)
+    assert cfg.orchestration.workers == "resident"
+    assert cfg.workers_choice == "orchestration.workers=auto chose resident: a CUDA device is visible and Ray is installed"
+    assert cfg.runner("rollout").mode == "resident" and cfg.runner("ppo_update").workers.pool == cfg.run_root
+    assert cfg.background_checkpoint
+    # the resident mode's own rules then hold: checkpoint.every > 1 is allowed
+    assert load_config(None, [*BASE, "checkpoint.every=3"]).orchestration.workers == "resident"
+
+
+def test_auto_picks_stage_on_a_gpu_without_ray_or_when_resident_does_not_cover_the_config(machine):
+    machine(cuda=True, ray=False)
+    cfg = load_config(None, BASE)
+    assert cfg.orchestration.workers == "stage" and "Ray is not installed" in cfg.workers_choice
+    with pytest.raises(ConfigError, match="checkpoint.every=3 needs orchestration.workers=resident"):
+        load_config(None, [*BASE, "checkpoint.every=3"])
+    machine(cuda=True, ray=True)
+    cfg = load_config(None, [*BASE, "orchestration.policy_ranks=2"])  # several ranks need update.deepspeed
+    assert cfg.orchestration.workers == "stage"
+    assert "resident workers do not cover this config: orchestration.policy_ranks=2" in cfg.workers_choice
+
+
+def test_an_explicit_mode_is_kept_and_not_explained(machine):
+    machine(cuda=True, ray=True)
+    cfg = load_config(None, [*BASE, "orchestration.workers=stage"])
+    assert cfg.orchestration.workers == "stage" and cfg.workers_choice is None
+    machine(cuda=False, ray=False)
+    assert load_config(None, [*BASE, "orchestration.workers=resident"]).orchestration.workers == "resident"

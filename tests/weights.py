@@ -1,0 +1,29 @@
+"""Where a test finds a committed policy's checkpoint files: the ``ppo_update`` folder, or, for a
+resident checkpoint iteration written in the background (``checkpoint.async_weights``), the
+sibling stage ``ppo_update-policy`` (``rft_core.stages.recovery.weights_stage``), once the
+process's pending background writes have finished."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.stages.recovery import weights_stage
+from schemas import ShardRef, read_manifest, stage_uri
+
+
+def policy_files(ref: ShardRef, *, suffix: str = "") -> dict[str, str]:
+    """{path: sha256} of the ``policy/`` files (ending with ``suffix``) holding ``ref``'s weights.
+
+    Raises:
+        AssertionError: ``ref``'s weights are not on storage.
+    """
+    wait_for_optimizer_writes()
+    held = weights_stage(ref)
+    assert held is not None, f"{ref.uri}: its weights are not on storage"
+    return {e.path: e.sha256 for e in read_manifest(held.uri)[0].files
+            if e.path.startswith("policy/") and e.path.endswith(suffix)}
+
+
+def iteration_policy_files(run_root: str | Path, iteration: int, *, suffix: str = "") -> dict[str, str]:
+    """``policy_files`` of the ``ppo_update`` of ``iteration`` under ``run_root``."""
+    return policy_files(ShardRef.from_manifest(stage_uri(str(run_root), iteration, "ppo_update")), suffix=suffix)
