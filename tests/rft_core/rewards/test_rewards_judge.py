@@ -129,6 +129,16 @@ def test_literal_braces_and_the_reference_need():
     assert _load().reward.needs_reference  # the default rubric does
 
 
+def test_the_preset_weighs_the_judge_beside_the_rule_reward():
+    cfg = load_config("configs/grpo_judge.yaml")
+    judge = cfg.reward.sources["judge"]
+    assert [(i.source, i.weight) for i in cfg.reward.recipes["basic_arithmetic"]] == [("answer", 1.0), ("judge", 0.5)]
+    assert (judge.base_url, judge.api_key_env, judge.template, judge.on_error) == ("http://localhost:8000/v1", None, None,
+                                                                                   "fallback")
+    assert cfg.reward.needs_reference  # the default rubric shows the reference answer
+    assert check_judge_keys(cfg.reward) == "llm judges: judge (Qwen/Qwen2.5-7B-Instruct at http://localhost:8000/v1)"
+
+
 # --- the cache key and the config hash ------------------------------------------------------
 
 def _sample(i: int = 0, response: str = "4", **kw) -> RewardSample:
