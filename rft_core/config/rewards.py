@@ -29,6 +29,17 @@ class _RewardSourceBase(_Frozen):
     fallback: float = 0.0
 
 
+def _http_url(v: str, key: str) -> str:
+    """``v`` when it is an http(s) URL.
+
+    Raises:
+        ValueError: another scheme, or none; the message names ``key``.
+    """
+    if not v.startswith(("http://", "https://")):
+        raise ValueError(f"{key} must start with http:// or https://, got {v!r}")
+    return v
+
+
 class MathAnswerSource(_RewardSourceBase):
     """Correctness of the extracted final answer: the dataset's grader or math-verify."""
 
@@ -91,9 +102,7 @@ class RemoteSource(_RewardSourceBase):
     @field_validator("url")
     @classmethod
     def _http(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, got {v!r}")
-        return v
+        return _http_url(v, "url")
 
 
 class PythonSource(_RewardSourceBase):
@@ -227,9 +236,7 @@ class LLMJudgeSource(_RewardSourceBase):
     @field_validator("base_url")
     @classmethod
     def _http(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {v!r}")
-        return v
+        return _http_url(v, "base_url")
 
     @field_validator("template")
     @classmethod

@@ -16,6 +16,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 
+def send_json(handler: BaseHTTPRequestHandler, code: int, data: bytes) -> None:
+    """Answer ``handler``'s request with status ``code`` and the JSON bytes ``data`` (a client
+    that gave up meanwhile is ignored)."""
+    try:
+        handler.send_response(code)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(data)))
+        handler.end_headers()
+        handler.wfile.write(data)
+    except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout)
+        pass
+
+
 def response_of(messages: list[dict]) -> str:
     """The text between ``[Response]`` and the next blank line of the last user message (where the
     default rubric puts the policy's response); the whole message when it has no such block."""
@@ -106,15 +119,7 @@ class ChatServer:
                             state.active -= 1
 
             def _send(self, code: int, obj: dict) -> None:
-                data = json.dumps(obj).encode()
-                try:
-                    self.send_response(code)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
+                send_json(self, code, json.dumps(obj).encode())
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
