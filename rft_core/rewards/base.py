@@ -79,7 +79,7 @@ class SourceScore:
         error: set when the source failed on this sample (``score`` is then ignored); the
             engine raises or falls back per the source's ``on_error``.
         record: the verdict to store with the sample in the rewards shard (a source whose
-            config has ``stores_verdicts``, the llm_judge: ``rft_core.rewards.judge.VERDICT``'s
+            config has ``stores_verdicts``, the llm_judge: ``schemas.columns.JUDGE_VERDICT``'s
             fields), kept when the score falls back; None for the other sources.
     """
 

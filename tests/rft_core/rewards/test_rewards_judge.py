@@ -356,6 +356,10 @@ def test_concurrency_is_bounded_and_the_clients_retries_carry_a_flaky_server(ser
     assert [s.score for s in scores] == pytest.approx([i % 11 / 10 for i in range(12)])
     assert server.max_active == 3  # 12 requests of 0.15 s, 3 at a time
     assert time.perf_counter() - t0 >= 4 * 0.15
+    # samples that show the judge the same question, response and reference: one request for both
+    server.delay_s, server.requests[:] = 0.0, []
+    twins = src.score([_sample(20, response="same"), _sample(21, response="same")])
+    assert len(server.requests) == 1 and [t.score for t in twins] == [0.4, 0.4] and twins[0].record == twins[1].record
     # a 503, then the client's own retry (max_retries=1, after about 0.5 s) gets through
     server.delay_s, server.max_active, server.requests[:] = 0.0, 0, []
     server.fail_first = 1
