@@ -60,7 +60,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from rft_core.config.rewards import DEFAULT_SCORE_PATTERN, LLMJudgeSource, RewardConfig
-from rft_core.rewards.base import RewardError, RewardSample, SourceScore, SourceUnavailableError
+from rft_core.rewards.base import RewardSample, SourceScore, SourceUnavailableError
 from schemas import atomic_put, filesystem, is_object_store, storage_errors
 
 log = logging.getLogger("rft_core.rewards.judge")

@@ -27,7 +27,7 @@ from rft_core.rewards.judge import (
     verdict_key,
 )
 from rft_core.stages.contracts import RewardsInput
-from schemas import ShardNotCommittedError, read_manifest, read_shard, write_shard
+from schemas import ShardNotCommittedError, ShardRef, read_manifest, read_shard, write_shard
 from schemas.columns import PROMPTS, ROLLOUT, policy_version_column, single_turn_columns
 from tests.rft_core.rewards.chat_server import ChatServer, response_of
 
@@ -167,15 +167,15 @@ def test_cache_key_covers_what_shapes_a_reply_and_nothing_else():
 
 
 def test_how_to_reach_the_judge_is_outside_the_stage_config_hash():
+    ref = ShardRef(uri="x", stage="rollout", num_rows=1, config_hash="c", manifest_sha256="0" * 64)
+
     def h(**kw):
-        return RewardsInput(rollout=_REF, prompts=_REF, reward=_load(**kw).reward, out="x").config_hash()
+        return RewardsInput(rollout=ref, prompts=ref, reward=_load(**kw).reward, out="x").config_hash()
 
     base = h()
     assert h(base_url="http://moved:9000/v1", max_concurrency=4, timeout_s=5, max_retries=0, api_key_env="K") == base
     assert h(model="other") != base and h(temperature=0.5) != base and h(on_error="fallback") != base
 
-
-_REF = __import__("schemas").ShardRef(uri="x", stage="rollout", num_rows=1, config_hash="c", manifest_sha256="0" * 64)
 
 
 # --- the rewards stage against the server ---------------------------------------------------
