@@ -36,18 +36,23 @@ def train(
     """Train with GRPO/PPO; prints one metrics line per iteration and where the results are."""
     cfg = _load_or_exit(config, list(set_) + ([f"run_root={run_root}"] if run_root else []))
     typer.echo(f"run root: {cfg.run_root}")
-    from rft_core.api import DatasetError, RunRootError, check_run_root, policy_checkpoint_folder, validate_run_data
+    from rft_core.api import (DatasetError, RewardError, RunRootError, check_judge_keys, check_run_root,
+                              policy_checkpoint_folder, validate_run_data)
     from schemas import ShardError, StorageError
 
     try:
         # before the flow (and a temporary Prefect server) starts: the run root, then every data row
-        # (the flow checks both again; a passed data check is cached under the run root)
+        # and the LLM judges' API keys (the flow checks them again; a passed data check is cached
+        # under the run root)
         check_run_root(cfg.run_root)
         typer.echo(validate_run_data(cfg).summary())
+        judges = check_judge_keys(cfg.reward)
+        if judges:
+            typer.echo(judges)
         from flows.train import train as train_flow
 
         result = train_flow(cfg)
-    except (RunRootError, StorageError, DatasetError, ShardError) as exc:  # ShardError: e.g. a run of an older version
+    except (RunRootError, StorageError, DatasetError, ShardError, RewardError) as exc:  # ShardError: e.g. an older run
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
     typer.echo("")

@@ -23,6 +23,7 @@ from rft_core.api import (
     EvalPromptsInput,
     EvalSummaryInput,
     RewardsInput,
+    check_judge_keys,
     check_run_root,
     checkpoint_label,
     default_eval_root,
@@ -90,6 +91,7 @@ def evaluate(cfg: TrainConfig, checkpoint: str | ShardRef | None = None, out_roo
     fingerprint = _fingerprint(cfg, policy, max_new)
     root = (out_root or default_eval_root(policy, fingerprint=fingerprint)).rstrip("/")
     check_run_root(root)  # bad storage fails here, naming the URI, before anything is written
+    check_judge_keys(cfg.reward)  # an LLM judge's missing API key too
     label = checkpoint_label(policy)
     logger.info("evaluating %s on %d held-out %s prompts into %s", label, cfg.eval.num_prompts, cfg.eval.path or cfg.data.task,
                 root)

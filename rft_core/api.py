@@ -20,6 +20,8 @@ from rft_core.inspect import export_table, run_status, samples_view
 from rft_core.metrics import format_metrics_line, iteration_metrics, write_metrics
 from rft_core.observe import WandbLogger, curve_markdown, plot_curves, samples_markdown, write_tensorboard
 from rft_core.replay import replay_sources, write_replay_record
+from rft_core.rewards.base import RewardError
+from rft_core.rewards.judge import check_judge_keys
 from rft_core.stages.advantages import next_state
 from rft_core.stages.contracts import *  # noqa: F403 - every stage input model is public
 from rft_core.stages.contracts import StageInput
@@ -57,6 +59,7 @@ __all__ = [
     "wait_for_optimizer_writes", "policy_checkpoint_folder",
     "write_metrics", "write_replay_record", "write_tensorboard",
     "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run", "check_teacher_tokenizer",
+    "RewardError", "check_judge_keys",
 ]
 
 

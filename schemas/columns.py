@@ -152,6 +152,26 @@ CRITIC_VALUES = StageSchema("critic_values", 1, pa.schema([  # PPO with a critic
     pa.field("values", _f32, nullable=False),
 ]))
 
+# One LLM judge's verdict on a sample (``rft_core.rewards.judge``): the reward source, the judge model asked, the
+# endpoint that answered, the template hash and sample hash of its cache key, the system message (null: none) and
+# the user message sent, the raw reply ("" when the request failed), the model the endpoint says answered, the
+# reply's finish reason, the score parsed from the reply before any fallback (null: none), the request's error
+# (null: a reply came)
+JUDGE_VERDICT = pa.struct([
+    pa.field("source", pa.string(), nullable=False),
+    pa.field("judge_model", pa.string(), nullable=False),
+    pa.field("endpoint", pa.string(), nullable=False),
+    pa.field("template_hash", pa.string(), nullable=False),
+    pa.field("sample_hash", pa.string(), nullable=False),
+    pa.field("system", pa.string(), nullable=True),
+    pa.field("prompt", pa.string(), nullable=False),
+    pa.field("reply", pa.string(), nullable=False),
+    pa.field("served_model", pa.string(), nullable=True),
+    pa.field("finish_reason", pa.string(), nullable=True),
+    pa.field("score", pa.float64(), nullable=True),
+    pa.field("error", pa.string(), nullable=True),
+])
+
 REWARDS = StageSchema("rewards", 2, pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),
     pa.field("prompt_id", pa.string(), nullable=False),
@@ -160,7 +180,11 @@ REWARDS = StageSchema("rewards", 2, pa.schema([
     pa.field("extracted_answer", pa.string(), nullable=True),
     pa.field("reward_metrics", pa.map_(pa.string(), pa.float32()), nullable=False),  # per-source score (+ counters)
     pa.field("reward_reasons", pa.map_(pa.string(), pa.string()), nullable=False),  # per-source why, when not plain
-]))
+]), optional=(
+    # the verdicts of the sample's LLM judges (one per llm_judge source of its recipe; [] for a recipe without
+    # one), written when a recipe of the reward config uses an llm_judge source
+    pa.field("judge_verdicts", pa.list_(JUDGE_VERDICT), nullable=False),
+))
 
 ADVANTAGES = StageSchema("advantages", 1, pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),

@@ -35,6 +35,7 @@ from rft_core.api import (
     RolloutInput,
     RolloutMergeInput,
     TeacherLogprobsInput,
+    check_judge_keys,
     check_teacher_tokenizer,
     count_signal_groups,
     apply_retention,
@@ -173,6 +174,9 @@ def validate_data(*, cfg: TrainConfig) -> str:
     under the run root by the files' fingerprint, so a resume reads no row again. Raises
     ``DataValidationError`` listing the first bad rows (file, line or row, column, problem).
     With a teacher (on-policy distillation, ``teacher.path``) also its tokenizer against the
-    policy's (``TeacherTokenizerError`` naming both paths). Returns the one-line summary."""
-    line = validate_run_data(cfg).summary()
-    return line if cfg.teacher.path is None else f"{line}; {check_teacher_tokenizer(cfg.policy.path, cfg.teacher.path)}"
+    policy's (``TeacherTokenizerError`` naming both paths), and the API key of every LLM judge
+    (``SourceUnavailableError`` naming the source and the variable). Returns the one-line summary."""
+    lines = [validate_run_data(cfg).summary(), check_judge_keys(cfg.reward)]
+    if cfg.teacher.path is not None:
+        lines.append(check_teacher_tokenizer(cfg.policy.path, cfg.teacher.path))
+    return "; ".join(line for line in lines if line)

@@ -28,8 +28,8 @@ from rft_core.config.algorithms import (  # noqa: F401
     OPOAdvantage, OptimalTokenBaselineAdvantage, PassAtKAdvantage, ReMaxAdvantage,
     RolloutCorrectionConfig, ShapingConfig, TrainState, estimator_kwargs, policy_loss_kwargs)
 from rft_core.config.rewards import (  # noqa: F401
-    REWARD_SOURCE_CONFIGS, CodeExecSource, ExactMatchSource, FormatSource, MathAnswerSource, PythonSource,
-    RecipeItem, RemoteSource, RewardConfig, RewardModelSource, RewardSourceConfig)
+    DEFAULT_JUDGE_TEMPLATE, REWARD_SOURCE_CONFIGS, CodeExecSource, ExactMatchSource, FormatSource, LLMJudgeSource,
+    MathAnswerSource, PythonSource, RecipeItem, RemoteSource, RewardConfig, RewardModelSource, RewardSourceConfig)
 from rft_core.config.agents import AgentConfig  # noqa: F401
 from rft_core.config.data import DataConfig, DataSourceConfig, EvalConfig  # noqa: F401
 from rft_core.config.deprecated import DeprecatedKeyWarning, move_renamed_keys  # noqa: F401

@@ -2,6 +2,8 @@
 (``rft_core.rewards``)."""
 from __future__ import annotations
 
+import re
+import string
 from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -14,12 +16,28 @@ class _RewardSourceBase(_Frozen):
     # ``metadata_fields``), so the whole dataset can be checked before training
     # (``rft_core.data.validate``); the flows pass ``RewardConfig.needs_reference`` to the prompts stages
     needs_reference: ClassVar[bool] = False  # grades against the row's reference answer: a row must have one
+    # stores a verdict per sample in the rewards shard (``judge_verdicts``; the llm_judge)
+    stores_verdicts: ClassVar[bool] = False
+    # fields outside the config hash (``rft_core.stages.contracts.hash_value``): how to reach a
+    # service, never what it computes
+    unhashed: ClassVar[frozenset[str]] = frozenset()
     reference_as_text: ClassVar[bool] = False  # ... compared as text: text, a number, a bool or chat messages
     metadata_fields: ClassVar[tuple[str, ...]] = ()  # columns it reads from the row's metadata (non-null text)
     on_error: Literal["raise", "fallback"] = Field(
         "raise", description="a source that raises or returns NaN/inf: stop the stage (raise) or give the "
         "sample `fallback` and count it in reward_metrics['<source>.fallback']")
     fallback: float = 0.0
+
+
+def _http_url(v: str, key: str) -> str:
+    """``v`` when it is an http(s) URL.
+
+    Raises:
+        ValueError: another scheme, or none; the message names ``key``.
+    """
+    if not v.startswith(("http://", "https://")):
+        raise ValueError(f"{key} must start with http:// or https://, got {v!r}")
+    return v
 
 
 class MathAnswerSource(_RewardSourceBase):
@@ -84,9 +102,7 @@ class RemoteSource(_RewardSourceBase):
     @field_validator("url")
     @classmethod
     def _http(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, got {v!r}")
-        return v
+        return _http_url(v, "url")
 
 
 class PythonSource(_RewardSourceBase):
@@ -115,8 +131,152 @@ class EnvironmentSource(_RewardSourceBase):
     type: Literal["environment"] = "environment"
 
 
+# The fields a judge template may name, each filled from the sample (``RewardSample``): the
+# dataset's raw question, the policy's decoded response, the row's reference answer.
+JUDGE_PLACEHOLDERS = ("question", "response", "reference")
+
+# The default rubric of ``llm_judge`` (``template`` unset): a reference-guided correctness grade
+# on a 0-10 scale ending in a ``Score: N`` line, which the default parse rule reads (number in
+# [0, 10], scaled to [0, 1]). Modelled on the reference-guided single-answer grading prompt of
+# MT-Bench (Zheng et al. 2023, "Judging LLM-as-a-Judge", fig. 10: explain, then "Rating: [[N]]"
+# on 1-10) and verl's GenRM recipe (recipe/genrm_remote: question + solution, critique first,
+# verdict last); the verdict line is plain text so that small judges produce it too.
+DEFAULT_JUDGE_TEMPLATE = """You are grading a response to a question, using the reference answer as the ground truth.
+
+[Question]
+{question}
+
+[Reference answer]
+{reference}
+
+[Response]
+{response}
+
+Judge whether the response answers the question correctly and completely. Ignore style and length; \
+a response whose final answer disagrees with the reference answer is wrong. Explain your judgement \
+in at most three sentences, then end with a line of the form "Score: N", where N is an integer from \
+0 (wrong) to 10 (fully correct)."""
+
+# ``parse: number`` without ``pattern``: the number after the last "Score:" / "score =" (any case;
+# markdown bold around the colon allowed: "**Score:** 8"); "Score: 7/10" reads 7
+DEFAULT_SCORE_PATTERN = r"(?i)\bscore\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?)"
+
+
+def template_fields(template: str) -> set[str]:
+    """The placeholders of a judge template (``str.format`` fields: ``{question}``; ``{{`` and
+    ``}}`` are literal braces).
+
+    Raises:
+        ValueError: a positional ``{}``, an attribute, index, conversion or format spec
+            (``{question.x}``, ``{response!r}``, ``{question:>5}``), a placeholder that is not one of
+            ``JUDGE_PLACEHOLDERS``, or unbalanced braces; the message names the placeholder.
+    """
+    fields: set[str] = set()
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"template: {exc} (write {{{{ and }}}} for literal braces)") from None
+    for _, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if name not in JUDGE_PLACEHOLDERS or spec or conversion:
+            shown = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise ValueError(f"template has the placeholder {shown}; a template may use only "
+                             f"{', '.join('{' + p + '}' for p in JUDGE_PLACEHOLDERS)} (write {{{{ and }}}} for literal braces)")
+        fields.add(name)
+    return fields
+
+
+class LLMJudgeSource(_RewardSourceBase):
+    """An LLM judge (generative reward model) behind an OpenAI-compatible chat-completions endpoint
+    (vLLM, SGLang, llama.cpp's server, ``transformers serve``, hosted APIs), called with the official
+    ``openai`` client; ``rft_core.rewards.judge`` says how a verdict is asked for, parsed, stored
+    and cached. ``unhashed``: how to reach the judge, not what it answers (the fields stay out of
+    the config hash, so a run resumes against a moved server or with another concurrency)."""
+
+    type: Literal["llm_judge"] = "llm_judge"
+    stores_verdicts: ClassVar[bool] = True
+    unhashed: ClassVar[frozenset[str]] = frozenset({"base_url", "api_key_env", "max_concurrency", "timeout_s", "max_retries"})
+    base_url: str = Field(description="the endpoint's OpenAI API root, e.g. http://judge-host:8000/v1")
+    model: str = Field(description="the judge model's name on that endpoint (vLLM's --served-model-name)")
+    template: str | None = Field(None, description="the user message, with {question}, {response}, {reference}; "
+                                 "None: the default rubric (DEFAULT_JUDGE_TEMPLATE, docs/rewards.md)")
+    system: str | None = Field(None, description="a system message before it (None: none)")
+    parse: Literal["number", "label"] = Field(
+        "number", description="number: the last match of `pattern` is a number in score_range; label: the last of "
+        "the `labels` keys in the reply gives its value")
+    pattern: str | None = Field(None, description="regex with one group: the score's text (None: number: after the "
+                                "last 'Score:'; label: the last whole-word label, any case)")
+    score_range: tuple[float, float] = Field((0.0, 10.0), description="parse: number: the accepted [low, high]")
+    normalize: bool = Field(True, description="parse: number: score = (x - low) / (high - low), in [0, 1]")
+    labels: dict[str, float] = Field(default_factory=dict, description="parse: label: label -> score, e.g. "
+                                     "{CORRECT: 1.0, INCORRECT: 0.0}")
+    temperature: float = Field(0.0, ge=0, description="the judge's sampling temperature (0: greedy)")
+    top_p: float | None = Field(None, gt=0, le=1, description="None: not sent (the endpoint's default)")
+    max_tokens: int = Field(512, gt=0, description="tokens the judge may write per verdict")
+    seed: int | None = Field(0, description="sent with every request (seeded sampling where the endpoint "
+                             "supports it: vLLM, SGLang, llama.cpp, OpenAI); None: not sent")
+    api_key_env: str | None = Field("OPENAI_API_KEY", description="the environment variable holding the API key; "
+                                    "None: no key (a local server), 'EMPTY' is sent")
+    max_concurrency: int = Field(32, gt=0, description="requests in flight at once")
+    timeout_s: float = Field(60.0, gt=0, description="per request (s)")
+    max_retries: int = Field(3, ge=0, description="the openai client's retries (exponential backoff with jitter) on "
+                             "connection errors, timeouts, 408, 409, 429 and 5xx")
+
+    @property
+    def needs_reference(self) -> bool:  # type: ignore[override]
+        """True when the template reads ``{reference}`` (the default rubric does)."""
+        return "reference" in template_fields(self.effective_template)
+
+    @property
+    def effective_template(self) -> str:
+        """``template``, or the default rubric when it is None."""
+        return DEFAULT_JUDGE_TEMPLATE if self.template is None else self.template
+
+    @field_validator("base_url")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        return _http_url(v, "base_url")
+
+    @field_validator("template")
+    @classmethod
+    def _placeholders(cls, v: str | None) -> str | None:
+        if v is not None:
+            if not template_fields(v) & {"response"}:
+                raise ValueError("template has no {response} placeholder: the judge would never see the response")
+        return v
+
+    @field_validator("pattern")
+    @classmethod
+    def _one_group(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                groups = re.compile(v).groups
+            except re.error as exc:
+                raise ValueError(f"pattern {v!r} is not a regular expression: {exc}") from None
+            if groups != 1:
+                raise ValueError(f"pattern {v!r} has {groups} groups; it needs exactly one: the score's text")
+        return v
+
+    @model_validator(mode="after")
+    def _parse_rule(self) -> "LLMJudgeSource":
+        lo, hi = self.score_range
+        if not lo < hi:
+            raise ValueError(f"score_range [{lo:g}, {hi:g}] is empty: its low end must be below its high end")
+        if self.parse == "label" and not self.labels:
+            raise ValueError("parse: label needs labels (label -> score), e.g. {CORRECT: 1.0, INCORRECT: 0.0}")
+        if self.parse == "number" and self.labels:
+            raise ValueError("labels are read only with parse: label")
+        if any(not k.strip() for k in self.labels):
+            raise ValueError("labels has an empty label")
+        lowered = [k.strip().lower() for k in self.labels]
+        if len(set(lowered)) != len(lowered):
+            raise ValueError(f"labels {sorted(self.labels)} differ only in case; labels are matched in any case")
+        return self
+
+
 REWARD_SOURCE_CONFIGS = (MathAnswerSource, ExactMatchSource, FormatSource, CodeExecSource, RewardModelSource, RemoteSource,
-                         PythonSource, EnvironmentSource)
+                         PythonSource, EnvironmentSource, LLMJudgeSource)
 RewardSourceConfig = _tagged_union(REWARD_SOURCE_CONFIGS, "type", "math_answer", "reward source type")
 
 
@@ -175,9 +335,10 @@ class RewardConfig(_Frozen):
     @property
     def needs_reference(self) -> bool:
         """True when a source some recipe uses grades against the row's reference answer
-        (``math_answer``, ``exact_match``, ``remote``, ``python``); False when every used source
-        reads no answer (``format``, ``code_exec``, ``reward_model``, ``environment``), so rows
-        without an answer are accepted (their reference is empty text)."""
+        (``math_answer``, ``exact_match``, ``remote``, ``python``, an ``llm_judge`` whose template
+        shows ``{reference}``, as the default rubric does); False when every used source reads no
+        answer (``format``, ``code_exec``, ``reward_model``, ``environment``), so rows without an
+        answer are accepted (their reference is empty text)."""
         return any(src.needs_reference for src in self.used_sources())
 
     @property

@@ -12,7 +12,8 @@ check`` (``rft_core.data.check``) runs the same checks on the dataset it is give
 - a prompt: text that is not blank, or chat messages (a non-empty list of {role, content} with a
   known role, content as text or a list of text/image/video parts, and a user turn with text);
 - a reference answer (not null, not blank) when a grader of the reward config reads one
-  (``RewardConfig.needs_reference``: ``math_answer``, ``exact_match``, ``remote``, ``python``),
+  (``RewardConfig.needs_reference``: ``math_answer``, ``exact_match``, ``remote``, ``python``,
+  an ``llm_judge`` whose template shows ``{reference}``),
   of a type a text-comparing grader can read (``math_answer``, ``exact_match``: text, a number,
   a bool or chat messages);
 - the metadata columns a grader reads (``code_exec``: ``test`` and ``entry_point``, text, not null);

@@ -18,6 +18,14 @@ class RewardError(RuntimeError):
     message names the source, and the sample or URL involved."""
 
 
+class SourceUnavailableError(RewardError):
+    """A source cannot score anything now: the service behind it is unreachable, keeps failing
+    after its retries, or refuses this client (missing or refused key, unknown model). Never
+    replaced by a fallback, whatever the source's ``on_error``: a fallback would write an outage
+    into the training data. The stage fails, so the Prefect task (or a rerun) retries it; the
+    message names the source and the endpoint."""
+
+
 @dataclass(frozen=True)
 class RewardSample:
     """One response to grade.
@@ -70,6 +78,9 @@ class SourceScore:
         extras: further numbers stored as ``reward_metrics['<source>.<key>']``.
         error: set when the source failed on this sample (``score`` is then ignored); the
             engine raises or falls back per the source's ``on_error``.
+        record: the verdict to store with the sample in the rewards shard (a source whose
+            config has ``stores_verdicts``, the llm_judge: ``schemas.columns.JUDGE_VERDICT``'s
+            fields), kept when the score falls back; None for the other sources.
     """
 
     score: float
@@ -78,11 +89,18 @@ class SourceScore:
     reason: str | None = None
     extras: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    record: dict[str, Any] | None = None
 
 
 class RewardSource(Protocol):
     """Scores a batch of samples: ``score(samples)`` returns one ``SourceScore`` per sample,
-    in order. May raise; the engine applies the source's ``on_error`` policy."""
+    in order. May raise; the engine applies the source's ``on_error`` policy
+    (``SourceUnavailableError`` always stops the stage).
+
+    Optional: ``last_stats`` (``dict[str, float]``, counts of its last ``score`` call, merged
+    into the stage summary's ``reward_sources[name]``); a factory with ``uses_cache_root = True``
+    is also given ``cache_root=`` (a folder URI on the run's storage for what it keeps across
+    stage attempts, or None: keep nothing)."""
 
     def score(self, samples: Sequence[RewardSample]) -> list[SourceScore]: ...
 

@@ -13,7 +13,8 @@ scores, marks a sample as failed, or returns NaN/inf either stops the stage with
 ``RewardError`` naming the source and sample (``on_error: raise``, the default) or gives the
 sample the source's ``fallback`` score, records ``reward_metrics['<source>.fallback'] = 1`` and
 the reason in ``reward_reasons``, and counts it in the stage summary (``on_error: fallback``).
-A label without a recipe is an error unless ``default_recipe`` is set.
+A source whose service is down (``SourceUnavailableError``: the llm_judge's endpoint) always
+stops the stage. A label without a recipe is an error unless ``default_recipe`` is set.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from rft_core.rewards.base import REWARD_SOURCES, RewardError, RewardSample, SourceScore
+from rft_core.rewards.base import REWARD_SOURCES, RewardError, RewardSample, SourceScore, SourceUnavailableError
 from rft_core.rewards.code import CodeExecReward
 from rft_core.rewards.environment import EnvironmentReward
+from rft_core.rewards.judge import LLMJudgeReward
 from rft_core.rewards.math import ExactMatchReward, FormatReward, MathAnswerReward
 from rft_core.rewards.model import RewardModelReward
 from rft_core.rewards.remote import RemoteReward
@@ -31,7 +33,7 @@ from rft_core.rewards.user import PythonReward, load_function
 
 for _name, _cls in (("math_answer", MathAnswerReward), ("exact_match", ExactMatchReward), ("format", FormatReward), ("code_exec", CodeExecReward),
                     ("reward_model", RewardModelReward), ("remote", RemoteReward), ("python", PythonReward),
-                    ("environment", EnvironmentReward)):
+                    ("environment", EnvironmentReward), ("llm_judge", LLMJudgeReward)):
     if _name not in REWARD_SOURCES:
         REWARD_SOURCES.register(_name)(_cls)
 
@@ -48,6 +50,8 @@ class SampleReward:
         metrics: ``{source: score, 'source.extra': value, 'source.fallback': 1.0}``.
         reasons: ``{source: reason}`` for scores that were not a plain pass.
         recipe: the recipe name used.
+        verdicts: the verdicts of the recipe's sources that store one (``SourceScore.record``,
+            the llm_judge's), in recipe order; [] when none does.
     """
 
     reward: float
@@ -56,6 +60,7 @@ class SampleReward:
     metrics: dict[str, float]
     reasons: dict[str, str]
     recipe: str
+    verdicts: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -76,13 +81,16 @@ class RewardEngine:
 
     Args:
         cfg: ``rft_core.config.RewardConfig`` (the shorthand keys are expanded).
+        cache_root: a folder URI on the run's storage, given to the sources that keep state
+            across stage attempts (a factory with ``uses_cache_root``: the llm_judge's stored
+            verdicts); None: they keep nothing.
     Raises:
         RewardError: a user function or aggregation cannot be imported.
     """
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, *, cache_root: str | None = None) -> None:
         self.cfg = cfg.resolved
-        self.sources = {name: REWARD_SOURCES[sc.type](sc, name) for name, sc in self.cfg.sources.items()}
+        self.sources = {name: _build_source(sc, name, cache_root) for name, sc in self.cfg.sources.items()}
         self.aggregate: Callable[..., Any] | None = (None if self.cfg.aggregation == "weighted_sum"
                                                       else load_function(self.cfg.aggregation))
 
@@ -105,6 +113,8 @@ class RewardEngine:
             scores = list(self.sources[name].score(samples))
             if len(scores) != len(samples):
                 raise RewardError(f"returned {len(scores)} scores for {len(samples)} samples")
+        except SourceUnavailableError:
+            raise  # never a fallback: the stage fails and its retry resumes
         except Exception as exc:  # noqa: BLE001 - applied per the source's on_error policy
             msg = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RewardError) else str(exc)
             if src_cfg.on_error == "raise":
@@ -140,10 +150,11 @@ class RewardEngine:
                         raise RewardError(f"reward source {name!r} on sample {samples[i].sample_id}: {bad}")
                     fallbacks += 1
                     sc = SourceScore(src_cfg.fallback, None, None, f"fallback {src_cfg.fallback:g}: {bad}"[:500],
-                                     {"fallback": 1.0})
+                                     {"fallback": 1.0}, record=sc.record)
                 per_sample[i][name] = sc
                 total += sc.score
-            stats[name] = {"n": float(len(idx)), "mean": total / len(idx), "fallbacks": float(fallbacks)}
+            stats[name] = {"n": float(len(idx)), "mean": total / len(idx), "fallbacks": float(fallbacks),
+                           **getattr(self.sources[name], "last_stats", {})}
         return RewardBatch([self._combine(s, recipes[i], per_sample[i]) for i, s in enumerate(samples)], stats)
 
     def _combine(self, sample: RewardSample, recipe: str, scores: dict[str, SourceScore]) -> SampleReward:
@@ -172,7 +183,17 @@ class RewardEngine:
             metrics.update({f"{n}.{k}": float(v) for k, v in sc.extras.items()})
             if sc.reason:
                 reasons[n] = sc.reason
-        return SampleReward(float(reward), bool(judged) and all(judged), extracted, metrics, reasons, recipe)
+        verdicts = [scores[n].record for n in weights if scores[n].record is not None]
+        return SampleReward(float(reward), bool(judged) and all(judged), extracted, metrics, reasons, recipe, verdicts)
+
+
+def _build_source(sc, name: str, cache_root: str | None):
+    """The source object of config ``sc``: ``REWARD_SOURCES[sc.type](sc, name)``, plus
+    ``cache_root=`` for a factory that declares ``uses_cache_root``."""
+    factory = REWARD_SOURCES[sc.type]
+    if getattr(factory, "uses_cache_root", False):
+        return factory(sc, name, cache_root=cache_root)
+    return factory(sc, name)
 
 
 def _finite(x: Any) -> bool:

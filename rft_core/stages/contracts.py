@@ -9,8 +9,9 @@ keywords only, unknown fields rejected.
 The config hash (``StageInput.config_hash``) is the sha256 of the canonical JSON of the fields
 by name, leaving out the fields in ``unhashed`` (where the output goes, how it is written) and
 every field, at any depth of a nested config, whose value equals its default; a config section
-contributes its class name and its non-default fields; a ShardRef contributes its manifest's
-sha256. So reordering fields, or adding a field with a default, leaves every hash as it was,
+contributes its class name and its non-default fields, but those its class lists in its own
+``unhashed`` (how to reach a service, never what it computes: the LLM judge's ``base_url``); a
+ShardRef contributes its manifest's sha256. So reordering fields, or adding a field with a default, leaves every hash as it was,
 and a run resumes across such changes.
 
 What does change a hash is the contract id, ``"<program> v<version>"``, recorded in every
@@ -54,12 +55,13 @@ __all__ = ["PROGRAMS", "STAGE_INPUTS", "ActorLogprobsInput", "AdvantagesInput", 
 
 def hash_value(value: Any) -> Any:
     """The canonical, JSON-able form of a field value for config hashes: a ShardRef is its
-    manifest sha256, a pydantic model its class name plus its non-default fields (recursively),
-    mappings and sequences element-wise."""
+    manifest sha256, a pydantic model its class name plus its non-default fields (recursively)
+    but those its class lists in ``unhashed`` (a config section's fields that say how to reach a
+    service, not what it computes: ``LLMJudgeSource.unhashed``), mappings and sequences element-wise."""
     if isinstance(value, ShardRef):
         return {"shard": value.manifest_sha256}
     if isinstance(value, BaseModel):
-        return {"type": type(value).__name__, **_non_default_fields(value)}
+        return {"type": type(value).__name__, **_non_default_fields(value, getattr(type(value), "unhashed", frozenset()))}
     if isinstance(value, Mapping):
         return {str(k): hash_value(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

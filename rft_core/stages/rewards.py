@@ -10,8 +10,8 @@ from rft_core.rewards.engine import RewardEngine
 from rft_core.rewards.user import code_fingerprints
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import RewardsInput, stage_program
-from schemas import ShardRef, ShardSchemaError, read_manifest, read_shard
-from schemas.columns import REWARDS
+from schemas import ShardRef, ShardSchemaError, read_manifest, read_shard, split_stage_uri
+from schemas.columns import JUDGE_VERDICT, REWARDS
 
 
 def rewards_summary(table: pa.Table) -> dict[str, float]:
@@ -68,17 +68,34 @@ def reward_samples(rollout: pa.Table, prompts: pa.Table, *, rollout_uri: str = "
     return out
 
 
+def verdict_cache_root(out: str) -> str:
+    """Where the sources of a rewards stage writing to ``out`` keep state across attempts (the
+    llm_judge's verdicts, ``rft_core.rewards.judge.VerdictCache``): the run root of a stage
+    folder of the run layout, so that every iteration and every attempt of the run shares it;
+    else (an evaluation's ``{root}/rewards``) the folder ``out`` sits in."""
+    where = split_stage_uri(out)
+    if where is not None:
+        return where[0]
+    head, sep, _ = out.rstrip("/").rpartition("/")
+    return head if sep and not head.endswith(":/") else out
+
+
 @stage_program(RewardsInput)
 def run(inp: RewardsInput) -> ShardRef:
     """Score each sample with the reward engine (``rft_core.rewards.engine``); writes rewards,
-    correct, extracted_answer, per-source ``reward_metrics`` and ``reward_reasons``.
+    correct, extracted_answer, per-source ``reward_metrics`` and ``reward_reasons``, and with an
+    llm_judge source the optional ``judge_verdicts`` (each sample's verdicts; ``rft_core.rewards.judge``:
+    stored as they arrive under ``verdict_cache_root``, so an attempt that failed half-way, or a
+    rerun, asks the judge only for the samples it has no verdict for).
 
     Summary: reward_mean, accuracy, format_rate, ``reward_fallbacks`` (scores replaced by a
-    source's fallback) and ``reward_sources`` ({source: {n, mean, fallbacks}}).
+    source's fallback) and ``reward_sources`` ({source: {n, mean, fallbacks}}; a judge also
+    ``judge_requests`` and ``judge_stored``: verdicts asked of it and read from storage).
 
     Raises:
         ShardSchemaError: a rollout sample whose prompt_id is not in the prompts shard.
         RewardError: a source failed with ``on_error: raise``, or a label has no recipe.
+        SourceUnavailableError: a judge's endpoint failed or its key is missing (whatever ``on_error``).
         StaleShardError: a committed shard at ``inp.out`` came from another config, other inputs or
             another version of a user reward function's source file.
     """
@@ -91,16 +108,21 @@ def run(inp: RewardsInput) -> ShardRef:
                                  rollout_uri=rollout.uri, prompts_uri=prompts.uri,
                                  multi_turn="environment" in read_manifest(rollout.uri)[0].summary)
         with Timer() as t:
-            batch = RewardEngine(inp.reward).score(samples)
+            batch = RewardEngine(inp.reward, cache_root=verdict_cache_root(inp.out)).score(samples)
         res = batch.results
-        table = pa.table({
+        columns = {
             "sample_id": [s.sample_id for s in samples], "prompt_id": [s.prompt_id for s in samples],
             "rewards": pa.array([x.reward for x in res], pa.float32()),
             "correct": [x.correct for x in res],
             "extracted_answer": pa.array([x.extracted for x in res], pa.string()),
             "reward_metrics": pa.array([list(x.metrics.items()) for x in res], pa.map_(pa.string(), pa.float32())),
             "reward_reasons": pa.array([list(x.reasons.items()) for x in res], pa.map_(pa.string(), pa.string())),
-        }, schema=REWARDS.arrow)
+        }
+        optional = []
+        if any(src.stores_verdicts for src in inp.reward.used_sources()):
+            columns["judge_verdicts"] = pa.array([x.verdicts for x in res], pa.list_(JUDGE_VERDICT))
+            optional.append("judge_verdicts")
+        table = pa.table(columns, schema=REWARDS.arrow_with(optional))
         summary = {"seconds": t.seconds, **rewards_summary(table), "reward_fallbacks": batch.fallbacks,
                    "reward_sources": batch.source_stats}
         return commit.write(table, schema=REWARDS, inputs={"rollout": rollout, "prompts": prompts}, summary=summary)

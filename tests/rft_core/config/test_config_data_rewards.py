@@ -271,8 +271,8 @@ def test_update_defaults_dropout_off_and_full_count_entropy_normaliser():
     assert load_config(None, {"shaping.overlong_filter": True}).shaping.overlong_filter
 
 
-@pytest.mark.parametrize("name", ["grpo_demo", "grpo_gsm_symbolic", "grpo_humaneval", "grpo_learning", "grpo_my_data",
-                                  "grpo_scale", "grpo_vl_digits"])
+@pytest.mark.parametrize("name", ["grpo_demo", "grpo_gsm_symbolic", "grpo_humaneval", "grpo_judge", "grpo_learning",
+                                  "grpo_my_data", "grpo_scale", "grpo_vl_digits"])
 def test_presets_load_with_a_kl_that_has_a_gradient(name):
     from rft_core.algorithms import KL_ESTIMATORS
     from rft_core.algorithms.kl import GRAD_ZERO

@@ -14,6 +14,7 @@ from rft_core.config import RemoteSource, load_config
 from rft_core.rewards.base import RewardError, RewardSample
 from rft_core.rewards.engine import RewardEngine
 from rft_core.rewards.remote import RemoteReward
+from tests.rft_core.rewards.chat_server import send_json
 
 
 class _Server:
@@ -56,14 +57,7 @@ class _Server:
                     return self._send(404, b"not found")
 
             def _send(self, code, data):
-                try:
-                    self.send_response(code)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):  # the client gave up (slow mode)
-                    pass
+                send_json(self, code, data)  # a client that gave up (slow mode) is ignored
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True

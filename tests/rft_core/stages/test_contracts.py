@@ -12,13 +12,16 @@ from pydantic import Field
 
 from rft_core.config import (
     ADVANTAGE_CONFIGS,
+    DEFAULT_JUDGE_TEMPLATE,
     POLICY_LOSS_CONFIGS,
+    REWARD_SOURCE_CONFIGS,
     KLConfig,
     PPOClipLoss,
     RolloutConfig,
     TrainConfig,
     UpdateConfig,
 )
+from rft_core.config.rewards import DEFAULT_SCORE_PATTERN
 from rft_core.stages.common import stage_commit
 from rft_core.stages.contracts import STAGE_INPUTS, PPOUpdateInput, RolloutInput, StageInput, hash_value
 from rft_core.stages.runner import INPUTS, PROGRAMS
@@ -136,6 +139,16 @@ def current_defaults() -> dict:
         defaults.update(_flat(cls().model_dump(mode="json"), f"advantage[{cls().estimator}]."))
     for cls in POLICY_LOSS_CONFIGS:
         defaults.update(_flat(cls().model_dump(mode="json"), f"update.policy_loss[{cls().name}]."))
+    # every reward source type's defaults ("reward.sources[llm_judge].max_tokens"; required fields
+    # have none): a source hashes without its defaults too
+    for cls in REWARD_SOURCE_CONFIGS:
+        for name, field in cls.model_fields.items():
+            if not field.is_required():
+                value = json.loads(json.dumps(field.get_default(call_default_factory=True)))  # tuples as lists
+                defaults[f"reward.sources[{cls.model_fields['type'].default}].{name}"] = value
+    # what the llm_judge's template: null and pattern: null stand for (the default rubric and score pattern)
+    for name, text in (("template", DEFAULT_JUDGE_TEMPLATE), ("pattern", DEFAULT_SCORE_PATTERN)):
+        defaults[f"reward.sources[llm_judge].{name}=null sha256"] = hashlib.sha256(text.encode()).hexdigest()[:16]
     return defaults
 
 
