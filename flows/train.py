@@ -49,8 +49,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         DataValidationError: before any stage, when data rows cannot be used (file, line, column).
     """
     logger = get_run_logger()
-    logger.info("%s; %s", check_run_root(cfg.run_root), tasks.validate_data(cfg=cfg))  # storage, data rows: before any stage
-    logger.info("%s", cfg.workers_choice or f"orchestration.workers={cfg.orchestration.workers} (set in the config)")
+    logger.info("%s; %s; %s", check_run_root(cfg.run_root), tasks.validate_data(cfg=cfg), cfg.workers_choice)
     # resolved once for the run (auto: one question to the server); the iterations inherit it
     tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)
     cfg = cfg.model_copy(update={"orchestration": cfg.orchestration.model_copy(update={"concurrency_tags": tags})})

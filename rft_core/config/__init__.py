@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_serializer, model_validator
 
 from rft_core.algorithms import ADVANTAGE_ESTIMATORS
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS, POLICY_LOSSES, check_policy_loss_aggregation
@@ -316,9 +316,19 @@ class TrainConfig(_Frozen):
         return self
 
     @property
-    def workers_choice(self) -> str | None:
-        """What ``orchestration.workers: auto`` chose and why (None: the config named the mode)."""
-        return self._workers_choice
+    def workers_choice(self) -> str:
+        """Where the model stages run and why, as the run logs it: what ``orchestration.workers:
+        auto`` chose, or the mode the config named."""
+        return self._workers_choice or f"orchestration.workers={self.orchestration.workers} (set in the config)"
+
+    @model_serializer(mode="wrap")
+    def _dump_auto(self, handler: Any) -> Any:
+        """A config whose mode ``auto`` chose dumps ``orchestration.workers: auto``, so that it
+        is chosen again where it loads (a deployment's worker machine, a subprocess)."""
+        data = handler(self)
+        if self._workers_choice is not None and isinstance(data, dict) and isinstance(data.get("orchestration"), dict):
+            data["orchestration"] = {**data["orchestration"], "workers": "auto"}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":

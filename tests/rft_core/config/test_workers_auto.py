@@ -61,6 +61,20 @@ def test_auto_picks_stage_on_a_gpu_without_ray_or_when_resident_does_not_cover_t
 def test_an_explicit_mode_is_kept_and_not_explained(machine):
     machine(cuda=True, ray=True)
     cfg = load_config(None, [*BASE, "orchestration.workers=stage"])
-    assert cfg.orchestration.workers == "stage" and cfg.workers_choice is None
+    assert cfg.orchestration.workers == "stage" and cfg.workers_choice == "orchestration.workers=stage (set in the config)"
     machine(cuda=False, ray=False)
     assert load_config(None, [*BASE, "orchestration.workers=resident"]).orchestration.workers == "resident"
+
+
+def test_a_config_auto_chose_for_dumps_auto_and_is_chosen_again_where_it_loads(machine):
+    """A deployment or a stage subprocess loads a dumped config on another machine: ``auto`` is
+    dumped as ``auto`` and chosen there."""
+    machine(cuda=False, ray=True)
+    cfg = load_config(None, BASE)
+    dumped = cfg.model_dump(mode="json")
+    assert dumped["orchestration"]["workers"] == "auto" and cfg.orchestration.workers == "stage"
+    assert config_module.TrainConfig.model_validate(dumped) == cfg
+    machine(cuda=True, ray=True)  # the machine that loads it has a GPU
+    assert config_module.TrainConfig.model_validate(dumped).orchestration.workers == "resident"
+    explicit = load_config(None, [*BASE, "orchestration.workers=stage"])
+    assert explicit.model_dump(mode="json")["orchestration"]["workers"] == "stage"

@@ -85,11 +85,15 @@ def test_the_update_hashes_ref_logprobs_only_when_the_kl_is_a_loss_term():
     # how the optimizer state is written is not part of what is computed
     assert (PPOUpdateInput(**base, kl=in_reward, background_optimizer=True).config_hash()
             == PPOUpdateInput(**base, kl=in_reward).config_hash())
+    # nor where a checkpoint's weights are written (its folder, or the background sibling ppo_update-policy)
+    assert (PPOUpdateInput(**base, kl=in_reward, background_checkpoint=True).config_hash()
+            == PPOUpdateInput(**base, kl=in_reward).config_hash())
 
 
 def test_every_program_has_one_input_model_and_every_input_model_a_program():
     assert set(INPUTS) == set(PROGRAMS)
-    assert {cls.program for cls in STAGE_INPUTS} == set(PROGRAMS) | {"optimizer_state"}
+    # the two stages a ppo_update writes itself (its AdamW state, a background checkpoint's weights) have no program
+    assert {cls.program for cls in STAGE_INPUTS} == set(PROGRAMS) | {"optimizer_state", "policy_checkpoint"}
     for cls in STAGE_INPUTS:
         for name, path in cls.config_paths.items():
             assert name in cls.model_fields, (cls.__name__, name)
