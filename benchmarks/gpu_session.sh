@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 44, 45 and 47 in one call on a lent GPU machine (no network, no Prefect, no Ray):
+# what docs/gpu.md "GPU run of 2026-11-28" records. Everything it needs travels with the repository:
+#   .whl/   pydantic (+ core, typing-inspection, annotated-types), TRL 1.16 + datasets + dill + multiprocess,
+#           deepspeed's sdist (built here with DS_BUILD_OPS=0)
+#   .carry/tok/   the default model's tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja)
+# Each part has its own time limit and writes its log and JSON under $OUT (default: ./gpu-out), most important first.
+#   bash benchmarks/gpu_session.sh bench      # on the GPU machine, from the repository root: issue 44 (~7 min)
+#   bash benchmarks/gpu_session.sh checks     # then, on the same warm machine: issues 47 and 45 (~4 min)
+set -u
+PART=${1:-bench}
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false DO_NOT_TRACK=1
+SITE=/tmp/site-packages
+[ -d "$SITE/pydantic" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+    > "$OUT/install.log" 2>&1 || echo "wheel install failed" >> "$OUT/install.log"
+if [ "$PART" = checks ] && [ ! -d "$SITE/deepspeed" ] && ls .whl/deepspeed-*.tar.gz > /dev/null 2>&1; then
+    DS_BUILD_OPS=0 timeout 120 [ -d "$SITE/pydantic" ] || python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" \
+        .whl/deepspeed-*.tar.gz >> "$OUT/install.log" 2>&1 || echo "deepspeed build failed" >> "$OUT/install.log"
+fi
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -c \
+  "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
+  > "$OUT/machine.txt" 2>&1
+TOK=.carry/tok
+step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output in $OUT/NAME.log
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name: rc=$? $((SECONDS - t0)) s" >> "$OUT/steps.txt"
+}
+if [ "$PART" = bench ]; then
+# issue 44: ours (resident, stage) against TRL, the Qwen2.5-0.5B shape, bf16
+step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$OUT/bench_gpu.json" \
+    --doc "$OUT/benchmarks_gpu.md"
+# issue 44 item 5: the HF engine's decode in float32 and bfloat16, cache kept or emptied, profiled
+step decode_profile 100 python3 benchmarks/decode_profile.py --tokenizer "$TOK" --json "$OUT/decode_profile.json"
+else
+# issue 47: one FSDP2 update against DeepSpeed ZeRO-3 on this GPU, the same 0.4B shape
+python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gpu_bench import build_model; from pathlib import Path; \
+build_model('qwen0.5b', 0, '$TOK', Path('/tmp/q05'))" > "$OUT/q05.log" 2>&1
+step fsdp_gpu 120 python3 benchmarks/fsdp_gpu.py --model /tmp/q05 --json "$OUT/fsdp_gpu.json"
+# issue 45: the resident workers' tests on CUDA (Ray is absent here: its tests skip)
+step workers_cuda 150 python3 -m pytest -q -p no:cacheprovider -rs tests/rft_core/workers --timeout 120
+fi
+cat "$OUT/steps.txt"
