@@ -12,7 +12,8 @@ import time
 from typing import Any, Callable
 
 from rft_core.api import (ActorLogprobsInput, AdvantagesInput, PPOUpdateInput, PromptsInput, RefLogprobsInput,
-                          RewardsInput, RolloutInput, dataset_fingerprint, iteration_metrics, next_state, run_stage)
+                          RewardsInput, RolloutInput, dataset_fingerprint, iteration_metrics, next_state, run_stage,
+                          wait_for_optimizer_writes)
 from schemas import ShardRef, stage_uri
 
 MODEL_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update")
@@ -23,7 +24,9 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
     """Run iterations 1..``cfg.iterations`` (or ..``stop_after``) of ``cfg`` under
     ``cfg.run_root``; the stages that hold a model go through ``run``, the others through
     ``run_stage``. ``on_iteration`` gets each iteration's metrics (``iteration_metrics`` plus
-    ``seconds/iteration``). Returns the last update's ShardRef.
+    ``seconds/iteration``). The background writes (``checkpoint.async_optimizer``,
+    ``checkpoint.async_weights``) are waited for before it returns, as the flow does. Returns the
+    last update's ShardRef.
 
     Raises:
         ValueError: a config with dynamic sampling or a critic.
@@ -64,6 +67,7 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
                                     ref_logprobs=parts.get("ref_logprobs"), policy=policy, update=cfg.update, kl=kl,
                                     temperature=temp, dtype=cfg.policy.dtype, save_checkpoint=cfg.is_checkpoint(it),
                                     background_checkpoint=cfg.background_checkpoint,
+                                    background_optimizer=cfg.checkpoint.async_optimizer,
                                     policy_version=it - 1, out=out("ppo_update")))
         versions[it] = policy
         state = next_state(adv)
@@ -72,4 +76,5 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
                                        "ppo_update": policy})
             m["seconds/iteration"] = round(time.perf_counter() - t0, 3)
             on_iteration(m)
+    wait_for_optimizer_writes()  # as the flow: the last background writes (optimizer state, checkpoint) land first
     return policy

@@ -169,6 +169,14 @@ def configure_cuda_backends() -> bool:
     matmuls then round their inputs to TF32's 10-bit mantissa (PyTorch docs, "TensorFloat-32 (TF32)
     on Ampere (and later) devices"). A no-op without CUDA (CPU numerics unchanged).
 
+    Also turns off cuDNN's scaled-dot-product attention (``torch.backends.cuda.enable_cudnn_sdp``),
+    so bfloat16 attention runs the flash or memory-efficient kernels, as float32 does. torch 2.11
+    prefers the cuDNN backend for bfloat16 on Hopper, and cuDNN builds an execution plan per
+    attention shape: a KV-cache decode, whose key length grows by one every step, and packed
+    micro-batches of varying length meet a new shape almost every call. On one H200 (issue 44,
+    ``benchmarks/decode_profile.py``, 0.4B Qwen2, 128 sequences) the HF engine's bfloat16 decode
+    step took 108, then 66, then 34 ms as cuDNN's plan cache filled, against 21-24 ms in float32.
+
     Returns:
         True if the flags were set (CUDA is available).
     """
@@ -176,6 +184,7 @@ def configure_cuda_backends() -> bool:
         return False
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.enable_cudnn_sdp(False)
     return True
 
 

@@ -88,7 +88,8 @@ class StageInput(BaseModel):
     command line), ``stage`` (the stage whose shard it commits), ``version`` (of the contract),
     ``unhashed`` (fields outside the config hash), ``config_paths`` (field -> attribute path in
     a ``TrainConfig``: how ``python -m rft_core.stages <program> --config`` fills the fields not
-    given).
+    given), ``holds_model`` (the program loads a model: ``run_in_process`` gives the CUDA cache
+    back after it, unless a resident worker keeps it).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -97,6 +98,7 @@ class StageInput(BaseModel):
     version: ClassVar[int] = 1
     unhashed: ClassVar[frozenset[str]] = frozenset({"out"})
     config_paths: ClassVar[Mapping[str, str]] = {}
+    holds_model: ClassVar[bool] = False
 
     out: str = Field(description="URI of the stage's output folder (any fsspec URI)")
 
@@ -153,6 +155,7 @@ class RolloutInput(StageInput):
     """
 
     program: ClassVar[str] = "rollout"
+    holds_model: ClassVar[bool] = True
     stage: ClassVar[str] = "rollout"
     # 2: rollout schema v3 (videos); HF log-probs under the processed distribution (issue 21)
     # 3: rollout schema v4 (multi-turn trajectory columns; rollout.agent, issue 20)
@@ -207,6 +210,7 @@ class LogprobsInput(StageInput):
     """Per-token log-probs of the rollout's responses under ``model`` at ``temperature``."""
 
     version: ClassVar[int] = 2  # 2: logprobs.packing true and recompute_old_logprobs auto by default (issue 19)
+    holds_model: ClassVar[bool] = True
     rollout: ShardRef
     model: PolicyRef
     logprobs: LogprobConfig
@@ -343,6 +347,7 @@ class CriticValuesInput(StageInput):
     """V(s_t) of every response token under the critic ``model``."""
 
     program: ClassVar[str] = "critic_values"
+    holds_model: ClassVar[bool] = True
     stage: ClassVar[str] = "critic_values"
     config_paths: ClassVar[Mapping[str, str]] = {"critic": "critic", "model": "initial_critic"}
     rollout: ShardRef
@@ -354,6 +359,7 @@ class CriticUpdateInput(StageInput):
     """The critic ``model`` trained on the advantage stage's returns."""
 
     program: ClassVar[str] = "critic_update"
+    holds_model: ClassVar[bool] = True
     stage: ClassVar[str] = "critic_update"
     # 2: dropout off in the critic update (issue 16); 3: a bfloat16 critic trains on bf16 weights with float32
     # masters and gradients instead of autocast over float32 weights (issue 29)
@@ -373,6 +379,7 @@ class PPOUpdateInput(StageInput):
     when the KL is a loss term (the only case the update reads them)."""
 
     program: ClassVar[str] = "ppo_update"
+    holds_model: ClassVar[bool] = True
     stage: ClassVar[str] = "ppo_update"
     # 2: loss normalisers, dropout off, rollout correction (issue 16); 3: update.packing true, fused AdamW,
     # old log-probs from the engine where on-policy (issue 19); 4: the k1+/k3+ KL loss keeps k2's gradient past
@@ -468,6 +475,7 @@ class EvalGenerateInput(StageInput):
     the one it had before they existed."""
 
     program: ClassVar[str] = "eval_generate"
+    holds_model: ClassVar[bool] = True
     stage: ClassVar[str] = "rollout"
     # 2: rollout schema v3 (videos); vision-language policies (issue 21); 3: rollout v4 (issue 20);
     # 4: greedy decoding in the HF engine's own loop (issue 19); 5: rollout schema v5 (policy_version null, issue 28)

@@ -10,7 +10,7 @@ from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path
 from rft_core.stages.common import Timer, commit_trained, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
-from rft_core.stages.sources import critic_model, critic_strategy, critic_trained, release_models
+from rft_core.stages.sources import critic_model, critic_strategy, critic_trained
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.strategy import OptimizerSettings, build_strategy
 from schemas import PolicyRef, ShardRef, read_shard
@@ -58,10 +58,7 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
         return commit.write(out_table, schema=CRITIC_VALUES, inputs={"rollout": inp.rollout},
                             summary={"seconds": t.seconds, "value_mean": sum(flat) / max(len(flat), 1)})
 
-    try:
-        return reuse_or_compute(commit, compute)
-    finally:
-        release_models()
+    return reuse_or_compute(commit, compute)
 
 
 @stage_program(CriticUpdateInput)
@@ -109,7 +106,4 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         critic_trained(new)
         return new
 
-    try:
-        return reuse_or_compute(commit, compute)
-    finally:
-        release_models()
+    return reuse_or_compute(commit, compute)

@@ -9,7 +9,7 @@ from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput, TeacherLogprobsInput, stage_program
-from rft_core.stages.sources import config_folder, inference_model, release_models
+from rft_core.stages.sources import config_folder, inference_model
 from rft_core.stages.teacher import check_teacher_tokenizer
 from rft_core.training.loop import epoch_micro_batches
 from schemas import ShardRef, read_shard
@@ -35,7 +35,8 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
     sample's images and videos (processor from the model folder), padded or packed
     (``logprobs.packing``). In a resident worker the model is the worker's copy
     (``rft_core.workers.memory.inference_model``). The model's GPU memory is handed
-    back to the driver when the program returns (``release_models``: not inside a resident worker that keeps its cache).
+    back to the driver when the program returns (``run_in_process``: ``release_models``, not inside a resident worker
+    that keeps its cache).
 
     ``with_sum_pi_squared`` (actor only): also the optional column ``sum_pi_squared``,
     list<float32> with one entry per response token like ``old_logprobs``: sum_v pi_old(v)^2 with
@@ -84,7 +85,4 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
             summary["entropy_mean"] = sum(ents) / max(len(ents), 1)
         return commit.write(out_table, schema=schema, inputs={"rollout": inp.rollout}, summary=summary)
 
-    try:
-        return reuse_or_compute(commit, compute)
-    finally:
-        release_models()
+    return reuse_or_compute(commit, compute)

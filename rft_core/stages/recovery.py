@@ -1,7 +1,7 @@
 """Exact recovery of a policy that lived only in memory (``checkpoint.every`` > 1).
 
 Between checkpoints a ``ppo_update`` commits its metrics but no weights; its manifest records
-the digest of the weights it produced (``weights_sha256``, ``rft_core.weightsync.plan.weights_digest``)
+the digest of the weights it produced (``weights_sha256``, ``rft_core.weightsync.trained.tensors_digest``)
 and its own input (``update_input``: the ``PPOUpdateInput``, whose ``policy`` names the update
 before it). So every such policy has a chain back to the last policy whose weights are on
 storage (a checkpoint, or the initial model): ``policy_chain``. ``rebuild_trainer`` loads that

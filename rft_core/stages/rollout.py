@@ -22,7 +22,7 @@ from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.common import Commit, Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import RolloutInput, RolloutMergeInput, stage_program
-from rft_core.stages.sources import config_folder, current_source, inference_model, release_models
+from rft_core.stages.sources import config_folder, current_source, inference_model
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard
 from schemas.columns import ROLLOUT, policy_version_column, single_turn_columns
 
@@ -181,10 +181,7 @@ def run(inp: RolloutInput) -> ShardRef:
             summary.update({"shard": list(shard), "worker": f"{socket.gethostname()}:{os.getpid()}"})
         return commit.write(table_out, schema=ROLLOUT, inputs=rollout_inputs(inp), summary=summary)
 
-    try:
-        return reuse_or_compute(commit, compute)
-    finally:
-        release_models()  # the HF engine's model and cache; a cached vLLM/SGLang engine stays (asleep if set)
+    return reuse_or_compute(commit, compute)
 
 
 def version_summary(inp: RolloutInput) -> dict[str, int]:

@@ -15,7 +15,8 @@ One transaction moves every tensor of a model's ``state_dict`` in the receiver's
    (``SyncReport.digest``) by the method of the transport (``checksum_method``): over NCCL and
    CUDA IPC exact sums on the GPU (``rft_core.weightsync.checksum``, no copy to the host), over
    gloo and in one CPU process hashlib's sha256 on the host; the receiver compares them
-   (``base.verify_digest``). ``weights_digest`` (sha256 on the host) is what commits record.
+   (``base.verify_digest``). ``weights_digest`` (sha256 on the host) is what commits of CPU
+   weights record (``rft_core.weightsync.trained.tensors_digest``; GPU weights: the device sums).
 
 Devices. The backend, not the tensors, decides where a transaction's buffers live
 (``sync_device``): NCCL moves CUDA tensors only (``ProcessGroupNCCL`` refuses CPU ones: "Tensors
