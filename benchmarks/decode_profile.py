@@ -140,11 +140,11 @@ def main() -> int:
         res["dtypes"][dtype] = out
         print(json.dumps({dtype: {k: v for k, v in out.items() if k != "profile"}}), flush=True)
         print(json.dumps({dtype: out["profile"]}, indent=None), flush=True)
+        if args.json:  # after each dtype: a run stopped by its time limit keeps what it measured
+            Path(args.json).write_text(json.dumps(res, indent=1))
         del engine, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
     return 0
 
 
