@@ -129,7 +129,7 @@ def _correction(cfg: UpdateConfig, data: UpdateData) -> tuple[SampleCorrection |
     """The rollout correction when ``cfg.rollout_correction.enabled`` (and its metrics); without
     it, only ``rollout_kl`` (the mismatch KL(pi_rollout || pi_old)) when the actor stage ran."""
     rc = cfg.rollout_correction
-    if data.rollout_logprobs is None:
+    if data.rollout_logprobs is None or len(data) == 0:
         return None, {}
     corr = rollout_correction_weights(data, **rc.correction_kwargs())
     if not rc.enabled:
@@ -182,8 +182,12 @@ def configure_trainer(trainer: PolicyTrainer, cfg: UpdateConfig) -> None:
 
 def _run_update(trainer: PolicyTrainer, inp: PPOUpdateInput, data: UpdateData, correction: SampleCorrection | None,
                 *, quiet: bool = False) -> tuple[list[StepMetrics], float]:
-    """The update's optimizer steps on ``trainer``: (step metrics, seconds)."""
+    """The update's optimizer steps on ``trainer``: (step metrics, seconds); none for an empty
+    rollout (``rollout.partial``: no group finished in this iteration), which leaves the weights
+    and the AdamW state as they are (the update still commits them as its version)."""
     cfg, strategy = inp.update, trainer.strategy
+    if len(data) == 0:  # a partial rollout in which no group finished: the policy stays as it is
+        return [], 0.0
     quiet = quiet or strategy.rank != 0
     with Timer() as t, progress_reporter("ppo_update", unit="micro-batches", use_bar=False if quiet else None,
                                          log_fn=(lambda line: None) if quiet else None) as progress:
@@ -238,6 +242,8 @@ def _engine_old_logprobs_gap(steps: list[StepMetrics], data: UpdateData) -> dict
 
 
 def _summary(steps: list[StepMetrics], seconds: float, extra: dict[str, float]) -> dict:
+    if not steps:  # an empty rollout: no optimizer step, the weights and AdamW state unchanged
+        return {"seconds": seconds, "optimizer_steps": 0, **extra}
     last = steps[-1]
     return {"seconds": seconds, "policy_loss": sum(s.policy_loss for s in steps) / len(steps),
             "clip_frac": sum(s.clip_frac for s in steps) / len(steps), "approx_kl": last.approx_kl,
