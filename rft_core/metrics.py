@@ -36,6 +36,15 @@ _FROM_SUMMARY = [
     # updates it lags behind the one this iteration's update starts from
     ("policy_version", "rollout", "policy_version"),
     ("staleness", "rollout", "staleness"),
+    # partial rollouts (rollout.partial; rft_core.stages.partial.partial_summary): groups that entered
+    # training / were carried over, trajectories whose tokens span several versions, the mean run of
+    # tokens from one version, and the tokens' own staleness (mean, max)
+    ("partial_finished_groups", "rollout", "partial_finished_groups"),
+    ("partial_carried_groups", "rollout", "partial_carried_groups"),
+    ("multi_version_frac", "rollout", "multi_version_frac"),
+    ("version_span_tokens", "rollout", "version_span_tokens_mean"),
+    ("token_staleness", "rollout", "token_staleness_mean"),
+    ("token_staleness_max", "rollout", "token_staleness_max"),
     # multi-turn rollouts (rollout.agent; rft_core.stages.rollout.rollout_summary): per trajectory
     ("num_turns", "rollout", "num_turns_mean"),
     ("tool_call_rate", "rollout", "tool_call_rate"),
@@ -78,13 +87,19 @@ def iteration_metrics(iteration: int, refs: Mapping[str, ShardRef | None]) -> di
     """Metrics of one iteration from its stages' manifests.
 
     Returns:
-        flat dict: iteration, the metrics above, and ``seconds/<stage>`` for each stage run.
+        flat dict: iteration, the metrics above, a partial rollout's
+        ``rollout_is_weight_mean_staleness_<d>`` (the update's mean correction weight of the
+        tokens sampled d updates before its starting policy), and ``seconds/<stage>`` for each
+        stage run.
     """
     summaries = {stage: read_manifest(ref.uri)[0].summary for stage, ref in refs.items() if ref is not None}
     out: dict[str, Any] = {"iteration": iteration}
     for name, stage, key in _FROM_SUMMARY:
         if stage in summaries and key in summaries[stage]:
             out[name] = summaries[stage][key]
+    for key, value in summaries.get("ppo_update", {}).items():  # a partial rollout's correction by token age
+        if key.startswith("rollout_is_weight_mean_staleness_"):
+            out[key] = value
     for stage, s in summaries.items():
         if "seconds" in s:
             out[f"seconds/{stage}"] = round(float(s["seconds"]) + float(s.get("checkpoint_seconds", 0.0)), 3)

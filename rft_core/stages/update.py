@@ -41,7 +41,7 @@ from rft_core.stages.sources import current_source
 from rft_core.weightsync.trained import trained_digest
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard, sha256_file
 from schemas.batch import align_on_sample_id
-from schemas.columns import PPO_UPDATE
+from schemas.columns import PPO_UPDATE, token_versions_of
 
 log = logging.getLogger("rft_core.stages")
 
@@ -218,8 +218,28 @@ def _train(inp: PPOUpdateInput, opt_ref: ShardRef | None):
     trainer = source.trainer(inp) if source is not None else build_trainer(inp.policy, cfg, dtype=inp.dtype, opt_ref=opt_ref)
     steps, seconds = _run_update(trainer, inp, data, correction)
     extra = {**corr_metrics, **({"overlong_filtered_frac": sum(data.excluded) / len(data)} if data.excluded else {}),
-             **_engine_old_logprobs_gap(steps, data)}
+             **_engine_old_logprobs_gap(steps, data), **_weights_by_staleness(inp, correction)}
     return trainer, steps, seconds, extra
+
+
+def _weights_by_staleness(inp: PPOUpdateInput, correction: SampleCorrection | None) -> dict[str, float]:
+    """A partial rollout's correction by token age: for each staleness d (updates between the
+    policy version that sampled a token, ``token_versions``, and the version this update starts
+    from, ``inp.policy_version``), ``rollout_is_weight_mean_staleness_<d>``, the mean weight of
+    the tokens of that age left in the loss. {} without a correction, a version or a
+    ``token_versions`` column (a rollout that was not partial)."""
+    if correction is None or inp.policy_version is None:
+        return {}
+    r = read_shard(inp.rollout, stage="rollout")
+    if "token_versions" not in r.column_names:
+        return {}
+    sums: dict[int, list[float]] = {}
+    for versions, w, keep in zip(token_versions_of(r), correction.weights, correction.keep):
+        for v, wt, k in zip(versions, w.tolist(), keep.tolist()):
+            if k:
+                acc = sums.setdefault(inp.policy_version - v, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + wt, acc[1] + 1
+    return {f"rollout_is_weight_mean_staleness_{d}": total / n for d, (total, n) in sorted(sums.items())}
 
 
 ENGINE_GAP_WARN = 1e-6  # approx_kl of the first step above which the engine's log-probs are not pi_old's
