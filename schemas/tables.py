@@ -181,25 +181,7 @@ def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = 
         if entry.rows is None:  # not a Parquet part (e.g. a checkpoint file)
             continue
         fpath = f"{path}/{entry.path}"
-        if not fs.exists(fpath):
-            raise ShardCorruptError(f"{uri}: manifest lists {entry.path} but the file is missing")
-        data = fs.cat_file(fpath)
-        if verify:
-            if len(data) != entry.bytes:
-                raise ShardCorruptError(f"{fpath}: {len(data)} bytes, manifest says {entry.bytes} (truncated?){repair_hint(uri)}")
-            if hashlib.sha256(data).hexdigest() != entry.sha256:
-                raise ShardCorruptError(f"{fpath}: sha256 does not match the manifest (corrupted){repair_hint(uri)}")
-        try:
-            part = pq.read_table(pa.BufferReader(data))
-        except Exception as exc:
-            raise ShardCorruptError(f"{fpath}: unreadable Parquet: {exc}") from exc
-        meta = part.schema.metadata or {}
-        if meta.get(b"stage", b"").decode() != want or meta.get(b"schema_version", b"").decode() != str(expected.version):
-            raise ShardSchemaError(
-                f"{fpath}: file metadata says stage={meta.get(b'stage')!r} schema_version={meta.get(b'schema_version')!r}, "
-                f"expected {want!r} version {expected.version}"
-            )
-        part = validate_table(part, expected, where=fpath)
+        part = validate_table(_read_file(fs, fpath, entry, uri=uri, schema=expected, verify=verify), expected, where=fpath)
         tables.append(part.cast(expected.arrow_with(_present_optional(part, expected))))
     table = pa.concat_tables(tables) if tables else expected.arrow.empty_table()
     if table.num_rows != manifest.num_rows:
@@ -228,21 +210,38 @@ def read_side_table(ref: ShardRef | str, name: str, schema: StageSchema) -> pa.T
         raise ShardSchemaError(f"{uri}: the manifest lists no side table {name!r}")
     fs, path = filesystem(uri)
     fpath = f"{path}/{name}"
+    table = validate_table(_read_file(fs, fpath, entry, uri=uri, schema=schema, verify=True), schema, where=fpath)
+    return table.cast(schema.arrow_with(_present_optional(table, schema)))
+
+
+def _read_file(fs, fpath: str, entry, *, uri: str, schema: StageSchema, verify: bool) -> pa.Table:
+    """One committed Parquet file of the shard at ``uri`` (a part or a side table; ``entry`` its
+    manifest entry), checked: present, with ``verify`` of the manifest's size and sha256, readable,
+    stamped with ``schema``'s stage and version (its columns are the caller's to validate).
+
+    Raises:
+        ShardCorruptError: missing, truncated, corrupted or unreadable.
+        ShardSchemaError: stamped with another stage or schema version.
+    """
     if not fs.exists(fpath):
-        raise ShardCorruptError(f"{uri}: manifest lists {name} but the file is missing{repair_hint(uri)}")
+        raise ShardCorruptError(f"{uri}: manifest lists {entry.path} but the file is missing")
     data = fs.cat_file(fpath)
-    if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
-        raise ShardCorruptError(f"{fpath}: size or sha256 does not match the manifest (truncated or corrupted){repair_hint(uri)}")
+    if verify:
+        if len(data) != entry.bytes:
+            raise ShardCorruptError(f"{fpath}: {len(data)} bytes, manifest says {entry.bytes} (truncated?){repair_hint(uri)}")
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise ShardCorruptError(f"{fpath}: sha256 does not match the manifest (corrupted){repair_hint(uri)}")
     try:
         table = pq.read_table(pa.BufferReader(data))
     except Exception as exc:
         raise ShardCorruptError(f"{fpath}: unreadable Parquet: {exc}") from exc
     meta = table.schema.metadata or {}
     if meta.get(b"stage", b"").decode() != schema.stage or meta.get(b"schema_version", b"").decode() != str(schema.version):
-        raise ShardSchemaError(f"{fpath}: file metadata says stage={meta.get(b'stage')!r} schema_version="
-                               f"{meta.get(b'schema_version')!r}, expected {schema.stage!r} version {schema.version}")
-    table = validate_table(table, schema, where=fpath)
-    return table.cast(schema.arrow_with(_present_optional(table, schema)))
+        raise ShardSchemaError(
+            f"{fpath}: file metadata says stage={meta.get(b'stage')!r} schema_version={meta.get(b'schema_version')!r}, "
+            f"expected {schema.stage!r} version {schema.version}"
+        )
+    return table
 
 
 def verify_files(uri: str, *, under: str = "", local_copy: str | None = None) -> list[str]:

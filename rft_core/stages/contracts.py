@@ -150,6 +150,10 @@ class RolloutInput(StageInput):
     the temperatures, top-p and the seed play no part): the baseline of ReMax, written to the
     ``baseline_rollout`` stage folder. Left at False it enters no hash, so every committed rollout
     stays valid.
+
+    ``carry`` (``rollout.partial``): the previous iteration's rollout, whose carried sequences this
+    one continues (its manifest's sha256 enters the hash). Left at None (and ``rollout.partial``
+    unset) it enters no hash either.
     """
 
     program: ClassVar[str] = "rollout"

@@ -149,6 +149,7 @@ def run(inp: PromptsInput) -> ShardRef:
             or (overlong_prompts="error") an overlong prompt; raised before anything is written.
         DatasetChangedError: ``inp.out`` was committed from another version of the data files.
         StaleShardError: ``inp.out`` is committed with another config.
+        ShardSchemaError: ``inp.carry`` is no partial rollout, or a carried group has a new prompt's id.
     """
     cfg = inp.data
     files = cfg.source == "files"

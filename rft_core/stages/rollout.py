@@ -154,6 +154,12 @@ def run(inp: RolloutInput) -> ShardRef:
     a trajectory of model turns and environment observations; a user environment's source
     file enters the config hash (``environment_fingerprint``).
 
+    With ``rollout.partial`` (``_commit_partial_rollout``; ``rft_core.stages.partial``): at most
+    ``chunk_tokens`` new tokens per unfinished sequence; the sequences ``inp.carry`` (the previous
+    rollout) carried are continued from their tokens, the new prompts' groups started; the
+    finished groups are the shard's rows (with ``token_versions``), the others are committed in
+    its ``carry/`` side tables.
+
     With ``inp.greedy`` (ReMax's baseline): one greedy (argmax) response per prompt with the same
     engine, policy and ``max_new_tokens`` (sample_id ``{prompt_id}#0``; temperatures, top-p, FIRE
     and the seed play no part); the summary says ``decoding: greedy``.
