@@ -214,7 +214,8 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     synchronous case), and ``next_rollout_policy`` (version ``cfg.rollout_policy_version(iteration
     + 1)``, already trained) lets the prompts and rollout of the next iteration run during this
     iteration's update: submitted before it, awaited after it. The next iteration's own call of
-    them then finds them committed."""
+    them then finds them committed. Partial rollouts (``rollout.partial``): the prompts and the
+    rollout continue the sequences the previous iteration's rollout carried (``previous_rollout``)."""
     t0 = time.perf_counter()
     state = state or cfg.initial_state
     kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})

@@ -108,9 +108,9 @@ def iteration_metrics(iteration: int, refs: Mapping[str, ShardRef | None]) -> di
 
 def format_metrics_line(m: Mapping[str, Any]) -> str:
     """One human-readable line per iteration (the rollout correction's mean weight and capped
-    fraction, the overlong-filtered fraction, on-policy distillation's reverse-KL estimate, and
-    for a multi-turn run the mean number of model turns and the tool-call rate, when the run has
-    them)."""
+    fraction, the overlong-filtered fraction, on-policy distillation's reverse-KL estimate, for a
+    multi-turn run the mean number of model turns and the tool-call rate, and for partial rollouts
+    the fraction of trajectories spanning several policy versions, when the run has them)."""
     def f(key: str, fmt: str = ".3f") -> str:
         return format(m[key], fmt) if key in m else "-"
     stages = " ".join(f"{k.split('/', 1)[1]}={v:.1f}s" for k, v in m.items() if k.startswith("seconds/"))
@@ -118,7 +118,8 @@ def format_metrics_line(m: Mapping[str, Any]) -> str:
                                                                 ("is_capped", "rollout_is_capped_frac"),
                                                                 ("overlong_filtered", "overlong_filtered_frac"),
                                                                 ("distill_kl", "distill_reverse_kl"),
-                                                                ("turns", "num_turns"), ("tools", "tool_call_rate"))
+                                                                ("turns", "num_turns"), ("tools", "tool_call_rate"),
+                                                                ("multi_version", "multi_version_frac"))
                        if key in m)
     return (f"iter {m['iteration']:>3} | reward {f('reward_mean')}±{f('reward_std')} acc {f('accuracy')} "
             f"kl {f('kl', '.4f')} len {f('response_length', '.1f')} loss {f('policy_loss', '.4f')} "

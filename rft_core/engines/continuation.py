@@ -21,6 +21,10 @@ needs is in the rollout shard, so a resumed run or a restarted worker continues 
   prefixes the same way and is flushed after every weight change (``flush_cache`` after
   ``update_weights_from_disk``, ``update_weights_from_tensor(..., flush_cache=True)`` on a sync).
 
+A continuation's prompt plus its budget is never longer than the prompt plus ``max_new_tokens``,
+so the engines' context limits (vLLM's and SGLang's ``max_model_len``) bound it as they bound an
+unchunked response.
+
 The new tokens are sampled from pi_new(. | prompt, response so far): the continued response is a
 sequence whose tokens come from several policies, each recorded with its version and its
 behaviour log-prob (``rollout_logprobs``) by the rollout stage. FIRE's first-token temperature
