@@ -233,13 +233,13 @@ def _commit_partial_rollout(inp: RolloutInput, commit: Commit, prompts: pa.Table
     prompt_ids = [all_ids[i] for i in fresh]
     engine, tok = make_engine(cfg, inp.policy, dtype=inp.dtype)
     version, seed = inp.policy_version, rollout_seed(inp)
+    before = sum(len(s.tokens) for s in carried)  # tokens the carried sequences had: not generated here
     with Timer() as t, progress_reporter("rollout", unit="sequences") as progress:
         continued = continue_carried(engine, carried, cfg=cfg, version=version, seed=seed, progress=progress)
         gens = engine.generate(prompt_ids, n_samples_per_prompt=cfg.n_samples_per_prompt,
                                max_new_tokens=min(cfg.partial.chunk_tokens, cfg.max_new_tokens),
                                temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size, seed=seed,
                                first_token_temperature=cfg.first_token_temperature, progress=progress)
-    before = sum(len(s.tokens) for s in carried)
     seqs = carried + started_sequences(gens, prompt_ids, [pids[i] for i in fresh], version=version,
                                        max_new=cfg.max_new_tokens)
     done, waiting = split_groups(seqs, iteration=inp.iteration)

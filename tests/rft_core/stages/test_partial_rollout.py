@@ -107,6 +107,8 @@ def test_every_token_keeps_the_log_prob_of_the_policy_that_sampled_it(chain, tin
         assert abs(r["rollout_logprobs"][0] - float(by_version[1][i][0])) > 1e-2  # the other model would differ
     summary = read_manifest(refs[2].uri)[0].summary
     assert summary["partial_finished_groups"] == 2 and summary["partial_carried_groups"] == 4
+    # this rollout's own tokens: 2 to finish iteration 1's 4 sequences, 5 more for iteration 2's, 5 for its own 4
+    assert summary["generated_tokens"] == 4 * 2 + 4 * 5 + 4 * 5 and summary["partial_continued_sequences"] == 8
     assert summary["multi_version_frac"] == 1.0 and summary["version_span_tokens_mean"] == pytest.approx(12 / 3)
     # iteration 3's update starts from version 2: staleness 2, 1 and 0 for the three spans
     assert summary["tokens_by_staleness"] == {"0": 4 * 2, "1": 4 * 5, "2": 4 * 5}
