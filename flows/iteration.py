@@ -51,26 +51,38 @@ class IterationResult(BaseModel):
     metrics: dict[str, Any]
 
 
-def _prompts(cfg: TrainConfig, iteration: int, out: Out, tags: bool, attempt: int, sfx: str = "") -> ShardRef:
-    """The prompts of ``attempt`` of ``iteration`` (0: the iteration's own; >= 1: a dynamic-sampling refill)."""
+def _prompts(cfg: TrainConfig, iteration: int, out: Out, tags: bool, attempt: int, sfx: str = "",
+             carry: ShardRef | None = None) -> ShardRef:
+    """The prompts of ``attempt`` of ``iteration`` (0: the iteration's own; >= 1: a dynamic-sampling
+    refill); with ``carry`` (partial rollouts) the carried groups' prompt rows follow them."""
     return tasks.tagged(tasks.prompts, tags)(inp=PromptsInput(
         data=cfg.data, tokenizer_path=cfg.policy.path, iteration=iteration, attempt=attempt, out=out(f"prompts{sfx}"),
         data_fingerprint=dataset_fingerprint(cfg.data),  # data.source=files: an edited file makes it stale
-        answer_required=cfg.reward.needs_reference))
+        answer_required=cfg.reward.needs_reference, carry=carry))
 
 
 def _rollout_input(cfg: TrainConfig, iteration: int, prompts: ShardRef, policy: tuple[PolicyRef, int], out: Out,
-                   attempt: int, sfx: str = "") -> RolloutInput:
+                   attempt: int, sfx: str = "", carry: ShardRef | None = None) -> RolloutInput:
     return RolloutInput(prompts=prompts, policy=policy[0], policy_version=policy[1], rollout=cfg.rollout,
-                        iteration=iteration, dtype=cfg.policy.dtype, attempt=attempt, out=out(f"rollout{sfx}"))
+                        iteration=iteration, dtype=cfg.policy.dtype, attempt=attempt, out=out(f"rollout{sfx}"),
+                        carry=carry)
+
+
+def previous_rollout(cfg: TrainConfig, iteration: int) -> ShardRef | None:
+    """Partial rollouts (``rollout.partial``): the committed rollout of ``iteration - 1``, whose
+    carried sequences the rollout of ``iteration`` continues; None otherwise (or for iteration 1).
+    Read from its manifest: the previous iteration has committed before this one starts."""
+    if cfg.rollout.partial is None or iteration == 1:
+        return None
+    return ShardRef.from_manifest(stage_uri(cfg.run_root, iteration - 1, "rollout"))
 
 
 def _attempt(cfg: TrainConfig, iteration: int, policy: tuple[PolicyRef, int], out: Out, tags: bool, attempt: int,
-             sfx: str = "") -> tuple[ShardRef, ShardRef]:
+             sfx: str = "", carry: ShardRef | None = None) -> tuple[ShardRef, ShardRef]:
     """The prompts and rollout of ``attempt`` (0: the iteration's own; >= 1: a dynamic-sampling
-    refill), sampled with ``policy`` (the policy and its version)."""
-    prompts = _prompts(cfg, iteration, out, tags, attempt, sfx)
-    rollout = fanout.rollout(inp=_rollout_input(cfg, iteration, prompts, policy, out, attempt, sfx),
+    refill), sampled with ``policy`` (the policy and its version), continuing ``carry``'s sequences."""
+    prompts = _prompts(cfg, iteration, out, tags, attempt, sfx, carry)
+    rollout = fanout.rollout(inp=_rollout_input(cfg, iteration, prompts, policy, out, attempt, sfx, carry),
                              runner=cfg.runner("rollout"), ray=cfg.ray, tags=tags)
     return prompts, rollout
 
@@ -170,6 +182,26 @@ def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef,
     return adv, new_policy, critic_future.result() if critic_future is not None else None
 
 
+def _prefetch(cfg: TrainConfig, iteration: int, rollout: ShardRef, next_policy: PolicyRef | None,
+              tags: bool) -> PrefectFuture | None:
+    """Asynchronous RL: the prompts and rollout of ``iteration + 1``, sampled with ``next_policy``
+    (already trained), submitted to run during this iteration's update; a partial rollout
+    continues ``rollout``'s carried sequences. None where nothing is prefetched (synchronous, the
+    last iteration, dynamic sampling, a sharded rollout)."""
+    if next_policy is None or iteration >= cfg.iterations or cfg.dynamic_sampling.enabled \
+            or cfg.runner("rollout").shards != 1:
+        return None
+
+    def out_next(stage: str) -> str:
+        return stage_uri(cfg.run_root, iteration + 1, stage)
+
+    carry = rollout if cfg.rollout.partial is not None else None
+    next_prompts = _prompts(cfg, iteration + 1, out_next, tags, attempt=0, carry=carry)
+    return tasks.tagged(tasks.rollout, tags).submit(inp=_rollout_input(
+        cfg, iteration + 1, next_prompts, (next_policy, cfg.rollout_policy_version(iteration + 1)),
+        out_next, attempt=0, carry=carry), runner=cfg.runner("rollout"))
+
+
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
 def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: TrainState | None = None,
                  critic: PolicyRef | None = None, rollout_policy: PolicyRef | None = None,
@@ -183,7 +215,8 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     synchronous case), and ``next_rollout_policy`` (version ``cfg.rollout_policy_version(iteration
     + 1)``, already trained) lets the prompts and rollout of the next iteration run during this
     iteration's update: submitted before it, awaited after it. The next iteration's own call of
-    them then finds them committed."""
+    them then finds them committed. Partial rollouts (``rollout.partial``): the prompts and the
+    rollout continue the sequences the previous iteration's rollout carried (``previous_rollout``)."""
     t0 = time.perf_counter()
     state = state or cfg.initial_state
     kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
@@ -198,22 +231,13 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
         prompts, rollout, rewards = _dynamic_sampling(cfg, iteration, behaviour, out, tags)
         parts = {"rewards": rewards}
     else:
-        prompts, rollout = _attempt(cfg, iteration, behaviour, out, tags, attempt=0)
+        prompts, rollout = _attempt(cfg, iteration, behaviour, out, tags, attempt=0,
+                                    carry=previous_rollout(cfg, iteration))
         parts = {}
     parts |= _score(cfg, prompts=prompts, rollout=rollout, policy=policy, critic=critic, kl=kl, out=out, tags=tags,
                     with_rewards=not parts)
     parts |= _greedy_baseline(cfg, iteration, prompts, behaviour, out, tags)  # remax; {} for the other estimators
-    ahead = None
-    if next_rollout_policy is not None and iteration < cfg.iterations and not cfg.dynamic_sampling.enabled \
-            and cfg.runner("rollout").shards == 1:
-
-        def out_next(stage: str) -> str:
-            return stage_uri(cfg.run_root, iteration + 1, stage)
-
-        next_prompts = _prompts(cfg, iteration + 1, out_next, tags, attempt=0)
-        ahead = tasks.tagged(tasks.rollout, tags).submit(inp=_rollout_input(
-            cfg, iteration + 1, next_prompts, (next_rollout_policy, cfg.rollout_policy_version(iteration + 1)),
-            out_next, attempt=0), runner=cfg.runner("rollout"))
+    ahead = _prefetch(cfg, iteration, rollout, next_rollout_policy, tags)
     adv, new_policy, new_critic = train_on(cfg, {"rollout": rollout, **parts}, policy=policy, critic=critic, state=state,
                                            kl=kl, out=out, tags=tags, background_optimizer=cfg.checkpoint.async_optimizer,
                                            save_checkpoint=cfg.is_checkpoint(iteration),

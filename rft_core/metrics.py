@@ -36,6 +36,15 @@ _FROM_SUMMARY = [
     # updates it lags behind the one this iteration's update starts from
     ("policy_version", "rollout", "policy_version"),
     ("staleness", "rollout", "staleness"),
+    # partial rollouts (rollout.partial; rft_core.stages.partial.partial_summary): groups that entered
+    # training / were carried over, trajectories whose tokens span several versions, the mean run of
+    # tokens from one version, and the tokens' own staleness (mean, max)
+    ("partial_finished_groups", "rollout", "partial_finished_groups"),
+    ("partial_carried_groups", "rollout", "partial_carried_groups"),
+    ("multi_version_frac", "rollout", "multi_version_frac"),
+    ("version_span_tokens", "rollout", "version_span_tokens_mean"),
+    ("token_staleness", "rollout", "token_staleness_mean"),
+    ("token_staleness_max", "rollout", "token_staleness_max"),
     # multi-turn rollouts (rollout.agent; rft_core.stages.rollout.rollout_summary): per trajectory
     ("num_turns", "rollout", "num_turns_mean"),
     ("tool_call_rate", "rollout", "tool_call_rate"),
@@ -78,13 +87,19 @@ def iteration_metrics(iteration: int, refs: Mapping[str, ShardRef | None]) -> di
     """Metrics of one iteration from its stages' manifests.
 
     Returns:
-        flat dict: iteration, the metrics above, and ``seconds/<stage>`` for each stage run.
+        flat dict: iteration, the metrics above, a partial rollout's
+        ``rollout_is_weight_mean_staleness_<d>`` (the update's mean correction weight of the
+        tokens sampled d updates before its starting policy), and ``seconds/<stage>`` for each
+        stage run.
     """
     summaries = {stage: read_manifest(ref.uri)[0].summary for stage, ref in refs.items() if ref is not None}
     out: dict[str, Any] = {"iteration": iteration}
     for name, stage, key in _FROM_SUMMARY:
         if stage in summaries and key in summaries[stage]:
             out[name] = summaries[stage][key]
+    for key, value in summaries.get("ppo_update", {}).items():  # a partial rollout's correction by token age
+        if key.startswith("rollout_is_weight_mean_staleness_"):
+            out[key] = value
     for stage, s in summaries.items():
         if "seconds" in s:
             out[f"seconds/{stage}"] = round(float(s["seconds"]) + float(s.get("checkpoint_seconds", 0.0)), 3)
@@ -93,9 +108,9 @@ def iteration_metrics(iteration: int, refs: Mapping[str, ShardRef | None]) -> di
 
 def format_metrics_line(m: Mapping[str, Any]) -> str:
     """One human-readable line per iteration (the rollout correction's mean weight and capped
-    fraction, the overlong-filtered fraction, on-policy distillation's reverse-KL estimate, and
-    for a multi-turn run the mean number of model turns and the tool-call rate, when the run has
-    them)."""
+    fraction, the overlong-filtered fraction, on-policy distillation's reverse-KL estimate, for a
+    multi-turn run the mean number of model turns and the tool-call rate, and for partial rollouts
+    the fraction of trajectories spanning several policy versions, when the run has them)."""
     def f(key: str, fmt: str = ".3f") -> str:
         return format(m[key], fmt) if key in m else "-"
     stages = " ".join(f"{k.split('/', 1)[1]}={v:.1f}s" for k, v in m.items() if k.startswith("seconds/"))
@@ -103,7 +118,8 @@ def format_metrics_line(m: Mapping[str, Any]) -> str:
                                                                 ("is_capped", "rollout_is_capped_frac"),
                                                                 ("overlong_filtered", "overlong_filtered_frac"),
                                                                 ("distill_kl", "distill_reverse_kl"),
-                                                                ("turns", "num_turns"), ("tools", "tool_call_rate"))
+                                                                ("turns", "num_turns"), ("tools", "tool_call_rate"),
+                                                                ("multi_version", "multi_version_frac"))
                        if key in m)
     return (f"iter {m['iteration']:>3} | reward {f('reward_mean')}±{f('reward_std')} acc {f('accuracy')} "
             f"kl {f('kl', '.4f')} len {f('response_length', '.1f')} loss {f('policy_loss', '.4f')} "

@@ -28,7 +28,7 @@ from schemas.shards import (
     sha256_file,
 )
 from schemas.storage import describe_stage, is_object_store, storage_errors
-from schemas.tables import read_shard, validate_table, verify_files, write_parts, write_shard
+from schemas.tables import read_shard, read_side_table, validate_table, verify_files, write_parts, write_shard
 
 __all__ = [
     "STAGE_SCHEMAS",
@@ -58,6 +58,7 @@ __all__ = [
     "pruned_files",
     "read_manifest",
     "read_shard",
+    "read_side_table",
     "schema_for",
     "sha256_file",
     "split_stage_uri",

@@ -66,6 +66,15 @@ def validate_table(table: pa.Table, expected: StageSchema, *, where: str) -> pa.
     return table.select([f.name for f in expected.schema] + present)
 
 
+def _parquet_bytes(table: pa.Table, schema: StageSchema) -> bytes:
+    """``table`` (already validated) cast to ``schema`` (with its optional columns present) as one
+    zstd Parquet file."""
+    table = validate_table(table, schema, where="")
+    buf = io.BytesIO()
+    pq.write_table(table.cast(schema.arrow_with(_present_optional(table, schema))), buf, compression="zstd")
+    return buf.getvalue()
+
+
 def write_parts(table: pa.Table, uri: str, *, schema: StageSchema, rows_per_part: int = 100_000) -> dict[str, int]:
     """Write ``table`` as Parquet parts into a prepared stage folder (no commit).
 
@@ -101,18 +110,37 @@ def write_shard(
     summary: Mapping[str, Any] | None = None,
     rows_per_part: int = 100_000,
     contract: str | None = None,
+    side_tables: Mapping[str, tuple[pa.Table, StageSchema]] | None = None,
 ) -> ShardRef:
     """Atomically write ``table`` as a committed shard of ``schema.stage`` at ``uri``.
 
+    ``side_tables``: {relative path: (table, its schema)} written as single Parquet files next
+    to the parts and committed under the same manifest (rows=None: ``read_shard`` skips them;
+    ``read_side_table`` reads one back), e.g. a partial rollout's carried sequences. They are
+    checked against their schemas before anything is written.
+
     Raises:
-        ShardSchemaError: ``table`` does not match ``schema`` (checked before anything is written).
+        ShardSchemaError: ``table`` or a side table does not match its schema (checked before
+            anything is written).
         ShardExistsError: ``uri`` is already committed.
+        ValueError: a side-table path that is not a ``.parquet`` file below the folder, or a part's name.
     """
     validate_table(table, schema, where=f"writing {uri}")
+    side = dict(side_tables or {})
+    for name, (t, s) in side.items():
+        if not name.endswith(".parquet") or name.startswith(("/", ".")) or ".." in name or name.startswith("part-"):
+            raise ValueError(f"side table {name!r}: a relative path ending in .parquet, not a part's name")
+        validate_table(t, s, where=f"writing {uri}/{name}")
     token = prepare_stage_dir(uri)
     try:
         rows = write_parts(table, uri, schema=schema, rows_per_part=rows_per_part)
-        return commit_files(uri, stage=schema.stage, config_hash=config_hash, files=list(rows),
+        fs, path = filesystem(uri)
+        for name, (t, s) in side.items():
+            with storage_errors(uri):
+                if "/" in name:
+                    fs.makedirs(f"{path}/{name.rsplit('/', 1)[0]}", exist_ok=True)
+                atomic_put(fs, f"{path}/{name}", _parquet_bytes(t, s))
+        return commit_files(uri, stage=schema.stage, config_hash=config_hash, files=[*rows, *side],
                             num_rows=table.num_rows, inputs=inputs, summary=summary, schema=schema,
                             rows_per_file=rows, lock_token=token, contract=contract)
     except BaseException:
@@ -153,29 +181,66 @@ def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = 
         if entry.rows is None:  # not a Parquet part (e.g. a checkpoint file)
             continue
         fpath = f"{path}/{entry.path}"
-        if not fs.exists(fpath):
-            raise ShardCorruptError(f"{uri}: manifest lists {entry.path} but the file is missing")
-        data = fs.cat_file(fpath)
-        if verify:
-            if len(data) != entry.bytes:
-                raise ShardCorruptError(f"{fpath}: {len(data)} bytes, manifest says {entry.bytes} (truncated?){repair_hint(uri)}")
-            if hashlib.sha256(data).hexdigest() != entry.sha256:
-                raise ShardCorruptError(f"{fpath}: sha256 does not match the manifest (corrupted){repair_hint(uri)}")
-        try:
-            part = pq.read_table(pa.BufferReader(data))
-        except Exception as exc:
-            raise ShardCorruptError(f"{fpath}: unreadable Parquet: {exc}") from exc
-        meta = part.schema.metadata or {}
-        if meta.get(b"stage", b"").decode() != want or meta.get(b"schema_version", b"").decode() != str(expected.version):
-            raise ShardSchemaError(
-                f"{fpath}: file metadata says stage={meta.get(b'stage')!r} schema_version={meta.get(b'schema_version')!r}, "
-                f"expected {want!r} version {expected.version}"
-            )
-        part = validate_table(part, expected, where=fpath)
+        part = validate_table(_read_file(fs, fpath, entry, uri=uri, schema=expected, verify=verify), expected, where=fpath)
         tables.append(part.cast(expected.arrow_with(_present_optional(part, expected))))
     table = pa.concat_tables(tables) if tables else expected.arrow.empty_table()
     if table.num_rows != manifest.num_rows:
         raise ShardCorruptError(f"{uri}: {table.num_rows} rows, manifest says {manifest.num_rows}")
+    return table
+
+
+def read_side_table(ref: ShardRef | str, name: str, schema: StageSchema) -> pa.Table:
+    """A side table committed with a shard (``write_shard(side_tables=...)``), checked as a part
+    is: listed in the manifest, same size and sha256, readable Parquet stamped with ``schema``'s
+    stage and version, the columns of ``schema``.
+
+    Raises:
+        ShardNotCommittedError: no manifest.
+        ShardCorruptError: the manifest changed since ``ref`` was made, or the file is missing,
+            truncated, corrupted or unreadable.
+        ShardSchemaError: the manifest does not list ``name``, or the file is of another stage,
+            schema version or columns.
+    """
+    uri = ref.uri if isinstance(ref, ShardRef) else ref
+    manifest, sha = read_manifest(uri)
+    if isinstance(ref, ShardRef) and ref.manifest_sha256 != sha:
+        raise ShardCorruptError(f"{uri}: manifest changed since it was referenced (sha256 {sha[:12]}, ref {ref.manifest_sha256[:12]})")
+    entry = next((e for e in manifest.files if e.path == name), None)
+    if entry is None:
+        raise ShardSchemaError(f"{uri}: the manifest lists no side table {name!r}")
+    fs, path = filesystem(uri)
+    fpath = f"{path}/{name}"
+    table = validate_table(_read_file(fs, fpath, entry, uri=uri, schema=schema, verify=True), schema, where=fpath)
+    return table.cast(schema.arrow_with(_present_optional(table, schema)))
+
+
+def _read_file(fs, fpath: str, entry, *, uri: str, schema: StageSchema, verify: bool) -> pa.Table:
+    """One committed Parquet file of the shard at ``uri`` (a part or a side table; ``entry`` its
+    manifest entry), checked: present, with ``verify`` of the manifest's size and sha256, readable,
+    stamped with ``schema``'s stage and version (its columns are the caller's to validate).
+
+    Raises:
+        ShardCorruptError: missing, truncated, corrupted or unreadable.
+        ShardSchemaError: stamped with another stage or schema version.
+    """
+    if not fs.exists(fpath):
+        raise ShardCorruptError(f"{uri}: manifest lists {entry.path} but the file is missing")
+    data = fs.cat_file(fpath)
+    if verify:
+        if len(data) != entry.bytes:
+            raise ShardCorruptError(f"{fpath}: {len(data)} bytes, manifest says {entry.bytes} (truncated?){repair_hint(uri)}")
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise ShardCorruptError(f"{fpath}: sha256 does not match the manifest (corrupted){repair_hint(uri)}")
+    try:
+        table = pq.read_table(pa.BufferReader(data))
+    except Exception as exc:
+        raise ShardCorruptError(f"{fpath}: unreadable Parquet: {exc}") from exc
+    meta = table.schema.metadata or {}
+    if meta.get(b"stage", b"").decode() != schema.stage or meta.get(b"schema_version", b"").decode() != str(schema.version):
+        raise ShardSchemaError(
+            f"{fpath}: file metadata says stage={meta.get(b'stage')!r} schema_version={meta.get(b'schema_version')!r}, "
+            f"expected {schema.stage!r} version {schema.version}"
+        )
     return table
 
 

@@ -4,7 +4,7 @@ in this process, each through a ``run`` callable (``run_stage``, or a resident w
 For places that cannot or need not start Prefect: the GPU machines (no Prefect installed,
 ``benchmarks/gpu_demo.py``) and unit tests of the resident workers. Dynamic sampling and critics
 are not covered; ``rollout.max_staleness`` is (each rollout samples with its scheduled version),
-without the overlap. The flow stays the one place that orders stages for users.
+without the overlap, and so is ``rollout.partial`` (each rollout continues the previous one's carry). The flow stays the one place that orders stages for users.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
         raise ValueError("tests.drive covers the demo's stages only: no dynamic sampling, no critic")
     policy, state = cfg.policy.path, cfg.initial_state
     versions = {0: policy}  # rollout.max_staleness: the rollout of iteration k samples with version v(k)
+    carry = None
     temp = cfg.rollout.temperature
     for it in range(1, (stop_after or cfg.iterations) + 1):
         def out(stage: str) -> str:
@@ -43,10 +44,11 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
         t0 = time.perf_counter()
         kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
         prompts = run_stage(PromptsInput(data=cfg.data, tokenizer_path=cfg.policy.path, iteration=it, out=out("prompts"),
-                                         data_fingerprint=dataset_fingerprint(cfg.data)))
+                                         data_fingerprint=dataset_fingerprint(cfg.data), carry=carry))
         v = cfg.rollout_policy_version(it)
         rollout = run(RolloutInput(prompts=prompts, policy=versions[v], policy_version=v, rollout=cfg.rollout,
-                                   iteration=it, dtype=cfg.policy.dtype, out=out("rollout")))
+                                   iteration=it, dtype=cfg.policy.dtype, out=out("rollout"), carry=carry))
+        carry = rollout if cfg.rollout.partial is not None else None  # partial rollouts: the next one continues it
         parts = {"rewards": run_stage(RewardsInput(rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")))}
         if cfg.recomputes_old_logprobs:
             parts["actor_logprobs"] = run(ActorLogprobsInput(rollout=rollout, model=policy, logprobs=cfg.logprobs,

@@ -4,14 +4,19 @@ landed while both stages of the pair were in flight (both could start, neither h
 that the rerun redid both, reused every committed stage, recomputed the interrupted ones from the
 same schedule (the rollout of iteration 2 samples with the initial policy whatever had finished),
 and ended with the uninterrupted run's weights. The rewards vary inside each group
-(tests/varying.py)."""
+(tests/varying.py).
+
+With partial rollouts (``rollout.partial``, issue 48) the kill lands in iteration 2's rollout
+while it continues the sequences iteration 1 carried (mid-chunk: nothing of the chunk is
+committed); the rerun continues the same carried sequences from the committed carry and ends
+with the uninterrupted run's weights (iteration 3 trains the groups iteration 1 started)."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from tests.faults import assert_row, baseline_run, run_scenario, write_async_config
+from tests.faults import assert_row, baseline_run, run_scenario, write_async_config, write_partial_config
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +39,25 @@ def test_sigkill_during_the_overlap_then_rerun(async_baseline, target, iteration
                        also=other)
     assert out.overlap_live, f"the kill did not land while both {target} {iteration} and {other} ran: {out.notes}"
     assert_row(out)
+
+
+@pytest.fixture(scope="module")
+def partial_baseline(prefect_harness, tiny_model, tmp_path_factory):
+    from prefect.settings import PREFECT_API_URL
+
+    d = tmp_path_factory.mktemp("faults-partial")
+    config = write_partial_config(d / "partial.yaml", tiny_model)
+    weights, timeline = baseline_run(config, d / "baseline", PREFECT_API_URL.value(), final_iteration=3, trained=(3,))
+    return config, weights, timeline, PREFECT_API_URL.value(), d
+
+
+def test_sigkill_mid_chunk_of_a_partial_rollout_then_rerun(partial_baseline):
+    from schemas import read_manifest
+
+    config, weights, timeline, api_url, d = partial_baseline
+    out = run_scenario(config, d / "run-rollout-2", "rollout", 2, timeline, weights, api_url,
+                       random.Random("partial-rollout-2"), final_iteration=3)
+    assert_row(out)
+    root = d / ("run-rollout-2" + ("" if out.attempts == 1 else f"-retry{out.attempts}"))
+    summary = read_manifest(str(root / "iter=000002" / "rollout"))[0].summary
+    assert summary["partial_continued_sequences"] == 16 and summary["partial_carried_groups"] == 8  # what was redone

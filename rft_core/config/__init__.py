@@ -33,7 +33,14 @@ from rft_core.config.rewards import (  # noqa: F401
 from rft_core.config.agents import AgentConfig  # noqa: F401
 from rft_core.config.data import DataConfig, DataSourceConfig, EvalConfig  # noqa: F401
 from rft_core.config.deprecated import DeprecatedKeyWarning, move_renamed_keys  # noqa: F401
-from rft_core.config.generation import LogprobConfig, ModelConfig, RolloutConfig, TeacherConfig, UpdateGrouping  # noqa: F401
+from rft_core.config.generation import (  # noqa: F401
+    LogprobConfig,
+    ModelConfig,
+    PartialRolloutConfig,
+    RolloutConfig,
+    TeacherConfig,
+    UpdateGrouping,
+)
 from rft_core.config._errors import error_line
 from rft_core.models.logprobs import default_device
 from rft_core.config.rules import CONTRADICTIONS, contradictions  # noqa: F401

@@ -59,6 +59,21 @@ class TeacherConfig(_Frozen):
         return self.path is not None
 
 
+class PartialRolloutConfig(_Frozen):
+    """Partial (interruptible) rollouts (``rollout.partial``; docs/algorithms.md, "Partial
+    rollouts"): each iteration's rollout generates at most ``chunk_tokens`` new tokens per
+    unfinished sequence; the sequences of a group that has not finished are committed in the
+    rollout shard (``carry/``) and continued by the next iteration's rollout under its (newer)
+    policy, from their tokens (prompt + response so far as the new prompt). A group enters
+    training in the iteration its last sample finishes. The schedule counts tokens, never time
+    (verl PR #1826's chunked max length, without its wall-clock abort), so runs are reproducible
+    and resumable bit for bit. Needs ``rollout.max_staleness`` >= 1 (rules ``partial-*``,
+    docs/config.md)."""
+
+    chunk_tokens: int = Field(gt=0, description="new tokens per unfinished sequence per iteration; a sequence of "
+                              "rollout.max_new_tokens tokens spans ceil(max_new_tokens / chunk_tokens) rollouts")
+
+
 class RolloutConfig(_Frozen):
     """Sampling settings of the rollout engine."""
 
@@ -79,6 +94,10 @@ class RolloutConfig(_Frozen):
     sglang: SGLangConfig | None = Field(None, description="engine=sglang settings (None: defaults)")
     agent: AgentConfig | None = Field(None, description="multi-turn rollout with an environment (docs/agents.md); "
                                       "None: one response per sample")
+    partial: PartialRolloutConfig | None = Field(None, description="partial rollouts: at most chunk_tokens new tokens "
+                                                 "per unfinished sequence per iteration, the rest continued by the next "
+                                                 "iteration's rollout under the newer policy (needs max_staleness >= 1); "
+                                                 "None: every response is generated whole")
 
     @model_validator(mode="after")
     def _check_agent(self) -> "RolloutConfig":

@@ -226,6 +226,45 @@ def _stale_untruncated_weights(cfg: Any) -> str | None:
     return None
 
 
+def _partial_needs_staleness(cfg: Any) -> str | None:
+    r = cfg.rollout
+    if r.partial is not None and r.max_staleness < 1:
+        return (f"rollout.partial.chunk_tokens={r.partial.chunk_tokens} continues a sequence under a newer policy than "
+                f"the one that started it, but rollout.max_staleness=0 trains as if every token were on-policy: set "
+                "rollout.max_staleness=1 (decoupled PPO: the actor pass and the rollout correction weigh every token "
+                "by its own behaviour policy), or unset rollout.partial")
+    return None
+
+
+def _partial_chunk_covers_response(cfg: Any) -> str | None:
+    r = cfg.rollout
+    if r.partial is not None and r.partial.chunk_tokens >= r.max_new_tokens:
+        return (f"rollout.partial.chunk_tokens={r.partial.chunk_tokens} is not below rollout.max_new_tokens="
+                f"{r.max_new_tokens}: every response would be generated whole in its first rollout and nothing would "
+                f"carry over: set rollout.partial.chunk_tokens < {r.max_new_tokens}, or unset rollout.partial")
+    return None
+
+
+def _partial_single_turn(cfg: Any) -> str | None:
+    """Partial rollouts continue single-turn responses of the plain rollout stage; the settings
+    that generate otherwise (an agent loop, dynamic sampling's refills, ReMax's greedy baseline,
+    the Ray fan-out's merge) are not built for sequences that span rollouts."""
+    if cfg.rollout.partial is None:
+        return None
+    rollout_runner = cfg.runners.get("rollout")
+    other = [k for k, on in (
+        ("rollout.agent (a multi-turn trajectory is not continued across rollouts)", cfg.rollout.agent is not None),
+        ("dynamic_sampling.enabled (its refills would start groups that cannot carry over)", cfg.dynamic_sampling.enabled),
+        (f"advantage.estimator={cfg.advantage.estimator} (its greedy baseline rollout would need the carried prompts)",
+         ADVANTAGE_ESTIMATORS.info(cfg.advantage.estimator).greedy_baseline),
+        (f"runners.rollout.shards={rollout_runner.shards if rollout_runner else 1} (the shards' merge does not carry "
+         "sequences over)", rollout_runner is not None and rollout_runner.shards > 1)) if on]
+    if other:
+        return (f"rollout.partial continues single-turn responses in one rollout stage, but {other[0]} is set: unset "
+                "rollout.partial, or remove that setting")
+    return None
+
+
 def _distill_alone_task_settings(cfg: Any) -> str | None:
     """With teacher.use_task_rewards false the advantages are the distillation signal alone, so a
     setting that only acts on the task reward or its advantages, or runs a stage for them, would
@@ -271,6 +310,11 @@ CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("dataset-grader-foreign-labels", ("reward.grader", "data.sources"), _dataset_grader_with_foreign_labels),
     Rule("staleness-untruncated-weights", ("rollout.max_staleness", "update.rollout_correction.mode"),
          _stale_untruncated_weights),
+    Rule("partial-needs-staleness", ("rollout.partial.chunk_tokens", "rollout.max_staleness"), _partial_needs_staleness),
+    Rule("partial-chunk-covers-response", ("rollout.partial.chunk_tokens", "rollout.max_new_tokens"),
+         _partial_chunk_covers_response),
+    Rule("partial-single-turn", ("rollout.partial", "rollout.agent", "dynamic_sampling.enabled", "advantage.estimator",
+                                 "runners.rollout.shards"), _partial_single_turn),
     Rule("distill-alone-task-settings", ("teacher.use_task_rewards", "advantage.estimator", "kl.mode", "shaping",
                                          "dynamic_sampling.enabled"), _distill_alone_task_settings),
 )

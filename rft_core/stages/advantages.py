@@ -282,13 +282,17 @@ def run(inp: AdvantagesInput) -> ShardRef:
     ``actor_logprobs`` with the optional ``sum_pi_squared`` column: the optimal token baseline's
     input (``compute_advantages``), weighted by ``rollout_correction``'s weights when given.
     ``teacher_logprobs`` with ``teacher``: on-policy distillation's per-token signal goes into the
-    advantages (``compute_advantages``).
+    advantages (``compute_advantages``). An empty rollout (a partial rollout in which no group
+    finished) gives an empty shard whose next ``TrainState`` is ``inp.state`` (``_empty_summary``).
     """
     commit = stage_commit(inp)
 
     def compute() -> ShardRef:
         r = read_shard(inp.rollout, stage="rollout")
         rewards_table = read_shard(inp.rewards, stage="rewards")
+        if r.num_rows == 0:  # a partial rollout in which no group finished: nothing to train on
+            return commit.write(ADVANTAGES.arrow.empty_table(), schema=ADVANTAGES, summary=_empty_summary(inp),
+                                inputs={"rollout": inp.rollout, "rewards": inp.rewards})
         batch = join_column_groups(
             r, rewards=rewards_table,
             actor_logprobs=read_shard(inp.actor_logprobs, stage="actor_logprobs") if inp.actor_logprobs else None,
@@ -405,6 +409,13 @@ def _summary(batch: ColumnBatch, res: dict[str, Any], kl_cfg: KLConfig, rewards_
         "advantage_abs_mean": float(masked_mean(res["advantages"].abs(), mask)),
         "groups_with_signal": len(signal_prompt_ids(rewards_table)) / max(n_groups, 1),
     }
+
+
+def _empty_summary(inp: AdvantagesInput) -> dict[str, Any]:
+    """The summary of the advantages of an empty rollout (``rollout.partial``: no group finished
+    in this iteration): the KL coefficient and ``TrainState`` carry over unchanged, ``empty``."""
+    return {"seconds": 0.0, "kl_coef": inp.kl.kl_coef, "kl_mode": inp.kl.mode, "kl_estimator": inp.kl.estimator,
+            "next_kl_coef": inp.state.kl_coef, "next_state": inp.state.model_dump(), "empty": True}
 
 
 def next_state(advantages: ShardRef) -> TrainState:

@@ -48,10 +48,11 @@ class Commit:
     contract: str
 
     def write(self, table: pa.Table, *, schema: StageSchema, inputs: Mapping[str, ShardRef] | None = None,
-              summary: Mapping[str, Any] | None = None) -> ShardRef:
-        """``write_shard`` of ``table`` as this commit."""
+              summary: Mapping[str, Any] | None = None,
+              side_tables: Mapping[str, tuple[pa.Table, StageSchema]] | None = None) -> ShardRef:
+        """``write_shard`` of ``table`` (and its ``side_tables``) as this commit."""
         return write_shard(table, self.uri, schema=schema, config_hash=self.config_hash, inputs=inputs, summary=summary,
-                           contract=self.contract)
+                           contract=self.contract, side_tables=side_tables)
 
     def committed(self, *, check_files: bool = True) -> ShardRef | None:
         """The committed ref to reuse, or None (see ``schemas.committed_ref``).

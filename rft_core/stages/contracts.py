@@ -139,6 +139,8 @@ class PromptsInput(StageInput):
                                          "an edited dataset makes committed prompts stale")
     answer_required: bool = Field(True, description="data.source=files: every row needs a reference answer (False when "
                                   "the grader reads none, RewardConfig.needs_reference: the answer is then '' where absent)")
+    carry: ShardRef | None = Field(None, description="rollout.partial: the previous iteration's rollout; the prompt rows of "
+                                   "the groups it carries (carry/prompts.parquet) follow this iteration's own")
 
 
 class RolloutInput(StageInput):
@@ -152,6 +154,10 @@ class RolloutInput(StageInput):
     the temperatures, top-p and the seed play no part): the baseline of ReMax, written to the
     ``baseline_rollout`` stage folder. Left at False it enters no hash, so every committed rollout
     stays valid.
+
+    ``carry`` (``rollout.partial``): the previous iteration's rollout, whose carried sequences this
+    one continues (its manifest's sha256 enters the hash). Left at None (and ``rollout.partial``
+    unset) it enters no hash either.
     """
 
     program: ClassVar[str] = "rollout"
@@ -173,6 +179,8 @@ class RolloutInput(StageInput):
     policy_version: int = Field(0, ge=0, description="the update whose policy ``policy`` is (0: the initial policy; "
                                 "TrainConfig.rollout_policy_version)")
     greedy: bool = Field(False, description="one greedy response per prompt (ReMax's baseline) instead of the sampled group")
+    carry: ShardRef | None = Field(None, description="rollout.partial: the previous iteration's rollout, whose carried "
+                                   "sequences (carry/) this rollout continues; None: the first iteration")
 
     @model_validator(mode="after")
     def _check_shard(self) -> "RolloutInput":
@@ -180,6 +188,10 @@ class RolloutInput(StageInput):
             raise ValueError(f"rollout shard index {self.shard[0]} is not in 0..{self.shard[1] - 1}")
         if self.greedy and self.rollout.agent is not None:
             raise ValueError("a greedy (baseline) rollout is single-turn: rollout.agent must be unset")
+        if self.carry is not None and (self.rollout.partial is None or self.greedy):
+            raise ValueError("rollout carry: only a partial rollout (rollout.partial, not greedy) continues carried sequences")
+        if self.rollout.partial is not None and self.shard is not None:
+            raise ValueError("rollout.partial: a partial rollout is not sharded (runners.rollout.shards must be 1)")
         return self
 
 

@@ -18,6 +18,7 @@ from rft_core.models.loading import load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.stages.common import Commit, Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import PromptsInput, stage_program
+from rft_core.stages.partial import prompts_with_carry
 from schemas import OlderVersionError, ShardRef, StaleShardError, read_manifest
 from schemas.columns import PROMPTS
 
@@ -139,11 +140,16 @@ def run(inp: PromptsInput) -> ShardRef:
     For ``data.source: files`` the summary records ``rows`` (``"{file} row {n}"`` of each
     selected row, in ``dataset_indices`` order), ``dataset_rows`` and ``data_fingerprint``.
 
+    With ``inp.carry`` (``rollout.partial``: the previous iteration's rollout) the prompt rows of
+    the groups it carries follow the iteration's own (``prompts_with_carry``; the summary's
+    ``carried_prompts`` counts them), so the rewards stage finds the prompt of every row.
+
     Raises:
         DatasetError: bad task, unreadable files, a bad row (naming its file, row and column),
             or (overlong_prompts="error") an overlong prompt; raised before anything is written.
         DatasetChangedError: ``inp.out`` was committed from another version of the data files.
         StaleShardError: ``inp.out`` is committed with another config.
+        ShardSchemaError: ``inp.carry`` is no partial rollout, or a carried group has a new prompt's id.
     """
     cfg = inp.data
     files = cfg.source == "files"
@@ -161,7 +167,11 @@ def run(inp: PromptsInput) -> ShardRef:
                                f"data.max_prompt_tokens={cfg.max_prompt_tokens}")
         summary = {"seconds": t.seconds, "skipped_overlong": len(batch.skipped_overlong),
                    "skipped_prompt_ids": batch.skipped_overlong, **extra}
-        return commit.write(batch.table, schema=PROMPTS, summary=summary)
+        if inp.carry is None:
+            return commit.write(batch.table, schema=PROMPTS, summary=summary)
+        table = prompts_with_carry(batch.table, inp.carry)  # rollout.partial: the carried groups' prompt rows after
+        summary["carried_prompts"] = table.num_rows - batch.table.num_rows
+        return commit.write(table, schema=PROMPTS, summary=summary, inputs={"carry": inp.carry})
 
     if not files:
         return reuse_or_compute(commit, compute)

@@ -22,9 +22,21 @@ from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.common import Commit, Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import RolloutInput, RolloutMergeInput, stage_program
+from rft_core.stages.partial import (
+    CARRY_PROMPTS,
+    CARRY_ROLLOUT,
+    carried_prompt_rows,
+    carried_sequences,
+    continue_carried,
+    partial_summary,
+    read_carry,
+    sequence_table,
+    split_groups,
+    started_sequences,
+)
 from rft_core.stages.sources import config_folder, current_source, inference_model
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard
-from schemas.columns import ROLLOUT, policy_version_column, single_turn_columns
+from schemas.columns import PROMPTS, ROLLOUT, policy_version_column, single_turn_columns
 
 SEED_STRIDE = 100_003  # iteration i samples with seed + i * stride: distinct, reproducible streams
 ATTEMPT_STRIDE = 7_919  # dynamic-sampling refill attempts: another offset
@@ -141,6 +153,12 @@ def run(inp: RolloutInput) -> ShardRef:
     a trajectory of model turns and environment observations; a user environment's source
     file enters the config hash (``environment_fingerprint``).
 
+    With ``rollout.partial`` (``_commit_partial_rollout``; ``rft_core.stages.partial``): at most
+    ``chunk_tokens`` new tokens per unfinished sequence; the sequences ``inp.carry`` (the previous
+    rollout) carried are continued from their tokens, the new prompts' groups started; the
+    finished groups are the shard's rows (with ``token_versions``), the others are committed in
+    its ``carry/`` side tables.
+
     With ``inp.greedy`` (ReMax's baseline): one greedy (argmax) response per prompt with the same
     engine, policy and ``max_new_tokens`` (sample_id ``{prompt_id}#0``; temperatures, top-p, FIRE
     and the seed play no part); the summary says ``decoding: greedy``.
@@ -158,6 +176,11 @@ def run(inp: RolloutInput) -> ShardRef:
         if processor is not None and cfg.engine != "hf":
             raise ValueError(f"rollout.engine={cfg.engine!r} does not take images or videos; the vision-language "
                              f"policy {path} rolls out with rollout.engine=hf")
+        if cfg.partial is not None and not inp.greedy:
+            if processor is not None:
+                raise ValueError(f"rollout.partial continues text sequences, but {path} is a vision-language policy: "
+                                 "unset rollout.partial")
+            return _commit_partial_rollout(inp, commit, table)
         engine, tok = make_engine(cfg, inp.policy, dtype=inp.dtype)
         prompt_ids = table.column("prompt_token_ids").to_pylist()
         images, videos = table.column("images").to_pylist(), table.column("videos").to_pylist()
@@ -184,6 +207,48 @@ def run(inp: RolloutInput) -> ShardRef:
     return reuse_or_compute(commit, compute)
 
 
+def _commit_partial_rollout(inp: RolloutInput, commit: Commit, prompts: pa.Table) -> ShardRef:
+    """The partial rollout of ``inp`` (``rollout.partial``; ``rft_core.stages.partial``): the
+    carried sequences of ``inp.carry`` continued by one chunk, ``prompts``' new groups started
+    with one; the finished groups are the shard's rows, the others its carry.
+
+    Raises:
+        ValueError: a carried group whose prompt row is not in ``prompts`` (the prompts stage was
+            not given the same carry).
+    """
+    cfg = inp.rollout
+    assert cfg.partial is not None
+    carried = carried_sequences(read_carry(inp.carry)[0]) if inp.carry is not None else []
+    pids = prompts.column("prompt_id").to_pylist()
+    groups = {s.group for s in carried}
+    if groups - set(pids):
+        raise ValueError(f"rollout: carried groups {sorted(groups - set(pids))[:3]} have no prompt row in {inp.prompts.uri}: "
+                         "the prompts stage must be given the same carry (the previous iteration's rollout)")
+    fresh = [i for i, p in enumerate(pids) if p not in groups]
+    all_ids = prompts.column("prompt_token_ids").to_pylist()
+    prompt_ids = [all_ids[i] for i in fresh]
+    engine, tok = make_engine(cfg, inp.policy, dtype=inp.dtype)
+    version, seed = inp.policy_version, rollout_seed(inp)
+    before = sum(len(s.tokens) for s in carried)  # tokens the carried sequences had: not generated here
+    with Timer() as t, progress_reporter("rollout", unit="sequences") as progress:
+        continued = continue_carried(engine, carried, cfg=cfg, version=version, seed=seed, progress=progress)
+        gens = engine.generate(prompt_ids, n_samples_per_prompt=cfg.n_samples_per_prompt,
+                               max_new_tokens=min(cfg.partial.chunk_tokens, cfg.max_new_tokens),
+                               temperature=cfg.temperature, top_p=cfg.top_p, batch_size=cfg.batch_size, seed=seed,
+                               first_token_temperature=cfg.first_token_temperature, progress=progress)
+    seqs = carried + started_sequences(gens, prompt_ids, [pids[i] for i in fresh], version=version,
+                                       max_new=cfg.max_new_tokens)
+    done, waiting = split_groups(seqs, iteration=inp.iteration)
+    table_out = sequence_table(done, prompts, tok)
+    n_tokens = sum(len(s.tokens) for s in seqs) - before
+    summary = {"seconds": t.seconds, "generated_tokens": n_tokens, "tokens_per_second": n_tokens / max(t.seconds, 1e-9),
+               **rollout_summary(table_out), **version_summary(inp),
+               **partial_summary(done, waiting, iteration=inp.iteration, continued=continued)}
+    side = {CARRY_ROLLOUT: (sequence_table(waiting, prompts, tok), ROLLOUT),
+            CARRY_PROMPTS: (carried_prompt_rows(waiting, prompts), PROMPTS)}
+    return commit.write(table_out, schema=ROLLOUT, inputs=rollout_inputs(inp), summary=summary, side_tables=side)
+
+
 def version_summary(inp: RolloutInput) -> dict[str, int]:
     """The rollout manifest's record of its policy: ``policy_version`` (the update it comes
     from; 0: the initial policy) and ``staleness`` (updates between it and the policy this
@@ -192,8 +257,10 @@ def version_summary(inp: RolloutInput) -> dict[str, int]:
 
 
 def rollout_inputs(inp: RolloutInput) -> dict[str, ShardRef]:
-    """The rollout manifest's inputs: its prompts, and the committed update whose policy generated it."""
-    return {"prompts": inp.prompts, **({"policy": inp.policy} if isinstance(inp.policy, ShardRef) else {})}
+    """The rollout manifest's inputs: its prompts, the committed update whose policy generated it
+    and, for a partial rollout, the previous rollout whose carried sequences it continued."""
+    return {"prompts": inp.prompts, **({"policy": inp.policy} if isinstance(inp.policy, ShardRef) else {}),
+            **({"carry": inp.carry} if inp.carry is not None else {})}
 
 
 def rollout_seed(inp: RolloutInput) -> int:

@@ -42,7 +42,7 @@ from rft_core.stages.sources import current_source
 from rft_core.weightsync.trained import trained_digest
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard, sha256_file
 from schemas.batch import align_on_sample_id
-from schemas.columns import PPO_UPDATE
+from schemas.columns import PPO_UPDATE, token_versions_of
 
 log = logging.getLogger("rft_core.stages")
 
@@ -130,7 +130,7 @@ def _correction(cfg: UpdateConfig, data: UpdateData) -> tuple[SampleCorrection |
     """The rollout correction when ``cfg.rollout_correction.enabled`` (and its metrics); without
     it, only ``rollout_kl`` (the mismatch KL(pi_rollout || pi_old)) when the actor stage ran."""
     rc = cfg.rollout_correction
-    if data.rollout_logprobs is None:
+    if data.rollout_logprobs is None or len(data) == 0:
         return None, {}
     corr = rollout_correction_weights(data, **rc.correction_kwargs())
     if not rc.enabled:
@@ -183,8 +183,12 @@ def configure_trainer(trainer: PolicyTrainer, cfg: UpdateConfig) -> None:
 
 def _run_update(trainer: PolicyTrainer, inp: PPOUpdateInput, data: UpdateData, correction: SampleCorrection | None,
                 *, quiet: bool = False) -> tuple[list[StepMetrics], float]:
-    """The update's optimizer steps on ``trainer``: (step metrics, seconds)."""
+    """The update's optimizer steps on ``trainer``: (step metrics, seconds); none for an empty
+    rollout (``rollout.partial``: no group finished in this iteration), which leaves the weights
+    and the AdamW state as they are (the update still commits them as its version)."""
     cfg, strategy = inp.update, trainer.strategy
+    if len(data) == 0:  # a partial rollout in which no group finished: the policy stays as it is
+        return [], 0.0
     quiet = quiet or strategy.rank != 0
     with Timer() as t, progress_reporter("ppo_update", unit="micro-batches", use_bar=False if quiet else None,
                                          log_fn=(lambda line: None) if quiet else None) as progress:
@@ -215,8 +219,28 @@ def _train(inp: PPOUpdateInput, opt_ref: ShardRef | None):
     trainer = source.trainer(inp) if source is not None else build_trainer(inp.policy, cfg, dtype=inp.dtype, opt_ref=opt_ref)
     steps, seconds = _run_update(trainer, inp, data, correction)
     extra = {**corr_metrics, **({"overlong_filtered_frac": sum(data.excluded) / len(data)} if data.excluded else {}),
-             **_engine_old_logprobs_gap(steps, data)}
+             **_engine_old_logprobs_gap(steps, data), **_weights_by_staleness(inp, correction)}
     return trainer, steps, seconds, extra
+
+
+def _weights_by_staleness(inp: PPOUpdateInput, correction: SampleCorrection | None) -> dict[str, float]:
+    """A partial rollout's correction by token age: for each staleness d (updates between the
+    policy version that sampled a token, ``token_versions``, and the version this update starts
+    from, ``inp.policy_version``), ``rollout_is_weight_mean_staleness_<d>``, the mean weight of
+    the tokens of that age left in the loss. {} without a correction, a version or a
+    ``token_versions`` column (a rollout that was not partial)."""
+    if correction is None or inp.policy_version is None:
+        return {}
+    r = read_shard(inp.rollout, stage="rollout")
+    if "token_versions" not in r.column_names:
+        return {}
+    sums: dict[int, list[float]] = {}
+    for versions, w, keep in zip(token_versions_of(r), correction.weights, correction.keep):
+        for v, wt, k in zip(versions, w.tolist(), keep.tolist()):
+            if k:
+                acc = sums.setdefault(inp.policy_version - v, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + wt, acc[1] + 1
+    return {f"rollout_is_weight_mean_staleness_{d}": total / n for d, (total, n) in sorted(sums.items())}
 
 
 ENGINE_GAP_WARN = 1e-6  # approx_kl of the first step above which the engine's log-probs are not pi_old's
@@ -239,6 +263,8 @@ def _engine_old_logprobs_gap(steps: list[StepMetrics], data: UpdateData) -> dict
 
 
 def _summary(steps: list[StepMetrics], seconds: float, extra: dict[str, float]) -> dict:
+    if not steps:  # an empty rollout: no optimizer step, the weights and AdamW state unchanged
+        return {"seconds": seconds, "optimizer_steps": 0, **extra}
     last = steps[-1]
     return {"seconds": seconds, "policy_loss": sum(s.policy_loss for s in steps) / len(steps),
             "clip_frac": sum(s.clip_frac for s in steps) / len(steps), "approx_kl": last.approx_kl,

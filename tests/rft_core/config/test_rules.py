@@ -104,6 +104,23 @@ CASES = [
     ("resident-blockers", {"orchestration.workers": "resident", "runners.ppo_update.mode": "subprocess"},
      ["runners.ppo_update sets how ppo_update starts a process of its own", "orchestration.workers=resident"],
      "remove runners.ppo_update, or set orchestration.workers=stage"),
+    # partial rollouts (issue 48)
+    ("partial-needs-staleness", {"rollout.partial.chunk_tokens": 16},
+     ["rollout.partial.chunk_tokens=16", "rollout.max_staleness=0"], "set rollout.max_staleness=1"),
+    ("partial-chunk-covers-response", {"rollout.partial.chunk_tokens": 48, "rollout.max_new_tokens": 48,
+                                       "rollout.max_staleness": 1},
+     ["rollout.partial.chunk_tokens=48", "rollout.max_new_tokens=48"], "set rollout.partial.chunk_tokens < 48"),
+    ("partial-single-turn", {"rollout.partial.chunk_tokens": 16, "rollout.max_staleness": 1,
+                             "rollout.agent": {"environment": "calculator"}},
+     ["rollout.partial", "rollout.agent"], "unset rollout.partial"),
+    ("partial-single-turn", {"rollout.partial.chunk_tokens": 16, "rollout.max_staleness": 1,
+                             "dynamic_sampling.enabled": True}, ["rollout.partial", "dynamic_sampling.enabled"],
+     "remove that setting"),
+    ("partial-single-turn", {"rollout.partial.chunk_tokens": 16, "rollout.max_staleness": 1, "advantage": "remax"},
+     ["rollout.partial", "advantage.estimator=remax"], "unset rollout.partial"),
+    ("partial-single-turn", {"rollout.partial.chunk_tokens": 16, "rollout.max_staleness": 1,
+                             "runners.rollout.shards": 2}, ["rollout.partial", "runners.rollout.shards=2"],
+     "unset rollout.partial"),
     # on-policy distillation (teacher)
     ("distill-alone-task-settings", {"teacher.path": "t", "teacher.use_task_rewards": False,
                                      "shaping.advantage_whiten": True},
@@ -163,6 +180,9 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
         "mode": "tis", "rejection": "seq_mean_k1", "rejection_cap": 2.0}})
     load_config(None, {"update.rollout_correction.mode": "seq-mask-tis"})  # s = 0: the engine mismatch alone
     load_config(None, {"rollout.max_staleness": 1, "update.rollout_correction.mode": "sequence_mask"})  # docs/algorithms.md
+    load_config(None, {"rollout.partial.chunk_tokens": 16, "rollout.max_staleness": 1})  # partial rollouts
+    load_config(None, {"rollout.partial.chunk_tokens": 16, "rollout.max_staleness": 1,
+                       "orchestration.workers": "resident"})  # resident workers continue the carry too
     # distillation alone needs no group: one sample per prompt loads, and so does the KL as a loss term
     load_config(None, {"teacher.path": "t", "teacher.use_task_rewards": False, "rollout.n_samples_per_prompt": 1})
     load_config(None, {"teacher.path": "t", "teacher.use_task_rewards": False, "kl.kl_coef": 0.1})
