@@ -251,6 +251,17 @@ def _distill_alone_task_settings(cfg: Any) -> str | None:
     return None
 
 
+def _fsdp_with_deepspeed(cfg: Any) -> str | None:
+    both = [s for s in ("update", "critic") if getattr(cfg, s).fsdp is not None and getattr(cfg, s).deepspeed is not None]
+    if both:
+        s = both[0]
+        return (f"{s}.fsdp and {s}.deepspeed each shard the {'policy' if s == 'update' else 'critic'}'s parameters, "
+                "gradients and AdamW state over the ranks, with their own process group, wrapping and checkpoint "
+                f"format (FSDP2's torch.distributed.checkpoint shards, DeepSpeed's ZeRO partitions): keep one, remove "
+                f"{s}.fsdp or {s}.deepspeed")
+    return None
+
+
 CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("group-one-sample", ("advantage.estimator", "rollout.n_samples_per_prompt"), _group_one_sample),
     Rule("pass-at-k-beyond-group", ("advantage.k", "rollout.n_samples_per_prompt"), _pass_at_k_beyond_group),
@@ -271,6 +282,8 @@ CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("dataset-grader-foreign-labels", ("reward.grader", "data.sources"), _dataset_grader_with_foreign_labels),
     Rule("staleness-untruncated-weights", ("rollout.max_staleness", "update.rollout_correction.mode"),
          _stale_untruncated_weights),
+    Rule("fsdp-with-deepspeed", ("update.fsdp", "update.deepspeed", "critic.fsdp", "critic.deepspeed"),
+         _fsdp_with_deepspeed),
     Rule("distill-alone-task-settings", ("teacher.use_task_rewards", "advantage.estimator", "kl.mode", "shaping",
                                          "dynamic_sampling.enabled"), _distill_alone_task_settings),
 )
