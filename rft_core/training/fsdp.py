@@ -145,7 +145,9 @@ def shard_model(model: torch.nn.Module, *, mesh, reshard_after_forward: bool, bf
         raise ValueError(f"FSDP2: {type(model).__name__} names no decoder layer class (_no_split_modules): "
                          "one fully_shard per layer needs an HF transformers model")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16_compute else None, reduce_dtype=torch.float32)
-    kw = {"mesh": mesh, "mp_policy": mp, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+    # pinned host memory only where there is a GPU to copy to (pinning needs an accelerator)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    kw = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
     # the root's parameters (embeddings, final norm, head) are used last in forward and first in
@@ -264,7 +266,10 @@ class FSDPStrategy:
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
                                             options=StateDictOptions(ignore_frozen_params=True))
-        return {"model": model_sd, "optim": optim_sd}
+        # a frozen weight tied to another (a LoRA base's LM head) passes ignore_frozen_params, which
+        # looks at named_parameters() without duplicates (torch/distributed/checkpoint/state_dict.py, 2.13)
+        trainable = {n for n, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        return {"model": {k: v for k, v in model_sd.items() if k in trainable}, "optim": optim_sd}
 
     def save_state(self, folder: str, tag: str = FSDP_TAG) -> None:
         """Write the sharded state (float32 masters and AdamW moments, ``_sharded_state``) with

@@ -66,7 +66,7 @@ def test_fsdp_three_iterations_match_deepspeed_zero3(update_inputs, ds_chain, fs
     assert_shard_advantages_nonzero(update_inputs[2])
     zero3, _ = ds_chain(3)
     refs, _ = fsdp_chain
-    assert max_diff(weights(zero3[-1].uri), weights(update_inputs[4].uri)) > 1e-2  # 3 iterations moved them
+    assert max_diff(weights(zero3[-1].uri), weights(update_inputs[4].uri)) > 1e-3  # iterations 2 and 3 moved them
     diffs = []
     for ref, z3 in zip(refs, zero3):
         assert read_shard(ref.uri).to_pydict()["policy_loss"] == pytest.approx(
@@ -95,6 +95,7 @@ def test_bf16_masters_are_continued_not_rounded(update_inputs, tiny_model):
     """bfloat16 under FSDP2: the DCP state holds float32 master shards that round to the bfloat16
     checkpoint but hold more; iteration 2 at lr 1e-30 ends with them unchanged (a restart from
     the bfloat16 weights would be off by > 1e-5)."""
+    from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     cfg = fsdp(update_inputs[3])
@@ -108,9 +109,10 @@ def test_bf16_masters_are_continued_not_rounded(update_inputs, tiny_model):
         dcp_to_torch_save(f"{folder}/dcp", f"{folder}.pt")
         masters.append(torch.load(f"{folder}.pt", weights_only=False)["model"])
     m1, m2 = masters
-    w1 = weights(u1.uri)
+    w1 = load_causal_lm(f"{u1.uri}/policy", dtype="bfloat16").state_dict()
     assert m1.keys() <= w1.keys() and m1["lm_head.weight"].dtype == torch.float32
-    assert w1["lm_head.weight"].dtype == torch.bfloat16  # the checkpoint is bfloat16 ...
+    assert load_file(f"{u1.uri}/policy/model.safetensors")["model.embed_tokens.weight"].dtype == torch.bfloat16  # the
+    # checkpoint is bfloat16 ...
     assert all(torch.equal(m1[k].bfloat16(), w1[k]) for k in m1)  # ... the masters' rounding
     assert max_diff(m1, {k: v.bfloat16() for k, v in m1.items()}) > 1e-5  # and they hold more than it
     assert max_diff(m2, m1) < 1e-12
@@ -192,3 +194,50 @@ def test_resident_fsdp_gang_keeps_its_state_and_equals_the_torchrun_updates(upda
     assert all(torch.equal(got[k], want[k]) for k in want), max_diff(got, want)
     assert all(torch.equal(synced[k], v) for k, v in got.items())
     assert read_manifest(opt_state.optimizer_state_uri(refs[-1]))[0].summary["format"] == "fsdp"
+
+
+@pytest.fixture
+def own_process_group():
+    """A world of one rank in this process for the test (FSDP2 needs a process group), removed
+    after it with the environment it set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK)."""
+    import os
+
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_cpu_offload_on_one_rank_matches_one_process(tiny_model, own_process_group):
+    """FSDP2 on a world of one rank (outside torchrun), with and without CPUOffloadPolicy, trains
+    as the single process does: same gradient norms (4 steps), weights within 1e-6; in bfloat16
+    the gathered checkpoint weights are bfloat16 (the float32 shards' rounding)."""
+    from rft_core.training.update import UpdateData, UpdateSettings, ppo_update
+
+    data = UpdateData(prompts=[[5, 6, 7], [9, 10], [11, 12, 13, 14], [15]], responses=[[8, 9], [3, 4, 5], [6], [7, 8]],
+                      old_logprobs=[[-5.0, -5.0], [-5.0] * 3, [-5.0], [-5.0, -5.0]],
+                      advantages=[[1.0, 1.0], [-1.0] * 3, [1.0], [-1.0, -1.0]])
+    optim = OptimizerSettings(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
+    settings = UpdateSettings(micro_batch_size=1, train_batch_size=2, epochs=2)
+    got = {}
+    with one_thread():
+        for name, kw, dtype in [("single", {}, "float32"), ("fsdp", {"fsdp": FSDPConfig()}, "float32"),
+                                ("offload", {"fsdp": FSDPConfig(cpu_offload=True)}, "float32"),
+                                ("bf16", {"fsdp": FSDPConfig(reshard_after_forward=False)}, "bfloat16")]:
+            strategy = build_strategy(load_causal_lm(tiny_model, dtype=dtype, trainable=True), optim=optim, **kw)
+            steps = ppo_update(strategy, data, settings, pad_token_id=2)
+            weights_now = strategy.full_state_dict() if kw else strategy.model.state_dict()
+            got[name] = ([s.grad_norm for s in steps], {k: v.detach().clone() for k, v in weights_now.items()})
+    norms, single = got["single"]
+    assert len(norms) == 4 and min(norms) > 1e-3
+    init = load_causal_lm(tiny_model).state_dict()
+    assert max_diff(single, {k: init[k] for k in single}) > 1e-3
+    for name in ("fsdp", "offload"):
+        assert got[name][0] == pytest.approx(norms, rel=1e-5), name
+        assert max_diff(got[name][1], single) < 1e-6, name
+    assert got["bf16"][1]["lm_head.weight"].dtype == torch.bfloat16
+    assert got["bf16"][0] == pytest.approx(norms, rel=2e-2)  # bfloat16 compute: close, not equal
