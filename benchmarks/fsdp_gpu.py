@@ -44,7 +44,10 @@ BACKENDS = ("fsdp", "zero3")
 
 def _data(args, vocab: int):
     """The synthetic update: ``args.samples`` prompts of ``args.prompt_len`` and responses of
-    ``args.response_len`` random tokens (seeded), old log-probs -5, advantages +-1."""
+    ``args.response_len`` random tokens (seeded), old log-probs log(1 / vocab) (about a random
+    model's, so the PPO ratio stays near 1 and no token is clipped away), advantages +-1."""
+    import math
+
     import torch
 
     from rft_core.training.update import UpdateData
@@ -53,7 +56,7 @@ def _data(args, vocab: int):
     n = args.samples
     prompts = torch.randint(3, vocab, (n, args.prompt_len), generator=g).tolist()
     responses = torch.randint(3, vocab, (n, args.response_len), generator=g).tolist()
-    return UpdateData(prompts=prompts, responses=responses, old_logprobs=[[-5.0] * args.response_len] * n,
+    return UpdateData(prompts=prompts, responses=responses, old_logprobs=[[-math.log(vocab)] * args.response_len] * n,
                       advantages=[[1.0 if i % 2 else -1.0] * args.response_len for i in range(n)])
 
 
