@@ -188,12 +188,12 @@ class FSDPStrategy:
         self._saved_dtypes = {n: t.dtype for n, t in model.state_dict().items()}
         trainable_bf16 = any(p.requires_grad and p.dtype == torch.bfloat16 for p in model.parameters())
         self.bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
-        if trainable_bf16:  # the float32 masters: an exact upcast of the loaded bfloat16 weights
-            model.to(torch.float32)
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        if not cpu_offload:
+        if not cpu_offload:  # first, so that the float32 copy is made on the device, not in host memory
             model.to(self.device)
+        if trainable_bf16:  # the float32 masters: an exact upcast of the loaded bfloat16 weights
+            model.to(torch.float32)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.layers = shard_model(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward,
                                   bf16_compute=trainable_bf16, cpu_offload=cpu_offload)
