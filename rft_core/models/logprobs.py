@@ -224,7 +224,8 @@ def model_device(model: torch.nn.Module) -> torch.device:
     p = next(model.parameters())
     mesh = getattr(p, "device_mesh", None)
     if mesh is not None and mesh.device_type != p.device.type:
-        return torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+        return (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
+                else torch.device(mesh.device_type))
     return p.device
 
 

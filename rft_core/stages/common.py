@@ -165,8 +165,8 @@ class _WithStateDict:
         self.model.save_pretrained(out, state_dict=self.state_dict, **kw)
 
 
-def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy | FSDPStrategy, *, subdir: str, tokenizer, steps: list,
-                   schema: StageSchema, inputs: Mapping[str, ShardRef], summary: dict,
+def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy | FSDPStrategy, *, subdir: str,
+                   tokenizer, steps: list, schema: StageSchema, inputs: Mapping[str, ShardRef], summary: dict,
                    keep_optimizer: bool, save_weights: bool = True) -> ShardRef:
     """Commit what ``strategy`` trained (``commit_checkpoint``). One process: the model, with
     its AdamW state inside the checkpoint when ``keep_optimizer``. DeepSpeed: the weights are

@@ -251,13 +251,22 @@ class FSDPStrategy:
         """Every weight of the model gathered on rank 0's CPU (``DTensor.full_tensor`` through
         ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``; a collective: call it on
         every rank), each in the dtype it was loaded in (the float32 masters rounded to bfloat16 in
-        mixed precision); None on the other ranks."""
+        mixed precision); None on the other ranks. Tied weights (an embedding and the LM head) are
+        one tensor under both names, as in the unsharded model, so ``save_pretrained`` writes it
+        once, as it does for that model."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
-        return {n: t.to(self._saved_dtypes.get(n, t.dtype)) for n, t in full.items()}
+        first: dict[int, str] = {}
+        tied = {}  # a later name of a parameter -> its first name
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            tied.update({name: first[id(p)]} if id(p) in first else {})
+            first.setdefault(id(p), name)
+        out = {n: t.to(self._saved_dtypes.get(n, t.dtype)) for n, t in full.items() if n not in tied}
+        out.update({n: out[src] for n, src in tied.items() if n in full and src in out})
+        return out
 
     def _sharded_state(self) -> dict:
         """{"model": the trainable parameters' shards (DTensors), "optim": AdamW's sharded state},
