@@ -20,7 +20,7 @@ model is the embedded SmolLM2-135M), no Prefect, no Ray; without deepspeed it re
 alone.
 
     python benchmarks/fsdp_gpu.py                           # the default model on one GPU, < 2 min on an H100
-    python benchmarks/fsdp_gpu.py --model /models/Qwen2.5-0.5B --samples 64
+    python benchmarks/fsdp_gpu.py --model /tmp/q05 --json out.json   # the 0.4B shape of make bench-gpu (gpu_bench.build_model)
     python benchmarks/fsdp_gpu.py --cpu --tiny              # dry run on the CPU with a tiny random Llama
     python benchmarks/fsdp_gpu.py --cpu --nproc 2           # CPU, 2 ranks over gloo (docs/scale.md)
 
@@ -188,13 +188,13 @@ def main() -> int:
             row.update(device=device, model=args.model, torch=torch.__version__)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.json:  # after each backend: a time limit that ends the second leaves the first
+                with open(args.json, "w") as fh:
+                    json.dump(rows, fh, indent=1)
     if len(rows) == 2:
         f, z = rows
         key = "peak_gib" if f["peak_gib"] is not None else "peak_rss_gib"
         print(f"FSDP2 {f['update_s']} s, {f[key]} GiB; ZeRO-3 {z['update_s']} s, {z[key]} GiB ({key}, {device})")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
     return 0
 
 
