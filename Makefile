@@ -57,10 +57,10 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 # Every SIGKILL row docs/reliability.md and docs/scale.md list, the ones CI skips for time included
-# (tests/test_faults*.py: 18 stage-mode rows, 11 resident, 2 asynchronous); ~1 h on 2 cores.
+# (tests/test_faults*.py: 18 stage-mode rows, 11 resident, 2 asynchronous, 2 FSDP2); ~1 h 10 min on 2 cores.
 .PHONY: test-faults-all
 test-faults-all: $(STAMP)
-	RFT_FAULTS_ALL=1 $(BIN)/python -m pytest -q tests/test_faults.py tests/test_faults_resident.py tests/test_faults_async.py
+	RFT_FAULTS_ALL=1 $(BIN)/python -m pytest -q tests/test_faults.py tests/test_faults_resident.py tests/test_faults_async.py tests/test_faults_fsdp.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/iteration.py

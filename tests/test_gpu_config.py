@@ -36,3 +36,14 @@ def test_the_7b_workers_fill_one_8_gpu_node():
     gpus = {role: actor_options(workers, role, cluster_gpus=8)["num_gpus"] for role in roles}
     assert gpus == {"policy": 1, "rollout": 2, "reference": 1}
     assert sum(gpus[r] * n for r, n in roles.items()) == 8
+
+
+FSDP_VARIANT = ["update.deepspeed=null", "update.fsdp.reshard_after_forward=true"]  # docs/gpu.md, "FSDP2 instead"
+
+
+def test_the_fsdp2_variant_of_the_7b_recipe_loads_and_fills_the_same_gpus():
+    cfg = load_config(CONFIG, FSDP_VARIANT)
+    assert cfg.update.deepspeed is None and cfg.update.fsdp.reshard_after_forward and not cfg.update.fsdp.cpu_offload
+    assert cfg.orchestration.policy_ranks == 5 and cfg.resident_blockers() == []
+    workers = cfg.runner("ppo_update").workers
+    assert actor_options(workers, "policy", cluster_gpus=8)["num_gpus"] == 1

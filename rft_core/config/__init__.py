@@ -46,7 +46,7 @@ from rft_core.models.logprobs import default_device
 from rft_core.config.rules import CONTRADICTIONS, contradictions  # noqa: F401
 from rft_core.config.run import CheckpointConfig, ObserveConfig, WandbConfig  # noqa: F401
 from rft_core.config.scale import (  # noqa: F401
-    RAY_ROLES, RESIDENT_STAGES, ROLLOUT_SHARD, RUNNABLE_STAGES, DeepSpeedConfig, LoraConfig, OrchestrationConfig,
+    RAY_ROLES, RESIDENT_STAGES, ROLLOUT_SHARD, RUNNABLE_STAGES, DeepSpeedConfig, FSDPConfig, LoraConfig, OrchestrationConfig,
     RayConfig, RunnerConfig, SGLangConfig, VLLMConfig, WorkersConfig)
 
 
@@ -111,6 +111,8 @@ class UpdateConfig(_Frozen):
     packing: bool = Field(True, description="pack each micro-batch into one row without padding (position ids restart "
                           "per sequence; False: padded rows)")
     deepspeed: DeepSpeedConfig | None = Field(None, description="DeepSpeed ZeRO (multi-rank, under torchrun)")
+    fsdp: FSDPConfig | None = Field(None, description="torch FSDP2 (multi-rank, under torchrun or policy_ranks; not "
+                                    "with deepspeed)")
 
     _a = field_validator("loss_agg")(lambda cls, v: _check_name(LOSS_AGGREGATIONS, v))
 
@@ -151,6 +153,8 @@ class CriticConfig(_Frozen):
     seed: int = 0
     packing: bool = Field(False, description="pack each micro-batch into one row without padding (values and update)")
     deepspeed: DeepSpeedConfig | None = Field(None, description="DeepSpeed ZeRO for the critic update (multi-rank, under torchrun)")
+    fsdp: FSDPConfig | None = Field(None, description="torch FSDP2 for the critic update (multi-rank, under torchrun; "
+                                    "not with deepspeed)")
 
     _v = field_validator("value_loss")(lambda cls, v: _check_name(VALUE_LOSSES, v))
     _a = field_validator("loss_agg")(lambda cls, v: _check_name(LOSS_AGGREGATIONS, v))
@@ -259,12 +263,17 @@ class TrainConfig(_Frozen):
         if self.update.deepspeed is not None and self.update.lora is not None:
             reasons.append("update.deepspeed with update.lora: the resident DeepSpeed trainer syncs full weights, not "
                            "merged LoRA adapters, so far (LoRA alone, or DeepSpeed alone, is covered)")
-        if self.critic.deepspeed is not None:
-            reasons.append("critic.deepspeed: the resident critic worker trains in one process so far (the policy's "
-                           "DeepSpeed ranks are covered: orchestration.policy_ranks)")
-        if self.orchestration.policy_ranks > 1 and self.update.deepspeed is None:
+        if self.update.fsdp is not None and self.update.lora is not None:
+            reasons.append("update.fsdp with update.lora: the resident FSDP2 trainer syncs full weights, not merged "
+                           "LoRA adapters, so far (FSDP2 with LoRA runs in stage mode under torchrun)")
+        for key in ("deepspeed", "fsdp"):
+            if getattr(self.critic, key) is not None:
+                reasons.append(f"critic.{key}: the resident critic worker trains in one process so far (the policy's "
+                               "data-parallel ranks are covered: orchestration.policy_ranks)")
+        if self.orchestration.policy_ranks > 1 and self.update.deepspeed is None and self.update.fsdp is None:
             reasons.append(f"orchestration.policy_ranks={self.orchestration.policy_ranks}: several policy ranks are "
-                           "DeepSpeed data parallelism; set update.deepspeed.zero_stage (1, 2 or 3)")
+                           "DeepSpeed or FSDP2 data parallelism; set update.deepspeed.zero_stage (1, 2 or 3) or "
+                           "update.fsdp")
         if self.rollout.max_staleness > 1 and self.rollout.engine != "hf":
             reasons.append(f"rollout.max_staleness={self.rollout.max_staleness} with rollout.engine={self.rollout.engine}: "
                            "a resident GPU engine holds one policy version (the hf engine's rollout worker keeps one "

@@ -290,6 +290,17 @@ def _distill_alone_task_settings(cfg: Any) -> str | None:
     return None
 
 
+def _fsdp_with_deepspeed(cfg: Any) -> str | None:
+    both = [s for s in ("update", "critic") if getattr(cfg, s).fsdp is not None and getattr(cfg, s).deepspeed is not None]
+    if both:
+        s = both[0]
+        return (f"{s}.fsdp and {s}.deepspeed each shard the {'policy' if s == 'update' else 'critic'}'s parameters, "
+                "gradients and AdamW state over the ranks, with their own process group, wrapping and checkpoint "
+                f"format (FSDP2's torch.distributed.checkpoint shards, DeepSpeed's ZeRO partitions): keep one, remove "
+                f"{s}.fsdp or {s}.deepspeed")
+    return None
+
+
 CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("group-one-sample", ("advantage.estimator", "rollout.n_samples_per_prompt"), _group_one_sample),
     Rule("pass-at-k-beyond-group", ("advantage.k", "rollout.n_samples_per_prompt"), _pass_at_k_beyond_group),
@@ -315,6 +326,8 @@ CONTRADICTIONS: tuple[Rule, ...] = (
          _partial_chunk_covers_response),
     Rule("partial-single-turn", ("rollout.partial", "rollout.agent", "dynamic_sampling.enabled", "advantage.estimator",
                                  "runners.rollout.shards"), _partial_single_turn),
+    Rule("fsdp-with-deepspeed", ("update.fsdp", "update.deepspeed", "critic.fsdp", "critic.deepspeed"),
+         _fsdp_with_deepspeed),
     Rule("distill-alone-task-settings", ("teacher.use_task_rewards", "advantage.estimator", "kl.mode", "shaping",
                                          "dynamic_sampling.enabled"), _distill_alone_task_settings),
 )

@@ -1,4 +1,4 @@
-"""Scale-out configs: the vLLM and SGLang engines, LoRA, DeepSpeed ZeRO, where each stage
+"""Scale-out configs: the vLLM and SGLang engines, LoRA, DeepSpeed ZeRO, FSDP2, where each stage
 program runs (``runners``, ``orchestration.workers``) and the Ray cluster (``ray``; docs/scale.md)."""
 from __future__ import annotations
 
@@ -50,6 +50,22 @@ class DeepSpeedConfig(_Frozen):
     offload_optimizer: bool = Field(False, description="ZeRO-Offload of the optimizer state to CPU memory")
     torch_adam: bool = Field(True, description="torch's AdamW instead of DeepSpeed's FusedAdam (whose CUDA op "
                              "DeepSpeed compiles with nvcc and ninja on first use)")
+
+
+class FSDPConfig(_Frozen):
+    """torch's FSDP2 (``torch.distributed.fsdp.fully_shard``) data parallelism for the update,
+    beside DeepSpeed ZeRO (the two refuse each other): one ``fully_shard`` per decoder layer plus
+    the root, parameters, gradients and AdamW state sharded over the ranks (ZeRO-3's layout);
+    bfloat16 compute over float32 master shards with ``policy.dtype: bfloat16``
+    (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``). Launch it with
+    torchrun (``runners.ppo_update: {mode: subprocess, launcher: torchrun, nproc_per_node: N}``)
+    or as a resident gang (``orchestration.policy_ranks: N``); docs/scale.md "FSDP2 or DeepSpeed"."""
+
+    reshard_after_forward: bool = Field(True, description="free each layer's gathered parameters after its forward "
+                                        "and gather them again in backward (ZeRO-3's memory; false: keep them, "
+                                        "ZeRO-2's memory, one all-gather fewer per layer)")
+    cpu_offload: bool = Field(False, description="keep the parameter, gradient and AdamW shards in CPU memory "
+                              "(FSDP2's CPUOffloadPolicy; AdamW steps on the CPU)")
 
 
 # Stages whose program can run in a subprocess (another interpreter, torchrun): those holding a model.
@@ -171,5 +187,5 @@ class OrchestrationConfig(_Frozen):
     sync_timeout_s: float = Field(300.0, gt=0, description="workers=resident: a weight sync that takes longer fails")
     sync_bucket_mb: int = Field(256, gt=0, description="workers=resident: weights move in buckets of this many MiB")
     policy_ranks: int = Field(1, gt=0, description="workers=resident: data-parallel ranks of the policy trainer "
-                              "(update.deepspeed, ZeRO 1/2/3), one Ray actor each with its own GPU on a cluster "
+                              "(update.deepspeed, ZeRO 1/2/3, or update.fsdp), one Ray actor each with its own GPU on a cluster "
                               "with GPUs (under workers=stage: runners.ppo_update with torchrun)")

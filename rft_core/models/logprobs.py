@@ -218,8 +218,15 @@ def packed_model_inputs(model: torch.nn.Module, batch: PackedBatch, device: torc
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
-    """The device of the model's first parameter (where its inputs must go)."""
-    return next(model.parameters()).device
+    """The device of the model's first parameter (where its inputs must go); an FSDP2 model's
+    (DTensor parameters) is its device mesh's, which is where it computes also when its shards
+    sit in CPU memory (``CPUOffloadPolicy``)."""
+    p = next(model.parameters())
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is not None and mesh.device_type != p.device.type:
+        return (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
+                else torch.device(mesh.device_type))
+    return p.device
 
 
 def release_device_memory() -> bool:

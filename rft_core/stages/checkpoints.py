@@ -73,8 +73,9 @@ def require_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> ShardRef:
 
 
 # a downloaded checkpoint folder is complete once one of these is there (full model, LoRA
-# adapter, optimizer stage, DeepSpeed optimizer stage); the download is renamed into place atomically
-_COMPLETE_MARKERS = ("config.json", "adapter_config.json", OPTIMIZER_FILE, "latest")  # latest: a DeepSpeed state
+# adapter, optimizer stage, DeepSpeed optimizer stage, FSDP2 optimizer stage); the download is renamed into place atomically
+_COMPLETE_MARKERS = ("config.json", "adapter_config.json", OPTIMIZER_FILE, "latest",  # latest: a DeepSpeed state
+                     "dcp/.metadata")  # an FSDP2 state (torch.distributed.checkpoint)
 
 
 def _checkpoint_folder(policy: ShardRef, subdir: str) -> str:

@@ -16,7 +16,7 @@ from rft_core.stages.contracts import StageInput
 from rft_core.stages.recovery import weights_stage
 from rft_core.stages.retention import CHECKPOINT_STAGES, latest_policy_checkpoint
 from rft_core.training.checkpoint import save_checkpoint
-from rft_core.training.strategy import DeepSpeedStrategy, SingleProcess
+from rft_core.training.strategy import DeepSpeedStrategy, FSDPStrategy, SingleProcess
 from schemas import (
     OlderVersionError,
     ShardRef,
@@ -168,8 +168,8 @@ class _WithStateDict:
         self.model.save_pretrained(out, state_dict=self.state_dict, **kw)
 
 
-def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy, *, subdir: str, tokenizer, steps: list,
-                   schema: StageSchema, inputs: Mapping[str, ShardRef], summary: dict,
+def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy | FSDPStrategy, *, subdir: str,
+                   tokenizer, steps: list, schema: StageSchema, inputs: Mapping[str, ShardRef], summary: dict,
                    keep_optimizer: bool, save_weights: bool = True) -> ShardRef:
     """Commit what ``strategy`` trained (``commit_checkpoint``). One process: the model, with
     its AdamW state inside the checkpoint when ``keep_optimizer``. DeepSpeed: the weights are
@@ -177,7 +177,9 @@ def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy, 
     and zero_stage), the other ranks wait for the commit and return the same ref; the ZeRO state
     (partitioned over the ranks) is not part of this commit: the policy update commits it as its
     optimizer stage (``rft_core.stages.optimizer_state.commit_deepspeed_optimizer_state``), and
-    ``keep_optimizer`` is ignored (the critic's ZeRO state is not kept)."""
+    ``keep_optimizer`` is ignored (the critic's ZeRO state is not kept). FSDP2 likewise: the
+    weights gathered to rank 0 (``FSDPStrategy.full_state_dict``, in the dtypes they were
+    loaded in), the summary records world_size and ``sharding: fsdp2``."""
     if isinstance(strategy, SingleProcess):
         return commit_checkpoint(commit, subdir=subdir, model=strategy.model, tokenizer=tokenizer,
                                  optimizer=strategy.optimizer if keep_optimizer else None, steps=steps, schema=schema,
@@ -185,9 +187,10 @@ def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy, 
     state = strategy.full_state_dict() if save_weights else None
     ref = None
     if strategy.rank == 0:
-        ref = commit_checkpoint(commit, subdir=subdir, model=_WithStateDict(strategy.model.module, state), tokenizer=tokenizer,
+        layout = ({"sharding": "fsdp2"} if isinstance(strategy, FSDPStrategy) else {"zero_stage": strategy.zero_stage})
+        ref = commit_checkpoint(commit, subdir=subdir, model=_WithStateDict(strategy.module, state), tokenizer=tokenizer,
                                 optimizer=None, steps=steps, schema=schema, inputs=inputs,
-                                summary={**summary, "world_size": strategy.world_size, "zero_stage": strategy.zero_stage},
+                                summary={**summary, "world_size": strategy.world_size, **layout},
                                 save_weights=save_weights)
     strategy.barrier()
     if ref is None:

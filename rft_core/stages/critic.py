@@ -64,7 +64,8 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
 @stage_program(CriticUpdateInput)
 def run_update(inp: CriticUpdateInput) -> ShardRef:
     """Train the critic on the advantage stage's returns with the shared training loop (one
-    process on ``default_device()``, or DeepSpeed ZeRO with ``critic.deepspeed`` under torchrun),
+    process on ``default_device()``, or DeepSpeed ZeRO with ``critic.deepspeed``, or FSDP2 with
+    ``critic.fsdp``, under torchrun; their AdamW starts afresh each update),
     on the tokens the policy sampled (the rollout's ``action_mask``: not on a multi-turn
     response's observation tokens);
     commits metrics + the ``critic/`` checkpoint (with its AdamW state in one process). A critic in
@@ -88,7 +89,8 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         tok = load_tokenizer(path)
         strategy = critic_strategy(inp.model, lambda: build_strategy(
             load_critic(path, dtype=cfg.dtype, trainable=True), optim=OptimizerSettings.of(cfg), deepspeed=cfg.deepspeed,
-            compute_dtype=cfg.dtype, optimizer_state=None if cfg.deepspeed else policy_checkpoint_dir(inp.model, CRITIC_SUBDIR)),
+            fsdp=cfg.fsdp, compute_dtype=cfg.dtype,
+            optimizer_state=None if cfg.deepspeed or cfg.fsdp else policy_checkpoint_dir(inp.model, CRITIC_SUBDIR)),
             lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
         quiet = strategy.rank != 0
         with Timer() as t, progress_reporter("critic_update", unit="micro-batches", use_bar=False if quiet else None,

@@ -40,6 +40,12 @@ whose weights are on storage always has its AdamW state there too; a crash befor
 previous checkpoint the one a resume rebuilds from (the committed updates after it re-applied).
 The next ``ppo_update`` waits for both writes before it changes the weights they read
 (``optimizer_state_ref``).
+
+An FSDP2 update (``update.fsdp``) writes the stage the same way with its own sharded format
+(``commit_sharded_optimizer_state``): every rank its shards of the float32 masters and AdamW
+state through ``torch.distributed.checkpoint`` (``dcp/.metadata``, ``dcp/__{rank}_0.distcp``),
+then rank 0's manifest with ``format: fsdp``, the world size and dtype (``fsdp_checkpoint``); the
+next update loads it on any number of ranks (DCP reshards).
 """
 from __future__ import annotations
 
@@ -61,7 +67,15 @@ from rft_core.stages.common import Commit, stage_commit
 from rft_core.stages.contracts import OptimizerStateInput, PolicyCheckpointInput
 from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri
 from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX, save_checkpoint
-from rft_core.training.strategy import DeepSpeedCheckpoint, DeepSpeedStateError, DeepSpeedStrategy, init_distributed
+from rft_core.training.fsdp import FSDP_TAG, init_process_group
+from rft_core.training.strategy import (
+    DeepSpeedCheckpoint,
+    DeepSpeedStateError,
+    DeepSpeedStrategy,
+    FSDPCheckpoint,
+    FSDPStrategy,
+    init_distributed,
+)
 from schemas import ShardRef, commit_files, local_path, prepare_stage_dir, read_manifest, storage_errors
 from schemas.columns import OPTIMIZER_STATE, POLICY_CHECKPOINT
 from schemas.shards import ShardNotCommittedError, release_stage_lock
@@ -79,6 +93,8 @@ _PENDING: dict[str, Future] = {}
 # "zero_stage", "bf16", "deepspeed_version", "seconds"}
 DEEPSPEED_FORMAT = "deepspeed"
 DEEPSPEED_TAG = "zero"
+# ... of an FSDP2 one: {"format": FSDP_FORMAT, "tag", "world_size", "bf16", "torch_version", "seconds"}
+FSDP_FORMAT = "fsdp"
 
 
 class OptimizerStateError(RuntimeError):
@@ -203,7 +219,7 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
     return None
 
 
-def _raise_if_any_failed(strategy: DeepSpeedStrategy, exc: BaseException | None, what: str) -> None:
+def _raise_if_any_failed(strategy: DeepSpeedStrategy | FSDPStrategy, exc: BaseException | None, what: str) -> None:
     """A collective: raise on every rank when ``exc`` is set on any (this rank's own ``exc``
     as it is, the others an ``OptimizerStateError`` naming ``what``), so that no rank waits
     for a peer that gave up."""
@@ -214,7 +230,7 @@ def _raise_if_any_failed(strategy: DeepSpeedStrategy, exc: BaseException | None,
         raise OptimizerStateError(f"{what} failed on {failed} other rank(s) (see their log lines)")
 
 
-def _save_partitions(strategy: DeepSpeedStrategy, uri: str) -> BaseException | None:
+def _save_partitions(strategy: DeepSpeedStrategy | FSDPStrategy, uri: str, tag: str) -> BaseException | None:
     """Every rank writes its ZeRO partitions (``strategy.save_state``, a collective) into the
     stage folder ``uri``: directly where it is a local folder, else into a local temporary
     folder that it then uploads. Returns the upload's error on this rank (None: uploaded), for
@@ -226,13 +242,13 @@ def _save_partitions(strategy: DeepSpeedStrategy, uri: str) -> BaseException | N
     local = local_path(uri)
     if local is not None:
         with storage_errors(uri):
-            strategy.save_state(local, DEEPSPEED_TAG)  # a collective; every rank writes into the stage folder
+            strategy.save_state(local, tag)  # a collective; every rank writes into the stage folder
         return None
     err: BaseException | None = None
     tmp = tempfile.mkdtemp(prefix="rft-ds-opt-")
     try:
         with storage_errors(uri):
-            strategy.save_state(tmp, DEEPSPEED_TAG)  # each rank's folder holds what this rank wrote
+            strategy.save_state(tmp, tag)  # each rank's folder holds what this rank wrote
         try:
             with storage_errors(uri):
                 fs, path = fsspec.core.url_to_fs(uri)
@@ -244,11 +260,31 @@ def _save_partitions(strategy: DeepSpeedStrategy, uri: str) -> BaseException | N
     return err
 
 
-def commit_deepspeed_optimizer_state(update: ShardRef, strategy: DeepSpeedStrategy, *,
+def _sharded_format(strategy: DeepSpeedStrategy | FSDPStrategy) -> dict[str, Any]:
+    """The manifest summary that says what wrote a sharded optimizer stage and what the next
+    update must match (``deepspeed_checkpoint``, ``fsdp_checkpoint``)."""
+    if isinstance(strategy, FSDPStrategy):
+        return {"format": FSDP_FORMAT, "tag": FSDP_TAG, "world_size": strategy.world_size, "bf16": strategy.bf16,
+                "torch_version": torch.__version__}
+    import deepspeed
+
+    return {"format": DEEPSPEED_FORMAT, "tag": DEEPSPEED_TAG, "world_size": strategy.world_size,
+            "zero_stage": strategy.zero_stage, "bf16": strategy.bf16, "deepspeed_version": deepspeed.__version__}
+
+
+def commit_deepspeed_optimizer_state(update: ShardRef, strategy: DeepSpeedStrategy | FSDPStrategy, *,
                                      summary: dict | None = None) -> ShardRef:
-    """Write the ZeRO state of ``strategy`` (every rank its partition of the AdamW moments and
-    float32 master weights: DeepSpeed's ``engine.save_checkpoint``, tag ``DEEPSPEED_TAG``) as
-    the optimizer stage of ``update`` and commit it: after every rank has written, rank 0 lists
+    """``commit_sharded_optimizer_state`` (its older name, for a DeepSpeed strategy)."""
+    return commit_sharded_optimizer_state(update, strategy, summary=summary)
+
+
+def commit_sharded_optimizer_state(update: ShardRef, strategy: DeepSpeedStrategy | FSDPStrategy, *,
+                                   summary: dict | None = None) -> ShardRef:
+    """Write the sharded state of ``strategy`` as the optimizer stage of ``update`` and commit
+    it: under DeepSpeed the ZeRO state (every rank its partition of the AdamW moments and float32
+    master weights: DeepSpeed's ``engine.save_checkpoint``, tag ``DEEPSPEED_TAG``), under FSDP2
+    the ``torch.distributed.checkpoint`` of the float32 master shards and AdamW state (folder
+    ``FSDP_TAG``, every rank its shards); then, after every rank has written, rank 0 lists
     every file with its size and sha256 in ``_MANIFEST.json`` (``commit_files``), written last.
     A collective: call it on every rank. On a non-local run root each rank saves into a local
     temporary folder and uploads what it wrote.
@@ -262,8 +298,6 @@ def commit_deepspeed_optimizer_state(update: ShardRef, strategy: DeepSpeedStrate
         ShardLockedError: another live writer holds the stage.
         StorageError: the storage refused a write (named stage and cause).
     """
-    import deepspeed
-
     commit = optimizer_commit(update)
     uri = commit.uri
     t0 = time.perf_counter()
@@ -276,14 +310,12 @@ def commit_deepspeed_optimizer_state(update: ShardRef, strategy: DeepSpeedStrate
             err = exc
     _raise_if_any_failed(strategy, err, f"{uri}: taking the writer lock")
     try:
-        err = _save_partitions(strategy, uri)
-        _raise_if_any_failed(strategy, err, f"{uri}: uploading the ZeRO partitions")
+        info = _sharded_format(strategy)
+        err = _save_partitions(strategy, uri, info["tag"])
+        _raise_if_any_failed(strategy, err, f"{uri}: uploading the {info['format']} shards")
         ref: ShardRef | None = None
         if strategy.rank == 0:
             try:
-                info = {"format": DEEPSPEED_FORMAT, "tag": DEEPSPEED_TAG, "world_size": strategy.world_size,
-                        "zero_stage": strategy.zero_stage, "bf16": strategy.bf16,
-                        "deepspeed_version": deepspeed.__version__}
                 ref = commit_files(uri, stage=OPTIMIZER_STAGE, config_hash=commit.config_hash, inputs={"ppo_update": update},
                                    summary={**info, **(summary or {}), "seconds": time.perf_counter() - t0},
                                    schema=OPTIMIZER_STATE, lock_token=token, contract=commit.contract)
@@ -300,14 +332,15 @@ def commit_deepspeed_optimizer_state(update: ShardRef, strategy: DeepSpeedStrate
             raise OptimizerStateError(f"{uri}: rank 0 reported the commit but no manifest is visible from rank "
                                       f"{strategy.rank} (is the run root shared by every node?)")
     if strategy.rank == 0:
-        log.info("optimizer_state: committed %s (DeepSpeed ZeRO-%d, %d ranks, %.2f s)", uri, strategy.zero_stage,
-                 strategy.world_size, time.perf_counter() - t0)
+        what = "FSDP2" if isinstance(strategy, FSDPStrategy) else f"DeepSpeed ZeRO-{strategy.zero_stage}"
+        log.info("optimizer_state: committed %s (%s, %d ranks, %.2f s)", uri, what, strategy.world_size,
+                 time.perf_counter() - t0)
     return ref
 
 
-def recover_deepspeed_optimizer_state(strategy: DeepSpeedStrategy, done: ShardRef, *,
+def recover_deepspeed_optimizer_state(strategy: DeepSpeedStrategy | FSDPStrategy, done: ShardRef, *,
                                       weights_match: Callable[[Any, ShardRef], bool]) -> ShardRef:
-    """Commit the optimizer stage of the committed DeepSpeed update ``done`` from ``strategy``,
+    """Commit the optimizer stage of the committed DeepSpeed (or FSDP2) update ``done`` from ``strategy``,
     which has just recomputed that update from the same committed inputs and seeds; the
     recomputed weights (gathered, a collective) are checked on rank 0 with
     ``weights_match(model_with_save_pretrained, done)`` against the committed checksums (a
@@ -320,17 +353,17 @@ def recover_deepspeed_optimizer_state(strategy: DeepSpeedStrategy, done: ShardRe
     state = strategy.full_state_dict()
     summary = None
     if strategy.rank == 0:
-        module = strategy.model.module
+        module = strategy.module
         saver = SimpleNamespace(save_pretrained=lambda out, **kw: module.save_pretrained(out, state_dict=state, **kw))
         match = weights_match(saver, done)
         if match:
-            log.info("ppo_update: recomputed the lost DeepSpeed optimizer state of %s (weights match the commit)",
+            log.info("ppo_update: recomputed the lost sharded optimizer state of %s (weights match the commit)",
                      done.uri)
         else:
-            log.warning("ppo_update: recomputed the lost DeepSpeed optimizer state of %s, but the recomputed weights "
+            log.warning("ppo_update: recomputed the lost sharded optimizer state of %s, but the recomputed weights "
                         "differ from the committed ones (nondeterministic kernels?); training goes on with it", done.uri)
         summary = {"recovered": True, "weights_match": match}
-    return commit_deepspeed_optimizer_state(done, strategy, summary=summary)
+    return commit_sharded_optimizer_state(done, strategy, summary=summary)
 
 
 def wait_for_optimizer_writes(uri: str | None = None) -> None:
@@ -436,7 +469,18 @@ def deepspeed_checkpoint(ref: ShardRef, folder: str) -> DeepSpeedCheckpoint | No
                                zero_stage=int(info["zero_stage"]), bf16=bool(info["bf16"]), source=ref.uri)
 
 
-def _folder_once_per_node(ref: ShardRef) -> str:
+def fsdp_checkpoint(ref: ShardRef, folder: str) -> FSDPCheckpoint | None:
+    """The saved FSDP2 state of the committed optimizer stage ``ref`` whose files are in the
+    local ``folder`` (its DCP folder ``folder/{tag}``), as its manifest describes it; None for
+    another format."""
+    info = read_manifest(ref.uri)[0].summary
+    if info.get("format") != FSDP_FORMAT:
+        return None
+    return FSDPCheckpoint(folder=os.path.join(folder, str(info["tag"])), world_size=int(info["world_size"]),
+                          bf16=bool(info["bf16"]), source=ref.uri)
+
+
+def _folder_once_per_node(ref: ShardRef, init: Callable[[], tuple[int, int]] = init_distributed) -> str:
     """``optimizer_state_dir(ref)`` resolved (checked against the manifest, downloaded into the
     cache when remote) by local rank 0 of each node and shared with that node's other ranks, so
     that a node hashes and downloads the ZeRO state once. A collective over the job's ranks.
@@ -449,7 +493,7 @@ def _folder_once_per_node(ref: ShardRef) -> str:
 
     import torch.distributed as dist
 
-    _, world = init_distributed()
+    _, world = init()  # the process group of the strategy that loads it (DeepSpeed's, or FSDP2's)
     host = socket.gethostname()
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     folder, err = None, None
@@ -478,24 +522,32 @@ def _folder_once_per_node(ref: ShardRef) -> str:
     raise OptimizerStateError(f"{ref.uri}: no rank with LOCAL_RANK=0 on {host} to open the optimizer state")
 
 
-def saved_optimizer_state(opt_ref: ShardRef | None, *, deepspeed: bool) -> tuple[str | None, DeepSpeedCheckpoint | None]:
+_KINDS = {DEEPSPEED_FORMAT: "a DeepSpeed", FSDP_FORMAT: "an FSDP2", None: "a single-process"}
+
+
+def saved_optimizer_state(opt_ref: ShardRef | None, *, deepspeed: bool, fsdp: bool = False
+                          ) -> tuple[str | None, DeepSpeedCheckpoint | FSDPCheckpoint | None]:
     """What ``build_strategy`` continues from the committed optimizer stage ``opt_ref``:
     (folder holding ``optimizer.pt``, None) for a single-process update, (None, the
-    ``DeepSpeedCheckpoint``) for a DeepSpeed one (its folder resolved once per node, a
-    collective), (None, None) without a stage.
+    ``DeepSpeedCheckpoint``) for a DeepSpeed one and (None, the ``FSDPCheckpoint``) for an
+    FSDP2 one (their folder resolved once per node, a collective), (None, None) without a stage.
 
     Raises:
-        DeepSpeedStateError: a DeepSpeed state for a single-process update or the other way
-            round (update.deepspeed changed within a run), naming the stage.
+        DeepSpeedStateError: a state written by another kind of update than this one (single
+            process, DeepSpeed, FSDP2: update.deepspeed or update.fsdp changed within a run),
+            naming the stage and both kinds.
         CheckpointPrunedError: the state was pruned (``checkpoint.keep_last``).
     """
     if opt_ref is None:
         return None, None
-    is_ds = read_manifest(opt_ref.uri)[0].summary.get("format") == DEEPSPEED_FORMAT
-    if is_ds != deepspeed:
-        written, now = ("a DeepSpeed", "single-process") if is_ds else ("a single-process", "DeepSpeed")
-        raise DeepSpeedStateError(f"{opt_ref.uri}: this optimizer state was written by {written} update and cannot be "
-                                  f"continued by a {now} update; keep update.deepspeed the same across a run")
-    if not deepspeed:
+    written = read_manifest(opt_ref.uri)[0].summary.get("format")
+    now = FSDP_FORMAT if fsdp else DEEPSPEED_FORMAT if deepspeed else None
+    if written != now:
+        raise DeepSpeedStateError(f"{opt_ref.uri}: this optimizer state was written by {_KINDS.get(written, written)} "
+                                  f"update and cannot be continued by {_KINDS[now]} update; keep update.deepspeed and "
+                                  "update.fsdp the same across a run")
+    if now is None:
         return optimizer_state_dir(opt_ref), None
+    if now == FSDP_FORMAT:
+        return None, fsdp_checkpoint(opt_ref, _folder_once_per_node(opt_ref, init_process_group))
     return None, deepspeed_checkpoint(opt_ref, _folder_once_per_node(opt_ref))

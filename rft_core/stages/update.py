@@ -19,16 +19,24 @@ from rft_core.stages.checkpoints import POLICY_SUBDIR, policy_model_path
 from rft_core.stages.common import Commit, Timer, commit_trained, stage_commit
 from rft_core.stages.contracts import PPOUpdateInput, stage_program
 from rft_core.stages.optimizer_state import (
-    commit_deepspeed_optimizer_state,
     commit_optimizer_state,
     commit_policy_checkpoint,
+    commit_sharded_optimizer_state,
     optimizer_state_missing,
     optimizer_state_ref,
     recover_deepspeed_optimizer_state,
     saved_optimizer_state,
 )
 from rft_core.stages.retention import WEIGHT_SUFFIXES
-from rft_core.training.strategy import DeepSpeedStrategy, OptimizerSettings, SingleProcess, build_strategy, continue_with
+from rft_core.training.strategy import (
+    DeepSpeedStrategy,
+    FSDPCheckpoint,
+    FSDPStrategy,
+    OptimizerSettings,
+    SingleProcess,
+    build_strategy,
+    continue_with,
+)
 from rft_core.training.update import (
     SampleCorrection,
     StepMetrics,
@@ -145,7 +153,7 @@ class PolicyTrainer:
     builds one from storage (``build_trainer``) and drops it; a resident worker keeps one
     across iterations (``rft_core.workers.policy.PolicyWorker``)."""
 
-    strategy: SingleProcess | DeepSpeedStrategy
+    strategy: SingleProcess | DeepSpeedStrategy | FSDPStrategy
     tokenizer: Any
     processor: Any = None
 
@@ -158,19 +166,23 @@ class PolicyTrainer:
 def build_trainer(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str, opt_ref: ShardRef | None) -> PolicyTrainer:
     """Load ``policy`` from storage and build its strategy, AdamW continued from the optimizer
     stage ``opt_ref`` (None: fresh): ``optimizer.pt`` in one process, the ZeRO partitions
-    (AdamW moments, float32 masters) under DeepSpeed (``saved_optimizer_state``).
+    (AdamW moments, float32 masters) under DeepSpeed, the DCP shards under FSDP2 (on any number
+    of ranks: resharded) (``saved_optimizer_state``).
 
     Raises:
         CheckpointPrunedError, ShardCorruptError: the checkpoint's files are gone or damaged.
         WeightlessPolicyError: ``policy`` kept its weights in memory (``checkpoint.every`` > 1).
         DeepSpeedStateError: the state cannot be continued by this update (update.deepspeed,
-            the world size, ZeRO stage or dtype changed; named).
+            update.fsdp, the world size, ZeRO stage or dtype changed; named).
+        FSDPStateError: an FSDP2 state of another dtype or of other weights (named).
     """
     path = policy_model_path(policy)
-    opt_dir, ds_state = saved_optimizer_state(opt_ref, deepspeed=cfg.deepspeed is not None)
+    opt_dir, sharded = saved_optimizer_state(opt_ref, deepspeed=cfg.deepspeed is not None, fsdp=cfg.fsdp is not None)
+    fsdp_state = sharded if isinstance(sharded, FSDPCheckpoint) else None
     strategy = build_strategy(load_trainable_policy(policy, cfg, dtype=dtype), optim=OptimizerSettings.of(cfg),
-                              deepspeed=cfg.deepspeed, optimizer_state=opt_dir, deepspeed_state=ds_state,
-                              keeps_deepspeed_state=True)
+                              deepspeed=cfg.deepspeed, optimizer_state=opt_dir,
+                              deepspeed_state=None if fsdp_state is not None else sharded,  # type: ignore[arg-type]
+                              keeps_deepspeed_state=True, fsdp=cfg.fsdp, fsdp_state=fsdp_state)
     return PolicyTrainer(strategy, load_tokenizer(path), vl_processor_or_none(path))
 
 
@@ -319,7 +331,7 @@ def run(inp: PPOUpdateInput) -> ShardRef:
             log.warning("ppo_update: %s has no committed optimizer state (its write was lost); recomputing it",
                         commit.uri)
             trainer, _, _, _ = _train(inp, opt_ref)
-            if isinstance(trainer.strategy, DeepSpeedStrategy):
+            if isinstance(trainer.strategy, (DeepSpeedStrategy, FSDPStrategy)):
                 recover_deepspeed_optimizer_state(trainer.strategy, done, weights_match=_weights_match)
             else:
                 _recover_optimizer_state(trainer.strategy, done)
@@ -345,7 +357,7 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None
                   and isinstance(strategy, SingleProcess))
     in_memory = not inp.save_checkpoint or background
     if in_memory:  # the weights stay in memory: what recovery needs to rebuild them exactly
-        summary[WEIGHTS_DIGEST_KEY] = trained_digest(strategy)  # a collective under DeepSpeed
+        summary[WEIGHTS_DIGEST_KEY] = trained_digest(strategy)  # a collective under DeepSpeed and FSDP2
         summary[UPDATE_INPUT_KEY] = inp.model_dump(mode="json")
     new = commit_trained(commit, strategy, subdir=POLICY_SUBDIR, tokenizer=trainer.saver, steps=steps, schema=PPO_UPDATE,
                          inputs=inputs, summary=summary, keep_optimizer=False, save_weights=not in_memory)
@@ -354,8 +366,8 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None
         commit_policy_checkpoint(new, strategy.model, trainer.saver, digest=summary[WEIGHTS_DIGEST_KEY])
     elif isinstance(strategy, SingleProcess) and inp.save_checkpoint:
         commit_optimizer_state(new, strategy.optimizer.state_dict(), background=inp.background_optimizer)
-    elif isinstance(strategy, DeepSpeedStrategy) and inp.save_checkpoint:  # every rank its partition, synchronously
-        commit_deepspeed_optimizer_state(new, strategy)
+    elif isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy)) and inp.save_checkpoint:  # every rank its shards
+        commit_sharded_optimizer_state(new, strategy)
     source = current_source()
     if source is not None:
         source.trained(new)

@@ -1,7 +1,9 @@
 """Training strategies: how a micro-batch's loss becomes an optimizer step.
 
 ``SingleProcess``: ``loss.backward()``, gradient clipping and ``optimizer.step()`` in this
-process. ``DeepSpeedStrategy``: DeepSpeed ZeRO stage 1/2/3 data parallelism over the ranks of a
+process. ``FSDPStrategy`` (``rft_core.training.fsdp``): torch's FSDP2, one ``fully_shard`` per
+decoder layer plus the root, sharing a step over ranks as DeepSpeed does (below), its sharded
+state a ``torch.distributed.checkpoint``. ``DeepSpeedStrategy``: DeepSpeed ZeRO stage 1/2/3 data parallelism over the ranks of a
 torchrun job (Rajbhandari et al. 2020, arXiv:1910.02054). Every rank reads the same shards; the
 micro-batches of each mini-batch are dealt out round-robin over the ranks, every rank runs the
 same number of forward/backward passes (a rank with fewer gets zero-weight repeats, since ZeRO
@@ -64,7 +66,7 @@ from typing import Any, ContextManager
 
 import torch
 
-from rft_core.config import CriticConfig, DeepSpeedConfig, UpdateConfig
+from rft_core.config import CriticConfig, DeepSpeedConfig, FSDPConfig, UpdateConfig
 from rft_core.models.hub import torch_dtype
 from rft_core.models.logprobs import default_device, model_device
 from rft_core.training.checkpoint import (
@@ -73,6 +75,12 @@ from rft_core.training.checkpoint import (
     OPTIMIZER_FILE,
     read_optimizer_state,
     restore_optimizer_state,
+)
+from rft_core.training.fsdp import (  # noqa: F401 - re-exported beside DeepSpeed's
+    FSDPCheckpoint,
+    FSDPStateError,
+    FSDPStrategy,
+    check_fsdp_state,
 )
 from rft_core.training.zero import (  # noqa: F401 - re-exported: the strategy module is their public home
     DeepSpeedCheckpoint,
@@ -284,8 +292,14 @@ def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspee
                    optimizer_state: str | None = None, device: torch.device | None = None,
                    compute_dtype: str | torch.dtype | None = None,
                    deepspeed_state: DeepSpeedCheckpoint | None = None,
-                   keeps_deepspeed_state: bool = False) -> "SingleProcess | DeepSpeedStrategy":
+                   keeps_deepspeed_state: bool = False, fsdp: FSDPConfig | None = None,
+                   fsdp_state: FSDPCheckpoint | None = None) -> "SingleProcess | DeepSpeedStrategy | FSDPStrategy":
     """The strategy that trains ``model``.
+
+    torch's FSDP2 when ``fsdp`` is set (``FSDPStrategy``, ``rft_core.training.fsdp``): one
+    ``fully_shard`` per decoder layer and the root over this job's ranks, float32 master shards
+    of a bfloat16 model, the sharded state ``fsdp_state`` continued (on any number of ranks;
+    None: AdamW afresh).
 
     DeepSpeed ZeRO when ``deepspeed`` is set: it places the model on its rank's device, trains a
     bfloat16 model with its own bf16 mode (float32 master partitions) and continues the ZeRO
@@ -314,7 +328,15 @@ def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspee
         DeepSpeedStateError: ``deepspeed_state`` without ``deepspeed``, ``optimizer_state`` with
             it, or a ZeRO state this update cannot continue (``check_deepspeed_state``, or the
             state of other weights).
+        FSDPStateError: ``fsdp`` with ``deepspeed``, a state of another kind handed to FSDP2 or an
+            FSDP2 state to another strategy, or one ``FSDPStrategy.load_state`` refuses.
     """
+    _check_state_kinds(deepspeed=deepspeed, fsdp=fsdp, optimizer_state=optimizer_state,
+                       deepspeed_state=deepspeed_state, fsdp_state=fsdp_state)
+    if fsdp is not None:
+        return FSDPStrategy(model, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,
+                            max_grad_norm=optim.max_grad_norm, reshard_after_forward=fsdp.reshard_after_forward,
+                            cpu_offload=fsdp.cpu_offload, state=fsdp_state)
     if deepspeed is not None:
         return _deepspeed_strategy(model, optim=optim, deepspeed=deepspeed, optimizer_state=optimizer_state,
                                    deepspeed_state=deepspeed_state, keeps_deepspeed_state=keeps_deepspeed_state)
@@ -324,6 +346,29 @@ def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspee
                                   "the same across a run")
     return _single_process(model, optim=optim, optimizer_state=optimizer_state, device=device,
                            compute_dtype=compute_dtype)
+
+
+def _check_state_kinds(*, deepspeed: DeepSpeedConfig | None, fsdp: FSDPConfig | None, optimizer_state: str | None,
+                       deepspeed_state: DeepSpeedCheckpoint | None, fsdp_state: FSDPCheckpoint | None) -> None:
+    """Refuse a saved state of another kind than the strategy ``build_strategy`` builds (FSDP2's
+    sharded state, DeepSpeed's ZeRO partitions, one process's ``optimizer.pt``), and FSDP2 with
+    DeepSpeed.
+
+    Raises:
+        FSDPStateError: naming the state and both kinds, and to keep the setting across a run.
+    """
+    if fsdp is not None and deepspeed is not None:
+        raise FSDPStateError("update.fsdp and update.deepspeed both set: FSDP2 and DeepSpeed ZeRO each shard the "
+                             "model over the ranks; keep one")
+    keep = "keep update.fsdp (and update.deepspeed) the same across a run"
+    if fsdp is None and fsdp_state is not None:
+        now = "DeepSpeed" if deepspeed is not None else "single-process"
+        raise FSDPStateError(f"{fsdp_state.source}: an FSDP2 sharded optimizer state cannot be continued by a {now} "
+                             f"update (update.fsdp is not set); {keep}")
+    if fsdp is not None and (optimizer_state is not None or deepspeed_state is not None):
+        what = (f"{optimizer_state}: a single-process AdamW state (optimizer.pt)" if optimizer_state is not None
+                else f"{deepspeed_state.source}: a DeepSpeed ZeRO optimizer state")  # type: ignore[union-attr]
+        raise FSDPStateError(f"{what} cannot be continued by an FSDP2 update; {keep}")
 
 
 def _deepspeed_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspeed: DeepSpeedConfig,
@@ -459,12 +504,13 @@ class SingleProcess:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
-def continue_with(strategy: "SingleProcess | DeepSpeedStrategy", *, lr: float, max_grad_norm: float) -> None:
+def continue_with(strategy: "SingleProcess | DeepSpeedStrategy | FSDPStrategy", *, lr: float,
+                  max_grad_norm: float) -> None:
     """Apply an update's learning rate and clipping to a strategy kept from an earlier update (a
     resident worker's), as a strategy built from storage gets them when it restores its optimizer
     state with the configured learning rate (``restore_optimizer_state``,
     ``DeepSpeedStrategy.load_state``); the other AdamW settings stay those the state was created with."""
-    if isinstance(strategy, SingleProcess):
+    if isinstance(strategy, (SingleProcess, FSDPStrategy)):
         strategy.max_grad_norm = max_grad_norm
     elif hasattr(strategy.optimizer, "clip_grad"):  # ZeRO's optimizer clips
         strategy.optimizer.clip_grad = max_grad_norm

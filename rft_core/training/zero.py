@@ -155,6 +155,11 @@ class DeepSpeedStrategy:
         if state is not None:
             self.load_state(state, lr=lr, max_grad_norm=max_grad_norm)
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model inside the engine (``save_pretrained``, its config)."""
+        return self.model.module
+
     def save_state(self, folder: str, tag: str) -> None:
         """Write the ZeRO state with DeepSpeed's ``engine.save_checkpoint(folder, tag=tag)`` (a
         collective: call it on every rank): each rank writes its partition of the float32 master

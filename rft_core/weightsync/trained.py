@@ -1,5 +1,5 @@
 """What a trained policy hands to its inference copies and to recovery: its weights as an
-inference model holds them (LoRA adapters merged, ZeRO partitions gathered) and their digest.
+inference model holds them (LoRA adapters merged, ZeRO partitions or FSDP2 shards gathered) and their digest.
 Imported by the update stage program and the resident workers alike (no Ray, no Prefect)."""
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import copy
 
 import torch
 
-from rft_core.training.strategy import DeepSpeedStrategy
+from rft_core.training.strategy import DeepSpeedStrategy, FSDPStrategy
 from rft_core.weightsync.checksum import sync_checksum
 from rft_core.weightsync.plan import state_tensors, weights_digest
+
+# the strategies whose weights are sharded over ranks: gathered to rank 0 (``full_state_dict``, a collective)
+SHARDED = (DeepSpeedStrategy, FSDPStrategy)
 
 
 def inference_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -32,26 +35,29 @@ def inference_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def strategy_device(strategy) -> torch.device:
     """The device a trainer computes on (a ZeRO-3 parameter is empty outside a gather: its
-    partition's device)."""
+    partition's device; FSDP2: its mesh's device, also when its shards sit in CPU memory)."""
+    if isinstance(strategy, FSDPStrategy):
+        return strategy.device
     p = next(strategy.model.parameters())
     return getattr(p, "ds_tensor", p).device
 
 
 def trained_tensors(strategy) -> dict[str, torch.Tensor] | None:
     """The trained policy's weights as an inference copy holds them: ``inference_tensors`` of a
-    single-process trainer's model; under DeepSpeed ``strategy.full_state_dict()`` (a collective:
-    every rank calls it; ZeRO-3 gathers the partitions) on rank 0 and None on the other ranks,
+    single-process trainer's model; under DeepSpeed or FSDP2 ``strategy.full_state_dict()`` (a
+    collective: every rank calls it; ZeRO-3 gathers the partitions, FSDP2 every shard's
+    ``DTensor.full_tensor()`` onto rank 0's CPU) on rank 0 and None on the other ranks,
     tied weights under their first name only (as ``state_tensors``: by parameter identity, since
     a ZeRO-3 parameter has no storage of its own outside a gather). Where they are: the model's
     device, except under ZeRO-3, whose consolidated state dict is on the CPU
     (``param.detach().cpu()``, deepspeed/runtime/engine.py 0.19.8); a sync packs them onto its
     backend's device bucket by bucket (``rft_core.weightsync.plan.sync_device``)."""
-    if not isinstance(strategy, DeepSpeedStrategy):
+    if not isinstance(strategy, SHARDED):
         return inference_tensors(strategy.model)
     full = strategy.full_state_dict()
     if strategy.rank != 0:
         return None
-    module, seen, names = strategy.model.module, set(), []
+    module, seen, names = strategy.module, set(), []
     for name, v in module.state_dict(keep_vars=True).items():
         if id(v) not in seen:
             seen.add(id(v))
@@ -89,11 +95,11 @@ def tensors_digest(tensors: dict[str, torch.Tensor], method: str | None = None) 
 def trained_digest(strategy, *, like: str | None = None) -> str | None:
     """The digest a weightless update records and recovery checks (``tensors_digest``): of the
     trainer's own tensors in one process (a LoRA model's adapters and base, ``state_tensors``),
-    of the gathered weights under DeepSpeed (``trained_tensors``: a collective, None on ranks
-    above 0). ``like``: a recorded digest whose method to use (recovery compares digests of one
-    method, whichever device the run resumes on)."""
+    of the gathered weights under DeepSpeed or FSDP2 (``trained_tensors``: a collective, None on
+    ranks above 0). ``like``: a recorded digest whose method to use (recovery compares digests of
+    one method, whichever device the run resumes on)."""
     method = digest_method(like) if like is not None else None
-    if not isinstance(strategy, DeepSpeedStrategy):
+    if not isinstance(strategy, SHARDED):
         return tensors_digest(state_tensors(strategy.model), method)
     tensors = trained_tensors(strategy)
     return None if tensors is None else tensors_digest(tensors, method)

@@ -1,9 +1,10 @@
 """The policy trainer's resident worker (``PolicyWorker``): runs ``ppo_update``, keeps the
 policy's model, float32 master weights and AdamW (or ZeRO) state in memory across iterations,
 and is the sender of every weight sync to the rollout engine (``prepare_weights``,
-``send_weights``, ``export_weights``). Under DeepSpeed it is a gang of
+``send_weights``, ``export_weights``). Under DeepSpeed or FSDP2 it is a gang of
 ``orchestration.policy_ranks`` ranks, one Ray actor each; its sync methods are collectives (a
-ZeRO-3 gather, a rebuild) that every rank runs, rank 0 holding the weights and sending them.
+ZeRO-3 gather, FSDP2's ``DTensor.full_tensor()`` of every shard, a rebuild) that every rank runs,
+rank 0 holding the gathered weights and sending them.
 
 A trainer that was never written (``checkpoint.every`` > 1) and is not in memory (a new or
 restarted worker) is rebuilt exactly: ``rebuild_trainer`` loads its base checkpoint with its

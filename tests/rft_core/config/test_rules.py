@@ -121,6 +121,10 @@ CASES = [
     ("partial-single-turn", {"rollout.partial.chunk_tokens": 16, "rollout.max_staleness": 1,
                              "runners.rollout.shards": 2}, ["rollout.partial", "runners.rollout.shards=2"],
      "unset rollout.partial"),
+    ("fsdp-with-deepspeed", {"update.fsdp": {}, "update.deepspeed.zero_stage": 3},
+     ["update.fsdp", "update.deepspeed"], "remove update.fsdp or update.deepspeed"),
+    ("fsdp-with-deepspeed", {"critic.fsdp.cpu_offload": True, "critic.deepspeed": {}},
+     ["critic.fsdp", "critic.deepspeed"], "remove critic.fsdp or critic.deepspeed"),
     # on-policy distillation (teacher)
     ("distill-alone-task-settings", {"teacher.path": "t", "teacher.use_task_rewards": False,
                                      "shaping.advantage_whiten": True},
@@ -187,6 +191,7 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
     load_config(None, {"teacher.path": "t", "teacher.use_task_rewards": False, "rollout.n_samples_per_prompt": 1})
     load_config(None, {"teacher.path": "t", "teacher.use_task_rewards": False, "kl.kl_coef": 0.1})
     load_config(None, {"teacher.path": "t", "shaping.advantage_whiten": True, "advantage": "gae"})  # with task rewards
+    load_config(None, {"update.fsdp": {}, "critic.deepspeed": {}})  # FSDP2 for the policy, ZeRO for the critic
 
 
 def test_a_bare_name_is_the_tagged_section_with_its_defaults():

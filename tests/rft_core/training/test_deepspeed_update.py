@@ -7,7 +7,6 @@ optimizer stage, end with the single-process weights; a lost state is recomputed
 is resumed, another world size is refused by name, and bf16 masters carry over exactly."""
 from __future__ import annotations
 
-import contextlib
 import shutil
 from pathlib import Path
 
@@ -17,10 +16,9 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from rft_core.config import CriticConfig, DeepSpeedConfig, KLConfig, RunnerConfig, UpdateConfig  # noqa: E402
+from rft_core.config import CriticConfig, DeepSpeedConfig, KLConfig  # noqa: E402
 from rft_core.models.critic import load_critic  # noqa: E402
 from rft_core.models.loading import load_causal_lm  # noqa: E402
-from rft_core.models.logprobs import batched_response_logprobs  # noqa: E402
 from rft_core.stages import optimizer_state as opt_state  # noqa: E402
 from rft_core.stages.contracts import CriticUpdateInput, PPOUpdateInput  # noqa: E402
 from rft_core.stages.runner import StageProcessError, run_stage  # noqa: E402
@@ -32,113 +30,13 @@ from rft_core.training.strategy import (  # noqa: E402
     check_deepspeed_state,
 )
 from schemas import commit_files, read_manifest, read_shard, write_shard  # noqa: E402
-from schemas.columns import ADVANTAGES, CRITIC_VALUES, OPTIMIZER_STATE, ROLLOUT, policy_version_column, single_turn_columns  # noqa: E402
-from tests.varying import assert_shard_advantages_nonzero, assert_update_signal  # noqa: E402
+from schemas.columns import CRITIC_VALUES, OPTIMIZER_STATE  # noqa: E402
+from tests.rft_core.training.chain import ITERATIONS, RUNNER, ds, max_diff, one_thread, run_update, weights  # noqa: E402
 
-RUNNER = RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-ITERATIONS = 3
 # what the removed warnings said; neither may appear in a DeepSpeed update's log any more
 STALE_WARNINGS = ("starts AdamW afresh", "master weights live inside ZeRO for this update only")
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Torch on one thread, as in the ranks (RUNNER's OMP_NUM_THREADS=1): CPU kernels round
-    differently with another thread count, and AdamW turns that into weight differences of
-    ~7e-6 after 4 steps where a weight's micro-batch gradients nearly cancel (measured: 2
-    threads 7.0e-6, 1 thread 1.2e-7, on the ZeRO-2 update of this file)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def update_inputs(tiny_model, tmp_path_factory):
-    """A rollout of 10 samples (old log-probs from the model itself) and +-1 advantages."""
-    root = tmp_path_factory.mktemp("ds")
-    g = torch.Generator().manual_seed(7)
-    n = 10
-    prompts = [torch.randint(3, 500, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
-    responses = [torch.randint(3, 500, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
-    old = batched_response_logprobs(load_causal_lm(tiny_model), prompts, responses, pad_token_id=2)
-    ids = [f"p{i // 2}#{i % 2}" for i in range(n)]
-    rollout = pa.table({"sample_id": ids, "prompt_id": [s.split("#")[0] for s in ids], "sample_index": [i % 2 for i in range(n)],
-                        "prompt_token_ids": prompts, "response_token_ids": responses, "response_text": [""] * n,
-                        "rollout_logprobs": old, "action_mask": [[True] * len(r) for r in responses],
-                        "finish_reason": ["length"] * n, "images": [[] for _ in range(n)], "videos": [[] for _ in range(n)],
-                        **single_turn_columns([""] * n), **policy_version_column(n, 0)},
-                       schema=ROLLOUT.arrow)
-    adv = [[1.0 if i % 3 else -1.0] * len(r) for i, r in enumerate(responses)]
-    advantages = pa.table({"sample_id": ids, "prompt_id": [s.split("#")[0] for s in ids], "shaped_rewards": [0.0] * n,
-                           "kl": [[0.0] * len(r) for r in responses], "advantages": adv, "returns": adv},
-                          schema=ADVANTAGES.arrow)
-    r = write_shard(rollout, str(root / "rollout"), schema=ROLLOUT, config_hash="r")
-    a = write_shard(advantages, str(root / "advantages"), schema=ADVANTAGES, config_hash="a")
-    # 2 epochs of mini-batches of 5 in micro-batches of 2: 3 micro-batches per step over 2 ranks
-    cfg = UpdateConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, max_grad_norm=1.0)
-    with one_thread():  # the kernels of the ranks (OMP_NUM_THREADS=1)
-        single = run_stage(PPOUpdateInput(rollout=r, advantages=a, policy=tiny_model, update=cfg, kl=KLConfig(),
-                                          temperature=1.0, out=str(root / "single")))
-    # what every equality test below compares is a real policy-gradient update (issue 39)
-    assert_shard_advantages_nonzero(a)
-    assert_update_signal(single)
-    return root, r, a, cfg, single
-
-
-def _weights(uri):
-    return load_causal_lm(f"{uri}/policy").state_dict()
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def _update(update_inputs, policy, cfg: UpdateConfig, out: str, runner: RunnerConfig | None = None,
-            lines: list[str] | None = None, **kw):
-    root, r, a = update_inputs[:3]
-    inp = PPOUpdateInput(rollout=r, advantages=a, policy=policy, update=cfg, kl=KLConfig(), temperature=1.0,
-                         out=str(root / out), **kw)
-    return run_stage(inp, runner, log=(lines.append if lines is not None else None))
-
-
-def _ds(cfg: UpdateConfig, zero_stage: int) -> UpdateConfig:
-    return cfg.model_copy(update={"deepspeed": DeepSpeedConfig(zero_stage=zero_stage)})
-
-
-@pytest.fixture(scope="module")
-def single_chain(update_inputs):
-    """ITERATIONS single-process updates on the same shards, each from the previous one's policy and
-    optimizer stage (the first is the fixture's update)."""
-    cfg, chain = update_inputs[3], [update_inputs[4]]
-    with one_thread():
-        for i in range(2, ITERATIONS + 1):
-            chain.append(_update(update_inputs, chain[-1], cfg, f"single{i}"))
-    return chain
-
-
-@pytest.fixture(scope="module")
-def ds_chain(update_inputs, tiny_model):
-    """ZeRO stage -> (refs, log lines of each update): ITERATIONS DeepSpeed updates on 2 ranks, each a
-    torchrun job from the previous one's committed policy and optimizer stage; each chain built once."""
-    built: dict[int, tuple[list, list[list[str]]]] = {}
-
-    def chain(zero_stage: int):
-        if zero_stage not in built:
-            refs, logs, policy = [], [], tiny_model
-            for i in range(1, ITERATIONS + 1):
-                lines: list[str] = []
-                policy = _update(update_inputs, policy, _ds(update_inputs[3], zero_stage), f"zero{zero_stage}-{i}",
-                                 RUNNER, lines)
-                refs.append(policy)
-                logs.append(lines)
-            built[zero_stage] = (refs, logs)
-        return built[zero_stage]
-
-    return chain
+# the shared inputs and chains: tests/rft_core/training/conftest.py (session fixtures update_inputs, single_chain, ds_chain)
+_update, _weights, _max_diff, _ds = run_update, weights, max_diff, ds
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])

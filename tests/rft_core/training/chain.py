@@ -1,0 +1,99 @@
+"""What the multi-rank update tests share (DeepSpeed ZeRO, FSDP2; ``conftest.py`` builds the
+session fixtures from it): the torchrun runner of 2 CPU ranks, the update inputs (a rollout of 10
+samples with +-1 advantages) and helpers to run an update and compare weights."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from rft_core.config import DeepSpeedConfig, FSDPConfig, KLConfig, RunnerConfig, UpdateConfig
+from rft_core.models.loading import load_causal_lm
+from rft_core.models.logprobs import batched_response_logprobs
+from rft_core.stages.contracts import PPOUpdateInput
+from rft_core.stages.runner import run_stage
+from schemas import write_shard
+from schemas.columns import ADVANTAGES, ROLLOUT, policy_version_column, single_turn_columns
+from tests.varying import assert_shard_advantages_nonzero, assert_update_signal
+
+RUNNER = RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+ITERATIONS = 3
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Torch on one thread, as in the ranks (RUNNER's OMP_NUM_THREADS=1): CPU kernels round
+    differently with another thread count, and AdamW turns that into weight differences of
+    ~7e-6 after 4 steps where a weight's micro-batch gradients nearly cancel (measured: 2
+    threads 7.0e-6, 1 thread 1.2e-7, on the ZeRO-2 update of test_deepspeed_update.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def build_update_inputs(tiny_model: str, root: Path):
+    """(root, rollout ref, advantages ref, UpdateConfig, the single-process update's ref): a rollout
+    of 10 samples (old log-probs from the model itself), +-1 advantages, and the first
+    single-process update on them (one thread, as the ranks)."""
+    g = torch.Generator().manual_seed(7)
+    n = 10
+    prompts = [torch.randint(3, 500, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    responses = [torch.randint(3, 500, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    old = batched_response_logprobs(load_causal_lm(tiny_model), prompts, responses, pad_token_id=2)
+    ids = [f"p{i // 2}#{i % 2}" for i in range(n)]
+    rollout = pa.table({"sample_id": ids, "prompt_id": [s.split("#")[0] for s in ids], "sample_index": [i % 2 for i in range(n)],
+                        "prompt_token_ids": prompts, "response_token_ids": responses, "response_text": [""] * n,
+                        "rollout_logprobs": old, "action_mask": [[True] * len(r) for r in responses],
+                        "finish_reason": ["length"] * n, "images": [[] for _ in range(n)], "videos": [[] for _ in range(n)],
+                        **single_turn_columns([""] * n), **policy_version_column(n, 0)},
+                       schema=ROLLOUT.arrow)
+    adv = [[1.0 if i % 3 else -1.0] * len(r) for i, r in enumerate(responses)]
+    advantages = pa.table({"sample_id": ids, "prompt_id": [s.split("#")[0] for s in ids], "shaped_rewards": [0.0] * n,
+                           "kl": [[0.0] * len(r) for r in responses], "advantages": adv, "returns": adv},
+                          schema=ADVANTAGES.arrow)
+    r = write_shard(rollout, str(root / "rollout"), schema=ROLLOUT, config_hash="r")
+    a = write_shard(advantages, str(root / "advantages"), schema=ADVANTAGES, config_hash="a")
+    # 2 epochs of mini-batches of 5 in micro-batches of 2: 3 micro-batches per step over 2 ranks
+    cfg = UpdateConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, max_grad_norm=1.0)
+    with one_thread():  # the kernels of the ranks (OMP_NUM_THREADS=1)
+        single = run_stage(PPOUpdateInput(rollout=r, advantages=a, policy=tiny_model, update=cfg, kl=KLConfig(),
+                                          temperature=1.0, out=str(root / "single")))
+    # what every equality test compares is a real policy-gradient update (issue 39)
+    assert_shard_advantages_nonzero(a)
+    assert_update_signal(single)
+    return root, r, a, cfg, single
+
+
+def weights(uri):
+    """The ``policy/`` weights of a committed update."""
+    return load_causal_lm(f"{uri}/policy").state_dict()
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts of the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def run_update(update_inputs, policy, cfg: UpdateConfig, out: str, runner: RunnerConfig | None = None,
+               lines: list[str] | None = None, **kw):
+    """One ``ppo_update`` of ``policy`` on the shared inputs into ``{root}/{out}`` (its log lines into ``lines``)."""
+    root, r, a = update_inputs[:3]
+    inp = PPOUpdateInput(rollout=r, advantages=a, policy=policy, update=cfg, kl=KLConfig(), temperature=1.0,
+                         out=str(root / out), **kw)
+    return run_stage(inp, runner, log=(lines.append if lines is not None else None))
+
+
+def ds(cfg: UpdateConfig, zero_stage: int) -> UpdateConfig:
+    """``cfg`` under DeepSpeed ZeRO ``zero_stage``."""
+    return cfg.model_copy(update={"deepspeed": DeepSpeedConfig(zero_stage=zero_stage)})
+
+
+def fsdp(cfg: UpdateConfig, **kw) -> UpdateConfig:
+    """``cfg`` under FSDP2 (``FSDPConfig(**kw)``)."""
+    return cfg.model_copy(update={"fsdp": FSDPConfig(**kw)})

@@ -1,0 +1,275 @@
+"""FSDP2 (torch's ``fully_shard``, issue 47) on CPU with 2 ranks (torchrun, gloo), through the
+shared training loop: 3 iterations of the policy update, each a torchrun job continuing the
+previous one's sharded state (``torch.distributed.checkpoint`` in its optimizer stage), end
+within 1e-6 of the single-process update and of DeepSpeed ZeRO-3 on the same inputs (the
+session fixtures of conftest.py, shared with test_deepspeed_update.py); the state written by 2
+ranks resumes on 1 (DCP reshards, logged); bfloat16 masters carry over exactly; LoRA with
+gradient checkpointing matches one process; a resident gang of 2 ranks equals the torchrun
+chain bit for bit and its weights reach the rollout worker gathered."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rft_core.config import FSDPConfig, KLConfig, LoraConfig
+from rft_core.models.loading import load_causal_lm
+from rft_core.stages import optimizer_state as opt_state
+from rft_core.stages.contracts import PPOUpdateInput
+from rft_core.training.fsdp import FSDPCheckpoint, FSDPStateError, check_fsdp_state, layer_classes
+from rft_core.training.strategy import DeepSpeedCheckpoint, OptimizerSettings, build_strategy
+from schemas import read_manifest, read_shard
+from tests.rft_core.training.chain import ITERATIONS, RUNNER, fsdp, max_diff, one_thread, run_update, weights
+from tests.varying import assert_shard_advantages_nonzero, assert_update_signal
+
+
+@pytest.fixture(scope="module")
+def fsdp_chain(update_inputs, tiny_model):
+    """(refs, log lines of each): ITERATIONS FSDP2 updates on 2 ranks (reshard_after_forward), each a
+    torchrun job from the previous one's committed policy and optimizer stage."""
+    refs, logs, policy = [], [], tiny_model
+    for i in range(1, ITERATIONS + 1):
+        lines: list[str] = []
+        policy = run_update(update_inputs, policy, fsdp(update_inputs[3]), f"fsdp-{i}", RUNNER, lines)
+        refs.append(policy)
+        logs.append(lines)
+    return refs, logs
+
+
+def test_fsdp_two_ranks_three_iterations_match_single_process(update_inputs, single_chain, fsdp_chain, tiny_model):
+    assert_shard_advantages_nonzero(update_inputs[2])  # first: what is compared is a policy-gradient update
+    assert_update_signal(single_chain[0])
+    refs, _ = fsdp_chain
+    previous_opt, to_single = None, []
+    for i, (ref, want_ref) in enumerate(zip(refs, single_chain), start=1):
+        manifest, _ = read_manifest(ref.uri)
+        assert manifest.summary["world_size"] == 2 and manifest.summary["sharding"] == "fsdp2"
+        want, got = read_shard(want_ref.uri).to_pydict(), read_shard(ref.uri).to_pydict()
+        assert got["num_tokens"] == want["num_tokens"] and len(got["step"]) == 4
+        assert got["policy_loss"] == pytest.approx(want["policy_loss"], abs=1e-5), i
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), i
+        # the sharded state is the update's optimizer stage: DCP's metadata and one shard file per rank
+        opt_manifest, opt_sha = read_manifest(opt_state.optimizer_state_uri(ref))
+        assert opt_manifest.stage == "optimizer_state" and opt_manifest.inputs == {"ppo_update": ref.manifest_sha256}
+        assert {k: opt_manifest.summary[k] for k in ("format", "world_size", "bf16", "tag")} == {
+            "format": "fsdp", "world_size": 2, "bf16": False, "tag": "dcp"}
+        assert sorted(f.path for f in opt_manifest.files) == ["dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"]
+        assert manifest.inputs.get("optimizer") == previous_opt  # the next update continued it
+        previous_opt = opt_sha
+        to_single.append(max_diff(weights(ref.uri), weights(want_ref.uri)))
+    init, last = load_causal_lm(tiny_model).state_dict(), weights(single_chain[-1].uri)
+    assert max_diff(last, init) > 1e-2  # 12 AdamW steps of lr 1e-3 moved the weights
+    assert max(to_single) < 1e-6, to_single  # float rounding only, every iteration
+
+
+def test_fsdp_three_iterations_match_deepspeed_zero3(update_inputs, ds_chain, fsdp_chain):
+    """The same 3 iterations under DeepSpeed ZeRO-3 on 2 ranks (skipped without deepspeed)."""
+    assert_shard_advantages_nonzero(update_inputs[2])
+    zero3, _ = ds_chain(3)
+    refs, _ = fsdp_chain
+    assert max_diff(weights(zero3[-1].uri), weights(update_inputs[4].uri)) > 1e-3  # iterations 2 and 3 moved them
+    diffs = []
+    for ref, z3 in zip(refs, zero3):
+        assert read_shard(ref.uri).to_pydict()["policy_loss"] == pytest.approx(
+            read_shard(z3.uri).to_pydict()["policy_loss"], abs=1e-5)
+        diffs.append(max_diff(weights(ref.uri), weights(z3.uri)))
+    assert max(diffs) < 1e-6, diffs
+
+
+def test_a_state_of_two_ranks_resumes_on_one_and_says_so(update_inputs, single_chain, fsdp_chain):
+    """DCP reshards: iteration 2 on 1 rank from the 2-rank iteration 1 logs the resharding and
+    ends within 1e-6 of the 2-rank iteration 2 and of the single process (AdamW continued: a
+    restarted AdamW is > 1e-4 off, test_deepspeed_update.py's test_a_restarted_adamw_would_not_match)."""
+    refs, _ = fsdp_chain
+    lines: list[str] = []
+    one_rank = RUNNER.model_copy(update={"nproc_per_node": 1})
+    ref = run_update(update_inputs, refs[0], fsdp(update_inputs[3]), "fsdp-2-one-rank", one_rank, lines)
+    assert any("was saved by 2 rank(s); torch.distributed.checkpoint reshards it onto 1 rank(s)" in line
+               for line in lines), lines[-20:]
+    assert read_manifest(opt_state.optimizer_state_uri(ref))[0].summary["world_size"] == 1
+    got = weights(ref.uri)
+    assert max_diff(got, weights(refs[1].uri)) < 1e-6
+    assert max_diff(got, weights(single_chain[1].uri)) < 1e-6
+
+
+def test_bf16_masters_are_continued_not_rounded(update_inputs, tiny_model):
+    """bfloat16 under FSDP2: the DCP state holds float32 master shards that round to the bfloat16
+    checkpoint but hold more; iteration 2 at lr 1e-30 ends with them unchanged (a restart from
+    the bfloat16 weights would be off by > 1e-5)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    cfg = fsdp(update_inputs[3])
+    u1 = run_update(update_inputs, tiny_model, cfg, "fsdp-bf16-1", RUNNER, dtype="bfloat16")
+    u2 = run_update(update_inputs, u1, cfg.model_copy(update={"lr": 1e-30}), "fsdp-bf16-2", RUNNER, dtype="bfloat16")
+    assert_update_signal(u1)
+    masters = []
+    for u in (u1, u2):
+        folder = opt_state.optimizer_state_uri(u)
+        assert read_manifest(folder)[0].summary["bf16"] is True
+        dcp_to_torch_save(f"{folder}/dcp", f"{folder}.pt")
+        masters.append(torch.load(f"{folder}.pt", weights_only=False)["model"])
+    m1, m2 = masters
+    w1 = load_causal_lm(f"{u1.uri}/policy", dtype="bfloat16").state_dict()
+    assert m1.keys() <= w1.keys() and m1["lm_head.weight"].dtype == torch.float32
+    assert load_file(f"{u1.uri}/policy/model.safetensors")["model.embed_tokens.weight"].dtype == torch.bfloat16  # the
+    # checkpoint is bfloat16 ...
+    assert all(torch.equal(m1[k].bfloat16(), w1[k]) for k in m1)  # ... the masters' rounding
+    assert max_diff(m1, {k: v.bfloat16() for k, v in m1.items()}) > 1e-5  # and they hold more than it
+    assert max_diff(m2, m1) < 1e-12
+
+
+def test_lora_with_gradient_checkpointing_matches_one_process(update_inputs, tiny_model):
+    """LoRA (peft) and gradient checkpointing composed with FSDP2: the 2-rank adapters equal the
+    single-process ones within 1e-6 (only adapters are sharded state; the frozen base is not saved)."""
+    from safetensors.torch import load_file
+
+    cfg = update_inputs[3].model_copy(update={"lora": LoraConfig(rank=4, alpha=8.0), "gradient_checkpointing": True})
+    with one_thread():
+        single = run_update(update_inputs, tiny_model, cfg, "lora-single")
+    sharded = run_update(update_inputs, tiny_model, fsdp(cfg, reshard_after_forward=False), "lora-fsdp", RUNNER)
+    a, b = (load_file(f"{u.uri}/policy/adapter_model.safetensors") for u in (single, sharded))
+    assert a.keys() == b.keys() and any("lora_B" in k for k in a)
+    assert max(v.abs().max().item() for k, v in a.items() if "lora_B" in k) > 1e-4  # the adapters moved from 0
+    assert max_diff(a, b) < 1e-6
+    opt = read_manifest(opt_state.optimizer_state_uri(sharded))[0]
+    assert opt.summary["format"] == "fsdp"
+    # adapters and their AdamW moments (447 kB with DCP's per-tensor records), not the base: its embedding alone is 6.3 MB
+    assert sum(f.bytes for f in opt.files) < 1_000_000
+
+
+def test_the_state_checks_name_both_sides(tmp_path, tiny_model):
+    saved = FSDPCheckpoint(folder=str(tmp_path), world_size=2, bf16=False, source="run/iter=000001/ppo_update-optimizer")
+    check_fsdp_state(saved, bf16=False)  # another world size is fine: DCP reshards
+    with pytest.raises(FSDPStateError, match="saved by a float32 model but this update trains a bfloat16 model"):
+        check_fsdp_state(saved, bf16=True)
+    model = torch.nn.Linear(2, 2)
+    settings = OptimizerSettings(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
+    with pytest.raises(FSDPStateError, match="an FSDP2 sharded optimizer state cannot be continued by a single-process"):
+        build_strategy(model, optim=settings, fsdp_state=saved)
+    with pytest.raises(FSDPStateError, match="a single-process AdamW state .* cannot be continued by an FSDP2 update"):
+        build_strategy(model, optim=settings, fsdp=FSDPConfig(), optimizer_state=str(tmp_path))
+    zero = DeepSpeedCheckpoint(folder="z", tag="zero", world_size=2, zero_stage=3, bf16=False, source="zero-stage")
+    with pytest.raises(FSDPStateError, match="zero-stage: a DeepSpeed ZeRO optimizer state cannot be continued by an FSDP2"):
+        build_strategy(model, optim=settings, fsdp=FSDPConfig(), deepspeed_state=zero)
+    assert layer_classes(load_causal_lm(tiny_model)) == {"LlamaDecoderLayer"}  # what gets one fully_shard each
+
+
+# -- the resident FSDP2 trainer: ranks as Ray actors that keep their shards -------------------------
+
+
+def test_resident_fsdp_gang_keeps_its_state_and_equals_the_torchrun_updates(update_inputs, fsdp_chain, tiny_model,
+                                                                            tmp_path):
+    """orchestration.policy_ranks=2 with update.fsdp: 3 updates, the first two without writing weights
+    or state (checkpoint.every=3), end with the weights of the 3 torchrun updates (each of which
+    restored the DCP state from storage) bit for bit; the rollout worker pulls the gang's weights
+    (``full_tensor`` on both ranks, rank 0 sends) and holds exactly the committed ones."""
+    pytest.importorskip("ray")
+    import ray
+
+    from rft_core.config import WorkersConfig
+    from rft_core.stages.recovery import has_weights
+    from rft_core.workers.pool import run_resident, start_worker, stop_workers
+
+    env = {"OMP_NUM_THREADS": "1"}
+    workers = WorkersConfig(pool=str(tmp_path), threads=1, policy_ranks=2,
+                            options={"policy": {"runtime_env": {"env_vars": env}}})
+    root, r, a = update_inputs[:3]
+    refs, policy = [], tiny_model
+    try:
+        for i in range(1, ITERATIONS + 1):
+            inp = PPOUpdateInput(rollout=r, advantages=a, policy=policy, update=fsdp(update_inputs[3]), kl=KLConfig(),
+                                 temperature=1.0, out=str(root / f"resident-fsdp-{i}"), save_checkpoint=i == ITERATIONS)
+            policy = run_resident(inp, workers)
+            refs.append(policy)
+        rollout = start_worker(workers, "rollout")
+        ray.get(rollout.inference_model.remote(tiny_model, dtype="float32", role="policy"))
+        synced = ray.get(rollout.inference_model.remote(refs[-1], dtype="float32", role="policy")).state_dict()
+        syncs = ray.get(rollout.stats.remote())["weight_syncs"]
+    finally:
+        stop_workers(workers.pool)
+    assert syncs == 1 and [has_weights(x) for x in refs] == [False, False, True]
+    staged, _ = fsdp_chain
+    for ref, want in zip(refs, staged):
+        assert read_shard(ref.uri).to_pydict()["policy_loss"] == read_shard(want.uri).to_pydict()["policy_loss"]
+    got, want = weights(refs[-1].uri), weights(staged[-1].uri)
+    assert all(torch.equal(got[k], want[k]) for k in want), max_diff(got, want)
+    assert all(torch.equal(synced[k], v) for k, v in got.items())
+    assert read_manifest(opt_state.optimizer_state_uri(refs[-1]))[0].summary["format"] == "fsdp"
+
+
+@pytest.fixture
+def own_process_group():
+    """A world of one rank in this process for the test (FSDP2 needs a process group), removed
+    after it with the environment it set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK)."""
+    import os
+
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_cpu_offload_on_one_rank_matches_one_process(tiny_model, own_process_group):
+    """FSDP2 on a world of one rank (outside torchrun), with and without CPUOffloadPolicy, trains
+    as the single process does: same gradient norms (4 steps), weights within 1e-6; in bfloat16
+    the gathered checkpoint weights are bfloat16 (the float32 shards' rounding)."""
+    from rft_core.training.update import UpdateData, UpdateSettings, ppo_update
+
+    data = UpdateData(prompts=[[5, 6, 7], [9, 10], [11, 12, 13, 14], [15]], responses=[[8, 9], [3, 4, 5], [6], [7, 8]],
+                      old_logprobs=[[-10.8, -10.8], [-10.8] * 3, [-10.8], [-10.8, -10.8]],  # ~ log(1/49152): unclipped
+                      advantages=[[1.0, 1.0], [-1.0] * 3, [1.0], [-1.0, -1.0]])
+    optim = OptimizerSettings(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
+    settings = UpdateSettings(micro_batch_size=1, train_batch_size=2, epochs=2)
+    got = {}
+    with one_thread():
+        for name, kw, dtype in [("single", {}, "float32"), ("fsdp", {"fsdp": FSDPConfig()}, "float32"),
+                                ("offload", {"fsdp": FSDPConfig(cpu_offload=True)}, "float32"),
+                                ("bf16", {"fsdp": FSDPConfig(reshard_after_forward=False)}, "bfloat16")]:
+            strategy = build_strategy(load_causal_lm(tiny_model, dtype=dtype, trainable=True), optim=optim, **kw)
+            steps = ppo_update(strategy, data, settings, pad_token_id=2)
+            weights_now = strategy.full_state_dict() if kw else strategy.model.state_dict()
+            got[name] = ([s.grad_norm for s in steps], {k: v.detach().clone() for k, v in weights_now.items()})
+    norms, single = got["single"]
+    assert len(norms) == 4 and min(norms) > 1e-3
+    init = load_causal_lm(tiny_model).state_dict()
+    assert max_diff(single, {k: init[k] for k in single}) > 1e-3
+    for name in ("fsdp", "offload"):
+        assert got[name][0] == pytest.approx(norms, rel=1e-5), name
+        assert max_diff(got[name][1], single) < 1e-6, name
+    assert got["bf16"][1]["lm_head.weight"].dtype == torch.bfloat16
+    assert got["bf16"][0] == pytest.approx(norms, rel=2e-2)  # bfloat16 compute: close, not equal
+
+
+def test_critic_update_under_fsdp_on_two_ranks_matches_one_process(update_inputs, tiny_model):
+    """critic.fsdp: the critic trains through the same loop and FSDP2 strategy, and 2 ranks give the
+    single-process critic's losses and weights (its value head sharded with the root)."""
+    import pyarrow as pa
+
+    from rft_core.config import CriticConfig
+    from rft_core.models.critic import load_critic
+    from rft_core.stages.contracts import CriticUpdateInput
+    from rft_core.stages.runner import run_stage
+    from schemas import write_shard
+    from schemas.columns import CRITIC_VALUES
+
+    root, r, a, _, _ = update_inputs
+    rows = read_shard(r).to_pydict()
+    values = write_shard(pa.table({"sample_id": rows["sample_id"], "values": [[0.0] * len(x) for x in rows["response_token_ids"]]},
+                                  schema=CRITIC_VALUES.arrow), str(root / "fsdp-values"), schema=CRITIC_VALUES, config_hash="v")
+    cfg = CriticConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, value_clip=None)
+    inp = CriticUpdateInput(rollout=r, advantages=a, critic_values=values, model=tiny_model, critic=cfg,
+                            out=str(root / "fsdp-c1"))
+    with one_thread():
+        single = run_stage(inp)
+    sharded = run_stage(CriticUpdateInput(**{**dict(inp), "critic": cfg.model_copy(update={"fsdp": FSDPConfig()}),
+                                             "out": str(root / "fsdp-c2")}), RUNNER)
+    assert read_manifest(sharded.uri)[0].summary["sharding"] == "fsdp2"
+    want, got = read_shard(single.uri).to_pydict(), read_shard(sharded.uri).to_pydict()
+    assert want["value_loss"][0] == pytest.approx(0.5)  # V = 0 against returns +-1: a real gradient
+    assert got["value_loss"] == pytest.approx(want["value_loss"], abs=1e-6)
+    w0, w1 = load_critic(f"{single.uri}/critic").state_dict(), load_critic(f"{sharded.uri}/critic").state_dict()
+    assert max_diff(w0, w1) < 1e-6
