@@ -24,7 +24,7 @@ PROMPTS = [[1, 20, 30, 31, 32], [1, 40], [7], [1, 50, 51]]
 
 def _engine(parts, *, deterministic=True, **kw):
     model, tok = parts
-    fake = HFBackedSGLang(model, tok, **kw)
+    fake = HFBackedSGLang(model, tok, enable_deterministic_inference=deterministic, **kw)
     return SGLangEngine("unused", eos_ids=HFEngine(model, tok).eos_ids, engine=fake, deterministic=deterministic), fake
 
 
@@ -38,7 +38,7 @@ def fake_sglang(parts, monkeypatch):
         built.append(kwargs)
         fresh = type(model)(model.config)
         fresh.load_state_dict(model.state_dict())
-        return HFBackedSGLang(fresh.eval(), tok)
+        return HFBackedSGLang(fresh.eval(), tok, **kwargs)
 
     monkeypatch.setattr(sglang_module, "build_engine", build)
     return built
