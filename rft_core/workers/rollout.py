@@ -27,8 +27,9 @@ import torch
 from rft_core.config import WorkersConfig
 from rft_core.counters import count
 from rft_core.models.lora import is_adapter_dir, merge_adapter
+from rft_core.models.pretrained import resolve_model_path
 from rft_core.stages.checkpoints import policy_model_path
-from rft_core.stages.recovery import weights_base
+from rft_core.stages.recovery import has_weights, weights_base
 from rft_core.stages.sources import load_from_storage, version_key
 from rft_core.weightsync.choose import choose_transport, transport
 from rft_core.weightsync.engine import check_buckets
@@ -177,28 +178,48 @@ class RolloutWorker(ResidentWorker):
         ``sglang`` transport of ``rft_core.weightsync``; every rank of the policy gang takes
         part, checksums compared, the engine invalid until it lands), or, when the trainer does
         not hold ``ref`` and it is on storage (the initial model, a resume), its checkpoint
-        reloaded in place (``full_checkpoint``: a LoRA adapter merged first). A sync is counted
-        and recorded in ``syncs``.
+        reloaded in place (``full_checkpoint``: a LoRA adapter merged first). No policy gang runs
+        yet before the first update (iteration 1's rollout, or a resumed run's first rollout): a
+        ``ref`` on storage is then its checkpoint, which a fresh engine built from it already
+        holds (nothing reloads). A sync is counted and recorded in ``syncs``.
 
         Raises:
             WeightSyncError: the sync failed or its checksums differ.
-            WorkerError: the policy worker is not a Ray actor (an engine sync crosses processes).
+            WorkerError: the policy worker is not a Ray actor (an engine sync crosses processes),
+                or it is not running and ``ref`` is not on storage (an update that kept its
+                weights in memory).
         """
         key = version_key(ref)
         if engine.weights_version == key:  # already holds it: no policy lookup on this path
             return
-        policy = self.policy()
-        if policy.local:
+        policy = self._running_policy(ref)
+        if policy is None:
+            rep = {"status": "storage"}
+        elif policy.local:
             raise WorkerError("a GPU engine receives its weights from the policy worker's process: run the workers as "
                               "Ray actors (rft_core.workers.pool)")
-        rep = pull_into_engine(engine, ref, prepare=lambda r, dtype: policy.call("prepare_weights", r, dtype=dtype),
-                               send_async=lambda r, **kw: policy.start("send_weights", r, **kw), wait=policy.wait,
-                               timeout_s=self.sync_timeout_s, bucket_mb=self.sync_bucket_mb)
+        else:
+            rep = pull_into_engine(engine, ref, prepare=lambda r, dtype: policy.call("prepare_weights", r, dtype=dtype),
+                                   send_async=lambda r, **kw: policy.start("send_weights", r, **kw), wait=policy.wait,
+                                   timeout_s=self.sync_timeout_s, bucket_mb=self.sync_bucket_mb)
         if rep["status"] == "storage":
             path, self._merged = full_checkpoint(ref, self._merged)
             engine.load_policy(path)
             return
         self.record_sync(key, rep["bytes"], rep["seconds"], rep["backend"], rep["buckets"], engine=type(engine).__name__)
+
+    def _running_policy(self, ref: PolicyRef) -> Gang | None:
+        """The policy gang (``policy``), or None when it is not running and ``ref`` is on storage.
+
+        Raises:
+            WorkerError: it is not running and ``ref`` has no weights on storage.
+        """
+        try:
+            return self.policy()
+        except WorkerError:
+            if isinstance(ref, str) or has_weights(ref):
+                return None
+            raise
 
     def record_sync(self, version: str, nbytes: int, seconds: float, backend: str, buckets: int, **extra) -> None:
         """Count a landed sync (``weight_syncs``, ``weight_sync_seconds``, ``weight_sync_bytes``)
@@ -306,10 +327,12 @@ def full_checkpoint(ref: PolicyRef, merged: str | None) -> tuple[str, str | None
     trainer does not hold ``ref`` and it is on storage (the initial model, a resume): its
     checkpoint, or for a LoRA checkpoint its merge (``rft_core.models.lora.merge_adapter``: the
     engine serves the merged weights), written into a new local temporary folder, returned as
-    ``merged``, with the previous ``merged`` folder removed."""
+    ``merged``, with the previous ``merged`` folder removed. A model alias or hub id is resolved
+    as ``make_engine`` resolves the folder it builds the engine from (``resolve_model_path``), so
+    an engine built from ``ref`` finds it holds that folder already."""
     path = policy_model_path(ref)
     if not is_adapter_dir(path):
-        return path, merged
+        return resolve_model_path(path), merged
     old, merged = merged, tempfile.mkdtemp(prefix="rft-merged-policy-")
     if old:
         shutil.rmtree(old, ignore_errors=True)

@@ -20,9 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from rft_core.engines import ENGINE_CACHE
 from rft_core.engines.hf import HFEngine
 from rft_core.engines.sglang import SGLangEngine
-from rft_core.engines.vllm import VLLMEngine, WeightReloadExtension
+from rft_core.engines.vllm import WORKER_EXTENSION, VLLMEngine
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.weightsync import plan as sync_module
 from rft_core.weightsync.checksum import (CHUNK, M31, meta_digest, multipliers, name_weight, row_weights, sync_checksum,
@@ -148,9 +149,10 @@ def test_one_sender_lands_the_same_bytes_in_two_receivers():
 class Sender:
     """The policy worker's side (``PolicyWorker.prepare_weights`` / ``send_weights``) in threads."""
 
-    def __init__(self, tensors, *, show_up: bool = True, dtype: str | None = None):
+    def __init__(self, tensors, *, show_up: bool = True, dtype: str | None = None, timeout_s: float = 20.0):
         self.tensors = tensors if isinstance(tensors, dict) else state_tensors(tensors)
         self.show_up, self.dtype = show_up, dtype  # dtype: send in this one, not the engine's
+        self.timeout_s = timeout_s  # the policy worker's sync_timeout_s: each collective's and each wait's limit
         self.pool = ThreadPoolExecutor(1)
         self.futures: list = []
 
@@ -163,12 +165,12 @@ class Sender:
             return None
         plan = SyncPlan.of(self.tensors, dtype=self.dtype or dtype, bucket_mb=BUCKET_MB)
         self.futures.append(self.pool.submit(send_weights, self.tensors, plan, addr=addr, port=port, backend=backend,
-                                             timeout_s=20, world_size=world_size))
+                                             timeout_s=self.timeout_s, world_size=world_size))
         return self.futures[-1]
 
-    @staticmethod
-    def wait(future):
-        rep = future.result(timeout=60)
+    def wait(self, future):
+        """The send's report; TimeoutError after ``timeout_s`` (the policy gang's wait: ``Gang.wait``)."""
+        rep = future.result(timeout=self.timeout_s)
         return {"checksum": rep.digest, "digest": rep.digest, "bytes": rep.bytes}
 
     def pull(self, engine, timeout_s=20.0):
@@ -202,8 +204,8 @@ def _other_layout(tiny_model):
 def _vllm(tiny_model, tok, tp: int, **kw):
     """A ``VLLMEngine`` on the vLLM stand-in: ``tp`` workers (the project's worker extension mixed
     in) holding ``tiny_model``'s checkpoint in bfloat16, fused and sharded."""
-    llm = vllm_standin.LLM(tiny_model, tok, tensor_parallel_size=tp, dtype=torch.bfloat16,
-                           extension=WeightReloadExtension)
+    llm = vllm_standin.LLM(tiny_model, tensor_parallel_size=tp, dtype="bfloat16", worker_extension_cls=WORKER_EXTENSION,
+                           enable_sleep_mode=kw.get("enable_sleep_mode", False))
     return VLLMEngine(tiny_model, eos_ids=HFEngine(llm.hf.model, tok).eos_ids, llm=llm, sampling_params=SamplingParams,
                       dtype="bfloat16", tensor_parallel_size=tp, **kw), llm
 
@@ -365,7 +367,9 @@ def test_a_checksum_the_sender_disagrees_with_invalidates_the_engine(tiny_model,
 
 def _sglang(tiny_model, tok, *, session=True, tp=1):
     """An ``SGLangEngine`` on the SGLang stand-in (0.5.23 with ``session``, else an older release)."""
-    fake = sglang_standin.Engine(tiny_model, tok, tp_size=tp, dtype=torch.bfloat16, session=session)
+    cls = sglang_standin.Engine if session else sglang_standin.OlderEngine
+    fake = cls(model_path=tiny_model, tp_size=tp, dtype="bfloat16", skip_tokenizer_init=True,
+               enable_deterministic_inference=True)
     return SGLangEngine(tiny_model, eos_ids=HFEngine(fake.hf.model, tok).eos_ids, engine=fake, dtype="bfloat16"), fake
 
 
@@ -431,7 +435,7 @@ def test_sglang_on_its_own_takes_an_incomplete_update_and_dies_on_a_mis_shaped_o
     """Why the project checks the plan first: the SGLang stand-in (0.5.23's loaders) reports
     success for an update that carries one tensor of the model's 20, skips an unknown name, and
     its scheduler dies on a tensor of another shape, taking the engine with it."""
-    fake = sglang_standin.Engine(tiny_model, tok)
+    fake = sglang_standin.Engine(model_path=tiny_model, dtype="bfloat16")
     assert fake.begin_weight_update() == (True, "Success")
     norm = ("model.norm.weight", torch.full((32,), 2.0, dtype=torch.bfloat16))
     assert fake.update_weights_from_tensor([norm, ("model.unknown.weight", torch.ones(3))], flush_cache=False)[0]
@@ -477,7 +481,7 @@ def test_make_engine_takes_the_weights_from_the_resident_worker(tiny_model, monk
 
     built = []
     monkeypatch.setattr(vllm_module, "build_llm", lambda **kw: built.append(kw) or HFBackedLLM(
-        load_causal_lm(tiny_model).eval(), load_tokenizer(tiny_model)))
+        load_causal_lm(tiny_model).eval(), load_tokenizer(tiny_model), **kw))
     monkeypatch.setattr(vllm_module, "vllm_sampling_params", lambda: SamplingParams)
 
     class Source:
@@ -497,6 +501,53 @@ def test_make_engine_takes_the_weights_from_the_resident_worker(tiny_model, monk
         assert first.llm.events == []  # reused without load_policy: the worker's sync decides the weights
     finally:
         release_engine()
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_first_rollout_of_a_resident_run_comes_before_any_update(kind, tiny_model, tmp_path, monkeypatch):
+    """Issue 45, finding 1: iteration 1's rollout runs before any ``ppo_update`` has started the
+    policy gang (the flow's order, ``tests/drive.py``). The rollout worker's engine is built from
+    the initial checkpoint (``import vllm`` / ``import sglang`` are the stand-ins, so the project's
+    own ``build_llm`` / ``build_engine`` pass them their engine arguments), and Ray finds no policy
+    actor (the Ray stand-in: ``ray.get_actor`` raises as Ray does). The rollout goes through on
+    the engine as built: nothing reloaded, nothing synced, the samples those of a stage-mode
+    rollout of the same checkpoint on the same engine."""
+    from rft_core.config import load_config
+    from rft_core.engines import release_engine
+    from rft_core.stages.contracts import PromptsInput, RolloutInput
+    from rft_core.stages.runner import run_stage
+    from rft_core.workers.rollout import RolloutWorker
+    from schemas import read_shard, stage_uri
+    from tests.standins import ray as ray_standin
+
+    ray = ray_standin.install(monkeypatch)  # a cluster on which no policy worker runs yet
+    (vllm_standin if kind == "vllm" else sglang_standin).install(monkeypatch)
+    cfg = load_config(None, [f"policy.path={tiny_model}", f"run_root={tmp_path / 'run'}", f"rollout.engine={kind}",
+                             "orchestration.workers=resident", "data.prompts_per_iteration=2", "data.size=8",
+                             "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=4"])
+    prompts = run_stage(PromptsInput(data=cfg.data, tokenizer_path=tiny_model, iteration=1,
+                                     out=stage_uri(cfg.run_root, 1, "prompts")))
+
+    def rollout(out: str) -> RolloutInput:
+        return RolloutInput(prompts=prompts, policy=tiny_model, policy_version=0, rollout=cfg.rollout, iteration=1,
+                            dtype=cfg.policy.dtype, out=out)
+
+    worker = RolloutWorker(cfg.run_root, threads=1)
+    release_engine()
+    try:
+        resident = worker.run(rollout(stage_uri(cfg.run_root, 1, "rollout")))
+        engine = ENGINE_CACHE.peek()
+        fake = engine.llm if kind == "vllm" else engine.engine
+        staged = run_stage(rollout(str(tmp_path / "stage-mode-rollout")))  # stage mode: the same cached engine
+        assert ENGINE_CACHE.peek() is engine
+    finally:
+        release_engine()
+    assert not any(e[0] in ("update_weights_from_disk", "update_weights_from_tensor") or e[1:2] == ("rft_reload_weights",)
+                   for e in fake.events)  # served as built: no reload, no sync
+    assert worker.syncs == [] and ray.lookups  # the policy gang was looked for and is not running
+    got, want = (read_shard(r.uri, stage="rollout").to_pydict() for r in (resident, staged))
+    assert len(got["sample_id"]) == 4 and got["response_token_ids"] == want["response_token_ids"]
+    assert got["rollout_logprobs"] == want["rollout_logprobs"]
 
 
 def test_resident_rollout_worker_syncs_its_vllm_engine_from_the_policy_actor(tiny_model, tok, tmp_path):
