@@ -189,12 +189,20 @@ class Gang(Sequence):
         results = ray.get(started.futures, timeout=self.timeout_s)
         return results if started.mode is FanOut.EACH else results[0]
 
-    def cancel(self, started: Started) -> None:
-        """Cancel ``start``'s calls (the caller gave up on them)."""
+    def kill(self) -> None:
+        """End every rank (``ray.kill``): what ends a call stuck past its limit, since Ray cannot
+        interrupt a running call of an actor (``ray.cancel`` only drops calls not yet started).
+        The pool then starts a new gang on its next call, which rebuilds its model as after a
+        crash (``rft_core.workers.pool.run_resident``). Ranks in this process: nothing to end."""
+        if self.local:
+            return
         import ray  # lazy: Ray is only needed when the workers are Ray actors
 
-        for fut in started.futures:
-            ray.cancel(fut, force=False)
+        for member in self.members:
+            try:
+                ray.kill(member)
+            except Exception:  # noqa: BLE001  already gone
+                pass
 
 
 def _first_failure_or_all(ray, futures: list, timeout_s: float | None) -> list:

@@ -201,7 +201,8 @@ class RolloutWorker(ResidentWorker):
         else:
             rep = pull_into_engine(engine, ref, prepare=lambda r, dtype: policy.call("prepare_weights", r, dtype=dtype),
                                    send_async=lambda r, **kw: policy.start("send_weights", r, **kw), wait=policy.wait,
-                                   timeout_s=self.sync_timeout_s, bucket_mb=self.sync_bucket_mb)
+                                   cancel=lambda started: policy.kill(), timeout_s=self.sync_timeout_s,
+                                   bucket_mb=self.sync_bucket_mb)
         if rep["status"] == "storage":
             path, self._merged = full_checkpoint(ref, self._merged)
             engine.load_policy(path)
@@ -258,8 +259,9 @@ class PolicySender:
         return self.policy.wait(started)
 
     def cancel(self, started: Started) -> None:
-        """Cancel ``start``'s sends (the receiver failed)."""
-        self.policy.cancel(started)
+        """End a send stuck past its limit (``rft_core.weightsync.base.settle``): the policy gang's
+        ranks are ended (``Gang.kill``); its next update starts a new gang, rebuilt exactly."""
+        self.policy.kill()
 
     def export(self) -> dict[str, Any]:
         """The policy gang's ``export_weights`` of ``ref`` in the receiver's dtype (CUDA IPC)."""
@@ -275,7 +277,7 @@ class PolicySender:
 
 def pull_into_engine(engine: Any, ref: PolicyRef, *, prepare: Callable[[PolicyRef, str], dict],
                      send_async: Callable[..., Any], wait: Callable[[Any], dict], timeout_s: float,
-                     bucket_mb: float) -> dict[str, Any]:
+                     bucket_mb: float, cancel: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """Make ``engine`` (a ``VLLMEngine`` or ``SGLangEngine``) hold the policy ``ref`` by an
     in-memory weight sync from the policy worker.
 
@@ -287,9 +289,13 @@ def pull_into_engine(engine: Any, ref: PolicyRef, *, prepare: Callable[[PolicyRe
             ``{"status": "ready", "addr", "port", "backend", "plan": SyncPlan.to_json(), ...}``.
         send_async: ``send_async(ref, addr=, port=, dtype=, backend=, world_size=)`` starts the
             policy worker's ``send_weights`` and returns a future.
-        wait: ``wait(future)`` -> the sender's report ({"checksum", ...}); raises if it failed.
-        timeout_s: the limit of each collective of the transaction.
+        wait: ``wait(future)`` -> the sender's report ({"checksum", ...}); raises if it failed,
+            ``TimeoutError`` when it did not finish within its limit.
+        timeout_s: the limit of each collective of the transaction, and of the engine's receive.
         bucket_mb: this worker's bucket limit: a plan with larger multi-tensor buckets is refused.
+        cancel: ``cancel(future)`` ends a send stuck past its limit after the engine's receive
+            failed (``rft_core.weightsync.base.settle``; the policy gang's ranks are ended); None:
+            nothing to end.
     Returns:
         ``{"status": "storage"}``: nothing was moved; the caller loads ``ref`` from storage
         (``engine.load_policy(...)``) as a stage-mode rollout does. Else ``{"status": "synced",
@@ -298,8 +304,8 @@ def pull_into_engine(engine: Any, ref: PolicyRef, *, prepare: Callable[[PolicyRe
         ValueError: a LoRA engine (``engine.sync_world_size``), checked before anything starts.
         WeightSyncError: the sync failed (timeout, a peer gone, a bucket the engine refused, the
             sender failed) or the sender's and the engine's checksums differ; the engine is
-            then invalid. After a receive failure the sender is not waited for: it fails on its
-            own within ``timeout_s``.
+            then invalid (an engine whose processes failed is closed: ``SyncedWeights.died``).
+            After a receive failure the sender is awaited first (``settle``).
     """
     world_size, dtype = engine.sync_world_size, engine.sync_dtype
     ready = prepare(ref, dtype)
@@ -313,7 +319,7 @@ def pull_into_engine(engine: Any, ref: PolicyRef, *, prepare: Callable[[PolicyRe
     t0 = time.perf_counter()
     name = choose_transport(backend=backend, sender_device=ready.get("device", ""), engine=engine.sync_transport)
     got = transport(name, timeout_s=timeout_s).receive(
-        engine, plan, _CallSender(ref, send_async, wait), what=f"weight sync of {key} into the engine",
+        engine, plan, _CallSender(ref, send_async, wait, cancel), what=f"weight sync of {key} into the engine",
         addr=ready["addr"], port=ready["port"], backend=backend, dtype=dtype, world_size=world_size, version=key)
     seconds = time.perf_counter() - t0
     log.info("weight sync into the %s engine (%s): %.1f MB in %.2f s, checksum verified", type(engine).__name__,
@@ -342,8 +348,9 @@ def full_checkpoint(ref: PolicyRef, merged: str | None) -> tuple[str, str | None
 class _CallSender:
     """``pull_into_engine``'s callables as the transport's ``Sender`` (``rft_core.weightsync.base``)."""
 
-    def __init__(self, ref: PolicyRef, send_async: Callable[..., Any], wait: Callable[[Any], dict]) -> None:
-        self.ref, self._send_async, self._wait = ref, send_async, wait
+    def __init__(self, ref: PolicyRef, send_async: Callable[..., Any], wait: Callable[[Any], dict],
+                 cancel: Callable[[Any], None] | None = None) -> None:
+        self.ref, self._send_async, self._wait, self._cancel = ref, send_async, wait, cancel
 
     def start(self, **meet: Any) -> Any:
         """``send_async(ref, **meet)``: the policy worker's ``send_weights`` started."""
@@ -352,3 +359,8 @@ class _CallSender:
     def wait(self, started: Any) -> dict:
         """The sender's report (``wait``)."""
         return self._wait(started)
+
+    def cancel(self, started: Any) -> None:
+        """End a send stuck past its limit (``cancel``; nothing without one)."""
+        if self._cancel is not None:
+            self._cancel(started)
