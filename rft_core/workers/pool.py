@@ -52,15 +52,20 @@ ROLES = tuple(WORKER_CLASSES)
 # the stage programs of each role (its class's ``programs``), by program
 ROLE_OF_PROGRAM = {program: role for role, cls in WORKER_CLASSES.items() for program in cls.programs}
 
-# environment the workers need from the driver (a local Ray passes its own; a cluster does not)
-_ENV_PREFIXES = ("RFT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PREFECT_RFT_")
+# environment the workers need from the driver (a local Ray passes its own; a cluster does not): the project's,
+# Hugging Face's, and object storage's (AWS_*: the credentials and endpoint an S3 run root is reached with,
+# docs/reliability.md; FSSPEC_*: fsspec's configuration from the environment)
+_ENV_PREFIXES = ("RFT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PREFECT_RFT_", "AWS_", "FSSPEC_")
 # a cluster with one GPU: every role gets this share of it (all of ROLES fit; two workers on one
 # GPU sync by CUDA IPC, rft_core/weightsync/cuda_ipc.py)
 _SHARED_GPU = 1 / len(ROLES)
 
 
 def _ray(workers: WorkersConfig | None = None):
-    """The ray module, connected (a local Ray started here, or ``workers.ray_address``).
+    """The ray module, connected (a local Ray started here, or ``workers.ray_address``). The
+    driver's variables of ``_ENV_PREFIXES`` (the project's, Hugging Face's, object storage's:
+    ``AWS_*`` credentials and endpoint) go to every worker as the job's ``runtime_env``
+    ``env_vars`` (Ray's ``ray.init(runtime_env=...)``), under the user's own.
 
     Raises:
         WorkerError: Ray is not installed.
@@ -76,8 +81,10 @@ def _ray(workers: WorkersConfig | None = None):
             if workers.ray_address:
                 kw["address"] = workers.ray_address
         env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-        if env:
-            kw.setdefault("runtime_env", {}).setdefault("env_vars", env)
+        if env:  # under the user's own runtime_env variables (ray.init_kwargs), which win
+            runtime_env = dict(kw.get("runtime_env") or {})
+            runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
+            kw["runtime_env"] = runtime_env
         _HANDLES.clear()  # handles of an earlier connection: their actors ended with it
         ray.init(**kw)
     return ray
