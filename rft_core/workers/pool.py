@@ -21,7 +21,9 @@ log shows. An actor that Ray cannot place within ``RFT_WORKER_PLACEMENT_TIMEOUT_
 (default 300: no node has the resources it asks for, e.g. its node died) fails with
 ``WorkerError`` naming the role, what it asks for, the live nodes and the node it last ran on.
 
-A worker that died (killed, out of memory, its node gone) is replaced once per call and the
+Before a stage is handed to a gang, the gang must answer a ping within ``sync_timeout_s``
+(``_answering_gang``): one that does not is stuck in a call past its limit and is ended and
+started anew. A worker that died (killed, out of memory, its node gone) is replaced once per call and the
 stage runs again: a committed stage is reused, an interrupted one recomputed, and the new
 worker rebuilds its model (``rft_core.workers.policy.rebuild_trainer``); a policy rank that dies or fails ends
 its whole gang (its peers would wait in a collective), which is started anew the same way. Actors are owned by the process that
@@ -246,7 +248,7 @@ def run_resident(inp, workers: WorkersConfig):
     for attempt in (0, 1):
         gang: Gang | list = []
         try:
-            gang = start_gang(workers, role)  # an actor dying as it starts: below
+            gang = _answering_gang(workers, role)  # an actor dying as it starts: below
             return gang.call("run", inp)  # every rank runs it; rank 0's result (FanOut.COLLECTIVE)
         except RayTaskError as exc:  # the program raised: the original exception, as the stage process would
             if len(gang) > 1:  # the other ranks may wait in a collective for the failed one
@@ -262,6 +264,22 @@ def run_resident(inp, workers: WorkersConfig):
             log.warning("the %s worker (%s) died during %s (%s); starting a new one and running the stage again",
                         role, where, inp.program, exc)
     raise AssertionError("unreachable")
+
+
+def _answering_gang(workers: WorkersConfig, role: str) -> Gang:
+    """``start_gang``'s gang once it answers a ``ping`` within ``workers.sync_timeout_s``. The run of
+    a stage has no limit of its own, but it waits behind whatever call the gang is busy with; no
+    call a stage can find in front of it outlives ``sync_timeout_s`` (a weight sync; the stages of
+    one role never overlap), so a gang that does not answer is stuck (a sync in NCCL's
+    communicator setup whose peer died): it is ended and a new one started, which rebuilds its
+    model as after a crash."""
+    gang = start_gang(workers, role)
+    if gang.answers(workers.sync_timeout_s):
+        return gang
+    log.warning("the %s worker of %s did not answer within orchestration.sync_timeout_s (%g s): a call is stuck past "
+                "its limit; ending it and starting a new one", role, workers.pool, workers.sync_timeout_s)
+    _kill_gang(workers.pool, role, gang)
+    return start_gang(workers, role)
 
 
 def _live_gang(pool: str, role: str) -> Gang | None:
