@@ -20,11 +20,18 @@ Failures under NCCL. ``ProcessGroupNCCL``'s ``Work.wait()`` does not block the C
 and its watchdog thread tears the whole process down when a collective fails or times out
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 3, torch 2.13). The sync's own NCCL group is therefore
 built with ``TORCH_NCCL_BLOCKING_WAIT=1`` (read once by the group's constructor; set only around
-it, so no other group of the process changes): no watchdog runs for it, ``wait()`` blocks the
-CPU and raises ``DistBackendError`` after ``timeout_s``, which becomes ``WeightSyncError``. The
-one wait not covered is NCCL's communicator setup at the first collective (``ncclCommInitRank``
-blocks while a peer that met at the rendezvous never arrives); the Ray-level ``sync_timeout_s``
-of the caller bounds it.
+it, so no other group of the process changes): torch still starts the group's watchdog thread,
+but blocking wait turns its error handling off (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is ignored
+for the group), so it takes nothing down; ``wait()`` blocks the CPU and raises
+``DistBackendError`` after ``timeout_s``, which becomes ``WeightSyncError``. The one wait not
+covered is NCCL's communicator setup at the first collective (``ncclCommInitRank`` blocks while a
+peer that met at the rendezvous never arrives). What bounds it is the wait on the participant
+from outside (``rft_core.weightsync.base.OWN_WAIT_SHARE``): vLLM's ``collective_rpc`` on its
+workers (``VLLMEngine.receive_weights``: the engine is then closed and rebuilt), and the
+receiver's wait for the policy gang's send (``rft_core.weightsync.base.settle``: a send stuck
+past it is ended with its gang); an SGLang receive runs in the rollout worker's own process, which
+nothing outside it bounds but the ping a gang must answer before its next stage
+(``rft_core.workers.pool``).
 
 Two processes on one GPU cannot form an NCCL group (NCCL 2.28 refuses: "Duplicate GPU
 detected", docs/gpu.md); such a pair moves weights by CUDA IPC handles instead

@@ -222,14 +222,10 @@ def start_gang(workers: WorkersConfig, role: str) -> Gang:
 
 def _kill_gang(pool: str, role: str, gang) -> None:
     """End every rank of a gang (one that died leaves the others stuck in their collectives)."""
-    import ray  # lazy: Ray is optional (installed for the resident workers only)
-
-    for r, a in enumerate(gang):
+    for r in range(len(gang)):
         _HANDLES.pop((pool, role, r), None)
-        try:
-            ray.kill(a)
-        except Exception:  # noqa: BLE001  already gone
-            pass
+    if len(gang):
+        Gang(WORKER_CLASSES[role], list(gang)).kill()
 
 
 def run_resident(inp, workers: WorkersConfig):

@@ -97,6 +97,7 @@ class EngineModel(torch.nn.Module):
             params["lm_head.weight"] = p(self.vocab_per_rank, h)
         self.loads = 0  # load_weights calls
         self.unmapped = False  # its GPU memory is unmapped (a sleeping vLLM engine): writing it is an illegal access
+        self.cuda_error: str | None = None  # a CUDA error is sticky: the process can do nothing more
         self._names = list(params)
         self._params = torch.nn.ParameterDict({n.replace(".", "__"): v for n, v in params.items()})
 
@@ -155,7 +156,8 @@ class EngineModel(torch.nn.Module):
         """``load_weights(weights: Iterable[tuple[str, Tensor]])``: vLLM returns the set of the
         (fused) parameter names it loaded; SGLang returns None (see the module docstring)."""
         if self.unmapped:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            self.cuda_error = "CUDA error: an illegal memory access was encountered"
+            raise RuntimeError(self.cuda_error)
         self.loads += 1
         loaded: set[str] = set()
         for name, tensor in weights:

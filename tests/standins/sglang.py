@@ -3,9 +3,9 @@
 
 Copied behaviour, refusals included:
 
-- **Engine arguments**: ``Engine(**kwargs)`` builds ``ServerArgs(**kwargs)`` (its fields:
-  ``python/sglang/srt/arg_groups/fields/*.py``); an unknown keyword is refused (``TypeError:
-  ServerArgs.__init__() got an unexpected keyword argument ...``). ``SERVER_ARGS`` lists the
+- **Engine arguments**: ``Engine(**kwargs)`` builds ``ServerArgs(**kwargs)``, a msgspec struct
+  (``python/sglang/srt/server_args.py``, its fields in ``arg_groups/fields/*.py``); an unknown
+  keyword is refused (msgspec: ``TypeError: Unexpected keyword argument ...``). ``SERVER_ARGS`` lists the
   fields modelled (``tests/standins/test_upstream.py`` checks each is one of 0.5.23's).
 - ``generate(prompt=None, sampling_params=None, input_ids=None, return_logprob=False,
   lora_path=None, stream=False)``: one request (``input_ids`` a list of ints) answers a dict, a
@@ -133,11 +133,11 @@ class Engine:
 
         for name in kwargs:
             if name not in SERVER_ARGS:
-                raise TypeError(f"ServerArgs.__init__() got an unexpected keyword argument {name!r}")
+                raise TypeError(f"Unexpected keyword argument {name!r}")  # msgspec's refusal (ServerArgs)
         self.server_args = {**SERVER_ARGS, **kwargs}
         model_path = self.server_args["model_path"]
         if model_path is None:
-            raise TypeError("ServerArgs.__init__() missing 1 required positional argument: 'model_path'")
+            raise TypeError("Missing required argument 'model_path'")
         hf, tok = self._hf_model(model_path)
         flavour = "sglang_v2" if os.environ.get("SGLANG_ENABLE_WEIGHT_LOADER_V2", "").lower() in ("1", "true") \
             else "sglang"

@@ -250,9 +250,13 @@ class Worker:
                                         model_path)
         self._offloaded: dict[str, torch.Tensor] | None = None
         self.asleep: set[str] = set()
-        self.cuda_error: str | None = None  # sticky: every later call fails with it
         self.hang: threading.Event | None = None
         self.die = False
+
+    @property
+    def cuda_error(self) -> str | None:
+        """A CUDA error this worker's process hit (sticky: every later call fails with it)."""
+        return self.model_runner.model.cuda_error
 
     def reload_weights(self, *args, **kwargs) -> None:
         self.model_runner.reload_weights(*args, **kwargs)
@@ -321,8 +325,6 @@ class Executor:
             self.is_failed = True
             self._failed.set()
         except Exception as exc:  # noqa: BLE001  enqueue_output: an exception becomes a FAILURE response
-            if "illegal memory access" in str(exc):
-                worker.cuda_error = str(exc)
             log.exception("WorkerProc hit an exception.")
             self.responses[rank].put((FAILURE, str(exc)))
 

@@ -63,3 +63,24 @@ class HFBackedSGLang(sglang_standin.Engine):
 
 class OlderHFBackedSGLang(HFBackedSGLang, sglang_standin.OlderEngine):
     """``HFBackedSGLang`` of a release before the weight-update session (0.5.3 .. 0.5.20)."""
+
+
+def lora_adapter(model_path: str, out, seed: int, *, rank: int = 2) -> str:
+    """A peft LoRA adapter folder (rank ``rank`` on every linear layer, random ``seed``) on the base
+    ``model_path``, with the base's tokenizer: what a LoRA policy checkpoint holds. Its B matrices
+    are random too (peft starts them at 0), as after training: the adapter changes the outputs."""
+    import torch
+
+    from rft_core.models.loading import load_causal_lm, load_tokenizer
+    from rft_core.models.lora import apply_lora
+
+    torch.manual_seed(seed)
+    model = apply_lora(load_causal_lm(model_path, trainable=True), rank=rank, alpha=4.0, dropout=0.0,
+                       target_modules="all-linear", base_path=model_path)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    load_tokenizer(model_path).save_pretrained(out)
+    return str(out)

@@ -20,7 +20,7 @@ from rft_core.engines.hf import HFEngine
 from rft_core.engines.vllm import VLLMEngine, WeightReloadExtension, get_vllm_engine, release_vllm_engine
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.logprobs import batched_response_logprobs
-from tests.rft_core.engines.fakes import HFBackedLLM, SamplingParams
+from tests.rft_core.engines.fakes import HFBackedLLM, SamplingParams, lora_adapter
 from tests.standins import vllm as vllm_standin
 
 PROMPTS = [[1, 20, 30, 31, 32], [1, 40], [7], [1, 50, 51]]
@@ -204,20 +204,10 @@ def _lora(request) -> tuple:
     return request.lora_name, request.lora_int_id, request.lora_path
 
 
-def _adapter(tiny_model, out, seed):
-    from rft_core.models.lora import apply_lora
-
-    torch.manual_seed(seed)
-    apply_lora(load_causal_lm(tiny_model, trainable=True), rank=2, alpha=4.0, dropout=0.0, target_modules="all-linear",
-               base_path=tiny_model).save_pretrained(out)
-    load_tokenizer(tiny_model).save_pretrained(out)
-    return str(out)
-
-
 def test_lora_policy_is_served_as_a_vllm_lora_request(parts, tiny_model, tmp_path, fake_vllm):
     from rft_core.stages.rollout import make_engine
 
-    adapter = _adapter(tiny_model, tmp_path / "policy", 0)
+    adapter = lora_adapter(tiny_model, tmp_path / "policy", 0)
     cfg = load_config(None, {"rollout.engine": "vllm"}).rollout
     engine, _ = make_engine(cfg, adapter, dtype="bfloat16")
     assert fake_vllm[-1]["model"] == tiny_model and fake_vllm[-1]["enable_lora"] is True
@@ -229,7 +219,7 @@ def test_lora_policy_is_served_as_a_vllm_lora_request(parts, tiny_model, tmp_pat
 def test_cached_lora_engine_gets_a_new_request_id_per_adapter(parts, tiny_model, tmp_path, fake_vllm):
     model, tok = parts
     eos = HFEngine(model, tok).eos_ids
-    a1, a2 = _adapter(tiny_model, tmp_path / "a1", 1), _adapter(tiny_model, tmp_path / "a2", 2)
+    a1, a2 = lora_adapter(tiny_model, tmp_path / "a1", 1), lora_adapter(tiny_model, tmp_path / "a2", 2)
     engine = get_vllm_engine(tiny_model, eos_ids=eos, lora_path=a1, enable_sleep_mode=True)
     engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
     assert get_vllm_engine(tiny_model, eos_ids=eos, lora_path=a2, enable_sleep_mode=True) is engine
