@@ -73,10 +73,11 @@ def settle(sender: Sender, started: Any) -> str:
     """After the receiver's side of a transaction failed: wait for the sender's started send
     (``sender.wait``, bounded by the sender's own limit, ``sync_timeout_s``: its collectives fail
     on their own within it once the receiver is gone), so that it is not left running into the
-    sender's next call. A send whose wait times out is stuck past every limit of the transaction
-    (in NCCL's communicator setup, which no timeout covers): it is cancelled (``sender.cancel``:
-    the policy gang's ends its ranks, since Ray cannot interrupt a running call). Returns what
-    became of the send, for the receiver's error message; raises nothing."""
+    sender's next call. A send whose wait times out (``TimeoutError``; Ray's ``GetTimeoutError``
+    is one) is stuck past every limit of the transaction (in NCCL's communicator setup, which no
+    timeout covers): it is cancelled (``sender.cancel``; the policy gang's ends its ranks, since
+    Ray cannot interrupt a running call). Returns what became of the send, for the receiver's
+    error message; raises nothing."""
     try:
         sender.wait(started)
         return "the sender finished its send"
