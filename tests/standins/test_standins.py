@@ -29,6 +29,13 @@ def eos(tiny_model) -> list[int]:
     return sorted(HFEngine(load_causal_lm(tiny_model), load_tokenizer(tiny_model)).eos_ids)
 
 
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory) -> tuple[str, str]:
+    """Two LoRA adapters (rank 2) of the tiny model, with random B matrices: they change its outputs."""
+    d = tmp_path_factory.mktemp("adapters")
+    return lora_adapter(tiny_model, d / "a1", 1), lora_adapter(tiny_model, d / "a2", 2)
+
+
 def _params(eos, **kw) -> SamplingParams:
     """The project's request (``VLLMEngine.generate``): log-prob of each sampled token, no detokenizing."""
     return SamplingParams(**{"n": 1, "max_tokens": 4, "seed": 7, "logprobs": 0, "detokenize": False,
@@ -99,8 +106,8 @@ def test_vllm_generate_refuses_params_of_another_length(lora_llm, eos):
     assert len(outs) == 2 and outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
-def test_vllm_lora_request_needs_lora_enabled(tiny_model, tmp_path, eos):
-    adapter = lora_adapter(tiny_model, tmp_path / "a", 1)
+def test_vllm_lora_request_needs_lora_enabled(tiny_model, adapters, eos):
+    adapter = adapters[0]
     plain = LLM(tiny_model, dtype="float32")
     with pytest.raises(VLLMValidationError, match="Got lora_request .* but LoRA is not enabled!"):
         plain.generate([PROMPT], _params(eos), lora_request=LoRARequest("a", 1, adapter))
@@ -108,13 +115,13 @@ def test_vllm_lora_request_needs_lora_enabled(tiny_model, tmp_path, eos):
         LoRARequest("a", 0, adapter)
 
 
-def test_vllm_lora_request_is_applied_and_cached_by_its_id(lora_llm, tiny_model, tmp_path, eos):
+def test_vllm_lora_request_is_applied_and_cached_by_its_id(lora_llm, tiny_model, adapters, tmp_path, eos):
     """The adapter's samples come from the base with the adapter merged (their log-probs are the merged
     model's), not from the base; a second request under the same id with another folder gets the
     adapter first loaded under that id (vLLM's cache)."""
     from rft_core.models.lora import merge_adapter
 
-    a1, a2 = lora_adapter(tiny_model, tmp_path / "a1", 1), lora_adapter(tiny_model, tmp_path / "a2", 2)
+    a1, a2 = adapters
     params = _params(eos, max_tokens=6, temperature=1.0)
     base = lora_llm.generate([PROMPT], params)[0].outputs[0]
     got = lora_llm.generate([PROMPT], params, lora_request=LoRARequest("p1", 1, a1))[0].outputs[0]
@@ -129,7 +136,7 @@ def test_vllm_lora_request_is_applied_and_cached_by_its_id(lora_llm, tiny_model,
     assert again.token_ids == got.token_ids  # id 1 still serves a1
 
 
-def test_vllm_lora_adapter_that_cannot_load_kills_the_engine(tiny_model, tmp_path, eos):
+def test_vllm_lora_adapter_that_cannot_load_kills_the_engine(tiny_model, adapters, tmp_path, eos):
     llm = LLM(tiny_model, dtype="float32", enable_lora=True, max_lora_rank=8)
     with pytest.raises(EngineDeadError) as dead:
         llm.generate([PROMPT], _params(eos), lora_request=LoRARequest("gone", 1, str(tmp_path / "no-adapter")))
@@ -138,7 +145,7 @@ def test_vllm_lora_adapter_that_cannot_load_kills_the_engine(tiny_model, tmp_pat
         llm.generate([PROMPT], _params(eos))
     big = LLM(tiny_model, dtype="float32", enable_lora=True, max_lora_rank=1)
     with pytest.raises(EngineDeadError) as dead:
-        big.generate([PROMPT], _params(eos), lora_request=LoRARequest("r2", 1, lora_adapter(tiny_model, tmp_path / "r2", 3)))
+        big.generate([PROMPT], _params(eos), lora_request=LoRARequest("r2", 1, adapters[0]))
     assert "LoRA rank 2 is greater than max_lora_rank 1." in str(dead.value.__cause__)
 
 
@@ -207,20 +214,20 @@ def test_sglang_unseeded_requests_follow_deterministic_inference(tiny_model, sgl
     """With ``enable_deterministic_inference`` an unseeded request gets seed 42 (two come out the same);
     without it the seed plays no part and every request draws its own stream."""
     def outputs(engine, params):
-        return [o["output_ids"] for o in engine.generate(input_ids=[[1, 20]] * 4, sampling_params=[params] * 4,
+        return [o["output_ids"] for o in engine.generate(input_ids=[[1, 20]] * 3, sampling_params=[params] * 3,
                                                          return_logprob=True)]
 
-    unseeded = outputs(sgl, _sgl_params(eos, max_new_tokens=8))
+    unseeded = outputs(sgl, _sgl_params(eos, max_new_tokens=6))
     assert len({tuple(o) for o in unseeded}) == 1
-    assert outputs(sgl, _sgl_params(eos, max_new_tokens=8, sampling_seed=42)) == unseeded
+    assert outputs(sgl, _sgl_params(eos, max_new_tokens=6, sampling_seed=42)) == unseeded
     free = sglang_standin.Engine(model_path=tiny_model, dtype="float32")
-    drawn = outputs(free, _sgl_params(eos, max_new_tokens=8, sampling_seed=42))
+    drawn = outputs(free, _sgl_params(eos, max_new_tokens=6, sampling_seed=42))
     assert len({tuple(o) for o in drawn}) > 1  # the seed is not used without deterministic inference
 
 
-def test_sglang_lora_adapters_fail_to_load_as_upstream_answers(tiny_model, tmp_path, eos):
+def test_sglang_lora_adapters_fail_to_load_as_upstream_answers(tiny_model, adapters, tmp_path, eos):
     plain = sglang_standin.Engine(model_path=tiny_model, dtype="float32")
-    adapter = lora_adapter(tiny_model, tmp_path / "a", 1)
+    adapter = adapters[0]
     answer = plain.load_lora_adapter("a", adapter)
     assert not answer.success and answer.error_message == sglang_standin.LORA_DISABLED
     with pytest.raises(ValueError, match="LoRA adapter 'a' was requested, but LoRA is not enabled"):
