@@ -116,11 +116,13 @@ gpu-smoke:
 clean:
 	rm -rf $(VENV) runs .pytest_cache
 
-# The stand-ins of tests/standins (vLLM, SGLang) against the upstream code the open pins install today: the newest
-# wheels of vllm>=0.10.2 and sglang>=0.5.3, downloaded without dependencies into .cache/upstream (~380 MB, once per
-# release) and read, never imported (tests/standins/test_upstream.py); ~1 min after the download.
+# The stand-ins of tests/standins (vLLM, SGLang) against the upstream code of the releases constraints-gpu.txt pins
+# (what make install-gpu installs): their wheels, downloaded without dependencies into .cache/upstream (~380 MB, once
+# per pin) and read, never imported (tests/standins/test_upstream.py, which fails without the pinned wheels); ~1 min
+# after the download.
+UPSTREAM_PINS = $(shell grep -E '^(vllm|sglang)==' constraints-gpu.txt)
 test-upstream: $(STAMP)
-	$(BIN)/pip download -q --no-deps -d .cache/upstream "vllm>=0.10.2" "sglang>=0.5.3"
+	$(BIN)/pip download -q --no-deps -d .cache/upstream $(UPSTREAM_PINS)
 	RFT_UPSTREAM=.cache/upstream $(BIN)/python -m pytest -q tests/standins/test_upstream.py
 
 # On-policy distillation against GRPO from the same untrained student (issue 38): a GRPO teacher trained on

@@ -15,6 +15,10 @@ crosses from one node's worker process to the other's.
   iteration 2 is committed; a rerun of the same run on a fresh node_b ends with the weights of
   the uninterrupted runs.
 
+* only the driver's environment holds the S3 credentials and endpoint (the nodes start without
+  them, as nodes started apart from the run do): the pool passes them to its workers, and a
+  worker on node_b reads the bucket (issue 45).
+
 The runs are driven without Prefect (``tests/drive.py``: the flow's stage order, each model stage
 through ``run_stage`` with the config's runner). Rewards vary inside each group
 (``tests/varying.py``); the equality is asserted after the advantages and policy losses are
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -60,8 +65,10 @@ def _title(pid: int) -> str:
 
 @pytest.fixture(scope="module")
 def two_nodes(tiny_model, tmp_path_factory):
-    """(cluster, node_b, S3 server, stage mode's run root): the S3 environment is set before the
-    nodes start, so their worker processes reach the bucket as the driver does."""
+    """(cluster, node_b, S3 server): the nodes start without any ``AWS_*`` variable; the S3
+    credentials and endpoint are set in the driver's environment only, after the nodes started
+    (as on a cluster started apart from the run), so a worker reaches the bucket only through
+    what the pool passes it."""
     import ray
     import s3fs
     from ray.cluster_utils import Cluster
@@ -71,19 +78,20 @@ def two_nodes(tiny_model, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     cluster = None
     try:
-        for k, v in {**server.env(), "RFT_CACHE_DIR": str(d / "cache"), "RFT_WORKER_PLACEMENT_TIMEOUT_S": "5"}.items():
-            mp.setenv(k, v)
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.client().create_bucket(Bucket="rft")
+        for k in [k for k in os.environ if k.startswith("AWS_")]:
+            mp.delenv(k)
+        mp.setenv("RFT_CACHE_DIR", str(d / "cache"))
+        mp.setenv("RFT_WORKER_PLACEMENT_TIMEOUT_S", "5")
         ray.shutdown()  # a local Ray another test started; this test's driver joins the cluster instead
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 4},
                                                                 "_system_config": FAST_FAILURE_DETECTION})
         node_b = cluster.add_node(num_cpus=2, resources={"node_b": 1})
         cluster.wait_for_nodes()
-        stage_root = "s3://rft/stage"
-        drive(varying_config(tiny_model, stage_root, iterations=3))
-        assert_training_signal(stage_root, (1, 2, 3))
-        yield {"cluster": cluster, "node_b": node_b, "stage_root": stage_root, "model": tiny_model}
+        for k, v in server.env().items():  # the driver's environment only
+            mp.setenv(k, v)
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.client().create_bucket(Bucket="rft")
+        yield {"cluster": cluster, "node_b": node_b, "server": server, "model": tiny_model}
     finally:
         ray.shutdown()
         if cluster is not None:
@@ -91,6 +99,55 @@ def two_nodes(tiny_model, tmp_path_factory):
         mp.undo()
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def stage_root(two_nodes) -> str:
+    """The run root of 3 stage-mode iterations in the driver (the reference weights)."""
+    root = "s3://rft/stage"
+    drive(varying_config(two_nodes["model"], root, iterations=3))
+    assert_training_signal(root, (1, 2, 3))
+    return root
+
+
+def test_credentials_only_in_the_driver_reach_the_workers_on_two_nodes(two_nodes, monkeypatch):
+    """Issue 45, finding 4: with an S3 run root, the credentials and endpoint that
+    docs/reliability.md tells users to export (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_ENDPOINT_URL``) are in the driver's environment only. The rollout worker, pinned to
+    node_b, sees them and reads an object the driver wrote to the bucket."""
+    import fsspec
+    import ray
+
+    from rft_core.config import WorkersConfig
+    from rft_core.workers.pool import start_gang, stop_workers
+
+    pool, probe = "s3://rft/credentials", "s3://rft/credentials/probe.txt"
+    with fsspec.open(probe, "wb") as f:
+        f.write(b"written by the driver")
+
+    def storage_view(_actor):
+        """In the worker: its node, its AWS variables, and the probe read back (when it has an endpoint)."""
+        import os
+
+        import fsspec
+        import ray
+
+        env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+        data = None
+        if "AWS_ENDPOINT_URL" in env:  # without it s3fs would try AWS itself, which this machine cannot reach
+            with fsspec.open(probe, "rb") as f:
+                data = f.read()
+        return {"node": ray.get_runtime_context().get_node_id(), "env": env, "data": data}
+
+    monkeypatch.setenv("RFT_WORKER_PLACEMENT_TIMEOUT_S", "120")  # a worker's first start on a loaded machine
+    workers = WorkersConfig(pool=pool, ray_address=two_nodes["cluster"].address, threads=1, options=PINNED)
+    try:
+        seen = ray.get(start_gang(workers, "rollout")[0].__ray_call__.remote(storage_view), timeout=120)
+    finally:
+        stop_workers(pool)
+    assert seen["node"] == two_nodes["node_b"].node_id != two_nodes["cluster"].head_node.node_id
+    assert seen["env"] == two_nodes["server"].env()
+    assert seen["data"] == b"written by the driver"
 
 
 def _resident(env, run_root: str):
@@ -106,7 +163,7 @@ def _run(cfg, inp):
     return run_stage(inp, cfg.runner(inp.stage))
 
 
-def test_resident_on_two_nodes_equals_stage_mode(two_nodes, caplog):
+def test_resident_on_two_nodes_equals_stage_mode(two_nodes, stage_root, caplog):
     from rft_core.workers.pool import placements, stop_workers
 
     cluster, node_b = two_nodes["cluster"], two_nodes["node_b"]
@@ -126,10 +183,10 @@ def test_resident_on_two_nodes_equals_stage_mode(two_nodes, caplog):
     for it in (1, 2):  # between checkpoints the policy lived only in the workers' memory
         m, _ = read_manifest(stage_uri(cfg.run_root, it, "ppo_update"))
         assert not any(e.path.startswith("policy/") for e in m.files)
-    assert _policy_files(cfg.run_root) == _policy_files(two_nodes["stage_root"]) and _policy_files(cfg.run_root)
+    assert _policy_files(cfg.run_root) == _policy_files(stage_root) and _policy_files(cfg.run_root)
 
 
-def test_killing_the_rollout_node_mid_iteration_then_rerun(two_nodes):
+def test_killing_the_rollout_node_mid_iteration_then_rerun(two_nodes, stage_root):
     import ray
 
     from rft_core.workers.pool import WorkerError, placements
@@ -181,4 +238,4 @@ def test_killing_the_rollout_node_mid_iteration_then_rerun(two_nodes):
     finally:
         stop_workers(cfg.run_root)
     assert_training_signal(cfg.run_root, (1, 2, 3))
-    assert _policy_files(cfg.run_root) == _policy_files(two_nodes["stage_root"])
+    assert _policy_files(cfg.run_root) == _policy_files(stage_root)

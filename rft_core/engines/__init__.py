@@ -116,9 +116,11 @@ class SyncedWeights:
     ``_policy_dtype``, ``_model_path`` (the checkpoint it was built from: its architecture),
     ``weights_path`` (the checkpoint to serve), ``_loaded_path`` (the checkpoint its weights hold)
     and ``weights_version`` (the synced version they hold). ``sync_transport`` names the
-    engine's transport (``rft_core.weightsync.choose.choose_transport``)."""
+    engine's transport (``rft_core.weightsync.choose.choose_transport``). ``dead``: why the
+    engine's processes can no longer serve (``died``), or None."""
 
     sync_transport: ClassVar[str]
+    dead: str | None = None
     _policy_dtype: str
     _model_path: str
     weights_path: str | None
@@ -143,6 +145,17 @@ class SyncedWeights:
     def invalidate_weights(self) -> None:
         """Hold the GPU weights as invalid: nothing is served until a sync or ``load_policy``."""
         self.weights_path = self._loaded_path = self.weights_version = None
+
+    def died(self, reason: str) -> None:
+        """The engine's executor failed or left a call pending (a worker process died, a call
+        timed out while its reply may still come): record ``reason`` in ``dead``, hold the
+        weights as invalid and close the engine at once (its GPU memory back;
+        ``ENGINE_CACHE.discard``), so that the next rollout builds a new one instead of reusing
+        this one (every later call would fail, or read the late reply as its own)."""
+        log.error("the %s died (%s): closed; the next rollout builds a new one", type(self).__name__, reason)
+        self.dead = reason
+        self.invalidate_weights()
+        ENGINE_CACHE.discard(self)
 
 
 def seed_base(seed: int, *, bits: int) -> int:
@@ -219,6 +232,18 @@ class EngineCache:
     def peek(self) -> Any:
         """The cached engine or None."""
         return self._engine
+
+    def discard(self, engine: Any) -> None:
+        """Close ``engine`` (a dead one: ``SyncedWeights.died``) and, when it is the cached one,
+        empty the cache. A failure of its ``close`` is logged, not raised (its processes may be
+        gone already)."""
+        with self._lock:
+            if self._engine is engine:
+                self._key, self._engine = None, None
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001  a dead engine's shutdown may fail half-way; it is dropped either way
+            log.exception("closing the dead %s failed", type(engine).__name__)
 
     def release(self, kind: type | None = None) -> bool:
         """Close and forget the cached engine (only if it is a ``kind`` when given); True if one

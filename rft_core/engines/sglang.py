@@ -52,6 +52,7 @@ from typing import Any
 
 from rft_core.engines import ENGINE_CACHE, SGLANG_SEED_BITS, SyncedWeights, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
+from rft_core.weightsync.base import OWN_WAIT_SHARE
 from rft_core.weightsync.collective import receive_buckets
 from rft_core.weightsync.plan import SyncPlan, WeightSyncError, sync_device
 
@@ -245,7 +246,8 @@ class SGLangEngine(SyncedWeights):
         Args:
             plan: the sender's ``SyncPlan`` (or its JSON), in ``sync_dtype``.
             addr, port, backend: where the sender (rank 0) waits.
-            timeout_s: the limit of each collective of the transaction.
+            timeout_s: the limit of the transaction; each wait of this receiver gets
+                ``OWN_WAIT_SHARE`` of it (``rft_core.weightsync.base``).
             version: what the weights are (the caller's key of the policy version).
         Returns:
             {"checksum" (of the received tensors), "bytes", "seconds", "buckets", "backend"}.
@@ -276,7 +278,8 @@ class SGLangEngine(SyncedWeights):
                 session = False
         try:
             rep = receive_buckets(plan, addr=addr, port=port, rank=1, world_size=2, backend=backend,
-                                  timeout_s=timeout_s, device=sync_device(backend), on_bucket=on_bucket, refusal=refusal)
+                                  timeout_s=timeout_s * OWN_WAIT_SHARE, device=sync_device(backend), on_bucket=on_bucket,
+                                  refusal=refusal)
         except BaseException:
             if session:  # closed so that the next sync can open one; the sync's own error is the one raised
                 with contextlib.suppress(Exception):

@@ -50,6 +50,7 @@ from typing import Any
 from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, SyncedWeights, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
 from rft_core.models.logprobs import release_device_memory
+from rft_core.weightsync.base import OWN_WAIT_SHARE
 from rft_core.weightsync.collective import receive_buckets
 from rft_core.weightsync.plan import SyncPlan, WeightSyncError
 
@@ -284,7 +285,11 @@ class VLLMEngine(SyncedWeights):
         Raises:
             WeightSyncError: the weights are invalid (a failed sync, synced weights discarded by
                 a level-2 sleep): nothing is served until a sync or ``load_policy`` succeeds.
+            RuntimeError: the engine died (``died``), or an in-place reload failed; an executor
+                that failed during the reload kills the engine.
         """
+        if self.dead:
+            raise RuntimeError(f"the vLLM engine died ({self.dead}): the next rollout builds a new one")
         self._wake_weights()
         if self.weights_path is None:
             if self.weights_version is None:
@@ -293,7 +298,12 @@ class VLLMEngine(SyncedWeights):
         elif self._loaded_path != self.weights_path:
             log.info("vLLM: reloading weights in place from %s", self.weights_path)
             self._loaded_path = None  # a failed reload leaves the weights partly written
-            failed = [a for a in self.llm.collective_rpc("rft_reload_weights", args=(self.weights_path,)) if not a["ok"]]
+            try:
+                answers = self.llm.collective_rpc("rft_reload_weights", args=(self.weights_path,))
+            except Exception as exc:  # the executor failed (a worker process died): the extension never raises
+                self.died(f"{type(exc).__name__}: {exc}")
+                raise
+            failed = [a for a in answers if not a["ok"]]
             if failed:
                 raise RuntimeError(f"vLLM: reloading {self.weights_path} failed on worker(s) "
                                    f"{[a['rank'] for a in failed]}: {'; '.join(a['error'] for a in failed)}")
@@ -321,26 +331,33 @@ class VLLMEngine(SyncedWeights):
         """Receive the trainer's weights in memory: wake a sleeping engine's weights, have every
         worker join the sync group and load the buckets (``LLM.collective_rpc(method, timeout=None,
         args=(), kwargs=None) -> list`` of ``vllm/entrypoints/llm.py``, one result per worker,
-        calling ``WeightReloadExtension.rft_receive_weights``), check that every worker received
+        calling ``WeightReloadExtension.rft_receive_weights``, under ``timeout_s``: without one it
+        waits forever, e.g. for a worker stuck in NCCL's communicator setup when a peer never
+        arrives, which no collective's timeout covers), check that every worker received
         the same weights (their checksums), reset the prefix cache and record ``version`` as what
         the GPU weights hold (``weights_version``; ``generate`` then reloads nothing). A plan that
         does not fit the engine's model (``plan_refusal``: a tensor missing, unexpected or of
         another shape or dtype) is refused by every worker at the plan check, before a bucket
         moves. The workers answer a status each (``WeightReloadExtension``), so a failure on one
         worker leaves no reply queued in vLLM's executor; the error raised here names each failed
-        worker's own error.
+        worker's own error. A ``collective_rpc`` that raises (its ``timeout_s`` passed, a worker
+        process died: ``EngineDeadError``) leaves the executor failed or with replies to come: the
+        engine is closed (``died``) and the next rollout builds a new one.
 
         Args:
             plan: the sender's ``SyncPlan`` (or its JSON), in ``sync_dtype``.
             addr, port, backend: where the sender (rank 0) meets its ``sync_world_size - 1`` receivers.
-            timeout_s: the limit of each collective of the transaction.
+            timeout_s: the limit of the whole receive (``collective_rpc``'s timeout); each wait of
+                the workers gets ``OWN_WAIT_SHARE`` of it (``rft_core.weightsync.base``), so that a
+                worker that has not answered by then hangs.
             version: what the weights are (the caller's key of the policy version).
         Returns:
             {"checksum", "bytes", "seconds" (the slowest worker), "buckets", "backend", "workers"}.
         Raises:
             ValueError: a LoRA engine (``sync_world_size``).
             WeightSyncError: the sync failed or the workers' checksums differ; the weights are
-                then invalid (``generate`` refuses until a sync or ``load_policy`` succeeds).
+                then invalid (``generate`` refuses until a sync or ``load_policy`` succeeds), or
+                the engine died (see above).
         """
         world_size = self.sync_world_size
         plan = SyncPlan.from_json(plan) if isinstance(plan, str) else plan
@@ -348,11 +365,13 @@ class VLLMEngine(SyncedWeights):
         self._wake_weights()
         self.invalidate_weights()
         try:
-            results = self.llm.collective_rpc("rft_receive_weights",
-                                              args=(plan.to_json(), addr, port, world_size, backend, float(timeout_s),
-                                                    refusal))
-        except Exception as exc:  # noqa: BLE001  the executor failed (a worker process died, a timeout)
-            raise WeightSyncError(f"vLLM weight sync of {version} failed: {type(exc).__name__}: {exc}") from exc
+            results = self.llm.collective_rpc("rft_receive_weights", timeout=float(timeout_s),
+                                              args=(plan.to_json(), addr, port, world_size, backend,
+                                                    float(timeout_s) * OWN_WAIT_SHARE, refusal))
+        except Exception as exc:  # noqa: BLE001  the executor failed (a worker process died) or the call timed out
+            self.died(f"{type(exc).__name__}: {exc}")
+            raise WeightSyncError(f"vLLM weight sync of {version} failed: {type(exc).__name__}: {exc} (the engine is "
+                                  "closed; the next rollout builds a new one)") from exc
         failed = [r for r in results if not r.get("ok")]
         if failed:
             raise WeightSyncError(f"vLLM weight sync of {version} failed on worker(s) {[r['rank'] for r in failed]}: "

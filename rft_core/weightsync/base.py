@@ -33,6 +33,16 @@ import torch
 from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
 
 
+# Each participant's own waits in a transaction (its rendezvous, its collectives) get this share of the
+# transaction's limit (``Transport.timeout_s``: ``orchestration.sync_timeout_s``); whoever waits on a participant
+# from outside (vLLM's ``collective_rpc`` on its workers, the wait for the policy gang's send) waits the whole
+# limit. A participant whose own wait ran out (a peer that never came) has reported by then, also through
+# torch's whole-second rendezvous (a TCPStore master ends its wait for its clients at floor(timeout) + 1 s), for
+# limits of 4 s and more; one that has not reported hangs (in NCCL's communicator setup, which no timeout of
+# its own covers): the outside wait fails and ends it.
+OWN_WAIT_SHARE = 0.75
+
+
 class Sender(Protocol):
     """The receiver's handle on the sending side of one transaction (the policy trainer's ranks,
     in this process or as Ray actors), bound to the version being synced. A transport calls
@@ -50,13 +60,32 @@ class Sender(Protocol):
         raises when it failed."""
 
     def cancel(self, started: Any) -> None:
-        """Give up on a started send (the receiver failed first)."""
+        """End a started send that outlived its limit (``settle``)."""
 
     def export(self) -> dict[str, Any]:
         """The sender's ``prepare`` answer of a CUDA IPC transaction (``handles``, ``digest``)."""
 
     def release(self) -> None:
         """The sender's ``finalize`` (CUDA IPC: free the exported buffers)."""
+
+
+def settle(sender: Sender, started: Any) -> str:
+    """After the receiver's side of a transaction failed: wait for the sender's started send
+    (``sender.wait``, bounded by the sender's own limit, ``sync_timeout_s``: its collectives fail
+    on their own within it once the receiver is gone), so that it is not left running into the
+    sender's next call. A send whose wait times out (``TimeoutError``; Ray's ``GetTimeoutError``
+    is one) is stuck past every limit of the transaction (in NCCL's communicator setup, which no
+    timeout covers): it is cancelled (``sender.cancel``; the policy gang's ends its ranks, since
+    Ray cannot interrupt a running call). Returns what became of the send, for the receiver's
+    error message; raises nothing."""
+    try:
+        sender.wait(started)
+        return "the sender finished its send"
+    except TimeoutError as exc:
+        sender.cancel(started)
+        return f"the sender was still sending past its limit and was ended ({exc})"
+    except Exception as exc:  # noqa: BLE001  expected: the sender failed too; the receiver's error is the one raised
+        return f"the sender failed too: {type(exc).__name__}: {exc}"
 
 
 def verify_digest(landed: str, sent: str | None, what: str) -> None:
@@ -77,7 +106,8 @@ class Transport(ABC):
     ``receive``; the sender-side steps a transport does not need are no-ops.
 
     Args:
-        timeout_s: the limit of each collective of a transaction (seconds).
+        timeout_s: the limit of a transaction (seconds): what a wait on a participant from outside
+            allows; each of a participant's own waits gets ``own_wait_s``.
     """
 
     name: ClassVar[str]
@@ -86,6 +116,11 @@ class Transport(ABC):
 
     def __init__(self, *, timeout_s: float = 300.0) -> None:
         self.timeout_s = timeout_s
+
+    @property
+    def own_wait_s(self) -> float:
+        """The limit of each of a participant's own waits (``OWN_WAIT_SHARE`` of ``timeout_s``, seconds)."""
+        return self.timeout_s * OWN_WAIT_SHARE
 
     def prepare(self, tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, device: torch.device | str) -> dict:
         """Sender side, before the transfer: what the receiver needs to take the weights (none

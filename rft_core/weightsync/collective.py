@@ -20,11 +20,18 @@ Failures under NCCL. ``ProcessGroupNCCL``'s ``Work.wait()`` does not block the C
 and its watchdog thread tears the whole process down when a collective fails or times out
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 3, torch 2.13). The sync's own NCCL group is therefore
 built with ``TORCH_NCCL_BLOCKING_WAIT=1`` (read once by the group's constructor; set only around
-it, so no other group of the process changes): no watchdog runs for it, ``wait()`` blocks the
-CPU and raises ``DistBackendError`` after ``timeout_s``, which becomes ``WeightSyncError``. The
-one wait not covered is NCCL's communicator setup at the first collective (``ncclCommInitRank``
-blocks while a peer that met at the rendezvous never arrives); the Ray-level ``sync_timeout_s``
-of the caller bounds it.
+it, so no other group of the process changes): torch still starts the group's watchdog thread,
+but blocking wait turns its error handling off (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is ignored
+for the group), so it takes nothing down; ``wait()`` blocks the CPU and raises
+``DistBackendError`` after ``timeout_s``, which becomes ``WeightSyncError``. The one wait not
+covered is NCCL's communicator setup at the first collective (``ncclCommInitRank`` blocks while a
+peer that met at the rendezvous never arrives). What bounds it is the wait on the participant
+from outside (``rft_core.weightsync.base.OWN_WAIT_SHARE``): vLLM's ``collective_rpc`` on its
+workers (``VLLMEngine.receive_weights``: the engine is then closed and rebuilt), and the
+receiver's wait for the policy gang's send (``rft_core.weightsync.base.settle``: a send stuck
+past it is ended with its gang); an SGLang receive runs in the rollout worker's own process, which
+nothing outside it bounds but the ping a gang must answer before its next stage
+(``rft_core.workers.pool``).
 
 Two processes on one GPU cannot form an NCCL group (NCCL 2.28 refuses: "Duplicate GPU
 detected", docs/gpu.md); such a pair moves weights by CUDA IPC handles instead
@@ -42,7 +49,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from rft_core.weightsync.base import Sender, Transport, register, verify_digest
+from rft_core.weightsync.base import Sender, Transport, register, settle, verify_digest
 from rft_core.weightsync.checksum import Checksum, checksum_method, sync_checksum
 from rft_core.weightsync.plan import (
     SyncPlan,
@@ -94,11 +101,11 @@ def _process_group(backend: str, addr: str, port: int, rank: int, timeout_s: flo
     try:
         store = dist.TCPStore(addr, port, world_size=world_size, is_master=rank == 0, timeout=timeout,
                               wait_for_workers=True)
-    except Exception as exc:  # noqa: BLE001  RuntimeError/DistNetworkError: a peer never came
+        if backend == "gloo":  # its construction meets every rank through the store
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    except Exception as exc:  # noqa: BLE001  RuntimeError/DistNetworkError/DistStoreError: a peer never came
         raise WeightSyncError(f"weight sync rendezvous at {addr}:{port} (rank {rank} of {world_size}) failed within "
                               f"{timeout_s:g} s: {exc}") from exc
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     with _ENV_LOCK:  # the constructor reads the variable once: this group blocks, no other one changes
@@ -284,19 +291,20 @@ class Collective(Transport):
 
     def send(self, tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: str, port: int,
              device: torch.device | str | None = None, world_size: int = 2) -> SyncReport:
-        """Rank 0: ``send_weights`` over this transport's backend under ``timeout_s``."""
-        return send_weights(tensors, plan, addr=addr, port=port, backend=self.name, timeout_s=self.timeout_s,
+        """Rank 0: ``send_weights`` over this transport's backend, each wait under ``own_wait_s``."""
+        return send_weights(tensors, plan, addr=addr, port=port, backend=self.name, timeout_s=self.own_wait_s,
                             device=device, world_size=world_size)
 
     def receive(self, into: Mapping[str, torch.Tensor], plan: SyncPlan, sender: Sender, *, what: str, addr: str,
                 port: int, dtype: str, who: str = "receiving") -> SyncReport:
         """Rank 1 of 2: start the sender's ``send``, ``receive_weights`` into ``into`` (the
-        receiver's ``state_tensors``), then check the sender's checksum against the landed one.
+        receiver's ``state_tensors``; each wait under ``own_wait_s``), then check the sender's
+        checksum against the landed one.
 
         Raises:
             WeightSyncError: NCCL into tensors that are not on a GPU (before the sender starts),
-                the transfer failed (the sender is cancelled), the sender failed, or the
-                checksums differ.
+                the transfer failed (after the sender was awaited or ended: ``settle``), the
+                sender failed, or the checksums differ.
         """
         device = next(iter(into.values())).device
         if self.name == "nccl" and device.type != "cuda":  # before the sender starts and waits for us
@@ -304,10 +312,9 @@ class Collective(Transport):
                                   f"is on {device}: give the {who} role a GPU")
         started = sender.start(addr=addr, port=port, dtype=dtype, backend=self.name)
         try:
-            got = receive_weights(into, plan, addr=addr, port=port, backend=self.name, timeout_s=self.timeout_s)
-        except WeightSyncError:
-            sender.cancel(started)
-            raise
+            got = receive_weights(into, plan, addr=addr, port=port, backend=self.name, timeout_s=self.own_wait_s)
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"{exc}; {settle(sender, started)}") from exc
         try:
             sent = sender.wait(started)
         except Exception as exc:  # noqa: BLE001  the sender failed after the receiver finished

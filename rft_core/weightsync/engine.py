@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rft_core.weightsync.base import Sender, Transport, register
+from rft_core.weightsync.base import Sender, Transport, register, settle
 from rft_core.weightsync.plan import SyncPlan, WeightSyncError
 
 
@@ -42,13 +42,16 @@ class EngineTransport(Transport):
         Returns:
             the engine's report (``bytes``, ``buckets``, ``checksum``).
         Raises:
-            WeightSyncError: the engine's receive failed (the sender is not waited for: it fails
-                on its own within ``timeout_s``), the sender failed, or the checksums differ;
-                the engine is then invalid (``invalidate_weights``).
+            WeightSyncError: the engine's receive failed (after the sender was awaited or ended:
+                ``settle``), the sender failed, or the checksums differ; the engine is then
+                invalid (``invalidate_weights``).
         """
         started = sender.start(addr=addr, port=port, dtype=dtype, backend=backend, world_size=world_size)
-        got = into.receive_weights(plan, addr=addr, port=port, backend=backend, timeout_s=self.timeout_s,
-                                   version=version)
+        try:
+            got = into.receive_weights(plan, addr=addr, port=port, backend=backend, timeout_s=self.timeout_s,
+                                       version=version)
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"{exc}; {settle(sender, started)}") from exc
         try:
             sent = sender.wait(started)
         except Exception as exc:  # noqa: BLE001  the sender failed after the engine finished

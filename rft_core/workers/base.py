@@ -189,12 +189,35 @@ class Gang(Sequence):
         results = ray.get(started.futures, timeout=self.timeout_s)
         return results if started.mode is FanOut.EACH else results[0]
 
-    def cancel(self, started: Started) -> None:
-        """Cancel ``start``'s calls (the caller gave up on them)."""
+    def answers(self, timeout_s: float) -> bool:
+        """Whether every rank answers a ``ping`` within ``timeout_s`` seconds. A rank runs its
+        calls one at a time, so one still busy with a call stuck past its limit (a sync in NCCL's
+        communicator setup whose peer is gone) does not; a dead rank raises Ray's
+        ``RayActorError``. Ranks in this process always answer."""
+        if self.local:
+            return True
+        from ray.exceptions import GetTimeoutError  # lazy: Ray is only needed when the workers are Ray actors
+
+        try:
+            Gang(self.cls, self.members, timeout_s=timeout_s).call("ping")
+        except GetTimeoutError:
+            return False
+        return True
+
+    def kill(self) -> None:
+        """End every rank (``ray.kill``): what ends a call stuck past its limit, since Ray cannot
+        interrupt a running call of an actor (``ray.cancel`` only drops calls not yet started).
+        The pool then starts a new gang on its next call, which rebuilds its model as after a
+        crash (``rft_core.workers.pool.run_resident``). Ranks in this process: nothing to end."""
+        if self.local:
+            return
         import ray  # lazy: Ray is only needed when the workers are Ray actors
 
-        for fut in started.futures:
-            ray.cancel(fut, force=False)
+        for member in self.members:
+            try:
+                ray.kill(member)
+            except Exception:  # noqa: BLE001  already gone
+                pass
 
 
 def _first_failure_or_all(ray, futures: list, timeout_s: float | None) -> list:

@@ -21,7 +21,9 @@ log shows. An actor that Ray cannot place within ``RFT_WORKER_PLACEMENT_TIMEOUT_
 (default 300: no node has the resources it asks for, e.g. its node died) fails with
 ``WorkerError`` naming the role, what it asks for, the live nodes and the node it last ran on.
 
-A worker that died (killed, out of memory, its node gone) is replaced once per call and the
+Before a stage is handed to a gang, the gang must answer a ping within ``sync_timeout_s``
+(``_answering_gang``): one that does not is stuck in a call past its limit and is ended and
+started anew. A worker that died (killed, out of memory, its node gone) is replaced once per call and the
 stage runs again: a committed stage is reused, an interrupted one recomputed, and the new
 worker rebuilds its model (``rft_core.workers.policy.rebuild_trainer``); a policy rank that dies or fails ends
 its whole gang (its peers would wait in a collective), which is started anew the same way. Actors are owned by the process that
@@ -52,15 +54,20 @@ ROLES = tuple(WORKER_CLASSES)
 # the stage programs of each role (its class's ``programs``), by program
 ROLE_OF_PROGRAM = {program: role for role, cls in WORKER_CLASSES.items() for program in cls.programs}
 
-# environment the workers need from the driver (a local Ray passes its own; a cluster does not)
-_ENV_PREFIXES = ("RFT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PREFECT_RFT_")
+# environment the workers need from the driver (a local Ray passes its own; a cluster does not): the project's,
+# Hugging Face's, and object storage's (AWS_*: the credentials and endpoint an S3 run root is reached with,
+# docs/reliability.md; FSSPEC_*: fsspec's configuration from the environment)
+_ENV_PREFIXES = ("RFT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PREFECT_RFT_", "AWS_", "FSSPEC_")
 # a cluster with one GPU: every role gets this share of it (all of ROLES fit; two workers on one
 # GPU sync by CUDA IPC, rft_core/weightsync/cuda_ipc.py)
 _SHARED_GPU = 1 / len(ROLES)
 
 
 def _ray(workers: WorkersConfig | None = None):
-    """The ray module, connected (a local Ray started here, or ``workers.ray_address``).
+    """The ray module, connected (a local Ray started here, or ``workers.ray_address``). The
+    driver's variables of ``_ENV_PREFIXES`` (the project's, Hugging Face's, object storage's:
+    ``AWS_*`` credentials and endpoint) go to every worker as the job's ``runtime_env``
+    ``env_vars`` (Ray's ``ray.init(runtime_env=...)``), under the user's own.
 
     Raises:
         WorkerError: Ray is not installed.
@@ -76,8 +83,10 @@ def _ray(workers: WorkersConfig | None = None):
             if workers.ray_address:
                 kw["address"] = workers.ray_address
         env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-        if env:
-            kw.setdefault("runtime_env", {}).setdefault("env_vars", env)
+        if env:  # under the user's own runtime_env variables (ray.init_kwargs), which win
+            runtime_env = dict(kw.get("runtime_env") or {})
+            runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
+            kw["runtime_env"] = runtime_env
         _HANDLES.clear()  # handles of an earlier connection: their actors ended with it
         ray.init(**kw)
     return ray
@@ -213,14 +222,10 @@ def start_gang(workers: WorkersConfig, role: str) -> Gang:
 
 def _kill_gang(pool: str, role: str, gang) -> None:
     """End every rank of a gang (one that died leaves the others stuck in their collectives)."""
-    import ray  # lazy: Ray is optional (installed for the resident workers only)
-
-    for r, a in enumerate(gang):
+    for r in range(len(gang)):
         _HANDLES.pop((pool, role, r), None)
-        try:
-            ray.kill(a)
-        except Exception:  # noqa: BLE001  already gone
-            pass
+    if len(gang):
+        Gang(WORKER_CLASSES[role], list(gang)).kill()
 
 
 def run_resident(inp, workers: WorkersConfig):
@@ -239,7 +244,7 @@ def run_resident(inp, workers: WorkersConfig):
     for attempt in (0, 1):
         gang: Gang | list = []
         try:
-            gang = start_gang(workers, role)  # an actor dying as it starts: below
+            gang = _answering_gang(workers, role)  # an actor dying as it starts: below
             return gang.call("run", inp)  # every rank runs it; rank 0's result (FanOut.COLLECTIVE)
         except RayTaskError as exc:  # the program raised: the original exception, as the stage process would
             if len(gang) > 1:  # the other ranks may wait in a collective for the failed one
@@ -255,6 +260,22 @@ def run_resident(inp, workers: WorkersConfig):
             log.warning("the %s worker (%s) died during %s (%s); starting a new one and running the stage again",
                         role, where, inp.program, exc)
     raise AssertionError("unreachable")
+
+
+def _answering_gang(workers: WorkersConfig, role: str) -> Gang:
+    """``start_gang``'s gang once it answers a ``ping`` within ``workers.sync_timeout_s``. The run of
+    a stage has no limit of its own, but it waits behind whatever call the gang is busy with; no
+    call a stage can find in front of it outlives ``sync_timeout_s`` (a weight sync; the stages of
+    one role never overlap), so a gang that does not answer is stuck (a sync in NCCL's
+    communicator setup whose peer died): it is ended and a new one started, which rebuilds its
+    model as after a crash."""
+    gang = start_gang(workers, role)
+    if gang.answers(workers.sync_timeout_s):
+        return gang
+    log.warning("the %s worker of %s did not answer within orchestration.sync_timeout_s (%g s): a call is stuck past "
+                "its limit; ending it and starting a new one", role, workers.pool, workers.sync_timeout_s)
+    _kill_gang(workers.pool, role, gang)
+    return start_gang(workers, role)
 
 
 def _live_gang(pool: str, role: str) -> Gang | None:

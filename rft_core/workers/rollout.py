@@ -27,8 +27,9 @@ import torch
 from rft_core.config import WorkersConfig
 from rft_core.counters import count
 from rft_core.models.lora import is_adapter_dir, merge_adapter
+from rft_core.models.pretrained import resolve_model_path
 from rft_core.stages.checkpoints import policy_model_path
-from rft_core.stages.recovery import weights_base
+from rft_core.stages.recovery import has_weights, weights_base
 from rft_core.stages.sources import load_from_storage, version_key
 from rft_core.weightsync.choose import choose_transport, transport
 from rft_core.weightsync.engine import check_buckets
@@ -178,28 +179,49 @@ class RolloutWorker(ResidentWorker):
         ``sglang`` transport of ``rft_core.weightsync``; every rank of the policy gang takes
         part, checksums compared, the engine invalid until it lands), or, when the trainer does
         not hold ``ref`` and it is on storage (the initial model, a resume), its checkpoint
-        reloaded in place (``full_checkpoint``: a LoRA adapter merged first). A sync is counted
-        and recorded in ``syncs``.
+        reloaded in place (``full_checkpoint``: a LoRA adapter merged first). No policy gang runs
+        yet before the first update (iteration 1's rollout, or a resumed run's first rollout): a
+        ``ref`` on storage is then its checkpoint, which a fresh engine built from it already
+        holds (nothing reloads). A sync is counted and recorded in ``syncs``.
 
         Raises:
             WeightSyncError: the sync failed or its checksums differ.
-            WorkerError: the policy worker is not a Ray actor (an engine sync crosses processes).
+            WorkerError: the policy worker is not a Ray actor (an engine sync crosses processes),
+                or it is not running and ``ref`` is not on storage (an update that kept its
+                weights in memory).
         """
         key = version_key(ref)
         if engine.weights_version == key:  # already holds it: no policy lookup on this path
             return
-        policy = self.policy()
-        if policy.local:
+        policy = self._running_policy(ref)
+        if policy is None:
+            rep = {"status": "storage"}
+        elif policy.local:
             raise WorkerError("a GPU engine receives its weights from the policy worker's process: run the workers as "
                               "Ray actors (rft_core.workers.pool)")
-        rep = pull_into_engine(engine, ref, prepare=lambda r, dtype: policy.call("prepare_weights", r, dtype=dtype),
-                               send_async=lambda r, **kw: policy.start("send_weights", r, **kw), wait=policy.wait,
-                               timeout_s=self.sync_timeout_s, bucket_mb=self.sync_bucket_mb)
+        else:
+            rep = pull_into_engine(engine, ref, prepare=lambda r, dtype: policy.call("prepare_weights", r, dtype=dtype),
+                                   send_async=lambda r, **kw: policy.start("send_weights", r, **kw), wait=policy.wait,
+                                   cancel=lambda started: policy.kill(), timeout_s=self.sync_timeout_s,
+                                   bucket_mb=self.sync_bucket_mb)
         if rep["status"] == "storage":
             path, self._merged = full_checkpoint(ref, self._merged)
             engine.load_policy(path)
             return
         self.record_sync(key, rep["bytes"], rep["seconds"], rep["backend"], rep["buckets"], engine=type(engine).__name__)
+
+    def _running_policy(self, ref: PolicyRef) -> Gang | None:
+        """The policy gang (``policy``), or None when it is not running and ``ref`` is on storage.
+
+        Raises:
+            WorkerError: it is not running and ``ref`` has no weights on storage.
+        """
+        try:
+            return self.policy()
+        except WorkerError:
+            if isinstance(ref, str) or has_weights(ref):
+                return None
+            raise
 
     def record_sync(self, version: str, nbytes: int, seconds: float, backend: str, buckets: int, **extra) -> None:
         """Count a landed sync (``weight_syncs``, ``weight_sync_seconds``, ``weight_sync_bytes``)
@@ -238,8 +260,9 @@ class PolicySender:
         return self.policy.wait(started)
 
     def cancel(self, started: Started) -> None:
-        """Cancel ``start``'s sends (the receiver failed)."""
-        self.policy.cancel(started)
+        """End a send stuck past its limit (``rft_core.weightsync.base.settle``): the policy gang's
+        ranks are ended (``Gang.kill``); its next update starts a new gang, rebuilt exactly."""
+        self.policy.kill()
 
     def export(self) -> dict[str, Any]:
         """The policy gang's ``export_weights`` of ``ref`` in the receiver's dtype (CUDA IPC)."""
@@ -255,7 +278,7 @@ class PolicySender:
 
 def pull_into_engine(engine: Any, ref: PolicyRef, *, prepare: Callable[[PolicyRef, str], dict],
                      send_async: Callable[..., Any], wait: Callable[[Any], dict], timeout_s: float,
-                     bucket_mb: float) -> dict[str, Any]:
+                     bucket_mb: float, cancel: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """Make ``engine`` (a ``VLLMEngine`` or ``SGLangEngine``) hold the policy ``ref`` by an
     in-memory weight sync from the policy worker.
 
@@ -267,9 +290,13 @@ def pull_into_engine(engine: Any, ref: PolicyRef, *, prepare: Callable[[PolicyRe
             ``{"status": "ready", "addr", "port", "backend", "plan": SyncPlan.to_json(), ...}``.
         send_async: ``send_async(ref, addr=, port=, dtype=, backend=, world_size=)`` starts the
             policy worker's ``send_weights`` and returns a future.
-        wait: ``wait(future)`` -> the sender's report ({"checksum", ...}); raises if it failed.
-        timeout_s: the limit of each collective of the transaction.
+        wait: ``wait(future)`` -> the sender's report ({"checksum", ...}); raises if it failed,
+            ``TimeoutError`` when it did not finish within its limit.
+        timeout_s: the limit of each collective of the transaction, and of the engine's receive.
         bucket_mb: this worker's bucket limit: a plan with larger multi-tensor buckets is refused.
+        cancel: ``cancel(future)`` ends a send stuck past its limit after the engine's receive
+            failed (``rft_core.weightsync.base.settle``; the policy gang's ranks are ended); None:
+            nothing to end.
     Returns:
         ``{"status": "storage"}``: nothing was moved; the caller loads ``ref`` from storage
         (``engine.load_policy(...)``) as a stage-mode rollout does. Else ``{"status": "synced",
@@ -278,8 +305,8 @@ def pull_into_engine(engine: Any, ref: PolicyRef, *, prepare: Callable[[PolicyRe
         ValueError: a LoRA engine (``engine.sync_world_size``), checked before anything starts.
         WeightSyncError: the sync failed (timeout, a peer gone, a bucket the engine refused, the
             sender failed) or the sender's and the engine's checksums differ; the engine is
-            then invalid. After a receive failure the sender is not waited for: it fails on its
-            own within ``timeout_s``.
+            then invalid (an engine whose processes failed is closed: ``SyncedWeights.died``).
+            After a receive failure the sender is awaited first (``settle``).
     """
     world_size, dtype = engine.sync_world_size, engine.sync_dtype
     ready = prepare(ref, dtype)
@@ -293,7 +320,7 @@ def pull_into_engine(engine: Any, ref: PolicyRef, *, prepare: Callable[[PolicyRe
     t0 = time.perf_counter()
     name = choose_transport(backend=backend, sender_device=ready.get("device", ""), engine=engine.sync_transport)
     got = transport(name, timeout_s=timeout_s).receive(
-        engine, plan, _CallSender(ref, send_async, wait), what=f"weight sync of {key} into the engine",
+        engine, plan, _CallSender(ref, send_async, wait, cancel), what=f"weight sync of {key} into the engine",
         addr=ready["addr"], port=ready["port"], backend=backend, dtype=dtype, world_size=world_size, version=key)
     seconds = time.perf_counter() - t0
     log.info("weight sync into the %s engine (%s): %.1f MB in %.2f s, checksum verified", type(engine).__name__,
@@ -307,10 +334,12 @@ def full_checkpoint(ref: PolicyRef, merged: str | None) -> tuple[str, str | None
     trainer does not hold ``ref`` and it is on storage (the initial model, a resume): its
     checkpoint, or for a LoRA checkpoint its merge (``rft_core.models.lora.merge_adapter``: the
     engine serves the merged weights), written into a new local temporary folder, returned as
-    ``merged``, with the previous ``merged`` folder removed."""
+    ``merged``, with the previous ``merged`` folder removed. A model alias or hub id is resolved
+    as ``make_engine`` resolves the folder it builds the engine from (``resolve_model_path``), so
+    an engine built from ``ref`` finds it holds that folder already."""
     path = policy_model_path(ref)
     if not is_adapter_dir(path):
-        return path, merged
+        return resolve_model_path(path), merged
     old, merged = merged, tempfile.mkdtemp(prefix="rft-merged-policy-")
     if old:
         shutil.rmtree(old, ignore_errors=True)
@@ -320,8 +349,9 @@ def full_checkpoint(ref: PolicyRef, merged: str | None) -> tuple[str, str | None
 class _CallSender:
     """``pull_into_engine``'s callables as the transport's ``Sender`` (``rft_core.weightsync.base``)."""
 
-    def __init__(self, ref: PolicyRef, send_async: Callable[..., Any], wait: Callable[[Any], dict]) -> None:
-        self.ref, self._send_async, self._wait = ref, send_async, wait
+    def __init__(self, ref: PolicyRef, send_async: Callable[..., Any], wait: Callable[[Any], dict],
+                 cancel: Callable[[Any], None] | None = None) -> None:
+        self.ref, self._send_async, self._wait, self._cancel = ref, send_async, wait, cancel
 
     def start(self, **meet: Any) -> Any:
         """``send_async(ref, **meet)``: the policy worker's ``send_weights`` started."""
@@ -330,3 +360,8 @@ class _CallSender:
     def wait(self, started: Any) -> dict:
         """The sender's report (``wait``)."""
         return self._wait(started)
+
+    def cancel(self, started: Any) -> None:
+        """End a send stuck past its limit (``cancel``; nothing without one)."""
+        if self._cancel is not None:
+            self._cancel(started)

@@ -23,9 +23,16 @@ Copied from vLLM 0.33.0 (``vllm/model_executor/models/llama.py``, ``qwen2.py``: 
   small); a replicated parameter asserts "Attempted to load weight (...) into parameter (...)";
 - unknown names: vLLM's ``AutoWeightsLoader`` raises ``ValueError("There is no module or
   parameter named ...")`` (an unexpected ``.bias`` is ignored; a tied ``lm_head.weight`` is
-  skipped); SGLang logs "Parameter ... not found in params_dict" and goes on. Neither checks that
-  every parameter was loaded: vLLM returns the names it loaded (the caller checks), SGLang
-  returns nothing.
+  skipped); SGLang's default loader (``_legacy_load_weights``) logs "Parameter ... not found in
+  params_dict" and goes on, its newer one (``_load_weights_v2``, taken when
+  ``SGLANG_ENABLE_WEIGHT_LOADER_V2`` is set: ``sglang/srt/environ.py``, off by default; its
+  ``AutoWeightsLoader`` in ``sglang/srt/models/utils.py``) raises ``ValueError("No module or
+  parameter named ...")`` (an unexpected ``.bias`` or ``.kv_scale`` ignored). None checks that
+  every parameter was loaded: vLLM and SGLang's newer loader return the names they loaded (the
+  caller checks), SGLang's default one returns nothing;
+- memory: a model whose GPU memory is unmapped (``unmapped``: vLLM's sleep mode,
+  ``vllm/device_allocator/cumem.py``) cannot be written: "CUDA error: an illegal memory access
+  was encountered".
 
 Not modelled: quantization, pipeline parallelism, the forward pass (``to_hf`` rebuilds the HF
 state dict from every rank's shards; the stand-in engines generate with an HF model holding it).
@@ -55,8 +62,8 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 class EngineModel(torch.nn.Module):
     """Rank ``tp_rank`` of ``tp_size`` of the engine's model of the HF ``config`` (Llama or Qwen2),
-    in ``dtype``, its parameters zero until loaded. ``flavour``: ``"vllm"`` or ``"sglang"``
-    (how unknown names are treated: see the module docstring)."""
+    in ``dtype``, its parameters zero until loaded. ``flavour``: ``"vllm"``, ``"sglang"`` or
+    ``"sglang_v2"`` (SGLang's newer loader): how unknown names are treated, see the module docstring."""
 
     def __init__(self, config, *, tp_rank: int = 0, tp_size: int = 1, dtype: torch.dtype = torch.bfloat16,
                  flavour: str = "vllm") -> None:
@@ -89,6 +96,8 @@ class EngineModel(torch.nn.Module):
         if not self.tied:
             params["lm_head.weight"] = p(self.vocab_per_rank, h)
         self.loads = 0  # load_weights calls
+        self.unmapped = False  # its GPU memory is unmapped (a sleeping vLLM engine): writing it is an illegal access
+        self.cuda_error: str | None = None  # a CUDA error is sticky: the process can do nothing more
         self._names = list(params)
         self._params = torch.nn.ParameterDict({n.replace(".", "__"): v for n, v in params.items()})
 
@@ -146,6 +155,9 @@ class EngineModel(torch.nn.Module):
     def load_weights(self, weights):
         """``load_weights(weights: Iterable[tuple[str, Tensor]])``: vLLM returns the set of the
         (fused) parameter names it loaded; SGLang returns None (see the module docstring)."""
+        if self.unmapped:
+            self.cuda_error = "CUDA error: an illegal memory access was encountered"
+            raise RuntimeError(self.cuda_error)
         self.loads += 1
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -159,15 +171,27 @@ class EngineModel(torch.nn.Module):
                     target, shard = name.replace(old, new, 1), sid
                     break
             if target.replace(".", "__") not in self._params:
-                if target.endswith(".bias"):
+                if target.endswith(".bias") or (self.flavour == "sglang_v2" and target.endswith(".kv_scale")):
                     continue
                 if self.flavour == "vllm":
                     raise ValueError(f"There is no module or parameter named {target!r} in {type(self).__name__}")
+                if self.flavour == "sglang_v2":
+                    raise ValueError(f"No module or parameter named {self._missing_prefix(target)!r} in "
+                                     f"{type(self).__name__}.")
                 log.warning("Parameter %s not found in params_dict", target)
                 continue
             self._load(target, tensor, shard)
             loaded.add(target)
-        return loaded if self.flavour == "vllm" else None
+        return None if self.flavour == "sglang" else loaded
+
+    def _missing_prefix(self, name: str) -> str:
+        """The first prefix of ``name`` that no parameter has (where ``AutoWeightsLoader`` stops)."""
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if not any(n == prefix or n.startswith(prefix + ".") for n in self._names):
+                return prefix
+        return name
 
 
 def to_hf(shards: list[EngineModel]) -> dict[str, torch.Tensor]:

@@ -17,8 +17,10 @@ Copied behaviour:
   out or fails is caught by the watchdog thread, which (error handling 1 or 3) takes the whole
   process down: "Some NCCL operations have failed or timed out. ... To avoid data
   inconsistency, we are taking the entire process down." Nothing the caller could catch is
-  raised. With blocking wait (no watchdog thread is started), ``wait()`` blocks the CPU and
-  raises ``DistBackendError`` when the collective fails or exceeds its timeout.
+  raised. With blocking wait the watchdog thread still runs (torch starts one for every group)
+  but its error handling is off (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` is ignored for the group):
+  it takes nothing down, and ``wait()`` blocks the CPU and raises ``DistBackendError`` when the
+  collective fails or exceeds its timeout.
 - **Lazy communicator.** The constructor connects nothing; the first collective does.
 
 Modelled, not real:

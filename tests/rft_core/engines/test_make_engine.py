@@ -42,11 +42,11 @@ def built(tiny_model, monkeypatch):
 
     def build_llm(**kwargs):
         log.append(("vllm", kwargs))
-        return HFBackedLLM(fresh(), tok)
+        return HFBackedLLM(fresh(), tok, **kwargs)
 
     def build_sglang(**kwargs):
         log.append(("sglang", kwargs))
-        return HFBackedSGLang(fresh(), tok)
+        return HFBackedSGLang(fresh(), tok, **kwargs)
 
     monkeypatch.setattr(vllm_module, "build_llm", build_llm)
     monkeypatch.setattr(vllm_module, "vllm_sampling_params", lambda: SamplingParams)

@@ -17,14 +17,14 @@ from rft_core.engines.hf import HFEngine
 from rft_core.engines.sglang import SGLangEngine, get_sglang_engine, release_sglang_engine
 from rft_core.models.loading import load_causal_lm
 from rft_core.models.logprobs import batched_response_logprobs
-from tests.rft_core.engines.fakes import HFBackedSGLang
+from tests.rft_core.engines.fakes import HFBackedSGLang, lora_adapter
 
 PROMPTS = [[1, 20, 30, 31, 32], [1, 40], [7], [1, 50, 51]]
 
 
 def _engine(parts, *, deterministic=True, **kw):
     model, tok = parts
-    fake = HFBackedSGLang(model, tok, **kw)
+    fake = HFBackedSGLang(model, tok, enable_deterministic_inference=deterministic, **kw)
     return SGLangEngine("unused", eos_ids=HFEngine(model, tok).eos_ids, engine=fake, deterministic=deterministic), fake
 
 
@@ -38,7 +38,7 @@ def fake_sglang(parts, monkeypatch):
         built.append(kwargs)
         fresh = type(model)(model.config)
         fresh.load_state_dict(model.state_dict())
-        return HFBackedSGLang(fresh.eval(), tok)
+        return HFBackedSGLang(fresh.eval(), tok, **kwargs)
 
     monkeypatch.setattr(sglang_module, "build_engine", build)
     return built
@@ -110,19 +110,10 @@ def test_engine_arguments(tiny_model, fake_sglang, tmp_path):
     assert eng.engine is None
 
 
-def _adapter(tiny_model, out, seed):
-    from rft_core.models.lora import apply_lora
-
-    torch.manual_seed(seed)
-    apply_lora(load_causal_lm(tiny_model, trainable=True), rank=2, alpha=4.0, dropout=0.0, target_modules="all-linear",
-               base_path=tiny_model).save_pretrained(out)
-    return str(out)
-
-
 def test_lora_adapters_are_loaded_by_name_and_replaced(parts, tiny_model, tmp_path, fake_sglang):
     model, tok = parts
     eos = HFEngine(model, tok).eos_ids
-    a1, a2 = _adapter(tiny_model, tmp_path / "a1", 1), _adapter(tiny_model, tmp_path / "a2", 2)
+    a1, a2 = lora_adapter(tiny_model, tmp_path / "a1", 1), lora_adapter(tiny_model, tmp_path / "a2", 2)
     eng = get_sglang_engine(tiny_model, eos_ids=eos, lora_path=a1, max_lora_rank=8)
     assert fake_sglang[-1]["enable_lora"] is True and fake_sglang[-1]["max_lora_rank"] == 8
     assert fake_sglang[-1]["lora_target_modules"] == ["all"]

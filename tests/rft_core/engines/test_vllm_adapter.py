@@ -20,7 +20,8 @@ from rft_core.engines.hf import HFEngine
 from rft_core.engines.vllm import VLLMEngine, WeightReloadExtension, get_vllm_engine, release_vllm_engine
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.logprobs import batched_response_logprobs
-from tests.rft_core.engines.fakes import HFBackedLLM, SamplingParams
+from tests.rft_core.engines.fakes import HFBackedLLM, SamplingParams, lora_adapter
+from tests.standins import vllm as vllm_standin
 
 PROMPTS = [[1, 20, 30, 31, 32], [1, 40], [7], [1, 50, 51]]
 
@@ -35,11 +36,10 @@ def fake_vllm(parts, monkeypatch):
         built.append(kwargs)
         fresh = type(model)(model.config)
         fresh.load_state_dict(model.state_dict())
-        return HFBackedLLM(fresh.eval(), tok)
+        return HFBackedLLM(fresh.eval(), tok, **kwargs)
 
+    vllm_standin.install(monkeypatch)  # vllm.SamplingParams and vllm.lora.request.LoRARequest: the stand-in's
     monkeypatch.setattr(vllm_module, "build_llm", build)
-    monkeypatch.setattr(vllm_module, "vllm_sampling_params", lambda: SamplingParams)
-    monkeypatch.setattr(vllm_module, "lora_request", lambda path, lora_id=1: ("lora", path, lora_id))
     return built
 
 
@@ -200,37 +200,31 @@ def test_sleep_mode_frees_the_gpu_between_rollouts(parts, tiny_model, tmp_path, 
     assert ("collective_rpc", "rft_reload_weights", (new_path,)) in engine.llm.events[8:]
 
 
-def _adapter(tiny_model, out, seed):
-    from rft_core.models.lora import apply_lora
-
-    torch.manual_seed(seed)
-    apply_lora(load_causal_lm(tiny_model, trainable=True), rank=2, alpha=4.0, dropout=0.0, target_modules="all-linear",
-               base_path=tiny_model).save_pretrained(out)
-    load_tokenizer(tiny_model).save_pretrained(out)
-    return str(out)
+def _lora(request) -> tuple:
+    return request.lora_name, request.lora_int_id, request.lora_path
 
 
 def test_lora_policy_is_served_as_a_vllm_lora_request(parts, tiny_model, tmp_path, fake_vllm):
     from rft_core.stages.rollout import make_engine
 
-    adapter = _adapter(tiny_model, tmp_path / "policy", 0)
+    adapter = lora_adapter(tiny_model, tmp_path / "policy", 0)
     cfg = load_config(None, {"rollout.engine": "vllm"}).rollout
     engine, _ = make_engine(cfg, adapter, dtype="bfloat16")
     assert fake_vllm[-1]["model"] == tiny_model and fake_vllm[-1]["enable_lora"] is True
     assert fake_vllm[-1]["dtype"] == "bfloat16"
     engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
-    assert engine.llm.calls[0][2] == ("lora", adapter, 1)
+    assert _lora(engine.llm.calls[0][2]) == ("policy-1", 1, adapter)
 
 
 def test_cached_lora_engine_gets_a_new_request_id_per_adapter(parts, tiny_model, tmp_path, fake_vllm):
     model, tok = parts
     eos = HFEngine(model, tok).eos_ids
-    a1, a2 = _adapter(tiny_model, tmp_path / "a1", 1), _adapter(tiny_model, tmp_path / "a2", 2)
+    a1, a2 = lora_adapter(tiny_model, tmp_path / "a1", 1), lora_adapter(tiny_model, tmp_path / "a2", 2)
     engine = get_vllm_engine(tiny_model, eos_ids=eos, lora_path=a1, enable_sleep_mode=True)
     engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
     assert get_vllm_engine(tiny_model, eos_ids=eos, lora_path=a2, enable_sleep_mode=True) is engine
     engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
-    assert [c[2] for c in engine.llm.calls] == [("lora", a1, 1), ("lora", a2, 2)]
+    assert [_lora(c[2]) for c in engine.llm.calls] == [("policy-1", 1, a1), ("policy-2", 2, a2)]
     # LoRA keeps its base weights through a level-1 sleep: no reload
     assert ("sleep", 1) in engine.llm.events and not any(e[0] == "collective_rpc" for e in engine.llm.events)
     with pytest.raises(ValueError, match="built with LoRA"):

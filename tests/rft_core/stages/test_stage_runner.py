@@ -138,4 +138,4 @@ def test_scale_example_config_is_valid():
     ref = ShardRef(uri="s3://b/r", stage="rollout", num_rows=3, config_hash="abc", manifest_sha256="d" * 64)
     upd = PPOUpdateInput(rollout=ref, advantages=ref, policy="p", update=cfg.update, kl=cfg.kl, temperature=1.0, out="s3://b/x")
     cmd = stage_command(upd, cfg.runner("ppo_update"), input_file="i.json", result_file="r.json")
-    assert "--standalone" not in cmd and "--nnodes=2" in cmd and cmd[0] == "/opt/venvs/train/bin/python"
+    assert "--standalone" not in cmd and "--nnodes=2" in cmd and cmd[0] == "/opt/prefect-rft/.venv-gpu/bin/python"

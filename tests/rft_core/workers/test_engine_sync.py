@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from rft_core.engines import ENGINE_CACHE
 from rft_core.engines.hf import HFEngine
 from rft_core.engines.sglang import SGLangEngine
-from rft_core.engines.vllm import VLLMEngine, WeightReloadExtension
+from rft_core.engines.vllm import WORKER_EXTENSION, VLLMEngine
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.weightsync import plan as sync_module
+from rft_core.weightsync.base import OWN_WAIT_SHARE
 from rft_core.weightsync.checksum import (CHUNK, M31, meta_digest, multipliers, name_weight, row_weights, sync_checksum,
                                           word_sums)
 from rft_core.weightsync.collective import free_port, receive_weights, send_weights
@@ -148,9 +151,12 @@ def test_one_sender_lands_the_same_bytes_in_two_receivers():
 class Sender:
     """The policy worker's side (``PolicyWorker.prepare_weights`` / ``send_weights``) in threads."""
 
-    def __init__(self, tensors, *, show_up: bool = True, dtype: str | None = None):
+    def __init__(self, tensors, *, show_up: bool = True, joins: bool = True, dtype: str | None = None,
+                 timeout_s: float = 20.0):
         self.tensors = tensors if isinstance(tensors, dict) else state_tensors(tensors)
         self.show_up, self.dtype = show_up, dtype  # dtype: send in this one, not the engine's
+        self.joins = joins  # False: it opens the rendezvous (its store) and never joins the group
+        self.timeout_s = timeout_s  # the policy worker's sync_timeout_s: its own waits get OWN_WAIT_SHARE of it
         self.pool = ThreadPoolExecutor(1)
         self.futures: list = []
 
@@ -161,14 +167,23 @@ class Sender:
     def send_async(self, ref, *, addr, port, dtype, backend, world_size):
         if not self.show_up:
             return None
+        if not self.joins:
+            import datetime as dt
+
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(addr, port, world_size=world_size, is_master=True, wait_for_workers=False,
+                                       timeout=dt.timedelta(seconds=self.timeout_s))
+            self.futures.append(self.pool.submit(lambda: (_ for _ in ()).throw(WeightSyncError("never joined"))))
+            return self.futures[-1]
         plan = SyncPlan.of(self.tensors, dtype=self.dtype or dtype, bucket_mb=BUCKET_MB)
         self.futures.append(self.pool.submit(send_weights, self.tensors, plan, addr=addr, port=port, backend=backend,
-                                             timeout_s=20, world_size=world_size))
+                                             timeout_s=self.timeout_s * OWN_WAIT_SHARE, world_size=world_size))
         return self.futures[-1]
 
-    @staticmethod
-    def wait(future):
-        rep = future.result(timeout=60)
+    def wait(self, future):
+        """The send's report; TimeoutError after ``timeout_s`` (the policy gang's wait: ``Gang.wait``)."""
+        rep = future.result(timeout=self.timeout_s)
         return {"checksum": rep.digest, "digest": rep.digest, "bytes": rep.bytes}
 
     def pull(self, engine, timeout_s=20.0):
@@ -202,8 +217,8 @@ def _other_layout(tiny_model):
 def _vllm(tiny_model, tok, tp: int, **kw):
     """A ``VLLMEngine`` on the vLLM stand-in: ``tp`` workers (the project's worker extension mixed
     in) holding ``tiny_model``'s checkpoint in bfloat16, fused and sharded."""
-    llm = vllm_standin.LLM(tiny_model, tok, tensor_parallel_size=tp, dtype=torch.bfloat16,
-                           extension=WeightReloadExtension)
+    llm = vllm_standin.LLM(tiny_model, tensor_parallel_size=tp, dtype="bfloat16", worker_extension_cls=WORKER_EXTENSION,
+                           enable_sleep_mode=kw.get("enable_sleep_mode", False))
     return VLLMEngine(tiny_model, eos_ids=HFEngine(llm.hf.model, tok).eos_ids, llm=llm, sampling_params=SamplingParams,
                       dtype="bfloat16", tensor_parallel_size=tp, **kw), llm
 
@@ -299,13 +314,13 @@ def test_vllm_workers_refuse_a_sync_that_leaves_a_parameter_out(tiny_model, tok)
 
 
 def test_vllm_failed_sync_leaves_no_reply_queued_for_the_next_call(tiny_model, tok):
-    """Finding 4 (issue 36): a sync that fails on every worker (the sender never comes) is read
+    """Finding 4 (issue 36): a sync that fails on every worker (the sender never joins) is read
     to the end; vLLM's executor would otherwise leave worker 1's failure queued for the next
     ``collective_rpc``, failing the sync after it."""
     engine, llm = _vllm(tiny_model, tok, 2)
     t0 = time.perf_counter()
-    with pytest.raises(WeightSyncError) as failed:
-        Sender(_policy(tiny_model, 1), show_up=False).pull(engine, timeout_s=1.5)
+    with pytest.raises(WeightSyncError) as failed:  # the sender opens the rendezvous and never joins the group
+        Sender(_policy(tiny_model, 1), joins=False, timeout_s=2.0).pull(engine, timeout_s=2.0)
     assert time.perf_counter() - t0 < 15
     assert [q.qsize() for q in llm.executor.responses] == [0, 0], "a worker's reply is left queued"
     with pytest.raises(WeightSyncError, match="invalid"):
@@ -360,12 +375,164 @@ def test_a_checksum_the_sender_disagrees_with_invalidates_the_engine(tiny_model,
     assert engine.weights_version is None and engine.weights_path is None
 
 
+# -- unbounded waits and dead engines (issue 45) ----------------------------------------------------
+
+# the fault tests' orchestration.sync_timeout_s: small, so that they fail fast, and 4 s or more, so that a
+# participant's own waits (OWN_WAIT_SHARE of it) end before it through torch's whole-second rendezvous
+SYNC_TIMEOUT_S = 4.5
+SLACK_S = 1.0  # thread scheduling on a loaded 2-core machine, over the timeout
+
+
+def _within(seconds: float, call) -> dict:
+    """``call()`` in a daemon thread: {"value" or "error", "seconds"}. AssertionError when it has
+    not returned after ``seconds`` (an unbounded wait; the thread is left behind)."""
+    box: dict = {}
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001  reported to the test
+            box["error"] = exc
+        box["seconds"] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds} s: an unbounded wait"
+    return box
+
+
+def _closing_seconds(engine) -> list[float]:
+    """The seconds ``engine.close`` takes, recorded when it runs (closing a dead engine: its
+    processes, gc and the device memory; it comes on top of the sync's limit)."""
+    took, close = [], engine.close
+
+    def timed() -> None:
+        t0 = time.perf_counter()
+        close()
+        took.append(time.perf_counter() - t0)
+
+    engine.close = timed
+    return took
+
+
+def _cached_vllm(tiny_model, tok, monkeypatch):
+    """The process's cached ``VLLMEngine`` (tensor parallel 2, the resident worker's ``reload=False``) built by the
+    project's ``build_llm`` on the vLLM stand-in (``import vllm``)."""
+    from rft_core.engines.vllm import get_vllm_engine
+
+    vllm_standin.install(monkeypatch)
+    return get_vllm_engine(tiny_model, eos_ids={tok.eos_token_id}, tensor_parallel_size=2, dtype="bfloat16",
+                           reload=False)
+
+
+def _lands_in_a_new_engine(tiny_model, tok, monkeypatch, dead) -> None:
+    """The next iteration's engine is a new one (the dead one is closed and out of the cache) and a sync lands in it."""
+    assert dead.dead and dead.llm is None and ENGINE_CACHE.peek() is None
+    again = _cached_vllm(tiny_model, tok, monkeypatch)
+    assert again is not dead
+    sender = Sender(_policy(tiny_model, 2), timeout_s=SYNC_TIMEOUT_S)
+    assert sender.pull(again, timeout_s=SYNC_TIMEOUT_S)["status"] == "synced"
+    assert _holds(_shards(again.llm), sender.tensors)
+
+
+def test_vllm_receive_timeout_fails_the_sync_within_sync_timeout_and_the_engine_is_rebuilt(tiny_model, tok, monkeypatch):
+    """Issue 45, finding 2: a vLLM worker that never answers (stuck before it joins the sync group,
+    as NCCL's communicator setup blocks when a peer never arrives). ``LLM.collective_rpc`` waits
+    forever without a timeout; the engine's receive gives it ``sync_timeout_s``. The sync fails
+    with ``WeightSyncError`` within ``sync_timeout_s`` (closing the dead engine comes on top),
+    after the sender's own failure was awaited
+    (the policy worker is free for its next call); the engine, with a call still pending in its
+    executor, is closed, and the next iteration's engine is a new one into which a sync lands."""
+    from rft_core.engines import release_engine
+
+    release_engine()
+    try:
+        engine = _cached_vllm(tiny_model, tok, monkeypatch)
+        llm = engine.llm
+        llm.workers[1].hang = threading.Event()  # never set: worker 1 never answers
+        sender, closing = Sender(_policy(tiny_model, 1), timeout_s=SYNC_TIMEOUT_S), _closing_seconds(engine)
+        got = _within(SYNC_TIMEOUT_S + 20, lambda: sender.pull(engine, timeout_s=SYNC_TIMEOUT_S))
+        assert isinstance(got.get("error"), WeightSyncError), got
+        assert "TimeoutError: RPC call to rft_receive_weights timed out" in str(got["error"])
+        assert got["seconds"] - sum(closing) < SYNC_TIMEOUT_S + SLACK_S, (got["seconds"], closing)
+        assert sender.futures[0].done()  # awaited: it failed on its own (its rendezvous) before the sync failed
+        assert llm.closed
+        _lands_in_a_new_engine(tiny_model, tok, monkeypatch, engine)
+    finally:
+        release_engine()
+
+
+def test_vllm_worker_in_setup_dies_fails_the_sync_within_sync_timeout_and_the_engine_is_rebuilt(tiny_model, tok,
+                                                                                             monkeypatch):
+    """Issue 45, finding 2: a peer that dies during the sync's setup (vLLM worker 1's process dies
+    as the call reaches it, before it joins the group): vLLM's executor fails at once
+    (``EngineDeadError``), while the sender and worker 0 wait at the rendezvous for the dead rank.
+    The sync fails with ``WeightSyncError`` within ``sync_timeout_s`` (closing the dead engine
+    comes on top), and not before the sender has been awaited (it fails on its own at the rendezvous: the policy gang is not left busy for
+    its next call); the dead engine is closed and the next iteration builds a new one."""
+    from rft_core.engines import release_engine
+
+    release_engine()
+    try:
+        engine = _cached_vllm(tiny_model, tok, monkeypatch)
+        llm = engine.llm
+        llm.workers[1].die = True
+        sender, closing = Sender(_policy(tiny_model, 1), timeout_s=SYNC_TIMEOUT_S), _closing_seconds(engine)
+        got = _within(SYNC_TIMEOUT_S + 20, lambda: sender.pull(engine, timeout_s=SYNC_TIMEOUT_S))
+        assert isinstance(got.get("error"), WeightSyncError), got
+        assert "EngineDeadError" in str(got["error"])
+        assert got["seconds"] - sum(closing) < SYNC_TIMEOUT_S + SLACK_S, (got["seconds"], closing)
+        assert sender.futures[0].done()  # awaited before the sync failed
+        with pytest.raises(WeightSyncError, match="rendezvous"):
+            sender.futures[0].result(timeout=0)
+        assert llm.closed
+        _lands_in_a_new_engine(tiny_model, tok, monkeypatch, engine)
+    finally:
+        release_engine()
+
+
+def test_a_dead_engine_is_closed_and_the_next_iteration_builds_a_new_one(tiny_model, tok, monkeypatch):
+    """Issue 45, finding 3: the executor of the cached vLLM engine dies during a sync (worker 1's
+    process dies as it loads the second bucket). Before, nothing released the dead engine: it
+    stayed cached and every later sync into it failed until the driver restarted. Now the sync
+    fails with ``WeightSyncError``, the dead engine is closed (its GPU memory back) and refuses
+    to serve, and the next iteration's engine is a new one into which a sync lands."""
+    from rft_core.engines import release_engine
+
+    release_engine()
+    try:
+        engine = _cached_vllm(tiny_model, tok, monkeypatch)
+        llm = engine.llm
+        model, loads = llm.workers[1].model_runner.model, []
+        real = model.load_weights
+
+        def dying(weights):
+            loads.append(1)
+            if len(loads) == 2:
+                raise vllm_standin.WorkerDied("worker 1's process died while loading bucket 2")
+            return real(weights)
+
+        model.load_weights = dying
+        with pytest.raises(WeightSyncError, match="EngineDeadError"):
+            Sender(_policy(tiny_model, 1), timeout_s=SYNC_TIMEOUT_S).pull(engine, timeout_s=SYNC_TIMEOUT_S)
+        assert llm.closed and len(loads) == 2
+        with pytest.raises(RuntimeError, match="the vLLM engine died"):
+            engine.generate([[1, 20]], n_samples_per_prompt=1, max_new_tokens=2)
+        _lands_in_a_new_engine(tiny_model, tok, monkeypatch, engine)
+    finally:
+        release_engine()
+
+
 # -- SGLang -------------------------------------------------------------------------------------------
 
 
 def _sglang(tiny_model, tok, *, session=True, tp=1):
     """An ``SGLangEngine`` on the SGLang stand-in (0.5.23 with ``session``, else an older release)."""
-    fake = sglang_standin.Engine(tiny_model, tok, tp_size=tp, dtype=torch.bfloat16, session=session)
+    cls = sglang_standin.Engine if session else sglang_standin.OlderEngine
+    fake = cls(model_path=tiny_model, tp_size=tp, dtype="bfloat16", skip_tokenizer_init=True,
+               enable_deterministic_inference=True)
     return SGLangEngine(tiny_model, eos_ids=HFEngine(fake.hf.model, tok).eos_ids, engine=fake, dtype="bfloat16"), fake
 
 
@@ -431,7 +598,7 @@ def test_sglang_on_its_own_takes_an_incomplete_update_and_dies_on_a_mis_shaped_o
     """Why the project checks the plan first: the SGLang stand-in (0.5.23's loaders) reports
     success for an update that carries one tensor of the model's 20, skips an unknown name, and
     its scheduler dies on a tensor of another shape, taking the engine with it."""
-    fake = sglang_standin.Engine(tiny_model, tok)
+    fake = sglang_standin.Engine(model_path=tiny_model, dtype="bfloat16")
     assert fake.begin_weight_update() == (True, "Success")
     norm = ("model.norm.weight", torch.full((32,), 2.0, dtype=torch.bfloat16))
     assert fake.update_weights_from_tensor([norm, ("model.unknown.weight", torch.ones(3))], flush_cache=False)[0]
@@ -477,7 +644,7 @@ def test_make_engine_takes_the_weights_from_the_resident_worker(tiny_model, monk
 
     built = []
     monkeypatch.setattr(vllm_module, "build_llm", lambda **kw: built.append(kw) or HFBackedLLM(
-        load_causal_lm(tiny_model).eval(), load_tokenizer(tiny_model)))
+        load_causal_lm(tiny_model).eval(), load_tokenizer(tiny_model), **kw))
     monkeypatch.setattr(vllm_module, "vllm_sampling_params", lambda: SamplingParams)
 
     class Source:
@@ -497,6 +664,53 @@ def test_make_engine_takes_the_weights_from_the_resident_worker(tiny_model, monk
         assert first.llm.events == []  # reused without load_policy: the worker's sync decides the weights
     finally:
         release_engine()
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_first_rollout_of_a_resident_run_comes_before_any_update(kind, tiny_model, tmp_path, monkeypatch):
+    """Issue 45, finding 1: iteration 1's rollout runs before any ``ppo_update`` has started the
+    policy gang (the flow's order, ``tests/drive.py``). The rollout worker's engine is built from
+    the initial checkpoint (``import vllm`` / ``import sglang`` are the stand-ins, so the project's
+    own ``build_llm`` / ``build_engine`` pass them their engine arguments), and Ray finds no policy
+    actor (the Ray stand-in: ``ray.get_actor`` raises as Ray does). The rollout goes through on
+    the engine as built: nothing reloaded, nothing synced, the samples those of a stage-mode
+    rollout of the same checkpoint on the same engine."""
+    from rft_core.config import load_config
+    from rft_core.engines import release_engine
+    from rft_core.stages.contracts import PromptsInput, RolloutInput
+    from rft_core.stages.runner import run_stage
+    from rft_core.workers.rollout import RolloutWorker
+    from schemas import read_shard, stage_uri
+    from tests.standins import ray as ray_standin
+
+    ray = ray_standin.install(monkeypatch)  # a cluster on which no policy worker runs yet
+    (vllm_standin if kind == "vllm" else sglang_standin).install(monkeypatch)
+    cfg = load_config(None, [f"policy.path={tiny_model}", f"run_root={tmp_path / 'run'}", f"rollout.engine={kind}",
+                             "orchestration.workers=resident", "data.prompts_per_iteration=2", "data.size=8",
+                             "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=4"])
+    prompts = run_stage(PromptsInput(data=cfg.data, tokenizer_path=tiny_model, iteration=1,
+                                     out=stage_uri(cfg.run_root, 1, "prompts")))
+
+    def rollout(out: str) -> RolloutInput:
+        return RolloutInput(prompts=prompts, policy=tiny_model, policy_version=0, rollout=cfg.rollout, iteration=1,
+                            dtype=cfg.policy.dtype, out=out)
+
+    worker = RolloutWorker(cfg.run_root, threads=1)
+    release_engine()
+    try:
+        resident = worker.run(rollout(stage_uri(cfg.run_root, 1, "rollout")))
+        engine = ENGINE_CACHE.peek()
+        fake = engine.llm if kind == "vllm" else engine.engine
+        staged = run_stage(rollout(str(tmp_path / "stage-mode-rollout")))  # stage mode: the same cached engine
+        assert ENGINE_CACHE.peek() is engine
+    finally:
+        release_engine()
+    assert not any(e[0] in ("update_weights_from_disk", "update_weights_from_tensor") or e[1:2] == ("rft_reload_weights",)
+                   for e in fake.events)  # served as built: no reload, no sync
+    assert worker.syncs == [] and ray.lookups  # the policy gang was looked for and is not running
+    got, want = (read_shard(r.uri, stage="rollout").to_pydict() for r in (resident, staged))
+    assert len(got["sample_id"]) == 4 and got["response_token_ids"] == want["response_token_ids"]
+    assert got["rollout_logprobs"] == want["rollout_logprobs"]
 
 
 def test_resident_rollout_worker_syncs_its_vllm_engine_from_the_policy_actor(tiny_model, tok, tmp_path):

@@ -46,6 +46,10 @@ class Ranks:
         self.calls += 1
         return 10 + self.rank
 
+    @fan_out(FanOut.EACH)
+    def ping(self) -> int:
+        return self.rank
+
     def undeclared(self) -> int:
         return self.rank
 
@@ -119,6 +123,26 @@ def test_a_gang_wait_gives_up_after_its_timeout(ray_session):
     with pytest.raises(GetTimeoutError, match="2 of 2 ranks did not answer within 1.0 s"):
         gang.call("together", None, 20.0)
     assert time.perf_counter() - t0 < 10
+
+
+def test_a_gang_busy_past_a_limit_does_not_answer_and_is_killed(ray_session):
+    """Issue 45, finding 2: the run of a stage has no limit of its own, so before a stage is handed
+    to a gang (``rft_core.workers.pool._answering_gang``) the gang must answer a ping within the
+    sync's limit. A rank stuck in a call (20 s here, as a sync stuck in NCCL's communicator setup)
+    does not answer within it; ``kill`` ends the ranks, which Ray cannot interrupt otherwise."""
+    ray = ray_session
+    from ray.exceptions import RayActorError
+
+    members = _actors(ray)
+    gang = Gang(Ranks, members, timeout_s=60)
+    gang.call("each")  # both actors up before the clock starts
+    assert gang.answers(5.0)
+    gang.start("together", None, 20.0)  # both ranks busy for 20 s
+    t0 = time.perf_counter()
+    assert not gang.answers(1.0) and time.perf_counter() - t0 < 10
+    gang.kill()
+    with pytest.raises(RayActorError):
+        ray.get(members[0].count.remote(), timeout=30)
 
 
 def test_every_method_called_across_a_gang_declares_its_fan_out():

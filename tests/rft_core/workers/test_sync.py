@@ -111,3 +111,36 @@ def test_state_tensors_lists_a_tied_weight_once(tiny_model):
     assert set(model.state_dict()) - set(t) == {"lm_head.weight"}  # tied to the embedding: moved once
     assert "model.embed_tokens.weight" in t
     assert len({v.data_ptr() for v in t.values()}) == len(t)
+
+
+class _Sender:
+    """A started send as a transport sees it (``rft_core.weightsync.base.Sender``): ``wait``
+    answers ``outcome`` (a report, or an exception to raise), ``cancel`` is recorded."""
+
+    def __init__(self, outcome):
+        self.outcome, self.calls = outcome, []
+
+    def wait(self, started):
+        self.calls.append(("wait", started))
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def cancel(self, started):
+        self.calls.append(("cancel", started))
+
+
+def test_a_failed_receiver_awaits_its_sender_and_ends_one_that_outlived_its_limit():
+    """Issue 45, finding 2: after a receive fails, the sender is awaited (its own limit bounds the
+    wait, ``Gang.wait``'s ``sync_timeout_s``) so that it is not left busy; one that fails too is
+    left as it is (the receiver's error is the one raised), one whose wait times out is still
+    running past every limit of the transaction (stuck in NCCL's communicator setup, which no
+    timeout covers): it is cancelled (the policy gang's ``cancel`` ends its ranks)."""
+    from rft_core.weightsync.base import settle
+
+    done = _Sender({"digest": "d"})
+    assert "finished" in settle(done, "s1") and done.calls == [("wait", "s1")]
+    failed = _Sender(WeightSyncError("rendezvous failed"))
+    assert "rendezvous failed" in settle(failed, "s2") and failed.calls == [("wait", "s2")]
+    stuck = _Sender(TimeoutError("1 of 1 ranks did not answer within 2 s"))
+    assert "ended" in settle(stuck, "s3") and stuck.calls == [("wait", "s3"), ("cancel", "s3")]
