@@ -6,7 +6,7 @@
 #   .carry/tok/   the default model's tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja)
 # Each part has its own time limit and writes its log and JSON under $OUT (default: ./gpu-out), most important first.
 #   bash benchmarks/gpu_session.sh bench      # on the GPU machine, from the repository root: issue 44 (~7 min)
-#   bash benchmarks/gpu_session.sh checks     # then, on the same warm machine: issues 47 and 45 (~4 min)
+#   bash benchmarks/gpu_session.sh checks     # issues 45 and 47, and issue 44 again after fixes (~6 min)
 set -u
 PART=${1:-bench}
 OUT=${OUT:-$PWD/gpu-out}
@@ -20,7 +20,7 @@ if [ "$PART" = checks ] && [ ! -d "$SITE/deepspeed" ] && ls .whl/deepspeed-*.tar
         .whl/deepspeed-*.tar.gz >> "$OUT/install.log" 2>&1 || echo "deepspeed build failed" >> "$OUT/install.log"
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -c \
+[ "$PART" = bench ] && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -c \
   "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
   > "$OUT/machine.txt" 2>&1
 TOK=.carry/tok
@@ -37,11 +37,16 @@ step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$O
 # issue 44 item 5: the HF engine's decode in float32 and bfloat16, cache kept or emptied, profiled
 step decode_profile 100 python3 benchmarks/decode_profile.py --tokenizer "$TOK" --json "$OUT/decode_profile.json"
 else
+# issue 45: the resident workers' tests on CUDA (Ray is absent here: its tests skip)
+step workers_cuda 110 python3 -m pytest -q -p no:cacheprovider -rs tests/rft_core/workers --timeout 100
 # issue 47: one FSDP2 update against DeepSpeed ZeRO-3 on this GPU, the same 0.4B shape
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from gpu_bench import build_model; from pathlib import Path; \
-build_model('qwen0.5b', 0, '$TOK', Path('/tmp/q05'))" > "$OUT/q05.log" 2>&1
-step fsdp_gpu 120 python3 benchmarks/fsdp_gpu.py --model /tmp/q05 --json "$OUT/fsdp_gpu.json"
-# issue 45: the resident workers' tests on CUDA (Ray is absent here: its tests skip)
-step workers_cuda 150 python3 -m pytest -q -p no:cacheprovider -rs tests/rft_core/workers --timeout 120
+build_model('qwen0.5b', 0, '$TOK', Path('/tmp/q05'))" >> "$OUT/install.log" 2>&1
+step fsdp_gpu 90 python3 benchmarks/fsdp_gpu.py --model /tmp/q05 --json "$OUT/fsdp_gpu.json"
+# issue 44 item 5: the bfloat16 decode again, cuDNN attention off (configure_cuda_backends)
+step decode_bf16 45 python3 benchmarks/decode_profile.py --tokenizer "$TOK" --dtypes bfloat16 --repeats 2
+# issue 44: the resident arm again, after the fixes of the first call's findings
+step resident_again 80 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --arms resident --steps 3 \
+    --json "$OUT/bench_resident.json"
 fi
 cat "$OUT/steps.txt"
