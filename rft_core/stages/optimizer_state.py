@@ -396,6 +396,11 @@ def _committed(update: ShardRef) -> ShardRef | None:
     return optimizer_commit(update).committed(check_files=False)
 
 
+def optimizer_state_committed(update: ShardRef) -> bool:
+    """Whether the optimizer stage of the committed ``ppo_update`` ``update`` is committed."""
+    return _committed(update) is not None
+
+
 def _kept_elsewhere(update: ShardRef) -> bool:
     """Whether ``update`` has no optimizer stage by design: an update between checkpoints whose
     state stayed in a resident worker's memory (its manifest records the weights' digest

@@ -19,13 +19,16 @@ from rft_core.stages.checkpoints import POLICY_SUBDIR, policy_model_path
 from rft_core.stages.common import Commit, Timer, commit_trained, stage_commit
 from rft_core.stages.contracts import PPOUpdateInput, stage_program
 from rft_core.stages.optimizer_state import (
+    OptimizerStateError,
     commit_optimizer_state,
     commit_policy_checkpoint,
     commit_sharded_optimizer_state,
+    optimizer_state_committed,
     optimizer_state_missing,
     optimizer_state_ref,
     recover_deepspeed_optimizer_state,
     saved_optimizer_state,
+    wait_for_optimizer_writes,
 )
 from rft_core.stages.retention import WEIGHT_SUFFIXES
 from rft_core.training.strategy import (
@@ -45,7 +48,7 @@ from rft_core.training.update import (
     ppo_update,
     rollout_correction_weights,
 )
-from rft_core.stages.recovery import UPDATE_INPUT_KEY, WEIGHTS_DIGEST_KEY
+from rft_core.stages.recovery import UPDATE_INPUT_KEY, WEIGHTS_DIGEST_KEY, has_weights, policy_checkpoint_uri
 from rft_core.stages.sources import current_source
 from rft_core.weightsync.trained import trained_digest
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard, sha256_file
@@ -337,8 +340,39 @@ def run(inp: PPOUpdateInput) -> ShardRef:
                 _recover_optimizer_state(trainer.strategy, done)
             if source is not None:
                 source.trained(done)
+        elif _background_checkpoint_lost(inp, done):
+            _write_checkpoint_again(inp, done)
         return done
     return _commit_update(inp, commit, opt_ref)
+
+
+def _background_checkpoint_lost(inp: PPOUpdateInput, done: ShardRef) -> bool:
+    """Whether the committed ``done`` is a checkpoint iteration whose background write
+    (``background_checkpoint``) never committed its weights (a crash during it): the resident
+    worker then writes them again (``_write_checkpoint_again``), so a rerun ends with every
+    checkpoint the run asked for on storage. Waits for a pending write of them first."""
+    if not (inp.save_checkpoint and inp.background_checkpoint and current_source() is not None):
+        return False
+    try:
+        wait_for_optimizer_writes(policy_checkpoint_uri(done))
+    except OptimizerStateError as exc:
+        log.warning("%s", exc)
+    return WEIGHTS_DIGEST_KEY in read_manifest(done.uri)[0].summary and not has_weights(done)
+
+
+def _write_checkpoint_again(inp: PPOUpdateInput, done: ShardRef) -> None:
+    """Rebuild the policy of the committed ``done`` in the resident worker (its chain of committed
+    updates re-applied from the last checkpoint, each checked against its digest) and queue its
+    checkpoint's writes again: the optimizer stage unless it committed, then the weights."""
+    source = current_source()
+    log.warning("ppo_update: the checkpoint of %s was not written (a crash during its background write); "
+                "rebuilding the policy and writing it again", done.uri)
+    trainer = source.trainer(inp.model_copy(update={"policy": done}))
+    if not optimizer_state_committed(done):
+        commit_optimizer_state(done, trainer.strategy.optimizer.state_dict(), background=True)
+    commit_policy_checkpoint(done, trainer.strategy.model, trainer.saver,
+                             digest=read_manifest(done.uri)[0].summary[WEIGHTS_DIGEST_KEY])
+    source.trained(done)
 
 
 def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None) -> ShardRef:

@@ -267,8 +267,8 @@ def test_background_checkpoints_commit_after_their_update_with_the_stage_mode_fi
 def test_a_background_checkpoint_lost_to_a_crash_resumes_from_the_one_before(stage_run, tiny_model, tmp_path):
     """A crash during iteration 2's background checkpoint write (its ``ppo_update-policy`` never
     committed): new workers rebuild iteration 2's policy from iteration 1's checkpoint by
-    re-applying the committed update 2, and the run ends with stage mode's weights. (The SIGKILL
-    of a real writer: tests/test_faults_resident.py.)"""
+    re-applying the committed update 2 and write the lost checkpoint again, and the run ends with
+    stage mode's weights. (The SIGKILL of a real writer: tests/test_faults_resident.py.)"""
     cfg_s, final_s = stage_run
     assert_training_signal(cfg_s.run_root, (1, 2, 3))
     cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident")
@@ -281,3 +281,6 @@ def test_a_background_checkpoint_lost_to_a_crash_resumes_from_the_one_before(sta
     final = drive(cfg, _runner(_pool()))
     assert COUNTS["recovered_updates"] == 1
     assert _weight_files(final) == _weight_files(final_s)
+    # the lost checkpoint was written again, with the stage-mode checkpoint's files
+    assert has_weights(ref2)
+    assert _weight_files(ref2) == _weight_files(ShardRef.from_manifest(stage_uri(cfg_s.run_root, 2, "ppo_update")))
