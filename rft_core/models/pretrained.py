@@ -53,20 +53,30 @@ _TOKENIZERS: "collections.OrderedDict[tuple, object]" = collections.OrderedDict(
 _TOKENIZERS_KEPT = 16
 
 
+_FINGERPRINTS: dict[tuple, str] = {}  # (folder, its tokenizer files' (name, size, mtime_ns)) -> fingerprint
+
+
 def tokenizer_fingerprint(resolved: str) -> str:
     """What identifies a tokenizer: for a local folder, sha256 of the names and bytes of its
     top-level files a tokenizer may read (``*.json`` but the generation config and weight index,
     ``*.txt``, ``*.model``, ``*.jinja``, ``*.tiktoken``); else (a hub id) the id itself. Two
-    checkpoints of one run hold the same tokenizer files, so they share one fingerprint."""
+    checkpoints of one run hold the same tokenizer files, so they share one fingerprint. The
+    files are hashed once per folder and file sizes and modification times (a Qwen tokenizer.json
+    is 7 MB); later calls only read the folder's listing."""
     folder = Path(resolved)
     if not folder.is_dir():
         return f"id:{resolved}"
-    h = hashlib.sha256()
-    for f in sorted(folder.iterdir()):
-        if f.is_file() and f.suffix in _TOKENIZER_SUFFIXES and f.name not in _NOT_TOKENIZER:
+    files = sorted(f for f in folder.iterdir()
+                   if f.is_file() and f.suffix in _TOKENIZER_SUFFIXES and f.name not in _NOT_TOKENIZER)
+    stats = (str(folder.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    found = _FINGERPRINTS.get(stats)
+    if found is None:
+        h = hashlib.sha256()
+        for f in files:
             h.update(f"{f.name}\0".encode())
             h.update(f.read_bytes())
-    return f"sha256:{h.hexdigest()}"
+        found = _FINGERPRINTS[stats] = f"sha256:{h.hexdigest()}"
+    return found
 
 
 def load_tokenizer(path: str):

@@ -169,9 +169,14 @@ class VerdictCache:
 
     def get(self, key: str) -> dict[str, Any] | None:
         """The stored verdict of ``key``, or None (none stored, or an unreadable one, which is
-        logged and asked again)."""
+        logged and asked again).
+
+        Raises:
+            StorageError: the storage refused the read (names the folder and the cause).
+        """
         try:
-            raw = self.fs.cat_file(self._file(key))
+            with storage_errors(self.uri, action="reading"):
+                raw = self.fs.cat_file(self._file(key))
         except FileNotFoundError:
             return None
         try:

@@ -176,7 +176,7 @@ def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy |
     gathered on every rank (a collective), rank 0 commits them (the summary records world_size
     and zero_stage), the other ranks wait for the commit and return the same ref; the ZeRO state
     (partitioned over the ranks) is not part of this commit: the policy update commits it as its
-    optimizer stage (``rft_core.stages.optimizer_state.commit_deepspeed_optimizer_state``), and
+    optimizer stage (``rft_core.stages.optimizer_state.commit_sharded_optimizer_state``), and
     ``keep_optimizer`` is ignored (the critic's ZeRO state is not kept). FSDP2 likewise: the
     weights gathered to rank 0 (``FSDPStrategy.full_state_dict``, in the dtypes they were
     loaded in), the summary records world_size and ``sharding: fsdp2``."""

@@ -22,7 +22,7 @@ retrains from the same committed inputs and seeds, checking that the weights com
 committed checksums (``rft_core.stages.update``).
 
 A DeepSpeed update (ZeRO over the ranks of a torchrun job) writes the same stage in DeepSpeed's
-own sharded format instead of ``optimizer.pt`` (``commit_deepspeed_optimizer_state``): every
+own sharded format instead of ``optimizer.pt`` (``commit_sharded_optimizer_state``): every
 rank writes its partition of the AdamW moments and float32 master weights with
 ``engine.save_checkpoint`` (tag ``DEEPSPEED_TAG``), and after a barrier rank 0 lists every file
 with its sha256 in ``_MANIFEST.json``, written last; the manifest's summary says
@@ -113,29 +113,41 @@ def optimizer_commit(update: ShardRef) -> Commit:
     return stage_commit(OptimizerStateInput(update=update, out=optimizer_state_uri(update)))
 
 
-def _write(update: ShardRef, state: dict, summary: dict) -> ShardRef:
-    commit = optimizer_commit(update)
-    uri = commit.uri
-    t0 = time.perf_counter()
+def _write_stage(commit: Commit, write: Callable[[str], None], *, schema, files: list[str] | None,
+                 inputs: dict[str, ShardRef], summary: dict) -> ShardRef:
+    """Commit a stage of files only: ``write(folder)`` writes them into the stage folder (or, on a
+    non-local filesystem, into a local temporary folder that is then uploaded), then the manifest
+    (``commit_files``: ``files``, None for every file written) with ``summary`` and its ``seconds``.
+    The stage's writer lock is released if anything fails.
+
+    Raises:
+        StorageError: a write or the upload failed (names the URI).
+    """
+    uri, t0 = commit.uri, time.perf_counter()
     token = prepare_stage_dir(uri)
     try:
         with storage_errors(uri):
             local = local_path(uri)
             if local is not None:
-                torch.save(state, os.path.join(local, OPTIMIZER_FILE))
+                write(local)
             else:
-                with tempfile.TemporaryDirectory(prefix="rft-opt-") as tmp:
-                    torch.save(state, os.path.join(tmp, OPTIMIZER_FILE))
+                with tempfile.TemporaryDirectory(prefix="rft-stage-") as tmp:
+                    write(tmp)
                     fs, path = fsspec.core.url_to_fs(uri)
-                    fs.put_file(os.path.join(tmp, OPTIMIZER_FILE), f"{path.rstrip('/')}/{OPTIMIZER_FILE}")
-        ref = commit_files(uri, stage=OPTIMIZER_STAGE, config_hash=commit.config_hash, files=[OPTIMIZER_FILE],
-                           inputs={"ppo_update": update}, summary={**summary, "seconds": time.perf_counter() - t0},
-                           schema=OPTIMIZER_STATE, lock_token=token, contract=commit.contract)
+                    fs.put(tmp.rstrip("/") + "/", path.rstrip("/") + "/", recursive=True)
+        ref = commit_files(uri, stage=schema.stage, config_hash=commit.config_hash, files=files, inputs=inputs,
+                           summary={**summary, "seconds": time.perf_counter() - t0}, schema=schema, lock_token=token,
+                           contract=commit.contract)
     except BaseException:
         release_stage_lock(uri, token)
         raise
-    log.info("optimizer_state: committed %s (%.2f s)", uri, time.perf_counter() - t0)
+    log.info("%s: committed %s (%.2f s)", schema.stage, uri, time.perf_counter() - t0)
     return ref
+
+
+def _write(update: ShardRef, state: dict, summary: dict) -> ShardRef:
+    return _write_stage(optimizer_commit(update), lambda folder: torch.save(state, os.path.join(folder, OPTIMIZER_FILE)),
+                        schema=OPTIMIZER_STATE, files=[OPTIMIZER_FILE], inputs={"ppo_update": update}, summary=summary)
 
 
 def _lower_priority() -> None:
@@ -152,29 +164,12 @@ def _write_policy(update: ShardRef, model, saver, digest: str) -> ShardRef:
     ``policy_checkpoint_uri(update)`` and commit it (its summary repeats the weights' ``digest``
     the update recorded). Runs only after ``update``'s optimizer stage committed (the writer's order)."""
     commit = stage_commit(PolicyCheckpointInput(update=update, out=policy_checkpoint_uri(update)))
-    uri, t0 = commit.uri, time.perf_counter()
     if _committed(update) is None:
-        raise OptimizerStateError(f"{uri}: not written, since the optimizer state of {update.uri} did not commit "
+        raise OptimizerStateError(f"{commit.uri}: not written, since the optimizer state of {update.uri} did not commit "
                                   "(a policy checkpoint always has its AdamW state)")
-    token = prepare_stage_dir(uri)
-    try:
-        with storage_errors(uri):
-            local = local_path(uri)
-            if local is not None:
-                save_checkpoint(model, saver, None, os.path.join(local, "policy"))
-            else:
-                with tempfile.TemporaryDirectory(prefix="rft-policy-") as tmp:
-                    save_checkpoint(model, saver, None, tmp)
-                    fs, path = fsspec.core.url_to_fs(uri)
-                    fs.put(tmp.rstrip("/") + "/", f"{path.rstrip('/')}/policy", recursive=True)
-        ref = commit_files(uri, stage=POLICY_CHECKPOINT.stage, config_hash=commit.config_hash, inputs={"ppo_update": update},
-                           summary={WEIGHTS_DIGEST_KEY: digest, "seconds": time.perf_counter() - t0},
-                           schema=POLICY_CHECKPOINT, lock_token=token, contract=commit.contract)
-    except BaseException:
-        release_stage_lock(uri, token)
-        raise
-    log.info("policy_checkpoint: committed %s (%.2f s)", uri, time.perf_counter() - t0)
-    return ref
+    return _write_stage(commit, lambda folder: save_checkpoint(model, saver, None, os.path.join(folder, "policy")),
+                        schema=POLICY_CHECKPOINT, files=None, inputs={"ppo_update": update},
+                        summary={WEIGHTS_DIGEST_KEY: digest})
 
 
 def _submit(uri: str, fn: Callable[..., ShardRef], *args: Any) -> None:
@@ -270,12 +265,6 @@ def _sharded_format(strategy: DeepSpeedStrategy | FSDPStrategy) -> dict[str, Any
 
     return {"format": DEEPSPEED_FORMAT, "tag": DEEPSPEED_TAG, "world_size": strategy.world_size,
             "zero_stage": strategy.zero_stage, "bf16": strategy.bf16, "deepspeed_version": deepspeed.__version__}
-
-
-def commit_deepspeed_optimizer_state(update: ShardRef, strategy: DeepSpeedStrategy | FSDPStrategy, *,
-                                     summary: dict | None = None) -> ShardRef:
-    """``commit_sharded_optimizer_state`` (its older name, for a DeepSpeed strategy)."""
-    return commit_sharded_optimizer_state(update, strategy, summary=summary)
 
 
 def commit_sharded_optimizer_state(update: ShardRef, strategy: DeepSpeedStrategy | FSDPStrategy, *,
@@ -404,7 +393,7 @@ def optimizer_state_committed(update: ShardRef) -> bool:
 def _kept_elsewhere(update: ShardRef) -> bool:
     """Whether ``update`` has no optimizer stage by design: an update between checkpoints whose
     state stayed in a resident worker's memory (its manifest records the weights' digest
-    instead of weight files). A DeepSpeed update has one (``commit_deepspeed_optimizer_state``).
+    instead of weight files). A DeepSpeed update has one (``commit_sharded_optimizer_state``).
 
     Raises:
         ShardNotCommittedError: ``update`` is not a committed stage.

@@ -16,8 +16,11 @@ from schemas.columns import JUDGE_VERDICT, REWARDS
 
 def rewards_summary(table: pa.Table) -> dict[str, float]:
     """Mean reward, accuracy and format rate of a rewards table. The format rate reads the
-    ``format`` source's score, else any source's ``<source>.format`` extra (0 when absent)."""
-    n = max(table.num_rows, 1)
+    ``format`` source's score, else any source's ``<source>.format`` extra (0 when absent). An
+    empty table (a partial-rollout iteration in which no group finished) has none of them: {}."""
+    if table.num_rows == 0:
+        return {}
+    n = table.num_rows
     metrics = [dict(m) for m in table.column("reward_metrics").to_pylist()]
 
     def fmt(m: dict) -> float:

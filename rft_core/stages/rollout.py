@@ -50,8 +50,11 @@ def rollout_summary(table: pa.Table, *, agent: bool = False) -> dict[str, float]
     ``tool_call_rate`` (fraction of trajectories with at least one tool call, i.e. a step whose
     ``tool_calls`` record names a tool), ``tool_calls_mean`` (environment steps recorded),
     ``tool_error_frac`` (fraction of those records with an error), ``env_reward_mean``,
-    ``env_fallback_frac``, and ``max_turns_fraction`` (finish_reason "max_turns")."""
-    n = max(table.num_rows, 1)
+    ``env_fallback_frac``, and ``max_turns_fraction`` (finish_reason "max_turns"). An empty table
+    (a partial-rollout iteration in which no group finished) has none of them: {}."""
+    if table.num_rows == 0:
+        return {}
+    n = table.num_rows
     lengths = pc.list_value_length(table.column("response_token_ids")).to_pylist()
     finish = table.column("finish_reason").to_pylist()
     out = {"response_length_mean": sum(lengths) / n, "truncated_fraction": sum(f == "length" for f in finish) / n}

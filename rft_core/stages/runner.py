@@ -210,10 +210,11 @@ def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Calla
         ValueError: ``mode="resident"`` without a ``resident`` launcher.
 
     ``log`` receives the subprocess's output lines (unused in-process: the program logs
-    through ``logging`` as usual). In-process, CUDA's TF32 matmuls are enabled first
-    (``configure_cuda_backends``) and the CUDA cache is emptied afterwards
-    (``release_device_memory``); ``python -m rft_core.stages`` enables TF32 at its start too (its
-    memory goes back to the driver when it exits).
+    through ``logging`` as usual). In-process (``run_in_process``), CUDA's TF32 matmuls are
+    enabled first (``configure_cuda_backends``) and, after a program that holds a model, the CUDA
+    cache is emptied (``release_models``; not in a resident worker that keeps it);
+    ``python -m rft_core.stages`` enables TF32 at its start too (its memory goes back to the
+    driver when it exits).
     """
     if runner is None or runner.mode == "inprocess":
         return run_in_process(inp)

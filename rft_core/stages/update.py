@@ -325,6 +325,8 @@ def run(inp: PPOUpdateInput) -> ShardRef:
     if not inp.save_checkpoint and source is None:
         raise ValueError("ppo_update with save_checkpoint=False keeps the new policy in memory only: it runs in a "
                          "resident worker (orchestration.workers=resident), not in a stage process")
+    if source is not None and isinstance(inp.policy, ShardRef):  # its checkpoint's write failed: write it first
+        _write_lost_checkpoint(inp.policy)
     opt_ref = optimizer_state_ref(inp.policy)
     commit = stage_commit(inp, optimizer=opt_ref)
     done = commit.committed()
@@ -340,40 +342,46 @@ def run(inp: PPOUpdateInput) -> ShardRef:
                 _recover_optimizer_state(trainer.strategy, done)
             if source is not None:
                 source.trained(done)
-        elif _background_checkpoint_lost(inp, done):
-            _write_checkpoint_again(inp, done)
+        else:
+            _write_lost_checkpoint(done)
         return done
     return _commit_update(inp, commit, opt_ref)
 
 
-def _background_checkpoint_lost(inp: PPOUpdateInput, done: ShardRef) -> bool:
-    """Whether the committed ``done`` is a checkpoint iteration whose background write
-    (``background_checkpoint``) never committed its weights (a crash during it): the resident
-    worker then writes them again (``_write_checkpoint_again``), so a rerun ends with every
-    checkpoint the run asked for on storage. Waits for a pending write of them first."""
-    if not (inp.save_checkpoint and inp.background_checkpoint and current_source() is not None):
-        return False
+def _lost_checkpoint(done: ShardRef) -> PPOUpdateInput | None:
+    """The recorded input of the committed ``ppo_update`` ``done`` when it is a checkpoint
+    iteration whose background write (``background_checkpoint``) never committed its weights (a
+    crash during it, or a failed write); None otherwise. Waits for a pending write of them first."""
     try:
         wait_for_optimizer_writes(policy_checkpoint_uri(done))
     except OptimizerStateError as exc:
         log.warning("%s", exc)
-    return WEIGHTS_DIGEST_KEY in read_manifest(done.uri)[0].summary and not has_weights(done)
+    summary = read_manifest(done.uri)[0].summary
+    if WEIGHTS_DIGEST_KEY not in summary or UPDATE_INPUT_KEY not in summary or has_weights(done):
+        return None
+    recorded = PPOUpdateInput.model_validate(summary[UPDATE_INPUT_KEY])
+    return recorded if recorded.save_checkpoint and recorded.background_checkpoint else None
 
 
-def _write_checkpoint_again(inp: PPOUpdateInput, done: ShardRef) -> None:
-    """Rebuild the policy of the committed ``done`` in the resident worker (its chain of committed
-    updates re-applied from the last checkpoint, each checked against its digest) and queue its
-    checkpoint's writes again: the optimizer stage unless it committed, then the weights."""
+def _write_lost_checkpoint(done: ShardRef) -> None:
+    """In a resident worker: when the committed ``done`` is a checkpoint whose background write was
+    lost (``_lost_checkpoint``), rebuild its policy (the committed updates re-applied from the
+    last checkpoint, each checked against its digest), write its checkpoint again (the optimizer
+    stage unless it committed, then the weights) and wait for it, so a run (rerun, or carried on
+    after a failed write) ends with every checkpoint it asked for on storage."""
     source = current_source()
-    log.warning("ppo_update: the checkpoint of %s was not written (a crash during its background write); "
-                "rebuilding the policy and writing it again", done.uri)
-    trainer = source.trainer(inp.model_copy(update={"policy": done}))
+    recorded = _lost_checkpoint(done) if source is not None else None
+    if recorded is None:
+        return
+    log.warning("ppo_update: the checkpoint of %s was not written (a crash or a failure during its background write); "
+                "rebuilding that policy and writing it again", done.uri)
+    trainer = source.trainer(recorded.model_copy(update={"policy": done}))
     if not optimizer_state_committed(done):
         commit_optimizer_state(done, trainer.strategy.optimizer.state_dict(), background=True)
     commit_policy_checkpoint(done, trainer.strategy.model, trainer.saver,
                              digest=read_manifest(done.uri)[0].summary[WEIGHTS_DIGEST_KEY])
+    wait_for_optimizer_writes(policy_checkpoint_uri(done))
     source.trained(done)
-
 
 def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None) -> ShardRef:
     trainer, steps, seconds, extra = _train(inp, opt_ref)

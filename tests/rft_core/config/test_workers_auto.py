@@ -31,7 +31,8 @@ def test_auto_is_the_default_and_picks_stage_without_a_gpu(machine):
     machine(cuda=False, ray=True)
     cfg = load_config(None, BASE)
     assert cfg.orchestration.workers == "stage"
-    assert cfg.workers_choice == "orchestration.workers=auto chose stage: no CUDA device is visible (device cpu)"
+    assert cfg.workers_choice == ("orchestration.workers=auto chose stage: no CUDA device is visible (device cpu) and "
+                                  "ray.address names no cluster")
     assert cfg.runner("rollout").mode == "inprocess" and not cfg.background_checkpoint
 
 
@@ -56,6 +57,14 @@ def test_auto_picks_stage_on_a_gpu_without_ray_or_when_resident_does_not_cover_t
     cfg = load_config(None, [*BASE, "orchestration.policy_ranks=2"])  # several ranks need update.deepspeed
     assert cfg.orchestration.workers == "stage"
     assert "resident workers do not cover this config: orchestration.policy_ranks=2" in cfg.workers_choice
+
+
+def test_auto_picks_resident_for_a_driver_without_a_gpu_in_front_of_a_ray_cluster(machine):
+    machine(cuda=False, ray=True)
+    cfg = load_config(None, [*BASE, "ray.address=ray://head:10001"])
+    assert cfg.orchestration.workers == "resident"
+    assert cfg.workers_choice == ("orchestration.workers=auto chose resident: ray.address names a cluster "
+                                  "(ray://head:10001) and Ray is installed")
 
 
 def test_an_explicit_mode_is_kept_and_not_explained(machine):
