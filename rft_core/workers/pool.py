@@ -221,11 +221,13 @@ def start_gang(workers: WorkersConfig, role: str) -> Gang:
 
 
 def _kill_gang(pool: str, role: str, gang) -> None:
-    """End every rank of a gang (one that died leaves the others stuck in their collectives)."""
-    for r in range(len(gang)):
-        _HANDLES.pop((pool, role, r), None)
-    if len(gang):
-        Gang(WORKER_CLASSES[role], list(gang)).kill()
+    """End every rank of a gang (one that died leaves the others stuck in their collectives) and
+    forget its handles, so the next ``start_gang`` starts a new one. ``gang`` may be empty (the
+    gang died before ``_answering_gang`` returned it): the handles this process holds are ended."""
+    held = [_HANDLES.pop(key) for key in sorted(k for k in _HANDLES if k[:2] == (pool, role))]
+    members = list(gang) or held
+    if members:
+        Gang(WORKER_CLASSES[role], members).kill()
 
 
 def run_resident(inp, workers: WorkersConfig):

@@ -51,7 +51,7 @@ def rollout_shard(tiny_model, tmp_path):
 def test_in_process_stage_runs_set_up_cuda_and_release_its_memory(tiny_model, tmp_path, rollout_shard, monkeypatch):
     events = []
     monkeypatch.setattr(inprocess, "configure_cuda_backends", lambda: events.append("configure") or False)
-    monkeypatch.setattr(inprocess, "release_device_memory", lambda: events.append("release") or False)
+    monkeypatch.setattr(inprocess, "release_models", lambda: events.append("release") or False)
     monkeypatch.setattr(logprobs_stage, "release_device_memory", lambda: events.append("program release") or False)
     real = logprobs_stage.batched_response_logprobs
     seen = {}
