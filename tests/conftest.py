@@ -32,3 +32,129 @@ def prefect_harness():
 def tiny_model(tmp_path_factory) -> str:
     """Folder of a tiny random Llama (2 layers, width 32) with the SmolLM2 tokenizer."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+# ---- the SIGKILL rotation (tests/rotation.py) and the skip check (tests/skips.py) -------------------
+
+_rotation: dict = {"run": [], "skipped": []}
+_skips: list[tuple[str, str]] = []
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "rotation(group): a SIGKILL row of the rotation (tests/rotation.py); "
+                                       "group None: every run")
+
+
+def pytest_collection_modifyitems(config, items):
+    from tests.rotation import GROUPS, SKIP_REASON, choice
+
+    chosen = choice()
+    for item in items:
+        mark = item.get_closest_marker("rotation")
+        if mark is None:
+            continue
+        group = mark.args[0]
+        if chosen.runs(group):
+            _rotation["run"].append((item.nodeid, group))
+        else:
+            _rotation["skipped"].append((item.nodeid, group))
+            item.add_marker(pytest.mark.skip(reason=f"{SKIP_REASON} group {group} of {GROUPS}; this run runs "
+                                                    f"{chosen.describe()}; make test-faults-all runs every row"))
+
+
+def _rotation_lines() -> list[str]:
+    from tests.rotation import choice
+
+    if not (_rotation["run"] or _rotation["skipped"]):
+        return []
+    lines = [f"SIGKILL rotation: {choice().describe()}: runs {len(_rotation['run'])} row(s), skips "
+             f"{len(_rotation['skipped'])} of the other groups"]
+    lines += [f"  runs {nodeid}" + ("  (every run)" if group is None else f"  (group {group})")
+              for nodeid, group in _rotation["run"]]
+    return lines
+
+
+def pytest_collection_finish(session):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        for line in _rotation_lines():
+            reporter.write_line(line)
+
+
+def pytest_runtest_logreport(report):
+    _on_report(report)
+
+
+def pytest_collectreport(report):  # a module that skips itself (pytest.importorskip at its top)
+    _on_report(report)
+
+
+def _on_report(report) -> None:
+    if _recorder is not None and report.when in ("setup", "call", "teardown"):
+        _recorder.report(report)
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skips.append((report.nodeid, reason.removeprefix("Skipped: ")))
+
+
+def _whole_suite(config) -> bool:
+    """Whether the skip check applies: a run of the whole of tests/ (CI's ``make test``), or
+    RFT_SKIP_CHECK=1; RFT_SKIP_CHECK=0 turns it off."""
+    flag = os.environ.get("RFT_SKIP_CHECK", "")
+    if flag in ("0", "1"):
+        return flag == "1"
+    here = os.path.dirname(os.path.abspath(__file__))
+    args = [a for a in config.args if not a.startswith("-")] or [here]
+    return any(os.path.abspath(a.split("::")[0]) == here for a in args) and not config.option.keyword \
+        and not config.option.markexpr and not getattr(config.option, "lf", False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _record_durations(session)
+    if not _whole_suite(session.config):
+        return
+    from tests.skips import unexpected_skips
+
+    bad = unexpected_skips(_skips)
+    session.config._rft_skip_check = bad
+    if bad and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for line in _rotation_lines():
+        terminalreporter.write_line(line)
+    bad = getattr(config, "_rft_skip_check", None)
+    if bad:
+        terminalreporter.write_line(f"SKIP CHECK FAILED: {len(bad)} test(s) skipped that the suite may not skip "
+                                    "(tests/skips.py EXPECTED_SKIPS; a proof that skips itself proves nothing):",
+                                    red=True, bold=True)
+        for line in bad:
+            terminalreporter.write_line(f"  {line}", red=True)
+
+
+# ---- the durations record (tests/durations.py; make test-durations) ---------------------------------
+
+_recorder = None
+
+
+def pytest_sessionstart(session):
+    global _recorder
+    if os.environ.get("RFT_DURATIONS"):
+        from tests.durations import Recorder
+
+        _recorder = Recorder()
+
+
+def _record_durations(session) -> None:
+    if _recorder is None:
+        return
+    from pathlib import Path
+
+    from tests.rotation import _git, choice
+
+    _recorder.collected = len(session.items)
+    _recorder.write(Path(os.environ["RFT_DURATIONS"]),
+                    {"commit": _git("rev-parse", "--short", "HEAD") or "(no git)",
+                     "command": "python -m pytest " + " ".join(session.config.invocation_params.args),
+                     "SIGKILL rotation": choice().describe()})

@@ -1,0 +1,102 @@
+"""The SIGKILL rotation (issue 46): every fault row runs in CI at least once in every 8 consecutive
+runs, without CI paying for all of them every time.
+
+A row built by ``tests.faults.row`` belongs to one of ``GROUPS`` groups, unless it says
+``ci=True`` (then every run runs it). Within its test module the rows take the groups one after
+another in the order they are declared, starting at the module's offset (``OFFSETS``; for a module
+not listed, crc32 of its name mod ``GROUPS``). So a module's rows spread evenly over the groups,
+and a row added to a module in the same style (``row(...)`` in its ``ROWS``) joins the rotation by
+itself. A run runs the rows of one group (plus the ``ci=True`` ones): group = turn mod ``GROUPS``,
+where the turn is, first that applies:
+
+1. ``RFT_ROTATION`` (an integer, e.g. a CI build number);
+2. the number of first-parent commits up to HEAD (``git rev-list --count --first-parent HEAD``):
+   each commit on main moves the rotation on by one group, so CI runs of 8 consecutive commits of
+   main (one per landing: a merge commit, or a squash) run every row. A landing that adds several
+   first-parent commits at once skips groups; CI then sets ``RFT_ROTATION`` to its run number;
+3. without git (an exported tarball): the UTC day (days since 1970-01-01), so runs on 8
+   consecutive days run every row.
+
+``RFT_FAULTS_ALL=1`` (``make test-faults-all``) runs every row. ``tests/conftest.py`` skips the
+rows of the other groups (reason ``SKIP_REASON ...``) and prints the choice and the rows it runs
+at the start and at the end of the run.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS = 8
+ENV = "RFT_ROTATION"
+ALL_ENV = "RFT_FAULTS_ALL"
+SKIP_REASON = "SIGKILL rotation:"
+# The first group of each module's rows, chosen so that the groups' costs come out close (the
+# resident rows, ~2 min each, fill groups 0-2 twice; the stage-mode rows groups 3-6 three times;
+# async and S3 rows the groups with fewer). A module not listed starts at crc32(name) % GROUPS.
+OFFSETS = {"tests.test_faults_resident": 0, "tests.test_faults": 3, "tests.test_faults_async": 7,
+           "tests.test_object_storage": 5}
+_next: dict[str, int] = {}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The group this run runs (None: every row) and how it was chosen."""
+
+    group: int | None
+    turn: int | None
+    source: str
+
+    def runs(self, group: int | None) -> bool:
+        return group is None or self.group is None or group == self.group
+
+    def describe(self) -> str:
+        if self.group is None:
+            return f"every row ({self.source})"
+        return f"group {self.group} of {GROUPS} (turn {self.turn} from {self.source}; turn mod {GROUPS})"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        res = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else None
+
+
+@lru_cache(maxsize=1)
+def choice() -> Choice:
+    """This run's ``Choice`` (see the module doc), computed once."""
+    if os.environ.get(ALL_ENV) == "1":
+        return Choice(None, None, f"{ALL_ENV}=1")
+    if os.environ.get(ENV, "").strip():
+        turn = int(os.environ[ENV])
+        return Choice(turn % GROUPS, turn, f"{ENV}={turn}")
+    count, head = _git("rev-list", "--count", "--first-parent", "HEAD"), _git("rev-parse", "--short", "HEAD")
+    if count is not None and count.isdigit():
+        return Choice(int(count) % GROUPS, int(count), f"git: {count} first-parent commits up to {head}")
+    day = (dt.datetime.now(dt.timezone.utc).date() - dt.date(1970, 1, 1)).days
+    return Choice(day % GROUPS, day, f"no git here: UTC day {day}")
+
+
+def offset(module: str) -> int:
+    return OFFSETS[module] if module in OFFSETS else zlib.crc32(module.encode()) % GROUPS
+
+
+def assign(module: str) -> int:
+    """The group of the next rotating row declared in ``module``."""
+    index = _next.get(module, 0)
+    _next[module] = index + 1
+    return (offset(module) + index) % GROUPS
+
+
+def caller_module(depth: int = 2) -> str:
+    """``__name__`` of the module whose code called the caller (a list comprehension's frame has
+    its module's globals too)."""
+    return sys._getframe(depth).f_globals.get("__name__", "?")

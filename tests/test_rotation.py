@@ -1,0 +1,137 @@
+"""The SIGKILL rotation (tests/rotation.py), the skip check (tests/skips.py) and the dependencies
+the proofs need (issue 46): every SIGKILL row is in the rotation, 8 consecutive turns run each row
+once, the choice comes from the commit (or RFT_ROTATION, or the day without git), a skip beyond
+the expected ones fails the run, and Ray and the other dependencies that gate a proof are
+installed (without them those proofs would skip themselves)."""
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import rotation
+from tests.skips import unexpected_skips
+
+TESTS = Path(__file__).resolve().parent
+# the modules whose tests kill a run with SIGKILL (a test function named test_sigkill*)
+FAULT_MODULES = sorted(p for p in TESTS.rglob("test_*.py")
+                       if any(isinstance(n, ast.FunctionDef) and n.name.startswith("test_sigkill")
+                              for n in ast.walk(ast.parse(p.read_text()))))
+
+
+def _rows() -> dict[str, int | None]:
+    """{test id: group} of every parametrized SIGKILL row, as its module declares it."""
+    out = {}
+    for path in FAULT_MODULES:
+        module = importlib.import_module(".".join(path.relative_to(TESTS.parent).with_suffix("").parts))
+        for name in dir(module):
+            fn = getattr(module, name)
+            if not (name.startswith("test_sigkill") and callable(fn)):
+                continue
+            for mark in getattr(fn, "pytestmark", []):
+                if mark.name != "parametrize":
+                    continue
+                for i, param in enumerate(mark.args[1]):
+                    marks = [m for m in getattr(param, "marks", ()) if m.name == "rotation"]
+                    assert marks, (f"{module.__name__}.{name} row {i} ({param!r}) is not in the rotation: "
+                                   "build it with tests.faults.row(...)")
+                    out[f"{module.__name__}.{name}[{i}]"] = marks[0].args[0]
+    return out
+
+
+def test_every_sigkill_row_is_in_the_rotation_and_8_turns_run_each_once():
+    rows = _rows()
+    assert len(FAULT_MODULES) >= 4 and len(rows) >= 35, (FAULT_MODULES, len(rows))
+    every_run = [r for r, g in rows.items() if g is None]
+    rotating = {r: g for r, g in rows.items() if g is not None}
+    assert set(rotating.values()) == set(range(rotation.GROUPS))  # no group empty
+    for start in (0, 5, 230):  # any 8 consecutive turns
+        ran = [r for turn in range(start, start + rotation.GROUPS) for r, g in rotating.items()
+               if rotation.Choice(turn % rotation.GROUPS, turn, "test").runs(g)]
+        assert sorted(ran) == sorted(rotating)  # each row exactly once
+    sizes = [sum(g == k for g in rotating.values()) for k in range(rotation.GROUPS)]
+    assert max(sizes) - min(sizes) <= 2, sizes
+    print(f"{len(rows)} rows: {len(every_run)} in every run, group sizes {sizes}")
+
+
+def test_a_modules_rows_take_the_groups_in_turn_from_its_offset():
+    module = "tests.example_new_fault_module"
+    first = rotation.assign(module)
+    assert first == rotation.offset(module)
+    assert [rotation.assign(module) for _ in range(9)] == [(first + k) % rotation.GROUPS for k in range(1, 10)]
+
+
+def test_the_choice_comes_from_rft_rotation_then_git_then_the_day(monkeypatch):
+    def fresh():
+        rotation.choice.cache_clear()
+        return rotation.choice()
+
+    try:
+        monkeypatch.delenv("RFT_FAULTS_ALL", raising=False)
+        monkeypatch.setenv("RFT_ROTATION", "19")
+        assert (fresh().group, fresh().turn) == (3, 19)
+        monkeypatch.delenv("RFT_ROTATION")
+        git = shutil.which("git") and subprocess.run(["git", "-C", str(TESTS), "rev-list", "--count", "--first-parent",
+                                                      "HEAD"], capture_output=True, text=True)
+        if git and git.returncode == 0:  # a clone: the first-parent commit count
+            c = fresh()
+            assert c.turn == int(git.stdout) and c.group == c.turn % 8 and "first-parent commits" in c.source, c
+        monkeypatch.setattr(rotation, "_git", lambda *a: None)  # no git: the UTC day
+        c = fresh()
+        assert c.source.startswith("no git here: UTC day") and c.group == c.turn % 8
+        monkeypatch.setenv("RFT_FAULTS_ALL", "1")
+        c = fresh()
+        assert c.group is None and c.runs(0) and c.runs(7) and "every row" in c.describe()
+    finally:
+        rotation.choice.cache_clear()
+
+
+def test_a_skip_beyond_the_expected_ones_fails_the_check():
+    skips = [("a::rot", f"{rotation.SKIP_REASON} group 3 of 8; ..."), ("b::u1", "RFT_UPSTREAM not set: run ..."),
+             ("b::u2", "RFT_UPSTREAM not set: run ...")]
+    assert unexpected_skips(skips, {"RFT_UPSTREAM not set": 2}) == []
+    assert unexpected_skips(skips + [("b::u3", "RFT_UPSTREAM not set: run ...")], {"RFT_UPSTREAM not set": 2}) == \
+        ["b::u3: RFT_UPSTREAM not set: run ..."]
+    assert unexpected_skips([("tests/test_faults_resident.py", "could not import 'ray': No module named 'ray'")]) == \
+        ["tests/test_faults_resident.py: could not import 'ray': No module named 'ray'"]
+
+
+def test_the_skip_check_fails_a_run_and_names_the_test(tmp_path):
+    """A pytest run of a folder with one test that skips on a missing import: with the check on
+    (RFT_SKIP_CHECK=1) the run fails and says which test skipped and why."""
+    (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
+    (tmp_path / "test_x.py").write_text("import pytest\n\ndef test_ok():\n    pass\n\n"
+                                        "def test_gated():\n    pytest.importorskip('no_such_module_rft')\n")
+    env = {"RFT_SKIP_CHECK": "1", "PYTHONPATH": str(TESTS.parent)}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                         capture_output=True, text=True, env={**os.environ, **env}, cwd=tmp_path, timeout=300)
+    assert res.returncode == 1, res.stdout[-3000:]
+    assert "1 passed, 1 skipped" in res.stdout and "SKIP CHECK FAILED: 1 test(s)" in res.stdout, res.stdout[-3000:]
+    assert "test_x.py::test_gated: could not import 'no_such_module_rft'" in res.stdout, res.stdout[-3000:]
+
+
+# what gates a proof: without it the proof skips itself (importorskip), so it must be installed
+GATES = {"ray": "the resident workers' proofs (tests/test_faults_resident.py, tests/flows/test_resident_flow.py, ...)",
+         "prefect_ray": "tests/flows/test_ray_fanout.py",
+         "deepspeed": "tests/rft_core/training/test_deepspeed_update.py",
+         "s3fs": "the object-storage proofs (tests/test_object_storage.py, tests/schemas/test_object_store.py)",
+         "moto": "the S3 server of the object-storage and two-node proofs",
+         "mypy": "tests/test_types.py"}
+
+
+@pytest.mark.parametrize("module", sorted(GATES))
+def test_a_dependency_that_gates_a_proof_is_installed(module):
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        pytest.fail(f"{module} is missing, so {GATES[module]} would skip: install the dev extras ({exc})")
+
+
+def test_prlimit_for_the_python_environment_proofs():
+    assert shutil.which("prlimit"), "util-linux prlimit is missing: tests/rft_core/agents/test_python_env.py would skip"
