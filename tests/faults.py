@@ -695,11 +695,13 @@ class Baseline:
     runs: str  # where the rows' run roots go: a local folder or an s3:// prefix
     final_iteration: int = 2
     env: dict[str, str] | None = None  # the run's environment (an S3 server's endpoint and credentials)
+    salt: str = ""  # put before each row's seed (benchmarks/reliability.py --seed, --repeats); "": the tests' seeds
 
     def kill(self, name: str, target: str, iteration: int, seed: str, **kw) -> Outcome:
-        """``run_scenario`` of this scenario in the run root ``runs/name``, with ``random.Random(seed)``."""
+        """``run_scenario`` of this scenario in the run root ``runs/name``, with ``random.Random(salt + seed)``."""
         return run_scenario(self.config, f"{self.runs.rstrip('/')}/{name}", target, iteration, self.timeline, self.weights,
-                            self.api_url, random.Random(seed), env=self.env, final_iteration=self.final_iteration, **kw)
+                            self.api_url, random.Random(self.salt + seed), env=self.env,
+                            final_iteration=self.final_iteration, **kw)
 
 
 def scenario_baseline(d: Path, write, model: str, api_url: str | None) -> Baseline:
