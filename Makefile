@@ -55,11 +55,17 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
-# Every SIGKILL row docs/reliability.md and docs/scale.md list, the ones CI skips for time included
-# (tests/test_faults*.py: 18 stage-mode rows, 11 resident, 2 asynchronous); ~1 h on 2 cores.
+# The suite as `make test` runs it, with each test's seconds written to tests/durations.txt (the README's
+# figure for the suite comes from there; tests/test_suite_time.py checks it). Run on a quiet machine.
+.PHONY: test-durations
+test-durations: $(STAMP)
+	RFT_DURATIONS=tests/durations.txt $(BIN)/python -m pytest -q tests
+
+# Every SIGKILL row at once (the rows marked by tests.faults.row, in any test file: docs/reliability.md's
+# tables), where `make test` runs one group of the rotation (tests/rotation.py); ~1.5 h on 2 cores.
 .PHONY: test-faults-all
 test-faults-all: $(STAMP)
-	RFT_FAULTS_ALL=1 $(BIN)/python -m pytest -q tests/test_faults.py tests/test_faults_resident.py tests/test_faults_async.py
+	RFT_FAULTS_ALL=1 $(BIN)/python -m pytest -q -m rotation tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/iteration.py

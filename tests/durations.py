@@ -93,3 +93,28 @@ class Recorder:
                      [(s, self.outcome.get(n, "?"), n) for n, s in self.seconds.items()])
         path.write_text(render(rec))
         return rec
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+# README's figure: "`make test` runs everything (N tests in M minutes on a 2-core machine"
+README_FIGURE = re.compile(r"`make test` runs everything \((\d+) tests in (\d+) minutes on a (\d+)-core machine")
+
+
+def readme_figure(rec: Record) -> str:
+    cores = re.search(r"(\d+) cores", rec.header.get("machine", ""))
+    return (f"`make test` runs everything ({rec.collected} tests in {rec.minutes} minutes on a "
+            f"{cores.group(1) if cores else '?'}-core machine")
+
+
+def main() -> None:
+    """``python -m tests.durations``: write README's figure from tests/durations.txt."""
+    rec = parse(FILE.read_text())
+    text = README.read_text()
+    if not README_FIGURE.search(text):
+        raise SystemExit("README.md has no figure to update (README_FIGURE)")
+    README.write_text(README_FIGURE.sub(readme_figure(rec), text, count=1))
+    print(readme_figure(rec))
+
+
+if __name__ == "__main__":
+    main()

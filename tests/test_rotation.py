@@ -104,16 +104,22 @@ def test_a_skip_beyond_the_expected_ones_fails_the_check():
 
 def test_the_skip_check_fails_a_run_and_names_the_test(tmp_path):
     """A pytest run of a folder with one test that skips on a missing import: with the check on
-    (RFT_SKIP_CHECK=1) the run fails and says which test skipped and why."""
+    (RFT_SKIP_CHECK=1) the run fails and says which test skipped and why; with RFT_DURATIONS the
+    run's durations file (tests/durations.py) lists both tests."""
+    from tests.durations import parse
+
     (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
     (tmp_path / "test_x.py").write_text("import pytest\n\ndef test_ok():\n    pass\n\n"
                                         "def test_gated():\n    pytest.importorskip('no_such_module_rft')\n")
-    env = {"RFT_SKIP_CHECK": "1", "PYTHONPATH": str(TESTS.parent)}
+    env = {"RFT_SKIP_CHECK": "1", "PYTHONPATH": str(TESTS.parent), "RFT_DURATIONS": str(tmp_path / "d.txt")}
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                          capture_output=True, text=True, env={**os.environ, **env}, cwd=tmp_path, timeout=300)
     assert res.returncode == 1, res.stdout[-3000:]
     assert "1 passed, 1 skipped" in res.stdout and "SKIP CHECK FAILED: 1 test(s)" in res.stdout, res.stdout[-3000:]
     assert "test_x.py::test_gated: could not import 'no_such_module_rft'" in res.stdout, res.stdout[-3000:]
+    rec = parse((tmp_path / "d.txt").read_text())
+    assert rec.collected == 2 and rec.outcomes == {"passed": 1, "skipped": 1}, rec
+    assert sorted(n for _, _, n in rec.tests) == ["test_x.py::test_gated", "test_x.py::test_ok"] and rec.wall_s > 0
 
 
 # what gates a proof: without it the proof skips itself (importorskip), so it must be installed
