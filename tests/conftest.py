@@ -113,10 +113,15 @@ def pytest_sessionfinish(session, exitstatus):
     _record_durations(session)
     if not _whole_suite(session.config):
         return
+    from tests.rotation import SKIP_REASON
     from tests.skips import unexpected_skips
 
     bad = unexpected_skips(_skips)
     session.config._rft_skip_check = bad
+    rotating = sum(reason.startswith(SKIP_REASON) for _, reason in _skips)
+    session.config._rft_skip_line = (f"skip check (tests/skips.py): {len(_skips)} skipped: {rotating} SIGKILL rows "
+                                     f"of the rotation's other groups, {len(_skips) - rotating - len(bad)} expected, "
+                                     f"{len(bad)} not allowed")
     if bad and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -124,6 +129,8 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for line in _rotation_lines():
         terminalreporter.write_line(line)
+    if getattr(config, "_rft_skip_line", None):
+        terminalreporter.write_line(config._rft_skip_line)
     bad = getattr(config, "_rft_skip_check", None)
     if bad:
         terminalreporter.write_line(f"SKIP CHECK FAILED: {len(bad)} test(s) skipped that the suite may not skip "

@@ -14,8 +14,9 @@ where the turn is, first that applies:
    each commit on main moves the rotation on by one group, so CI runs of 8 consecutive commits of
    main (one per landing: a merge commit, or a squash) run every row. A landing that adds several
    first-parent commits at once skips groups; CI then sets ``RFT_ROTATION`` to its run number;
-3. without git (an exported tarball): the UTC day (days since 1970-01-01), so runs on 8
-   consecutive days run every row.
+3. in a shallow clone (which cannot count): the UTC day of HEAD's commit time (days since
+   1970-01-01), so commits of 8 consecutive days run every row;
+4. without git (an exported tarball): the UTC day now, so runs on 8 consecutive days do.
 
 ``RFT_FAULTS_ALL=1`` (``make test-faults-all``) runs every row. ``tests/conftest.py`` skips the
 rows of the other groups (reason ``SKIP_REASON ...``) and prints the choice and the rows it runs
@@ -78,9 +79,14 @@ def choice() -> Choice:
     if os.environ.get(ENV, "").strip():
         turn = int(os.environ[ENV])
         return Choice(turn % GROUPS, turn, f"{ENV}={turn}")
-    count, head = _git("rev-list", "--count", "--first-parent", "HEAD"), _git("rev-parse", "--short", "HEAD")
-    if count is not None and count.isdigit():
-        return Choice(int(count) % GROUPS, int(count), f"git: {count} first-parent commits up to {head}")
+    head = _git("rev-parse", "--short", "HEAD")
+    if head is not None and _git("rev-parse", "--is-shallow-repository") != "true":
+        count = _git("rev-list", "--count", "--first-parent", "HEAD")
+        if count is not None and count.isdigit():
+            return Choice(int(count) % GROUPS, int(count), f"git: {count} first-parent commits up to {head}")
+    if head is not None:  # a shallow clone counts only its own commits: the day of the commit instead
+        day = int(_git("log", "-1", "--format=%ct", "HEAD") or 0) // 86400
+        return Choice(day % GROUPS, day, f"shallow clone: UTC day {day} of commit {head}")
     day = (dt.datetime.now(dt.timezone.utc).date() - dt.date(1970, 1, 1)).days
     return Choice(day % GROUPS, day, f"no git here: UTC day {day}")
 

@@ -82,6 +82,11 @@ def test_the_choice_comes_from_rft_rotation_then_git_then_the_day(monkeypatch):
         if git and git.returncode == 0:  # a clone: the first-parent commit count
             c = fresh()
             assert c.turn == int(git.stdout) and c.group == c.turn % 8 and "first-parent commits" in c.source, c
+        answers = {("rev-parse", "--short", "HEAD"): "abc1234", ("rev-parse", "--is-shallow-repository"): "true",
+                   ("log", "-1", "--format=%ct", "HEAD"): str(20_000 * 86400 + 5)}
+        monkeypatch.setattr(rotation, "_git", lambda *a: answers.get(a))  # a shallow clone: the commit's day
+        c = fresh()
+        assert (c.turn, c.group, c.source) == (20_000, 0, "shallow clone: UTC day 20000 of commit abc1234")
         monkeypatch.setattr(rotation, "_git", lambda *a: None)  # no git: the UTC day
         c = fresh()
         assert c.source.startswith("no git here: UTC day") and c.group == c.turn % 8
@@ -117,6 +122,8 @@ def test_the_skip_check_fails_a_run_and_names_the_test(tmp_path):
     assert res.returncode == 1, res.stdout[-3000:]
     assert "1 passed, 1 skipped" in res.stdout and "SKIP CHECK FAILED: 1 test(s)" in res.stdout, res.stdout[-3000:]
     assert "test_x.py::test_gated: could not import 'no_such_module_rft'" in res.stdout, res.stdout[-3000:]
+    assert ("skip check (tests/skips.py): 1 skipped: 0 SIGKILL rows of the rotation's other groups, 0 expected, "
+            "1 not allowed") in res.stdout
     rec = parse((tmp_path / "d.txt").read_text())
     assert rec.collected == 2 and rec.outcomes == {"passed": 1, "skipped": 1}, rec
     assert sorted(n for _, _, n in rec.tests) == ["test_x.py::test_gated", "test_x.py::test_ok"] and rec.wall_s > 0
