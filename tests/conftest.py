@@ -45,6 +45,16 @@ def pytest_configure(config):
                                        "group None: every run")
 
 
+def pytest_itemcollected(item):
+    """A SIGKILL test (its function's name starts with ``test_sigkill``) built without
+    ``tests.faults.row`` joins the rotation too: the next group of its module, in collection order."""
+    from tests.rotation import ROW_PREFIX, assign
+
+    name = getattr(item, "originalname", item.name)
+    if name.startswith(ROW_PREFIX) and item.get_closest_marker("rotation") is None:
+        item.add_marker(pytest.mark.rotation(assign(item.module.__name__)))
+
+
 def pytest_collection_modifyitems(config, items):
     from tests.rotation import GROUPS, SKIP_REASON, choice
 

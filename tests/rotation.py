@@ -1,11 +1,13 @@
 """The SIGKILL rotation (issue 46): every fault row runs in CI at least once in every 8 consecutive
 runs, without CI paying for all of them every time.
 
-A row built by ``tests.faults.row`` belongs to one of ``GROUPS`` groups, unless it says
-``ci=True`` (then every run runs it). Within its test module the rows take the groups one after
-another in the order they are declared, starting at the module's offset (``OFFSETS``; for a module
-not listed, crc32 of its name mod ``GROUPS``). So a module's rows spread evenly over the groups,
-and a row added to a module in the same style (``row(...)`` in its ``ROWS``) joins the rotation by
+A SIGKILL row is a test whose function's name starts with ``test_sigkill`` (``ROW_PREFIX``),
+one per parameter set. Each belongs to one of ``GROUPS`` groups, unless ``tests.faults.row`` built
+it with ``ci=True`` (then every run runs it). Within its test module the rows take the groups one
+after another, starting at the module's offset (``OFFSETS``; for a module not listed, crc32 of its
+name mod ``GROUPS``): first the rows built by ``tests.faults.row``, in the order they are declared,
+then any other ``test_sigkill*`` test, in collection order (``tests/conftest.py`` marks those). So a
+module's rows spread evenly over the groups, and a row added in any style joins the rotation by
 itself. A run runs the rows of one group (plus the ``ci=True`` ones): group = turn mod ``GROUPS``,
 where the turn is, first that applies:
 
@@ -38,6 +40,7 @@ GROUPS = 8
 ENV = "RFT_ROTATION"
 ALL_ENV = "RFT_FAULTS_ALL"
 SKIP_REASON = "SIGKILL rotation:"
+ROW_PREFIX = "test_sigkill"
 # The first group of each module's rows, chosen so that the groups' costs come out close (the
 # resident rows, ~2 min each, fill groups 0-2 twice; the stage-mode rows groups 3-6 three times;
 # async and S3 rows the groups with fewer). A module not listed starts at crc32(name) % GROUPS.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,28 +27,28 @@ FAULT_MODULES = sorted(p for p in TESTS.rglob("test_*.py")
 
 
 def _rows() -> dict[str, int | None]:
-    """{test id: group} of every parametrized SIGKILL row, as its module declares it."""
-    out = {}
-    for path in FAULT_MODULES:
-        module = importlib.import_module(".".join(path.relative_to(TESTS.parent).with_suffix("").parts))
-        for name in dir(module):
-            fn = getattr(module, name)
-            if not (name.startswith("test_sigkill") and callable(fn)):
-                continue
-            for mark in getattr(fn, "pytestmark", []):
-                if mark.name != "parametrize":
-                    continue
-                for i, param in enumerate(mark.args[1]):
-                    marks = [m for m in getattr(param, "marks", ()) if m.name == "rotation"]
-                    assert marks, (f"{module.__name__}.{name} row {i} ({param!r}) is not in the rotation: "
-                                   "build it with tests.faults.row(...)")
-                    out[f"{module.__name__}.{name}[{i}]"] = marks[0].args[0]
-    return out
+    """{node id: group} of every SIGKILL row the fault modules collect (None: every run), from
+    the rotation's own listing (RFT_FAULTS_ALL=1: it lists every row with its group); asserts that
+    every collected test_sigkill* test is listed."""
+    env = {**os.environ, "RFT_FAULTS_ALL": "1"}
+    env.pop("RFT_ROTATION", None)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                          *map(str, FAULT_MODULES)], cwd=TESTS.parent, capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    listed = {}
+    for line in res.stdout.splitlines():
+        m = re.fullmatch(r"  runs (\S+)  \((every run|group (\d))\)", line)
+        if m:
+            listed[m.group(1)] = None if m.group(2) == "every run" else int(m.group(3))
+    collected = {line for line in res.stdout.splitlines() if re.match(r"tests/\S+::test_sigkill", line)}
+    assert collected and collected == set(listed), f"not in the rotation: {sorted(collected - set(listed))}"
+    return listed
 
 
 def test_every_sigkill_row_is_in_the_rotation_and_8_turns_run_each_once():
     rows = _rows()
-    assert len(FAULT_MODULES) >= 4 and len(rows) >= 35, (FAULT_MODULES, len(rows))
+    assert len(FAULT_MODULES) >= 4 and len(rows) >= 38, (FAULT_MODULES, len(rows))
     every_run = [r for r, g in rows.items() if g is None]
     rotating = {r: g for r, g in rows.items() if g is not None}
     assert set(rotating.values()) == set(range(rotation.GROUPS))  # no group empty
@@ -108,25 +109,32 @@ def test_a_skip_beyond_the_expected_ones_fails_the_check():
 
 
 def test_the_skip_check_fails_a_run_and_names_the_test(tmp_path):
-    """A pytest run of a folder with one test that skips on a missing import: with the check on
-    (RFT_SKIP_CHECK=1) the run fails and says which test skipped and why; with RFT_DURATIONS the
-    run's durations file (tests/durations.py) lists both tests."""
+    """A pytest run of a folder with one test that skips on a missing import and one SIGKILL test
+    written without ``row`` (it joins the rotation; the run's turn is not its group): with the
+    check on (RFT_SKIP_CHECK=1) the run fails and names the test that skipped and why, while the
+    rotation's skip is allowed; with RFT_DURATIONS the run's durations file (tests/durations.py)
+    lists the three tests."""
     from tests.durations import parse
 
     (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
     (tmp_path / "test_x.py").write_text("import pytest\n\ndef test_ok():\n    pass\n\n"
-                                        "def test_gated():\n    pytest.importorskip('no_such_module_rft')\n")
-    env = {"RFT_SKIP_CHECK": "1", "PYTHONPATH": str(TESTS.parent), "RFT_DURATIONS": str(tmp_path / "d.txt")}
+                                        "def test_gated():\n    pytest.importorskip('no_such_module_rft')\n\n"
+                                        "def test_sigkill_plain():\n    pass\n")
+    other_turn = (rotation.offset("test_x") + 1) % rotation.GROUPS
+    env = {"RFT_SKIP_CHECK": "1", "PYTHONPATH": str(TESTS.parent), "RFT_DURATIONS": str(tmp_path / "d.txt"),
+           "RFT_ROTATION": str(other_turn)}
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                          capture_output=True, text=True, env={**os.environ, **env}, cwd=tmp_path, timeout=300)
     assert res.returncode == 1, res.stdout[-3000:]
-    assert "1 passed, 1 skipped" in res.stdout and "SKIP CHECK FAILED: 1 test(s)" in res.stdout, res.stdout[-3000:]
+    assert "1 passed, 2 skipped" in res.stdout and "SKIP CHECK FAILED: 1 test(s)" in res.stdout, res.stdout[-3000:]
     assert "test_x.py::test_gated: could not import 'no_such_module_rft'" in res.stdout, res.stdout[-3000:]
-    assert ("skip check (tests/skips.py): 1 skipped: 0 SIGKILL rows of the rotation's other groups, 0 expected, "
-            "1 not allowed") in res.stdout
+    assert ("skip check (tests/skips.py): 2 skipped: 1 SIGKILL rows of the rotation's other groups, 0 expected, "
+            "1 not allowed") in res.stdout, res.stdout[-3000:]
+    assert f"SIGKILL rotation: group {other_turn} of 8 (turn {other_turn} from RFT_ROTATION={other_turn}" in res.stdout
     rec = parse((tmp_path / "d.txt").read_text())
-    assert rec.collected == 2 and rec.outcomes == {"passed": 1, "skipped": 1}, rec
-    assert sorted(n for _, _, n in rec.tests) == ["test_x.py::test_gated", "test_x.py::test_ok"] and rec.wall_s > 0
+    assert rec.collected == 3 and rec.outcomes == {"passed": 1, "skipped": 2}, rec
+    assert sorted(n for _, _, n in rec.tests) == ["test_x.py::test_gated", "test_x.py::test_ok",
+                                                  "test_x.py::test_sigkill_plain"] and rec.wall_s > 0
 
 
 # what gates a proof: without it the proof skips itself (importorskip), so it must be installed
