@@ -64,6 +64,8 @@ def pytest_collection_modifyitems(config, items):
         if mark is None:
             continue
         group = mark.args[0]
+        if _recorder is not None:
+            _recorder.groups[item.nodeid] = -1 if group is None else group
         if chosen.runs(group):
             _rotation["run"].append((item.nodeid, group))
         else:

@@ -19,6 +19,19 @@ FILE = Path(__file__).resolve().parent / "durations.txt"
 BUDGET_MINUTES = 35  # issue 46: make test under 35 minutes on 2 cores, with room for the tests to come
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One test of the run: its seconds (setup + call + teardown), of which ``setup`` went to its
+    fixtures (a module-scoped baseline counts in the first test that uses it), its outcome, and
+    its SIGKILL rotation group (None: not a rotation row; -1: a row of every run)."""
+
+    seconds: float
+    setup: float
+    outcome: str
+    group: int | None
+    nodeid: str
+
+
 @dataclass
 class Record:
     """What ``tests/durations.txt`` holds."""
@@ -27,11 +40,15 @@ class Record:
     collected: int
     outcomes: dict[str, int]
     header: dict[str, str] = field(default_factory=dict)
-    tests: list[tuple[float, str, str]] = field(default_factory=list)  # (seconds, outcome, node id)
+    tests: list[Entry] = field(default_factory=list)
 
     @property
     def minutes(self) -> int:
         return round(self.wall_s / 60)
+
+
+def _group(g: int | None) -> str:
+    return "-" if g is None else ("all" if g == -1 else str(g))
 
 
 def render(rec: Record) -> str:
@@ -40,8 +57,10 @@ def render(rec: Record) -> str:
              *[f"# {k}: {v}" for k, v in rec.header.items()],
              f"# wall: {rec.wall_s:.1f} s ({rec.minutes} min)",
              f"# tests: {rec.collected} collected; {counts}",
-             "# seconds  outcome  test (setup + call + teardown), slowest first"]
-    lines += [f"{s:9.2f}  {o:7}  {n}" for s, o, n in sorted(rec.tests, key=lambda t: (-t[0], t[2]))]
+             "# seconds (setup + call + teardown), of them setup, outcome, SIGKILL rotation group "
+             "(-: not a row, all: every run), test; slowest first"]
+    lines += [f"{e.seconds:9.2f} {e.setup:8.2f}  {e.outcome:7}  {_group(e.group):>3}  {e.nodeid}"
+              for e in sorted(rec.tests, key=lambda e: (-e.seconds, e.nodeid))]
     return "\n".join(lines) + "\n"
 
 
@@ -58,8 +77,9 @@ def parse(text: str) -> Record:
             k, v = line[2:].split(": ", 1)
             header[k] = v
         elif line.strip() and not line.startswith("#"):
-            s, o, n = line.split(None, 2)
-            tests.append((float(s), o, n))
+            sec, setup, outcome, group, nodeid = line.split(None, 4)
+            tests.append(Entry(float(sec), float(setup), outcome,
+                               None if group == "-" else (-1 if group == "all" else int(group)), nodeid))
     if wall is None or collected is None:
         raise ValueError("not a durations file: no '# wall:' or '# tests:' line")
     return Record(wall, collected, outcomes, header, tests)
@@ -72,13 +92,18 @@ class Recorder:
         self.start = dt.datetime.now(dt.timezone.utc)
         self.load = os.getloadavg()[0]
         self.seconds: dict[str, float] = {}
+        self.setup: dict[str, float] = {}
         self.outcome: dict[str, str] = {}
+        self.groups: dict[str, int | None] = {}
         self.collected = 0
 
     def report(self, report) -> None:
         """One phase (setup, call, teardown) of a test: its seconds add up; its outcome is the
         first that was not "passed" (a failed setup or teardown: "error")."""
-        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + float(getattr(report, "duration", 0.0))
+        seconds = float(getattr(report, "duration", 0.0))
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + seconds
+        if report.when == "setup":
+            self.setup[report.nodeid] = seconds
         if self.outcome.get(report.nodeid, "passed") == "passed":
             self.outcome[report.nodeid] = "error" if report.failed and report.when != "call" else report.outcome
 
@@ -90,7 +115,8 @@ class Recorder:
         rec = Record(wall, self.collected, counts,
                      {"date": self.start.strftime("%Y-%m-%d %H:%M UTC"), **header,
                       "machine": f"{os.cpu_count()} cores, load average {self.load:.1f} at the start"},
-                     [(s, self.outcome.get(n, "?"), n) for n, s in self.seconds.items()])
+                     [Entry(s, self.setup.get(n, 0.0), self.outcome.get(n, "?"), self.groups.get(n), n)
+                      for n, s in self.seconds.items()])
         path.write_text(render(rec))
         return rec
 

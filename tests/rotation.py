@@ -41,11 +41,15 @@ ENV = "RFT_ROTATION"
 ALL_ENV = "RFT_FAULTS_ALL"
 SKIP_REASON = "SIGKILL rotation:"
 ROW_PREFIX = "test_sigkill"
-# The first group of each module's rows, chosen so that the groups' costs come out close (the
-# resident rows, ~2 min each, fill groups 0-2 twice; the stage-mode rows groups 3-6 three times;
-# async and S3 rows the groups with fewer). A module not listed starts at crc32(name) % GROUPS.
-OFFSETS = {"tests.test_faults_resident": 0, "tests.test_faults": 3, "tests.test_faults_async": 7,
-           "tests.test_object_storage": 5}
+# The first group of each module's rows, chosen so that the groups' seconds come out close
+# (`python -m tests.rotation FAULTS` computes them, and the offsets that balance them best, from
+# a durations file of `make test-faults-all`). These come from the rows' seconds known on
+# 2026-11-28 (2 quiet cores: a stage-mode row ~45 s, a resident row ~80 s and its two-run baseline
+# ~76 s, an async or S3 row ~60 s, an FSDP2 row ~4 min and its baseline ~3 min): the two FSDP2
+# rows go to groups 4 and 5, which get the fewest other rows. A module not listed starts at
+# crc32(name) % GROUPS.
+OFFSETS = {"tests.test_faults": 0, "tests.test_faults_resident": 1, "tests.test_faults_async": 6,
+           "tests.test_object_storage": 6, "tests.test_faults_fsdp": 4}
 _next: dict[str, int] = {}
 
 
@@ -109,3 +113,66 @@ def caller_module(depth: int = 2) -> str:
     """``__name__`` of the module whose code called the caller (a list comprehension's frame has
     its module's globals too)."""
     return sys._getframe(depth).f_globals.get("__name__", "?")
+
+
+def group_costs(entries, shifts: dict[str, int] | None = None) -> list[float]:
+    """Seconds of each group's SIGKILL rows, from ``tests.durations.Entry``s of a run of every row
+    (``RFT_DURATIONS=... make test-faults-all``), with each module's groups shifted by
+    ``shifts[module]`` (its offset changed by that much). A row costs its seconds less its setup;
+    each baseline (a test function's module-scoped fixture: the largest setup among its rows) is
+    paid once by every group that has a row of that function."""
+    shifts = shifts or {}
+    costs, baselines = [0.0] * GROUPS, {}
+    for e in entries:
+        baselines[e.nodeid.split("[")[0]] = max(baselines.get(e.nodeid.split("[")[0], 0.0), e.setup)
+    paid: list[set] = [set() for _ in range(GROUPS)]
+    for e in entries:
+        g = (e.group + shifts.get(_module(e.nodeid), 0)) % GROUPS
+        costs[g] += e.seconds - e.setup
+        paid[g].add(e.nodeid.split("[")[0])
+    return [c + sum(baselines[f] for f in p) for c, p in zip(costs, paid)]
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0].removesuffix(".py").replace("/", ".")
+
+
+def best_shifts(entries) -> dict[str, int]:
+    """The offset changes per module that make the costliest group cheapest (then the next, ...)."""
+    import itertools
+
+    modules = sorted({_module(e.nodeid) for e in entries})
+    best = min(itertools.product(range(GROUPS), repeat=len(modules)),
+               key=lambda d: sorted(group_costs(entries, dict(zip(modules, d))), reverse=True))
+    return dict(zip(modules, best))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.rotation FAULTS [SUITE]``: each group's seconds from FAULTS (a durations
+    file of ``make test-faults-all``, ``RFT_DURATIONS=FAULTS``), the suite's estimate per group
+    with SUITE (a durations file of ``make test``: its tests that are not rotation rows), and the
+    offsets that would balance the groups best."""
+    import argparse
+
+    from tests.durations import parse
+
+    ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    ap.add_argument("faults")
+    ap.add_argument("suite", nargs="?")
+    args = ap.parse_args(argv)
+    entries = [e for e in parse(Path(args.faults).read_text()).tests if e.group is not None and e.group >= 0]
+    rest = 0.0
+    if args.suite:
+        rest = sum(e.seconds for e in parse(Path(args.suite).read_text()).tests if e.group is None or e.group == -1)
+        print(f"the suite without its rotating rows: {rest:.0f} s ({rest / 60:.1f} min)")
+    for k, c in enumerate(group_costs(entries)):
+        rows = sorted(e.nodeid for e in entries if e.group == k)
+        print(f"group {k}: {c:.0f} s of SIGKILL rows" + (f", suite ~{(rest + c) / 60:.1f} min" if args.suite else "")
+              + "".join(f"\n    {r}" for r in rows))
+    shifts = best_shifts(entries)
+    print("balanced: OFFSETS = {" + ", ".join(f"{m!r}: {(offset(m) + d) % GROUPS}" for m, d in shifts.items()) + "}; "
+          f"groups {[round(c) for c in group_costs(entries, shifts)]} s")
+
+
+if __name__ == "__main__":
+    main()

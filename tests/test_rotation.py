@@ -133,8 +133,9 @@ def test_the_skip_check_fails_a_run_and_names_the_test(tmp_path):
     assert f"SIGKILL rotation: group {other_turn} of 8 (turn {other_turn} from RFT_ROTATION={other_turn}" in res.stdout
     rec = parse((tmp_path / "d.txt").read_text())
     assert rec.collected == 3 and rec.outcomes == {"passed": 1, "skipped": 2}, rec
-    assert sorted(n for _, _, n in rec.tests) == ["test_x.py::test_gated", "test_x.py::test_ok",
-                                                  "test_x.py::test_sigkill_plain"] and rec.wall_s > 0
+    assert sorted(e.nodeid for e in rec.tests) == ["test_x.py::test_gated", "test_x.py::test_ok",
+                                                   "test_x.py::test_sigkill_plain"] and rec.wall_s > 0
+    assert {e.nodeid: e.group for e in rec.tests}["test_x.py::test_sigkill_plain"] == rotation.offset("test_x")
 
 
 # what gates a proof: without it the proof skips itself (importorskip), so it must be installed
@@ -156,3 +157,25 @@ def test_a_dependency_that_gates_a_proof_is_installed(module):
 
 def test_prlimit_for_the_python_environment_proofs():
     assert shutil.which("prlimit"), "util-linux prlimit is missing: tests/rft_core/agents/test_python_env.py would skip"
+
+
+def test_group_costs_pay_each_baseline_once_per_group_and_the_planner_balances_them(capsys, tmp_path):
+    """``python -m tests.rotation``: from a run of every row, each group's seconds (a row's seconds
+    less its setup; the largest setup of a test function's rows is its baseline, paid once by each
+    group that runs one of its rows) and the module offsets that balance them."""
+    from tests.durations import Entry, Record, render
+
+    E = Entry  # noqa: N806
+    rows = [E(130.0, 100.0, "passed", 0, "tests/test_a.py::test_sigkill_a[0]"),  # built the baseline: 100 s
+            E(30.0, 0.0, "passed", 1, "tests/test_a.py::test_sigkill_a[1]"),
+            E(50.0, 0.01, "passed", 0, "tests/test_b.py::test_sigkill_b[0]")]
+    assert rotation.group_costs(rows) == [100 + 30 + 50 + 0.01 - 0.01, 100 + 30, 0, 0, 0, 0, 0, 0]
+    shifted = rotation.group_costs(rows, {"tests.test_b": 2})
+    assert shifted[:3] == [130.0, 130.0, 50.0] and sum(shifted) == 310.0
+    assert max(rotation.group_costs(rows, rotation.best_shifts(rows))) == 130.0
+    path = tmp_path / "faults.txt"
+    path.write_text(render(Record(300.0, 3, {"passed": 3}, {}, rows)))
+    rotation.main([str(path)])
+    out = capsys.readouterr().out
+    assert "group 0: 180 s of SIGKILL rows\n    tests/test_a.py::test_sigkill_a[0]\n    tests/test_b.py::test_sigkill_b[0]" \
+        in out and "group 1: 130 s" in out and "balanced: OFFSETS = {" in out, out

@@ -12,7 +12,7 @@ def test_the_durations_file_holds_a_whole_run_within_the_budget():
     assert rec.collected >= 1500 and sum(rec.outcomes.values()) == rec.collected == len(rec.tests), rec.outcomes
     assert rec.outcomes.get("failed", 0) == rec.outcomes.get("error", 0) == 0, rec.outcomes
     assert "2 cores" in rec.header["machine"] and rec.header["command"].endswith("pytest -q tests"), rec.header
-    assert sum(s for s, _, _ in rec.tests) <= rec.wall_s + 1  # every test's seconds fit in the run's wall time
+    assert sum(e.seconds for e in rec.tests) <= rec.wall_s + 1  # every test's seconds fit in the run's wall time
     assert rec.wall_s < durations.BUDGET_MINUTES * 60, (
         f"the recorded run took {rec.wall_s / 60:.1f} min, over the {durations.BUDGET_MINUTES} min budget: "
         "the slowest tests are at the top of tests/durations.txt")
@@ -28,15 +28,15 @@ def test_the_readme_figure_is_the_recorded_one():
         "run `python -m tests.durations` to write the recorded figure into README.md")
 
 
-def test_the_file_reads_back_as_written(tmp_path):
+def test_the_file_reads_back_as_written():
+    E = durations.Entry  # noqa: N806
     rec = durations.Record(125.04, 3, {"passed": 2, "skipped": 1},
                            {"date": "2026-11-28 07:00 UTC", "commit": "abc1234", "command": "python -m pytest -q tests",
                             "SIGKILL rotation": "group 3 of 8", "machine": "2 cores, load average 0.4 at the start"},
-                           [(60.5, "passed", "tests/a.py::t[x-1]"), (0.01, "skipped", "tests/a.py::u"),
-                            (64.0, "passed", "tests/b.py::v")])
+                           [E(60.5, 30.25, "passed", 3, "tests/a.py::t[x-1]"), E(0.01, 0.0, "skipped", 4, "tests/a.py::u"),
+                            E(64.0, 0.5, "passed", None, "tests/b.py::v w"), E(1.0, 0.0, "passed", -1, "tests/c.py::z")])
     back = durations.parse(durations.render(rec))
     assert back == durations.Record(125.0, 3, {"passed": 2, "skipped": 1}, rec.header,
-                                    [(64.0, "passed", "tests/b.py::v"), (60.5, "passed", "tests/a.py::t[x-1]"),
-                                     (0.01, "skipped", "tests/a.py::u")])
+                                    [rec.tests[2], rec.tests[0], rec.tests[3], rec.tests[1]])  # slowest first
     assert back.minutes == 2 and durations.readme_figure(back) == \
         "`make test` runs everything (3 tests in 2 minutes on a 2-core machine"
