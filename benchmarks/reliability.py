@@ -327,8 +327,8 @@ SIGKILL_OUTRO = [
 ]
 PROSE = """# Reliability: nothing lost at scale
 
-Each scenario below has a test, named in its row, bounded in time (tiny models, loopback only);
-`make test` runs them in CI. The SIGKILL rows take turns: a CI run runs the rows of one of 8
+Each scenario below has a test, named in its row, bounded in time (tiny models, loopback only),
+which `make test` runs. The SIGKILL rows take turns: a CI run runs the rows of one of 8
 groups (`tests/rotation.py`: the group is the commit's first-parent count mod 8, printed at the
 start and end of the run with the rows it runs), so every row runs at least once in any 8
 consecutive runs of main; `make test-faults-all` runs every row at once. Every SIGKILL row

@@ -56,8 +56,7 @@ def test_every_sigkill_row_is_in_the_rotation_and_8_turns_run_each_once():
         ran = [r for turn in range(start, start + rotation.GROUPS) for r, g in rotating.items()
                if rotation.Choice(turn % rotation.GROUPS, turn, "test").runs(g)]
         assert sorted(ran) == sorted(rotating)  # each row exactly once
-    sizes = [sum(g == k for g in rotating.values()) for k in range(rotation.GROUPS)]
-    assert max(sizes) - min(sizes) <= 2, sizes
+    sizes = [sum(g == k for g in rotating.values()) for k in range(rotation.GROUPS)]  # balanced in seconds, not rows
     print(f"{len(rows)} rows: {len(every_run)} in every run, group sizes {sizes}")
 
 
