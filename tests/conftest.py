@@ -66,10 +66,7 @@ def pytest_collection_modifyitems(config, items):
         group = mark.args[0]
         if _recorder is not None:
             _recorder.groups[item.nodeid] = -1 if group is None else group
-        if chosen.runs(group):
-            _rotation["run"].append((item.nodeid, group))
-        else:
-            _rotation["skipped"].append((item.nodeid, group))
+        if not chosen.runs(group):
             item.add_marker(pytest.mark.skip(reason=f"{SKIP_REASON} group {group} of {GROUPS}; this run runs "
                                                     f"{chosen.describe()}; make test-faults-all runs every row"))
 
@@ -87,6 +84,12 @@ def _rotation_lines() -> list[str]:
 
 
 def pytest_collection_finish(session):
+    from tests.rotation import choice
+
+    for item in session.items:  # what this run will run, after -k and -m deselected theirs
+        mark = item.get_closest_marker("rotation")
+        if mark is not None:
+            _rotation["run" if choice().runs(mark.args[0]) else "skipped"].append((item.nodeid, mark.args[0]))
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         for line in _rotation_lines():
