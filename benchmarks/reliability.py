@@ -1,11 +1,15 @@
-"""Reliability report: SIGKILL the training worker at a random point inside each stage (local
-disk, and an S3 bucket on a moto server), rerun, and measure the disk a 20-iteration run keeps
-under the default checkpoint retention; writes the measured sections of docs/reliability.md.
+"""Reliability report: every SIGKILL row of the tests (stage mode on a local disk and the
+multi-turn rollout, resident workers, asynchronous RL, an S3 bucket on a moto server), each run
+by the same row function and seed as its test (``tests/faults.py``), tabulated with where the kill
+landed and what the rerun redid; and the disk a 20-iteration run keeps under the default
+checkpoint retention. Writes the measured sections of docs/reliability.md.
 
-    .venv/bin/python benchmarks/reliability.py [--seed 0] [--repeats 1] [--parts sigkill,s3,disk]
+    .venv/bin/python benchmarks/reliability.py [--seed 0] [--repeats 1] [--parts sigkill,resident,async,s3,disk]
 
-A part left out keeps its section of the current docs/reliability.md as it is; the prose
-sections (object storage, the Prefect server, full disks, corruption) are written from here.
+All parts take about 1.5 h on 2 quiet cores (sigkill ~30 min, resident ~25 min, async ~5 min,
+s3 ~10 min, disk ~10 min). A part left out keeps its section of the current docs/reliability.md
+as it is (``--parts ''`` rewrites only the prose); the prose sections (object storage, the
+Prefect server, full disks, corruption) are written from here.
 """
 from __future__ import annotations
 
@@ -19,44 +23,94 @@ from pathlib import Path
 
 from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
 
-PARTS = ("sigkill", "s3", "disk")
+PARTS = ("sigkill", "resident", "async", "s3", "disk")
+SIGKILL_PARTS = ("sigkill", "resident", "async", "s3")  # their tables have a landed column (tests/test_reliability_doc.py)
+
+
+def landed_where(o) -> str:
+    """The landed column: where the kill landed (the row's stage, and the other stage of an overlap
+    row), and the tries; **NO** when it missed."""
+    where = f"{o.iteration}: {o.target}" + (f" + {o.also[1]}: {o.also[0]}" if o.also else "")
+    tries = f"{o.attempts} {'try' if o.attempts == 1 else 'tries'}"
+    return f"{where} ({tries})" if o.landed and o.killed else f"**NO**: {where} missed ({tries})"
 
 
 def _table(rows) -> list[str]:
     ok = lambda b: "yes" if b else "**NO**"  # noqa: E731
     return [
-        "| target stage | iter | phase | kill after (s) | landed (tries) | interrupted (iteration: stages) | partial files | committed | rerun ok | redone | untouched | valid | same weights |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *[f"| {o.target} | {o.iteration} | {o.phase}{' (paused)' if o.write_paused else ''} | {o.delay} | {ok(o.landed)} ({o.attempts}) | {o.interrupted} | "
-          f"{'yes' if o.partial_files else 'no'} | {o.committed_before} | {ok(o.rerun_ok)} | {ok(o.redone)} | "
-          f"{ok(o.committed_untouched)} | {ok(o.all_valid)} | {ok(o.same_weights)} |"
+        "| target stage | iter | phase | killed | kill after (s) | landed (tries) | interrupted (iteration: stages) | partial files | committed | rerun ok | redone | untouched | valid | same weights |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *[f"| {o.target} | {o.iteration} | {o.phase}{' (paused)' if o.write_paused else ''} | {o.kill} | {o.delay} | "
+          f"{landed_where(o)} | {o.interrupted} | {'yes' if o.partial_files else 'no'} | {o.committed_before} | "
+          f"{ok(o.rerun_ok)} | {ok(o.redone)} | {ok(o.committed_untouched)} | {ok(o.all_valid)} | {ok(o.same_weights)} |"
           for o in rows]]
 
 
-def sigkill(d: Path, model: str, api: str, args) -> list[str]:
-    from tests.faults import STAGE_ORDER, baseline_run, run_scenario, write_config
+def _values(rows) -> list[tuple]:
+    """The values of each row: a test module's ``pytest.param`` (``tests.faults.row``) or a tuple."""
+    return [tuple(getattr(p, "values", p)) for p in rows]
 
-    config = write_config(d / "faults.yaml", model)
-    weights, timeline = baseline_run(config, d / "baseline", api)
-    rng = random.Random(args.seed)
-    targets = ([(s, 1, "compute") for s in STAGE_ORDER] + [(s, 1, "write") for s in STAGE_ORDER]
-               + [("rollout", 2, "compute"), ("ppo_update", 2, "compute"), ("ppo_update", 2, "write"),
-                  ("ppo_update-optimizer", 1, "write")])
-    rows = []
-    for target, it, phase in targets:
+
+def _run_rows(label: str, b, run, rows, args) -> list:
+    """``run(baseline, *values)`` for each row's values, ``--repeats`` times: repeat 0 with the
+    test's seed when ``--seed 0``, the others in their own folder with the seed salted."""
+    import dataclasses
+
+    out = []
+    for values in _values(rows):
         for k in range(args.repeats):
-            rows.append(run_scenario(config, d / f"run-{target}-{it}-{phase}-{k}", target, it, timeline, weights, api, rng,
-                                     phase=phase))
-            print(rows[-1], flush=True)
+            salted = b if (args.seed, k) == (0, 0) else dataclasses.replace(
+                b, runs=f"{b.runs.rstrip('/')}/seed{args.seed}-{k}", salt=f"{args.seed}-{k}-")
+            out.append(run(salted, *values))
+            print(label, out[-1], flush=True)
+    return out
+
+
+def sigkill(d: Path, model: str, api: str, args) -> list[str]:
+    from tests import test_faults
+    from tests.faults import agent_row, scenario_baseline, stage_row, write_agent_config, write_config
+
+    (d / "stage").mkdir()
+    b = scenario_baseline(d / "stage", write_config, model, api)
+    rows = _run_rows("sigkill", b, stage_row, test_faults.ROWS, args)
+    (d / "agent").mkdir()
+    agent = scenario_baseline(d / "agent", write_agent_config, model, api)
+    agent_rows = _run_rows("agent", agent, agent_row, test_faults.AGENT_ROWS, args)
     return [*SIGKILL_INTRO, *_table(rows), "",
             "Stage seconds in the uninterrupted run (iteration 1): "
-            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(timeline.durations(1).items())) + ".", "", *SIGKILL_OUTRO]
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(b.timeline.durations(1).items())) + ".", "",
+            "The same kill inside a multi-turn rollout (the calculator environment, 3 turns per trajectory,",
+            "0.25 s per environment step: `tests/faults.py` `FaultCalculator`;",
+            "`tests/test_faults.py::test_sigkill_during_multi_turn_rollout_then_rerun`):", "",
+            *_table(agent_rows), "", *SIGKILL_OUTRO]
+
+
+def resident(d: Path, model: str, api: str, args) -> list[str]:
+    from tests import test_faults_resident
+    from tests.faults import resident_baseline, resident_row
+
+    b = resident_baseline(d, model, api)
+    rows = _run_rows("resident", b, resident_row, test_faults_resident.ROWS, args)
+    return [*RESIDENT_INTRO, *_table(rows), "",
+            "Stage seconds in the uninterrupted resident run (iteration 2): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(b.timeline.durations(2).items())) + ".", ""]
+
+
+def async_part(d: Path, model: str, api: str, args) -> list[str]:
+    from tests import test_faults_async
+    from tests.faults import async_row, scenario_baseline, write_async_config
+
+    b = scenario_baseline(d, write_async_config, model, api)
+    rows = _run_rows("async", b, async_row, test_faults_async.ROWS, args)
+    return [*ASYNC_INTRO, *_table(rows), ""]
+
 
 
 def s3(d: Path, model: str, api: str, args) -> list[str]:
     import s3fs
 
-    from tests.faults import MotoServer, baseline_run, run_scenario, write_config
+    from tests import test_object_storage
+    from tests.faults import Baseline, MotoServer, baseline_run, s3_row, write_config
 
     server = MotoServer(d)
     saved = dict(os.environ)
@@ -67,17 +121,15 @@ def s3(d: Path, model: str, api: str, args) -> list[str]:
         server.client().create_bucket(Bucket="rft")
         config = write_config(d / "s3.yaml", model)
         weights, timeline = baseline_run(config, "s3://rft/baseline", api, env=env)
-        rng = random.Random(args.seed)
-        rows = [run_scenario(config, f"s3://rft/run-{t}-{p}", t, 1, timeline, weights, api, rng, phase=p, env=env)
-                for t, p in (("rollout", "compute"), ("rollout", "write"), ("ppo_update", "compute"), ("ppo_update", "write"),
-                             ("ppo_update-optimizer", "write"))]
+        b = Baseline(config, weights, timeline, api, "s3://rft", env=env)
+        rows = _run_rows("s3", b, s3_row, test_object_storage.S3_ROWS, args)
     finally:
         server.stop()
         os.environ.clear()
         os.environ.update(saved)
     return ["The same kills with `run_root: s3://rft/...` on moto's S3 server (a subprocess on 127.0.0.1), through",
             "s3fs; *untouched* compares each committed object's ETag, LastModified and sha256 before and after",
-            "the rerun (CI: `tests/test_object_storage.py`).", "", *_table(rows), ""]
+            "the rerun (`tests/faults.py` `s3_row`, `tests/test_object_storage.py`).", "", *_table(rows), ""]
 
 
 def _du(root: Path) -> dict[str, int]:
@@ -164,6 +216,9 @@ def _sections(text: str) -> dict[str, str]:
     return {k: re.sub(r"^_Measured .*?\._\n\n", "", v) for k, v in out.items()}
 
 
+PART_FUNCTIONS = {"sigkill": sigkill, "resident": resident, "async": async_part, "s3": s3, "disk": disk}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
@@ -191,7 +246,7 @@ def main() -> None:
             for part in parts:
                 (d / part).mkdir()
                 load = os.getloadavg()[0]
-                new[part] = "\n".join(globals()[part](d / part, model, api, args)) + "\n"
+                new[part] = "\n".join(PART_FUNCTIONS[part](d / part, model, api, args)) + "\n"
                 stamps[part] = (f"{_dt.date.today()}, `.venv/bin/python benchmarks/reliability.py --parts {part} --seed "
                                 f"{args.seed} --repeats {args.repeats}`, load average {load:.1f} at the start on "
                                 f"{os.cpu_count()} cores")
@@ -211,23 +266,47 @@ SIGKILL_INTRO = [
     "the stage takes its writer lock (it is writing parts or checkpoint files) plus 0-20 ms; a",
     "Parquet stage writes within a few ms, so its writer is paused 5 s between its parts and its",
     "manifest (*write (paused)*; `tests/faults.py` `PAUSED_WRITES`). Then it sends SIGKILL to the",
-    "worker's process group, and runs the same command again",
-    "(`tests/faults.py` `run_scenario`, which `tests/test_faults.py` runs on the same rows).",
+    "worker's process group, and runs the same command again (`tests/faults.py` `run_scenario`; each",
+    "row is `tests/faults.py` `stage_row`, which `tests/test_faults.py` runs with the same seed).",
     "",
-    "Columns: *landed* = the committed manifests at the kill show it in the row's stage and",
-    "iteration (that stage uncommitted, every stage it waits for committed; a kill that would have",
-    "come after the stage committed is not sent, and the row starts again with a third of the",
-    "delay: *tries*); *redone* = the rerun committed that stage anew (a manifest written after the",
-    "kill); *interrupted* = the first iteration with uncommitted stages at the kill, and its first",
+    "Columns: *killed* = what got the SIGKILL: the driver's process group (the flow, and with it its",
+    "local Ray and resident workers) or one resident worker; *landed* = where the kill landed, from",
+    "the committed manifests right after it: the row's stage of that iteration (both stages, for an",
+    "overlap row) not committed and every stage it waits for committed; for a write-phase kill also",
+    "its writer lock left behind; for a worker kill also the driver's log naming the worker and the",
+    "stage. A kill that would have come after the stage committed is not sent, and the row starts",
+    "again with a third of the delay (*tries*); a row that never lands reads **NO** (and its test",
+    "fails). *interrupted* = the first iteration with uncommitted stages at the kill, and its first",
     "uncommitted stage in stage order (actor_logprobs, ref_logprobs and rewards run concurrently, so",
-    "the kill may have hit any of them); \"computing, no files yet\" = the stage folder did not exist",
+    "it may name one of the others); \"computing, no files yet\" = the stage folder did not exist",
     "yet (a stage creates it only when it starts writing);",
     "*partial files* = it had left files (parts, checkpoint files or its lock) that a reader must",
-    "not accept; *committed* = stages of the whole run committed at the kill; *untouched* = every",
+    "not accept; *committed* = stages of the whole run committed at the kill; *redone* = the rerun",
+    "committed the interrupted stage anew (a manifest written after the kill); *untouched* = every",
     "committed file has the same mtime and sha256 after the rerun (files that checkpoint retention",
     "pruned on purpose, recorded in `_PRUNED.json`, excepted); *valid* = every shard of the run",
     "passes the validating reader; *same weights* = the final policy equals an uninterrupted run's",
-    "bit for bit (what `tests/test_faults.py` asserts on each row).",
+    "bit for bit. Each row is what its test asserts (`tests/faults.py` `assert_row`).",
+    "",
+]
+RESIDENT_INTRO = [
+    "`orchestration.workers: resident` and `checkpoint.every: 3`: a 3-iteration run whose iterations",
+    "1 and 2 keep the policy in the resident workers' memory only. Each row kills the driver (its",
+    "process group: the flow, its local Ray, the workers with it) or one resident worker (*killed*:",
+    "worker; only while it runs a stage program, found by its Ray process title) inside the row's",
+    "stage of iteration 2, then runs the same command again; for a worker kill, the run itself first",
+    "replaces the worker and goes on. The rerun rebuilds the policy from the initial model by",
+    "re-applying the committed updates, and *same weights* compares with STAGE MODE's run (every stage",
+    "loads its model, a checkpoint every iteration), which the uninterrupted resident run equals bit",
+    "for bit (`tests/faults.py` `resident_row`, `tests/test_faults_resident.py`). Columns as above.",
+    "",
+]
+ASYNC_INTRO = [
+    "`rollout.max_staleness: 1`: the rollout of iteration 2 samples with the initial policy and runs",
+    "while the update of iteration 1 trains. Each row waits until both can run (the advantages of",
+    "iteration 1 and the prompts of iteration 2 committed), then kills the driver inside the stretch",
+    "where both ran in the uninterrupted run; *landed* names both stages: neither had committed at",
+    "the kill, so both were in flight (`tests/faults.py` `async_row`, `tests/test_faults_async.py`).",
     "",
 ]
 SIGKILL_OUTRO = [
@@ -248,29 +327,38 @@ SIGKILL_OUTRO = [
 ]
 PROSE = """# Reliability: nothing lost at scale
 
-Each scenario below has a test, named in its row, bounded in time (tiny models, loopback only).
-`make test` runs them in CI except the SIGKILL rows that do not fit CI's time, which
-`make test-faults-all` runs (each row below says which run where; e.g. `tests/test_faults_resident.py`
-runs 3 of its 11 rows in CI). Every SIGKILL row asserts that the kill was sent, that it landed in the
-stage and iteration the row names (from the committed manifests at the kill), and that the
-interrupted stage was redone. The measured sections (tables) are written by
-`benchmarks/reliability.py`, each with the command, date and machine load that produced it.
+Each scenario below has a test, named in its row, bounded in time (tiny models, loopback only),
+which `make test` runs. The SIGKILL rows take turns: a CI run runs the rows of one of 8
+groups (`tests/rotation.py`: the group is the commit's first-parent count mod 8, printed at the
+start and end of the run with the rows it runs), so every row runs at least once in any 8
+consecutive runs of main; `make test-faults-all` runs every row at once. Every SIGKILL row
+asserts that the kill was sent, that it landed in the stage and iteration the row names (from
+the committed manifests at the kill), and that the interrupted stage was redone. The measured
+sections (tables) are written by `benchmarks/reliability.py`, which runs the tests' own rows
+(`tests/faults.py` `stage_row`, `agent_row`, `resident_row`, `async_row`, `s3_row`), each with the
+command, date and machine load that produced it.
 
 | scenario | CI test | what must hold |
 |---|---|---|
-| SIGKILL inside every stage, local disk (CI: a kill while iteration 1's rollout, advantages and update compute, while iteration 2's update computes, while iteration 1's update writes its checkpoint and while the optimizer state's background write runs, and in 2 multi-turn rollouts; `make test-faults-all`: also the compute phase of the other 4 stages, the write phase of every other stage, its writer paused between its parts and its manifest so that the kill lands there, and the other rows of the table below) | `tests/test_faults.py` | rerun resumes; the interrupted stage redone; committed files untouched; final weights bit-identical to an uninterrupted run's |
-| `run_root: s3://...` (a real S3 server: moto, on 127.0.0.1) | `tests/test_object_storage.py`, `tests/schemas/test_object_store.py` | full training; SIGKILL in rollout and update then resume (same ETags); inspect, replay, eval, pandas and DuckDB read the bucket; manifest-last without renames; one of two writers commits |
+| SIGKILL inside every stage, local disk: the compute phase of each of the 7 stages of iteration 1, the write phase of each (a Parquet stage's writer paused between its parts and its manifest so that the kill lands there), iteration 2's rollout and update, iteration 2's update writing its checkpoint, the optimizer state's background write, and 2 multi-turn rollouts (20 rows, in the rotation) | `tests/test_faults.py` | rerun resumes; the interrupted stage redone; committed files untouched; final weights bit-identical to an uninterrupted run's |
+| `run_root: s3://...` (a real S3 server: moto, on 127.0.0.1) | `tests/test_object_storage.py`, `tests/schemas/test_object_store.py` | full training; SIGKILL in rollout and update then resume (same ETags; 2 rows, in the rotation); inspect, replay, eval, pandas and DuckDB read the bucket; manifest-last without renames; one of two writers commits |
 | bad storage: missing bucket, wrong credentials, unreachable endpoint, read-only bucket or folder | `tests/test_object_storage.py` | refused before any stage starts, naming the URI and the cause |
-| the Prefect API server dies during the rollout, comes back | `tests/flows/test_server_outage.py` | the flow run ends (continues, or fails loudly and a UI-style retry completes); stages committed before the outage untouched |
+| the Prefect API server dies during the rollout, comes back | `tests/flows/test_server_outage.py` | the outage landed while the run was in flight (the server had it Running, its prompts were committed and its update was not, and every later stage committed after the kill); the flow run ends (continues, or fails loudly and a UI-style retry completes); stages committed before the outage untouched |
 | the disk fills up mid-run (a 64 MiB tmpfs) | `tests/test_disk_full.py` | the error names the stage, the run and the cause; no manifest for the partial stage; the previous checkpoint intact; the same command resumes once space is freed |
 | a flipped bit in a committed checkpoint or shard | `tests/test_corruption.py`, `tests/schemas/test_storage.py` | refused on resume naming the file; `repair` recomputes exactly that stage and what depends on it |
-| SIGKILL of the driver (in each of the 7 stages; CI runs the rollout and the update, `make test-faults-all` all 7) or of a resident worker (in each of the 4 model stages: rollout, actor, reference, update; CI runs the update, `make test-faults-all` all 4; the driver's log must name the killed worker and the stage), `orchestration.workers: resident`, `checkpoint.every: 3`, in iteration 2 (whose policy exists only in memory) | `tests/test_faults_resident.py` | the rerun (or, for a worker, the run itself, which replaces it) rebuilds the policy from the last checkpoint by re-applying the committed updates; the interrupted stage redone; committed files untouched; final weights bit-identical to stage mode's (an uninterrupted run with a checkpoint every iteration) |
-| SIGKILL while the rollout of iteration 2 and the update of iteration 1 run side by side (`rollout.max_staleness: 1`; both rows in CI) | `tests/test_faults_async.py` | the kill landed while both were in flight (both could start, neither had committed); rerun reuses every committed stage and redoes both; the rollout samples with the scheduled policy whatever had finished; final weights bit-identical to an uninterrupted run |
+| SIGKILL of the driver (in each of the 7 stages) or of a resident worker (in each of the 4 model stages: rollout, actor, reference, update; the driver's log must name the killed worker and the stage), `orchestration.workers: resident`, `checkpoint.every: 3`, in iteration 2 (whose policy exists only in memory; 11 rows, in the rotation) | `tests/test_faults_resident.py` | the rerun (or, for a worker, the run itself, which replaces it) rebuilds the policy from the last checkpoint by re-applying the committed updates; the interrupted stage redone; committed files untouched; final weights bit-identical to stage mode's (an uninterrupted run with a checkpoint every iteration) |
+| SIGKILL while the rollout of iteration 2 and the update of iteration 1 run side by side (`rollout.max_staleness: 1`; 2 rows, in the rotation) | `tests/test_faults_async.py` | the kill landed while both were in flight (both could start, neither had committed); rerun reuses every committed stage and redoes both; the rollout samples with the scheduled policy whatever had finished; final weights bit-identical to an uninterrupted run |
 | bounded disk by default | `tests/rft_core/stages/test_retention.py`, `tests/flows/test_retention_flow.py` | optimizer state of the last iteration, weights of the last 3 and every 10th; resume and replay never need a pruned file |
 
 ## SIGKILL on a local disk
 
 {sigkill}
+## SIGKILL with resident workers
+
+{resident}
+## SIGKILL during asynchronous RL
+
+{async}
 ## Object storage
 
 Any fsspec URI works as `run_root`; for S3 install `s3fs` and give the endpoint and credentials

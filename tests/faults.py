@@ -241,7 +241,9 @@ class Outcome:
     are committed by a manifest written after the kill. ``attempts``: kills tried; a kill that
     would miss (the stage committed first, or no worker was running it) is not sent and the row
     is tried again from scratch with a shorter delay, at most 3 times. ``write_paused``: the
-    writer was paused between its parts and its manifest (``PAUSED_WRITES``).
+    writer was paused between its parts and its manifest (``PAUSED_WRITES``). ``run_root``: the
+    run root of the last try (``-retryN`` after the first); ``kill``: ``driver`` or ``worker``;
+    ``also``: the other stage of an overlap row, as (stage, iteration).
     """
 
     target: str
@@ -249,6 +251,9 @@ class Outcome:
     phase: str
     delay: float
     killed: bool
+    run_root: str = ""
+    kill: str = "driver"
+    also: tuple[str, int] | None = None
     interrupted: str = ""
     partial_files: bool = False
     committed_before: int = 0
@@ -455,7 +460,7 @@ def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int
     for attempt in range(1, attempts + 1):
         root = str(run_root).rstrip("/") + ("" if attempt == 1 else f"-retry{attempt}")
         out = _kill_once(config, root, target, iteration, timeline, api_url, rng, timeout, phase, env, kill, also, scale)
-        out.attempts = attempt
+        out.attempts, out.run_root, out.kill, out.also = attempt, root, kill, also
         if out.landed:
             break
         scale /= 3
@@ -629,17 +634,17 @@ def baseline_run(config: Path, run_root: Path | str, api_url: str | None,
     return final_weights(run_root, final_iteration), Timeline(stages, checked)
 
 
-# ``make test-faults-all`` sets RFT_FAULTS_ALL=1: every row the docs list runs; otherwise (CI) the
-# rows marked ``ci`` run and the others are skipped with the reason
-ALL_ROWS = os.environ.get("RFT_FAULTS_ALL") == "1"
-
-
-def row(*values, ci: bool):
-    """A ``pytest.mark.parametrize`` row of a fault test: run in CI (``ci``) or only by ``make test-faults-all``."""
+def row(*values, ci: bool = False):
+    """A ``pytest.mark.parametrize`` row of a SIGKILL test. ``ci=True``: every run runs it; otherwise
+    it joins the rotation (``tests/rotation.py``): the next group of its module, and a run (CI's
+    ``make test``) runs the rows of one group; ``make test-faults-all`` runs every row. The group
+    rides on the row as ``pytest.mark.rotation(group)``, which ``tests/conftest.py`` reads."""
     import pytest
 
-    marks = () if ci or ALL_ROWS else (pytest.mark.skipif(True, reason="not in CI (time): make test-faults-all runs it"),)
-    return pytest.param(*values, marks=marks)
+    from tests.rotation import assign, caller_module
+
+    group = None if ci else assign(caller_module())
+    return pytest.param(*values, marks=(pytest.mark.rotation(group),))
 
 
 def assert_row(out: Outcome) -> None:
@@ -686,3 +691,77 @@ class FaultCalculator(CalculatorEnv):
         time.sleep(0.25)
         r = super().step(f"<calc>{len(text)} * 7</calc>")
         return StepResult(r.observation, float(len(text) % 2), False, r.info)
+
+
+@dataclass
+class Baseline:
+    """The uninterrupted run of one scenario that each of its SIGKILL rows is compared with: built
+    once per scenario (a module-scoped fixture of its test module, or once per part of
+    ``benchmarks/reliability.py``) and shared by every row. ``weights``: the final weights each
+    resumed run must equal (for the resident scenario, stage mode's)."""
+
+    config: Path
+    weights: torch.Tensor
+    timeline: Timeline
+    api_url: str | None
+    runs: str  # where the rows' run roots go: a local folder or an s3:// prefix
+    final_iteration: int = 2
+    env: dict[str, str] | None = None  # the run's environment (an S3 server's endpoint and credentials)
+    salt: str = ""  # put before each row's seed (benchmarks/reliability.py --seed, --repeats); "": the tests' seeds
+
+    def kill(self, name: str, target: str, iteration: int, seed: str, **kw) -> Outcome:
+        """``run_scenario`` of this scenario in the run root ``runs/name``, with ``random.Random(salt + seed)``."""
+        return run_scenario(self.config, f"{self.runs.rstrip('/')}/{name}", target, iteration, self.timeline, self.weights,
+                            self.api_url, random.Random(self.salt + seed), env=self.env,
+                            final_iteration=self.final_iteration, **kw)
+
+
+def scenario_baseline(d: Path, write, model: str, api_url: str | None) -> Baseline:
+    """``Baseline`` of the config ``write(path, model)`` writes (``baseline_run`` asserts that its
+    rewards vary and its updates have a policy gradient)."""
+    config = write(d / "config.yaml", model)
+    weights, timeline = baseline_run(config, d / "baseline", api_url)
+    return Baseline(config, weights, timeline, api_url, str(d))
+
+
+def resident_baseline(d: Path, model: str, api_url: str | None) -> Baseline:
+    """The resident scenario (``write_resident_config``): the weights are STAGE MODE's (every stage
+    loads its model, a checkpoint every iteration), the timeline the resident run's, and the
+    uninterrupted resident run is asserted to end with stage mode's weights bit for bit."""
+    stage, _ = baseline_run(write_resident_config(d / "stage.yaml", model, stage=True), d / "stage", api_url,
+                            final_iteration=3)
+    config = write_resident_config(d / "resident.yaml", model)
+    resident, timeline = baseline_run(config, d / "baseline", api_url, final_iteration=3)
+    assert torch.equal(resident, stage), "the uninterrupted resident run differs from stage mode"
+    return Baseline(config, stage, timeline, api_url, str(d), final_iteration=3)
+
+
+# The rows themselves, one function per kind, run by their test (which adds the asserts) and by
+# benchmarks/reliability.py (which tabulates the outcome): the same run roots, seeds and kills.
+
+def stage_row(b: Baseline, target: str, iteration: int, phase: str) -> Outcome:
+    """tests/test_faults.py: kill the driver in ``target`` of ``iteration``, phase compute or write."""
+    return b.kill(f"run-{target}-{iteration}-{phase}", target, iteration, f"{target}-{iteration}-{phase}", phase=phase)
+
+
+def agent_row(b: Baseline, iteration: int) -> Outcome:
+    """tests/test_faults.py: kill the driver inside the multi-turn rollout of ``iteration``."""
+    return b.kill(f"run-rollout-{iteration}", "rollout", iteration, f"agent-rollout-{iteration}")
+
+
+def resident_row(b: Baseline, target: str, kill: str) -> Outcome:
+    """tests/test_faults_resident.py: kill the driver, or ``target``'s resident worker, in
+    ``target`` of iteration 2."""
+    return b.kill(f"run-{target}-{kill}", target, 2, f"resident-{target}-{kill}", kill=kill)
+
+
+def async_row(b: Baseline, target: str, iteration: int, other: tuple[str, int]) -> Outcome:
+    """tests/test_faults_async.py: kill the driver while ``target`` of ``iteration`` and ``other``
+    run side by side."""
+    return b.kill(f"run-{target}-{iteration}", target, iteration, f"async-{target}-{iteration}", also=other)
+
+
+def s3_row(b: Baseline, target: str, phase: str) -> Outcome:
+    """tests/test_object_storage.py: kill the driver in ``target`` of iteration 1 with the run root
+    in the S3 bucket (``b.runs``: ``s3://...``)."""
+    return b.kill(f"kill-{target}-{phase}", target, 1, f"s3-{target}", phase=phase)

@@ -16,27 +16,27 @@ import random
 
 import pytest
 
-from tests.faults import assert_row, baseline_run, run_scenario, write_async_config, write_partial_config
+from tests.faults import (assert_row, async_row, baseline_run, row, run_scenario, scenario_baseline, write_async_config,
+                          write_partial_config)
 
 
 @pytest.fixture(scope="module")
 def async_baseline(prefect_harness, tiny_model, tmp_path_factory):
     from prefect.settings import PREFECT_API_URL
 
-    d = tmp_path_factory.mktemp("faults-async")
-    config = write_async_config(d / "async.yaml", tiny_model)
-    weights, timeline = baseline_run(config, d / "baseline", PREFECT_API_URL.value())
-    return config, weights, timeline, PREFECT_API_URL.value(), d
+    return scenario_baseline(tmp_path_factory.mktemp("faults-async"), write_async_config, tiny_model,
+                             PREFECT_API_URL.value())
 
 
 # the kill waits until ppo_update of iteration 1 (after its advantages) and the rollout of
-# iteration 2 (after its prompts) can both run, and lands where both ran in the uninterrupted run
-@pytest.mark.parametrize("target, iteration, other", [("ppo_update", 1, ("rollout", 2)), ("rollout", 2, ("ppo_update", 1))])
+# iteration 2 (after its prompts) can both run, and lands where both ran in the uninterrupted run;
+# each row in its turn of the rotation (tests/rotation.py), both with make test-faults-all
+ROWS = [row("ppo_update", 1, ("rollout", 2)), row("rollout", 2, ("ppo_update", 1))]
+
+
+@pytest.mark.parametrize("target, iteration, other", ROWS)
 def test_sigkill_during_the_overlap_then_rerun(async_baseline, target, iteration, other):
-    config, weights, timeline, api_url, d = async_baseline
-    rng = random.Random(f"async-{target}-{iteration}")
-    out = run_scenario(config, d / f"run-{target}-{iteration}", target, iteration, timeline, weights, api_url, rng,
-                       also=other)
+    out = async_row(async_baseline, target, iteration, other)
     assert out.overlap_live, f"the kill did not land while both {target} {iteration} and {other} ran: {out.notes}"
     assert_row(out)
 

@@ -7,7 +7,7 @@ its rerun rebuild the policy on two new ranks from the initial model by re-apply
 committed update of iteration 1, and the final weights equal the uninterrupted FSDP2 run's bit
 for bit. The rewards vary inside each group (tests/varying.py).
 
-Rows run by ``make test-faults-all`` (``ci=False``: about 4 min each on 2 cores)."""
+Both rows take their turns in the rotation (tests/rotation.py; about 4 min each on 2 cores)."""
 from __future__ import annotations
 
 import random
@@ -18,7 +18,7 @@ pytest.importorskip("ray")
 
 from tests.faults import assert_row, baseline_run, row, run_scenario, write_resident_config  # noqa: E402
 
-ROWS = [row("ppo_update", "worker", ci=False), row("ppo_update", "driver", ci=False)]
+ROWS = [row("ppo_update", "worker"), row("ppo_update", "driver")]
 
 
 def write_fsdp_config(path, model: str):

@@ -16,14 +16,13 @@ subprocesses):
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.faults import ROOT, MotoServer, assert_row, baseline_run, free_port, run_scenario, write_config
+from tests.faults import ROOT, Baseline, MotoServer, assert_row, baseline_run, free_port, row, s3_row, write_config
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -76,14 +75,19 @@ def test_full_training_commits_every_stage_in_the_bucket(s3run):
     assert "base/iter=000002/ppo_update/policy/model.safetensors" in keys and "base/metrics.jsonl" in keys
 
 
-@pytest.mark.parametrize("target, phase", [("rollout", "compute"), ("ppo_update", "write")])
+# each row in its turn of the SIGKILL rotation (tests/rotation.py); benchmarks/reliability.py's s3 table runs the same
+S3_ROWS = [row("rollout", "compute"), row("ppo_update", "write"), row("rollout", "write"), row("ppo_update", "compute"),
+           row("ppo_update-optimizer", "write")]
+
+
+@pytest.mark.parametrize("target, phase", S3_ROWS)
 def test_sigkill_on_object_storage_then_rerun_resumes(s3run, target, phase):
-    out = run_scenario(s3run["config"], f"s3://rft/kill-{target}-{phase}", target, 1, s3run["timeline"],
-                       s3run["weights"], s3run["api"], random.Random(f"s3-{target}"), phase=phase, env=s3run["env"])
+    b = Baseline(s3run["config"], s3run["weights"], s3run["timeline"], s3run["api"], "s3://rft", env=s3run["env"])
+    out = s3_row(b, target, phase)
     # killed where it says, redone; committed objects keep their ETag, LastModified and sha256
     assert_row(out)
-    if phase == "write":  # killed while uploading the checkpoint: objects without a manifest, never accepted
-        assert out.partial_files and out.interrupted.startswith("1: ppo_update"), out
+    if phase == "write":  # killed while uploading its parts or checkpoint: objects without a manifest, never accepted
+        assert out.partial_files and out.interrupted.startswith(f"1: {target}"), out
 
 
 def test_inspect_pandas_and_duckdb_read_the_bucket(s3run):

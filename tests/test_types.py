@@ -12,15 +12,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_mypy_is_clean_over_flows_tasks_and_schemas(tmp_path):
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """One mypy cache for both checks: the second reuses what the first analysed (prefect,
+    pydantic, torch, the project), instead of analysing it all again."""
+    return tmp_path_factory.mktemp("mypy-cache")
+
+
+def test_mypy_is_clean_over_flows_tasks_and_schemas(cache):
     pytest.importorskip("mypy")
-    proc = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(cache)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "Success: no issues found" in proc.stdout
 
 
-def test_mypy_catches_a_wrong_stage_input(tmp_path):
+def test_mypy_catches_a_wrong_stage_input(tmp_path, cache):
     """The check is not vacuous: a flow building a stage input with a misspelt field, or calling a
     stage task with a positional argument, fails it."""
     pytest.importorskip("mypy")
@@ -29,7 +36,7 @@ def test_mypy_catches_a_wrong_stage_input(tmp_path):
                    "def f(x, r, cfg) -> None:\n"
                    "    tasks.rewards(inp=RewardsInput(rolout=x, prompts=x, reward=cfg, out='o'))\n"
                    "    tasks.rewards(r)\n")
-    proc = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"), str(bad)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(cache), str(bad)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1
     assert 'bad_flow.py:6: error: Unexpected keyword argument "rolout"' in proc.stdout, proc.stdout

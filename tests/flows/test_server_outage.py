@@ -8,6 +8,9 @@ worker). The test SIGKILLs the server's process group as soon as iteration 1's p
 committed (the rollout is running in the flow-run process), keeps it down for
 ``OUTAGE_SECONDS``, restarts it, and then requires that
 
+* the outage landed while the run was in flight: the server had the flow run Running right
+  before the kill, its prompts were committed and its update was not, and every stage not
+  committed at the kill was committed after it (its manifest's time);
 * the flow run reaches a final state (it does not hang as "Running" forever);
 * if it did not complete, a retry set through the API exactly as the UI's Retry button does
   (``AwaitingRetry``) completes;
@@ -19,6 +22,7 @@ dies"); the test prints the state history it saw.
 """
 from __future__ import annotations
 
+import datetime as dt
 import os
 import signal
 import time
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from schemas import read_manifest
 from tests.faults import free_port, snapshot
 
 pytestmark = pytest.mark.timeout(900)
@@ -85,10 +90,19 @@ def test_server_killed_during_rollout_then_restarted(tmp_path, monkeypatch):
             assert time.monotonic() < deadline, "the flow run never committed its prompts"
             time.sleep(0.01)
         assert stack.server is not None
+        with SyncPrefectClient(api=stack.api_url) as client:  # the server's view of the run right before the kill
+            state_before = client.read_flow_run(fr.id).state
+        t_kill_wall = time.time()
         os.killpg(stack.server.pid, signal.SIGKILL)  # the API server dies with the rollout running
+        at_kill = {s for s in STAGES if (run / "iter=000001" / s / "_MANIFEST.json").exists()}
         stack.server.wait(10)
         t_kill = time.monotonic()
         before = snapshot(run)  # what was committed at the outage
+        # the outage landed while the run was in flight: the server had it Running, its prompts
+        # were committed and its update (the last stage) was not, and the server is down
+        assert state_before is not None and state_before.type == StateType.RUNNING, state_before
+        assert "prompts" in at_kill and "ppo_update" not in at_kill, f"the run was not in flight at the kill: {at_kill}"
+        assert stack.server.poll() is not None
         during: dict[str, float] = {}  # stage -> seconds into the outage when it committed
         while time.monotonic() - t_kill < OUTAGE_SECONDS:
             for s in STAGES + ["ppo_update-optimizer"]:
@@ -111,6 +125,10 @@ def test_server_killed_during_rollout_then_restarted(tmp_path, monkeypatch):
         after = snapshot(run)
         assert before and all(after.get(k) == v for k, v in before.items())  # committed before the outage: reused
         assert all((run / "iter=000001" / s / "_MANIFEST.json").exists() for s in STAGES)
+        # ... and went on across it: every stage not committed at the kill was committed after it
+        for s in set(STAGES) - at_kill:
+            m, _ = read_manifest(str(run / "iter=000001" / s))
+            assert dt.datetime.fromisoformat(m.created_at).timestamp() > t_kill_wall, (s, m.created_at, t_kill_wall)
     finally:
         stack.stop()
         print("\n".join(log))
