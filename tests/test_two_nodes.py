@@ -81,7 +81,7 @@ def two_nodes(tiny_model, tmp_path_factory):
         for k in [k for k in os.environ if k.startswith("AWS_")]:
             mp.delenv(k)
         mp.setenv("RFT_CACHE_DIR", str(d / "cache"))
-        mp.setenv("RFT_WORKER_PLACEMENT_TIMEOUT_S", "5")
+        mp.setenv("RFT_WORKER_PLACEMENT_TIMEOUT_S", "120")  # a worker's first start on a loaded machine
         ray.shutdown()  # a local Ray another test started; this test's driver joins the cluster instead
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 4},
                                                                 "_system_config": FAST_FAILURE_DETECTION})
@@ -139,7 +139,6 @@ def test_credentials_only_in_the_driver_reach_the_workers_on_two_nodes(two_nodes
                 data = f.read()
         return {"node": ray.get_runtime_context().get_node_id(), "env": env, "data": data}
 
-    monkeypatch.setenv("RFT_WORKER_PLACEMENT_TIMEOUT_S", "120")  # a worker's first start on a loaded machine
     workers = WorkersConfig(pool=pool, ray_address=two_nodes["cluster"].address, threads=1, options=PINNED)
     try:
         seen = ray.get(start_gang(workers, "rollout")[0].__ray_call__.remote(storage_view), timeout=120)
@@ -205,6 +204,8 @@ def test_killing_the_rollout_node_mid_iteration_then_rerun(two_nodes, stage_root
             if pid and exists(f"{stage_uri(cfg.run_root, 2, 'prompts')}/_MANIFEST.json"):
                 title = _title(pid)
                 if title.startswith("ray::RolloutWorker.run"):
+                    # the replacement the run then asks for cannot be placed (no node_b): fail in 5 s, not 120
+                    os.environ["RFT_WORKER_PLACEMENT_TIMEOUT_S"] = "5"
                     cluster.remove_node(node_b, allow_graceful=False)
                     kill.update(title=title, rollout_committed=exists(f"{rollout_2}/_MANIFEST.json"),
                                 node=placements(cfg.run_root)["rollout"]["node_id"])
@@ -227,6 +228,7 @@ def test_killing_the_rollout_node_mid_iteration_then_rerun(two_nodes, stage_root
     assert exists(f"{stage_uri(cfg.run_root, 1, 'ppo_update')}/_MANIFEST.json")
 
     # the run ends (its process, and with it the workers it owns); a rerun on a fresh node_b
+    os.environ["RFT_WORKER_PLACEMENT_TIMEOUT_S"] = "120"  # the fixture's value again (its MonkeyPatch restores it)
     ray.shutdown()
     fresh = two_nodes["node_b"] = cluster.add_node(num_cpus=2, resources={"node_b": 1})
     cluster.wait_for_nodes()

@@ -1,7 +1,7 @@
 """Device memory and CUDA setup around the stage programs (issue 18): ``release_device_memory``
 empties the CUDA cache only where there is one; every in-process stage run enables TF32 first
 and hands the cached memory back afterwards; the log-prob program passes ``logprobs.chunk_size``
-on and releases its model's memory itself. No GPU here: CUDA calls are recorded."""
+on; the release happens once, after the program (run_in_process). No GPU here: CUDA calls are recorded."""
 from __future__ import annotations
 
 import pyarrow as pa
@@ -52,7 +52,6 @@ def test_in_process_stage_runs_set_up_cuda_and_release_its_memory(tiny_model, tm
     events = []
     monkeypatch.setattr(inprocess, "configure_cuda_backends", lambda: events.append("configure") or False)
     monkeypatch.setattr(inprocess, "release_models", lambda: events.append("release") or False)
-    monkeypatch.setattr(logprobs_stage, "release_device_memory", lambda: events.append("program release") or False)
     real = logprobs_stage.batched_response_logprobs
     seen = {}
 
@@ -64,7 +63,7 @@ def test_in_process_stage_runs_set_up_cuda_and_release_its_memory(tiny_model, tm
     monkeypatch.setattr(logprobs_stage, "batched_response_logprobs", spy)
     chunked = runner.run_stage(ActorLogprobsInput(rollout=rollout_shard, model=tiny_model, logprobs=LogprobConfig(chunk_size=2),
                                                   temperature=1.0, out=str(tmp_path / "a")))
-    assert events == ["configure", "compute", "program release", "release"] and seen["chunk_size"] == 2
+    assert events == ["configure", "compute", "release"] and seen["chunk_size"] == 2
     whole = runner.run_stage(ActorLogprobsInput(rollout=rollout_shard, model=tiny_model, logprobs=LogprobConfig(),
                                                 temperature=1.0, out=str(tmp_path / "b")))
     assert seen["chunk_size"] is None
