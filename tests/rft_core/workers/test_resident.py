@@ -268,7 +268,7 @@ def test_a_background_checkpoint_lost_to_a_crash_resumes_from_the_one_before(sta
     """A crash during iteration 2's background checkpoint write (its ``ppo_update-policy`` never
     committed): new workers rebuild iteration 2's policy from iteration 1's checkpoint by
     re-applying the committed update 2 and write the lost checkpoint again, and the run ends with
-    stage mode's weights. (The SIGKILL of a real writer: tests/test_faults_resident.py.)"""
+    stage mode's weights. (No SIGKILL row kills a real writer there yet.)"""
     cfg_s, final_s = stage_run
     assert_training_signal(cfg_s.run_root, (1, 2, 3))
     cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident")
