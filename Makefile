@@ -66,7 +66,7 @@ test-durations: $(STAMP)
 rotation-next: $(STAMP)
 	$(BIN)/python -m tests.rotation --next
 
-# Every SIGKILL row at once (the rows marked by tests.faults.row, in any test file: docs/reliability.md's
+# Every test of the rotation at once: each SIGKILL row (docs/reliability.md's
 # tables), where `make test` runs one group of the rotation (tests/rotation.py); ~1.5 h on 2 cores.
 .PHONY: test-faults-all
 test-faults-all: $(STAMP)

@@ -34,7 +34,7 @@ def tiny_model(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-# ---- the SIGKILL rotation (tests/rotation.py) and the skip check (tests/skips.py) -------------------
+# ---- the rotation (tests/rotation.py) and the skip check (tests/skips.py) -------------------
 
 _rotation: dict = {"run": [], "skipped": []}
 _skips: list[tuple[str, str]] = []
@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(config, items):
             _recorder.groups[item.nodeid] = -1 if group is None else group
         if not chosen.runs(group):
             item.add_marker(pytest.mark.skip(reason=f"{SKIP_REASON} group {group} of {GROUPS}; this run runs "
-                                                    f"{chosen.describe()}; make test-faults-all runs every row"))
+                                                    f"{chosen.describe()}; make test-faults-all runs them all"))
 
 
 def _rotation_lines() -> list[str]:
@@ -76,7 +76,7 @@ def _rotation_lines() -> list[str]:
 
     if not (_rotation["run"] or _rotation["skipped"]):
         return []
-    lines = [f"SIGKILL rotation: {choice().describe()}: runs {len(_rotation['run'])} row(s), skips "
+    lines = [f"rotation: {choice().describe()}: runs {len(_rotation['run'])} test(s), skips "
              f"{len(_rotation['skipped'])} of the other groups"]
     lines += [f"  runs {nodeid}" + ("  (every run)" if group is None else f"  (group {group})")
               for nodeid, group in _rotation["run"]]
@@ -134,7 +134,7 @@ def pytest_sessionfinish(session, exitstatus):
     bad = unexpected_skips(_skips)
     session.config._rft_skip_check = bad
     rotating = sum(reason.startswith(SKIP_REASON) for _, reason in _skips)
-    session.config._rft_skip_line = (f"skip check (tests/skips.py): {len(_skips)} skipped: {rotating} SIGKILL rows "
+    session.config._rft_skip_line = (f"skip check (tests/skips.py): {len(_skips)} skipped: {rotating} tests "
                                      f"of the rotation's other groups, {len(_skips) - rotating - len(bad)} expected, "
                                      f"{len(bad)} not allowed")
     if bad and session.exitstatus == 0:
@@ -182,4 +182,4 @@ def _record_durations(session) -> None:
     _recorder.write(Path(os.environ["RFT_DURATIONS"]),
                     {"commit": head.stdout.strip() if head.returncode == 0 else "(no git)",
                      "command": "python -m pytest " + " ".join(session.config.invocation_params.args),
-                     "SIGKILL rotation": choice().describe()})
+                     "rotation": choice().describe()})

@@ -1,6 +1,6 @@
 """The suite's time on record (issue 46): ``make test-durations`` runs ``make test``'s suite with
 ``RFT_DURATIONS=tests/durations.txt``, and ``tests/conftest.py`` writes there, at the end, the
-run's wall time, its counts, its commit and SIGKILL rotation group, and every test's seconds
+run's wall time, its counts, its commit and rotation group, and every test's seconds
 (setup + call + teardown; a module-scoped fixture counts in the first test that uses it), slowest
 first. README's figure for the suite ("N tests ... M minutes") is taken from that file, and
 ``tests/test_suite_time.py`` checks that it still is, and that the recorded run stayed within
@@ -23,7 +23,7 @@ BUDGET_MINUTES = 35  # issue 46: make test under 35 minutes on 2 cores, with roo
 class Entry:
     """One test of the run: its seconds (setup + call + teardown), of which ``setup`` went to its
     fixtures (a module-scoped baseline counts in the first test that uses it), its outcome, and
-    its SIGKILL rotation group (None: not a rotation row; -1: a row of every run)."""
+    its rotation group (None: not a rotation row; -1: a row of every run)."""
 
     seconds: float
     setup: float
@@ -57,7 +57,7 @@ def render(rec: Record) -> str:
              *[f"# {k}: {v}" for k, v in rec.header.items()],
              f"# wall: {rec.wall_s:.1f} s ({rec.minutes} min)",
              f"# tests: {rec.collected} collected; {counts}",
-             "# seconds (setup + call + teardown), of them setup, outcome, SIGKILL rotation group "
+             "# seconds (setup + call + teardown), of them setup, outcome, rotation group "
              "(-: not a row, all: every run), test; slowest first"]
     lines += [f"{e.seconds:9.2f} {e.setup:8.2f}  {e.outcome:7}  {_group(e.group):>3}  {e.nodeid}"
               for e in sorted(rec.tests, key=lambda e: (-e.seconds, e.nodeid))]

@@ -1,5 +1,9 @@
-"""The SIGKILL rotation (issue 46): every fault row runs in CI at least once in every 8 consecutive
-runs, without CI paying for all of them every time.
+"""The rotation (issue 46): every SIGKILL row, and every long test marked for it, runs in CI at
+least once in every 8 consecutive landings, without CI paying for all of them every time.
+
+A long test joins it with ``@pytest.mark.rotation(k)`` (its group, chosen by hand from
+``tests/durations.txt`` so that the groups' seconds come out close); SIGKILL rows join by
+themselves, as follows.
 
 A SIGKILL row is a test whose function's name starts with ``test_sigkill`` (``ROW_PREFIX``),
 one per parameter set. Each belongs to one of ``GROUPS`` groups, unless ``tests.faults.row`` built
@@ -33,7 +37,7 @@ GROUPS = 8
 ENV = "RFT_ROTATION"
 ALL_ENV = "RFT_FAULTS_ALL"
 TURN_FILE = ROOT / "tests" / "rotation_turn"
-SKIP_REASON = "SIGKILL rotation:"
+SKIP_REASON = "rotation:"
 ROW_PREFIX = "test_sigkill"
 # The first group of each module's rows, chosen so that the groups' seconds come out close
 # (`python -m tests.rotation FAULTS` computes them, and the offsets that balance them best, from
