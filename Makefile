@@ -11,6 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
 .PHONY: install demo test test-fast bench bench-trl bench-learning bench-resident bench-async bench-validate gpu-smoke clean bench-distill
+.PHONY: bench-gpu
 .PHONY: install-gpu check-gpu-deps
 
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -61,13 +62,13 @@ test-fast: $(STAMP)
 test-durations: $(STAMP)
 	RFT_DURATIONS=tests/durations.txt $(BIN)/python -m pytest -q tests
 
-# Move the SIGKILL rotation on by one group (tests/rotation_turn + 1): once per landing on main.
+# Move the rotation on by one group (tests/rotation_turn + 1): once per landing on main.
 .PHONY: rotation-next
 rotation-next: $(STAMP)
 	$(BIN)/python -m tests.rotation --next
 
-# Every test of the rotation at once: each SIGKILL row (docs/reliability.md's
-# tables), where `make test` runs one group of the rotation (tests/rotation.py); ~1.5 h on 2 cores.
+# Every test of the rotation at once: each SIGKILL row (docs/reliability.md's tables) and each long test
+# marked rotation(k), where `make test` runs one group of the rotation (tests/rotation.py); ~2.5 h on 2 cores.
 .PHONY: test-faults-all
 test-faults-all: $(STAMP)
 	RFT_FAULTS_ALL=1 $(BIN)/python -m pytest -q -m rotation tests
@@ -91,6 +92,16 @@ bench-learning: $(STAMP)
 	$(BIN)/python benchmarks/learning.py --set rollout.max_staleness=1 --set logprobs.recompute_old_logprobs=true \
 		--out runs/learning-s1 --doc docs/learning_async.md --png docs/learning_async_curve.png
 	cp runs/learning-s1/summary.json docs/raw/learning_async.json
+
+# Seconds per GRPO step, ours (resident workers, stage mode) against TRL's GRPOTrainer doing the same work (issue 44):
+# a random Qwen2 built from a seed (Qwen2.5-0.5B's shape on a GPU, a small one on the CPU), the default model's
+# tokenizer, configs/bench_gpu.yaml; the time outside the stage programs broken down (docs/benchmarks.md, "GPU step
+# cost"; docs/raw/bench_gpu_cpu.json). No network, no model hub. ~15 min on 2 quiet cores, ~5 min on one GPU
+# (there: GPU_PY=python3 ARGS='--tokenizer <folder>' with TRL's wheels installed, docs/gpu.md).
+bench-gpu: $(STAMP)
+	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[bench]'
+	$(or $(GPU_PY),$(BIN)/python) benchmarks/gpu_bench.py --json $(or $(JSON),docs/raw/bench_gpu_cpu.json) \
+		--doc docs/benchmarks.md $(ARGS)
 
 # Resident workers against stage mode (issue 27): the demo preset 4 iterations in each mode, one after
 # the other (docs/benchmarks.md, docs/raw/resident.json); ~6 min. Run on a quiet machine.
@@ -116,11 +127,13 @@ gpu-smoke:
 clean:
 	rm -rf $(VENV) runs .pytest_cache
 
-# The stand-ins of tests/standins (vLLM, SGLang) against the upstream code the open pins install today: the newest
-# wheels of vllm>=0.10.2 and sglang>=0.5.3, downloaded without dependencies into .cache/upstream (~380 MB, once per
-# release) and read, never imported (tests/standins/test_upstream.py); ~1 min after the download.
+# The stand-ins of tests/standins (vLLM, SGLang) against the upstream code of the releases constraints-gpu.txt pins
+# (what make install-gpu installs): their wheels, downloaded without dependencies into .cache/upstream (~380 MB, once
+# per pin) and read, never imported (tests/standins/test_upstream.py, which fails without the pinned wheels); ~1 min
+# after the download.
+UPSTREAM_PINS = $(shell grep -E '^(vllm|sglang)==' constraints-gpu.txt)
 test-upstream: $(STAMP)
-	$(BIN)/pip download -q --no-deps -d .cache/upstream "vllm>=0.10.2" "sglang>=0.5.3"
+	$(BIN)/pip download -q --no-deps -d .cache/upstream $(UPSTREAM_PINS)
 	RFT_UPSTREAM=.cache/upstream $(BIN)/python -m pytest -q tests/standins/test_upstream.py
 
 # On-policy distillation against GRPO from the same untrained student (issue 38): a GRPO teacher trained on

@@ -634,17 +634,20 @@ def baseline_run(config: Path, run_root: Path | str, api_url: str | None,
     return final_weights(run_root, final_iteration), Timeline(stages, checked)
 
 
-def row(*values, ci: bool = False):
+def row(*values, ci: bool = False, group: int | None = None):
     """A ``pytest.mark.parametrize`` row of a SIGKILL test. ``ci=True``: every run runs it; otherwise
-    it joins the rotation (``tests/rotation.py``): the next group of its module, and a run (CI's
-    ``make test``) runs the rows of one group; ``make test-faults-all`` runs every row. The group
-    rides on the row as ``pytest.mark.rotation(group)``, which ``tests/conftest.py`` reads."""
+    it joins the rotation (``tests/rotation.py``): ``group`` if given (rows that share an expensive
+    baseline go together, so fewer groups pay for it), else the next group of its module; a run
+    (CI's ``make test``) runs the rows of one group; ``make test-faults-all`` runs every row. The
+    group rides on the row as ``pytest.mark.rotation(group)``, which ``tests/conftest.py`` reads."""
     import pytest
 
-    from tests.rotation import assign, caller_module
+    from tests.rotation import GROUPS, assign, caller_module
 
-    group = None if ci else assign(caller_module())
-    return pytest.param(*values, marks=(pytest.mark.rotation(group),))
+    if group is not None and not 0 <= group < GROUPS:
+        raise ValueError(f"row group {group} is not one of the rotation's {GROUPS} groups")
+    chosen = None if ci else (assign(caller_module()) if group is None else group)
+    return pytest.param(*values, marks=(pytest.mark.rotation(chosen),))
 
 
 def assert_row(out: Outcome) -> None:

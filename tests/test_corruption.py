@@ -41,6 +41,7 @@ def _train(config: Path, run: Path, api: str) -> tuple[int, str]:
     return proc.returncode, out.decode(errors="replace")
 
 
+@pytest.mark.rotation(0)  # long: one turn in 8 (tests/rotation.py)
 def test_corrupted_checkpoint_found_on_resume_and_repaired(prefect_harness, tiny_model, tmp_path):
     from prefect.settings import PREFECT_API_URL
 

@@ -64,6 +64,7 @@ def _fill(disk: Path) -> Path:
     return ballast
 
 
+@pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py)
 def test_enospc_mid_run_names_the_stage_keeps_the_checkpoint_and_resumes(prefect_harness, tiny_model, small_disk, tmp_path):
     from prefect.settings import PREFECT_API_URL
 

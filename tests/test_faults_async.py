@@ -31,7 +31,7 @@ def async_baseline(prefect_harness, tiny_model, tmp_path_factory):
 # the kill waits until ppo_update of iteration 1 (after its advantages) and the rollout of
 # iteration 2 (after its prompts) can both run, and lands where both ran in the uninterrupted run;
 # each row in its turn of the rotation (tests/rotation.py), both with make test-faults-all
-ROWS = [row("ppo_update", 1, ("rollout", 2)), row("rollout", 2, ("ppo_update", 1))]
+ROWS = [row("ppo_update", 1, ("rollout", 2), group=4), row("rollout", 2, ("ppo_update", 1), group=4)]  # one baseline
 
 
 @pytest.mark.parametrize("target, iteration, other", ROWS)
@@ -51,6 +51,7 @@ def partial_baseline(prefect_harness, tiny_model, tmp_path_factory):
     return config, weights, timeline, PREFECT_API_URL.value(), d
 
 
+@pytest.mark.rotation(3)
 def test_sigkill_mid_chunk_of_a_partial_rollout_then_rerun(partial_baseline):
     from schemas import read_manifest
 

@@ -18,7 +18,7 @@ pytest.importorskip("ray")
 
 from tests.faults import assert_row, baseline_run, row, run_scenario, write_resident_config  # noqa: E402
 
-ROWS = [row("ppo_update", "worker"), row("ppo_update", "driver")]
+ROWS = [row("ppo_update", "worker", group=1), row("ppo_update", "driver", group=2)]  # no resident row there
 
 
 def write_fsdp_config(path, model: str):

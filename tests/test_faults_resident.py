@@ -21,9 +21,11 @@ pytest.importorskip("ray")
 from tests.faults import STAGE_ORDER, assert_row, resident_baseline, resident_row, row  # noqa: E402
 
 # Every row is in the rotation (tests/rotation.py): a CI run runs the rows of one group of 8;
-# make test-faults-all runs all 11.
-ROWS = ([row(s, "driver") for s in STAGE_ORDER]
-        + [row(s, "worker") for s in ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update")])
+# make test-faults-all runs all 11. The rows share a two-run baseline (~200 s on 2 cores), so they
+# go to 4 groups (5, 6, 7, 0), 3 or 2 each, not one to every group.
+_KILLS = [(s, "driver") for s in STAGE_ORDER] + [(s, "worker") for s in ("rollout", "actor_logprobs", "ref_logprobs",
+                                                                        "ppo_update")]
+ROWS = [row(s, k, group=(5, 6, 7, 0)[i % 4]) for i, (s, k) in enumerate(_KILLS)]
 
 
 @pytest.fixture(scope="module")

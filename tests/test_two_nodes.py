@@ -162,6 +162,7 @@ def _run(cfg, inp):
     return run_stage(inp, cfg.runner(inp.stage))
 
 
+@pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
 def test_resident_on_two_nodes_equals_stage_mode(two_nodes, stage_root, caplog):
     from rft_core.workers.pool import placements, stop_workers
 
@@ -185,6 +186,7 @@ def test_resident_on_two_nodes_equals_stage_mode(two_nodes, stage_root, caplog):
     assert _policy_files(cfg.run_root) == _policy_files(stage_root) and _policy_files(cfg.run_root)
 
 
+@pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py)
 def test_killing_the_rollout_node_mid_iteration_then_rerun(two_nodes, stage_root):
     import ray
 

@@ -23,6 +23,7 @@ def distill_bench(monkeypatch):
     return distill
 
 
+@pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py)
 def test_the_benchmark_end_to_end_at_a_tiny_size(prefect_harness, tiny_model, tmp_path, distill_bench):
     doc = tmp_path / "learning.md"
     doc.write_text("# Learning\n\nthe GRPO report\n")

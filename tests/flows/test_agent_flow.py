@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from rft_core.agents import StepResult
 from rft_core.agents.calculator import CalculatorEnv
 from rft_core.agents.view import render_trajectory, sample_text, segments
@@ -79,6 +81,7 @@ def _check_iteration(run_root: str, i: int, tok) -> None:
     assert text.count("--- model turn") == 3 and text.count("--- observation") == 2 and "calculator(" in text
 
 
+@pytest.mark.rotation(1)  # long: one turn in 8 (tests/rotation.py)
 def test_agent_run_two_iterations_resume_and_replay(prefect_harness, tiny_model, tmp_path, fake_rewards):
     from flows.replay import replay
     from flows.train import train

@@ -90,6 +90,7 @@ def test_the_update_seeds_its_own_dropout_and_restores_the_global_generator(tiny
     assert (update(0, seed=1) - first).abs().max() > 1e-6  # the update's seed sets the masks (rounding: ~1e-12)
 
 
+@pytest.mark.rotation(1)  # long: one turn in 8 (tests/rotation.py)
 def test_two_staleness_1_runs_with_lora_dropout_and_checkpointing_end_equal(prefect_harness, tiny_model, tmp_path,
                                                                              dropout_calls):
     from flows.train import train

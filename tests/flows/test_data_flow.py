@@ -38,6 +38,7 @@ def _cfg(tiny_model, tmp_path, **extra):
                                                       **extra})
 
 
+@pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py)
 def test_two_iterations_from_a_parquet_file_then_resume_then_edited_data(prefect_harness, tiny_model, tmp_path,
                                                                         fake_rewards):
     from flows.train import train

@@ -9,6 +9,7 @@ rollouts (rows and carry) byte for byte and end with the same weights bit for bi
 vary inside each group (``tests/varying.py``): the equality is asserted after non-zero advantages."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rft_core.config import load_config
@@ -34,6 +35,7 @@ def _files(root, stage: str, iteration: int = ITERATIONS, prefix: str = "") -> d
     return {e.path: e.sha256 for e in m.files if e.path.startswith(prefix)}
 
 
+@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py)
 def test_two_partial_runs_are_bit_identical_and_tokens_span_versions(prefect_harness, tiny_model, tmp_path):
     from flows.train import train
 

@@ -18,6 +18,7 @@ from schemas import read_manifest, read_shard  # noqa: E402
 from tests.flows.conftest import flow_cfg  # noqa: E402
 
 
+@pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
 def test_two_ray_shards_union_equals_single_worker_rollout(prefect_harness, tiny_model, tmp_path):
     from flows.fanout import sharded_rollout, shard_uri
 

@@ -11,6 +11,7 @@ from schemas import read_manifest, read_shard
 from tests.flows.conftest import flow_cfg
 
 
+@pytest.mark.rotation(0)  # long: one turn in 8 (tests/rotation.py)
 def test_replay_with_other_estimator_matches_direct_run(prefect_harness, tiny_model, tmp_path, fake_rewards):
     from flows.replay import replay
     from flows.train import train

@@ -14,6 +14,7 @@ from schemas import pruned_files, read_shard
 from tests.flows.conftest import flow_cfg
 
 
+@pytest.mark.rotation(0)  # long: one turn in 8 (tests/rotation.py)
 def test_default_retention_prunes_old_checkpoints_and_resume_still_works(prefect_harness, tiny_model, tmp_path,
                                                                          fake_rewards, monkeypatch):
     from flows.train import train

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pytest
 import torch
 
 from rft_core.models.loading import load_causal_lm
@@ -26,6 +27,7 @@ class _Collect(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+@pytest.mark.rotation(7)  # long: one turn in 8 (tests/rotation.py)
 def test_subprocess_runners_commit_what_the_in_process_flow_commits(prefect_harness, tiny_model, tmp_path):
     from flows.train import train
 

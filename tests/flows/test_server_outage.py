@@ -57,6 +57,7 @@ def _final(client, flow_run_id, timeout_s: float = 400):
         time.sleep(1)
 
 
+@pytest.mark.rotation(1)  # long: one turn in 8 (tests/rotation.py)
 def test_server_killed_during_rollout_then_restarted(tmp_path, monkeypatch):
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.client.schemas.objects import StateType

@@ -141,6 +141,7 @@ def steps_tokens(result) -> int:
     ("cpgd", {"update.policy_loss.name": "cpgd", "shaping.clip_filter_like_weight": True}),
     ("reinforce_baseline", {"update.policy_loss.name": "gspo", "update.loss_agg": "seq-mean-token-mean"}),
 ])
+@pytest.mark.rotation(0)  # long: one turn in 8 (tests/rotation.py)
 def test_each_estimator_runs_one_iteration_in_the_flow(prefect_harness, tiny_model, tmp_path, fake_rewards, estimator, extra):
     import numpy as np
 

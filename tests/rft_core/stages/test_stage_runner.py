@@ -25,6 +25,7 @@ def _files(uri):
     return m.config_hash, [(f.path, f.bytes, f.sha256) for f in m.files]
 
 
+@pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py)
 def test_subprocess_stage_commits_the_same_shard_as_in_process(tiny_model, tmp_path):
     cfg = _cfg(tiny_model, tmp_path)
     p = prompts_stage.run(PromptsInput(data=cfg.data, tokenizer_path=tiny_model, iteration=1, out=str(tmp_path / "prompts")))

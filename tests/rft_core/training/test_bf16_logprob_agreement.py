@@ -96,6 +96,7 @@ def _first_step(path: str, rollout, *, logprob_micro: int, update_micro: int, be
     return steps[0]
 
 
+@pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
 def test_the_update_computes_the_logprob_passes_logprobs_exactly_on_the_same_shapes(sharp16, rollout):
     """One sample per packed row in both passes (the same kernel shapes): the update's first
     step sees the log-prob pass's log-probs bit for bit, so approx_kl, the KL loss and the
@@ -123,6 +124,7 @@ def _logprobs_grouped_as_the_update(path: str, rollout, micro_batch_size: int, s
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
 def test_on_the_demos_shapes_the_update_adds_no_disagreement_of_its_own(sharp16, rollout, monkeypatch, attention):
     """The demo's shapes: the update's first-step approx_kl is the approx_kl between two
     log-prob passes of the same weights, one grouped as the stage groups the samples (8 per
@@ -213,6 +215,7 @@ def test_an_optimizer_state_saved_before_the_fix_continues_exactly(sharp16, roll
     assert set(now[MASTER_WEIGHTS_KEY]) == set(saved[MASTER_WEIGHTS_KEY]) and now[MASTER_DTYPE_KEY] == "bfloat16"
 
 
+@pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
 def test_a_resumed_update_continues_the_in_memory_one_bit_for_bit(sharp16, rollout, tmp_path):
     """Iteration 2 from the saved checkpoint and optimizer state ends with the very float32
     masters, moments and bfloat16 weights of iteration 2 run on the trainer kept in memory (the
@@ -283,6 +286,7 @@ def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_w
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
 def test_passes_grouped_as_the_update_make_its_first_step_exact_on_the_demos_shapes(sharp16, rollout, monkeypatch,
                                                                                      attention):
     """The fix of the remaining 7.2e-5 (sdpa) above: the stages' passes take the update's

@@ -33,13 +33,17 @@ from schemas import commit_files, read_manifest, read_shard, write_shard  # noqa
 from schemas.columns import CRITIC_VALUES, OPTIMIZER_STATE  # noqa: E402
 from tests.rft_core.training.chain import ITERATIONS, RUNNER, ds, max_diff, one_thread, run_update, weights  # noqa: E402
 
+# ZeRO stages 1 and 2 (each test with its resident twin: they share the chain of updates) take
+# their turns in the rotation (tests/rotation.py, ~95 s each on 2 cores); stage 3 runs every time
+ZERO_STAGES = [pytest.param(1, marks=pytest.mark.rotation(3)), pytest.param(2, marks=pytest.mark.rotation(4)), 3]
+
 # what the removed warnings said; neither may appear in a DeepSpeed update's log any more
 STALE_WARNINGS = ("starts AdamW afresh", "master weights live inside ZeRO for this update only")
 # the shared inputs and chains: tests/rft_core/training/conftest.py (session fixtures update_inputs, single_chain, ds_chain)
 _update, _weights, _max_diff, _ds = run_update, weights, max_diff, ds
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pytest.mark.parametrize("zero_stage", ZERO_STAGES)
 def test_zero_two_ranks_three_iterations_match_single_process(update_inputs, single_chain, ds_chain, tiny_model,
                                                               zero_stage):
     refs, logs = ds_chain(zero_stage)
@@ -143,6 +147,7 @@ def test_deepspeed_state_checks_name_both_sides(tmp_path):
         build_strategy(model, optim=settings, deepspeed=DeepSpeedConfig(zero_stage=2), optimizer_state=str(tmp_path))
 
 
+@pytest.mark.rotation(6)  # long: one turn in 8 (tests/rotation.py)
 def test_bf16_masters_are_continued_not_rounded(update_inputs, tiny_model):
     """DeepSpeed bf16: the float32 master partitions of iteration 1 (read back with DeepSpeed's
     zero_to_fp32) round to its bfloat16 checkpoint but hold more; iteration 2, at a learning rate
@@ -164,6 +169,7 @@ def test_bf16_masters_are_continued_not_rounded(update_inputs, tiny_model):
     assert all(torch.equal(m2[k].bfloat16(), v.bfloat16()) for k, v in _weights(u2.uri).items() if k in m2)
 
 
+@pytest.mark.rotation(6)  # long: one turn in 8 (tests/rotation.py)
 def test_critic_update_under_zero2_on_two_ranks_matches_one_process(update_inputs, tiny_model):
     """The critic trains through the same loop and strategies as the policy: ZeRO-2 over 2 ranks
     gives the single-process critic's losses and weights."""
@@ -213,7 +219,7 @@ def _resident_chain(update_inputs, tiny_model, workers, zero_stage: int, tag: st
     return refs
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pytest.mark.parametrize("zero_stage", ZERO_STAGES)
 def test_resident_zero_gang_keeps_its_state_and_equals_the_torchrun_updates(update_inputs, single_chain, ds_chain,
                                                                             tiny_model, zero_stage, tmp_path):
     """Two ranks kept as Ray actors for the run (orchestration.policy_ranks=2): 3 updates, the

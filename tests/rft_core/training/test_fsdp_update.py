@@ -35,6 +35,7 @@ def fsdp_chain(update_inputs, tiny_model):
     return refs, logs
 
 
+@pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py)
 def test_fsdp_two_ranks_three_iterations_match_single_process(update_inputs, single_chain, fsdp_chain, tiny_model):
     assert_shard_advantages_nonzero(update_inputs[2])  # first: what is compared is a policy-gradient update
     assert_update_signal(single_chain[0])
@@ -61,6 +62,7 @@ def test_fsdp_two_ranks_three_iterations_match_single_process(update_inputs, sin
     assert max(to_single) < 1e-6, to_single  # float rounding only, every iteration
 
 
+@pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py)
 def test_fsdp_three_iterations_match_deepspeed_zero3(update_inputs, ds_chain, fsdp_chain):
     """The same 3 iterations under DeepSpeed ZeRO-3 on 2 ranks (skipped without deepspeed)."""
     assert_shard_advantages_nonzero(update_inputs[2])
@@ -75,6 +77,7 @@ def test_fsdp_three_iterations_match_deepspeed_zero3(update_inputs, ds_chain, fs
     assert max(diffs) < 1e-6, diffs
 
 
+@pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py)
 def test_a_state_of_two_ranks_resumes_on_one_and_says_so(update_inputs, single_chain, fsdp_chain):
     """DCP reshards: iteration 2 on 1 rank from the 2-rank iteration 1 logs the resharding and
     ends within 1e-6 of the 2-rank iteration 2 and of the single process (AdamW continued: a
@@ -91,6 +94,7 @@ def test_a_state_of_two_ranks_resumes_on_one_and_says_so(update_inputs, single_c
     assert max_diff(got, weights(single_chain[1].uri)) < 1e-6
 
 
+@pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py)
 def test_bf16_masters_are_continued_not_rounded(update_inputs, tiny_model):
     """bfloat16 under FSDP2: the DCP state holds float32 master shards that round to the bfloat16
     checkpoint but hold more; iteration 2 at lr 1e-30 ends with them unchanged (a restart from
@@ -118,6 +122,7 @@ def test_bf16_masters_are_continued_not_rounded(update_inputs, tiny_model):
     assert max_diff(m2, m1) < 1e-12
 
 
+@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py)
 def test_lora_with_gradient_checkpointing_matches_one_process(update_inputs, tiny_model):
     """LoRA (peft) and gradient checkpointing composed with FSDP2: the 2-rank adapters equal the
     single-process ones within 1e-6 (only adapters are sharded state; the frozen base is not saved)."""
@@ -157,6 +162,7 @@ def test_the_state_checks_name_both_sides(tmp_path, tiny_model):
 # -- the resident FSDP2 trainer: ranks as Ray actors that keep their shards -------------------------
 
 
+@pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py)
 def test_resident_fsdp_gang_keeps_its_state_and_equals_the_torchrun_updates(update_inputs, fsdp_chain, tiny_model,
                                                                             tmp_path):
     """orchestration.policy_ranks=2 with update.fsdp: 3 updates, the first two without writing weights
@@ -244,6 +250,7 @@ def test_cpu_offload_on_one_rank_matches_one_process(tiny_model, own_process_gro
     assert got["bf16"][0] == pytest.approx(norms, rel=2e-2)  # bfloat16 compute: close, not equal
 
 
+@pytest.mark.rotation(7)  # long: one turn in 8 (tests/rotation.py)
 def test_critic_update_under_fsdp_on_two_ranks_matches_one_process(update_inputs, tiny_model):
     """critic.fsdp: the critic trains through the same loop and FSDP2 strategy, and 2 ranks give the
     single-process critic's losses and weights (its value head sharded with the root)."""
