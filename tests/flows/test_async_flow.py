@@ -27,6 +27,7 @@ def _window(uri: str) -> tuple[float, float]:
     return end - float(m.summary["seconds"]) - float(m.summary.get("checkpoint_seconds", 0.0)), end
 
 
+@pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py)
 def test_staleness_1_is_reproducible_and_records_versions(prefect_harness, tiny_model, tmp_path):
     from flows.train import train
 

@@ -82,6 +82,7 @@ def test_a_restarted_adamw_would_not_match(update_inputs, single_chain):
     assert _max_diff(_weights(fresh.uri), _weights(single_chain[1].uri)) > 1e-4
 
 
+@pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
 def test_a_lost_deepspeed_state_is_recomputed_when_its_update_is_resumed(update_inputs, ds_chain, tiny_model):
     refs, _ = ds_chain(2)
     u1 = refs[0]
@@ -99,6 +100,7 @@ def test_a_lost_deepspeed_state_is_recomputed_when_its_update_is_resumed(update_
     assert len(committed) >= 4  # the two partitions, the module states, `latest`, ...
 
 
+@pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py)
 def test_another_world_size_is_refused_by_name(update_inputs, ds_chain):
     refs, _ = ds_chain(1)
     lines: list[str] = []

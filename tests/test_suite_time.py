@@ -1,0 +1,41 @@
+"""The suite's time on record (issue 46): tests/durations.txt (``make test-durations``) holds a
+whole run of ``make test`` and README's figure is the one in that file. (That the run stayed within
+``BUDGET_MINUTES`` on 2 cores is not asserted yet: the run on record took 39 minutes.)"""
+from __future__ import annotations
+
+from tests import durations
+
+
+def test_the_durations_file_holds_a_whole_run():
+    assert durations.FILE.exists(), "tests/durations.txt is missing: run `make test-durations` on a quiet machine"
+    rec = durations.parse(durations.FILE.read_text())
+    assert rec.collected >= 1500 and sum(rec.outcomes.values()) == rec.collected == len(rec.tests), rec.outcomes
+    assert rec.outcomes.get("failed", 0) == rec.outcomes.get("error", 0) == 0, rec.outcomes
+    assert "2 cores" in rec.header["machine"] and rec.header["command"].endswith("pytest -q tests"), rec.header
+    assert sum(e.seconds for e in rec.tests) <= rec.wall_s + 1  # every test's seconds fit in the run's wall time
+    # The budget (BUDGET_MINUTES) is not asserted yet: the run on record took 39 minutes (issue 46
+    # stays open until a recorded run is under it, measured twice).
+
+
+def test_the_readme_figure_is_the_recorded_one():
+    assert durations.FILE.exists(), "tests/durations.txt is missing: run `make test-durations` on a quiet machine"
+    rec = durations.parse(durations.FILE.read_text())
+    m = durations.README_FIGURE.search(durations.README.read_text())
+    assert m, "README.md's Tests section lost its figure (tests/durations.py README_FIGURE)"
+    assert m.group(0) == durations.readme_figure(rec), (
+        f"README.md says {m.group(0)!r}, tests/durations.txt says {durations.readme_figure(rec)!r}: "
+        "run `python -m tests.durations` to write the recorded figure into README.md")
+
+
+def test_the_file_reads_back_as_written():
+    E = durations.Entry  # noqa: N806
+    rec = durations.Record(125.04, 3, {"passed": 2, "skipped": 1},
+                           {"date": "2026-11-28 07:00 UTC", "commit": "abc1234", "command": "python -m pytest -q tests",
+                            "SIGKILL rotation": "group 3 of 8", "machine": "2 cores, load average 0.4 at the start"},
+                           [E(60.5, 30.25, "passed", 3, "tests/a.py::t[x-1]"), E(0.01, 0.0, "skipped", 4, "tests/a.py::u"),
+                            E(64.0, 0.5, "passed", None, "tests/b.py::v w"), E(1.0, 0.0, "passed", -1, "tests/c.py::z")])
+    back = durations.parse(durations.render(rec))
+    assert back == durations.Record(125.0, 3, {"passed": 2, "skipped": 1}, rec.header,
+                                    [rec.tests[2], rec.tests[0], rec.tests[3], rec.tests[1]])  # slowest first
+    assert back.minutes == 2 and durations.readme_figure(back) == \
+        "`make test` runs everything (3 tests in 2 minutes on a 2-core machine"
