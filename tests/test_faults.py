@@ -7,7 +7,7 @@ group (tests/varying.py), so the weights compared come from real policy-gradient
 
 The rows of docs/reliability.md's local-disk table (``benchmarks/reliability.py`` runs the same
 row functions): CI runs them in the rotation of ``tests/rotation.py`` (each row at least once in
-8 consecutive runs); ``make test-faults-all`` runs all of them."""
+8 consecutive landings); ``make test-faults-all`` runs all of them."""
 from __future__ import annotations
 
 import pytest
@@ -25,7 +25,7 @@ from tests.faults import (
 )
 
 # Every row is in the rotation (tests/rotation.py): a CI run runs the rows of one group of 8, so
-# each row runs at least once in 8 consecutive runs; make test-faults-all runs all of them.
+# each row runs at least once in 8 consecutive landings; make test-faults-all runs all of them.
 ROWS = ([row(s, 1, "compute") for s in STAGE_ORDER]
         + [row(s, 1, "write") for s in STAGE_ORDER]
         + [row("rollout", 2, "compute"), row("ppo_update", 2, "compute"),

@@ -11,7 +11,7 @@ uninterrupted resident run equals it too). The rewards vary inside each group
 
 Rows (docs/reliability.md, docs/scale.md): the driver in each of the 7 stages, a worker in each
 of the 4 model stages; CI runs them in the rotation of ``tests/rotation.py`` (each row at least
-once in 8 consecutive runs), ``make test-faults-all`` all 11."""
+once in 8 consecutive landings), ``make test-faults-all`` all 11."""
 from __future__ import annotations
 
 import pytest
