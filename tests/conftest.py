@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
+from pathlib import Path
 
 _home = tempfile.mkdtemp(prefix="rft-prefect-home-")
 os.environ.setdefault("PREFECT_HOME", _home)
@@ -16,6 +18,9 @@ os.environ.pop("PREFECT_API_URL", None)
 
 import pytest  # noqa: E402
 
+from tests.durations import Recorder  # noqa: E402
+from tests.rotation import GROUPS, ROW_PREFIX, SKIP_REASON, assign, choice  # noqa: E402
+from tests.skips import unexpected_skips  # noqa: E402
 from tests.tiny import build_tiny_model  # noqa: E402
 
 
@@ -41,23 +46,19 @@ _skips: list[tuple[str, str]] = []
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "rotation(group): a SIGKILL row of the rotation (tests/rotation.py); "
-                                       "group None: every run")
+    config.addinivalue_line("markers", "rotation(group): a SIGKILL row or a long test of the rotation "
+                                       "(tests/rotation.py); group None: every run")
 
 
 def pytest_itemcollected(item):
     """A SIGKILL test (its function's name starts with ``test_sigkill``) built without
     ``tests.faults.row`` joins the rotation too: the next group of its module, in collection order."""
-    from tests.rotation import ROW_PREFIX, assign
-
     name = getattr(item, "originalname", item.name)
     if name.startswith(ROW_PREFIX) and item.get_closest_marker("rotation") is None:
         item.add_marker(pytest.mark.rotation(assign(item.module.__name__)))
 
 
 def pytest_collection_modifyitems(config, items):
-    from tests.rotation import GROUPS, SKIP_REASON, choice
-
     chosen = choice()
     for item in items:
         mark = item.get_closest_marker("rotation")
@@ -72,8 +73,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _rotation_lines() -> list[str]:
-    from tests.rotation import choice
-
     if not (_rotation["run"] or _rotation["skipped"]):
         return []
     lines = [f"rotation: {choice().describe()}: runs {len(_rotation['run'])} test(s), skips "
@@ -84,8 +83,6 @@ def _rotation_lines() -> list[str]:
 
 
 def pytest_collection_finish(session):
-    from tests.rotation import choice
-
     for item in session.items:  # what this run will run, after -k and -m deselected theirs
         mark = item.get_closest_marker("rotation")
         if mark is not None:
@@ -128,9 +125,6 @@ def pytest_sessionfinish(session, exitstatus):
     _record_durations(session)
     if not _whole_suite(session.config):
         return
-    from tests.rotation import SKIP_REASON
-    from tests.skips import unexpected_skips
-
     bad = unexpected_skips(_skips)
     session.config._rft_skip_check = bad
     rotating = sum(reason.startswith(SKIP_REASON) for _, reason in _skips)
@@ -163,19 +157,12 @@ _recorder = None
 def pytest_sessionstart(session):
     global _recorder
     if os.environ.get("RFT_DURATIONS"):
-        from tests.durations import Recorder
-
         _recorder = Recorder()
 
 
 def _record_durations(session) -> None:
     if _recorder is None:
         return
-    import subprocess
-    from pathlib import Path
-
-    from tests.rotation import choice
-
     head = subprocess.run(["git", "-C", os.path.dirname(__file__), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True)
     _recorder.collected = len(session.items)
