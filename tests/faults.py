@@ -18,11 +18,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 from rft_core.agents import StepResult
 from rft_core.agents.calculator import CalculatorEnv
 from rft_core.workers.pool import WORKER_CLASSES
+from tests.rotation import GROUPS, assign, caller_module
 from tests.varying import REWARD_YAML
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -640,10 +642,6 @@ def row(*values, ci: bool = False, group: int | None = None):
     baseline go together, so fewer groups pay for it), else the next group of its module; a run
     (CI's ``make test``) runs the rows of one group; ``make test-faults-all`` runs every row. The
     group rides on the row as ``pytest.mark.rotation(group)``, which ``tests/conftest.py`` reads."""
-    import pytest
-
-    from tests.rotation import GROUPS, assign, caller_module
-
     if group is not None and not 0 <= group < GROUPS:
         raise ValueError(f"row group {group} is not one of the rotation's {GROUPS} groups")
     chosen = None if ci else (assign(caller_module()) if group is None else group)
