@@ -2,7 +2,8 @@
 # The GPU checks of issues 44, 45 and 47 in one call on a lent GPU machine (no network, no Prefect, no Ray):
 # what docs/gpu.md "GPU run of 2026-11-28" records. Everything it needs travels with the repository:
 #   .whl/   pydantic (+ core, typing-inspection, annotated-types), TRL 1.16 + datasets + dill + multiprocess,
-#           deepspeed's sdist (built here with DS_BUILD_OPS=0)
+#           deepspeed's sdist (built here with DS_BUILD_OPS=0) and what it imports (einops, hjson, msgpack,
+#           ninja, psutil, py-cpuinfo)
 #   .carry/tok/   the default model's tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja)
 # Each part has its own time limit and writes its log and JSON under $OUT (default: ./gpu-out), most important first.
 #   bash benchmarks/gpu_session.sh bench      # on the GPU machine, from the repository root: issue 44 (~7 min)
@@ -16,7 +17,7 @@ SITE=/tmp/site-packages
 [ -d "$SITE/pydantic" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
     > "$OUT/install.log" 2>&1 || echo "wheel install failed" >> "$OUT/install.log"
 if [ "$PART" = checks ] && [ ! -d "$SITE/deepspeed" ] && ls .whl/deepspeed-*.tar.gz > /dev/null 2>&1; then
-    DS_BUILD_OPS=0 timeout 120 [ -d "$SITE/pydantic" ] || python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" \
+    DS_BUILD_OPS=0 timeout 120 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" \
         .whl/deepspeed-*.tar.gz >> "$OUT/install.log" 2>&1 || echo "deepspeed build failed" >> "$OUT/install.log"
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
