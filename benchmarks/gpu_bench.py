@@ -265,6 +265,7 @@ def run_ours(args, arm: str, model_dir: Path, prompts: Path) -> dict:
     drive(cfg, run, on_iteration=record)
     if prof is not None:
         prof.disable()
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
         prof.dump_stats(str(Path(args.profile) / f"{arm}.prof"))
     _add_rollout_tokens(run_root, rows)
     return {"arm": arm, "steps": rows, "total_seconds": round(time.perf_counter() - t0, 2), "run_root": run_root}

@@ -8,6 +8,7 @@
 # Each part has its own time limit and writes its log and JSON under $OUT (default: ./gpu-out), most important first.
 #   bash benchmarks/gpu_session.sh bench      # on the GPU machine, from the repository root: issue 44 (~7 min)
 #   bash benchmarks/gpu_session.sh checks     # issues 45 and 47, and issue 44 again after fixes (~6 min)
+#   bash benchmarks/gpu_session.sh again      # the workers' tests with the tokenizer, then the whole bench (~5 min)
 set -u
 PART=${1:-bench}
 OUT=${OUT:-$PWD/gpu-out}
@@ -31,7 +32,15 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output i
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: rc=$? $((SECONDS - t0)) s" >> "$OUT/steps.txt"
 }
-if [ "$PART" = bench ]; then
+if [ "$PART" = again ]; then
+# issue 45: the resident workers' tests on CUDA; .carry/default holds the default model's tokenizer and config
+# (no weights: the tests build tiny models with its tokenizer), so the tests find no GGUF to convert
+step workers_cuda 110 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m pytest -q -p no:cacheprovider -rs \
+    tests/rft_core/workers --timeout 100
+# issue 44: the whole table again (TRL, resident, stage) after the fixes, in one run
+step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$OUT/bench_gpu.json" \
+    --doc "$OUT/benchmarks_gpu.md"
+elif [ "$PART" = bench ]; then
 # issue 44: ours (resident, stage) against TRL, the Qwen2.5-0.5B shape, bf16
 step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$OUT/bench_gpu.json" \
     --doc "$OUT/benchmarks_gpu.md"
