@@ -72,6 +72,21 @@ def _bases(device: str) -> torch.Tensor:
     return torch.stack([multipliers(j, 0), multipliers(j, 1)], dim=1).to(torch.float64)
 
 
+@functools.lru_cache(maxsize=16)
+def _row_weight_table(device: str, rows: int) -> torch.Tensor:
+    """(c_0(r), c_1(r)) for r in [0, rows) as an int64 (rows, 2) matrix on ``device`` (kept: the
+    row weights of every tensor come from it instead of ~20 small kernels per tensor)."""
+    r = torch.arange(rows, dtype=torch.int64, device=device)
+    return torch.stack([row_weights(r, 0), row_weights(r, 1)], dim=1)
+
+
+def _row_weight_rows(device: str, first: int, n: int) -> torch.Tensor:
+    """Rows ``first`` .. ``first + n - 1`` of the row weights (``_row_weight_table``, sized to a
+    power of two of at least 64 rows, so a few tables serve every tensor)."""
+    size = max(64, 1 << (first + n - 1).bit_length())
+    return _row_weight_table(device, size)[first:first + n]
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` as a flat int16 tensor on its device (a view where possible)."""
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -86,20 +101,20 @@ def word_sums(t: torch.Tensor) -> torch.Tensor:
     """The two 31-bit sums of ``t`` (see the module docstring) as an int64 tensor of shape (2,)
     on ``t``'s device; nothing is copied to the host."""
     w = _words(t)
-    device = w.device
-    bases = _bases(str(device))
-    out = torch.zeros(2, dtype=torch.int64, device=device)
+    device = str(w.device)
+    bases = _bases(device)
+    out = None
     for start in range(0, w.numel(), GROUP):
         seg = w[start:start + GROUP].to(torch.float64)
         full, tail = divmod(seg.numel(), CHUNK)
         parts = [seg[:full * CHUNK].view(full, CHUNK) @ bases] if full else []
         if tail:
             parts.append((seg[full * CHUNK:] @ bases[:tail]).reshape(1, 2))
-        r = torch.cat(parts).to(torch.int64) & M31  # (rows, 2): R_s(r), exact
-        rows = torch.arange(start // CHUNK, start // CHUNK + r.shape[0], dtype=torch.int64, device=device)
-        weights = torch.stack([row_weights(rows, 0), row_weights(rows, 1)], dim=1)
-        out = (out + ((r * weights) & M31).sum(0)) & M31
-    return out
+        r = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(torch.int64) & M31  # (rows, 2): R_s(r), exact
+        weights = _row_weight_rows(device, start // CHUNK, r.shape[0])
+        step = ((r * weights) & M31).sum(0)
+        out = step & M31 if out is None else (out + step) & M31
+    return torch.zeros(2, dtype=torch.int64, device=w.device) if out is None else out
 
 
 def meta_digest(layout) -> str:
