@@ -5,6 +5,7 @@ by tests/test_faults.py, tests/test_object_storage.py, tests/test_disk_full.py,
 tests/test_corruption.py and benchmarks/reliability.py (which writes docs/reliability.md)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -35,7 +36,9 @@ PREDECESSORS = {"prompts": (), "rollout": ("prompts",), "actor_logprobs": ("roll
                 "rewards": ("rollout",), "advantages": ("actor_logprobs", "ref_logprobs", "rewards"),
                 "ppo_update": ("advantages",),
                 # the policy's AdamW state, written in the background after ppo_update commits
-                "ppo_update-optimizer": ("ppo_update",)}
+                "ppo_update-optimizer": ("ppo_update",),
+                # a resident checkpoint iteration's weights, written in the background after that state
+                "ppo_update-policy": ("ppo_update-optimizer",)}
 # The resident workers of the fault configs, in the order they start: each on first use, in the
 # flow's order (iteration 1's rollout, then its reference pass, then its update). A worker kill
 # picks its victim by this order and then checks the driver's own log line ("the <role> worker
@@ -133,6 +136,8 @@ def _env(api_url: str | None, extra: dict[str, str] | None = None) -> dict:
 PAUSED_WRITES = ("prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages")
 WRITE_PAUSE_ENV = "RFT_FAULTS_WRITE_PAUSE"
 WRITE_PAUSE_SECONDS = 5.0
+# a worker kill that finds the worker between stage programs waits this long for it to run one
+WORKER_WAIT_S = 5.0
 
 
 def cli_with_write_pause() -> None:
@@ -245,7 +250,8 @@ class Outcome:
     is tried again from scratch with a shorter delay, at most 3 times. ``write_paused``: the
     writer was paused between its parts and its manifest (``PAUSED_WRITES``). ``run_root``: the
     run root of the last try (``-retryN`` after the first); ``kill``: ``driver`` or ``worker``;
-    ``also``: the other stage of an overlap row, as (stage, iteration).
+    ``also``: the other stage of an overlap row, as (stage, iteration). ``rerun_started``: when
+    the rerun was started (time.time()).
     """
 
     target: str
@@ -266,6 +272,7 @@ class Outcome:
     landed: bool = False
     overlap_live: bool | None = None
     redone: bool = False
+    rerun_started: float = 0.0
     attempts: int = 0
     write_paused: bool = False
     kill_time: float = 0.0
@@ -439,9 +446,10 @@ def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int
                  final_iteration: int = 2, also: tuple[str, int] | None = None, attempts: int = 3) -> Outcome:
     """Kill the training inside ``target`` of ``iteration``, rerun, check (``Outcome`` says what).
 
-    ``kill="driver"``: SIGKILL the training process's group (the flow and its local Ray; the
-    resident workers end with their Ray). ``kill="worker"``: SIGKILL only the resident worker of
-    ``target``'s role (``ROLE_OF_STAGE``), and only while it runs a stage program; the run
+    ``kill="driver"``: SIGKILL the training process's group (the flow and its local Ray) and its
+    resident workers (sessions of their own: killed by pid at the same moment). ``kill="worker"``:
+    SIGKILL only the resident worker of ``target``'s role (``ROLE_OF_STAGE``), and only while it
+    runs a stage program (waiting up to ``WORKER_WAIT_S`` for one); the run
     replaces it and goes on, and is then rerun like the others (which reuses every committed
     stage). ``final_iteration``: the run's last iteration (its weights are compared with
     ``baseline``). ``also``: (stage, iteration) that must be running too at the kill (an overlap
@@ -499,10 +507,18 @@ def _kill_once(config, root: str, target: str, iteration: int, timeline: Timelin
     proc = start_training(config, root, api_url, env,
                           write_pause=f"iter={iteration:06d}/{target}@{WRITE_PAUSE_SECONDS}" if paused else None)
     output = _Output(proc)
+    # A driver kill takes the resident workers too: Ray gives each a session of its own, so the
+    # process group misses them and they would die only later, when their raylet notices (a
+    # background checkpoint write could still commit). Their pids are looked up while waiting
+    # (``ps`` takes tens of ms: not between the trigger and the kill) and killed with the group.
+    resident = kill == "driver" and "workers: resident" in Path(config).read_text()
+    workers, listed = [], 0.0
     t0 = time.time()
     while proc.poll() is None and time.time() - t0 < timeout:
         if all(exists(t) for t in triggers) and (triggers or output.first(DATA_CHECKED) is not None):
             break
+        if resident and time.time() - listed > 0.5:
+            workers, listed = [pid for pid, _ in resident_workers(proc.pid)], time.time()
         time.sleep(poll)
     time.sleep(delay)
     out = Outcome(target=target, iteration=iteration, phase=phase, delay=round(delay, 3), killed=False,
@@ -517,19 +533,29 @@ def _kill_once(config, root: str, target: str, iteration: int, timeline: Timelin
         return out
     victim = None
     if kill == "worker":
-        workers = resident_workers(proc.pid)
         role = ROLE_OF_STAGE[target]
         index = WORKER_START_ORDER.index(role)
-        if len(workers) > index and workers[index][1].startswith(f"ray::{WORKER_CLASSES[role].__name__}.run"):
-            victim = workers[index][0]
-        else:
-            out.notes.append(f"attempt at {root}: no kill sent, the {role} worker was not running a stage "
-                             f"(workers, oldest first: {workers})")
-            _end(proc)
-            return out
+        # the worker may be between calls (a weight sync, a ping): wait up to WORKER_WAIT_S for it
+        # to run a stage program, as long as the target has not committed, rather than start again
+        deadline = time.time() + WORKER_WAIT_S
+        while True:
+            workers = resident_workers(proc.pid)
+            if len(workers) > index and workers[index][1].startswith(f"ray::{WORKER_CLASSES[role].__name__}.run"):
+                victim = workers[index][0]
+                break
+            if time.time() > deadline or proc.poll() is not None or any(
+                    exists(f"{root}/iter={p[0]:06d}/{p[1]}/_MANIFEST.json") for p in pending):
+                out.notes.append(f"attempt at {root}: no kill sent, the {role} worker was not running a stage "
+                                 f"within {WORKER_WAIT_S} s (workers, oldest first: {workers})")
+                _end(proc)
+                return out
+            time.sleep(0.05)
         os.kill(victim, signal.SIGKILL)
     else:
         os.killpg(proc.pid, signal.SIGKILL)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait()
     out.kill_time, out.killed = time.time(), True
     out.committed_at_kill = committed(root)
@@ -572,6 +598,7 @@ def _rerun_and_check(config, root: str, out: Outcome, baseline, api_url, timeout
 
     before = snapshot(root)
     out.committed_before = len({"/".join(k.split("/")[:2]) for k in before})
+    out.rerun_started = time.time()
     rerun = start_training(config, root, api_url, env)
     log, _ = rerun.communicate(timeout=timeout)
     out.rerun_ok = rerun.returncode == 0
@@ -754,6 +781,13 @@ def resident_row(b: Baseline, target: str, kill: str) -> Outcome:
     """tests/test_faults_resident.py: kill the driver, or ``target``'s resident worker, in
     ``target`` of iteration 2."""
     return b.kill(f"run-{target}-{kill}", target, 2, f"resident-{target}-{kill}", kill=kill)
+
+
+def resident_checkpoint_row(b: Baseline) -> Outcome:
+    """tests/test_faults_resident.py: kill the driver (the workers with it) while the policy worker
+    writes iteration 3's checkpoint in the background (``ppo_update-policy``: its writer lock
+    taken, the optimizer stage committed before it, no manifest yet)."""
+    return b.kill("run-checkpoint-write", "ppo_update-policy", 3, "resident-checkpoint-write", phase="write")
 
 
 def async_row(b: Baseline, target: str, iteration: int, other: tuple[str, int]) -> Outcome:
