@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh bench      # on the GPU machine, from the repository root: issue 44 (~7 min)
 #   bash benchmarks/gpu_session.sh checks     # issues 45 and 47, and issue 44 again after fixes (~6 min)
 #   bash benchmarks/gpu_session.sh again      # the workers' tests with the tokenizer, then the whole bench (~5 min)
+#   bash benchmarks/gpu_session.sh resident   # the resident arm alone, 4 steps (~2 min)
 set -u
 PART=${1:-bench}
 OUT=${OUT:-$PWD/gpu-out}
@@ -32,7 +33,11 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output i
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: rc=$? $((SECONDS - t0)) s" >> "$OUT/steps.txt"
 }
-if [ "$PART" = again ]; then
+if [ "$PART" = resident ]; then
+# issue 44: the resident arm alone, 4 steps (step 4 writes its checkpoint in the background)
+step bench_resident 150 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --arms resident --steps 4 \
+    --json "$OUT/bench_resident.json"
+elif [ "$PART" = again ]; then
 # issue 45: the resident workers' tests on CUDA; .carry/default holds the default model's tokenizer and config
 # (no weights: the tests build tiny models with its tokenizer), so the tests find no GGUF to convert
 step workers_cuda 110 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m pytest -q -p no:cacheprovider -rs \
