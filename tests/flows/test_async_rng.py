@@ -69,7 +69,8 @@ def test_the_update_seeds_its_own_dropout_and_restores_the_global_generator(tiny
     from rft_core.models.loading import load_causal_lm
     from rft_core.models.lora import apply_lora
     from rft_core.training.strategy import SingleProcess
-    from rft_core.training.update import UpdateData, UpdateSettings, ppo_update
+    from rft_core.training.update import UpdateData, ppo_update
+    from tests.update_settings import update_settings
 
     prompts, responses = [[11, 12, 13], [21, 22]], [[101, 102, 103], [201, 202, 203, 204]]
     data = UpdateData(prompts, responses, [[-2.0] * len(r) for r in responses], [[1.0] * 3, [-1.0] * 4])
@@ -80,7 +81,7 @@ def test_the_update_seeds_its_own_dropout_and_restores_the_global_generator(tiny
                            target_modules="all-linear", base_path=tiny_model, seed=0)  # the same A matrices
         before = torch.get_rng_state()
         ppo_update(SingleProcess(model, torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=1.0),
-                                 max_grad_norm=1e9), data, UpdateSettings(seed=seed), pad_token_id=2)
+                                 max_grad_norm=1e9), data, update_settings(seed=seed), pad_token_id=2)
         assert torch.equal(torch.get_rng_state(), before)  # the process's generator as it was
         return torch.cat([q.detach().flatten() for n, q in model.named_parameters() if "lora_" in n])
 

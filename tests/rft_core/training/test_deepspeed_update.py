@@ -324,7 +324,7 @@ def test_resident_zero_gang_keeps_its_state_and_equals_the_torchrun_updates(upda
     within 1e-6 of the single process; every step's loss is the torchrun one."""
     pytest.importorskip("ray")
     from rft_core.workers.pool import stop_workers
-    from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, has_weights
+    from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, has_weights
 
     import ray
 
