@@ -60,7 +60,7 @@ _SHARED_GPU = 1 / len(ROLES)
 
 
 def _ray(workers: WorkersConfig | None = None):
-    """The ray module, connected (a local Ray started here, or ``workers.ray_address``).
+    """The ray module, connected (a local Ray started here, or ``workers.ray.address``).
 
     Raises:
         WorkerError: Ray is not installed.
@@ -72,9 +72,9 @@ def _ray(workers: WorkersConfig | None = None):
     if not ray.is_initialized():
         kw: dict[str, Any] = {"include_dashboard": False, "namespace": NAMESPACE, "log_to_driver": True}
         if workers is not None:
-            kw.update(workers.ray_init_kwargs)
-            if workers.ray_address:
-                kw["address"] = workers.ray_address
+            kw.update(workers.ray.init_kwargs)
+            if workers.ray.address:
+                kw["address"] = workers.ray.address
         env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
         if env:
             kw.setdefault("runtime_env", {}).setdefault("env_vars", env)
@@ -112,7 +112,7 @@ def actor_options(workers: WorkersConfig, role: str, *, cluster_gpus: float) -> 
     """The Ray actor options of each actor of ``role`` (every policy rank gets the same).
 
     Args:
-        workers: the pool's settings; ``workers.options[role]`` (``ray.options``)
+        workers: the pool's settings; ``workers.ray.options[role]`` (``ray.options``)
             overrides any default key, e.g. ``{num_gpus: 0.5}`` or ``{resources: {node_a: 1}}``.
         role: one of ``ROLES``; all of them hold a model.
         cluster_gpus: ``ray.cluster_resources().get("GPU", 0)``, GPUs of the whole cluster.
@@ -128,7 +128,7 @@ def actor_options(workers: WorkersConfig, role: str, *, cluster_gpus: float) -> 
         options["num_gpus"] = workers.rollout_gpus if role == "rollout" else 1
     elif cluster_gpus >= 1:
         options["num_gpus"] = _SHARED_GPU
-    options.update(workers.options.get(role, {}))
+    options.update(workers.ray.options.get(role, {}))
     return options
 
 

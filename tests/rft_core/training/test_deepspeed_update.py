@@ -292,10 +292,11 @@ def test_critic_update_under_zero2_on_two_ranks_matches_one_process(update_input
 
 
 def _resident_workers(pool: str):
-    from rft_core.config import WorkersConfig
+    from rft_core.config import RayConfig, WorkersConfig
 
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    return WorkersConfig(pool=pool, threads=1, policy_ranks=2, options={"policy": {"runtime_env": {"env_vars": env}}})
+    return WorkersConfig(pool=pool, threads=1, policy_ranks=2,
+                         ray=RayConfig(options={"policy": {"runtime_env": {"env_vars": env}}}))
 
 
 def _resident_chain(update_inputs, tiny_model, workers, zero_stage: int, tag: str, *, stop_after: int | None = None,
