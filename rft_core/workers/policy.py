@@ -17,12 +17,14 @@ import torch
 
 from rft_core.config import WorkersConfig
 from rft_core.counters import count
+from rft_core.network import free_port
 from rft_core.stages.lineage import has_weights
+from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.recovery import rebuild_trainer
 from rft_core.stages.sources import version_key
 from rft_core.stages.update import configure_trainer
 from rft_core.weightsync.choose import device_id, group_backend, transport
-from rft_core.weightsync.collective import free_port, host_address
+from rft_core.weightsync.collective import host_address
 from rft_core.weightsync.plan import SyncPlan, WeightSyncError, sync_device
 from rft_core.weightsync.trained import strategy_device, trained_tensors
 from rft_core.workers.base import FanOut, ResidentWorker, fan_out
@@ -81,6 +83,17 @@ class PolicyWorker(ResidentWorker):
             count("recovered_updates", report["replayed"])
             self.held, self.version = trainer, key
         return self.held
+
+    @fan_out(FanOut.EACH)
+    def close(self) -> None:
+        """Finish this rank's pending background writes (the optimizer state and, for a resident
+        checkpoint iteration, the weights: ``rft_core.stages.optimizer_state``) before the worker
+        is stopped.
+
+        Raises:
+            OptimizerStateError: a write failed (resuming the run recomputes that state).
+        """
+        wait_for_optimizer_writes()
 
     # -- the sending side of a weight sync ---------------------------------------------------
     @fan_out(FanOut.COLLECTIVE)
