@@ -23,7 +23,7 @@ log shows. An actor that Ray cannot place within ``RFT_WORKER_PLACEMENT_TIMEOUT_
 
 A worker that died (killed, out of memory, its node gone) is replaced once per call and the
 stage runs again: a committed stage is reused, an interrupted one recomputed, and the new
-worker rebuilds its model (``rft_core.workers.policy.rebuild_trainer``); a policy rank that dies or fails ends
+worker rebuilds its model (``rft_core.stages.recovery.rebuild_trainer``); a policy rank that dies or fails ends
 its whole gang (its peers would wait in a collective), which is started anew the same way. Actors are owned by the process that
 created them, so they end with it (Ctrl-C, SIGTERM, a crash); ``stop_workers`` ends them at the
 end of a run.

@@ -17,8 +17,8 @@ from rft_core.models.loading import load_causal_lm
 from rft_core.stages.checkpoints import WeightlessPolicyError, policy_model_path
 from rft_core.weightsync import local as sync_module
 from rft_core.counters import COUNTS
-from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, has_weights, policy_chain, weights_stage
+from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.workers.policy import PolicyWorker
 from rft_core.workers.pool import ROLE_OF_PROGRAM
 from rft_core.workers.reference import ReferenceWorker
