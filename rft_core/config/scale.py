@@ -106,7 +106,8 @@ class WorkersConfig(_Frozen):
     pool: str = Field(description="the pool's name (the run root): its workers are the Ray actors named after it")
     ray: RayConfig = Field(default_factory=RayConfig, description="the ray section: the cluster the pool joins "
                            "(address, init_kwargs) and each role's actor options (options[role], over "
-                           "rft_core.workers.pool.actor_options' defaults; rollout_shard is the fan-out's, no worker's)")
+                           "rft_core.workers.pool.actor_options' defaults; rollout_shard is the fan-out's, "
+                           "no worker's)")
     sync_timeout_s: float = Field(300.0, gt=0, description="orchestration.sync_timeout_s")
     sync_bucket_mb: int = Field(256, gt=0, description="orchestration.sync_bucket_mb")
     threads: int | None = Field(None, gt=0, description="orchestration.worker_threads (None: the caller's count)")

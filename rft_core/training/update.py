@@ -225,8 +225,9 @@ def update_rng(seed: int, device: torch.device) -> Iterator[None]:
     model's dropout (``nn.Dropout`` takes no generator argument); gradient checkpointing saves its
     state in the forward and restores it for the recomputation, so the recomputed masks equal the
     forward's. Seeded per update, the masks depend on the update's seeds (``update_seeds``) and
-    inputs only, not on what ran before in the process (a resumed run, another iteration order, a resident worker's
-    earlier updates, the rollout engine: which draws from its own ``torch.Generator``).
+    inputs only, not on what ran before in the process (a resumed run, another iteration order, a
+    resident worker's earlier updates, the rollout engine: which draws from its own
+    ``torch.Generator``).
     """
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
