@@ -80,6 +80,7 @@ def one(args) -> int:
     import torch
 
     from rft_core.models.loading import load_tokenizer
+    from rft_core.config import UpdateConfig
     from rft_core.training.update import UpdateSettings, ppo_update
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -92,8 +93,8 @@ def one(args) -> int:
     tok = load_tokenizer(args.model)
     setup_s = time.perf_counter() - t0
     data = _data(args, min(len(tok), 32000))
-    settings = UpdateSettings(micro_batch_size=args.micro_batch, train_batch_size=max(1, args.samples // args.steps),
-                              packing=True)
+    settings = UpdateSettings(UpdateConfig(micro_batch_size=args.micro_batch,
+                                           train_batch_size=max(1, args.samples // args.steps), packing=True))
 
     def update():
         if cuda:

@@ -217,7 +217,7 @@ TARGETS = {
                     "schemas:write_shard"],
     "shard_read": ["schemas:read_shard", "schemas.shards:read_manifest", "schemas.shards:committed_ref"],
     "file_checksums": ["schemas.shards:_file_entries"],
-    "weight_digest": ["rft_core.weightsync.checksum:sync_checksum", "rft_core.weightsync.trained:trained_digest"],
+    "weight_digest": ["rft_core.weightsync.checksum:sync_checksum", "rft_core.stages.lineage:trained_digest"],
     "config_hash": ["rft_core.stages.contracts:StageInput.config_hash"],
     "input_validation": ["rft_core.stages.contracts:StageInput.__init__"],
     "weight_sync": ["rft_core.workers.rollout:RolloutWorker._pull"],

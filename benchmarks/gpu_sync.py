@@ -69,7 +69,8 @@ def sync_once(kind: str, tensors: dict) -> dict:
     import torch.multiprocessing as mp
 
     from rft_core.weightsync.checksum import sync_checksum
-    from rft_core.weightsync.collective import free_port, send_weights
+    from rft_core.network import free_port
+    from rft_core.weightsync.collective import send_weights
     from rft_core.weightsync.cuda_ipc import export_cuda_ipc
     from rft_core.weightsync.plan import SyncPlan
 

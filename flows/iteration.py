@@ -160,7 +160,8 @@ def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef,
     the critic update, submitted together: (advantages, new policy, new critic or None).
     ``parts`` holds the rollout, rewards and whichever of actor_logprobs, ref_logprobs,
     critic_values, teacher_logprobs and baseline_rollout / baseline_rewards (remax) ran.
-    ``save_checkpoint``: the update writes the new weights and AdamW state (``checkpoint.every``); ``policy_version``: the version ``policy`` is (recorded by the update). The iteration flow and the replay flow both train through here."""
+    ``save_checkpoint``: the update writes the new weights and AdamW state (``checkpoint.every``); ``policy_version``: the version ``policy`` is (recorded by the update; with update.seed it seeds
+    its micro-batch order and dropout masks). The iteration flow and the replay flow both train through here."""
     rollout, actor, ref, values = parts["rollout"], parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
     adv = tasks.tagged(tasks.advantages, tags)(inp=AdvantagesInput(
         rollout=rollout, rewards=parts["rewards"], actor_logprobs=actor, ref_logprobs=ref, critic_values=values, kl=kl,

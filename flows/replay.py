@@ -63,7 +63,7 @@ def replay(source_run_root: str, cfg: TrainConfig) -> ReplayResult:
             return stage_uri(cfg.run_root, i, stage)
 
         adv, policy, _ = train_on(cfg, src, policy=policy, critic=None, state=state, kl=kl, out=out, tags=tags,
-                                  background_optimizer=False)
+                                  background_optimizer=False, policy_version=i - 1)  # its seeds: iteration i's
         state = next_state(adv)
         m = iteration_metrics(i, {**src, "advantages": adv, "ppo_update": policy})
         rows.append(m)

@@ -27,8 +27,8 @@ from rft_core.stages.contracts import *  # noqa: F403 - every stage input model 
 from rft_core.stages.contracts import StageInput
 from rft_core.stages.dynamic import count_signal_groups
 from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, eval_report_lines, resolve_checkpoint
+from rft_core.stages.lineage import weights_stage
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
-from rft_core.stages.recovery import weights_stage
 from rft_core.stages.retention import apply_retention, prune_checkpoints
 from rft_core.stages.teacher import check_teacher_tokenizer
 from rft_core.storage import RunRootError, check_run_root, repair as repair_stage, verify_run

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
+from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, weights_stage
 from rft_core.stages.optimizer_state import optimizer_commit
-from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, weights_stage
 from rft_core.stages.retention import WEIGHT_SUFFIXES
 from schemas import ShardError, ShardRef, filesystem, pruned_files, read_manifest, read_shard, stage_uri
 from schemas.storage import stage_folders

@@ -1,7 +1,8 @@
 """Size rules of issue 37 ("the update reads as a recipe"), checked on the source:
 
-- ``ppo_update`` takes the update's settings object (``UpdateSettings``), not one argument per
-  config field: at most 8 parameters;
+- ``ppo_update`` takes the update's settings object (``UpdateSettings``: the ``update`` and ``kl``
+  config sections as they are, issue 46), not one argument per config field: at most 8
+  parameters; ``critic_update`` takes the ``critic`` section the same way;
 - no function (nested ones included) in ``rft_core/stages``, ``rft_core/training`` or
   ``rft_core/workers`` is longer than 80 lines (``end_lineno - lineno + 1`` of every
   ``def`` / ``async def``, decorators not counted, the docstring counted).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import typing
 from pathlib import Path
 
 import pytest
@@ -46,9 +48,17 @@ def test_no_function_is_longer_than_80_lines(package):
                       f"by responsibility): " + "; ".join(f"{where} ({n} lines)" for n, where in long))
 
 
-def test_ppo_update_takes_the_settings_object_not_the_config_fields():
+def test_the_updates_take_the_config_sections_not_their_fields():
+    from rft_core.config import CriticConfig, KLConfig, UpdateConfig
+    from rft_core.training.critic import critic_update
     from rft_core.training.update import UpdateSettings, ppo_update
 
     params = inspect.signature(ppo_update).parameters
     assert len(params) <= MAX_PPO_UPDATE_PARAMETERS, list(params)
     assert "settings" in params and params["settings"].annotation in ("UpdateSettings", UpdateSettings)
+    # the sections themselves, plus the two values the stage adds (no copy of a config field)
+    hints = typing.get_type_hints(UpdateSettings)
+    assert hints == {"update": UpdateConfig, "kl": KLConfig, "temperature": float, "policy_version": int}
+    params = inspect.signature(critic_update).parameters
+    assert len(params) <= MAX_PPO_UPDATE_PARAMETERS, list(params)
+    assert params["cfg"].annotation in ("CriticConfig", CriticConfig)

@@ -118,7 +118,7 @@ def test_credentials_only_in_the_driver_reach_the_workers_on_two_nodes(two_nodes
     import fsspec
     import ray
 
-    from rft_core.config import WorkersConfig
+    from rft_core.config import RayConfig, WorkersConfig
     from rft_core.workers.pool import start_gang, stop_workers
 
     pool, probe = "s3://rft/credentials", "s3://rft/credentials/probe.txt"
@@ -139,7 +139,7 @@ def test_credentials_only_in_the_driver_reach_the_workers_on_two_nodes(two_nodes
                 data = f.read()
         return {"node": ray.get_runtime_context().get_node_id(), "env": env, "data": data}
 
-    workers = WorkersConfig(pool=pool, ray_address=two_nodes["cluster"].address, threads=1, options=PINNED)
+    workers = WorkersConfig(pool=pool, ray=RayConfig(address=two_nodes["cluster"].address, options=PINNED), threads=1)
     try:
         seen = ray.get(start_gang(workers, "rollout")[0].__ray_call__.remote(storage_view), timeout=120)
     finally:

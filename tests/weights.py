@@ -1,13 +1,13 @@
 """Where a test finds a committed policy's checkpoint files: the ``ppo_update`` folder, or, for a
 resident checkpoint iteration written in the background (``checkpoint.async_weights``), the
-sibling stage ``ppo_update-policy`` (``rft_core.stages.recovery.weights_stage``), once the
+sibling stage ``ppo_update-policy`` (``rft_core.stages.lineage.weights_stage``), once the
 process's pending background writes have finished."""
 from __future__ import annotations
 
 from pathlib import Path
 
+from rft_core.stages.lineage import weights_stage
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
-from rft_core.stages.recovery import weights_stage
 from schemas import ShardRef, read_manifest, stage_uri
 
 

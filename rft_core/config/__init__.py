@@ -231,13 +231,11 @@ class TrainConfig(_Frozen):
         the task's process."""
         if stage in self.runners:
             return self.runners[stage]
-        o, ray = self.orchestration, self.ray
+        o = self.orchestration
         if o.workers == "resident" and stage in RESIDENT_STAGES:
             return RunnerConfig(mode="resident", workers=WorkersConfig(
-                pool=self.run_root, ray_address=ray.address, ray_init_kwargs=ray.init_kwargs,
-                sync_timeout_s=o.sync_timeout_s, sync_bucket_mb=o.sync_bucket_mb, threads=o.worker_threads,
-                options={role: opts for role, opts in ray.options.items() if role in RAY_ROLES},
-                policy_ranks=o.policy_ranks,
+                pool=self.run_root, ray=self.ray, sync_timeout_s=o.sync_timeout_s, sync_bucket_mb=o.sync_bucket_mb,
+                threads=o.worker_threads, policy_ranks=o.policy_ranks,
                 rollout_versions=max(1, self.rollout.max_staleness),
                 rollout_gpus=getattr(getattr(self.rollout, self.rollout.engine, None), "tensor_parallel_size", 1),
                 keep_device_cache=self.rollout.engine == "hf"))

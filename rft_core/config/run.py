@@ -38,7 +38,7 @@ class CheckpointConfig(_Frozen):
     iterations commit their experience and update shards only. K > 1 needs resident workers
     (``orchestration.workers: resident``), which hold the policy between checkpoints; after a
     crash the policy is rebuilt from the last checkpoint by re-applying the committed updates
-    after it (``rft_core.workers.recovery``). The defaults bound a run's disk: on SmolLM2-135M about 1.1 GB of optimizer state plus
+    after it (``rft_core.stages.recovery``). The defaults bound a run's disk: on SmolLM2-135M about 1.1 GB of optimizer state plus
     3 x 0.54 GB of weights, plus 54 MB per iteration for every 10th iteration's weights
     (``docs/reliability.md``). ``keep_last: null`` keeps everything.
 

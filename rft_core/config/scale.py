@@ -115,18 +115,18 @@ class RayConfig(_Frozen):
 
 class WorkersConfig(_Frozen):
     """How a stage reaches its resident worker (``RunnerConfig.mode == "resident"``): a runtime
-    object, not a config section. ``TrainConfig.runner`` builds it from ``ray`` and
-    ``orchestration`` (a user's ``runners.<stage>.workers`` is a deprecated key,
+    object, not a config section. ``TrainConfig.runner`` builds it from the ``ray`` section (held
+    as it is) and ``orchestration`` (a user's ``runners.<stage>.workers`` is a deprecated key,
     ``rft_core.config.deprecated``). Never part of a config hash."""
 
     pool: str = Field(description="the pool's name (the run root): its workers are the Ray actors named after it")
-    ray_address: str | None = Field(None, description="ray.address")
-    ray_init_kwargs: dict[str, Any] = Field(default_factory=dict, description="ray.init_kwargs")
+    ray: RayConfig = Field(default_factory=RayConfig, description="the ray section: the cluster the pool joins "
+                           "(address, init_kwargs) and each role's actor options (options[role], over "
+                           "rft_core.workers.pool.actor_options' defaults; rollout_shard is the fan-out's, "
+                           "no worker's)")
     sync_timeout_s: float = Field(300.0, gt=0, description="orchestration.sync_timeout_s")
     sync_bucket_mb: int = Field(256, gt=0, description="orchestration.sync_bucket_mb")
     threads: int | None = Field(None, gt=0, description="orchestration.worker_threads (None: the caller's count)")
-    options: dict[str, dict[str, Any]] = Field(default_factory=dict, description="ray.options of the roles, over "
-                                               "rft_core.workers.pool.actor_options' defaults")
     policy_ranks: int = Field(1, gt=0, description="orchestration.policy_ranks")
     rollout_versions: int = Field(1, gt=0, description="policy versions the rollout worker keeps a copy of "
                                   "(rollout.max_staleness s > 1: s)")

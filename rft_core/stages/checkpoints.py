@@ -20,7 +20,7 @@ from pathlib import Path
 import fsspec
 
 from rft_core.models.loading import cache_dir
-from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, weights_stage
+from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, weights_stage
 from rft_core.stages.retention import require_unpruned
 from rft_core.training.checkpoint import OPTIMIZER_FILE
 from schemas import PolicyRef, ShardRef, local_path, read_manifest, verify_files

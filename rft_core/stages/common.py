@@ -13,7 +13,7 @@ import fsspec
 import pyarrow as pa
 
 from rft_core.stages.contracts import StageInput
-from rft_core.stages.recovery import weights_stage
+from rft_core.stages.lineage import weights_stage
 from rft_core.stages.retention import CHECKPOINT_STAGES, latest_policy_checkpoint
 from rft_core.training.checkpoint import save_checkpoint
 from rft_core.training.strategy import DeepSpeedStrategy, FSDPStrategy, SingleProcess

@@ -398,9 +398,10 @@ class PPOUpdateInput(StageInput):
     # |log pi - log ref| = sqrt(2 kl_clamp), saturating at kl_clamp (issue 29)
     # 5: bf16 forward/backward on the bfloat16 weights, float32 master grads (issue 29); 6: the update's random draws
     # seeded by update.seed (LoRA's initial A matrices, LoRA / model dropout masks), the entropy bonus never masked by
-    # the rollout correction (issue 39)
-    version: ClassVar[int] = 6
-    unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer", "save_checkpoint", "policy_version",
+    # the rollout correction (issue 39); 7: the micro-batch order and the dropout masks mix policy_version (and the
+    # DeepSpeed or FSDP2 rank, for the masks) into update.seed, so each iteration draws its own (issue 46)
+    version: ClassVar[int] = 7
+    unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer", "save_checkpoint",
                                                     "background_checkpoint"})
     config_paths: ClassVar[Mapping[str, str]] = {"update": "update", "kl": "kl", "policy": "policy.path",
                                                  "dtype": "policy.dtype", "temperature": "rollout.temperature"}
@@ -416,8 +417,10 @@ class PPOUpdateInput(StageInput):
     background_optimizer: bool = False
     save_checkpoint: bool = Field(True, description="write the new weights and AdamW state (checkpoint.every); False: "
                                   "a resident worker keeps them in memory and the manifest records their digest")
-    policy_version: int | None = Field(None, description="the version ``policy`` is (the iteration whose update made "
-                                       "it; 0: the initial policy), recorded in the manifest; implied by ``policy``")
+    policy_version: int | None = Field(None, ge=0, description="the version ``policy`` is (the iteration whose update "
+                                       "made it; 0: the initial policy; None: 0), recorded in the manifest; with "
+                                       "update.seed it seeds the update's micro-batch order and dropout masks "
+                                       "(rft_core.training.update.update_seeds), so it enters the config hash")
     background_checkpoint: bool = Field(False, description="with save_checkpoint, in a resident worker (one process): "
                                         "commit the update as between checkpoints (the weights' digest, no weights) and "
                                         "write the weights and AdamW state in the background as the sibling stages "

@@ -95,10 +95,8 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         quiet = strategy.rank != 0
         with Timer() as t, progress_reporter("critic_update", unit="micro-batches", use_bar=False if quiet else None,
                                              log_fn=(lambda line: None) if quiet else None) as progress:
-            steps = critic_update(strategy, data, pad_token_id=tok.pad_token_id, value_loss=cfg.value_loss,
-                                  value_clip=cfg.value_clip, loss_agg=cfg.loss_agg, epochs=cfg.epochs,
-                                  train_batch_size=cfg.train_batch_size, micro_batch_size=cfg.micro_batch_size,
-                                  seed=cfg.seed, packing=cfg.packing, processor=processor, progress=progress)
+            steps = critic_update(strategy, data, cfg, pad_token_id=tok.pad_token_id, processor=processor,
+                                  progress=progress)
         summary = {"seconds": t.seconds, "value_loss": sum(s.value_loss for s in steps) / len(steps),
                    "value_clip_frac": sum(s.value_clip_frac for s in steps) / len(steps)}
         inputs = {"rollout": inp.rollout, "advantages": inp.advantages, "critic_values": inp.critic_values,

@@ -32,7 +32,7 @@ synchronously (each rank holds its partition only until it exits).
 
 A resident checkpoint iteration (``PPOUpdateInput.background_checkpoint``, issue 44) takes the
 weights off the critical path as well: its ``ppo_update`` commits as between checkpoints (the
-weights' digest and its own input, no weights: ``rft_core.stages.recovery``), then the same
+weights' digest and its own input, no weights: ``rft_core.stages.lineage``), then the same
 writer thread writes the optimizer stage and, after it, ``iter=K/ppo_update-policy`` (stage
 ``policy_checkpoint``: ``policy/``, the HF folder ``policy_model_path`` hands out, under its own
 manifest), while the next iteration's rollout runs. The weights stage commits last, so a policy
@@ -65,7 +65,7 @@ import torch
 from rft_core.stages.checkpoints import policy_checkpoint_dir
 from rft_core.stages.common import Commit, stage_commit
 from rft_core.stages.contracts import OptimizerStateInput, PolicyCheckpointInput
-from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri
+from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri
 from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX, save_checkpoint
 from rft_core.training.fsdp import FSDP_TAG, init_process_group
 from rft_core.training.strategy import (

@@ -1,97 +1,100 @@
-"""Exact recovery of a policy that lived only in memory (``checkpoint.every`` > 1).
+"""Exact recovery of a policy that lived only in memory (``checkpoint.every`` > 1): the one
+place that rebuilds it.
 
-Between checkpoints a ``ppo_update`` commits its metrics but no weights; its manifest records
-the digest of the weights it produced (``weights_sha256``, ``rft_core.weightsync.trained.tensors_digest``)
-and its own input (``update_input``: the ``PPOUpdateInput``, whose ``policy`` names the update
-before it). So every such policy has a chain back to the last policy whose weights are on
-storage (a checkpoint, or the initial model): ``policy_chain``. ``rebuild_trainer`` loads that
-checkpoint with its AdamW state, exactly as ``workers=stage`` does, then re-applies each
-committed update after it from its own committed input shards (rollout, advantages, log-probs:
-no rollout is regenerated) through the same training code, and checks each result against the
-committed digest (``rft_core.workers.policy.rebuild_trainer``; this module only reads
-manifests: the stage programs own it, the workers import it). On the CPU the updates are
-deterministic, so the rebuilt weights and AdamW state are those of the uninterrupted run, bit
-for bit; a digest that differs (a nondeterministic
-GPU kernel) stops with ``RecoveryError`` unless the caller accepts the difference.
+A weightless ``ppo_update`` records the digest of the weights it produced and its own input
+(``rft_core.stages.lineage``, which also finds the chain of such updates back to stored
+weights: ``policy_chain``). ``rebuild_trainer`` loads that chain's base checkpoint with its
+AdamW state, exactly as ``workers=stage`` does, then re-applies each committed update after it
+from its own committed input shards (rollout, advantages, log-probs: no rollout is regenerated)
+through the same training code (``replay_update``: the update's seeds come from its recorded
+input, ``update.seed`` and ``policy_version``, so it draws the masks and the order it drew the
+first time), and checks each result against the committed digest (``check_digest``). On the CPU
+the updates are deterministic, so the rebuilt weights and AdamW state are those of the
+uninterrupted run, bit for bit; a digest that differs (a nondeterministic GPU kernel) stops with
+``RecoveryError``. The resident policy worker (``rft_core.workers.policy.PolicyWorker``) calls
+``rebuild_trainer`` when it does not hold the policy an update starts from.
 """
 from __future__ import annotations
 
+import logging
+import time
+from typing import Any
+
 from rft_core.stages.contracts import PPOUpdateInput
-from rft_core.training.checkpoint import POLICY_FOLDER_SUFFIX
+from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, RecoveryError, policy_chain, trained_digest, update_input_of
+from rft_core.stages.optimizer_state import optimizer_state_ref
+from rft_core.stages.update import (
+    PolicyTrainer,
+    build_trainer,
+    configure_trainer,
+    run_update_steps,
+    update_correction,
+    update_data,
+)
+from rft_core.training.update import StepMetrics
 from schemas import PolicyRef, ShardRef, read_manifest
-from schemas.shards import ShardNotCommittedError
 
-WEIGHTS_DIGEST_KEY = "weights_sha256"
-UPDATE_INPUT_KEY = "update_input"
-
-
-class RecoveryError(RuntimeError):
-    """A policy could not be rebuilt exactly: a committed update in its chain is missing its
-    recorded input, or re-applying it gave other weights than the committed digest."""
-
-
-def policy_checkpoint_uri(update: ShardRef) -> str:
-    """URI of the sibling stage ``{update}-policy`` that holds the weights of a ``ppo_update``
-    committed without them by a resident checkpoint iteration (``PPOUpdateInput.background_checkpoint``)."""
-    return update.uri.rstrip("/") + POLICY_FOLDER_SUFFIX
-
-
-def weights_stage(ref: ShardRef, subdir: str = "policy") -> ShardRef | None:
-    """The committed stage whose ``subdir/`` folder holds the weights of the committed training
-    stage ``ref``: ``ref`` itself when its manifest lists files there; for a ``ppo_update``
-    committed without them (``WEIGHTS_DIGEST_KEY`` in its summary), its sibling
-    ``policy_checkpoint_uri(ref)`` once committed with ``ref`` as its input (a background
-    checkpoint that finished); else None (the weights live in a resident worker's memory, or
-    their background write has not committed: a crash during it leaves the previous checkpoint
-    the one a resume starts from)."""
-    manifest, _ = read_manifest(ref.uri)
-    if any(e.path.startswith(f"{subdir}/") for e in manifest.files):
-        return ref
-    if subdir != "policy" or WEIGHTS_DIGEST_KEY not in manifest.summary:
-        return None
-    try:
-        sibling = ShardRef.from_manifest(policy_checkpoint_uri(ref))
-    except ShardNotCommittedError:
-        return None
-    sib, _ = read_manifest(sibling.uri)
-    return sibling if sib.inputs.get("ppo_update") == ref.manifest_sha256 else None
-
-
-def has_weights(ref: ShardRef, subdir: str = "policy") -> bool:
-    """Whether the weights of the committed training stage ``ref`` are on storage (``weights_stage``)."""
-    return weights_stage(ref, subdir) is not None
-
-
-def update_input_of(ref: ShardRef):
-    """The ``PPOUpdateInput`` that produced the committed weightless update ``ref``.
-
-    Raises:
-        RecoveryError: the manifest records no input (an update that wrote its weights, or one
-            written by an older version).
-    """
-    summary = read_manifest(ref.uri)[0].summary
-    if UPDATE_INPUT_KEY not in summary:
-        raise RecoveryError(f"{ref.uri}: this update kept its weights in memory but its manifest does not record its "
-                            "input, so it cannot be re-applied; rerun from a fresh run root")
-    return PPOUpdateInput.model_validate(summary[UPDATE_INPUT_KEY])
-
-
-def policy_chain(ref: PolicyRef) -> tuple[PolicyRef, list[ShardRef]]:
-    """(base, updates): ``base`` is the nearest policy at or before ``ref`` whose weights are on
-    storage (a checkpoint, or an initial model path); ``updates`` are the committed weightless
-    updates after it, oldest first, ending with ``ref`` (empty when ``ref`` is the base)."""
-    chain: list[ShardRef] = []
-    while isinstance(ref, ShardRef) and not has_weights(ref):
-        chain.append(ref)
-        ref = update_input_of(ref).policy
-    return ref, chain[::-1]
-
-
-def weights_base(ref: PolicyRef) -> PolicyRef:
-    """The policy whose stored weights ``ref`` descends from (``ref`` itself when it has them)."""
-    return policy_chain(ref)[0]
+log = logging.getLogger("rft_core.stages")
 
 
 def committed_digest(ref: ShardRef) -> str:
-    """The weights digest a weightless update recorded."""
+    """The weights digest the committed weightless update ``ref`` recorded (``WEIGHTS_DIGEST_KEY``)."""
     return read_manifest(ref.uri)[0].summary[WEIGHTS_DIGEST_KEY]
+
+
+def replay_update(trainer: PolicyTrainer, inp: PPOUpdateInput) -> list[StepMetrics]:
+    """Re-apply the committed update ``inp`` to ``trainer`` (which holds ``inp.policy``) from
+    its committed input shards, as it ran the first time: its learning rate and clipping, its
+    data, rollout correction and seeds. Commits nothing."""
+    configure_trainer(trainer, inp.update)
+    data = update_data(inp)
+    correction, _ = update_correction(inp.update, data)
+    return run_update_steps(trainer, inp, data, correction, quiet=True)[0]
+
+
+def check_digest(trainer: PolicyTrainer, update: ShardRef) -> None:
+    """Check that ``trainer`` holds the weights the committed weightless ``update`` recorded
+    (``trained_digest`` by the recorded digest's own method; a collective under DeepSpeed and
+    FSDP2, where rank 0 checks).
+
+    Raises:
+        RecoveryError: the digests differ (nondeterministic kernels, or the input shards changed).
+    """
+    want = committed_digest(update)
+    got = trained_digest(trainer.strategy, like=want)
+    if got is not None and got != want:  # None: a DeepSpeed or FSDP2 rank above 0
+        raise RecoveryError(f"re-applying the committed update {update.uri} gave other weights than it recorded (digest "
+                            f"{got[:12]} vs {want[:12]}): nondeterministic kernels, or the input shards changed")
+
+
+def rebuild_trainer(ref: PolicyRef, inp: PPOUpdateInput | None) -> tuple[PolicyTrainer, dict[str, Any]]:
+    """The policy trainer holding exactly ``ref``: the base checkpoint of ``ref``
+    (``policy_chain``) loaded with its AdamW state, built for the first update of the chain (for
+    ``ref`` with stored weights: for ``inp``, the update about to run, its ``update`` config and
+    ``dtype``), then the committed updates after it re-applied (``replay_update``), each checked
+    against its committed digest (``check_digest``).
+
+    Returns:
+        (trainer, report): ``report`` has ``base`` (its URI or path), ``replayed`` (updates
+        re-applied) and ``seconds``.
+    Raises:
+        RecoveryError: a recorded input is missing, or a re-applied update's weights differ from
+            its digest; ``ValueError``: ``ref`` has its weights on storage and ``inp`` is None;
+            ``OptimizerStateError`` / ``CheckpointPrunedError`` when the base checkpoint's AdamW
+            state or weights are gone.
+    """
+    t0 = time.perf_counter()
+    base, chain = policy_chain(ref)
+    first = update_input_of(chain[0]) if chain else inp
+    if first is None:
+        raise ValueError(f"rebuild_trainer: {ref} has its weights on storage: building its trainer needs the update's input")
+    trainer = build_trainer(base, first.update, dtype=first.dtype, opt_ref=optimizer_state_ref(base))
+    for u in chain:
+        replay_update(trainer, update_input_of(u))
+        check_digest(trainer, u)
+    report = {"base": base.uri if isinstance(base, ShardRef) else base, "replayed": len(chain),
+              "seconds": time.perf_counter() - t0}
+    if chain:
+        log.info("rebuilt the policy of %s from %s by re-applying %d committed update(s) in %.1f s",
+                 ref.uri if isinstance(ref, ShardRef) else ref, report["base"], len(chain), report["seconds"])
+    return trainer, report

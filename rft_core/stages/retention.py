@@ -29,7 +29,7 @@ import logging
 from typing import Literal
 
 from rft_core.config import CheckpointConfig
-from rft_core.stages.recovery import has_weights
+from rft_core.stages.lineage import has_weights
 from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX, POLICY_FOLDER_SUFFIX
 from schemas import ShardRef, prune_files, pruned_files, read_manifest, stage_uri
 from schemas.shards import ShardNotCommittedError

@@ -19,7 +19,7 @@ from rft_core.models.loading import load_causal_lm
 from rft_core.models.logprobs import default_device, release_device_memory
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_model_path
 from rft_core.stages.contracts import PPOUpdateInput
-from rft_core.stages.recovery import weights_base
+from rft_core.stages.lineage import weights_base
 from schemas import PolicyRef
 
 if TYPE_CHECKING:

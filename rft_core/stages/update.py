@@ -18,6 +18,13 @@ from rft_core.stages.advantages import overlong_filtered
 from rft_core.stages.checkpoints import POLICY_SUBDIR, policy_model_path
 from rft_core.stages.common import Commit, Timer, commit_trained, stage_commit
 from rft_core.stages.contracts import PPOUpdateInput, stage_program
+from rft_core.stages.lineage import (
+    UPDATE_INPUT_KEY,
+    WEIGHTS_DIGEST_KEY,
+    has_weights,
+    policy_checkpoint_uri,
+    trained_digest,
+)
 from rft_core.stages.optimizer_state import (
     OptimizerStateError,
     commit_optimizer_state,
@@ -48,9 +55,7 @@ from rft_core.training.update import (
     ppo_update,
     rollout_correction_weights,
 )
-from rft_core.stages.recovery import UPDATE_INPUT_KEY, WEIGHTS_DIGEST_KEY, has_weights, policy_checkpoint_uri
 from rft_core.stages.sources import current_source
-from rft_core.weightsync.trained import trained_digest
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard, sha256_file
 from schemas.batch import align_on_sample_id
 from schemas.columns import PPO_UPDATE, token_versions_of
@@ -137,7 +142,7 @@ def update_data(inp: PPOUpdateInput) -> UpdateData:
                       excluded=excluded, action_masks=r.column("action_mask").to_pylist())
 
 
-def _correction(cfg: UpdateConfig, data: UpdateData) -> tuple[SampleCorrection | None, dict[str, float]]:
+def update_correction(cfg: UpdateConfig, data: UpdateData) -> tuple[SampleCorrection | None, dict[str, float]]:
     """The rollout correction when ``cfg.rollout_correction.enabled`` (and its metrics); without
     it, only ``rollout_kl`` (the mismatch KL(pi_rollout || pi_old)) when the actor stage ran."""
     rc = cfg.rollout_correction
@@ -196,31 +201,29 @@ def configure_trainer(trainer: PolicyTrainer, cfg: UpdateConfig) -> None:
     continue_with(trainer.strategy, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
 
 
-def _run_update(trainer: PolicyTrainer, inp: PPOUpdateInput, data: UpdateData, correction: SampleCorrection | None,
-                *, quiet: bool = False) -> tuple[list[StepMetrics], float]:
-    """The update's optimizer steps on ``trainer``: (step metrics, seconds); none for an empty
+def update_settings(inp: PPOUpdateInput) -> UpdateSettings:
+    """What ``ppo_update`` runs ``inp`` with: its ``update`` and ``kl`` sections, its rollout
+    temperature and the policy version it starts from (``policy_version``; None, an update run
+    outside a flow: 0), which with ``update.seed`` seeds its micro-batch order and dropout masks."""
+    return UpdateSettings(inp.update, inp.kl, temperature=inp.temperature, policy_version=inp.policy_version or 0)
+
+
+def run_update_steps(trainer: PolicyTrainer, inp: PPOUpdateInput, data: UpdateData,
+                     correction: SampleCorrection | None, *, quiet: bool = False) -> tuple[list[StepMetrics], float]:
+    """The optimizer steps of the update ``inp`` on ``trainer`` (which holds ``inp.policy``, with
+    this update's learning rate), on its ``data`` (``update_data``) with its ``correction``
+    (``update_correction``); ``quiet``: no progress lines. (step metrics, seconds); none for an empty
     rollout (``rollout.partial``: no group finished in this iteration), which leaves the weights
     and the AdamW state as they are (the update still commits them as its version)."""
-    cfg, strategy = inp.update, trainer.strategy
+    strategy = trainer.strategy
     if len(data) == 0:  # a partial rollout in which no group finished: the policy stays as it is
         return [], 0.0
     quiet = quiet or strategy.rank != 0
     with Timer() as t, progress_reporter("ppo_update", unit="micro-batches", use_bar=False if quiet else None,
                                          log_fn=(lambda line: None) if quiet else None) as progress:
-        steps = ppo_update(strategy, data, UpdateSettings.of(cfg, inp.kl, temperature=inp.temperature),
-                           pad_token_id=trainer.tokenizer.pad_token_id, correction=correction, progress=progress,
-                           processor=trainer.processor)
+        steps = ppo_update(strategy, data, update_settings(inp), pad_token_id=trainer.tokenizer.pad_token_id,
+                           correction=correction, progress=progress, processor=trainer.processor)
     return steps, t.seconds
-
-
-def replay_update(trainer: PolicyTrainer, inp: PPOUpdateInput) -> list[StepMetrics]:
-    """Re-apply the committed update ``inp`` to ``trainer`` (which holds ``inp.policy``) from
-    its committed input shards, as it ran the first time (recovery of a policy kept in memory:
-    ``rft_core.workers.recovery``). Commits nothing."""
-    configure_trainer(trainer, inp.update)
-    data = update_data(inp)
-    correction, _ = _correction(inp.update, data)
-    return _run_update(trainer, inp, data, correction, quiet=True)[0]
 
 
 def _train(inp: PPOUpdateInput, opt_ref: ShardRef | None):
@@ -229,10 +232,10 @@ def _train(inp: PPOUpdateInput, opt_ref: ShardRef | None):
     seconds, extra summary)."""
     cfg = inp.update
     data = update_data(inp)
-    correction, corr_metrics = _correction(cfg, data)
+    correction, corr_metrics = update_correction(cfg, data)
     source = current_source()
     trainer = source.trainer(inp) if source is not None else build_trainer(inp.policy, cfg, dtype=inp.dtype, opt_ref=opt_ref)
-    steps, seconds = _run_update(trainer, inp, data, correction)
+    steps, seconds = run_update_steps(trainer, inp, data, correction)
     extra = {**corr_metrics, **({"overlong_filtered_frac": sum(data.excluded) / len(data)} if data.excluded else {}),
              **_engine_old_logprobs_gap(steps, data), **_weights_by_staleness(inp, correction)}
     return trainer, steps, seconds, extra

@@ -2,13 +2,13 @@
 through the shared training loop (``rft_core.training.loop``), like the policy update."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.algorithms.value_loss import VALUE_LOSSES
+from rft_core.config import CriticConfig
 from rft_core.models.critic import critic_batch, response_values
 from rft_core.models.logprobs import model_device
 from rft_core.training.loop import Normaliser, Strategy, check_per_token_lists, pad_float, train_steps
@@ -61,42 +61,32 @@ class CriticStepMetrics:
     num_tokens: int
 
 
-def critic_update(
-    strategy: Strategy,
-    data: CriticData,
-    *,
-    pad_token_id: int,
-    value_loss: str = "clipped_mse",
-    value_clip: float | None = 0.2,
-    loss_agg: str = "token-mean",
-    epochs: int = 1,
-    train_batch_size: int | None = None,
-    micro_batch_size: int = 4,
-    seed: int = 0,
-    packing: bool = False,
-    dropout: bool = False,
-    progress=None,
-    processor=None,
-) -> list[CriticStepMetrics]:
+def critic_update(strategy: Strategy, data: CriticData, cfg: CriticConfig, *, pad_token_id: int, progress=None,
+                  processor=None) -> list[CriticStepMetrics]:
     """Train the critic held by ``strategy`` (``rft_core.training.strategy.build_strategy``) on
-    ``data`` with the shared training loop (exact gradient accumulation, any strategy);
-    mutates the critic. The value loss, its normaliser (the mini-batch's token count) and the
-    clip fraction are over the tokens ``data.action_masks`` marks (all response tokens without).
+    ``data`` as the ``critic`` config section ``cfg`` says, with the shared training loop (exact
+    gradient accumulation, any strategy); mutates the critic. The value loss, its normaliser (the
+    mini-batch's token count) and the clip fraction are over the tokens ``data.action_masks``
+    marks (all response tokens without). The critic's dropout is off (``dropout_disabled``: e.g.
+    the 0.1 classifier dropout transformers puts before a token-classification value head, which
+    the critic_values stage, run in eval mode, does not apply to the old values).
 
     Args:
-        value_loss: name in VALUE_LOSSES; ``value_clip``: its clip range (None: unclipped).
-        packing: each micro-batch is one packed row without padding.
+        cfg: what the update reads of it: ``value_loss`` (name in VALUE_LOSSES) and its
+            ``value_clip`` (None: unclipped), ``loss_agg``, ``epochs``, ``train_batch_size``,
+            ``micro_batch_size``, ``seed`` (the micro-batch shuffle) and ``packing`` (each
+            micro-batch one packed row without padding); its optimizer fields are the
+            strategy's.
+        pad_token_id: the tokenizer's padding token (padded micro-batches).
+        progress: optional callable(done, total) after each micro-batch (``train_steps``).
         processor: a vision-language critic's ``VLProcessor``: each micro-batch gets the vision
             inputs of ``data.images`` / ``data.videos`` (``rft_core.models.critic.critic_batch``).
-        dropout: keep the critic's dropout on (default off, ``dropout_disabled``: e.g. the 0.1
-            classifier dropout transformers puts before a token-classification value head, which
-            the critic_values stage, run in eval mode, does not apply to the old values).
     Raises:
         ValueError: empty ``data``.
     """
     if len(data) == 0:
         raise ValueError("critic_update got no samples")
-    loss_fn, agg_fn = VALUE_LOSSES[value_loss], LOSS_AGGREGATIONS[loss_agg]
+    loss_fn, agg_fn, value_clip = VALUE_LOSSES[cfg.value_loss], LOSS_AGGREGATIONS[cfg.loss_agg], cfg.value_clip
     norm_tokens = max(len(r) for r in data.responses) or 1
     device = model_device(strategy.model)
 
@@ -106,7 +96,7 @@ def critic_update(
 
     def micro_step(idx: list[int], norm: Normaliser) -> tuple[torch.Tensor, dict[str, float]]:
         batch = critic_batch([data.prompts[i] for i in idx], [data.responses[i] for i in idx],
-                             pad_token_id=pad_token_id, packing=packing, processor=processor,
+                             pad_token_id=pad_token_id, packing=cfg.packing, processor=processor,
                              images=[data.images[i] for i in idx] if data.images is not None else None,
                              videos=[data.videos[i] for i in idx] if data.videos is not None else None)
         T, mask = batch.num_actions, batch.action_mask
@@ -120,10 +110,10 @@ def critic_update(
         clipped = float(((values.detach() - old).abs() > value_clip)[mask].sum()) if value_clip is not None else 0.0
         return loss, {"value_loss": float(loss.detach()), "clipped": clipped}
 
-    with contextlib.nullcontext() if dropout else dropout_disabled(strategy.model):
+    with dropout_disabled(strategy.model):
         steps = train_steps(strategy, len(data), micro_step=micro_step, stats=("value_loss", "clipped"),
-                            normaliser=normaliser, epochs=epochs, train_batch_size=train_batch_size,
-                            micro_batch_size=micro_batch_size, seed=seed, progress=progress)
+                            normaliser=normaliser, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
+                            micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, progress=progress)
     return [CriticStepMetrics(step=r.step, epoch=r.epoch, value_loss=r.sums["value_loss"],
                               value_clip_frac=r.sums["clipped"] / max(r.norm.num_tokens, 1), grad_norm=r.grad_norm,
                               lr=r.lr, num_tokens=r.norm.num_tokens) for r in steps]

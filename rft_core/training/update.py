@@ -28,24 +28,26 @@ Randomness: the update's own draws (LoRA dropout, ``update.dropout``; gradient c
 saves and restores them) come from torch's global generator, seeded at the start of every update
 (``update_rng``) and restored after it; the HF rollout engine never touches that generator
 (``rft_core.engines.hf``), so a rollout running beside the update in another thread (the
-asynchronous prefetch) and the update cannot change each other's draws.
+asynchronous prefetch) and the update cannot change each other's draws. The seeds are those of
+``update_seeds``: ``update.seed`` mixed with the policy version the update starts from (each
+iteration its own micro-batch order and dropout masks) and, for the draws, the DeepSpeed or FSDP2
+rank.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, NamedTuple
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
 
 import torch
 
-from rft_core.algorithms import KL_ESTIMATORS, POLICY_LOSSES, cpgd_policy_drift, kl_penalty, rollout_correction
+from rft_core.algorithms import POLICY_LOSSES, cpgd_policy_drift, kl_penalty, rollout_correction
 from rft_core.algorithms.masked import high_entropy_mask
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.config import KLConfig, UpdateConfig, policy_loss_kwargs
 from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device, response_logprobs, with_vision
 from rft_core.training.loop import Normaliser, StepResult, Strategy, check_per_token_lists, pad_float, train_steps
 
-ENTROPY_FILTER_NORMS = ("all", "kept")
 SUM_NORM = "seq-mean-token-sum-norm"
 
 
@@ -223,9 +225,10 @@ def update_rng(seed: int, device: torch.device) -> Iterator[None]:
     What draws from it in an update: peft's ``lora_dropout`` and, with ``update.dropout``, the
     model's dropout (``nn.Dropout`` takes no generator argument); gradient checkpointing saves its
     state in the forward and restores it for the recomputation, so the recomputed masks equal the
-    forward's. Seeded per update, the masks depend on the update's seed and inputs only, not on
-    what ran before in the process (a resumed run, another iteration order, a resident worker's
-    earlier updates, the rollout engine: which draws from its own ``torch.Generator``).
+    forward's. Seeded per update, the masks depend on the update's seeds (``update_seeds``) and
+    inputs only, not on what ran before in the process (a resumed run, another iteration order, a
+    resident worker's earlier updates, the rollout engine: which draws from its own
+    ``torch.Generator``).
     """
     cuda = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
@@ -236,79 +239,67 @@ def update_rng(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
+# the update's seeds (``update_seeds``): the update that starts from policy version v (that of
+# iteration v + 1) shuffles with update.seed + v * VERSION_STRIDE, and rank r of a DeepSpeed or FSDP2
+# gang draws its dropout masks with that seed + r * RANK_STRIDE (the rollout's SEED_STRIDE and
+# ATTEMPT_STRIDE, rft_core.stages.rollout; every rank must deal the same shuffle)
+VERSION_STRIDE = 100_003
+RANK_STRIDE = 7_919
+
+
+def update_seeds(seed: int, policy_version: int, rank: int = 0) -> tuple[int, int]:
+    """(shuffle seed, draw seed) of the update that starts from ``policy_version`` with
+    ``update.seed`` = ``seed``, on DeepSpeed or FSDP2 rank ``rank`` (0 in one process): the
+    shuffle seed ``seed + VERSION_STRIDE * policy_version`` orders the micro-batches (the same on
+    every rank, which deal its micro-batches round-robin), the draw seed, that plus ``RANK_STRIDE * rank``,
+    seeds the update's global-RNG draws (``update_rng``: LoRA / model dropout). The update of the
+    first iteration (version 0) on rank 0 uses ``seed`` itself for both.
+
+    Raises:
+        ValueError: a negative ``policy_version`` or ``rank``.
+    """
+    if policy_version < 0 or rank < 0:
+        raise ValueError(f"update_seeds: policy_version {policy_version} and rank {rank} must be >= 0")
+    order = seed + VERSION_STRIDE * policy_version
+    return order, order + RANK_STRIDE * rank
+
+
 @dataclass(frozen=True)
 class UpdateSettings:
-    """What one policy update (``ppo_update``) does, field by field; ``of`` builds it from the
-    ``update`` and ``kl`` config sections and the rollout temperature. The defaults are those of
-    a plain PPO update (no KL, no entropy term, one epoch over all samples in one step).
+    """What one policy update (``ppo_update``) runs with: the ``update`` and ``kl`` config
+    sections as they are (no field copied: a new loss setting is a field of its section, read
+    where the loss uses it), the rollout's temperature and the policy version it starts from.
 
     Attributes:
-        policy_loss, policy_loss_kwargs: name in POLICY_LOSSES and its keyword arguments
-            (``update.policy_loss``).
-        loss_agg: name in LOSS_AGGREGATIONS; ``loss_norm_tokens`` is the constant of
-            seq-mean-token-sum-norm (Dr. GRPO's generation budget, ``rollout.max_new_tokens``).
-        kl_coef, kl_estimator, kl_clamp: the KL loss term (when ``kl_coef`` > 0 and
-            ``data.ref_logprobs`` is given; its gradient by estimator: docs/algorithms.md), on
-            every response token of the rows in the loss, without correction weights.
-        entropy_coef: weight of the entropy bonus (on the kept tokens under a filter; the rollout
-            correction neither weights nor masks it: module docstring).
-        entropy_top_fraction: train the policy term only on this top fraction of tokens by
-            ``data.entropies`` (``high_entropy_mask``, over the whole of ``data``); None: every token.
-        entropy_filter_norm: "all": the filter's tokens stay in the normaliser and the KL term
-            (TRL); "kept": every term and the normaliser on the kept tokens only.
-        cpgd_drift_coef: weight of CPGD's policy drift KL(pi_old || pi) (``cpgd_policy_drift``).
-        dropout: keep the model's dropout on (default off: ``dropout_disabled``).
-        epochs: passes over the data.
-        train_batch_size: samples per optimizer step (None: all of ``data``).
-        micro_batch_size: samples per forward/backward pass.
+        update: the ``update`` section: the policy loss and its aggregation, the entropy and CPGD
+            terms, ``dropout``, ``epochs``, ``train_batch_size``, ``micro_batch_size``,
+            ``packing`` and ``seed`` (docs/config.md); its optimizer fields are the strategy's
+            (``rft_core.training.strategy.OptimizerSettings``), not the loss's.
+        kl: the ``kl`` section: a loss term when ``kl.in_loss`` (and ``data.ref_logprobs`` is
+            given; its gradient by estimator: docs/algorithms.md), on every response token of
+            the rows in the loss, without correction weights; ``kl.kl_clamp`` also bounds CPGD's
+            drift term.
         temperature: the rollout's sampling temperature (the log-probs are of logits / temperature).
-        seed: seeds the per-epoch shuffle (torch.Generator), independent of global RNG, and the
-            update's global-RNG draws (``update_rng``: LoRA / model dropout).
-        packing: each micro-batch is one packed row without padding (``build_packed_batch``;
-            with vision inputs, per-sequence M-RoPE positions); the same loss up to float rounding.
+        policy_version: the version of the policy the update starts from (0: the initial policy;
+            ``PPOUpdateInput.policy_version``): with ``update.seed`` it seeds the micro-batch
+            shuffle and the update's random draws (``update_seeds``).
     Raises:
-        ValueError: an unknown ``entropy_filter_norm``, or seq-mean-token-sum-norm without
-            ``loss_norm_tokens``.
+        ValueError: ``update.loss_agg`` seq-mean-token-sum-norm without ``update.loss_norm_tokens``
+            (a training config fills it with ``rollout.max_new_tokens``), or a negative
+            ``policy_version``.
     """
 
-    policy_loss: str = "ppo_clip"
-    policy_loss_kwargs: Mapping[str, Any] | None = None
-    loss_agg: str = "token-mean"
-    loss_norm_tokens: int | None = None
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3+"
-    kl_clamp: float = 10.0
-    entropy_coef: float = 0.0
-    entropy_top_fraction: float | None = None
-    entropy_filter_norm: str = "all"
-    cpgd_drift_coef: float = 0.0
-    dropout: bool = False
-    epochs: int = 1
-    train_batch_size: int | None = None
-    micro_batch_size: int = 4
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
     temperature: float = 1.0
-    seed: int = 0
-    packing: bool = False
+    policy_version: int = 0
 
     def __post_init__(self) -> None:
-        if self.entropy_filter_norm not in ENTROPY_FILTER_NORMS:
-            raise ValueError(f"entropy_filter_norm must be one of {ENTROPY_FILTER_NORMS}, got {self.entropy_filter_norm!r}")
-        if self.loss_agg == SUM_NORM and self.loss_norm_tokens is None:
-            raise ValueError(f"loss_agg={SUM_NORM!r} needs loss_norm_tokens, its constant token budget (Dr. GRPO: the "
-                             "generation budget, rollout.max_new_tokens)")
-
-    @classmethod
-    def of(cls, cfg: UpdateConfig, kl: KLConfig, *, temperature: float) -> "UpdateSettings":
-        """The settings of the ``update`` config section ``cfg``, with the KL term of ``kl``
-        (``kl_coef`` 0 unless the KL is a loss term, ``kl.in_loss``) at the rollout's
-        ``temperature``."""
-        return cls(policy_loss=cfg.policy_loss.name, policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss),
-                   loss_agg=cfg.loss_agg, loss_norm_tokens=cfg.loss_norm_tokens,
-                   kl_coef=kl.kl_coef if kl.in_loss else 0.0, kl_estimator=kl.estimator, kl_clamp=kl.kl_clamp,
-                   entropy_coef=cfg.entropy_coef, entropy_top_fraction=cfg.entropy_top_fraction,
-                   entropy_filter_norm=cfg.entropy_filter_norm, cpgd_drift_coef=cfg.cpgd_drift_coef,
-                   dropout=cfg.dropout, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
-                   micro_batch_size=cfg.micro_batch_size, temperature=temperature, seed=cfg.seed, packing=cfg.packing)
+        if self.update.loss_agg == SUM_NORM and self.update.loss_norm_tokens is None:
+            raise ValueError(f"update.loss_agg={SUM_NORM!r} needs update.loss_norm_tokens, its constant token budget "
+                             "(Dr. GRPO: the generation budget, rollout.max_new_tokens)")
+        if self.policy_version < 0:
+            raise ValueError(f"policy_version must be >= 0, got {self.policy_version}")
 
 
 STEP_STATS = ("policy_loss", "kl_loss", "cpgd_drift", "clipped", "approx_kl", "policy_tokens")
@@ -333,18 +324,20 @@ class _PPOLoss:
     ``train_steps`` calls them (``micro_step``, ``normaliser``).
 
     Raises:
-        UnknownNameError: unknown policy loss, aggregation or KL estimator (on construction).
+        UnknownNameError: unknown policy loss or aggregation (on construction).
     """
 
     def __init__(self, model: torch.nn.Module, data: UpdateData, settings: UpdateSettings, *, pad_token_id: int,
                  keep: list[torch.Tensor] | None, correction: SampleCorrection | None, processor=None) -> None:
-        self.model, self.data, self.settings, self.pad_token_id = model, data, settings, pad_token_id
+        cfg = settings.update
+        self.model, self.data, self.cfg, self.kl, self.pad_token_id = model, data, cfg, settings.kl, pad_token_id
+        self.temperature = settings.temperature
         self.keep, self.correction, self.processor = keep, correction, processor
-        self.kept_norm = keep is not None and settings.entropy_filter_norm == "kept"
-        self.use_kl = settings.kl_coef > 0 and data.ref_logprobs is not None
-        self.loss_fn, self.agg_fn = POLICY_LOSSES[settings.policy_loss], LOSS_AGGREGATIONS[settings.loss_agg]
-        KL_ESTIMATORS[settings.kl_estimator]  # fail before any work on an unknown name
-        self.norm_tokens = settings.loss_norm_tokens or 1
+        self.kept_norm = keep is not None and cfg.entropy_filter_norm == "kept"
+        self.use_kl = settings.kl.in_loss and data.ref_logprobs is not None
+        self.loss_fn, self.agg_fn = POLICY_LOSSES[cfg.policy_loss.name], LOSS_AGGREGATIONS[cfg.loss_agg]
+        self.loss_kwargs = policy_loss_kwargs(cfg.policy_loss)
+        self.norm_tokens = cfg.loss_norm_tokens or 1
         self.device = model_device(model)
 
     def normaliser(self, mini: list[int]) -> Normaliser:
@@ -358,7 +351,7 @@ class _PPOLoss:
         """The model inputs of samples ``idx``: padded or packed, with their vision inputs."""
         data = self.data
         ps, rs = [data.prompts[i] for i in idx], [data.responses[i] for i in idx]
-        batch = (build_packed_batch(ps, rs) if self.settings.packing
+        batch = (build_packed_batch(ps, rs) if self.cfg.packing
                  else build_token_batch(ps, rs, pad_token_id=self.pad_token_id))
         if self.processor is not None:
             batch = with_vision(batch, self.processor, [data.images[i] for i in idx] if data.images is not None else None,
@@ -392,31 +385,32 @@ class _PPOLoss:
 
     def micro_step(self, idx: list[int], norm: Normaliser) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss of samples ``idx`` under the mini-batch's ``norm`` and its statistics (``STEP_STATS``)."""
-        data, s, device, agg_fn = self.data, self.settings, self.device, self.agg_fn
+        data, cfg, kl, device, agg_fn = self.data, self.cfg, self.kl, self.device, self.agg_fn
         batch = self._batch(idx)
         T = batch.num_actions
         mask, policy_mask, weights, entropy_weights = self._masks(idx, batch.action_mask, T)
         old = pad_float([data.old_logprobs[i] for i in idx], T).to(device)
         adv = pad_float([data.advantages[i] for i in idx], T).to(device)
-        logprobs, entropy = response_logprobs(self.model, batch, temperature=s.temperature, with_entropy=s.entropy_coef > 0)
-        out = self.loss_fn(logprobs, old, adv, mask, weights, **(s.policy_loss_kwargs or {}))
+        logprobs, entropy = response_logprobs(self.model, batch, temperature=self.temperature,
+                                              with_entropy=cfg.entropy_coef > 0)
+        out = self.loss_fn(logprobs, old, adv, mask, weights, **self.loss_kwargs)
         agg = norm.as_kwargs()
         pg = agg_fn(out.token_loss, mask, **agg)
         loss = pg
-        if s.entropy_coef > 0:  # e_t * H_t: the filter's tokens, never the correction's weights or mask (module doc)
+        if cfg.entropy_coef > 0:  # e_t * H_t: the filter's tokens, never the correction's weights or mask (module doc)
             bonus = entropy if entropy_weights is None else entropy * entropy_weights.to(entropy.dtype)
-            loss = loss - s.entropy_coef * agg_fn(bonus, mask, **agg)
+            loss = loss - cfg.entropy_coef * agg_fn(bonus, mask, **agg)
         stats = {"policy_loss": float(pg.detach()), "clipped": float((out.clipped & policy_mask).sum()),
                  "approx_kl": float((0.5 * out.log_ratio.detach() ** 2)[policy_mask].sum()),
                  "policy_tokens": float(policy_mask.sum())}
         if self.use_kl:
             ref = pad_float([data.ref_logprobs[i] for i in idx], T).to(device)
-            kl_term = agg_fn(kl_penalty(logprobs, ref, mask, estimator=s.kl_estimator, kl_clamp=s.kl_clamp), mask, **agg)
-            loss = loss + s.kl_coef * kl_term
+            kl_term = agg_fn(kl_penalty(logprobs, ref, mask, estimator=kl.estimator, kl_clamp=kl.kl_clamp), mask, **agg)
+            loss = loss + kl.kl_coef * kl_term
             stats["kl_loss"] = float(kl_term.detach())
-        if s.cpgd_drift_coef > 0:
-            drift = agg_fn(cpgd_policy_drift(logprobs, old, mask, kl_clamp=s.kl_clamp), mask, **agg)
-            loss = loss + s.cpgd_drift_coef * drift
+        if cfg.cpgd_drift_coef > 0:
+            drift = agg_fn(cpgd_policy_drift(logprobs, old, mask, kl_clamp=kl.kl_clamp), mask, **agg)
+            loss = loss + cfg.cpgd_drift_coef * drift
             stats["cpgd_drift"] = float(drift.detach())
         return loss, stats
 
@@ -436,12 +430,14 @@ def ppo_update(strategy: Strategy, data: UpdateData, settings: UpdateSettings, *
     loss is the module docstring's.
 
     The recipe: check the inputs; select the high-entropy tokens (over all of ``data``); then,
-    with the update's seeded random draws and the model's dropout off (unless
-    ``settings.dropout``), ``train_steps`` runs the optimizer steps, each accumulating the loss of
-    its micro-batches (``_PPOLoss.micro_step``) under the normaliser of its mini-batch.
+    with the update's seeded random draws (``update_seeds`` of ``update.seed``, the policy
+    version and the rank) and the model's dropout off (unless ``update.dropout``),
+    ``train_steps`` runs the optimizer steps, each accumulating the loss of its micro-batches
+    (``_PPOLoss.micro_step``) under the normaliser of its mini-batch.
 
     Args:
-        settings: the update's loss and batching settings (``UpdateSettings.of`` the config).
+        settings: the ``update`` and ``kl`` config sections, the rollout temperature and the
+            policy version (``UpdateSettings``).
         pad_token_id: the tokenizer's padding token (padded micro-batches).
         correction: the rollout correction (``rollout_correction_weights``), or None.
         progress: optional callable(done, total) after each micro-batch (``train_steps``).
@@ -452,19 +448,19 @@ def ppo_update(strategy: Strategy, data: UpdateData, settings: UpdateSettings, *
     Raises:
         ValueError: empty ``data``, entropy filtering without ``data.entropies``, or a
             correction or exclusion list of another length than ``data``.
-        UnknownNameError: unknown policy loss, aggregation or KL estimator.
     """
     if len(data) == 0:
         raise ValueError("ppo_update got no samples")
     for name, values in (("correction", correction.weights if correction else None), ("data.excluded", data.excluded)):
         if values is not None and len(values) != len(data):
             raise ValueError(f"ppo_update: {name} has {len(values)} entries for {len(data)} samples")
-    s = settings
-    keep = _entropy_keep(data, s.entropy_top_fraction) if s.entropy_top_fraction is not None else None
-    loss = _PPOLoss(strategy.model, data, s, pad_token_id=pad_token_id, keep=keep, correction=correction,
+    cfg = settings.update
+    keep = _entropy_keep(data, cfg.entropy_top_fraction) if cfg.entropy_top_fraction is not None else None
+    loss = _PPOLoss(strategy.model, data, settings, pad_token_id=pad_token_id, keep=keep, correction=correction,
                     processor=processor)
-    with update_rng(s.seed, loss.device), contextlib.nullcontext() if s.dropout else dropout_disabled(strategy.model):
+    order_seed, draw_seed = update_seeds(cfg.seed, settings.policy_version, strategy.rank)
+    with update_rng(draw_seed, loss.device), contextlib.nullcontext() if cfg.dropout else dropout_disabled(strategy.model):
         steps = train_steps(strategy, len(data), micro_step=loss.micro_step, stats=STEP_STATS,
-                            normaliser=loss.normaliser, epochs=s.epochs, train_batch_size=s.train_batch_size,
-                            micro_batch_size=s.micro_batch_size, seed=s.seed, progress=progress)
+                            normaliser=loss.normaliser, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
+                            micro_batch_size=cfg.micro_batch_size, seed=order_seed, progress=progress)
     return [_step_metrics(r) for r in steps]

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, ContextManager
 
 import torch
+
+from rft_core.network import free_port
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,6 @@ def collective_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed() -> tuple[int, int]:
     """Initialise torch.distributed for DeepSpeed (once per process): nccl on a GPU, gloo on CPU.
     Outside torchrun a world of one rank on 127.0.0.1 is set up. Returns (rank, world size)."""
@@ -89,7 +84,7 @@ def init_distributed() -> tuple[int, int]:
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:  # not under torchrun: a single-rank world
             os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                               "MASTER_PORT": str(_free_port())})
+                               "MASTER_PORT": str(free_port())})
         if torch.cuda.is_available():  # NCCL: this rank's GPU is the current device before any collective
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         elif os.environ.get("RFT_DS_SHM_COMM") != "1":

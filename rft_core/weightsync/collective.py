@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import socket
 import threading
 import time
 from typing import Any, Callable, Mapping
@@ -55,21 +54,13 @@ from rft_core.weightsync.plan import (
     SyncPlan,
     SyncReport,
     WeightSyncError,
-    _dtype,
-    _pack,
-    _unpack,
     bucket_views,
     check_device,
     check_fits,
+    pack_bucket,
     sync_device,
+    unpack_bucket,
 )
-
-
-def free_port() -> int:
-    """A free TCP port of this host."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def host_address() -> str:
@@ -176,7 +167,7 @@ def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: s
                                   "(another layout: names, dtypes or shapes differ; see their error): is the engine's "
                                   "model the policy's architecture?")
         for i in range(len(plan.bucket_sizes)):
-            buf = _pack(plan, tensors, i, device)
+            buf = pack_bucket(plan, tensors, i, device)
             _broadcast(pg, buf, f"bucket {i + 1}/{len(plan.bucket_sizes)}", timeout_s)
         bad = _failed_ranks(pg, 0, world_size, False, device, "the end of the transaction", timeout_s)
         if bad:
@@ -185,7 +176,7 @@ def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: s
         del pg
     # after the transfer, while the receivers checksum what landed (not between buckets, where it would hold them up)
     for e in plan.entries:
-        check.add(e.name, tensors[e.name].detach().to(device=device, dtype=_dtype(e.dtype)))
+        check.add(e.name, tensors[e.name].detach().to(device=device, dtype=e.torch_dtype))
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
                       digest=check.hexdigest(), backend=backend)
 
@@ -250,7 +241,7 @@ def receive_weights(target: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr:
     check_fits(plan, target)
     t0 = time.perf_counter()
     _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
-             device=device, land=lambda i, buf: _unpack(plan, buf, i, target))
+             device=device, land=lambda i, buf: unpack_bucket(plan, buf, i, target))
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
                       digest=sync_checksum(target, checksum_method(backend)), backend=backend)
 

@@ -23,7 +23,8 @@ from torch.multiprocessing import reductions
 
 from rft_core.weightsync.base import Sender, Transport, register, verify_digest
 from rft_core.weightsync.checksum import sync_checksum
-from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError, _pack, _unpack, buffers_checksum, check_fits
+from rft_core.weightsync.plan import (SyncPlan, SyncReport, WeightSyncError, buffers_checksum, check_fits, pack_bucket,
+                                      unpack_bucket)
 
 _DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, storage_device, ...)
 
@@ -83,7 +84,7 @@ def export_cuda_ipc(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, device:
     if device.type != "cuda":
         raise ValueError(f"CUDA IPC exports from a CUDA device, got {device}")
     check_fits(plan, tensors)
-    buffers = [_pack(plan, tensors, i, device) for i in range(len(plan.bucket_sizes))]
+    buffers = [pack_bucket(plan, tensors, i, device) for i in range(len(plan.bucket_sizes))]
     torch.cuda.synchronize(device)
     return [share_cuda_ipc(b) for b in buffers], buffers
 
@@ -99,7 +100,7 @@ def import_cuda_ipc(handles: Iterable, target: Mapping[str, torch.Tensor], plan:
     check_fits(plan, target)
     t0 = time.perf_counter()
     for i, handle in enumerate(handles):
-        _unpack(plan, open_cuda_ipc(handle), i, target)
+        unpack_bucket(plan, open_cuda_ipc(handle), i, target)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),

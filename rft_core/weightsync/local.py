@@ -9,7 +9,7 @@ import torch
 
 from rft_core.weightsync.base import Sender, Transport, register, verify_digest
 from rft_core.weightsync.checksum import Checksum, checksum_method, sync_checksum
-from rft_core.weightsync.plan import SyncPlan, SyncReport, _pack, _unpack, bucket_views, check_fits
+from rft_core.weightsync.plan import SyncPlan, SyncReport, bucket_views, check_fits, pack_bucket, unpack_bucket
 
 
 def copy_weights(tensors: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], plan: SyncPlan,
@@ -28,10 +28,10 @@ def copy_weights(tensors: Mapping[str, torch.Tensor], target: Mapping[str, torch
     method = checksum_method("local" if device.type == "cpu" else "cuda_ipc")  # host sha256 on CPU, else on the GPU
     check = Checksum(plan.layout(), method)
     for i in range(len(plan.bucket_sizes)):
-        buf = _pack(plan, tensors, i, device)
+        buf = pack_bucket(plan, tensors, i, device)
         for name, t in bucket_views(plan, buf, i):
             check.add(name, t)
-        _unpack(plan, buf, i, target)
+        unpack_bucket(plan, buf, i, target)
     seconds = time.perf_counter() - t0
     n = len(plan.bucket_sizes)
     return (SyncReport(plan.payload_bytes, seconds, n, check.hexdigest(), "local"),

@@ -7,8 +7,8 @@ One transaction moves every tensor of a model's ``state_dict`` in the receiver's
    at most ``bucket_mb`` MiB, each tensor on a 64-byte boundary (a tensor larger than a bucket
    gets one of its own): ``SyncPlan.of``, built by both sides from their own model, or by the
    sender alone and handed to a receiver without HF-named tensors (``to_json``/``from_json``).
-2. **Buckets.** Each bucket is one flat ``uint8`` tensor (``_pack``); a receiver copies it into
-   its tensors (``_unpack``) or hands its tensors (``bucket_views``) to an engine's own loader.
+2. **Buckets.** Each bucket is one flat ``uint8`` tensor (``pack_bucket``); a receiver copies it into
+   its tensors (``unpack_bucket``) or hands its tensors (``bucket_views``) to an engine's own loader.
    How the bucket gets from the sender to the receiver is the transport's
    (``rft_core.weightsync.collective``, ``cuda_ipc``, ``local``, ``engine``).
 3. **Verification.** Both sides compute ``sync_checksum`` of the weights as sent and as landed
@@ -38,11 +38,6 @@ from rft_core.training.zero import collective_device
 from rft_core.weightsync.checksum import Checksum
 
 
-def _dtype(name: str) -> torch.dtype:
-    """The torch dtype of a plan entry's dtype name (``float32``, ``bfloat16``, ``int64``, ...)."""
-    return getattr(torch, name)
-
-
 class WeightSyncError(RuntimeError):
     """A weight sync failed (timeout, a peer that went away, a plan mismatch or a digest that
     differs after landing). The receiver's weights are then invalid until a sync succeeds."""
@@ -61,6 +56,11 @@ class SyncEntry:
     bucket: int
     offset: int
     nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype ``dtype`` names (``float32``, ``bfloat16``, ``int64``, ...)."""
+        return getattr(torch, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -209,10 +209,17 @@ def check_device(backend: str, device: torch.device | str) -> torch.device:
     return device
 
 
-def _pack(plan: SyncPlan, tensors: Mapping[str, torch.Tensor], index: int, device: torch.device) -> torch.Tensor:
+def pack_bucket(plan: SyncPlan, tensors: Mapping[str, torch.Tensor], index: int, device: torch.device) -> torch.Tensor:
+    """Bucket ``index`` of ``plan`` as one flat ``uint8`` tensor of ``plan.bucket_sizes[index]``
+    bytes on ``device``: each of its entries' tensor from ``tensors`` cast to the entry's dtype
+    (the receiver's) and copied to its byte range (what a transport sends).
+
+    Raises:
+        KeyError: ``tensors`` lacks a name of the bucket (``check_fits`` first names them all).
+    """
     buf = torch.empty(plan.bucket_sizes[index], dtype=torch.uint8, device=device)
     for e in plan.bucket(index):
-        src = tensors[e.name].detach().to(device=device, dtype=_dtype(e.dtype)).contiguous().reshape(-1)
+        src = tensors[e.name].detach().to(device=device, dtype=e.torch_dtype).contiguous().reshape(-1)
         buf[e.offset:e.offset + e.nbytes].copy_(src.view(torch.uint8))
     return buf
 
@@ -220,10 +227,17 @@ def _pack(plan: SyncPlan, tensors: Mapping[str, torch.Tensor], index: int, devic
 def bucket_views(plan: SyncPlan, buf: torch.Tensor, index: int) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs of bucket ``index`` of ``plan`` held in the flat uint8 ``buf``:
     views (no copy) with the plan's dtype and shape."""
-    return [(e.name, buf[e.offset:e.offset + e.nbytes].view(_dtype(e.dtype)).reshape(e.shape)) for e in plan.bucket(index)]
+    return [(e.name, buf[e.offset:e.offset + e.nbytes].view(e.torch_dtype).reshape(e.shape)) for e in plan.bucket(index)]
 
 
-def _unpack(plan: SyncPlan, buf: torch.Tensor, index: int, target: Mapping[str, torch.Tensor]) -> None:
+def unpack_bucket(plan: SyncPlan, buf: torch.Tensor, index: int, target: Mapping[str, torch.Tensor]) -> None:
+    """Copy bucket ``index`` of ``plan``, packed in the flat ``uint8`` ``buf`` (``pack_bucket``),
+    into the receiver's tensors ``target`` in place (each cast to its tensor's dtype and device
+    by ``Tensor.copy_``; no autograd).
+
+    Raises:
+        KeyError: ``target`` lacks a name of the bucket (``check_fits`` first names them all).
+    """
     with torch.no_grad():
         for name, src in bucket_views(plan, buf, index):
             target[name].copy_(src)

@@ -1,6 +1,8 @@
 """What a trained policy hands to its inference copies and to recovery: its weights as an
-inference model holds them (LoRA adapters merged, ZeRO partitions or FSDP2 shards gathered) and their digest.
-Imported by the update stage program and the resident workers alike (no Ray, no Prefect)."""
+inference model holds them (LoRA adapters merged, ZeRO partitions or FSDP2 shards gathered) and
+the weight digest (``tensors_digest``) that a weightless update records and recovery checks
+(``rft_core.stages.lineage.trained_digest``). Imported by the update stage program and the
+resident workers alike (no Ray, no Prefect)."""
 from __future__ import annotations
 
 import copy
@@ -90,16 +92,3 @@ def tensors_digest(tensors: dict[str, torch.Tensor], method: str | None = None) 
     if method not in DIGEST_METHODS:
         raise ValueError(f"unknown digest method {method!r}; valid: {', '.join(DIGEST_METHODS)}")
     return weights_digest(tensors) if method == "host" else sync_checksum(tensors, "device")
-
-
-def trained_digest(strategy, *, like: str | None = None) -> str | None:
-    """The digest a weightless update records and recovery checks (``tensors_digest``): of the
-    trainer's own tensors in one process (a LoRA model's adapters and base, ``state_tensors``),
-    of the gathered weights under DeepSpeed or FSDP2 (``trained_tensors``: a collective, None on
-    ranks above 0). ``like``: a recorded digest whose method to use (recovery compares digests of
-    one method, whichever device the run resumes on)."""
-    method = digest_method(like) if like is not None else None
-    if not isinstance(strategy, SHARDED):
-        return tensors_digest(state_tensors(strategy.model), method)
-    tensors = trained_tensors(strategy)
-    return None if tensors is None else tensors_digest(tensors, method)

@@ -38,10 +38,10 @@ import torch
 
 from rft_core.config import WorkersConfig
 from rft_core.counters import counts
+from rft_core.network import free_port
 from rft_core.stages.inprocess import run_in_process
-from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.sources import models_from
-from rft_core.weightsync.collective import free_port, host_address
+from rft_core.weightsync.collective import host_address
 
 NAMESPACE = "prefect-rft"  # the Ray namespace of the workers
 
@@ -301,12 +301,9 @@ class ResidentWorker:
 
     @fan_out(FanOut.EACH)
     def close(self) -> None:
-        """Finish this worker's pending background writes (the policy's optimizer state) before it is stopped.
-
-        Raises:
-            OptimizerStateError: a write failed (resuming the run recomputes that state).
-        """
-        wait_for_optimizer_writes()
+        """Finish what this worker still has to do before it is stopped: nothing here; a role
+        with background work overrides it (the policy's optimizer-state and checkpoint writes,
+        ``rft_core.workers.policy.PolicyWorker.close``)."""
 
     @fan_out(FanOut.EACH)
     def ping(self) -> int:

@@ -7,32 +7,29 @@ ZeRO-3 gather, FSDP2's ``DTensor.full_tensor()`` of every shard, a rebuild) that
 rank 0 holding the gathered weights and sending them.
 
 A trainer that was never written (``checkpoint.every`` > 1) and is not in memory (a new or
-restarted worker) is rebuilt exactly: ``rebuild_trainer`` loads its base checkpoint with its
-AdamW state and re-applies the committed updates after it (``rft_core.stages.recovery`` finds
-the chain).
+restarted worker) is rebuilt exactly by ``rft_core.stages.recovery.rebuild_trainer`` (its base
+checkpoint loaded with its AdamW state, the committed updates after it re-applied).
 """
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any, ClassVar
 
 import torch
 
 from rft_core.config import WorkersConfig
 from rft_core.counters import count
-from rft_core.stages.optimizer_state import optimizer_state_ref
-from rft_core.stages.recovery import RecoveryError, committed_digest, has_weights, policy_chain, update_input_of
+from rft_core.network import free_port
+from rft_core.stages.lineage import has_weights
+from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.stages.recovery import rebuild_trainer
 from rft_core.stages.sources import version_key
-from rft_core.stages.update import build_trainer, configure_trainer, replay_update
+from rft_core.stages.update import configure_trainer
 from rft_core.weightsync.choose import device_id, group_backend, transport
-from rft_core.weightsync.collective import free_port, host_address
+from rft_core.weightsync.collective import host_address
 from rft_core.weightsync.plan import SyncPlan, WeightSyncError, sync_device
-from rft_core.weightsync.trained import strategy_device, trained_digest, trained_tensors
+from rft_core.weightsync.trained import strategy_device, trained_tensors
 from rft_core.workers.base import FanOut, ResidentWorker, fan_out
-from schemas import PolicyRef, ShardRef
-
-log = logging.getLogger("rft_core.workers")
+from schemas import PolicyRef
 
 
 class PolicyWorker(ResidentWorker):
@@ -87,6 +84,17 @@ class PolicyWorker(ResidentWorker):
             count("recovered_updates", report["replayed"])
             self.held, self.version = trainer, key
         return self.held
+
+    @fan_out(FanOut.EACH)
+    def close(self) -> None:
+        """Finish this rank's pending background writes (the optimizer state and, for a resident
+        checkpoint iteration, the weights: ``rft_core.stages.optimizer_state``) before the worker
+        is stopped.
+
+        Raises:
+            OptimizerStateError: a write failed (resuming the run recomputes that state).
+        """
+        wait_for_optimizer_writes()
 
     # -- the sending side of a weight sync ---------------------------------------------------
     @fan_out(FanOut.COLLECTIVE)
@@ -198,37 +206,3 @@ class PolicyWorker(ResidentWorker):
         ``finalize``; rank 0 exported them)."""
         self._ipc.finalize()
 
-
-def rebuild_trainer(ref: PolicyRef, inp):
-    """The policy trainer (``rft_core.stages.update.PolicyTrainer``) holding exactly ``ref``,
-    built for the update ``inp`` (its ``update`` config and ``dtype``): the base checkpoint of
-    ``ref`` loaded with its AdamW state, then the committed updates after it re-applied from
-    their own input shards (rollout, advantages, log-probs: no rollout is regenerated) through the
-    same training code, each checked against its committed digest.
-
-    Returns:
-        (trainer, report): ``report`` has ``base`` (its URI or path), ``replayed`` (updates
-        re-applied) and ``seconds``.
-    Raises:
-        RecoveryError: (``rft_core.stages.recovery``) a recorded input is missing, or a
-            re-applied update's weights differ from its digest; ``OptimizerStateError`` / ``CheckpointPrunedError`` when
-            the base checkpoint's AdamW state or weights are gone.
-    """
-    t0 = time.perf_counter()
-    base, chain = policy_chain(ref)
-    first = update_input_of(chain[0]) if chain else inp
-    trainer = build_trainer(base, first.update, dtype=first.dtype, opt_ref=optimizer_state_ref(base))
-    for u in chain:
-        step_inp = update_input_of(u)
-        replay_update(trainer, step_inp)
-        want = committed_digest(u)
-        got = trained_digest(trainer.strategy, like=want)
-        if got is not None and got != want:  # None: a DeepSpeed rank above 0 (rank 0 checks)
-            raise RecoveryError(f"re-applying the committed update {u.uri} gave other weights than it recorded (digest "
-                                f"{got[:12]} vs {want[:12]}): nondeterministic kernels, or the input shards changed")
-    report = {"base": base.uri if isinstance(base, ShardRef) else base, "replayed": len(chain),
-              "seconds": time.perf_counter() - t0}
-    if chain:
-        log.info("rebuilt the policy of %s from %s by re-applying %d committed update(s) in %.1f s",
-                 ref.uri if isinstance(ref, ShardRef) else ref, report["base"], len(chain), report["seconds"])
-    return trainer, report

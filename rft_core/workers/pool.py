@@ -25,7 +25,7 @@ Before a stage is handed to a gang, the gang must answer a ping within ``sync_ti
 (``_answering_gang``): one that does not is stuck in a call past its limit and is ended and
 started anew. A worker that died (killed, out of memory, its node gone) is replaced once per call and the
 stage runs again: a committed stage is reused, an interrupted one recomputed, and the new
-worker rebuilds its model (``rft_core.workers.policy.rebuild_trainer``); a policy rank that dies or fails ends
+worker rebuilds its model (``rft_core.stages.recovery.rebuild_trainer``); a policy rank that dies or fails ends
 its whole gang (its peers would wait in a collective), which is started anew the same way. Actors are owned by the process that
 created them, so they end with it (Ctrl-C, SIGTERM, a crash); ``stop_workers`` ends them at the
 end of a run.
@@ -64,7 +64,7 @@ _SHARED_GPU = 1 / len(ROLES)
 
 
 def _ray(workers: WorkersConfig | None = None):
-    """The ray module, connected (a local Ray started here, or ``workers.ray_address``). The
+    """The ray module, connected (a local Ray started here, or ``workers.ray.address``). The
     driver's variables of ``_ENV_PREFIXES`` (the project's, Hugging Face's, object storage's:
     ``AWS_*`` credentials and endpoint) go to every worker as the job's ``runtime_env``
     ``env_vars`` (Ray's ``ray.init(runtime_env=...)``), under the user's own.
@@ -79,9 +79,9 @@ def _ray(workers: WorkersConfig | None = None):
     if not ray.is_initialized():
         kw: dict[str, Any] = {"include_dashboard": False, "namespace": NAMESPACE, "log_to_driver": True}
         if workers is not None:
-            kw.update(workers.ray_init_kwargs)
-            if workers.ray_address:
-                kw["address"] = workers.ray_address
+            kw.update(workers.ray.init_kwargs)
+            if workers.ray.address:
+                kw["address"] = workers.ray.address
         env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
         if env:  # under the user's own runtime_env variables (ray.init_kwargs), which win
             runtime_env = dict(kw.get("runtime_env") or {})
@@ -121,7 +121,7 @@ def actor_options(workers: WorkersConfig, role: str, *, cluster_gpus: float) -> 
     """The Ray actor options of each actor of ``role`` (every policy rank gets the same).
 
     Args:
-        workers: the pool's settings; ``workers.options[role]`` (``ray.options``)
+        workers: the pool's settings; ``workers.ray.options[role]`` (``ray.options``)
             overrides any default key, e.g. ``{num_gpus: 0.5}`` or ``{resources: {node_a: 1}}``.
         role: one of ``ROLES``; all of them hold a model.
         cluster_gpus: ``ray.cluster_resources().get("GPU", 0)``, GPUs of the whole cluster.
@@ -137,7 +137,7 @@ def actor_options(workers: WorkersConfig, role: str, *, cluster_gpus: float) -> 
         options["num_gpus"] = workers.rollout_gpus if role == "rollout" else 1
     elif cluster_gpus >= 1:
         options["num_gpus"] = _SHARED_GPU
-    options.update(workers.options.get(role, {}))
+    options.update(workers.ray.options.get(role, {}))
     return options
 
 

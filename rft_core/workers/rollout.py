@@ -29,7 +29,7 @@ from rft_core.counters import count
 from rft_core.models.lora import is_adapter_dir, merge_adapter
 from rft_core.models.pretrained import resolve_model_path
 from rft_core.stages.checkpoints import policy_model_path
-from rft_core.stages.recovery import has_weights, weights_base
+from rft_core.stages.lineage import has_weights, weights_base
 from rft_core.stages.sources import load_from_storage, version_key
 from rft_core.weightsync.choose import choose_transport, transport
 from rft_core.weightsync.engine import check_buckets

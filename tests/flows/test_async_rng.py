@@ -4,7 +4,8 @@ k. The HF engine draws from its own ``torch.Generator`` (``rft_core.engines.hf``
 seeds its own draws (``rft_core.training.update.update_rng``), so LoRA dropout and gradient
 checkpointing (which saves and restores torch's global RNG state) in the update cannot change
 the rollout's tokens, nor the rollout the update's dropout masks: two runs end with the same
-weights bit for bit."""
+weights bit for bit. Each update draws its own masks (issue 46: ``update.seed`` mixed with the
+policy version, ``rft_core.training.update.update_seeds``), the same in two runs."""
 from __future__ import annotations
 
 import datetime as dt
@@ -69,7 +70,8 @@ def test_the_update_seeds_its_own_dropout_and_restores_the_global_generator(tiny
     from rft_core.models.loading import load_causal_lm
     from rft_core.models.lora import apply_lora
     from rft_core.training.strategy import SingleProcess
-    from rft_core.training.update import UpdateData, UpdateSettings, ppo_update
+    from rft_core.training.update import UpdateData, ppo_update
+    from tests.update_settings import update_settings
 
     prompts, responses = [[11, 12, 13], [21, 22]], [[101, 102, 103], [201, 202, 203, 204]]
     data = UpdateData(prompts, responses, [[-2.0] * len(r) for r in responses], [[1.0] * 3, [-1.0] * 4])
@@ -80,7 +82,7 @@ def test_the_update_seeds_its_own_dropout_and_restores_the_global_generator(tiny
                            target_modules="all-linear", base_path=tiny_model, seed=0)  # the same A matrices
         before = torch.get_rng_state()
         ppo_update(SingleProcess(model, torch.optim.SGD([q for q in model.parameters() if q.requires_grad], lr=1.0),
-                                 max_grad_norm=1e9), data, UpdateSettings(seed=seed), pad_token_id=2)
+                                 max_grad_norm=1e9), data, update_settings(seed=seed), pad_token_id=2)
         assert torch.equal(torch.get_rng_state(), before)  # the process's generator as it was
         return torch.cat([q.detach().flatten() for n, q in model.named_parameters() if "lora_" in n])
 
@@ -111,3 +113,74 @@ def test_two_staleness_1_runs_with_lora_dropout_and_checkpointing_end_equal(pref
         rollouts = [{e.path: e.sha256 for e in read_manifest(stage_uri(str(r), k, "rollout"))[0].files} for r in roots]
         assert rollouts[0] == rollouts[1], k
     assert _weights(roots[0]) == _weights(roots[1]) and _weights(roots[0])
+
+
+# s = 0, LoRA dropout 0.5 (half of each adapter input zeroed); the policy and the rollout engine kept in this
+# process's resident workers (no Ray, no reloads) so that two runs of 3 iterations take seconds
+S0_LORA = ("update.lora.rank=8", "update.lora.dropout=0.5", "kl.kl_coef=0", "update.epochs=1", "update.micro_batch_size=8",
+           "data.prompts_per_iteration=2", "rollout.batch_size=8", "rollout.max_new_tokens=4",
+           "orchestration.workers=resident", "checkpoint.every=3")
+
+
+def _drive_recording_masks(cfg, monkeypatch) -> tuple[dict[int, list[torch.Tensor]], dict[int, torch.Tensor]]:
+    """Run ``cfg`` without Prefect (``tests.drive``) with its model stages in resident workers of
+    this process, and return, per iteration, the dropout masks its update drew (bool, flattened,
+    in call order: True where ``nn.Dropout`` zeroed an element) and the global generator's state
+    at its first draw."""
+    from rft_core.stages import update as update_stage
+    from rft_core.workers.policy import PolicyWorker
+    from rft_core.workers.pool import ROLE_OF_PROGRAM
+    from rft_core.workers.rollout import RolloutWorker
+    from tests.drive import drive
+
+    masks: dict[int, list[torch.Tensor]] = {}
+    first_state: dict[int, torch.Tensor] = {}
+    current: dict[str, int] = {}
+    real_update, forward = update_stage.ppo_update, torch.nn.Dropout.forward
+
+    def recording_update(strategy, data, settings, **kw):
+        current["iteration"] = settings.policy_version + 1  # the update of iteration k starts from version k - 1
+        try:
+            return real_update(strategy, data, settings, **kw)
+        finally:
+            del current["iteration"]
+
+    def recording_forward(self, x):
+        if not (self.training and self.p > 0 and "iteration" in current):
+            return forward(self, x)
+        k = current["iteration"]
+        first_state.setdefault(k, torch.get_rng_state())
+        out = forward(self, x)
+        masks.setdefault(k, []).append(((out == 0) & (x != 0)).flatten())
+        return out
+
+    policy = PolicyWorker(cfg.run_root)
+    pool = {"policy": policy, "rollout": RolloutWorker(cfg.run_root, peer=policy)}
+    with monkeypatch.context() as m:
+        m.setattr(update_stage, "ppo_update", recording_update)
+        m.setattr(torch.nn.Dropout, "forward", recording_forward)
+        drive(cfg, lambda inp: pool[ROLE_OF_PROGRAM[inp.program]].run(inp))
+    return masks, first_state
+
+
+def test_two_s0_runs_with_lora_dropout_are_equal_and_each_iteration_draws_its_own_masks(tiny_model, tmp_path,
+                                                                                          monkeypatch):
+    roots = [tmp_path / "a", tmp_path / "b"]
+    runs = [_drive_recording_masks(varying_config(tiny_model, r, *S0_LORA, iterations=ITERATIONS), monkeypatch)
+            for r in roots]
+    (masks, state), (masks_b, state_b) = runs
+    # what the comparisons are about: the updates trained on varying advantages and drew LoRA dropout masks
+    for k in range(1, ITERATIONS + 1):
+        assert_advantages_vary(roots[0], k)
+    assert_weights_moved(roots[0], ITERATIONS, tiny_model)
+    assert sorted(masks) == [1, 2, 3] and all(any(m.any() for m in masks[k]) for k in masks)
+    # two runs: the same masks in every iteration, the same weights
+    for k in masks:
+        assert len(masks[k]) == len(masks_b[k]) and all(torch.equal(x, y) for x, y in zip(masks[k], masks_b[k])), k
+    assert _weights(roots[0]) == _weights(roots[1]) and _weights(roots[0])
+    # within a run, each iteration its own stream: iterations 2 and 3 start from other generator states and their
+    # first masks differ on the elements both have (one stream would give the same leading draws)
+    assert not torch.equal(state[2], state[3]) and not torch.equal(state[1], state[2])
+    first2, first3 = masks[2][0], masks[3][0]
+    n = min(len(first2), len(first3))
+    assert n > 100 and (first2[:n] != first3[:n]).float().mean() > 0.2

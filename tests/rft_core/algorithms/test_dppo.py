@@ -173,15 +173,14 @@ def test_config_refuses_the_actor_pass_and_bad_thresholds():
 @pytest.mark.parametrize("name", NAMES)
 def test_ppo_update_runs_each(tiny_model, name):
     from rft_core.models.loading import load_causal_lm
-    from rft_core.training.update import UpdateSettings, ppo_update
+    from rft_core.training.update import ppo_update
+    from tests.update_settings import update_settings
     from tests.rft_core.algorithms.test_policy_losses_2025 import _update_data
 
     # thresholds 0: every token that moved in its advantage's direction leaves the region (the tiny model's
     # probabilities are ~1/500, so its TV and binary KL stay below the defaults)
     upd = load_config(None, {"update.policy_loss": {"name": name, "clip_low": 0.0, "clip_high": 0.0}}).update
     strategy = GradRecorder(load_causal_lm(tiny_model, trainable=True))
-    steps = ppo_update(strategy, _update_data(tiny_model), UpdateSettings(
-        policy_loss=name, policy_loss_kwargs=policy_loss_kwargs(upd.policy_loss), loss_agg=upd.loss_agg,
-        micro_batch_size=2), pad_token_id=2)
+    steps = ppo_update(strategy, _update_data(tiny_model), update_settings(policy_loss=upd.policy_loss, loss_agg=upd.loss_agg, micro_batch_size=2), pad_token_id=2)
     assert len(steps) == 1 and math.isfinite(steps[0].policy_loss) and 0 < steps[0].clip_frac < 1
     assert any(g.abs().max() > 0 for g in strategy.grads[0].values())

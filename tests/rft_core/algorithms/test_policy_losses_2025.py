@@ -380,15 +380,15 @@ def test_ppo_update_with_gmpo_has_the_loop_gradient(tiny_model):
     """ppo_update (micro-batches of 2) with update.policy_loss.name=gmpo: the gradient of the
     paper's objective, computed by a float64 loop over the model's log-probs."""
     from rft_core.models.loading import load_causal_lm
-    from rft_core.training.update import UpdateSettings, ppo_update
+    from rft_core.training.update import ppo_update
+    from tests.update_settings import update_settings
 
     data = _update_data(tiny_model)
     upd = load_config(None, ["update.policy_loss.name=gmpo", "update.policy_loss.clip_low=0.1",
                              "update.policy_loss.clip_high=0.1"]).update
     strategy = GradRecorder(load_causal_lm(tiny_model, trainable=True))
-    steps = ppo_update(strategy, data, UpdateSettings(policy_loss=upd.policy_loss.name,
-                                                      policy_loss_kwargs=policy_loss_kwargs(upd.policy_loss),
-                                                      loss_agg=upd.loss_agg, micro_batch_size=2), pad_token_id=2)
+    steps = ppo_update(strategy, data, update_settings(policy_loss=upd.policy_loss, loss_agg=upd.loss_agg,
+                                                       micro_batch_size=2), pad_token_id=2)
     assert len(strategy.grads) == 1 and steps[0].clip_frac > 0
     model = load_causal_lm(tiny_model, trainable=True).double()
     total = torch.zeros((), dtype=D)
@@ -411,13 +411,12 @@ def test_ppo_update_with_gmpo_has_the_loop_gradient(tiny_model):
 @pytest.mark.parametrize("name", ["cispo", "sapo", "gpg", "clip_cov", "kl_cov"])
 def test_ppo_update_runs_each_new_loss(tiny_model, name):
     from rft_core.models.loading import load_causal_lm
-    from rft_core.training.update import UpdateSettings, ppo_update
+    from rft_core.training.update import ppo_update
+    from tests.update_settings import update_settings
 
     upd = load_config(None, [f"update.policy_loss.name={name}"]).update
     strategy = GradRecorder(load_causal_lm(tiny_model, trainable=True))
-    steps = ppo_update(strategy, _update_data(tiny_model), UpdateSettings(
-        policy_loss=name, policy_loss_kwargs=policy_loss_kwargs(upd.policy_loss), loss_agg=upd.loss_agg,
-        micro_batch_size=2), pad_token_id=2)
+    steps = ppo_update(strategy, _update_data(tiny_model), update_settings(policy_loss=upd.policy_loss, loss_agg=upd.loss_agg, micro_batch_size=2), pad_token_id=2)
     assert len(steps) == 1 and math.isfinite(steps[0].policy_loss) and steps[0].num_tokens == 14
     grads = strategy.grads[0]
     assert all(torch.isfinite(g).all() for g in grads.values()) and any(g.abs().max() > 0 for g in grads.values())

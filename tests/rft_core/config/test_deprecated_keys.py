@@ -83,8 +83,8 @@ def test_an_old_key_warns_naming_its_new_key_and_its_value_lands_there(old, over
     if old.startswith("runners.ppo_update."):  # the old resident runner: now orchestration.workers, no runner left
         assert "ppo_update" not in cfg.runners and cfg.orchestration.workers == "resident"
         workers = cfg.runner("ppo_update").workers
-        runtime = {"ray.address": workers.ray_address, "ray.init_kwargs": workers.ray_init_kwargs,
-                   "ray.options": workers.options, "orchestration.worker_threads": workers.threads,
+        runtime = {"ray.address": workers.ray.address, "ray.init_kwargs": workers.ray.init_kwargs,
+                   "ray.options": workers.ray.options, "orchestration.worker_threads": workers.threads,
                    "orchestration.sync_timeout_s": workers.sync_timeout_s,
                    "orchestration.sync_bucket_mb": workers.sync_bucket_mb,
                    "orchestration.policy_ranks": workers.policy_ranks}
@@ -192,13 +192,18 @@ def test_ray_options_name_known_roles():
 
 
 def test_the_one_ray_section_reaches_the_resident_workers():
+    from rft_core.workers.pool import actor_options
+
     cfg = load_config(None, {**RESIDENT, "ray": {"address": "ray://head:10001", "init_kwargs": {"num_cpus": 4},
                                                   "options": {"reference": {"num_gpus": 0.5},
                                                               ROLLOUT_SHARD: {"num_gpus": 1}}}})
     for stage in ("rollout", "ref_logprobs", "ppo_update"):
         workers = cfg.runner(stage).workers
-        assert workers.ray_address == "ray://head:10001" and workers.ray_init_kwargs == {"num_cpus": 4}
-        assert workers.options == {"reference": {"num_gpus": 0.5}}  # the fan-out's shard tasks are not a worker
+        assert workers.ray is cfg.ray  # the section itself, not a copy of its fields
+        assert workers.ray.address == "ray://head:10001" and workers.ray.init_kwargs == {"num_cpus": 4}
+        # each worker gets its role's options; the fan-out's shard tasks are not a worker
+        assert actor_options(workers, "reference", cluster_gpus=0) == {"num_cpus": 0, "num_gpus": 0.5}
+        assert actor_options(workers, "rollout", cluster_gpus=0) == {"num_cpus": 0}
 
 
 def test_every_preset_uses_the_new_keys():
@@ -209,14 +214,14 @@ def test_every_preset_uses_the_new_keys():
 
 
 def test_the_config_defines_one_ray_address_field():
-    """The Ray address has one home: ``ray.address`` for the user; ``WorkersConfig.ray_address``
-    is the resident pool's runtime copy of it (built by ``TrainConfig.runner``)."""
+    """The Ray address has one home: ``ray.address``; the resident pool's runtime object holds
+    the ``ray`` section itself (``WorkersConfig.ray``, built by ``TrainConfig.runner``)."""
     models = {cls for module in (config_package, *[m for _, m in inspect.getmembers(config_package, inspect.ismodule)
                                                    if m.__name__.startswith("rft_core.config")])
               for _, cls in inspect.getmembers(module, inspect.isclass)
               if issubclass(cls, BaseModel) and cls.__module__.startswith("rft_core.config")}
-    assert [cls.__name__ for cls in models if "ray_address" in cls.model_fields] == ["WorkersConfig"]
-    assert "address" in config_package.RayConfig.model_fields
+    assert [cls.__name__ for cls in models if {"ray_address", "address"} & set(cls.model_fields)] == ["RayConfig"]
+    assert config_package.WorkersConfig.model_fields["ray"].annotation is config_package.RayConfig
     # the sections a user writes hold no Ray setting of their own any more
     assert not {"ray_address", "ray_init_kwargs", "ray_remote_options"} & set(config_package.RunnerConfig.model_fields)
     assert not {"ray_address", "ray_init_kwargs", "worker_options"} & set(config_package.OrchestrationConfig.model_fields)

@@ -15,7 +15,8 @@ from rft_core.progress import LogProgress
 from rft_core.stages.contracts import hash_value
 from rft_core.stages.update import load_trainable_policy
 from rft_core.training.strategy import SingleProcess, make_optimizer
-from rft_core.training.update import UpdateData, UpdateSettings, ppo_update
+from rft_core.training.update import UpdateData, ppo_update
+from tests.update_settings import update_settings
 
 LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
@@ -44,7 +45,7 @@ def test_lora_update_changes_only_adapter_params(tiny_model):
     assert adapted == LINEAR and len(trainable) == 2 * 2 * len(LINEAR)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = make_optimizer(model, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
-    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), _data(), UpdateSettings(micro_batch_size=3), pad_token_id=2)
+    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), _data(), update_settings(micro_batch_size=3), pad_token_id=2)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= trainable
     assert {n for n in changed if ".lora_B." in n}  # B starts at zero and moved
@@ -54,7 +55,7 @@ def test_merged_model_logits_equal_adapter_logits_and_checkpoint_round_trip(tiny
     model = apply_lora(load_causal_lm(tiny_model, trainable=True), rank=4, alpha=8.0, dropout=0.0,
                        target_modules="all-linear", base_path=tiny_model)
     opt = make_optimizer(model, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
-    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), _data(), UpdateSettings(micro_batch_size=6), pad_token_id=2)
+    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), _data(), update_settings(micro_batch_size=6), pad_token_id=2)
     model.eval()
     ids = [5, 17, 99, 3, 250, 11, 7]
     want = _logits(model, ids)
@@ -129,7 +130,7 @@ def test_packed_update_equals_padded_update(tiny_model):
         model = load_causal_lm(tiny_model, trainable=True)
         opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
         steps = ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data,
-                           UpdateSettings(micro_batch_size=3, train_batch_size=4, epochs=2, packing=packing), pad_token_id=2)
+                           update_settings(micro_batch_size=3, train_batch_size=4, epochs=2, packing=packing), pad_token_id=2)
         runs.append((steps, torch.cat([p.detach().flatten() for p in model.parameters()])))
     (s0, w0), (s1, w1) = runs
     assert len(s0) == len(s1) == 4
@@ -192,7 +193,7 @@ def test_the_update_reports_each_micro_batch_of_each_step(tiny_model):
     calls: list[tuple[int, int]] = []
     strategy = SingleProcess(model, make_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999)),
                              max_grad_norm=1.0)
-    ppo_update(strategy, _data(n=6), UpdateSettings(epochs=2, train_batch_size=4, micro_batch_size=3), pad_token_id=2,
+    ppo_update(strategy, _data(n=6), update_settings(epochs=2, train_batch_size=4, micro_batch_size=3), pad_token_id=2,
                progress=lambda done, total, tokens=None: calls.append((done, total)))
     # 2 epochs x (a step of 4 samples: 2 micro-batches, a step of 2: 1) = 6 passes, reported from 0
     assert calls == [(i, 6) for i in range(7)]

@@ -10,11 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rft_core.config import KLConfig
 from rft_core.engines.hf import HFEngine
 from rft_core.models.loading import ModelLoadError, load_causal_lm, load_tokenizer, resolve_model_path
 from rft_core.models.logprobs import batched_response_logprobs, build_token_batch, response_logprobs
 from rft_core.training.strategy import SingleProcess, make_optimizer
-from rft_core.training.update import UpdateData, UpdateSettings, ppo_update
+from rft_core.training.update import UpdateData, ppo_update
+from tests.update_settings import update_settings
 
 
 def test_token_batch_layout():
@@ -113,7 +115,7 @@ def test_update_micro_batch_invariance(tiny_model):
     for mb in (1, 4):
         model = load_causal_lm(tiny_model, trainable=True)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        steps = ppo_update(SingleProcess(model, opt, max_grad_norm=1e9), data, UpdateSettings(micro_batch_size=mb), pad_token_id=2)
+        steps = ppo_update(SingleProcess(model, opt, max_grad_norm=1e9), data, update_settings(micro_batch_size=mb), pad_token_id=2)
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
         assert len(steps) == 1 and steps[0].num_tokens == 14
     base = torch.cat([p.detach().flatten() for p in load_causal_lm(tiny_model).parameters()])
@@ -126,7 +128,7 @@ def test_update_moves_logprobs_in_advantage_direction(tiny_model):
     data = _update_data(tiny_model)
     model = load_causal_lm(tiny_model, trainable=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    steps = ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, UpdateSettings(micro_batch_size=2, epochs=2, train_batch_size=2), pad_token_id=2)
+    steps = ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, update_settings(micro_batch_size=2, epochs=2, train_batch_size=2), pad_token_id=2)
     assert len(steps) == 4 and {s.epoch for s in steps} == {0, 1}
     new = batched_response_logprobs(model, data.prompts, data.responses, pad_token_id=2)
     delta = [sum(n) - sum(o) for n, o in zip(new, data.old_logprobs)]
@@ -136,7 +138,7 @@ def test_update_moves_logprobs_in_advantage_direction(tiny_model):
 def test_update_rejects_empty_data(tiny_model):
     model = load_causal_lm(tiny_model, trainable=True)
     with pytest.raises(ValueError, match="no samples"):
-        ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0), UpdateData([], [], [], []), UpdateSettings(), pad_token_id=2)
+        ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=1.0), UpdateData([], [], [], []), update_settings(), pad_token_id=2)
 
 
 def test_unreadable_model_path_is_named(tmp_path):
@@ -160,7 +162,7 @@ def _sgd_delta(tiny_model, data, *, lr=0.5, model=None, correction=None, **kw):
     model = model or load_causal_lm(tiny_model, trainable=True)
     base = _flat(model)
     steps = ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=lr), max_grad_norm=1e9), data,
-                       UpdateSettings(**kw), pad_token_id=2, correction=correction)
+                       update_settings(**kw), pad_token_id=2, correction=correction)
     return _flat(model) - base, steps
 
 
@@ -191,8 +193,8 @@ def test_update_entropy_filter_normalisers(tiny_model):
     ref_lp = [[o - 0.3 * (t % 3) for t, o in enumerate(row)] for row in data.old_logprobs]
     zeroed = _replace(data, advantages=[[a[0]] + [0.0] * (len(a) - 1) for a in data.advantages], ref_logprobs=ref_lp)
     with_kl, steps = _sgd_delta(tiny_model, _replace(filtered, ref_logprobs=ref_lp), entropy_top_fraction=4 / 14,
-                                kl_coef=0.5, kl_estimator="k2", micro_batch_size=3)
-    expected, _ = _sgd_delta(tiny_model, zeroed, kl_coef=0.5, kl_estimator="k2", micro_batch_size=3)
+                                kl=KLConfig(kl_coef=0.5, estimator="k2"), micro_batch_size=3)
+    expected, _ = _sgd_delta(tiny_model, zeroed, kl=KLConfig(kl_coef=0.5, estimator="k2"), micro_batch_size=3)
     torch.testing.assert_close(with_kl, expected, atol=1e-6, rtol=0)
     assert (with_kl - full).abs().max() > 1e-3 and steps[0].kl_loss > 0  # the KL term did act
     with pytest.raises(ValueError, match="needs data.entropies"):
@@ -249,8 +251,8 @@ def test_update_leaves_overlong_filtered_samples_out_entirely(tiny_model):
                                                                         "ref_logprobs")])
     for agg in ("token-mean", "seq-mean-token-mean"):
         got, steps = _sgd_delta(tiny_model, _replace(data, excluded=[False, True, False, True]), loss_agg=agg,
-                                kl_coef=0.3, kl_estimator="k2", micro_batch_size=3)
-        expected, _ = _sgd_delta(tiny_model, sub, loss_agg=agg, kl_coef=0.3, kl_estimator="k2", micro_batch_size=3)
+                                kl=KLConfig(kl_coef=0.3, estimator="k2"), micro_batch_size=3)
+        expected, _ = _sgd_delta(tiny_model, sub, loss_agg=agg, kl=KLConfig(kl_coef=0.3, estimator="k2"), micro_batch_size=3)
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
         assert steps[0].num_tokens == 4 + 5
 
@@ -261,7 +263,7 @@ def test_seq_mean_token_sum_norm_uses_the_given_token_budget(tiny_model):
     sum_norm, _ = _sgd_delta(tiny_model, data, loss_agg="seq-mean-token-sum-norm", loss_norm_tokens=10)
     # sum / (B * K) instead of sum / N: N = 14 tokens, B = 4 sequences, K = 10
     torch.testing.assert_close(sum_norm, token_mean * 14 / 40, atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="needs loss_norm_tokens"):
+    with pytest.raises(ValueError, match="needs update.loss_norm_tokens"):
         _sgd_delta(tiny_model, data, loss_agg="seq-mean-token-sum-norm")
 
 
@@ -328,7 +330,7 @@ def test_entropy_bonus_raises_entropy(tiny_model):
     b = build_token_batch(data.prompts, data.responses, pad_token_id=2)
     with torch.no_grad():
         before = response_logprobs(model, b, with_entropy=True)[1][b.action_mask].mean()
-    ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=1.0), max_grad_norm=1.0), zero_adv, UpdateSettings(entropy_coef=1.0, epochs=3), pad_token_id=2)
+    ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=1.0), max_grad_norm=1.0), zero_adv, update_settings(entropy_coef=1.0, epochs=3), pad_token_id=2)
     with torch.no_grad():
         after = response_logprobs(model, b, with_entropy=True)[1][b.action_mask].mean()
     assert after > before
@@ -369,7 +371,7 @@ def test_checkpoint_restores_optimizer_state_with_configured_lr(tiny_model, tmp_
     data = _update_data(tiny_model)
     model = load_causal_lm(tiny_model, trainable=True)
     opt = make_optimizer(model, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0)
-    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, UpdateSettings(), pad_token_id=2)
+    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, update_settings(), pad_token_id=2)
     save_checkpoint(model, load_tokenizer(tiny_model), opt, tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.suffix == ".pt") == ["optimizer.pt"]
 

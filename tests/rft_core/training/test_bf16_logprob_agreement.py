@@ -34,12 +34,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rft_core.config import KLConfig
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.logprobs import batched_response_logprobs, build_packed_batch, response_logprobs
 from rft_core.training.checkpoint import MASTER_DTYPE_KEY, MASTER_WEIGHTS_KEY, OPTIMIZER_FILE
 from rft_core.training.loop import minibatches
 from rft_core.training.strategy import OptimizerSettings, build_strategy
-from rft_core.training.update import StepMetrics, UpdateData, UpdateSettings, ppo_update
+from rft_core.training.update import StepMetrics, UpdateData, ppo_update
+from tests.update_settings import update_settings
 from tests.weights import policy_files
 
 CPU = torch.device("cpu")
@@ -90,7 +92,7 @@ def _first_step(path: str, rollout, *, logprob_micro: int, update_micro: int, be
     else:
         strategy = build_strategy(load_causal_lm(path, dtype="bfloat16", trainable=True), optim=OPT, device=CPU)
         assert strategy.master is not None and strategy.autocast_dtype is None
-    steps = ppo_update(strategy, data, UpdateSettings(kl_coef=0.01, kl_estimator="k3+", micro_batch_size=update_micro,
+    steps = ppo_update(strategy, data, update_settings(kl=KLConfig(kl_coef=0.01, estimator="k3+"), micro_batch_size=update_micro,
                                                       packing=True, seed=0), pad_token_id=2)
     assert len(steps) == 1 and steps[0].num_tokens == sum(len(r) for r in responses)
     return steps[0]
@@ -225,15 +227,15 @@ def test_a_resumed_update_continues_the_in_memory_one_bit_for_bit(sharp16, rollo
     g = torch.Generator().manual_seed(5)
     adv = [[float(torch.randn(1, generator=g))] * len(r) for r in responses]
     data = UpdateData(prompts, responses, old, adv, ref_logprobs=old)
-    kw = {"kl_coef": 0.01, "micro_batch_size": 4, "packing": True, "train_batch_size": 16}
+    kw = {"kl": KLConfig(kl_coef=0.01), "micro_batch_size": 4, "packing": True, "train_batch_size": 16}
     kept = build_strategy(load_causal_lm(sharp16, dtype="bfloat16", trainable=True), optim=OPT, device=CPU)
-    ppo_update(kept, data, UpdateSettings(seed=1, **kw), pad_token_id=2)
+    ppo_update(kept, data, update_settings(seed=1, **kw), pad_token_id=2)
     kept.model.save_pretrained(tmp_path)
     torch.save(kept.optimizer.state_dict(), tmp_path / OPTIMIZER_FILE)
     resumed = build_strategy(load_causal_lm(str(tmp_path), dtype="bfloat16", trainable=True), optim=OPT, device=CPU,
                              optimizer_state=str(tmp_path))
     for s in (kept, resumed):
-        ppo_update(s, data, UpdateSettings(seed=2, **kw), pad_token_id=2)
+        ppo_update(s, data, update_settings(seed=2, **kw), pad_token_id=2)
     for n, m in kept.master.state().items():
         assert torch.equal(m, resumed.master.state()[n]), n
     a, b = dict(kept.model.named_parameters()), dict(resumed.model.named_parameters())
@@ -304,7 +306,7 @@ def test_passes_grouped_as_the_update_make_its_first_step_exact_on_the_demos_sha
     assert old == _logprobs_grouped_as_the_update(sharp16, rollout, 4, seed=0)
     data = UpdateData(prompts, responses, old, [[0.0] * len(r) for r in responses], ref_logprobs=old)
     strategy = build_strategy(load_causal_lm(sharp16, dtype="bfloat16", trainable=True), optim=OPT, device=CPU)
-    step, = ppo_update(strategy, data, UpdateSettings(kl_coef=0.01, kl_estimator="k3+", micro_batch_size=4,
+    step, = ppo_update(strategy, data, update_settings(kl=KLConfig(kl_coef=0.01, estimator="k3+"), micro_batch_size=4,
                                                       packing=True, seed=0), pad_token_id=2)
     assert step.approx_kl == 0.0 and step.kl_loss == 0.0 and step.grad_norm == 0.0
     with pytest.raises(ValueError, match="each of the 32 samples exactly once"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rft_core.config import CriticConfig
 from rft_core.models.critic import batched_response_values, load_critic, response_values
 from rft_core.models.logprobs import build_token_batch
 from rft_core.training.critic import CriticData, critic_update
@@ -40,7 +41,8 @@ def test_critic_update_fits_returns(tiny_model):
     returns = [[1.0] * len(r) for r in responses]
     data = CriticData(prompts, responses, old, returns)
     opt = make_optimizer(critic, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
-    steps = critic_update(SingleProcess(critic, opt, max_grad_norm=1.0), data, pad_token_id=2, value_clip=None, epochs=30, micro_batch_size=2)
+    steps = critic_update(SingleProcess(critic, opt, max_grad_norm=1.0), data,
+                          CriticConfig(value_clip=None, epochs=30, micro_batch_size=2), pad_token_id=2)
     assert steps[0].value_loss == pytest.approx(0.5)  # V = 0, R = 1: 0.5 (0 - 1)^2 on every token
     assert steps[-1].value_loss < 0.05 and steps[0].num_tokens == 6
     b = build_token_batch(prompts, responses, pad_token_id=2)
@@ -51,6 +53,6 @@ def test_critic_update_fits_returns(tiny_model):
     critic2 = load_critic(tiny_model, trainable=True)
     steps = critic_update(SingleProcess(critic2, make_optimizer(critic2, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0),
                                         max_grad_norm=1.0), data,
-                          pad_token_id=2, value_clip=0.2, epochs=1)
+                          CriticConfig(value_clip=0.2, epochs=1), pad_token_id=2)
     # at the first step V == V_old token for token: the stored values and the training forward are aligned
     assert steps[0].value_clip_frac == 0.0

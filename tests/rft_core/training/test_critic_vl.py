@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from rft_core.config import CriticConfig
 from rft_core.models.critic import VALUE_HEAD_FILE, VLValueModel, batched_response_values, load_critic
 from rft_core.models.vl import VLProcessor, build_tiny_qwen2_vl, is_vl_model
 from rft_core.training.critic import CriticData, critic_update
@@ -78,13 +79,15 @@ def test_vl_critic_update_first_step_and_fit(vl):
     # plain SGD, one step on V = 0, R = 1, token-mean over 12 tokens: loss 0.5 * (0 - 1)^2 = 0.5,
     # dL/db = mean(V - R) = -1, so the bias moves by exactly +lr (the head's weight starts at 0)
     opt = torch.optim.SGD([p for p in critic.parameters() if p.requires_grad], lr=0.1)
-    steps = critic_update(SingleProcess(critic, opt, max_grad_norm=1e9), data, pad_token_id=proc.tokenizer.pad_token_id,
-                          value_clip=None, epochs=1, micro_batch_size=3, processor=proc)
+    steps = critic_update(SingleProcess(critic, opt, max_grad_norm=1e9), data,
+                          CriticConfig(value_clip=None, epochs=1, micro_batch_size=3),
+                          pad_token_id=proc.tokenizer.pad_token_id, processor=proc)
     assert steps[0].value_loss == pytest.approx(0.5) and steps[0].num_tokens == 12
     assert critic.score.bias.item() == pytest.approx(0.1, abs=1e-6)
     opt2 = torch.optim.Adam([p for p in critic.parameters() if p.requires_grad], lr=1e-2)
-    steps = critic_update(SingleProcess(critic, opt2, max_grad_norm=1.0), data, pad_token_id=proc.tokenizer.pad_token_id,
-                          value_clip=None, epochs=30, micro_batch_size=2, processor=proc)
+    steps = critic_update(SingleProcess(critic, opt2, max_grad_norm=1.0), data,
+                          CriticConfig(value_clip=None, epochs=30, micro_batch_size=2),
+                          pad_token_id=proc.tokenizer.pad_token_id, processor=proc)
     assert steps[-1].value_loss < 0.05
     # packed micro-batches train the same: one SGD step from the same start moves every weight alike
     moved = []
@@ -93,7 +96,8 @@ def test_vl_critic_update_first_step_and_fit(vl):
         sgd = torch.optim.SGD([p for p in c.parameters() if p.requires_grad], lr=0.1)
         with torch.no_grad():
             c.score.weight.normal_(generator=torch.Generator().manual_seed(3))
-        critic_update(SingleProcess(c, sgd, max_grad_norm=1e9), data, pad_token_id=proc.tokenizer.pad_token_id,
-                      value_clip=None, epochs=1, micro_batch_size=3, processor=proc, packing=packing)
+        critic_update(SingleProcess(c, sgd, max_grad_norm=1e9), data,
+                      CriticConfig(value_clip=None, epochs=1, micro_batch_size=3, packing=packing),
+                      pad_token_id=proc.tokenizer.pad_token_id, processor=proc)
         moved.append(torch.cat([p.detach().flatten() for p in c.parameters()]))
     torch.testing.assert_close(moved[1], moved[0], atol=1e-6, rtol=1e-5)

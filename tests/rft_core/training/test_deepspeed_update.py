@@ -198,10 +198,11 @@ def test_critic_update_under_zero2_on_two_ranks_matches_one_process(update_input
 
 
 def _resident_workers(pool: str):
-    from rft_core.config import WorkersConfig
+    from rft_core.config import RayConfig, WorkersConfig
 
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    return WorkersConfig(pool=pool, threads=1, policy_ranks=2, options={"policy": {"runtime_env": {"env_vars": env}}})
+    return WorkersConfig(pool=pool, threads=1, policy_ranks=2,
+                         ray=RayConfig(options={"policy": {"runtime_env": {"env_vars": env}}}))
 
 
 def _resident_chain(update_inputs, tiny_model, workers, zero_stage: int, tag: str, *, stop_after: int | None = None,
@@ -230,7 +231,7 @@ def test_resident_zero_gang_keeps_its_state_and_equals_the_torchrun_updates(upda
     within 1e-6 of the single process; every step's loss is the torchrun one."""
     pytest.importorskip("ray")
     from rft_core.workers.pool import stop_workers
-    from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, has_weights
+    from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, has_weights
 
     import ray
 

@@ -10,7 +10,8 @@ import torch
 
 from rft_core.models.loading import load_causal_lm
 from rft_core.training.strategy import SingleProcess
-from rft_core.training.update import UpdateData, UpdateSettings, ppo_update, rollout_correction_weights
+from rft_core.training.update import UpdateData, ppo_update, rollout_correction_weights
+from tests.update_settings import update_settings
 
 PROMPTS = [[11, 12, 13], [21, 22, 23, 24, 25], [31, 32], [41, 42, 43, 44]]
 RESPONSES = [[101, 102, 103, 104], [201, 202], [301, 302, 303, 304, 305], [401, 402, 403]]  # 14 tokens
@@ -37,7 +38,7 @@ def _step(tiny_model, data: UpdateData, correction=None, **kw) -> torch.Tensor:
     model = load_causal_lm(tiny_model, trainable=True)
     base = _flat(model)
     ppo_update(SingleProcess(model, torch.optim.SGD(model.parameters(), lr=LR), max_grad_norm=1e9), data,
-               UpdateSettings(entropy_coef=COEF, micro_batch_size=3, **kw), pad_token_id=2, correction=correction)
+               update_settings(entropy_coef=COEF, micro_batch_size=3, **kw), pad_token_id=2, correction=correction)
     return _flat(model) - base
 
 

@@ -19,6 +19,7 @@ from rft_core.training.fsdp import FSDPCheckpoint, FSDPStateError, check_fsdp_st
 from rft_core.training.strategy import DeepSpeedCheckpoint, OptimizerSettings, build_strategy
 from schemas import read_manifest, read_shard
 from tests.rft_core.training.chain import ITERATIONS, RUNNER, fsdp, max_diff, one_thread, run_update, weights
+from tests.update_settings import update_settings
 from tests.varying import assert_shard_advantages_nonzero, assert_update_signal
 
 
@@ -172,13 +173,13 @@ def test_resident_fsdp_gang_keeps_its_state_and_equals_the_torchrun_updates(upda
     pytest.importorskip("ray")
     import ray
 
-    from rft_core.config import WorkersConfig
-    from rft_core.stages.recovery import has_weights
+    from rft_core.config import RayConfig, WorkersConfig
+    from rft_core.stages.lineage import has_weights
     from rft_core.workers.pool import run_resident, start_worker, stop_workers
 
     env = {"OMP_NUM_THREADS": "1"}
     workers = WorkersConfig(pool=str(tmp_path), threads=1, policy_ranks=2,
-                            options={"policy": {"runtime_env": {"env_vars": env}}})
+                            ray=RayConfig(options={"policy": {"runtime_env": {"env_vars": env}}}))
     root, r, a = update_inputs[:3]
     refs, policy = [], tiny_model
     try:
@@ -223,13 +224,13 @@ def test_cpu_offload_on_one_rank_matches_one_process(tiny_model, own_process_gro
     """FSDP2 on a world of one rank (outside torchrun), with and without CPUOffloadPolicy, trains
     as the single process does: same gradient norms (4 steps), weights within 1e-6; in bfloat16
     the gathered checkpoint weights are bfloat16 (the float32 shards' rounding)."""
-    from rft_core.training.update import UpdateData, UpdateSettings, ppo_update
+    from rft_core.training.update import UpdateData, ppo_update
 
     data = UpdateData(prompts=[[5, 6, 7], [9, 10], [11, 12, 13, 14], [15]], responses=[[8, 9], [3, 4, 5], [6], [7, 8]],
                       old_logprobs=[[-10.8, -10.8], [-10.8] * 3, [-10.8], [-10.8, -10.8]],  # ~ log(1/49152): unclipped
                       advantages=[[1.0, 1.0], [-1.0] * 3, [1.0], [-1.0, -1.0]])
     optim = OptimizerSettings(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
-    settings = UpdateSettings(micro_batch_size=1, train_batch_size=2, epochs=2)
+    settings = update_settings(micro_batch_size=1, train_batch_size=2, epochs=2)
     got = {}
     with one_thread():
         for name, kw, dtype in [("single", {}, "float32"), ("fsdp", {"fsdp": FSDPConfig()}, "float32"),

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rft_core.config import KLConfig, UpdateConfig
+from rft_core.config import CriticConfig, KLConfig, UpdateConfig
 from rft_core.models.critic import load_critic
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.logprobs import batched_response_logprobs, build_packed_batch, response_logprobs
@@ -32,9 +32,10 @@ from rft_core.stages.runner import run_stage
 from rft_core.training.checkpoint import MASTER_DTYPE_KEY, MASTER_WEIGHTS_KEY, OPTIMIZER_FILE
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.strategy import OptimizerSettings, SingleProcess, build_strategy
-from rft_core.training.update import UpdateData, UpdateSettings, ppo_update
+from rft_core.training.update import UpdateData, ppo_update
 from schemas import ShardRef, write_shard
 from schemas.columns import ADVANTAGES, ROLLOUT, policy_version_column, single_turn_columns
+from tests.update_settings import update_settings
 
 LR = 1e-6
 OPT = OptimizerSettings(lr=LR, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
@@ -79,7 +80,7 @@ def _reference_update(path: str, data: UpdateData, **kw) -> dict[str, torch.Tens
     model = load_causal_lm(path, trainable=True)
     strategy = build_strategy(model, optim=OPT, device=CPU)
     assert strategy.master is None
-    ppo_update(strategy, data, UpdateSettings(micro_batch_size=3, **kw), pad_token_id=2)
+    ppo_update(strategy, data, update_settings(micro_batch_size=3, **kw), pad_token_id=2)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -93,7 +94,7 @@ def test_bf16_update_with_lr_1e6_moves_the_master_weights_like_float32(tiny16, d
     assert strategy.master is not None and {p.dtype for p in model.parameters()} == {torch.bfloat16}
     with strategy.autocast():
         assert not torch.is_autocast_enabled("cpu")
-    ppo_update(strategy, data, UpdateSettings(micro_batch_size=3), pad_token_id=2)
+    ppo_update(strategy, data, update_settings(micro_batch_size=3), pad_token_id=2)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # after training: the checkpoint dtype
     assert all(p.grad is None for p in model.parameters())  # the bfloat16 gradients went into the masters'
     master = strategy.master.state()
@@ -115,7 +116,7 @@ def test_the_old_path_bf16_params_with_plain_adamw_does_not_move_them(tiny16, da
     init = dict(load_causal_lm(tiny16).named_parameters())
     model = load_causal_lm(tiny16, dtype="bfloat16", trainable=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, UpdateSettings(micro_batch_size=3), pad_token_id=2)
+    ppo_update(SingleProcess(model, opt, max_grad_norm=1.0), data, update_settings(micro_batch_size=3), pad_token_id=2)
     names = list(init)
     moved = _flat(dict(model.named_parameters()), names) - _flat(init, names)
     assert (moved != 0).float().mean() < 0.05
@@ -136,7 +137,7 @@ def test_master_weights_travel_in_the_optimizer_state_to_the_next_update(tiny16,
     model = load_causal_lm(tiny16, dtype="bfloat16", trainable=True)
     s1 = build_strategy(model, optim=OPT, device=CPU)
     for strategy in (ref, s1):
-        ppo_update(strategy, data, UpdateSettings(micro_batch_size=3, seed=1), pad_token_id=2)
+        ppo_update(strategy, data, update_settings(micro_batch_size=3, seed=1), pad_token_id=2)
     model.save_pretrained(tmp_path / "ckpt")
     tok.save_pretrained(tmp_path / "ckpt")
     state = s1.optimizer.state_dict()
@@ -153,7 +154,7 @@ def test_master_weights_travel_in_the_optimizer_state_to_the_next_update(tiny16,
     assert sum(not torch.equal(m, m.to(torch.bfloat16).float()) for m in s2.master.state().values()) > 0
     assert float(next(iter(s2.optimizer.state.values()))["step"]) == 1.0
     for strategy in (ref, s2):
-        ppo_update(strategy, data, UpdateSettings(micro_batch_size=3, seed=2), pad_token_id=2)
+        ppo_update(strategy, data, update_settings(micro_batch_size=3, seed=2), pad_token_id=2)
     got = _flat(s2.master.state(), names) - _flat(init, names)
     want = _flat(dict(ref_model.named_parameters()), names) - _flat(init, names)
     _assert_update_matches(got, want, steps=2)
@@ -194,7 +195,7 @@ def test_lora_on_a_bf16_base_computes_in_its_own_dtypes_and_keeps_its_float32_ad
     with torch.no_grad(), strategy.autocast():
         lp, _ = response_logprobs(model, batch)
         assert torch.equal(lp, response_logprobs(load_causal_lm(tiny16, dtype="bfloat16"), batch)[0])
-    ppo_update(strategy, data, UpdateSettings(micro_batch_size=3), pad_token_id=2)
+    ppo_update(strategy, data, update_settings(micro_batch_size=3), pad_token_id=2)
     after = dict(model.named_parameters())
     moved = torch.cat([(after[n].detach() - before[n]).flatten() for n in before])
     assert (moved != 0).float().mean() > 0.4  # lora_B moves (lora_A has no gradient while B = 0)
@@ -220,7 +221,7 @@ def test_bf16_critic_trains_float32_masters(tiny16, tmp_path):
             strategy = SingleProcess(critic, torch.optim.AdamW(critic.parameters(), lr=LR), max_grad_norm=1.0)
         else:
             strategy = build_strategy(critic, optim=OPT, device=CPU, compute_dtype=dtype)
-        critic_update(strategy, data, pad_token_id=2, value_clip=None, micro_batch_size=2)
+        critic_update(strategy, data, CriticConfig(value_clip=None, micro_batch_size=2), pad_token_id=2)
         runs[dtype] = strategy.master.state() if strategy.master else dict(critic.named_parameters())
     init = dict(load_critic(path).named_parameters())
     names = list(init)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rft_core.config import CriticConfig, KLConfig
 from rft_core.models.critic import load_critic
 from rft_core.models.loading import load_causal_lm
 from rft_core.models.logprobs import batched_response_logprobs
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.strategy import SingleProcess
-from rft_core.training.update import UpdateData, UpdateSettings, ppo_update
+from rft_core.training.update import UpdateData, ppo_update
+from tests.update_settings import update_settings
 
 # per sample: the response's model/observation layout (1 = model token, 0 = observation token)
 MASKS = [[1, 1, 0, 0, 0, 1, 1], [1, 1, 1], [1, 0, 0, 1], [1, 1, 1, 1, 0, 0, 1]]
@@ -49,13 +51,13 @@ def _data(tiny_model: str, **changes) -> UpdateData:
 
 def _grads(tiny_model: str, data: UpdateData, **kwargs):
     strategy = GradRecorder(load_causal_lm(tiny_model, trainable=True))
-    steps = ppo_update(strategy, data, UpdateSettings(micro_batch_size=2, **kwargs), pad_token_id=2)
+    steps = ppo_update(strategy, data, update_settings(micro_batch_size=2, **kwargs), pad_token_id=2)
     assert len(strategy.grads) == 1
     return strategy.grads[0], steps
 
 
 def test_observation_tokens_carry_no_gradient_kl_or_entropy(tiny_model):
-    kw = dict(kl_coef=0.2, kl_estimator="k3+", entropy_coef=0.05)
+    kw = dict(kl=KLConfig(kl_coef=0.2, estimator="k3+"), entropy_coef=0.05)
     base, steps = _grads(tiny_model, _data(tiny_model), **kw)
     # the observation tokens' advantages, old and ref log-probs moved far; the model tokens' kept
     moved = _data(tiny_model, advantages=lambda v, m: v if m else 3.0 * (-1) ** int(v > 0),
@@ -93,7 +95,7 @@ def _reference_grads(tiny_model: str, data: UpdateData, *, kl_coef: float) -> di
 @pytest.mark.parametrize("kl_coef", [0.0, 0.3])
 def test_gradient_is_the_model_token_loss_over_the_model_token_count(tiny_model, kl_coef):
     data = _data(tiny_model)
-    got, steps = _grads(tiny_model, data, kl_coef=kl_coef, kl_estimator="k2")
+    got, steps = _grads(tiny_model, data, kl=KLConfig(kl_coef=kl_coef, estimator="k2"))
     want = _reference_grads(tiny_model, data, kl_coef=kl_coef)
     assert steps[0].num_tokens == N_MODEL
     norm = max(float(w.abs().max()) for w in want.values())
@@ -122,7 +124,7 @@ def test_critic_trains_only_on_model_tokens(tiny_model):
         strategy = GradRecorder(load_critic(tiny_model, trainable=True))
         steps = critic_update(strategy, CriticData(data.prompts, data.responses, old_values, rets,
                                                    action_masks=data.action_masks),
-                              pad_token_id=2, value_clip=None, micro_batch_size=3)
+                              CriticConfig(value_clip=None, micro_batch_size=3), pad_token_id=2)
         return strategy.grads[0], steps
 
     base, steps = run(returns)

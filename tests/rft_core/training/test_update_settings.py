@@ -1,46 +1,45 @@
-"""``UpdateSettings.of``: the policy update's settings taken from the ``update`` and ``kl``
-config sections and the rollout temperature (what the update stage passes to ``ppo_update``)."""
+"""``UpdateSettings``: the config sections the update stage passes to ``ppo_update`` as they are
+(no field copied), and the seeds of one update (``update_seeds``)."""
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 
-from rft_core.config import KLConfig, UpdateConfig, policy_loss_kwargs
-from rft_core.training.update import UpdateSettings
+from rft_core.config import KLConfig, UpdateConfig
+from rft_core.stages.contracts import PPOUpdateInput
+from rft_core.stages.update import update_settings
+from rft_core.training.update import RANK_STRIDE, VERSION_STRIDE, UpdateSettings, update_seeds
+from schemas import ShardRef
+
+REF = ShardRef(uri="memory://x/iter=000002/advantages", stage="advantages", num_rows=1, config_hash="h",
+               manifest_sha256="a" * 64)
 
 
-def _config() -> UpdateConfig:
-    """An update section whose every field that the update reads differs from its default."""
-    return UpdateConfig.model_validate({
-        "policy_loss": {"name": "cpgd", "clip_low": 0.1, "clip_high": 0.3}, "loss_agg": "seq-mean-token-sum-norm",
-        "loss_norm_tokens": 7, "epochs": 3, "train_batch_size": 5, "micro_batch_size": 2, "entropy_coef": 0.01,
-        "entropy_top_fraction": 0.2, "entropy_filter_norm": "kept", "dropout": True, "cpgd_drift_coef": 0.5,
-        "seed": 11, "packing": True})
-
-
-def test_of_carries_every_setting_of_the_config_sections():
-    cfg = _config()
-    got = UpdateSettings.of(cfg, KLConfig(kl_coef=0.3, mode="loss", estimator="k2", kl_clamp=4.0), temperature=0.7)
-    assert got == UpdateSettings(
-        policy_loss="cpgd", policy_loss_kwargs=policy_loss_kwargs(cfg.policy_loss), loss_agg="seq-mean-token-sum-norm",
-        loss_norm_tokens=7, kl_coef=0.3, kl_estimator="k2", kl_clamp=4.0, entropy_coef=0.01, entropy_top_fraction=0.2,
-        entropy_filter_norm="kept", cpgd_drift_coef=0.5, dropout=True, epochs=3, train_batch_size=5,
-        micro_batch_size=2, temperature=0.7, seed=11, packing=True)
-    assert got.policy_loss_kwargs["clip_low"] == 0.1 and got.policy_loss_kwargs["clip_high"] == 0.3
-    # the test can fail: every setting differs from UpdateSettings' default, so a field not carried shows
-    defaults = UpdateSettings()
-    same = [f.name for f in dataclasses.fields(UpdateSettings) if getattr(got, f.name) == getattr(defaults, f.name)]
-    assert same == []
-
-
-def test_a_kl_outside_the_loss_gives_no_kl_term():
-    for kl in (KLConfig(kl_coef=0.3, mode="reward"), KLConfig(kl_coef=0.0, mode="loss")):
-        assert UpdateSettings.of(_config(), kl, temperature=1.0).kl_coef == 0.0
+def test_the_update_stage_passes_its_sections_as_they_are():
+    upd = UpdateConfig.model_validate({"policy_loss": {"name": "cpgd", "clip_low": 0.1}, "cpgd_drift_coef": 0.5,
+                                       "seed": 11, "loss_agg": "seq-mean-token-sum-norm", "loss_norm_tokens": 7})
+    kl = KLConfig(kl_coef=0.3, mode="loss", estimator="k2", kl_clamp=4.0)
+    inp = PPOUpdateInput(rollout=REF, advantages=REF, policy="p", update=upd, kl=kl, temperature=0.7, policy_version=2,
+                         out="/x/iter=000003/ppo_update")
+    got = update_settings(inp)
+    assert got.update is upd and got.kl is kl and (got.temperature, got.policy_version) == (0.7, 2)
+    # an update outside a flow (no policy_version) starts from version 0, as the first iteration's
+    assert update_settings(inp.model_copy(update={"policy_version": None})).policy_version == 0
 
 
 def test_settings_refuse_what_the_update_cannot_run():
-    with pytest.raises(ValueError, match="entropy_filter_norm must be one of"):
-        UpdateSettings(entropy_filter_norm="some")
-    with pytest.raises(ValueError, match="needs loss_norm_tokens"):
-        UpdateSettings(loss_agg="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="needs update.loss_norm_tokens"):
+        UpdateSettings(UpdateConfig(loss_agg="seq-mean-token-sum-norm"))
+    with pytest.raises(ValueError, match="policy_version must be >= 0"):
+        UpdateSettings(policy_version=-1)
+
+
+def test_each_iteration_and_rank_draws_with_its_own_seed():
+    # the first iteration's update (version 0) on rank 0 keeps update.seed itself
+    assert update_seeds(5, 0) == (5, 5)
+    assert update_seeds(5, 2) == (5 + 2 * VERSION_STRIDE,) * 2
+    # rank 1 shuffles as rank 0 (the ranks deal one order) but draws its own masks
+    assert update_seeds(5, 2, rank=1) == (5 + 2 * VERSION_STRIDE, 5 + 2 * VERSION_STRIDE + RANK_STRIDE)
+    seeds = {update_seeds(s, v, r)[1] for s in range(3) for v in range(50) for r in range(8)}
+    assert len(seeds) == 3 * 50 * 8  # no two (seed, version, rank) share a stream
+    with pytest.raises(ValueError, match="must be >= 0"):
+        update_seeds(0, -1)

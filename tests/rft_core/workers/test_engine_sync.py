@@ -30,7 +30,8 @@ from rft_core.weightsync import plan as sync_module
 from rft_core.weightsync.base import OWN_WAIT_SHARE
 from rft_core.weightsync.checksum import (CHUNK, M31, meta_digest, multipliers, name_weight, row_weights, sync_checksum,
                                           word_sums)
-from rft_core.weightsync.collective import free_port, receive_weights, send_weights
+from rft_core.network import free_port
+from rft_core.weightsync.collective import receive_weights, send_weights
 from rft_core.weightsync.plan import SyncPlan, WeightSyncError, buffers_checksum, state_tensors
 from rft_core.workers.rollout import pull_into_engine
 from tests.rft_core.engines.fakes import HFBackedLLM, SamplingParams
@@ -140,7 +141,7 @@ def test_one_sender_lands_the_same_bytes_in_two_receivers():
     assert sent.digest == reports[0].digest == reports[1].digest == sync_checksum(src, "sha256")  # gloo: on the host
     assert sent.digest.split("-", 1)[1] == "sha256:" + hashlib.sha256(
         meta_digest(plan.layout()).encode() + b"".join(src[k].numpy().tobytes() for k in sorted(src))).hexdigest()
-    packed = [sync_module._pack(plan, src, i, torch.device("cpu")) for i in range(len(plan.bucket_sizes))]
+    packed = [sync_module.pack_bucket(plan, src, i, torch.device("cpu")) for i in range(len(plan.bucket_sizes))]
     assert buffers_checksum(plan, packed) == sync_checksum(src)  # what a CUDA IPC export reports (device sums)
     assert sync_checksum(src) != sync_checksum(src, "sha256")
 

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from rft_core.config import TrainConfig, WorkersConfig
+from rft_core.config import RayConfig, TrainConfig, WorkersConfig
 from rft_core.workers.pool import actor_options
 
 W = WorkersConfig(pool="p")
@@ -37,8 +37,9 @@ def test_default_options(gpus, role, engine, want):
 
 
 def test_worker_options_override_the_defaults():
-    w = WorkersConfig(pool="p", rollout_gpus=2, options={"reference": {"num_gpus": 0.5}, "rollout": {"resources": {"node_b": 1}},
-                                         "policy": {"num_cpus": 2, "num_gpus": 0}})
+    w = WorkersConfig(pool="p", rollout_gpus=2, ray=RayConfig(options={
+        "reference": {"num_gpus": 0.5}, "rollout": {"resources": {"node_b": 1}}, "policy": {"num_cpus": 2, "num_gpus": 0},
+        "rollout_shard": {"num_gpus": 3}}))  # the fan-out's tasks: no worker's
     assert actor_options(w, "reference", cluster_gpus=8) == {"num_cpus": 0, "num_gpus": 0.5}
     assert actor_options(w, "rollout", cluster_gpus=8) == {"num_cpus": 0, "num_gpus": 2,
                                                                           "resources": {"node_b": 1}}
@@ -47,7 +48,7 @@ def test_worker_options_override_the_defaults():
 
 
 def test_the_config_reaches_the_pool():
-    """ray.options -> TrainConfig.runner -> WorkersConfig.options, per stage."""
+    """ray.options -> TrainConfig.runner -> WorkersConfig.ray.options, per stage."""
     cfg = TrainConfig(run_root="/tmp/r", orchestration={"workers": "resident"},
                       ray={"options": {"rollout": {"num_gpus": 2}}})
     workers = cfg.runner("rollout").workers
@@ -97,8 +98,8 @@ def test_actors_get_gpus_on_a_cluster_with_gpus(gpu_cluster, tmp_path, caplog, m
     from rft_core.workers.pool import WorkerError, placements, start_gang, stop_workers
 
     pool = str(tmp_path / "run")
-    workers = WorkersConfig(pool=pool, ray_address=gpu_cluster.address, threads=1,
-                            options={"critic": {"num_gpus": 0}})
+    workers = WorkersConfig(pool=pool, ray=RayConfig(address=gpu_cluster.address, options={"critic": {"num_gpus": 0}}),
+                            threads=1)
     tp2 = workers.model_copy(update={"rollout_gpus": 2})  # the rollout worker of a vLLM engine of tensor parallel 2
     try:
         with caplog.at_level(logging.INFO, logger="rft_core.workers"):

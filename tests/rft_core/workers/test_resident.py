@@ -17,8 +17,8 @@ from rft_core.models.loading import load_causal_lm
 from rft_core.stages.checkpoints import WeightlessPolicyError, policy_model_path
 from rft_core.weightsync import local as sync_module
 from rft_core.counters import COUNTS
+from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, has_weights, policy_chain, weights_stage
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
-from rft_core.stages.recovery import WEIGHTS_DIGEST_KEY, has_weights, policy_chain, weights_stage
 from rft_core.workers.policy import PolicyWorker
 from rft_core.workers.pool import ROLE_OF_PROGRAM
 from rft_core.workers.reference import ReferenceWorker
@@ -127,18 +127,18 @@ def test_a_failed_sync_leaves_the_engine_without_a_version_until_one_lands(stage
     pool = _pool()
     drive(cfg, _runner(pool), stop_after=1)
     engine = pool["rollout"]
-    real = sync_module._unpack
+    real = sync_module.unpack_bucket
 
     def corrupted(plan, buf, index, target):
         buf[0] ^= 1  # one bit flipped in transit: the landed weights' digest must differ from the sent one
         return real(plan, buf, index, target)
 
-    monkeypatch.setattr(sync_module, "_unpack", corrupted)
+    monkeypatch.setattr(sync_module, "unpack_bucket", corrupted)
     ref1 = ShardRef.from_manifest(stage_uri(cfg.run_root, 1, "ppo_update"))
     with pytest.raises(WeightSyncError, match="digest"):
         engine.inference_model(ref1, dtype="float32", role="policy")
     assert engine.version is None  # never served: the next request syncs again
-    monkeypatch.setattr(sync_module, "_unpack", real)
+    monkeypatch.setattr(sync_module, "unpack_bucket", real)
     model = engine.inference_model(ref1, dtype="float32", role="policy")
     trainer = pool["policy"].held.strategy.model
     initial = load_causal_lm(tiny_model).state_dict()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rft_core.weightsync.checksum import sync_checksum
-from rft_core.weightsync.collective import free_port, receive_weights, send_weights
+from rft_core.network import free_port
+from rft_core.weightsync.collective import receive_weights, send_weights
 from rft_core.weightsync.plan import SyncPlan, WeightSyncError, state_tensors, weights_digest
 
 

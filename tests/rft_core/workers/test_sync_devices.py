@@ -27,7 +27,7 @@ from rft_core.stages.sources import version_key
 from rft_core.weightsync import collective
 from rft_core.weightsync import collective as sync_module
 from rft_core.weightsync import cuda_ipc
-from rft_core.weightsync.collective import free_port
+from rft_core.network import free_port
 from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
 from rft_core.workers.policy import PolicyWorker
 from tests.standins.deepspeed import zero3_strategy
@@ -209,7 +209,7 @@ def test_cuda_ipc_handle_opens_on_the_receivers_index_of_the_senders_gpu(on_gpu,
     monkeypatch.setattr(reductions, "reduce_tensor", reduce_tensor)
     src = {"a.weight": torch.randn(5, 3), "b.weight": torch.randn(7)}
     plan = SyncPlan.of(src, bucket_mb=0.0001)
-    buffers = [sync_module._pack(plan, src, i, torch.device("cpu")) for i in range(len(plan.bucket_sizes))]
+    buffers = [sync_module.pack_bucket(plan, src, i, torch.device("cpu")) for i in range(len(plan.bucket_sizes))]
     handles = [cuda_ipc.share_cuda_ipc(b) for b in buffers]
     assert all(args[6] == "GPU-A" for _, args in handles)
     side["now"] = "receiver"
