@@ -18,6 +18,7 @@ os.environ.pop("PREFECT_API_URL", None)
 
 import pytest  # noqa: E402
 
+from tests.durations import ENV as DURATIONS_ENV  # noqa: E402
 from tests.durations import Recorder  # noqa: E402
 from tests.rotation import GROUPS, ROW_PREFIX, SKIP_REASON, assign, choice  # noqa: E402
 from tests.skips import unexpected_skips  # noqa: E402
@@ -151,22 +152,26 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 # ---- the durations record (tests/durations.py; make test-durations) ---------------------------------
 
-_recorder = None
+_recorder, _record_to = None, None
 
 
 def pytest_sessionstart(session):
-    global _recorder
-    if os.environ.get("RFT_DURATIONS"):
+    """Start the durations record when ``RFT_DURATIONS`` names its file, and take the variable out
+    of the environment: a test that runs pytest in a subprocess (tests/test_rotation.py collects
+    with ``RFT_FAULTS_ALL=1``) must not write its own small record over the suite's."""
+    global _recorder, _record_to
+    _record_to = os.environ.pop(DURATIONS_ENV, None)
+    if _record_to:
         _recorder = Recorder()
 
 
 def _record_durations(session) -> None:
-    if _recorder is None:
+    if _recorder is None or _record_to is None:
         return
     head = subprocess.run(["git", "-C", os.path.dirname(__file__), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True)
     _recorder.collected = len(session.items)
-    _recorder.write(Path(os.environ["RFT_DURATIONS"]),
+    _recorder.write(Path(_record_to),
                     {"commit": head.stdout.strip() if head.returncode == 0 else "(no git)",
                      "command": "python -m pytest " + " ".join(session.config.invocation_params.args),
                      "rotation": choice().describe()})
