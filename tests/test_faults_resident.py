@@ -34,7 +34,8 @@ from tests.faults import (  # noqa: E402
 
 # Every row is in the rotation (tests/rotation.py): a CI run runs the rows of one group of 8;
 # make test-faults-all runs all 12. The rows share a two-run baseline (~200 s on 2 cores), so they
-# go to 4 groups (5, 6, 7, 0), 3 or 2 each, not one to every group.
+# go to 4 groups (5, 6, 7, 0), 2 to 4 each (group 5 also has the checkpoint-write test below), not
+# one to every group.
 _KILLS = [(s, "driver") for s in STAGE_ORDER] + [(s, "worker") for s in ("rollout", "actor_logprobs", "ref_logprobs",
                                                                         "ppo_update")]
 ROWS = [row(s, k, group=(5, 6, 7, 0)[i % 4]) for i, (s, k) in enumerate(_KILLS)]
