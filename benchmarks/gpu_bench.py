@@ -22,7 +22,11 @@ Each arm runs in a fresh subprocess, one after the other:
 - ``resident``: our stage programs with the resident workers as objects in one process
   (``tests.drive`` + ``benchmarks/resident.py``'s in-process pool: no Prefect, no Ray, which the
   GPU machines lack), ``checkpoint.every`` = the number of steps;
-- ``stage``: the stage programs through ``run_stage`` (the stage mode), each loading its model.
+- ``stage``: the stage programs through ``run_stage`` with the config's runners (the stage
+  mode: every stage commits its shards and every update its checkpoint; with
+  ``orchestration.keep_models``, auto = on with the HF engine, the models this process read or
+  trained are taken from memory by the next stage, ``rft_core.stages.memo``; ``--set
+  orchestration.keep_models=false``: each stage reads its model from storage).
 
 Per step it records seconds, generated tokens (and per second of generation), the reward, the
 gradient norm, and for ours each stage program's own seconds (its manifest's ``seconds``) and the
@@ -234,13 +238,12 @@ def run_ours(args, arm: str, model_dir: Path, prompts: Path) -> dict:
     import cProfile
 
     from resident import inprocess_runner
-    from rft_core.stages.runner import run_stage
     from tests.drive import drive
 
     run_root = tempfile.mkdtemp(prefix=f"rft-bench-{arm}-", dir=args.tmp)
     cfg = our_config(args, model_dir, prompts, run_root, arm)
     bd = Breakdown()
-    run = inprocess_runner(cfg) if arm == "resident" else run_stage
+    run = inprocess_runner(cfg)  # stage: run_stage with the config's runners (orchestration.keep_models)
     bd.install()
     rows: list[dict] = []
     prof = cProfile.Profile() if args.profile else None
@@ -268,7 +271,10 @@ def run_ours(args, arm: str, model_dir: Path, prompts: Path) -> dict:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         prof.dump_stats(str(Path(args.profile) / f"{arm}.prof"))
     _add_rollout_tokens(run_root, rows)
-    return {"arm": arm, "steps": rows, "total_seconds": round(time.perf_counter() - t0, 2), "run_root": run_root}
+    from rft_core.stages.memo import hits
+
+    return {"arm": arm, "steps": rows, "total_seconds": round(time.perf_counter() - t0, 2), "run_root": run_root,
+            "keep_models": cfg.keeps_models and arm == "stage", "memo_hits": hits()}
 
 
 def _add_rollout_tokens(run_root: str, rows: list[dict]) -> None:

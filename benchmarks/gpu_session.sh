@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh checks     # issues 45 and 47, and issue 44 again after fixes (~6 min)
 #   bash benchmarks/gpu_session.sh again      # the workers' tests with the tokenizer, then the whole bench (~5 min)
 #   bash benchmarks/gpu_session.sh resident   # the resident arm alone, 4 steps (~2 min)
+#   bash benchmarks/gpu_session.sh memo       # the whole bench with stage mode keeping its models, and its test on CUDA (~7 min)
 set -u
 PART=${1:-bench}
 OUT=${OUT:-$PWD/gpu-out}
@@ -33,7 +34,14 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output i
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: rc=$? $((SECONDS - t0)) s" >> "$OUT/steps.txt"
 }
-if [ "$PART" = resident ]; then
+if [ "$PART" = memo ]; then
+# issue 44: the whole table (TRL, resident, stage) with stage mode keeping its models (orchestration.keep_models)
+step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$OUT/bench_gpu.json" \
+    --doc "$OUT/benchmarks_gpu.md"
+# the kept models' bit-equality test on CUDA (tiny models with the default model's tokenizer)
+step memo_cuda 90 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m pytest -q -p no:cacheprovider -rs \
+    tests/rft_core/stages/test_stage_memo.py --timeout 80
+elif [ "$PART" = resident ]; then
 # issue 44: the resident arm alone, 4 steps (step 4 writes its checkpoint in the background)
 step bench_resident 150 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --arms resident --steps 4 \
     --json "$OUT/bench_resident.json"

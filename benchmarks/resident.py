@@ -92,7 +92,7 @@ def inprocess_runner(cfg):
     from rft_core.workers.rollout import RolloutWorker
 
     if cfg.orchestration.workers != "resident":
-        return run_stage
+        return lambda inp: run_stage(inp, cfg.runner(inp.program))
     policy = PolicyWorker(cfg.run_root)
     pool = {"policy": policy, "rollout": RolloutWorker(cfg.run_root, peer=policy),
             "reference": ReferenceWorker(cfg.run_root)}

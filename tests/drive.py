@@ -19,11 +19,11 @@ from schemas import ShardRef, stage_uri
 MODEL_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update")
 
 
-def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None = None,
+def drive(cfg, run: Callable[[Any], Any] | None = None, *, stop_after: int | None = None,
           on_iteration: Callable[[dict], None] | None = None) -> ShardRef:
     """Run iterations 1..``cfg.iterations`` (or ..``stop_after``) of ``cfg`` under
-    ``cfg.run_root``; the stages that hold a model go through ``run``, the others through
-    ``run_stage``. ``on_iteration`` gets each iteration's metrics (``iteration_metrics`` plus
+    ``cfg.run_root``; the stages that hold a model go through ``run`` (None: ``run_stage`` with
+    the config's runner of the stage, as the flow runs it), the others through ``run_stage``. ``on_iteration`` gets each iteration's metrics (``iteration_metrics`` plus
     ``seconds/iteration``). The background writes (``checkpoint.async_optimizer``,
     ``checkpoint.async_weights``) are waited for before it returns, as the flow does. Returns the
     last update's ShardRef.
@@ -33,6 +33,9 @@ def drive(cfg, run: Callable[[Any], Any] = run_stage, *, stop_after: int | None 
     """
     if cfg.dynamic_sampling.enabled or cfg.needs_critic:
         raise ValueError("tests.drive covers the demo's stages only: no dynamic sampling, no critic")
+    if run is None:
+        def run(inp):
+            return run_stage(inp, cfg.runner(inp.program))
     policy, state = cfg.policy.path, cfg.initial_state
     versions = {0: policy}  # rollout.max_staleness: the rollout of iteration k samples with version v(k)
     carry = None

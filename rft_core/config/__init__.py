@@ -228,9 +228,11 @@ class TrainConfig(_Frozen):
         """The runner of ``stage``: ``runners[stage]`` when configured; with
         ``orchestration.workers: resident`` a stage of ``RESIDENT_STAGES`` runs in its resident
         worker (the pool named after the run root, on the Ray cluster of ``ray``); otherwise in
-        the task's process."""
+        the task's process, keeping its models in memory between stages when ``keeps_models``
+        (``RunnerConfig.keep_models``)."""
         if stage in self.runners:
-            return self.runners[stage]
+            r = self.runners[stage]
+            return r.model_copy(update={"keep_models": self.keeps_models}) if r.mode == "inprocess" else r
         o = self.orchestration
         if o.workers == "resident" and stage in RESIDENT_STAGES:
             return RunnerConfig(mode="resident", workers=WorkersConfig(
@@ -239,7 +241,14 @@ class TrainConfig(_Frozen):
                 rollout_versions=max(1, self.rollout.max_staleness),
                 rollout_gpus=getattr(getattr(self.rollout, self.rollout.engine, None), "tensor_parallel_size", 1),
                 keep_device_cache=self.rollout.engine == "hf"))
-        return RunnerConfig()
+        return RunnerConfig(keep_models=self.keeps_models)
+
+    @property
+    def keeps_models(self) -> bool:
+        """Whether in-process stages keep their models in memory between stages
+        (``orchestration.keep_models``; auto: with the HF rollout engine)."""
+        keep = self.orchestration.keep_models
+        return self.rollout.engine == "hf" if keep is None else keep
 
     @property
     def background_checkpoint(self) -> bool:

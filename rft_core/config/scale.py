@@ -156,6 +156,9 @@ class RunnerConfig(_Frozen):
                         "of the ray section (prefect-ray; each task's resources: ray.options.rollout_shard)")
     workers: WorkersConfig | None = Field(None, description="mode=resident: the pool of resident workers (set by "
                                           "TrainConfig.runner)")
+    keep_models: bool = Field(False, description="mode=inprocess: keep the models this process read or trained in "
+                              "memory for the next stage that asks for the same committed version "
+                              "(rft_core.stages.memo; set by TrainConfig.runner from orchestration.keep_models)")
 
     @model_validator(mode="after")
     def _check(self) -> "RunnerConfig":
@@ -182,6 +185,12 @@ class OrchestrationConfig(_Frozen):
         "cluster and each role's Ray options: the ray section. auto: resident when a CUDA device is visible, Ray is "
         "installed and resident covers the config, else stage (chosen when the config loads; the run's log says "
         "which and why)")
+    keep_models: bool | None = Field(
+        None, description="workers=stage, stages run in the task's process: keep the policy trainer (model, masters, "
+        "AdamW state) and the inference models in memory between stages, so the next stage that asks for the same "
+        "committed version takes it from memory instead of the run root (the same results, bit for bit; every shard "
+        "and checkpoint is still written; a new process reads storage as before). None (auto): on with "
+        "rollout.engine=hf (a vLLM or SGLang engine needs the GPU memory free)")
     worker_threads: int | None = Field(None, gt=0, description="workers=resident: torch threads per worker (None: as "
                                        "many as the driver's; the same count keeps CPU results bit-identical)")
     sync_timeout_s: float = Field(300.0, gt=0, description="workers=resident: a weight sync that takes longer fails")

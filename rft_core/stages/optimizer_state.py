@@ -66,7 +66,7 @@ from rft_core.stages.checkpoints import policy_checkpoint_dir
 from rft_core.stages.common import Commit, stage_commit
 from rft_core.stages.contracts import OptimizerStateInput, PolicyCheckpointInput
 from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri
-from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX, save_checkpoint
+from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX, save_checkpoint, save_optimizer_state
 from rft_core.training.fsdp import FSDP_TAG, init_process_group
 from rft_core.training.strategy import (
     DeepSpeedCheckpoint,
@@ -146,7 +146,7 @@ def _write_stage(commit: Commit, write: Callable[[str], None], *, schema, files:
 
 
 def _write(update: ShardRef, state: dict, summary: dict) -> ShardRef:
-    return _write_stage(optimizer_commit(update), lambda folder: torch.save(state, os.path.join(folder, OPTIMIZER_FILE)),
+    return _write_stage(optimizer_commit(update), lambda folder: save_optimizer_state(state, os.path.join(folder, OPTIMIZER_FILE)),
                         schema=OPTIMIZER_STATE, files=[OPTIMIZER_FILE], inputs={"ppo_update": update}, summary=summary)
 
 

@@ -27,6 +27,7 @@ from pydantic import TypeAdapter
 from rft_core.config import RunnerConfig
 from rft_core.stages.contracts import PROGRAMS, STAGE_INPUTS, StageInput
 from rft_core.stages.inprocess import run_in_process  # importing it registers the programs
+from rft_core.stages.memo import keeping_models
 from schemas import ShardNotCommittedError, ShardRef, read_manifest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -214,10 +215,12 @@ def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Calla
     enabled first (``configure_cuda_backends``) and, after a program that holds a model, the CUDA
     cache is emptied (``release_models``; not in a resident worker that keeps it);
     ``python -m rft_core.stages`` enables TF32 at its start too (its memory goes back to the
-    driver when it exits).
+    driver when it exits). With ``runner.keep_models`` the in-process program keeps and reuses
+    models in memory (``rft_core.stages.memo``) and the CUDA cache is kept.
     """
     if runner is None or runner.mode == "inprocess":
-        return run_in_process(inp)
+        with keeping_models(runner is not None and runner.keep_models):
+            return run_in_process(inp)
     if runner.mode == "resident":
         if resident is None:
             raise ValueError(f"stage {inp.program!r} runs in a resident worker (runner mode 'resident'), but no resident "

@@ -55,7 +55,8 @@ from rft_core.training.update import (
     ppo_update,
     rollout_correction_weights,
 )
-from rft_core.stages.sources import current_source
+import rft_core.stages.memo as memo
+from rft_core.stages.sources import current_source, version_key
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard, sha256_file
 from schemas.batch import align_on_sample_id
 from schemas.columns import PPO_UPDATE, token_versions_of
@@ -234,11 +235,30 @@ def _train(inp: PPOUpdateInput, opt_ref: ShardRef | None):
     data = update_data(inp)
     correction, corr_metrics = update_correction(cfg, data)
     source = current_source()
-    trainer = source.trainer(inp) if source is not None else build_trainer(inp.policy, cfg, dtype=inp.dtype, opt_ref=opt_ref)
+    trainer = source.trainer(inp) if source is not None else _stage_trainer(inp, opt_ref)
     steps, seconds = run_update_steps(trainer, inp, data, correction)
     extra = {**corr_metrics, **({"overlong_filtered_frac": sum(data.excluded) / len(data)} if data.excluded else {}),
              **_engine_old_logprobs_gap(steps, data), **_weights_by_staleness(inp, correction)}
     return trainer, steps, seconds, extra
+
+
+def trainer_settings(inp: PPOUpdateInput) -> str:
+    """What a stage-mode trainer is built from besides its policy version: the dtype and the
+    ``update`` section without the learning rate and clipping (``configure_trainer`` applies
+    those to a kept trainer as a restore from storage does)."""
+    return f"{inp.dtype}|{inp.update.model_dump_json(exclude={'lr', 'max_grad_norm'})}"
+
+
+def _stage_trainer(inp: PPOUpdateInput, opt_ref: ShardRef | None) -> PolicyTrainer:
+    """The trainer of a stage-mode update: the one the previous update of this process kept
+    (``rft_core.stages.memo``, stage mode keeping its models: the same tensors the previous update
+    wrote to ``inp.policy``'s checkpoint and optimizer stage), with this update's learning rate
+    and clipping; else built from storage (``build_trainer``)."""
+    kept = memo.take_trainer(version_key(inp.policy), trainer_settings(inp))
+    if kept is not None:
+        configure_trainer(kept, inp.update)
+        return kept
+    return build_trainer(inp.policy, inp.update, dtype=inp.dtype, opt_ref=opt_ref)
 
 
 def _weights_by_staleness(inp: PPOUpdateInput, correction: SampleCorrection | None) -> dict[str, float]:
@@ -416,4 +436,6 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None
     source = current_source()
     if source is not None:
         source.trained(new)
+    elif isinstance(strategy, SingleProcess) and inp.save_checkpoint:  # stage mode keeping its models
+        memo.keep_trainer(version_key(new), trainer_settings(inp), trainer)
     return new

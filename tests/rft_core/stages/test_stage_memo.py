@@ -1,0 +1,154 @@
+"""Stage mode keeping its models in memory (``orchestration.keep_models``, ``rft_core.stages.memo``):
+the same shards and weights, bit for bit, as every stage reading its model from storage; the
+kept trainer and models are really used; a failed update leaves no half-trained trainer behind;
+a damaged checkpoint is still refused. Rewards vary inside each group (``tests/varying.py``) and
+the equality test asserts the advantages and gradients are not 0 first."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rft_core.counters import COUNTS
+import rft_core.stages.memo as memo
+from rft_core.stages import update as update_stage
+from rft_core.stages.sources import load_from_storage
+from schemas import ShardCorruptError, ShardRef, read_manifest, stage_uri
+from tests.drive import drive
+from tests.varying import assert_training_signal, varying_config
+from tests.weights import policy_files
+
+STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update")
+
+
+def _cfg(model: str, root, keep: bool):
+    return varying_config(model, root, f"orchestration.keep_models={str(keep).lower()}", "orchestration.workers=stage",
+                          "logprobs.recompute_old_logprobs=true", "kl.kl_coef=0.05", "update.lr=1e-3", iterations=3)
+
+
+def _parts(root, it: int, stage: str) -> dict[str, str]:
+    return {e.path: e.sha256 for e in read_manifest(stage_uri(str(root), it, stage))[0].files}
+
+
+@pytest.fixture(scope="module")
+def storage_run(tiny_model, tmp_path_factory):
+    """3 iterations with every stage reading its model from storage: the reference."""
+    root = tmp_path_factory.mktemp("storage")
+    memo.clear()
+    COUNTS.clear()
+    final = drive(_cfg(tiny_model, root, keep=False))
+    return root, final, COUNTS["model_loads"]
+
+
+def test_kept_models_give_the_storage_run_bit_for_bit(storage_run, tiny_model, tmp_path):
+    root_s, final_s, loads_s = storage_run
+    assert_training_signal(root_s, (1, 2, 3))
+    assert memo.hits() == {}  # keep_models=false used nothing kept
+    memo.clear()
+    COUNTS.clear()
+    cfg = _cfg(tiny_model, tmp_path, keep=True)
+    assert cfg.runner("ppo_update").keep_models and cfg.runner("rollout").keep_models
+    final = drive(cfg)
+    assert_training_signal(tmp_path, (1, 2, 3))
+    # every committed file of every stage (parts, the checkpoint's weights, the optimizer state) is the same
+    for it in (1, 2, 3):
+        for stage in STAGES:
+            assert _parts(tmp_path, it, stage) == _parts(root_s, it, stage), (it, stage)
+        assert _parts(tmp_path, it, "ppo_update-optimizer") == _parts(root_s, it, "ppo_update-optimizer"), it
+    assert policy_files(final, suffix=".safetensors") == policy_files(final_s, suffix=".safetensors")
+    # what was kept was used: the trainer by the updates of iterations 2 and 3, the next policy's
+    # inference model made from it (rollouts of 2 and 3), the kept models by the other passes
+    h = memo.hits()
+    assert h["trainer"] == 2 and h["inference_from_trainer"] == 2 and h["inference"] >= 4, h
+    # storage: 3 iterations x (rollout, actor, reference, update) = 12 reads; kept: iteration 1's
+    # policy (shared by its rollout, actor and reference passes) and its trainer
+    assert loads_s == 12 and COUNTS["model_loads"] == 2, (loads_s, COUNTS["model_loads"])
+
+
+def test_a_failed_update_leaves_no_trainer_behind(storage_run, tiny_model, tmp_path, monkeypatch):
+    """Iteration 2's update fails after its optimizer steps changed the kept trainer's weights:
+    the rerun (same process, same run root) rebuilds the trainer from storage and ends with the
+    storage run's weights."""
+    root_s, final_s, _ = storage_run
+    memo.clear()
+    cfg = _cfg(tiny_model, tmp_path, keep=True)
+    real = update_stage.run_update_steps
+    failed: list[float] = []
+
+    def steps_then_fail(trainer, inp, *args, **kwargs):
+        out = real(trainer, inp, *args, **kwargs)
+        if inp.policy_version == 1:
+            failed.append(next(trainer.strategy.model.parameters()).detach().float().sum().item())
+            raise RuntimeError("injected failure after the optimizer steps")
+        return out
+
+    monkeypatch.setattr(update_stage, "run_update_steps", steps_then_fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        drive(cfg)
+    assert failed and memo.hits()["trainer"] == 1  # the failed update had the kept trainer and stepped it
+    monkeypatch.setattr(update_stage, "run_update_steps", real)
+    before = memo.hits()["trainer"]
+    final = drive(cfg)
+    assert memo.hits()["trainer"] == before + 1  # iteration 2 rebuilt from storage; iteration 3 took it
+    assert policy_files(final, suffix=".safetensors") == policy_files(final_s, suffix=".safetensors")
+
+
+def test_a_damaged_checkpoint_is_refused_though_its_model_is_kept(storage_run, tiny_model, tmp_path):
+    memo.clear()
+    cfg = _cfg(tiny_model, tmp_path, keep=True)
+    final = drive(cfg)
+    with memo.keeping_models(True):
+        model = load_from_storage(final, dtype="float32")
+        assert load_from_storage(final, dtype="float32") is model  # kept
+        weights = next(Path(final.uri, "policy").glob("*.safetensors"))
+        weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+        with pytest.raises(ShardCorruptError, match=weights.name):
+            load_from_storage(final, dtype="float32")
+
+
+def test_the_trainer_is_kept_for_its_own_version_and_settings_only():
+    memo.clear()
+    trainer = object()
+    with memo.keeping_models(True):
+        memo.keep_trainer("v1", "s", trainer)
+        assert memo.take_trainer("v1", "other settings") is None
+        assert memo.take_trainer("v1", "s") is None  # taken out by the first call, whatever it matched
+        memo.keep_trainer("v1", "s", trainer)
+        assert memo.take_trainer("v1", "s") is trainer and memo.take_trainer("v1", "s") is None
+    memo.keep_trainer("v1", "s", trainer)  # outside keeping_models: nothing is kept or served
+    with memo.keeping_models(True):
+        assert memo.take_trainer("v1", "s") is None
+    assert memo.inference_model("k", "float32", lambda: torch.nn.Linear(1, 1)) is not \
+        memo.inference_model("k", "float32", lambda: torch.nn.Linear(1, 1))
+
+
+def test_keep_models_auto_follows_the_engine(tiny_model, tmp_path):
+    from rft_core.config import load_config
+
+    hf = load_config(None, [f"policy.path={tiny_model}", f"run_root={tmp_path}", "orchestration.workers=stage"])
+    assert hf.keeps_models and hf.runner("rollout").keep_models and hf.runner("prompts").keep_models
+    vllm = load_config(None, [f"policy.path={tiny_model}", f"run_root={tmp_path}", "orchestration.workers=stage",
+                              "rollout.engine=vllm"])
+    assert not vllm.keeps_models and not vllm.runner("ppo_update").keep_models
+    off = load_config(None, [f"policy.path={tiny_model}", f"run_root={tmp_path}", "orchestration.keep_models=false"])
+    assert not off.runner("ref_logprobs").keep_models
+
+
+def test_the_optimizer_state_file_has_no_crc_and_loads_exactly(tmp_path):
+    """``save_optimizer_state`` skips the zip records' CRC-32 (the manifest's sha256 checks the
+    file): the records' CRC fields are 0 and ``read_optimizer_state`` gives the tensors back exactly."""
+    import zipfile
+
+    from rft_core.training.checkpoint import OPTIMIZER_FILE, read_optimizer_state, save_optimizer_state
+
+    p = torch.nn.Parameter(torch.randn(300, 7, dtype=torch.float64))
+    opt = torch.optim.AdamW([p], lr=1e-2)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    save_optimizer_state(opt.state_dict(), tmp_path / OPTIMIZER_FILE)
+    data = [i for i in zipfile.ZipFile(tmp_path / OPTIMIZER_FILE).infolist() if "/data/" in i.filename]
+    assert data and all(i.CRC == 0 for i in data)
+    back = read_optimizer_state(tmp_path)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(back["state"][0][key], opt.state_dict()["state"][0][key])
