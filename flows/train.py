@@ -16,6 +16,7 @@ from rft_core.api import (
     format_metrics_line,
     plot_curves,
     run_counters,
+    release_kept_models,
     stop_workers,
     wait_for_optimizer_writes,
     write_metrics,
@@ -90,6 +91,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     finally:
         if cfg.resident_pool:
             stop_workers(cfg.resident_pool)  # after their pending writes; on an error or Ctrl-C too
+        release_kept_models()  # stage mode's models kept in memory (orchestration.keep_models) end with the run
         if wandb:
             wandb.finish()
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")

@@ -28,6 +28,7 @@ from rft_core.stages.contracts import StageInput
 from rft_core.stages.dynamic import count_signal_groups
 from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, eval_report_lines, resolve_checkpoint
 from rft_core.stages.lineage import weights_stage
+from rft_core.stages.memo import clear as release_kept_models
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.retention import apply_retention, prune_checkpoints
 from rft_core.stages.teacher import check_teacher_tokenizer
@@ -55,7 +56,7 @@ __all__ = [
     "validate_run_data",
     "count_signal_groups", "curve_markdown", "default_eval_root", "eval_markdown", "eval_report_lines", "export_table",
     "format_metrics_line", "iteration_metrics", "next_state", "plot_curves", "prune_checkpoints", "replay_sources",
-    "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "stop_workers", "samples_markdown", "samples_view",
+    "release_kept_models", "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "stop_workers", "samples_markdown", "samples_view",
     "wait_for_optimizer_writes", "policy_checkpoint_folder",
     "write_metrics", "write_replay_record", "write_tensorboard",
     "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run", "check_teacher_tokenizer",

@@ -23,7 +23,7 @@ What a program computes is the same either way; ``tests/test_stage_memo.py`` com
 and without it bit for bit. Callers still check the committed files first
 (``policy_model_path``: pruned or damaged checkpoints raise as before; a file this process wrote
 is not hashed again). A new process starts empty and reads storage: resume is unchanged. Bounded:
-one trainer and ``MAX_INFERENCE`` inference models (least recently used first out). The same role
+one trainer and ``MAX_INFERENCE`` inference models (the reference, a teacher, the policy; least recently used first out). The same role
 in resident mode is played by the workers (``rft_core.workers``), which also skip the checkpoint
 writes; this memo changes no write.
 """
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rft_core.stages")
 
-MAX_INFERENCE = 2  # the reference and the current policy
+MAX_INFERENCE = 3  # the reference, a teacher and the current policy
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("rft_keep_models", default=False)
 
@@ -83,7 +83,8 @@ def hits() -> dict[str, int]:
 
 
 def clear() -> None:
-    """Drop every kept model (the next program reads storage)."""
+    """Drop every kept model (the next program reads storage): what a run does when it ends
+    (``flows/train.py``), so a process that runs several flows holds no model of an earlier one."""
     with _MEMO.lock:
         _MEMO.inference.clear()
         _MEMO.trainer = None
