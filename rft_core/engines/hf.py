@@ -84,21 +84,26 @@ class InverseCDFSampler:
         return out.scatter_(-1, tokens[:, None], 0.0)
 
 
-def sample_inverse_cdf(probs: torch.Tensor, *, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_inverse_cdf(probs: torch.Tensor, *, generator: torch.Generator | None = None,
+                       uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row of ``probs`` (B, V), non-negative, rows summing to about 1 (any float
     dtype): (B,) int64 indices, row i drawn with probability probs[i, k] / sum(probs[i]).
     Inverse-CDF sampling with a float64 cumulative sum (rounding error about 1e-16 per entry)
-    and one uniform draw per row (``torch.rand``) from ``generator`` (on ``probs``' device;
-    None: torch's global generator).
+    and one uniform per row: ``uniforms`` ((B, 1) float64 in [0, 1)) when given, else drawn
+    (``torch.rand``) from ``generator`` (on ``probs``' device; None: torch's global generator).
 
     Raises:
-        ValueError: ``probs`` is not 2-D.
+        ValueError: ``probs`` is not 2-D, or ``uniforms`` is not (B, 1).
     """
     if probs.dim() != 2:
         raise ValueError(f"sample_inverse_cdf: probs must be (B, V), got shape {tuple(probs.shape)}")
+    if uniforms is not None and tuple(uniforms.shape) != (probs.shape[0], 1):
+        raise ValueError(f"sample_inverse_cdf: uniforms must be ({probs.shape[0]}, 1), got {tuple(uniforms.shape)}")
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator) * total
+    if uniforms is None:
+        uniforms = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator)
+    u = uniforms.to(torch.float64) * total
     # strictly below the total, so the first index with cdf > u exists and has probability > 0
     # (u * total may round up to the total)
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
@@ -227,11 +232,11 @@ class HFEngine:
     whatever ran before in the process or runs beside it in another thread (the asynchronous
     prefetched rollout shares its process with the update, whose LoRA dropout and gradient
     checkpointing use torch's global generator). The engine never reads or reseeds torch's
-    global generator. A generator seeded with s gives the same stream as ``torch.manual_seed(s)``
-    gave the global one, which the engine reseeded per batch before issue 39, so the tokens are
-    those of before: checked on the CPU against the previous engine (tokens and log-probs equal,
-    with top-p, FIRE and both decode paths); on CUDA a generator seeded with s starts the Philox
-    stream the default generator starts after ``torch.manual_seed(s)`` (not checked on a GPU).
+    global generator. Each decode step of the KV-cache loop draws one uniform per row of the
+    batch, finished rows included, and row r samples with the r-th (``_decode``), so a row's
+    samples do not depend on when the other rows of its batch end
+    (``tests/rft_core/engines/test_row_invariant_sampling.py``; rollout contract v6: before it,
+    a batch whose rows ended at different steps drew other tokens after the first end).
     """
 
     def __init__(self, model, tokenizer) -> None:
@@ -281,7 +286,13 @@ class HFEngine:
         is None (greedy, log-probs at temperature 1), and records log p(token) = x[token] -
         logsumexp(x). Returns per row the new tokens (up to and including the first EOS, at most
         ``max_new_tokens``) and their log-probs (float32 values as Python floats). ``on_step``:
-        optional callable(new_tokens, finished_rows) after each decode step (progress)."""
+        optional callable(new_tokens, finished_rows) after each decode step (progress).
+
+        Every step draws one uniform per row of the batch (B of them, for finished rows too) and
+        row r samples with the r-th: a row's tokens depend on its own logits and uniforms only,
+        so a row that ends earlier or later in another run (a token changed by float rounding,
+        say after an update on other ranks) does not shift the other rows' random draws, as it
+        did when each step drew one uniform per row still generating (rollout contract v6)."""
         B = input_ids.shape[0]
         tokens: list[list[int]] = [[] for _ in range(B)]
         logprobs: list[list[float]] = [[] for _ in range(B)]
@@ -303,7 +314,10 @@ class HFEngine:
             else:
                 x = processed_scores(logits, temperature=sampler.first if step == 0 else sampler.temperature,
                                      top_p=sampler.top_p)
-                tok = sample_inverse_cdf(torch.softmax(x, dim=-1), generator=sampler.generator)
+                # a uniform for every row of the batch, finished or not, each row taking its own:
+                # row r's token at step j depends on U[j, r] only, never on when other rows ended
+                u = torch.rand(B, 1, dtype=torch.float64, device=x.device, generator=sampler.generator)
+                tok = sample_inverse_cdf(torch.softmax(x, dim=-1), uniforms=u[alive])
             lp = (x.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)).tolist()
             for r, t, v in zip(alive.tolist(), tok.tolist(), lp):
                 tokens[r].append(t)

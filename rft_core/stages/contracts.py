@@ -166,8 +166,9 @@ class RolloutInput(StageInput):
     # 2: rollout schema v3 (videos); HF log-probs under the processed distribution (issue 21)
     # 3: rollout schema v4 (multi-turn trajectory columns; rollout.agent, issue 20)
     # 4: the HF engine draws by inverse CDF in its own decode loop: another random stream (issue 19)
-    # 5: rollout schema v5, the policy_version column (asynchronous RL, issue 28)
-    version: ClassVar[int] = 5
+    # 5: rollout schema v5, the policy_version column (asynchronous RL, issue 28); 6: the HF engine draws a
+    # uniform per batch row at every step, finished rows included (a row's samples no longer depend on others' ends)
+    version: ClassVar[int] = 6
     config_paths: ClassVar[Mapping[str, str]] = {"rollout": "rollout", "policy": "policy.path", "dtype": "policy.dtype"}
     prompts: ShardRef
     policy: PolicyRef
@@ -494,6 +495,7 @@ class EvalGenerateInput(StageInput):
     stage: ClassVar[str] = "rollout"
     # 2: rollout schema v3 (videos); vision-language policies (issue 21); 3: rollout v4 (issue 20);
     # 4: greedy decoding in the HF engine's own loop (issue 19); 5: rollout schema v5 (policy_version null, issue 28)
+    # (not bumped for the HF engine's per-row uniforms, rollout v6: greedy evals are unchanged and keep their hash)
     version: ClassVar[int] = 5
     config_paths: ClassVar[Mapping[str, str]] = {"policy": "policy.path", "dtype": "policy.dtype",
                                                  "batch_size": "eval.batch_size", "n_samples": "eval.n_samples",
