@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
 .PHONY: install demo test test-fast bench bench-trl bench-learning bench-resident bench-async bench-validate gpu-smoke clean bench-distill
-.PHONY: bench-gpu
+.PHONY: bench-gpu bench-fsdp-demo
 .PHONY: install-gpu check-gpu-deps
 
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -107,6 +107,11 @@ bench-gpu: $(STAMP)
 # the other (docs/benchmarks.md, docs/raw/resident.json); ~6 min. Run on a quiet machine.
 bench-resident: $(STAMP)
 	$(BIN)/python benchmarks/resident.py --iterations 4 --every 4 --json docs/raw/resident.json --doc docs/benchmarks.md
+
+# FSDP2 on 2 resident ranks against one process (issue 47): the demo preset twice, final weights
+# compared (docs/scale.md "FSDP2 or DeepSpeed", docs/raw/fsdp_demo.json); ~8 min, needs Ray.
+bench-fsdp-demo: $(STAMP)
+	$(BIN)/python benchmarks/fsdp_demo.py --json docs/raw/fsdp_demo.json
 
 # Asynchronous RL (issue 28): the demo preset 4 iterations with rollout.max_staleness 0 then 1
 # (docs/benchmarks.md, docs/raw/async.json); ~8 min. Run on a quiet machine.
