@@ -19,13 +19,13 @@ Inside ``keeping_models(True)`` the stage programs take them from here instead:
   trainer's ``state_dict`` copied in, which is what loading the checkpoint the update just wrote
   gives (the checkpoint is ``save_pretrained`` of these tensors).
 
-What a program computes is the same either way; ``tests/test_stage_memo.py`` compares runs with
-and without it bit for bit. Callers still check the committed files first
+What a program computes is the same either way; ``tests/rft_core/stages/test_stage_memo.py``
+compares runs with and without it bit for bit. Callers still check the committed files first
 (``policy_model_path``: pruned or damaged checkpoints raise as before; a file this process wrote
-is not hashed again). A new process starts empty and reads storage: resume is unchanged. Bounded:
-one trainer and ``MAX_INFERENCE`` inference models (the reference, a teacher, the policy; least recently used first out). The same role
-in resident mode is played by the workers (``rft_core.workers``), which also skip the checkpoint
-writes; this memo changes no write.
+is not hashed again). A new process starts empty and reads storage: resume is unchanged.
+Bounded: one trainer and ``MAX_INFERENCE`` inference models (the reference, a teacher, the
+policy; least recently used first out). The same role in resident mode is played by the workers
+(``rft_core.workers``), which also skip the checkpoint writes; this memo changes no write.
 """
 from __future__ import annotations
 
@@ -33,14 +33,11 @@ import collections
 import contextlib
 import contextvars
 import copy
-import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger("rft_core.stages")
 
 MAX_INFERENCE = 3  # the reference, a teacher and the current policy
 
@@ -126,15 +123,17 @@ def inference_model(key: str | None, dtype: str, load: Callable[[], "torch.nn.Mo
 
 def _from_trainer(key: str) -> "torch.nn.Module | None":
     """(Under the lock.) An inference model holding the kept trainer's weights when it holds
-    ``key``: a copy of a kept inference model whose ``state_dict`` has the same names, shapes,
-    dtypes and devices, with the trainer's tensors copied in; None when there is no such pair."""
+    ``key``: a copy of a kept inference model of the same model config (its non-persistent
+    buffers, such as rotary frequencies, come from it) whose ``state_dict`` has the same names,
+    shapes, dtypes and devices, with the trainer's tensors copied in; None when there is no such pair."""
     if _MEMO.trainer is None or _MEMO.trainer[0] != key:
         return None
     trained_model = _MEMO.trainer[2].strategy.model
     trained = trained_model.state_dict()
+    config = _config_of(trained_model)
     for template in reversed(_MEMO.inference.values()):
         own = template.state_dict()
-        if own.keys() == trained.keys() and all(
+        if _config_of(template) == config and own.keys() == trained.keys() and all(
                 (t.shape, t.dtype, t.device) == (own[n].shape, own[n].dtype, own[n].device) for n, t in trained.items()):
             import torch  # lazy: this module is imported where torch may not be loaded yet
 
@@ -145,6 +144,14 @@ def _from_trainer(key: str) -> "torch.nn.Module | None":
             model.generation_config = copy.deepcopy(trained_model.generation_config)
             return model.eval()
     return None
+
+
+def _config_of(model) -> dict | None:
+    """A model's config as a dict, without where it was loaded from (None: no HF config)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    return {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
 
 
 def take_trainer(key: str, settings: str) -> Any | None:
