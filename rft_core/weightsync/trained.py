@@ -8,8 +8,8 @@ import copy
 import torch
 
 from rft_core.training.strategy import DeepSpeedStrategy, FSDPStrategy
-from rft_core.weightsync.checksum import sync_checksum
-from rft_core.weightsync.plan import state_tensors, weights_digest
+from rft_core.weightsync.digest import digest_like, weights_digest
+from rft_core.weightsync.plan import state_tensors
 
 # the strategies whose weights are sharded over ranks: gathered to rank 0 (``full_state_dict``, a collective)
 SHARDED = (DeepSpeedStrategy, FSDPStrategy)
@@ -65,41 +65,20 @@ def trained_tensors(strategy) -> dict[str, torch.Tensor] | None:
     return {n: full[n].detach() for n in names}
 
 
-DIGEST_METHODS = ("host", "device")
-
-
-def digest_method(recorded: str) -> str:
-    """How a recorded weights digest was computed: ``host`` (``weights_digest``: sha256 on the
-    host, 64 hex digits; CPU weights, and every digest recorded before issue 44) or ``device``
-    (``sync_checksum``'s exact sums on the weights' own device: ``<16 hex>-<16 hex>``)."""
-    return "host" if len(recorded) == 64 else "device"
-
-
-def tensors_digest(tensors: dict[str, torch.Tensor], method: str | None = None) -> str:
-    """The digest of ``tensors`` a weightless update records (``method`` of ``DIGEST_METHODS``;
-    None: ``device`` when they are on a GPU, else ``host``). On a GPU the device sums read the
-    weights where they are (on one H200, 0.8 GB of bfloat16 weights: the host sha256, a copy to
-    the host and a hash, took 1.2 s per update); on the CPU the host sha256 is the faster (0.7 s/GB
-    against 1.3 s/GB, ``checksum_method``).
+def trained_digest(strategy, *, like: str | None = None) -> str | None:
+    """The weight digest (``rft_core.weightsync.digest.weights_digest``) a weightless update
+    records and recovery checks: of the trainer's own tensors in one process (a LoRA model's
+    adapters and base, ``state_tensors``), of the gathered weights under DeepSpeed or FSDP2
+    (``trained_tensors``: a collective, None on ranks above 0). By default ``device`` sums for
+    weights on a GPU (they are read where they are), XXH3-128 on the host for CPU weights;
+    ``like``: a recorded digest whose method to use (``digest_like``: recovery compares digests of
+    one method, whichever device the run resumes on, and digests recorded before issue 46, sha256
+    on the host, still check).
 
     Raises:
-        ValueError: an unknown method.
+        ValueError: ``like`` is not a digest.
     """
-    if method is None:
-        method = "device" if any(t.is_cuda for t in tensors.values()) else "host"
-    if method not in DIGEST_METHODS:
-        raise ValueError(f"unknown digest method {method!r}; valid: {', '.join(DIGEST_METHODS)}")
-    return weights_digest(tensors) if method == "host" else sync_checksum(tensors, "device")
-
-
-def trained_digest(strategy, *, like: str | None = None) -> str | None:
-    """The digest a weightless update records and recovery checks (``tensors_digest``): of the
-    trainer's own tensors in one process (a LoRA model's adapters and base, ``state_tensors``),
-    of the gathered weights under DeepSpeed or FSDP2 (``trained_tensors``: a collective, None on
-    ranks above 0). ``like``: a recorded digest whose method to use (recovery compares digests of
-    one method, whichever device the run resumes on)."""
-    method = digest_method(like) if like is not None else None
-    if not isinstance(strategy, SHARDED):
-        return tensors_digest(state_tensors(strategy.model), method)
-    tensors = trained_tensors(strategy)
-    return None if tensors is None else tensors_digest(tensors, method)
+    tensors = state_tensors(strategy.model) if not isinstance(strategy, SHARDED) else trained_tensors(strategy)
+    if tensors is None:
+        return None
+    return weights_digest(tensors) if like is None else digest_like(tensors, like)
