@@ -9,7 +9,7 @@ transport ``choose_transport`` picks (``shm`` on one host since issue 46; ``gloo
 verifies it. Reports each round's seconds (the receiver's whole pull: prepare, move, verify;
 ``RolloutWorker.syncs``) and the driver's wall time of the call, with the load average.
 
-    python benchmarks/cpu_sync.py [--rounds 6] [--json out.json]
+    python benchmarks/cpu_sync.py [--rounds 6] [--no-shm] [--json out.json]
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ import time
 from _env import ROOT  # noqa: E402,F401  (repository on sys.path)
 
 
-def _sender_class():
+def _sender_class(shm: bool):
+    import dataclasses
     from types import SimpleNamespace
 
     import torch
@@ -43,6 +44,10 @@ def _sender_class():
             self.trained(ref)
             assert self.version == version_key(ref)
 
+        def prepare_weights(self, ref, dtype=None):
+            offer = super().prepare_weights(ref, dtype)
+            return offer if shm or offer is None else dataclasses.replace(offer, shm_free=0)  # --no-shm: gloo
+
     return BenchPolicy
 
 
@@ -55,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each actor")
+    ap.add_argument("--no-shm", action="store_true", help="offer no shared memory (the sync goes over gloo)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     pool = f"bench-cpu-sync-{os.getpid()}"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
     try:
-        sender = ray.remote(_sender_class()).options(name=actor_name(pool, "policy"), num_cpus=0).remote(
+        sender = ray.remote(_sender_class(not args.no_shm)).options(name=actor_name(pool, "policy"), num_cpus=0).remote(
             pool, threads=args.threads)
         receiver = ray.remote(RolloutWorker).options(name=actor_name(pool, "rollout"), num_cpus=0).remote(
             pool, threads=args.threads)
@@ -84,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
             sync = ray.get(receiver.__ray_call__.remote(lambda w: w.syncs[-1]))
             assert sync["version"] == f"path:{ref}", sync
             rounds.append({"round": i + 1, "seconds": round(sync["seconds"], 3), "wall_s": round(wall, 3),
-                           "backend": sync["backend"], "bytes": sync["bytes"], "load1": round(load, 2)})
+                           "backend": sync["backend"], "bytes": sync["bytes"], "load1": round(load, 2),
+                           **{k: round(sync[k], 3) for k in ("send_s", "receive_s") if k in sync}})
             print(json.dumps(rounds[-1]), flush=True)
     finally:
         ray.shutdown()

@@ -72,11 +72,13 @@ class Meet:
     handoff: Any = None
 
 
-def refuse_other_layout(plan: SyncPlan, handoff: Mapping[str, Any]) -> None:
+def refuse_other_layout(plan: SyncPlan, handoff: Mapping[str, Any], *, buckets: bool = True) -> None:
     """Raise ``WeightSyncError`` unless the sender's plan, as its handoff describes it
-    (``fingerprint``, ``bucket_sizes``), is the receiver's ``plan``: the check a collective makes
-    with its first message, before a byte lands."""
-    if handoff.get("fingerprint") != plan.fingerprint() or list(handoff.get("bucket_sizes", ())) != list(plan.bucket_sizes):
+    (``fingerprint``, and with ``buckets`` its ``bucket_sizes``: the receiver reads its buckets),
+    is the receiver's ``plan``: the check a collective makes with its first message, before a
+    byte lands."""
+    if handoff.get("fingerprint") != plan.fingerprint() or (
+            buckets and list(handoff.get("bucket_sizes", ())) != list(plan.bucket_sizes)):
         raise WeightSyncError("the sender's weights have another layout than the receiver's model (names, dtypes, "
                               "shapes or buckets differ): is the engine's model the policy's architecture?")
 

@@ -187,8 +187,9 @@ def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: s
     # after the transfer, while the receivers checksum what landed (not between buckets, where it would hold them up)
     for e in plan.entries:
         check.add(e.name, tensors[e.name].detach().to(device=device, dtype=_dtype(e.dtype)))
+    sent = check.hexdigest()
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                      digest=check.hexdigest(), backend=backend)
+                      digest=sent, backend=backend)
 
 
 def _receive(plan: SyncPlan, *, addr: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
@@ -260,8 +261,12 @@ def receive_into(landing: IntoTensors, plan: SyncPlan, *, addr: str, port: int, 
     digest = Digest(plan.layout(), sync_method(backend))
     _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
              device=landing.device, land=lambda i, buf: landing.land(plan, i, buf, digest))
+    try:
+        landed = digest.hexdigest()  # the last pieces' copies finish here
+    except Exception as exc:  # noqa: BLE001  a copy that failed on the digest's threads
+        raise WeightSyncError(f"weight sync: rank {rank} could not land the weights: {type(exc).__name__}: {exc}") from exc
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                      digest=digest.hexdigest(), backend=backend)
+                      digest=landed, backend=backend)
 
 
 def receive_buckets(plan: SyncPlan, *, addr: str, port: int, rank: int = 1, world_size: int = 2, backend: str = "gloo",
@@ -288,8 +293,9 @@ def receive_buckets(plan: SyncPlan, *, addr: str, port: int, rank: int = 1, worl
     check = Digest(plan.layout(), sync_method(backend))
     _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
              device=device, land=lambda i, buf: on_bucket(bucket_views(plan, buf, i)), check=check, refusal=refusal)
+    received = check.hexdigest()
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                      digest=check.hexdigest(), backend=backend)
+                      digest=received, backend=backend)
 
 
 class Collective(Transport):

@@ -86,11 +86,10 @@ class IntoTensors(Landing):
 
     def put(self, name: str, src: torch.Tensor, digest: Digest) -> None:
         """Copy ``src`` (the arriving tensor ``name``, any device and dtype) into the target's
-        tensor and add the landed tensor to ``digest`` (right after the copy: still in cache)."""
-        dst = self.target[name]
-        with torch.no_grad():
-            dst.copy_(src)
-        digest.add(name, dst)
+        tensor and add the landed tensor to ``digest`` (``Digest.copy_into``: on the CPU piece by
+        piece on its threads, each piece hashed right after its copy; done by ``hexdigest``).
+        ``src`` must stay as it is until then."""
+        digest.copy_into(name, self.target[name], src)
 
     def land(self, plan: SyncPlan, index: int, buf: torch.Tensor, digest: Digest) -> None:
         """Land bucket ``index`` of ``plan``, held in the flat uint8 ``buf`` (``put`` each tensor)."""

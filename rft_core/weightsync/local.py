@@ -35,8 +35,9 @@ class LocalCopy(Transport):
         digest = Digest(plan.layout(), sync_method(self.name))
         for e in plan.entries:
             digest.add(e.name, tensors[e.name].detach().to(dtype=_dtype(e.dtype)))
+        sent = digest.hexdigest()
         return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                          digest=digest.hexdigest(), backend=self.name,
+                          digest=sent, backend=self.name,
                           extra={"handoff": handoff_of(plan, tensors=tensors)})
 
     def receive(self, plan: SyncPlan, meet: Meet, landing: Landing) -> SyncReport:
@@ -48,12 +49,13 @@ class LocalCopy(Transport):
         """
         if not isinstance(landing, IntoTensors):
             raise TypeError(f"the local transport lands in a model's tensors, not in {type(landing).__name__}")
-        refuse_other_layout(plan, meet.handoff)
+        refuse_other_layout(plan, meet.handoff, buckets=False)  # tensor by tensor: buckets play no part
         check_fits(plan, landing.target)
         t0 = time.perf_counter()
         tensors = meet.handoff["tensors"]
         digest = Digest(plan.layout(), sync_method(self.name))
         for e in plan.entries:
             landing.put(e.name, tensors[e.name], digest)
+        landed = digest.hexdigest()  # every piece copied and hashed
         return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                          digest=digest.hexdigest(), backend=self.name)
+                          digest=landed, backend=self.name)

@@ -18,7 +18,8 @@ hold the sender's version of the weights, whatever moves them.
 
 One ``SyncReport`` comes back (bytes, seconds of the whole transaction, buckets, the verified
 digest, the backend that moved the bytes), and the sync is counted (``weight_syncs``,
-``weight_sync_seconds``, ``weight_sync_bytes``).
+``weight_sync_seconds``, ``weight_sync_bytes``); its ``extra`` has the ``transport`` and each
+leg's own seconds (``send_s``, ``receive_s``).
 
 The sender's leg (``SendLeg``) is the policy gang's, as ``rft_core.workers.policy.PolicySendLeg``
 drives it (Ray actors, or the worker object itself in one process); tests hand their own.
@@ -184,7 +185,8 @@ def pull(leg: SendLeg, landing: Landing, *, version: str, timeout_s: float, buck
         landing.invalidate()
         raise
     report = SyncReport(bytes=got.bytes, seconds=time.perf_counter() - t0, buckets=got.buckets, digest=got.digest,
-                        backend=offer.backend if landing.engine_kind else name, extra={"transport": name})
+                        backend=offer.backend if landing.engine_kind else name,
+                        extra={"transport": name, "send_s": sent.seconds, "receive_s": got.seconds})
     count("weight_syncs")
     count("weight_sync_seconds", report.seconds)
     count("weight_sync_bytes", report.bytes)

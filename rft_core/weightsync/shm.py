@@ -4,12 +4,13 @@ group or a socket: a handoff through one file in ``/dev/shm`` that both processe
 
 The sender packs the plan's buckets into a segment (a ``/dev/shm`` file mapped with
 ``torch.from_file(path, shared=True)``: buckets back to back, each on a 64-byte boundary) and
-digests each tensor as it is packed (XXH3-128, ``rft_core.weightsync.digest``: the bytes as
-sent, still in cache); its report hands the receiver the segment (path, inode, size, the plan's
-fingerprint). The receiver maps the same file (kept mapped for the next sync), copies each
-tensor into its model (``IntoTensors.put``) and digests what landed; the session compares the
-two digests. Nothing moves through a socket: on a 2-core machine the sync costs two memory
-copies and two hashes of the weights.
+digests each tensor as it is packed (XXH3-128, ``rft_core.weightsync.digest.Digest.copy_into``:
+8 MiB pieces copied and hashed on the digest's threads, the bytes as sent while still in cache);
+its report hands the receiver the segment (path, inode, size, the plan's fingerprint). The
+receiver maps the same file (kept mapped for the next sync), copies each tensor into its model
+the same way (``IntoTensors.put``) and digests what landed; the session compares the two
+digests. Nothing moves through a socket: the sync costs two memory copies and two hashes of the
+weights, each leg on every core.
 
 The segment is kept for the next sync (a new one only when the plan's size changes): the pages
 of a fresh ``/dev/shm`` file cost a page fault each on first touch (about 1 s for 538 MB on a
@@ -215,14 +216,13 @@ class Shm(Transport):
         starts, size = segment_layout(plan)
         segment = self._segment_for(size)
         digest = Digest(plan.layout(), sync_method(self.name))
-        with torch.no_grad():
-            for i, start in enumerate(starts):
-                for name, view in bucket_views(plan, segment.tensor[start:start + plan.bucket_sizes[i]], i):
-                    view.copy_(tensors[name])
-                    digest.add(name, view)
+        for i, start in enumerate(starts):
+            for name, view in bucket_views(plan, segment.tensor[start:start + plan.bucket_sizes[i]], i):
+                digest.copy_into(name, view, tensors[name])
+        sent = digest.hexdigest()  # every piece copied and hashed
         handoff = handoff_of(plan, path=segment.path, inode=segment.inode, size=size, starts=starts)
         return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(starts),
-                          digest=digest.hexdigest(), backend=self.name, extra={"handoff": handoff})
+                          digest=sent, backend=self.name, extra={"handoff": handoff})
 
     def receive(self, plan: SyncPlan, meet: Meet, landing: Landing) -> SyncReport:
         """Map the sender's segment (``meet.handoff``) and copy each tensor into the landing.
@@ -242,8 +242,9 @@ class Shm(Transport):
         digest = Digest(plan.layout(), sync_method(self.name))
         for i, start in enumerate(handoff["starts"]):
             landing.land(plan, i, segment[start:start + plan.bucket_sizes[i]], digest)
+        landed = digest.hexdigest()  # every piece copied and hashed
         return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                          digest=digest.hexdigest(), backend=self.name)
+                          digest=landed, backend=self.name)
 
     def finalize(self, meet: Meet) -> None:
         """Nothing: the segment is kept for the next sync (``close`` removes it)."""

@@ -167,7 +167,7 @@ class RolloutWorker(ResidentWorker):
     def _record(self, version: str, got: SyncReport, **extra: Any) -> None:
         """Keep a landed sync's record in ``syncs`` (the session counted it)."""
         self.syncs.append({"version": version, "bytes": got.bytes, "seconds": got.seconds, "backend": got.backend,
-                           "transport": got.extra.get("transport"), "buckets": got.buckets, **extra})
+                           "buckets": got.buckets, **got.extra, **extra})
 
     def engine_policy(self, engine, ref: PolicyRef) -> None:
         """``ModelSource.engine_policy``: make this worker's GPU engine (``VLLMEngine``,
