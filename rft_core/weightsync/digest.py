@@ -1,5 +1,5 @@
 """The one weight digest: what both sides of a weight sync compare, what a weightless update
-records (``rft_core.stages.recovery.WEIGHTS_DIGEST_KEY``) and what recovery checks a rebuilt
+records (``rft_core.stages.lineage.WEIGHTS_DIGEST_KEY``) and what recovery checks a rebuilt
 trainer against. One function (``weights_digest``) and its streaming form (``Digest``), by one
 of three methods; the digest string says which method made it (``method_of``), so a recorded
 digest is always checked by the method that recorded it:

@@ -64,4 +64,3 @@ def trained_tensors(strategy) -> dict[str, torch.Tensor] | None:
             seen.add(id(v))
             names.append(name)
     return {n: full[n].detach() for n in names}
-

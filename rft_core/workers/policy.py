@@ -221,4 +221,3 @@ class PolicySendLeg:
     def finish(self, meet: Meet) -> None:
         """``PolicyWorker.finish_send``."""
         self.gang.call(PolicyWorker.finish_send, meet)
-

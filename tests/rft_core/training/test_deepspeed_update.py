@@ -241,7 +241,7 @@ def test_resident_zero_gang_keeps_its_state_and_equals_the_torchrun_updates(upda
     workers = _resident_workers(str(tmp_path))
     try:
         refs = _resident_chain(update_inputs, tiny_model, workers, zero_stage, f"resident-zero{zero_stage}")
-        # the rollout worker pulls the gang's weights (a ZeRO-3 gather on both ranks) over gloo
+        # the rollout worker pulls the gang's weights (a ZeRO-3 gather on both ranks) through shared memory (one CPU host)
         rollout = start_worker(workers, "rollout")
         ray.get(rollout.inference_model.remote(tiny_model, dtype="float32", role="policy"))
         synced = ray.get(rollout.inference_model.remote(refs[-1], dtype="float32", role="policy")).state_dict()
