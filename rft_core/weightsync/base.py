@@ -150,6 +150,10 @@ class Transport(ABC):
     def finalize(self, meet: Meet) -> None:
         """Sender side, after the receiver took the weights: free what ``send`` kept for it."""
 
+    def close(self) -> None:
+        """Sender side, when its worker stops: free what this transport keeps across syncs (the
+        ``shm`` segment); nothing by default."""
+
 
 TRANSPORTS: dict[str, type[Transport]] = {}
 

@@ -93,12 +93,19 @@ class PolicyWorker(ResidentWorker):
     def close(self) -> None:
         """Finish this rank's pending background writes (the optimizer state and, for a resident
         checkpoint iteration, the weights: ``rft_core.stages.optimizer_state``) before the worker
-        is stopped.
+        is stopped, and free what its send legs keep across syncs (``Transport.close``: the
+        ``shm`` segment, which a Ray actor ended by ``ray.kill`` would otherwise leave in
+        ``/dev/shm`` until the next sender on the host sweeps it).
 
         Raises:
             OptimizerStateError: a write failed (resuming the run recomputes that state).
         """
-        wait_for_optimizer_writes()
+        try:
+            wait_for_optimizer_writes()
+        finally:
+            links, self._links = self._links, {}
+            for link in links.values():
+                link.close()
 
     # -- the sending side of a weight sync ---------------------------------------------------
     def _link(self, name: str) -> Transport:

@@ -211,6 +211,19 @@ def test_segment_layout_aligns_every_bucket():
     assert size == starts[-1] + plan.bucket_sizes[-1] and any(b % 64 for b in plan.bucket_sizes)
 
 
+def test_the_policy_workers_close_removes_its_segment():
+    """A stopped policy worker leaves no segment in /dev/shm: ``stop_workers`` calls its
+    ``close`` before ``ray.kill`` ends the actor (no exit handler of its runs then)."""
+    from rft_core.workers.policy import PolicyWorker
+
+    worker, w = PolicyWorker("pool"), _weights(0)
+    sent = worker._link("shm").send(w, SyncPlan.of(w, bucket_mb=BUCKET_MB), Meet(transport="shm", dtype="float32"))
+    path = Path(sent.extra["handoff"]["path"])
+    assert path.exists()
+    worker.close()
+    assert not path.exists() and worker._links == {}
+
+
 def test_the_in_process_policy_worker_sends_through_the_same_transaction(tiny_model):
     """The real policy worker's send leg (``PolicySendLeg``) in this process: the ``local``
     transport, verified; a version it does not hold fails the sync (its send raised)."""
