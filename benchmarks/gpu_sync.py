@@ -68,10 +68,10 @@ def sync_once(kind: str, tensors: dict) -> dict:
     import torch
     import torch.multiprocessing as mp
 
-    from rft_core.weightsync.checksum import sync_checksum
     from rft_core.network import free_port
     from rft_core.weightsync.collective import send_weights
     from rft_core.weightsync.cuda_ipc import export_cuda_ipc
+    from rft_core.weightsync.digest import weights_digest
     from rft_core.weightsync.plan import SyncPlan
 
     ctx = mp.get_context("spawn")
@@ -105,25 +105,28 @@ def sync_once(kind: str, tensors: dict) -> dict:
         p.kill()
     res.update(got)
     if got.get("ok"):
-        res["digest_match"] = got["digest"] == sync_checksum(tensors)
+        res["digest_match"] = got["digest"] == weights_digest(tensors, "device")
         res["receiver_s_per_gb"] = round(got["seconds"] / max(got["bytes"] / 1e9, 1e-12), 4)
     torch.cuda.synchronize()
     return res
 
 
 def checksum_speed(tensors: dict) -> dict:
-    """Seconds per GB of the sync's verification on the GPU (``sync_checksum``, the tensors where
-    they are) and of the host-side sha256 it replaced (``weights_digest``: copy to host, hash)."""
+    """Seconds per GB of the sync's verification on the GPU (the ``device`` digest, the tensors
+    where they are) and of the host-side digests (a copy to the host, then sha256 as before issue
+    46, or XXH3-128)."""
+    import functools
+
     import torch
 
-    from rft_core.weightsync.checksum import sync_checksum
-    from rft_core.weightsync.plan import weights_digest
+    from rft_core.weightsync.digest import weights_digest
 
     gb = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
-    sync_checksum(tensors)  # its multiplier table, once per device
+    weights_digest(tensors, "device")  # its multiplier table, once per device
     torch.cuda.synchronize()
     out = {}
-    for name, fn in (("sync_checksum", sync_checksum), ("sha256_host", weights_digest)):
+    for name, method in (("device_digest", "device"), ("sha256_host", "sha256"), ("xxh3_host", "xxh3")):
+        fn = functools.partial(weights_digest, method=method)
         t0 = time.perf_counter()
         fn(tensors)
         torch.cuda.synchronize()

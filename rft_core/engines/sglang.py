@@ -52,9 +52,9 @@ from typing import Any
 
 from rft_core.engines import ENGINE_CACHE, SGLANG_SEED_BITS, SyncedWeights, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
-from rft_core.weightsync.base import OWN_WAIT_SHARE
+from rft_core.weightsync.base import OWN_WAIT_SHARE, Meet
 from rft_core.weightsync.collective import receive_buckets
-from rft_core.weightsync.plan import SyncPlan, WeightSyncError, sync_device
+from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError, sync_device
 
 log = logging.getLogger("rft_core.engines.sglang")
 
@@ -205,8 +205,7 @@ class SGLangEngine(SyncedWeights):
                              "engine built on the full model (lora_path=None)")
         return 2
 
-    def receive_weights(self, plan: "SyncPlan | str", *, addr: str, port: int, backend: str, timeout_s: float,
-                        version: str) -> dict[str, Any]:
+    def receive_weights(self, plan: "SyncPlan | str", meet: Meet, *, timeout_s: float) -> SyncReport:
         """Receive the trainer's weights in memory: take released GPU memory back, receive the
         buckets in this process (``rft_core.weightsync.collective.receive_buckets``, rank 1 of 2, on this
         process's current CUDA device with NCCL, on the CPU with gloo) and hand each bucket's
@@ -215,7 +214,7 @@ class SGLangEngine(SyncedWeights):
         tensors go to every tensor-parallel scheduler process by ``MultiprocessingSerializer``,
         CUDA IPC for GPU tensors, and each loads them with its model's ``load_weights``, which
         keeps its shard), ``flush_cache`` on the last bucket only; every answer is checked
-        (``_check_ok``). Records ``version`` as what the GPU weights hold (``weights_version``).
+        (``_check_ok``). Records ``meet.version`` as what the GPU weights hold (``weights_version``).
 
         The session: SGLang 0.5.21+ answers ``success=False`` to an ``update_weights_from_tensor``
         that does not run between ``Engine.begin_weight_update()`` and ``end_weight_update()``
@@ -245,12 +244,14 @@ class SGLangEngine(SyncedWeights):
 
         Args:
             plan: the sender's ``SyncPlan`` (or its JSON), in ``sync_dtype``.
-            addr, port, backend: where the sender (rank 0) waits.
+            meet: the transaction (``rft_core.weightsync.base.Meet``): ``addr``, ``port``,
+                ``backend``, where the sender (rank 0) waits; ``version``, what the weights are
+                (the caller's key of the policy version).
             timeout_s: the limit of the transaction; each wait of this receiver gets
                 ``OWN_WAIT_SHARE`` of it (``rft_core.weightsync.base``).
-            version: what the weights are (the caller's key of the policy version).
         Returns:
-            {"checksum" (of the received tensors), "bytes", "seconds", "buckets", "backend"}.
+            the ``SyncReport`` of the received tensors (its digest unverified: the session
+            compares it with the sent one).
         Raises:
             ValueError: a LoRA engine (``sync_world_size``).
             WeightSyncError: the plan does not fit the engine's model, the sync failed, or SGLang
@@ -258,6 +259,7 @@ class SGLangEngine(SyncedWeights):
                 refuses until a sync or ``load_policy`` succeeds).
         """
         self.sync_world_size  # noqa: B018  refuses a LoRA engine
+        version, backend = meet.version, meet.backend
         plan = SyncPlan.from_json(plan) if isinstance(plan, str) else plan
         refusal = self.plan_refusal(plan)
         self._resume()
@@ -277,7 +279,7 @@ class SGLangEngine(SyncedWeights):
                 refusal = str(exc)  # joined and refused at the plan check: the sender stops at once
                 session = False
         try:
-            rep = receive_buckets(plan, addr=addr, port=port, rank=1, world_size=2, backend=backend,
+            rep = receive_buckets(plan, addr=meet.addr, port=meet.port, rank=1, world_size=2, backend=backend,
                                   timeout_s=timeout_s * OWN_WAIT_SHARE, device=sync_device(backend), on_bucket=on_bucket,
                                   refusal=refusal)
         except BaseException:
@@ -291,8 +293,7 @@ class SGLangEngine(SyncedWeights):
             except RuntimeError as exc:
                 raise WeightSyncError(f"SGLang weight sync of {version}: {exc}") from exc
         self.weights_version = version
-        return {"checksum": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds, "buckets": rep.buckets,
-                "backend": backend}
+        return rep
 
     def batches(self, prompts: list[list[int]], n: int, batch_size: int, **_: Any) -> list[list[tuple[int, int]]]:
         """Whole groups, prompts sorted by length, max(1, batch_size // n) prompts per batch: the

@@ -50,9 +50,9 @@ from typing import Any
 from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, SyncedWeights, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
 from rft_core.models.logprobs import release_device_memory
-from rft_core.weightsync.base import OWN_WAIT_SHARE
+from rft_core.weightsync.base import OWN_WAIT_SHARE, Meet
 from rft_core.weightsync.collective import receive_buckets
-from rft_core.weightsync.plan import SyncPlan, WeightSyncError
+from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
 
 log = logging.getLogger("rft_core.engines.vllm")
 
@@ -169,8 +169,8 @@ class WeightReloadExtension:
                 (``SyncedWeights.plan_refusal``): join and fail the plan check with it, so every
                 rank stops before a bucket moves.
         Returns:
-            ``{"ok": True, "checksum": sync_checksum of the received tensors (computed on the
-            GPU), "bytes", "seconds", "buckets"}``, or ``{"ok": False, "rank", "error"}`` when the
+            ``{"ok": True, "digest": the weight digest of the received tensors (``device`` sums
+            on the GPU over NCCL; XXH3-128 over gloo), "bytes", "seconds", "buckets"}``, or ``{"ok": False, "rank", "error"}`` when the
             sync failed (timeout, a peer gone, the plan refused, a bucket ``load_weights`` refused:
             unknown name or shape, a parameter left out): the model is then partly written.
             Never raises (see the class docstring).
@@ -201,7 +201,7 @@ class WeightReloadExtension:
                               refusal=refusal)
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
-        return {"checksum": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds, "buckets": rep.buckets}
+        return {"digest": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds, "buckets": rep.buckets}
 
 
 class VLLMEngine(SyncedWeights):
@@ -326,16 +326,15 @@ class VLLMEngine(SyncedWeights):
                              "built on the full model (lora_path=None)")
         return 1 + self.tensor_parallel_size
 
-    def receive_weights(self, plan: "SyncPlan | str", *, addr: str, port: int, backend: str, timeout_s: float,
-                        version: str) -> dict[str, Any]:
+    def receive_weights(self, plan: "SyncPlan | str", meet: Meet, *, timeout_s: float) -> SyncReport:
         """Receive the trainer's weights in memory: wake a sleeping engine's weights, have every
         worker join the sync group and load the buckets (``LLM.collective_rpc(method, timeout=None,
         args=(), kwargs=None) -> list`` of ``vllm/entrypoints/llm.py``, one result per worker,
         calling ``WeightReloadExtension.rft_receive_weights``, under ``timeout_s``: without one it
         waits forever, e.g. for a worker stuck in NCCL's communicator setup when a peer never
         arrives, which no collective's timeout covers), check that every worker received
-        the same weights (their checksums), reset the prefix cache and record ``version`` as what
-        the GPU weights hold (``weights_version``; ``generate`` then reloads nothing). A plan that
+        the same weights (their digests), reset the prefix cache and record ``meet.version`` as
+        what the GPU weights hold (``weights_version``; ``generate`` then reloads nothing). A plan that
         does not fit the engine's model (``plan_refusal``: a tensor missing, unexpected or of
         another shape or dtype) is refused by every worker at the plan check, before a bucket
         moves. The workers answer a status each (``WeightReloadExtension``), so a failure on one
@@ -346,27 +345,30 @@ class VLLMEngine(SyncedWeights):
 
         Args:
             plan: the sender's ``SyncPlan`` (or its JSON), in ``sync_dtype``.
-            addr, port, backend: where the sender (rank 0) meets its ``sync_world_size - 1`` receivers.
+            meet: the transaction (``rft_core.weightsync.base.Meet``): ``addr``, ``port``,
+                ``backend``, where the sender (rank 0) meets its ``sync_world_size - 1``
+                receivers; ``version``, what the weights are (the caller's key of the policy version).
             timeout_s: the limit of the whole receive (``collective_rpc``'s timeout); each wait of
                 the workers gets ``OWN_WAIT_SHARE`` of it (``rft_core.weightsync.base``), so that a
                 worker that has not answered by then hangs.
-            version: what the weights are (the caller's key of the policy version).
         Returns:
-            {"checksum", "bytes", "seconds" (the slowest worker), "buckets", "backend", "workers"}.
+            the ``SyncReport`` of what landed (``digest``: the workers' one digest; ``seconds``:
+            the slowest worker; ``extra["workers"]``), unverified: the session compares it with
+            the sent digest.
         Raises:
             ValueError: a LoRA engine (``sync_world_size``).
-            WeightSyncError: the sync failed or the workers' checksums differ; the weights are
+            WeightSyncError: the sync failed or the workers' digests differ; the weights are
                 then invalid (``generate`` refuses until a sync or ``load_policy`` succeeds), or
                 the engine died (see above).
         """
-        world_size = self.sync_world_size
+        world_size, version, backend = self.sync_world_size, meet.version, meet.backend
         plan = SyncPlan.from_json(plan) if isinstance(plan, str) else plan
         refusal = self.plan_refusal(plan)
         self._wake_weights()
         self.invalidate_weights()
         try:
             results = self.llm.collective_rpc("rft_receive_weights", timeout=float(timeout_s),
-                                              args=(plan.to_json(), addr, port, world_size, backend,
+                                              args=(plan.to_json(), meet.addr, meet.port, world_size, backend,
                                                     float(timeout_s) * OWN_WAIT_SHARE, refusal))
         except Exception as exc:  # noqa: BLE001  the executor failed (a worker process died) or the call timed out
             self.died(f"{type(exc).__name__}: {exc}")
@@ -376,14 +378,15 @@ class VLLMEngine(SyncedWeights):
         if failed:
             raise WeightSyncError(f"vLLM weight sync of {version} failed on worker(s) {[r['rank'] for r in failed]}: "
                                   + "; ".join(r["error"] for r in failed))
-        checksums = sorted({r["checksum"] for r in results})
-        if len(results) != world_size - 1 or len(checksums) != 1:
+        digests = sorted({r["digest"] for r in results})
+        if len(results) != world_size - 1 or len(digests) != 1:
             raise WeightSyncError(f"vLLM weight sync of {version}: {len(results)} worker(s) of {world_size - 1} answered "
-                                  f"with checksums {checksums}")
+                                  f"with digests {digests}")
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.weights_version = version
-        return {"checksum": checksums[0], "bytes": results[0]["bytes"], "seconds": max(r["seconds"] for r in results),
-                "buckets": results[0]["buckets"], "backend": backend, "workers": len(results)}
+        return SyncReport(bytes=results[0]["bytes"], seconds=max(r["seconds"] for r in results),
+                          buckets=results[0]["buckets"], digest=digests[0], backend=backend,
+                          extra={"workers": len(results)})
 
     def batches(self, prompts: list[list[int]], n: int, batch_size: int, **_: Any) -> list[list[tuple[int, int]]]:
         """Whole groups, prompts sorted by length, max(1, batch_size // n) prompts per batch: the

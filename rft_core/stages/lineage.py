@@ -16,7 +16,8 @@ from __future__ import annotations
 from rft_core.stages.contracts import PPOUpdateInput
 from rft_core.training.checkpoint import POLICY_FOLDER_SUFFIX
 from rft_core.weightsync.plan import state_tensors
-from rft_core.weightsync.trained import SHARDED, digest_method, tensors_digest, trained_tensors
+from rft_core.weightsync.digest import digest_like, weights_digest
+from rft_core.weightsync.trained import SHARDED, trained_tensors
 from schemas import PolicyRef, ShardRef, read_manifest
 from schemas.shards import ShardNotCommittedError
 
@@ -97,14 +98,19 @@ def weights_base(ref: PolicyRef) -> PolicyRef:
 
 
 def trained_digest(strategy, *, like: str | None = None) -> str | None:
-    """The digest a weightless update records (``WEIGHTS_DIGEST_KEY``) and recovery checks
-    (``rft_core.weightsync.trained.tensors_digest``, a str): of the trainer's own tensors in one
+    """The weight digest (``rft_core.weightsync.digest.weights_digest``) a weightless update
+    records (``WEIGHTS_DIGEST_KEY``) and recovery checks: of the trainer's own tensors in one
     process (a LoRA model's adapters and base, ``state_tensors``), of the gathered weights under
     DeepSpeed or FSDP2 (``trained_tensors``: a collective, every rank calls it; None on ranks
-    above 0). ``like``: a recorded digest whose method to use (``digest_method``: recovery
-    compares digests of one method, whichever device the run resumes on)."""
-    method = digest_method(like) if like is not None else None
-    if not isinstance(strategy, SHARDED):
-        return tensors_digest(state_tensors(strategy.model), method)
-    tensors = trained_tensors(strategy)
-    return None if tensors is None else tensors_digest(tensors, method)
+    above 0). By default ``device`` sums for weights on a GPU (they are read where they are),
+    XXH3-128 on the host for CPU weights; ``like``: a recorded digest whose method to use
+    (``digest_like``: recovery compares digests of one method, whichever device the run resumes
+    on, and digests recorded before issue 46, sha256 on the host, still check).
+
+    Raises:
+        ValueError: ``like`` is not a digest.
+    """
+    tensors = state_tensors(strategy.model) if not isinstance(strategy, SHARDED) else trained_tensors(strategy)
+    if tensors is None:
+        return None
+    return weights_digest(tensors) if like is None else digest_like(tensors, like)

@@ -2,12 +2,17 @@
 vLLM or SGLang engine) without touching storage. A library below the engines and the workers:
 it imports neither (docs/architecture.md, "Weight sync", tables its transports).
 
-- ``base``: the interface (``Transport``: prepare, send, receive, finalize) and the registry;
-- ``choose``: ``choose_transport`` (the one place a transport is picked from the two ends) and
-  ``transport`` (a registered backend by name);
-- ``plan``: the plan, buckets, reports and digests every transport shares; ``checksum``: the
-  exact on-device checksum;
-- the backends: ``local`` (one process), ``collective`` (gloo, NCCL), ``cuda_ipc`` (one GPU, two
-  processes), ``engine`` (into vLLM's workers, into SGLang);
+- ``session``: the transaction, once (``pull``: prepare, choose, send ‖ receive, verify,
+  finalize; the only caller of ``choose_transport``), and the sender's leg it drives (``SendLeg``);
+- ``base``: the interface every transport has (``Transport``: ``send(tensors, plan, meet)``,
+  ``receive(plan, meet, landing)``, ``finalize``), the ``Meet`` and the registry;
+- ``landing``: where the bytes land (``IntoTensors``: a model's tensors; ``IntoEngine``: an
+  engine's loader);
+- ``choose``: ``choose_transport`` and ``transport`` (a registered backend by name);
+- ``plan``: the plan, buckets and reports every transport shares; ``digest``: the one weight
+  digest (XXH3-128 on the host, exact device sums on a GPU: ``checksum``, sha256 read back);
+- the backends: ``local`` (one process), ``shm`` (two processes on one host's CPU),
+  ``collective`` (gloo, NCCL), ``cuda_ipc`` (one GPU, two processes), ``engine`` (into vLLM's
+  workers, into SGLang);
 - ``trained``: what a trainer sends (LoRA merged, ZeRO gathered) and the digest commits record.
 """

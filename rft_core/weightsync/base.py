@@ -1,35 +1,39 @@
-"""One interface for every way weights move from the policy trainer to an inference copy, the
-transports registered by name, and the one place that picks a transport from the two ends.
+"""One interface for every way weights move from the policy trainer to an inference copy
+(``Transport``), the one record of where and how the two sides meet (``Meet``), and the
+transports registered by name.
 
-A transaction over any transport:
+Every transport has the same two legs, each returning a ``SyncReport`` whose ``digest`` is the
+weight digest (``rft_core.weightsync.digest``) of the weights as sent or as landed:
 
-- the sender (rank 0 of the trainer) ``prepare``s its weights for the transport (CUDA IPC:
-  packs and shares its buckets; the others need nothing before the transfer);
-- the sender ``send``s them (the collective transports: a broadcast to the receivers);
-- the receiver ``receive``s them into its own tensors (``state_tensors`` of its model) or into
-  an engine (vLLM, SGLang: their own loaders), drives the sender's side through a ``Sender``
-  handle, and checks the sent and landed checksums (``verify_digest``): a transport never
-  returns weights it has not verified;
-- the sender ``finalize``s (CUDA IPC: frees the shared buffers).
+- ``send(tensors, plan, meet)``: the sender's leg (rank 0 of the trainer's gang);
+- ``receive(plan, meet, landing)``: the receiver's leg, into a landing
+  (``rft_core.weightsync.landing``: a model's tensors, or an engine's loader);
+- ``finalize(meet)``: the sender frees what its send kept for the receiver (CUDA IPC buffers).
 
-Every transaction carries the plan (``rft_core.weightsync.plan.SyncPlan``: names, dtypes,
-shapes, buckets), the checksum (``rft_core.weightsync.checksum``) and the timeout
-(``Transport.timeout_s``, each collective's limit). The transports and when each is chosen are
-tabled in docs/architecture.md ("Weight sync"); ``rft_core.weightsync.choose.choose_transport``
-is that table in code.
+How the legs meet in time is the transport's ``handoff``: False (``gloo``, ``nccl``, the engine
+transports), the two legs run together (a broadcast); True (``local``, ``shm``, ``cuda_ipc``), the
+send finishes first and leaves the weights where the receiver takes them (its report's
+``extra["handoff"]``, handed to the receiver as ``Meet.handoff``). Neither leg compares digests:
+``rft_core.weightsync.session.pull`` runs the transaction (prepare, send and receive, verify,
+finalize), the only caller of ``choose_transport`` and of ``receive``, and never returns weights
+whose landed digest differs from the sent one.
 
-Modelled on verl's ``checkpoint_engine/base.py`` (one interface, ``prepare`` / ``send_weights``
-/ ``receive_weights`` / ``finalize``, backends registered by name). This package imports neither
-the engines nor the workers: they hand it what it needs (tensors, an engine object, a
-``Sender``).
+Modelled on verl's ``checkpoint_engine/base.py`` (one interface over backends registered by
+name, ``prepare`` / ``send_weights`` / ``receive_weights`` / ``finalize``, driven by one
+``update_weights``). What this project keeps beyond it: the plan's fingerprint checked before a
+byte moves, per-rank failure flags, an exact digest of what landed, a bounded wait on every
+participant (``OWN_WAIT_SHARE``). This package imports neither the engines nor the workers: they
+hand it what it needs (tensors, an engine object, the sender's leg).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Mapping, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
 
 import torch
 
+from rft_core.weightsync.landing import Landing
 from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
 
 
@@ -43,67 +47,63 @@ from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
 OWN_WAIT_SHARE = 0.75
 
 
-class Sender(Protocol):
-    """The receiver's handle on the sending side of one transaction (the policy trainer's ranks,
-    in this process or as Ray actors), bound to the version being synced. A transport calls
-    only the methods it needs."""
+@dataclass(frozen=True)
+class Meet:
+    """Where and how the two sides of one transaction meet: what the receiver's session hands the
+    sender's ``send`` (through Ray: plain fields) and its own ``receive``.
 
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        """The sender's weights as an inference copy holds them (``local``: same process only)."""
+    Args:
+        transport: the chosen transport's name (``choose_transport``).
+        dtype: the receiver's dtype (the plan's, for floating tensors; integer buffers keep theirs).
+        version: what the weights are (the receiver's key of the policy version).
+        backend: the sender's collective backend (``gloo`` from the CPU, ``nccl`` from a GPU).
+        addr, port: where rank 0 hosts the rendezvous of a collective transport.
+        world_size: 1 + the receiving ranks (an engine's tensor-parallel workers; 2 otherwise).
+        handoff: a handoff transport's ``extra["handoff"]`` of the send (set by the session).
+    """
 
-    def start(self, **meet: Any) -> Any:
-        """Start the sender's ``send`` on every rank (``addr``, ``port``, ``dtype``, ``backend``,
-        ``world_size``); returns what ``wait`` and ``cancel`` take."""
-
-    def wait(self, started: Any) -> dict[str, Any]:
-        """The sender's report of a started send (``digest``/``checksum``, ``bytes``, ...);
-        raises when it failed."""
-
-    def cancel(self, started: Any) -> None:
-        """End a started send that outlived its limit (``settle``)."""
-
-    def export(self) -> dict[str, Any]:
-        """The sender's ``prepare`` answer of a CUDA IPC transaction (``handles``, ``digest``)."""
-
-    def release(self) -> None:
-        """The sender's ``finalize`` (CUDA IPC: free the exported buffers)."""
+    transport: str
+    dtype: str
+    version: str = ""
+    backend: str = "gloo"
+    addr: str = "127.0.0.1"
+    port: int = 0
+    world_size: int = 2
+    handoff: Any = None
 
 
-def settle(sender: Sender, started: Any) -> str:
-    """After the receiver's side of a transaction failed: wait for the sender's started send
-    (``sender.wait``, bounded by the sender's own limit, ``sync_timeout_s``: its collectives fail
-    on their own within it once the receiver is gone), so that it is not left running into the
-    sender's next call. A send whose wait times out (``TimeoutError``; Ray's ``GetTimeoutError``
-    is one) is stuck past every limit of the transaction (in NCCL's communicator setup, which no
-    timeout covers): it is cancelled (``sender.cancel``; the policy gang's ends its ranks, since
-    Ray cannot interrupt a running call). Returns what became of the send, for the receiver's
-    error message; raises nothing."""
-    try:
-        sender.wait(started)
-        return "the sender finished its send"
-    except TimeoutError as exc:
-        sender.cancel(started)
-        return f"the sender was still sending past its limit and was ended ({exc})"
-    except Exception as exc:  # noqa: BLE001  expected: the sender failed too; the receiver's error is the one raised
-        return f"the sender failed too: {type(exc).__name__}: {exc}"
+def refuse_other_layout(plan: SyncPlan, handoff: Mapping[str, Any], *, buckets: bool = True) -> None:
+    """Raise ``WeightSyncError`` unless the sender's plan, as its handoff describes it
+    (``fingerprint``, and with ``buckets`` its ``bucket_sizes``: the receiver reads its buckets),
+    is the receiver's ``plan``: the check a collective makes with its first message, before a
+    byte lands."""
+    if handoff.get("fingerprint") != plan.fingerprint() or (
+            buckets and list(handoff.get("bucket_sizes", ())) != list(plan.bucket_sizes)):
+        raise WeightSyncError("the sender's weights have another layout than the receiver's model (names, dtypes, "
+                              "shapes or buckets differ): is the engine's model the policy's architecture?")
+
+
+def handoff_of(plan: SyncPlan, **fields: Any) -> dict[str, Any]:
+    """A handoff transport's ``extra["handoff"]``: ``fields`` and the plan's ``fingerprint`` and
+    ``bucket_sizes`` (``refuse_other_layout``)."""
+    return {"fingerprint": plan.fingerprint(), "bucket_sizes": list(plan.bucket_sizes), **fields}
 
 
 def verify_digest(landed: str, sent: str | None, what: str) -> None:
-    """Raise ``WeightSyncError`` unless the landed weights' checksum equals the sent one.
+    """Raise ``WeightSyncError`` unless the landed weights' digest equals the sent one.
 
     Args:
         landed, sent: the receiver's and the sender's ``SyncReport.digest``.
         what: the transaction in the message ("weight sync of <version>").
     """
     if landed != sent:
-        raise WeightSyncError(f"{what}: the landed weights' digest {landed[:12]} differs from the sent "
-                              f"{(sent or '')[:12]}")
+        raise WeightSyncError(f"{what}: the landed weights' digest {landed} differs from the sent {sent}")
 
 
 class Transport(ABC):
     """One way weights move (see the module docstring). Subclasses set ``name`` (the registry
-    key), ``device`` and ``upstream`` (what the docs' table says of them) and implement
-    ``receive``; the sender-side steps a transport does not need are no-ops.
+    key), ``device`` and ``upstream`` (what the docs' table says of them) and ``handoff``, and
+    implement both legs.
 
     Args:
         timeout_s: the limit of a transaction (seconds): what a wait on a participant from outside
@@ -113,6 +113,7 @@ class Transport(ABC):
     name: ClassVar[str]
     device: ClassVar[str]
     upstream: ClassVar[str]
+    handoff: ClassVar[bool] = False
 
     def __init__(self, *, timeout_s: float = 300.0) -> None:
         self.timeout_s = timeout_s
@@ -122,31 +123,36 @@ class Transport(ABC):
         """The limit of each of a participant's own waits (``OWN_WAIT_SHARE`` of ``timeout_s``, seconds)."""
         return self.timeout_s * OWN_WAIT_SHARE
 
-    def prepare(self, tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, device: torch.device | str) -> dict:
-        """Sender side, before the transfer: what the receiver needs to take the weights (none
-        by default)."""
-        return {}
-
-    def send(self, tensors: Mapping[str, torch.Tensor], plan: SyncPlan, **meet: Any) -> SyncReport:
-        """Sender side: move ``tensors`` (packed by ``plan``) to the receivers.
-
-        Raises:
-            NotImplementedError: a transport whose receiver takes the weights itself.
-        """
-        raise NotImplementedError(f"the {self.name} transport has no separate send: its receiver takes the weights")
+    def check(self, landing: Landing, what: str) -> None:
+        """Receiver side, before the sender starts: refuse a landing this transport cannot reach
+        (``WeightSyncError``); nothing by default."""
 
     @abstractmethod
-    def receive(self, into: Any, plan: SyncPlan, sender: Sender, *, what: str, **meet: Any) -> Any:
-        """Receiver side: land the weights in ``into`` (tensors or an engine), verified against
-        the sender's checksum; ``what`` names the transaction in errors.
+    def send(self, tensors: Mapping[str, torch.Tensor], plan: SyncPlan, meet: Meet) -> SyncReport:
+        """Sender side: move ``tensors`` (cast to the plan's dtypes) towards the receivers;
+        returns the report whose digest is of the weights as sent (a handoff transport: with
+        ``extra["handoff"]``, what the receiver takes them from).
 
         Raises:
-            WeightSyncError: the transfer failed, timed out or its checksums differ (``into`` is
+            WeightSyncError: the tensors do not fit the plan, or the transfer failed or timed out.
+        """
+
+    @abstractmethod
+    def receive(self, plan: SyncPlan, meet: Meet, landing: Landing) -> SyncReport:
+        """Receiver side: land the weights into ``landing``; returns the report whose digest is
+        of the weights as landed (the session compares it with the sent one).
+
+        Raises:
+            WeightSyncError: the transfer failed, timed out or the layouts differ (the landing is
                 then invalid until a sync lands).
         """
 
-    def finalize(self) -> None:
-        """Sender side, after the receiver has the weights: free what ``prepare`` kept."""
+    def finalize(self, meet: Meet) -> None:
+        """Sender side, after the receiver took the weights: free what ``send`` kept for it."""
+
+    def close(self) -> None:
+        """Sender side, when its worker stops: free what this transport keeps across syncs (the
+        ``shm`` segment); nothing by default."""
 
 
 TRANSPORTS: dict[str, type[Transport]] = {}

@@ -1,5 +1,7 @@
-"""An exact checksum of weights computed on their own device (``sync_checksum``): what both
-sides of a weight sync compare, without copying the weights to the host.
+"""The ``device`` method of the weight digest (``rft_core.weightsync.digest``): an exact checksum
+of weights computed on their own device, without copying the weights to the host (GPU weights:
+what both sides of an NCCL or CUDA IPC sync compare, and what a GPU trainer's weightless update
+records).
 
 The bytes of each tensor are read as little-endian signed 16-bit words w_i (-2**15 <= w_i <
 2**15; an odd byte count gets one zero byte), cut into rows of ``CHUNK`` = 2**22 words (the
@@ -150,73 +152,3 @@ def combine(layout, sums: Mapping[str, torch.Tensor]) -> str:
         for s in (0, 1):
             total[s] = (total[s] + name_weight(name) * host[name][s]) & M31
     return f"{meta_digest(layout)[:16]}-{total[0]:08x}{total[1]:08x}"
-
-
-METHODS = ("device", "sha256")
-
-
-def checksum_method(backend: str) -> str:
-    """How both sides of a sync over ``backend`` checksum the weights: ``sha256`` on the host
-    for ``gloo`` and ``local`` (CPU tensors: hashlib's sha256 runs at 0.7 s/GB on this 2-core
-    CPU, the device sums at 1.3 s/GB), ``device`` sums for ``nccl`` and ``cuda_ipc`` (GPU tensors
-    are checked where they are). Both sides know the backend, so they always agree."""
-    return "sha256" if backend in ("gloo", "local") else "device"
-
-
-class Checksum:
-    """The checksum of tensors added one by one in name order (``layout``'s), bucket by bucket.
-
-    ``device``: the sums of the module docstring (``word_sums``, on each tensor's device).
-    ``sha256``: sha256 over the layout's digest and every tensor's bytes, on the host (a CUDA
-    tensor is copied there). The result is ``"<16 hex of the layout's sha256>-<the method's
-    value>"``; the two methods' strings never equal each other.
-
-    Raises:
-        ValueError: an unknown method, or a tensor added out of the layout's order (``add``).
-    """
-
-    def __init__(self, layout, method: str = "device") -> None:
-        if method not in METHODS:
-            raise ValueError(f"unknown checksum method {method!r}; valid: {', '.join(METHODS)}")
-        self.layout, self.method = list(layout), method
-        self._order = iter([name for name, _, _ in self.layout])
-        self._sums: dict[str, torch.Tensor] = {}
-        self._sha = hashlib.sha256(meta_digest(self.layout).encode()) if method == "sha256" else None
-
-    def add(self, name: str, t: torch.Tensor) -> None:
-        """Add the tensor ``name`` (the next one of the layout)."""
-        expected = next(self._order, None)
-        if name != expected:
-            raise ValueError(f"checksum: {name!r} added where the layout has {expected!r} next")
-        if self._sha is None:
-            self._sums[name] = word_sums(t)
-            return
-        flat = t.detach().contiguous().reshape(-1).cpu()
-        if flat.numel():
-            self._sha.update(memoryview(flat.view(torch.uint8).numpy()))
-
-    def hexdigest(self) -> str:
-        """The checksum string (every tensor of the layout must have been added)."""
-        if self._sha is None:
-            return combine(self.layout, self._sums)
-        if next(self._order, None) is not None:
-            raise ValueError("checksum: not every tensor of the layout was added")
-        return f"{meta_digest(self.layout)[:16]}-sha256:{self._sha.hexdigest()}"
-
-
-def sync_checksum(tensors: Mapping[str, torch.Tensor], method: str = "device") -> str:
-    """The exact checksum of ``tensors`` (name -> tensor of any dtype and shape, each on its own
-    device): names, dtypes, shapes and every bit of the values. ``device`` (the default) is
-    computed on the tensors' devices (GPU-side for CUDA tensors; the same string on CPU and CUDA
-    for the same bits); see the module docstring for the formula, its overflow bound and what
-    it detects. ``sha256``: on the host (``Checksum``).
-
-    Returns:
-        ``"<16 hex>-<16 hex>"`` (device: the layout's sha256 prefix, then the two 31-bit sums),
-        or ``"<16 hex>-sha256:<64 hex>"``.
-    """
-    names = sorted(tensors)
-    c = Checksum([(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names], method)
-    for n in names:
-        c.add(n, tensors[n])
-    return c.hexdigest()

@@ -28,7 +28,7 @@ covered is NCCL's communicator setup at the first collective (``ncclCommInitRank
 peer that met at the rendezvous never arrives). What bounds it is the wait on the participant
 from outside (``rft_core.weightsync.base.OWN_WAIT_SHARE``): vLLM's ``collective_rpc`` on its
 workers (``VLLMEngine.receive_weights``: the engine is then closed and rebuilt), and the
-receiver's wait for the policy gang's send (``rft_core.weightsync.base.settle``: a send stuck
+receiver's wait for the policy gang's send (``rft_core.weightsync.session.settle``: a send stuck
 past it is ended with its gang); an SGLang receive runs in the rollout worker's own process, which
 nothing outside it bounds but the ping a gang must answer before its next stage
 (``rft_core.workers.pool``).
@@ -48,8 +48,9 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from rft_core.weightsync.base import Sender, Transport, register, settle, verify_digest
-from rft_core.weightsync.checksum import Checksum, checksum_method, sync_checksum
+from rft_core.weightsync.base import Meet, Transport, register
+from rft_core.weightsync.digest import Digest, sync_method
+from rft_core.weightsync.landing import IntoTensors, Landing
 from rft_core.weightsync.plan import (
     SyncPlan,
     SyncReport,
@@ -59,7 +60,6 @@ from rft_core.weightsync.plan import (
     check_fits,
     pack_bucket,
     sync_device,
-    unpack_bucket,
 )
 
 
@@ -145,7 +145,8 @@ def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: s
     is copied into the bucket being packed) bucket by bucket to the ``world_size - 1`` receivers
     meeting at ``addr:port`` (``receive_weights`` / ``receive_buckets``). The buckets are packed
     on ``device`` (None: ``sync_device(backend)``, the rank's GPU for NCCL). Returns the sender's
-    report, whose digest is the ``sync_checksum`` of the weights as sent (computed on ``device``).
+    report, whose digest is the weight digest (``rft_core.weightsync.digest``, by the backend's
+    ``sync_method``) of the weights as sent.
 
     Raises:
         ValueError: ``device`` is not one ``backend`` moves tensors from (``check_device``),
@@ -157,7 +158,7 @@ def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: s
     check_fits(plan, tensors)
     t0 = time.perf_counter()
     pg = _process_group(backend, addr, port, 0, timeout_s, world_size)
-    check = Checksum(plan.layout(), checksum_method(backend))
+    check = Digest(plan.layout(), sync_method(backend))
     try:
         header = torch.tensor([plan.fingerprint(), len(plan.bucket_sizes)], dtype=torch.int64, device=device)
         _broadcast(pg, header, "the plan check", timeout_s)
@@ -177,12 +178,13 @@ def send_weights(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: s
     # after the transfer, while the receivers checksum what landed (not between buckets, where it would hold them up)
     for e in plan.entries:
         check.add(e.name, tensors[e.name].detach().to(device=device, dtype=e.torch_dtype))
+    sent = check.hexdigest()
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                      digest=check.hexdigest(), backend=backend)
+                      digest=sent, backend=backend)
 
 
 def _receive(plan: SyncPlan, *, addr: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
-             device: torch.device, land, check: Checksum | None = None, refusal: str | None = None) -> None:
+             device: torch.device, land, check: Digest | None = None, refusal: str | None = None) -> None:
     """The receiving side of one transaction: calls ``land(index, buf)`` for each bucket as it
     arrives (a ``land`` that raises stops further landing, the transaction runs to its end and
     then fails on every rank), and adds every received tensor to ``check`` (None: the caller
@@ -227,8 +229,8 @@ def receive_weights(target: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr:
                     timeout_s: float = 300.0, rank: int = 1, world_size: int = 2) -> SyncReport:
     """A receiver of a sync (rank ``rank`` of ``world_size``): receive every bucket from
     ``send_weights`` and copy it into ``target`` (name -> the receiver's own tensors, e.g.
-    ``state_tensors(model)``). Returns the report, whose digest is the ``sync_checksum`` of
-    ``target`` after landing (on ``target``'s device).
+    ``state_tensors(model)``). Returns the report, whose digest is the weight digest of
+    ``target`` as landed (by the backend's ``sync_method``, each tensor as it lands).
 
     Raises:
         ValueError: ``target`` is on a device ``backend`` cannot move tensors to (``check_device``).
@@ -236,14 +238,26 @@ def receive_weights(target: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr:
             collective failed or timed out (``target`` is then partly written: the caller must
             hold it as invalid).
     """
-    device = next(iter(target.values())).device if target else torch.device("cpu")
-    check_device(backend, device)
-    check_fits(plan, target)
+    return receive_into(IntoTensors(target), plan, addr=addr, port=port, backend=backend, timeout_s=timeout_s,
+                        rank=rank, world_size=world_size)
+
+
+def receive_into(landing: IntoTensors, plan: SyncPlan, *, addr: str, port: int, backend: str, timeout_s: float,
+                 rank: int = 1, world_size: int = 2) -> SyncReport:
+    """``receive_weights`` into ``landing``'s tensors (``IntoTensors.land``: each tensor copied
+    and added to the landed digest as its bucket arrives)."""
+    check_device(backend, landing.device)
+    check_fits(plan, landing.target)
     t0 = time.perf_counter()
+    digest = Digest(plan.layout(), sync_method(backend))
     _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
-             device=device, land=lambda i, buf: unpack_bucket(plan, buf, i, target))
+             device=landing.device, land=lambda i, buf: landing.land(plan, i, buf, digest))
+    try:
+        landed = digest.hexdigest()  # the last pieces' copies finish here
+    except Exception as exc:  # noqa: BLE001  a copy that failed on the digest's threads
+        raise WeightSyncError(f"weight sync: rank {rank} could not land the weights: {type(exc).__name__}: {exc}") from exc
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                      digest=sync_checksum(target, checksum_method(backend)), backend=backend)
+                      digest=landed, backend=backend)
 
 
 def receive_buckets(plan: SyncPlan, *, addr: str, port: int, rank: int = 1, world_size: int = 2, backend: str = "gloo",
@@ -255,8 +269,8 @@ def receive_buckets(plan: SyncPlan, *, addr: str, port: int, rank: int = 1, worl
     bucket with the plan's dtype and shape, valid until ``on_bucket`` returns: it must copy
     what it keeps). ``refusal`` (the engine's check found that the plan does not fit its model):
     this receiver fails the plan check with that message, so every rank stops before a bucket
-    moves. Returns the report, whose digest is the ``sync_checksum`` of the received tensors
-    (computed on ``device``).
+    moves. Returns the report, whose digest is the weight digest of the received tensors (by the
+    backend's ``sync_method``: on ``device`` for NCCL).
 
     Raises:
         ValueError: ``device`` is not one ``backend`` moves tensors to (``check_device``).
@@ -267,51 +281,51 @@ def receive_buckets(plan: SyncPlan, *, addr: str, port: int, rank: int = 1, worl
     """
     device = check_device(backend, device)
     t0 = time.perf_counter()
-    check = Checksum(plan.layout(), checksum_method(backend))
+    check = Digest(plan.layout(), sync_method(backend))
     _receive(plan, addr=addr, port=port, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s,
              device=device, land=lambda i, buf: on_bucket(bucket_views(plan, buf, i)), check=check, refusal=refusal)
+    received = check.hexdigest()
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                      digest=check.hexdigest(), backend=backend)
+                      digest=received, backend=backend)
 
 
 class Collective(Transport):
     """A bucketed broadcast from the trainer's rank 0 over a process group of its own (see the
-    module docstring); ``Gloo`` on the CPU, ``NCCL`` between GPUs of different processes."""
+    module docstring); ``Gloo`` on the CPU, ``NCCL`` between GPUs of different processes. The
+    two legs run together (no handoff)."""
 
     upstream = "torch/distributed/distributed_c10d.py (TCPStore, ProcessGroupGloo, ProcessGroupNCCL)"
 
-    def send(self, tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, addr: str, port: int,
-             device: torch.device | str | None = None, world_size: int = 2) -> SyncReport:
-        """Rank 0: ``send_weights`` over this transport's backend, each wait under ``own_wait_s``."""
-        return send_weights(tensors, plan, addr=addr, port=port, backend=self.name, timeout_s=self.own_wait_s,
-                            device=device, world_size=world_size)
+    def send(self, tensors: Mapping[str, torch.Tensor], plan: SyncPlan, meet: Meet) -> SyncReport:
+        """Rank 0: ``send_weights`` over this transport's backend to ``meet.world_size - 1``
+        receivers at ``meet.addr:meet.port``, packed on the backend's device (``sync_device``:
+        this rank's GPU for NCCL, wherever the weights are: a ZeRO-3 export is on the CPU), each
+        wait under ``own_wait_s``."""
+        return send_weights(tensors, plan, addr=meet.addr, port=meet.port, backend=self.name,
+                            timeout_s=self.own_wait_s, device=sync_device(self.name), world_size=meet.world_size)
 
-    def receive(self, into: Mapping[str, torch.Tensor], plan: SyncPlan, sender: Sender, *, what: str, addr: str,
-                port: int, dtype: str, who: str = "receiving") -> SyncReport:
-        """Rank 1 of 2: start the sender's ``send``, ``receive_weights`` into ``into`` (the
-        receiver's ``state_tensors``; each wait under ``own_wait_s``), then check the sender's
-        checksum against the landed one.
+    def check(self, landing: Landing, what: str) -> None:
+        """NCCL into tensors that are not on a GPU is refused before the sender starts (and waits
+        for a receiver that would never join).
 
         Raises:
-            WeightSyncError: NCCL into tensors that are not on a GPU (before the sender starts),
-                the transfer failed (after the sender was awaited or ended: ``settle``), the
-                sender failed, or the checksums differ.
+            WeightSyncError: that landing.
         """
-        device = next(iter(into.values())).device
-        if self.name == "nccl" and device.type != "cuda":  # before the sender starts and waits for us
-            raise WeightSyncError(f"{what}: the policy worker sends over NCCL from its GPU but this {who} worker's model "
-                                  f"is on {device}: give the {who} role a GPU")
-        started = sender.start(addr=addr, port=port, dtype=dtype, backend=self.name)
-        try:
-            got = receive_weights(into, plan, addr=addr, port=port, backend=self.name, timeout_s=self.own_wait_s)
-        except WeightSyncError as exc:
-            raise WeightSyncError(f"{exc}; {settle(sender, started)}") from exc
-        try:
-            sent = sender.wait(started)
-        except Exception as exc:  # noqa: BLE001  the sender failed after the receiver finished
-            raise WeightSyncError(f"{what}: the policy worker failed: {exc}") from exc
-        verify_digest(got.digest, sent["digest"], what)
-        return got
+        if self.name == "nccl" and (landing.device is None or landing.device.type != "cuda"):
+            raise WeightSyncError(f"{what}: the policy worker sends over NCCL from its GPU but this receiver's model "
+                                  f"is on {landing.device}: give the receiving role a GPU")
+
+    def receive(self, plan: SyncPlan, meet: Meet, landing: Landing) -> SyncReport:
+        """Rank 1 of 2: ``receive_into`` the landing's tensors, each wait under ``own_wait_s``.
+
+        Raises:
+            TypeError: a landing that is not a model's tensors (an engine receives by its own transport).
+            WeightSyncError: the transfer failed or the layouts differ.
+        """
+        if not isinstance(landing, IntoTensors):
+            raise TypeError(f"the {self.name} transport lands in a model's tensors, not in {type(landing).__name__}")
+        return receive_into(landing, plan, addr=meet.addr, port=meet.port, backend=self.name,
+                            timeout_s=self.own_wait_s)
 
 
 @register
@@ -328,3 +342,6 @@ class NCCL(Collective):
 
     name = "nccl"
     device = "GPU (each rank's current CUDA device)"
+
+
+COLLECTIVES: dict[str, type[Collective]] = {"gloo": Gloo, "nccl": NCCL}

@@ -21,10 +21,11 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch.multiprocessing import reductions
 
-from rft_core.weightsync.base import Sender, Transport, register, verify_digest
-from rft_core.weightsync.checksum import sync_checksum
-from rft_core.weightsync.plan import (SyncPlan, SyncReport, WeightSyncError, buffers_checksum, check_fits, pack_bucket,
-                                      unpack_bucket)
+from rft_core.weightsync.base import Meet, Transport, handoff_of, refuse_other_layout, register
+from rft_core.weightsync.digest import Digest, sync_method
+from rft_core.weightsync.landing import IntoTensors, Landing
+from rft_core.weightsync.plan import (SyncPlan, SyncReport, WeightSyncError, bucket_views, check_fits, pack_bucket,
+                                      sync_device)
 
 _DEVICE_ARG = 6  # rebuild_cuda_tensor(tensor_cls, size, stride, offset, storage_cls, dtype, storage_device, ...)
 
@@ -74,7 +75,7 @@ def export_cuda_ipc(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, device:
     each is copied into its bucket) into the plan's buckets on the CUDA ``device`` and return
     (handles, buffers). ``handles`` (picklable, one per bucket: ``share_cuda_ipc``) go to the
     receiver; the caller keeps ``buffers`` alive until the receiver has imported them
-    (``buffers_checksum(plan, buffers)`` is the checksum of the weights as sent).
+    (``buffers_digest(plan, buffers)`` is the digest of the weights as sent).
 
     Raises:
         WeightSyncError: the tensors do not fit the plan.
@@ -89,68 +90,82 @@ def export_cuda_ipc(tensors: Mapping[str, torch.Tensor], plan: SyncPlan, device:
     return [share_cuda_ipc(b) for b in buffers], buffers
 
 
-def import_cuda_ipc(handles: Iterable, target: Mapping[str, torch.Tensor], plan: SyncPlan) -> SyncReport:
+def buffers_digest(plan: SyncPlan, buffers: Iterable[torch.Tensor]) -> str:
+    """The weight digest (``device`` method, on the buffers' device) of the tensors held in
+    ``plan``'s packed buckets ``buffers`` (one flat uint8 tensor per bucket): equal to
+    ``weights_digest(tensors, "device")`` of the tensors packed into them."""
+    digest = Digest(plan.layout(), sync_method("cuda_ipc"))
+    for i, buf in enumerate(buffers):
+        for name, t in bucket_views(plan, buf, i):
+            digest.add(name, t)
+    return digest.hexdigest()
+
+
+def import_cuda_ipc(handles: Iterable, target: Mapping[str, torch.Tensor] | IntoTensors, plan: SyncPlan) -> SyncReport:
     """Receiver side of ``export_cuda_ipc``: open each bucket's handle on this process's index of
-    the sender's GPU (``open_cuda_ipc``) and copy it into ``target``; the report's digest is the
-    ``sync_checksum`` of ``target`` after landing.
+    the sender's GPU (``open_cuda_ipc``) and copy it into ``target`` (tensors, or their
+    landing); the report's digest is of ``target`` as landed (``device`` method).
 
     Raises:
         WeightSyncError: ``target`` does not fit the plan, or the sender's GPU is not visible here.
     """
-    check_fits(plan, target)
+    landing = target if isinstance(target, IntoTensors) else IntoTensors(target)
+    check_fits(plan, landing.target)
     t0 = time.perf_counter()
+    digest = Digest(plan.layout(), sync_method("cuda_ipc"))
     for i, handle in enumerate(handles):
-        unpack_bucket(plan, open_cuda_ipc(handle), i, target)
+        landing.land(plan, i, open_cuda_ipc(handle), digest)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
-                      digest=sync_checksum(target), backend="cuda_ipc")
+                      digest=digest.hexdigest(), backend="cuda_ipc")
 
 
 @register
 class CudaIpc(Transport):
-    """Two processes on one GPU: the sender ``prepare``s its packed buckets as CUDA IPC handles
-    (``export_cuda_ipc``) and keeps them until ``finalize``; the receiver copies from them."""
+    """Two processes on one GPU, a handoff: the sender's ``send`` packs its buckets on its GPU and
+    shares them as CUDA IPC handles (``export_cuda_ipc``), kept until ``finalize``; the receiver
+    copies from them."""
 
     name = "cuda_ipc"
     device = "one GPU shared by both processes"
     upstream = "torch/multiprocessing/reductions.py (reduce_tensor, rebuild_cuda_tensor)"
+    handoff = True
 
     def __init__(self, *, timeout_s: float = 300.0) -> None:
         super().__init__(timeout_s=timeout_s)
         self._buffers: list | None = None
 
-    def prepare(self, tensors: Mapping[str, torch.Tensor], plan: SyncPlan, *, device: torch.device | str) -> dict:
-        """Pack ``tensors`` on the CUDA ``device`` and share them: ``{"handles", "digest"
-        (``buffers_checksum`` of the weights as sent), "bytes"}``; the buffers are kept until
-        ``finalize``.
+    def send(self, tensors: Mapping[str, torch.Tensor], plan: SyncPlan, meet: Meet) -> SyncReport:
+        """Pack ``tensors`` on this rank's GPU (``sync_device("nccl")``: a ZeRO-3 export is on the
+        CPU) and share them; the report's ``extra["handoff"]`` holds the ``handles``, its digest is
+        ``buffers_digest`` of the weights as sent; the buffers are kept until ``finalize``.
 
         Raises:
             WeightSyncError: the tensors do not fit the plan.
-            ValueError: ``device`` is not a CUDA device.
+            ValueError: this rank has no CUDA device.
         """
-        handles, self._buffers = export_cuda_ipc(tensors, plan, device)
-        return {"handles": handles, "digest": buffers_checksum(plan, self._buffers), "bytes": plan.payload_bytes}
+        t0 = time.perf_counter()
+        handles, self._buffers = export_cuda_ipc(tensors, plan, sync_device("nccl"))
+        return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(handles),
+                          digest=buffers_digest(plan, self._buffers), backend=self.name,
+                          extra={"handoff": handoff_of(plan, handles=handles)})
 
-    def finalize(self) -> None:
-        """Free the buffers of the last ``prepare`` (and the CUDA cache)."""
+    def receive(self, plan: SyncPlan, meet: Meet, landing: Landing) -> SyncReport:
+        """Open the handles of ``meet.handoff`` and copy them into the landing (``import_cuda_ipc``).
+
+        Raises:
+            TypeError: a landing that is not a model's tensors.
+            WeightSyncError: the layouts differ, the landing does not fit the plan, or the
+                sender's GPU is not visible here.
+        """
+        if not isinstance(landing, IntoTensors):
+            raise TypeError(f"the cuda_ipc transport lands in a model's tensors, not in {type(landing).__name__}")
+        refuse_other_layout(plan, meet.handoff)
+        return import_cuda_ipc(meet.handoff["handles"], landing, plan)
+
+    def finalize(self, meet: Meet) -> None:
+        """Free the buffers of the last ``send`` (and the CUDA cache)."""
         self._buffers = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-    def receive(self, into: Mapping[str, torch.Tensor], plan: SyncPlan, sender: Sender, *, what: str,
-                **meet: Any) -> SyncReport:
-        """Take the sender's handles (``sender.export()``), copy them into ``into``
-        (``import_cuda_ipc``), let the sender free them (``sender.release()``), check the checksums.
-
-        Raises:
-            WeightSyncError: ``into`` does not fit the plan, the sender's GPU is not visible
-                here, or the checksums differ.
-        """
-        sent = sender.export()
-        try:
-            got = import_cuda_ipc(sent["handles"], into, plan)
-        finally:
-            sender.release()
-        verify_digest(got.digest, sent["digest"], what)
-        return got

@@ -1,58 +1,61 @@
-"""The in-process transport (``local``): both ends in one process (tests, the no-Ray driver), the
-same plan, buckets and checksums as the collective transport, the bytes copied in memory."""
+"""The in-process transport (``local``): both ends in one process (tests, the no-Ray driver), a
+handoff of the sender's tensors themselves: the receiver copies each into its own tensor (cast
+to its dtype) and digests what landed; the sender digests its tensors as cast to the plan."""
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 
-from rft_core.weightsync.base import Sender, Transport, register, verify_digest
-from rft_core.weightsync.checksum import Checksum, checksum_method, sync_checksum
-from rft_core.weightsync.plan import SyncPlan, SyncReport, bucket_views, check_fits, pack_bucket, unpack_bucket
-
-
-def copy_weights(tensors: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], plan: SyncPlan,
-                 device: torch.device | str | None = None) -> tuple[SyncReport, SyncReport]:
-    """A sync between two models of one process (both workers in one process: tests, the
-    no-Ray benchmark driver): the same plan, buckets and checksums as ``send_weights`` /
-    ``receive_weights``, the bytes copied in memory. Returns (sender report, receiver report).
-
-    Raises:
-        WeightSyncError: either side does not fit the plan.
-    """
-    check_fits(plan, tensors)
-    check_fits(plan, target)
-    device = torch.device(device) if device is not None else next(iter(target.values())).device
-    t0 = time.perf_counter()
-    method = checksum_method("local" if device.type == "cpu" else "cuda_ipc")  # host sha256 on CPU, else on the GPU
-    check = Checksum(plan.layout(), method)
-    for i in range(len(plan.bucket_sizes)):
-        buf = pack_bucket(plan, tensors, i, device)
-        for name, t in bucket_views(plan, buf, i):
-            check.add(name, t)
-        unpack_bucket(plan, buf, i, target)
-    seconds = time.perf_counter() - t0
-    n = len(plan.bucket_sizes)
-    return (SyncReport(plan.payload_bytes, seconds, n, check.hexdigest(), "local"),
-            SyncReport(plan.payload_bytes, seconds, n, sync_checksum(target, method), "local"))
+from rft_core.weightsync.base import Meet, Transport, handoff_of, refuse_other_layout, register
+from rft_core.weightsync.digest import Digest, sync_method
+from rft_core.weightsync.landing import IntoTensors, Landing
+from rft_core.weightsync.plan import SyncPlan, SyncReport, check_fits
 
 
 @register
 class LocalCopy(Transport):
-    """Both ends in one process: ``copy_weights`` from the sender's tensors into the receiver's."""
+    """Both ends in one process: the send hands over its tensors (``extra["handoff"]["tensors"]``),
+    the receiver copies them into its landing."""
 
     name = "local"
     device = "the receiver's tensors' device"
     upstream = "torch (Tensor.copy_)"
+    handoff = True
 
-    def receive(self, into: Mapping[str, torch.Tensor], plan: SyncPlan, sender: Sender, *, what: str,
-                **meet: Any) -> SyncReport:
-        """Copy ``sender.tensors()`` into ``into`` through the plan's buckets; check the checksums.
+    def send(self, tensors: Mapping[str, torch.Tensor], plan: SyncPlan, meet: Meet) -> SyncReport:
+        """Digest ``tensors`` as cast to the plan's dtypes and hand them over (no copy).
 
         Raises:
-            WeightSyncError: either side does not fit the plan, or the checksums differ.
+            WeightSyncError: the tensors do not fit the plan.
         """
-        sent, got = copy_weights(sender.tensors(), into, plan)
-        verify_digest(got.digest, sent.digest, what)
-        return got
+        check_fits(plan, tensors)
+        t0 = time.perf_counter()
+        digest = Digest(plan.layout(), sync_method(self.name))
+        for e in plan.entries:
+            digest.add(e.name, tensors[e.name].detach().to(dtype=e.torch_dtype))
+        sent = digest.hexdigest()
+        return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
+                          digest=sent, backend=self.name,
+                          extra={"handoff": handoff_of(plan, tensors=tensors)})
+
+    def receive(self, plan: SyncPlan, meet: Meet, landing: Landing) -> SyncReport:
+        """Copy the handed-over tensors into the landing, tensor by tensor (``IntoTensors.put``).
+
+        Raises:
+            TypeError: a landing that is not a model's tensors.
+            WeightSyncError: the layouts differ, or the landing does not fit the plan.
+        """
+        if not isinstance(landing, IntoTensors):
+            raise TypeError(f"the local transport lands in a model's tensors, not in {type(landing).__name__}")
+        refuse_other_layout(plan, meet.handoff, buckets=False)  # tensor by tensor: buckets play no part
+        check_fits(plan, landing.target)
+        t0 = time.perf_counter()
+        tensors = meet.handoff["tensors"]
+        digest = Digest(plan.layout(), sync_method(self.name))
+        for e in plan.entries:
+            landing.put(e.name, tensors[e.name], digest)
+        landed = digest.hexdigest()  # every piece copied and hashed
+        return SyncReport(bytes=plan.payload_bytes, seconds=time.perf_counter() - t0, buckets=len(plan.bucket_sizes),
+                          digest=landed, backend=self.name)

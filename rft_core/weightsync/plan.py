@@ -10,13 +10,11 @@ One transaction moves every tensor of a model's ``state_dict`` in the receiver's
 2. **Buckets.** Each bucket is one flat ``uint8`` tensor (``pack_bucket``); a receiver copies it into
    its tensors (``unpack_bucket``) or hands its tensors (``bucket_views``) to an engine's own loader.
    How the bucket gets from the sender to the receiver is the transport's
-   (``rft_core.weightsync.collective``, ``cuda_ipc``, ``local``, ``engine``).
-3. **Verification.** Both sides compute ``sync_checksum`` of the weights as sent and as landed
-   (``SyncReport.digest``) by the method of the transport (``checksum_method``): over NCCL and
-   CUDA IPC exact sums on the GPU (``rft_core.weightsync.checksum``, no copy to the host), over
-   gloo and in one CPU process hashlib's sha256 on the host; the receiver compares them
-   (``base.verify_digest``). ``weights_digest`` (sha256 on the host) is what commits of CPU
-   weights record (``rft_core.weightsync.trained.tensors_digest``; GPU weights: the device sums).
+   (``rft_core.weightsync.collective``, ``cuda_ipc``, ``shm``, ``local``, ``engine``).
+3. **Verification.** Both sides compute the weight digest (``rft_core.weightsync.digest``) of
+   the weights as sent and as landed (``SyncReport.digest``) by the method of the transport
+   (``digest.sync_method``): over NCCL and CUDA IPC exact sums on the GPU (no copy to the host),
+   on the CPU XXH3-128 on the host; the session compares them (``session.pull``).
 
 Devices. The backend, not the tensors, decides where a transaction's buffers live
 (``sync_device``): NCCL moves CUDA tensors only (``ProcessGroupNCCL`` refuses CPU ones: "Tensors
@@ -29,13 +27,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from rft_core.models.hub import torch_dtype
 from rft_core.training.zero import collective_device
-from rft_core.weightsync.checksum import Checksum
 
 
 class WeightSyncError(RuntimeError):
@@ -116,7 +113,7 @@ class SyncPlan:
         return [e for e in self.entries if e.bucket == index]
 
     def layout(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype, shape) of every entry, in name order (what ``sync_checksum`` hashes)."""
+        """(name, dtype, shape) of every entry, in name order (what the weight digest hashes)."""
         return [(e.name, e.dtype, e.shape) for e in self.entries]
 
     def to_json(self) -> str:
@@ -151,7 +148,9 @@ class SyncPlan:
 @dataclass
 class SyncReport:
     """What one side of a sync did: bytes of the tensors moved (``SyncPlan.payload_bytes``),
-    seconds, buckets and the digest of the weights (their ``sync_checksum``)."""
+    seconds, buckets, the weight digest of the weights as sent or landed
+    (``rft_core.weightsync.digest``), the transport or backend, and what else a transport
+    reports (``extra``: a handoff transport's ``handoff``)."""
 
     bytes: int
     seconds: float
@@ -159,20 +158,6 @@ class SyncReport:
     digest: str
     backend: str
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 (hex) over every tensor of ``tensors`` in name order: name, dtype, shape and raw
-    bytes (CUDA tensors are copied to the host). Two state dicts have the same digest exactly
-    when they hold the same tensors bit for bit."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach()
-        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
-        flat = t.contiguous().reshape(-1).cpu()
-        if flat.numel():
-            h.update(memoryview(flat.view(torch.uint8).numpy()))
-    return h.hexdigest()
 
 
 def state_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -241,17 +226,6 @@ def unpack_bucket(plan: SyncPlan, buf: torch.Tensor, index: int, target: Mapping
     with torch.no_grad():
         for name, src in bucket_views(plan, buf, index):
             target[name].copy_(src)
-
-
-def buffers_checksum(plan: SyncPlan, buffers: Iterable[torch.Tensor]) -> str:
-    """``sync_checksum`` of the tensors held in ``plan``'s packed buckets ``buffers`` (one flat
-    uint8 tensor per bucket, e.g. ``rft_core.weightsync.cuda_ipc.export_cuda_ipc``'s): computed on the buffers' device, equal
-    to ``sync_checksum`` of the tensors packed into them."""
-    check = Checksum(plan.layout(), "device")
-    for i, buf in enumerate(buffers):
-        for name, t in bucket_views(plan, buf, i):
-            check.add(name, t)
-    return check.hexdigest()
 
 
 def check_fits(plan: SyncPlan, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -1,7 +1,7 @@
 """What a trained policy hands to its inference copies and to recovery: its weights as an
-inference model holds them (LoRA adapters merged, ZeRO partitions or FSDP2 shards gathered) and
-the weight digest (``tensors_digest``) that a weightless update records and recovery checks
-(``rft_core.stages.lineage.trained_digest``). Imported by the update stage program and the
+inference model holds them (LoRA adapters merged, ZeRO partitions or FSDP2 shards gathered),
+whose weight digest (``rft_core.weightsync.digest``) a weightless update records and recovery
+checks (``rft_core.stages.lineage.trained_digest``). Imported by the update stage program and the
 resident workers alike (no Ray, no Prefect)."""
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import copy
 import torch
 
 from rft_core.training.strategy import DeepSpeedStrategy, FSDPStrategy
-from rft_core.weightsync.checksum import sync_checksum
-from rft_core.weightsync.plan import state_tensors, weights_digest
+from rft_core.weightsync.plan import state_tensors
 
 # the strategies whose weights are sharded over ranks: gathered to rank 0 (``full_state_dict``, a collective)
 SHARDED = (DeepSpeedStrategy, FSDPStrategy)
@@ -65,30 +64,3 @@ def trained_tensors(strategy) -> dict[str, torch.Tensor] | None:
             seen.add(id(v))
             names.append(name)
     return {n: full[n].detach() for n in names}
-
-
-DIGEST_METHODS = ("host", "device")
-
-
-def digest_method(recorded: str) -> str:
-    """How a recorded weights digest was computed: ``host`` (``weights_digest``: sha256 on the
-    host, 64 hex digits; CPU weights, and every digest recorded before issue 44) or ``device``
-    (``sync_checksum``'s exact sums on the weights' own device: ``<16 hex>-<16 hex>``)."""
-    return "host" if len(recorded) == 64 else "device"
-
-
-def tensors_digest(tensors: dict[str, torch.Tensor], method: str | None = None) -> str:
-    """The digest of ``tensors`` a weightless update records (``method`` of ``DIGEST_METHODS``;
-    None: ``device`` when they are on a GPU, else ``host``). On a GPU the device sums read the
-    weights where they are (on one H200, 0.8 GB of bfloat16 weights: the host sha256, a copy to
-    the host and a hash, took 1.2 s per update); on the CPU the host sha256 is the faster (0.7 s/GB
-    against 1.3 s/GB, ``checksum_method``).
-
-    Raises:
-        ValueError: an unknown method.
-    """
-    if method is None:
-        method = "device" if any(t.is_cuda for t in tensors.values()) else "host"
-    if method not in DIGEST_METHODS:
-        raise ValueError(f"unknown digest method {method!r}; valid: {', '.join(DIGEST_METHODS)}")
-    return weights_digest(tensors) if method == "host" else sync_checksum(tensors, "device")

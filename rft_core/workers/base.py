@@ -18,8 +18,11 @@ that is called across a gang says it with ``@fan_out(...)``:
                                                all of them
 =============== ============================== ==========================================
 
-``Gang.call`` / ``Gang.start`` + ``Gang.wait`` look the method's mode up on the role's class
-and do the rest; a method without a declaration cannot be called across a gang. Modelled on
+``Gang.call`` / ``Gang.start`` + ``Gang.wait`` take the method itself, not its name
+(``gang.call(PolicyWorker.prepare_weights, ref)``), so a reader, an IDE and a static call graph
+follow a call from its caller to the worker's method; they read the method's mode from its
+declaration and do the rest; a method without a declaration cannot be called across a gang, nor
+one the gang's class does not have. Modelled on
 verl's ``single_controller`` (``verl/single_controller/base/decorator.py``: ``@register`` with a
 dispatch and an execute mode, read by the worker group), reduced to the three modes this project
 uses and Ray actor handles (or, in tests and the no-Ray driver, the worker objects themselves).
@@ -90,6 +93,21 @@ def fan_out_of(cls: type, method: str) -> FanOut:
     return mode
 
 
+def method_name(cls: type, method: Callable) -> str:
+    """The name under which ``cls`` (or a class it inherits from) defines the function ``method``
+    (``PolicyWorker.prepare_weights``, as written at the call site).
+
+    Raises:
+        TypeError: ``method`` is a name (a string), or a function ``cls`` does not have.
+    """
+    name = getattr(method, "__name__", None)
+    if isinstance(method, str) or name is None:
+        raise TypeError(f"a gang is called with the method itself ({cls.__name__}.<method>), not {method!r}")
+    if not any(vars(c).get(name) is method for c in cls.__mro__):
+        raise TypeError(f"{getattr(method, '__qualname__', name)} is not a method of {cls.__name__}")
+    return name
+
+
 @dataclass
 class Started:
     """Calls a ``Gang`` started (``Gang.start``): the method's mode and one Ray object ref per rank called."""
@@ -149,32 +167,36 @@ class Gang(Sequence):
     def _targets(self, mode: FanOut) -> list:
         return self.members[:1] if mode is FanOut.RANK0 else self.members
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call ``method`` on the gang as it declares and return what its mode returns (the
-        table of the module docstring).
+    def call(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` (the function as its class defines it: ``gang.call(PolicyWorker.
+        prepare_weights, ref)``) on the gang as it declares and return what its mode returns (the
+        table of the module docstring). Each rank runs its own class's method of that name.
 
         Raises:
-            TypeError: ``method`` declares no fan-out.
+            TypeError: ``method`` is not a method of the gang's class, or declares no fan-out.
             Whatever a rank raised; ``ray.exceptions.GetTimeoutError`` after ``timeout_s``.
         """
         if self.local:
-            mode = fan_out_of(self.cls, method)
-            results = [getattr(m, method)(*args, **kwargs) for m in self._targets(mode)]
+            name = method_name(self.cls, method)
+            mode = fan_out_of(self.cls, name)
+            results = [getattr(m, name)(*args, **kwargs) for m in self._targets(mode)]
             return results if mode is FanOut.EACH else results[0]
         return self.wait(self.start(method, *args, **kwargs))
 
-    def start(self, method: str, *args: Any, **kwargs: Any) -> Started:
-        """Start ``method`` on the ranks its mode names (Ray actors only; ``wait`` takes the answer).
+    def start(self, method: Callable, *args: Any, **kwargs: Any) -> Started:
+        """Start ``method`` (as for ``call``) on the ranks its mode names (Ray actors only;
+        ``wait`` takes the answer).
 
         Raises:
-            TypeError: ``method`` declares no fan-out.
+            TypeError: ``method`` is not a method of the gang's class, or declares no fan-out.
             WorkerError: the ranks are objects of this process (their calls cannot run alongside the caller).
         """
-        mode = fan_out_of(self.cls, method)
+        name = method_name(self.cls, method)
+        mode = fan_out_of(self.cls, name)
         if self.local:
-            raise WorkerError(f"{self.cls.__name__}.{method} cannot be started alongside the caller in one process: "
+            raise WorkerError(f"{self.cls.__name__}.{name} cannot be started alongside the caller in one process: "
                               "run the workers as Ray actors (rft_core.workers.pool)")
-        return Started(mode, [getattr(m, method).remote(*args, **kwargs) for m in self._targets(mode)])
+        return Started(mode, [getattr(m, name).remote(*args, **kwargs) for m in self._targets(mode)])
 
     def wait(self, started: Started) -> Any:
         """The answer of ``start``'s calls as their mode says (the module docstring's table).
@@ -199,7 +221,7 @@ class Gang(Sequence):
         from ray.exceptions import GetTimeoutError  # lazy: Ray is only needed when the workers are Ray actors
 
         try:
-            Gang(self.cls, self.members, timeout_s=timeout_s).call("ping")
+            Gang(self.cls, self.members, timeout_s=timeout_s).call(self.cls.ping)
         except GetTimeoutError:
             return False
         return True

@@ -1,10 +1,11 @@
 """The policy trainer's resident worker (``PolicyWorker``): runs ``ppo_update``, keeps the
 policy's model, float32 master weights and AdamW (or ZeRO) state in memory across iterations,
-and is the sender of every weight sync to the rollout engine (``prepare_weights``,
-``send_weights``, ``export_weights``). Under DeepSpeed or FSDP2 it is a gang of
-``orchestration.policy_ranks`` ranks, one Ray actor each; its sync methods are collectives (a
-ZeRO-3 gather, FSDP2's ``DTensor.full_tensor()`` of every shard, a rebuild) that every rank runs,
-rank 0 holding the gathered weights and sending them.
+and is the sender of every weight sync to the rollout engine: it exposes its weights and the
+send leg of the transaction (``prepare_weights``, ``send_weights``, ``finish_send``), which the
+receiver's session (``rft_core.weightsync.session.pull``) drives through ``PolicySendLeg``. Under
+DeepSpeed or FSDP2 it is a gang of ``orchestration.policy_ranks`` ranks, one Ray actor each; its
+sync methods are collectives (a ZeRO-3 gather, FSDP2's ``DTensor.full_tensor()`` of every shard,
+a rebuild) that every rank runs, rank 0 holding the gathered weights and sending them.
 
 A trainer that was never written (``checkpoint.every`` > 1) and is not in memory (a new or
 restarted worker) is rebuilt exactly by ``rft_core.stages.recovery.rebuild_trainer`` (its base
@@ -24,11 +25,14 @@ from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.recovery import rebuild_trainer
 from rft_core.stages.sources import version_key
 from rft_core.stages.update import configure_trainer
+from rft_core.weightsync.base import Meet, Transport
 from rft_core.weightsync.choose import device_id, group_backend, transport
 from rft_core.weightsync.collective import host_address
-from rft_core.weightsync.plan import SyncPlan, WeightSyncError, sync_device
+from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
+from rft_core.weightsync.session import Offer
+from rft_core.weightsync.shm import Shm, host_id
 from rft_core.weightsync.trained import strategy_device, trained_tensors
-from rft_core.workers.base import FanOut, ResidentWorker, fan_out
+from rft_core.workers.base import FanOut, Gang, ResidentWorker, Started, fan_out
 from schemas import PolicyRef
 
 
@@ -52,7 +56,7 @@ class PolicyWorker(ResidentWorker):
         super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache)
         self.sync_timeout_s, self.sync_bucket_mb = sync_timeout_s, sync_bucket_mb
         self.held: Any = None  # the rft_core.stages.update.PolicyTrainer it keeps
-        self._ipc = transport("cuda_ipc", timeout_s=sync_timeout_s)  # what export_weights shares
+        self._links: dict[str, Transport] = {}  # the send legs by transport, kept across syncs (shm: its segment)
         self._prepared: tuple[str | None, Any] | None = None  # (version, tensors) of a prepared sync
 
     @classmethod
@@ -89,35 +93,50 @@ class PolicyWorker(ResidentWorker):
     def close(self) -> None:
         """Finish this rank's pending background writes (the optimizer state and, for a resident
         checkpoint iteration, the weights: ``rft_core.stages.optimizer_state``) before the worker
-        is stopped.
+        is stopped, and free what its send legs keep across syncs (``Transport.close``: the
+        ``shm`` segment, which a Ray actor ended by ``ray.kill`` would otherwise leave in
+        ``/dev/shm`` until the next sender on the host sweeps it).
 
         Raises:
             OptimizerStateError: a write failed (resuming the run recomputes that state).
         """
-        wait_for_optimizer_writes()
+        try:
+            wait_for_optimizer_writes()
+        finally:
+            links, self._links = self._links, {}
+            for link in links.values():
+                link.close()
 
     # -- the sending side of a weight sync ---------------------------------------------------
+    def _link(self, name: str) -> Transport:
+        """The transport ``name``'s sending side, kept across syncs (its buffers: ``finish_send``;
+        the ``shm`` segment, reused by the next sync)."""
+        if name not in self._links:
+            self._links[name] = transport(name, timeout_s=self.sync_timeout_s)
+        return self._links[name]
+
     @fan_out(FanOut.COLLECTIVE)
-    def prepare_weights(self, ref: PolicyRef, dtype: str | None = None) -> dict[str, Any]:
-        """Get ready to send ``ref``'s weights: ``{"status": "storage"}`` when this worker does
-        not hold ``ref`` and ``ref`` has its weights on storage (the receiver loads them there:
-        a resume), else rebuild it if needed and return where to meet (``addr``, ``port``) and
-        this worker's device (``device``: same GPU means CUDA IPC instead of a process group).
-        With ``dtype`` (a receiver without an HF-named copy of the model of its own: a vLLM or
-        SGLang engine) the answer also has ``plan``: the sync plan in that dtype
+    def prepare_weights(self, ref: PolicyRef, dtype: str | None = None) -> Offer | None:
+        """Get ready to send ``ref``'s weights: None when this worker does not hold ``ref`` and
+        ``ref`` has its weights on storage (the receiver loads them there: a resume), else
+        rebuild it if needed and ``Offer`` it: where to meet, this worker's device (same GPU means
+        CUDA IPC instead of a process group), host and room in ``/dev/shm`` (same host on the CPU
+        means shared memory). With ``dtype`` (a receiver without an HF-named copy of the model of
+        its own: a vLLM or SGLang engine) the offer also has ``plan``: the sync plan in that dtype
         (``SyncPlan.to_json``)."""
         if (self.held is None or self.version != version_key(ref)) and (
                 isinstance(ref, str) or has_weights(ref)):
-            return {"status": "storage"}
+            return None
         trainer = self._ensure_trainer(ref)
         device = strategy_device(trainer.strategy)
-        ready = {"status": "ready", "addr": host_address(), "port": free_port(), "device": device_id(device),
-                 "backend": group_backend(device)}
+        backend, plan = group_backend(device), None
         if dtype is not None:
             tensors = self._send_tensors(keep=True)  # the send that follows uses them: one gather, one merge
             if tensors is not None:
-                ready["plan"] = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb).to_json()
-        return ready
+                plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb).to_json()
+        shm = self._link("shm")  # its capacity counts the segment it keeps
+        return Offer(backend=backend, device=device_id(device), host=host_id(), addr=host_address(), port=free_port(),
+                     shm_free=shm.capacity() if isinstance(shm, Shm) and backend == "gloo" else 0, plan=plan)
 
     def _send_tensors(self, *, keep: bool = False) -> dict[str, torch.Tensor] | None:
         """The policy's weights as an inference copy holds them (``inference_tensors``); under
@@ -134,75 +153,78 @@ class PolicyWorker(ResidentWorker):
             self._prepared = (self.version, tensors)
         return tensors
 
-    def _check_holds(self, ref: PolicyRef) -> None:
-        if self.version != version_key(ref):
-            raise WeightSyncError(f"the policy worker holds {self.version}, not {version_key(ref)}")
-
-    def _held_plan(self, ref: PolicyRef, dtype: str) -> tuple[dict[str, torch.Tensor], SyncPlan] | None:
-        """``ref``'s weights to send (``_send_tensors``) and their plan in ``dtype``; None on a
-        DeepSpeed rank above 0 (it took part in the gather).
-
-        Raises:
-            WeightSyncError: this worker does not hold ``ref``.
-        """
-        self._check_holds(ref)
-        tensors = self._send_tensors()
-        return None if tensors is None else (tensors, SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb))
-
     @fan_out(FanOut.COLLECTIVE)
-    def tensors(self, ref: PolicyRef) -> dict[str, torch.Tensor] | None:
-        """``ref``'s weights (held after ``prepare_weights``) for a receiver in this process (the
-        ``local`` transport): ``_send_tensors``' answer.
-
-        Raises:
-            WeightSyncError: this worker does not hold ``ref``.
-        """
-        self._check_holds(ref)
-        return self._send_tensors()
-
-    @fan_out(FanOut.COLLECTIVE)
-    def send_weights(self, ref: PolicyRef, *, addr: str, port: int, dtype: str, backend: str,
-                     world_size: int = 2) -> dict[str, Any]:
-        """Rank 0 of the sync of ``ref`` (held after ``prepare_weights``) to ``world_size - 1``
-        receivers in ``dtype``, packed bucket by bucket on the backend's device
-        (``sync_device``: this rank's GPU for NCCL, wherever the weights are: DeepSpeed ZeRO-3
-        gathers them to the CPU); returns the sender's report (``checksum``, and the same value
-        as ``digest``, of the weights as sent). The other ranks of a DeepSpeed gang take part in
-        the gather and return ``{}``.
+    def send_weights(self, ref: PolicyRef, meet: Meet) -> SyncReport | None:
+        """The send leg of the sync of ``ref`` (held after ``prepare_weights``): rank 0 sends its
+        weights in ``meet.dtype`` (``SyncPlan.of`` them, buckets of ``sync_bucket_mb``) over
+        ``meet.transport``'s ``send`` and returns its report (the digest of the weights as sent; a
+        handoff transport's ``extra["handoff"]``); the other ranks of a DeepSpeed gang take part
+        in the gather and return None.
 
         Raises:
             WeightSyncError: this worker does not hold ``ref``, or the send failed.
         """
-        held = self._held_plan(ref, dtype)
-        if held is None:  # a rank above 0: it took part in the gather, rank 0 sends
-            return {}
-        tensors, plan = held
-        # the backend's device, not the tensors': a ZeRO-3 export is on the CPU, NCCL sends from the GPU
-        rep = transport(backend, timeout_s=self.sync_timeout_s).send(tensors, plan, addr=addr, port=port,
-                                                                     device=sync_device(backend), world_size=world_size)
-        return {"checksum": rep.digest, "digest": rep.digest, "bytes": rep.bytes, "seconds": rep.seconds,
-                "buckets": rep.buckets}
-
-    @fan_out(FanOut.COLLECTIVE)
-    def export_weights(self, ref: PolicyRef, *, dtype: str) -> dict[str, Any]:
-        """CUDA IPC handles of ``ref``'s weights in ``dtype`` for a receiver on the same GPU
-        (the ``cuda_ipc`` transport's ``prepare``), packed on this rank's GPU
-        (``sync_device("nccl")``: a ZeRO-3 export is on the CPU); ``release_export`` frees the
-        buffers once it has copied them. Under DeepSpeed every rank
-        takes part in the gather and the ranks above 0 return ``{}`` (rank 0 exports).
-
-        Raises:
-            WeightSyncError: this worker does not hold ``ref``.
-        """
-        held = self._held_plan(ref, dtype)
-        if held is None:  # a rank above 0: it took part in the gather, rank 0 exports
-            return {}
-        tensors, plan = held
-        return self._ipc.prepare(tensors, plan, device=sync_device("nccl"))
+        if self.version != version_key(ref):
+            raise WeightSyncError(f"the policy worker holds {self.version}, not {version_key(ref)}")
+        tensors = self._send_tensors()
+        if tensors is None:  # a rank above 0: it took part in the gather, rank 0 sends
+            return None
+        plan = SyncPlan.of(tensors, dtype=meet.dtype, bucket_mb=self.sync_bucket_mb)
+        return self._link(meet.transport).send(tensors, plan, meet)
 
     @fan_out(FanOut.RANK0)
-    def release_export(self) -> None:
-        """Free the buffers of the last ``export_weights`` (the ``cuda_ipc`` transport's
-        ``finalize``; rank 0 exported them)."""
-        self._ipc.finalize()
+    def finish_send(self, meet: Meet) -> None:
+        """The transport's ``finalize`` after the receiver took the weights (CUDA IPC: free the
+        buffers; rank 0 sent them)."""
+        self._link(meet.transport).finalize(meet)
 
+
+class PolicySendLeg:
+    """The policy gang's send leg of one sync of ``ref``, as the receiver's session drives it
+    (``rft_core.weightsync.session.SendLeg``): each call fanned out as the policy worker's method
+    declares (``Gang``). In one process (tests, the no-Ray driver) a send runs at once (only a
+    handoff transport is chosen there: ``local``).
+
+    Args:
+        gang: the policy trainer's gang (Ray actors, or the in-process worker).
+        ref: the version synced.
+    """
+
+    def __init__(self, gang: Gang, ref: PolicyRef) -> None:
+        self.gang, self.ref = gang, ref
+
+    @property
+    def local(self) -> bool:
+        """Whether the gang's ranks are objects of this process."""
+        return self.gang.local
+
+    def offer(self, dtype: str | None) -> Offer | None:
+        """``PolicyWorker.prepare_weights`` of ``ref``."""
+        return self.gang.call(PolicyWorker.prepare_weights, self.ref, dtype)
+
+    def start(self, meet: Meet) -> Started | tuple:
+        """``PolicyWorker.send_weights`` started on every rank (in one process: run now, its
+        outcome kept for ``wait``)."""
+        if not self.gang.local:
+            return self.gang.start(PolicyWorker.send_weights, self.ref, meet)
+        try:
+            return ("done", self.gang.call(PolicyWorker.send_weights, self.ref, meet))
+        except Exception as exc:  # noqa: BLE001  raised by wait, as a Ray rank's error is
+            return ("failed", exc)
+
+    def wait(self, started: Started | tuple) -> SyncReport:
+        """Rank 0's report (a failed rank raises; Ray's ``GetTimeoutError`` past ``sync_timeout_s``)."""
+        if isinstance(started, Started):
+            return self.gang.wait(started)
+        if started[0] == "failed":
+            raise started[1]
+        return started[1]
+
+    def cancel(self, started: Started | tuple) -> None:
+        """End a send stuck past its limit (``rft_core.weightsync.session.settle``): the policy
+        gang's ranks are ended (``Gang.kill``); its next update starts a new gang, rebuilt exactly."""
+        self.gang.kill()
+
+    def finish(self, meet: Meet) -> None:
+        """``PolicyWorker.finish_send``."""
+        self.gang.call(PolicyWorker.finish_send, meet)

@@ -214,7 +214,7 @@ def start_gang(workers: WorkersConfig, role: str) -> Gang:
         workers.pool, rank=r, ranks=n, **kwargs) for r in range(n)])
     _place(ray, workers, role, gang, options)
     if n > 1:
-        gang.call("join", **gang.call("rendezvous"))
+        gang.call(ResidentWorker.join, **gang.call(ResidentWorker.rendezvous))
     for r, a in enumerate(gang):
         _HANDLES[(workers.pool, role, r)] = a
     return gang
@@ -247,7 +247,7 @@ def run_resident(inp, workers: WorkersConfig):
         gang: Gang | list = []
         try:
             gang = _answering_gang(workers, role)  # an actor dying as it starts: below
-            return gang.call("run", inp)  # every rank runs it; rank 0's result (FanOut.COLLECTIVE)
+            return gang.call(ResidentWorker.run, inp)  # every rank runs it; rank 0's result (FanOut.COLLECTIVE)
         except RayTaskError as exc:  # the program raised: the original exception, as the stage process would
             if len(gang) > 1:  # the other ranks may wait in a collective for the failed one
                 _kill_gang(workers.pool, role, gang)
@@ -303,7 +303,7 @@ def worker_stats(pool: str) -> dict[str, dict[str, Any]]:
     out = {}
     for role in ROLES:
         gang = _live_gang(pool, role)
-        for r, stats in enumerate(gang.call("stats") if gang else []):
+        for r, stats in enumerate(gang.call(ResidentWorker.stats) if gang else []):
             out[role if r == 0 else f"{role}-rank{r}"] = stats
     return out
 
@@ -342,7 +342,7 @@ def stop_workers(pool: str) -> list[str]:
         if not gang:
             continue
         try:
-            gang.call("close")  # pending optimizer-state writes first, on every rank
+            gang.call(ResidentWorker.close)  # pending optimizer-state writes first, on every rank
         finally:
             _kill_gang(pool, role, gang)
         stopped.append(role)

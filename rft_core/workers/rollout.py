@@ -1,17 +1,16 @@
 """The rollout engine's resident worker (``RolloutWorker``): the receiving side of every weight
 sync. It runs ``rollout`` and ``actor_logprobs`` (both need the policy before the update) on its
 copy of the policy in ``policy.dtype``; when a program asks for a policy version it does not
-hold, it pulls the weights from the policy trainer's gang (``rft_core.weightsync``: bucketed,
-under a timeout, digest-verified; its weights count as invalid until the sync has landed, so it
-never serves a half-updated model).
+hold, it pulls the weights from the policy trainer's gang: ``rft_core.weightsync.session.pull``
+into its copy's tensors (``IntoTensors``; bucketed, under a timeout, digest-verified; its copy
+holds no version until the sync has landed, so it never serves a half-updated model).
 
-A GPU engine (vLLM, SGLang) gets the trainer's weights in memory the same way, through the
-engine's own loader: ``pull_into_engine`` asks the policy gang for the plan in the engine's
-dtype, chooses the engine's transport (``choose_transport``) and lets it move and verify the
-weights; the engine counts as invalid until they land (an engine that failed a sync serves
-nothing: its ``generate`` raises ``WeightSyncError``, until a sync or a checkpoint load
-succeeds). When the trainer does not hold the version, the engine reloads it from storage
-(``full_checkpoint``).
+A GPU engine (vLLM, SGLang) gets the trainer's weights the same way, into the engine's own
+loader (``IntoEngine``); the engine counts as invalid until they land (an engine that failed a
+sync serves nothing: its ``generate`` raises ``WeightSyncError``, until a sync or a checkpoint
+load succeeds). When the trainer does not hold the version, the copy or the engine loads it
+from storage (``full_checkpoint`` for an engine). What is this worker's own: which copy holds
+which version (``_switch``), and which engine serves.
 """
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ import copy
 import logging
 import shutil
 import tempfile
-import time
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -31,11 +29,11 @@ from rft_core.models.pretrained import resolve_model_path
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.lineage import has_weights, weights_base
 from rft_core.stages.sources import load_from_storage, version_key
-from rft_core.weightsync.choose import choose_transport, transport
-from rft_core.weightsync.engine import check_buckets
-from rft_core.weightsync.plan import SyncPlan, WeightSyncError, state_tensors
-from rft_core.workers.base import Gang, ResidentWorker, Started, WorkerError
-from rft_core.workers.policy import PolicyWorker
+from rft_core.weightsync.landing import IntoEngine, IntoTensors
+from rft_core.weightsync.plan import SyncReport, state_tensors
+from rft_core.weightsync.session import pull
+from rft_core.workers.base import Gang, ResidentWorker, WorkerError
+from rft_core.workers.policy import PolicySendLeg, PolicyWorker
 from schemas import PolicyRef
 
 log = logging.getLogger("rft_core.workers")
@@ -147,45 +145,45 @@ class RolloutWorker(ResidentWorker):
         self._arrived[self.version] = max(self._arrived.values(), default=-1) + 1
 
     def _pull(self, ref: PolicyRef) -> None:
-        """Make this worker's copy hold ``ref``: from storage when the trainer does not hold it
-        and it is stored (a resume), else by a verified weight sync from the policy gang."""
-        t0 = time.perf_counter()
-        policy = self.policy()
-        ready = policy.call("prepare_weights", ref)
-        if ready["status"] == "storage":
-            self.model, self.version = load_from_storage(ref, dtype=self.model_dtype), version_key(ref)
-            self._landed()
-            return
-        self.version = None  # invalid until the sync has landed and been verified
-        target = state_tensors(self.model)
-        plan = SyncPlan.of(target, bucket_mb=self.sync_bucket_mb)
-        device = next(iter(target.values())).device
-        name = choose_transport(backend=ready["backend"], sender_device=ready["device"], receiver_device=device,
-                                same_process=policy.local)
-        got = transport(name, timeout_s=self.sync_timeout_s).receive(
-            target, plan, PolicySender(policy, ref, self.model_dtype), what=f"weight sync of {version_key(ref)}",
-            addr=ready["addr"], port=ready["port"], dtype=self.model_dtype, who=self.role)
-        self.version = version_key(ref)
+        """Make this worker's copy hold ``ref``: a verified weight sync from the policy gang into
+        its tensors (``pull``; the copy holds no version from when bytes may move until the sync
+        is verified), or from storage when the trainer does not hold ``ref`` and it is stored (a
+        resume)."""
+        key = version_key(ref)
+        landing = IntoTensors(state_tensors(self.model), self.model_dtype, on_invalid=self._forget)
+        got = pull(PolicySendLeg(self.policy(), ref), landing, version=key, timeout_s=self.sync_timeout_s,
+                   bucket_mb=self.sync_bucket_mb)
+        if got is None:
+            self.model = load_from_storage(ref, dtype=self.model_dtype)
+        self.version = key
         self._landed()
-        seconds = time.perf_counter() - t0
-        self.record_sync(self.version, got.bytes, seconds, got.backend, got.buckets)
-        log.info("weight sync (%s): %.1f MB in %.2f s (%.2f s/GB), digest verified", got.backend, got.bytes / 1e6,
-                 seconds, seconds / max(got.bytes / 1e9, 1e-12))
+        if got is not None:
+            self._record(key, got)
+
+    def _forget(self) -> None:
+        """The copy holds no version (a sync is landing in it, or failed)."""
+        self.version = None
+
+    def _record(self, version: str, got: SyncReport, **extra: Any) -> None:
+        """Keep a landed sync's record in ``syncs`` (the session counted it)."""
+        self.syncs.append({"version": version, "bytes": got.bytes, "seconds": got.seconds, "backend": got.backend,
+                           "buckets": got.buckets, **got.extra, **extra})
 
     def engine_policy(self, engine, ref: PolicyRef) -> None:
         """``ModelSource.engine_policy``: make this worker's GPU engine (``VLLMEngine``,
         ``SGLangEngine``, built once per run by ``make_engine``) hold ``ref``: an in-memory sync
-        from the policy gang into the engine's own loader (``pull_into_engine``: the ``vllm`` or
-        ``sglang`` transport of ``rft_core.weightsync``; every rank of the policy gang takes
-        part, checksums compared, the engine invalid until it lands), or, when the trainer does
-        not hold ``ref`` and it is on storage (the initial model, a resume), its checkpoint
-        reloaded in place (``full_checkpoint``: a LoRA adapter merged first). No policy gang runs
-        yet before the first update (iteration 1's rollout, or a resumed run's first rollout): a
-        ``ref`` on storage is then its checkpoint, which a fresh engine built from it already
-        holds (nothing reloads). A sync is counted and recorded in ``syncs``.
+        from the policy gang into the engine's own loader (``pull`` into ``IntoEngine``: the
+        ``vllm`` or ``sglang`` transport; every rank of the policy gang takes part, digests
+        compared, the engine invalid until it lands), or, when the trainer does not hold ``ref``
+        and it is on storage (the initial model, a resume), its checkpoint reloaded in place
+        (``full_checkpoint``: a LoRA adapter merged first). No policy gang runs yet before the
+        first update (iteration 1's rollout, or a resumed run's first rollout): a ``ref`` on
+        storage is then its checkpoint, which a fresh engine built from it already holds (nothing
+        reloads). A sync is counted and recorded in ``syncs``.
 
         Raises:
-            WeightSyncError: the sync failed or its checksums differ.
+            ValueError: a LoRA engine (a sync moves full weights).
+            WeightSyncError: the sync failed or its digests differ.
             WorkerError: the policy worker is not a Ray actor (an engine sync crosses processes),
                 or it is not running and ``ref`` is not on storage (an update that kept its
                 weights in memory).
@@ -194,21 +192,18 @@ class RolloutWorker(ResidentWorker):
         if engine.weights_version == key:  # already holds it: no policy lookup on this path
             return
         policy = self._running_policy(ref)
-        if policy is None:
-            rep = {"status": "storage"}
-        elif policy.local:
-            raise WorkerError("a GPU engine receives its weights from the policy worker's process: run the workers as "
-                              "Ray actors (rft_core.workers.pool)")
-        else:
-            rep = pull_into_engine(engine, ref, prepare=lambda r, dtype: policy.call("prepare_weights", r, dtype=dtype),
-                                   send_async=lambda r, **kw: policy.start("send_weights", r, **kw), wait=policy.wait,
-                                   cancel=lambda started: policy.kill(), timeout_s=self.sync_timeout_s,
-                                   bucket_mb=self.sync_bucket_mb)
-        if rep["status"] == "storage":
+        got = None
+        if policy is not None:
+            if policy.local:
+                raise WorkerError("a GPU engine receives its weights from the policy worker's process: run the workers "
+                                  "as Ray actors (rft_core.workers.pool)")
+            got = pull(PolicySendLeg(policy, ref), IntoEngine(engine), version=key, timeout_s=self.sync_timeout_s,
+                       bucket_mb=self.sync_bucket_mb)
+        if got is None:
             path, self._merged = full_checkpoint(ref, self._merged)
             engine.load_policy(path)
             return
-        self.record_sync(key, rep["bytes"], rep["seconds"], rep["backend"], rep["buckets"], engine=type(engine).__name__)
+        self._record(key, got, engine=type(engine).__name__)
 
     def _running_policy(self, ref: PolicyRef) -> Gang | None:
         """The policy gang (``policy``), or None when it is not running and ``ref`` is on storage.
@@ -222,111 +217,6 @@ class RolloutWorker(ResidentWorker):
             if isinstance(ref, str) or has_weights(ref):
                 return None
             raise
-
-    def record_sync(self, version: str, nbytes: int, seconds: float, backend: str, buckets: int, **extra) -> None:
-        """Count a landed sync (``weight_syncs``, ``weight_sync_seconds``, ``weight_sync_bytes``)
-        and keep its record in ``syncs``."""
-        count("weight_syncs")
-        count("weight_sync_seconds", seconds)
-        count("weight_sync_bytes", nbytes)
-        self.syncs.append({"version": version, "bytes": nbytes, "seconds": seconds, "backend": backend,
-                           "buckets": buckets, **extra})
-
-
-class PolicySender:
-    """The rollout worker's handle on the policy gang's side of one sync of ``ref``
-    (``rft_core.weightsync.base.Sender``): the calls a transport makes, each fanned out as the
-    policy worker's method declares (``Gang``).
-
-    Args:
-        policy: the policy trainer's gang (Ray actors, or the in-process worker).
-        ref: the version synced.
-        dtype: the receiver's dtype (what a CUDA IPC export packs in).
-    """
-
-    def __init__(self, policy: Gang, ref: PolicyRef, dtype: str | None) -> None:
-        self.policy, self.ref, self.dtype = policy, ref, dtype
-
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        """The in-process policy worker's weights of ``ref`` (the ``local`` transport)."""
-        return self.policy.call("tensors", self.ref)
-
-    def start(self, **meet: Any) -> Started:
-        """Start ``send_weights`` of ``ref`` on the policy gang."""
-        return self.policy.start("send_weights", self.ref, **meet)
-
-    def wait(self, started: Started) -> dict[str, Any]:
-        """Rank 0's report of ``start``'s sends (a failed rank raises)."""
-        return self.policy.wait(started)
-
-    def cancel(self, started: Started) -> None:
-        """End a send stuck past its limit (``rft_core.weightsync.base.settle``): the policy gang's
-        ranks are ended (``Gang.kill``); its next update starts a new gang, rebuilt exactly."""
-        self.policy.kill()
-
-    def export(self) -> dict[str, Any]:
-        """The policy gang's ``export_weights`` of ``ref`` in the receiver's dtype (CUDA IPC)."""
-        return self.policy.call("export_weights", self.ref, dtype=self.dtype)
-
-    def release(self) -> None:
-        """The policy gang's ``release_export``."""
-        self.policy.call("release_export")
-
-
-# -- into a GPU engine ----------------------------------------------------------------------------
-
-
-def pull_into_engine(engine: Any, ref: PolicyRef, *, prepare: Callable[[PolicyRef, str], dict],
-                     send_async: Callable[..., Any], wait: Callable[[Any], dict], timeout_s: float,
-                     bucket_mb: float, cancel: Callable[[Any], None] | None = None) -> dict[str, Any]:
-    """Make ``engine`` (a ``VLLMEngine`` or ``SGLangEngine``) hold the policy ``ref`` by an
-    in-memory weight sync from the policy worker.
-
-    Args:
-        engine: the rollout engine (see the module docstring for what it provides).
-        ref: the policy version to hold.
-        prepare: ``prepare(ref, dtype)``, the policy worker's ``prepare_weights`` answer:
-            ``{"status": "storage"}`` (the worker does not hold ``ref`` and it is on storage) or
-            ``{"status": "ready", "addr", "port", "backend", "plan": SyncPlan.to_json(), ...}``.
-        send_async: ``send_async(ref, addr=, port=, dtype=, backend=, world_size=)`` starts the
-            policy worker's ``send_weights`` and returns a future.
-        wait: ``wait(future)`` -> the sender's report ({"checksum", ...}); raises if it failed,
-            ``TimeoutError`` when it did not finish within its limit.
-        timeout_s: the limit of each collective of the transaction, and of the engine's receive.
-        bucket_mb: this worker's bucket limit: a plan with larger multi-tensor buckets is refused.
-        cancel: ``cancel(future)`` ends a send stuck past its limit after the engine's receive
-            failed (``rft_core.weightsync.base.settle``; the policy gang's ranks are ended); None:
-            nothing to end.
-    Returns:
-        ``{"status": "storage"}``: nothing was moved; the caller loads ``ref`` from storage
-        (``engine.load_policy(...)``) as a stage-mode rollout does. Else ``{"status": "synced",
-        "bytes", "seconds", "backend", "buckets", "checksum"}``.
-    Raises:
-        ValueError: a LoRA engine (``engine.sync_world_size``), checked before anything starts.
-        WeightSyncError: the sync failed (timeout, a peer gone, a bucket the engine refused, the
-            sender failed) or the sender's and the engine's checksums differ; the engine is
-            then invalid (an engine whose processes failed is closed: ``SyncedWeights.died``).
-            After a receive failure the sender is awaited first (``settle``).
-    """
-    world_size, dtype = engine.sync_world_size, engine.sync_dtype
-    ready = prepare(ref, dtype)
-    if ready["status"] == "storage":
-        return {"status": "storage"}
-    if ready["status"] != "ready" or "plan" not in ready:
-        raise WeightSyncError(f"the policy worker's answer to prepare_weights has no sync plan: {sorted(ready)}")
-    plan = SyncPlan.from_json(ready["plan"])
-    check_buckets(plan, bucket_mb)
-    key, backend = version_key(ref), ready["backend"]
-    t0 = time.perf_counter()
-    name = choose_transport(backend=backend, sender_device=ready.get("device", ""), engine=engine.sync_transport)
-    got = transport(name, timeout_s=timeout_s).receive(
-        engine, plan, _CallSender(ref, send_async, wait, cancel), what=f"weight sync of {key} into the engine",
-        addr=ready["addr"], port=ready["port"], backend=backend, dtype=dtype, world_size=world_size, version=key)
-    seconds = time.perf_counter() - t0
-    log.info("weight sync into the %s engine (%s): %.1f MB in %.2f s, checksum verified", type(engine).__name__,
-             backend, got["bytes"] / 1e6, seconds)
-    return {"status": "synced", "bytes": got["bytes"], "seconds": seconds, "backend": backend,
-            "buckets": got["buckets"], "checksum": got["checksum"]}
 
 
 def full_checkpoint(ref: PolicyRef, merged: str | None) -> tuple[str, str | None]:
@@ -344,24 +234,3 @@ def full_checkpoint(ref: PolicyRef, merged: str | None) -> tuple[str, str | None
     if old:
         shutil.rmtree(old, ignore_errors=True)
     return merge_adapter(path, merged), merged
-
-
-class _CallSender:
-    """``pull_into_engine``'s callables as the transport's ``Sender`` (``rft_core.weightsync.base``)."""
-
-    def __init__(self, ref: PolicyRef, send_async: Callable[..., Any], wait: Callable[[Any], dict],
-                 cancel: Callable[[Any], None] | None = None) -> None:
-        self.ref, self._send_async, self._wait, self._cancel = ref, send_async, wait, cancel
-
-    def start(self, **meet: Any) -> Any:
-        """``send_async(ref, **meet)``: the policy worker's ``send_weights`` started."""
-        return self._send_async(self.ref, **meet)
-
-    def wait(self, started: Any) -> dict:
-        """The sender's report (``wait``)."""
-        return self._wait(started)
-
-    def cancel(self, started: Any) -> None:
-        """End a send stuck past its limit (``cancel``; nothing without one)."""
-        if self._cancel is not None:
-            self._cancel(started)

@@ -1,5 +1,6 @@
-"""In-memory weight sync into the GPU engines (rft_core.workers.rollout, the vLLM worker
-extension, SGLang's update_weights_from_tensor) and the device-side checksum (sync_checksum).
+"""In-memory weight sync into the GPU engines (``rft_core.weightsync.session.pull`` into
+``IntoEngine``: the vLLM worker extension, SGLang's update_weights_from_tensor) and the
+device-side digest (``weights_digest(..., "device")``).
 
 No GPU here: vLLM and SGLang are the strict stand-ins of ``tests/standins`` (vLLM 0.33.0, SGLang
 0.5.23; what each copies is in its docstring): the engines hold fused (q/k/v, gate/up),
@@ -12,7 +13,7 @@ the real ones; the sender runs ``send_weights`` in a thread. Every message a tes
 project's."""
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import re
 import threading
 import time
@@ -20,20 +21,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import xxhash
 
 from rft_core.engines import ENGINE_CACHE
 from rft_core.engines.hf import HFEngine
 from rft_core.engines.sglang import SGLangEngine
 from rft_core.engines.vllm import WORKER_EXTENSION, VLLMEngine
 from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.network import free_port
 from rft_core.weightsync import plan as sync_module
 from rft_core.weightsync.base import OWN_WAIT_SHARE
-from rft_core.weightsync.checksum import (CHUNK, M31, meta_digest, multipliers, name_weight, row_weights, sync_checksum,
-                                          word_sums)
-from rft_core.network import free_port
+from rft_core.weightsync.checksum import CHUNK, M31, meta_digest, multipliers, name_weight, row_weights, word_sums
 from rft_core.weightsync.collective import receive_weights, send_weights
-from rft_core.weightsync.plan import SyncPlan, WeightSyncError, buffers_checksum, state_tensors
-from rft_core.workers.rollout import pull_into_engine
+from rft_core.weightsync.cuda_ipc import buffers_digest
+from rft_core.weightsync.digest import weights_digest
+from rft_core.weightsync.landing import IntoEngine
+from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError, state_tensors
+from rft_core.weightsync.session import Offer, pull
 from tests.rft_core.engines.fakes import HFBackedLLM, SamplingParams
 from tests.standins import sglang as sglang_standin
 from tests.standins import vllm as vllm_standin
@@ -42,7 +46,13 @@ from tests.standins.engine_model import to_hf
 BUCKET_MB = 0.05  # several buckets for the tiny model (its embedding gets one of its own)
 REF = "/policies/v1"  # a policy version (its key: "path:/policies/v1")
 
-# -- sync_checksum ---------------------------------------------------------------------------
+# -- the device digest --------------------------------------------------------------------------
+
+
+def device_sums(tensors) -> str:
+    """The ``device`` method of the weight digest (``rft_core.weightsync.checksum``)."""
+    return weights_digest(tensors, "device")
+
 
 
 def _ref_sums(t: torch.Tensor) -> list[int]:
@@ -75,9 +85,9 @@ def test_checksum_hand_checked_small_cases():
     t = torch.tensor([3, -2], dtype=torch.int16)
     s = word_sums(t).tolist()
     layout_hex = __import__("hashlib").sha256(b"w|int16|(2,)\n").hexdigest()[:16]
-    assert sync_checksum({"w": t}) == f"{layout_hex}-{s[0] * name_weight('w') & M31:08x}{s[1] * name_weight('w') & M31:08x}"
+    assert device_sums({"w": t}) == f"{layout_hex}-{s[0] * name_weight('w') & M31:08x}{s[1] * name_weight('w') & M31:08x}"
     # pinned: the same string on every machine and release (sender and receiver may differ)
-    assert sync_checksum({"w": t}) == "c3315bc3c39e06b4-26ce512b7d9b417f"
+    assert device_sums({"w": t}) == "c3315bc3c39e06b4-26ce512b7d9b417f"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
@@ -85,13 +95,13 @@ def test_checksum_equals_the_python_reference_and_sees_every_flipped_bit(dtype):
     g = torch.Generator().manual_seed(0)
     t = (torch.randn(37, generator=g) * 1000).to(dtype)
     assert word_sums(t).tolist() == _ref_sums(t)
-    base = sync_checksum({"a": t})
+    base = device_sums({"a": t})
     raw = t.view(torch.uint8).reshape(-1)
     for i in range(raw.numel()):
         for bit in range(8):
             flipped = raw.clone()
             flipped[i] ^= 1 << bit
-            assert sync_checksum({"a": flipped.view(dtype).reshape(t.shape)}) != base, (i, bit)
+            assert device_sums({"a": flipped.view(dtype).reshape(t.shape)}) != base, (i, bit)
 
 
 def test_checksum_spans_rows_exactly_and_depends_on_position_name_dtype_and_shape():
@@ -105,13 +115,13 @@ def test_checksum_spans_rows_exactly_and_depends_on_position_name_dtype_and_shap
         ref.append(sum(x * row_weights(k, s) for k, x in enumerate(rows)) % 2**31)
     assert word_sums(t).tolist() == ref
     a = torch.arange(6, dtype=torch.float32)
-    base = sync_checksum({"a": a})
-    assert sync_checksum({"a": a[[1, 0, 2, 3, 4, 5]]}) != base  # two words swapped
-    assert sync_checksum({"b": a}) != base
-    assert sync_checksum({"a": a.reshape(2, 3)}) != base
-    assert sync_checksum({"a": a.view(torch.int32)}) != base
-    assert sync_checksum({"a": a, "b": a + 1}) != sync_checksum({"a": a + 1, "b": a})
-    assert sync_checksum({"a": a.clone()}) == base and sync_checksum({"a": torch.zeros(0)}) != sync_checksum({})
+    base = device_sums({"a": a})
+    assert device_sums({"a": a[[1, 0, 2, 3, 4, 5]]}) != base  # two words swapped
+    assert device_sums({"b": a}) != base
+    assert device_sums({"a": a.reshape(2, 3)}) != base
+    assert device_sums({"a": a.view(torch.int32)}) != base
+    assert device_sums({"a": a, "b": a + 1}) != device_sums({"a": a + 1, "b": a})
+    assert device_sums({"a": a.clone()}) == base and device_sums({"a": torch.zeros(0)}) != device_sums({})
 
 
 # -- the plan and the n-rank transaction --------------------------------------------------------
@@ -138,19 +148,22 @@ def test_one_sender_lands_the_same_bytes_in_two_receivers():
         sent = send_weights(src, plan, addr="127.0.0.1", port=port, timeout_s=30, world_size=3)
         reports = [f.result(timeout=60) for f in got]
     assert all(torch.equal(d[k], src[k]) for d in dsts for k in src)
-    assert sent.digest == reports[0].digest == reports[1].digest == sync_checksum(src, "sha256")  # gloo: on the host
-    assert sent.digest.split("-", 1)[1] == "sha256:" + hashlib.sha256(
-        meta_digest(plan.layout()).encode() + b"".join(src[k].numpy().tobytes() for k in sorted(src))).hexdigest()
+    assert sent.digest == reports[0].digest == reports[1].digest == weights_digest(src, "xxh3")  # gloo: on the host
+    leaves = b"".join(xxhash.xxh3_128_digest(src[k].numpy().tobytes()) for k in sorted(src))  # one 8 MiB piece each
+    assert sent.digest == meta_digest(plan.layout())[:16] + "-xxh3:" + xxhash.xxh3_128(leaves).hexdigest()
     packed = [sync_module.pack_bucket(plan, src, i, torch.device("cpu")) for i in range(len(plan.bucket_sizes))]
-    assert buffers_checksum(plan, packed) == sync_checksum(src)  # what a CUDA IPC export reports (device sums)
-    assert sync_checksum(src) != sync_checksum(src, "sha256")
+    assert buffers_digest(plan, packed) == device_sums(src)  # what a CUDA IPC send reports (device sums)
+    assert device_sums(src) != weights_digest(src, "xxh3")
 
 
 # -- engines: the strict stand-ins of tests/standins ------------------------------------------------
 
 
 class Sender:
-    """The policy worker's side (``PolicyWorker.prepare_weights`` / ``send_weights``) in threads."""
+    """The policy worker's send leg (``rft_core.weightsync.session.SendLeg``, as
+    ``PolicyWorker.prepare_weights`` / ``send_weights`` do it) in threads."""
+
+    local = False
 
     def __init__(self, tensors, *, show_up: bool = True, joins: bool = True, dtype: str | None = None,
                  timeout_s: float = 20.0):
@@ -161,11 +174,12 @@ class Sender:
         self.pool = ThreadPoolExecutor(1)
         self.futures: list = []
 
-    def prepare(self, ref, dtype):
+    def offer(self, dtype):
         plan = SyncPlan.of(self.tensors, dtype=self.dtype or dtype, bucket_mb=BUCKET_MB)
-        return {"status": "ready", "addr": "127.0.0.1", "port": free_port(), "backend": "gloo", "plan": plan.to_json()}
+        return Offer(backend="gloo", device="cpu", host="elsewhere", addr="127.0.0.1", port=free_port(),
+                     plan=plan.to_json())
 
-    def send_async(self, ref, *, addr, port, dtype, backend, world_size):
+    def start(self, meet):
         if not self.show_up:
             return None
         if not self.joins:
@@ -173,23 +187,28 @@ class Sender:
 
             import torch.distributed as dist
 
-            self.store = dist.TCPStore(addr, port, world_size=world_size, is_master=True, wait_for_workers=False,
-                                       timeout=dt.timedelta(seconds=self.timeout_s))
+            self.store = dist.TCPStore(meet.addr, meet.port, world_size=meet.world_size, is_master=True,
+                                       wait_for_workers=False, timeout=dt.timedelta(seconds=self.timeout_s))
             self.futures.append(self.pool.submit(lambda: (_ for _ in ()).throw(WeightSyncError("never joined"))))
             return self.futures[-1]
-        plan = SyncPlan.of(self.tensors, dtype=self.dtype or dtype, bucket_mb=BUCKET_MB)
-        self.futures.append(self.pool.submit(send_weights, self.tensors, plan, addr=addr, port=port, backend=backend,
-                                             timeout_s=self.timeout_s * OWN_WAIT_SHARE, world_size=world_size))
+        plan = SyncPlan.of(self.tensors, dtype=self.dtype or meet.dtype, bucket_mb=BUCKET_MB)
+        self.futures.append(self.pool.submit(send_weights, self.tensors, plan, addr=meet.addr, port=meet.port,
+                                             backend=meet.backend, timeout_s=self.timeout_s * OWN_WAIT_SHARE,
+                                             world_size=meet.world_size))
         return self.futures[-1]
 
-    def wait(self, future):
+    def wait(self, future) -> SyncReport:
         """The send's report; TimeoutError after ``timeout_s`` (the policy gang's wait: ``Gang.wait``)."""
-        rep = future.result(timeout=self.timeout_s)
-        return {"checksum": rep.digest, "digest": rep.digest, "bytes": rep.bytes}
+        return future.result(timeout=self.timeout_s)
 
-    def pull(self, engine, timeout_s=20.0):
-        return pull_into_engine(engine, REF, prepare=self.prepare, send_async=self.send_async, wait=self.wait,
-                                timeout_s=timeout_s, bucket_mb=BUCKET_MB)
+    def cancel(self, future) -> None:
+        pass
+
+    def finish(self, meet) -> None:
+        pass
+
+    def pull(self, engine, timeout_s=20.0) -> SyncReport | None:
+        return pull(self, IntoEngine(engine), version=f"path:{REF}", timeout_s=timeout_s, bucket_mb=BUCKET_MB)
 
 
 @pytest.fixture(scope="module")
@@ -248,11 +267,11 @@ def test_vllm_workers_receive_the_trainers_weights_bit_for_bit(tiny_model, tok, 
     assert not _holds(_shards(llm), sender.tensors)  # the check below can fail: the engine starts elsewhere
     loads = [s.loads for s in _shards(llm)]
     rep = sender.pull(engine)
-    assert rep["status"] == "synced" and rep["buckets"] > 1 and rep["backend"] == "gloo"
+    assert rep.buckets > 1 and rep.backend == "gloo" and rep.extra["transport"] == "vllm"
     assert _holds(_shards(llm), sender.tensors)  # fused q/k/v and gate/up, sharded over tp workers
     cast = {k: v.to(torch.bfloat16) for k, v in sender.tensors.items()}
-    assert rep["checksum"] == sync_checksum(cast, "sha256") == sync_checksum(to_hf(_shards(llm)), "sha256")
-    assert [s.loads - n for s, n in zip(_shards(llm), loads)] == [rep["buckets"]] * tp  # one load_weights per bucket
+    assert rep.digest == weights_digest(cast, "xxh3") == weights_digest(to_hf(_shards(llm)), "xxh3")
+    assert [s.loads - n for s, n in zip(_shards(llm), loads)] == [rep.buckets] * tp  # one load_weights per bucket
     assert engine.weights_version == f"path:{REF}" and llm.events[-1] == ("reset_prefix_cache",)
     engine.generate([[1, 20, 30]], n_samples_per_prompt=1, max_new_tokens=2)
     assert not any(e[1] == "rft_reload_weights" for e in llm.events if e[0] == "collective_rpc")
@@ -328,7 +347,7 @@ def test_vllm_failed_sync_leaves_no_reply_queued_for_the_next_call(tiny_model, t
         engine.generate([[1, 20]], n_samples_per_prompt=1, max_new_tokens=2)
     sender = Sender(_policy(tiny_model, 2))
     rep = sender.pull(engine)  # the next sync lands
-    assert rep["status"] == "synced" and engine.weights_version == f"path:{REF}" and _holds(_shards(llm), sender.tensors)
+    assert rep is not None and engine.weights_version == f"path:{REF}" and _holds(_shards(llm), sender.tensors)
     assert re.search(r"failed on worker\(s\) \[0, 1\]: WeightSyncError: weight sync rendezvous .* \(rank 1 of 3\).*; "
                      r"WeightSyncError: weight sync rendezvous .* \(rank 2 of 3\)", str(failed.value))
 
@@ -355,23 +374,25 @@ def test_vllm_synced_weights_survive_a_level_1_sleep(tiny_model, tok):
 def test_storage_answer_and_lora_engines_move_nothing(tiny_model, tok):
     engine, _ = _vllm(tiny_model, tok, 1)
 
-    def never(*a, **k):
-        raise AssertionError("nothing may be sent")
+    class Never(Sender):
+        def offer(self, dtype):
+            return None  # the policy worker does not hold the version and it is on storage
 
-    rep = pull_into_engine(engine, REF, prepare=lambda ref, dtype: {"status": "storage"}, send_async=never, wait=never,
-                           timeout_s=5, bucket_mb=BUCKET_MB)
-    assert rep == {"status": "storage"} and engine.weights_path == tiny_model
+        def start(self, meet):
+            raise AssertionError("nothing may be sent")
+
+    assert Never({}).pull(engine) is None and engine.weights_path == tiny_model
     engine.lora_request = ("lora", "/adapter", 1)
     with pytest.raises(ValueError, match="LoRA"):
-        pull_into_engine(engine, REF, prepare=never, send_async=never, wait=never, timeout_s=5, bucket_mb=BUCKET_MB)
+        Sender({}).pull(engine)
 
 
 def test_a_checksum_the_sender_disagrees_with_invalidates_the_engine(tiny_model, tok):
     engine, _ = _vllm(tiny_model, tok, 1)
     sender = Sender(_policy(tiny_model, 1))
     wait = sender.wait
-    sender.wait = lambda f: {**wait(f), "checksum": "0" * 16 + "-" + "0" * 16}
-    with pytest.raises(WeightSyncError, match="checksum"):
+    sender.wait = lambda f: dataclasses.replace(wait(f), digest="0" * 16 + "-" + "0" * 16)
+    with pytest.raises(WeightSyncError, match="the landed weights' digest .* differs from the sent 0{16}-0{16}"):
         sender.pull(engine)
     assert engine.weights_version is None and engine.weights_path is None
 
@@ -434,7 +455,7 @@ def _lands_in_a_new_engine(tiny_model, tok, monkeypatch, dead) -> None:
     again = _cached_vllm(tiny_model, tok, monkeypatch)
     assert again is not dead
     sender = Sender(_policy(tiny_model, 2), timeout_s=SYNC_TIMEOUT_S)
-    assert sender.pull(again, timeout_s=SYNC_TIMEOUT_S)["status"] == "synced"
+    assert sender.pull(again, timeout_s=SYNC_TIMEOUT_S) is not None
     assert _holds(_shards(again.llm), sender.tensors)
 
 
@@ -546,9 +567,9 @@ def test_sglang_sync_runs_inside_a_weight_update_session(tiny_model, tok, tp):
     assert not _holds(fake.shards, sender.tensors)
     rep = sender.pull(engine)
     assert _holds(fake.shards, sender.tensors)
-    assert rep["checksum"] == sync_checksum(to_hf(fake.shards), "sha256") and rep["buckets"] > 1
+    assert rep.digest == weights_digest(to_hf(fake.shards), "xxh3") and rep.buckets > 1
     kinds = [e[0] for e in fake.events]
-    n = rep["buckets"]
+    n = rep.buckets
     assert kinds == ["begin_weight_update"] + ["update_weights_from_tensor"] * n + ["end_weight_update"]
     assert [e[2] for e in fake.events[1:-1]] == [False] * (n - 1) + [True]  # the cache flushed once, at the end
     assert engine.weights_version == f"path:{REF}"
@@ -754,17 +775,18 @@ def test_resident_rollout_worker_syncs_its_vllm_engine_from_the_policy_actor(tin
     assert [s["engine"] for s in rollout.syncs] == ["VLLMEngine"] and rollout.syncs[0]["backend"] == "gloo"
 
 
-def test_checksum_methods_follow_the_backend_and_refuse_out_of_order_tensors():
-    from rft_core.weightsync.checksum import Checksum, checksum_method
+def test_digest_methods_follow_the_transport_and_refuse_out_of_order_tensors():
+    from rft_core.weightsync.digest import Digest, sync_method
 
-    assert [checksum_method(b) for b in ("gloo", "local", "nccl", "cuda_ipc")] == ["sha256", "sha256", "device", "device"]
+    assert [sync_method(b) for b in ("gloo", "local", "shm", "nccl", "cuda_ipc")] == ["xxh3", "xxh3", "xxh3", "device",
+                                                                                    "device"]
     t = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, dtype=torch.bfloat16)}
     layout = [(k, t[k].dtype, tuple(t[k].shape)) for k in sorted(t)]
-    c = Checksum(layout, "sha256")
+    c = Digest(layout, "xxh3")
     with pytest.raises(ValueError, match="'b' added where the layout has 'a' next"):
         c.add("b", t["b"])
-    with pytest.raises(ValueError, match="unknown checksum method 'md5'"):
-        Checksum(layout, "md5")
+    with pytest.raises(ValueError, match="unknown digest method 'md5'"):
+        Digest(layout, "md5")
     flipped = t["a"].clone()
     flipped.view(torch.int32)[3] ^= 1
-    assert sync_checksum({**t, "a": flipped}, "sha256") != sync_checksum(t, "sha256")
+    assert weights_digest({**t, "a": flipped}, "xxh3") != weights_digest(t, "xxh3")

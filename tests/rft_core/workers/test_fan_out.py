@@ -2,7 +2,8 @@
 each mode reaches the ranks it names and returns what it says, in one process and across Ray
 actors; a collective's first failing rank raises at once while its peer still runs; a method
 without a declaration cannot be called across a gang; every method the workers call across a gang
-declares its mode, and a role's class has only the methods of its role."""
+declares its mode, every such call names the method itself (no string dispatch), and a role's
+class has only the methods of its role."""
 from __future__ import annotations
 
 import re
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rft_core.workers.base import FanOut, Gang, WorkerError, fan_out, fan_out_of
+from rft_core.workers.base import FanOut, Gang, ResidentWorker, WorkerError, fan_out, fan_out_of
 from rft_core.workers.critic import CriticWorker
 from rft_core.workers.policy import PolicyWorker
 from rft_core.workers.pool import ROLE_OF_PROGRAM, WORKER_CLASSES
@@ -20,6 +21,7 @@ from rft_core.workers.rollout import RolloutWorker
 from rft_core.workers.teacher import TeacherWorker
 
 WORKERS = Path(__file__).resolve().parents[3] / "rft_core" / "workers"
+WEIGHTSYNC = WORKERS.parent / "weightsync"
 
 
 class Ranks:
@@ -61,13 +63,17 @@ def test_in_process_gang_calls_the_ranks_each_mode_names():
     ranks = [Ranks(0), Ranks(1)]
     gang = Gang(Ranks, ranks)
     assert gang.local and len(gang) == 2 and gang[1] is ranks[1]
-    assert gang.call("first") == 10 and [r.calls for r in ranks] == [1, 0]  # rank 0 alone
-    assert gang.call("each") == [10, 11] and [r.calls for r in ranks] == [2, 1]
-    assert gang.call("together") == 10 and [r.calls for r in ranks] == [3, 2]  # every rank, rank 0's answer
+    assert gang.call(Ranks.first) == 10 and [r.calls for r in ranks] == [1, 0]  # rank 0 alone
+    assert gang.call(Ranks.each) == [10, 11] and [r.calls for r in ranks] == [2, 1]
+    assert gang.call(Ranks.together) == 10 and [r.calls for r in ranks] == [3, 2]  # every rank, rank 0's answer
     with pytest.raises(TypeError, match=r"Ranks.undeclared declares no fan-out"):
-        gang.call("undeclared")
+        gang.call(Ranks.undeclared)
+    with pytest.raises(TypeError, match=r"with the method itself \(Ranks.<method>\), not 'each'"):
+        gang.call("each")  # a name: nothing a reader or a call graph could follow
+    with pytest.raises(TypeError, match=r"PolicyWorker.prepare_weights is not a method of Ranks"):
+        gang.call(PolicyWorker.prepare_weights)
     with pytest.raises(WorkerError, match="cannot be started alongside the caller"):
-        gang.start("each")
+        gang.start(Ranks.each)
     with pytest.raises(ValueError, match="at least one rank"):
         Gang(Ranks, [])
 
@@ -93,22 +99,22 @@ def test_ray_gang_calls_the_ranks_each_mode_names(ray_session):
     members = _actors(ray)
     gang = Gang(Ranks, members, timeout_s=60)
     assert not gang.local
-    assert gang.call("first") == 10
+    assert gang.call(Ranks.first) == 10
     assert ray.get([m.count.remote() for m in members]) == [1, 0]
-    assert gang.call("each") == [10, 11]
-    assert gang.call("together") == 10
+    assert gang.call(Ranks.each) == [10, 11]
+    assert gang.call(Ranks.together) == 10
     assert ray.get([m.count.remote() for m in members]) == [3, 2]
-    started = gang.start("together")
+    started = gang.start(Ranks.together)
     assert started.mode is FanOut.COLLECTIVE and len(started.futures) == 2 and gang.wait(started) == 10
 
 
 def test_a_collective_raises_the_first_failure_while_its_peer_still_runs(ray_session):
     ray = ray_session
     gang = Gang(Ranks, _actors(ray), timeout_s=60)
-    gang.call("each")  # both actors up before the clock starts
+    gang.call(Ranks.each)  # both actors up before the clock starts
     t0 = time.perf_counter()
     with pytest.raises(ValueError, match="rank 1 failed"):
-        gang.call("together", 1, 30.0)  # rank 0 sleeps 30 s, as a peer stuck in a collective would
+        gang.call(Ranks.together, 1, 30.0)  # rank 0 sleeps 30 s, as a peer stuck in a collective would
     assert time.perf_counter() - t0 < 15
 
 
@@ -117,11 +123,11 @@ def test_a_gang_wait_gives_up_after_its_timeout(ray_session):
     from ray.exceptions import GetTimeoutError
 
     members = _actors(ray)
-    Gang(Ranks, members, timeout_s=60).call("each")  # both actors up before the clock starts
+    Gang(Ranks, members, timeout_s=60).call(Ranks.each)  # both actors up before the clock starts
     gang = Gang(Ranks, members, timeout_s=1.0)
     t0 = time.perf_counter()
     with pytest.raises(GetTimeoutError, match="2 of 2 ranks did not answer within 1.0 s"):
-        gang.call("together", None, 20.0)
+        gang.call(Ranks.together, None, 20.0)
     assert time.perf_counter() - t0 < 10
 
 
@@ -135,9 +141,9 @@ def test_a_gang_busy_past_a_limit_does_not_answer_and_is_killed(ray_session):
 
     members = _actors(ray)
     gang = Gang(Ranks, members, timeout_s=60)
-    gang.call("each")  # both actors up before the clock starts
+    gang.call(Ranks.each)  # both actors up before the clock starts
     assert gang.answers(5.0)
-    gang.start("together", None, 20.0)  # both ranks busy for 20 s
+    gang.start(Ranks.together, None, 20.0)  # both ranks busy for 20 s
     t0 = time.perf_counter()
     assert not gang.answers(1.0) and time.perf_counter() - t0 < 10
     gang.kill()
@@ -146,16 +152,22 @@ def test_a_gang_busy_past_a_limit_does_not_answer_and_is_killed(ray_session):
 
 
 def test_every_method_called_across_a_gang_declares_its_fan_out():
-    called = set()
-    for path in WORKERS.glob("*.py"):
-        called |= set(re.findall(r"\.(?:call|start)\(\"(\w+)\"", path.read_text()))
-    assert {"run", "stats", "close", "rendezvous", "join", "prepare_weights", "send_weights", "tensors",
-            "export_weights", "release_export"} <= called
-    for name in called:
-        assert any(getattr(getattr(c, name, None), "fan_out", None) for c in WORKER_CLASSES.values()), name
+    """Issue 46: every gang call in the workers and the weight sync names the method itself
+    (``gang.call(PolicyWorker.prepare_weights, ...)``), never its name in a string."""
+    called, sources = set(), [*WORKERS.glob("*.py"), *WEIGHTSYNC.glob("*.py")]
+    for path in sources:
+        text = path.read_text()
+        assert not re.search(r"\.(?:call|start)\(\s*[\"']", text), f"string dispatch in {path.name}"
+        called |= set(re.findall(r"\.(?:call|start)\((\w+)\.(\w+)\b", text))
+    assert {("ResidentWorker", m) for m in ("run", "stats", "close", "rendezvous", "join")} | {
+        ("PolicyWorker", m) for m in ("prepare_weights", "send_weights", "finish_send")} <= called
+    classes = {**{c.__name__: c for c in WORKER_CLASSES.values()}, "ResidentWorker": ResidentWorker}
+    for cls, name in called - {("self", "cls")}:
+        assert isinstance(getattr(getattr(classes[cls], name), "fan_out", None), FanOut), (cls, name)
     # the policy's side of a sync is a collective: a ZeRO-3 gather or a rebuild needs every rank
-    for name in ("prepare_weights", "send_weights", "export_weights", "tensors"):
+    for name in ("prepare_weights", "send_weights"):
         assert fan_out_of(PolicyWorker, name) is FanOut.COLLECTIVE
+    assert fan_out_of(PolicyWorker, "finish_send") is FanOut.RANK0
     assert fan_out_of(PolicyWorker, "rendezvous") is FanOut.RANK0 and fan_out_of(PolicyWorker, "close") is FanOut.EACH
 
 
@@ -166,7 +178,7 @@ def test_one_class_per_role_with_only_its_roles_methods():
     assert ROLE_OF_PROGRAM == {"ppo_update": "policy", "rollout": "rollout", "actor_logprobs": "rollout",
                                "ref_logprobs": "reference", "critic_values": "critic", "critic_update": "critic",
                                "teacher_logprobs": "teacher"}
-    serves = {PolicyWorker: {"trainer", "trained", "prepare_weights", "send_weights", "export_weights"},
+    serves = {PolicyWorker: {"trainer", "trained", "prepare_weights", "send_weights", "finish_send"},
               RolloutWorker: {"inference_model", "engine_policy"}, ReferenceWorker: {"inference_model"},
               CriticWorker: {"critic_model", "critic_strategy", "critic_trained"}, TeacherWorker: {"inference_model"}}
     every = set().union(*serves.values())

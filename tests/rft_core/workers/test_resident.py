@@ -15,10 +15,11 @@ import torch
 from rft_core.config import load_config
 from rft_core.models.loading import load_causal_lm
 from rft_core.stages.checkpoints import WeightlessPolicyError, policy_model_path
-from rft_core.weightsync import local as sync_module
 from rft_core.counters import COUNTS
 from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, has_weights, policy_chain, weights_stage
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.weightsync import landing as landing_module
+from rft_core.weightsync.digest import method_of
 from rft_core.workers.policy import PolicyWorker
 from rft_core.workers.pool import ROLE_OF_PROGRAM
 from rft_core.workers.reference import ReferenceWorker
@@ -74,7 +75,7 @@ def test_resident_every_3_ends_with_the_stage_mode_weights(stage_run, tiny_model
         ref = ShardRef.from_manifest(stage_uri(cfg.run_root, it, "ppo_update"))
         assert not has_weights(ref)
         summary = read_manifest(ref.uri)[0].summary
-        assert len(summary[WEIGHTS_DIGEST_KEY]) == 64 and summary["update_input"]["policy"]
+        assert method_of(summary[WEIGHTS_DIGEST_KEY]) == "xxh3" and summary["update_input"]["policy"]
         assert not (tmp_path / f"iter={it:06d}" / "ppo_update-optimizer").exists()
     assert (tmp_path / "iter=000003" / "ppo_update-optimizer" / "_MANIFEST.json").exists()
     from rft_core.inspect import run_status
@@ -127,18 +128,21 @@ def test_a_failed_sync_leaves_the_engine_without_a_version_until_one_lands(stage
     pool = _pool()
     drive(cfg, _runner(pool), stop_after=1)
     engine = pool["rollout"]
-    real = sync_module.unpack_bucket
+    real, flipped = landing_module.IntoTensors.put, []
 
-    def corrupted(plan, buf, index, target):
-        buf[0] ^= 1  # one bit flipped in transit: the landed weights' digest must differ from the sent one
-        return real(plan, buf, index, target)
+    def corrupted(self, name, src, digest):
+        if not flipped:  # one bit flipped in transit: the landed weights' digest must differ from the sent one
+            src = src.clone()
+            src.view(-1).view(torch.uint8)[0] ^= 1
+            flipped.append(name)
+        return real(self, name, src, digest)
 
-    monkeypatch.setattr(sync_module, "unpack_bucket", corrupted)
+    monkeypatch.setattr(landing_module.IntoTensors, "put", corrupted)
     ref1 = ShardRef.from_manifest(stage_uri(cfg.run_root, 1, "ppo_update"))
     with pytest.raises(WeightSyncError, match="digest"):
         engine.inference_model(ref1, dtype="float32", role="policy")
     assert engine.version is None  # never served: the next request syncs again
-    monkeypatch.setattr(sync_module, "unpack_bucket", real)
+    monkeypatch.setattr(landing_module.IntoTensors, "put", real)
     model = engine.inference_model(ref1, dtype="float32", role="policy")
     trainer = pool["policy"].held.strategy.model
     initial = load_causal_lm(tiny_model).state_dict()
@@ -225,9 +229,9 @@ def test_an_engine_sync_takes_the_weights_its_plan_was_made_from(tiny_model, tmp
     policy, calls = pool["policy"], []
     real = resident_module.trained_tensors
     monkeypatch.setattr(resident_module, "trained_tensors", lambda s: calls.append(s) or real(s))
-    ready = policy.prepare_weights(ShardRef.from_manifest(stage_uri(cfg.run_root, 1, "ppo_update")), dtype="bfloat16")
-    plan = SyncPlan.from_json(ready["plan"])
-    assert ready["status"] == "ready" and {e.dtype for e in plan.entries} == {"bfloat16"}
+    offer = policy.prepare_weights(ShardRef.from_manifest(stage_uri(cfg.run_root, 1, "ppo_update")), dtype="bfloat16")
+    plan = SyncPlan.from_json(offer.plan)
+    assert offer.backend == "gloo" and {e.dtype for e in plan.entries} == {"bfloat16"}
     sent = policy._send_tensors()  # what send_weights takes
     assert len(calls) == 1 and sorted(sent) == [e.name for e in plan.entries]
     policy._send_tensors()
@@ -249,7 +253,7 @@ def test_background_checkpoints_commit_after_their_update_with_the_stage_mode_fi
         ref = ShardRef.from_manifest(stage_uri(cfg.run_root, it, "ppo_update"))
         stage_ref = ShardRef.from_manifest(stage_uri(cfg_s.run_root, it, "ppo_update"))
         m = read_manifest(ref.uri)[0]
-        assert not any(e.path.startswith("policy/") for e in m.files) and len(m.summary[WEIGHTS_DIGEST_KEY]) == 64
+        assert not any(e.path.startswith("policy/") for e in m.files) and method_of(m.summary[WEIGHTS_DIGEST_KEY]) == "xxh3"
         held = weights_stage(ref)
         assert held.uri == ref.uri + "-policy" and read_manifest(held.uri)[0].inputs == {"ppo_update": ref.manifest_sha256}
         files = lambda r: {e.path: e.sha256 for e in read_manifest(r.uri)[0].files if e.path.startswith("policy/")}  # noqa: E731

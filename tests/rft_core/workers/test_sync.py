@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from rft_core.weightsync.checksum import sync_checksum
 from rft_core.network import free_port
 from rft_core.weightsync.collective import receive_weights, send_weights
-from rft_core.weightsync.plan import SyncPlan, WeightSyncError, state_tensors, weights_digest
+from rft_core.weightsync.digest import weights_digest
+from rft_core.weightsync.plan import SyncPlan, WeightSyncError, state_tensors
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -71,7 +71,7 @@ def test_gloo_sync_lands_every_byte_in_several_buckets():
     sent, got = _sync(src, dst)
     assert sent.buckets == got.buckets > 1
     assert all(torch.equal(src[k], dst[k]) for k in src)
-    assert sent.digest == got.digest == sync_checksum(src, "sha256")  # gloo verifies with sha256 on the host
+    assert sent.digest == got.digest == weights_digest(src, "xxh3")  # gloo verifies with XXH3-128 on the host
     assert got.bytes == sum(t.numel() * t.element_size() for t in src.values())
 
 
@@ -115,7 +115,7 @@ def test_state_tensors_lists_a_tied_weight_once(tiny_model):
 
 
 class _Sender:
-    """A started send as a transport sees it (``rft_core.weightsync.base.Sender``): ``wait``
+    """A started send as the session sees it (``rft_core.weightsync.session.SendLeg``): ``wait``
     answers ``outcome`` (a report, or an exception to raise), ``cancel`` is recorded."""
 
     def __init__(self, outcome):
@@ -137,7 +137,7 @@ def test_a_failed_receiver_awaits_its_sender_and_ends_one_that_outlived_its_limi
     left as it is (the receiver's error is the one raised), one whose wait times out is still
     running past every limit of the transaction (stuck in NCCL's communicator setup, which no
     timeout covers): it is cancelled (the policy gang's ``cancel`` ends its ranks)."""
-    from rft_core.weightsync.base import settle
+    from rft_core.weightsync.session import settle
 
     done = _Sender({"digest": "d"})
     assert "finished" in settle(done, "s1") and done.calls == [("wait", "s1")]

@@ -23,11 +23,12 @@ import pytest
 import torch
 
 from rft_core.models.loading import load_causal_lm
+from rft_core.network import free_port
 from rft_core.stages.sources import version_key
 from rft_core.weightsync import collective
 from rft_core.weightsync import collective as sync_module
 from rft_core.weightsync import cuda_ipc
-from rft_core.network import free_port
+from rft_core.weightsync.base import Meet
 from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
 from rft_core.workers.policy import PolicyWorker
 from tests.standins.deepspeed import zero3_strategy
@@ -77,8 +78,8 @@ def test_zero3_gang_sync_over_nccl_sends_from_the_ranks_gpu(tiny_model, on_gpu, 
         return SyncReport(plan.payload_bytes, 0.0, len(plan.bucket_sizes), "digest", backend)
 
     monkeypatch.setattr(collective, "send_weights", send_over_nccl)
-    rep = worker.send_weights(REF, addr="127.0.0.1", port=1, dtype="bfloat16", backend="nccl")
-    assert rep["digest"] == "digest"
+    rep = worker.send_weights(REF, Meet(transport="nccl", dtype="bfloat16", backend="nccl", port=1))
+    assert rep.digest == "digest"
     assert sent[0]["device"] == torch.device("cuda", 0)
     exported = sent[0]["tensors"]
     assert exported and all(t.device.type == "cpu" for t in exported.values())  # DeepSpeed's export, as it came
@@ -109,13 +110,14 @@ def test_cuda_ipc_under_deepspeed_every_rank_exports_and_rank_0_packs_on_its_gpu
         return [("handle", i) for i in range(len(plan.bucket_sizes))], ["buffer"]
 
     monkeypatch.setattr(cuda_ipc, "export_cuda_ipc", export)
-    monkeypatch.setattr(cuda_ipc, "buffers_checksum", lambda plan, buffers: "checksum")
+    monkeypatch.setattr(cuda_ipc, "buffers_digest", lambda plan, buffers: "digest")
+    meet = Meet(transport="cuda_ipc", dtype="bfloat16", backend="nccl")
     rank1 = _policy_worker(tiny_model, rank=1)
-    assert rank1.export_weights(REF, dtype="bfloat16") == {}
+    assert rank1.send_weights(REF, meet) is None
     assert rank1.held.strategy.model.exports == 1  # it took part in the gather
     rank0 = _policy_worker(tiny_model, rank=0)
-    got = rank0.export_weights(REF, dtype="bfloat16")
-    assert packed == [torch.device("cuda", 0)] and got["digest"] == "checksum" and len(got["handles"]) >= 1
+    got = rank0.send_weights(REF, meet)
+    assert packed == [torch.device("cuda", 0)] and got.digest == "digest" and len(got.extra["handoff"]["handles"]) >= 1
 
 
 # -- NCCL: the stand-in's refusals and a stalled peer ------------------------------------------
