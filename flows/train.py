@@ -16,8 +16,7 @@ from rft_core.api import (
     format_metrics_line,
     plot_curves,
     run_counters,
-    release_kept_models,
-    stop_workers,
+    release_run,
     wait_for_optimizer_writes,
     write_metrics,
     write_tensorboard,
@@ -89,9 +88,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         # the last iteration's optimizer state may still be being written (checkpoint.async_optimizer)
         wait_for_optimizer_writes()
     finally:
-        if cfg.resident_pool:
-            stop_workers(cfg.resident_pool)  # after their pending writes; on an error or Ctrl-C too
-        release_kept_models()  # stage mode's models kept in memory (orchestration.keep_models) end with the run
+        release_run(cfg.resident_pool)  # the workers (after their pending writes) and stage mode's kept models
         if wandb:
             wandb.finish()
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")

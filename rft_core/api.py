@@ -28,7 +28,7 @@ from rft_core.stages.contracts import StageInput
 from rft_core.stages.dynamic import count_signal_groups
 from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, eval_report_lines, resolve_checkpoint
 from rft_core.stages.lineage import weights_stage
-from rft_core.stages.memo import clear as release_kept_models
+from rft_core.stages.memo import clear as _release_kept_models
 from rft_core.stages.optimizer_state import wait_for_optimizer_writes
 from rft_core.stages.retention import apply_retention, prune_checkpoints
 from rft_core.stages.teacher import check_teacher_tokenizer
@@ -56,12 +56,29 @@ __all__ = [
     "validate_run_data",
     "count_signal_groups", "curve_markdown", "default_eval_root", "eval_markdown", "eval_report_lines", "export_table",
     "format_metrics_line", "iteration_metrics", "next_state", "plot_curves", "prune_checkpoints", "replay_sources",
-    "release_kept_models", "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "stop_workers", "samples_markdown", "samples_view",
+    "release_run", "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "stop_workers", "samples_markdown", "samples_view",
     "wait_for_optimizer_writes", "policy_checkpoint_folder",
     "write_metrics", "write_replay_record", "write_tensorboard",
     "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run", "check_teacher_tokenizer",
     "RewardError", "check_judge_keys",
 ]
+
+
+def release_run(pool: str | None) -> None:
+    """End what a run holds in memory, on success, an error or Ctrl-C alike: its resident
+    workers (``pool``, None: none; ``stop_workers``, after their pending writes) and the models
+    stage mode kept between stages (``rft_core.stages.memo``), so a process that runs several
+    flows holds nothing of an earlier one.
+
+    Raises:
+        OptimizerStateError: a worker's pending write failed (see ``stop_workers``); the kept
+            models are released anyway.
+    """
+    try:
+        if pool:
+            stop_workers(pool)
+    finally:
+        _release_kept_models()
 
 
 def policy_checkpoint_folder(ref: PolicyRef) -> str:

@@ -81,7 +81,7 @@ def hits() -> dict[str, int]:
 
 def clear() -> None:
     """Drop every kept model (the next program reads storage): what a run does when it ends
-    (``flows/train.py``), so a process that runs several flows holds no model of an earlier one."""
+    (``rft_core.api.release_run``), so a process that runs several flows holds no model of an earlier one."""
     with _MEMO.lock:
         _MEMO.inference.clear()
         _MEMO.trainer = None
