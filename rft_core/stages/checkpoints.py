@@ -46,6 +46,21 @@ def policy_model_path(policy: PolicyRef, subdir: str = POLICY_SUBDIR) -> str:
     return _checkpoint_folder(stage, subdir)
 
 
+def check_policy_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> None:
+    """What ``policy_model_path`` checks, without downloading anything: the weights are on
+    storage, not pruned, and, in a local folder, match the manifest (a file this process wrote
+    or checked before is not hashed again). For a model kept in memory
+    (``rft_core.stages.memo``), whose weights need not be read again.
+
+    Raises:
+        WeightlessPolicyError, CheckpointPrunedError, ShardCorruptError: see ``policy_model_path``.
+    """
+    stage = require_weights(policy, subdir)
+    require_unpruned(stage, subdir, optimizer=False)
+    if local_path(stage.uri) is not None:
+        verify_files(stage.uri, under=subdir)
+
+
 class WeightlessPolicyError(RuntimeError):
     """A policy was asked for from storage, but its update kept the weights in a resident
     worker's memory (``checkpoint.every`` > 1): only the resident workers can serve it."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 from rft_core.models.critic import load_critic
 from rft_core.models.loading import load_causal_lm, resolve_model_path
 from rft_core.models.logprobs import default_device, release_device_memory
-from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_model_path
+from rft_core.stages.checkpoints import CRITIC_SUBDIR, check_policy_weights, policy_model_path
 from rft_core.stages.contracts import PPOUpdateInput
 import rft_core.stages.memo as memo
 from rft_core.stages.lineage import weights_base
@@ -133,23 +133,25 @@ def load_from_storage(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
     mode: what a stage-mode inference pass loads, and a resident worker's frozen copy (the
     reference, the teacher, the rollout worker's policy) before it stays in memory. Inside
     ``rft_core.stages.memo.keeping_models`` (stage mode's in-process runs) a model this process
-    read or trained before is taken from memory, after the same checks of the committed files.
+    read or trained before is taken from memory, after the same checks of the committed files
+    (``check_policy_weights``, which reads no weights).
 
     Raises:
         CheckpointPrunedError, ShardCorruptError, WeightlessPolicyError: see ``inference_model``.
     """
-    path = policy_model_path(ref)
-    return memo.inference_model(_memo_key(ref, path), dtype,
-                                lambda: load_causal_lm(path, dtype=dtype).to(default_device()).eval())
+    if memo.keeps_models() and not isinstance(ref, str):
+        check_policy_weights(ref)  # a kept model skips the read of its weights, not the checks
+    return memo.inference_model(_memo_key(ref), dtype,
+                                lambda: load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device()).eval())
 
 
-def _memo_key(ref: PolicyRef, path: str) -> str | None:
+def _memo_key(ref: PolicyRef) -> str | None:
     """What identifies the weights of ``ref`` for ``rft_core.stages.memo``: a committed stage's
     ``version_key``; a model folder's path with its weight files' names, sizes and mtimes (None,
     not kept, for a folder that is not local or holds no weight file)."""
     if not isinstance(ref, str):
         return version_key(ref)
-    folder = Path(resolve_model_path(path))
+    folder = Path(resolve_model_path(ref))
     if not folder.is_dir():
         return None
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()

@@ -15,7 +15,7 @@ from rft_core.models.lora import adapter_base_path, apply_lora, is_adapter_dir, 
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.advantages import overlong_filtered
-from rft_core.stages.checkpoints import POLICY_SUBDIR, policy_model_path
+from rft_core.stages.checkpoints import POLICY_SUBDIR, check_policy_weights, policy_model_path
 from rft_core.stages.common import Commit, Timer, commit_trained, stage_commit
 from rft_core.stages.contracts import PPOUpdateInput, stage_program
 from rft_core.stages.lineage import (
@@ -256,6 +256,8 @@ def _stage_trainer(inp: PPOUpdateInput, opt_ref: ShardRef | None) -> PolicyTrain
     and clipping; else built from storage (``build_trainer``)."""
     kept = memo.take_trainer(version_key(inp.policy), trainer_settings(inp))
     if kept is not None:
+        if isinstance(inp.policy, ShardRef):
+            check_policy_weights(inp.policy)  # as build_trainer's read would (pruned, damaged), without the read
         configure_trainer(kept, inp.update)
         return kept
     return build_trainer(inp.policy, inp.update, dtype=inp.dtype, opt_ref=opt_ref)

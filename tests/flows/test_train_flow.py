@@ -257,14 +257,15 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(prefect_harness, tiny_mo
 
 def test_run_on_memory_filesystem(prefect_harness, tiny_model, tmp_path, fake_rewards, monkeypatch):
     """The same training with its run folder on memory:// (checkpoints go through upload and
-    a checksum-keyed download cache)."""
+    a checksum-keyed download cache; stage mode reading every model from storage,
+    orchestration.keep_models=false: kept models skip the download)."""
     import fsspec
 
     from flows.train import train
 
     monkeypatch.setenv("RFT_CACHE_DIR", str(tmp_path / "cache"))
     root = f"memory://runs/{tmp_path.name}"
-    cfg = flow_cfg(tiny_model, root)
+    cfg = flow_cfg(tiny_model, root, **{"orchestration.keep_models": False})
     result = train(cfg)
     fs = fsspec.filesystem("memory")
     for it in (1, 2):

@@ -138,7 +138,8 @@ def test_old_keys_at_their_old_defaults_say_nothing():
         warnings.simplefilter("error", DeprecatedKeyWarning)
         cfg = TrainConfig.model_validate(dumped)
     assert cfg.ray == TrainConfig().ray and cfg.orchestration == TrainConfig().orchestration
-    assert cfg.runner("rollout") == config_package.RunnerConfig(mode="inprocess", shards=1)
+    # keep_models: orchestration.keep_models at its default (auto: on with the HF engine)
+    assert cfg.runner("rollout") == config_package.RunnerConfig(mode="inprocess", shards=1, keep_models=True)
 
 
 def test_a_dumped_config_round_trips_without_warnings():

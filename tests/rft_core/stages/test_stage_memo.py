@@ -152,3 +152,15 @@ def test_the_optimizer_state_file_has_no_crc_and_loads_exactly(tmp_path):
     back = read_optimizer_state(tmp_path)
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(back["state"][0][key], opt.state_dict()["state"][0][key])
+
+
+def test_kept_models_on_remote_storage(storage_run, tiny_model, tmp_path, monkeypatch):
+    """On memory:// (remote storage: checkpoints are read through the download cache) the kept
+    trainer and the policies made from it serve iterations 2 and 3, and the run ends with the
+    weights of the local run that read every model from storage."""
+    _, final_s, _ = storage_run
+    monkeypatch.setenv("RFT_CACHE_DIR", str(tmp_path / "cache"))
+    memo.clear()
+    final = drive(_cfg(tiny_model, f"memory://memo/{tmp_path.name}", keep=True))
+    assert memo.hits()["trainer"] == 2 and memo.hits()["inference_from_trainer"] == 2
+    assert policy_files(final, suffix=".safetensors") == policy_files(final_s, suffix=".safetensors")
