@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issues 44, 45 and 47 in one call on a lent GPU machine (no network, no Prefect, no Ray):
 # what docs/gpu.md "GPU run of 2026-11-28" records. Everything it needs travels with the repository:
-#   .whl/   pydantic (+ core, typing-inspection, annotated-types), TRL 1.16 + datasets + dill + multiprocess,
+#   .whl/   pydantic (+ core, typing-inspection, annotated-types), TRL 1.16 + datasets + dill + multiprocess, xxhash,
 #           deepspeed's sdist (built here with DS_BUILD_OPS=0) and what it imports (einops, hjson, msgpack,
 #           ninja, psutil, py-cpuinfo)
 #   .carry/tok/   the default model's tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja)
