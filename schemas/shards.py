@@ -27,6 +27,8 @@ import datetime as _dt
 import hashlib
 import json
 import os
+
+import psutil
 import socket
 import time
 import uuid
@@ -93,16 +95,6 @@ PRUNED_NAME = "_PRUNED.json"
 LOCK_TTL_SECONDS = float(os.environ.get("RFT_LOCK_TTL_SECONDS", 6 * 3600))
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def acquire_stage_lock(uri: str) -> str:
     """Take the writer lock of a stage folder; return its token.
 
@@ -141,7 +133,8 @@ def acquire_stage_lock(uri: str) -> str:
                 time.sleep(0.5)
                 continue
             held = {}  # stale: nobody finishes writing a lock after seconds
-        stale = (held.get("host") == info["host"] and not _pid_alive(int(held.get("pid", -1)))) or \
+        pid = int(held.get("pid", -1))  # no pid: only the TTL can make the lock stale
+        stale = (held.get("host") == info["host"] and pid >= 0 and not psutil.pid_exists(pid)) or \
             time.time() - float(held.get("since", 0)) > LOCK_TTL_SECONDS
         if not stale:
             raise ShardLockedError(

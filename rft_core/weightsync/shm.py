@@ -37,6 +37,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Mapping
 
+import psutil
 import torch
 
 from rft_core.weightsync.base import Meet, Transport, handoff_of, refuse_other_layout, register
@@ -79,16 +80,6 @@ def segment_layout(plan: SyncPlan) -> tuple[list[int], int]:
     return starts, max(end, 1)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep() -> list[str]:
     """Remove the segments of processes that are gone (killed before they could remove their
     own: ``PREFIX`` + the owner's pid); returns the names removed."""
@@ -98,7 +89,7 @@ def sweep() -> list[str]:
             pid = int(path.name[len(PREFIX):].split("-", 1)[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not psutil.pid_exists(pid):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
