@@ -44,7 +44,6 @@ def train(root: Path, sets: list[str]) -> float:
 
 def compare(plain: Path, fsdp: Path) -> dict:
     """Largest |difference| of the last update's weights, and equal responses per iteration."""
-    import pyarrow.compute as pc  # noqa: F401  (pyarrow present with the project)
     from safetensors.torch import load_file
 
     from schemas import ShardRef, read_shard, stage_uri

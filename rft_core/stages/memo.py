@@ -88,7 +88,8 @@ def clear() -> None:
         _MEMO.hits.clear()
 
 
-def inference_model(key: str | None, dtype: str, load: Callable[[], "torch.nn.Module"]) -> "torch.nn.Module":
+def inference_model(key: str | None, dtype: str, load: Callable[[], "torch.nn.Module"], *,
+                    check: Callable[[], None] | None = None) -> "torch.nn.Module":
     """The inference model of version ``key`` in ``dtype``: ``load()`` outside ``keeping_models``
     or for ``key`` None; else the kept one, or one made from the kept trainer when it holds
     ``key`` (module docstring), or ``load()``, kept for the next call.
@@ -96,11 +97,17 @@ def inference_model(key: str | None, dtype: str, load: Callable[[], "torch.nn.Mo
     Args:
         key: the version key (``rft_core.stages.sources.version_key`` and the folder's fingerprint).
         dtype: "float32" or "bfloat16".
-        load: reads the model from storage (on ``default_device()``, eval mode).
+        load: reads the model from storage (on ``default_device()``, eval mode), with its checks.
+        check: the checks ``load`` makes of the stored files, without reading the weights; run
+            before a kept or made model is served (its errors raise as ``load``'s would).
     """
     if not keeps_models() or key is None:
         return load()
     slot = (key, dtype)
+    with _MEMO.lock:
+        kept = slot in _MEMO.inference or (_MEMO.trainer is not None and _MEMO.trainer[0] == key)
+    if kept and check is not None:
+        check()
     with _MEMO.lock:
         model = _MEMO.inference.get(slot)
         if model is not None:

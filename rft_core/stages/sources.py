@@ -139,10 +139,10 @@ def load_from_storage(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
     Raises:
         CheckpointPrunedError, ShardCorruptError, WeightlessPolicyError: see ``inference_model``.
     """
-    if memo.keeps_models() and not isinstance(ref, str):
-        check_policy_weights(ref)  # a kept model skips the read of its weights, not the checks
+    check = None if isinstance(ref, str) else (lambda: check_policy_weights(ref))  # a kept model skips the read only
     return memo.inference_model(_memo_key(ref), dtype,
-                                lambda: load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device()).eval())
+                                lambda: load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device()).eval(),
+                                check=check)
 
 
 def _memo_key(ref: PolicyRef) -> str | None:
