@@ -4,10 +4,10 @@ by the same row function and seed as its test (``tests/faults.py``), tabulated w
 landed and what the rerun redid; and the disk a 20-iteration run keeps under the default
 checkpoint retention. Writes the measured sections of docs/reliability.md.
 
-    .venv/bin/python benchmarks/reliability.py [--seed 0] [--repeats 1] [--parts sigkill,resident,async,s3,disk]
+    .venv/bin/python benchmarks/reliability.py [--seed 0] [--repeats 1] [--parts sigkill,resident,fsdp,async,s3,disk]
 
-All parts take about 1.5 h on 2 quiet cores (sigkill ~30 min, resident ~25 min, async ~5 min,
-s3 ~10 min, disk ~10 min). A part left out keeps its section of the current docs/reliability.md
+All parts take about 1.5 h on 2 quiet cores (sigkill ~30 min, resident ~25 min, fsdp ~10 min,
+async ~8 min, s3 ~10 min, disk ~10 min). A part left out keeps its section of the current docs/reliability.md
 as it is (``--parts ''`` rewrites only the prose); the prose sections (object storage, the
 Prefect server, full disks, corruption) are written from here.
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
 
-PARTS = ("sigkill", "resident", "async", "s3", "disk")
-SIGKILL_PARTS = ("sigkill", "resident", "async", "s3")  # their tables have a landed column (tests/test_reliability_doc.py)
+PARTS = ("sigkill", "resident", "fsdp", "async", "s3", "disk")
+SIGKILL_PARTS = ("sigkill", "resident", "fsdp", "async", "s3")  # their tables have a landed column (tests/test_reliability_doc.py)
 
 
 def landed_where(o) -> str:
@@ -87,10 +87,11 @@ def sigkill(d: Path, model: str, api: str, args) -> list[str]:
 
 def resident(d: Path, model: str, api: str, args) -> list[str]:
     from tests import test_faults_resident
-    from tests.faults import resident_baseline, resident_row
+    from tests.faults import resident_baseline, resident_checkpoint_row, resident_row
 
     b = resident_baseline(d, model, api)
     rows = _run_rows("resident", b, resident_row, test_faults_resident.ROWS, args)
+    rows += _run_rows("resident", b, resident_checkpoint_row, [()], args)
     return [*RESIDENT_INTRO, *_table(rows), "",
             "Stage seconds in the uninterrupted resident run (iteration 2): "
             + ", ".join(f"{k} {v:.2f}" for k, v in sorted(b.timeline.durations(2).items())) + ".", ""]
@@ -98,11 +99,21 @@ def resident(d: Path, model: str, api: str, args) -> list[str]:
 
 def async_part(d: Path, model: str, api: str, args) -> list[str]:
     from tests import test_faults_async
-    from tests.faults import async_row, scenario_baseline, write_async_config
+    from tests.faults import async_row, partial_baseline, partial_row, scenario_baseline, write_async_config
 
     b = scenario_baseline(d, write_async_config, model, api)
     rows = _run_rows("async", b, async_row, test_faults_async.ROWS, args)
-    return [*ASYNC_INTRO, *_table(rows), ""]
+    (d / "partial").mkdir()
+    partial = _run_rows("partial", partial_baseline(d / "partial", model, api), partial_row, [()], args)
+    return [*ASYNC_INTRO, *_table(rows), "", *PARTIAL_INTRO, *_table(partial), ""]
+
+
+def fsdp(d: Path, model: str, api: str, args) -> list[str]:
+    from tests import test_faults_fsdp
+    from tests.faults import fsdp_baseline, fsdp_row
+
+    rows = _run_rows("fsdp", fsdp_baseline(d, model, api), fsdp_row, test_faults_fsdp.ROWS, args)
+    return [*FSDP_INTRO, *_table(rows), ""]
 
 
 
@@ -216,7 +227,7 @@ def _sections(text: str) -> dict[str, str]:
     return {k: re.sub(r"^_Measured .*?\._\n\n", "", v) for k, v in out.items()}
 
 
-PART_FUNCTIONS = {"sigkill": sigkill, "resident": resident, "async": async_part, "s3": s3, "disk": disk}
+PART_FUNCTIONS = {"sigkill": sigkill, "resident": resident, "fsdp": fsdp, "async": async_part, "s3": s3, "disk": disk}
 
 
 def main() -> None:
@@ -299,6 +310,19 @@ RESIDENT_INTRO = [
     "re-applying the committed updates, and *same weights* compares with STAGE MODE's run (every stage",
     "loads its model, a checkpoint every iteration), which the uninterrupted resident run equals bit",
     "for bit (`tests/faults.py` `resident_row`, `tests/test_faults_resident.py`). Columns as above.",
+    "The last row kills the driver while the policy worker writes iteration 3's checkpoint in the",
+    "background (`ppo_update-policy`, phase *write*: its writer lock taken, the optimizer stage",
+    "before it committed); the rerun starts from the previous checkpoint, re-applies the three",
+    "committed updates and writes the checkpoint again (`resident_checkpoint_row`).",
+    "",
+]
+FSDP_INTRO = [
+    "The resident scenario with FSDP2 over 2 policy ranks (`update.fsdp: {reshard_after_forward:",
+    "true}`, `orchestration.policy_ranks: 2`, 16 new tokens): the driver, or the policy worker's rank",
+    "0 (its gang then fails as a whole and the run replaces it), is killed inside iteration 2's",
+    "update; the run or its rerun rebuilds the policy on two new ranks from the initial model by",
+    "re-applying iteration 1's committed update, and *same weights* compares with the uninterrupted",
+    "FSDP2 run (`tests/faults.py` `fsdp_row`, `tests/test_faults_fsdp.py`).",
     "",
 ]
 ASYNC_INTRO = [
@@ -307,6 +331,13 @@ ASYNC_INTRO = [
     "iteration 1 and the prompts of iteration 2 committed), then kills the driver inside the stretch",
     "where both ran in the uninterrupted run; *landed* names both stages: neither had committed at",
     "the kill, so both were in flight (`tests/faults.py` `async_row`, `tests/test_faults_async.py`).",
+    "",
+]
+PARTIAL_INTRO = [
+    "With partial rollouts (`rollout.partial: {chunk_tokens: 16}` of 48 new tokens, 3 iterations):",
+    "the kill lands in iteration 2's rollout while it continues the sequences iteration 1 carried",
+    "(mid-chunk, nothing of the chunk committed); the rerun continues the same carried sequences",
+    "from the committed carry (`tests/faults.py` `partial_row`).",
     "",
 ]
 SIGKILL_OUTRO = [
@@ -329,13 +360,14 @@ PROSE = """# Reliability: nothing lost at scale
 
 Each scenario below has a test, named in its row, bounded in time (tiny models, loopback only),
 which `make test` runs. The SIGKILL rows take turns: a CI run runs the rows of one of 8
-groups (`tests/rotation.py`: the group is the commit's first-parent count mod 8, printed at the
-start and end of the run with the rows it runs), so every row runs at least once in any 8
-consecutive runs of main; `make test-faults-all` runs every row at once. Every SIGKILL row
+groups (`tests/rotation.py`: the group is the turn in `tests/rotation_turn` mod 8, which every
+landing moves on by one with `make rotation-next`; printed at the start and end of the run with the
+rows it runs), so every row runs at least once in any 8 consecutive landings on main; `make test-faults-all` runs every row at once. Every SIGKILL row
 asserts that the kill was sent, that it landed in the stage and iteration the row names (from
 the committed manifests at the kill), and that the interrupted stage was redone. The measured
 sections (tables) are written by `benchmarks/reliability.py`, which runs the tests' own rows
-(`tests/faults.py` `stage_row`, `agent_row`, `resident_row`, `async_row`, `s3_row`), each with the
+(`tests/faults.py` `stage_row`, `agent_row`, `resident_row`, `resident_checkpoint_row`, `fsdp_row`,
+`async_row`, `partial_row`, `s3_row`), each with the
 command, date and machine load that produced it.
 
 | scenario | CI test | what must hold |
@@ -346,8 +378,10 @@ command, date and machine load that produced it.
 | the Prefect API server dies during the rollout, comes back | `tests/flows/test_server_outage.py` | the outage landed while the run was in flight (the server had it Running, its prompts were committed and its update was not, and every later stage committed after the kill); the flow run ends (continues, or fails loudly and a UI-style retry completes); stages committed before the outage untouched |
 | the disk fills up mid-run (a 64 MiB tmpfs) | `tests/test_disk_full.py` | the error names the stage, the run and the cause; no manifest for the partial stage; the previous checkpoint intact; the same command resumes once space is freed |
 | a flipped bit in a committed checkpoint or shard | `tests/test_corruption.py`, `tests/schemas/test_storage.py` | refused on resume naming the file; `repair` recomputes exactly that stage and what depends on it |
-| SIGKILL of the driver (in each of the 7 stages) or of a resident worker (in each of the 4 model stages: rollout, actor, reference, update; the driver's log must name the killed worker and the stage), `orchestration.workers: resident`, `checkpoint.every: 3`, in iteration 2 (whose policy exists only in memory; 11 rows, in the rotation) | `tests/test_faults_resident.py` | the rerun (or, for a worker, the run itself, which replaces it) rebuilds the policy from the last checkpoint by re-applying the committed updates; the interrupted stage redone; committed files untouched; final weights bit-identical to stage mode's (an uninterrupted run with a checkpoint every iteration) |
+| SIGKILL of the driver (in each of the 7 stages) or of a resident worker (in each of the 4 model stages: rollout, actor, reference, update; the driver's log must name the killed worker and the stage), `orchestration.workers: resident`, `checkpoint.every: 3`, in iteration 2 (whose policy exists only in memory), and of the driver (its workers with it) while the policy worker writes iteration 3's checkpoint in the background (12 rows, in the rotation) | `tests/test_faults_resident.py` | the rerun (or, for a worker, the run itself, which replaces it) rebuilds the policy from the last checkpoint by re-applying the committed updates; the interrupted stage redone; committed files untouched; final weights bit-identical to stage mode's (an uninterrupted run with a checkpoint every iteration) |
+| SIGKILL of the policy worker's rank 0 or of the driver inside iteration 2's update of a resident FSDP2 run (`update.fsdp`, `orchestration.policy_ranks: 2`, `checkpoint.every: 3`; 2 rows, in the rotation) | `tests/test_faults_fsdp.py` | the run (worker kill: it replaces the 2-rank gang) or its rerun rebuilds the policy on two new ranks from the initial model by re-applying iteration 1's committed update; the interrupted stage redone; committed files untouched; final weights bit-identical to the uninterrupted FSDP2 run's |
 | SIGKILL while the rollout of iteration 2 and the update of iteration 1 run side by side (`rollout.max_staleness: 1`; 2 rows, in the rotation) | `tests/test_faults_async.py` | the kill landed while both were in flight (both could start, neither had committed); rerun reuses every committed stage and redoes both; the rollout samples with the scheduled policy whatever had finished; final weights bit-identical to an uninterrupted run |
+| SIGKILL in the rollout of iteration 2 of a run with partial rollouts (`rollout.partial.chunk_tokens: 16` of 48 tokens, `rollout.max_staleness: 1`), while it continues the sequences iteration 1 carried (mid-chunk; in the rotation) | `tests/test_faults_async.py` | the rerun continues the same carried sequences from the committed carry (nothing lives only in memory) and redoes the rollout; committed files untouched; final weights bit-identical to an uninterrupted run (iteration 3 trains the groups iteration 1 started) |
 | bounded disk by default | `tests/rft_core/stages/test_retention.py`, `tests/flows/test_retention_flow.py` | optimizer state of the last iteration, weights of the last 3 and every 10th; resume and replay never need a pruned file |
 
 ## SIGKILL on a local disk
@@ -356,6 +390,9 @@ command, date and machine load that produced it.
 ## SIGKILL with resident workers
 
 {resident}
+## SIGKILL with resident FSDP2 ranks
+
+{fsdp}
 ## SIGKILL during asynchronous RL
 
 {async}
@@ -378,6 +415,15 @@ pd.read_parquet("s3://my-bucket/runs/demo/iter=000001/rollout")      # _MANIFEST
 con = duckdb.connect(); con.register_filesystem(s3fs.S3FileSystem())  # DuckDB reads s3:// through fsspec
 con.sql("select count(*) from 's3://my-bucket/runs/demo/iter=*/rollout/*.parquet'")
 ```
+
+With resident workers on a Ray cluster (`orchestration.workers: resident`), the driver's `AWS_*`
+and `FSSPEC_*` variables (with `RFT_*`, `HF_*`, `TRANSFORMERS_*`, `TOKENIZERS_*`) go to every
+worker as the job's `runtime_env` `env_vars`, so a worker on another node reaches the bucket
+with the driver's credentials and endpoint although its node was started without them
+(`tests/test_two_nodes.py::test_credentials_only_in_the_driver_reach_the_workers_on_two_nodes`);
+`ray.init_kwargs.runtime_env.env_vars` wins over them. Ray keeps a job's runtime environment
+where anyone who can reach its dashboard can read it: on a shared cluster give the nodes a
+profile or an instance role instead of keys.
 
 What holds on a store without rename:
 
@@ -534,6 +580,7 @@ i+1 committed); replay reads only shards; evaluating a pruned checkpoint says wh
 (checkpoint.prune=weights (keep_weights_last=3, keep_weights_every=10) after iteration 4)`.
 
 {disk}"""
+
 
 if __name__ == "__main__":
     main()

@@ -335,6 +335,20 @@ def write_async_config(path: Path, model: str, iterations: int = 2) -> Path:
     return path
 
 
+def write_fsdp_config(path: Path, model: str) -> Path:
+    """``write_resident_config``'s run with FSDP2 over 2 policy ranks (issue 47), 16 new tokens
+    instead of 48 (two ranks per update, and ``baseline_run``'s 10 min on a loaded machine)."""
+    write_resident_config(path, model)
+    text = path.read_text()
+    assert "update: {lr: 1.0e-3, micro_batch_size: 2, epochs: 2}" in text
+    path.write_text(text.replace("update: {lr: 1.0e-3, micro_batch_size: 2, epochs: 2}",
+                                 "update: {lr: 1.0e-3, micro_batch_size: 2, epochs: 2, fsdp: {reshard_after_forward: true}}")
+                    .replace("orchestration: {workers: resident}", "orchestration: {workers: resident, policy_ranks: 2}")
+                    .replace("name: faults-resident", "name: faults-fsdp")
+                    .replace("max_new_tokens: 48", "max_new_tokens: 16"))
+    return path
+
+
 def write_partial_config(path: Path, model: str, iterations: int = 3) -> Path:
     """``write_async_config``'s run with partial rollouts (issue 48): chunks of 16 of the 48 new
     tokens, so every group (the tiny model never emits EOS) spans three rollouts; iterations 1 and
@@ -788,6 +802,33 @@ def resident_checkpoint_row(b: Baseline) -> Outcome:
     writes iteration 3's checkpoint in the background (``ppo_update-policy``: its writer lock
     taken, the optimizer stage committed before it, no manifest yet)."""
     return b.kill("run-checkpoint-write", "ppo_update-policy", 3, "resident-checkpoint-write", phase="write")
+
+
+def fsdp_baseline(d: Path, model: str, api_url: str | None) -> Baseline:
+    """The resident FSDP2 scenario (``write_fsdp_config``): 3 iterations, the weights the
+    uninterrupted FSDP2 run's."""
+    config = write_fsdp_config(d / "fsdp.yaml", model)
+    weights, timeline = baseline_run(config, d / "baseline", api_url, final_iteration=3)
+    return Baseline(config, weights, timeline, api_url, str(d), final_iteration=3)
+
+
+def fsdp_row(b: Baseline, target: str, kill: str) -> Outcome:
+    """tests/test_faults_fsdp.py: kill the driver, or the policy worker's rank 0, in ``target`` of
+    iteration 2 (15 min allowed: two ranks rebuilt per rerun)."""
+    return b.kill(f"run-{target}-{kill}", target, 2, f"fsdp-{target}-{kill}", kill=kill, timeout=900)
+
+
+def partial_baseline(d: Path, model: str, api_url: str | None) -> Baseline:
+    """The partial-rollout scenario (``write_partial_config``): 3 iterations, only the third trains."""
+    config = write_partial_config(d / "partial.yaml", model)
+    weights, timeline = baseline_run(config, d / "baseline", api_url, final_iteration=3, trained=(3,))
+    return Baseline(config, weights, timeline, api_url, str(d), final_iteration=3)
+
+
+def partial_row(b: Baseline) -> Outcome:
+    """tests/test_faults_async.py: kill the driver in iteration 2's rollout, while it continues the
+    sequences iteration 1 carried (mid-chunk)."""
+    return b.kill("run-rollout-2", "rollout", 2, "partial-rollout-2")
 
 
 def async_row(b: Baseline, target: str, iteration: int, other: tuple[str, int]) -> Outcome:

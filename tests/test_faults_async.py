@@ -12,12 +12,9 @@ committed); the rerun continues the same carried sequences from the committed ca
 with the uninterrupted run's weights (iteration 3 trains the groups iteration 1 started)."""
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from tests.faults import (assert_row, async_row, baseline_run, row, run_scenario, scenario_baseline, write_async_config,
-                          write_partial_config)
+from tests.faults import assert_row, async_row, partial_baseline, partial_row, row, scenario_baseline, write_async_config
 
 
 @pytest.fixture(scope="module")
@@ -42,23 +39,18 @@ def test_sigkill_during_the_overlap_then_rerun(async_baseline, target, iteration
 
 
 @pytest.fixture(scope="module")
-def partial_baseline(prefect_harness, tiny_model, tmp_path_factory):
+def partial(prefect_harness, tiny_model, tmp_path_factory):
+    """The uninterrupted partial-rollout run (``tests.faults.partial_baseline``)."""
     from prefect.settings import PREFECT_API_URL
 
-    d = tmp_path_factory.mktemp("faults-partial")
-    config = write_partial_config(d / "partial.yaml", tiny_model)
-    weights, timeline = baseline_run(config, d / "baseline", PREFECT_API_URL.value(), final_iteration=3, trained=(3,))
-    return config, weights, timeline, PREFECT_API_URL.value(), d
+    return partial_baseline(tmp_path_factory.mktemp("faults-partial"), tiny_model, PREFECT_API_URL.value())
 
 
 @pytest.mark.rotation(3)
-def test_sigkill_mid_chunk_of_a_partial_rollout_then_rerun(partial_baseline):
+def test_sigkill_mid_chunk_of_a_partial_rollout_then_rerun(partial):
     from schemas import read_manifest
 
-    config, weights, timeline, api_url, d = partial_baseline
-    out = run_scenario(config, d / "run-rollout-2", "rollout", 2, timeline, weights, api_url,
-                       random.Random("partial-rollout-2"), final_iteration=3)
+    out = partial_row(partial)
     assert_row(out)
-    root = d / ("run-rollout-2" + ("" if out.attempts == 1 else f"-retry{out.attempts}"))
-    summary = read_manifest(str(root / "iter=000002" / "rollout"))[0].summary
+    summary = read_manifest(f"{out.run_root}/iter=000002/rollout")[0].summary
     assert summary["partial_continued_sequences"] == 16 and summary["partial_carried_groups"] == 8  # what was redone
