@@ -24,6 +24,8 @@ import torch
 
 from rft_core.agents import StepResult
 from rft_core.agents.calculator import CalculatorEnv
+from rft_core.config import load_config
+from rft_core.network import free_port
 from rft_core.workers.pool import WORKER_CLASSES
 from tests.rotation import GROUPS, assign, caller_module
 from tests.varying import REWARD_YAML
@@ -61,13 +63,6 @@ kl: {{kl_coef: 0.05}}
 update: {{lr: 1.0e-3, micro_batch_size: 2, epochs: 2}}
 {REWARD_YAML}""")
     return path
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MotoServer:
@@ -525,7 +520,7 @@ def _kill_once(config, root: str, target: str, iteration: int, timeline: Timelin
     # process group misses them and they would die only later, when their raylet notices (a
     # background checkpoint write could still commit). Their pids are looked up while waiting
     # (``ps`` takes tens of ms: not between the trigger and the kill) and killed with the group.
-    resident = kill == "driver" and "workers: resident" in Path(config).read_text()
+    resident = kill == "driver" and load_config(str(config)).orchestration.workers == "resident"
     workers, listed = [], 0.0
     t0 = time.time()
     while proc.poll() is None and time.time() - t0 < timeout:

@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from tests.faults import ROOT, Baseline, MotoServer, assert_row, baseline_run, free_port, row, s3_row, write_config
+from rft_core.network import free_port
+from tests.faults import ROOT, Baseline, MotoServer, assert_row, baseline_run, row, s3_row, write_config
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")

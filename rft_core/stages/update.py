@@ -24,6 +24,7 @@ from rft_core.stages.lineage import (
     has_weights,
     policy_checkpoint_uri,
     trained_digest,
+    update_input_of,
 )
 from rft_core.stages.optimizer_state import (
     OptimizerStateError,
@@ -384,7 +385,7 @@ def _lost_checkpoint(done: ShardRef) -> PPOUpdateInput | None:
     summary = read_manifest(done.uri)[0].summary
     if WEIGHTS_DIGEST_KEY not in summary or UPDATE_INPUT_KEY not in summary or has_weights(done):
         return None
-    recorded = PPOUpdateInput.model_validate(summary[UPDATE_INPUT_KEY])
+    recorded = update_input_of(done)
     return recorded if recorded.save_checkpoint and recorded.background_checkpoint else None
 
 

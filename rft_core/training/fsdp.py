@@ -51,8 +51,7 @@ from typing import ContextManager
 
 import torch
 
-from rft_core.network import free_port
-from rft_core.training.zero import collective_device
+from rft_core.training.zero import collective_device, prepare_rank
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +104,7 @@ def init_process_group() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ:  # not under torchrun: a single-rank world
-            os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                               "MASTER_PORT": str(free_port())})
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        prepare_rank()
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size()
 

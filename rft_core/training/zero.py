@@ -75,19 +75,29 @@ def collective_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+def prepare_rank() -> None:
+    """What a process needs before it joins torch.distributed's default group with the ``env://``
+    rendezvous: outside torchrun (no ``WORLD_SIZE``) the environment of a world of one rank on
+    127.0.0.1 (a free port); on a GPU, this rank's device (``LOCAL_RANK``) made current, which
+    NCCL needs before any collective. Used by ``init_distributed`` (DeepSpeed) and
+    ``rft_core.training.fsdp.init_process_group`` (FSDP2)."""
+    if "WORLD_SIZE" not in os.environ:  # not under torchrun: a single-rank world
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(free_port())})
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def init_distributed() -> tuple[int, int]:
     """Initialise torch.distributed for DeepSpeed (once per process): nccl on a GPU, gloo on CPU.
-    Outside torchrun a world of one rank on 127.0.0.1 is set up. Returns (rank, world size)."""
+    Outside torchrun a world of one rank on 127.0.0.1 is set up (``prepare_rank``). Returns
+    (rank, world size)."""
     import deepspeed
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ:  # not under torchrun: a single-rank world
-            os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                               "MASTER_PORT": str(free_port())})
-        if torch.cuda.is_available():  # NCCL: this rank's GPU is the current device before any collective
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        elif os.environ.get("RFT_DS_SHM_COMM") != "1":
+        prepare_rank()
+        if not torch.cuda.is_available() and os.environ.get("RFT_DS_SHM_COMM") != "1":
             # DeepSpeed's CPU backend compiles a shared-memory allreduce op with the system C++
             # compiler on first use; plain gloo needs no compiler (set RFT_DS_SHM_COMM=1 for the op)
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False

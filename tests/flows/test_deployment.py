@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from rft_core.network import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
 
@@ -42,12 +44,6 @@ TINY = {"iterations": 1, "data.prompts_per_iteration": 2, "data.size": 20, "roll
         "rollout.max_new_tokens": 4, "rollout.batch_size": 4, "update.micro_batch_size": 4, "kl.kl_coef": 0.05,
         "logprobs.recompute_old_logprobs": True}
 COMMITTED_BEFORE_FAILURE = ["prompts", "rollout", "rewards", "actor_logprobs"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(home: Path, api_url: str | None = None) -> dict[str, str]:
@@ -67,7 +63,7 @@ class Stack:
     def __init__(self, tmp: Path):
         self.tmp = tmp
         self.home = tmp / "prefect-home"
-        self.port = _free_port()
+        self.port = free_port()
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         self.log = tmp / "serve.log"
         self.proc: subprocess.Popen | None = None

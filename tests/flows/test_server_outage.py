@@ -30,8 +30,9 @@ from pathlib import Path
 
 import pytest
 
+from rft_core.network import free_port
 from schemas import read_manifest
-from tests.faults import free_port, snapshot
+from tests.faults import snapshot
 
 pytestmark = pytest.mark.timeout(900)
 # 20 s: longer than a stage here, shorter than the client's retry window (2+4+8+16+32 s); set
