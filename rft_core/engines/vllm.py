@@ -57,6 +57,10 @@ from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
 log = logging.getLogger("rft_core.engines.vllm")
 
 WORKER_EXTENSION = "rft_core.engines.vllm.WeightReloadExtension"
+# seconds an in-place reload of a checkpoint (``LLM.collective_rpc("rft_reload_weights")``) may
+# take before the engine counts as dead: a worker that never answers (a hung read, a stuck
+# collective) would otherwise block the rollout forever; generous for a large model on slow storage
+RELOAD_TIMEOUT_S = 1800.0
 
 
 def build_llm(**kwargs: Any):
@@ -217,6 +221,10 @@ class VLLMEngine(SyncedWeights):
         llm: an object with vllm.LLM's ``generate(prompts, sampling_params, use_tqdm=..., lora_request=...)``
             (tests pass one backed by the HF engine); None builds ``vllm.LLM`` from the other arguments.
         sampling_params: the SamplingParams class (default ``vllm.SamplingParams``).
+        reload_timeout_s: the limit of an in-place reload of a new checkpoint (``load_policy``;
+            ``LLM.collective_rpc``'s ``timeout``, vllm/entrypoints/llm.py of vLLM 0.33): past it
+            the engine is closed as dead (``died``) and the rollout fails; the next one builds a
+            new engine.
     """
 
     sync_transport = "vllm"  # rft_core.weightsync.engine.VLLMTransport
@@ -224,8 +232,9 @@ class VLLMEngine(SyncedWeights):
     def __init__(self, model_path: str, *, eos_ids: set[int], lora_path: str | None = None, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, dtype: str = "auto", max_model_len: int | None = None,
                  enable_sleep_mode: bool = False, max_lora_rank: int = 64, llm: Any = None,
-                 sampling_params: Callable[..., Any] | None = None) -> None:
+                 sampling_params: Callable[..., Any] | None = None, reload_timeout_s: float = RELOAD_TIMEOUT_S) -> None:
         self.eos_ids = set(eos_ids)
+        self.reload_timeout_s = reload_timeout_s
         self.sleep_after_generate = enable_sleep_mode
         self.tensor_parallel_size = tensor_parallel_size
         self._policy_dtype = dtype
@@ -299,8 +308,10 @@ class VLLMEngine(SyncedWeights):
             log.info("vLLM: reloading weights in place from %s", self.weights_path)
             self._loaded_path = None  # a failed reload leaves the weights partly written
             try:
-                answers = self.llm.collective_rpc("rft_reload_weights", args=(self.weights_path,))
-            except Exception as exc:  # the executor failed (a worker process died): the extension never raises
+                answers = self.llm.collective_rpc("rft_reload_weights", timeout=self.reload_timeout_s,
+                                                  args=(self.weights_path,))
+            except Exception as exc:  # the executor failed (a worker process died), or a worker did not answer
+                # within reload_timeout_s (its reply may still come: the engine cannot be reused); the extension never raises
                 self.died(f"{type(exc).__name__}: {exc}")
                 raise
             failed = [a for a in answers if not a["ok"]]

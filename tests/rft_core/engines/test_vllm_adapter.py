@@ -184,6 +184,33 @@ def test_cached_engine_reloads_a_new_checkpoint_in_place(parts, tiny_model, tmp_
     assert release_vllm_engine() is True and ENGINE_CACHE.peek() is None and release_vllm_engine() is False
 
 
+def test_a_reload_no_worker_answers_fails_within_its_timeout_and_the_next_engine_is_new(parts, tiny_model, tmp_path,
+                                                                                        fake_vllm):
+    """A vLLM worker that never answers the in-place reload (``LLM.collective_rpc`` without a
+    timeout would wait forever): the reload fails with vLLM's ``TimeoutError`` after
+    ``reload_timeout_s``, the engine is closed as dead and leaves the cache, and the next
+    ``get_vllm_engine`` builds a new one on the new checkpoint."""
+    import threading
+    import time
+
+    model, tok = parts
+    eos = HFEngine(model, tok).eos_ids
+    engine = get_vllm_engine(tiny_model, eos_ids=eos, tensor_parallel_size=2)
+    engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    engine.reload_timeout_s = 1.0
+    engine.llm.workers[1].hang = threading.Event()  # never set: worker 1 never answers
+    new_path, _ = _perturbed_checkpoint(tiny_model, tmp_path / "next")
+    assert get_vllm_engine(new_path, eos_ids=eos, tensor_parallel_size=2) is engine
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="rft_reload_weights timed out"):
+        engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    assert 1.0 <= time.monotonic() - t0 < 10.0
+    assert engine.dead and ENGINE_CACHE.peek() is None and engine.llm is None
+    fresh = get_vllm_engine(new_path, eos_ids=eos, tensor_parallel_size=2)
+    assert fresh is not engine and len(fake_vllm) == 2 and fake_vllm[1]["model"] == new_path  # built on it
+    assert len(fresh.generate(PROMPTS, n_samples_per_prompt=1, max_new_tokens=3, seed=4)) == len(PROMPTS)
+
+
 def test_sleep_mode_frees_the_gpu_between_rollouts(parts, tiny_model, tmp_path, fake_vllm):
     model, tok = parts
     eos = HFEngine(model, tok).eos_ids
