@@ -1,13 +1,14 @@
 """Reliability report: every SIGKILL row of the tests (stage mode on a local disk and the
-multi-turn rollout, resident workers, asynchronous RL, an S3 bucket on a moto server), each run
+multi-turn rollout, resident workers, resident FSDP2 ranks, asynchronous RL and partial
+rollouts, an S3 bucket on a moto server), each run
 by the same row function and seed as its test (``tests/faults.py``), tabulated with where the kill
 landed and what the rerun redid; and the disk a 20-iteration run keeps under the default
 checkpoint retention. Writes the measured sections of docs/reliability.md.
 
     .venv/bin/python benchmarks/reliability.py [--seed 0] [--repeats 1] [--parts sigkill,resident,fsdp,async,s3,disk]
 
-All parts take about 1.5 h on 2 quiet cores (sigkill ~30 min, resident ~25 min, fsdp ~10 min,
-async ~8 min, s3 ~10 min, disk ~10 min). A part left out keeps its section of the current docs/reliability.md
+All parts take about 75 min on 2 quiet cores (measured 2026-11-28, one part per invocation:
+resident 31 min, sigkill 18, fsdp 7, s3 6, async 4; disk ~10 on 2026-11-22). A part left out keeps its section of the current docs/reliability.md
 as it is (``--parts ''`` rewrites only the prose); the prose sections (object storage, the
 Prefect server, full disks, corruption) are written from here.
 """
