@@ -298,7 +298,8 @@ SIGKILL_INTRO = [
     "committed file has the same mtime and sha256 after the rerun (files that checkpoint retention",
     "pruned on purpose, recorded in `_PRUNED.json`, excepted); *valid* = every shard of the run",
     "passes the validating reader; *same weights* = the final policy equals an uninterrupted run's",
-    "bit for bit. Each row is what its test asserts (`tests/faults.py` `assert_row`).",
+    "bit for bit; each row is what its test asserts (`tests/faults.py` `assert_row`, in",
+    "`tests/test_faults.py::test_sigkill_then_rerun` and the other SIGKILL tests).",
     "",
 ]
 RESIDENT_INTRO = [
