@@ -44,7 +44,7 @@ ROW_PREFIX = "test_sigkill"
 # rows are placed so (2 or 3 per group, ~55 s each on 2 cores). The rows that share an expensive
 # baseline name their groups (``row(..., group=k)``), so fewer groups pay for it: the resident
 # rows (baseline ~200 s) groups 5, 6, 7 and 0, the FSDP2 rows (baseline ~3 min, a row ~4 min) 1
-# and 2, the S3 rows 3 and 4, the asynchronous rows 4 and the partial-rollout row 3; the long
+# and 2, the S3 rows 3 and 4, the asynchronous rows 4 and the partial-rollout row 7; the long
 # tests marked ``rotation(k)`` fill the groups with the fewest (tests/durations.txt, 2026-11-28).
 OFFSETS = {"tests.test_faults": 0}
 _next: dict[str, int] = {}
