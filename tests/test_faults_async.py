@@ -46,7 +46,7 @@ def partial(prefect_harness, tiny_model, tmp_path_factory):
     return partial_baseline(tmp_path_factory.mktemp("faults-partial"), tiny_model, PREFECT_API_URL.value())
 
 
-@pytest.mark.rotation(7)  # group 3 ran 38 min with it (2026-11-28); tests/rotation.py
+@pytest.mark.rotation(7)  # out of group 3, estimated at ~38 min with it (2026-11-28); tests/rotation.py
 def test_sigkill_mid_chunk_of_a_partial_rollout_then_rerun(partial):
     from schemas import read_manifest
 
