@@ -49,18 +49,21 @@ def bytes_written(run_root: str, iteration: int) -> int:
 
 
 def final_weights(run_root: str, iteration: int) -> dict[str, str]:
-    """sha256 of each weight file of the last update's checkpoint: in its ``ppo_update`` stage, or
-    (a resident run's checkpoint iteration, written in the background by the policy worker) in the
-    sibling ``ppo_update-policy`` stage."""
-    from rft_core.stages.retention import POLICY_STAGE_FOLDER
-    from schemas import read_manifest, stage_uri
+    """sha256 of each weight file of the last update's checkpoint, wherever it committed them
+    (``rft_core.stages.lineage.weights_stage``: the ``ppo_update`` stage, or for a resident
+    checkpoint iteration the ``ppo_update-policy`` sibling its policy worker wrote in the background).
 
-    for stage in ("ppo_update", POLICY_STAGE_FOLDER):
-        m, _ = read_manifest(stage_uri(run_root, iteration, stage))
-        found = {e.path: e.sha256 for e in m.files if e.path.startswith("policy/") and e.path.endswith(".safetensors")}
-        if found:
-            return found
-    raise RuntimeError(f"{run_root}: iteration {iteration} committed no policy weights (ppo_update, {POLICY_STAGE_FOLDER})")
+    Raises:
+        RuntimeError: the iteration's weights are on no committed stage.
+    """
+    from rft_core.stages.lineage import weights_stage
+    from schemas import ShardRef, read_manifest, stage_uri
+
+    stage = weights_stage(ShardRef.from_manifest(stage_uri(run_root, iteration, "ppo_update")))
+    if stage is None:
+        raise RuntimeError(f"{run_root}: iteration {iteration} committed no policy weights")
+    m, _ = read_manifest(stage.uri)
+    return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/") and e.path.endswith(".safetensors")}
 
 
 def _rows(run_root: str, metrics: list[dict], cumulative: list[dict]) -> list[dict]:
