@@ -10,7 +10,14 @@ Per iteration and mode it records:
   model read for them;
 - ``weight_syncs``, ``weight_sync_s``, ``weight_sync_bytes``: in-memory weight syncs
   (trainer -> rollout engine) and their seconds and bytes;
-- ``seconds``: the iteration's wall seconds (the flow's ``seconds/iteration``).
+- ``seconds``: the iteration's wall seconds (the flow's ``seconds/iteration``);
+- ``outside_seconds``: ``seconds`` less its stages' own (``stage_seconds``): the task runs, the
+  resident calls, the weight sync when a rollout waits for it, the reads and writes around each
+  program (issue 44's target: at most 0.5 s in a steady resident iteration);
+- ``step_seconds`` (flow driver): from this iteration's start to the next one's (the last: to the
+  end of the run, its workers stopped), i.e. also what the training flow does between two
+  iterations (the iteration's artifacts, metrics.jsonl, TensorBoard, the curve), which
+  ``seconds`` leaves out.
 
 ``--driver flow`` (default, ``make bench-resident``): the Prefect training flow with resident
 workers as Ray actors (a local Ray), exactly as a user runs it. ``--driver inprocess``: no
@@ -66,10 +73,11 @@ def final_weights(run_root: str, iteration: int) -> dict[str, str]:
     return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/") and e.path.endswith(".safetensors")}
 
 
-def _rows(run_root: str, metrics: list[dict], cumulative: list[dict]) -> list[dict]:
-    """Per-iteration rows from the iterations' metrics and the cumulative counters after each."""
+def _rows(run_root: str, metrics: list[dict], cumulative: list[dict], steps: list[float] | None = None) -> list[dict]:
+    """Per-iteration rows from the iterations' metrics, the cumulative counters after each and
+    (flow driver) each iteration's ``step_seconds``."""
     out, prev = [], {}
-    for m, c in zip(metrics, cumulative):
+    for i, (m, c) in enumerate(zip(metrics, cumulative)):
         d = {k: c.get(k, 0) - prev.get(k, 0) for k in COUNTERS}
         prev = c
         out.append({"iteration": m["iteration"], "seconds": m["seconds/iteration"],
@@ -79,16 +87,32 @@ def _rows(run_root: str, metrics: list[dict], cumulative: list[dict]) -> list[di
                     "weight_sync_bytes": int(d["weight_sync_bytes"]), "reward_mean": m.get("reward_mean"),
                     "stage_seconds": {k.split("/", 1)[1]: v for k, v in m.items()
                                       if k.startswith("seconds/") and k != "seconds/iteration"}})
+        out[-1]["outside_seconds"] = round(out[-1]["seconds"] - sum(out[-1]["stage_seconds"].values()), 3)
+        if steps:
+            out[-1]["step_seconds"] = round(steps[i], 3)
     return out
 
 
 def run_flow(cfg) -> list[dict]:
-    """The Prefect training flow (resident workers as Ray actors when configured)."""
+    """The Prefect training flow (resident workers as Ray actors when configured), each
+    iteration's start taken as the training flow calls it (``flows.train.rl_iteration``)."""
+    import flows.train
     from flows.train import train
 
-    result = train(cfg)
+    starts, iteration = [], flows.train.rl_iteration
+
+    def timed(*args, **kwargs):
+        starts.append(time.perf_counter())
+        return iteration(*args, **kwargs)
+
+    flows.train.rl_iteration = timed
+    try:
+        result = train(cfg)
+    finally:
+        flows.train.rl_iteration = iteration
+    starts.append(time.perf_counter())
     cumulative = [{k: m.get(f"run/{k}", 0) for k in COUNTERS} for m in result.metrics]
-    return _rows(cfg.run_root, result.metrics, cumulative)
+    return _rows(cfg.run_root, result.metrics, cumulative, [b - a for a, b in zip(starts, starts[1:])])
 
 
 def inprocess_runner(cfg):
@@ -140,12 +164,14 @@ def markdown(res: dict) -> str:
     lines = [f"Measured {res['date']} on {res['machine']}; {res['load']}. Command: `{res['command']}`. Model "
              f"`{res['model']}`, {res['iterations']} iterations of the demo preset{res['overrides_note']}; resident: "
              f"`checkpoint.every={res['checkpoint_every']}` (driver: {res['driver']}).", "",
-             "| mode | iter | seconds | bytes written | bytes read | model loads | engine builds | weight sync s (MB) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| mode | iter | seconds | outside the stages (s) | step (s) | bytes written | bytes read | model loads | "
+             "engine builds | weight sync s (MB) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for mode in ("stage", "resident"):
         for r in res[mode]["iterations"]:
             sync = f"{r['weight_sync_s']} ({r['weight_sync_bytes'] / 1e6:.0f})" if r["weight_syncs"] else "-"
-            lines.append(f"| {mode} | {r['iteration']} | {r['seconds']} | {r['bytes_written'] / 1e6:.1f} MB | "
+            lines.append(f"| {mode} | {r['iteration']} | {r['seconds']} | {r.get('outside_seconds', '-')} | "
+                         f"{r.get('step_seconds', '-')} | {r['bytes_written'] / 1e6:.1f} MB | "
                          f"{r['bytes_read'] / 1e6:.1f} MB | {r['model_loads']} | {r['engine_builds']} | {sync} |")
     for mode in ("stage", "resident"):
         its = res[mode]["iterations"][1:]

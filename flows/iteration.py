@@ -32,6 +32,7 @@ from rft_core.api import (
     iteration_metrics,
     next_state,
     samples_markdown,
+    sync_rollout_ahead,
 )
 from rft_core.config import KLConfig, TrainConfig, TrainState
 from schemas import PolicyRef, ShardRef, stage_uri
@@ -243,6 +244,8 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
                                            kl=kl, out=out, tags=tags, background_optimizer=cfg.checkpoint.async_optimizer,
                                            save_checkpoint=cfg.is_checkpoint(iteration),
                                            policy_version=iteration - 1)
+    if cfg.syncs_rollout_ahead(iteration):  # the next rollout's weights move while this iteration commits
+        sync_rollout_ahead(cfg.runner("rollout").workers, new_policy, cfg.policy.dtype)
     if ahead is not None:
         ahead.result()  # the next iteration's rollout, overlapped with this update (its failure surfaces here)
     refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy,

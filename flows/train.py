@@ -12,9 +12,8 @@ from flows.iteration import rl_iteration
 from rft_core.api import (
     WandbLogger,
     check_run_root,
-    curve_markdown,
+    curve_outputs,
     format_metrics_line,
-    plot_curves,
     run_counters,
     release_run,
     wait_for_optimizer_writes,
@@ -80,10 +79,10 @@ def train(cfg: TrainConfig) -> TrainResult:
             write_tensorboard(cfg.run_root, rows)
             if wandb:
                 wandb.log(result.metrics)
-            # the reward/KL/length curve so far, as an image the UI shows (a new version each iteration)
-            create_markdown_artifact(key="metrics-curve", markdown=curve_markdown(rows),
+            # the reward/KL/length curve so far: metrics.png and an image the UI shows (a new version each iteration)
+            curve, markdown = curve_outputs(cfg.run_root, rows)
+            create_markdown_artifact(key="metrics-curve", markdown=markdown,
                                      description=f"Metrics of {cfg.run_root} after iteration {i}")
-            curve = plot_curves(cfg.run_root, rows)
             logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
         # the last iteration's optimizer state may still be being written (checkpoint.async_optimizer)
         wait_for_optimizer_writes()

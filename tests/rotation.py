@@ -43,9 +43,13 @@ ROW_PREFIX = "test_sigkill"
 # a module not listed starts at crc32(name) % GROUPS. Today only tests/test_faults.py's 20 stage
 # rows are placed so (2 or 3 per group, ~55 s each on 2 cores). The rows that share an expensive
 # baseline name their groups (``row(..., group=k)``), so fewer groups pay for it: the resident
-# rows (baseline ~200 s) groups 5, 6, 7 and 0, the FSDP2 rows (baseline ~3 min, a row ~4 min) 1
-# and 2, the S3 rows 3 and 4, the asynchronous rows 4 and the partial-rollout row 7; the long
-# tests marked ``rotation(k)`` fill the groups with the fewest (tests/durations.txt, 2026-11-28).
+# rows (baseline ~135 s, a row ~130-170 s) groups 5, 6, 7 and 0, the FSDP2 rows (baseline ~3 min,
+# a row ~4 min) 1 and 2, the S3 rows 3 and 4, the asynchronous rows 4 and the partial-rollout row 7;
+# the long tests marked ``rotation(k)`` fill the groups with the fewest. Each group's seconds on
+# 2 cores, measured (tests/durations.txt's history; group 4 alone with ``RFT_ROTATION=4 -m
+# rotation``, 2026-11-28) and moved since: 0 ~870 (12:15 record less its faster rows), 1 ~850,
+# 2 ~830, 3 ~810, 4 ~780; 5, 6 and 7 never measured, ~950-1075 by their rows' costs elsewhere:
+# the next landings that run them must measure them first (the tests every run runs: ~860 s).
 OFFSETS = {"tests.test_faults": 0}
 _next: dict[str, int] = {}
 

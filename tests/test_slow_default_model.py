@@ -59,6 +59,7 @@ def test_default_model_one_tiny_iteration(tmp_path):
     assert (tmp_path / "run/iter=000001/ppo_update/policy/model.safetensors").exists()
 
 
+@pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py); the SmolLM2 smoke test above runs every time
 def test_default_model_ppo_with_critic(tmp_path):
     """PPO with a critic (GAE) on the real default: values, advantages, both updates."""
     cfg = load_config("configs/grpo_demo.yaml", ["data.prompts_per_iteration=2", "rollout.n_samples_per_prompt=2",

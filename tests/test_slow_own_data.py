@@ -25,6 +25,7 @@ def _make_examples(out: Path) -> dict[str, Path]:
     return mod.write_all(out, rows=200, test_rows=50, seed=0)
 
 
+@pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py)
 def test_one_smollm2_iteration_on_the_example_jsonl(prefect_harness, tmp_path):
     from flows.eval import evaluate
     from flows.train import train

@@ -162,7 +162,7 @@ def _run(cfg, inp):
     return run_stage(inp, cfg.runner(inp.stage))
 
 
-@pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
+@pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py)
 def test_resident_on_two_nodes_equals_stage_mode(two_nodes, stage_root, caplog):
     from rft_core.workers.pool import placements, stop_workers
 

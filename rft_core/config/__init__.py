@@ -256,6 +256,16 @@ class TrainConfig(_Frozen):
         (``checkpoint.async_weights`` under resident workers; ``PPOUpdateInput.background_checkpoint``)."""
         return self.checkpoint.async_weights and self.orchestration.workers == "resident"
 
+    def syncs_rollout_ahead(self, iteration: int) -> bool:
+        """Whether the update of ``iteration`` is handed to the resident rollout worker right away
+        (``rft_core.workers.pool.sync_rollout_ahead``: the next rollout finds it synced): a
+        synchronous run (``rollout.max_staleness`` 0: the next rollout samples with exactly this
+        update) whose rollout runs unsharded in a resident worker on the HF engine, and not the
+        last iteration (no rollout follows it)."""
+        runner = self.runner("rollout")
+        return (runner.mode == "resident" and runner.shards == 1 and self.rollout.max_staleness == 0
+                and self.rollout.engine == "hf" and iteration < self.iterations)
+
     @property
     def resident_pool(self) -> str | None:
         """The name of the run's resident workers' pool (the run root), or None with ``workers: stage``."""

@@ -38,12 +38,14 @@ from typing import Any
 
 from rft_core.config import WorkersConfig
 from rft_core.counters import counts
+from rft_core.stages.sources import version_key
 from rft_core.workers.base import NAMESPACE, Gang, ResidentWorker, WorkerError, actor_name
 from rft_core.workers.critic import CriticWorker
 from rft_core.workers.policy import PolicyWorker
 from rft_core.workers.reference import ReferenceWorker
 from rft_core.workers.rollout import RolloutWorker
 from rft_core.workers.teacher import TeacherWorker
+from schemas import PolicyRef
 
 log = logging.getLogger("rft_core.workers")
 
@@ -262,6 +264,27 @@ def run_resident(inp, workers: WorkersConfig):
             log.warning("the %s worker (%s) died during %s (%s); starting a new one and running the stage again",
                         role, where, inp.program, exc)
     raise AssertionError("unreachable")
+
+
+def sync_rollout_ahead(workers: WorkersConfig | None, policy: PolicyRef, dtype: str) -> bool:
+    """Hand the rollout worker of ``workers``'s pool the policy version ``policy`` (a committed
+    update) to sync into its copy in ``dtype`` on a thread of its own (``RolloutWorker.sync_ahead``),
+    so the next rollout finds it held; returns at once. A synchronous run's flow calls it right
+    after each update but the last (``TrainConfig.syncs_rollout_ahead``). Returns whether it was
+    handed over: not without resident workers (``workers`` None), when this process has not
+    started the rollout worker, or when the worker is dead (the next rollout starts a new one, which
+    loads or syncs the version itself). Raises nothing."""
+    if workers is None or not all((workers.pool, "rollout", r) in _HANDLES for r in range(_gang_size(workers, "rollout"))):
+        return False
+    from ray.exceptions import RayError  # lazy: Ray is optional
+
+    try:
+        start_gang(workers, "rollout").call(RolloutWorker.sync_ahead, policy, dtype)
+        return True
+    except RayError as exc:
+        log.warning("the rollout worker of %s did not take the sync ahead of %s (%s); the next rollout syncs it",
+                    workers.pool, version_key(policy), exc)
+        return False
 
 
 def _answering_gang(workers: WorkersConfig, role: str) -> Gang:

@@ -11,6 +11,13 @@ sync serves nothing: its ``generate`` raises ``WeightSyncError``, until a sync o
 load succeeds). When the trainer does not hold the version, the copy or the engine loads it
 from storage (``full_checkpoint`` for an engine). What is this worker's own: which copy holds
 which version (``_switch``), and which engine serves.
+
+A synchronous run hands this worker the new policy right after each update (``sync_ahead``, which
+the flow calls through ``rft_core.workers.pool.sync_rollout_ahead``): the same pull into its copy
+runs on a thread of its own while the driver commits the iteration and starts the next one, so the
+next rollout finds the version held. Every call that uses the copy or reports on it (``run``,
+``stats``, ``close``) waits for that thread first (``settle``); a sync ahead that failed leaves the
+copy holding no version, and the rollout syncs again itself (issue 44).
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import copy
 import logging
 import shutil
 import tempfile
+import threading
 from typing import Any, ClassVar
 
 import torch
@@ -32,7 +40,7 @@ from rft_core.stages.sources import load_from_storage, version_key
 from rft_core.weightsync.landing import IntoEngine, IntoTensors
 from rft_core.weightsync.plan import SyncReport, state_tensors
 from rft_core.weightsync.session import pull
-from rft_core.workers.base import Gang, ResidentWorker, WorkerError
+from rft_core.workers.base import FanOut, Gang, ResidentWorker, WorkerError, fan_out
 from rft_core.workers.policy import PolicySendLeg, PolicyWorker
 from schemas import PolicyRef
 
@@ -72,6 +80,7 @@ class RolloutWorker(ResidentWorker):
         self._arrived: dict[str, int] = {}  # version -> the order it arrived in (load or sync)
         self._merged: str | None = None  # a LoRA checkpoint merged for a GPU engine (engine_policy)
         self.syncs: list[dict[str, Any]] = []
+        self._ahead: threading.Thread | None = None  # a sync ahead still landing (sync_ahead)
 
     @classmethod
     def kwargs_from(cls, workers: WorkersConfig) -> dict[str, Any]:
@@ -90,6 +99,50 @@ class RolloutWorker(ResidentWorker):
         if self._peer is not None:
             return Gang(PolicyWorker, [self._peer], timeout_s=self.sync_timeout_s)
         return Gang.named(PolicyWorker, self.pool, self.policy_ranks, timeout_s=self.sync_timeout_s)
+
+    # -- the sync ahead ---------------------------------------------------------------------
+    @fan_out(FanOut.EACH)
+    def sync_ahead(self, ref: PolicyRef, dtype: str) -> None:
+        """Start making this worker's copy hold ``ref`` in ``dtype`` (``inference_model``: a
+        verified pull from the policy gang) on a thread of its own, and return at once: the
+        driver's work between an update and the next rollout (committing the iteration, its
+        metrics, the next prompts) overlaps the sync. A failure is logged, not raised: the copy
+        then holds no version and the next rollout syncs again, raising what it raises."""
+        self.settle()
+        self._ahead = threading.Thread(target=self._sync_quietly, args=(ref, dtype), name="rft-sync-ahead",
+                                       daemon=True)
+        self._ahead.start()
+
+    def _sync_quietly(self, ref: PolicyRef, dtype: str) -> None:
+        try:
+            self.inference_model(ref, dtype=dtype, role="policy")
+        except Exception as exc:  # noqa: BLE001  the rollout's own sync raises it, if it fails again
+            log.warning("the rollout worker's sync ahead of %s failed (%s: %s); the next rollout syncs again",
+                        version_key(ref), type(exc).__name__, exc)
+
+    def settle(self) -> None:
+        """Wait for a sync ahead still landing (``sync_ahead``)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.join()
+
+    @fan_out(FanOut.COLLECTIVE)
+    def run(self, inp) -> Any:
+        """``ResidentWorker.run``, once a sync ahead has landed (``settle``)."""
+        self.settle()
+        return super().run(inp)
+
+    @fan_out(FanOut.EACH)
+    def stats(self) -> dict[str, Any]:
+        """``ResidentWorker.stats``, once a sync ahead has landed (its counters included)."""
+        self.settle()
+        return super().stats()
+
+    @fan_out(FanOut.EACH)
+    def close(self) -> None:
+        """Wait for a sync ahead (``settle``) before the worker is stopped."""
+        self.settle()
+        super().close()
 
     # -- ModelSource ------------------------------------------------------------------------
     def inference_model(self, ref: PolicyRef, *, dtype: str, role: str) -> torch.nn.Module:

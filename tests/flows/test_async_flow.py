@@ -74,7 +74,7 @@ def test_staleness_0_records_the_previous_iteration_as_the_version(prefect_harne
         "staleness"] == 0
 
 
-@pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
+@pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py)
 def test_staleness_2_resident_keeps_two_versions_and_equals_stage_mode(prefect_harness, tiny_model, tmp_path):
     """s = 2 with resident workers: the rollout worker keeps a copy of each of the last two policy
     versions (the rollout of iteration k samples with version k-3 while the actor pass of

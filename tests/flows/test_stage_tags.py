@@ -3,6 +3,7 @@
 the server has a `gpu`/`cpu` tag concurrency limit."""
 from __future__ import annotations
 
+import pytest
 
 import tasks
 from tests.flows.conftest import flow_cfg
@@ -19,6 +20,7 @@ def test_stage_tasks_tag_by_stage_kind():
     assert tasks.resolve_concurrency_tags(True) is True and tasks.resolve_concurrency_tags(False) is False
 
 
+@pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py)
 def test_auto_tags_follow_the_servers_tag_limits(prefect_harness, tiny_model, tmp_path, fake_rewards):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, TaskRunFilter

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from rft_core.config import WandbConfig
-from rft_core.observe import WandbLogger, curve_markdown, curve_png
+from rft_core.observe import CURVE_DPI, WandbLogger, curve_markdown, curve_outputs, curve_png
 
 ROWS = [
     {"iteration": 1, "reward_mean": 0.125, "kl": 0.0, "response_length": 47.25, "skipped": True, "name": "x"},
@@ -47,6 +47,14 @@ def test_curve_markdown_embeds_the_png_and_the_last_values():
     assert _png_size(base64.b64decode(m.group(1))) == (384, 112)  # 3 panels at 40 dpi
     assert md.startswith("### Metrics over 2 iteration(s)")
     assert "Iteration 2: reward_mean 0.25, kl 0.0212, response_length 48.5" in md
+
+
+def test_the_flows_curve_is_drawn_once_for_the_file_and_the_artifact(tmp_path):
+    path, md = curve_outputs(str(tmp_path), ROWS)
+    embedded = base64.b64decode(re.search(r"base64,([A-Za-z0-9+/=]+)\)", md).group(1))
+    assert path == str(tmp_path / "metrics.png") and (tmp_path / "metrics.png").read_bytes() == embedded
+    assert _png_size(embedded) == (round(3 * 3.2 * CURVE_DPI), round(2.8 * CURVE_DPI))  # 3 panels, one row
+    assert curve_outputs("s3://bucket/run", ROWS)[0] is None  # no local file; the artifact's markdown still
 
 
 class _FakeRun:

@@ -33,9 +33,11 @@ from schemas import commit_files, read_manifest, read_shard, write_shard  # noqa
 from schemas.columns import CRITIC_VALUES, OPTIMIZER_STATE  # noqa: E402
 from tests.rft_core.training.chain import ITERATIONS, RUNNER, ds, max_diff, one_thread, run_update, weights  # noqa: E402
 
-# ZeRO stages 1 and 2 (each test with its resident twin: they share the chain of updates) take
-# their turns in the rotation (tests/rotation.py, ~95 s each on 2 cores); stage 3 runs every time
-ZERO_STAGES = [pytest.param(1, marks=pytest.mark.rotation(3)), pytest.param(2, marks=pytest.mark.rotation(4)), 3]
+# Each ZeRO stage (each test with its resident twin: they share the chain of updates) takes its
+# turn in the rotation (tests/rotation.py, ~95 s each on 2 cores); stage 3 with the crashed ZeRO-3
+# gang, which reads the same chain
+ZERO_STAGES = [pytest.param(1, marks=pytest.mark.rotation(3)), pytest.param(2, marks=pytest.mark.rotation(4)),
+               pytest.param(3, marks=pytest.mark.rotation(1))]
 
 # what the removed warnings said; neither may appear in a DeepSpeed update's log any more
 STALE_WARNINGS = ("starts AdamW afresh", "master weights live inside ZeRO for this update only")
@@ -111,6 +113,7 @@ def test_another_world_size_is_refused_by_name(update_inputs, ds_chain):
     assert not Path(update_inputs[0] / "zero1-one-rank" / "_MANIFEST.json").exists()
 
 
+@pytest.mark.rotation(1)  # long: one turn in 8, with the ZeRO-3 chain's other users (tests/rotation.py)
 def test_the_state_of_other_weights_is_refused(update_inputs, ds_chain, tmp_path):
     """ZeRO-3: iteration 1's optimizer stage replaced by iteration 2's state (re-committed, so every
     checksum holds): the update from iteration 1's policy refuses it (its weight partitions differ
@@ -262,6 +265,7 @@ def test_resident_zero_gang_keeps_its_state_and_equals_the_torchrun_updates(upda
     assert opt_manifest.summary["world_size"] == 2 and opt_manifest.summary["zero_stage"] == zero_stage
 
 
+@pytest.mark.rotation(1)  # long: one turn in 8, with the ZeRO-3 chain's other users (tests/rotation.py)
 def test_a_crashed_zero3_gang_is_rebuilt_exactly_from_the_committed_updates(update_inputs, ds_chain, tiny_model,
                                                                             tmp_path):
     """Both ranks of the gang are SIGKILLed after 2 weightless updates (a crash: their memory is

@@ -93,6 +93,73 @@ def test_resident_every_3_ends_with_the_stage_mode_weights(stage_run, tiny_model
             assert parts(a) == parts(b), (it, stage)
 
 
+def test_a_sync_ahead_lands_each_update_before_the_next_rollout_and_changes_no_bit(stage_run, tiny_model, tmp_path):
+    """The flow hands each update but the last to the rollout worker right after it
+    (``RolloutWorker.sync_ahead``, ``TrainConfig.syncs_rollout_ahead``): here the same calls in one
+    process. The rollouts then find their version held (no sync of their own), and every shard and
+    the final weights equal stage mode's."""
+    cfg_s, final_s = stage_run
+    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")
+    assert [cfg.syncs_rollout_ahead(i) for i in (1, 2, 3)] == [True, True, False]
+    pool = _pool()
+    base, rollout_syncs = _runner(pool), []
+
+    def run(inp):
+        pool["rollout"].settle()  # a sync ahead still landing counts before the stage, not in it
+        before = len(pool["rollout"].syncs)
+        out = base(inp)
+        if inp.program == "rollout":
+            rollout_syncs.append(len(pool["rollout"].syncs) - before)
+        iteration = int(Path(inp.out).parent.name.split("=")[1])
+        if inp.program == "ppo_update" and cfg.syncs_rollout_ahead(iteration):
+            pool["rollout"].sync_ahead(out, cfg.policy.dtype)
+        return out
+
+    final = drive(cfg, run)
+    assert rollout_syncs == [0, 0, 0]  # iteration 1 loads the initial policy; 2 and 3 found theirs synced ahead
+    assert [s["version"].split("@")[0].rsplit("/", 2)[-2] for s in pool["rollout"].syncs] == ["iter=000001", "iter=000002"]
+    assert _weight_files(final) == _weight_files(final_s) and _weight_files(final)
+    for it in (2, 3):
+        for stage in ("rollout", "actor_logprobs", "ppo_update"):
+            a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg_s, cfg))
+            assert {e.path: e.sha256 for e in a.files if e.path.endswith(".parquet")} == \
+                {e.path: e.sha256 for e in b.files if e.path.endswith(".parquet")}, (it, stage)
+
+
+def test_a_sync_ahead_is_waited_for_by_the_next_call_and_a_failed_one_raises_nothing(monkeypatch, caplog):
+    """``sync_ahead`` returns at once; ``run``, ``stats`` and ``close`` wait for it (``settle``). One
+    that fails is logged, leaves the copy holding no version, and raises nothing (the rollout's
+    own sync raises, if it fails again)."""
+    import threading
+    import time
+
+    worker = RolloutWorker("test")
+    landed = threading.Event()
+
+    def slow(ref, *, dtype, role):
+        time.sleep(0.5)
+        worker.version = ref
+        landed.set()
+        return None
+
+    monkeypatch.setattr(worker, "inference_model", slow)
+    t0 = time.perf_counter()
+    worker.sync_ahead("v1", "float32")
+    assert time.perf_counter() - t0 < 0.4 and not landed.is_set()  # returned before the sync landed
+    stats = worker.stats()
+    assert landed.is_set() and stats["version"] == "v1"  # stats waited for it
+
+    def failing(ref, *, dtype, role):
+        worker.version = None
+        raise WeightSyncError("the digests differ")
+
+    monkeypatch.setattr(worker, "inference_model", failing)
+    with caplog.at_level("WARNING", logger="rft_core.workers"):
+        worker.sync_ahead("v2", "float32")
+        worker.settle()
+    assert worker.version is None and "sync ahead of path:v2 failed (WeightSyncError: the digests differ)" in caplog.text
+    worker.close()  # nothing pending: returns
+
 def test_a_weightless_update_is_refused_from_storage_and_chains_to_its_checkpoint(stage_run, tiny_model, tmp_path):
     cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")
     drive(cfg, _runner(_pool()), stop_after=2)
