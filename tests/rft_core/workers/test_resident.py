@@ -99,6 +99,7 @@ def test_a_sync_ahead_lands_each_update_before_the_next_rollout_and_changes_no_b
     process. The rollouts then find their version held (no sync of their own), and every shard and
     the final weights equal stage mode's."""
     cfg_s, final_s = stage_run
+    assert_training_signal(cfg_s.run_root, (1, 2, 3))  # the compared updates moved the weights
     cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")
     assert [cfg.syncs_rollout_ahead(i) for i in (1, 2, 3)] == [True, True, False]
     pool = _pool()
