@@ -46,10 +46,12 @@ ROW_PREFIX = "test_sigkill"
 # rows (baseline ~135 s, a row ~130-170 s) groups 5, 6, 7 and 0, the FSDP2 rows (baseline ~3 min,
 # a row ~4 min) 1 and 2, the S3 rows 3 and 4, the asynchronous rows 4 and the partial-rollout row 7;
 # the long tests marked ``rotation(k)`` fill the groups with the fewest. Each group's seconds on
-# 2 cores, measured (tests/durations.txt's history; group 4 alone with ``RFT_ROTATION=4 -m
-# rotation``, 2026-11-28) and moved since: 0 ~870 (12:15 record less its faster rows), 1 ~850,
-# 2 ~830, 3 ~810, 4 ~780; 5, 6 and 7 never measured, ~950-1075 by their rows' costs elsewhere:
-# the next landings that run them must measure them first (the tests every run runs: ~860 s).
+# 2 cores, measured (tests/durations.txt's history; groups 4 and 5 alone with ``RFT_ROTATION=k
+# -m rotation``, 2026-11-28/29) and moved since: 0 ~870 (12:15 record less its faster rows),
+# 1 ~870, 2 ~900, 3 ~880, 4 757 (its landing's record), 5 ~920 (1111 measured, its partial-flow,
+# SmolLM2-agent and GPU-pool tests since moved to 3, 2 and 1); 6 and 7 never measured, ~950-1075
+# by their rows' costs elsewhere; the tests every run runs: 869 s. A group over ~800 s puts the
+# suite over 28 min here (~33 in CI, 1.19x): the resident rows (~130-170 s each) are the cost.
 OFFSETS = {"tests.test_faults": 0}
 _next: dict[str, int] = {}
 

@@ -17,7 +17,7 @@ from schemas import read_manifest, read_shard, stage_uri
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py)
+@pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py)
 def test_agent_preset_one_iteration_on_smollm2(prefect_harness, tmp_path):
     from flows.train import train
 

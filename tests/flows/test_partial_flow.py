@@ -35,7 +35,7 @@ def _files(root, stage: str, iteration: int = ITERATIONS, prefix: str = "") -> d
     return {e.path: e.sha256 for e in m.files if e.path.startswith(prefix)}
 
 
-@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py)
+@pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py)
 def test_two_partial_runs_are_bit_identical_and_tokens_span_versions(prefect_harness, tiny_model, tmp_path):
     from flows.train import train
 

@@ -91,7 +91,7 @@ def gpu_cluster():
         cluster.shutdown()
 
 
-@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py)
+@pytest.mark.rotation(1)  # long: one turn in 8 (tests/rotation.py)
 def test_actors_get_gpus_on_a_cluster_with_gpus(gpu_cluster, tmp_path, caplog, monkeypatch):
     import ray
 
