@@ -18,7 +18,7 @@ from rft_core.data.prompts import DatasetError
 from rft_core.data.validate import DataValidationError, validate_run_data
 from rft_core.inspect import export_table, run_status, samples_view
 from rft_core.metrics import format_metrics_line, iteration_metrics, write_metrics
-from rft_core.observe import WandbLogger, curve_markdown, curve_outputs, plot_curves, samples_markdown, write_tensorboard
+from rft_core.observe import WandbLogger, curve_outputs, samples_markdown, write_tensorboard
 from rft_core.replay import replay_sources, write_replay_record
 from rft_core.rewards.base import RewardError
 from rft_core.rewards.judge import check_judge_keys
@@ -54,8 +54,8 @@ __all__ = [
     *_contracts.__all__, "WandbLogger", "checkpoint_label",
     "check_config_data", "dataset_fingerprint", "heldout_fingerprint", "DatasetError", "DataValidationError",
     "validate_run_data",
-    "count_signal_groups", "curve_markdown", "curve_outputs", "default_eval_root", "eval_markdown", "eval_report_lines", "export_table",
-    "format_metrics_line", "iteration_metrics", "next_state", "plot_curves", "prune_checkpoints", "replay_sources",
+    "count_signal_groups", "curve_outputs", "default_eval_root", "eval_markdown", "eval_report_lines", "export_table",
+    "format_metrics_line", "iteration_metrics", "next_state", "prune_checkpoints", "replay_sources",
     "release_run", "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "stop_workers", "samples_markdown", "sync_rollout_ahead", "samples_view",
     "wait_for_optimizer_writes", "policy_checkpoint_folder",
     "write_metrics", "write_replay_record", "write_tensorboard",

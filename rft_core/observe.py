@@ -73,49 +73,35 @@ def curve_png(rows: Sequence[Mapping[str, Any]], *, dpi: int = 110, max_cols: in
     return buf.getvalue()
 
 
-def plot_curves(run_root: str, rows: Sequence[Mapping[str, Any]], *, png: bytes | None = None) -> str | None:
-    """Reward, accuracy, KL, length, loss and entropy across iterations as ``{run_root}/metrics.png``
-    (``png``: the image ``curve_png`` already drew for ``rows``; None: drawn here).
-
-    Returns the image path, or None for a non-local run root or no rows.
-    """
-    local = local_path(run_root)
-    if local is None or not rows:
-        return None
-    out = Path(local) / "metrics.png"
-    out.write_bytes(curve_png(rows) if png is None else png)
-    return str(out)
-
-
 CURVE_DPI = 90  # the training flow's curve: the UI's artifact and metrics.png alike
 
 
 def curve_outputs(run_root: str, rows: Sequence[Mapping[str, Any]]) -> tuple[str | None, str]:
-    """The curve of ``rows`` drawn once (``curve_png`` at ``CURVE_DPI``: 0.4-0.8 s on a 2-core
-    CPU) for both places the training flow shows it after each iteration: (``plot_curves``'s
-    ``metrics.png`` path or None, ``curve_markdown``'s markdown for the UI's artifact).
+    """Reward, accuracy, KL, length, loss and entropy across iterations, drawn once
+    (``curve_png`` at ``CURVE_DPI``: 0.4-0.8 s on a 2-core CPU) for both places the training flow
+    shows it after each iteration: (the path of ``{run_root}/metrics.png``, or None for a
+    non-local run root; ``curve_markdown``'s markdown for the UI's artifact).
 
     Raises:
         ValueError: as ``curve_png``.
     """
     png = curve_png(rows, dpi=CURVE_DPI)
-    return plot_curves(run_root, rows, png=png), curve_markdown(rows, png=png)
+    local = local_path(run_root)
+    if local is None:
+        return None, curve_markdown(rows, png)
+    (Path(local) / "metrics.png").write_bytes(png)
+    return str(Path(local) / "metrics.png"), curve_markdown(rows, png)
 
 
-def curve_markdown(rows: Sequence[Mapping[str, Any]], *, dpi: int = 72, png: bytes | None = None) -> str:
-    """Markdown that shows the curves of ``curve_png`` inline: the PNG is embedded as a
-    ``data:image/png;base64`` URI, which both Prefect UIs render in a markdown artifact (an
-    image artifact only takes a URL and prints it in full under the image). About 50-80 kB for
-    six panels at the default dpi. ``png``: the image ``curve_png`` already drew for ``rows``
-    (None: drawn here at ``dpi``; ``curve_outputs`` draws it once for this and ``plot_curves``).
-
-    Raises:
-        ValueError: as ``curve_png``.
-    """
-    png = base64.b64encode(curve_png(rows, dpi=dpi) if png is None else png).decode("ascii")
+def curve_markdown(rows: Sequence[Mapping[str, Any]], png: bytes) -> str:
+    """Markdown that shows ``png`` (``curve_png`` of ``rows``) inline, with the last row's values:
+    the PNG is embedded as a ``data:image/png;base64`` URI, which both Prefect UIs render in a
+    markdown artifact (an image artifact only takes a URL and prints it in full under the image).
+    About 60-110 kB for six panels at ``CURVE_DPI``."""
+    data = base64.b64encode(png).decode("ascii")
     last = rows[-1]
     summary = ", ".join(f"{k} {last[k]:.4g}" for k in CURVE_KEYS if isinstance(last.get(k), (int, float)))
-    return (f"### Metrics over {len(rows)} iteration(s)\n\n![metrics curve](data:image/png;base64,{png})\n\n"
+    return (f"### Metrics over {len(rows)} iteration(s)\n\n![metrics curve](data:image/png;base64,{data})\n\n"
             f"Iteration {last['iteration']}: {summary}\n")
 
 

@@ -197,6 +197,15 @@ def _gang_size(workers: WorkersConfig, role: str) -> int:
     return workers.policy_ranks if role == "policy" else 1
 
 
+def _held_gang(workers: WorkersConfig, role: str) -> Gang | None:
+    """The gang of ``role`` whose every rank this process started and holds (the creating handles
+    keep the actors alive), or None."""
+    n = _gang_size(workers, role)
+    if not all((workers.pool, role, r) in _HANDLES for r in range(n)):
+        return None
+    return Gang(WORKER_CLASSES[role], [_HANDLES[(workers.pool, role, r)] for r in range(n)])
+
+
 def start_gang(workers: WorkersConfig, role: str) -> Gang:
     """Every rank's actor of ``role`` (its class: ``WORKER_CLASSES``): one for the rollout,
     reference, critic and teacher workers, and ``workers.policy_ranks`` for the policy trainer (DeepSpeed
@@ -206,9 +215,10 @@ def start_gang(workers: WorkersConfig, role: str) -> Gang:
     ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) before any program runs;
     DeepSpeed's process group is then formed on the first update and kept for the run."""
     ray = _ray(workers)
+    held = _held_gang(workers, role)
+    if held is not None:
+        return held
     cls, n = WORKER_CLASSES[role], _gang_size(workers, role)
-    if all((workers.pool, role, r) in _HANDLES for r in range(n)):  # the creating handles keep the actors alive
-        return Gang(cls, [_HANDLES[(workers.pool, role, r)] for r in range(n)])
     options = actor_options(workers, role, cluster_gpus=float(ray.cluster_resources().get("GPU", 0)))
     actor, kwargs = ray.remote(cls), cls.kwargs_from(workers)
     gang = Gang(cls, [actor.options(name=actor_name(workers.pool, role, rank=r), namespace=NAMESPACE,
@@ -274,12 +284,13 @@ def sync_rollout_ahead(workers: WorkersConfig | None, policy: PolicyRef, dtype: 
     handed over: not without resident workers (``workers`` None), when this process has not
     started the rollout worker, or when the worker is dead (the next rollout starts a new one, which
     loads or syncs the version itself). Raises nothing."""
-    if workers is None or not all((workers.pool, "rollout", r) in _HANDLES for r in range(_gang_size(workers, "rollout"))):
+    gang = _held_gang(workers, "rollout") if workers is not None else None
+    if gang is None:
         return False
     from ray.exceptions import RayError  # lazy: Ray is optional
 
     try:
-        start_gang(workers, "rollout").call(RolloutWorker.sync_ahead, policy, dtype)
+        gang.call(RolloutWorker.sync_ahead, policy, dtype)
         return True
     except RayError as exc:
         log.warning("the rollout worker of %s did not take the sync ahead of %s (%s); the next rollout syncs it",

@@ -41,7 +41,7 @@ def test_curve_png_refuses_rows_without_metrics():
 
 
 def test_curve_markdown_embeds_the_png_and_the_last_values():
-    md = curve_markdown(ROWS, dpi=40)
+    md = curve_markdown(ROWS, curve_png(ROWS, dpi=40))
     m = re.search(r"!\[metrics curve\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", md)
     assert m, md[:200]
     assert _png_size(base64.b64decode(m.group(1))) == (384, 112)  # 3 panels at 40 dpi
