@@ -1,6 +1,8 @@
 """Training: N iterations in order, each a subflow starting from the previous checkpoint."""
 from __future__ import annotations
 
+import contextvars
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -35,6 +37,21 @@ class TrainResult(BaseModel):
     metrics: list[dict[str, Any]]
 
 
+def _record(cfg: TrainConfig, rows: list[dict[str, Any]], wandb: WandbLogger | None) -> tuple[str, str | None]:
+    """The metrics of every iteration so far (``rows``; the last one new) where a user looks:
+    metrics.jsonl, TensorBoard, W&B (the new row), and the reward/KL/length curve, drawn once for
+    metrics.png and the UI's ``metrics-curve`` artifact (a new version each iteration). Returns
+    (metrics.jsonl's URI, metrics.png's path or None)."""
+    metrics_uri = write_metrics(cfg.run_root, rows)
+    write_tensorboard(cfg.run_root, rows)
+    if wandb:
+        wandb.log(rows[-1])
+    curve, markdown = curve_outputs(cfg.run_root, rows)
+    create_markdown_artifact(key="metrics-curve", markdown=markdown,
+                             description=f"Metrics of {cfg.run_root} after iteration {rows[-1]['iteration']}")
+    return metrics_uri, curve
+
+
 @flow(name="rft-train", flow_run_name="{cfg.name}")
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) ``cfg.iterations`` iterations under ``cfg.run_root``.
@@ -53,18 +70,21 @@ def train(cfg: TrainConfig) -> TrainResult:
     tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)
     cfg = cfg.model_copy(update={"orchestration": cfg.orchestration.model_copy(update={"concurrency_tags": tags})})
     policy: PolicyRef = cfg.policy.path
-    rows = []
-    metrics_uri = ""
+    rows: list[dict[str, Any]] = []
     state = cfg.initial_state
     critic: PolicyRef | None = None
-    curve = None
     counters0 = run_counters(None)  # this process's model loads etc. before the run (counted from here)
     try:
         wandb = WandbLogger.start(cfg.observe.wandb, run_root=cfg.run_root, name=cfg.name, config=cfg.model_dump(mode="json"))
     except ImportError as exc:
         logger.warning("%s", exc)
         wandb = None
+    # each iteration's metrics files, curve and W&B row are written on this thread, in order, while
+    # the next iteration runs; a failed write fails the run at the next iteration's (or at the end)
+    recorder, recorded = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-record"), None
     try:
+        if cfg.first_resident_stages:  # Ray, then the first iteration's workers' processes, starting during its prompts
+            tasks.start_workers(cfg=cfg)
         versions: dict[int, PolicyRef] = {0: policy}  # version v: the policy the update of iteration v made
         for i in range(1, cfg.iterations + 1):
             ahead = versions[cfg.rollout_policy_version(i + 1)] if cfg.rollout.max_staleness else None  # trained
@@ -75,21 +95,18 @@ def train(cfg: TrainConfig) -> TrainResult:
             if cfg.checkpoint.keep_last is not None:
                 tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=i, checkpoint=cfg.checkpoint)
             rows.append(result.metrics)
-            metrics_uri = write_metrics(cfg.run_root, rows)
-            write_tensorboard(cfg.run_root, rows)
-            if wandb:
-                wandb.log(result.metrics)
-            # the reward/KL/length curve so far: metrics.png and an image the UI shows (a new version each iteration)
-            curve, markdown = curve_outputs(cfg.run_root, rows)
-            create_markdown_artifact(key="metrics-curve", markdown=markdown,
-                                     description=f"Metrics of {cfg.run_root} after iteration {i}")
+            if recorded is not None:
+                recorded.result()
+            recorded = recorder.submit(contextvars.copy_context().run, _record, cfg, list(rows), wandb)
             logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
         # the last iteration's optimizer state may still be being written (checkpoint.async_optimizer)
         wait_for_optimizer_writes()
     finally:
+        recorder.shutdown(wait=True)  # the last iteration's files, also when the run failed
         release_run(cfg.resident_pool)  # the workers (after their pending writes) and stage mode's kept models
         if wandb:
             wandb.finish()
+    metrics_uri, curve = recorded.result() if recorded is not None else ("", None)
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")
     if curve:
         logger.info("metrics curve: %s; TensorBoard: tensorboard --logdir %s/tensorboard", curve, cfg.run_root)

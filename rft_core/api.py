@@ -34,7 +34,7 @@ from rft_core.stages.retention import apply_retention, prune_checkpoints
 from rft_core.stages.teacher import check_teacher_tokenizer
 from rft_core.storage import RunRootError, check_run_root, repair as repair_stage, verify_run
 from rft_core.stages.runner import run_stage as _run_stage
-from rft_core.workers.pool import run_counters, run_resident, stop_workers, sync_rollout_ahead
+from rft_core.workers.pool import run_counters, run_resident, start_run_workers, stop_workers, sync_rollout_ahead
 from schemas import PolicyRef
 
 from rft_core.stages import contracts as _contracts
@@ -56,7 +56,7 @@ __all__ = [
     "validate_run_data",
     "count_signal_groups", "curve_outputs", "default_eval_root", "eval_markdown", "eval_report_lines", "export_table",
     "format_metrics_line", "iteration_metrics", "next_state", "prune_checkpoints", "replay_sources",
-    "release_run", "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "stop_workers", "samples_markdown", "sync_rollout_ahead", "samples_view",
+    "release_run", "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "start_run_workers", "stop_workers", "samples_markdown", "sync_rollout_ahead", "samples_view",
     "wait_for_optimizer_writes", "policy_checkpoint_folder",
     "write_metrics", "write_replay_record", "write_tensorboard",
     "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run", "check_teacher_tokenizer",

@@ -31,18 +31,19 @@ from tasks.stages import (
     rollout,
     rollout_merge,
     signal_groups,
+    start_workers,
     teacher_logprobs,
     validate_data,
 )
 
 STAGE_TASKS: tuple[Task, ...] = (
     actor_logprobs, advantages, critic_update, critic_values, dynamic_merge, eval_generate, eval_prompts, eval_summary,
-    ppo_update, prompts, prune_checkpoints, ref_logprobs, rewards, rollout, rollout_merge, signal_groups, validate_data,
-    teacher_logprobs)
+    ppo_update, prompts, prune_checkpoints, ref_logprobs, rewards, rollout, rollout_merge, signal_groups, start_workers,
+    validate_data, teacher_logprobs)
 __all__ = ["CONCURRENCY_TAGS", "DEVICE_STAGES", "STAGE_TASKS", "actor_logprobs", "advantages", "critic_update",
            "critic_values", "dynamic_merge", "eval_generate", "eval_prompts", "eval_summary", "ppo_update", "prompts",
            "prune_checkpoints", "ref_logprobs", "resolve_concurrency_tags", "rewards", "rollout", "rollout_merge",
-           "server_has_tag_limits", "signal_groups", "tagged", "teacher_logprobs", "validate_data"]
+           "server_has_tag_limits", "signal_groups", "start_workers", "tagged", "teacher_logprobs", "validate_data"]
 
 # task names of the stages that hold a model on the device: tagged `gpu`; the others `cpu`
 DEVICE_STAGES = frozenset({"rollout", "actor_logprobs", "ref_logprobs", "critic_values", "critic_update", "ppo_update",

@@ -40,6 +40,7 @@ from rft_core.api import (
     count_signal_groups,
     apply_retention,
     run_stage,
+    start_run_workers,
     validate_run_data,
 )
 from rft_core.config import CheckpointConfig, RunnerConfig, TrainConfig
@@ -180,3 +181,11 @@ def validate_data(*, cfg: TrainConfig) -> str:
     if cfg.teacher.path is not None:
         lines.append(check_teacher_tokenizer(cfg.policy.path, cfg.teacher.path))
     return "; ".join(line for line in lines if line)
+
+
+@_stage_task("start_workers")
+def start_workers(*, cfg: TrainConfig) -> list[str]:
+    """The resident workers of the run's first iteration, created together when the run starts
+    (``start_run_workers``: Ray connected here, the workers' processes starting while the first
+    stages run). Returns their roles ([] in stage mode)."""
+    return start_run_workers(cfg)

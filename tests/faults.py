@@ -41,11 +41,12 @@ PREDECESSORS = {"prompts": (), "rollout": ("prompts",), "actor_logprobs": ("roll
                 "ppo_update-optimizer": ("ppo_update",),
                 # a resident checkpoint iteration's weights, written in the background after that state
                 "ppo_update-policy": ("ppo_update-optimizer",)}
-# The resident workers of the fault configs, in the order they start: each on first use, in the
-# flow's order (iteration 1's rollout, then its reference pass, then its update). A worker kill
-# picks its victim by this order and then checks the driver's own log line ("the <role> worker
-# died during <program>", rft_core/workers/pool.py), so a wrong pick fails the row.
-WORKER_START_ORDER = ("rollout", "reference", "policy")
+# A worker kill picks its victim by the pid the driver logged for the worker of the target's role
+# (rank 0: rft_core/workers/pool.py's "resident worker <role> of <pool>: node ..., pid <pid>, ...";
+# the last such line, so a replaced worker's), kills it only while its process title says it runs
+# a stage program, and then checks the driver's own log line ("the <role> worker died during
+# <program>", rft_core/workers/pool.py), so a wrong pick fails the row. The run starts its workers
+# together (rft_core.workers.pool.start_run_workers): their start order says nothing.
 ROLE_OF_STAGE = {"rollout": "rollout", "actor_logprobs": "rollout", "ref_logprobs": "reference", "ppo_update": "policy"}
 
 
@@ -410,6 +411,13 @@ class _Output:
         """When the first line containing ``text`` came (None: not yet)."""
         return next((t for t, line in list(self.lines) if text in line), None)
 
+    def worker_pid(self, role: str, pool: str) -> int | None:
+        """The pid of the latest ``role`` worker (rank 0) of ``pool`` the driver has logged starting
+        (rft_core/workers/pool.py's placement line), or None."""
+        said = re.compile(rf"resident worker {role} of {re.escape(pool)}: .*\bpid (\d+),")
+        found = [m for _, line in list(self.lines) if (m := said.search(line))]
+        return int(found[-1].group(1)) if found else None
+
     def text(self) -> str:
         self._thread.join(10)
         return "\n".join(line for _, line in self.lines)
@@ -543,19 +551,19 @@ def _kill_once(config, root: str, target: str, iteration: int, timeline: Timelin
     victim = None
     if kill == "worker":
         role = ROLE_OF_STAGE[target]
-        index = WORKER_START_ORDER.index(role)
         # the worker may be between calls (a weight sync, a ping): wait up to WORKER_WAIT_S for it
         # to run a stage program, as long as the target has not committed, rather than start again
         deadline = time.time() + WORKER_WAIT_S
         while True:
             workers = resident_workers(proc.pid)
-            if len(workers) > index and workers[index][1].startswith(f"ray::{WORKER_CLASSES[role].__name__}.run"):
-                victim = workers[index][0]
+            pid = output.worker_pid(role, root)
+            if pid is not None and dict(workers).get(pid, "").startswith(f"ray::{WORKER_CLASSES[role].__name__}.run"):
+                victim = pid
                 break
             if time.time() > deadline or proc.poll() is not None or any(
                     exists(f"{root}/iter={p[0]:06d}/{p[1]}/_MANIFEST.json") for p in pending):
-                out.notes.append(f"attempt at {root}: no kill sent, the {role} worker was not running a stage "
-                                 f"within {WORKER_WAIT_S} s (workers, oldest first: {workers})")
+                out.notes.append(f"attempt at {root}: no kill sent, the {role} worker (pid {pid}) was not running a "
+                                 f"stage within {WORKER_WAIT_S} s (workers, oldest first: {workers})")
                 _end(proc)
                 return out
             time.sleep(0.05)

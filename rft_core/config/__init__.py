@@ -244,6 +244,18 @@ class TrainConfig(_Frozen):
         return RunnerConfig(keep_models=self.keeps_models)
 
     @property
+    def first_resident_stages(self) -> tuple[str, ...]:
+        """The stages of ``RESIDENT_STAGES`` the first iteration runs in resident workers (the
+        rollout unsharded; the actor pass when old log-probs are recomputed; the reference pass
+        with a KL coefficient > 0; the critic's with an estimator that needs values; the teacher's
+        with ``teacher.path``; the update): whose workers the run starts together before its
+        first stage (``rft_core.workers.pool.start_run_workers``). Empty in stage mode."""
+        runs = {"rollout": self.runner("rollout").shards == 1, "actor_logprobs": self.recomputes_old_logprobs,
+                "ref_logprobs": self.kl.needs_reference, "ppo_update": True, "critic_values": self.needs_critic,
+                "critic_update": self.needs_critic, "teacher_logprobs": self.teacher.path is not None}
+        return tuple(s for s in RESIDENT_STAGES if runs[s] and self.runner(s).mode == "resident")
+
+    @property
     def keeps_models(self) -> bool:
         """Whether in-process stages keep their models in memory between stages
         (``orchestration.keep_models``; auto: with the HF rollout engine)."""

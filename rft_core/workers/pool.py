@@ -2,8 +2,9 @@
 
 ``run_resident`` is what ``run_stage`` does for a stage whose runner says ``mode: resident``
 (``TrainConfig.runner`` with ``orchestration.workers: resident``): it finds the worker of the
-stage's role in the run's pool (creating it on first use: a worker is started once per run and
-kept), sends it the stage input model and returns the committed ShardRef. ``WORKER_CLASSES`` is
+stage's role in the run's pool (started with the others when the run starts, ``start_run_workers``,
+or on first use: a worker is started once per run and kept), sends it the stage input model and
+returns the committed ShardRef. ``WORKER_CLASSES`` is
 the one place a role's worker class is picked. The Prefect task and
 the flow are unchanged: they still decide only where a program runs.
 
@@ -16,7 +17,7 @@ flow orders them) and, when the cluster has GPUs (``ray.cluster_resources()["GPU
 every model role (one each; the rollout engine's ``tensor_parallel_size`` for the rollout worker
 of vLLM or SGLang; a fifth each when the whole cluster has one GPU, which the roles then share),
 ``ray.options`` overriding any of it per role. Where each actor landed (node id,
-node IP, GPU ids) is logged at INFO on ``rft_core.workers`` when it starts, which the run's task
+node IP, pid, GPU ids) is logged at INFO on ``rft_core.workers`` when it starts, which the run's task
 log shows. An actor that Ray cannot place within ``RFT_WORKER_PLACEMENT_TIMEOUT_S`` seconds
 (default 300: no node has the resources it asks for, e.g. its node died) fails with
 ``WorkerError`` naming the role, what it asks for, the live nodes and the node it last ran on.
@@ -34,9 +35,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import threading
+from typing import Any, Iterable
 
-from rft_core.config import WorkersConfig
+from rft_core.config import TrainConfig, WorkersConfig
 from rft_core.counters import counts
 from rft_core.stages.sources import version_key
 from rft_core.workers.base import NAMESPACE, Gang, ResidentWorker, WorkerError, actor_name
@@ -63,6 +65,9 @@ _ENV_PREFIXES = ("RFT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PREFECT_RFT_", 
 # a cluster with one GPU: every role gets this share of it (all of ROLES fit; two workers on one
 # GPU sync by CUDA IPC, rft_core/weightsync/cuda_ipc.py)
 _SHARED_GPU = 1 / len(ROLES)
+# held while Ray is connected or a gang is created or placed: stage tasks that run side by side
+# (the actor and reference passes) never start one twice
+_STARTING = threading.RLock()
 
 
 def _ray(workers: WorkersConfig | None = None):
@@ -78,19 +83,21 @@ def _ray(workers: WorkersConfig | None = None):
         import ray  # lazy: Ray is optional (installed for the resident workers only)
     except ImportError as exc:
         raise WorkerError("orchestration.workers=resident needs Ray: pip install 'prefect-rft[ray]'") from exc
-    if not ray.is_initialized():
-        kw: dict[str, Any] = {"include_dashboard": False, "namespace": NAMESPACE, "log_to_driver": True}
-        if workers is not None:
-            kw.update(workers.ray.init_kwargs)
-            if workers.ray.address:
-                kw["address"] = workers.ray.address
-        env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-        if env:  # under the user's own runtime_env variables (ray.init_kwargs), which win
-            runtime_env = dict(kw.get("runtime_env") or {})
-            runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
-            kw["runtime_env"] = runtime_env
-        _HANDLES.clear()  # handles of an earlier connection: their actors ended with it
-        ray.init(**kw)
+    with _STARTING:  # one ray.init per process, whichever stage task comes first
+        if not ray.is_initialized():
+            kw: dict[str, Any] = {"include_dashboard": False, "namespace": NAMESPACE, "log_to_driver": True}
+            if workers is not None:
+                kw.update(workers.ray.init_kwargs)
+                if workers.ray.address:
+                    kw["address"] = workers.ray.address
+            env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+            if env:  # under the user's own runtime_env variables (ray.init_kwargs), which win
+                runtime_env = dict(kw.get("runtime_env") or {})
+                runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
+                kw["runtime_env"] = runtime_env
+            _HANDLES.clear()  # handles of an earlier connection: their actors ended with it
+            _CREATED.clear()
+            ray.init(**kw)
     return ray
 
 
@@ -106,6 +113,9 @@ def worker_handle(pool: str, role: str, rank: int = 0):
 # handles held by this process: a named actor that is not detached ends when no handle is left,
 # so the process that starts a worker keeps its handle until stop_workers (or its own exit)
 _HANDLES: dict[tuple[str, str, int], Any] = {}
+# gangs ``create_workers`` created whose first ``start_gang`` has not come yet: (pool, role) -> (gang,
+# its Ray options); their processes start meanwhile
+_CREATED: dict[tuple[str, str], tuple[Gang, dict[str, Any]]] = {}
 
 
 # where each started actor runs: (pool, role, rank) -> actor_placement's answer, kept after the
@@ -182,8 +192,8 @@ def _place(ray, workers: WorkersConfig, role: str, gang: list, options: dict[str
                           f"live nodes: {'; '.join(nodes)}" + (f"; {last}" if last else ""))
     for r, where in enumerate(ray.get(futures)):
         _PLACEMENT[(workers.pool, role, r)] = where
-        log.info("resident worker %s%s of %s: node %s (%s), GPUs %s, options %s", role, f" rank {r}" if r else "",
-                 workers.pool, where["node_id"], where["node_ip"], where["gpus"] or "none", options)
+        log.info("resident worker %s%s of %s: node %s (%s), pid %s, GPUs %s, options %s", role, f" rank {r}" if r else "",
+                 workers.pool, where["node_id"], where["node_ip"], where["pid"], where["gpus"] or "none", options)
 
 
 def placements(pool: str) -> dict[str, dict[str, Any]]:
@@ -209,27 +219,77 @@ def _held_gang(workers: WorkersConfig, role: str) -> Gang | None:
 def start_gang(workers: WorkersConfig, role: str) -> Gang:
     """Every rank's actor of ``role`` (its class: ``WORKER_CLASSES``): one for the rollout,
     reference, critic and teacher workers, and ``workers.policy_ranks`` for the policy trainer (DeepSpeed
-    data parallelism), with the Ray options of ``actor_options``. A new gang is
-    placed (``_place``: logged, or ``WorkerError`` when Ray cannot place it), then its ranks are
-    given one rendezvous (``ResidentWorker.rendezvous`` on rank 0, ``join`` on every rank:
-    ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) before any program runs;
-    DeepSpeed's process group is then formed on the first update and kept for the run."""
-    ray = _ray(workers)
+    data parallelism), with the Ray options of ``actor_options``: the gang this process holds, or
+    the one ``create_workers`` created (its processes started with the others), or a new one. A
+    gang not held yet is placed (``_place``: logged, or ``WorkerError`` when Ray cannot place it),
+    then its ranks are given one rendezvous (``ResidentWorker.rendezvous`` on rank 0, ``join`` on
+    every rank: ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) before any program
+    runs; DeepSpeed's process group is then formed on the first update and kept for the run. One
+    thread starts a gang at a time (``_STARTING``): stages that ask for the same role at once get
+    the same gang."""
     held = _held_gang(workers, role)
     if held is not None:
         return held
+    with _STARTING:
+        ray = _ray(workers)
+        held = _held_gang(workers, role)
+        if held is not None:  # another thread placed it while this one waited
+            return held
+        gang, options = _CREATED.pop((workers.pool, role), None) or _create_gang(ray, workers, role)
+        _place(ray, workers, role, gang, options)
+        if len(gang) > 1:
+            gang.call(ResidentWorker.join, **gang.call(ResidentWorker.rendezvous))
+        for r, a in enumerate(gang):
+            _HANDLES[(workers.pool, role, r)] = a
+        return gang
+
+
+def create_workers(wanted: Iterable[tuple[WorkersConfig, str]]) -> list[str]:
+    """Create the actors of the gangs ``wanted`` ((pool settings, role) pairs) that are neither
+    held nor created yet, without waiting for any: Ray starts their processes side by side while
+    the caller goes on, and the first ``start_gang`` of each role places the gang it finds here.
+    Ray is connected first (``_ray``), in the calling thread. Returns the roles of ``wanted``.
+
+    Raises:
+        WorkerError: Ray is not installed.
+    """
+    roles = []
+    with _STARTING:
+        for workers, role in wanted:
+            ray = _ray(workers)
+            if _held_gang(workers, role) is None and (workers.pool, role) not in _CREATED:
+                _CREATED[(workers.pool, role)] = _create_gang(ray, workers, role)
+            roles.append(role)
+    return roles
+
+
+def start_run_workers(cfg: TrainConfig) -> list[str]:
+    """Create the resident workers of ``cfg``'s first iteration (``TrainConfig.first_resident_stages``)
+    together when the run starts (``create_workers``): their processes start side by side, during
+    the run's first prompts, instead of one after another as each stage first needs its worker.
+    The training flow calls it before its first iteration. Returns their roles, e.g.
+    ``["rollout", "reference", "policy"]`` ([] in stage mode).
+
+    Raises:
+        WorkerError: Ray is not installed. (A worker that Ray cannot place fails the stage that
+            needs it, ``start_gang``.)
+    """
+    wanted: dict[tuple[str, str], WorkersConfig] = {}
+    for stage in cfg.first_resident_stages:
+        workers = cfg.runner(stage).workers
+        if workers is not None:  # a resident runner's pool (TrainConfig.runner sets it)
+            wanted.setdefault((workers.pool, ROLE_OF_PROGRAM[stage]), workers)
+    return create_workers((workers, role) for (_, role), workers in wanted.items())
+
+
+def _create_gang(ray, workers: WorkersConfig, role: str) -> tuple[Gang, dict[str, Any]]:
+    """The new actors of every rank of ``role`` (created, not waited for) and their Ray options."""
     cls, n = WORKER_CLASSES[role], _gang_size(workers, role)
     options = actor_options(workers, role, cluster_gpus=float(ray.cluster_resources().get("GPU", 0)))
     actor, kwargs = ray.remote(cls), cls.kwargs_from(workers)
-    gang = Gang(cls, [actor.options(name=actor_name(workers.pool, role, rank=r), namespace=NAMESPACE,
+    return Gang(cls, [actor.options(name=actor_name(workers.pool, role, rank=r), namespace=NAMESPACE,
                                     get_if_exists=True, max_restarts=0, **options).remote(
-        workers.pool, rank=r, ranks=n, **kwargs) for r in range(n)])
-    _place(ray, workers, role, gang, options)
-    if n > 1:
-        gang.call(ResidentWorker.join, **gang.call(ResidentWorker.rendezvous))
-    for r, a in enumerate(gang):
-        _HANDLES[(workers.pool, role, r)] = a
-    return gang
+        workers.pool, rank=r, ranks=n, **kwargs) for r in range(n)]), options
 
 
 def _kill_gang(pool: str, role: str, gang) -> None:
@@ -237,6 +297,7 @@ def _kill_gang(pool: str, role: str, gang) -> None:
     forget its handles, so the next ``start_gang`` starts a new one. ``gang`` may be empty (the
     gang died before ``_answering_gang`` returned it): the handles this process holds are ended."""
     held = [_HANDLES.pop(key) for key in sorted(k for k in _HANDLES if k[:2] == (pool, role))]
+    _CREATED.pop((pool, role), None)
     members = list(gang) or held
     if members:
         Gang(WORKER_CLASSES[role], members).kill()
