@@ -61,6 +61,7 @@ def _keys(server, prefix: str) -> list[str]:
     return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
 
+@pytest.mark.rotation(3)  # with the S3 rows of group 3, which build the same bucket run (s3run); tests/rotation.py
 def test_full_training_commits_every_stage_in_the_bucket(s3run):
     from rft_core.inspect import run_status
 
@@ -91,6 +92,7 @@ def test_sigkill_on_object_storage_then_rerun_resumes(s3run, target, phase):
         assert out.partial_files and out.interrupted.startswith(f"1: {target}"), out
 
 
+@pytest.mark.rotation(4)  # with the S3 rows of group 4, which build the same bucket run (s3run); tests/rotation.py
 def test_inspect_pandas_and_duckdb_read_the_bucket(s3run):
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-m", "flows.cli", "inspect", BASE], cwd=ROOT, env=env, capture_output=True,
@@ -121,6 +123,7 @@ def test_inspect_pandas_and_duckdb_read_the_bucket(s3run):
     assert rows[0] == 32 and rows[1] == pytest.approx(rewards["rewards"].sum())
 
 
+@pytest.mark.rotation(4)  # with the S3 rows of group 4, which build the same bucket run (s3run); tests/rotation.py
 def test_replay_and_eval_read_from_the_bucket(s3run):
     from flows.eval import evaluate
     from flows.replay import replay
@@ -195,6 +198,7 @@ def test_bad_object_storage_is_refused_with_the_uri_and_the_cause(guarded, monke
         reader.list_objects_v2(Bucket="no-such-bucket")
 
 
+@pytest.mark.rotation(3)  # with the S3 rows of group 3, which build the same bucket run (s3run); tests/rotation.py
 def test_training_refuses_a_missing_bucket_before_any_stage(s3run, monkeypatch):
     from flows.train import train
     from rft_core.config import load_config

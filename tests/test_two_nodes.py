@@ -110,6 +110,7 @@ def stage_root(two_nodes) -> str:
     return root
 
 
+@pytest.mark.rotation(2)  # with group 2's two-node test, which starts the same cluster (two_nodes); tests/rotation.py
 def test_credentials_only_in_the_driver_reach_the_workers_on_two_nodes(two_nodes, monkeypatch):
     """Issue 45, finding 4: with an S3 run root, the credentials and endpoint that
     docs/reliability.md tells users to export (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,

@@ -23,8 +23,10 @@ def test_resident_every_3_equals_stage_every_1(prefect_harness, tiny_model, tmp_
     import ray
 
     from flows.train import train
+    from rft_core.stages import memo
     from rft_core.workers.pool import NAMESPACE, actor_name
 
+    memo.clear()  # models another test kept in this process (tests.drive keeps stage mode's) would count as loaded
     stage = train(flow_cfg(tiny_model, tmp_path / "stage", iterations=3, **REWARD))
     assert_training_signal(tmp_path / "stage", (1, 2, 3))
     cfg = flow_cfg(tiny_model, tmp_path / "resident", iterations=3, **REWARD, **{"orchestration.workers": "resident",
