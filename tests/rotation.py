@@ -43,15 +43,21 @@ ROW_PREFIX = "test_sigkill"
 # a module not listed starts at crc32(name) % GROUPS. Today only tests/test_faults.py's 20 stage
 # rows are placed so (2 or 3 per group, ~55 s each on 2 cores). The rows that share an expensive
 # baseline name their groups (``row(..., group=k)``), so fewer groups pay for it: the resident
-# rows (baseline ~135 s, a row ~130-170 s) groups 5, 6, 7 and 0, the FSDP2 rows (baseline ~3 min,
+# rows (baseline ~85-110 s, a row ~85-175 s) groups 5, 6, 7 and 0, the FSDP2 rows (baseline ~3 min,
 # a row ~4 min) 1 and 2, the S3 rows 3 and 4, the asynchronous rows 4 and the partial-rollout row 7;
 # the long tests marked ``rotation(k)`` fill the groups with the fewest. Each group's seconds on
-# 2 cores, measured (tests/durations.txt's history; groups 4 and 5 alone with ``RFT_ROTATION=k
-# -m rotation``, 2026-11-28/29) and moved since: 0 ~870 (12:15 record less its faster rows),
-# 1 ~870, 2 ~900, 3 ~880, 4 757 (its landing's record), 5 ~920 (1111 measured, its partial-flow,
-# SmolLM2-agent and GPU-pool tests since moved to 3, 2 and 1); 6 and 7 never measured, ~950-1075
-# by their rows' costs elsewhere; the tests every run runs: 869 s. A group over ~800 s puts the
-# suite over 28 min here (~33 in CI, 1.19x): the resident rows (~130-170 s each) are the cost.
+# 2 cores, measured (tests/durations.txt's history; groups alone with ``RFT_ROTATION=k -m
+# rotation``: 4 and 5 on 2026-11-28/29, 5, 6 and 7 again on 2026-11-29 after the resident runs
+# began to create their workers together, which took ~20 s off each resident row) and moved since:
+# 0 ~870 (12:15 record less its faster rows), 1 ~870, 2 ~905, 3 ~885, 4 ~790 (757 its landing's
+# record, with the S3 bucket run's inspect and replay tests since), 5 ~865 (890 measured, its FSDP
+# LoRA test since moved to 7), 6 ~885 (1022 measured alone, 25 s of it the Prefect server's start;
+# its resident critic flow and DeepSpeed bf16 masters tests since moved to 7), 7 ~760 (645 measured
+# alone, plus those two); the tests every run runs: ~780 s (869 at the 00:27 record, less the S3
+# bucket run's functional tests, now with the S3 rows in 3 and 4, and the two-node credentials
+# test, now in 2). A resident row costs 85-175 s here (a kill that misses a short stage is tried
+# again from a fresh run), a stage row 35-75 s: one landing takes ~780 + ~850 s, ~27.5 min here
+# and ~31-33 min in CI (1.13x at the last landing, 1.19x before).
 OFFSETS = {"tests.test_faults": 0}
 _next: dict[str, int] = {}
 

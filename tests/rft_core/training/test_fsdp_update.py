@@ -123,7 +123,7 @@ def test_bf16_masters_are_continued_not_rounded(update_inputs, tiny_model):
     assert max_diff(m2, m1) < 1e-12
 
 
-@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py)
+@pytest.mark.rotation(7)  # long: one turn in 8 (tests/rotation.py; with group 7's FSDP tests)
 def test_lora_with_gradient_checkpointing_matches_one_process(update_inputs, tiny_model):
     """LoRA (peft) and gradient checkpointing composed with FSDP2: the 2-rank adapters equal the
     single-process ones within 1e-6 (only adapters are sharded state; the frozen base is not saved)."""

@@ -36,8 +36,9 @@ def test_the_first_iteration_names_the_stages_whose_workers_start_together(tmp_p
     assert set(want) <= set(RESIDENT_STAGES)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def local_ray():
+    """The local Ray both tests share (each uses its own run root, so its own pool)."""
     ray = pytest.importorskip("ray")
     ray.shutdown()  # a local Ray another test started
     try:
