@@ -16,11 +16,10 @@ import datetime as _dt
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
-from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
+from _env import ROOT, scratch_dir  # noqa: E402  (repository on sys.path, offline environment)
 
 
 def window(uri: str) -> tuple[float, float]:
@@ -61,7 +60,7 @@ def main() -> None:
     res: dict = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "iterations": args.iterations,
                  "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "overrides": args.overrides}
     for s in (0, 1):
-        root = tempfile.mkdtemp(prefix=f"rft-bench-async-s{s}-")
+        root = scratch_dir(f"rft-bench-async-s{s}-")
         cfg = load_config(args.config, [*args.overrides, f"rollout.max_staleness={s}", f"iterations={args.iterations}",
                                         f"run_root={root}"])
         t0 = time.perf_counter()

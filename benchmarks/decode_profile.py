@@ -20,11 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _env import ROOT  # noqa: E402,F401  (repository on sys.path, offline environment)
+from _env import ROOT, scratch_dir  # noqa: E402,F401  (repository on sys.path, offline environment)
 from gpu_bench import SHAPES, build_model
 
 
@@ -120,7 +119,7 @@ def main() -> int:
         from rft_core.models.hub import ensure_default_model
 
         args.tokenizer = str(ensure_default_model())
-    folder = build_model(args.shape, 0, args.tokenizer, Path(tempfile.mkdtemp(prefix="rft-decode-")) / "model")
+    folder = build_model(args.shape, 0, args.tokenizer, Path(scratch_dir("rft-decode-")) / "model")
     tok = load_tokenizer(str(folder))
     n_prompts = max(1, args.batch // args.group)
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Write about topic number {i}."}],

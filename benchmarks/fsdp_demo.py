@@ -19,11 +19,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
+from _env import ROOT, scratch_dir  # noqa: E402  (repository on sys.path, offline environment)
 
 FSDP = ["update.fsdp.reshard_after_forward=true", "orchestration.workers=resident", "orchestration.policy_ranks=2"]
 
@@ -72,7 +71,7 @@ def main() -> int:
     ap.add_argument("--atol", type=float, default=1e-6)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    root = Path(args.root or tempfile.mkdtemp(prefix="rft-fsdp-demo-"))
+    root = Path(args.root or scratch_dir("rft-fsdp-demo-"))
     load = os.getloadavg()[0]
     res = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "load_before": round(load, 2),
            "seconds": {"plain": train(root / "plain", []), "fsdp": train(root / "fsdp", FSDP)}}

@@ -34,10 +34,9 @@ import os
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 
-from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
+from _env import ROOT, scratch_dir  # noqa: E402  (repository on sys.path, offline environment)
 
 BACKENDS = ("fsdp", "zero3")
 
@@ -171,7 +170,7 @@ def main() -> int:
     if args.tiny:
         from tests.tiny import build_tiny_model
 
-        args.model = build_tiny_model(os.path.join(tempfile.mkdtemp(prefix="rft-fsdp-bench-"), "tiny"))
+        args.model = build_tiny_model(os.path.join(scratch_dir("rft-fsdp-bench-"), "tiny"))
     if args.model is None:
         from rft_core.models.hub import ensure_default_model
 

@@ -51,13 +51,12 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
+from _env import ROOT, scratch_dir  # noqa: E402  (repository on sys.path, offline environment)
 
 PRESET = ROOT / "configs" / "bench_gpu.yaml"
 # Qwen2 shapes (transformers' Qwen2Config keywords); vocab_size is the tokenizer's
@@ -240,7 +239,7 @@ def run_ours(args, arm: str, model_dir: Path, prompts: Path) -> dict:
     from resident import inprocess_runner
     from tests.drive import drive
 
-    run_root = tempfile.mkdtemp(prefix=f"rft-bench-{arm}-", dir=args.tmp)
+    run_root = scratch_dir(f"rft-bench-{arm}-", dir=args.tmp)
     cfg = our_config(args, model_dir, prompts, run_root, arm)
     bd = Breakdown()
     run = inprocess_runner(cfg)  # stage: run_stage with the config's runners (orchestration.keep_models)
@@ -303,7 +302,7 @@ def run_trl(args, model_dir: Path, prompts: Path) -> dict:
 
     cuda = torch.cuda.is_available() and not args.cpu
     cfg = our_config(args, model_dir, prompts, "unused", "stage")
-    out_dir = tempfile.mkdtemp(prefix="rft-bench-trl-", dir=args.tmp)
+    out_dir = scratch_dir("rft-bench-trl-", dir=args.tmp)
     system = cfg.data.system_prompt
     rows = [json.loads(line) for line in prompts.read_text().splitlines()]
     data = Dataset.from_list([{"prompt": [{"role": "system", "content": system}, {"role": "user", "content": r["prompt"]}]}
@@ -457,7 +456,7 @@ def main() -> int:
         Path(args.result).write_text(json.dumps(res, indent=1, default=str))
         return 0
 
-    work = Path(tempfile.mkdtemp(prefix="rft-bench-gpu-", dir=args.tmp))
+    work = Path(scratch_dir("rft-bench-gpu-", dir=args.tmp))
     if args.tokenizer is None:
         from rft_core.models.hub import ensure_default_model
 

@@ -16,11 +16,10 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
+from _env import ROOT, scratch_dir  # noqa: E402  (repository on sys.path, offline environment)
 
 
 def run(cfg, cuda: bool) -> list[dict]:
@@ -63,7 +62,7 @@ def main() -> int:
         return 2
     from rft_core.config import load_config
 
-    run_root = args.run_root or tempfile.mkdtemp(prefix="rft-gpu-demo-")
+    run_root = args.run_root or scratch_dir("rft-gpu-demo-")
     cfg = load_config(args.config, [*args.overrides, f"iterations={args.iterations}", f"run_root={run_root}"])
     t0 = time.perf_counter()
     rows = run(cfg, cuda=not args.cpu)

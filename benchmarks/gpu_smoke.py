@@ -35,12 +35,11 @@ import os
 import platform
 import resource
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
+from _env import ROOT, scratch_dir  # noqa: E402  (repository on sys.path, offline environment)
 
 REQUIRED = ["torch", "transformers", "peft", "pyarrow", "fsspec", "pydantic", "yaml", "numpy", "requests", "safetensors"]
 LR = 1e-6
@@ -189,7 +188,7 @@ def run(args) -> tuple[dict, list[tuple[str, bool, str]]]:
     from schemas import read_manifest, read_shard
 
     cuda = not args.cpu
-    work = Path(args.work or tempfile.mkdtemp(prefix="rft-gpu-smoke-"))
+    work = Path(args.work or scratch_dir("rft-gpu-smoke-"))
     model = args.model
     if args.cpu and model is None:
         sys.path.insert(0, str(ROOT))

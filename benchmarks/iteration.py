@@ -12,11 +12,10 @@ import datetime as _dt
 import os
 import platform
 import resource
-import tempfile
 import time
 from pathlib import Path
 
-from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
+from _env import ROOT, scratch_dir  # noqa: E402  (repository on sys.path, offline environment)
 
 
 def main() -> None:
@@ -30,7 +29,7 @@ def main() -> None:
     from rft_core.models.loading import DEFAULT_MODEL, ensure_default_model
 
     ensure_default_model()  # conversion is a one-time cost, not part of the iteration
-    run_root = tempfile.mkdtemp(prefix="rft-bench-")
+    run_root = scratch_dir("rft-bench-")
     cfg = load_config(args.config, [*args.overrides, "iterations=1", f"run_root={run_root}"])
 
     from flows.train import train

@@ -19,10 +19,9 @@ import datetime as _dt
 import os
 import random
 import re
-import tempfile
 from pathlib import Path
 
-from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
+from _env import ROOT, scratch_dir  # noqa: E402  (repository on sys.path, offline environment)
 
 PARTS = ("sigkill", "resident", "fsdp", "async", "s3", "disk")
 SIGKILL_PARTS = ("sigkill", "resident", "fsdp", "async", "s3")  # their tables have a landed column (tests/test_reliability_doc.py)
@@ -251,7 +250,7 @@ def main() -> None:
 
         from tests.tiny import build_tiny_model
 
-        d = Path(tempfile.mkdtemp(prefix="rft-reliability-"))
+        d = Path(scratch_dir("rft-reliability-"))
         model = build_tiny_model(d / "model")
         with prefect_test_harness(server_startup_timeout=180):
             api = PREFECT_API_URL.value()

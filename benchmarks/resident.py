@@ -34,11 +34,10 @@ import datetime as _dt
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
-from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
+from _env import ROOT, scratch_dir  # noqa: E402  (repository on sys.path, offline environment)
 
 COUNTERS = ("model_loads", "engine_builds", "bytes_read", "weight_syncs", "weight_sync_seconds", "weight_sync_bytes")
 
@@ -212,7 +211,7 @@ def main() -> None:
                  "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.node()}"}
     for mode in args.modes.split(","):
         extra = ["orchestration.workers=resident", f"checkpoint.every={args.every}"] if mode == "resident" else []
-        root = tempfile.mkdtemp(prefix=f"rft-bench-{mode}-")
+        root = scratch_dir(f"rft-bench-{mode}-")
         cfg = load_config(args.config, [*args.overrides, *extra, f"iterations={args.iterations}", f"run_root={root}"])
         t0 = time.perf_counter()
         rows = run_flow(cfg) if args.driver == "flow" else run_inprocess(cfg)

@@ -16,11 +16,10 @@ import datetime as _dt
 import os
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-from _env import ROOT  # noqa: E402  (repository on sys.path, offline environment)
+from _env import ROOT, scratch_dir  # noqa: E402  (repository on sys.path, offline environment)
 
 MODES = {"before": dict(sort_by_length=False, share_prefill=False),
          "sorted": dict(sort_by_length=True, share_prefill=False),
@@ -40,7 +39,7 @@ def _prompts(preset: str, overrides: list[str], n_prompts: int) -> tuple[list[li
 
     cfg = load_config(ROOT / preset, [*overrides, f"data.prompts_per_iteration={n_prompts}"])
     ref = prompts_stage.run(PromptsInput(data=cfg.data, tokenizer_path=cfg.policy.path, iteration=1,
-                                         out=tempfile.mkdtemp() + "/prompts"))
+                                         out=scratch_dir("rft-rollout-speed-") + "/prompts"))
     return read_shard(ref).column("prompt_token_ids").to_pylist(), cfg
 
 
