@@ -400,8 +400,10 @@ class PPOUpdateInput(StageInput):
     # 5: bf16 forward/backward on the bfloat16 weights, float32 master grads (issue 29); 6: the update's random draws
     # seeded by update.seed (LoRA's initial A matrices, LoRA / model dropout masks), the entropy bonus never masked by
     # the rollout correction (issue 39); 7: the micro-batch order and the dropout masks mix policy_version (and the
-    # DeepSpeed or FSDP2 rank, for the masks) into update.seed, so each iteration draws its own (issue 46)
-    version: ClassVar[int] = 7
+    # DeepSpeed or FSDP2 rank, for the masks) into update.seed, so each iteration draws its own (issue 46); 8: the
+    # optimizer state it continues enters the hash as its stage's config hash, not its manifest's sha256 (known before
+    # the background write ends: optimizer_state_key, issue 44)
+    version: ClassVar[int] = 8
     unhashed: ClassVar[frozenset[str]] = frozenset({"out", "background_optimizer", "save_checkpoint",
                                                     "background_checkpoint"})
     config_paths: ClassVar[Mapping[str, str]] = {"update": "update", "kl": "kl", "policy": "policy.path",

@@ -14,9 +14,11 @@ the optimizer state to a background writer, which overlaps the next iteration's 
 TorchTitan/Megatron (``torch.distributed.checkpoint.async_save``), with the shard contract's
 commit rule: the state counts only once its manifest is written.
 
-Consumers: the next ``ppo_update`` waits for a pending write of its input
-(``optimizer_state_ref``), and its config hash includes the optimizer stage's manifest
-checksum. A write lost to a crash is recomputed when the run resumes: the committed
+Consumers: the next ``ppo_update``'s config hash includes the optimizer stage's config hash
+(``optimizer_state_key``, known before the write ends); it runs its forward and backward passes
+while the write goes on and waits for it before its first optimizer step changes the tensors
+being written (``SingleProcess.wait_before_step``), or before it reads the state from storage
+(``optimizer_state_ref``). A write lost to a crash is recomputed when the run resumes: the committed
 ``ppo_update`` is reused, finds its optimizer stage missing (``optimizer_state_missing``) and
 retrains from the same committed inputs and seeds, checking that the weights come out with the
 committed checksums (``rft_core.stages.update``).
@@ -38,8 +40,8 @@ writer thread writes the optimizer stage and, after it, ``iter=K/ppo_update-poli
 manifest), while the next iteration's rollout runs. The weights stage commits last, so a policy
 whose weights are on storage always has its AdamW state there too; a crash before it leaves the
 previous checkpoint the one a resume rebuilds from (the committed updates after it re-applied).
-The next ``ppo_update`` waits for both writes before it changes the weights they read
-(``optimizer_state_ref``).
+The next ``ppo_update`` waits for both writes before its first optimizer step changes the
+weights they read (``SingleProcess.wait_before_step``).
 
 An FSDP2 update (``update.fsdp``) writes the stage the same way with its own sharded format
 (``commit_sharded_optimizer_state``): every rank its shards of the float32 masters and AdamW
@@ -187,7 +189,8 @@ def commit_policy_checkpoint(update: ShardRef, model, saver, *, digest: str) -> 
     """Queue the write of ``model``'s weights (and ``saver``'s tokenizer or processor files) as the
     sibling stage ``{update}-policy`` on the writer thread, after the optimizer stage queued
     before it (the module docstring); ``wait_for_optimizer_writes`` joins it. The caller must not
-    change the weights until it has finished (the next ``ppo_update`` waits: ``optimizer_state_ref``).
+    change the weights until it has finished (the next ``ppo_update``'s first optimizer step waits:
+    ``wait_for_writes_of``, queued with ``SingleProcess.wait_before_step``).
 
     Raises (from the writer, through ``wait_for_optimizer_writes``):
         OptimizerStateError: the optimizer stage of ``update`` did not commit (nothing written).
@@ -201,8 +204,9 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
     ``update`` and commit it.
 
     ``background``: return None at once and write in this process's writer thread (one at a
-    time, in submission order, at a lower CPU priority); ``wait_for_optimizer_writes`` joins it. The caller must not
-    modify the tensors of ``state`` afterwards. Otherwise write now and return the ShardRef.
+    time, in submission order, at a lower CPU priority); ``wait_for_optimizer_writes`` joins it. The
+    caller must not modify the tensors of ``state`` until then (the update queues
+    ``wait_for_writes_of`` before its strategy's next step). Otherwise write now and return the ShardRef.
 
     Raises:
         ShardExistsError: (not in the background) the optimizer stage is already committed.
@@ -411,6 +415,44 @@ def optimizer_state_missing(update: ShardRef) -> bool:
     except OptimizerStateError as exc:
         log.warning("%s", exc)
     return _committed(update) is None and not _kept_elsewhere(update)
+
+
+def writes_pending(update: ShardRef) -> list[str]:
+    """The URIs of the background writes of ``update``'s state queued in this process that no
+    ``wait_for_optimizer_writes`` has joined yet (its optimizer stage, its policy checkpoint),
+    finished or not; [] when none."""
+    with _LOCK:
+        return [u for u in (optimizer_state_uri(update), policy_checkpoint_uri(update)) if u in _PENDING]
+
+
+def wait_for_writes_of(update: ShardRef) -> None:
+    """Join the pending background writes of ``update``'s state (``writes_pending``), in order.
+
+    Raises:
+        OptimizerStateError: one failed (as ``wait_for_optimizer_writes``).
+    """
+    for uri in writes_pending(update):
+        wait_for_optimizer_writes(uri)
+
+
+def optimizer_state_key(policy: ShardRef | str) -> str | None:
+    """What a ``ppo_update`` starting from ``policy`` hashes for the optimizer state it continues:
+    the config hash of ``policy``'s optimizer stage (``optimizer_commit``, a function of
+    ``policy``'s manifest alone), or None where ``optimizer_state_ref`` gives None (an initial
+    model, a state kept in a resident worker's memory). Unlike the stage's manifest sha256, it is
+    known while the background write is still running: the next update looks up its commit and
+    starts its forward and backward passes without waiting, and waits before its first optimizer
+    step (``SingleProcess.wait_before_step``, queued by the writer's caller).
+
+    Raises:
+        OptimizerStateError: no write is pending and the state is missing (as ``optimizer_state_ref``).
+    """
+    if not isinstance(policy, ShardRef):
+        return None
+    if optimizer_state_uri(policy) in writes_pending(policy):
+        return optimizer_commit(policy).config_hash
+    ref = optimizer_state_ref(policy)
+    return None if ref is None else ref.config_hash
 
 
 def optimizer_state_ref(policy: ShardRef | str) -> ShardRef | None:

@@ -32,11 +32,14 @@ from rft_core.stages.optimizer_state import (
     commit_policy_checkpoint,
     commit_sharded_optimizer_state,
     optimizer_state_committed,
+    optimizer_state_key,
     optimizer_state_missing,
     optimizer_state_ref,
     recover_deepspeed_optimizer_state,
     saved_optimizer_state,
     wait_for_optimizer_writes,
+    wait_for_writes_of,
+    writes_pending,
 )
 from rft_core.stages.retention import WEIGHT_SUFFIXES
 from rft_core.training.strategy import (
@@ -228,15 +231,15 @@ def run_update_steps(trainer: PolicyTrainer, inp: PPOUpdateInput, data: UpdateDa
     return steps, t.seconds
 
 
-def _train(inp: PPOUpdateInput, opt_ref: ShardRef | None):
-    """The policy trainer holding ``inp.policy`` (a resident worker's, or loaded from storage
-    with AdamW continued from ``opt_ref``) and the update run on it: (trainer, step metrics,
-    seconds, extra summary)."""
+def _train(inp: PPOUpdateInput):
+    """The policy trainer holding ``inp.policy`` (a resident worker's, the one the previous
+    update of this process kept, or loaded from storage with AdamW continued from its optimizer
+    stage) and the update run on it: (trainer, step metrics, seconds, extra summary)."""
     cfg = inp.update
     data = update_data(inp)
     correction, corr_metrics = update_correction(cfg, data)
     source = current_source()
-    trainer = source.trainer(inp) if source is not None else _stage_trainer(inp, opt_ref)
+    trainer = source.trainer(inp) if source is not None else _stage_trainer(inp)
     steps, seconds = run_update_steps(trainer, inp, data, correction)
     extra = {**corr_metrics, **({"overlong_filtered_frac": sum(data.excluded) / len(data)} if data.excluded else {}),
              **_engine_old_logprobs_gap(steps, data), **_weights_by_staleness(inp, correction)}
@@ -250,7 +253,7 @@ def trainer_settings(inp: PPOUpdateInput) -> str:
     return f"{inp.dtype}|{inp.update.model_dump_json(exclude={'lr', 'max_grad_norm'})}"
 
 
-def _stage_trainer(inp: PPOUpdateInput, opt_ref: ShardRef | None) -> PolicyTrainer:
+def _stage_trainer(inp: PPOUpdateInput) -> PolicyTrainer:
     """The trainer of a stage-mode update: the one the previous update of this process kept
     (``rft_core.stages.memo``, stage mode keeping its models: the same tensors the previous update
     wrote to ``inp.policy``'s checkpoint and optimizer stage), with this update's learning rate
@@ -261,7 +264,7 @@ def _stage_trainer(inp: PPOUpdateInput, opt_ref: ShardRef | None) -> PolicyTrain
             check_policy_weights(inp.policy)  # as build_trainer's read would (pruned, damaged), without the read
         configure_trainer(kept, inp.update)
         return kept
-    return build_trainer(inp.policy, inp.update, dtype=inp.dtype, opt_ref=opt_ref)
+    return build_trainer(inp.policy, inp.update, dtype=inp.dtype, opt_ref=optimizer_state_ref(inp.policy))
 
 
 def _weights_by_staleness(inp: PPOUpdateInput, correction: SampleCorrection | None) -> dict[str, float]:
@@ -334,9 +337,10 @@ def run(inp: PPOUpdateInput) -> ShardRef:
     optimizer stage ``{out}-optimizer`` (``rft_core.stages.optimizer_state``).
 
     The optimizer state of the previous checkpoint (if ``policy`` is one) is restored, with the
-    configured learning rate; its stage's checksum enters the config hash.
-    ``background_optimizer``: write the new optimizer state in a background thread (it then
-    overlaps the next stages; the next ppo_update waits for it) instead of before returning.
+    configured learning rate; its stage's config hash enters the config hash
+    (``optimizer_state_key``). ``background_optimizer``: write the new optimizer state in a
+    background thread (it then overlaps the next stages and the next update's forward and
+    backward passes; that update's first optimizer step waits for it) instead of before returning.
 
     A committed ``out`` is reused; if its optimizer stage is missing (a background write lost
     to a crash), the update is recomputed from the same committed inputs and seeds, the new
@@ -351,17 +355,16 @@ def run(inp: PPOUpdateInput) -> ShardRef:
     if not inp.save_checkpoint and source is None:
         raise ValueError("ppo_update with save_checkpoint=False keeps the new policy in memory only: it runs in a "
                          "resident worker (orchestration.workers=resident), not in a stage process")
-    if source is not None and isinstance(inp.policy, ShardRef):  # its checkpoint's write failed: write it first
-        _write_lost_checkpoint(inp.policy)
-    opt_ref = optimizer_state_ref(inp.policy)
-    commit = stage_commit(inp, optimizer=opt_ref)
+    if source is not None and isinstance(inp.policy, ShardRef) and not writes_pending(inp.policy):
+        _write_lost_checkpoint(inp.policy)  # its checkpoint's write failed: write it first (a pending one: the step waits)
+    commit = stage_commit(inp, optimizer=optimizer_state_key(inp.policy))
     done = commit.committed()
     if done is not None:
         log.info("ppo_update: reusing committed shard %s (config %s)", commit.uri, commit.config_hash)
         if optimizer_state_missing(done):
             log.warning("ppo_update: %s has no committed optimizer state (its write was lost); recomputing it",
                         commit.uri)
-            trainer, _, _, _ = _train(inp, opt_ref)
+            trainer, _, _, _ = _train(inp)
             if isinstance(trainer.strategy, (DeepSpeedStrategy, FSDPStrategy)):
                 recover_deepspeed_optimizer_state(trainer.strategy, done, weights_match=_weights_match)
             else:
@@ -371,7 +374,7 @@ def run(inp: PPOUpdateInput) -> ShardRef:
         else:
             _write_lost_checkpoint(done)
         return done
-    return _commit_update(inp, commit, opt_ref)
+    return _commit_update(inp, commit)
 
 
 def _lost_checkpoint(done: ShardRef) -> PPOUpdateInput | None:
@@ -409,9 +412,10 @@ def _write_lost_checkpoint(done: ShardRef) -> None:
     wait_for_optimizer_writes(policy_checkpoint_uri(done))
     source.trained(done)
 
-def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None) -> ShardRef:
-    trainer, steps, seconds, extra = _train(inp, opt_ref)
+def _commit_update(inp: PPOUpdateInput, commit: Commit) -> ShardRef:
+    trainer, steps, seconds, extra = _train(inp)
     strategy = trainer.strategy
+    opt_ref = optimizer_state_ref(inp.policy)  # the committed state it continued (its write joined by the first step)
     inputs = {name: ref for name, ref in (("rollout", inp.rollout), ("advantages", inp.advantages),
                                           ("actor_logprobs", inp.actor_logprobs),
                                           ("ref_logprobs", inp.ref_logprobs if inp.kl.in_loss else None),
@@ -434,6 +438,8 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit, opt_ref: ShardRef | None
         commit_policy_checkpoint(new, strategy.model, trainer.saver, digest=summary[WEIGHTS_DIGEST_KEY])
     elif isinstance(strategy, SingleProcess) and inp.save_checkpoint:
         commit_optimizer_state(new, strategy.optimizer.state_dict(), background=inp.background_optimizer)
+    if isinstance(strategy, SingleProcess) and writes_pending(new):  # the next update's first step waits for them
+        strategy.wait_before_step(lambda: wait_for_writes_of(new))
     elif isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy)) and inp.save_checkpoint:  # every rank its shards
         commit_sharded_optimizer_state(new, strategy)
     source = current_source()

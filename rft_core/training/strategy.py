@@ -62,7 +62,7 @@ import math
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -458,6 +458,7 @@ class SingleProcess:
                  master: MasterWeights | None = None, autocast_dtype: torch.dtype | None = None) -> None:
         self.model, self.optimizer, self.max_grad_norm, self.master = model, optimizer, max_grad_norm, master
         self.autocast_dtype = autocast_dtype
+        self._before_step: list[Callable[[], None]] = []
         if master is None and any(p.requires_grad and p.dtype in HALF_DTYPES for p in model.parameters()):
             log.warning("training 16-bit parameters without float32 master weights: optimizer steps below half a "
                         "16-bit ulp are lost (build the strategy with build_strategy for mixed precision)")
@@ -486,9 +487,19 @@ class SingleProcess:
         its gradient into its master's float32 gradient as backward produces it)."""
         loss.backward()
 
+    def wait_before_step(self, wait: Callable[[], None]) -> None:
+        """Have the next ``step`` call ``wait()`` first (once): a background write still reads this
+        strategy's weights or optimizer state (``rft_core.stages.optimizer_state``), which the
+        forward and backward passes leave alone and the step changes. ``wait`` may raise (a failed
+        write); the step then raises it and changes nothing."""
+        self._before_step.append(wait)
+
     def step(self) -> float:
         """Clip and step (in mixed precision: the float32 master gradients and weights, then the
-        masters rounded into the bfloat16 parameters); returns the gradient norm before clipping."""
+        masters rounded into the bfloat16 parameters); returns the gradient norm before clipping.
+        First the waits ``wait_before_step`` queued, in order."""
+        while self._before_step:
+            self._before_step.pop(0)()
         grad_norm = clip_and_step(self.model, self.optimizer, self.max_grad_norm)
         if self.master is not None and math.isfinite(grad_norm):
             self.master.to_params()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,13 @@ import torch
 
 from rft_core import stages
 from rft_core.config import load_config
+from rft_core.stages import memo
 from rft_core.stages import optimizer_state as opt_state
 from rft_core.stages.contracts import AdvantagesInput, PPOUpdateInput, PromptsInput, RewardsInput, RolloutInput
 from rft_core.stages.retention import CheckpointPrunedError
 from rft_core.training.checkpoint import OPTIMIZER_FILE
-from rft_core.training.strategy import DeepSpeedStateError
+import rft_core.training.strategy as strategy_module
+from rft_core.training.strategy import DeepSpeedStateError, SingleProcess
 from schemas import commit_files, prune_files, read_manifest, read_shard, stage_uri
 from tests.flows.conftest import _fake_score
 
@@ -134,6 +137,53 @@ def test_a_failed_background_write_is_reported_once_then_recomputed(cfg, tmp_pat
     monkeypatch.setattr(opt_state.torch, "save", real_save)
     assert _update(cfg, root, 1, cfg.policy.path) == u1
     assert read_manifest(uri)[0].summary["recovered"] is True
+
+
+def test_the_next_update_trains_during_the_write_and_steps_after_it(cfg, tmp_path, monkeypatch):
+    """Stage mode keeping its trainer: update 2 finds its commit (its config hash holds the
+    optimizer stage's config hash, known before the write ends) and runs its forward and backward
+    passes while update 1's optimizer state is still being written; its optimizer step waits
+    for the write. It ends bit for bit where the same updates end with synchronous writes."""
+    sync_root, root = str(tmp_path / "sync"), str(tmp_path / "background")
+    with memo.keeping_models(True):
+        r1 = _update(cfg, sync_root, 1, cfg.policy.path)
+        r2 = _update(cfg, sync_root, 2, r1)
+    memo.clear()
+    release, real_save = threading.Event(), opt_state.save_optimizer_state
+
+    def held_save(state, path):  # the write of update 1's state goes on until update 2's first backward
+        assert release.wait(120), "update 2 never reached its backward pass while the write was held"
+        real_save(state, path)
+
+    monkeypatch.setattr(opt_state, "save_optimizer_state", held_save)
+    with memo.keeping_models(True):
+        u1 = _update(cfg, root, 1, cfg.policy.path, background_optimizer=True)
+        manifest = Path(opt_state.optimizer_state_uri(u1), "_MANIFEST.json")
+        assert opt_state.writes_pending(u1) and not manifest.exists()
+        seen: dict[str, list[bool]] = {"backward": [], "step": []}
+        real_backward, real_step = SingleProcess.backward, strategy_module.clip_and_step
+
+        def backward(self, loss):
+            seen["backward"].append(manifest.exists())
+            release.set()
+            return real_backward(self, loss)
+
+        def step(*a, **kw):
+            seen["step"].append(manifest.exists())
+            return real_step(*a, **kw)
+
+        monkeypatch.setattr(SingleProcess, "backward", backward)
+        monkeypatch.setattr(strategy_module, "clip_and_step", step)
+        u2 = _update(cfg, root, 2, u1)
+        assert memo.hits()["trainer"] == 1  # the kept trainer, whose state the writer was reading
+    assert seen["backward"][0] is False and seen["step"] and all(seen["step"])  # trained during it, stepped after it
+    assert read_manifest(u2.uri)[0].inputs["optimizer"] == read_manifest(manifest.parent.as_posix())[1]
+    inp2 = PPOUpdateInput(**_experience(cfg, root, 2, u1), policy=u1)  # its committed inputs, reused
+    assert u2.config_hash == inp2.config_hash(optimizer=read_manifest(manifest.parent.as_posix())[0].config_hash)
+    m1, m2 = read_manifest(r1.uri)[0], read_manifest(r2.uri)[0]
+    assert m2.summary["grad_norm"] > 0 and {f.sha256 for f in m1.files} != {f.sha256 for f in m2.files}  # it moved
+    assert {f.path: f.sha256 for f in read_manifest(u2.uri)[0].files} == {f.path: f.sha256 for f in m2.files}
+    _assert_same_state(_state(opt_state.optimizer_state_uri(u2)), _state(opt_state.optimizer_state_uri(r2)))
 
 
 def _committed_stage(uri: str, stage: str, summary: dict):
