@@ -29,7 +29,7 @@ from rft_core.stages.dynamic import count_signal_groups
 from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, eval_report_lines, resolve_checkpoint
 from rft_core.stages.lineage import weights_stage
 from rft_core.stages.memo import clear as _release_kept_models
-from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.stages.optimizer_state import release_host_staging, wait_for_optimizer_writes
 from rft_core.stages.retention import apply_retention, prune_checkpoints
 from rft_core.stages.teacher import check_teacher_tokenizer
 from rft_core.storage import RunRootError, check_run_root, repair as repair_stage, verify_run
@@ -66,9 +66,10 @@ __all__ = [
 
 def release_run(pool: str | None) -> None:
     """End what a run holds in memory, on success, an error or Ctrl-C alike: its resident
-    workers (``pool``, None: none; ``stop_workers``, after their pending writes) and the models
-    stage mode kept between stages (``rft_core.stages.memo``), so a process that runs several
-    flows holds nothing of an earlier one.
+    workers (``pool``, None: none; ``stop_workers``, after their pending writes), the models
+    stage mode kept between stages (``rft_core.stages.memo``) and the page-locked copy of its
+    last optimizer state (``release_host_staging``), so a process that runs several flows holds
+    nothing of an earlier one.
 
     Raises:
         OptimizerStateError: a worker's pending write failed (see ``stop_workers``); the kept
@@ -79,6 +80,7 @@ def release_run(pool: str | None) -> None:
             stop_workers(pool)
     finally:
         _release_kept_models()
+        release_host_staging()
 
 
 def policy_checkpoint_folder(ref: PolicyRef) -> str:

@@ -59,10 +59,12 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import fsspec
+import psutil
 import torch
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from rft_core.stages.checkpoints import policy_checkpoint_dir
 from rft_core.stages.common import Commit, stage_commit
@@ -89,6 +91,9 @@ OPTIMIZER_STAGE = OPTIMIZER_STATE.stage  # "optimizer_state"
 _LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
 _PENDING: dict[str, Future] = {}
+# the page-locked host copy of the last CUDA optimizer state staged for a background write:
+# (its layout, the stager holding its buffers, the write reading them)
+_STAGED: tuple[tuple, BlockingAsyncStager, Future | None] | None = None
 
 
 # manifest summary of a DeepSpeed optimizer stage: {"format": DEEPSPEED_FORMAT, "tag", "world_size",
@@ -174,15 +179,72 @@ def _write_policy(update: ShardRef, model, saver, digest: str) -> ShardRef:
                         summary={WEIGHTS_DIGEST_KEY: digest})
 
 
-def _submit(uri: str, fn: Callable[..., ShardRef], *args: Any) -> None:
+def _submit(uri: str, fn: Callable[..., ShardRef], *args: Any) -> Future:
     """Queue ``fn(*args)`` on this process's writer thread (one at a time, in submission order,
-    at a lower CPU priority) as the pending write of ``uri``."""
+    at a lower CPU priority) as the pending write of ``uri``; returns its future."""
     global _EXECUTOR
     with _LOCK:
         if _EXECUTOR is None:
             _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-optimizer-state",
                                            initializer=_lower_priority)
-        _PENDING[uri] = _EXECUTOR.submit(fn, *args)
+        _PENDING[uri] = fut = _EXECUTOR.submit(fn, *args)
+    return fut
+
+
+def _layout(value: Any, path: tuple = ()) -> Iterator[tuple]:
+    """(path, shape, dtype, device type) of every tensor in a nested dict/list/tuple."""
+    if isinstance(value, torch.Tensor):
+        yield path, tuple(value.shape), value.dtype, value.device.type
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _layout(v, (*path, k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _layout(v, (*path, i))
+
+
+def stage_on_host(state: dict, *, device: str = "cuda") -> tuple[dict, bool]:
+    """``state`` as a background write should read it: where it holds CUDA tensors, a copy in
+    page-locked host memory made now (torch's ``BlockingAsyncStager(cache_staged_state_dict=True)``,
+    what ``torch.distributed.checkpoint.async_save`` stages through; its buffers reused by the
+    next call with the same layout), so the writer never touches the GPU: it neither waits on nor
+    stalls the next rollout's kernels with one synchronous device-to-host copy per tensor, and
+    the next update may step while it writes. Left as it is (False): no CUDA tensor, more bytes
+    than half the host's available memory (``psutil.virtual_memory``), which the writer then reads
+    from the device as before, or (a fresh, unpinned copy, False) the reused buffers still being
+    written from.
+
+    Args:
+        device: the device type whose tensors are staged ("cuda"; the tests stage "cpu" ones).
+    Returns:
+        (the state to write, whether it lies in the reused buffers).
+    """
+    global _STAGED
+    layout = tuple(_layout(state))
+    if not any(kind == device for *_, kind in layout):
+        return state, False
+    size = sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype, _ in layout)
+    if size > psutil.virtual_memory().available // 2:
+        log.info("optimizer_state: %.1f GB of CUDA optimizer state is written from the device (over half the host's "
+                 "available memory)", size / 1e9)
+        return state, False
+    with _LOCK:
+        staged = _STAGED
+    if staged is not None and staged[2] is not None and not staged[2].done():
+        return BlockingAsyncStager().stage(state), False
+    if staged is None or staged[0] != layout:
+        staged = (layout, BlockingAsyncStager(cache_staged_state_dict=True), None)
+    with _LOCK:
+        _STAGED = staged
+    return staged[1].stage(state), True
+
+
+def release_host_staging() -> None:
+    """Drop the page-locked buffers ``stage_on_host`` keeps (once the writes reading them are
+    joined): what a run does when it ends (``rft_core.api.release_run``)."""
+    global _STAGED
+    with _LOCK:
+        _STAGED = None
 
 
 def commit_policy_checkpoint(update: ShardRef, model, saver, *, digest: str) -> None:
@@ -204,7 +266,8 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
     ``update`` and commit it.
 
     ``background``: return None at once and write in this process's writer thread (one at a
-    time, in submission order, at a lower CPU priority); ``wait_for_optimizer_writes`` joins it. The
+    time, in submission order, at a lower CPU priority), from a page-locked host copy of a CUDA
+    state (``stage_on_host``); ``wait_for_optimizer_writes`` joins it. The
     caller must not modify the tensors of ``state`` until then (the update queues
     ``wait_for_writes_of`` before its strategy's next step). Otherwise write now and return the ShardRef.
 
@@ -214,7 +277,12 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
     summary = dict(summary or {})
     if not background:
         return _write(update, state, summary)
-    _submit(optimizer_state_uri(update), _write, update, state, summary)
+    global _STAGED
+    state, reused = stage_on_host(state)
+    fut = _submit(optimizer_state_uri(update), _write, update, state, summary)
+    if reused:
+        with _LOCK:
+            _STAGED = (*_STAGED[:2], fut) if _STAGED is not None else None
     return None
 
 

@@ -9,7 +9,9 @@ import json
 import os
 import shutil
 import threading
+from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -184,6 +186,56 @@ def test_the_next_update_trains_during_the_write_and_steps_after_it(cfg, tmp_pat
     assert m2.summary["grad_norm"] > 0 and {f.sha256 for f in m1.files} != {f.sha256 for f in m2.files}  # it moved
     assert {f.path: f.sha256 for f in read_manifest(u2.uri)[0].files} == {f.path: f.sha256 for f in m2.files}
     _assert_same_state(_state(opt_state.optimizer_state_uri(u2)), _state(opt_state.optimizer_state_uri(r2)))
+
+
+def _adamw_state(steps: int, seed: int = 0, width: int = 4) -> tuple[torch.optim.Optimizer, dict]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(width, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    for _ in range(steps):
+        model(torch.randn(2, width)).square().sum().backward()
+        opt.step()
+    return opt, {**opt.state_dict(), "master_weights": {"weight": model.weight.detach().clone()}, "master_dtype": "bfloat16"}
+
+
+def test_a_device_state_is_staged_on_the_host_in_reused_buffers(monkeypatch, tmp_path):
+    """``stage_on_host`` through torch's BlockingAsyncStager. This CPU build has no page-locked
+    memory (torch.Tensor.pin_memory raises "Cannot access accelerator device"): it is replaced by
+    the identity, and CPU tensors stand for the device ones (``device="cpu"``)."""
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
+    monkeypatch.setattr(opt_state, "_STAGED", None)
+    opt, state = _adamw_state(2)
+    assert opt_state.stage_on_host(state) == (state, False)  # no CUDA tensor: written as it is
+    staged, reused = opt_state.stage_on_host(state, device="cpu")
+    assert reused and staged["param_groups"] == state["param_groups"] and staged["master_dtype"] == "bfloat16"
+    _assert_same_state(staged, state)
+    assert torch.equal(staged["master_weights"]["weight"], state["master_weights"]["weight"])
+    ptr, layout = staged["state"][0]["exp_avg"].data_ptr(), opt_state._STAGED[0]
+    assert ptr != state["state"][0]["exp_avg"].data_ptr()
+    want = {k: {n: t.clone() for n, t in v.items()} for k, v in state["state"].items()}
+    opt.param_groups[0]["params"][0].grad = torch.ones_like(opt.param_groups[0]["params"][0])
+    opt.step()  # the optimizer moves on: the staged copy does not
+    assert not torch.equal(state["state"][0]["exp_avg"], want[0]["exp_avg"])
+    _assert_same_state(staged, {"state": want})
+    opt_state.save_optimizer_state(staged, tmp_path / OPTIMIZER_FILE)
+    _assert_same_state(_state(tmp_path), {"state": want})  # what the writer writes from it
+
+    again, reused = opt_state.stage_on_host(state, device="cpu")  # same layout: the same buffers, new values
+    assert reused and again["state"][0]["exp_avg"].data_ptr() == ptr and float(again["state"][0]["step"]) == 3
+    _assert_same_state(again, state)
+    busy = Future()  # a write still reading those buffers: a fresh copy instead
+    monkeypatch.setattr(opt_state, "_STAGED", (*opt_state._STAGED[:2], busy))
+    fresh, reused = opt_state.stage_on_host(state, device="cpu")
+    assert not reused and fresh["state"][0]["exp_avg"].data_ptr() != ptr
+    _assert_same_state(fresh, state)
+    busy.set_result(None)
+    _, other = _adamw_state(1, width=5)  # another layout: buffers of its own
+    staged5, reused = opt_state.stage_on_host(other, device="cpu")
+    assert reused and staged5["state"][0]["exp_avg"].shape == (3, 5) and opt_state._STAGED[0] != layout
+    monkeypatch.setattr(opt_state.psutil, "virtual_memory", lambda: SimpleNamespace(available=100))
+    assert opt_state.stage_on_host(state, device="cpu") == (state, False)  # over half the host's memory: as it is
+    opt_state.release_host_staging()
+    assert opt_state._STAGED is None
 
 
 def _committed_stage(uri: str, stage: str, summary: dict):
