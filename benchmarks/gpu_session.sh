@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_session.sh again      # the workers' tests with the tokenizer, then the whole bench (~5 min)
 #   bash benchmarks/gpu_session.sh resident   # the resident arm alone, 4 steps (~2 min)
 #   bash benchmarks/gpu_session.sh memo       # the whole bench with stage mode keeping its models, and its test on CUDA (~7 min)
+#   bash benchmarks/gpu_session.sh overlap    # the whole bench after the update trains during the optimizer write (~7 min)
 set -u
 PART=${1:-bench}
 OUT=${OUT:-$PWD/gpu-out}
@@ -34,7 +35,14 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output i
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: rc=$? $((SECONDS - t0)) s" >> "$OUT/steps.txt"
 }
-if [ "$PART" = memo ]; then
+if [ "$PART" = overlap ]; then
+# issue 44: the whole table after the next update learned to train during the optimizer-state write (staged in
+# page-locked host memory first); then the optimizer-state tests on CUDA (the staging's own test needs a GPU)
+step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$OUT/bench_gpu.json" \
+    --doc "$OUT/benchmarks_gpu.md"
+step optimizer_state_cuda 90 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m pytest -q -p no:cacheprovider -rs \
+    tests/rft_core/stages/test_optimizer_state.py --timeout 80
+elif [ "$PART" = memo ]; then
 # issue 44: the whole table (TRL, resident, stage) with stage mode keeping its models (orchestration.keep_models)
 step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$OUT/bench_gpu.json" \
     --doc "$OUT/benchmarks_gpu.md"
