@@ -438,10 +438,10 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit) -> ShardRef:
         commit_policy_checkpoint(new, strategy.model, trainer.saver, digest=summary[WEIGHTS_DIGEST_KEY])
     elif isinstance(strategy, SingleProcess) and inp.save_checkpoint:
         commit_optimizer_state(new, strategy.optimizer.state_dict(), background=inp.background_optimizer)
-    if isinstance(strategy, SingleProcess) and writes_pending(new):  # the next update's first step waits for them
-        strategy.wait_before_step(lambda: wait_for_writes_of(new))
     elif isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy)) and inp.save_checkpoint:  # every rank its shards
         commit_sharded_optimizer_state(new, strategy)
+    if isinstance(strategy, SingleProcess) and writes_pending(new):  # the next update's first step waits for them
+        strategy.wait_before_step(lambda: wait_for_writes_of(new))
     source = current_source()
     if source is not None:
         source.trained(new)
