@@ -1,12 +1,15 @@
 """Test setup: a private Prefect home and one session-scoped Prefect test harness."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 _home = tempfile.mkdtemp(prefix="rft-prefect-home-")
+atexit.register(shutil.rmtree, _home, ignore_errors=True)  # the session's own Prefect home, gone with it
 os.environ.setdefault("PREFECT_HOME", _home)
 os.environ["PREFECT_HOME"] = _home
 os.environ.setdefault("DO_NOT_TRACK", "1")
