@@ -37,9 +37,11 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output i
 }
 if [ "$PART" = overlap ]; then
 # issue 44: the whole table after the next update learned to train during the optimizer-state write (staged in
-# page-locked host memory first); then the optimizer-state tests on CUDA (the staging's own test needs a GPU)
+# page-locked host memory first); then the staging's checks and cost on the GPU (benchmarks/gpu_staging.py) and the
+# optimizer-state tests on the GPU machine
 step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$OUT/bench_gpu.json" \
     --doc "$OUT/benchmarks_gpu.md"
+step staging_cuda 60 python3 benchmarks/gpu_staging.py --json "$OUT/gpu_staging.json"
 step optimizer_state_cuda 90 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m pytest -q -p no:cacheprovider -rs \
     tests/rft_core/stages/test_optimizer_state.py --timeout 80
 elif [ "$PART" = memo ]; then

@@ -238,22 +238,6 @@ def test_a_device_state_is_staged_on_the_host_in_reused_buffers(monkeypatch, tmp
     assert opt_state._STAGED is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device (benchmarks/gpu_session.sh overlap runs it)")
-def test_a_cuda_state_is_staged_in_page_locked_memory(monkeypatch):
-    monkeypatch.setattr(opt_state, "_STAGED", None)
-    model = torch.nn.Linear(64, 32, device="cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    model(torch.randn(8, 64, device="cuda")).square().sum().backward()
-    opt.step()
-    staged, reused = opt_state.stage_on_host(opt.state_dict())
-    first = staged["state"][0]["exp_avg"]
-    assert reused and first.device.type == "cpu" and first.is_pinned()
-    assert all(torch.equal(staged["state"][k][n].cpu(), v.cpu()) for k, s in opt.state_dict()["state"].items()
-               for n, v in s.items())
-    again, _ = opt_state.stage_on_host(opt.state_dict())
-    assert again["state"][0]["exp_avg"].data_ptr() == first.data_ptr()
-
-
 def _committed_stage(uri: str, stage: str, summary: dict):
     Path(uri).mkdir(parents=True)
     return commit_files(uri, stage=stage, config_hash="h", files=[], summary=summary)
