@@ -40,8 +40,9 @@ writer thread writes the optimizer stage and, after it, ``iter=K/ppo_update-poli
 manifest), while the next iteration's rollout runs. The weights stage commits last, so a policy
 whose weights are on storage always has its AdamW state there too; a crash before it leaves the
 previous checkpoint the one a resume rebuilds from (the committed updates after it re-applied).
-The next ``ppo_update`` waits for both writes before its first optimizer step changes the
-weights they read (``SingleProcess.wait_before_step``).
+The next ``ppo_update`` waits for both writes before it starts, and writes them again if one
+failed (``rft_core.stages.update._write_lost_checkpoint``): a resident run carries on after a failed
+write, with every checkpoint it asked for on storage.
 
 An FSDP2 update (``update.fsdp``) writes the stage the same way with its own sharded format
 (``commit_sharded_optimizer_state``): every rank its shards of the float32 masters and AdamW
@@ -251,8 +252,7 @@ def commit_policy_checkpoint(update: ShardRef, model, saver, *, digest: str) -> 
     """Queue the write of ``model``'s weights (and ``saver``'s tokenizer or processor files) as the
     sibling stage ``{update}-policy`` on the writer thread, after the optimizer stage queued
     before it (the module docstring); ``wait_for_optimizer_writes`` joins it. The caller must not
-    change the weights until it has finished (the next ``ppo_update``'s first optimizer step waits:
-    ``wait_for_writes_of``, queued with ``SingleProcess.wait_before_step``).
+    change the weights until it has finished (the next ``ppo_update`` joins it before it starts).
 
     Raises (from the writer, through ``wait_for_optimizer_writes``):
         OptimizerStateError: the optimizer stage of ``update`` did not commit (nothing written).

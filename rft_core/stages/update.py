@@ -339,8 +339,10 @@ def run(inp: PPOUpdateInput) -> ShardRef:
     The optimizer state of the previous checkpoint (if ``policy`` is one) is restored, with the
     configured learning rate; its stage's config hash enters the config hash
     (``optimizer_state_key``). ``background_optimizer``: write the new optimizer state in a
-    background thread (it then overlaps the next stages and the next update's forward and
-    backward passes; that update's first optimizer step waits for it) instead of before returning.
+    background thread (it then overlaps the next stages and, in stage mode, the next update's
+    forward and backward passes; that update's first optimizer step waits for it) instead of
+    before returning. A resident update joins its policy's background checkpoint before it starts,
+    and writes it again if that write failed (``_write_lost_checkpoint``).
 
     A committed ``out`` is reused; if its optimizer stage is missing (a background write lost
     to a crash), the update is recomputed from the same committed inputs and seeds, the new
@@ -355,8 +357,8 @@ def run(inp: PPOUpdateInput) -> ShardRef:
     if not inp.save_checkpoint and source is None:
         raise ValueError("ppo_update with save_checkpoint=False keeps the new policy in memory only: it runs in a "
                          "resident worker (orchestration.workers=resident), not in a stage process")
-    if source is not None and isinstance(inp.policy, ShardRef) and not writes_pending(inp.policy):
-        _write_lost_checkpoint(inp.policy)  # its checkpoint's write failed: write it first (a pending one: the step waits)
+    if source is not None and isinstance(inp.policy, ShardRef):  # its checkpoint's write failed: write it first
+        _write_lost_checkpoint(inp.policy)  # (joins a pending one: a resident run carries on after a failed write)
     commit = stage_commit(inp, optimizer=optimizer_state_key(inp.policy))
     done = commit.committed()
     if done is not None:
