@@ -92,9 +92,9 @@ OPTIMIZER_STAGE = OPTIMIZER_STATE.stage  # "optimizer_state"
 _LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
 _PENDING: dict[str, Future] = {}
-# the page-locked host copy of the last CUDA optimizer state staged for a background write:
-# (its layout, the stager holding its buffers, the write reading them)
-_STAGED: tuple[tuple, BlockingAsyncStager, Future | None] | None = None
+# the page-locked host copy of the last CUDA optimizer state staged for a background write: (its
+# layout, the stager holding its buffers); a write still running may be reading them
+_STAGED: tuple[tuple, BlockingAsyncStager] | None = None
 
 
 # manifest summary of a DeepSpeed optimizer stage: {"format": DEEPSPEED_FORMAT, "tag", "world_size",
@@ -180,16 +180,15 @@ def _write_policy(update: ShardRef, model, saver, digest: str) -> ShardRef:
                         summary={WEIGHTS_DIGEST_KEY: digest})
 
 
-def _submit(uri: str, fn: Callable[..., ShardRef], *args: Any) -> Future:
+def _submit(uri: str, fn: Callable[..., ShardRef], *args: Any) -> None:
     """Queue ``fn(*args)`` on this process's writer thread (one at a time, in submission order,
-    at a lower CPU priority) as the pending write of ``uri``; returns its future."""
+    at a lower CPU priority) as the pending write of ``uri``."""
     global _EXECUTOR
     with _LOCK:
         if _EXECUTOR is None:
             _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-optimizer-state",
                                            initializer=_lower_priority)
-        _PENDING[uri] = fut = _EXECUTOR.submit(fn, *args)
-    return fut
+        _PENDING[uri] = _EXECUTOR.submit(fn, *args)
 
 
 def _layout(value: Any, path: tuple = ()) -> Iterator[tuple]:
@@ -212,8 +211,8 @@ def stage_on_host(state: dict, *, device: str = "cuda") -> tuple[dict, bool]:
     stalls the next rollout's kernels with one synchronous device-to-host copy per tensor, and
     the next update may step while it writes. Left as it is (False): no CUDA tensor, more bytes
     than half the host's available memory (``psutil.virtual_memory``), which the writer then reads
-    from the device as before, or (a fresh, unpinned copy, False) the reused buffers still being
-    written from.
+    from the device as before, or (a fresh, unpinned copy, False) a background write of this
+    process still running, which may be reading the reused buffers.
 
     Args:
         device: the device type whose tensors are staged ("cuda"; the tests stage "cpu" ones).
@@ -230,14 +229,12 @@ def stage_on_host(state: dict, *, device: str = "cuda") -> tuple[dict, bool]:
                  "available memory)", size / 1e9)
         return state, False
     with _LOCK:
-        staged = _STAGED
-    if staged is not None and staged[2] is not None and not staged[2].done():
-        return BlockingAsyncStager().stage(state), False
-    if staged is None or staged[0] != layout:
-        staged = (layout, BlockingAsyncStager(cache_staged_state_dict=True), None)
-    with _LOCK:
-        _STAGED = staged
-    return staged[1].stage(state), True
+        if any(not fut.done() for fut in _PENDING.values()):
+            return BlockingAsyncStager().stage(state), False
+        if _STAGED is None or _STAGED[0] != layout:
+            _STAGED = (layout, BlockingAsyncStager(cache_staged_state_dict=True))
+        stager = _STAGED[1]
+    return stager.stage(state), True
 
 
 def release_host_staging() -> None:
@@ -277,12 +274,7 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
     summary = dict(summary or {})
     if not background:
         return _write(update, state, summary)
-    global _STAGED
-    state, reused = stage_on_host(state)
-    fut = _submit(optimizer_state_uri(update), _write, update, state, summary)
-    if reused:
-        with _LOCK:
-            _STAGED = (*_STAGED[:2], fut) if _STAGED is not None else None
+    _submit(optimizer_state_uri(update), _write, update, stage_on_host(state)[0], summary)
     return None
 
 

@@ -223,12 +223,13 @@ def test_a_device_state_is_staged_on_the_host_in_reused_buffers(monkeypatch, tmp
     again, reused = opt_state.stage_on_host(state, device="cpu")  # same layout: the same buffers, new values
     assert reused and again["state"][0]["exp_avg"].data_ptr() == ptr and float(again["state"][0]["step"]) == 3
     _assert_same_state(again, state)
-    busy = Future()  # a write still reading those buffers: a fresh copy instead
-    monkeypatch.setattr(opt_state, "_STAGED", (*opt_state._STAGED[:2], busy))
+    busy = Future()  # a write still running, which may read those buffers: a fresh copy instead
+    monkeypatch.setitem(opt_state._PENDING, "memory://run/iter=000001/ppo_update-optimizer", busy)
     fresh, reused = opt_state.stage_on_host(state, device="cpu")
     assert not reused and fresh["state"][0]["exp_avg"].data_ptr() != ptr
     _assert_same_state(fresh, state)
-    busy.set_result(None)
+    busy.set_result(None)  # done (joined or not): the buffers are free again
+    assert opt_state.stage_on_host(state, device="cpu")[0]["state"][0]["exp_avg"].data_ptr() == ptr
     _, other = _adamw_state(1, width=5)  # another layout: buffers of its own
     staged5, reused = opt_state.stage_on_host(other, device="cpu")
     assert reused and staged5["state"][0]["exp_avg"].shape == (3, 5) and opt_state._STAGED[0] != layout
