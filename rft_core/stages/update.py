@@ -442,11 +442,11 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit) -> ShardRef:
         commit_optimizer_state(new, strategy.optimizer.state_dict(), background=inp.background_optimizer)
     elif isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy)) and inp.save_checkpoint:  # every rank its shards
         commit_sharded_optimizer_state(new, strategy)
-    if isinstance(strategy, SingleProcess) and writes_pending(new):  # the next update's first step waits for them
-        strategy.wait_before_step(lambda: wait_for_writes_of(new))
     source = current_source()
-    if source is not None:
+    if source is not None:  # the next update joins the writes before it starts (_write_lost_checkpoint)
         source.trained(new)
     elif isinstance(strategy, SingleProcess) and inp.save_checkpoint:  # stage mode keeping its models
+        if writes_pending(new):  # the next update trains during the write; its first step waits for it
+            strategy.wait_before_step(lambda: wait_for_writes_of(new))
         memo.keep_trainer(version_key(new), trainer_settings(inp), trainer)
     return new
