@@ -18,7 +18,8 @@ Consumers: the next ``ppo_update``'s config hash includes the optimizer stage's 
 (``optimizer_state_key``, known before the write ends); it runs its forward and backward passes
 while the write goes on and waits for it before its first optimizer step changes the tensors
 being written (``SingleProcess.wait_before_step``), or before it reads the state from storage
-(``optimizer_state_ref``). A write lost to a crash is recomputed when the run resumes: the committed
+(``optimizer_state_ref``). A CUDA state is written from a page-locked host copy (``stage_on_host``):
+the next update then steps during the write too, and waits for it before it commits. A write lost to a crash is recomputed when the run resumes: the committed
 ``ppo_update`` is reused, finds its optimizer stage missing (``optimizer_state_missing``) and
 retrains from the same committed inputs and seeds, checking that the weights come out with the
 committed checksums (``rft_core.stages.update``).
@@ -92,6 +93,9 @@ OPTIMIZER_STAGE = OPTIMIZER_STATE.stage  # "optimizer_state"
 _LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
 _PENDING: dict[str, Future] = {}
+# the pending writes (URIs) that read a copy made when they were queued (``stage_on_host``), not the
+# caller's tensors: the caller may change its tensors at once
+_COPIED: set[str] = set()
 # the page-locked host copy of the last CUDA optimizer state staged for a background write: (its
 # layout, the stager holding its buffers); a write still running may be reading them
 _STAGED: tuple[tuple, BlockingAsyncStager] | None = None
@@ -180,15 +184,17 @@ def _write_policy(update: ShardRef, model, saver, digest: str) -> ShardRef:
                         summary={WEIGHTS_DIGEST_KEY: digest})
 
 
-def _submit(uri: str, fn: Callable[..., ShardRef], *args: Any) -> None:
+def _submit(uri: str, fn: Callable[..., ShardRef], *args: Any, copied: bool = False) -> None:
     """Queue ``fn(*args)`` on this process's writer thread (one at a time, in submission order,
-    at a lower CPU priority) as the pending write of ``uri``."""
+    at a lower CPU priority) as the pending write of ``uri``; ``copied``: it reads a copy of the
+    caller's tensors (``writes_reading_tensors`` leaves it out)."""
     global _EXECUTOR
     with _LOCK:
         if _EXECUTOR is None:
             _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-optimizer-state",
                                            initializer=_lower_priority)
         _PENDING[uri] = _EXECUTOR.submit(fn, *args)
+        (_COPIED.add if copied else _COPIED.discard)(uri)
 
 
 def _layout(value: Any, path: tuple = ()) -> Iterator[tuple]:
@@ -264,9 +270,10 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
 
     ``background``: return None at once and write in this process's writer thread (one at a
     time, in submission order, at a lower CPU priority), from a page-locked host copy of a CUDA
-    state (``stage_on_host``); ``wait_for_optimizer_writes`` joins it. The
-    caller must not modify the tensors of ``state`` until then (the update queues
-    ``wait_for_writes_of`` before its strategy's next step). Otherwise write now and return the ShardRef.
+    state (``stage_on_host``); ``wait_for_optimizer_writes`` joins it. Unless it was copied so, the
+    caller must not modify the tensors of ``state`` until then (``writes_reading_tensors``; the
+    update then queues ``wait_for_writes_of`` before its strategy's next step). Otherwise write
+    now and return the ShardRef.
 
     Raises:
         ShardExistsError: (not in the background) the optimizer stage is already committed.
@@ -274,7 +281,8 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
     summary = dict(summary or {})
     if not background:
         return _write(update, state, summary)
-    _submit(optimizer_state_uri(update), _write, update, stage_on_host(state)[0], summary)
+    staged, _ = stage_on_host(state)
+    _submit(optimizer_state_uri(update), _write, update, staged, summary, copied=staged is not state)
     return None
 
 
@@ -439,6 +447,7 @@ def wait_for_optimizer_writes(uri: str | None = None) -> None:
             with _LOCK:
                 if _PENDING.get(u) is fut:
                     del _PENDING[u]
+                    _COPIED.discard(u)
     if first is not None:
         u, exc = first
         raise OptimizerStateError(f"{u}: the background write of the optimizer state failed: {exc!r}. Nothing "
@@ -483,6 +492,18 @@ def writes_pending(update: ShardRef) -> list[str]:
     finished or not; [] when none."""
     with _LOCK:
         return [u for u in (optimizer_state_uri(update), policy_checkpoint_uri(update)) if u in _PENDING]
+
+
+def writes_reading_tensors(update: ShardRef) -> list[str]:
+    """Those of ``writes_pending(update)`` that read the caller's own tensors (a policy
+    checkpoint's weights; an optimizer state not copied when it was queued, ``stage_on_host``):
+    the caller must not change them before ``wait_for_writes_of(update)``. A write that reads a
+    copy (a CUDA state staged on the host) leaves the caller free to step at once; its commit
+    still comes before the next update's, which looks its state up (``optimizer_state_ref``)
+    before it commits."""
+    pending = writes_pending(update)
+    with _LOCK:
+        return [u for u in pending if u not in _COPIED]
 
 
 def wait_for_writes_of(update: ShardRef) -> None:

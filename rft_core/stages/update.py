@@ -39,7 +39,7 @@ from rft_core.stages.optimizer_state import (
     saved_optimizer_state,
     wait_for_optimizer_writes,
     wait_for_writes_of,
-    writes_pending,
+    writes_reading_tensors,
 )
 from rft_core.stages.retention import WEIGHT_SUFFIXES
 from rft_core.training.strategy import (
@@ -340,8 +340,8 @@ def run(inp: PPOUpdateInput) -> ShardRef:
     configured learning rate; its stage's config hash enters the config hash
     (``optimizer_state_key``). ``background_optimizer``: write the new optimizer state in a
     background thread (it then overlaps the next stages and, in stage mode, the next update's
-    forward and backward passes; that update's first optimizer step waits for it) instead of
-    before returning. A resident update joins its policy's background checkpoint before it starts,
+    forward and backward passes; that update's first optimizer step waits for it, or, when the
+    write reads a host copy of a CUDA state, its commit) instead of before returning. A resident update joins its policy's background checkpoint before it starts,
     and writes it again if that write failed (``_write_lost_checkpoint``).
 
     A committed ``out`` is reused; if its optimizer stage is missing (a background write lost
@@ -417,7 +417,7 @@ def _write_lost_checkpoint(done: ShardRef) -> None:
 def _commit_update(inp: PPOUpdateInput, commit: Commit) -> ShardRef:
     trainer, steps, seconds, extra = _train(inp)
     strategy = trainer.strategy
-    opt_ref = optimizer_state_ref(inp.policy)  # the committed state it continued (its write joined by the first step)
+    opt_ref = optimizer_state_ref(inp.policy)  # the committed state it continued (its write joined here at the latest)
     inputs = {name: ref for name, ref in (("rollout", inp.rollout), ("advantages", inp.advantages),
                                           ("actor_logprobs", inp.actor_logprobs),
                                           ("ref_logprobs", inp.ref_logprobs if inp.kl.in_loss else None),
@@ -446,7 +446,9 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit) -> ShardRef:
     if source is not None:  # the next update joins the writes before it starts (_write_lost_checkpoint)
         source.trained(new)
     elif isinstance(strategy, SingleProcess) and inp.save_checkpoint:  # stage mode keeping its models
-        if writes_pending(new):  # the next update trains during the write; its first step waits for it
+        # the next update trains during the write; its first step waits for a write reading its tensors
+        # (not for one reading a host copy: its commit waits for that one, optimizer_state_ref above)
+        if writes_reading_tensors(new):
             strategy.wait_before_step(lambda: wait_for_writes_of(new))
         memo.keep_trainer(version_key(new), trainer_settings(inp), trainer)
     return new

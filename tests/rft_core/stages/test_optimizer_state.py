@@ -141,11 +141,15 @@ def test_a_failed_background_write_is_reported_once_then_recomputed(cfg, tmp_pat
     assert read_manifest(uri)[0].summary["recovered"] is True
 
 
-def test_the_next_update_trains_during_the_write_and_steps_after_it(cfg, tmp_path, monkeypatch):
+@pytest.mark.parametrize("copied", [False, True], ids=["reading-its-tensors", "reading-a-host-copy"])
+def test_the_next_update_trains_during_the_write_and_steps_after_it(cfg, tmp_path, monkeypatch, copied):
     """Stage mode keeping its trainer: update 2 finds its commit (its config hash holds the
     optimizer stage's config hash, known before the write ends) and runs its forward and backward
-    passes while update 1's optimizer state is still being written; its optimizer step waits
-    for the write. It ends bit for bit where the same updates end with synchronous writes."""
+    passes while update 1's optimizer state is still being written. Its optimizer step waits for
+    a write that reads the trainer's own tensors; a write from a host copy (``stage_on_host``, a
+    CUDA state; here CPU tensors stand for it, as in the staging test below) lets it step during
+    the write, and its commit waits. Either way it ends bit for bit where the same updates end
+    with synchronous writes."""
     sync_root, root = str(tmp_path / "sync"), str(tmp_path / "background")
     with memo.keeping_models(True):
         r1 = _update(cfg, sync_root, 1, cfg.policy.path)
@@ -153,39 +157,51 @@ def test_the_next_update_trains_during_the_write_and_steps_after_it(cfg, tmp_pat
     memo.clear()
     release, real_save = threading.Event(), opt_state.save_optimizer_state
 
-    def held_save(state, path):  # the write of update 1's state goes on until update 2's first backward
-        assert release.wait(120), "update 2 never reached its backward pass while the write was held"
+    def held_save(state, path):  # the write of update 1's state goes on until update 2 trains (or steps)
+        assert release.wait(120), "update 2 never reached its backward pass (its step) while the write was held"
         real_save(state, path)
 
     monkeypatch.setattr(opt_state, "save_optimizer_state", held_save)
+    if copied:
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
+        monkeypatch.setattr(opt_state, "_STAGED", None)
+        real_stage = opt_state.stage_on_host
+        monkeypatch.setattr(opt_state, "stage_on_host", lambda state: real_stage(state, device="cpu"))
     with memo.keeping_models(True):
         u1 = _update(cfg, root, 1, cfg.policy.path, background_optimizer=True)
         manifest = Path(opt_state.optimizer_state_uri(u1), "_MANIFEST.json")
         assert opt_state.writes_pending(u1) and not manifest.exists()
+        assert opt_state.writes_reading_tensors(u1) == ([] if copied else opt_state.writes_pending(u1))
         seen: dict[str, list[bool]] = {"backward": [], "step": []}
         real_backward, real_step = SingleProcess.backward, strategy_module.clip_and_step
 
         def backward(self, loss):
             seen["backward"].append(manifest.exists())
-            release.set()
+            if not copied:
+                release.set()
             return real_backward(self, loss)
 
         def step(*a, **kw):
             seen["step"].append(manifest.exists())
+            release.set()
             return real_step(*a, **kw)
 
         monkeypatch.setattr(SingleProcess, "backward", backward)
         monkeypatch.setattr(strategy_module, "clip_and_step", step)
         u2 = _update(cfg, root, 2, u1)
         assert memo.hits()["trainer"] == 1  # the kept trainer, whose state the writer was reading
-    assert seen["backward"][0] is False and seen["step"] and all(seen["step"])  # trained during it, stepped after it
-    assert read_manifest(u2.uri)[0].inputs["optimizer"] == read_manifest(manifest.parent.as_posix())[1]
+    assert seen["backward"][0] is False and seen["step"]  # trained during the write
+    assert seen["step"][0] is (not copied)  # stepped after it (its own tensors) or during it (a copy)
+    assert manifest.exists() and read_manifest(u2.uri)[0].inputs["optimizer"] == read_manifest(manifest.parent.as_posix())[1]
     inp2 = PPOUpdateInput(**_experience(cfg, root, 2, u1), policy=u1)  # its committed inputs, reused
     assert u2.config_hash == inp2.config_hash(optimizer=read_manifest(manifest.parent.as_posix())[0].config_hash)
     m1, m2 = read_manifest(r1.uri)[0], read_manifest(r2.uri)[0]
     assert m2.summary["grad_norm"] > 0 and {f.sha256 for f in m1.files} != {f.sha256 for f in m2.files}  # it moved
     assert {f.path: f.sha256 for f in read_manifest(u2.uri)[0].files} == {f.path: f.sha256 for f in m2.files}
+    opt_state.wait_for_optimizer_writes()
+    _assert_same_state(_state(opt_state.optimizer_state_uri(u1)), _state(opt_state.optimizer_state_uri(r1)))
     _assert_same_state(_state(opt_state.optimizer_state_uri(u2)), _state(opt_state.optimizer_state_uri(r2)))
+    opt_state.release_host_staging()
 
 
 def _adamw_state(steps: int, seed: int = 0, width: int = 4) -> tuple[torch.optim.Optimizer, dict]:
