@@ -19,10 +19,11 @@ Consumers: the next ``ppo_update``'s config hash includes the optimizer stage's 
 while the write goes on and waits for it before its first optimizer step changes the tensors
 being written (``SingleProcess.wait_before_step``), or before it reads the state from storage
 (``optimizer_state_ref``). A CUDA state is written from a page-locked host copy (``stage_on_host``):
-the next update then steps during the write too, and waits for it before it commits. A write lost to a crash is recomputed when the run resumes: the committed
-``ppo_update`` is reused, finds its optimizer stage missing (``optimizer_state_missing``) and
-retrains from the same committed inputs and seeds, checking that the weights come out with the
-committed checksums (``rft_core.stages.update``).
+the next update then steps during the write too, and waits for it before it commits. A write
+lost to a crash is recomputed when the run resumes: the committed ``ppo_update`` is reused, finds
+its optimizer stage missing (``optimizer_state_missing``) and retrains from the same committed
+inputs and seeds, checking that the weights come out with the committed checksums
+(``rft_core.stages.update``).
 
 A DeepSpeed update (ZeRO over the ranks of a torchrun job) writes the same stage in DeepSpeed's
 own sharded format instead of ``optimizer.pt`` (``commit_sharded_optimizer_state``): every

@@ -341,8 +341,9 @@ def run(inp: PPOUpdateInput) -> ShardRef:
     (``optimizer_state_key``). ``background_optimizer``: write the new optimizer state in a
     background thread (it then overlaps the next stages and, in stage mode, the next update's
     forward and backward passes; that update's first optimizer step waits for it, or, when the
-    write reads a host copy of a CUDA state, its commit) instead of before returning. A resident update joins its policy's background checkpoint before it starts,
-    and writes it again if that write failed (``_write_lost_checkpoint``).
+    write reads a host copy of a CUDA state, its commit) instead of before returning. A resident
+    update joins its policy's background checkpoint before it starts, and writes it again if that
+    write failed (``_write_lost_checkpoint``).
 
     A committed ``out`` is reused; if its optimizer stage is missing (a background write lost
     to a crash), the update is recomputed from the same committed inputs and seeds, the new
