@@ -4,6 +4,7 @@ loop (``HFEngine._decode``), vision-language models (Qwen2-VL / Qwen2.5-VL: imag
 through transformers' ``generate``; both draw by inverse CDF (``InverseCDFSampler``)."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,17 @@ from schemas.experience import zero_pad_sequences
 # otherwise fill in the processors the call does not name (transformers ``_prepare_generation_config``
 # takes every setting the call leaves unset from the model's generation config).
 NEUTRAL_SAMPLING = {"top_k": 0, "repetition_penalty": 1.0, "min_p": None, "typical_p": 1.0}
+
+
+def cache_keyword(model) -> str:
+    """The name under which ``model``'s forward takes its KV cache and its output returns it:
+    ``cache`` where the installed transformers renamed it (5.x releases that deprecate
+    ``past_key_values``, to be removed in 5.40: ``@deprecate_kwarg("past_key_values", "5.40.0",
+    new_name="cache")`` on every ``forward`` in ``transformers/models/*/modeling_*.py``, 5.24), else
+    ``past_key_values``. A peft wrapper (``forward(*args, **kwargs)``) is read through its base
+    model, to which it passes the keyword on."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 @dataclass(frozen=True)
@@ -268,7 +280,7 @@ class HFEngine:
         ids, mask = input_ids[::n, :-1], attention_mask[::n, :-1]
         position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
-        cache = out.past_key_values
+        cache = getattr(out, cache_keyword(self.model))
         if n > 1:
             cache.batch_repeat_interleave(n)
         return cache
@@ -304,10 +316,11 @@ class HFEngine:
         else:
             ids, position_ids = input_ids[:, -1:], pos
         eos = torch.tensor(sorted(self.eos_ids), device=input_ids.device)
+        name = cache_keyword(self.model)
         for step in range(max_new_tokens):
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1)
-            cache, logits = out.past_key_values, out.logits[:, -1, :]
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                             logits_to_keep=1, **{name: cache})
+            cache, logits = getattr(out, name), out.logits[:, -1, :]
             if sampler is None:
                 x = logits.detach().to(torch.float32, copy=True)
                 tok = x.argmax(-1)
@@ -439,7 +452,7 @@ class HFEngine:
             if media is not None:
                 sampling.update(self._vision(chunk, input_ids, device, *media))
             elif share_prefill and P > 1:
-                sampling["past_key_values"] = self._prefill(input_ids, attention_mask, n)
+                sampling[cache_keyword(self.model)] = self._prefill(input_ids, attention_mask, n)
             toks, lps_rows = self._generate_rows(input_ids, attention_mask, sampling, max_new_tokens=max_new_tokens,
                                                  recorder=recorder)
         generations = []

@@ -86,3 +86,38 @@ def test_rows_that_finish_leave_the_batch_and_the_others_decode_as_generate_does
         assert g.finish_reason == ("stop" if toks[cut - 1] in engine.eos_ids else "length")
         lengths.append(cut)
     assert lengths[0] <= 3 and max(lengths) == 8  # row 0 left early, another row ran to the end
+
+
+def test_the_kv_cache_goes_by_the_name_the_installed_transformers_takes(engine):
+    """transformers 5.x renamed the forward's ``past_key_values`` to ``cache`` (the old name
+    deprecated, removed in 5.40): the engine's decode loop passes and reads the cache under the
+    name the model's forward takes, so it raises no deprecation warning now and keeps working
+    after 5.40; a forward that still takes ``past_key_values`` (an older transformers) gets that
+    name, and a peft wrapper is read through its base model."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    from rft_core.engines.hf import cache_keyword
+
+    class Older(torch.nn.Module):  # the signature of transformers 4.x's LlamaForCausalLM.forward, abridged
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None):
+            return None
+
+    assert cache_keyword(Older()) == "past_key_values"
+    name = cache_keyword(engine.model)
+    assert name == "cache"  # the pinned transformers (5.24) takes `cache`
+    seen: list[set[str]] = []
+    hook = engine.model.register_forward_pre_hook(lambda m, a, kw: seen.append(set(kw)), with_kwargs=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gens = engine.generate([[1, 20, 30], [1, 40]], n_samples_per_prompt=2, max_new_tokens=5, temperature=0.7,
+                                   batch_size=4, seed=1)
+    finally:
+        hook.remove()
+    assert all(len(g.response_token_ids) > 0 for g in gens) and len(seen) > 2
+    assert all("past_key_values" not in kw for kw in seen) and sum("cache" in kw for kw in seen) >= len(seen) - 1
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+    lora = get_peft_model(type(engine.model)(engine.model.config), LoraConfig(target_modules=["q_proj"], r=2))
+    assert cache_keyword(lora) == name  # a fresh model of the same config: peft wraps it in place
