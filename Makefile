@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
 .PHONY: install demo test test-fast bench bench-trl bench-learning bench-resident bench-async bench-validate gpu-smoke clean bench-distill
-.PHONY: bench-gpu bench-fsdp-demo
+.PHONY: bench-gpu bench-fsdp-demo gpu-kit
 .PHONY: install-gpu check-gpu-deps
 
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -98,6 +98,12 @@ bench-learning: $(STAMP)
 # tokenizer, configs/bench_gpu.yaml; the time outside the stage programs broken down (docs/benchmarks.md, "GPU step
 # cost"; docs/raw/bench_gpu_cpu.json). No network, no model hub. ~15 min on 2 quiet cores, ~5 min on one GPU
 # (there: GPU_PY=python3 ARGS='--tokenizer <folder>' with TRL's wheels installed, docs/gpu.md).
+# What benchmarks/gpu_session.sh needs on a lent GPU machine, which has no network: .whl/ (wheels for its Python 3.12)
+# and .carry/ (the default model's tokenizer and config); carry both with the device call (benchmarks/gpu_kit.py).
+gpu-kit: $(STAMP)
+	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[bench]'
+	$(BIN)/python benchmarks/gpu_kit.py
+
 bench-gpu: $(STAMP)
 	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[bench]'
 	$(or $(GPU_PY),$(BIN)/python) benchmarks/gpu_bench.py --json $(or $(JSON),docs/raw/bench_gpu_cpu.json) \

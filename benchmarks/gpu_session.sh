@@ -5,13 +5,16 @@
 #           deepspeed's sdist (built here with DS_BUILD_OPS=0) and what it imports (einops, hjson, msgpack,
 #           ninja, psutil, py-cpuinfo)
 #   .carry/tok/   the default model's tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja)
+#   .carry/default/   an RFT_CACHE_DIR with the default model's tokenizer and config, no weights (for the tests)
+# `make gpu-kit` assembles both here (benchmarks/gpu_kit.py); the device call carries them: carry [".whl", ".carry"].
 # Each part has its own time limit and writes its log and JSON under $OUT (default: ./gpu-out), most important first.
 #   bash benchmarks/gpu_session.sh bench      # on the GPU machine, from the repository root: issue 44 (~7 min)
 #   bash benchmarks/gpu_session.sh checks     # issues 45 and 47, and issue 44 again after fixes (~6 min)
 #   bash benchmarks/gpu_session.sh again      # the workers' tests with the tokenizer, then the whole bench (~5 min)
 #   bash benchmarks/gpu_session.sh resident   # the resident arm alone, 4 steps (~2 min)
 #   bash benchmarks/gpu_session.sh memo       # the whole bench with stage mode keeping its models, and its test on CUDA (~7 min)
-#   bash benchmarks/gpu_session.sh overlap    # the whole bench after the update trains during the optimizer write (~7 min)
+#   bash benchmarks/gpu_session.sh overlap    # the whole bench after the update trains during the optimizer write,
+#                                             # then the staging's checks, the optimizer tests and a stage-arm profile (~9.5 min)
 set -u
 PART=${1:-bench}
 OUT=${OUT:-$PWD/gpu-out}
@@ -44,6 +47,9 @@ step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$O
 step staging_cuda 60 python3 benchmarks/gpu_staging.py --json "$OUT/gpu_staging.json"
 step optimizer_state_cuda 90 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m pytest -q -p no:cacheprovider -rs \
     tests/rft_core/stages/test_optimizer_state.py --timeout 80
+# where stage mode's own update seconds go (its weights' save and checksums): cProfile of steps 2-3 of the stage arm
+step stage_profile 120 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --arms stage --steps 3 \
+    --profile "$OUT/prof" --json "$OUT/bench_stage_profile.json"
 elif [ "$PART" = memo ]; then
 # issue 44: the whole table (TRL, resident, stage) with stage mode keeping its models (orchestration.keep_models)
 step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$OUT/bench_gpu.json" \
