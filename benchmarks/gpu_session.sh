@@ -28,7 +28,7 @@ if [ "$PART" = checks ] && [ ! -d "$SITE/deepspeed" ] && ls .whl/deepspeed-*.tar
         .whl/deepspeed-*.tar.gz >> "$OUT/install.log" 2>&1 || echo "deepspeed build failed" >> "$OUT/install.log"
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-[ "$PART" = bench ] && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -c \
+{ [ "$PART" = bench ] || [ "$PART" = overlap ]; } && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -c \
   "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
   > "$OUT/machine.txt" 2>&1
 TOK=.carry/tok
