@@ -19,6 +19,8 @@ def _final_files(result) -> dict[str, str]:
     return policy_files(result.final_policy)
 
 
+@pytest.mark.rotation(4)  # long (56 s): one turn in 8 (tests/rotation.py); every run checks the same equality in
+# tests/rft_core/workers/test_resident.py, and groups 5, 6, 7 and 0 in tests/test_faults_resident.py's baseline
 def test_resident_every_3_equals_stage_every_1(prefect_harness, tiny_model, tmp_path):
     import ray
 
