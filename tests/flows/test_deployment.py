@@ -153,7 +153,7 @@ def _committed(run_root: Path, stage: str, iteration: int = 1) -> bool:
     return (run_root / f"iter={iteration:06d}" / stage / "_MANIFEST.json").is_file()
 
 
-@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py; out of group 6, measured at 941 s with them)
+@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py; out of group 6, measured at 941 s with it)
 def test_serve_deployed_everything(stack, client):
     from flows.serve import deployment_names
 
@@ -171,7 +171,7 @@ def test_serve_deployed_everything(stack, client):
     assert demo.job_variables["env"]["TOKENIZERS_PARALLELISM"] == "false"
 
 
-@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py; out of group 6, measured at 941 s with them)
+@pytest.mark.rotation(6)  # long: one turn in 8 (tests/rotation.py; its siblings in 5: both groups start the stack)
 def test_train_deployment_then_fail_and_retry_from_the_ui(stack, client, tiny_model_dir):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, TaskRunFilter, TaskRunFilterTags
     from prefect.client.schemas.objects import StateType
@@ -252,7 +252,7 @@ def _intervals(stack, seconds: float = 1.5) -> list[tuple[float, float]]:
     return sorted(tuple(x) for x in json.loads(line[0].split(" ", 1)[1]))
 
 
-@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py; out of group 6, measured at 941 s with them)
+@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py; out of group 6, measured at 941 s with it)
 def test_gpu_tag_concurrency_limit_serialises_gpu_tasks(stack):
     env = _env(stack.home, stack.api_url)
     prefect = [sys.executable, "-m", "prefect"]
@@ -264,7 +264,7 @@ def test_gpu_tag_concurrency_limit_serialises_gpu_tasks(stack):
     assert s2 >= e1 and e1 - s1 >= 1.5  # one at a time
 
 
-@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py; out of group 6, measured at 941 s with them)
+@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py; out of group 6, measured at 941 s with it)
 def test_serve_names_a_taken_port(tmp_path, monkeypatch):
     """Something that is not a Prefect server holds the port: a clear error, nothing left running."""
     from flows.serve import ServeError, start_stack
