@@ -30,7 +30,7 @@ from pathlib import Path
 
 from _env import ROOT
 
-# (distribution, kind): the device lacks them or holds other versions (docs/gpu.md, "GPU run of 2026-11-28")
+# distributions the device lacks or holds at other versions (docs/gpu.md, "GPU run of 2026-11-28"): wheels, sdists
 WHEELS = ["pydantic", "pydantic-core", "typing-inspection", "annotated-types", "trl", "datasets", "dill", "multiprocess",
           "xxhash", "hjson", "einops", "msgpack", "ninja", "psutil", "py-cpuinfo"]
 SDISTS = ["deepspeed"]
