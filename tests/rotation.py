@@ -52,13 +52,13 @@ ROW_PREFIX = "test_sigkill"
 # 0 ~870 (12:15 record less its faster rows), 1 ~870, 2 ~905, 3 ~885, 4 ~845 (757 its landing's
 # record, with the S3 bucket run's inspect and replay tests since, and the resident flow's
 # equality test, 56 s, out of every run since 2026-11-29), 5 ~780 (706 in the 2026-11-29 07:11
-# record, plus 3 deployment tests, 73 s with the Prefect stack's start, out of group 6), 6 ~775
-# (621 in the 09:25 record, without its 4 deployment tests and its DeepSpeed critic test, then in 5
-# and 7; plus the deployment retry test since, 112 s and the stack's start, ~40 s), 7 ~785 (645
+# record, plus 3 deployment tests, 73 s with the Prefect stack's start, out of group 6), 6 ~840
+# (839 in the 09:56 record: 621 at 09:25 without its 4 deployment tests and its DeepSpeed critic
+# test, then in 5 and 7, plus the deployment retry test since, 174 s with the stack's start), 7 ~785 (645
 # measured alone, plus its resident critic flow and DeepSpeed bf16 masters tests, out of group 6
-# before, and that critic test); the tests every run runs: ~770 s (the 09:25 record). A resident
+# before, and that critic test); the tests every run runs: ~765 s (the 09:25 and 09:56 records). A resident
 # row costs 85-185 s here (a kill that misses a short stage is tried again from a fresh run), a
-# stage row 35-85 s: one landing takes ~770 + ~830 s, ~27 min here and ~30-34 min in CI (group 5's
+# stage row 35-85 s: one landing takes ~765 + ~830 s, ~27 min here and ~31-34 min in CI (group 5's
 # landing of 2026-11-29: 1912 s in CI against 1507 s here, 1.27x; 1.13x and 1.19x before).
 OFFSETS = {"tests.test_faults": 0}
 _next: dict[str, int] = {}
