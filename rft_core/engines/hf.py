@@ -253,6 +253,7 @@ class HFEngine:
 
     def __init__(self, model, tokenizer) -> None:
         self.model = model
+        self.cache_name = cache_keyword(model)  # what the forward calls its KV cache
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token_id
         self.eos_ids = set([eos] if isinstance(eos, int) else list(eos or []))
@@ -280,7 +281,7 @@ class HFEngine:
         ids, mask = input_ids[::n, :-1], attention_mask[::n, :-1]
         position_ids = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
-        cache = getattr(out, cache_keyword(self.model))
+        cache = getattr(out, self.cache_name)
         if n > 1:
             cache.batch_repeat_interleave(n)
         return cache
@@ -316,11 +317,10 @@ class HFEngine:
         else:
             ids, position_ids = input_ids[:, -1:], pos
         eos = torch.tensor(sorted(self.eos_ids), device=input_ids.device)
-        name = cache_keyword(self.model)
         for step in range(max_new_tokens):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                             logits_to_keep=1, **{name: cache})
-            cache, logits = getattr(out, name), out.logits[:, -1, :]
+                             logits_to_keep=1, **{self.cache_name: cache})
+            cache, logits = getattr(out, self.cache_name), out.logits[:, -1, :]
             if sampler is None:
                 x = logits.detach().to(torch.float32, copy=True)
                 tok = x.argmax(-1)
@@ -452,7 +452,7 @@ class HFEngine:
             if media is not None:
                 sampling.update(self._vision(chunk, input_ids, device, *media))
             elif share_prefill and P > 1:
-                sampling[cache_keyword(self.model)] = self._prefill(input_ids, attention_mask, n)
+                sampling[self.cache_name] = self._prefill(input_ids, attention_mask, n)
             toks, lps_rows = self._generate_rows(input_ids, attention_mask, sampling, max_new_tokens=max_new_tokens,
                                                  recorder=recorder)
         generations = []

@@ -62,7 +62,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import fsspec
 import psutil
@@ -93,10 +93,16 @@ OPTIMIZER_STAGE = OPTIMIZER_STATE.stage  # "optimizer_state"
 
 _LOCK = threading.Lock()
 _EXECUTOR: ThreadPoolExecutor | None = None
-_PENDING: dict[str, Future] = {}
-# the pending writes (URIs) that read a copy made when they were queued (``stage_on_host``), not the
-# caller's tensors: the caller may change its tensors at once
-_COPIED: set[str] = set()
+
+
+class _Write(NamedTuple):
+    """A background write queued by ``_submit``: its future, and whether it reads a copy made when
+    it was queued (``stage_on_host``) rather than the caller's tensors (``writes_reading_tensors``)."""
+    future: Future
+    copied: bool
+
+
+_PENDING: dict[str, _Write] = {}
 # the page-locked host copy of the last CUDA optimizer state staged for a background write: (its
 # layout, the stager holding its buffers); a write still running may be reading them
 _STAGED: tuple[tuple, BlockingAsyncStager] | None = None
@@ -194,8 +200,7 @@ def _submit(uri: str, fn: Callable[..., ShardRef], *args: Any, copied: bool = Fa
         if _EXECUTOR is None:
             _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-optimizer-state",
                                            initializer=_lower_priority)
-        _PENDING[uri] = _EXECUTOR.submit(fn, *args)
-        (_COPIED.add if copied else _COPIED.discard)(uri)
+        _PENDING[uri] = _Write(_EXECUTOR.submit(fn, *args), copied)
 
 
 def _layout(value: Any, path: tuple = ()) -> Iterator[tuple]:
@@ -236,7 +241,7 @@ def stage_on_host(state: dict, *, device: str = "cuda") -> tuple[dict, bool]:
                  "available memory)", size / 1e9)
         return state, False
     with _LOCK:
-        if any(not fut.done() for fut in _PENDING.values()):
+        if any(not w.future.done() for w in _PENDING.values()):
             return BlockingAsyncStager().stage(state), False
         if _STAGED is None or _STAGED[0] != layout:
             _STAGED = (layout, BlockingAsyncStager(cache_staged_state_dict=True))
@@ -437,7 +442,7 @@ def wait_for_optimizer_writes(uri: str | None = None) -> None:
             once, and resuming the run recomputes that state.
     """
     with _LOCK:
-        pending = {u: f for u, f in _PENDING.items() if uri is None or u == uri.rstrip("/")}
+        pending = {u: w.future for u, w in _PENDING.items() if uri is None or u == uri.rstrip("/")}
     first: tuple[str, BaseException] | None = None
     for u, fut in pending.items():
         try:
@@ -446,9 +451,8 @@ def wait_for_optimizer_writes(uri: str | None = None) -> None:
             first = first or (u, exc)
         finally:
             with _LOCK:
-                if _PENDING.get(u) is fut:
+                if u in _PENDING and _PENDING[u].future is fut:
                     del _PENDING[u]
-                    _COPIED.discard(u)
     if first is not None:
         u, exc = first
         raise OptimizerStateError(f"{u}: the background write of the optimizer state failed: {exc!r}. Nothing "
@@ -502,9 +506,9 @@ def writes_reading_tensors(update: ShardRef) -> list[str]:
     copy (a CUDA state staged on the host) leaves the caller free to step at once; its commit
     still comes before the next update's, which looks its state up (``optimizer_state_ref``)
     before it commits."""
-    pending = writes_pending(update)
     with _LOCK:
-        return [u for u in pending if u not in _COPIED]
+        return [u for u in (optimizer_state_uri(update), policy_checkpoint_uri(update))
+                if u in _PENDING and not _PENDING[u].copied]
 
 
 def wait_for_writes_of(update: ShardRef) -> None:

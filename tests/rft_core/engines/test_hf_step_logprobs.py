@@ -106,7 +106,7 @@ def test_the_kv_cache_goes_by_the_name_the_installed_transformers_takes(engine):
 
     assert cache_keyword(Older()) == "past_key_values"
     name = cache_keyword(engine.model)
-    assert name == "cache"  # the pinned transformers (5.24) takes `cache`
+    assert name == engine.cache_name == "cache"  # the pinned transformers (5.24) takes `cache`
     seen: list[set[str]] = []
     hook = engine.model.register_forward_pre_hook(lambda m, a, kw: seen.append(set(kw)), with_kwargs=True)
     try:

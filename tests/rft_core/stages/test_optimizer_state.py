@@ -240,7 +240,7 @@ def test_a_device_state_is_staged_on_the_host_in_reused_buffers(monkeypatch, tmp
     assert reused and again["state"][0]["exp_avg"].data_ptr() == ptr and float(again["state"][0]["step"]) == 3
     _assert_same_state(again, state)
     busy = Future()  # a write still running, which may read those buffers: a fresh copy instead
-    monkeypatch.setitem(opt_state._PENDING, "memory://run/iter=000001/ppo_update-optimizer", busy)
+    monkeypatch.setitem(opt_state._PENDING, "memory://run/iter=000001/ppo_update-optimizer", opt_state._Write(busy, False))
     fresh, reused = opt_state.stage_on_host(state, device="cpu")
     assert not reused and fresh["state"][0]["exp_avg"].data_ptr() != ptr
     _assert_same_state(fresh, state)
