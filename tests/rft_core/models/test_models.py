@@ -73,6 +73,11 @@ class _FakeLM:
             logits.append(lg)  # p(chosen) = (V-1) / (2(V-1)) = 1/2
         return SimpleNamespace(sequences=torch.cat([input_ids, self.cont[:B]], 1), logits=tuple(logits))
 
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, **kw):
+        """A transformers 5.17 causal LM's signature (the engine reads its KV-cache keyword from
+        it); the fake has no forward pass, so the tests below decode through ``generate``."""
+        raise NotImplementedError("the fake LM has no forward pass")
+
 
 def test_engine_cuts_at_first_eos_and_reports_finish_reason():
     tok = SimpleNamespace(eos_token_id=2, pad_token_id=0)
