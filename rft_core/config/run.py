@@ -44,18 +44,22 @@ class CheckpointConfig(_Frozen):
 
     ``async_optimizer``: the policy's AdamW state (twice the weights) is written by a background
     thread while the next iteration's stages run (``rft_core.stages.optimizer_state``); a write
-    lost to a crash is recomputed on resume. ``async_weights`` (resident workers): a checkpoint
-    iteration's weights too, after its AdamW state; a write lost to a crash leaves the previous
-    checkpoint the one a resume rebuilds from (exactly, by re-applying the updates after it).
+    lost to a crash is recomputed on resume. ``async_weights`` (default: under resident workers; true:
+    in stage mode too, when it keeps its models in memory): a checkpoint iteration's weights too,
+    after its AdamW state; a write lost to a crash leaves the previous checkpoint the one a resume
+    rebuilds from (exactly, by re-applying the updates after it; in stage mode by running the
+    update again from its committed inputs, ``rft_core.stages.update``).
     """
 
     every: int = Field(1, ge=1, description="write the policy's weights and optimizer state every K iterations and at "
                        "the end of the run (K > 1 needs orchestration.workers=resident: between checkpoints the "
                        "policy lives in the workers' memory, and a rerun rebuilds it from the last checkpoint)")
     async_optimizer: bool = Field(True, description="write the policy's optimizer state in the background")
-    async_weights: bool = Field(True, description="workers=resident: a checkpoint iteration's policy weights (with its "
-                                "AdamW state) are written in the background while the next iteration runs; its "
-                                "ppo_update commits first with their digest, the weights commit as iter=N/ppo_update-policy")
+    async_weights: bool | None = Field(
+        None, description="a checkpoint iteration's policy weights (with its AdamW state) are written in the background "
+        "while the next iteration runs; its ppo_update commits first with their digest, the weights commit as "
+        "iter=N/ppo_update-policy. null (default): under workers=resident; true: also in stage mode when it keeps its "
+        "models in memory (orchestration.keep_models, auto with the hf engine); false: never")
     keep_last: int | None = Field(1, ge=1, description="iterations whose checkpoints stay whole, optimizer state "
                                   "included (None: keep every checkpoint whole)")
     prune: Literal["optimizer", "weights"] = Field(

@@ -20,8 +20,10 @@ from pathlib import Path
 import fsspec
 
 from rft_core.models.loading import cache_dir
-from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, weights_stage
+import rft_core.stages.writer as writer
+from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri, weights_stage
 from rft_core.stages.retention import require_unpruned
+from rft_core.stages.writer import wait_for_optimizer_writes
 from rft_core.training.checkpoint import OPTIMIZER_FILE
 from schemas import PolicyRef, ShardRef, local_path, read_manifest, verify_files
 
@@ -50,11 +52,14 @@ def check_policy_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> None:
     """What ``policy_model_path`` checks, without downloading anything: the weights are on
     storage, not pruned, and, in a local folder, match the manifest (a file this process wrote
     or checked before is not hashed again). For a model kept in memory
-    (``rft_core.stages.memo``), whose weights need not be read again.
+    (``rft_core.stages.memo``), whose weights need not be read again; nothing while this process
+    writes them in the background (``rft_core.stages.writer``: the kept model is what it writes).
 
     Raises:
         WeightlessPolicyError, CheckpointPrunedError, ShardCorruptError: see ``policy_model_path``.
     """
+    if subdir == POLICY_SUBDIR and writer.pending([policy_checkpoint_uri(policy)]):
+        return  # the kept model is what this process is writing there now: no file to check yet
     stage = require_weights(policy, subdir)
     require_unpruned(stage, subdir, optimizer=False)
     if local_path(stage.uri) is not None:
@@ -68,13 +73,17 @@ class WeightlessPolicyError(RuntimeError):
 
 def require_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> ShardRef:
     """The committed stage holding ``policy``'s ``subdir/`` weights (``weights_stage``: the stage
-    itself, or the sibling a background checkpoint committed).
+    itself, or the sibling a background checkpoint committed, after this process's pending write
+    of it finished).
 
     Raises:
         WeightlessPolicyError: ``policy`` wrote no files under ``subdir`` because its weights
             stayed in memory (its manifest records their digest instead) and no background
             checkpoint of them committed.
+        OptimizerStateError: this process's background write of those weights failed (named).
     """
+    if subdir == POLICY_SUBDIR:  # written in the background by this process: joined first
+        wait_for_optimizer_writes(policy_checkpoint_uri(policy))
     stage = weights_stage(policy, subdir)
     if stage is not None:
         return stage

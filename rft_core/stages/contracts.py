@@ -424,7 +424,8 @@ class PPOUpdateInput(StageInput):
                                        "made it; 0: the initial policy; None: 0), recorded in the manifest; with "
                                        "update.seed it seeds the update's micro-batch order and dropout masks "
                                        "(rft_core.training.update.update_seeds), so it enters the config hash")
-    background_checkpoint: bool = Field(False, description="with save_checkpoint, in a resident worker (one process): "
+    background_checkpoint: bool = Field(False, description="with save_checkpoint, in one process whose trainer stays "
+                                        "in memory (a resident worker, or stage mode keeping its models): "
                                         "commit the update as between checkpoints (the weights' digest, no weights) and "
                                         "write the weights and AdamW state in the background as the sibling stages "
                                         "``{out}-policy`` and ``{out}-optimizer`` (checkpoint.async_weights)")

@@ -60,9 +60,8 @@ import shutil
 import tempfile
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator
 
 import fsspec
 import psutil
@@ -70,9 +69,11 @@ import torch
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from rft_core.stages.checkpoints import policy_checkpoint_dir
+import rft_core.stages.writer as writer
 from rft_core.stages.common import Commit, stage_commit
 from rft_core.stages.contracts import OptimizerStateInput, PolicyCheckpointInput
 from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri
+from rft_core.stages.writer import OptimizerStateError, wait_for_optimizer_writes
 from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX, save_checkpoint, save_optimizer_state
 from rft_core.training.fsdp import FSDP_TAG, init_process_group
 from rft_core.training.strategy import (
@@ -92,20 +93,10 @@ log = logging.getLogger("rft_core.stages")
 OPTIMIZER_STAGE = OPTIMIZER_STATE.stage  # "optimizer_state"
 
 _LOCK = threading.Lock()
-_EXECUTOR: ThreadPoolExecutor | None = None
-
-
-class _Write(NamedTuple):
-    """A background write queued by ``_submit``: its future, and whether it reads a copy made when
-    it was queued (``stage_on_host``) rather than the caller's tensors (``writes_reading_tensors``)."""
-    future: Future
-    copied: bool
-
-
-_PENDING: dict[str, _Write] = {}
 # the page-locked host copy of the last CUDA optimizer state staged for a background write: (its
 # layout, the stager holding its buffers); a write still running may be reading them
 _STAGED: tuple[tuple, BlockingAsyncStager] | None = None
+_BUFFERS = "optimizer"  # the name of those buffers in the writer's records (writer.buffers_in_use)
 
 
 # manifest summary of a DeepSpeed optimizer stage: {"format": DEEPSPEED_FORMAT, "tag", "world_size",
@@ -114,10 +105,6 @@ DEEPSPEED_FORMAT = "deepspeed"
 DEEPSPEED_TAG = "zero"
 # ... of an FSDP2 one: {"format": FSDP_FORMAT, "tag", "world_size", "bf16", "torch_version", "seconds"}
 FSDP_FORMAT = "fsdp"
-
-
-class OptimizerStateError(RuntimeError):
-    """The optimizer state a ``ppo_update`` needs is missing, or its background write failed."""
 
 
 def optimizer_state_uri(update: ShardRef) -> str:
@@ -169,15 +156,6 @@ def _write(update: ShardRef, state: dict, summary: dict) -> ShardRef:
                         schema=OPTIMIZER_STATE, files=[OPTIMIZER_FILE], inputs={"ppo_update": update}, summary=summary)
 
 
-def _lower_priority() -> None:
-    """Run the writer thread at nice +10 (Linux: per thread). It has until the next update to
-    finish; meanwhile the stages on the critical path (generation) get the CPU first."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
-        pass
-
-
 def _write_policy(update: ShardRef, model, saver, digest: str) -> ShardRef:
     """Write ``model`` and ``saver`` (tokenizer or processor) as ``policy/`` of the sibling stage
     ``policy_checkpoint_uri(update)`` and commit it (its summary repeats the weights' ``digest``
@@ -189,18 +167,6 @@ def _write_policy(update: ShardRef, model, saver, digest: str) -> ShardRef:
     return _write_stage(commit, lambda folder: save_checkpoint(model, saver, None, os.path.join(folder, "policy")),
                         schema=POLICY_CHECKPOINT, files=None, inputs={"ppo_update": update},
                         summary={WEIGHTS_DIGEST_KEY: digest})
-
-
-def _submit(uri: str, fn: Callable[..., ShardRef], *args: Any, copied: bool = False) -> None:
-    """Queue ``fn(*args)`` on this process's writer thread (one at a time, in submission order,
-    at a lower CPU priority) as the pending write of ``uri``; ``copied``: it reads a copy of the
-    caller's tensors (``writes_reading_tensors`` leaves it out)."""
-    global _EXECUTOR
-    with _LOCK:
-        if _EXECUTOR is None:
-            _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-optimizer-state",
-                                           initializer=_lower_priority)
-        _PENDING[uri] = _Write(_EXECUTOR.submit(fn, *args), copied)
 
 
 def _layout(value: Any, path: tuple = ()) -> Iterator[tuple]:
@@ -240,9 +206,9 @@ def stage_on_host(state: dict, *, device: str = "cuda") -> tuple[dict, bool]:
         log.info("optimizer_state: %.1f GB of CUDA optimizer state is written from the device (over half the host's "
                  "available memory)", size / 1e9)
         return state, False
+    if writer.buffers_in_use(_BUFFERS):
+        return BlockingAsyncStager().stage(state), False
     with _LOCK:
-        if any(not w.future.done() for w in _PENDING.values()):
-            return BlockingAsyncStager().stage(state), False
         if _STAGED is None or _STAGED[0] != layout:
             _STAGED = (layout, BlockingAsyncStager(cache_staged_state_dict=True))
         stager = _STAGED[1]
@@ -266,7 +232,7 @@ def commit_policy_checkpoint(update: ShardRef, model, saver, *, digest: str) -> 
     Raises (from the writer, through ``wait_for_optimizer_writes``):
         OptimizerStateError: the optimizer stage of ``update`` did not commit (nothing written).
     """
-    _submit(policy_checkpoint_uri(update), _write_policy, update, model, saver, digest)
+    writer.submit(policy_checkpoint_uri(update), _write_policy, update, model, saver, digest)
 
 
 def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
@@ -287,8 +253,9 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
     summary = dict(summary or {})
     if not background:
         return _write(update, state, summary)
-    staged, _ = stage_on_host(state)
-    _submit(optimizer_state_uri(update), _write, update, staged, summary, copied=staged is not state)
+    staged, reused = stage_on_host(state)
+    writer.submit(optimizer_state_uri(update), _write, update, staged, summary, copied=staged is not state,
+                  buffers=_BUFFERS if reused else None)
     return None
 
 
@@ -433,32 +400,6 @@ def recover_deepspeed_optimizer_state(strategy: DeepSpeedStrategy | FSDPStrategy
     return commit_sharded_optimizer_state(done, strategy, summary=summary)
 
 
-def wait_for_optimizer_writes(uri: str | None = None) -> None:
-    """Block until the pending background write of ``uri`` (None: every pending write: optimizer
-    stages and background policy checkpoints) has finished. A no-op when none is pending.
-
-    Raises:
-        OptimizerStateError: a write failed (names the stage and the cause); it is reported
-            once, and resuming the run recomputes that state.
-    """
-    with _LOCK:
-        pending = {u: w.future for u, w in _PENDING.items() if uri is None or u == uri.rstrip("/")}
-    first: tuple[str, BaseException] | None = None
-    for u, fut in pending.items():
-        try:
-            fut.result()
-        except BaseException as exc:  # noqa: BLE001 - reported below, with the stage named
-            first = first or (u, exc)
-        finally:
-            with _LOCK:
-                if u in _PENDING and _PENDING[u].future is fut:
-                    del _PENDING[u]
-    if first is not None:
-        u, exc = first
-        raise OptimizerStateError(f"{u}: the background write of the optimizer state failed: {exc!r}. Nothing "
-                                  "committed is lost; rerunning the flow recomputes this state") from exc
-
-
 def _committed(update: ShardRef) -> ShardRef | None:
     return optimizer_commit(update).committed(check_files=False)
 
@@ -495,8 +436,7 @@ def writes_pending(update: ShardRef) -> list[str]:
     """The URIs of the background writes of ``update``'s state queued in this process that no
     ``wait_for_optimizer_writes`` has joined yet (its optimizer stage, its policy checkpoint),
     finished or not; [] when none."""
-    with _LOCK:
-        return [u for u in (optimizer_state_uri(update), policy_checkpoint_uri(update)) if u in _PENDING]
+    return writer.pending([optimizer_state_uri(update), policy_checkpoint_uri(update)])
 
 
 def writes_reading_tensors(update: ShardRef) -> list[str]:
@@ -506,9 +446,7 @@ def writes_reading_tensors(update: ShardRef) -> list[str]:
     copy (a CUDA state staged on the host) leaves the caller free to step at once; its commit
     still comes before the next update's, which looks its state up (``optimizer_state_ref``)
     before it commits."""
-    with _LOCK:
-        return [u for u in (optimizer_state_uri(update), policy_checkpoint_uri(update))
-                if u in _PENDING and not _PENDING[u].copied]
+    return writer.reading_tensors([optimizer_state_uri(update), policy_checkpoint_uri(update)])
 
 
 def wait_for_writes_of(update: ShardRef) -> None:

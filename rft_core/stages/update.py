@@ -396,24 +396,50 @@ def _lost_checkpoint(done: ShardRef) -> PPOUpdateInput | None:
 
 
 def _write_lost_checkpoint(done: ShardRef) -> None:
-    """In a resident worker: when the committed ``done`` is a checkpoint whose background write was
-    lost (``_lost_checkpoint``), rebuild its policy (the committed updates re-applied from the
-    last checkpoint, each checked against its digest), write its checkpoint again (the optimizer
-    stage unless it committed, then the weights) and wait for it, so a run (rerun, or carried on
-    after a failed write) ends with every checkpoint it asked for on storage."""
+    """When the committed ``done`` is a checkpoint whose background write was lost
+    (``_lost_checkpoint``), rebuild its policy and write its checkpoint again (the optimizer stage
+    unless it committed, then the weights), waiting for it, so a run (rerun, or carried on after a
+    failed write) ends with every checkpoint it asked for on storage. In a resident worker the
+    policy is rebuilt by the worker (the committed updates re-applied from the last checkpoint, each
+    checked against its digest); in stage mode by ``_retrain_lost``."""
     source = current_source()
-    recorded = _lost_checkpoint(done) if source is not None else None
+    recorded = _lost_checkpoint(done)
     if recorded is None:
         return
     log.warning("ppo_update: the checkpoint of %s was not written (a crash or a failure during its background write); "
                 "rebuilding that policy and writing it again", done.uri)
-    trainer = source.trainer(recorded.model_copy(update={"policy": done}))
+    digest = read_manifest(done.uri)[0].summary[WEIGHTS_DIGEST_KEY]
+    if source is not None:
+        trainer, summary = source.trainer(recorded.model_copy(update={"policy": done})), {}
+    else:
+        trainer, summary = _retrain_lost(recorded, digest)
     if not optimizer_state_committed(done):
-        commit_optimizer_state(done, trainer.strategy.optimizer.state_dict(), background=True)
-    commit_policy_checkpoint(done, trainer.strategy.model, trainer.saver,
-                             digest=read_manifest(done.uri)[0].summary[WEIGHTS_DIGEST_KEY])
+        commit_optimizer_state(done, trainer.strategy.optimizer.state_dict(), background=True, summary=summary)
+    commit_policy_checkpoint(done, trainer.strategy.model, trainer.saver, digest=digest)
     wait_for_optimizer_writes(policy_checkpoint_uri(done))
-    source.trained(done)
+    if source is not None:
+        source.trained(done)
+    else:
+        memo.keep_trainer(version_key(done), trainer_settings(recorded), trainer)
+
+
+def _retrain_lost(recorded: PPOUpdateInput, digest: str) -> tuple[PolicyTrainer, dict]:
+    """Stage mode: a trainer holding the weights of the update ``recorded`` (the input its manifest
+    records), whose checkpoint's background write was lost: the update run again from the same
+    committed inputs and seeds on its policy, loaded from storage (its checkpoint committed before
+    this update did), checked against the recorded ``digest`` (by its own method,
+    ``trained_digest``). A mismatch, possible with nondeterministic GPU kernels, is logged and
+    training goes on with the recomputed weights, as a recomputed optimizer state does
+    (``_recover_optimizer_state``). Returns (trainer, the optimizer stage's summary: ``recovered``,
+    ``weights_match``)."""
+    trainer, _, _, _ = _train(recorded)
+    match = trained_digest(trainer.strategy, like=digest) == digest
+    if match:
+        log.info("ppo_update: recomputed the lost checkpoint of %s (weights match the recorded digest)", recorded.out)
+    else:
+        log.warning("ppo_update: recomputed the lost checkpoint of %s, but the recomputed weights differ from the "
+                    "recorded digest (nondeterministic kernels?); training goes on with them", recorded.out)
+    return trainer, {"recovered": True, "weights_match": match}
 
 def _commit_update(inp: PPOUpdateInput, commit: Commit) -> ShardRef:
     trainer, steps, seconds, extra = _train(inp)
@@ -427,9 +453,10 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit) -> ShardRef:
     summary = _summary(steps, seconds, extra)
     if inp.policy_version is not None:
         summary["policy_version"] = inp.policy_version  # the version this update starts from
-    # a resident checkpoint iteration in one process: commit as between checkpoints, the checkpoint in the background
-    background = (inp.save_checkpoint and inp.background_checkpoint and current_source() is not None
-                  and isinstance(strategy, SingleProcess))
+    # a checkpoint iteration in one process whose trainer stays in memory (a resident worker's, or stage mode
+    # keeping its models): commit as between checkpoints, the checkpoint in the background
+    background = (inp.save_checkpoint and inp.background_checkpoint and isinstance(strategy, SingleProcess)
+                  and (current_source() is not None or memo.keeps_models()))
     in_memory = not inp.save_checkpoint or background
     if in_memory:  # the weights stay in memory: what recovery needs to rebuild them exactly
         summary[WEIGHTS_DIGEST_KEY] = trained_digest(strategy)  # a collective under DeepSpeed and FSDP2

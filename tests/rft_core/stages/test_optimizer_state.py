@@ -20,6 +20,7 @@ from rft_core import stages
 from rft_core.config import load_config
 from rft_core.stages import memo
 from rft_core.stages import optimizer_state as opt_state
+from rft_core.stages import writer
 from rft_core.stages.contracts import AdvantagesInput, PPOUpdateInput, PromptsInput, RewardsInput, RolloutInput
 from rft_core.stages.retention import CheckpointPrunedError
 from rft_core.training.checkpoint import OPTIMIZER_FILE
@@ -72,7 +73,7 @@ def test_background_write_commits_and_the_next_update_continues_from_it(cfg, tmp
     if hasattr(os, "setpriority"):  # the writer thread yields the CPU to the stages (nice +10)
         import threading
 
-        assert opt_state._EXECUTOR.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result() == 10
+        assert writer._EXECUTOR.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result() == 10
     m, sha = read_manifest(opt_state.optimizer_state_uri(u1))
     assert m.stage == "optimizer_state" and m.num_rows == 0 and [f.path for f in m.files] == [OPTIMIZER_FILE]
     assert m.inputs == {"ppo_update": u1.manifest_sha256} and m.config_hash == opt_state.optimizer_commit(u1).config_hash
@@ -240,7 +241,7 @@ def test_a_device_state_is_staged_on_the_host_in_reused_buffers(monkeypatch, tmp
     assert reused and again["state"][0]["exp_avg"].data_ptr() == ptr and float(again["state"][0]["step"]) == 3
     _assert_same_state(again, state)
     busy = Future()  # a write still running, which may read those buffers: a fresh copy instead
-    monkeypatch.setitem(opt_state._PENDING, "memory://run/iter=000001/ppo_update-optimizer", opt_state._Write(busy, False))
+    monkeypatch.setitem(writer._PENDING, "memory://run/iter=000001/ppo_update-optimizer", writer._Write(busy, False, "optimizer"))
     fresh, reused = opt_state.stage_on_host(state, device="cpu")
     assert not reused and fresh["state"][0]["exp_avg"].data_ptr() != ptr
     _assert_same_state(fresh, state)

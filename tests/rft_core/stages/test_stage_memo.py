@@ -12,12 +12,13 @@ import torch
 
 from rft_core.counters import COUNTS
 import rft_core.stages.memo as memo
+from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri, weights_stage
 from rft_core.stages import update as update_stage
 from rft_core.stages.sources import load_from_storage
 from schemas import ShardCorruptError, ShardRef, read_manifest, stage_uri
 from tests.drive import drive
 from tests.varying import assert_training_signal, varying_config
-from tests.weights import policy_files
+from tests.weights import iteration_policy_files, policy_files
 
 STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update")
 
@@ -105,6 +106,73 @@ def test_a_damaged_checkpoint_is_refused_though_its_model_is_kept(storage_run, t
         weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
         with pytest.raises(ShardCorruptError, match=weights.name):
             load_from_storage(final, dtype="float32")
+
+
+def _background_cfg(model: str, root):
+    return varying_config(model, root, "orchestration.keep_models=true", "orchestration.workers=stage",
+                          "checkpoint.async_weights=true", "logprobs.recompute_old_logprobs=true", "kl.kl_coef=0.05",
+                          "update.lr=1e-3", iterations=3)
+
+
+def _metric_parts(root, it: int) -> dict[str, str]:
+    return {p: sha for p, sha in _parts(root, it, "ppo_update").items() if not p.startswith("policy/")}
+
+
+def test_weights_written_in_the_background_give_the_storage_run_bit_for_bit(storage_run, tiny_model, tmp_path):
+    """``checkpoint.async_weights: true`` in stage mode keeping its models: each update commits
+    the weights' digest without them (``ppo_update`` has no ``policy/``), the writer thread commits
+    them as ``ppo_update-policy`` after the optimizer stage, the next iteration's stages use the
+    kept trainer meanwhile, and every shard, weight file and optimizer state equals the run whose
+    stages read every model from storage."""
+    root_s, final_s, _ = storage_run
+    memo.clear()
+    cfg = _background_cfg(tiny_model, tmp_path)
+    assert cfg.background_checkpoint and not _cfg(tiny_model, tmp_path, keep=True).background_checkpoint
+    final = drive(cfg)
+    assert_training_signal(tmp_path, (1, 2, 3))
+    for it in (1, 2, 3):
+        update = ShardRef.from_manifest(stage_uri(str(tmp_path), it, "ppo_update"))
+        manifest = read_manifest(update.uri)[0]
+        assert WEIGHTS_DIGEST_KEY in manifest.summary and not any(e.path.startswith("policy/") for e in manifest.files)
+        held = weights_stage(update)
+        assert held is not None and held.uri == policy_checkpoint_uri(update), it
+        for stage in STAGES[:-1]:
+            assert _parts(tmp_path, it, stage) == _parts(root_s, it, stage), (it, stage)
+        assert _metric_parts(tmp_path, it) == _metric_parts(root_s, it), it
+        assert _parts(tmp_path, it, "ppo_update-optimizer") == _parts(root_s, it, "ppo_update-optimizer"), it
+        assert policy_files(update) == {p: sha for p, sha in _parts(root_s, it, "ppo_update").items()
+                                        if p.startswith("policy/")}, it
+    assert policy_files(final, suffix=".safetensors") == policy_files(final_s, suffix=".safetensors")
+    h = memo.hits()  # the kept trainer served the updates of iterations 2 and 3 while its weights were written
+    assert h["trainer"] == 2 and h["inference_from_trainer"] == 2, h
+
+
+@pytest.mark.parametrize("lost", ["optimizer-and-weights", "weights"])
+def test_a_lost_background_checkpoint_is_recomputed_in_stage_mode(storage_run, tiny_model, tmp_path, lost):
+    """A crash during iteration 2's background write (its ``ppo_update`` committed with the digest
+    only; the ``-policy`` stage, and the ``-optimizer`` stage before it, never committed; iteration
+    3 never ran): the rerun in a fresh process (nothing kept) runs iteration 2's update again from
+    its committed inputs, checks the recorded digest, commits what was lost, and iteration 3 trains
+    from it to the storage run's weights, bit for bit."""
+    import shutil
+
+    root_s, final_s, _ = storage_run
+    memo.clear()
+    cfg = _background_cfg(tiny_model, tmp_path)
+    drive(cfg)
+    u2 = stage_uri(str(tmp_path), 2, "ppo_update")
+    gone = ["ppo_update-policy"] + (["ppo_update-optimizer"] if lost == "optimizer-and-weights" else [])
+    for stage in gone:
+        shutil.rmtree(f"{u2}{stage.removeprefix('ppo_update')}")
+    shutil.rmtree(Path(stage_uri(str(tmp_path), 3, "prompts")).parent)
+    memo.clear()
+    final = drive(cfg)
+    m = read_manifest(f"{u2}-optimizer")[0]
+    assert (m.summary.get("recovered"), m.summary.get("weights_match")) == (
+        (True, True) if lost == "optimizer-and-weights" else (None, None)), m.summary
+    assert policy_files(ShardRef.from_manifest(u2)) == iteration_policy_files(root_s, 2)
+    assert _parts(tmp_path, 3, "rollout") == _parts(root_s, 3, "rollout")  # sampled by the recomputed policy 2
+    assert policy_files(final, suffix=".safetensors") == policy_files(final_s, suffix=".safetensors")
 
 
 def test_the_trainer_is_kept_for_its_own_version_and_settings_only():
