@@ -93,10 +93,10 @@ log = logging.getLogger("rft_core.stages")
 OPTIMIZER_STAGE = OPTIMIZER_STATE.stage  # "optimizer_state"
 
 _LOCK = threading.Lock()
-# the page-locked host copy of the last CUDA optimizer state staged for a background write: (its
-# layout, the stager holding its buffers); a write still running may be reading them
-_STAGED: tuple[tuple, BlockingAsyncStager] | None = None
-_BUFFERS = "optimizer"  # the name of those buffers in the writer's records (writer.buffers_in_use)
+# the page-locked host copies of the last CUDA state of each kind staged for a background write, by
+# the name of their buffers ("optimizer": an AdamW state; "policy": a model's weights): (its layout,
+# the stager holding its buffers); a write still running may be reading them (writer.buffers_in_use)
+_STAGED: dict[str, tuple[tuple, BlockingAsyncStager]] = {}
 
 
 # manifest summary of a DeepSpeed optimizer stage: {"format": DEEPSPEED_FORMAT, "tag", "world_size",
@@ -156,15 +156,17 @@ def _write(update: ShardRef, state: dict, summary: dict) -> ShardRef:
                         schema=OPTIMIZER_STATE, files=[OPTIMIZER_FILE], inputs={"ppo_update": update}, summary=summary)
 
 
-def _write_policy(update: ShardRef, model, saver, digest: str) -> ShardRef:
-    """Write ``model`` and ``saver`` (tokenizer or processor) as ``policy/`` of the sibling stage
+def _write_policy(update: ShardRef, model, saver, digest: str, state: dict | None) -> ShardRef:
+    """Write ``model`` (its weights from ``state``, a host copy of its ``state_dict``, when given)
+    and ``saver`` (tokenizer or processor) as ``policy/`` of the sibling stage
     ``policy_checkpoint_uri(update)`` and commit it (its summary repeats the weights' ``digest``
     the update recorded). Runs only after ``update``'s optimizer stage committed (the writer's order)."""
     commit = stage_commit(PolicyCheckpointInput(update=update, out=policy_checkpoint_uri(update)))
     if _committed(update) is None:
         raise OptimizerStateError(f"{commit.uri}: not written, since the optimizer state of {update.uri} did not commit "
                                   "(a policy checkpoint always has its AdamW state)")
-    return _write_stage(commit, lambda folder: save_checkpoint(model, saver, None, os.path.join(folder, "policy")),
+    return _write_stage(commit, lambda folder: save_checkpoint(model, saver, None, os.path.join(folder, "policy"),
+                                                               state_dict=state),
                         schema=POLICY_CHECKPOINT, files=None, inputs={"ppo_update": update},
                         summary={WEIGHTS_DIGEST_KEY: digest})
 
@@ -181,7 +183,7 @@ def _layout(value: Any, path: tuple = ()) -> Iterator[tuple]:
             yield from _layout(v, (*path, i))
 
 
-def stage_on_host(state: dict, *, device: str = "cuda") -> tuple[dict, bool]:
+def stage_on_host(state: dict, *, device: str = "cuda", buffers: str = "optimizer") -> tuple[dict, bool]:
     """``state`` as a background write should read it: where it holds CUDA tensors, a copy in
     page-locked host memory made now (torch's ``BlockingAsyncStager(cache_staged_state_dict=True)``,
     what ``torch.distributed.checkpoint.async_save`` stages through; its buffers reused by the
@@ -194,45 +196,67 @@ def stage_on_host(state: dict, *, device: str = "cuda") -> tuple[dict, bool]:
 
     Args:
         device: the device type whose tensors are staged ("cuda"; the tests stage "cpu" ones).
+        buffers: the name of the reused buffers ("optimizer", "policy"): one set per kind of state.
     Returns:
         (the state to write, whether it lies in the reused buffers).
     """
-    global _STAGED
     layout = tuple(_layout(state))
     if not any(kind == device for *_, kind in layout):
         return state, False
     size = sum(torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype, _ in layout)
     if size > psutil.virtual_memory().available // 2:
-        log.info("optimizer_state: %.1f GB of CUDA optimizer state is written from the device (over half the host's "
-                 "available memory)", size / 1e9)
+        log.info("optimizer_state: %.1f GB of CUDA %s state is written from the device (over half the host's "
+                 "available memory)", size / 1e9, buffers)
         return state, False
-    if writer.buffers_in_use(_BUFFERS):
+    if writer.buffers_in_use(buffers):
         return BlockingAsyncStager().stage(state), False
     with _LOCK:
-        if _STAGED is None or _STAGED[0] != layout:
-            _STAGED = (layout, BlockingAsyncStager(cache_staged_state_dict=True))
-        stager = _STAGED[1]
+        if buffers not in _STAGED or _STAGED[buffers][0] != layout:
+            _STAGED[buffers] = (layout, BlockingAsyncStager(cache_staged_state_dict=True))
+        stager = _STAGED[buffers][1]
     return stager.stage(state), True
 
 
 def release_host_staging() -> None:
     """Drop the page-locked buffers ``stage_on_host`` keeps (once the writes reading them are
     joined): what a run does when it ends (``rft_core.api.release_run``)."""
-    global _STAGED
     with _LOCK:
-        _STAGED = None
+        _STAGED.clear()
+
+
+def _staged_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor] | None, bool]:
+    """A model's ``state_dict`` ``weights`` staged on the host (``stage_on_host``, buffers
+    "policy") with its tied tensors still one tensor (a tied ``lm_head.weight`` is the staged
+    ``embed_tokens`` weight), so that ``save_pretrained(state_dict=...)`` drops the tied names as
+    it does for the model's own tensors and writes the same file. (None, False): not staged."""
+    first: dict[tuple, str] = {}
+    alias: dict[str, str] = {}
+    for name, t in weights.items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        alias[name] = first.setdefault(key, name)
+    unique = {name: weights[name] for name in weights if alias[name] == name}
+    staged, reused = stage_on_host(unique, buffers="policy")
+    if staged is unique:
+        return None, False
+    return {name: staged[alias[name]] for name in weights}, reused
 
 
 def commit_policy_checkpoint(update: ShardRef, model, saver, *, digest: str) -> None:
     """Queue the write of ``model``'s weights (and ``saver``'s tokenizer or processor files) as the
     sibling stage ``{update}-policy`` on the writer thread, after the optimizer stage queued
-    before it (the module docstring); ``wait_for_optimizer_writes`` joins it. The caller must not
-    change the weights until it has finished (the next ``ppo_update`` joins it before it starts).
+    before it (the module docstring); ``wait_for_optimizer_writes`` joins it. CUDA weights are
+    written from a page-locked host copy made now (``stage_on_host``, buffers "policy"; not a peft
+    model's, which saves its adapters from its own tensors); otherwise the caller must not change
+    the weights until the write has finished (``writes_reading_tensors``).
 
     Raises (from the writer, through ``wait_for_optimizer_writes``):
         OptimizerStateError: the optimizer stage of ``update`` did not commit (nothing written).
     """
-    writer.submit(policy_checkpoint_uri(update), _write_policy, update, model, saver, digest)
+    state, reused = None, False
+    if not hasattr(model, "get_base_model"):
+        state, reused = _staged_weights(model.state_dict())
+    writer.submit(policy_checkpoint_uri(update), _write_policy, update, model, saver, digest, state,
+                  copied=state is not None, buffers="policy" if reused else None)
 
 
 def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
@@ -255,7 +279,7 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
         return _write(update, state, summary)
     staged, reused = stage_on_host(state)
     writer.submit(optimizer_state_uri(update), _write, update, staged, summary, copied=staged is not state,
-                  buffers=_BUFFERS if reused else None)
+                  buffers="optimizer" if reused else None)
     return None
 
 

@@ -99,5 +99,5 @@ def wait_for_optimizer_writes(uri: str | None = None) -> None:
                     del _PENDING[u]
     if first is not None:
         u, exc = first
-        raise OptimizerStateError(f"{u}: its background write failed: {exc!r}. Nothing committed is lost; "
+        raise OptimizerStateError(f"{u}: the background write of this stage failed: {exc!r}. Nothing committed is lost; "
                                   "rerunning the flow recomputes this state") from exc

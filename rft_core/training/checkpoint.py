@@ -27,17 +27,19 @@ MASTER_WEIGHTS_KEY = "master_weights"
 MASTER_DTYPE_KEY = "master_weights_dtype"
 
 
-def save_checkpoint(model, tokenizer, optimizer: torch.optim.Optimizer | None, out_dir: str | Path) -> None:
+def save_checkpoint(model, tokenizer, optimizer: torch.optim.Optimizer | None, out_dir: str | Path, *,
+                    state_dict: dict | None = None) -> None:
     """Write an HF ``save_pretrained`` folder plus the optimizer state (none when ``optimizer``
     is None: a DeepSpeed update, whose state is partitioned over the ranks, or a policy whose
-    state is its own stage).
+    state is its own stage). ``state_dict``: the weights to write instead of the model's own
+    tensors (a host copy of its ``state_dict()``: transformers' ``save_pretrained(state_dict=...)``).
 
     No RNG state is saved: every random draw of a run comes from a generator seeded with
     (config seed, iteration, stage), so a resumed run draws the same numbers without it.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.save_pretrained(out, **({} if state_dict is None else {"state_dict": state_dict}))
     tokenizer.save_pretrained(out)
     if optimizer is not None:
         save_optimizer_state(optimizer.state_dict(), out / OPTIMIZER_FILE)

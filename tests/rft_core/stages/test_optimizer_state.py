@@ -10,6 +10,7 @@ import os
 import shutil
 import threading
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -165,9 +166,9 @@ def test_the_next_update_trains_during_the_write_and_steps_after_it(cfg, tmp_pat
     monkeypatch.setattr(opt_state, "save_optimizer_state", held_save)
     if copied:
         monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
-        monkeypatch.setattr(opt_state, "_STAGED", None)
+        monkeypatch.setattr(opt_state, "_STAGED", {})
         real_stage = opt_state.stage_on_host
-        monkeypatch.setattr(opt_state, "stage_on_host", lambda state: real_stage(state, device="cpu"))
+        monkeypatch.setattr(opt_state, "stage_on_host", lambda state, **kw: real_stage(state, device="cpu", **kw))
     with memo.keeping_models(True):
         u1 = _update(cfg, root, 1, cfg.policy.path, background_optimizer=True)
         manifest = Path(opt_state.optimizer_state_uri(u1), "_MANIFEST.json")
@@ -220,14 +221,14 @@ def test_a_device_state_is_staged_on_the_host_in_reused_buffers(monkeypatch, tmp
     memory (torch.Tensor.pin_memory raises "Cannot access accelerator device"): it is replaced by
     the identity, and CPU tensors stand for the device ones (``device="cpu"``)."""
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
-    monkeypatch.setattr(opt_state, "_STAGED", None)
+    monkeypatch.setattr(opt_state, "_STAGED", {})
     opt, state = _adamw_state(2)
     assert opt_state.stage_on_host(state) == (state, False)  # no CUDA tensor: written as it is
     staged, reused = opt_state.stage_on_host(state, device="cpu")
     assert reused and staged["param_groups"] == state["param_groups"] and staged["master_dtype"] == "bfloat16"
     _assert_same_state(staged, state)
     assert torch.equal(staged["master_weights"]["weight"], state["master_weights"]["weight"])
-    ptr, layout = staged["state"][0]["exp_avg"].data_ptr(), opt_state._STAGED[0]
+    ptr, layout = staged["state"][0]["exp_avg"].data_ptr(), opt_state._STAGED["optimizer"][0]
     assert ptr != state["state"][0]["exp_avg"].data_ptr()
     want = {k: {n: t.clone() for n, t in v.items()} for k, v in state["state"].items()}
     opt.param_groups[0]["params"][0].grad = torch.ones_like(opt.param_groups[0]["params"][0])
@@ -249,11 +250,43 @@ def test_a_device_state_is_staged_on_the_host_in_reused_buffers(monkeypatch, tmp
     assert opt_state.stage_on_host(state, device="cpu")[0]["state"][0]["exp_avg"].data_ptr() == ptr
     _, other = _adamw_state(1, width=5)  # another layout: buffers of its own
     staged5, reused = opt_state.stage_on_host(other, device="cpu")
-    assert reused and staged5["state"][0]["exp_avg"].shape == (3, 5) and opt_state._STAGED[0] != layout
+    assert reused and staged5["state"][0]["exp_avg"].shape == (3, 5) and opt_state._STAGED["optimizer"][0] != layout
     monkeypatch.setattr(opt_state.psutil, "virtual_memory", lambda: SimpleNamespace(available=100))
     assert opt_state.stage_on_host(state, device="cpu") == (state, False)  # over half the host's memory: as it is
     opt_state.release_host_staging()
-    assert opt_state._STAGED is None
+    assert opt_state._STAGED == {}
+
+
+def test_a_models_weights_staged_on_the_host_are_written_as_its_own_save(tiny_model, tmp_path, monkeypatch):
+    """The policy weights a background checkpoint writes from a host copy (``_staged_weights``,
+    buffers "policy", CPU tensors standing for CUDA ones): the copy does not move with the model,
+    and ``save_checkpoint(state_dict=...)`` writes the same files, byte for byte, as the model's
+    own save before it moved (tied embeddings included)."""
+    import hashlib
+
+    from rft_core.models.loading import load_causal_lm, load_tokenizer
+    from rft_core.training.checkpoint import save_checkpoint
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
+    monkeypatch.setattr(opt_state, "_STAGED", {})
+    model, tok = load_causal_lm(tiny_model, dtype="float32", trainable=True), load_tokenizer(tiny_model)
+    weights = model.state_dict()
+    assert weights["lm_head.weight"].data_ptr() == weights["model.embed_tokens.weight"].data_ptr()  # tied
+    monkeypatch.setattr(opt_state, "stage_on_host", partial(opt_state.stage_on_host, device="cpu"))
+    staged, reused = opt_state._staged_weights(weights)
+    assert reused and set(opt_state._STAGED) == {"policy"} and list(staged) == list(weights)
+    assert staged["lm_head.weight"] is staged["model.embed_tokens.weight"]  # still one tensor
+    assert staged["lm_head.weight"].data_ptr() != weights["lm_head.weight"].data_ptr()  # a copy
+    save_checkpoint(model, tok, None, tmp_path / "own")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the trainer moves on: the staged copy does not
+    save_checkpoint(model, tok, None, tmp_path / "staged", state_dict=staged)
+
+    def files(folder):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+    assert files(tmp_path / "own") == files(tmp_path / "staged") and "model.safetensors" in files(tmp_path / "own")
 
 
 def _committed_stage(uri: str, stage: str, summary: dict):

@@ -13,6 +13,7 @@ import torch
 from rft_core.counters import COUNTS
 import rft_core.stages.memo as memo
 from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri, weights_stage
+from rft_core.stages import optimizer_state as opt_state
 from rft_core.stages import update as update_stage
 from rft_core.stages.sources import load_from_storage
 from schemas import ShardCorruptError, ShardRef, read_manifest, stage_uri
@@ -118,17 +119,32 @@ def _metric_parts(root, it: int) -> dict[str, str]:
     return {p: sha for p, sha in _parts(root, it, "ppo_update").items() if not p.startswith("policy/")}
 
 
-def test_weights_written_in_the_background_give_the_storage_run_bit_for_bit(storage_run, tiny_model, tmp_path):
+@pytest.mark.parametrize("reads", ["the-trainer's-tensors", "host-copies"])
+def test_weights_written_in_the_background_give_the_storage_run_bit_for_bit(storage_run, tiny_model, tmp_path,
+                                                                           monkeypatch, reads):
     """``checkpoint.async_weights: true`` in stage mode keeping its models: each update commits
     the weights' digest without them (``ppo_update`` has no ``policy/``), the writer thread commits
     them as ``ppo_update-policy`` after the optimizer stage, the next iteration's stages use the
     kept trainer meanwhile, and every shard, weight file and optimizer state equals the run whose
-    stages read every model from storage."""
+    stages read every model from storage. ``host-copies``: the weights and the AdamW state are
+    staged in host buffers as CUDA ones are (CPU tensors stand for them, ``pin_memory`` patched),
+    so the next update steps during the writes and waits for them only before it commits."""
     root_s, final_s, _ = storage_run
     memo.clear()
+    if reads == "host-copies":
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
+        monkeypatch.setattr(opt_state, "_STAGED", {})
+        real_stage = opt_state.stage_on_host
+        monkeypatch.setattr(opt_state, "stage_on_host", lambda state, **kw: real_stage(state, **{**kw, "device": "cpu"}))
+        real_write = opt_state._write_policy
+        staged: list[bool] = []
+        monkeypatch.setattr(opt_state, "_write_policy",
+                            lambda *a: staged.append(a[-1] is not None) or real_write(*a))
     cfg = _background_cfg(tiny_model, tmp_path)
     assert cfg.background_checkpoint and not _cfg(tiny_model, tmp_path, keep=True).background_checkpoint
     final = drive(cfg)
+    if reads == "host-copies":
+        assert staged == [True, True, True] and set(opt_state._STAGED) == {"optimizer", "policy"}
     assert_training_signal(tmp_path, (1, 2, 3))
     for it in (1, 2, 3):
         update = ShardRef.from_manifest(stage_uri(str(tmp_path), it, "ppo_update"))
