@@ -225,7 +225,7 @@ TARGETS = {
     "input_validation": ["rft_core.stages.contracts:StageInput.__init__"],
     "weight_sync": ["rft_core.weightsync.session:pull"],
     "checkpoint": ["rft_core.training.checkpoint:save_checkpoint", "rft_core.stages.optimizer_state:_write",
-                   "rft_core.stages.optimizer_state:wait_for_optimizer_writes"],
+                   "rft_core.stages.writer:wait_for_optimizer_writes"],
     "model_load": ["rft_core.models.loading:load_causal_lm", "rft_core.models.pretrained:load_tokenizer",
                    "rft_core.stages.sources:load_from_storage", "rft_core.stages.update:build_trainer"],
     "device_release": ["rft_core.models.logprobs:release_device_memory"],

@@ -68,11 +68,13 @@ def _run_rows(label: str, b, run, rows, args) -> list:
 
 def sigkill(d: Path, model: str, api: str, args) -> list[str]:
     from tests import test_faults
-    from tests.faults import agent_row, scenario_baseline, stage_row, write_agent_config, write_config
+    from tests.faults import (agent_row, scenario_baseline, stage_checkpoint_row, stage_row, write_agent_config,
+                              write_config)
 
     (d / "stage").mkdir()
     b = scenario_baseline(d / "stage", write_config, model, api)
     rows = _run_rows("sigkill", b, stage_row, test_faults.ROWS, args)
+    rows += _run_rows("sigkill", b, stage_checkpoint_row, [()], args)
     (d / "agent").mkdir()
     agent = scenario_baseline(d / "agent", write_agent_config, model, api)
     agent_rows = _run_rows("agent", agent, agent_row, test_faults.AGENT_ROWS, args)
@@ -356,6 +358,14 @@ SIGKILL_OUTRO = [
     "rerun reuses the update, recomputes it from the same committed inputs and seeds without",
     "recommitting it, checks the weights against the committed checksums and commits only the",
     "optimizer state (its manifest says `recovered: true`), so iteration 2 starts from the same state.",
+    "",
+    "With `checkpoint.async_weights: true` (the last row of the table; `tests/faults.py`",
+    "`stage_checkpoint_row`) stage mode writes the weights in that thread too: `ppo_update` commits",
+    "their digest, then the writer commits the optimizer stage and the weights (`ppo_update-policy`).",
+    "The row kills the run while the weights are written (the optimizer stage committed, the weights'",
+    "writer lock taken). No process holds that policy any more: the rerun runs iteration 1's update",
+    "again from its committed inputs on the initial model, checks the weights against the recorded",
+    "digest, writes them, and iteration 2 trains from them to the same final weights.",
 ]
 PROSE = """# Reliability: nothing lost at scale
 
@@ -373,7 +383,7 @@ command, date and machine load that produced it.
 
 | scenario | CI test | what must hold |
 |---|---|---|
-| SIGKILL inside every stage, local disk: the compute phase of each of the 7 stages of iteration 1, the write phase of each (a Parquet stage's writer paused between its parts and its manifest so that the kill lands there), iteration 2's rollout and update, iteration 2's update writing its checkpoint, the optimizer state's background write, and 2 multi-turn rollouts (20 rows, in the rotation) | `tests/test_faults.py` | rerun resumes; the interrupted stage redone; committed files untouched; final weights bit-identical to an uninterrupted run's |
+| SIGKILL inside every stage, local disk: the compute phase of each of the 7 stages of iteration 1, the write phase of each (a Parquet stage's writer paused between its parts and its manifest so that the kill lands there), iteration 2's rollout and update, iteration 2's update writing its checkpoint, the optimizer state's background write, the weights' background write (`checkpoint.async_weights: true`), and 2 multi-turn rollouts (21 rows, in the rotation) | `tests/test_faults.py` | rerun resumes; the interrupted stage redone; committed files untouched; final weights bit-identical to an uninterrupted run's |
 | `run_root: s3://...` (a real S3 server: moto, on 127.0.0.1) | `tests/test_object_storage.py`, `tests/schemas/test_object_store.py` | full training; SIGKILL in rollout and update then resume (same ETags; 2 rows, in the rotation); inspect, replay, eval, pandas and DuckDB read the bucket; manifest-last without renames; one of two writers commits |
 | bad storage: missing bucket, wrong credentials, unreachable endpoint, read-only bucket or folder | `tests/test_object_storage.py` | refused before any stage starts, naming the URI and the cause |
 | the Prefect API server dies during the rollout, comes back | `tests/flows/test_server_outage.py` | the outage landed while the run was in flight (the server had it Running, its prompts were committed and its update was not, and every later stage committed after the kill); the flow run ends (continues, or fails loudly and a UI-style retry completes); stages committed before the outage untouched |

@@ -10,8 +10,11 @@ row functions): CI runs them in the rotation of ``tests/rotation.py`` (each row 
 8 consecutive landings); ``make test-faults-all`` runs all of them."""
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
 
+from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY
 from schemas import read_manifest
 from tests.faults import (
     STAGE_ORDER,
@@ -19,6 +22,7 @@ from tests.faults import (
     assert_row,
     row,
     scenario_baseline,
+    stage_checkpoint_row,
     stage_row,
     write_agent_config,
     write_config,
@@ -59,6 +63,26 @@ def test_sigkill_then_rerun(baseline, target, iteration, phase):
 @pytest.fixture(scope="module")
 def agent_baseline(prefect_harness, tiny_model, tmp_path_factory):
     return _baseline(tmp_path_factory, "faults-agent", write_agent_config, tiny_model)
+
+
+@pytest.mark.rotation(5)  # one of the groups with the fewest seconds (tests/rotation.py)
+def test_sigkill_during_the_stage_mode_background_checkpoint_write_then_rerun(baseline):
+    """Stage mode with ``checkpoint.async_weights: true``: the driver is killed while the writer
+    thread writes iteration 1's weights (``ppo_update-policy``: writer lock taken, the AdamW stage
+    before it committed, no manifest), with iteration 1's update committed with their digest only.
+    No worker holds that policy: the rerun runs iteration 1's update again from its committed
+    inputs on the initial model, checks the recorded digest, writes the weights (and iteration 2
+    trains from them) and ends with the scenario's weights bit for bit."""
+    out = stage_checkpoint_row(baseline)
+    assert_row(out)
+    assert out.interrupted.startswith("1: ") and out.partial_files, out
+    assert (1, "ppo_update") in out.committed_at_kill and (1, "ppo_update-optimizer") in out.committed_at_kill, \
+        sorted(out.committed_at_kill)
+    done, _ = read_manifest(f"{out.run_root}/iter=000001/ppo_update")
+    m, _ = read_manifest(f"{out.run_root}/iter=000001/ppo_update-policy")
+    assert WEIGHTS_DIGEST_KEY in done.summary and m.summary[WEIGHTS_DIGEST_KEY] == done.summary[WEIGHTS_DIGEST_KEY]
+    # written by the rerun (rft_core/stages/update.py _retrain_lost), not by a writer that outlived the kill
+    assert dt.datetime.fromisoformat(m.created_at).timestamp() > out.rerun_started, (m.created_at, out.rerun_started)
 
 
 @pytest.mark.parametrize("iteration", AGENT_ROWS)

@@ -39,9 +39,10 @@ def _test_rows(section: str) -> set[tuple[str, str, str, str]]:
     """(target, iteration, phase, killed) of the rows the tests of ``section`` run."""
     from tests import test_faults, test_faults_async, test_faults_fsdp, test_faults_resident, test_object_storage
 
-    if section == "sigkill":
+    if section == "sigkill":  # and the driver killed during iteration 1's background weights write (async_weights)
         return ({(t, str(i), p, "driver") for t, i, p in (tuple(r.values) for r in test_faults.ROWS)}
-                | {("rollout", str(r.values[0]), "compute", "driver") for r in test_faults.AGENT_ROWS})
+                | {("rollout", str(r.values[0]), "compute", "driver") for r in test_faults.AGENT_ROWS}
+                | {("ppo_update-policy", "1", "write", "driver")})
     if section == "resident":  # and the driver killed during iteration 3's background checkpoint write
         return ({(t, "2", "compute", k) for t, k in (tuple(r.values) for r in test_faults_resident.ROWS)}
                 | {("ppo_update-policy", "3", "write", "driver")})
