@@ -1,5 +1,5 @@
 """The policy's AdamW state as a stage of its own, written in a background thread; and, for a
-resident checkpoint iteration, the policy's weights too (``commit_policy_checkpoint``).
+checkpoint iteration written in the background, the policy's weights too (``commit_policy_checkpoint``).
 
 Layout: next to ``iter=K/ppo_update`` (metrics parts + ``policy/`` weights) sits
 ``iter=K/ppo_update-optimizer`` with ``optimizer.pt`` and its own ``_MANIFEST.json`` (stage
@@ -34,17 +34,20 @@ with its sha256 in ``_MANIFEST.json``, written last; the manifest's summary says
 (``deepspeed_checkpoint``, ``rft_core.training.strategy.check_deepspeed_state``). It is written
 synchronously (each rank holds its partition only until it exits).
 
-A resident checkpoint iteration (``PPOUpdateInput.background_checkpoint``, issue 44) takes the
-weights off the critical path as well: its ``ppo_update`` commits as between checkpoints (the
+A resident checkpoint iteration (``PPOUpdateInput.background_checkpoint``, issue 44), or with
+``checkpoint.async_weights: true`` a stage-mode one keeping its models, takes the weights off the
+critical path as well (a CUDA model's from a pinned host copy, ``commit_policy_checkpoint``): its ``ppo_update`` commits as between checkpoints (the
 weights' digest and its own input, no weights: ``rft_core.stages.lineage``), then the same
 writer thread writes the optimizer stage and, after it, ``iter=K/ppo_update-policy`` (stage
 ``policy_checkpoint``: ``policy/``, the HF folder ``policy_model_path`` hands out, under its own
 manifest), while the next iteration's rollout runs. The weights stage commits last, so a policy
 whose weights are on storage always has its AdamW state there too; a crash before it leaves the
 previous checkpoint the one a resume rebuilds from (the committed updates after it re-applied).
-The next ``ppo_update`` waits for both writes before it starts, and writes them again if one
-failed (``rft_core.stages.update._write_lost_checkpoint``): a resident run carries on after a failed
-write, with every checkpoint it asked for on storage.
+The next resident ``ppo_update`` waits for both writes before it starts, and writes them again if
+one failed (``rft_core.stages.update._write_lost_checkpoint``): a resident run carries on after a
+failed write, with every checkpoint it asked for on storage. The next stage-mode update trains
+meanwhile, as it does during an optimizer write; a lost write is recomputed when the run resumes
+(the update run again from its committed inputs, ``_retrain_lost``).
 
 An FSDP2 update (``update.fsdp``) writes the stage the same way with its own sharded format
 (``commit_sharded_optimizer_state``): every rank its shards of the float32 masters and AdamW
@@ -465,7 +468,7 @@ def writes_pending(update: ShardRef) -> list[str]:
 
 def writes_reading_tensors(update: ShardRef) -> list[str]:
     """Those of ``writes_pending(update)`` that read the caller's own tensors (a policy
-    checkpoint's weights; an optimizer state not copied when it was queued, ``stage_on_host``):
+    checkpoint's weights or an optimizer state not copied when it was queued, ``stage_on_host``):
     the caller must not change them before ``wait_for_writes_of(update)``. A write that reads a
     copy (a CUDA state staged on the host) leaves the caller free to step at once; its commit
     still comes before the next update's, which looks its state up (``optimizer_state_ref``)

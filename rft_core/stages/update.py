@@ -441,6 +441,7 @@ def _retrain_lost(recorded: PPOUpdateInput, digest: str) -> tuple[PolicyTrainer,
                     "recorded digest (nondeterministic kernels?); training goes on with them", recorded.out)
     return trainer, {"recovered": True, "weights_match": match}
 
+
 def _commit_update(inp: PPOUpdateInput, commit: Commit) -> ShardRef:
     trainer, steps, seconds, extra = _train(inp)
     strategy = trainer.strategy
