@@ -289,6 +289,41 @@ def test_a_models_weights_staged_on_the_host_are_written_as_its_own_save(tiny_mo
     assert files(tmp_path / "own") == files(tmp_path / "staged") and "model.safetensors" in files(tmp_path / "own")
 
 
+def test_a_reader_joins_the_pending_write_of_the_weights_it_asks_for(cfg, tmp_path, monkeypatch):
+    """Stage mode with ``background_checkpoint``: while the writer thread still writes update 1's
+    weights, the check of the kept model's files passes without them (``check_policy_weights``:
+    nothing on storage yet), and a reader that asks for the folder (``policy_model_path``) waits
+    for the write and gets the committed ``ppo_update-policy/policy``."""
+    from rft_core.stages.checkpoints import check_policy_weights, policy_model_path
+    from rft_core.stages.lineage import policy_checkpoint_uri
+
+    release, real_write = threading.Event(), opt_state._write_policy
+
+    def held_write(*args):
+        assert release.wait(120), "the reader never asked for the weights"
+        return real_write(*args)
+
+    monkeypatch.setattr(opt_state, "_write_policy", held_write)
+    with memo.keeping_models(True):
+        u1 = _update(cfg, str(tmp_path / "run"), 1, cfg.policy.path, background_optimizer=True,
+                     background_checkpoint=True)
+    uri = policy_checkpoint_uri(u1)
+    assert opt_state.writes_pending(u1) == [opt_state.optimizer_state_uri(u1), uri]
+    assert not Path(u1.uri, "policy").exists() and not Path(uri, "_MANIFEST.json").exists()
+    check_policy_weights(u1)  # the kept trainer is what is being written: nothing to check, no wait
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(policy_model_path(u1)))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive() and not got  # waiting for the write
+    release.set()
+    reader.join(120)
+    assert got == [f"{uri}/policy"] and Path(got[0], "model.safetensors").exists()
+    assert opt_state.writes_pending(u1) == [opt_state.optimizer_state_uri(u1)]  # the policy write was joined
+    opt_state.wait_for_optimizer_writes()
+    memo.clear()
+
+
 def _committed_stage(uri: str, stage: str, summary: dict):
     Path(uri).mkdir(parents=True)
     return commit_files(uri, stage=stage, config_hash="h", files=[], summary=summary)
