@@ -85,7 +85,7 @@ def release_run(pool: str | None) -> None:
 
 def policy_checkpoint_folder(ref: PolicyRef) -> str:
     """The URI of the HF folder holding the committed policy ``ref``'s weights:
-    ``{ppo_update}/policy``, or ``{ppo_update}-policy/policy`` for a resident checkpoint iteration
+    ``{ppo_update}/policy``, or ``{ppo_update}-policy/policy`` for a checkpoint iteration
     written in the background (``weights_stage``); a model path as is; ``"(in memory)"`` for an
     update whose weights stayed in the resident workers (``checkpoint.every`` > 1)."""
     if isinstance(ref, str):

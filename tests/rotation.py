@@ -51,9 +51,9 @@ ROW_PREFIX = "test_sigkill"
 # began to create their workers together, which took ~20 s off each resident row) and moved since:
 # 0 ~870 (12:15 record less its faster rows), 1 ~870, 2 ~905, 3 ~885, 4 ~845 (757 its landing's
 # record, with the S3 bucket run's inspect and replay tests since, and the resident flow's
-# equality test, 56 s, out of every run since 2026-11-29), 5 ~780 (706 in the 2026-11-29 07:11
-# record, plus 3 deployment tests, 73 s with the Prefect stack's start, out of group 6), 6 ~840
-# (839 in the 09:56 record: 621 at 09:25 without its 4 deployment tests and its DeepSpeed critic
+# equality test, 56 s, out of every run since 2026-11-29), 5 ~840 (706 in the 2026-11-29 07:11
+# record, plus 3 deployment tests, 73 s with the Prefect stack's start, out of group 6, and the stage-mode
+# background checkpoint row, ~60 s, since), 6 ~850 (849 in the 2026-11-29 11:57 record; 839 in the 09:56 record: 621 at 09:25 without its 4 deployment tests and its DeepSpeed critic
 # test, then in 5 and 7, plus the deployment retry test since, 174 s with the stack's start), 7 ~785 (645
 # measured alone, plus its resident critic flow and DeepSpeed bf16 masters tests, out of group 6
 # before, and that critic test); the tests every run runs: ~765 s (the 09:25 and 09:56 records). A resident
