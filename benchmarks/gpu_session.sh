@@ -51,7 +51,7 @@ step optimizer_state_cuda 90 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m 
 # stage mode with its weights written in the background too (checkpoint.async_weights=true: the update commits their
 # digest, the writer thread the weights after the optimizer stage, both from pinned host copies), against the table's
 # stage arm above; with a cProfile of steps 2-4 (where stage mode's own update seconds still go)
-step stage_async_weights 150 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --arms stage --steps 4 \
+step stage_async_weights 120 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --arms stage --steps 4 \
     --set checkpoint.async_weights=true --profile "$OUT/prof" --json "$OUT/bench_stage_async_weights.json"
 elif [ "$PART" = memo ]; then
 # issue 44: the whole table (TRL, resident, stage) with stage mode keeping its models (orchestration.keep_models)
