@@ -152,7 +152,7 @@ def run_inprocess(cfg) -> list[dict]:
               flush=True)
 
     drive(cfg, run, on_iteration=record)
-    from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+    from rft_core.stages.writer import wait_for_optimizer_writes
 
     wait_for_optimizer_writes()
     return _rows(cfg.run_root, metrics, cumulative)

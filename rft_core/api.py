@@ -29,9 +29,10 @@ from rft_core.stages.dynamic import count_signal_groups
 from rft_core.stages.evaluate import checkpoint_label, default_eval_root, eval_markdown, eval_report_lines, resolve_checkpoint
 from rft_core.stages.lineage import weights_stage
 from rft_core.stages.memo import clear as _release_kept_models
-from rft_core.stages.optimizer_state import release_host_staging, wait_for_optimizer_writes
+from rft_core.stages.optimizer_state import release_host_staging
 from rft_core.stages.retention import apply_retention, prune_checkpoints
 from rft_core.stages.teacher import check_teacher_tokenizer
+from rft_core.stages.writer import wait_for_optimizer_writes
 from rft_core.storage import RunRootError, check_run_root, repair as repair_stage, verify_run
 from rft_core.stages.runner import run_stage as _run_stage
 from rft_core.workers.pool import run_counters, run_resident, start_run_workers, stop_workers, sync_rollout_ahead

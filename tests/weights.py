@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rft_core.stages.lineage import weights_stage
-from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.stages.writer import wait_for_optimizer_writes
 from schemas import ShardRef, read_manifest, stage_uri
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from rft_core.config import load_config
 from rft_core.models.hub import configure_cuda_backends
-from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.stages.writer import wait_for_optimizer_writes
 from rft_core.stages.runner import DISTRIBUTED_STAGES, INPUTS, PROGRAMS, encode_result, input_from_args
 
 

@@ -27,7 +27,6 @@ from rft_core.stages.lineage import (
     update_input_of,
 )
 from rft_core.stages.optimizer_state import (
-    OptimizerStateError,
     commit_optimizer_state,
     commit_policy_checkpoint,
     commit_sharded_optimizer_state,
@@ -37,10 +36,10 @@ from rft_core.stages.optimizer_state import (
     optimizer_state_ref,
     recover_deepspeed_optimizer_state,
     saved_optimizer_state,
-    wait_for_optimizer_writes,
     wait_for_writes_of,
     writes_reading_tensors,
 )
+from rft_core.stages.writer import OptimizerStateError, wait_for_optimizer_writes
 from rft_core.stages.retention import WEIGHT_SUFFIXES
 from rft_core.training.strategy import (
     DeepSpeedStrategy,

@@ -21,7 +21,7 @@ from rft_core.config import WorkersConfig
 from rft_core.counters import count
 from rft_core.network import free_port
 from rft_core.stages.lineage import has_weights
-from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.stages.writer import wait_for_optimizer_writes
 from rft_core.stages.recovery import rebuild_trainer
 from rft_core.stages.sources import version_key
 from rft_core.stages.update import configure_trainer

@@ -5,6 +5,7 @@ is required like any other and continued only by a DeepSpeed update (the 2-rank 
 tests/rft_core/training/test_deepspeed_update.py)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -19,12 +20,15 @@ import torch
 
 from rft_core import stages
 from rft_core.config import load_config
+from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.stages import memo
 from rft_core.stages import optimizer_state as opt_state
 from rft_core.stages import writer
+from rft_core.stages.checkpoints import check_policy_weights, policy_model_path
 from rft_core.stages.contracts import AdvantagesInput, PPOUpdateInput, PromptsInput, RewardsInput, RolloutInput
+from rft_core.stages.lineage import policy_checkpoint_uri
 from rft_core.stages.retention import CheckpointPrunedError
-from rft_core.training.checkpoint import OPTIMIZER_FILE
+from rft_core.training.checkpoint import OPTIMIZER_FILE, save_checkpoint
 import rft_core.training.strategy as strategy_module
 from rft_core.training.strategy import DeepSpeedStateError, SingleProcess
 from schemas import commit_files, prune_files, read_manifest, read_shard, stage_uri
@@ -70,7 +74,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
 def test_background_write_commits_and_the_next_update_continues_from_it(cfg, tmp_path):
     root = str(tmp_path / "run")
     u1 = _update(cfg, root, 1, cfg.policy.path, background_optimizer=True)
-    opt_state.wait_for_optimizer_writes()
+    writer.wait_for_optimizer_writes()
     if hasattr(os, "setpriority"):  # the writer thread yields the CPU to the stages (nice +10)
         import threading
 
@@ -108,7 +112,7 @@ def test_a_lost_write_is_recomputed_exactly_when_the_update_is_resumed(cfg, tmp_
     (folder / ".writer.lock").write_text(json.dumps({"token": "x", "host": os.uname().nodename, "pid": 2 ** 22 + 7,
                                                      "since": 0}))
     assert opt_state.optimizer_state_missing(u1)
-    with pytest.raises(opt_state.OptimizerStateError, match=f"{folder}.*never committed.*Rerun the training flow"):
+    with pytest.raises(writer.OptimizerStateError, match=f"{folder}.*never committed.*Rerun the training flow"):
         _update(cfg, root, 2, u1)  # the next update cannot start without it
     assert not Path(stage_uri(root, 2, "ppo_update"), "_MANIFEST.json").exists()
 
@@ -134,9 +138,9 @@ def test_a_failed_background_write_is_reported_once_then_recomputed(cfg, tmp_pat
     monkeypatch.setattr(opt_state.torch, "save", disk_full)
     u1 = _update(cfg, root, 1, cfg.policy.path, background_optimizer=True)
     uri = opt_state.optimizer_state_uri(u1)
-    with pytest.raises(opt_state.OptimizerStateError, match=f"{uri}: the background write .*No space left"):
-        opt_state.wait_for_optimizer_writes()
-    opt_state.wait_for_optimizer_writes()  # reported once: nothing pending any more
+    with pytest.raises(writer.OptimizerStateError, match=f"{uri}: the background write .*No space left"):
+        writer.wait_for_optimizer_writes()
+    writer.wait_for_optimizer_writes()  # reported once: nothing pending any more
     assert not Path(uri, "_MANIFEST.json").exists() and not Path(uri, ".writer.lock").exists()  # lock released
     monkeypatch.setattr(opt_state.torch, "save", real_save)
     assert _update(cfg, root, 1, cfg.policy.path) == u1
@@ -200,7 +204,7 @@ def test_the_next_update_trains_during_the_write_and_steps_after_it(cfg, tmp_pat
     m1, m2 = read_manifest(r1.uri)[0], read_manifest(r2.uri)[0]
     assert m2.summary["grad_norm"] > 0 and {f.sha256 for f in m1.files} != {f.sha256 for f in m2.files}  # it moved
     assert {f.path: f.sha256 for f in read_manifest(u2.uri)[0].files} == {f.path: f.sha256 for f in m2.files}
-    opt_state.wait_for_optimizer_writes()
+    writer.wait_for_optimizer_writes()
     _assert_same_state(_state(opt_state.optimizer_state_uri(u1)), _state(opt_state.optimizer_state_uri(r1)))
     _assert_same_state(_state(opt_state.optimizer_state_uri(u2)), _state(opt_state.optimizer_state_uri(r2)))
     opt_state.release_host_staging()
@@ -262,11 +266,6 @@ def test_a_models_weights_staged_on_the_host_are_written_as_its_own_save(tiny_mo
     buffers "policy", CPU tensors standing for CUDA ones): the copy does not move with the model,
     and ``save_checkpoint(state_dict=...)`` writes the same files, byte for byte, as the model's
     own save before it moved (tied embeddings included)."""
-    import hashlib
-
-    from rft_core.models.loading import load_causal_lm, load_tokenizer
-    from rft_core.training.checkpoint import save_checkpoint
-
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self)
     monkeypatch.setattr(opt_state, "_STAGED", {})
     model, tok = load_causal_lm(tiny_model, dtype="float32", trainable=True), load_tokenizer(tiny_model)
@@ -294,9 +293,6 @@ def test_a_reader_joins_the_pending_write_of_the_weights_it_asks_for(cfg, tmp_pa
     weights, the check of the kept model's files passes without them (``check_policy_weights``:
     nothing on storage yet), and a reader that asks for the folder (``policy_model_path``) waits
     for the write and gets the committed ``ppo_update-policy/policy``."""
-    from rft_core.stages.checkpoints import check_policy_weights, policy_model_path
-    from rft_core.stages.lineage import policy_checkpoint_uri
-
     release, real_write = threading.Event(), opt_state._write_policy
 
     def held_write(*args):
@@ -320,7 +316,7 @@ def test_a_reader_joins_the_pending_write_of_the_weights_it_asks_for(cfg, tmp_pa
     reader.join(120)
     assert got == [f"{uri}/policy"] and Path(got[0], "model.safetensors").exists()
     assert opt_state.writes_pending(u1) == [opt_state.optimizer_state_uri(u1)]  # the policy write was joined
-    opt_state.wait_for_optimizer_writes()
+    writer.wait_for_optimizer_writes()
     memo.clear()
 
 
@@ -336,7 +332,7 @@ def test_a_deepspeed_update_without_its_state_is_missing_never_restarted(tmp_pat
     update = _committed_stage(str(tmp_path / "iter=000001" / "ppo_update"), "ppo_update",
                               {"world_size": 2, "zero_stage": 2})
     assert opt_state.optimizer_state_missing(update)  # so resuming that iteration recomputes it
-    with pytest.raises(opt_state.OptimizerStateError, match="ppo_update-optimizer: .*never committed.*Rerun the training"):
+    with pytest.raises(writer.OptimizerStateError, match="ppo_update-optimizer: .*never committed.*Rerun the training"):
         opt_state.optimizer_state_ref(update)
 
 

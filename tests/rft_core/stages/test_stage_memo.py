@@ -5,6 +5,7 @@ a damaged checkpoint is still refused. Rewards vary inside each group (``tests/v
 the equality test asserts the advantages and gradients are not 0 first."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -170,8 +171,6 @@ def test_a_lost_background_checkpoint_is_recomputed_in_stage_mode(storage_run, t
     3 never ran): the rerun in a fresh process (nothing kept) runs iteration 2's update again from
     its committed inputs, checks the recorded digest, commits what was lost, and iteration 3 trains
     from it to the storage run's weights, bit for bit."""
-    import shutil
-
     root_s, final_s, _ = storage_run
     memo.clear()
     cfg = _background_cfg(tiny_model, tmp_path)

@@ -20,6 +20,7 @@ from rft_core.config import CriticConfig, DeepSpeedConfig, KLConfig  # noqa: E40
 from rft_core.models.critic import load_critic  # noqa: E402
 from rft_core.models.loading import load_causal_lm  # noqa: E402
 from rft_core.stages import optimizer_state as opt_state  # noqa: E402
+from rft_core.stages import writer  # noqa: E402
 from rft_core.stages.contracts import CriticUpdateInput, PPOUpdateInput  # noqa: E402
 from rft_core.stages.runner import StageProcessError, run_stage  # noqa: E402
 from rft_core.training.strategy import (  # noqa: E402
@@ -92,7 +93,7 @@ def test_a_lost_deepspeed_state_is_recomputed_when_its_update_is_resumed(update_
     committed = {f.path: f.sha256 for f in read_manifest(str(folder))[0].files}
     (folder / "_MANIFEST.json").unlink()  # the job died before rank 0 committed the partitions
     assert opt_state.optimizer_state_missing(u1)
-    with pytest.raises(opt_state.OptimizerStateError, match=f"{folder}.*never committed.*Rerun the training flow"):
+    with pytest.raises(writer.OptimizerStateError, match=f"{folder}.*never committed.*Rerun the training flow"):
         opt_state.optimizer_state_ref(u1)  # what the next update would call: it cannot start without it
     again = _update(update_inputs, tiny_model, _ds(update_inputs[3], 2), "zero2-1", RUNNER)  # the resume
     assert again == u1  # the committed update is reused, untouched

@@ -17,7 +17,7 @@ from rft_core.models.loading import load_causal_lm
 from rft_core.stages.checkpoints import WeightlessPolicyError, policy_model_path
 from rft_core.counters import COUNTS
 from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, has_weights, policy_chain, weights_stage
-from rft_core.stages.optimizer_state import wait_for_optimizer_writes
+from rft_core.stages.writer import wait_for_optimizer_writes
 from rft_core.weightsync import landing as landing_module
 from rft_core.weightsync.digest import method_of
 from rft_core.workers.policy import PolicyWorker
