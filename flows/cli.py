@@ -37,7 +37,7 @@ def train(
     cfg = _load_or_exit(config, list(set_) + ([f"run_root={run_root}"] if run_root else []))
     typer.echo(f"run root: {cfg.run_root}")
     from rft_core.api import (DatasetError, RewardError, RunRootError, check_judge_keys, check_run_root,
-                              policy_checkpoint_folder, validate_run_data)
+                              validate_run_data)
     from schemas import ShardError, StorageError
 
     try:
@@ -59,7 +59,7 @@ def train(
     typer.echo(f"shards:      {result.run_root}/iter=*/<stage>/part-*.parquet (+ _MANIFEST.json)")
     typer.echo(f"metrics:     {result.metrics_uri}")
     typer.echo(f"checkpoints: {result.run_root}/iter=*/ppo_update[-policy]/policy "
-               f"(final: {policy_checkpoint_folder(result.final_policy)})")
+               f"(final: {result.final_policy_folder})")
     typer.echo(f"resume:      rerun with --run-root {result.run_root}")
 
 
@@ -128,7 +128,7 @@ def replay(
     from flows.replay import replay as replay_flow
 
     result = replay_flow(source_run_root, cfg)
-    typer.echo(f"replayed {source_run_root} into {result.run_root} (final policy: {result.final_policy.uri}/policy)")
+    typer.echo(f"replayed {source_run_root} into {result.run_root} (final policy: {result.final_policy_folder})")
 
 
 @app.command("eval")

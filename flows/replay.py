@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 import tasks
 from flows.iteration import train_on
@@ -15,7 +15,10 @@ from rft_core.api import (
     format_metrics_line,
     iteration_metrics,
     next_state,
+    policy_checkpoint_folder,
+    release_run,
     replay_sources,
+    wait_for_optimizer_writes,
     write_metrics,
     write_replay_record,
 )
@@ -30,6 +33,7 @@ class ReplayResult(BaseModel):
     run_root: str
     source_run_root: str
     final_policy: ShardRef
+    final_policy_folder: str = Field(description="the HF folder holding the final weights (``policy_checkpoint_folder``)")
     metrics: list[dict[str, Any]]
 
 
@@ -55,20 +59,25 @@ def replay(source_run_root: str, cfg: TrainConfig) -> ReplayResult:
     state: TrainState = cfg.initial_state
     tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)
     rows = []
-    for i in range(1, cfg.iterations + 1):
-        src = replay_sources(source_run_root, i, cfg)
-        kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
+    try:
+        for i in range(1, cfg.iterations + 1):
+            src = replay_sources(source_run_root, i, cfg)
+            kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
 
-        def out(stage: str, i: int = i) -> str:
-            return stage_uri(cfg.run_root, i, stage)
+            def out(stage: str, i: int = i) -> str:
+                return stage_uri(cfg.run_root, i, stage)
 
-        adv, policy, _ = train_on(cfg, src, policy=policy, critic=None, state=state, kl=kl, out=out, tags=tags,
-                                  background_optimizer=False, policy_version=i - 1)  # its seeds: iteration i's
-        state = next_state(adv)
-        m = iteration_metrics(i, {**src, "advantages": adv, "ppo_update": policy})
-        rows.append(m)
-        write_metrics(cfg.run_root, rows)
-        logger.info("replay " + format_metrics_line(m))
+            adv, policy, _ = train_on(cfg, src, policy=policy, critic=None, state=state, kl=kl, out=out, tags=tags,
+                                      background_optimizer=False, policy_version=i - 1)  # its seeds: iteration i's
+            state = next_state(adv)
+            m = iteration_metrics(i, {**src, "advantages": adv, "ppo_update": policy})
+            rows.append(m)
+            write_metrics(cfg.run_root, rows)
+            logger.info("replay " + format_metrics_line(m))
+        wait_for_optimizer_writes()  # the last update's weights, when written in the background (checkpoint.async_weights)
+    finally:
+        release_run(None)  # the models kept between stages
     create_table_artifact(key="replay-metrics", table=rows, description=f"Replay of {source_run_root} into {cfg.run_root}")
     assert isinstance(policy, ShardRef)
-    return ReplayResult(run_root=cfg.run_root, source_run_root=source_run_root, final_policy=policy, metrics=rows)
+    return ReplayResult(run_root=cfg.run_root, source_run_root=source_run_root, final_policy=policy,
+                        final_policy_folder=policy_checkpoint_folder(policy), metrics=rows)

@@ -7,7 +7,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 import tasks
 from flows.iteration import rl_iteration
@@ -16,6 +16,7 @@ from rft_core.api import (
     check_run_root,
     curve_outputs,
     format_metrics_line,
+    policy_checkpoint_folder,
     run_counters,
     release_run,
     wait_for_optimizer_writes,
@@ -33,6 +34,9 @@ class TrainResult(BaseModel):
     run_root: str
     metrics_uri: str
     final_policy: ShardRef
+    final_policy_folder: str = Field(description="the HF folder holding the final weights: ``{final_policy}/policy``, "
+                                     "or ``{final_policy}-policy/policy`` when they were written in the background "
+                                     "(checkpoint.async_weights; ``rft_core.api.policy_checkpoint_folder``)")
     final_critic: ShardRef | None = None
     metrics: list[dict[str, Any]]
 
@@ -111,4 +115,5 @@ def train(cfg: TrainConfig) -> TrainResult:
     if curve:
         logger.info("metrics curve: %s; TensorBoard: tensorboard --logdir %s/tensorboard", curve, cfg.run_root)
     return TrainResult(run_root=cfg.run_root, metrics_uri=metrics_uri, final_policy=policy,
+                       final_policy_folder=policy_checkpoint_folder(policy),
                        final_critic=critic if isinstance(critic, ShardRef) else None, metrics=rows)

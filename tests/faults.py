@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -50,10 +50,10 @@ PREDECESSORS = {"prompts": (), "rollout": ("prompts",), "actor_logprobs": ("roll
 ROLE_OF_STAGE = {"rollout": "rollout", "actor_logprobs": "rollout", "ref_logprobs": "reference", "ppo_update": "policy"}
 
 
-def write_config(path: Path, model: str, iterations: int = 2, *, extra: str = "") -> Path:
+def write_config(path: Path, model: str, iterations: int = 2) -> Path:
     """A tiny training config (2 iterations by default) whose stages take a noticeable time and
     whose rewards vary inside each group (``tests/varying.py``: non-zero advantages, so the final
-    weights compared after a kill come from real policy-gradient updates); ``extra``: more YAML."""
+    weights compared after a kill come from real policy-gradient updates)."""
     path.write_text(f"""
 name: faults
 iterations: {iterations}
@@ -62,7 +62,7 @@ data: {{prompts_per_iteration: 4, size: 50}}
 rollout: {{n_samples_per_prompt: 4, max_new_tokens: 48, batch_size: 8}}
 kl: {{kl_coef: 0.05}}
 update: {{lr: 1.0e-3, micro_batch_size: 2, epochs: 2}}
-{REWARD_YAML}{extra}""")
+{REWARD_YAML}""")
     return path
 
 
@@ -790,19 +790,11 @@ def stage_row(b: Baseline, target: str, iteration: int, phase: str) -> Outcome:
 
 
 def stage_checkpoint_row(b: Baseline) -> Outcome:
-    """tests/test_faults.py: the stage-mode scenario with ``checkpoint.async_weights: true`` (its
-    final weights are the scenario's: the same updates), the driver killed while its writer thread
-    writes iteration 1's weights in the background (``ppo_update-policy``: its writer lock taken,
+    """tests/test_faults.py: the stage-mode scenario (``checkpoint.async_weights`` by default: its
+    updates commit the weights' digest and the writer thread writes the weights), the driver killed
+    while the writer writes iteration 1's weights (``ppo_update-policy``: its writer lock taken,
     the optimizer stage before it committed, no manifest yet)."""
-    config = write_config(Path(b.runs) / "async-weights.yaml", _model_of(b.config),
-                          extra="checkpoint: {async_weights: true}\n")
-    return replace(b, config=config).kill("run-stage-checkpoint-write", "ppo_update-policy", 1,
-                                         "stage-checkpoint-write", phase="write")
-
-
-def _model_of(config: Path) -> str:
-    """The ``policy.path`` of a scenario's config."""
-    return load_config(str(config)).policy.path
+    return b.kill("run-stage-checkpoint-write", "ppo_update-policy", 1, "stage-checkpoint-write", phase="write")
 
 
 def agent_row(b: Baseline, iteration: int) -> Outcome:

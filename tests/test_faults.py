@@ -67,7 +67,7 @@ def agent_baseline(prefect_harness, tiny_model, tmp_path_factory):
 
 @pytest.mark.rotation(5)  # one of the groups with the fewest seconds (tests/rotation.py)
 def test_sigkill_during_the_stage_mode_background_checkpoint_write_then_rerun(baseline):
-    """Stage mode with ``checkpoint.async_weights: true``: the driver is killed while the writer
+    """Stage mode (``checkpoint.async_weights``, the default): the driver is killed while the writer
     thread writes iteration 1's weights (``ppo_update-policy``: writer lock taken, the AdamW stage
     before it committed, no manifest), with iteration 1's update committed with their digest only.
     No worker holds that policy: the rerun runs iteration 1's update again from its committed

@@ -53,7 +53,7 @@ def test_one_smollm2_iteration_on_the_example_jsonl(prefect_harness, tmp_path):
     assert len(rewards) == 4
     assert all(min(abs(r["rewards"] - v) for v in (0.0, 0.1, 1.0, 1.1)) < 1e-6 for r in rewards)
     assert all(r["correct"] == (r["rewards"] > 0.5) for r in rewards)
-    assert (Path(result.final_policy.uri) / "policy" / "model.safetensors").exists()
+    assert (Path(result.final_policy_folder) / "model.safetensors").exists()
 
     res = evaluate(cfg, cfg.run_root)
     rows = read_shard(f"{res.out_root}/eval", stage="eval").to_pylist()

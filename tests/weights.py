@@ -27,3 +27,17 @@ def policy_files(ref: ShardRef, *, suffix: str = "") -> dict[str, str]:
 def iteration_policy_files(run_root: str | Path, iteration: int, *, suffix: str = "") -> dict[str, str]:
     """``policy_files`` of the ``ppo_update`` of ``iteration`` under ``run_root``."""
     return policy_files(ShardRef.from_manifest(stage_uri(str(run_root), iteration, "ppo_update")), suffix=suffix)
+
+
+def iteration_policy_folder(run_root: str | Path, iteration: int) -> Path:
+    """The HF folder holding the weights the ``ppo_update`` of ``iteration`` under the local
+    ``run_root`` made (``rft_core.api.policy_checkpoint_folder``), once the process's pending
+    background writes have finished.
+
+    Raises:
+        AssertionError: those weights are not on storage.
+    """
+    wait_for_optimizer_writes()
+    held = weights_stage(ShardRef.from_manifest(stage_uri(str(run_root), iteration, "ppo_update")))
+    assert held is not None, f"{run_root}: iteration {iteration}'s weights are not on storage"
+    return Path(held.uri) / "policy"

@@ -265,12 +265,12 @@ class TrainConfig(_Frozen):
     @property
     def background_checkpoint(self) -> bool:
         """Whether a checkpoint iteration's weights are written in the background
-        (``PPOUpdateInput.background_checkpoint``): under resident workers unless
-        ``checkpoint.async_weights`` is false; in stage mode when it is true and the stages keep
-        their models in memory (``keeps_models``: the trainer the write reads stays there)."""
-        if self.orchestration.workers == "resident":
-            return self.checkpoint.async_weights is not False
-        return self.checkpoint.async_weights is True and self.keeps_models
+        (``PPOUpdateInput.background_checkpoint``), unless ``checkpoint.async_weights`` is false:
+        under resident workers, and in stage mode when the stages keep their models in memory
+        (``keeps_models``: the trainer the write reads stays there)."""
+        if self.checkpoint.async_weights is False:
+            return False
+        return self.orchestration.workers == "resident" or self.keeps_models
 
     def syncs_rollout_ahead(self, iteration: int) -> bool:
         """Whether the update of ``iteration`` is handed to the resident rollout worker right away

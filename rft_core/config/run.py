@@ -44,8 +44,8 @@ class CheckpointConfig(_Frozen):
 
     ``async_optimizer``: the policy's AdamW state (twice the weights) is written by a background
     thread while the next iteration's stages run (``rft_core.stages.optimizer_state``); a write
-    lost to a crash is recomputed on resume. ``async_weights`` (default: under resident workers; true:
-    in stage mode too, when it keeps its models in memory): a checkpoint iteration's weights too,
+    lost to a crash is recomputed on resume. ``async_weights`` (default null: under resident workers, and in
+    stage mode when it keeps its models in memory; false: never): a checkpoint iteration's weights too,
     after its AdamW state; a write lost to a crash leaves the previous checkpoint the one a resume
     rebuilds from (exactly, by re-applying the updates after it; in stage mode by running the
     update again from its committed inputs, ``rft_core.stages.update``).
@@ -58,8 +58,9 @@ class CheckpointConfig(_Frozen):
     async_weights: bool | None = Field(
         None, description="a checkpoint iteration's policy weights (with its AdamW state) are written in the background "
         "while the next iteration runs; its ppo_update commits first with their digest, the weights commit as "
-        "iter=N/ppo_update-policy. null (default): under workers=resident; true: also in stage mode when it keeps its "
-        "models in memory (orchestration.keep_models, auto with the hf engine); false: never")
+        "iter=N/ppo_update-policy. null (default) or true: under workers=resident, and in stage mode when it keeps its "
+        "models in memory (orchestration.keep_models, auto with the hf engine); false: never (stage mode then commits "
+        "them as iter=N/ppo_update/policy)")
     keep_last: int | None = Field(1, ge=1, description="iterations whose checkpoints stay whole, optimizer state "
                                   "included (None: keep every checkpoint whole)")
     prune: Literal["optimizer", "weights"] = Field(

@@ -20,7 +20,7 @@ FSDP_RESIDENT = {"update.fsdp.reshard_after_forward": True, "orchestration.worke
 def _safetensors(result) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(f"{result.final_policy.uri}/policy/model.safetensors")
+    return load_file(f"{result.final_policy_folder}/model.safetensors")
 
 
 @pytest.mark.rotation(7)  # long: one turn in 8 (tests/rotation.py)

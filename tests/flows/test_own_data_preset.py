@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from schemas import read_manifest, read_shard
+from tests.weights import iteration_policy_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = str(ROOT / "configs" / "grpo_my_data.yaml")
@@ -51,7 +52,8 @@ def test_grpo_my_data_trains_on_ones_own_file_without_the_example_files(prefect_
     prompts = read_shard(f"{run}/iter=000001/prompts", stage="prompts").to_pylist()
     assert [(p["question"], p["answer"]) for p in prompts] == [
         (rows[i]["prompt"][0]["content"], rows[i]["solution"]) for i in summary["dataset_indices"]]
-    assert len(prompts) == 2 and (run / "iter=000001" / "ppo_update" / "policy" / "model.safetensors").exists()
+    folder = iteration_policy_folder(run, 1)  # written in the background (checkpoint.async_weights): ppo_update-policy
+    assert len(prompts) == 2 and (folder / "model.safetensors").exists() and f"(final: {folder})" in text
 
 
 def test_data_check_of_a_bad_file_gives_the_column_checks_of_rft_train(tiny_model, tmp_path):

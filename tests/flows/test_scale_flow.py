@@ -11,11 +11,13 @@ from rft_core.models.loading import load_causal_lm
 from schemas import read_manifest
 from tests.flows.conftest import flow_cfg
 from tests.varying import REWARD, assert_training_signal
+from tests.weights import iteration_policy_files, iteration_policy_folder
 
 
-def _hashes(root: Path, stage: str) -> dict[str, str]:
+def _parts(root: Path, stage: str) -> dict[str, str]:
+    """{path: sha256} of the Parquet parts of iteration 1's ``stage``."""
     m, _ = read_manifest(str(root / "iter=000001" / stage))
-    return {f.path: f.sha256 for f in m.files}
+    return {f.path: f.sha256 for f in m.files if not f.path.startswith("policy/")}
 
 
 class _Collect(logging.Handler):
@@ -45,9 +47,14 @@ def test_subprocess_runners_commit_what_the_in_process_flow_commits(prefect_harn
     finally:
         task_logger.removeHandler(collect)
     for stage in ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update"):
-        assert _hashes(Path(b.run_root), stage) == _hashes(Path(a.run_root), stage), stage
-    wa = load_causal_lm(f"{a.final_policy.uri}/policy").state_dict()
-    wb = load_causal_lm(f"{b.final_policy.uri}/policy").state_dict()
+        assert _parts(Path(b.run_root), stage) == _parts(Path(a.run_root), stage), stage
+    # the in-process update kept its trainer and wrote the weights in the background (ppo_update-policy),
+    # the subprocess wrote them in its own stage: the same files
+    assert (Path(a.run_root) / "iter=000001/ppo_update-policy").is_dir()
+    assert not (Path(b.run_root) / "iter=000001/ppo_update-policy").exists()
+    assert iteration_policy_files(b.run_root, 1) == iteration_policy_files(a.run_root, 1)
+    wa = load_causal_lm(a.final_policy_folder).state_dict()
+    wb = load_causal_lm(b.final_policy_folder).state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     # the subprocesses' own log lines reached the task run loggers
     assert any("rft_core.stages: ppo_update committed" in m for m in collect.messages), collect.messages[-20:]
@@ -67,7 +74,7 @@ def test_lora_iterations_checkpoint_adapters_and_load_them_next_iteration(prefec
     root = Path(result.run_root)
     adapters = []
     for it in (1, 2):
-        policy = root / f"iter={it:06d}/ppo_update/policy"
+        policy = iteration_policy_folder(root, it)
         assert (policy / "adapter_model.safetensors").exists() and not (policy / "model.safetensors").exists()
         assert json.loads((policy / "adapter_config.json").read_text())["base_model_name_or_path"] == tiny_model
         adapters.append(load_adapter_policy(policy))

@@ -14,6 +14,7 @@ import torch
 from rft_core.models.loading import load_causal_lm
 from schemas import read_manifest, read_shard
 from tests.flows.conftest import flow_cfg
+from tests.weights import iteration_policy_folder
 
 STAGES = ["prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update"]
 
@@ -47,14 +48,14 @@ def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path,
     assert firsts.groupby(adv.prompt_id).sum().abs().max() < 1e-4
     # the policy changed, and iteration 2 started from iteration 1's checkpoint
     init = torch.cat([p.flatten() for p in load_causal_lm(tiny_model).parameters()])
-    final = torch.cat([p.flatten() for p in load_causal_lm(f"{result.final_policy.uri}/policy").parameters()])
+    final = torch.cat([p.flatten() for p in load_causal_lm(result.final_policy_folder).parameters()])
     assert not torch.equal(init, final)
     m2, _ = read_manifest(f"{cfg.run_root}/iter=000002/rollout")
     upd1, _ = read_manifest(f"{cfg.run_root}/iter=000001/ppo_update")
     # the AdamW state is its own stage, written in the background and committed after the update
     opt1, _ = read_manifest(f"{cfg.run_root}/iter=000001/ppo_update-optimizer")
     assert [f.path for f in opt1.files] == ["optimizer.pt"] and opt1.stage == "optimizer_state"
-    assert not (Path(cfg.run_root) / "iter=000001/ppo_update/policy/optimizer.pt").exists()
+    assert not (iteration_policy_folder(cfg.run_root, 1) / "optimizer.pt").exists()
     upd2, _ = read_manifest(f"{cfg.run_root}/iter=000002/ppo_update")
     assert upd2.inputs["optimizer"] == read_manifest(f"{cfg.run_root}/iter=000001/ppo_update-optimizer")[1]
     assert opt1.inputs == {"ppo_update": read_manifest(f"{cfg.run_root}/iter=000001/ppo_update")[1]}

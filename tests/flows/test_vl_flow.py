@@ -42,5 +42,5 @@ def test_vl_iteration(prefect_harness, tiny_vl, tmp_path):
     rewards = read_shard(f"{root}/rewards").to_pylist()
     assert all(set(dict(w["reward_metrics"])) >= {"exact"} for w in rewards)
     assert read_shard(f"{root}/ppo_update").num_rows >= 1
-    ckpt = f"{result.final_policy.uri}/policy"
+    ckpt = result.final_policy_folder
     assert is_vl_model(ckpt) and VLProcessor(ckpt).image_token_id == VLProcessor(tiny_vl).image_token_id

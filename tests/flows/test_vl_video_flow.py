@@ -69,7 +69,7 @@ def test_vl_video_iteration(prefect_harness, tiny_vl, tmp_path):
         m = rewards[r["sample_id"]]
         assert m["clip.frames"] == 4.0 * len(r["videos"]) and m["clip.answer_is_digit"] == float(bool(r["videos"]))
     assert read_shard(f"{root}/actor_logprobs").num_rows == 12 and read_shard(f"{root}/ppo_update").num_rows >= 1
-    ckpt = Path(f"{result.final_policy.uri}/policy")
+    ckpt = Path(result.final_policy_folder)
     assert is_vl_model(str(ckpt)) and (ckpt / VIDEO_CONFIG_NAME).is_file()
     again = VLProcessor(str(ckpt))  # the checkpoint counts video tokens as its parent
     assert again.video == proc.video and again.video_token_id == proc.video_token_id

@@ -25,9 +25,10 @@ from tests.weights import iteration_policy_files, policy_files
 STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update")
 
 
-def _cfg(model: str, root, keep: bool):
+def _cfg(model: str, root, keep: bool, *extra: str):
     return varying_config(model, root, f"orchestration.keep_models={str(keep).lower()}", "orchestration.workers=stage",
-                          "logprobs.recompute_old_logprobs=true", "kl.kl_coef=0.05", "update.lr=1e-3", iterations=3)
+                          "logprobs.recompute_old_logprobs=true", "kl.kl_coef=0.05", "update.lr=1e-3", *extra,
+                          iterations=3)
 
 
 def _parts(root, it: int, stage: str) -> dict[str, str]:
@@ -50,8 +51,9 @@ def test_kept_models_give_the_storage_run_bit_for_bit(storage_run, tiny_model, t
     assert memo.hits() == {}  # keep_models=false used nothing kept
     memo.clear()
     COUNTS.clear()
-    cfg = _cfg(tiny_model, tmp_path, keep=True)
-    assert cfg.runner("ppo_update").keep_models and cfg.runner("rollout").keep_models
+    # the weights written by the update itself (the background writes: the test after the next ones)
+    cfg = _cfg(tiny_model, tmp_path, True, "checkpoint.async_weights=false")
+    assert cfg.runner("ppo_update").keep_models and cfg.runner("rollout").keep_models and not cfg.background_checkpoint
     final = drive(cfg)
     assert_training_signal(tmp_path, (1, 2, 3))
     # every committed file of every stage (parts, the checkpoint's weights, the optimizer state) is the same
@@ -104,16 +106,10 @@ def test_a_damaged_checkpoint_is_refused_though_its_model_is_kept(storage_run, t
     with memo.keeping_models(True):
         model = load_from_storage(final, dtype="float32")
         assert load_from_storage(final, dtype="float32") is model  # kept
-        weights = next(Path(final.uri, "policy").glob("*.safetensors"))
+        weights = next(Path(weights_stage(final).uri, "policy").glob("*.safetensors"))  # ppo_update-policy
         weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
         with pytest.raises(ShardCorruptError, match=weights.name):
             load_from_storage(final, dtype="float32")
-
-
-def _background_cfg(model: str, root):
-    return varying_config(model, root, "orchestration.keep_models=true", "orchestration.workers=stage",
-                          "checkpoint.async_weights=true", "logprobs.recompute_old_logprobs=true", "kl.kl_coef=0.05",
-                          "update.lr=1e-3", iterations=3)
 
 
 def _metric_parts(root, it: int) -> dict[str, str]:
@@ -123,7 +119,7 @@ def _metric_parts(root, it: int) -> dict[str, str]:
 @pytest.mark.parametrize("reads", ["the-trainer's-tensors", "host-copies"])
 def test_weights_written_in_the_background_give_the_storage_run_bit_for_bit(storage_run, tiny_model, tmp_path,
                                                                            monkeypatch, reads):
-    """``checkpoint.async_weights: true`` in stage mode keeping its models: each update commits
+    """``checkpoint.async_weights`` (default) in stage mode keeping its models: each update commits
     the weights' digest without them (``ppo_update`` has no ``policy/``), the writer thread commits
     them as ``ppo_update-policy`` after the optimizer stage, the next iteration's stages use the
     kept trainer meanwhile, and every shard, weight file and optimizer state equals the run whose
@@ -141,8 +137,9 @@ def test_weights_written_in_the_background_give_the_storage_run_bit_for_bit(stor
         staged: list[bool] = []
         monkeypatch.setattr(opt_state, "_write_policy",
                             lambda *a: staged.append(a[-1] is not None) or real_write(*a))
-    cfg = _background_cfg(tiny_model, tmp_path)
-    assert cfg.background_checkpoint and not _cfg(tiny_model, tmp_path, keep=True).background_checkpoint
+    cfg = _cfg(tiny_model, tmp_path, keep=True)
+    assert cfg.checkpoint.async_weights is None and cfg.background_checkpoint  # the default
+    assert not _cfg(tiny_model, tmp_path, keep=False).background_checkpoint  # the stages' own processes: no
     final = drive(cfg)
     if reads == "host-copies":
         assert staged == [True, True, True] and set(opt_state._STAGED) == {"optimizer", "policy"}
@@ -173,7 +170,7 @@ def test_a_lost_background_checkpoint_is_recomputed_in_stage_mode(storage_run, t
     from it to the storage run's weights, bit for bit."""
     root_s, final_s, _ = storage_run
     memo.clear()
-    cfg = _background_cfg(tiny_model, tmp_path)
+    cfg = _cfg(tiny_model, tmp_path, keep=True)  # the weights written in the background (the default)
     drive(cfg)
     u2 = stage_uri(str(tmp_path), 2, "ppo_update")
     gone = ["ppo_update-policy"] + (["ppo_update-optimizer"] if lost == "optimizer-and-weights" else [])
