@@ -4,7 +4,7 @@
    iterations with seed ``--teacher-seed`` (not one of the arms' seeds), trained as the learning
    benchmark trains its checkpoints (``benchmarks/learning.py:train_seed``, into ``{out}/teacher``);
    or ``--teacher PATH``, any checkpoint with the student's tokenizer (e.g. a finished
-   ``make bench-learning`` seed: ``runs/learning/seed-0/iter=000012/ppo_update/policy``).
+   ``make bench-learning`` seed: ``runs/learning/seed-0/iter=000012/ppo_update-policy/policy``).
 2. The untrained student (the preset's policy) and the teacher are scored on the held-out split
    (``flows/eval.py``: greedy, question texts disjoint from the training data).
 3. For each seed, from the same untrained student and on the same prompts: ``iterations``
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from flows.eval import evaluate
     from rft_core.config import load_config
+    from rft_core.api import policy_checkpoint_folder
     from rft_core.models.loading import ensure_default_model
     from rft_core.stages.teacher import check_teacher_tokenizer
 
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
             cfg_t = load_config(args.config, [*base, f"iterations={args.teacher_iterations}",
                                               *seed_over(args.teacher_seed, out / "teacher", "distill-teacher")])
             _, policy = train_seed(cfg_t, keep_all=False)
-            teacher_path = f"{policy.uri}/policy"
+            teacher_path = policy_checkpoint_folder(policy)
             label = (f"`{cfg_t.policy.path}` after {cfg_t.iterations} GRPO iterations of the preset (seed "
                      f"{args.teacher_seed}; `{_shown(teacher_path)}`)")
             teacher = _eval_numbers(evaluate(cfg_t, policy, f"{out}/eval-teacher"))

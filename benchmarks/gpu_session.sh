@@ -15,7 +15,7 @@
 #   bash benchmarks/gpu_session.sh memo       # the whole bench with stage mode keeping its models, and its test on CUDA (~7 min)
 #   bash benchmarks/gpu_session.sh overlap    # the whole bench after the update trains during the optimizer write,
 #                                             # then the staging's checks, the optimizer tests and the stage arm with
-#                                             # checkpoint.async_weights=true, profiled (~10 min)
+#                                             # checkpoint.async_weights=false (the weights written by the update), profiled (~10 min)
 set -u
 PART=${1:-bench}
 OUT=${OUT:-$PWD/gpu-out}
@@ -48,11 +48,12 @@ step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$O
 step staging_cuda 60 python3 benchmarks/gpu_staging.py --json "$OUT/gpu_staging.json"
 step optimizer_state_cuda 90 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m pytest -q -p no:cacheprovider -rs \
     tests/rft_core/stages/test_optimizer_state.py --timeout 80
-# stage mode with its weights written in the background too (checkpoint.async_weights=true: the update commits their
-# digest, the writer thread the weights after the optimizer stage, both from pinned host copies), against the table's
-# stage arm above; with a cProfile of steps 2-4 (where stage mode's own update seconds still go)
-step stage_async_weights 120 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --arms stage --steps 4 \
-    --set checkpoint.async_weights=true --profile "$OUT/prof" --json "$OUT/bench_stage_async_weights.json"
+# the table's stage arm writes its weights in the background (checkpoint.async_weights, the default: the update commits
+# their digest, the writer thread the weights after the optimizer stage, both from pinned host copies); this one has the
+# update write them itself (async_weights=false, the layout before 2026-11-29), so the two measure the option; with a
+# cProfile of steps 2-4 (where stage mode's own update seconds go)
+step stage_sync_weights 120 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --arms stage --steps 4 \
+    --set checkpoint.async_weights=false --profile "$OUT/prof" --json "$OUT/bench_stage_sync_weights.json"
 elif [ "$PART" = memo ]; then
 # issue 44: the whole table (TRL, resident, stage) with stage mode keeping its models (orchestration.keep_models)
 step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$OUT/bench_gpu.json" \

@@ -57,22 +57,27 @@ def train_seed(cfg, *, keep_all: bool) -> tuple[list[dict], object]:
     """``cfg.iterations`` iterations of the iteration flow; returns the metrics rows and the
     final policy ShardRef."""
     from flows.iteration import rl_iteration
+    from rft_core.api import release_run, wait_for_optimizer_writes
     from rft_core.metrics import format_metrics_line, write_metrics
     from rft_core.stages.retention import prune_checkpoints
 
     policy, state, rows = cfg.policy.path, cfg.initial_state, []
     versions = {0: policy}  # as flows/train.py: version v is the policy the update of iteration v made
-    for i in range(1, cfg.iterations + 1):
-        ahead = versions[cfg.rollout_policy_version(i + 1)] if cfg.rollout.max_staleness and i < cfg.iterations else None
-        result = rl_iteration(cfg, i, policy, state, None, versions[cfg.rollout_policy_version(i)], ahead)
-        policy, state = result.policy, result.next_state
-        versions[i] = policy
-        rows.append(result.metrics)
-        write_metrics(cfg.run_root, rows)
-        print(format_metrics_line(result.metrics), flush=True)
-        if not keep_all:  # checkpoint retention: the run stays resumable and its manifests verify
-            # rollout.max_staleness s: the next rollouts sample with versions up to s behind
-            prune_checkpoints(cfg.run_root, i, keep_last=1 + cfg.rollout.max_staleness, prune="weights")
+    try:
+        for i in range(1, cfg.iterations + 1):
+            ahead = versions[cfg.rollout_policy_version(i + 1)] if cfg.rollout.max_staleness and i < cfg.iterations else None
+            result = rl_iteration(cfg, i, policy, state, None, versions[cfg.rollout_policy_version(i)], ahead)
+            policy, state = result.policy, result.next_state
+            versions[i] = policy
+            rows.append(result.metrics)
+            write_metrics(cfg.run_root, rows)
+            print(format_metrics_line(result.metrics), flush=True)
+            if not keep_all:  # checkpoint retention: the run stays resumable and its manifests verify
+                # rollout.max_staleness s: the next rollouts sample with versions up to s behind
+                prune_checkpoints(cfg.run_root, i, keep_last=1 + cfg.rollout.max_staleness, prune="weights")
+        wait_for_optimizer_writes()  # as flows/train.py: the last update's background writes (checkpoint.async_*)
+    finally:
+        release_run(None)  # the models kept between stages, as the train flow does
     return rows, policy
 
 

@@ -273,7 +273,8 @@ def main() -> None:
 SIGKILL_INTRO = [
     "Each row: a 2-iteration training (tiny random Llama, 4 prompts x 4 samples, KL on, rewards that",
     "vary inside each group: `tests/varying.py`) runs as a worker subprocess (`python -m flows.cli",
-    "train`). Phase *compute*: once the target stage can start (every stage it waits for committed),",
+    "train`; stage mode keeping its models, so each update's weights and AdamW state are written in",
+    "the background, below). Phase *compute*: once the target stage can start (every stage it waits for committed),",
     "the driver waits as long as the stage waited to start in the uninterrupted run plus a random",
     "part (up to 85%) of its duration there, in the same iteration; phase *write*: it waits until",
     "the stage takes its writer lock (it is writing parts or checkpoint files) plus 0-20 ms; a",
@@ -356,12 +357,14 @@ SIGKILL_OUTRO = [
     "thread after `ppo_update` committed (`checkpoint.async_optimizer`). A kill during that write",
     "(the `ppo_update-optimizer` row) leaves the update committed and its optimizer stage not: the",
     "rerun reuses the update, recomputes it from the same committed inputs and seeds without",
-    "recommitting it, checks the weights against the committed checksums and commits only the",
-    "optimizer state (its manifest says `recovered: true`), so iteration 2 starts from the same state.",
+    "recommitting it, checks the weights against the recorded digest, and commits the optimizer",
+    "state (its manifest says `recovered: true`) and the weights, which were not written either, so",
+    "iteration 2 starts from the same state.",
     "",
-    "With `checkpoint.async_weights: true` (the last row of the table; `tests/faults.py`",
-    "`stage_checkpoint_row`) stage mode writes the weights in that thread too: `ppo_update` commits",
-    "their digest, then the writer commits the optimizer stage and the weights (`ppo_update-policy`).",
+    "With `checkpoint.async_weights` (the default when stage mode keeps its models; the last row of the",
+    "table, `tests/faults.py` `stage_checkpoint_row`) stage mode writes the weights in that thread too:",
+    "`ppo_update` commits their digest, then the writer commits the optimizer stage and the weights",
+    "(`ppo_update-policy`).",
     "The row kills the run while the weights are written (the optimizer stage committed, the weights'",
     "writer lock taken). No process holds that policy any more: the rerun runs iteration 1's update",
     "again from its committed inputs on the initial model, checks the weights against the recorded",
@@ -383,7 +386,7 @@ command, date and machine load that produced it.
 
 | scenario | CI test | what must hold |
 |---|---|---|
-| SIGKILL inside every stage, local disk: the compute phase of each of the 7 stages of iteration 1, the write phase of each (a Parquet stage's writer paused between its parts and its manifest so that the kill lands there), iteration 2's rollout and update, iteration 2's update writing its checkpoint, the optimizer state's background write, the weights' background write (`checkpoint.async_weights: true`), and 2 multi-turn rollouts (21 rows, in the rotation) | `tests/test_faults.py` | rerun resumes; the interrupted stage redone; committed files untouched; final weights bit-identical to an uninterrupted run's |
+| SIGKILL inside every stage, local disk: the compute phase of each of the 7 stages of iteration 1, the write phase of each (a Parquet stage's writer paused between its parts and its manifest so that the kill lands there), iteration 2's rollout and update, iteration 2's update committing (with the weights' digest), the optimizer state's background write, the weights' background write (`checkpoint.async_weights`, the default), and 2 multi-turn rollouts (21 rows, in the rotation) | `tests/test_faults.py` | rerun resumes; the interrupted stage redone; committed files untouched; final weights bit-identical to an uninterrupted run's |
 | `run_root: s3://...` (a real S3 server: moto, on 127.0.0.1) | `tests/test_object_storage.py`, `tests/schemas/test_object_store.py` | full training; SIGKILL in rollout and update then resume (same ETags; 2 rows, in the rotation); inspect, replay, eval, pandas and DuckDB read the bucket; manifest-last without renames; one of two writers commits |
 | bad storage: missing bucket, wrong credentials, unreachable endpoint, read-only bucket or folder | `tests/test_object_storage.py` | refused before any stage starts, naming the URI and the cause |
 | the Prefect API server dies during the rollout, comes back | `tests/flows/test_server_outage.py` | the outage landed while the run was in flight (the server had it Running, its prompts were committed and its update was not, and every later stage committed after the kill); the flow run ends (continues, or fails loudly and a UI-style retry completes); stages committed before the outage untouched |

@@ -129,7 +129,9 @@ def _env(api_url: str | None, extra: dict[str, str] | None = None) -> dict:
 # kill lands while the stage holds its lock with its parts written and no manifest, a state a kill
 # of the unpaused writer reaches too, only by chance. ppo_update's checkpoint and the optimizer
 # state's background write take long enough to be hit unpaused.
-PAUSED_WRITES = ("prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages")
+# ppo_update too: with its weights written in the background (checkpoint.async_weights, stage mode's
+# default) it commits one small Parquet part and its manifest within a few ms, as the others do
+PAUSED_WRITES = ("prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update")
 WRITE_PAUSE_ENV = "RFT_FAULTS_WRITE_PAUSE"
 WRITE_PAUSE_SECONDS = 5.0
 # a worker kill that finds the worker between stage programs waits this long for it to run one
@@ -142,6 +144,7 @@ def cli_with_write_pause() -> None:
     ``WRITE_PAUSE_ENV`` as ``iter=NNNNNN/<stage>@<seconds>``; every other write is untouched."""
     import runpy
 
+    import schemas
     import schemas.tables as tables
 
     folder, seconds = os.environ[WRITE_PAUSE_ENV].rsplit("@", 1)
@@ -154,6 +157,7 @@ def cli_with_write_pause() -> None:
         return rows
 
     tables.write_parts = write_parts  # what write_shard calls
+    schemas.write_parts = write_parts  # what rft_core.stages.common (the update's commit) imports, before it does
     sys.argv[0] = "rft"
     runpy.run_module("flows.cli", run_name="__main__", alter_sys=True)
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rft_core.models.loading import load_tokenizer
+from rft_core.training.checkpoint import POLICY_FOLDER_SUFFIX
 from schemas import ShardError, read_shard, stage_uri
 
 __all__ = ["render_trajectory", "sample_text", "segments"]
@@ -103,8 +104,9 @@ def sample_text(run_root: str, iteration: int, sample_id: str, *, tokenizer: Any
     """``render_trajectory`` of sample ``sample_id`` of iteration ``iteration`` of the run at
     ``run_root`` (any fsspec URI), with its prompt and reward rows when those stages are committed.
 
-    ``tokenizer`` None: the tokenizer saved with the iteration's ``ppo_update/policy``
-    checkpoint when it is a local folder, else the transcript is shown whole.
+    ``tokenizer`` None: the tokenizer saved with the iteration's checkpoint when it is a local
+    folder (``ppo_update/policy``, or ``ppo_update-policy/policy`` for weights written in the
+    background), else the transcript is shown whole.
 
     Raises:
         ShardError: the iteration's rollout is not committed or unreadable.
@@ -127,8 +129,11 @@ def sample_text(run_root: str, iteration: int, sample_id: str, *, tokenizer: Any
             continue
         match = t.filter(pc.equal(t.column(key), row[key])).to_pylist()
         extra[name] = match[0] if match else None
-    if tokenizer is None:
-        fs, path = fsspec.core.url_to_fs(f"{stage_uri(run_root, iteration, 'ppo_update')}/policy")
+    update = stage_uri(run_root, iteration, "ppo_update")
+    for folder in (f"{update}/policy", f"{update}{POLICY_FOLDER_SUFFIX}/policy"):
+        if tokenizer is not None:
+            break
+        fs, path = fsspec.core.url_to_fs(folder)
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
         if "file" in protocols and fs.exists(f"{path}/tokenizer_config.json"):
             tokenizer = load_tokenizer(path)

@@ -9,7 +9,7 @@ starts at zero, so a fresh adapter leaves the model's outputs unchanged.
 
 Export a merged, plain HF model (what vLLM or any HF tool loads)::
 
-    python -m rft_core.models.lora merge runs/…/iter=000004/ppo_update/policy exported/
+    python -m rft_core.models.lora merge runs/…/iter=000004/ppo_update-policy/policy exported/
 """
 from __future__ import annotations
 

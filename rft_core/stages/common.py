@@ -71,7 +71,7 @@ class Commit:
 def continue_from_checkpoint(uri: str) -> str:
     """The sentence an ``OlderVersionError`` of the stage at ``uri`` ends with: the command that
     starts a new run from the last committed policy checkpoint of the run ``uri`` belongs to
-    (``latest_policy_checkpoint``: its ``iter=N/ppo_update/policy`` folder, an HF model folder
+    (``latest_policy_checkpoint``: its ``iter=N/ppo_update[-policy]/policy`` folder, an HF model folder
     that ``policy.path`` takes); '' when ``uri`` is not a stage folder of a run."""
     where = split_stage_uri(uri)
     if where is None:

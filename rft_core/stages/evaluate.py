@@ -30,13 +30,15 @@ from rft_core.evaluation.metrics import PromptAnswers, mean_stderr, sampled_metr
 from rft_core.models.loading import load_causal_lm, load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.models.logprobs import default_device
+from rft_core.training.checkpoint import POLICY_FOLDER_SUFFIX
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import EvalGenerateInput, EvalPromptsInput, EvalSummaryInput, stage_program
+from rft_core.stages.lineage import weights_stage
 from rft_core.stages.prompts import build_file_prompts, check_fingerprint, reuse_unless_data_changed, with_fingerprint
 from rft_core.stages.rollout import rollout_summary
 from schemas import PolicyRef, ShardError, ShardRef, ShardSchemaError, read_manifest, read_shard
-from schemas.columns import EVAL, PROMPTS, ROLLOUT, policy_version_column, single_turn_columns
+from schemas.columns import EVAL, POLICY_CHECKPOINT, PROMPTS, ROLLOUT, policy_version_column, single_turn_columns
 
 HELDOUT_PREFIX = "heldout"  # held-out prompt_ids: heldout-{task}-{index:06d}
 
@@ -45,13 +47,17 @@ def resolve_checkpoint(checkpoint: str | ShardRef) -> PolicyRef:
     """What a user names as a checkpoint, as a ``PolicyRef`` the stages can load.
 
     Accepted: a ``ShardRef`` of a committed ``ppo_update`` stage (returned as is); the folder of
-    such a stage (``.../iter=000003/ppo_update``) or its ``policy/`` sub-folder; a run root
-    (its last iteration with a committed ``ppo_update``); anything else is returned unchanged
-    as a model path (the embedded default's alias, a local HF folder or a hub id).
+    such a stage (``.../iter=000003/ppo_update``) or its ``policy/`` sub-folder; the folder of
+    the ``ppo_update-policy`` stage holding the weights of one written in the background
+    (``checkpoint.async_weights``), or its ``policy/`` sub-folder (what ``TrainResult.final_policy_folder``
+    and the CLI name): that update; a run root (its last iteration with a committed
+    ``ppo_update``); anything else is returned unchanged as a model path (the embedded
+    default's alias, a local HF folder or a hub id).
 
     Raises:
-        ShardError: the folder holds a committed stage other than ``ppo_update``, or a run root
-            has no committed ``ppo_update`` stage.
+        ShardError: the folder holds a committed stage other than ``ppo_update`` and
+            ``policy_checkpoint``, a ``policy_checkpoint`` stage whose ``ppo_update`` sibling is not
+            the update it names, or a run root has no committed ``ppo_update`` stage.
     """
     if isinstance(checkpoint, ShardRef):
         return checkpoint
@@ -64,6 +70,11 @@ def resolve_checkpoint(checkpoint: str | ShardRef) -> PolicyRef:
         path = path.rsplit("/", 1)[0]
     if fs.exists(f"{path}/_MANIFEST.json"):
         manifest, _ = read_manifest(uri)
+        if manifest.stage == POLICY_CHECKPOINT.stage and uri.endswith(POLICY_FOLDER_SUFFIX):
+            update = ShardRef.from_manifest(uri.removesuffix(POLICY_FOLDER_SUFFIX))
+            if update.manifest_sha256 != manifest.inputs.get("ppo_update"):
+                raise ShardError(f"{uri}: its weights were written for another {update.uri} than the one committed there")
+            return update
         if manifest.stage != "ppo_update":
             raise ShardError(f"{uri} is a committed {manifest.stage!r} stage; a checkpoint is a ppo_update stage folder, "
                              "its policy/ folder, a run root or a model folder")
@@ -78,8 +89,12 @@ def resolve_checkpoint(checkpoint: str | ShardRef) -> PolicyRef:
 
 
 def checkpoint_label(policy: PolicyRef) -> str:
-    """A human-readable name of ``policy``: the model path, or ``{ppo_update uri}/policy``."""
-    return policy if isinstance(policy, str) else f"{policy.uri}/policy"
+    """A human-readable name of ``policy``: the model path, or the folder holding a committed
+    update's weights (``{ppo_update uri}/policy``, or ``{ppo_update uri}-policy/policy`` for weights
+    written in the background, ``rft_core.stages.lineage.weights_stage``)."""
+    if isinstance(policy, str):
+        return policy
+    return f"{(weights_stage(policy) or policy).uri}/policy"
 
 
 @stage_program(EvalPromptsInput)

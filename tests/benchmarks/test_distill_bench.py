@@ -37,7 +37,7 @@ def test_the_benchmark_end_to_end_at_a_tiny_size(prefect_harness, tiny_model, tm
     record = distill_bench.main(argv)
 
     teacher = record["teacher"]["path"]
-    assert teacher.endswith("/teacher/iter=000001/ppo_update/policy") and Path(teacher, "config.json").exists()
+    assert teacher.endswith("/teacher/iter=000001/ppo_update-policy/policy") and Path(teacher, "config.json").exists()
     assert set(record["results"]) == {"distill", "grpo"}
     distill_row = record["results"]["distill"][0]["metrics"][0]
     grpo_row = record["results"]["grpo"][0]["metrics"][0]

@@ -79,9 +79,9 @@ def test_eval_trained_checkpoint_from_run_root(prefect_harness, tiny_model, tmp_
     from flows.train import train
 
     cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=1, **EVAL_SET)
-    trained = train(cfg).final_policy
+    trained = train(cfg)
     res = evaluate(cfg, cfg.run_root)  # the run root: its last committed checkpoint
-    assert res.policy == f"{trained.uri}/policy"
+    assert res.policy == trained.final_policy_folder == f"{trained.final_policy.uri}-policy/policy"  # written in the background
     assert res.out_root.startswith(f"{cfg.run_root}/eval/iter=000001-")
     base = evaluate(cfg, None, str(tmp_path / "base"))
     # same held-out prompts for both checkpoints

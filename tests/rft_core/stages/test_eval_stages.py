@@ -11,8 +11,8 @@ import torch
 
 from rft_core.data.prompts import HELDOUT_SEED_OFFSET, DatasetError, build_prompts, heldout_entries, heldout_seed, load_task
 from rft_core.stages.evaluate import default_eval_root, eval_summary, greedy_generate, resolve_checkpoint
-from schemas import ShardError, ShardRef, write_shard
-from schemas.columns import EVAL, PPO_UPDATE, PROMPTS
+from schemas import ShardError, ShardRef, commit_files, write_shard
+from schemas.columns import EVAL, POLICY_CHECKPOINT, PPO_UPDATE, PROMPTS
 
 EASY = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "allow_parentheses": False,
         "allow_negation": False}
@@ -159,6 +159,25 @@ def test_resolve_checkpoint(tmp_path):
     (tmp_path / "empty/iter=000001/rollout").mkdir(parents=True)
     with pytest.raises(ShardError, match="without a committed ppo_update"):
         resolve_checkpoint(str(tmp_path / "empty"))
+
+
+def test_resolve_checkpoint_of_weights_written_in_the_background(tmp_path):
+    """``iter=N/ppo_update-policy`` (or its ``policy/``), what ``TrainResult.final_policy_folder``
+    names for weights written in the background: the update whose weights it holds; a
+    ``-policy`` stage written for another update than the one committed beside it is refused."""
+    run = tmp_path / "run"
+    update = _commit_update(f"{run}/iter=000001/ppo_update")
+    (run / "iter=000001/ppo_update-policy/policy").mkdir(parents=True)
+    (run / "iter=000002/ppo_update-policy").mkdir(parents=True)
+    commit_files(f"{update.uri}-policy", stage=POLICY_CHECKPOINT.stage, config_hash="w", inputs={"ppo_update": update},
+                 schema=POLICY_CHECKPOINT)
+    assert resolve_checkpoint(f"{run}/iter=000001/ppo_update-policy/policy/") == update
+    assert resolve_checkpoint(f"{run}/iter=000001/ppo_update-policy") == update
+    other = _commit_update(f"{run}/iter=000002/ppo_update")
+    commit_files(f"{run}/iter=000002/ppo_update-policy", stage=POLICY_CHECKPOINT.stage, config_hash="w",
+                 inputs={"ppo_update": update}, schema=POLICY_CHECKPOINT)
+    with pytest.raises(ShardError, match=f"written for another {other.uri}"):
+        resolve_checkpoint(f"{run}/iter=000002/ppo_update-policy")
 
 
 def test_default_eval_root(tmp_path):
