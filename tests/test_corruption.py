@@ -50,7 +50,8 @@ def test_corrupted_checkpoint_found_on_resume_and_repaired(prefect_harness, tiny
     rc, log = _train(write_config(tmp_path / "one.yaml", tiny_model, iterations=1), run, api)
     assert rc == 0, log[-3000:]
     assert_training_signal(run, (1,))  # the update recomputed below is a real policy-gradient step (tests/varying.py)
-    weights = run / "iter=000001/ppo_update/policy/model.safetensors"
+    # stage mode writes the weights in the background (checkpoint.async_weights): a stage of their own
+    weights = run / "iter=000001/ppo_update-policy/policy/model.safetensors"
     good = hashlib.sha256(weights.read_bytes()).hexdigest()
     _flip(weights, weights.stat().st_size // 2)
 
@@ -58,30 +59,35 @@ def test_corrupted_checkpoint_found_on_resume_and_repaired(prefect_harness, tiny
     rc, log = _train(two, run, api)  # resume into iteration 2, which starts from iteration 1's weights
     assert rc != 0
     assert f"{weights}: sha256 does not match the manifest: the committed file is corrupted" in log, log[-4000:]
-    assert f"rft repair {run} --stage iter=1/ppo_update" in log
+    assert f"rft repair {run} --stage iter=1/ppo_update-policy" in log
     assert not (run / "iter=000002/rollout/_MANIFEST.json").exists()  # nothing was trained on the damaged weights
 
     res = _rft("verify", str(run))
-    assert res.returncode == 1 and "CORRUPT iter=1/ppo_update:" in res.stdout and "1 corrupt stage(s)" in res.stdout
-    res = _rft("repair", str(run), "--stage", "iter=1/ppo_update", "--dry-run")
+    assert res.returncode == 1 and "CORRUPT iter=1/ppo_update-policy:" in res.stdout and "1 corrupt stage(s)" in res.stdout
+    res = _rft("repair", str(run), "--stage", "iter=1/ppo_update-policy", "--dry-run")
     assert res.returncode == 0, res.stderr
     moves = [line.split(": ", 1)[1].split(" (")[0] for line in res.stdout.splitlines() if "would move:" in line]
-    assert moves == ["iter=1/ppo_update", "iter=1/ppo_update-optimizer"]  # iteration 2 has only its prompts
-    assert (run / "iter=000001/ppo_update/_MANIFEST.json").exists()  # a dry run moves nothing
+    # only the weights' stage: the update (its digest) and its optimizer stage are intact, and what
+    # started from these weights read them before they were damaged (the rerun writes the same bytes)
+    assert moves == ["iter=1/ppo_update-policy"]
+    assert (run / "iter=000001/ppo_update-policy/_MANIFEST.json").exists()  # a dry run moves nothing
 
     before = snapshot(run)
-    res = _rft("repair", str(run), "--stage", "iter=1/ppo_update")
+    res = _rft("repair", str(run), "--stage", "iter=1/ppo_update-policy")
     assert res.returncode == 0, res.stderr
     aside = sorted((run / "_repaired").iterdir())
-    assert len(aside) == 1 and (aside[0] / "iter=000001/ppo_update/policy/model.safetensors").exists()
+    assert len(aside) == 1 and (aside[0] / "iter=000001/ppo_update-policy/policy/model.safetensors").exists()
     record = json.loads((aside[0] / "_REPAIR.json").read_text())
-    assert record["stage"] == "iter=1/ppo_update" and "model.safetensors: sha256 does not match" in record["problem"]
+    assert record["stage"] == "iter=1/ppo_update-policy" and "model.safetensors: sha256 does not match" in record["problem"]
 
-    rc, log = _train(two, run, api)  # the same command recomputes the moved stages and goes on
+    rc, log = _train(two, run, api)  # the same command recomputes the moved stage (the update again) and goes on
     assert rc == 0, log[-3000:]
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == good  # recomputed exactly
     after = snapshot(run)
-    kept = {k: v for k, v in before.items() if not k.startswith(("iter=000001/ppo_update/", "iter=000001/ppo_update-"))}
+    # iteration 1's optimizer stage: pruned by retention once iteration 2 committed (checkpoint.keep_last=1)
+    kept = {k: v for k, v in before.items()
+            if not k.startswith(("iter=000001/ppo_update-policy/", "iter=000001/ppo_update-optimizer/"))}
+    assert any(k.startswith("iter=000001/ppo_update/") for k in kept)  # the update itself was not recommitted
     assert kept and all(after.get(k) == v for k, v in kept.items())  # every other committed file untouched
     assert any(k.startswith("iter=000001/rollout/") for k in kept) and any(k.startswith("iter=000002/prompts/") for k in kept)
     assert _rft("verify", str(run)).returncode == 0
@@ -98,7 +104,8 @@ def test_corrupted_checkpoint_found_on_resume_and_repaired(prefect_harness, tiny
         committed_ref(str(part.parent), stage="rollout", config_hash=m.config_hash, contract=m.contract)
     plan = plan_repair(str(run), "iter=1/rollout")
     assert "sha256 does not match" in plan.problem
-    downstream = ["rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update", "ppo_update-optimizer"]
+    downstream = ["rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update", "ppo_update-optimizer",
+                  "ppo_update-policy"]
     assert set(plan.moves) == {f"iter={i}/{s}" for i in (1, 2) for s in downstream}  # not the prompts of either
     assert plan.moves["iter=1/advantages"].startswith("reads ") and \
         plan.moves["iter=2/rollout"] == "reads iter=1/ppo_update"  # its inputs name the policy it samples with

@@ -68,13 +68,14 @@ def test_full_training_commits_every_stage_in_the_bucket(s3run):
     status = run_status(BASE)
     stages = {(r["iteration"], r["stage"]): r["status"] for r in status}
     want = ["prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update",
-            "ppo_update-optimizer"]
+            "ppo_update-optimizer", "ppo_update-policy"]
     assert {(i, s) for i in (1, 2) for s in want} <= set(stages)
     assert stages[(2, "ppo_update")] == "committed" and stages[(1, "rollout")] == "committed"
     assert stages[(1, "ppo_update-optimizer")] == "committed (pruned)"  # default retention: last iteration's only
     keys = _keys(s3run["server"], "base/")
     assert not [k for k in keys if "/.tmp-" in k or k.endswith(".writer.lock")]  # single PUTs, locks released
-    assert "base/iter=000002/ppo_update/policy/model.safetensors" in keys and "base/metrics.jsonl" in keys
+    # the weights written in the background (checkpoint.async_weights): their own stage, in the bucket too
+    assert "base/iter=000002/ppo_update-policy/policy/model.safetensors" in keys and "base/metrics.jsonl" in keys
 
 
 # each row in its turn of the SIGKILL rotation (tests/rotation.py); benchmarks/reliability.py's s3 table runs the same
@@ -136,7 +137,7 @@ def test_replay_and_eval_read_from_the_bucket(s3run):
     assert read_shard("s3://rft/replayed/iter=000002/advantages").num_rows == 16
     ecfg = load_config(s3run["config"], ["eval.num_prompts=4", "eval.max_new_tokens=4", "eval.batch_size=4"])
     ev = evaluate(ecfg, BASE, "s3://rft/eval-base")  # the run root: its last checkpoint, downloaded and verified
-    assert ev.policy == f"{BASE}/iter=000002/ppo_update/policy" and ev.num_prompts == 4
+    assert ev.policy == f"{BASE}/iter=000002/ppo_update-policy/policy" and ev.num_prompts == 4
     assert read_shard("s3://rft/eval-base/eval", stage="eval").num_rows == 4
 
 

@@ -21,7 +21,7 @@ import fsspec
 
 from rft_core.models.loading import cache_dir
 import rft_core.stages.writer as writer
-from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri, weights_stage
+from rft_core.stages.lineage import UPDATE_INPUT_KEY, WEIGHTS_DIGEST_KEY, policy_checkpoint_uri, weights_stage
 from rft_core.stages.retention import require_unpruned
 from rft_core.stages.writer import wait_for_optimizer_writes
 from rft_core.training.checkpoint import OPTIMIZER_FILE
@@ -68,7 +68,8 @@ def check_policy_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> None:
 
 class WeightlessPolicyError(RuntimeError):
     """A policy was asked for from storage, but its update kept the weights in a resident
-    worker's memory (``checkpoint.every`` > 1): only the resident workers can serve it."""
+    worker's memory (``checkpoint.every`` > 1): only the resident workers can serve it; or its
+    weights' background write (``checkpoint.async_weights``) never committed: a rerun writes them."""
 
 
 def require_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> ShardRef:
@@ -79,7 +80,7 @@ def require_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> ShardRef:
     Raises:
         WeightlessPolicyError: ``policy`` wrote no files under ``subdir`` because its weights
             stayed in memory (its manifest records their digest instead) and no background
-            checkpoint of them committed.
+            checkpoint of them committed (the message says which of the two cases it is).
         OptimizerStateError: this process's background write of those weights failed (named).
     """
     if subdir == POLICY_SUBDIR:  # written in the background by this process: joined first
@@ -89,6 +90,13 @@ def require_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> ShardRef:
         return stage
     manifest, _ = read_manifest(policy.uri)
     if WEIGHTS_DIGEST_KEY in manifest.summary:
+        recorded = manifest.summary.get(UPDATE_INPUT_KEY) or {}
+        if recorded.get("save_checkpoint") and recorded.get("background_checkpoint"):
+            raise WeightlessPolicyError(
+                f"{policy.uri}: this update's weights were being written in the background "
+                f"({policy_checkpoint_uri(policy)}, checkpoint.async_weights) and that write never committed (the run "
+                "stopped during it). Rerun the training command (it trains this update again from its committed "
+                "inputs and writes them), or use an earlier checkpoint (`rft inspect` lists them)")
         raise WeightlessPolicyError(
             f"{policy.uri}: this update kept its weights in the resident workers' memory (checkpoint.every > 1), so "
             "they are not on storage. Resume the run with orchestration.workers=resident (it rebuilds them from the "

@@ -116,4 +116,5 @@ def test_agent_run_two_iterations_resume_and_replay(prefect_harness, tiny_model,
         for r in rows:
             assert len(adv[r["sample_id"]]) == len(r["action_mask"])
             assert all(x == 0.0 for x, m in zip(adv[r["sample_id"]], r["action_mask"]) if not m)
-    assert sorted(os.listdir(Path(rloo.run_root, "iter=000001"))) == ["advantages", "ppo_update", "ppo_update-optimizer"]
+    assert sorted(os.listdir(Path(rloo.run_root, "iter=000001"))) == ["advantages", "ppo_update", "ppo_update-optimizer",
+                                                                       "ppo_update-policy"]

@@ -9,6 +9,7 @@ import pytest
 
 from schemas import read_manifest, read_shard
 from tests.flows.conftest import flow_cfg
+from tests.weights import iteration_policy_files
 
 
 @pytest.mark.rotation(0)  # long: one turn in 8 (tests/rotation.py)
@@ -30,7 +31,8 @@ def test_replay_with_other_estimator_matches_direct_run(prefect_harness, tiny_mo
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     # nothing was generated: the replay folder holds only the downstream stages
     root = tmp_path / "replay"
-    assert sorted(p.name for p in (root / "iter=000001").iterdir()) == ["advantages", "ppo_update", "ppo_update-optimizer"]
+    assert sorted(p.name for p in (root / "iter=000001").iterdir()) == ["advantages", "ppo_update", "ppo_update-optimizer",
+                                                                        "ppo_update-policy"]
     assert (root / "_REPLAY.json").exists() and (root / "metrics.jsonl").exists()
     assert [m["iteration"] for m in result.metrics] == [1, 2]
     assert read_shard(f"{result.final_policy.uri}").num_rows == 1
@@ -51,8 +53,12 @@ def test_replay_with_other_estimator_matches_direct_run(prefect_harness, tiny_mo
     want, _ = read_manifest(str(root / "iter=000001/ppo_update"))
     got, _ = read_manifest(str(tmp_path / "replay-sub/iter=000001/ppo_update"))
     # same metrics rows and weights, byte for byte (the config hashes differ: each chains its own
-    # advantages manifest, whose timestamp differs)
-    assert [(f.path, f.sha256) for f in got.files] == [(f.path, f.sha256) for f in want.files]
+    # advantages manifest, whose timestamp differs); in process the weights were written in the
+    # background (ppo_update-policy), the subprocess wrote them in its ppo_update
+    assert [(f.path, f.sha256) for f in got.files if not f.path.startswith("policy/")] == \
+        [(f.path, f.sha256) for f in want.files]
+    assert iteration_policy_files(tmp_path / "replay-sub", 1) == iteration_policy_files(root, 1)
+    assert any(f.path.startswith("policy/") for f in got.files)
 
 
 def test_replay_refuses_missing_inputs(prefect_harness, tiny_model, tmp_path, fake_rewards):

@@ -45,19 +45,21 @@ def test_default_retention_prunes_old_checkpoints_and_resume_still_works(prefect
         train(cfg)
     it = {i: root / f"iter={i:06d}" / "ppo_update" for i in (1, 2, 3, 4)}
     opt = {i: root / f"iter={i:06d}" / "ppo_update-optimizer" for i in (1, 2, 3, 4)}
+    w = {i: root / f"iter={i:06d}" / "ppo_update-policy" for i in (1, 2, 3, 4)}  # the weights, written in the background
     # iteration 3 committed: iterations 1 and 2 lost their optimizer state, every iteration kept its weights
     for i in (1, 2):
         assert pruned_files(str(opt[i])) == {"optimizer.pt": f"checkpoint.keep_last=1 after iteration {i + 1}"}
         assert not (opt[i] / "optimizer.pt").exists()
-    assert all(pruned_files(str(it[i])) == {} and (it[i] / "policy/model.safetensors").exists() for i in (1, 2, 3))
+    assert all(pruned_files(str(w[i])) == {} and (w[i] / "policy/model.safetensors").exists() for i in (1, 2, 3))
     assert (opt[3] / "optimizer.pt").exists() and pruned_files(str(opt[3])) == {}
 
     loaded.clear()
     result = train(cfg)  # resume: iteration 4's update starts from iteration 3's optimizer state
     assert loaded == [(str(opt[3]), True)]
     # after iteration 4: iteration 1 (older than the last 3) lost its weights too
-    assert sorted(pruned_files(str(it[1]))) == ["policy/model.safetensors"]
-    assert [pruned_files(str(it[i])) for i in (2, 3, 4)] == [{}, {}, {}]
+    assert sorted(pruned_files(str(w[1]))) == ["policy/model.safetensors"]
+    assert [pruned_files(str(w[i])) for i in (2, 3, 4)] == [{}, {}, {}]
+    assert [pruned_files(str(it[i])) for i in (1, 2, 3, 4)] == [{}] * 4  # the updates' own stages hold no weights
     assert list(pruned_files(str(opt[3]))) == ["optimizer.pt"] and (opt[4] / "optimizer.pt").exists()
     assert result.final_policy.uri == str(it[4])
     assert read_shard(f"{it[1]}").num_rows == 1  # the pruned stages' metrics still read and verify
@@ -70,19 +72,20 @@ def test_default_retention_prunes_old_checkpoints_and_resume_still_works(prefect
     from rft_core.inspect import run_status
 
     status = {(r["iteration"], r["stage"]): r for r in run_status(cfg.run_root)}
-    assert [status[(i, "ppo_update")]["status"] for i in (1, 2, 3, 4)] == ["committed (pruned)"] + ["committed"] * 3
+    assert [status[(i, "ppo_update-policy")]["status"] for i in (1, 2, 3, 4)] == ["committed (pruned)"] + ["committed"] * 3
     assert [status[(i, "ppo_update-optimizer")]["status"] for i in (1, 2, 3, 4)] == ["committed (pruned)"] * 3 + ["committed"]
-    on_disk = sum(f.stat().st_size for f in it[1].rglob("*") if f.is_file() and not f.name.startswith("_"))
-    assert status[(1, "ppo_update")]["bytes"] == on_disk  # what is left, not what the manifest listed
-    gone = (it[4] / "policy" / "model.safetensors").stat().st_size
-    assert status[(4, "ppo_update")]["bytes"] - status[(1, "ppo_update")]["bytes"] == pytest.approx(gone, rel=0.01)
+    on_disk = sum(f.stat().st_size for f in w[1].rglob("*") if f.is_file() and not f.name.startswith("_"))
+    assert status[(1, "ppo_update-policy")]["bytes"] == on_disk  # what is left, not what the manifest listed
+    gone = (w[4] / "policy" / "model.safetensors").stat().st_size
+    assert status[(4, "ppo_update-policy")]["bytes"] - status[(1, "ppo_update-policy")]["bytes"] == \
+        pytest.approx(gone, rel=0.01)
 
     # evaluating iteration 1's checkpoint says what is missing and why
     from rft_core.stages.checkpoints import policy_model_path
     from rft_core.stages.retention import CheckpointPrunedError
     from schemas import ShardRef
 
-    with pytest.raises(CheckpointPrunedError, match=r"iter=000001/ppo_update: checkpoint file\(s\) "
+    with pytest.raises(CheckpointPrunedError, match=r"iter=000001/ppo_update-policy: checkpoint file\(s\) "
                                                     r"policy/model.safetensors were pruned \(checkpoint.prune=weights"):
         policy_model_path(ShardRef.from_manifest(str(it[1])))
 

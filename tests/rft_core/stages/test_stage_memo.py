@@ -13,6 +13,7 @@ import torch
 
 from rft_core.counters import COUNTS
 import rft_core.stages.memo as memo
+from rft_core.stages.checkpoints import WeightlessPolicyError, policy_model_path
 from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri, weights_stage
 from rft_core.stages import optimizer_state as opt_state
 from rft_core.stages import update as update_stage
@@ -177,6 +178,8 @@ def test_a_lost_background_checkpoint_is_recomputed_in_stage_mode(storage_run, t
     for stage in gone:
         shutil.rmtree(f"{u2}{stage.removeprefix('ppo_update')}")
     shutil.rmtree(Path(stage_uri(str(tmp_path), 3, "prompts")).parent)
+    with pytest.raises(WeightlessPolicyError, match=r"written in the background .*ppo_update-policy.* never committed"):
+        policy_model_path(ShardRef.from_manifest(u2))  # what eval or a new run would ask for before the rerun
     memo.clear()
     final = drive(cfg)
     m = read_manifest(f"{u2}-optimizer")[0]

@@ -754,7 +754,9 @@ def test_resident_rollout_worker_syncs_its_vllm_engine_from_the_policy_actor(tin
     from tests.varying import assert_advantages_vary, assert_update_signal, assert_weights_moved, varying_config
 
     root = tmp_path / "run"
-    cfg = varying_config(tiny_model, root, "iterations=1")
+    # the update in a policy worker, the other stages here: its weights written by the update itself
+    # (in the background, the worker's writer would commit them after this check)
+    cfg = varying_config(tiny_model, root, "iterations=1", "checkpoint.async_weights=false")
     workers = WorkersConfig(pool=str(root), threads=1)
     other = build_tiny_model(tmp_path / "other", seed=1)  # the engine's start: neither the initial nor the trained weights
     try:

@@ -242,22 +242,26 @@ TIMINGS = {"seconds", "tokens_per_second", "checkpoint_seconds"}
 
 
 def test_every_1_commits_the_same_files_and_manifests_as_stage_mode(stage_run, tiny_model, tmp_path):
-    """checkpoint.every=1: every file (Parquet parts, weights, tokenizer, optimizer state) has the
-    stage-mode sha256; manifests differ only in timings and dates, and in the config hashes and
-    input checksums that follow from them (an input's manifest checksum covers its timings)."""
+    """checkpoint.every=1, both modes writing their checkpoints in the background (the default):
+    every file (Parquet parts, weights, tokenizer, optimizer state) has the stage-mode sha256;
+    manifests differ only in timings and dates, and in the config hashes and input checksums that
+    follow from them (an input's manifest checksum covers its timings)."""
     cfg_s, _ = stage_run
     assert_training_signal(cfg_s.run_root, (1, 2, 3))
-    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.async_weights=false")
+    cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident")
+    assert cfg.background_checkpoint and cfg_s.background_checkpoint
     drive(cfg, _runner(_pool()))
     wait_for_optimizer_writes()
     for it in (1, 2, 3):
         for stage in ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update",
-                      "ppo_update-optimizer"):
+                      "ppo_update-optimizer", "ppo_update-policy"):
             a, b = (json.loads(Path(stage_uri(c.run_root, it, stage), "_MANIFEST.json").read_text()) for c in (cfg_s, cfg))
             assert a["files"] == b["files"], (it, stage)
             assert a["contract"] == b["contract"]
             assert {k for k in a if a[k] != b[k]} <= {"config_hash", "inputs", "summary", "created_at"}, (it, stage)
-            assert {k for k in a["summary"] if a["summary"][k] != b["summary"].get(k)} <= TIMINGS, (it, stage)
+            # update_input: the update's own input, recorded for recovery, names its inputs (their URIs and checksums)
+            assert {k for k in a["summary"] if a["summary"][k] != b["summary"].get(k)} <= TIMINGS | {"update_input"}, \
+                (it, stage)
             assert set(a["summary"]) == set(b["summary"])
     prompts = [read_manifest(stage_uri(c.run_root, 1, "prompts"))[0] for c in (cfg_s, cfg)]
     assert prompts[0].config_hash == prompts[1].config_hash  # no inputs: the hash is the config's alone
@@ -325,7 +329,7 @@ def test_background_checkpoints_commit_after_their_update_with_the_stage_mode_fi
         held = weights_stage(ref)
         assert held.uri == ref.uri + "-policy" and read_manifest(held.uri)[0].inputs == {"ppo_update": ref.manifest_sha256}
         files = lambda r: {e.path: e.sha256 for e in read_manifest(r.uri)[0].files if e.path.startswith("policy/")}  # noqa: E731
-        assert files(held) == files(stage_ref) and files(held), it  # weights, config and tokenizer files
+        assert files(held) == files(weights_stage(stage_ref)) and files(held), it  # weights, config and tokenizer files
         opt = [json.loads(Path(stage_uri(c.run_root, it, "ppo_update-optimizer"), "_MANIFEST.json").read_text())["files"]
                for c in (cfg_s, cfg)]
         assert opt[0] == opt[1], it
