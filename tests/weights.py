@@ -1,5 +1,5 @@
 """Where a test finds a committed policy's checkpoint files: the ``ppo_update`` folder, or, for a
-resident checkpoint iteration written in the background (``checkpoint.async_weights``), the
+checkpoint iteration written in the background (``checkpoint.async_weights``), the
 sibling stage ``ppo_update-policy`` (``rft_core.stages.lineage.weights_stage``), once the
 process's pending background writes have finished."""
 from __future__ import annotations
@@ -17,10 +17,7 @@ def policy_files(ref: ShardRef, *, suffix: str = "") -> dict[str, str]:
     Raises:
         AssertionError: ``ref``'s weights are not on storage.
     """
-    wait_for_optimizer_writes()
-    held = weights_stage(ref)
-    assert held is not None, f"{ref.uri}: its weights are not on storage"
-    return {e.path: e.sha256 for e in read_manifest(held.uri)[0].files
+    return {e.path: e.sha256 for e in read_manifest(_held(ref).uri)[0].files
             if e.path.startswith("policy/") and e.path.endswith(suffix)}
 
 
@@ -37,7 +34,13 @@ def iteration_policy_folder(run_root: str | Path, iteration: int) -> Path:
     Raises:
         AssertionError: those weights are not on storage.
     """
+    return Path(_held(ShardRef.from_manifest(stage_uri(str(run_root), iteration, "ppo_update"))).uri) / "policy"
+
+
+def _held(ref: ShardRef) -> ShardRef:
+    """The committed stage holding ``ref``'s weights (``weights_stage``), after this process's
+    pending background writes; AssertionError naming ``ref`` when they are not on storage."""
     wait_for_optimizer_writes()
-    held = weights_stage(ShardRef.from_manifest(stage_uri(str(run_root), iteration, "ppo_update")))
-    assert held is not None, f"{run_root}: iteration {iteration}'s weights are not on storage"
-    return Path(held.uri) / "policy"
+    held = weights_stage(ref)
+    assert held is not None, f"{ref.uri}: its weights are not on storage"
+    return held

@@ -265,12 +265,10 @@ class TrainConfig(_Frozen):
     @property
     def background_checkpoint(self) -> bool:
         """Whether a checkpoint iteration's weights are written in the background
-        (``PPOUpdateInput.background_checkpoint``), unless ``checkpoint.async_weights`` is false:
-        under resident workers, and in stage mode when the stages keep their models in memory
+        (``PPOUpdateInput.background_checkpoint``), with ``checkpoint.async_weights``: under
+        resident workers, and in stage mode when the stages keep their models in memory
         (``keeps_models``: the trainer the write reads stays there)."""
-        if self.checkpoint.async_weights is False:
-            return False
-        return self.orchestration.workers == "resident" or self.keeps_models
+        return self.checkpoint.async_weights and (self.orchestration.workers == "resident" or self.keeps_models)
 
     def syncs_rollout_ahead(self, iteration: int) -> bool:
         """Whether the update of ``iteration`` is handed to the resident rollout worker right away

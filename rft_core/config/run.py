@@ -44,8 +44,8 @@ class CheckpointConfig(_Frozen):
 
     ``async_optimizer``: the policy's AdamW state (twice the weights) is written by a background
     thread while the next iteration's stages run (``rft_core.stages.optimizer_state``); a write
-    lost to a crash is recomputed on resume. ``async_weights`` (default null: under resident workers, and in
-    stage mode when it keeps its models in memory; false: never): a checkpoint iteration's weights too,
+    lost to a crash is recomputed on resume. ``async_weights`` (default: under resident workers, and in stage
+    mode when it keeps its models in memory; false: never): a checkpoint iteration's weights too,
     after its AdamW state; a write lost to a crash leaves the previous checkpoint the one a resume
     rebuilds from (exactly, by re-applying the updates after it; in stage mode by running the
     update again from its committed inputs, ``rft_core.stages.update``).
@@ -55,12 +55,11 @@ class CheckpointConfig(_Frozen):
                        "the end of the run (K > 1 needs orchestration.workers=resident: between checkpoints the "
                        "policy lives in the workers' memory, and a rerun rebuilds it from the last checkpoint)")
     async_optimizer: bool = Field(True, description="write the policy's optimizer state in the background")
-    async_weights: bool | None = Field(
-        None, description="a checkpoint iteration's policy weights (with its AdamW state) are written in the background "
-        "while the next iteration runs; its ppo_update commits first with their digest, the weights commit as "
-        "iter=N/ppo_update-policy. null (default) or true: under workers=resident, and in stage mode when it keeps its "
-        "models in memory (orchestration.keep_models, auto with the hf engine); false: never (stage mode then commits "
-        "them as iter=N/ppo_update/policy)")
+    async_weights: bool = Field(
+        True, description="a checkpoint iteration's policy weights (with its AdamW state) are written in the background "
+        "while the next iteration runs, under workers=resident and in stage mode when it keeps its models in memory "
+        "(orchestration.keep_models, auto with the hf engine); its ppo_update commits first with their digest, the "
+        "weights commit as iter=N/ppo_update-policy. false: the update writes them itself, as iter=N/ppo_update/policy")
     keep_last: int | None = Field(1, ge=1, description="iterations whose checkpoints stay whole, optimizer state "
                                   "included (None: keep every checkpoint whole)")
     prune: Literal["optimizer", "weights"] = Field(

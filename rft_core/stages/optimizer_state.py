@@ -34,8 +34,8 @@ with its sha256 in ``_MANIFEST.json``, written last; the manifest's summary says
 (``deepspeed_checkpoint``, ``rft_core.training.strategy.check_deepspeed_state``). It is written
 synchronously (each rank holds its partition only until it exits).
 
-A resident checkpoint iteration (``PPOUpdateInput.background_checkpoint``, issue 44), or with
-``checkpoint.async_weights: true`` a stage-mode one keeping its models, takes the weights off the
+A resident checkpoint iteration (``PPOUpdateInput.background_checkpoint``, issue 44), or a
+stage-mode one keeping its models (both with ``checkpoint.async_weights``, the default), takes the weights off the
 critical path as well (a CUDA model's from a pinned host copy, ``commit_policy_checkpoint``): its ``ppo_update`` commits as between checkpoints (the
 weights' digest and its own input, no weights: ``rft_core.stages.lineage``), then the same
 writer thread writes the optimizer stage and, after it, ``iter=K/ppo_update-policy`` (stage

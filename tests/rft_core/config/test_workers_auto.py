@@ -34,7 +34,7 @@ def test_auto_is_the_default_and_picks_stage_without_a_gpu(machine):
     assert cfg.workers_choice == ("orchestration.workers=auto chose stage: no CUDA device is visible (device cpu) and "
                                   "ray.address names no cluster")
     assert cfg.runner("rollout").mode == "inprocess" and cfg.keeps_models
-    # stage mode keeping its models writes the checkpoints in the background too (checkpoint.async_weights null)
+    # stage mode keeping its models writes the checkpoints in the background too (checkpoint.async_weights, the default)
     assert cfg.background_checkpoint
     assert not load_config(None, [*BASE, "orchestration.keep_models=false"]).background_checkpoint
     assert not load_config(None, [*BASE, "checkpoint.async_weights=false"]).background_checkpoint

@@ -139,7 +139,7 @@ def test_weights_written_in_the_background_give_the_storage_run_bit_for_bit(stor
         monkeypatch.setattr(opt_state, "_write_policy",
                             lambda *a: staged.append(a[-1] is not None) or real_write(*a))
     cfg = _cfg(tiny_model, tmp_path, keep=True)
-    assert cfg.checkpoint.async_weights is None and cfg.background_checkpoint  # the default
+    assert cfg.checkpoint.async_weights is True and cfg.background_checkpoint  # the default
     assert not _cfg(tiny_model, tmp_path, keep=False).background_checkpoint  # the stages' own processes: no
     final = drive(cfg)
     if reads == "host-copies":
