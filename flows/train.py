@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 import tasks
 from flows.iteration import rl_iteration
 from rft_core.api import (
+    CurveSchedule,
     WandbLogger,
     check_run_root,
     curve_outputs,
@@ -41,15 +42,18 @@ class TrainResult(BaseModel):
     metrics: list[dict[str, Any]]
 
 
-def _record(cfg: TrainConfig, rows: list[dict[str, Any]], wandb: WandbLogger | None) -> tuple[str, str | None]:
+def _record(cfg: TrainConfig, rows: list[dict[str, Any]], wandb: WandbLogger | None,
+            draw: bool) -> tuple[str, str | None]:
     """The metrics of every iteration so far (``rows``; the last one new) where a user looks:
-    metrics.jsonl, TensorBoard, W&B (the new row), and the reward/KL/length curve, drawn once for
-    metrics.png and the UI's ``metrics-curve`` artifact (a new version each iteration). Returns
-    (metrics.jsonl's URI, metrics.png's path or None)."""
+    metrics.jsonl, TensorBoard, W&B (the new row), and when ``draw`` (``CurveSchedule``) the
+    reward/KL/length curve, drawn once for metrics.png and the UI's ``metrics-curve`` artifact (a
+    new version each time). Returns (metrics.jsonl's URI, metrics.png's path or None)."""
     metrics_uri = write_metrics(cfg.run_root, rows)
     write_tensorboard(cfg.run_root, rows)
     if wandb:
         wandb.log(rows[-1])
+    if not draw:
+        return metrics_uri, None
     curve, markdown = curve_outputs(cfg.run_root, rows)
     create_markdown_artifact(key="metrics-curve", markdown=markdown,
                              description=f"Metrics of {cfg.run_root} after iteration {rows[-1]['iteration']}")
@@ -86,6 +90,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     # each iteration's metrics files, curve and W&B row are written on this thread, in order, while
     # the next iteration runs; a failed write fails the run at the next iteration's (or at the end)
     recorder, recorded = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-record"), None
+    curve_schedule = CurveSchedule(cfg.observe.curve_every_s)
     try:
         if cfg.first_resident_stages:  # Ray, then the first iteration's workers' processes, starting during its prompts
             tasks.start_workers(cfg=cfg)
@@ -101,7 +106,8 @@ def train(cfg: TrainConfig) -> TrainResult:
             rows.append(result.metrics)
             if recorded is not None:
                 recorded.result()
-            recorded = recorder.submit(contextvars.copy_context().run, _record, cfg, list(rows), wandb)
+            recorded = recorder.submit(contextvars.copy_context().run, _record, cfg, list(rows), wandb,
+                                       curve_schedule.due(i, cfg.iterations))
             logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
         # the last iteration's optimizer state may still be being written (checkpoint.async_optimizer)
         wait_for_optimizer_writes()

@@ -20,9 +20,17 @@ class WandbConfig(_Frozen):
 
 
 class ObserveConfig(_Frozen):
-    """Where metrics go besides metrics.jsonl, TensorBoard and the Prefect artifacts."""
+    """Where metrics go besides metrics.jsonl, TensorBoard and the Prefect artifacts, and how often
+    the metrics curve (metrics.png and the UI's ``metrics-curve`` artifact) is redrawn."""
 
     wandb: WandbConfig = WandbConfig()
+    curve_every_s: float = Field(
+        60.0, ge=0,
+        description="seconds between two drawings of the metrics curve (``rft_core.observe.CurveSchedule``): an "
+                    "iteration redraws it when at least this long has passed since the last drawing (or the run's "
+                    "start), and the run's last iteration always does; 0 redraws it after every iteration. Drawing "
+                    "takes 0.4-1 s of Python (matplotlib) on the thread that records metrics, which competes for the "
+                    "interpreter with the next iteration's stages")
 
 
 class CheckpointConfig(_Frozen):

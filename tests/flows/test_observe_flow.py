@@ -29,8 +29,8 @@ def test_train_logs_each_iteration_to_wandb_and_publishes_the_curve(prefect_harn
     fake.init = lambda **kw: calls.append(("init", kw["id"], kw["project"])) or Run()
     monkeypatch.setitem(sys.modules, "wandb", fake)
 
-    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=2,
-                   **{"observe.wandb.enabled": True, "observe.wandb.project": "rft-test"})
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=2, **{"observe.wandb.enabled": True,
+                   "observe.wandb.project": "rft-test", "observe.curve_every_s": 0})
     result = train(cfg)
     assert calls[0] == ("init", WandbLogger.run_id(cfg.run_root), "rft-test")
     assert [c[1] for c in calls[1:3]] == [1, 2] and calls[3:] == [("finish",)]
@@ -43,6 +43,6 @@ def test_train_logs_each_iteration_to_wandb_and_publishes_the_curve(prefect_harn
             return [a.data for a in arts if cfg.run_root in (a.description or "")]
 
     versions = asyncio.run(curve_versions())
-    assert len(versions) == 2  # one per iteration
+    assert len(versions) == 2  # one per iteration (curve_every_s 0)
     assert all("](data:image/png;base64,iVBORw0KGgo" in v for v in versions)
     assert sorted(v.splitlines()[0] for v in versions) == ["### Metrics over 1 iteration(s)", "### Metrics over 2 iteration(s)"]

@@ -353,6 +353,14 @@ def test_observability_outputs(prefect_harness, tiny_model, tmp_path, fake_rewar
     md = asyncio.run(artifact())
     assert "| question | answer | response_text | rewards |" in md and md.count("\n| ") >= 8
 
+    async def curve_versions():
+        async with get_client() as client:
+            arts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["metrics-curve"])))
+            return [a.data.splitlines()[0] for a in arts if cfg.run_root in (a.description or "")]
+
+    # the default observe.curve_every_s (60 s) draws the curve after each call's last iteration only
+    assert asyncio.run(curve_versions()) == ["### Metrics over 2 iteration(s)"] * 2
+
     # the resume's "reusing committed shard" lines (rft_core logger) reach the task run logs
     from prefect.client.schemas.filters import LogFilter, LogFilterName, LogFilterTimestamp
     from prefect.logging.handlers import APILogHandler

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from rft_core.config import WandbConfig
-from rft_core.observe import CURVE_DPI, WandbLogger, curve_markdown, curve_outputs, curve_png
+from rft_core.observe import CURVE_DPI, CurveSchedule, WandbLogger, curve_markdown, curve_outputs, curve_png
 
 ROWS = [
     {"iteration": 1, "reward_mean": 0.125, "kl": 0.0, "response_length": 47.25, "skipped": True, "name": "x"},
@@ -106,3 +106,14 @@ def test_wandb_enabled_but_missing_is_a_clear_import_error(monkeypatch, tmp_path
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     with pytest.raises(ImportError, match=r"observe.wandb.enabled=true but the wandb package is not installed"):
         WandbLogger.start(WandbConfig(enabled=True), run_root=str(tmp_path), name="n", config={})
+
+
+def test_the_curve_is_redrawn_once_every_curve_every_s_and_after_the_last_iteration(monkeypatch):
+    clock = iter([100.0, 130.0, 159.9, 160.0, 170.0, 175.0, 300.0, 301.0])
+    monkeypatch.setattr("rft_core.observe.time.monotonic", lambda: next(clock))
+    schedule = CurveSchedule(60.0)  # made at t=100 (the run's start)
+    # t=130: 30 s since the start; 159.9: 59.9 s; 160: 60 s -> drawn; 170: 10 s since; 175: the last iteration
+    assert [schedule.due(i, 5) for i in range(1, 6)] == [False, False, True, False, True]
+    assert schedule.last == 175.0
+    every = CurveSchedule(0.0)  # t=300; 0 s: every iteration, also at no time passed
+    assert every.due(1, 9) and every.last == 301.0
