@@ -49,19 +49,21 @@ ROW_PREFIX = "test_sigkill"
 # 2 cores, measured (tests/durations.txt's history; groups alone with ``RFT_ROTATION=k -m
 # rotation``: 4 and 5 on 2026-11-28/29, 5, 6 and 7 again on 2026-11-29 after the resident runs
 # began to create their workers together, which took ~20 s off each resident row) and moved since:
-# 0 ~870 (12:15 record less its faster rows), 1 ~870, 2 ~905, 3 ~885, 4 ~900 (757 its landing's
+# 0 ~895 (12:15 record less its faster rows), 1 ~890, 2 ~905, 3 ~895, 4 ~900 (757 its landing's
 # record, with the S3 bucket run's inspect and replay tests since, and the resident flow's
 # equality test, 56 s, out of every run since 2026-11-29, and the resident FSDP2 flow test, 54 s,
-# out of group 7 since 2026-11-29 15:50), 5 ~840 (706 in the 2026-11-29 07:11
-# record, plus 3 deployment tests, 73 s with the Prefect stack's start, out of group 6, and the stage-mode
-# background checkpoint row, ~60 s, since), 6 ~850 (849 in the 2026-11-29 11:57 record; 839 in the 09:56 record: 621 at 09:25 without its 4 deployment tests and its DeepSpeed critic
-# test, then in 5 and 7, plus the deployment retry test since, 174 s with the stack's start), 7 ~930 (984
-# in the 2026-11-29 15:16 record, its resident rows 111-231 s each, less the FSDP2 flow test moved to
-# 4; 645 measured alone before its resident critic flow and DeepSpeed bf16 masters tests came from
-# group 6); the tests every run runs: ~765-820 s (the 09:25 and 09:56 records; 819 at 15:16). A resident
-# row costs 85-185 s here (a kill that misses a short stage is tried again from a fresh run), a
-# stage row 35-85 s: one landing takes ~765 + ~830 s, ~27 min here and ~31-34 min in CI (group 5's
-# landing of 2026-11-29: 1912 s in CI against 1507 s here, 1.27x; 1.13x and 1.19x before).
+# out of group 7 since 2026-11-29 15:50), 5 ~880 (706 in the 2026-11-29 07:11 record, plus 3
+# deployment tests, 73 s with the Prefect stack's start, out of group 6, and the stage-mode
+# background checkpoint row, ~60 s, since), 6 ~885 (849 in the 2026-11-29 11:57 record; 621 at
+# 09:25 without its 4 deployment tests and its DeepSpeed critic test, then in 5 and 7, plus the
+# deployment retry test since, 174 s with the stack's start), 7 ~930 (984 in the 2026-11-29 15:16
+# record, its resident rows 111-231 s each, less the FSDP2 flow test moved to 4). On 2026-11-29
+# (17:10 UTC) 11 long tests that ran in every run joined groups 0, 1, 3, 5 and 6 (~128 s in all,
+# each group's figure above counts them; a sibling of each runs every time, its mark says which):
+# the tests every run runs, 819 s at 15:16, ~690 s since. A resident row costs 85-185 s here (a
+# kill that misses a short stage is tried again from a fresh run), a stage row 35-85 s: one
+# landing takes ~690 + ~900 s, ~27 min here and ~30-33 min in CI (CI against here: 1.27x for
+# group 5's landing of 2026-11-29, 1.13x for group 7's; 1.19x before).
 OFFSETS = {"tests.test_faults": 0}
 _next: dict[str, int] = {}
 

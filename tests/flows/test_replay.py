@@ -77,6 +77,7 @@ def test_replay_refuses_missing_inputs(prefect_harness, tiny_model, tmp_path, fa
         replay(src.run_root, flow_cfg(tiny_model, tmp_path / "r3", iterations=2, **{"kl.kl_coef": 0.0}))
 
 
+@pytest.mark.rotation(1)  # long: one turn in 8 (tests/rotation.py); test_replay_refuses_missing_inputs runs every time
 def test_replay_of_a_run_without_actor_stage_refuses_what_needs_it(prefect_harness, tiny_model, tmp_path, fake_rewards):
     """The default (``recompute_old_logprobs: auto``) skips the actor stage on-policy; a replay
     whose update needs that stage's outputs is refused before it trains, naming the option."""

@@ -256,6 +256,7 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(prefect_harness, tiny_mo
     assert np.abs(flat).max() > 0 and read_shard(str(root / "ppo_update")).num_rows == 1
 
 
+@pytest.mark.rotation(1)  # long: one turn in 8 (tests/rotation.py); the other flow tests: local files, S3 in 3-4
 def test_run_on_memory_filesystem(prefect_harness, tiny_model, tmp_path, fake_rewards, monkeypatch):
     """The same training with its run folder on memory:// (checkpoints go through upload and
     a checksum-keyed download cache; stage mode reading every model from storage,

@@ -99,6 +99,7 @@ def test_vl_video_eval(prefect_harness, tiny_vl, tmp_path):
         assert entry["videos"] == p["videos"] and prompt_key(entry) not in seen
 
 
+@pytest.mark.rotation(0)  # long: one turn in 8 (tests/rotation.py); the video and critic flows run every time
 def test_vl_critic_gae_two_iterations(prefect_harness, tiny_vl, tmp_path):
     from flows.train import train
     from rft_core.models.critic import VALUE_HEAD_FILE, VLValueModel, load_critic

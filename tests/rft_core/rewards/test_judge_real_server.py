@@ -54,6 +54,7 @@ def _start(model: str, log_path) -> tuple[subprocess.Popen, str]:
     raise AssertionError(f"transformers serve did not answer on port {port}: {log_path.read_text()[-2000:]}")
 
 
+@pytest.mark.rotation(6)  # long: one turn in 8 (tests/rotation.py); test_judge_flow.py (stand-in) runs every time
 def test_a_real_server_judges_each_sample_and_a_rerun_with_it_stopped_completes(tmp_path, monkeypatch):
     model = str(ensure_default_model())
     proc, base_url = _start(model, tmp_path / "serve.log")

@@ -108,6 +108,7 @@ def test_inputs_round_trip_through_json(tiny_model, tmp_path):
                   RunnerConfig(mode="subprocess", launcher="torchrun", nproc_per_node=2))
 
 
+@pytest.mark.rotation(6)  # long: one turn in 8 (tests/rotation.py); test_stage_tasks.py's runner runs every time
 def test_interpreter_wrapper_and_result_read_back_from_the_manifest(tiny_model, tmp_path):
     """``runner.python`` may be a wrapper (srun, a container): here one that drops --result, as
     when global rank 0 runs on another node; the launcher reads the committed manifest instead."""

@@ -459,6 +459,7 @@ def _lands_in_a_new_engine(tiny_model, tok, monkeypatch, dead) -> None:
     assert _holds(_shards(again.llm), sender.tensors)
 
 
+@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py); the vLLM sync's other failure tests run every time
 def test_vllm_receive_timeout_fails_the_sync_within_sync_timeout_and_the_engine_is_rebuilt(tiny_model, tok, monkeypatch):
     """Issue 45, finding 2: a vLLM worker that never answers (stuck before it joins the sync group,
     as NCCL's communicator setup blocks when a peer never arrives). ``LLM.collective_rpc`` waits
@@ -486,6 +487,7 @@ def test_vllm_receive_timeout_fails_the_sync_within_sync_timeout_and_the_engine_
         release_engine()
 
 
+@pytest.mark.rotation(6)  # long: one turn in 8 (tests/rotation.py); the vLLM sync's other failure tests run every time
 def test_vllm_worker_in_setup_dies_fails_the_sync_within_sync_timeout_and_the_engine_is_rebuilt(tiny_model, tok,
                                                                                              monkeypatch):
     """Issue 45, finding 2: a peer that dies during the sync's setup (vLLM worker 1's process dies

@@ -108,6 +108,7 @@ def test_ray_gang_calls_the_ranks_each_mode_names(ray_session):
     assert started.mode is FanOut.COLLECTIVE and len(started.futures) == 2 and gang.wait(started) == 10
 
 
+@pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py); the gang's timeout test runs every time
 def test_a_collective_raises_the_first_failure_while_its_peer_still_runs(ray_session):
     ray = ray_session
     gang = Gang(Ranks, _actors(ray), timeout_s=60)
@@ -131,6 +132,7 @@ def test_a_gang_wait_gives_up_after_its_timeout(ray_session):
     assert time.perf_counter() - t0 < 10
 
 
+@pytest.mark.rotation(0)  # long: one turn in 8 (tests/rotation.py); the gang's timeout test runs every time
 def test_a_gang_busy_past_a_limit_does_not_answer_and_is_killed(ray_session):
     """Issue 45, finding 2: the run of a stage has no limit of its own, so before a stage is handed
     to a gang (``rft_core.workers.pool._answering_gang``) the gang must answer a ping within the

@@ -267,6 +267,7 @@ def test_every_1_commits_the_same_files_and_manifests_as_stage_mode(stage_run, t
     assert prompts[0].config_hash == prompts[1].config_hash  # no inputs: the hash is the config's alone
 
 
+@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py); the full-weight every_3 test runs every time
 def test_lora_resident_every_3_equals_stage_mode(tiny_model, tmp_path):
     """A LoRA policy: the trainer keeps its adapters, the rollout worker gets the merged weights
     (peft's merge_and_unload on a copy, as a stage-mode pass merges the adapter checkpoint on

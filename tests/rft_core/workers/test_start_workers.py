@@ -100,6 +100,7 @@ def _exists(ray, name: str) -> bool:
         return False
 
 
+@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py); the creation test above runs every time
 def test_a_created_worker_that_cannot_be_placed_fails_the_stage_that_needs_it(local_ray, tmp_path, monkeypatch):
     from rft_core.workers import pool
 
