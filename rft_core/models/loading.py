@@ -20,11 +20,18 @@ from rft_core.models.hub import (
     torch_dtype,
 )
 from rft_core.models.lora import is_adapter_dir, load_adapter_policy
-from rft_core.models.pretrained import load_pretrained, load_tokenizer, resolve_model_path
+from rft_core.models.pretrained import (
+    leased_tokenizer,
+    load_pretrained,
+    load_tokenizer,
+    pad_token_id,
+    resolve_model_path,
+)
 from rft_core.models.vl import is_vl_model, load_vl_model
 
 __all__ = ["DEFAULT_MODEL", "LOAD_LOCK", "ModelLoadError", "attn_implementation", "cache_dir", "default_gguf_path",
-           "ensure_default_model", "load_causal_lm", "load_pretrained", "load_tokenizer", "resolve_model_path",
+           "ensure_default_model", "leased_tokenizer", "load_causal_lm", "load_pretrained", "load_tokenizer",
+           "pad_token_id", "resolve_model_path",
            "set_trainable", "torch_dtype"]
 
 

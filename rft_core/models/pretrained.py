@@ -4,9 +4,11 @@ transformers Auto class under the process-wide load lock."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import threading
 from pathlib import Path
+from typing import Any, Iterator
 
 from rft_core.models.hub import (
     DEFAULT_MODEL,
@@ -51,6 +53,7 @@ _TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 _NOT_TOKENIZER = ("generation_config.json", "model.safetensors.index.json", "adapter_config.json")
 _TOKENIZERS: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
 _TOKENIZERS_KEPT = 16
+_LEASABLE: "collections.OrderedDict[str, list]" = collections.OrderedDict()  # fingerprint -> tokenizers not in use
 
 
 _FINGERPRINTS: dict[tuple, str] = {}  # (folder, its tokenizer files' (name, size, mtime_ns)) -> fingerprint
@@ -92,8 +95,6 @@ def load_tokenizer(path: str):
     Raises:
         ModelLoadError: the tokenizer cannot be loaded.
     """
-    from transformers import AutoTokenizer
-
     with LOAD_LOCK:
         resolved = resolve_model_path(path)
         key = (threading.get_ident(), tokenizer_fingerprint(resolved))
@@ -101,14 +102,65 @@ def load_tokenizer(path: str):
         if tok is not None:
             _TOKENIZERS.move_to_end(key)
             return tok
-        try:
-            tok = prepare_tokenizer(AutoTokenizer.from_pretrained(resolved))
-        except Exception as exc:
-            raise ModelLoadError(f"cannot load tokenizer from {path!r} ({resolved}): {exc}") from exc
-        _TOKENIZERS[key] = tok
+        tok = _TOKENIZERS[key] = _new_tokenizer(path, resolved)
         while len(_TOKENIZERS) > _TOKENIZERS_KEPT:
             _TOKENIZERS.popitem(last=False)
     return tok
+
+
+def _new_tokenizer(path: str, resolved: str):
+    """A freshly loaded ``prepare_tokenizer`` tokenizer (call under ``LOAD_LOCK``).
+
+    Raises:
+        ModelLoadError: the tokenizer cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    try:
+        return prepare_tokenizer(AutoTokenizer.from_pretrained(resolved))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load tokenizer from {path!r} ({resolved}): {exc}") from exc
+
+
+@contextlib.contextmanager
+def leased_tokenizer(path: str) -> Iterator[Any]:
+    """``load_tokenizer``'s tokenizer of ``path``, this ``with`` block's alone, for a caller that
+    keeps no reference to it after the block (a stage rendering its prompts, one that needs the
+    pad id). On exit it goes back to a pool per ``tokenizer_fingerprint`` (the last 16 kept)
+    that any thread's next block takes it from. ``load_tokenizer``'s per-thread cache missed for
+    these callers: each iteration's Prefect tasks run on new threads (a task runner's pool lives
+    for one flow run), so the log-prob, critic and prompts stages loaded a tokenizer every
+    iteration (0.3-0.7 s each on 2 cores for SmolLM2's, issue 44). A leased tokenizer is never
+    one that ``load_tokenizer`` returned, which a model, engine or trainer may hold and use from
+    another thread; a fast tokenizer must not be called from two threads at once. Callers must
+    not change its settings.
+
+    Raises:
+        ModelLoadError: the tokenizer cannot be loaded.
+    """
+    with LOAD_LOCK:
+        resolved = resolve_model_path(path)
+        fingerprint = tokenizer_fingerprint(resolved)
+        free = _LEASABLE.get(fingerprint)
+        tok = free.pop() if free else _new_tokenizer(path, resolved)
+    try:
+        yield tok
+    finally:
+        with LOAD_LOCK:
+            _LEASABLE.setdefault(fingerprint, []).append(tok)
+            _LEASABLE.move_to_end(fingerprint)
+            while len(_LEASABLE) > _TOKENIZERS_KEPT:
+                _LEASABLE.popitem(last=False)
+
+
+def pad_token_id(path: str) -> int | None:
+    """The id ``load_tokenizer(path)`` pads with (its pad token, else EOS: ``prepare_tokenizer``),
+    from a leased tokenizer (``leased_tokenizer``), for stages that need nothing else of it.
+
+    Raises:
+        ModelLoadError: the tokenizer cannot be loaded.
+    """
+    with leased_tokenizer(path) as tok:
+        return tok.pad_token_id
 
 
 def load_pretrained(auto_cls, path: str, *, dtype: str = "float32", trainable: bool = False, what: str = "model",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from rft_core.models.critic import batched_response_values, load_critic
-from rft_core.models.loading import load_tokenizer
+from rft_core.models.loading import leased_tokenizer, pad_token_id
 from rft_core.models.vl import VLProcessor, vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path
@@ -45,12 +45,12 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
         table = read_shard(inp.rollout, stage="rollout")
         path = critic_model_path(inp.model)
         processor, media = _vision(path, table)
-        tok = load_tokenizer(path)
+        pad_id = pad_token_id(path)
         model = critic_model(inp.model, dtype=cfg.dtype)
         with Timer() as t, progress_reporter("critic_values", unit="sequences") as progress:
             values = batched_response_values(model, table.column("prompt_token_ids").to_pylist(),
                                              table.column("response_token_ids").to_pylist(),
-                                             pad_token_id=tok.pad_token_id, micro_batch_size=cfg.micro_batch_size,
+                                             pad_token_id=pad_id, micro_batch_size=cfg.micro_batch_size,
                                              packing=cfg.packing, processor=processor, progress=progress, **media)
         out_table = pa.table({"sample_id": table.column("sample_id"), "values": pa.array(values, pa.list_(pa.float32()))},
                              schema=CRITIC_VALUES.arrow)
@@ -86,7 +86,7 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         data = CriticData(r.column("prompt_token_ids").to_pylist(), r.column("response_token_ids").to_pylist(),
                           v.column("values").to_pylist(), a.column("returns").to_pylist(), **media,
                           action_masks=r.column("action_mask").to_pylist())
-        tok = load_tokenizer(path)
+        pad_id = pad_token_id(path)
         strategy = critic_strategy(inp.model, lambda: build_strategy(
             load_critic(path, dtype=cfg.dtype, trainable=True), optim=OptimizerSettings.of(cfg), deepspeed=cfg.deepspeed,
             fsdp=cfg.fsdp, compute_dtype=cfg.dtype,
@@ -95,14 +95,15 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         quiet = strategy.rank != 0
         with Timer() as t, progress_reporter("critic_update", unit="micro-batches", use_bar=False if quiet else None,
                                              log_fn=(lambda line: None) if quiet else None) as progress:
-            steps = critic_update(strategy, data, cfg, pad_token_id=tok.pad_token_id, processor=processor,
+            steps = critic_update(strategy, data, cfg, pad_token_id=pad_id, processor=processor,
                                   progress=progress)
         summary = {"seconds": t.seconds, "value_loss": sum(s.value_loss for s in steps) / len(steps),
                    "value_clip_frac": sum(s.value_clip_frac for s in steps) / len(steps)}
         inputs = {"rollout": inp.rollout, "advantages": inp.advantages, "critic_values": inp.critic_values,
                   **({"critic": inp.model} if isinstance(inp.model, ShardRef) else {})}
-        new = commit_trained(commit, strategy, subdir=CRITIC_SUBDIR, tokenizer=processor or tok, steps=steps,
-                             schema=CRITIC_UPDATE, inputs=inputs, summary=summary, keep_optimizer=True)
+        with leased_tokenizer(path) as tok:  # saved beside the weights
+            new = commit_trained(commit, strategy, subdir=CRITIC_SUBDIR, tokenizer=processor or tok, steps=steps,
+                                 schema=CRITIC_UPDATE, inputs=inputs, summary=summary, keep_optimizer=True)
         critic_trained(new)
         return new
 

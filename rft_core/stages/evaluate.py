@@ -27,7 +27,7 @@ from rft_core.data.mixture import heldout_fingerprint
 from rft_core.data.prompts import DatasetError, PromptBatch, build_prompts, heldout_entries, heldout_seed
 from rft_core.engines.hf import Generation, HFEngine
 from rft_core.evaluation.metrics import PromptAnswers, mean_stderr, sampled_metrics, shown_ks
-from rft_core.models.loading import load_causal_lm, load_tokenizer
+from rft_core.models.loading import leased_tokenizer, load_causal_lm, load_tokenizer
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.models.logprobs import default_device
 from rft_core.training.checkpoint import POLICY_FOLDER_SUFFIX
@@ -127,8 +127,7 @@ def run_prompts(inp: EvalPromptsInput) -> ShardRef:
     commit = stage_commit(inp)
 
     def compute() -> ShardRef:
-        with Timer() as t:
-            tok = load_tokenizer(inp.tokenizer_path)
+        with Timer() as t, leased_tokenizer(inp.tokenizer_path) as tok:
             processor = vl_processor_or_none(inp.tokenizer_path)
             batch, extra = (_heldout_file_prompts if cfg.path is not None else _heldout_task_prompts)(inp, tok, processor)
         if batch.table.num_rows == 0:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from rft_core.models.loading import load_tokenizer
+from rft_core.models.loading import pad_token_id
 from rft_core.models.logprobs import batched_response_logprobs
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
@@ -52,7 +52,7 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
             check_teacher_tokenizer(inp.tokenizer_path, config_folder(inp.model))
         table = read_shard(inp.rollout, stage="rollout")
         path = config_folder(inp.model)
-        tok = load_tokenizer(path)
+        pad_id = pad_token_id(path)
         actor = stage == "actor_logprobs"
         lm = inference_model(inp.model, dtype=inp.dtype, role=_ROLES[stage])
         processor = vl_processor_or_none(path)  # a vision-language policy: images and videos go with every batch
@@ -64,7 +64,7 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
                                                             micro_batch_size=g.micro_batch_size, seed=g.seed)
         with Timer() as t, progress_reporter(stage, unit="sequences") as progress:
             res = batched_response_logprobs(lm, table.column("prompt_token_ids").to_pylist(),
-                                            table.column("response_token_ids").to_pylist(), pad_token_id=tok.pad_token_id,
+                                            table.column("response_token_ids").to_pylist(), pad_token_id=pad_id,
                                             micro_batch_size=cfg.micro_batch_size, temperature=inp.temperature,
                                             with_entropy=actor, packing=cfg.packing if g is None else g.packing,
                                             progress=progress, chunk_size=cfg.chunk_size, groups=groups,

@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from rft_core.data.mixture import dataset_fingerprint, open_data_config
 from rft_core.data.prompts import DatasetError, PromptBatch, build_prompts, iteration_indices, load_task, refill_indices
-from rft_core.models.loading import load_tokenizer
+from rft_core.models.loading import leased_tokenizer
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.stages.common import Commit, Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import PromptsInput, stage_program
@@ -158,8 +158,7 @@ def run(inp: PromptsInput) -> ShardRef:
     commit = stage_commit(inp)
 
     def compute() -> ShardRef:
-        with Timer() as t:
-            tok = load_tokenizer(inp.tokenizer_path)
+        with Timer() as t, leased_tokenizer(inp.tokenizer_path) as tok:
             processor = vl_processor_or_none(inp.tokenizer_path)
             batch, extra = (_file_prompts if files else _task_prompts)(inp, tok, processor)
         if batch.table.num_rows == 0:

@@ -9,7 +9,7 @@ checking it; here a teacher with another token -> id map is refused before the f
 """
 from __future__ import annotations
 
-from rft_core.models.loading import load_tokenizer
+from rft_core.models.loading import leased_tokenizer
 
 
 class TeacherTokenizerError(ValueError):
@@ -43,8 +43,10 @@ def check_teacher_tokenizer(policy_path: str, teacher_path: str) -> str:
             the first token that differs.
         ModelLoadError: a tokenizer cannot be loaded (the path is in the message).
     """
-    student = load_tokenizer(policy_path).get_vocab()
-    teacher = load_tokenizer(teacher_path).get_vocab()
+    with leased_tokenizer(policy_path) as tok:
+        student = tok.get_vocab()
+    with leased_tokenizer(teacher_path) as tok:
+        teacher = tok.get_vocab()
     if student != teacher:
         raise TeacherTokenizerError(
             f"teacher.path {teacher_path!r} has another tokenizer than policy.path {policy_path!r} "

@@ -90,6 +90,43 @@ def test_engine_cuts_at_first_eos_and_reports_finish_reason():
         assert g.logprobs == pytest.approx([-0.6931472] * len(g.response_token_ids), abs=1e-6)
 
 
+
+def test_a_leased_tokenizer_is_its_blocks_alone_and_reused_by_the_next_block_on_any_thread(tiny_model, monkeypatch):
+    """issue 44: the stages that read a tokenizer for a block (prompts, pad ids) loaded one every
+    iteration, their Prefect tasks running on new threads; a lease reuses one from a pool."""
+    import collections
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from rft_core.models import pretrained
+    from rft_core.models.loading import leased_tokenizer, pad_token_id
+
+    monkeypatch.setattr(pretrained, "_LEASABLE", collections.OrderedDict())
+    loads = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    with leased_tokenizer(tiny_model) as first, leased_tokenizer(tiny_model) as second:
+        assert first is not second and len(loads) == 2  # two blocks at once: two tokenizers
+    lease, taken = leased_tokenizer(tiny_model), []
+    thread = threading.Thread(target=lambda: taken.append(lease.__enter__()))  # a block still open on another thread
+    thread.start()
+    thread.join()
+    assert taken[0] in (first, second) and len(loads) == 2  # another thread's block: from the pool, no load
+    with leased_tokenizer(tiny_model) as third:  # the one still out is not handed out
+        assert third is not taken[0] and third in (first, second) and len(loads) == 2
+    lease.__exit__(None, None, None)
+    own = load_tokenizer(tiny_model)  # load_tokenizer's per-thread tokenizers are never leased
+    with leased_tokenizer(tiny_model) as fourth:
+        assert fourth is not own
+    assert pad_token_id(tiny_model) == own.pad_token_id == first.pad_token_id is not None
+    free = {k: list(v) for k, v in pretrained._LEASABLE.items()}
+    with pytest.raises(ModelLoadError, match="missing.* does not exist or is not a folder"):
+        with leased_tokenizer(str(tiny_model) + "/missing"):
+            pass
+    assert {k: list(v) for k, v in pretrained._LEASABLE.items()} == free  # nothing leased, nothing added
+
+
 def test_engine_groups_and_seed_reproducibility(tiny_model):
     tok = load_tokenizer(tiny_model)
     eng = HFEngine(load_causal_lm(tiny_model), tok)
