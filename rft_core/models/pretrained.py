@@ -89,15 +89,18 @@ def load_tokenizer(path: str):
     and a run's stages ask for the same tokenizer every iteration, and a fast tokenizer's load
     (about 0.2 s for SmolLM2's) was paid each time (issue 44). Per thread, since a fast
     tokenizer's Rust object is not safe to call from two threads at once (its padding and
-    truncation settings are set on each call; transformers' ``PreTrainedTokenizerFast``). The
-    same object is returned to every caller of a thread: callers must not change its settings.
+    truncation settings are set on each call; transformers' ``PreTrainedTokenizerFast``); the
+    key is the ``threading.Thread`` object, not its ident, which a new thread may reuse while a
+    model or engine built on the ended thread still holds and calls its tokenizer. The same
+    object is returned to every caller of a thread: callers must not change its settings. A
+    caller that holds it only for a block: ``leased_tokenizer``.
 
     Raises:
         ModelLoadError: the tokenizer cannot be loaded.
     """
     with LOAD_LOCK:
         resolved = resolve_model_path(path)
-        key = (threading.get_ident(), tokenizer_fingerprint(resolved))
+        key = (threading.current_thread(), tokenizer_fingerprint(resolved))
         tok = _TOKENIZERS.get(key)
         if tok is not None:
             _TOKENIZERS.move_to_end(key)

@@ -103,6 +103,7 @@ def test_a_leased_tokenizer_is_its_blocks_alone_and_reused_by_the_next_block_on_
     from rft_core.models.loading import leased_tokenizer, pad_token_id
 
     monkeypatch.setattr(pretrained, "_LEASABLE", collections.OrderedDict())
+    monkeypatch.setattr(pretrained, "_TOKENIZERS", collections.OrderedDict())  # none loaded before on this thread
     loads = []
     real = AutoTokenizer.from_pretrained
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
@@ -117,6 +118,13 @@ def test_a_leased_tokenizer_is_its_blocks_alone_and_reused_by_the_next_block_on_
         assert third is not taken[0] and third in (first, second) and len(loads) == 2
     lease.__exit__(None, None, None)
     own = load_tokenizer(tiny_model)  # load_tokenizer's per-thread tokenizers are never leased
+    assert load_tokenizer(tiny_model) is own and len(loads) == 3  # once per thread
+    ended = []
+    for _ in range(2):  # two threads one after the other (the second may reuse the first one's ident)
+        thread = threading.Thread(target=lambda: ended.append((threading.get_ident(), load_tokenizer(tiny_model))))
+        thread.start()
+        thread.join()
+    assert ended[0][1] is not ended[1][1] and own not in (ended[0][1], ended[1][1]) and len(loads) == 5
     with leased_tokenizer(tiny_model) as fourth:
         assert fourth is not own
     assert pad_token_id(tiny_model) == own.pad_token_id == first.pad_token_id is not None
