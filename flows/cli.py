@@ -217,9 +217,9 @@ def inspect(
                                                    or "no committed update yet"))
             return
         if sample is not None:
-            from rft_core.api import sample_text
+            from rft_core.api import sample_transcript
 
-            typer.echo(sample_text(run_root, iteration, sample))
+            typer.echo(sample_transcript(run_root, iteration, sample))
             return
         view = (read_shard(stage_uri(run_root, iteration, stage)) if stage else samples_view(run_root, iteration))
         if export:

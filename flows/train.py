@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextvars
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -43,21 +43,56 @@ class TrainResult(BaseModel):
 
 
 def _record(cfg: TrainConfig, rows: list[dict[str, Any]], wandb: WandbLogger | None,
-            draw: bool) -> tuple[str, str | None]:
+            schedule: CurveSchedule) -> tuple[str, str | None]:
     """The metrics of every iteration so far (``rows``; the last one new) where a user looks:
-    metrics.jsonl, TensorBoard, W&B (the new row), and when ``draw`` (``CurveSchedule``) the
+    metrics.jsonl, TensorBoard, W&B (the new row), and when ``schedule`` says it is due the
     reward/KL/length curve, drawn once for metrics.png and the UI's ``metrics-curve`` artifact (a
     new version each time). Returns (metrics.jsonl's URI, metrics.png's path or None)."""
     metrics_uri = write_metrics(cfg.run_root, rows)
     write_tensorboard(cfg.run_root, rows)
     if wandb:
         wandb.log(rows[-1])
-    if not draw:
+    if not schedule.due(rows[-1]["iteration"], cfg.iterations):
         return metrics_uri, None
     curve, markdown = curve_outputs(cfg.run_root, rows)
     create_markdown_artifact(key="metrics-curve", markdown=markdown,
                              description=f"Metrics of {cfg.run_root} after iteration {rows[-1]['iteration']}")
     return metrics_uri, curve
+
+
+class _Recorder:
+    """Each iteration's metrics where a user looks (``_record``), written on a thread of their own,
+    in order, while the next iteration runs; a failed write fails the run at the next
+    iteration's ``submit`` (or at ``result``). Opens the run's W&B run (``observe.wandb``; a
+    warning when wandb is not installed) and keeps its ``CurveSchedule``."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg, self.schedule = cfg, CurveSchedule(cfg.observe.curve_every_s)
+        self.recorded: Future[tuple[str, str | None]] | None = None
+        try:
+            self.wandb = WandbLogger.start(cfg.observe.wandb, run_root=cfg.run_root, name=cfg.name,
+                                           config=cfg.model_dump(mode="json"))
+        except ImportError as exc:
+            get_run_logger().warning("%s", exc)
+            self.wandb = None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-record")
+
+    def submit(self, rows: list[dict[str, Any]]) -> None:
+        """Record ``rows`` (every iteration so far, the last one new) after the previous record."""
+        if self.recorded is not None:
+            self.recorded.result()
+        self.recorded = self.pool.submit(contextvars.copy_context().run, _record, self.cfg, list(rows), self.wandb,
+                                         self.schedule)
+
+    def close(self) -> None:
+        """Wait for the last record and finish the W&B run (also when the run failed)."""
+        self.pool.shutdown(wait=True)
+        if self.wandb:
+            self.wandb.finish()
+
+    def result(self) -> tuple[str, str | None]:
+        """The last record's (metrics.jsonl's URI, metrics.png's path or None); ("", None) before any."""
+        return self.recorded.result() if self.recorded is not None else ("", None)
 
 
 @flow(name="rft-train", flow_run_name="{cfg.name}")
@@ -82,15 +117,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     state = cfg.initial_state
     critic: PolicyRef | None = None
     counters0 = run_counters(None)  # this process's model loads etc. before the run (counted from here)
-    try:
-        wandb = WandbLogger.start(cfg.observe.wandb, run_root=cfg.run_root, name=cfg.name, config=cfg.model_dump(mode="json"))
-    except ImportError as exc:
-        logger.warning("%s", exc)
-        wandb = None
-    # each iteration's metrics files, curve and W&B row are written on this thread, in order, while
-    # the next iteration runs; a failed write fails the run at the next iteration's (or at the end)
-    recorder, recorded = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-record"), None
-    curve_schedule = CurveSchedule(cfg.observe.curve_every_s)
+    recorder = _Recorder(cfg)
     try:
         if cfg.first_resident_stages:  # Ray, then the first iteration's workers' processes, starting during its prompts
             tasks.start_workers(cfg=cfg)
@@ -104,19 +131,14 @@ def train(cfg: TrainConfig) -> TrainResult:
             if cfg.checkpoint.keep_last is not None:
                 tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=i, checkpoint=cfg.checkpoint)
             rows.append(result.metrics)
-            if recorded is not None:
-                recorded.result()
-            recorded = recorder.submit(contextvars.copy_context().run, _record, cfg, list(rows), wandb,
-                                       curve_schedule.due(i, cfg.iterations))
+            recorder.submit(rows)
             logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
         # the last iteration's optimizer state may still be being written (checkpoint.async_optimizer)
         wait_for_optimizer_writes()
     finally:
-        recorder.shutdown(wait=True)  # the last iteration's files, also when the run failed
+        recorder.close()  # the last iteration's files, also when the run failed
         release_run(cfg.resident_pool)  # the workers (after their pending writes) and stage mode's kept models
-        if wandb:
-            wandb.finish()
-    metrics_uri, curve = recorded.result() if recorded is not None else ("", None)
+    metrics_uri, curve = recorder.result()
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")
     if curve:
         logger.info("metrics curve: %s; TensorBoard: tensorboard --logdir %s/tensorboard", curve, cfg.run_root)

@@ -8,6 +8,7 @@ sources). Everything else in ``rft_core`` is internal to it and may change shape
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from rft_core.agents.view import sample_text
@@ -36,7 +37,8 @@ from rft_core.stages.writer import wait_for_optimizer_writes
 from rft_core.storage import RunRootError, check_run_root, repair as repair_stage, verify_run
 from rft_core.stages.runner import run_stage as _run_stage
 from rft_core.workers.pool import run_counters, run_resident, start_run_workers, stop_workers, sync_rollout_ahead
-from schemas import PolicyRef
+from rft_core.models.loading import load_tokenizer
+from schemas import PolicyRef, ShardError, ShardRef, local_path, stage_uri
 
 from rft_core.stages import contracts as _contracts
 
@@ -57,7 +59,7 @@ __all__ = [
     "validate_run_data",
     "count_signal_groups", "curve_outputs", "default_eval_root", "eval_markdown", "eval_report_lines", "export_table",
     "format_metrics_line", "iteration_metrics", "next_state", "prune_checkpoints", "replay_sources",
-    "release_run", "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_text", "start_run_workers", "stop_workers", "samples_markdown", "sync_rollout_ahead", "samples_view",
+    "release_run", "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_transcript", "start_run_workers", "stop_workers", "samples_markdown", "sync_rollout_ahead", "samples_view",
     "wait_for_optimizer_writes", "policy_checkpoint_folder",
     "write_metrics", "write_replay_record", "write_tensorboard",
     "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run", "check_teacher_tokenizer",
@@ -82,6 +84,28 @@ def release_run(pool: str | None) -> None:
     finally:
         _release_kept_models()
         release_host_staging()
+
+
+def sample_transcript(run_root: str, iteration: int, sample_id: str) -> str:
+    """``rft inspect RUN -i N --sample ID``: ``sample_text`` of the sample, each turn decoded with
+    the tokenizer saved with iteration ``iteration``'s policy checkpoint (the folder
+    ``weights_stage`` names: the update's own ``policy/``, or ``ppo_update-policy/policy`` for
+    weights written in the background) when that is a local folder; else the transcript whole
+    (no committed update, weights in a resident worker's memory, a remote run root).
+
+    Raises:
+        ShardError: the iteration's rollout is not committed or unreadable.
+        KeyError: no sample ``sample_id`` in the rollout (the message lists a few).
+    """
+    tokenizer = None
+    try:
+        held = weights_stage(ShardRef.from_manifest(stage_uri(run_root, iteration, "ppo_update")))
+    except ShardError:
+        held = None
+    local = local_path(f"{held.uri}/policy") if held is not None else None
+    if local is not None and Path(local, "tokenizer_config.json").exists():
+        tokenizer = load_tokenizer(local)
+    return sample_text(run_root, iteration, sample_id, tokenizer=tokenizer)
 
 
 def policy_checkpoint_folder(ref: PolicyRef) -> str:

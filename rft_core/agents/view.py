@@ -12,8 +12,6 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rft_core.models.loading import load_tokenizer
-from rft_core.training.checkpoint import POLICY_FOLDER_SUFFIX
 from schemas import ShardError, read_shard, stage_uri
 
 __all__ = ["render_trajectory", "sample_text", "segments"]
@@ -104,15 +102,14 @@ def sample_text(run_root: str, iteration: int, sample_id: str, *, tokenizer: Any
     """``render_trajectory`` of sample ``sample_id`` of iteration ``iteration`` of the run at
     ``run_root`` (any fsspec URI), with its prompt and reward rows when those stages are committed.
 
-    ``tokenizer`` None: the tokenizer saved with the iteration's checkpoint when it is a local
-    folder (``ppo_update/policy``, or ``ppo_update-policy/policy`` for weights written in the
-    background), else the transcript is shown whole.
+    ``tokenizer``: the policy's (each turn decoded on its own); None shows the transcript whole.
+    ``rft_core.api.sample_transcript`` (``rft inspect --sample``) passes the one saved with the
+    iteration's checkpoint.
 
     Raises:
         ShardError: the iteration's rollout is not committed or unreadable.
         KeyError: no sample ``sample_id`` in the rollout (the message lists a few).
     """
-    import fsspec
     import pyarrow.compute as pc
 
     rollout = read_shard(stage_uri(run_root, iteration, "rollout"), stage="rollout")
@@ -129,12 +126,4 @@ def sample_text(run_root: str, iteration: int, sample_id: str, *, tokenizer: Any
             continue
         match = t.filter(pc.equal(t.column(key), row[key])).to_pylist()
         extra[name] = match[0] if match else None
-    update = stage_uri(run_root, iteration, "ppo_update")
-    for folder in (f"{update}/policy", f"{update}{POLICY_FOLDER_SUFFIX}/policy"):
-        if tokenizer is not None:
-            break
-        fs, path = fsspec.core.url_to_fs(folder)
-        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-        if "file" in protocols and fs.exists(f"{path}/tokenizer_config.json"):
-            tokenizer = load_tokenizer(path)
     return render_trajectory(row, tokenizer=tokenizer, **extra)

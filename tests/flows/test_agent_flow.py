@@ -11,7 +11,8 @@ import pytest
 
 from rft_core.agents import StepResult
 from rft_core.agents.calculator import CalculatorEnv
-from rft_core.agents.view import render_trajectory, sample_text, segments
+from rft_core.agents.view import render_trajectory, segments
+from rft_core.api import sample_transcript
 from rft_core.models.loading import load_tokenizer
 from schemas import read_manifest, read_shard
 from tests.flows.conftest import flow_cfg
@@ -96,7 +97,7 @@ def test_agent_run_two_iterations_resume_and_replay(prefect_harness, tiny_model,
     assert all(m["model_tokens"] < m["response_length"] for m in lines)
     summary = read_manifest(f"{cfg.run_root}/iter=000001/rollout")[0].summary
     assert summary["environment"] == ENV
-    shown = sample_text(cfg.run_root, 1, "%s#0" % read_shard(f"{cfg.run_root}/iter=000001/prompts").column("prompt_id")[0].as_py())
+    shown = sample_transcript(cfg.run_root, 1, "%s#0" % read_shard(f"{cfg.run_root}/iter=000001/prompts").column("prompt_id")[0].as_py())
     assert "--- model turn 3" in shown and "reward " in shown and "question: " in shown
 
     # the same training again: every committed stage is reused, nothing is written
