@@ -13,6 +13,7 @@ import tasks
 from flows.iteration import rl_iteration
 from rft_core.api import (
     CurveSchedule,
+    TensorBoardLog,
     WandbLogger,
     check_run_root,
     curve_outputs,
@@ -22,7 +23,6 @@ from rft_core.api import (
     release_run,
     wait_for_optimizer_writes,
     write_metrics,
-    write_tensorboard,
 )
 from rft_core.config import TrainConfig
 from schemas import PolicyRef, ShardRef
@@ -42,14 +42,14 @@ class TrainResult(BaseModel):
     metrics: list[dict[str, Any]]
 
 
-def _record(cfg: TrainConfig, rows: list[dict[str, Any]], wandb: WandbLogger | None,
+def _record(cfg: TrainConfig, rows: list[dict[str, Any]], tensorboard: TensorBoardLog, wandb: WandbLogger | None,
             schedule: CurveSchedule) -> tuple[str, str | None]:
     """The metrics of every iteration so far (``rows``; the last one new) where a user looks:
     metrics.jsonl, TensorBoard, W&B (the new row), and when ``schedule`` says it is due the
     reward/KL/length curve, drawn once for metrics.png and the UI's ``metrics-curve`` artifact (a
     new version each time). Returns (metrics.jsonl's URI, metrics.png's path or None)."""
     metrics_uri = write_metrics(cfg.run_root, rows)
-    write_tensorboard(cfg.run_root, rows)
+    tensorboard.write(rows)
     if wandb:
         wandb.log(rows[-1])
     if not schedule.due(rows[-1]["iteration"], cfg.iterations):
@@ -68,6 +68,7 @@ class _Recorder:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg, self.schedule = cfg, CurveSchedule(cfg.observe.curve_every_s)
+        self.tensorboard = TensorBoardLog(cfg.run_root)
         self.recorded: Future[tuple[str, str | None]] | None = None
         try:
             self.wandb = WandbLogger.start(cfg.observe.wandb, run_root=cfg.run_root, name=cfg.name,
@@ -81,12 +82,13 @@ class _Recorder:
         """Record ``rows`` (every iteration so far, the last one new) after the previous record."""
         if self.recorded is not None:
             self.recorded.result()
-        self.recorded = self.pool.submit(contextvars.copy_context().run, _record, self.cfg, list(rows), self.wandb,
-                                         self.schedule)
+        self.recorded = self.pool.submit(contextvars.copy_context().run, _record, self.cfg, list(rows), self.tensorboard,
+                                         self.wandb, self.schedule)
 
     def close(self) -> None:
         """Wait for the last record and finish the W&B run (also when the run failed)."""
         self.pool.shutdown(wait=True)
+        self.tensorboard.close()
         if self.wandb:
             self.wandb.finish()
 

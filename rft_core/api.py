@@ -19,7 +19,7 @@ from rft_core.data.prompts import DatasetError
 from rft_core.data.validate import DataValidationError, validate_run_data
 from rft_core.inspect import export_table, run_status, samples_view
 from rft_core.metrics import format_metrics_line, iteration_metrics, write_metrics
-from rft_core.observe import CurveSchedule, WandbLogger, curve_outputs, samples_markdown, write_tensorboard
+from rft_core.observe import CurveSchedule, TensorBoardLog, WandbLogger, curve_outputs, samples_markdown
 from rft_core.replay import replay_sources, write_replay_record
 from rft_core.rewards.base import RewardError
 from rft_core.rewards.judge import check_judge_keys
@@ -54,14 +54,14 @@ def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Calla
     return _run_stage(inp, runner, log=log, resident=run_resident)
 
 __all__ = [
-    *_contracts.__all__, "CurveSchedule", "WandbLogger", "checkpoint_label",
+    *_contracts.__all__, "CurveSchedule", "TensorBoardLog", "WandbLogger", "checkpoint_label",
     "check_config_data", "dataset_fingerprint", "heldout_fingerprint", "DatasetError", "DataValidationError",
     "validate_run_data",
     "count_signal_groups", "curve_outputs", "default_eval_root", "eval_markdown", "eval_report_lines", "export_table",
     "format_metrics_line", "iteration_metrics", "next_state", "prune_checkpoints", "replay_sources",
     "release_run", "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_transcript", "start_run_workers", "stop_workers", "samples_markdown", "sync_rollout_ahead", "samples_view",
     "wait_for_optimizer_writes", "policy_checkpoint_folder",
-    "write_metrics", "write_replay_record", "write_tensorboard",
+    "write_metrics", "write_replay_record",
     "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run", "check_teacher_tokenizer",
     "RewardError", "check_judge_keys",
 ]

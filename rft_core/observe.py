@@ -17,28 +17,48 @@ from schemas import local_path
 CURVE_KEYS = ("reward_mean", "accuracy", "kl", "response_length", "policy_loss", "entropy")
 
 
-def write_tensorboard(run_root: str, rows: Sequence[Mapping[str, Any]]) -> str | None:
-    """(Re)write ``{run_root}/tensorboard`` with the numeric metrics of every iteration so far
-    (step = iteration). Rewriting, like metrics.jsonl, keeps a resumed run free of duplicates.
+class TensorBoardLog:
+    """``{run_root}/tensorboard``: the numeric metrics of each iteration (step = iteration) for one
+    training call. Its first ``write`` rewrites the folder with every row so far (a resumed run
+    re-records the iterations before it: rewriting keeps it free of duplicates, like
+    metrics.jsonl); each later one appends the rows it has not written, through one
+    ``SummaryWriter`` kept open (flushed after each write). Rewriting every row after every
+    iteration took 1.5 s of Python at 200 iterations and 6.9 s at 1000 (60 metrics a row, on a
+    2-core CPU): longer than a GPU step, on the thread that records metrics. Not thread-safe:
+    one recording thread writes it. A run root off the local filesystem gets no TensorBoard
+    files (TensorBoard writes local files)."""
 
-    Returns the log folder, or None when the run root is not on the local filesystem
-    (TensorBoard writes local files).
-    """
-    local = local_path(run_root)
-    if local is None:
-        return None
-    import shutil
+    def __init__(self, run_root: str):
+        local = local_path(run_root)
+        self.logdir = None if local is None else Path(local) / "tensorboard"
+        self._writer: Any = None
+        self._written = 0
 
-    from torch.utils.tensorboard import SummaryWriter
+    def write(self, rows: Sequence[Mapping[str, Any]]) -> str | None:
+        """Write the rows of ``rows`` (every iteration so far, in order) not written yet; returns
+        the log folder, or None off the local filesystem."""
+        if self.logdir is None:
+            return None
+        if self._writer is None:
+            import shutil
 
-    logdir = Path(local) / "tensorboard"
-    shutil.rmtree(logdir, ignore_errors=True)
-    with SummaryWriter(str(logdir)) as w:
-        for row in rows:
+            from torch.utils.tensorboard import SummaryWriter
+
+            shutil.rmtree(self.logdir, ignore_errors=True)
+            self._writer = SummaryWriter(str(self.logdir))
+        for row in rows[self._written:]:
             for key, value in row.items():
                 if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    w.add_scalar(key, float(value), global_step=int(row["iteration"]))
-    return str(logdir)
+                    self._writer.add_scalar(key, float(value), global_step=int(row["iteration"]))
+        self._writer.flush()
+        self._written = len(rows)
+        return str(self.logdir)
+
+    def close(self) -> None:
+        """Close the event file (a later ``write`` starts the folder again)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer, self._written = None, 0
 
 
 def curve_png(rows: Sequence[Mapping[str, Any]], *, dpi: int = 110, max_cols: int = 3) -> bytes:

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from rft_core.config import WandbConfig
-from rft_core.observe import CURVE_DPI, CurveSchedule, WandbLogger, curve_markdown, curve_outputs, curve_png
+from rft_core.observe import CURVE_DPI, CurveSchedule, TensorBoardLog, WandbLogger, curve_markdown, curve_outputs, curve_png
 
 ROWS = [
     {"iteration": 1, "reward_mean": 0.125, "kl": 0.0, "response_length": 47.25, "skipped": True, "name": "x"},
@@ -117,3 +117,29 @@ def test_the_curve_is_redrawn_once_every_curve_every_s_and_after_the_last_iterat
     assert schedule.last == 175.0
     every = CurveSchedule(0.0)  # t=300; 0 s: every iteration, also at no time passed
     assert every.due(1, 9) and every.last == 301.0
+
+
+def _steps(logdir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return {tag: [(e.step, round(e.value, 6)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_log_appends_each_new_row_and_a_new_log_rewrites_the_folder(tmp_path):
+    rows = [{"iteration": i, "reward_mean": 0.5 * i, "skipped": True, "name": "x"} for i in (1, 2, 3)]
+    log = TensorBoardLog(str(tmp_path))
+    assert log.write(rows[:2]) == str(tmp_path / "tensorboard")
+    first = sorted((tmp_path / "tensorboard").iterdir())
+    assert _steps(tmp_path / "tensorboard") == {"reward_mean": [(1, 0.5), (2, 1.0)]}  # flushed: readable at once
+    log.write(rows)  # the third row appended to the same event file, the first two not again
+    assert sorted((tmp_path / "tensorboard").iterdir()) == first and len(first) == 1
+    assert _steps(tmp_path / "tensorboard") == {"reward_mean": [(1, 0.5), (2, 1.0), (3, 1.5)]}
+    log.close()
+    resumed = TensorBoardLog(str(tmp_path))  # a resumed run's recorder: every row again, into a fresh folder
+    resumed.write(rows)
+    resumed.close()
+    assert _steps(tmp_path / "tensorboard") == {"reward_mean": [(1, 0.5), (2, 1.0), (3, 1.5)]}
+    assert not (tmp_path / "tensorboard" / first[0].name).exists()
+    assert TensorBoardLog("s3://bucket/run").write(rows) is None  # TensorBoard writes local files only
