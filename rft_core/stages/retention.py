@@ -86,12 +86,6 @@ def keeps_weights(old: int, iteration: int, *, keep_weights_last: int, keep_weig
     return old > iteration - keep_weights_last or (keep_weights_every is not None and old % keep_weights_every == 0)
 
 
-# (run root, settings) -> the last iteration n such that this process pruned iterations 1..n for
-# good: a later call starts after it. Each call read every older iteration's manifests (4 per
-# iteration): 4000 reads after iteration 1000, each a GET on object storage.
-_SETTLED: dict[tuple, int] = {}
-
-
 def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
                       prune: Literal["optimizer", "weights"] = _DEFAULTS.prune,
                       keep_weights_last: int = _DEFAULTS.keep_weights_last,
@@ -99,10 +93,7 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
     """After ``iteration`` has committed, prune the checkpoints of iterations ``1 .. iteration -
     keep_last``: their optimizer state, and with ``prune="weights"`` their weights unless
     ``keeps_weights`` (idempotent: already-pruned files are skipped; uncommitted stages are left
-    alone). An iteration this process has pruned for good (older than ``keep_weights_last``, not
-    the resume's checkpoint) is not read again by later calls with the same run root and
-    settings, so a call reads the manifests of the last few iterations only, not of all of them;
-    a new process (a resume) reads them all once.
+    alone).
 
     Returns:
         {stage URI: paths deleted now}, only for stages where something was deleted.
@@ -117,18 +108,12 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
                          f"{keep_weights_every}")
     done: dict[str, list[str]] = {}
     keep = latest_policy_checkpoint(run_root, iteration)  # what a resume rebuilds the policy from
-    memo = (run_root, keep_last, prune, keep_weights_last, keep_weights_every)
-    settled = _SETTLED.get(memo, 0)
     why_opt = f"checkpoint.keep_last={keep_last} after iteration {iteration}"
     why_weights = (f"checkpoint.prune=weights (keep_weights_last={keep_weights_last}, keep_weights_every="
                    f"{keep_weights_every}) after iteration {iteration}")
-    for old in range(settled + 1, iteration - keep_last + 1):
+    for old in range(1, iteration - keep_last + 1):
         drop_weights = prune == "weights" and not keeps_weights(old, iteration, keep_weights_last=keep_weights_last,
                                                                 keep_weights_every=keep_weights_every)
-        # nothing of ``old`` can change after this pass: not the resume's checkpoint, and its weights'
-        # fate no longer depends on the iteration (out of the last keep_weights_last)
-        if settled == old - 1 and old != keep and (prune == "optimizer" or old <= iteration - keep_weights_last):
-            settled = old
         for stage, subdir in CHECKPOINT_STAGES.items():
             if old == keep and stage != "critic_update":
                 continue
@@ -147,7 +132,6 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
                 done[uri] = sorted(removed)
                 log.info("pruned %d checkpoint file(s) of %s (%s)", len(removed), uri,
                          why_weights if weights else why_opt)
-    _SETTLED[memo] = settled
     return done
 
 

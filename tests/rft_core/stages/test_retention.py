@@ -180,35 +180,6 @@ def test_default_retention_over_twelve_iterations(tmp_path):
     assert apply_retention(str(tmp_path / "other"), 5, CheckpointConfig(keep_last=None)) == {}
 
 
-def test_a_process_reads_each_pruned_iteration_once_and_a_new_one_catches_up(tmp_path, monkeypatch):
-    """Each retention pass read every older iteration's manifests (4 reads per iteration: O(n) per
-    pass, a GET each on object storage); an iteration pruned for good is now not read again by the
-    same process, and a new process (a resume, the memo empty) reads them all once and prunes
-    what the crashed one left."""
-    from rft_core.stages import retention
-
-    root = str(tmp_path / "run")
-    refs = {i: _checkpoint_stage(root, i) for i in range(1, 41)}
-    reads: list[str] = []
-    real = retention.read_manifest
-    monkeypatch.setattr(retention, "read_manifest", lambda uri, *a, **k: reads.append(uri) or real(uri, *a, **k))
-    monkeypatch.setattr(retention, "_SETTLED", {})
-    for i in range(1, 30):
-        apply_retention(root, i, CheckpointConfig())
-    assert len(reads) == 4 * (1 + 2 + 3 + 3 * 25)  # 4 stages of iterations i-3..i-1; without the memo 4 x (1+...+28)
-    reads.clear()
-    apply_retention(root, 30, CheckpointConfig())
-    # iteration 30's pass: the 3 iterations whose weights' fate was still open (keep_weights_last=3)
-    assert sorted({int(u.split("iter=")[1][:6]) for u in reads}) == [27, 28, 29] and len(reads) == 12
-    assert [i for i in range(1, 31) if Path(refs[i].uri, "policy/model.safetensors").exists()] == [10, 20, 28, 29, 30]
-    monkeypatch.setattr(retention, "_SETTLED", {})  # a new process: iterations 31-40 committed meanwhile, unpruned
-    reads.clear()
-    apply_retention(root, 40, CheckpointConfig())
-    assert {u for u in reads if u.endswith("iter=000001/ppo_update")}  # read again once
-    assert [i for i in range(1, 41) if Path(refs[i].uri, "policy/model.safetensors").exists()] == [10, 20, 30, 38, 39, 40]
-    assert all("policy/optimizer.pt" in pruned_files(refs[i].uri) for i in range(1, 40))
-
-
 def _weightless_stage(run_root: str, iteration: int):
     """A committed ppo_update whose weights stayed in a resident worker (checkpoint.every > 1)."""
     uri = stage_uri(run_root, iteration, "ppo_update")
