@@ -49,7 +49,7 @@ ROW_PREFIX = "test_sigkill"
 # 2 cores, measured (tests/durations.txt's history; groups alone with ``RFT_ROTATION=k -m
 # rotation``: 4 and 5 on 2026-11-28/29, 5, 6 and 7 again on 2026-11-29 after the resident runs
 # began to create their workers together, which took ~20 s off each resident row) and moved since:
-# 0 ~770 (769 in the 2026-11-29 17:41 record, the two tests that joined it included), 1 ~890, 2 ~905, 3 ~895, 4 ~900 (757 its landing's
+# 0 ~780 (769 and 794 in the 2026-11-29 17:41 and 18:37 records, the two tests that joined it included), 1 ~890, 2 ~905, 3 ~895, 4 ~900 (757 its landing's
 # record, with the S3 bucket run's inspect and replay tests since, and the resident flow's
 # equality test, 56 s, out of every run since 2026-11-29, and the resident FSDP2 flow test, 54 s,
 # out of group 7 since 2026-11-29 15:50), 5 ~880 (706 in the 2026-11-29 07:11 record, plus 3
@@ -60,7 +60,7 @@ ROW_PREFIX = "test_sigkill"
 # record, its resident rows 111-231 s each, less the FSDP2 flow test moved to 4). On 2026-11-29
 # (17:10 UTC) 11 long tests that ran in every run joined groups 0, 1, 3, 5 and 6 (~128 s in all,
 # each group's figure above counts them; a sibling of each runs every time, its mark says which):
-# the tests every run runs, 819 s at 15:16, 616 s in the 17:41 record (with that day's cheaper
+# the tests every run runs, 819 s at 15:16, 616-617 s in the 17:41 and 18:37 records (with that day's cheaper
 # curve, TensorBoard and tokenizer loads). A resident row costs 85-185 s here (a
 # kill that misses a short stage is tried again from a fresh run), a stage row 35-85 s: one
 # landing takes ~616 + ~770-930 s, 23-26 min here and ~27-31 min in CI (CI against here: 1.27x for
