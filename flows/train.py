@@ -42,26 +42,8 @@ class TrainResult(BaseModel):
     metrics: list[dict[str, Any]]
 
 
-def _record(cfg: TrainConfig, rows: list[dict[str, Any]], tensorboard: TensorBoardLog, wandb: WandbLogger | None,
-            schedule: CurveSchedule) -> tuple[str, str | None]:
-    """The metrics of every iteration so far (``rows``; the last one new) where a user looks:
-    metrics.jsonl, TensorBoard, W&B (the new row), and when ``schedule`` says it is due the
-    reward/KL/length curve, drawn once for metrics.png and the UI's ``metrics-curve`` artifact (a
-    new version each time). Returns (metrics.jsonl's URI, metrics.png's path or None)."""
-    metrics_uri = write_metrics(cfg.run_root, rows)
-    tensorboard.write(rows)
-    if wandb:
-        wandb.log(rows[-1])
-    if not schedule.due(rows[-1]["iteration"], cfg.iterations):
-        return metrics_uri, None
-    curve, markdown = curve_outputs(cfg.run_root, rows)
-    create_markdown_artifact(key="metrics-curve", markdown=markdown,
-                             description=f"Metrics of {cfg.run_root} after iteration {rows[-1]['iteration']}")
-    return metrics_uri, curve
-
-
 class _Recorder:
-    """Each iteration's metrics where a user looks (``_record``), written on a thread of their own,
+    """Each iteration's metrics where a user looks (``record``), written on a thread of their own,
     in order, while the next iteration runs; a failed write fails the run at the next
     iteration's ``submit`` (or at ``result``). Opens the run's W&B run (``observe.wandb``; a
     warning when wandb is not installed) and keeps its ``CurveSchedule``."""
@@ -82,8 +64,24 @@ class _Recorder:
         """Record ``rows`` (every iteration so far, the last one new) after the previous record."""
         if self.recorded is not None:
             self.recorded.result()
-        self.recorded = self.pool.submit(contextvars.copy_context().run, _record, self.cfg, list(rows), self.tensorboard,
-                                         self.wandb, self.schedule)
+        self.recorded = self.pool.submit(contextvars.copy_context().run, self.record, list(rows))
+
+    def record(self, rows: list[dict[str, Any]]) -> tuple[str, str | None]:
+        """The metrics of every iteration so far (``rows``; the last one new) where a user looks:
+        metrics.jsonl, TensorBoard, W&B (the new row), and when the ``CurveSchedule`` says it is due
+        the reward/KL/length curve, drawn once for metrics.png and the UI's ``metrics-curve``
+        artifact (a new version each time). Returns (metrics.jsonl's URI, metrics.png's path or None)."""
+        cfg = self.cfg
+        metrics_uri = write_metrics(cfg.run_root, rows)
+        self.tensorboard.write(rows)
+        if self.wandb:
+            self.wandb.log(rows[-1])
+        if not self.schedule.due(rows[-1]["iteration"], cfg.iterations):
+            return metrics_uri, None
+        curve, markdown = curve_outputs(cfg.run_root, rows)
+        create_markdown_artifact(key="metrics-curve", markdown=markdown,
+                                 description=f"Metrics of {cfg.run_root} after iteration {rows[-1]['iteration']}")
+        return metrics_uri, curve
 
     def close(self) -> None:
         """Wait for the last record and finish the W&B run (also when the run failed)."""

@@ -29,7 +29,7 @@ class ObserveConfig(_Frozen):
         description="seconds between two drawings of the metrics curve (``rft_core.observe.CurveSchedule``): an "
                     "iteration redraws it when at least this long has passed since the last drawing (or the run's "
                     "start), and the run's last iteration always does; 0 redraws it after every iteration. Drawing "
-                    "takes 0.4-1 s of Python (matplotlib) on the thread that records metrics, which competes for the "
+                    "takes 0.3-1 s of Python (matplotlib) on the thread that records metrics, which competes for the "
                     "interpreter with the next iteration's stages")
 
 
