@@ -114,6 +114,30 @@ def test_state_tensors_lists_a_tied_weight_once(tiny_model):
     assert len({v.data_ptr() for v in t.values()}) == len(t)
 
 
+def test_a_sync_in_a_process_without_ray_or_peft_imports_neither(tiny_model):
+    """The first sync of an in-process driver imported Ray only to ask whether it was initialised
+    (1.0 s) and peft only to ask whether the model was a LoRA one (0.4 s): 1.4 s inside step 2's
+    ``weight_sync`` of ``make bench-gpu`` on the CPU. Neither can be so in a process that never
+    imported them; asked in a fresh interpreter, the answers are the same and neither is imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from rft_core.models.loading import load_causal_lm\n"
+        "from rft_core.weightsync.collective import host_address\n"
+        "from rft_core.weightsync.plan import state_tensors\n"
+        "from rft_core.weightsync.trained import inference_tensors\n"
+        f"model = load_causal_lm({str(tiny_model)!r})\n"
+        "t, s = inference_tensors(model), state_tensors(model)\n"
+        "assert list(t) == list(s) and all(t[k].data_ptr() == s[k].data_ptr() for k in t), list(t)\n"
+        "print(host_address(), 'ray' in sys.modules, 'peft' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["127.0.0.1", "False", "False"]
+
+
 class _Sender:
     """A started send as the session sees it (``rft_core.weightsync.session.SendLeg``): ``wait``
     answers ``outcome`` (a report, or an exception to raise), ``cancel`` is recorded."""
