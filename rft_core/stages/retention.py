@@ -22,10 +22,15 @@ resume rebuilds the policies after it from it. Loading a pruned checkpoint
 anyway (eval of an old iteration, or a later iteration deleted by hand) raises
 ``CheckpointPrunedError`` naming the files and why they went, instead of silently starting a
 fresh optimizer. Manifests are never rewritten (``schemas.shards.prune_files``).
+
+A pass reads the manifests of the iterations it may still prune; those it left in their final
+state (``_final``) are remembered for the rest of the process, so later passes do not read them
+again (the cost of a pass stays the same after iteration 1000 as after iteration 5).
 """
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Literal
 
 from rft_core.config import CheckpointConfig
@@ -111,7 +116,12 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
     why_opt = f"checkpoint.keep_last={keep_last} after iteration {iteration}"
     why_weights = (f"checkpoint.prune=weights (keep_weights_last={keep_weights_last}, keep_weights_every="
                    f"{keep_weights_every}) after iteration {iteration}")
+    settled = _settled(run_root, (keep_last, prune, keep_weights_last, keep_weights_every))
+    skip = frozenset(settled)
     for old in range(1, iteration - keep_last + 1):
+        if old in skip:
+            continue
+        update_sha = None
         drop_weights = prune == "weights" and not keeps_weights(old, iteration, keep_weights_last=keep_weights_last,
                                                                 keep_weights_every=keep_weights_every)
         for stage, subdir in CHECKPOINT_STAGES.items():
@@ -119,9 +129,10 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
                 continue
             uri = stage_uri(run_root, old, stage)
             try:
-                manifest, _ = read_manifest(uri)
+                manifest, sha = read_manifest(uri)
             except ShardNotCommittedError:
                 continue
+            update_sha = sha if stage == "ppo_update" else update_sha
             files = [e.path for e in manifest.files]
             # an optimizer stage is optimizer state through and through: optimizer.pt, or DeepSpeed's
             # partitions (zero/*_optim_states.pt, *_model_states.pt, latest)
@@ -132,7 +143,58 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
                 done[uri] = sorted(removed)
                 log.info("pruned %d checkpoint file(s) of %s (%s)", len(removed), uri,
                          why_weights if weights else why_opt)
+        if update_sha is not None and _final(old, iteration, keep, prune=prune, keep_weights_last=keep_weights_last,
+                                             keep_weights_every=keep_weights_every):
+            with _SETTLED_LOCK:
+                settled[old] = update_sha
     return done
+
+
+# iterations whose checkpoints a pass of this process left in their final state (``_final``),
+# with the sha256 of their ppo_update's manifest, per run root and retention settings: later
+# passes skip them instead of reading their manifests again (4 reads per old iteration per pass:
+# O(n) per iteration, a GET each on object storage)
+_SETTLED: dict[tuple, dict[int, str]] = {}
+_SETTLED_LOCK = threading.Lock()
+
+
+def _settled(run_root: str, settings: tuple) -> dict[int, str]:
+    """This process's settled iterations of ``run_root`` under ``settings`` (the dict later
+    passes add to), emptied first when the newest one's ``ppo_update`` is no longer the manifest
+    recorded (one read per pass): the run root was deleted and a new run started in it, or the
+    run was rewound by hand past that iteration, so none of them may be skipped."""
+    key = (run_root.rstrip("/"), *settings)
+    with _SETTLED_LOCK:
+        settled = _SETTLED.setdefault(key, {})
+        newest = max(settled, default=None)
+    if newest is None:
+        return settled
+    try:
+        same = read_manifest(stage_uri(run_root, newest, "ppo_update"))[1] == settled[newest]
+    except ShardNotCommittedError:
+        same = False
+    if not same:
+        with _SETTLED_LOCK:
+            settled.clear()
+    return settled
+
+
+def _final(old: int, iteration: int, keep: int | None, *, prune: str, keep_weights_last: int,
+           keep_weights_every: int | None) -> bool:
+    """Whether the pass after ``iteration`` left iteration ``old`` (<= iteration - keep_last,
+    just pruned) as every later pass would: (1) ``old`` is older than the last checkpoint ``keep``,
+    so it never becomes that checkpoint again (``latest_policy_checkpoint`` only moves forward),
+    and every checkpoint stage it will ever commit has committed: its background writes were
+    queued before ``keep``'s, on the same writer thread, which runs them in order, and the weights
+    of ``keep`` commit last (``rft_core.stages.optimizer_state``); a stage-mode update also waits
+    for the previous one's writes before it commits; and (2) whether it keeps its weights is
+    decided for good: ``prune: optimizer``, a ``keep_weights_every``-th iteration, or older than
+    the last ``keep_weights_last``. A missed case could only leave files unpruned, never remove
+    one: the set only skips work, and a new process starts with none (a resume prunes anew)."""
+    if keep is None or old >= keep:
+        return False
+    return (prune != "weights" or old <= iteration - keep_weights_last
+            or (keep_weights_every is not None and old % keep_weights_every == 0))
 
 
 def latest_policy_checkpoint(run_root: str, iteration: int) -> int | None:

@@ -233,3 +233,140 @@ def test_a_deepspeed_optimizer_stage_is_pruned_whole(tmp_path):
 
     with pytest.raises(CheckpointPrunedError, match="ppo_update-optimizer"):
         optimizer_state_dir(committed_ref(opt1, stage="optimizer_state", config_hash="o1", check_files=False))
+
+
+def _counting_manifest_reads(monkeypatch) -> list[str]:
+    """Record every manifest read of retention and of ``prune_files`` (the URIs, in order)."""
+    import schemas.shards as shards
+    import rft_core.stages.retention as retention
+
+    reads: list[str] = []
+    real = shards.read_manifest
+
+    def counted(uri):
+        reads.append(uri)
+        return real(uri)
+
+    monkeypatch.setattr(shards, "read_manifest", counted)
+    monkeypatch.setattr(retention, "read_manifest", counted)
+    return reads
+
+
+def _fresh_pass_prunes_nothing(root: str, iteration: int, cfg: CheckpointConfig) -> None:
+    """What a new process would do after ``iteration`` (no settled iterations remembered) finds
+    nothing left to prune: the remembered ones were in their final state."""
+    import rft_core.stages.retention as retention
+
+    saved = dict(retention._SETTLED)
+    retention._SETTLED.clear()
+    try:
+        assert apply_retention(root, iteration, cfg) == {}
+    finally:
+        retention._SETTLED.clear()
+        retention._SETTLED.update(saved)
+
+
+def test_each_pass_reads_only_the_iterations_not_settled_yet(tmp_path, monkeypatch):
+    """After each iteration retention read the manifests of every older iteration (4 stages each:
+    O(n) reads per iteration, a GET each on object storage). An iteration whose checkpoints a pass
+    left as every later pass would is skipped by later passes of the same process: after iteration
+    40 a pass reads as many manifests as after iteration 12, and what is pruned is what a fresh
+    process's pass would prune (it finds nothing more)."""
+    root = str(tmp_path / "run")
+    cfg = CheckpointConfig()  # keep_last 1, weights of the last 3 and every 10th
+    reads = _counting_manifest_reads(monkeypatch)
+    per_pass = {}
+    for i in range(1, 41):
+        _checkpoint_stage(root, i)
+        _checkpoint_stage(root, i, stage="critic_update", subdir="critic")
+        del reads[:]
+        apply_retention(root, i, cfg)
+        per_pass[i] = len(reads)
+        _fresh_pass_prunes_nothing(root, i, cfg)
+    # from iteration 5 on a pass reads the last checkpoint, the newest settled iteration and the 3
+    # iterations not settled yet (the last 3 keep their weights until they are decided): 26 reads
+    # (18 when one of the three is a 10th, whose weights are decided at once), at 5 as at 40
+    assert per_pass[40] == per_pass[5] and max(per_pass.values()) <= 26, sorted(per_pass.items())
+    with_weights = [i for i in range(1, 41) if Path(stage_uri(root, i, "ppo_update"), "policy/model.safetensors").exists()]
+    assert with_weights == [10, 20, 30, 38, 39, 40]
+    assert [i for i in range(1, 41) if Path(stage_uri(root, i, "ppo_update"), "policy/optimizer.pt").exists()] == [40]
+    # without the memo the same pass reads every older iteration again
+    import rft_core.stages.retention as retention
+
+    retention._SETTLED.clear()
+    del reads[:]
+    apply_retention(root, 40, cfg)
+    assert len(reads) >= 4 * 39
+
+
+def _background_checkpoint(run_root: str, iteration: int):
+    """A resident checkpoint iteration (``checkpoint.async_weights``): its ppo_update commits the
+    weights' digest and its input; returns a function that commits ``ppo_update-policy`` later,
+    as the background write does (rft_core.stages.optimizer_state.commit_policy_checkpoint)."""
+    uri = stage_uri(run_root, iteration, "ppo_update")
+    Path(uri).mkdir(parents=True)
+    table = pa.table({k: [] for k in PPO_UPDATE.schema.names}, schema=PPO_UPDATE.arrow)
+    rows = write_parts(table, uri, schema=PPO_UPDATE)
+    update = commit_files(uri, stage="ppo_update", config_hash=f"h{iteration}", schema=PPO_UPDATE, rows_per_file=rows,
+                          summary={"weights_sha256": "0" * 64,
+                                   "update_input": {"save_checkpoint": True, "background_checkpoint": True}})
+
+    def commit_weights():
+        sibling = stage_uri(run_root, iteration, "ppo_update-policy")
+        for rel, data in FILES.items():
+            if rel != "policy/optimizer.pt":
+                Path(sibling, rel).parent.mkdir(parents=True, exist_ok=True)
+                Path(sibling, rel).write_bytes(data)
+        return commit_files(sibling, stage="policy_checkpoint", config_hash=f"p{iteration}",
+                            files=sorted(r for r in FILES if r != "policy/optimizer.pt"), inputs={"ppo_update": update})
+
+    return commit_weights
+
+
+def test_a_checkpoint_whose_weights_commit_after_a_pass_is_pruned_by_a_later_one(tmp_path, monkeypatch):
+    """Every iteration writes its weights in the background, and each write commits only after
+    the next iteration's pass has looked (slow storage): that pass judged an iteration whose weights
+    were not there yet, the case that made remembering settled iterations unsafe when done
+    naively. With keep_weights_last=1 each one's weights still go once a newer checkpoint is on
+    storage, and a fresh process's pass finds nothing more to prune at any point."""
+    root = str(tmp_path / "run")
+    cfg = CheckpointConfig(keep_last=1, keep_weights_last=1, keep_weights_every=None)
+    reads = _counting_manifest_reads(monkeypatch)
+    in_flight = []
+    for i in range(1, 13):
+        in_flight.append(_background_checkpoint(root, i))
+        if len(in_flight) > 2:
+            in_flight.pop(0)()  # iteration i - 2's weights commit while iteration i runs
+        del reads[:]
+        apply_retention(root, i, cfg)
+        assert len(reads) <= 24, (i, reads)
+        _fresh_pass_prunes_nothing(root, i, cfg)
+    assert not Path(stage_uri(root, 11, "ppo_update-policy")).exists()  # iterations 11 and 12 still writing
+    for commit in in_flight:
+        commit()
+    apply_retention(root, 13, cfg)
+    _fresh_pass_prunes_nothing(root, 13, cfg)
+    kept = [i for i in range(1, 13) if Path(stage_uri(root, i, "ppo_update-policy"), "policy/model.safetensors").exists()]
+    assert kept == [12]  # the last checkpoint; every earlier one lost its weights once a newer one was on storage
+    assert all("policy/model.safetensors" in pruned_files(stage_uri(root, i, "ppo_update-policy")) for i in range(1, 12))
+
+
+def test_a_run_root_started_again_is_pruned_again(tmp_path):
+    """The run root deleted and a new run started in it, in the same process: what a pass
+    remembered of the old run no longer holds (the newest remembered iteration's update is another
+    manifest, or not there), so the new run's checkpoints are pruned as the first run's were."""
+    import shutil
+
+    root = str(tmp_path / "run")
+    cfg = CheckpointConfig(keep_last=1, keep_weights_last=2, keep_weights_every=None)
+    for attempt in (1, 2):
+        for i in range(1, 8 if attempt == 1 else 6):
+            _checkpoint_stage(root, i)
+            apply_retention(root, i, cfg)
+            _fresh_pass_prunes_nothing(root, i, cfg)
+        last = 7 if attempt == 1 else 5
+        with_weights = [i for i in range(1, last + 1)
+                        if Path(stage_uri(root, i, "ppo_update"), "policy/model.safetensors").exists()]
+        assert with_weights == [last - 1, last], attempt
+        if attempt == 1:
+            shutil.rmtree(root)
