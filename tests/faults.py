@@ -144,7 +144,6 @@ def cli_with_write_pause() -> None:
     ``WRITE_PAUSE_ENV`` as ``iter=NNNNNN/<stage>@<seconds>``; every other write is untouched."""
     import runpy
 
-    import schemas
     import schemas.tables as tables
 
     folder, seconds = os.environ[WRITE_PAUSE_ENV].rsplit("@", 1)
@@ -156,8 +155,13 @@ def cli_with_write_pause() -> None:
             time.sleep(float(seconds))
         return rows
 
-    tables.write_parts = write_parts  # what write_shard calls
-    schemas.write_parts = write_parts  # what rft_core.stages.common (the update's commit) imports, before it does
+    # every module holding the real function by name: write_shard's (schemas.tables), and those
+    # imported already (this module imports rft_core.stages.common, the update's commit, before
+    # the patch: patching only ``schemas`` left ppo_update's write unpaused, and its rows landed by
+    # chance, in up to 3 tries); a module imported later takes ``schemas``' patched one
+    for module in [m for m in list(sys.modules.values()) if m is not None]:
+        if getattr(module, "write_parts", None) is real:
+            module.write_parts = write_parts
     sys.argv[0] = "rft"
     runpy.run_module("flows.cli", run_name="__main__", alter_sys=True)
 
@@ -278,6 +282,7 @@ class Outcome:
     kill_time: float = 0.0
     committed_at_kill: set = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
+    missed: list[str] = field(default_factory=list)  # the notes of the tries before this one: why they missed
 
 
 def _has_files(fs, path: str) -> bool:
@@ -487,11 +492,12 @@ def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int
     stage committed first, no worker running it) is not sent: the row starts again in a fresh
     run root with a third of the delay, up to ``attempts`` times.
     """
-    scale, out = 1.0, None
+    scale, out, missed = 1.0, None, []
     for attempt in range(1, attempts + 1):
         root = str(run_root).rstrip("/") + ("" if attempt == 1 else f"-retry{attempt}")
         out = _kill_once(config, root, target, iteration, timeline, api_url, rng, timeout, phase, env, kill, also, scale)
         out.attempts, out.run_root, out.kill, out.also = attempt, root, kill, also
+        out.missed, missed = missed, missed + out.notes
         if out.landed:
             break
         scale /= 3
@@ -500,7 +506,8 @@ def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int
         return out
     _rerun_and_check(config, root, out, baseline, api_url, timeout, env, final_iteration, also)
     print(f"fault row {target} {iteration} {phase} {kill}: tries {out.attempts}, kill after {out.delay} s, "
-          f"interrupted {out.interrupted!r}, overlap {out.overlap_live}, redone {out.redone}", flush=True)
+          f"interrupted {out.interrupted!r}, overlap {out.overlap_live}, redone {out.redone}"
+          + (f"; missed before: {out.missed}" if out.missed else ""), flush=True)
     return out
 
 
@@ -701,7 +708,7 @@ def assert_row(out: Outcome) -> None:
     interrupted work was redone, the rerun resumed with every committed file untouched and every
     shard valid, and the final weights equal the baseline's bit for bit."""
     assert out.killed, f"no kill was sent: {out.notes}"
-    assert out.landed, f"the kill did not land in iteration {out.iteration}'s {out.target}: {out.notes}"
+    assert out.landed, f"the kill did not land in iteration {out.iteration}'s {out.target}: {out.missed + out.notes}"
     assert out.rerun_ok, out.notes
     assert out.redone, f"the interrupted stage was not redone after the kill: {out.notes}"
     assert out.committed_untouched, f"a committed stage was rewritten: {out.notes}"
