@@ -111,7 +111,10 @@ def sample_inverse_cdf(probs: torch.Tensor, *, generator: torch.Generator | None
         raise ValueError(f"sample_inverse_cdf: probs must be (B, V), got shape {tuple(probs.shape)}")
     if uniforms is not None and tuple(uniforms.shape) != (probs.shape[0], 1):
         raise ValueError(f"sample_inverse_cdf: uniforms must be ({probs.shape[0]}, 1), got {tuple(uniforms.shape)}")
-    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+    # the float64 copy, then the scan in place: the same sequential sums as
+    # torch.cumsum(probs, dim=-1, dtype=torch.float64), at about half its time on the CPU
+    # (which converts on the fly: 8.6 against 4.6 ms for 64 x 49152, two cores)
+    cdf = probs.to(torch.float64, copy=True).cumsum_(dim=-1)
     total = cdf[:, -1:]
     if uniforms is None:
         uniforms = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator)
@@ -141,7 +144,7 @@ def processed_scores(logits: torch.Tensor, *, temperature: float, top_p: float =
     """
     x = logits.detach().to(torch.float32, copy=True)
     if temperature != 1.0:
-        x = x / temperature
+        x.div_(temperature)  # in place on the copy: the same values as x / temperature, one (B, V) less
     if top_p < 1.0:
         from transformers import TopPLogitsWarper
 

@@ -325,9 +325,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         lse = torch.empty(N, dtype=dtype, device=logits.device)
         entropy = torch.empty(N if with_entropy else 0, dtype=dtype, device=logits.device)
         sum_pi2 = torch.empty(N if with_sum_pi_squared else 0, dtype=dtype, device=logits.device)
+        read_only = not (with_entropy or with_sum_pi_squared)  # x is then only read: no copy needed when already dtype
         for s in range(0, N, chunk):
             e = min(s + chunk, N)
-            x = _scaled_chunk(logits, s, e, dtype, temperature)
+            x = _scaled_chunk(logits, s, e, dtype, temperature, copy=not read_only)
             lse_c = torch.logsumexp(x, dim=-1)
             lse[s:e] = lse_c
             logprobs[s:e] = x.gather(-1, targets[s:e, None]).squeeze(-1) - lse_c
@@ -355,7 +356,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         dtype = lse.dtype
         for s in range(0, logits.shape[0], chunk):
             e = min(s + chunk, logits.shape[0])
-            logp = _scaled_chunk(logits, s, e, dtype, T).sub_(lse[s:e, None])
+            if T == 1.0:  # one pass: the same values as a dtype copy of the chunk minus lse (exact promotion)
+                logp = torch.sub(logits[s:e], lse[s:e, None])
+            else:
+                logp = _scaled_chunk(logits, s, e, dtype, T).sub_(lse[s:e, None])
             p = logp.exp()
             if grad_lp is not None:  # g_lp * (onehot(t) - p)
                 g = p * (-grad_lp[s:e, None].to(dtype))
@@ -369,8 +373,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def _scaled_chunk(logits: torch.Tensor, s: int, e: int, dtype: torch.dtype, temperature: float) -> torch.Tensor:
-    """logits[s:e] / temperature as a new (e - s, V) tensor of ``dtype`` (one allocation)."""
+def _scaled_chunk(logits: torch.Tensor, s: int, e: int, dtype: torch.dtype, temperature: float, *,
+                  copy: bool = True) -> torch.Tensor:
+    """logits[s:e] / temperature as a (e - s, V) tensor of ``dtype``: a new one (one allocation),
+    or with ``copy=False`` the view of ``logits`` itself when it is already that (dtype
+    ``dtype``, temperature 1), for a caller that only reads it."""
+    if not copy and temperature == 1.0 and logits.dtype == dtype:
+        return logits[s:e]
     x = logits[s:e].to(dtype, copy=True)
     return x.div_(temperature) if temperature != 1.0 else x
 
