@@ -77,7 +77,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/iteration.py
 
 # Ours vs TRL's GRPOTrainer, same settings (docs/benchmarks.md, docs/raw/vs_trl.json); STEPS=5 by default,
-# ~17 min. Run on a quiet machine.
+# 17-30 min (this VM's speed varies from day to day). Run on a quiet machine.
 bench-trl: $(STAMP)
 	$(BIN)/pip install -q -c constraints-cpu.txt -e '.[bench]'
 	$(BIN)/python benchmarks/vs_trl.py --steps $(or $(STEPS),5) --skip-first --json docs/raw/vs_trl.json \
