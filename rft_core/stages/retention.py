@@ -23,14 +23,13 @@ anyway (eval of an old iteration, or a later iteration deleted by hand) raises
 ``CheckpointPrunedError`` naming the files and why they went, instead of silently starting a
 fresh optimizer. Manifests are never rewritten (``schemas.shards.prune_files``).
 
-A pass reads the manifests of the iterations it may still prune; those it left in their final
-state (``_final``) are remembered for the rest of the process, so later passes do not read them
-again (the cost of a pass stays the same after iteration 1000 as after iteration 5).
+A pass reads the manifests of the iterations it may still prune; the first n it left in their
+final state (``_final``) are remembered for the rest of the process, so later passes do not
+read them again (the cost of a pass stays the same after iteration 1000 as after iteration 5).
 """
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Literal
 
 from rft_core.config import CheckpointConfig
@@ -116,11 +115,9 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
     why_opt = f"checkpoint.keep_last={keep_last} after iteration {iteration}"
     why_weights = (f"checkpoint.prune=weights (keep_weights_last={keep_weights_last}, keep_weights_every="
                    f"{keep_weights_every}) after iteration {iteration}")
-    settled = _settled(run_root, (keep_last, prune, keep_weights_last, keep_weights_every))
-    skip = frozenset(settled)
-    for old in range(1, iteration - keep_last + 1):
-        if old in skip:
-            continue
+    memo = (run_root.rstrip("/"), keep_last, prune, keep_weights_last, keep_weights_every)
+    settled, settled_sha = _settled(run_root, memo)
+    for old in range(settled + 1, iteration - keep_last + 1):
         update_sha = None
         drop_weights = prune == "weights" and not keeps_weights(old, iteration, keep_weights_last=keep_weights_last,
                                                                 keep_weights_every=keep_weights_every)
@@ -143,40 +140,34 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
                 done[uri] = sorted(removed)
                 log.info("pruned %d checkpoint file(s) of %s (%s)", len(removed), uri,
                          why_weights if weights else why_opt)
-        if update_sha is not None and _final(old, iteration, keep, prune=prune, keep_weights_last=keep_weights_last,
-                                             keep_weights_every=keep_weights_every):
-            with _SETTLED_LOCK:
-                settled[old] = update_sha
+        if settled == old - 1 and update_sha is not None and _final(
+                old, iteration, keep, prune=prune, keep_weights_last=keep_weights_last,
+                keep_weights_every=keep_weights_every):
+            settled, settled_sha = old, update_sha
+    _SETTLED[memo] = (settled, settled_sha)
     return done
 
 
-# iterations whose checkpoints a pass of this process left in their final state (``_final``),
-# with the sha256 of their ppo_update's manifest, per run root and retention settings: later
-# passes skip them instead of reading their manifests again (4 reads per old iteration per pass:
-# O(n) per iteration, a GET each on object storage)
-_SETTLED: dict[tuple, dict[int, str]] = {}
-_SETTLED_LOCK = threading.Lock()
+# (run root, settings) -> (n, sha256 of iteration n's ppo_update manifest): a pass of this process
+# left iterations 1..n in their final state (``_final``), so later passes start after n instead
+# of reading their manifests again (4 reads per old iteration per pass: O(n) per iteration, a GET
+# each on object storage)
+_SETTLED: dict[tuple, tuple[int, str]] = {}
 
 
-def _settled(run_root: str, settings: tuple) -> dict[int, str]:
-    """This process's settled iterations of ``run_root`` under ``settings`` (the dict later
-    passes add to), emptied first when the newest one's ``ppo_update`` is no longer the manifest
-    recorded (one read per pass): the run root was deleted and a new run started in it, or the
-    run was rewound by hand past that iteration, so none of them may be skipped."""
-    key = (run_root.rstrip("/"), *settings)
-    with _SETTLED_LOCK:
-        settled = _SETTLED.setdefault(key, {})
-        newest = max(settled, default=None)
-    if newest is None:
-        return settled
-    try:
-        same = read_manifest(stage_uri(run_root, newest, "ppo_update"))[1] == settled[newest]
-    except ShardNotCommittedError:
-        same = False
-    if not same:
-        with _SETTLED_LOCK:
-            settled.clear()
-    return settled
+def _settled(run_root: str, memo: tuple) -> tuple[int, str]:
+    """(n, sha256) of ``_SETTLED[memo]``, or (0, "") when there is none or iteration n's
+    ``ppo_update`` is no longer the manifest recorded (one read per pass): the run root was
+    deleted and a new run started in it, or the run was rewound by hand past iteration n, so
+    none of 1..n may be skipped."""
+    n, sha = _SETTLED.get(memo, (0, ""))
+    if n:
+        try:
+            if read_manifest(stage_uri(run_root, n, "ppo_update"))[1] == sha:
+                return n, sha
+        except ShardNotCommittedError:
+            pass
+    return 0, ""
 
 
 def _final(old: int, iteration: int, keep: int | None, *, prune: str, keep_weights_last: int,
@@ -190,7 +181,7 @@ def _final(old: int, iteration: int, keep: int | None, *, prune: str, keep_weigh
     for the previous one's writes before it commits; and (2) whether it keeps its weights is
     decided for good: ``prune: optimizer``, a ``keep_weights_every``-th iteration, or older than
     the last ``keep_weights_last``. A missed case could only leave files unpruned, never remove
-    one: the set only skips work, and a new process starts with none (a resume prunes anew)."""
+    one: the memo only skips work, and a new process starts with none (a resume prunes anew)."""
     if keep is None or old >= keep:
         return False
     return (prune != "weights" or old <= iteration - keep_weights_last

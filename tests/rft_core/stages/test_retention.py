@@ -5,12 +5,15 @@ trained from instead of silently restarting the optimizer."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
+import schemas.shards as shards
 from rft_core.config import ConfigError, load_config
+from rft_core.stages import retention
 from rft_core.stages.checkpoints import policy_checkpoint_dir, policy_model_path
 from rft_core.config import CheckpointConfig
 from rft_core.stages.retention import (
@@ -237,9 +240,6 @@ def test_a_deepspeed_optimizer_stage_is_pruned_whole(tmp_path):
 
 def _counting_manifest_reads(monkeypatch) -> list[str]:
     """Record every manifest read of retention and of ``prune_files`` (the URIs, in order)."""
-    import schemas.shards as shards
-    import rft_core.stages.retention as retention
-
     reads: list[str] = []
     real = shards.read_manifest
 
@@ -255,8 +255,6 @@ def _counting_manifest_reads(monkeypatch) -> list[str]:
 def _fresh_pass_prunes_nothing(root: str, iteration: int, cfg: CheckpointConfig) -> None:
     """What a new process would do after ``iteration`` (no settled iterations remembered) finds
     nothing left to prune: the remembered ones were in their final state."""
-    import rft_core.stages.retention as retention
-
     saved = dict(retention._SETTLED)
     retention._SETTLED.clear()
     try:
@@ -285,14 +283,12 @@ def test_each_pass_reads_only_the_iterations_not_settled_yet(tmp_path, monkeypat
         _fresh_pass_prunes_nothing(root, i, cfg)
     # from iteration 5 on a pass reads the last checkpoint, the newest settled iteration and the 3
     # iterations not settled yet (the last 3 keep their weights until they are decided): 26 reads
-    # (18 when one of the three is a 10th, whose weights are decided at once), at 5 as at 40
+    # (fewer when one of the three is a 10th, whose weights are decided at once), at 5 as at 40
     assert per_pass[40] == per_pass[5] and max(per_pass.values()) <= 26, sorted(per_pass.items())
     with_weights = [i for i in range(1, 41) if Path(stage_uri(root, i, "ppo_update"), "policy/model.safetensors").exists()]
     assert with_weights == [10, 20, 30, 38, 39, 40]
     assert [i for i in range(1, 41) if Path(stage_uri(root, i, "ppo_update"), "policy/optimizer.pt").exists()] == [40]
     # without the memo the same pass reads every older iteration again
-    import rft_core.stages.retention as retention
-
     retention._SETTLED.clear()
     del reads[:]
     apply_retention(root, 40, cfg)
@@ -355,8 +351,6 @@ def test_a_run_root_started_again_is_pruned_again(tmp_path):
     """The run root deleted and a new run started in it, in the same process: what a pass
     remembered of the old run no longer holds (the newest remembered iteration's update is another
     manifest, or not there), so the new run's checkpoints are pruned as the first run's were."""
-    import shutil
-
     root = str(tmp_path / "run")
     cfg = CheckpointConfig(keep_last=1, keep_weights_last=2, keep_weights_every=None)
     for attempt in (1, 2):
