@@ -133,8 +133,16 @@ def readme_figure(rec: Record) -> str:
 
 
 def main() -> None:
-    """``python -m tests.durations``: write README's figure from tests/durations.txt."""
+    """``python -m tests.durations``: write README's figure from tests/durations.txt.
+
+    Raises SystemExit naming the failed tests when the recorded run had any (its figure would not
+    land: tests/test_suite_time.py refuses such a record)."""
     rec = parse(FILE.read_text())
+    bad = [e.nodeid for e in rec.tests if e.outcome in ("failed", "error")]
+    if bad:
+        raise SystemExit(f"{FILE} records a run with {len(bad)} failed test(s), which CI refuses "
+                         f"(tests/test_suite_time.py): fix them and run `make test-durations` again:\n  "
+                         + "\n  ".join(bad))
     text = README.read_text()
     if not README_FIGURE.search(text):
         raise SystemExit("README.md has no figure to update (README_FIGURE)")

@@ -3,6 +3,8 @@ whole run of ``make test`` and README's figure is the one in that file, and that
 ``BUDGET_MINUTES`` on 2 cores (a run over it must be made shorter before it is recorded)."""
 from __future__ import annotations
 
+import pytest
+
 from tests import durations
 
 
@@ -39,3 +41,24 @@ def test_the_file_reads_back_as_written():
                                     [rec.tests[2], rec.tests[0], rec.tests[3], rec.tests[1]])  # slowest first
     assert back.minutes == 2 and durations.readme_figure(back) == \
         "`make test` runs everything (3 tests in 2 minutes on a 2-core machine"
+
+
+def test_the_readme_figure_is_refused_from_a_run_with_a_failed_test(tmp_path, monkeypatch):
+    E = durations.Entry  # noqa: N806
+    header = {"date": "2026-11-29 20:41 UTC", "commit": "abc1234", "command": "python -m pytest -q tests",
+              "machine": "2 cores, load average 1.1 at the start"}
+    readme = tmp_path / "README.md"
+    readme.write_text("`make test` runs everything (9 tests in 9 minutes on a 2-core machine, ...)\n")
+    monkeypatch.setattr(durations, "README", readme)
+    monkeypatch.setattr(durations, "FILE", tmp_path / "durations.txt")
+    durations.FILE.write_text(durations.render(durations.Record(
+        120.0, 2, {"passed": 1, "failed": 1}, header,
+        [E(60.0, 0.0, "passed", None, "tests/a.py::ok"), E(0.5, 0.0, "failed", None, "tests/b.py::broke[x]")])))
+    with pytest.raises(SystemExit, match=r"1 failed test\(s\)[\s\S]*tests/b\.py::broke\[x\]"):
+        durations.main()
+    assert "9 tests in 9 minutes" in readme.read_text()  # nothing written
+    durations.FILE.write_text(durations.render(durations.Record(
+        120.0, 2, {"passed": 2}, header,
+        [E(60.0, 0.0, "passed", None, "tests/a.py::ok"), E(0.5, 0.0, "passed", None, "tests/b.py::broke[x]")])))
+    durations.main()
+    assert "(2 tests in 2 minutes on a 2-core machine" in readme.read_text()
