@@ -330,9 +330,15 @@ def markdown(res: dict, checks: list[tuple[str, bool, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# A line a section may hold: what follows it in the section was written by hand (the reads of
+# earlier runs) and is kept when a benchmark rewrites the section's table above it.
+KEEP = "<!-- the reads below are written by hand; the benchmark rewrites only what is above -->"
+
+
 def write_section(path: Path, title: str, body: str) -> None:
     """Replace (or append) the section headed by the line ``## <title>`` in ``path``, up to the
-    next ``## `` heading line, keeping everything else."""
+    next ``## `` heading line, keeping everything else; a section holding the ``KEEP`` line keeps
+    that line and what follows it, and only the text above it becomes ``body``."""
     import re
 
     text = path.read_text() if path.exists() else "# GPU checks\n"
@@ -341,7 +347,11 @@ def write_section(path: Path, title: str, body: str) -> None:
         text = text.rstrip("\n") + f"\n\n## {title}\n\n{body}"
     else:
         nxt = re.search(r"^## ", text[head.end():], flags=re.M)
-        rest = text[head.end() + nxt.start():] if nxt else ""
+        end = head.end() + nxt.start() if nxt else len(text)
+        rest = text[end:]
+        kept = text.find("\n" + KEEP + "\n", head.end(), end)
+        if kept >= 0:
+            body = body.rstrip("\n") + "\n\n" + text[kept + 1:end].rstrip("\n") + "\n"
         text = text[:head.start()] + f"## {title}\n\n{body}" + ("\n" + rest if rest else "")
     path.write_text(text)
 
