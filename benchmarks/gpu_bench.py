@@ -484,7 +484,7 @@ def main() -> int:
            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores"
                       + (f", {torch.cuda.get_device_name(0)}" if cuda else ""),
            "load": f"load average (1 min) {load0:.2f} before, {os.getloadavg()[0]:.2f} after",
-           "command": "make bench-gpu" + (f" ARGS='{' '.join(sys.argv[1:])}'" if sys.argv[1:] else ""),
+           "command": " ".join(["benchmarks/gpu_bench.py", *sys.argv[1:]]),  # make bench-gpu adds --json, --doc
            "results": results}
     res["work_differs"] = same_work(results)
     if args.json:
