@@ -22,6 +22,7 @@ os.environ.pop("PREFECT_API_URL", None)
 import pytest  # noqa: E402
 
 from tests.durations import ENV as DURATIONS_ENV  # noqa: E402
+from tests import durations  # noqa: E402
 from tests.durations import Recorder  # noqa: E402
 from tests.rotation import GROUPS, ROW_PREFIX, SKIP_REASON, assign, choice  # noqa: E402
 from tests.skips import unexpected_skips  # noqa: E402
@@ -166,6 +167,7 @@ def pytest_sessionstart(session):
     _record_to = os.environ.pop(DURATIONS_ENV, None)
     if _record_to:
         _recorder = Recorder()
+        durations.RECORDING_TO = _record_to
 
 
 def _record_durations(session) -> None:

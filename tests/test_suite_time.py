@@ -8,7 +8,17 @@ import pytest
 from tests import durations
 
 
+def _not_while_recording():
+    """A recording run (``make test-durations``) rewrites the file these tests check: the file on
+    disk is the previous run's, whose failures would become this run's and so every later
+    record's (stop 58's CI failed on such a record). ``python -m tests.durations`` checks the
+    new record instead; ``make test`` (CI) runs these checks."""
+    if durations.RECORDING_TO is not None:
+        pytest.skip(durations.RECORDING_SKIP)
+
+
 def test_the_durations_file_holds_a_whole_run():
+    _not_while_recording()
     assert durations.FILE.exists(), "tests/durations.txt is missing: run `make test-durations` on a quiet machine"
     rec = durations.parse(durations.FILE.read_text())
     assert rec.collected >= 1500 and sum(rec.outcomes.values()) == rec.collected == len(rec.tests), rec.outcomes
@@ -20,6 +30,7 @@ def test_the_durations_file_holds_a_whole_run():
 
 
 def test_the_readme_figure_is_the_recorded_one():
+    _not_while_recording()
     assert durations.FILE.exists(), "tests/durations.txt is missing: run `make test-durations` on a quiet machine"
     rec = durations.parse(durations.FILE.read_text())
     m = durations.README_FIGURE.search(durations.README.read_text())
