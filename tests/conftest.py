@@ -21,9 +21,7 @@ os.environ.pop("PREFECT_API_URL", None)
 
 import pytest  # noqa: E402
 
-from tests.durations import ENV as DURATIONS_ENV  # noqa: E402
 from tests import durations  # noqa: E402
-from tests.durations import Recorder  # noqa: E402
 from tests.rotation import GROUPS, ROW_PREFIX, SKIP_REASON, assign, choice  # noqa: E402
 from tests.skips import unexpected_skips  # noqa: E402
 from tests.tiny import build_tiny_model  # noqa: E402
@@ -164,9 +162,9 @@ def pytest_sessionstart(session):
     of the environment: a test that runs pytest in a subprocess (tests/test_rotation.py collects
     with ``RFT_FAULTS_ALL=1``) must not write its own small record over the suite's."""
     global _recorder, _record_to
-    _record_to = os.environ.pop(DURATIONS_ENV, None)
+    _record_to = os.environ.pop(durations.ENV, None)
     if _record_to:
-        _recorder = Recorder()
+        _recorder = durations.Recorder()
         durations.RECORDING_TO = _record_to
 
 

@@ -73,3 +73,12 @@ def test_the_readme_figure_is_refused_from_a_run_with_a_failed_test(tmp_path, mo
         [E(60.0, 0.0, "passed", None, "tests/a.py::ok"), E(0.5, 0.0, "passed", None, "tests/b.py::broke[x]")])))
     durations.main()
     assert "(2 tests in 2 minutes on a 2-core machine" in readme.read_text()
+
+
+def test_a_recording_run_skips_the_checks_of_the_record_it_rewrites(monkeypatch):
+    monkeypatch.setattr(durations, "RECORDING_TO", "tests/durations.txt")
+    for check in (test_the_durations_file_holds_a_whole_run, test_the_readme_figure_is_the_recorded_one):
+        with pytest.raises(pytest.skip.Exception, match="this run rewrites tests/durations.txt"):
+            check()
+    monkeypatch.setattr(durations, "RECORDING_TO", None)
+    _not_while_recording()  # not recording: the checks run
