@@ -68,13 +68,14 @@ def _run_rows(label: str, b, run, rows, args) -> list:
 
 def sigkill(d: Path, model: str, api: str, args) -> list[str]:
     from tests import test_faults
-    from tests.faults import (agent_row, scenario_baseline, stage_checkpoint_row, stage_row, write_agent_config,
-                              write_config)
+    from tests.faults import (agent_row, scenario_baseline, stage_checkpoint_row, stage_every_row, stage_row,
+                              write_agent_config, write_config)
 
     (d / "stage").mkdir()
     b = scenario_baseline(d / "stage", write_config, model, api)
     rows = _run_rows("sigkill", b, stage_row, test_faults.ROWS, args)
     rows += _run_rows("sigkill", b, stage_checkpoint_row, [()], args)
+    rows += _run_rows("sigkill", b, stage_every_row, [()], args)
     (d / "agent").mkdir()
     agent = scenario_baseline(d / "agent", write_agent_config, model, api)
     agent_rows = _run_rows("agent", agent, agent_row, test_faults.AGENT_ROWS, args)
@@ -386,7 +387,7 @@ command, date and machine load that produced it.
 
 | scenario | CI test | what must hold |
 |---|---|---|
-| SIGKILL inside every stage, local disk: the compute phase of each of the 7 stages of iteration 1, the write phase of each (a Parquet stage's writer paused between its parts and its manifest so that the kill lands there), iteration 2's rollout and update, iteration 2's update committing (with the weights' digest), the optimizer state's background write, the weights' background write (`checkpoint.async_weights`, the default), and 2 multi-turn rollouts (21 rows, in the rotation) | `tests/test_faults.py` | rerun resumes; the interrupted stage redone; committed files untouched; final weights bit-identical to an uninterrupted run's |
+| SIGKILL inside every stage, local disk: the compute phase of each of the 7 stages of iteration 1, the write phase of each (a Parquet stage's writer paused between its parts and its manifest so that the kill lands there), iteration 2's rollout and update, iteration 2's update committing (with the weights' digest), the optimizer state's background write, the weights' background write (`checkpoint.async_weights`, the default), iteration 2's rollout of a run with `checkpoint.every: 2` (whose policy 1 lived in the driver's memory only: the rerun rebuilds it), and 2 multi-turn rollouts (22 rows, in the rotation) | `tests/test_faults.py` | rerun resumes; the interrupted stage redone; committed files untouched; final weights bit-identical to an uninterrupted run's |
 | `run_root: s3://...` (a real S3 server: moto, on 127.0.0.1) | `tests/test_object_storage.py`, `tests/schemas/test_object_store.py` | full training; SIGKILL in rollout and update then resume (same ETags; 2 rows, in the rotation); inspect, replay, eval, pandas and DuckDB read the bucket; manifest-last without renames; one of two writers commits |
 | bad storage: missing bucket, wrong credentials, unreachable endpoint, read-only bucket or folder | `tests/test_object_storage.py` | refused before any stage starts, naming the URI and the cause |
 | the Prefect API server dies during the rollout, comes back | `tests/flows/test_server_outage.py` | the outage landed while the run was in flight (the server had it Running, its prompts were committed and its update was not, and every later stage committed after the kill); the flow run ends (continues, or fails loudly and a UI-style retry completes); stages committed before the outage untouched |

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -277,6 +277,7 @@ class Outcome:
     overlap_live: bool | None = None
     redone: bool = False
     rerun_started: float = 0.0
+    rerun_log: str = ""  # the rerun's output (its last 50,000 characters)
     attempts: int = 0
     write_paused: bool = False
     kill_time: float = 0.0
@@ -630,6 +631,7 @@ def _rerun_and_check(config, root: str, out: Outcome, baseline, api_url, timeout
     rerun = start_training(config, root, api_url, env)
     log, _ = rerun.communicate(timeout=timeout)
     out.rerun_ok = rerun.returncode == 0
+    out.rerun_log = log.decode(errors="replace")[-50_000:]
     if not out.rerun_ok:
         out.notes.append(log.decode(errors="replace")[-2000:])
         return
@@ -806,6 +808,17 @@ def stage_checkpoint_row(b: Baseline) -> Outcome:
     while the writer writes iteration 1's weights (``ppo_update-policy``: its writer lock taken,
     the optimizer stage before it committed, no manifest yet)."""
     return b.kill("run-stage-checkpoint-write", "ppo_update-policy", 1, "stage-checkpoint-write", phase="write")
+
+
+def stage_every_row(b: Baseline) -> Outcome:
+    """tests/test_faults.py: the stage-mode scenario with ``checkpoint.every: 2`` (iteration 1's
+    policy lives in the driver's memory only: its update commits the weights' digest and its input,
+    no weights, no optimizer stage), the driver killed in iteration 2's rollout; the rerun rebuilds
+    policy 1 (the initial model and update 1 re-applied) and must end with the scenario's weights,
+    which the run that wrote every checkpoint made."""
+    config = b.config.with_name(f"{b.config.stem}-every-2.yaml")
+    config.write_text(b.config.read_text() + "checkpoint: {every: 2}\n")
+    return replace(b, config=config).kill("run-stage-every-2", "rollout", 2, "stage-every-2-rollout-2")
 
 
 def agent_row(b: Baseline, iteration: int) -> Outcome:

@@ -11,6 +11,7 @@ row functions): CI runs them in the rotation of ``tests/rotation.py`` (each row 
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 import pytest
 
@@ -23,6 +24,7 @@ from tests.faults import (
     row,
     scenario_baseline,
     stage_checkpoint_row,
+    stage_every_row,
     stage_row,
     write_agent_config,
     write_config,
@@ -83,6 +85,23 @@ def test_sigkill_during_the_stage_mode_background_checkpoint_write_then_rerun(ba
     assert WEIGHTS_DIGEST_KEY in done.summary and m.summary[WEIGHTS_DIGEST_KEY] == done.summary[WEIGHTS_DIGEST_KEY]
     # written by the rerun (rft_core/stages/update.py _retrain_lost), not by a writer that outlived the kill
     assert dt.datetime.fromisoformat(m.created_at).timestamp() > out.rerun_started, (m.created_at, out.rerun_started)
+
+
+@pytest.mark.rotation(0)  # the group with the fewest seconds (tests/rotation.py)
+def test_sigkill_in_a_stage_mode_run_with_checkpoint_every_2_then_rerun(baseline):
+    """Stage mode keeping its models with ``checkpoint.every: 2``: iteration 1's update committed
+    its weights' digest, no weights and no AdamW state (the policy lived in the driver's memory
+    only); the driver is killed in iteration 2's rollout. The rerun (a fresh process, nothing
+    kept) rebuilds policy 1 from the initial model and update 1's committed inputs, checked against
+    the recorded digest, and ends with the weights of the uninterrupted run that wrote every
+    checkpoint, bit for bit."""
+    out = stage_every_row(baseline)
+    assert_row(out)
+    assert out.interrupted.startswith("2: rollout"), out
+    done, _ = read_manifest(f"{out.run_root}/iter=000001/ppo_update")
+    assert WEIGHTS_DIGEST_KEY in done.summary and not any(e.path.startswith("policy/") for e in done.files)
+    assert re.search(r"rebuilt the policy of \S+iter=000001/ppo_update from \S+ by re-applying 1 committed update",
+                     out.rerun_log), out.rerun_log[-3000:]
 
 
 @pytest.mark.parametrize("iteration", AGENT_ROWS)

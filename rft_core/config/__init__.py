@@ -290,6 +290,39 @@ class TrainConfig(_Frozen):
         (``checkpoint.every``, and the run's last iteration)."""
         return self.checkpoint.is_checkpoint(iteration, self.iterations)
 
+    def kept_policy_blockers(self) -> list[str]:
+        """Why stage mode cannot keep the policy in memory between checkpoints in this config
+        (``checkpoint.every`` > 1 without resident workers; empty: it can). It can where the
+        rollout, the actor pass and the update run in one process that keeps its models
+        (``keeps_models``) with a single-process full-weight trainer: the update keeps its trainer
+        (``rft_core.stages.memo``), the next rollout's model is made from it, and a rerun rebuilds
+        it exactly from the last checkpoint (``rft_core.stages.recovery.keep_rebuilt``)."""
+        reasons = []
+        if not self.keeps_models:
+            why = ("orchestration.keep_models=false" if self.orchestration.keep_models is False else
+                   f"rollout.engine={self.rollout.engine} (orchestration.keep_models auto keeps models with the hf "
+                   "engine only)")
+            reasons.append(f"{why}: every stage loads the policy from the run root")
+        for stage in ("rollout", "actor_logprobs", "ppo_update"):
+            mode = self.runner(stage).mode
+            if mode != "inprocess":
+                reasons.append(f"runners.{stage}.mode={mode} runs that stage in a process of its own, which holds no "
+                               "kept policy")
+        if self.runner("rollout").shards != 1:
+            reasons.append(f"runners.rollout.shards={self.runner('rollout').shards}: the rollout's shards run as tasks "
+                           "of their own on the Ray cluster, which hold no kept policy")
+        if self.update.lora is not None:
+            reasons.append("update.lora: the next rollout's model is made from the kept trainer's full weights, not "
+                           "from LoRA adapters, so far")
+        for key in ("deepspeed", "fsdp"):
+            if getattr(self.update, key) is not None:
+                reasons.append(f"update.{key}: stage mode keeps a single-process trainer (a sharded trainer is kept by "
+                               "the resident workers)")
+        if self.rollout.max_staleness > 0:
+            reasons.append(f"rollout.max_staleness={self.rollout.max_staleness}: the next rollout runs during the update, "
+                           "while the kept trainer is taken out")
+        return reasons
+
     def resident_blockers(self) -> list[str]:
         """What ``orchestration.workers: resident`` does not cover yet in this config (empty: it
         covers it). Each is refused when the config loads."""
@@ -390,10 +423,11 @@ class TrainConfig(_Frozen):
                              "weight is 1; the PPO ratio is then taken against the engine's distribution)")
         if self.update.train_batch_size is not None and self.update.train_batch_size < self.update.micro_batch_size:
             raise ValueError("update.train_batch_size must be >= update.micro_batch_size")
-        if self.checkpoint.every > 1 and self.orchestration.workers != "resident":
-            raise ValueError(f"checkpoint.every={self.checkpoint.every} needs orchestration.workers=resident: with "
-                             "workers=stage every stage loads the policy from the run root, so every iteration must "
-                             "write it (checkpoint.every=1)")
+        if self.checkpoint.every > 1 and self.orchestration.workers != "resident" and self.kept_policy_blockers():
+            raise ValueError(f"checkpoint.every={self.checkpoint.every} keeps the policy in memory between checkpoints: "
+                             "under orchestration.workers=resident, or in stage mode in the process that runs the "
+                             "stages, which this config cannot: " + "; ".join(self.kept_policy_blockers())
+                             + ". Set orchestration.workers=resident, or checkpoint.every=1")
         if self.rollout.max_staleness > 0:
             if self.logprobs.recompute_old_logprobs is False:
                 raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness} trains on tokens sampled by an "

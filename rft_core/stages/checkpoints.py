@@ -98,9 +98,9 @@ def require_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> ShardRef:
                 "stopped during it). Rerun the training command (it trains this update again from its committed "
                 "inputs and writes them), or use an earlier checkpoint (`rft inspect` lists them)")
         raise WeightlessPolicyError(
-            f"{policy.uri}: this update kept its weights in the resident workers' memory (checkpoint.every > 1), so "
-            "they are not on storage. Resume the run with orchestration.workers=resident (it rebuilds them from the "
-            "last checkpoint), or use a checkpoint iteration (`rft inspect` lists them)")
+            f"{policy.uri}: this update kept its weights in memory (checkpoint.every > 1: the resident workers', or "
+            "those of stage mode keeping its models), so they are not on storage. Resume the run with the same config "
+            "(it rebuilds them from the last checkpoint), or use a checkpoint iteration (`rft inspect` lists them)")
     return policy
 
 

@@ -419,7 +419,8 @@ class PPOUpdateInput(StageInput):
     dtype: str = "float32"
     background_optimizer: bool = False
     save_checkpoint: bool = Field(True, description="write the new weights and AdamW state (checkpoint.every); False: "
-                                  "a resident worker keeps them in memory and the manifest records their digest")
+                                  "a resident worker, or stage mode keeping its models (orchestration.keep_models), keeps them "
+                                  "in memory and the manifest records their digest")
     policy_version: int | None = Field(None, ge=0, description="the version ``policy`` is (the iteration whose update "
                                        "made it; 0: the initial policy; None: 0), recorded in the manifest; with "
                                        "update.seed it seeds the update's micro-batch order and dropout masks "

@@ -63,6 +63,18 @@ def has_weights(ref: ShardRef, subdir: str = "policy") -> bool:
     return weights_stage(ref, subdir) is not None
 
 
+def kept_in_memory(ref: PolicyRef) -> bool:
+    """Whether ``ref`` is a committed update that kept its weights in memory by design (an
+    iteration between checkpoints, ``checkpoint.every`` > 1: its manifest records their digest and
+    an input with ``save_checkpoint`` false); not one whose background checkpoint is pending or
+    was lost. Reads the manifest only."""
+    if not isinstance(ref, ShardRef):
+        return False
+    summary = read_manifest(ref.uri)[0].summary
+    recorded = summary.get(UPDATE_INPUT_KEY)
+    return WEIGHTS_DIGEST_KEY in summary and isinstance(recorded, dict) and recorded.get("save_checkpoint") is False
+
+
 def update_input_of(ref: ShardRef) -> PPOUpdateInput:
     """The ``PPOUpdateInput`` that produced the committed weightless update ``ref``.
 

@@ -24,7 +24,10 @@ compares runs with and without it bit for bit. Callers still check the committed
 (``policy_model_path``: pruned or damaged checkpoints raise as before; a file this process wrote
 is not hashed again). A new process starts empty and reads storage: resume is unchanged.
 Bounded: one trainer and ``MAX_INFERENCE`` inference models (the reference, a teacher, the
-policy; least recently used first out). The same role in resident mode is played by the workers
+policy; least recently used first out). With ``checkpoint.every`` > 1 the updates between
+checkpoints write no weights: the kept trainer is then the only copy of their policy, and a
+process that does not hold it has it rebuilt exactly when a program asks for it (``rebuild``,
+the stage runner's ``rft_core.stages.recovery.keep_rebuilt``). The same role in resident mode is played by the workers
 (``rft_core.workers``), which also skip the checkpoint writes; this memo changes no write.
 """
 from __future__ import annotations
@@ -57,20 +60,36 @@ class _Memo:
 _MEMO = _Memo()
 
 
+_REBUILD: contextvars.ContextVar[Callable[[Any], None] | None] = contextvars.ContextVar("rft_rebuild", default=None)
+
+
 @contextlib.contextmanager
-def keeping_models(on: bool) -> Iterator[None]:
+def keeping_models(on: bool, rebuild: Callable[[Any], None] | None = None) -> Iterator[None]:
     """Stage programs run inside this context keep and reuse models in memory (``on``) or read
-    every model from storage (``on`` False, the stage process's behaviour)."""
-    token = _ACTIVE.set(on)
+    every model from storage (``on`` False, the stage process's behaviour). ``rebuild(ref)``
+    makes the memo hold the trainer of a policy whose weights were kept in memory only
+    (``checkpoint.every`` > 1) when this process lost it (``rebuild``; the stage runner hands in
+    ``rft_core.stages.recovery.keep_rebuilt``, which sits above the programs it re-runs)."""
+    token, fn = _ACTIVE.set(on), _REBUILD.set(rebuild if on else None)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+        _REBUILD.reset(fn)
 
 
 def keeps_models() -> bool:
     """Whether the running program keeps its models (``keeping_models``)."""
     return _ACTIVE.get()
+
+
+def rebuild(ref: Any) -> None:
+    """Have the trainer of ``ref`` (a committed update whose weights were kept in memory only)
+    kept here, rebuilt by the ``rebuild`` that ``keeping_models`` was given; nothing without one
+    (the caller's read from storage then raises ``WeightlessPolicyError``)."""
+    fn = _REBUILD.get()
+    if fn is not None:
+        fn(ref)
 
 
 def hits() -> dict[str, int]:
@@ -89,7 +108,8 @@ def clear() -> None:
 
 
 def inference_model(key: str | None, dtype: str, load: Callable[[], "torch.nn.Module"], *,
-                    check: Callable[[], None] | None = None) -> "torch.nn.Module":
+                    check: Callable[[], None] | None = None,
+                    template: Callable[[], "torch.nn.Module"] | None = None) -> "torch.nn.Module":
     """The inference model of version ``key`` in ``dtype``: ``load()`` outside ``keeping_models``
     or for ``key`` None; else the kept one, or one made from the kept trainer when it holds
     ``key`` (module docstring), or ``load()``, kept for the next call.
@@ -100,6 +120,10 @@ def inference_model(key: str | None, dtype: str, load: Callable[[], "torch.nn.Mo
         load: reads the model from storage (on ``default_device()``, eval mode), with its checks.
         check: the checks ``load`` makes of the stored files, without reading the weights; run
             before a kept or made model is served (its errors raise as ``load``'s would).
+        template: for a version whose weights are in memory only (``checkpoint.every`` > 1 in
+            stage mode): loads a model of its architecture (the checkpoint it descends from) into
+            which the kept trainer's tensors are copied, when no kept model can serve as one (a
+            trainer rebuilt after a restart: ``rebuild``).
     """
     if not keeps_models() or key is None:
         return load()
@@ -115,6 +139,10 @@ def inference_model(key: str | None, dtype: str, load: Callable[[], "torch.nn.Mo
             _MEMO.hits["inference"] += 1
             return model
         made = _from_trainer(key)
+    if made is None and kept and template is not None:
+        base = template()
+        with _MEMO.lock:
+            made = _from_trainer(key, base)
     if made is not None:
         _MEMO.hits["inference_from_trainer"] += 1
         model = made
@@ -128,23 +156,24 @@ def inference_model(key: str | None, dtype: str, load: Callable[[], "torch.nn.Mo
     return model
 
 
-def _from_trainer(key: str) -> "torch.nn.Module | None":
+def _from_trainer(key: str, base: "torch.nn.Module | None" = None) -> "torch.nn.Module | None":
     """(Under the lock.) An inference model holding the kept trainer's weights when it holds
-    ``key``: a copy of a kept inference model of the same model config (its non-persistent
-    buffers, such as rotary frequencies, come from it) whose ``state_dict`` has the same names,
-    shapes, dtypes and devices, with the trainer's tensors copied in; None when there is no such pair."""
+    ``key``: a copy of a kept inference model (or ``base`` itself, a model loaded for this) of the
+    same model config (its non-persistent buffers, such as rotary frequencies, come from it) whose
+    ``state_dict`` has the same names, shapes, dtypes and devices, with the trainer's tensors
+    copied in; None when there is no such pair."""
     if _MEMO.trainer is None or _MEMO.trainer[0] != key:
         return None
     trained_model = _MEMO.trainer[2].strategy.model
     trained = trained_model.state_dict()
     config = _config_of(trained_model)
-    for template in reversed(_MEMO.inference.values()):
+    for template in [base] if base is not None else reversed(_MEMO.inference.values()):
         own = template.state_dict()
         if _config_of(template) == config and own.keys() == trained.keys() and all(
                 (t.shape, t.dtype, t.device) == (own[n].shape, own[n].dtype, own[n].device) for n, t in trained.items()):
             import torch  # lazy: this module is imported where torch may not be loaded yet
 
-            model = copy.deepcopy(template)
+            model = template if base is not None else copy.deepcopy(template)
             with torch.no_grad():
                 for name, tensor in model.state_dict().items():
                     tensor.copy_(trained[name])
@@ -159,6 +188,14 @@ def _config_of(model) -> dict | None:
     if config is None or not hasattr(config, "to_dict"):
         return None
     return {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+
+
+def serves(key: str, dtype: str | None) -> bool:
+    """Whether the memo can serve version ``key`` without storage: its kept trainer holds it, or
+    (``dtype`` given) a kept inference model of it in ``dtype``."""
+    with _MEMO.lock:
+        return (_MEMO.trainer is not None and _MEMO.trainer[0] == key) or (
+            dtype is not None and (key, dtype) in _MEMO.inference)
 
 
 def take_trainer(key: str, settings: str) -> Any | None:

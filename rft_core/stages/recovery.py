@@ -12,14 +12,19 @@ first time), and checks each result against the committed digest (``check_digest
 the updates are deterministic, so the rebuilt weights and AdamW state are those of the
 uninterrupted run, bit for bit; a digest that differs (a nondeterministic GPU kernel) stops with
 ``RecoveryError``. The resident policy worker (``rft_core.workers.policy.PolicyWorker``) calls
-``rebuild_trainer`` when it does not hold the policy an update starts from.
+``rebuild_trainer`` when it does not hold the policy an update starts from; stage mode keeping
+its models (``rft_core.stages.memo``) calls it through ``keep_rebuilt`` when a program asks for
+such a policy in a process that does not hold it (a rerun after a crash, a retried update).
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
+from rft_core.counters import count
+import rft_core.stages.memo as memo
 from rft_core.stages.contracts import PPOUpdateInput
 from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, RecoveryError, policy_chain, trained_digest, update_input_of
 from rft_core.stages.optimizer_state import optimizer_state_ref
@@ -28,9 +33,11 @@ from rft_core.stages.update import (
     build_trainer,
     configure_trainer,
     run_update_steps,
+    trainer_settings,
     update_correction,
     update_data,
 )
+from rft_core.stages.sources import version_key
 from rft_core.training.update import StepMetrics
 from schemas import PolicyRef, ShardRef, read_manifest
 
@@ -98,3 +105,28 @@ def rebuild_trainer(ref: PolicyRef, inp: PPOUpdateInput | None) -> tuple[PolicyT
         log.info("rebuilt the policy of %s from %s by re-applying %d committed update(s) in %.1f s",
                  ref.uri if isinstance(ref, ShardRef) else ref, report["base"], len(chain), report["seconds"])
     return trainer, report
+
+
+_REBUILDING = threading.Lock()  # one rebuild at a time: the actor and reference passes run side by side
+
+
+def keep_rebuilt(ref: ShardRef) -> None:
+    """Stage mode keeping its models (``rft_core.stages.memo``, ``checkpoint.every`` > 1): make
+    the memo hold the trainer of ``ref``, a committed update whose weights were kept in memory
+    only (``kept_in_memory``), which this process does not hold (a rerun after a crash; an update
+    retried after it failed with the trainer taken out): ``rebuild_trainer`` (the committed
+    updates re-applied to the last checkpoint, each checked against its recorded digest), kept
+    with the settings its last update recorded. The stage runner hands it to ``keeping_models``;
+    the programs call it through ``memo.rebuild`` when they ask for such a policy. Nothing when
+    the memo holds the trainer already (another thread rebuilt it meanwhile).
+
+    Raises:
+        RecoveryError, OptimizerStateError, CheckpointPrunedError: see ``rebuild_trainer``.
+    """
+    key = version_key(ref)
+    with _REBUILDING:
+        if memo.serves(key, None):
+            return
+        trainer, report = rebuild_trainer(ref, None)
+        count("recovered_updates", report["replayed"])
+        memo.keep_trainer(key, trainer_settings(update_input_of(ref)), trainer)

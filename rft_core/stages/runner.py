@@ -28,6 +28,7 @@ from rft_core.config import RunnerConfig
 from rft_core.stages.contracts import PROGRAMS, STAGE_INPUTS, StageInput
 from rft_core.stages.inprocess import run_in_process  # importing it registers the programs
 from rft_core.stages.memo import keeping_models
+from rft_core.stages.recovery import keep_rebuilt
 from schemas import ShardNotCommittedError, ShardRef, read_manifest
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -216,10 +217,12 @@ def run_stage(inp: StageInput, runner: RunnerConfig | None = None, *, log: Calla
     cache is emptied (``release_models``; not in a resident worker that keeps it);
     ``python -m rft_core.stages`` enables TF32 at its start too (its memory goes back to the
     driver when it exits). With ``runner.keep_models`` the in-process program keeps and reuses
-    models in memory (``rft_core.stages.memo``) and the CUDA cache is kept.
+    models in memory (``rft_core.stages.memo``) and the CUDA cache is kept; a policy kept in
+    memory only (``checkpoint.every`` > 1) that this process does not hold is rebuilt when a
+    program asks for it (``rft_core.stages.recovery.keep_rebuilt``).
     """
     if runner is None or runner.mode == "inprocess":
-        with keeping_models(runner is not None and runner.keep_models):
+        with keeping_models(runner is not None and runner.keep_models, rebuild=keep_rebuilt):
             return run_in_process(inp)
     if runner.mode == "resident":
         if resident is None:

@@ -21,7 +21,7 @@ from rft_core.models.logprobs import default_device, release_device_memory
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, check_policy_weights, policy_model_path
 from rft_core.stages.contracts import PPOUpdateInput
 import rft_core.stages.memo as memo
-from rft_core.stages.lineage import weights_base
+from rft_core.stages.lineage import kept_in_memory, weights_base
 from rft_core.stages.retention import WEIGHT_SUFFIXES
 from schemas import PolicyRef
 
@@ -100,7 +100,8 @@ def inference_model(ref: PolicyRef, *, dtype: str, role: str = "policy") -> "tor
     Raises:
         CheckpointPrunedError, ShardCorruptError: (from storage) see ``policy_model_path``.
         WeightlessPolicyError: (from storage) ``ref`` is an update that kept its weights in the
-            resident workers' memory (``checkpoint.every`` > 1).
+            memory (``checkpoint.every`` > 1) of resident workers, or of stage mode keeping its
+            models where this process does not hold it.
     """
     source = current_source()
     if source is not None:
@@ -136,13 +137,25 @@ def load_from_storage(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
     read or trained before is taken from memory, after the same checks of the committed files
     (``check_policy_weights``, which reads no weights).
 
+    A policy whose weights this process keeps in memory only (``kept_in_memory``: stage mode
+    with ``checkpoint.every`` > 1, between checkpoints) is made from the kept trainer, on a model
+    of its architecture: a kept one, or the checkpoint it descends from (``weights_base``) read
+    for it; nothing on storage is checked for it (its manifest records the digest of its weights,
+    which a rebuild checks: ``rft_core.stages.recovery``).
+
     Raises:
         CheckpointPrunedError, ShardCorruptError, WeightlessPolicyError: see ``inference_model``.
     """
+    def read(model: PolicyRef) -> "torch.nn.Module":
+        return load_causal_lm(policy_model_path(model), dtype=dtype).to(default_device()).eval()
+
+    if kept_in_memory(ref):
+        key = _memo_key(ref)
+        if memo.keeps_models() and not memo.serves(key, dtype):
+            memo.rebuild(ref)  # a process that lost it (a rerun after a crash): rebuilt exactly, then kept
+        return memo.inference_model(key, dtype, lambda: read(ref), template=lambda: read(weights_base(ref)))
     check = None if isinstance(ref, str) else (lambda: check_policy_weights(ref))  # a kept model skips the read only
-    return memo.inference_model(_memo_key(ref), dtype,
-                                lambda: load_causal_lm(policy_model_path(ref), dtype=dtype).to(default_device()).eval(),
-                                check=check)
+    return memo.inference_model(_memo_key(ref), dtype, lambda: read(ref), check=check)
 
 
 def _memo_key(ref: PolicyRef) -> str | None:

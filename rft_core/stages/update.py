@@ -22,6 +22,7 @@ from rft_core.stages.lineage import (
     UPDATE_INPUT_KEY,
     WEIGHTS_DIGEST_KEY,
     has_weights,
+    kept_in_memory,
     policy_checkpoint_uri,
     trained_digest,
     update_input_of,
@@ -255,11 +256,15 @@ def trainer_settings(inp: PPOUpdateInput) -> str:
 def _stage_trainer(inp: PPOUpdateInput) -> PolicyTrainer:
     """The trainer of a stage-mode update: the one the previous update of this process kept
     (``rft_core.stages.memo``, stage mode keeping its models: the same tensors the previous update
-    wrote to ``inp.policy``'s checkpoint and optimizer stage), with this update's learning rate
-    and clipping; else built from storage (``build_trainer``)."""
+    wrote to ``inp.policy``'s checkpoint and optimizer stage, or kept in memory only), with this
+    update's learning rate and clipping; for a policy kept in memory only that this process lost,
+    rebuilt exactly first (``memo.rebuild``); else built from storage (``build_trainer``)."""
     kept = memo.take_trainer(version_key(inp.policy), trainer_settings(inp))
+    if kept is None and memo.keeps_models() and kept_in_memory(inp.policy):  # lost (a rerun, a failed update)
+        memo.rebuild(inp.policy)
+        kept = memo.take_trainer(version_key(inp.policy), trainer_settings(inp))
     if kept is not None:
-        if isinstance(inp.policy, ShardRef):
+        if isinstance(inp.policy, ShardRef) and not kept_in_memory(inp.policy):  # (nothing on storage to check)
             check_policy_weights(inp.policy)  # as build_trainer's read would (pruned, damaged), without the read
         configure_trainer(kept, inp.update)
         return kept
@@ -354,9 +359,10 @@ def run(inp: PPOUpdateInput) -> ShardRef:
         CheckpointPrunedError: the checkpoint ``policy`` or its optimizer state was pruned.
     """
     source = current_source()
-    if not inp.save_checkpoint and source is None:
+    if not inp.save_checkpoint and source is None and not memo.keeps_models():
         raise ValueError("ppo_update with save_checkpoint=False keeps the new policy in memory only: it runs in a "
-                         "resident worker (orchestration.workers=resident), not in a stage process")
+                         "resident worker (orchestration.workers=resident) or in a process that keeps its models "
+                         "(orchestration.keep_models), not in a stage process of its own")
     if source is not None and isinstance(inp.policy, ShardRef):  # its checkpoint's write failed: write it first
         _write_lost_checkpoint(inp.policy)  # (joins a pending one: a resident run carries on after a failed write)
     commit = stage_commit(inp, optimizer=optimizer_state_key(inp.policy))
@@ -473,10 +479,10 @@ def _commit_update(inp: PPOUpdateInput, commit: Commit) -> ShardRef:
     source = current_source()
     if source is not None:  # the next update joins the writes before it starts (_write_lost_checkpoint)
         source.trained(new)
-    elif isinstance(strategy, SingleProcess) and inp.save_checkpoint:  # stage mode keeping its models
+    elif isinstance(strategy, SingleProcess):  # stage mode keeping its models (a no-op in a stage process)
         # the next update trains during the write; its first step waits for a write reading its tensors
         # (not for one reading a host copy: its commit waits for that one, optimizer_state_ref above)
-        if writes_reading_tensors(new):
+        if inp.save_checkpoint and writes_reading_tensors(new):
             strategy.wait_before_step(lambda: wait_for_writes_of(new))
         memo.keep_trainer(version_key(new), trainer_settings(inp), trainer)
     return new

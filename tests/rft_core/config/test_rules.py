@@ -69,8 +69,12 @@ CASES = [
      ["update.rollout_correction", "logprobs.recompute_old_logprobs"], "logprobs.recompute_old_logprobs=true"),
     ("micro-batch-beyond-train-batch", {"update.train_batch_size": 2, "update.micro_batch_size": 4},
      ["update.train_batch_size", "update.micro_batch_size"], ">="),
-    ("checkpoint-every-needs-resident", {"checkpoint.every": 3},
-     ["checkpoint.every=3", "orchestration.workers=resident"], "checkpoint.every=1"),
+    ("checkpoint-every-needs-kept-policy", {"checkpoint.every": 3, "orchestration.keep_models": False},
+     ["checkpoint.every=3", "orchestration.keep_models=false", "orchestration.workers=resident"], "checkpoint.every=1"),
+    ("checkpoint-every-needs-kept-policy", {"checkpoint.every": 3, "rollout.max_staleness": 1},
+     ["checkpoint.every=3", "rollout.max_staleness=1", "orchestration.workers=resident"], "checkpoint.every=1"),
+    ("checkpoint-every-needs-kept-policy", {"checkpoint.every": 3, "update.lora": {}},
+     ["checkpoint.every=3", "update.lora", "orchestration.workers=resident"], "checkpoint.every=1"),
     ("staleness-needs-actor", {"rollout.max_staleness": 1, "logprobs.recompute_old_logprobs": False},
      ["rollout.max_staleness=1", "logprobs.recompute_old_logprobs"], "recompute_old_logprobs=true"),
     ("staleness-needs-correction", {"rollout.max_staleness": 1, "update.rollout_correction.enabled": False},
@@ -192,6 +196,8 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
     load_config(None, {"teacher.path": "t", "teacher.use_task_rewards": False, "kl.kl_coef": 0.1})
     load_config(None, {"teacher.path": "t", "shaping.advantage_whiten": True, "advantage": "gae"})  # with task rewards
     load_config(None, {"update.fsdp": {}, "critic.deepspeed": {}})  # FSDP2 for the policy, ZeRO for the critic
+    # stage mode keeping its models (the hf engine's default) keeps the policy between checkpoints
+    assert load_config(None, {"checkpoint.every": 3}).orchestration.workers == "stage"
 
 
 def test_a_bare_name_is_the_tagged_section_with_its_defaults():

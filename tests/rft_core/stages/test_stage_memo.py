@@ -14,7 +14,7 @@ import torch
 from rft_core.counters import COUNTS
 import rft_core.stages.memo as memo
 from rft_core.stages.checkpoints import WeightlessPolicyError, policy_model_path
-from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri, weights_stage
+from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, kept_in_memory, policy_checkpoint_uri, weights_stage
 from rft_core.stages import optimizer_state as opt_state
 from rft_core.stages import update as update_stage
 from rft_core.stages.sources import load_from_storage
@@ -246,4 +246,86 @@ def test_kept_models_on_remote_storage(storage_run, tiny_model, tmp_path, monkey
     memo.clear()
     final = drive(_cfg(tiny_model, f"memory://memo/{tmp_path.name}", keep=True))
     assert memo.hits()["trainer"] == 2 and memo.hits()["inference_from_trainer"] == 2
+    assert policy_files(final, suffix=".safetensors") == policy_files(final_s, suffix=".safetensors")
+
+
+def _weightless(root, it: int) -> bool:
+    update = ShardRef.from_manifest(stage_uri(str(root), it, "ppo_update"))
+    return kept_in_memory(update) and weights_stage(update) is None and not opt_state.optimizer_state_committed(update)
+
+
+def test_checkpoint_every_in_stage_mode_gives_the_storage_run_bit_for_bit(storage_run, tiny_model, tmp_path):
+    """``checkpoint.every=3`` in stage mode keeping its models: the updates of iterations 1 and 2
+    commit their metrics and the digest of their weights, no weights and no optimizer stage; the
+    kept trainer and the policies made from it serve the next stages; every shard and the final
+    weights equal the run whose every update wrote its checkpoint and whose stages read every model
+    from storage."""
+    root_s, final_s, _ = storage_run
+    memo.clear()
+    COUNTS.clear()
+    cfg = _cfg(tiny_model, tmp_path, True, "checkpoint.every=3")
+    assert [cfg.is_checkpoint(i) for i in (1, 2, 3)] == [False, False, True]
+    final = drive(cfg)
+    assert_training_signal(tmp_path, (1, 2, 3))
+    assert _weightless(tmp_path, 1) and _weightless(tmp_path, 2) and not _weightless(tmp_path, 3)
+    for it in (1, 2, 3):
+        for stage in STAGES[:-1]:
+            assert _parts(tmp_path, it, stage) == _parts(root_s, it, stage), (it, stage)
+        assert _metric_parts(tmp_path, it) == _metric_parts(root_s, it), it
+    assert policy_files(final, suffix=".safetensors") == policy_files(final_s, suffix=".safetensors")
+    assert _parts(tmp_path, 3, "ppo_update-optimizer") == _parts(root_s, 3, "ppo_update-optimizer")
+    h = memo.hits()
+    assert h["trainer"] == 2 and h["inference_from_trainer"] == 2, h
+    assert COUNTS["model_loads"] == 2 and not COUNTS.get("recovered_updates"), dict(COUNTS)
+
+
+def test_a_rerun_rebuilds_the_policy_stage_mode_kept_in_memory(storage_run, tiny_model, tmp_path):
+    """A crash after iteration 2 of a ``checkpoint.every=3`` stage-mode run (its policy lived in
+    the process's memory only): the rerun in a fresh process (nothing kept) rebuilds it before
+    iteration 3's rollout, re-applying the two committed updates to the initial model (each
+    checked against its recorded digest), and ends with the storage run's weights, bit for bit."""
+    root_s, final_s, _ = storage_run
+    memo.clear()
+    cfg = _cfg(tiny_model, tmp_path, True, "checkpoint.every=3")
+    drive(cfg, stop_after=2)
+    assert _weightless(tmp_path, 2)
+    u2 = ShardRef.from_manifest(stage_uri(str(tmp_path), 2, "ppo_update"))
+    with pytest.raises(WeightlessPolicyError):
+        load_from_storage(u2, dtype="float32")  # a process that keeps no models cannot serve it
+    memo.clear()
+    COUNTS.clear()
+    final = drive(cfg)
+    assert COUNTS["recovered_updates"] == 2, dict(COUNTS)
+    assert memo.hits()["inference_from_trainer"] == 1 and memo.hits()["trainer"] == 1, memo.hits()
+    for stage in STAGES[:-1]:
+        assert _parts(tmp_path, 3, stage) == _parts(root_s, 3, stage), stage
+    assert policy_files(final, suffix=".safetensors") == policy_files(final_s, suffix=".safetensors")
+
+
+def test_a_failed_update_rebuilds_the_policy_stage_mode_kept_in_memory(storage_run, tiny_model, tmp_path,
+                                                                      monkeypatch):
+    """Iteration 3's update of a ``checkpoint.every=3`` stage-mode run fails after its optimizer
+    steps moved the kept trainer (taken out of the memo, so nothing half-trained is kept); the
+    retry in the same process finds no trainer for policy 2, which lived in memory only, rebuilds
+    it from the initial model and the two committed updates, and ends with the storage run's weights."""
+    root_s, final_s, _ = storage_run
+    memo.clear()
+    cfg = _cfg(tiny_model, tmp_path, True, "checkpoint.every=3")
+    real = update_stage.run_update_steps
+    failed: list[int] = []
+
+    def steps_then_fail(trainer, inp, *args, **kwargs):
+        out = real(trainer, inp, *args, **kwargs)
+        if inp.policy_version == 2 and not failed:
+            failed.append(inp.policy_version)
+            raise RuntimeError("injected failure after the optimizer steps")
+        return out
+
+    monkeypatch.setattr(update_stage, "run_update_steps", steps_then_fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        drive(cfg)
+    assert failed == [2] and _weightless(tmp_path, 2)
+    COUNTS.clear()
+    final = drive(cfg)
+    assert COUNTS["recovered_updates"] == 2, dict(COUNTS)
     assert policy_files(final, suffix=".safetensors") == policy_files(final_s, suffix=".safetensors")
