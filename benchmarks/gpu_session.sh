@@ -16,6 +16,9 @@
 #   bash benchmarks/gpu_session.sh overlap    # the whole bench after the update trains during the optimizer write,
 #                                             # then the staging's checks, the optimizer tests and the stage arm with
 #                                             # checkpoint.async_weights=false (the weights written by the update), profiled (~10 min)
+#   bash benchmarks/gpu_session.sh every      # the whole bench, then the stage arm with checkpoint.every=4 (stage mode
+#                                             # keeping the policy between checkpoints), the staging's checks and the
+#                                             # optimizer tests (~6 min; limits 550 s in all)
 set -u
 PART=${1:-bench}
 OUT=${OUT:-$PWD/gpu-out}
@@ -29,7 +32,7 @@ if [ "$PART" = checks ] && [ ! -d "$SITE/deepspeed" ] && ls .whl/deepspeed-*.tar
         .whl/deepspeed-*.tar.gz >> "$OUT/install.log" 2>&1 || echo "deepspeed build failed" >> "$OUT/install.log"
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-{ [ "$PART" = bench ] || [ "$PART" = overlap ]; } && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -c \
+{ [ "$PART" = bench ] || [ "$PART" = overlap ] || [ "$PART" = every ]; } && { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -c \
   "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
   > "$OUT/machine.txt" 2>&1
 TOK=.carry/tok
@@ -39,7 +42,18 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output i
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: rc=$? $((SECONDS - t0)) s" >> "$OUT/steps.txt"
 }
-if [ "$PART" = overlap ]; then
+if [ "$PART" = every ]; then
+# issue 44: the whole table (TRL, resident, stage with a checkpoint every step, the default), then the stage arm with
+# checkpoint.every=4 (2026-11-30: the updates between checkpoints write no weights and no AdamW state, the kept trainer
+# serves the next stages), then the pinned-memory staging's checks and the optimizer-state tests on the GPU machine
+step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$OUT/bench_gpu.json" \
+    --doc "$OUT/benchmarks_gpu.md"
+step stage_every4 100 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --arms stage --steps 4 \
+    --set checkpoint.every=4 --json "$OUT/bench_stage_every4.json"
+step staging_cuda 45 python3 benchmarks/gpu_staging.py --json "$OUT/gpu_staging.json"
+step optimizer_state_cuda 75 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m pytest -q -p no:cacheprovider -rs \
+    tests/rft_core/stages/test_optimizer_state.py --timeout 70
+elif [ "$PART" = overlap ]; then
 # issue 44: the whole table after the next update learned to train during the optimizer-state write (staged in
 # page-locked host memory first); then the staging's checks and cost on the GPU (benchmarks/gpu_staging.py) and the
 # optimizer-state tests on the GPU machine
