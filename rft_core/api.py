@@ -112,7 +112,8 @@ def policy_checkpoint_folder(ref: PolicyRef) -> str:
     """The URI of the HF folder holding the committed policy ``ref``'s weights:
     ``{ppo_update}/policy``, or ``{ppo_update}-policy/policy`` for a checkpoint iteration
     written in the background (``weights_stage``); a model path as is; ``"(in memory)"`` for an
-    update whose weights stayed in the resident workers (``checkpoint.every`` > 1)."""
+    update whose weights stayed in memory (``checkpoint.every`` > 1: the resident workers, or
+    stage mode's kept trainer)."""
     if isinstance(ref, str):
         return ref
     held = weights_stage(ref)

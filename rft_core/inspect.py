@@ -53,8 +53,8 @@ def _checkpoint_kind(uri: str, manifest, pruned: dict) -> str:
     """What a committed ``ppo_update`` holds of the policy: ``weights + optimizer`` (a checkpoint
     a run resumes from), ``weights`` (its optimizer state pruned or not written yet),
     ``pruned``, or ``in memory`` (``checkpoint.every`` > 1: the weights stayed in the resident
-    workers; its manifest records their digest, and a resume rebuilds them from the checkpoint
-    before it). The weights of a resident checkpoint iteration written in the background are
+    workers, or in stage mode's kept trainer; its manifest records their digest, and a resume
+    rebuilds them from the checkpoint before it). The weights of a resident checkpoint iteration written in the background are
     in the sibling stage ``ppo_update-policy`` (``weights_stage``)."""
     ref = ShardRef.from_manifest(uri)
     held = weights_stage(ref)

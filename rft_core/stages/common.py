@@ -129,8 +129,8 @@ def commit_checkpoint(commit: Commit, *, subdir: str, model, tokenizer, optimize
     Parquet parts plus an HF checkpoint (with the optimizer state unless ``optimizer`` is None)
     under ``{commit.uri}/{subdir}``, all under one manifest written last. Works on any fsspec
     URI (remote: saved to a local temp folder, then uploaded). ``summary`` gains
-    ``checkpoint_seconds``. ``save_weights=False``: the metrics parts only (a resident worker
-    keeps the weights in memory; ``checkpoint.every``)."""
+    ``checkpoint_seconds``. ``save_weights=False``: the metrics parts only (a resident worker,
+    or stage mode keeping its models, keeps the weights in memory; ``checkpoint.every``)."""
     out = commit.uri
     token = prepare_stage_dir(out)
     try:
