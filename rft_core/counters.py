@@ -27,6 +27,9 @@ def count_bytes_read(path: "str | os.PathLike") -> None:
 def counts() -> dict[str, float]:
     """This process's event counters: ``model_loads`` (models read from storage), ``bytes_read``
     (their weight files and optimizer states), ``engine_builds`` (rollout engines built over a
-    model read for them), and in a resident worker ``weight_syncs``, ``weight_sync_seconds``,
-    ``weight_sync_bytes`` and ``recovered_updates`` (``rft_core.workers.rollout``, ``rft_core.workers.policy``)."""
+    model read for them), in a resident worker ``weight_syncs``, ``weight_sync_seconds`` and
+    ``weight_sync_bytes`` (``rft_core.workers.rollout``), and where a policy kept in memory was
+    rebuilt (a resident policy worker, stage mode keeping its models) ``recovered_updates`` (the
+    committed updates re-applied) and ``inexact_rebuilds`` (those whose GPU re-run differed from
+    the recorded digest: ``rft_core.stages.recovery.check_digest``)."""
     return dict(COUNTS)

@@ -43,10 +43,11 @@ class CheckpointConfig(_Frozen):
     manifests are always kept, so metrics, inspect, DuckDB and replay see every iteration.
     ``every`` (K): iteration ``i`` writes the policy's weights and AdamW state (a checkpoint)
     when ``i % K == 0`` or ``i`` is the run's last iteration (``is_checkpoint``); the other
-    iterations commit their experience and update shards only. K > 1 needs resident workers
-    (``orchestration.workers: resident``), which hold the policy between checkpoints; after a
-    crash the policy is rebuilt from the last checkpoint by re-applying the committed updates
-    after it (``rft_core.stages.recovery``). The defaults bound a run's disk: on SmolLM2-135M about 1.1 GB of optimizer state plus
+    iterations commit their experience and update shards only. K > 1 needs a process that holds
+    the policy between checkpoints: the resident workers (``orchestration.workers: resident``),
+    or stage mode keeping its models (``TrainConfig.kept_policy_blockers`` says where it cannot);
+    after a crash the policy is rebuilt from the last checkpoint by re-applying the committed
+    updates after it (``rft_core.stages.recovery``). The defaults bound a run's disk: on SmolLM2-135M about 1.1 GB of optimizer state plus
     3 x 0.54 GB of weights, plus 54 MB per iteration for every 10th iteration's weights
     (``docs/reliability.md``). ``keep_last: null`` keeps everything.
 
@@ -60,8 +61,9 @@ class CheckpointConfig(_Frozen):
     """
 
     every: int = Field(1, ge=1, description="write the policy's weights and optimizer state every K iterations and at "
-                       "the end of the run (K > 1 needs orchestration.workers=resident: between checkpoints the "
-                       "policy lives in the workers' memory, and a rerun rebuilds it from the last checkpoint)")
+                       "the end of the run (K > 1: between checkpoints the policy lives in memory, in the resident "
+                       "workers or in stage mode's kept trainer (orchestration.keep_models), and a rerun rebuilds it "
+                       "from the last checkpoint)")
     async_optimizer: bool = Field(True, description="write the policy's optimizer state in the background")
     async_weights: bool = Field(
         True, description="a checkpoint iteration's policy weights (with its AdamW state) are written in the background "

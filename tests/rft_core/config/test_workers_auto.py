@@ -55,8 +55,11 @@ def test_auto_picks_stage_on_a_gpu_without_ray_or_when_resident_does_not_cover_t
     machine(cuda=True, ray=False)
     cfg = load_config(None, BASE)
     assert cfg.orchestration.workers == "stage" and "Ray is not installed" in cfg.workers_choice
-    with pytest.raises(ConfigError, match="checkpoint.every=3 needs orchestration.workers=resident"):
-        load_config(None, [*BASE, "checkpoint.every=3"])
+    # stage mode keeps the policy between checkpoints where it keeps its models (the hf engine), else refuses
+    assert load_config(None, [*BASE, "checkpoint.every=3"]).orchestration.workers == "stage"
+    with pytest.raises(ConfigError, match="checkpoint.every=3 keeps the policy in memory between checkpoints.*"
+                                          "orchestration.keep_models=false"):
+        load_config(None, [*BASE, "checkpoint.every=3", "orchestration.keep_models=false"])
     machine(cuda=True, ray=True)
     cfg = load_config(None, [*BASE, "orchestration.policy_ranks=2"])  # several ranks need update.deepspeed
     assert cfg.orchestration.workers == "stage"

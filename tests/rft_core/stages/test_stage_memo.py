@@ -329,3 +329,31 @@ def test_a_failed_update_rebuilds_the_policy_stage_mode_kept_in_memory(storage_r
     final = drive(cfg)
     assert COUNTS["recovered_updates"] == 2, dict(COUNTS)
     assert policy_files(final, suffix=".safetensors") == policy_files(final_s, suffix=".safetensors")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_rebuild_that_differs_from_the_recorded_digest(storage_run, tiny_model, tmp_path, monkeypatch, device):
+    """The rebuild re-applies iterations 1 and 2 and gets other weights than their manifests
+    recorded (the digests are replaced to force it). On the CPU, where the updates are
+    deterministic, that means the inputs changed: ``RecoveryError`` naming the update. On a CUDA
+    device (the trainer's device patched), whose kernels need not give the same bits twice, each
+    mismatch is logged and counted (``inexact_rebuilds``) and the run goes on to its end."""
+    from rft_core.stages import recovery
+    from rft_core.stages.lineage import RecoveryError
+
+    memo.clear()
+    cfg = _cfg(tiny_model, tmp_path, True, "checkpoint.every=3")
+    drive(cfg, stop_after=2)
+    memo.clear()
+    COUNTS.clear()
+    real = recovery.committed_digest
+    monkeypatch.setattr(recovery, "committed_digest", lambda ref: real(ref)[:-1] + ("1" if real(ref)[-1] != "1" else "2"))
+    monkeypatch.setattr(recovery, "strategy_device", lambda strategy: torch.device(device))
+    if device == "cpu":
+        with pytest.raises(RecoveryError, match=r"iter=000001/ppo_update gave other weights .* on the CPU"):
+            drive(cfg)
+        return
+    final = drive(cfg)
+    assert COUNTS["inexact_rebuilds"] == 2 and COUNTS["recovered_updates"] == 2, dict(COUNTS)
+    root_s, final_s, _ = storage_run  # the weights were the same, only the recorded digests were replaced
+    assert policy_files(final, suffix=".safetensors") == policy_files(final_s, suffix=".safetensors")

@@ -165,11 +165,12 @@ def test_a_weightless_update_is_refused_from_storage_and_chains_to_its_checkpoin
     cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "checkpoint.every=3")
     drive(cfg, _runner(_pool()), stop_after=2)
     ref2 = ShardRef.from_manifest(stage_uri(cfg.run_root, 2, "ppo_update"))
-    with pytest.raises(WeightlessPolicyError, match="orchestration.workers=resident"):
+    with pytest.raises(WeightlessPolicyError, match=r"kept its weights in memory \(checkpoint.every > 1.*Resume the run"):
         policy_model_path(ref2)
     base, chain = policy_chain(ref2)
     assert base == tiny_model and [c.uri for c in chain] == [stage_uri(cfg.run_root, i, "ppo_update") for i in (1, 2)]
-    with pytest.raises(ValueError, match="resident worker"):  # stage mode cannot run an update without a checkpoint
+    # a stage process of its own (no runner: nothing kept) cannot run an update without a checkpoint
+    with pytest.raises(ValueError, match="resident worker .* or in a process that keeps its models"):
         from rft_core.stages.runner import run_stage
         from rft_core.stages.contracts import PPOUpdateInput
 
@@ -221,8 +222,8 @@ def test_a_failed_sync_leaves_the_engine_without_a_version_until_one_lands(stage
 def test_config_refuses_what_resident_workers_do_not_cover(tiny_model, tmp_path):
     from rft_core.config import ConfigError
 
-    with pytest.raises(ConfigError, match="checkpoint.every=3 needs orchestration.workers=resident"):
-        _cfg(tiny_model, tmp_path, "checkpoint.every=3")
+    with pytest.raises(ConfigError, match="checkpoint.every=3 keeps the policy in memory between checkpoints"):
+        _cfg(tiny_model, tmp_path, "checkpoint.every=3", "orchestration.keep_models=false")
     with pytest.raises(ConfigError, match="orchestration.policy_ranks=2: several policy ranks are DeepSpeed"):
         _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "orchestration.policy_ranks=2")
     with pytest.raises(ConfigError, match="critic.deepspeed: the resident critic worker trains in one process"):
