@@ -272,8 +272,31 @@ def run_ours(args, arm: str, model_dir: Path, prompts: Path) -> dict:
     _add_rollout_tokens(run_root, rows)
     from rft_core.stages.memo import hits
 
-    return {"arm": arm, "steps": rows, "total_seconds": round(time.perf_counter() - t0, 2), "run_root": run_root,
-            "keep_models": cfg.keeps_models and arm == "stage", "memo_hits": hits()}
+    out = {"arm": arm, "steps": rows, "total_seconds": round(time.perf_counter() - t0, 2), "run_root": run_root,
+           "keep_models": cfg.keeps_models and arm == "stage", "memo_hits": hits()}
+    if args.rebuild_probe:
+        out["rebuild"] = rebuild_probe(cfg)
+    return out
+
+
+def rebuild_probe(cfg) -> dict:
+    """What a resume after a crash before the last step would do (``--rebuild-probe``): the policy
+    of step N-1, kept in memory only (``checkpoint.every`` > N-1), rebuilt in this process with
+    nothing kept: the base checkpoint loaded, the committed updates re-applied, each checked against
+    its recorded digest (``rft_core.stages.recovery.rebuild_trainer``). Its report: updates
+    replayed, how many differed from their digest (``inexact``: GPU kernels that are not bitwise
+    deterministic) and seconds."""
+    from rft_core.stages import memo
+    from rft_core.stages.lineage import kept_in_memory
+    from rft_core.stages.recovery import rebuild_trainer
+    from schemas import ShardRef, stage_uri
+
+    ref = ShardRef.from_manifest(stage_uri(cfg.run_root, cfg.iterations - 1, "ppo_update"))
+    if not kept_in_memory(ref):
+        return {"skipped": f"step {cfg.iterations - 1} wrote its checkpoint (checkpoint.every={cfg.checkpoint.every})"}
+    memo.clear()
+    _, report = rebuild_trainer(ref, None)
+    return {k: report[k] for k in ("replayed", "inexact", "seconds")}
 
 
 def _add_rollout_tokens(run_root: str, rows: list[dict]) -> None:
@@ -415,6 +438,12 @@ def markdown(res: dict) -> str:
                                        + [f"{mean(lambda s, k=k: s['stage_seconds'].get(k, 0)):.2f}" for k in stages]
                                        + [f"**{mean(lambda s: s['outside_seconds']):.2f}**"]
                                        + [f"{mean(lambda s, k=k: s['outside'].get(k, 0)):.3f}" for k in cats]) + " |")
+        rebuild = arms[arm].get("rebuild")
+        if rebuild and "skipped" not in rebuild:
+            lines += ["", f"**{arm}**, rebuilt as a resume would (`--rebuild-probe`): the policy of step "
+                          f"{res['steps'] - 1}, {rebuild['replayed']} committed update(s) re-applied in "
+                          f"{rebuild['seconds']:.1f} s, {rebuild['inexact']} of them with other weights than their "
+                          "recorded digest"]
     lines.append("")
     lines.append("Same work on both sides: " + ("yes (completions per step equal, generated tokens within 5%, non-zero "
                                                  "gradient norms from step 2 on)" if not res["work_differs"] else
@@ -436,6 +465,10 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--doc", default=None, help="write the section 'GPU step cost' of this markdown file")
     ap.add_argument("--profile", default=None, help="a folder: cProfile of our arms' steps 2.. (<arm>.prof)")
+    ap.add_argument("--rebuild-probe", action="store_true",
+                    help="after our arm, rebuild the policy of the step before the last as a resume would (with "
+                         "checkpoint.every > steps - 1: its weights lived in memory only) and report whether the "
+                         "re-applied updates gave the recorded digests")
     ap.add_argument("--allow-other-work", action="store_true",
                     help="exit 0 even when the arms did not do the same work (default: exit 1, after the report)")
     ap.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
@@ -471,7 +504,8 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--worker", arm, "--model-dir", str(model_dir), "--prompts-file", str(prompts),
                "--result", str(result_path), "--steps", str(args.steps), "--shape", args.shape, "--dtype", args.dtype,
                *(["--cpu"] if args.cpu else []), *(["--tmp", args.tmp] if args.tmp else []),
-               *(["--profile", args.profile] if args.profile else []), *sum((["--set", o] for o in args.overrides), [])]
+               *(["--profile", args.profile] if args.profile else []), *(["--rebuild-probe"] if args.rebuild_probe else []),
+               *sum((["--set", o] for o in args.overrides), [])]
         print(f"== {arm}: {' '.join(cmd)}", flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
         results[arm] = json.loads(result_path.read_text())

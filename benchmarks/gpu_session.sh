@@ -18,7 +18,7 @@
 #                                             # checkpoint.async_weights=false (the weights written by the update), profiled (~10 min)
 #   bash benchmarks/gpu_session.sh every      # the whole bench, then the stage arm with checkpoint.every=4 (stage mode
 #                                             # keeping the policy between checkpoints), the staging's checks and the
-#                                             # optimizer tests (~6 min; limits 550 s in all)
+#                                             # optimizer tests (~6 min; limits 555 s in all)
 set -u
 PART=${1:-bench}
 OUT=${OUT:-$PWD/gpu-out}
@@ -45,14 +45,15 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit, its output i
 if [ "$PART" = every ]; then
 # issue 44: the whole table (TRL, resident, stage with a checkpoint every step, the default), then the stage arm with
 # checkpoint.every=4 (2026-11-30: the updates between checkpoints write no weights and no AdamW state, the kept trainer
-# serves the next stages), then the pinned-memory staging's checks and the optimizer-state tests on the GPU machine
+# serves the next stages; --rebuild-probe: the policy of step 3 rebuilt as a resume would, whether the re-applied updates
+# give the recorded digests on the GPU), then the pinned-memory staging's checks and the optimizer-state tests
 step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$OUT/bench_gpu.json" \
     --doc "$OUT/benchmarks_gpu.md"
-step stage_every4 100 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --arms stage --steps 4 \
-    --set checkpoint.every=4 --json "$OUT/bench_stage_every4.json"
+step stage_every4 120 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --arms stage --steps 4 \
+    --set checkpoint.every=4 --rebuild-probe --json "$OUT/bench_stage_every4.json"
 step staging_cuda 45 python3 benchmarks/gpu_staging.py --json "$OUT/gpu_staging.json"
-step optimizer_state_cuda 75 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m pytest -q -p no:cacheprovider -rs \
-    tests/rft_core/stages/test_optimizer_state.py --timeout 70
+step optimizer_state_cuda 60 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m pytest -q -p no:cacheprovider -rs \
+    tests/rft_core/stages/test_optimizer_state.py --timeout 55
 elif [ "$PART" = overlap ]; then
 # issue 44: the whole table after the next update learned to train during the optimizer-state write (staged in
 # page-locked host memory first); then the staging's checks and cost on the GPU (benchmarks/gpu_staging.py) and the

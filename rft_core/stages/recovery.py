@@ -105,7 +105,8 @@ def rebuild_trainer(ref: PolicyRef, inp: PPOUpdateInput | None) -> tuple[PolicyT
 
     Returns:
         (trainer, report): ``report`` has ``base`` (its URI or path), ``replayed`` (updates
-        re-applied) and ``seconds``.
+        re-applied), ``inexact`` (of them, those whose GPU re-run differed from the recorded
+        digest: ``check_digest``) and ``seconds``.
     Raises:
         RecoveryError: a recorded input is missing, or a re-applied update's weights differ from
             its digest on the CPU (``check_digest``); ``ValueError``: ``ref`` has its weights on storage and ``inp`` is None;
@@ -118,10 +119,11 @@ def rebuild_trainer(ref: PolicyRef, inp: PPOUpdateInput | None) -> tuple[PolicyT
     if first is None:
         raise ValueError(f"rebuild_trainer: {ref} has its weights on storage: building its trainer needs the update's input")
     trainer = build_trainer(base, first.update, dtype=first.dtype, opt_ref=optimizer_state_ref(base))
+    inexact = 0
     for u in chain:
         replay_update(trainer, update_input_of(u))
-        check_digest(trainer, u)
-    report = {"base": base.uri if isinstance(base, ShardRef) else base, "replayed": len(chain),
+        inexact += not check_digest(trainer, u)
+    report = {"base": base.uri if isinstance(base, ShardRef) else base, "replayed": len(chain), "inexact": inexact,
               "seconds": time.perf_counter() - t0}
     if chain:
         log.info("rebuilt the policy of %s from %s by re-applying %d committed update(s) in %.1f s",
