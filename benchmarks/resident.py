@@ -9,7 +9,9 @@ Per iteration and mode it records:
 - ``model_loads``: models read from storage; ``engine_builds``: rollout engines built over a
   model read for them;
 - ``weight_syncs``, ``weight_sync_s``, ``weight_sync_bytes``: in-memory weight syncs
-  (trainer -> rollout engine) and their seconds and bytes;
+  (trainer -> rollout engine) and their seconds and bytes; ``weight_sync_wait_s``: the seconds
+  a rollout waited for the sync ahead to land (the part of the sync the driver's work between
+  an update and the next rollout did not hide; counted where it waited);
 - ``seconds``: the iteration's wall seconds (the flow's ``seconds/iteration``);
 - ``outside_seconds``: ``seconds`` less its stages' own (``stage_seconds``): the task runs, the
   resident calls, the weight sync when a rollout waits for it, the reads and writes around each
@@ -39,7 +41,8 @@ from pathlib import Path
 
 from _env import ROOT, scratch_dir  # noqa: E402  (repository on sys.path, offline environment)
 
-COUNTERS = ("model_loads", "engine_builds", "bytes_read", "weight_syncs", "weight_sync_seconds", "weight_sync_bytes")
+COUNTERS = ("model_loads", "engine_builds", "bytes_read", "weight_syncs", "weight_sync_seconds", "weight_sync_bytes",
+            "weight_sync_wait_seconds")
 
 
 def bytes_written(run_root: str, iteration: int) -> int:
@@ -83,7 +86,8 @@ def _rows(run_root: str, metrics: list[dict], cumulative: list[dict], steps: lis
                     "bytes_written": bytes_written(run_root, m["iteration"]), "bytes_read": int(d["bytes_read"]),
                     "model_loads": int(d["model_loads"]), "engine_builds": int(d["engine_builds"]),
                     "weight_syncs": int(d["weight_syncs"]), "weight_sync_s": round(d["weight_sync_seconds"], 3),
-                    "weight_sync_bytes": int(d["weight_sync_bytes"]), "reward_mean": m.get("reward_mean"),
+                    "weight_sync_bytes": int(d["weight_sync_bytes"]),
+                    "weight_sync_wait_s": round(d["weight_sync_wait_seconds"], 3), "reward_mean": m.get("reward_mean"),
                     "stage_seconds": {k.split("/", 1)[1]: v for k, v in m.items()
                                       if k.startswith("seconds/") and k != "seconds/iteration"}})
         out[-1]["outside_seconds"] = round(out[-1]["seconds"] - sum(out[-1]["stage_seconds"].values()), 3)

@@ -26,6 +26,7 @@ import logging
 import shutil
 import tempfile
 import threading
+import time
 from typing import Any, ClassVar
 
 import torch
@@ -121,10 +122,13 @@ class RolloutWorker(ResidentWorker):
                         version_key(ref), type(exc).__name__, exc)
 
     def settle(self) -> None:
-        """Wait for a sync ahead still landing (``sync_ahead``)."""
+        """Wait for a sync ahead still landing (``sync_ahead``); the seconds waited count as
+        ``weight_sync_wait_seconds`` (what of the sync the driver's work did not hide)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
+            t0 = time.perf_counter()
             ahead.join()
+            count("weight_sync_wait_seconds", time.perf_counter() - t0)
 
     @fan_out(FanOut.COLLECTIVE)
     def run(self, inp) -> Any:
