@@ -31,7 +31,6 @@ from rft_core.api import (
     dataset_fingerprint,
     iteration_metrics,
     next_state,
-    run_counters,
     samples_markdown,
     sync_rollout_ahead,
 )
@@ -51,7 +50,6 @@ class IterationResult(BaseModel):
     next_state: TrainState
     stages: dict[str, ShardRef | None]
     metrics: dict[str, Any]
-    counters: dict[str, float] = {}  # the run's event counters after this iteration (``run_counters``), cumulative
 
 
 def _prompts(cfg: TrainConfig, iteration: int, out: Out, tags: bool, attempt: int, sfx: str = "",
@@ -246,17 +244,10 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
                                            kl=kl, out=out, tags=tags, background_optimizer=cfg.checkpoint.async_optimizer,
                                            save_checkpoint=cfg.is_checkpoint(iteration),
                                            policy_version=iteration - 1)
-    counters = None
     if cfg.syncs_rollout_ahead(iteration):  # the next rollout's weights move while this iteration commits
-        # the counters first: asked later, the workers would answer once the sync landed (the rollout worker
-        # settles it, the policy worker's calls queue behind its send), which put it back on the critical path;
-        # so the sync ahead of update i counts in iteration i + 1
-        counters = run_counters(cfg.resident_pool)
         sync_rollout_ahead(cfg.runner("rollout").workers, new_policy, cfg.policy.dtype)
     if ahead is not None:
         ahead.result()  # the next iteration's rollout, overlapped with this update (its failure surfaces here)
-    if counters is None:
-        counters = run_counters(cfg.resident_pool)
     refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy,
             **({"critic_update": new_critic} if new_critic else {})}
     metrics = iteration_metrics(iteration, refs)
@@ -267,4 +258,4 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
                              description=f"Sample prompts, responses and rewards of iteration {iteration}")
     get_run_logger().info("iteration %d committed: %s", iteration, new_policy.uri)
     return IterationResult(iteration=iteration, policy=new_policy, critic=new_critic, next_state=next_state(adv),
-                           stages=refs, metrics=metrics, counters=counters)
+                           stages=refs, metrics=metrics)

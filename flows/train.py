@@ -127,7 +127,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             result = rl_iteration(cfg, i, policy, state, critic, versions[cfg.rollout_policy_version(i)], ahead)
             policy, state, critic = result.policy, result.next_state, result.critic
             versions[i] = policy
-            result.metrics.update({f"run/{k}": v - counters0.get(k, 0) for k, v in result.counters.items()})
+            result.metrics.update({f"run/{k}": v - counters0.get(k, 0) for k, v in run_counters(cfg.resident_pool).items()})
             if cfg.checkpoint.keep_last is not None:
                 tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=i, checkpoint=cfg.checkpoint)
             rows.append(result.metrics)

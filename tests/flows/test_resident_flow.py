@@ -43,10 +43,9 @@ def test_resident_every_3_equals_stage_every_1(prefect_harness, tiny_model, tmp_
     builds = [r["run/engine_builds"] for r in rows]
     assert loads[0] == 3 and loads[1:] == [3, 3], loads  # engine, reference, trainer: iteration 1 only
     assert builds == [1, 1, 1], builds
-    # each update but the last is synced to the rollout worker right after it (the sync ahead), before
-    # the next rollout asks for it; the iteration's counters are read before it starts, so it counts in
-    # the next iteration's row (cumulative: update 1's in row 2, update 2's in row 3)
-    assert [r.get("run/weight_syncs", 0) for r in rows] == [0, 1, 2]
+    # each update but the last is synced to the rollout worker right after it (the sync ahead,
+    # counted in its own iteration's row), before the next rollout asks for it
+    assert [r.get("run/weight_syncs", 0) for r in rows] == [1, 2, 2]
     stage_loads = [r["run/model_loads"] for r in stage.metrics]
     # stage mode keeps its models (orchestration.keep_models, auto with the HF engine): iteration 1
     # reads the initial policy (its rollout, actor and reference passes) and the trainer, then nothing
