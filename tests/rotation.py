@@ -49,7 +49,8 @@ ROW_PREFIX = "test_sigkill"
 # 2 cores, measured (tests/durations.txt's history; groups alone with ``RFT_ROTATION=k -m
 # rotation``: 4 and 5 on 2026-11-28/29, 5, 6 and 7 again on 2026-11-29 after the resident runs
 # began to create their workers together, which took ~20 s off each resident row) and moved since:
-# 0 ~780 (769 and 794 in the 2026-11-29 17:41 and 18:37 records, the two tests that joined it included), 1 ~890, 2 ~905, 3 ~895, 4 ~900 (757 its landing's
+# 0 ~840 (769 and 794 in the 2026-11-29 17:41 and 18:37 records, the two tests that joined it included, plus the
+# stage-mode checkpoint.every row since 2026-11-30, ~60 s on the shared baseline), 1 ~890, 2 ~905, 3 ~895, 4 ~900 (757 its landing's
 # record, with the S3 bucket run's inspect and replay tests since, and the resident flow's
 # equality test, 56 s, out of every run since 2026-11-29, and the resident FSDP2 flow test, 54 s,
 # out of group 7 since 2026-11-29 15:50), 5 ~880 (706 in the 2026-11-29 07:11 record, plus 3
