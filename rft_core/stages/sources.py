@@ -140,8 +140,9 @@ def load_from_storage(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
     A policy whose weights this process keeps in memory only (``kept_in_memory``: stage mode
     with ``checkpoint.every`` > 1, between checkpoints) is made from the kept trainer, on a model
     of its architecture: a kept one, or the checkpoint it descends from (``weights_base``) read
-    for it; nothing on storage is checked for it (its manifest records the digest of its weights,
-    which a rebuild checks: ``rft_core.stages.recovery``).
+    for it; a process that does not hold its trainer (a rerun after a crash) has it rebuilt first
+    (``memo.rebuild``: the committed updates re-applied to the last checkpoint, each checked against
+    its recorded digest, ``rft_core.stages.recovery``); nothing on storage is checked for it.
 
     Raises:
         CheckpointPrunedError, ShardCorruptError, WeightlessPolicyError: see ``inference_model``.
