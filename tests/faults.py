@@ -277,7 +277,7 @@ class Outcome:
     overlap_live: bool | None = None
     redone: bool = False
     rerun_started: float = 0.0
-    rerun_log: str = ""  # the rerun's output (its last 50,000 characters)
+    rerun_log: str = field(default="", repr=False)  # the rerun's output (its last 50,000 characters)
     attempts: int = 0
     write_paused: bool = False
     kill_time: float = 0.0
