@@ -152,8 +152,8 @@ def load_from_storage(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
 
     if kept_in_memory(ref):
         key = _memo_key(ref)
-        if memo.keeps_models() and not memo.serves(key, dtype):
-            memo.rebuild(ref)  # a process that lost it (a rerun after a crash): rebuilt exactly, then kept
+        if not memo.serves(key, dtype):  # a process that lost it (a rerun after a crash): rebuilt exactly, then kept
+            memo.rebuild(ref)  # (nothing outside keeping_models: the read below then raises WeightlessPolicyError)
         return memo.inference_model(key, dtype, lambda: read(ref), template=lambda: read(weights_base(ref)))
     check = None if isinstance(ref, str) else (lambda: check_policy_weights(ref))  # a kept model skips the read only
     return memo.inference_model(_memo_key(ref), dtype, lambda: read(ref), check=check)

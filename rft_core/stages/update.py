@@ -259,12 +259,13 @@ def _stage_trainer(inp: PPOUpdateInput) -> PolicyTrainer:
     wrote to ``inp.policy``'s checkpoint and optimizer stage, or kept in memory only), with this
     update's learning rate and clipping; for a policy kept in memory only that this process lost,
     rebuilt exactly first (``memo.rebuild``); else built from storage (``build_trainer``)."""
-    kept = memo.take_trainer(version_key(inp.policy), trainer_settings(inp))
-    if kept is None and memo.keeps_models() and kept_in_memory(inp.policy):  # lost (a rerun, a failed update)
+    key, settings, in_memory = version_key(inp.policy), trainer_settings(inp), kept_in_memory(inp.policy)
+    kept = memo.take_trainer(key, settings)
+    if kept is None and in_memory:  # lost (a rerun, a failed update); memo.rebuild does nothing outside keeping_models
         memo.rebuild(inp.policy)
-        kept = memo.take_trainer(version_key(inp.policy), trainer_settings(inp))
+        kept = memo.take_trainer(key, settings)
     if kept is not None:
-        if isinstance(inp.policy, ShardRef) and not kept_in_memory(inp.policy):  # (nothing on storage to check)
+        if isinstance(inp.policy, ShardRef) and not in_memory:  # (nothing on storage to check for one in memory)
             check_policy_weights(inp.policy)  # as build_trainer's read would (pruned, damaged), without the read
         configure_trainer(kept, inp.update)
         return kept
