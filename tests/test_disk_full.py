@@ -76,7 +76,10 @@ def test_enospc_mid_run_names_the_stage_keeps_the_checkpoint_and_resumes(prefect
     run = small_disk / "run"
     proc = start_training(config, run, api)
     it1, it2 = run / "iter=000001", run / "iter=000002"
-    _wait_for([it1 / "ppo_update-optimizer" / "_MANIFEST.json", it2 / "prompts" / "_MANIFEST.json"], proc)
+    # iteration 1's whole checkpoint: its weights and optimizer state are written in the background
+    # (ppo_update-policy, ppo_update-optimizer), so either may commit after iteration 2's prompts
+    _wait_for([it1 / "ppo_update-policy" / "_MANIFEST.json", it1 / "ppo_update-optimizer" / "_MANIFEST.json",
+               it2 / "prompts" / "_MANIFEST.json"], proc)
     ballast = _fill(small_disk)  # another process takes the rest of the disk while iteration 2 runs
     before = {k: v for k, v in snapshot(run).items() if k.startswith("iter=000001/")}
     log = proc.communicate(timeout=300)[0].decode(errors="replace")
