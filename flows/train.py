@@ -7,6 +7,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from pydantic import BaseModel, ConfigDict, Field
 
 import tasks
@@ -26,6 +27,20 @@ from rft_core.api import (
 )
 from rft_core.config import TrainConfig
 from schemas import PolicyRef, ShardRef
+
+
+def without_heartbeats():
+    """The settings an iteration subflow runs under: no flow-run heartbeats (the training flow,
+    in the same process, sends them at ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``, default 180 s).
+
+    Prefect 3.9.1 (``prefect/flow_engine.py``, ``_send_heartbeats``) sends a flow run's heartbeats
+    from a thread that sleeps in 1 s steps, and a sync flow run's exit joins that thread, so every
+    iteration ended 0-1 s late, on every step's critical path (``benchmarks/prefect_overhead.py``).
+    A heartbeat says the process running the flow run is alive; the training flow's says it for
+    its iterations too. A zombie-flow automation (Prefect's "detect zombie flows", armed for a flow
+    run by its first heartbeat) marks the training flow run Crashed when its process dies; the
+    iteration it was running stays Running in the UI (a rerun resumes it from storage)."""
+    return temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
 class TrainResult(BaseModel):
@@ -124,7 +139,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         versions: dict[int, PolicyRef] = {0: policy}  # version v: the policy the update of iteration v made
         for i in range(1, cfg.iterations + 1):
             ahead = versions[cfg.rollout_policy_version(i + 1)] if cfg.rollout.max_staleness else None  # trained
-            result = rl_iteration(cfg, i, policy, state, critic, versions[cfg.rollout_policy_version(i)], ahead)
+            with without_heartbeats():
+                result = rl_iteration(cfg, i, policy, state, critic, versions[cfg.rollout_policy_version(i)], ahead)
             policy, state, critic = result.policy, result.next_state, result.critic
             versions[i] = policy
             result.metrics.update({f"run/{k}": v - counters0.get(k, 0) for k, v in run_counters(cfg.resident_pool).items()})

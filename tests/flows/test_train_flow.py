@@ -24,12 +24,23 @@ def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path, fake_rewards):
+def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path, fake_rewards, monkeypatch):
+    import prefect.flow_engine
+
     from flows.train import train
 
+    heartbeats, send = [], prefect.flow_engine._send_heartbeats  # what each flow run's engine was set to send
+
+    def recording(engine, *args, **kwargs):
+        heartbeats.append((engine.flow.name, engine.heartbeat_seconds))
+        return send(engine, *args, **kwargs)
+
+    monkeypatch.setattr(prefect.flow_engine, "_send_heartbeats", recording)
     cfg = flow_cfg(tiny_model, tmp_path / "run")
     result = train(cfg)
     assert [m["iteration"] for m in result.metrics] == [1, 2]
+    # the training flow sends heartbeats (Prefect's default every 180 s); its iterations none (flows/train.py)
+    assert heartbeats == [("rft-train", 180), ("rl-iteration", None), ("rl-iteration", None)]
     for it in (1, 2):
         for stage in STAGES:
             uri = f"{cfg.run_root}/iter={it:06d}/{stage}"
