@@ -116,6 +116,12 @@ bench-gpu: $(STAMP)
 bench-resident: $(STAMP)
 	$(BIN)/python benchmarks/resident.py --iterations 4 --every 4 --json docs/raw/resident.json --doc docs/benchmarks.md
 
+# What Prefect itself costs each iteration subflow (no model, no storage; a temporary Prefect server), with
+# Prefect's default flow-run heartbeats and as `rft train` runs its iterations (docs/benchmarks.md, "Prefect's own
+# cost per iteration"); ~2 min.
+bench-prefect: $(STAMP)
+	$(BIN)/python benchmarks/prefect_overhead.py
+
 # FSDP2 on 2 resident ranks against one process (issue 47): the demo preset twice, final weights
 # compared (docs/scale.md "FSDP2 or DeepSpeed", docs/raw/fsdp_demo.json); ~8 min, needs Ray.
 bench-fsdp-demo: $(STAMP)

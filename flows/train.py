@@ -39,7 +39,11 @@ def without_heartbeats():
     A heartbeat says the process running the flow run is alive; the training flow's says it for
     its iterations too. A zombie-flow automation (Prefect's "detect zombie flows", armed for a flow
     run by its first heartbeat) marks the training flow run Crashed when its process dies; the
-    iteration it was running stays Running in the UI (a rerun resumes it from storage)."""
+    iteration it was running stays Running in the UI (a rerun resumes it from storage).
+
+    Entered once around the iterations: the training flow's heartbeat thread has read its
+    frequency when it started, and a settings copy (pydantic-settings re-validating every
+    section) takes ~0.2 s on 2 cores."""
     return temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
@@ -137,18 +141,20 @@ def train(cfg: TrainConfig) -> TrainResult:
         if cfg.first_resident_stages:  # Ray, then the first iteration's workers' processes, starting during its prompts
             tasks.start_workers(cfg=cfg)
         versions: dict[int, PolicyRef] = {0: policy}  # version v: the policy the update of iteration v made
-        for i in range(1, cfg.iterations + 1):
-            ahead = versions[cfg.rollout_policy_version(i + 1)] if cfg.rollout.max_staleness else None  # trained
-            with without_heartbeats():
+        with without_heartbeats():
+            for i in range(1, cfg.iterations + 1):
+                ahead = versions[cfg.rollout_policy_version(i + 1)] if cfg.rollout.max_staleness else None  # trained
                 result = rl_iteration(cfg, i, policy, state, critic, versions[cfg.rollout_policy_version(i)], ahead)
-            policy, state, critic = result.policy, result.next_state, result.critic
-            versions[i] = policy
-            result.metrics.update({f"run/{k}": v - counters0.get(k, 0) for k, v in run_counters(cfg.resident_pool).items()})
-            if cfg.checkpoint.keep_last is not None:
-                tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=i, checkpoint=cfg.checkpoint)
-            rows.append(result.metrics)
-            recorder.submit(rows)
-            logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
+                policy, state, critic = result.policy, result.next_state, result.critic
+                versions[i] = policy
+                counters = run_counters(cfg.resident_pool)
+                result.metrics.update({f"run/{k}": v - counters0.get(k, 0) for k, v in counters.items()})
+                if cfg.checkpoint.keep_last is not None:
+                    tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=i,
+                                                                checkpoint=cfg.checkpoint)
+                rows.append(result.metrics)
+                recorder.submit(rows)
+                logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
         # the last iteration's optimizer state may still be being written (checkpoint.async_optimizer)
         wait_for_optimizer_writes()
     finally:
