@@ -19,6 +19,7 @@ import pytest
 from tests.faults import snapshot, start_training, write_config
 
 pytestmark = pytest.mark.timeout(600)
+ITERATION_STAGES = ("prompts", "rollout", "rewards", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update")
 
 
 @pytest.fixture
@@ -36,9 +37,10 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 300) -> None:
+def _wait_for(paths: list[Path], proc: subprocess.Popen, timeout: float = 300, *, gone: tuple[Path, ...] = ()) -> None:
+    """Until every one of ``paths`` exists and none of ``gone`` does."""
     deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
+    while not all(p.exists() for p in paths) or any(p.exists() for p in gone):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"the run ended (or timed out) before {paths} existed:\n"
                                  f"{proc.communicate()[0].decode(errors='replace')[-3000:]}")
@@ -78,9 +80,12 @@ def test_enospc_mid_run_names_the_stage_keeps_the_checkpoint_and_resumes(prefect
     it1, it2 = run / "iter=000001", run / "iter=000002"
     # iteration 1's whole checkpoint: its weights and optimizer state are written in the background
     # (ppo_update-policy, ppo_update-optimizer), so either may commit after iteration 2's prompts
-    _wait_for([it1 / "ppo_update-policy" / "_MANIFEST.json", it1 / "ppo_update-optimizer" / "_MANIFEST.json",
-               it2 / "prompts" / "_MANIFEST.json"], proc)
+    # (committed: the manifest written, then the writer lock released)
+    background = [it1 / "ppo_update-policy", it1 / "ppo_update-optimizer"]
+    _wait_for([b / "_MANIFEST.json" for b in background] + [it2 / "prompts" / "_MANIFEST.json"], proc,
+              gone=tuple(b / ".writer.lock" for b in background))
     ballast = _fill(small_disk)  # another process takes the rest of the disk while iteration 2 runs
+    committed = {s for s in ITERATION_STAGES if (it2 / s / "_MANIFEST.json").exists()}  # before the disk was full
     before = {k: v for k, v in snapshot(run).items() if k.startswith("iter=000001/")}
     log = proc.communicate(timeout=300)[0].decode(errors="replace")
     assert proc.returncode != 0, log[-3000:]
@@ -90,7 +95,7 @@ def test_enospc_mid_run_names_the_stage_keeps_the_checkpoint_and_resumes(prefect
     assert m, log[-4000:]
     failed = m.group(1)
     assert m.group(2).startswith(f"{it2 / failed}/")  # the file it was writing
-    assert failed in ("rollout", "rewards", "actor_logprobs", "ref_logprobs"), failed  # the stages after the prompts
+    assert failed in set(ITERATION_STAGES) - committed - {"prompts"}, (failed, committed)  # one after the fill
     assert not (it2 / failed / "_MANIFEST.json").exists()  # no manifest for the partial stage
     # iteration 1's checkpoint (and every committed file) is intact
     after = {k: v for k, v in snapshot(run).items() if k.startswith("iter=000001/")}

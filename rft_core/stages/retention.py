@@ -18,7 +18,10 @@ manifest; the shards of every stage are never pruned (metrics, inspect, DuckDB, 
 Resuming never needs a pruned file: iteration ``i + 1`` starts from iteration ``i``, which is
 kept whole until ``i + 1`` has committed (``keep_last >= 1``). With ``checkpoint.every`` > 1
 the last checkpoint (``latest_policy_checkpoint``) is also kept whole, whatever its age: a
-resume rebuilds the policies after it from it. Loading a pruned checkpoint
+resume rebuilds the policies after it from it; a checkpoint whose weights a background write
+has not committed yet is not that one (``has_weights``), so its predecessor stays whole until a
+later pass (the training flow runs the run's last pass again once its writes have landed).
+Loading a pruned checkpoint
 anyway (eval of an old iteration, or a later iteration deleted by hand) raises
 ``CheckpointPrunedError`` naming the files and why they went, instead of silently starting a
 fresh optimizer. Manifests are never rewritten (``schemas.shards.prune_files``).

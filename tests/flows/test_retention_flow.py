@@ -6,6 +6,7 @@ evaluated with a message that names the files, and a replay of the pruned run st
 (shards are never pruned)."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ def test_default_retention_prunes_old_checkpoints_and_resume_still_works(prefect
                                                                          fake_rewards, monkeypatch):
     from flows.train import train
     from rft_core.stages import update as update_stage
+    from rft_core.stages.retention import apply_retention
+    from rft_core.stages.writer import wait_for_optimizer_writes
     from rft_core.training import strategy as strategy_lib
 
     cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=4)
@@ -43,13 +46,19 @@ def test_default_retention_prunes_old_checkpoints_and_resume_still_works(prefect
     monkeypatch.setattr(strategy_lib, "read_optimizer_state", spy_read)
     with pytest.raises(RuntimeError, match="injected fault"):
         train(cfg)
+    # the pass after iteration 3 ran while its weights may still have been written in the background
+    # (then iteration 2 stayed whole, the checkpoint a resume would start from); once they landed:
+    wait_for_optimizer_writes()
+    apply_retention(cfg.run_root, 3, cfg.checkpoint)
     it = {i: root / f"iter={i:06d}" / "ppo_update" for i in (1, 2, 3, 4)}
     opt = {i: root / f"iter={i:06d}" / "ppo_update-optimizer" for i in (1, 2, 3, 4)}
     w = {i: root / f"iter={i:06d}" / "ppo_update-policy" for i in (1, 2, 3, 4)}  # the weights, written in the background
     # iteration 3 committed: iterations 1 and 2 lost their optimizer state, every iteration kept its weights
+    # (iteration 1's by the pass after iteration 2, or after 3 when iteration 2's weights were still pending)
+    assert pruned_files(str(opt[1]))["optimizer.pt"] in {f"checkpoint.keep_last=1 after iteration {n}" for n in (2, 3)}
+    assert pruned_files(str(opt[2])) == {"optimizer.pt": "checkpoint.keep_last=1 after iteration 3"}
     for i in (1, 2):
-        assert pruned_files(str(opt[i])) == {"optimizer.pt": f"checkpoint.keep_last=1 after iteration {i + 1}"}
-        assert not (opt[i] / "optimizer.pt").exists()
+        assert list(pruned_files(str(opt[i]))) == ["optimizer.pt"] and not (opt[i] / "optimizer.pt").exists()
     assert all(pruned_files(str(w[i])) == {} and (w[i] / "policy/model.safetensors").exists() for i in (1, 2, 3))
     assert (opt[3] / "optimizer.pt").exists() and pruned_files(str(opt[3])) == {}
 
@@ -95,3 +104,39 @@ def test_default_retention_prunes_old_checkpoints_and_resume_still_works(prefect
     rcfg = flow_cfg(tiny_model, tmp_path / "replay", iterations=2, **{"advantage.estimator": "rloo"})
     replayed = replay(cfg.run_root, rcfg)
     assert [m["iteration"] for m in replayed.metrics] == [1, 2]
+
+
+def test_the_last_pass_runs_again_once_the_background_writes_landed(prefect_harness, tiny_model, tmp_path, fake_rewards,
+                                                                     monkeypatch):
+    """The pass after the run's last iteration ran while that iteration's weights were still being
+    written in the background (held back 2 s here), so it kept the iteration before whole (the
+    checkpoint a resume would start from); the flow runs it again once the writes have landed, so
+    a finished run leaves no optimizer state but the last one (``checkpoint.keep_last=1``)."""
+    from flows.train import train
+    from rft_core.stages import retention, writer
+
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=2)
+    submit, latest = writer.submit, retention.latest_policy_checkpoint
+
+    def slow_last_weights(uri, fn, *args, **kwargs):
+        if uri.rstrip("/").endswith("iter=000002/ppo_update-policy"):
+            write = fn
+
+            def fn(*a):
+                time.sleep(2.0)
+                return write(*a)
+        return submit(uri, fn, *args, **kwargs)
+
+    keeps = []
+
+    def spy_latest(run_root, iteration):
+        keeps.append((iteration, latest(run_root, iteration)))
+        return keeps[-1][1]
+
+    monkeypatch.setattr(writer, "submit", slow_last_weights)
+    monkeypatch.setattr(retention, "latest_policy_checkpoint", spy_latest)
+    train(cfg)
+    assert keeps[1:] == [(2, 1), (2, 2)]  # after iteration 2: its weights pending (kept 1), then landed (kept 2)
+    opt = {i: Path(cfg.run_root) / f"iter={i:06d}" / "ppo_update-optimizer" for i in (1, 2)}
+    assert pruned_files(str(opt[1])) == {"optimizer.pt": "checkpoint.keep_last=1 after iteration 2"}
+    assert pruned_files(str(opt[2])) == {} and (opt[2] / "optimizer.pt").exists()

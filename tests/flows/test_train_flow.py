@@ -97,6 +97,7 @@ def test_default_skips_the_actor_stage_when_the_engine_log_probs_are_pi_old(pref
 
 def test_crash_in_update_then_resume_reuses_committed_stages(prefect_harness, tiny_model, tmp_path, fake_rewards, monkeypatch):
     from flows.train import train
+    from rft_core.stages.writer import wait_for_optimizer_writes
     from rft_core.stages import update as update_stage
 
     cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=2, **{"checkpoint.keep_last": None})
@@ -112,6 +113,7 @@ def test_crash_in_update_then_resume_reuses_committed_stages(prefect_harness, ti
     monkeypatch.setattr(update_stage, "ppo_update", failing_second_time)
     with pytest.raises(RuntimeError, match="injected fault"):
         train(cfg)
+    wait_for_optimizer_writes()  # iteration 1's background checkpoint, as this process's exit would
     root = Path(cfg.run_root)
     assert not (root / "iter=000002/ppo_update/_MANIFEST.json").exists()
     before = _snapshot(root)
