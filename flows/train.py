@@ -157,12 +157,12 @@ def train(cfg: TrainConfig) -> TrainResult:
                 logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
         # the last iteration's optimizer state may still be being written (checkpoint.async_optimizer)
         wait_for_optimizer_writes()
-        if cfg.checkpoint.keep_last is not None and cfg.iterations:  # its pass again, now that its writes landed:
-            tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=cfg.iterations,
-                                                        checkpoint=cfg.checkpoint)  # it ran while they were pending
     finally:
         recorder.close()  # the last iteration's files, also when the run failed
         release_run(cfg.resident_pool)  # the workers (after their pending writes) and stage mode's kept models
+    if cfg.checkpoint.keep_last is not None and cfg.iterations:  # the last pass again, now that every write landed
+        tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=cfg.iterations,
+                                                    checkpoint=cfg.checkpoint)  # (it ran while they were pending)
     metrics_uri, curve = recorder.result()
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")
     if curve:
