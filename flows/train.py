@@ -137,6 +137,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     critic: PolicyRef | None = None
     counters0 = run_counters(None)  # this process's model loads etc. before the run (counted from here)
     recorder = _Recorder(cfg)
+
+    def prune(iteration: int) -> None:  # checkpoint retention after ``iteration`` (a task run only when it is on)
+        if cfg.checkpoint.keep_last is not None and iteration:
+            tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=iteration,
+                                                        checkpoint=cfg.checkpoint)
+
     try:
         if cfg.first_resident_stages:  # Ray, then the first iteration's workers' processes, starting during its prompts
             tasks.start_workers(cfg=cfg)
@@ -149,9 +155,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 versions[i] = policy
                 counters = run_counters(cfg.resident_pool)
                 result.metrics.update({f"run/{k}": v - counters0.get(k, 0) for k, v in counters.items()})
-                if cfg.checkpoint.keep_last is not None:
-                    tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=i,
-                                                                checkpoint=cfg.checkpoint)
+                prune(i)
                 rows.append(result.metrics)
                 recorder.submit(rows)
                 logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
@@ -160,9 +164,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     finally:
         recorder.close()  # the last iteration's files, also when the run failed
         release_run(cfg.resident_pool)  # the workers (after their pending writes) and stage mode's kept models
-    if cfg.checkpoint.keep_last is not None and cfg.iterations:  # the last pass again, now that every write landed
-        tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=cfg.iterations,
-                                                    checkpoint=cfg.checkpoint)  # (it ran while they were pending)
+    prune(cfg.iterations)  # the last pass again, now that every write landed (it ran while they were pending)
     metrics_uri, curve = recorder.result()
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")
     if curve:
