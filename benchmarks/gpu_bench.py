@@ -264,7 +264,7 @@ def run_ours(args, arm: str, model_dir: Path, prompts: Path) -> dict:
             prof.enable()  # steady iterations only
 
     t0 = time.perf_counter()
-    drive(cfg, run, on_iteration=record)
+    drive(cfg, run, on_iteration=record, freeze_heap=True)  # as rft train (rft_core/heap.py)
     if prof is not None:
         prof.disable()
         Path(args.profile).mkdir(parents=True, exist_ok=True)

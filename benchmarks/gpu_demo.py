@@ -40,7 +40,7 @@ def run(cfg, cuda: bool) -> list[dict]:
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    drive(cfg, on_iteration=record)
+    drive(cfg, on_iteration=record, freeze_heap=True)  # as rft train (rft_core/heap.py)
     return rows
 
 

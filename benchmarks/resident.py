@@ -155,7 +155,7 @@ def run_inprocess(cfg) -> list[dict]:
         print(json.dumps({k: v for k, v in m.items() if not k.startswith("seconds/") or k == "seconds/iteration"}),
               flush=True)
 
-    drive(cfg, run, on_iteration=record)
+    drive(cfg, run, on_iteration=record, freeze_heap=True)  # as rft train (rft_core/heap.py)
     from rft_core.stages.writer import wait_for_optimizer_writes
 
     wait_for_optimizer_writes()

@@ -19,6 +19,7 @@ from rft_core.api import (
     check_run_root,
     curve_outputs,
     format_metrics_line,
+    freeze_grown_heap,
     policy_checkpoint_folder,
     run_counters,
     release_run,
@@ -153,6 +154,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 result = rl_iteration(cfg, i, policy, state, critic, versions[cfg.rollout_policy_version(i)], ahead)
                 policy, state, critic = result.policy, result.next_state, result.critic
                 versions[i] = policy
+                freeze_grown_heap()  # once warm, Python's collector stops walking every import (rft_core/heap.py)
                 counters = run_counters(cfg.resident_pool)
                 result.metrics.update({f"run/{k}": v - counters0.get(k, 0) for k, v in counters.items()})
                 prune(i)

@@ -17,6 +17,7 @@ from rft_core.data.check import check_config_data
 from rft_core.data.mixture import dataset_fingerprint, heldout_fingerprint
 from rft_core.data.prompts import DatasetError
 from rft_core.data.validate import DataValidationError, validate_run_data
+from rft_core.heap import freeze_grown_heap, thaw_heap
 from rft_core.inspect import export_table, run_status, samples_view
 from rft_core.metrics import format_metrics_line, iteration_metrics, write_metrics
 from rft_core.observe import CurveSchedule, TensorBoardLog, WandbLogger, curve_outputs, samples_markdown
@@ -58,7 +59,7 @@ __all__ = [
     "check_config_data", "dataset_fingerprint", "heldout_fingerprint", "DatasetError", "DataValidationError",
     "validate_run_data",
     "count_signal_groups", "curve_outputs", "default_eval_root", "eval_markdown", "eval_report_lines", "export_table",
-    "format_metrics_line", "iteration_metrics", "next_state", "prune_checkpoints", "replay_sources",
+    "format_metrics_line", "freeze_grown_heap", "iteration_metrics", "next_state", "prune_checkpoints", "replay_sources",
     "release_run", "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_transcript", "start_run_workers", "stop_workers", "samples_markdown", "sync_rollout_ahead", "samples_view",
     "wait_for_optimizer_writes", "policy_checkpoint_folder",
     "write_metrics", "write_replay_record",
@@ -70,9 +71,10 @@ __all__ = [
 def release_run(pool: str | None) -> None:
     """End what a run holds in memory, on success, an error or Ctrl-C alike: its resident
     workers (``pool``, None: none; ``stop_workers``, after their pending writes), the models
-    stage mode kept between stages (``rft_core.stages.memo``) and the page-locked copy of its
-    last optimizer state (``release_host_staging``), so a process that runs several flows holds
-    nothing of an earlier one.
+    stage mode kept between stages (``rft_core.stages.memo``), the page-locked copy of its
+    last optimizer state (``release_host_staging``) and the frozen heap (``thaw_heap``: what the
+    run froze is collected again), so a process that runs several flows holds nothing of an
+    earlier one.
 
     Raises:
         OptimizerStateError: a worker's pending write failed (see ``stop_workers``); the kept
@@ -82,6 +84,7 @@ def release_run(pool: str | None) -> None:
         if pool:
             stop_workers(pool)
     finally:
+        thaw_heap()  # first: the kept models' release then collects whatever they leave
         _release_kept_models()
         release_host_staging()
 

@@ -14,19 +14,22 @@ from typing import Any, Callable
 from rft_core.api import (ActorLogprobsInput, AdvantagesInput, PPOUpdateInput, PromptsInput, RefLogprobsInput,
                           RewardsInput, RolloutInput, dataset_fingerprint, iteration_metrics, next_state, run_stage,
                           wait_for_optimizer_writes)
+from rft_core.heap import freeze_grown_heap, thaw_heap
 from schemas import ShardRef, stage_uri
 
 MODEL_STAGES = ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update")
 
 
 def drive(cfg, run: Callable[[Any], Any] | None = None, *, stop_after: int | None = None,
-          on_iteration: Callable[[dict], None] | None = None) -> ShardRef:
+          on_iteration: Callable[[dict], None] | None = None, freeze_heap: bool = False) -> ShardRef:
     """Run iterations 1..``cfg.iterations`` (or ..``stop_after``) of ``cfg`` under
     ``cfg.run_root``; the stages that hold a model go through ``run`` (None: ``run_stage`` with
     the config's runner of the stage, as the flow runs it), the others through ``run_stage``. ``on_iteration`` gets each iteration's metrics (``iteration_metrics`` plus
     ``seconds/iteration``). The background writes (``checkpoint.async_optimizer``,
-    ``checkpoint.async_weights``) are waited for before it returns, as the flow does. Returns the
-    last update's ShardRef.
+    ``checkpoint.async_weights``) are waited for before it returns, as the flow does. ``freeze_heap``:
+    after each iteration freeze this process's heap once it grew, and thaw it at the end, as the
+    training flow does (``rft_core.heap``; the benchmarks, which time iterations as ``rft train``
+    runs them; tests leave it off). Returns the last update's ShardRef.
 
     Raises:
         ValueError: a config with dynamic sampling or a critic.
@@ -36,6 +39,15 @@ def drive(cfg, run: Callable[[Any], Any] | None = None, *, stop_after: int | Non
     if run is None:
         def run(inp):
             return run_stage(inp, cfg.runner(inp.program))
+    try:
+        return _iterations(cfg, run, stop_after, on_iteration, freeze_heap)
+    finally:
+        if freeze_heap:
+            thaw_heap()
+
+
+def _iterations(cfg, run, stop_after, on_iteration, freeze_heap) -> ShardRef:
+    """``drive``'s iterations (its arguments), before the heap is thawed."""
     policy, state = cfg.policy.path, cfg.initial_state
     versions = {0: policy}  # rollout.max_staleness: the rollout of iteration k samples with version v(k)
     carry = None
@@ -81,5 +93,7 @@ def drive(cfg, run: Callable[[Any], Any] | None = None, *, stop_after: int | Non
                                        "ppo_update": policy})
             m["seconds/iteration"] = round(time.perf_counter() - t0, 3)
             on_iteration(m)
+        if freeze_heap:
+            freeze_grown_heap()
     wait_for_optimizer_writes()  # as the flow: the last background writes (optimizer state, checkpoint) land first
     return policy

@@ -37,7 +37,7 @@ RULES: dict[str, tuple[set[str], tuple[str, ...] | None]] = {
 # rft_core's floors, bottom to top (docs/architecture.md, "Layers"): a subpackage or top-level
 # module of rft_core imports its own floor and the floors below, never one above
 RFT_CORE_FLOORS: tuple[tuple[str, ...], ...] = (
-    ("registry", "environments", "counters", "storage", "progress", "metrics", "evaluation", "network"),  # leaves
+    ("registry", "environments", "counters", "storage", "progress", "metrics", "evaluation", "network", "heap"),  # leaves
     ("algorithms",),
     ("models", "data"),
     ("config",),

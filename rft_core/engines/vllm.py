@@ -40,7 +40,6 @@ bucket with the model's own ``load_weights``, as vLLM's RLHF example does
 """
 from __future__ import annotations
 
-import gc
 import inspect
 import itertools
 import logging
@@ -49,6 +48,7 @@ from typing import Any
 
 from rft_core.engines import ENGINE_CACHE, VLLM_SEED_BITS, SyncedWeights, cached_engine, engine_dtype, sample_seed
 from rft_core.engines.hf import Generation
+from rft_core.heap import collect_all
 from rft_core.models.logprobs import release_device_memory
 from rft_core.weightsync.base import OWN_WAIT_SHARE, Meet
 from rft_core.weightsync.collective import receive_buckets
@@ -492,7 +492,7 @@ class VLLMEngine(SyncedWeights):
         if callable(shutdown):
             shutdown()
         del llm
-        gc.collect()
+        collect_all()  # the heap may be frozen: rft_core.heap, or vLLM's freeze_gc_heap when its worker ran here
         _cleanup_vllm()
         release_device_memory()
 

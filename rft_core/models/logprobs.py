@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rft_core.heap import collect_all
 from schemas.experience import zero_pad_sequences
 
 CHUNK_BYTES = 64 * 2**20  # float32 bytes of one (chunk, V) temporary when chunk_size is None
@@ -231,7 +232,8 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 def release_device_memory() -> bool:
     """Return the CUDA caching allocator's unused blocks to the driver (``torch.cuda.empty_cache``
-    after a garbage collection, so that dropped models are unreferenced first). A no-op, without
+    after a garbage collection that also reaches a frozen heap, ``rft_core.heap.collect_all``, so
+    that dropped models are unreferenced first). A no-op, without
     the garbage collection, when CUDA is unavailable or was never initialised in this process
     (nothing is cached then). Call it after a stage drops its model, so a colocated engine (vLLM's
     startup free-memory check, SGLang) sees the memory as free.
@@ -241,9 +243,7 @@ def release_device_memory() -> bool:
     """
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return False
-    import gc
-
-    gc.collect()
+    collect_all()
     torch.cuda.empty_cache()
     return True
 

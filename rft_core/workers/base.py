@@ -41,6 +41,7 @@ import torch
 
 from rft_core.config import WorkersConfig
 from rft_core.counters import counts
+from rft_core.heap import freeze_grown_heap
 from rft_core.network import free_port
 from rft_core.stages.inprocess import run_in_process
 from rft_core.stages.sources import models_from
@@ -282,30 +283,38 @@ class ResidentWorker:
         keep_device_cache: keep the CUDA caching allocator's blocks between programs
             (``ModelSource.keeps_device_cache``, ``rft_core.stages.sources.release_models``); False
             when a GPU engine (vLLM, SGLang) shares the devices and must find their memory free.
+        freeze_heap: after each program, freeze the process's heap once it has grown
+            (``rft_core.heap.freeze_grown_heap``: the first program's imports and models), so the
+            garbage collector's walks of the oldest generation stop pausing the next programs:
+            for a worker in a process of its own (a Ray actor, ``kwargs_from``); False for one
+            made in the caller's process (tests, ``tests.drive``'s caller freezes its own heap).
     """
 
     role: ClassVar[str]
     programs: ClassVar[tuple[str, ...]]
 
     def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None,
-                 keep_device_cache: bool = True) -> None:
+                 keep_device_cache: bool = True, freeze_heap: bool = False) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.pool, self.rank, self.ranks = pool, rank, ranks
-        self.keeps_device_cache = keep_device_cache
+        self.keeps_device_cache, self.freeze_heap = keep_device_cache, freeze_heap
         self.version: str | None = None
 
     @classmethod
     def kwargs_from(cls, workers: WorkersConfig) -> dict[str, Any]:
-        """The constructor's keyword arguments (beyond ``pool``, ``rank``, ``ranks``) from the pool's settings."""
-        return {"threads": workers.threads or torch.get_num_threads(), "keep_device_cache": workers.keep_device_cache}
+        """The constructor's keyword arguments (beyond ``pool``, ``rank``, ``ranks``) of a Ray actor
+        from the pool's settings (the actor's process is its own: ``freeze_heap``)."""
+        return {"threads": workers.threads or torch.get_num_threads(), "keep_device_cache": workers.keep_device_cache,
+                "freeze_heap": True}
 
     @fan_out(FanOut.COLLECTIVE)
     def run(self, inp) -> Any:
         """Run the stage program of ``inp`` (a stage input model) exactly as ``run_stage`` does in
         a stage process, inside ``models_from(self)`` (the program asks this worker for its
         model instead of loading it); returns what the program returns (its committed ShardRef).
-        Every rank of a gang runs it; rank 0's result is the stage's.
+        Every rank of a gang runs it; rank 0's result is the stage's. Then, with ``freeze_heap``,
+        the heap is frozen if it grew (``freeze_grown_heap``: after the worker's first program).
 
         Raises:
             ValueError: a program this role does not run.
@@ -313,7 +322,10 @@ class ResidentWorker:
         if inp.program not in self.programs:
             raise ValueError(f"the {self.role} worker does not run {inp.program!r} (it runs {', '.join(self.programs)})")
         with models_from(self):  # type: ignore[arg-type]  # the part of ModelSource this role's programs call
-            return run_in_process(inp)
+            out = run_in_process(inp)
+        if self.freeze_heap:
+            freeze_grown_heap()
+        return out
 
     @fan_out(FanOut.EACH)
     def stats(self) -> dict[str, Any]:

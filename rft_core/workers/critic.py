@@ -9,6 +9,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from rft_core.heap import collect_all
 from rft_core.models.hub import torch_dtype
 from rft_core.stages.sources import critic_model, models_from, version_key
 from rft_core.training.strategy import continue_with
@@ -23,15 +24,16 @@ class CriticWorker(ResidentWorker):
     ``critic_update``) that the kept strategy ``held`` holds; None before the first update.
 
     Args:
-        pool, rank, ranks, threads, keep_device_cache: ``ResidentWorker``'s.
+        pool, rank, ranks, threads, keep_device_cache, freeze_heap: ``ResidentWorker``'s.
     """
 
     role: ClassVar[str] = "critic"
     programs: ClassVar[tuple[str, ...]] = ("critic_values", "critic_update")
 
     def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None,
-                 keep_device_cache: bool = True) -> None:
-        super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache)
+                 keep_device_cache: bool = True, freeze_heap: bool = False) -> None:
+        super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache,
+                         freeze_heap=freeze_heap)
         self.held: Any = None  # its training strategy (model and AdamW state)
 
     def critic_model(self, ref: PolicyRef, *, dtype: str) -> torch.nn.Module:
@@ -49,7 +51,9 @@ class CriticWorker(ResidentWorker):
         """``ModelSource.critic_strategy``: the kept strategy when it holds ``ref`` (continued
         with ``lr`` and ``max_grad_norm``), else ``build()`` (from storage), kept from now on."""
         if self.held is None or self.version != version_key(ref):
-            self.held = None  # the old strategy is freed before the new one is loaded
+            if self.held is not None:  # the old strategy is freed before the new one is loaded
+                self.held = None
+                collect_all()  # its cycles too, if it was frozen (rft_core.heap)
             self.held, self.version = build(), version_key(ref)
             return self.held
         continue_with(self.held, lr=lr, max_grad_norm=max_grad_norm)

@@ -19,6 +19,7 @@ import torch
 
 from rft_core.config import WorkersConfig
 from rft_core.counters import count
+from rft_core.heap import collect_all
 from rft_core.network import free_port
 from rft_core.stages.lineage import has_weights
 from rft_core.stages.writer import wait_for_optimizer_writes
@@ -43,7 +44,7 @@ class PolicyWorker(ResidentWorker):
     last ran or was rebuilt to; None before its first update.
 
     Args:
-        pool, rank, ranks, threads, keep_device_cache: ``ResidentWorker``'s.
+        pool, rank, ranks, threads, keep_device_cache, freeze_heap: ``ResidentWorker``'s.
         sync_timeout_s, sync_bucket_mb: the weight-sync transaction's limits.
     """
 
@@ -51,9 +52,10 @@ class PolicyWorker(ResidentWorker):
     programs: ClassVar[tuple[str, ...]] = ("ppo_update",)
 
     def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None,
-                 keep_device_cache: bool = True,
+                 keep_device_cache: bool = True, freeze_heap: bool = False,
                  sync_timeout_s: float = 300.0, sync_bucket_mb: int = 256) -> None:
-        super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache)
+        super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache,
+                         freeze_heap=freeze_heap)
         self.sync_timeout_s, self.sync_bucket_mb = sync_timeout_s, sync_bucket_mb
         self.held: Any = None  # the rft_core.stages.update.PolicyTrainer it keeps
         self._links: dict[str, Transport] = {}  # the send legs by transport, kept across syncs (shm: its segment)
@@ -83,7 +85,9 @@ class PolicyWorker(ResidentWorker):
         loaded, the committed updates after it re-applied)."""
         key = version_key(ref)
         if self.held is None or self.version != key:
-            self.held = None
+            if self.held is not None:  # the old trainer is freed before the new one is built
+                self.held = None
+                collect_all()  # its cycles too (a DeepSpeed engine's), if it was frozen (rft_core.heap)
             trainer, report = rebuild_trainer(ref, inp)
             count("recovered_updates", report["replayed"])
             self.held, self.version = trainer, key

@@ -19,15 +19,16 @@ class ReferenceWorker(ResidentWorker):
     and checksum) that ``model`` was loaded from; None before the first pass.
 
     Args:
-        pool, rank, ranks, threads, keep_device_cache: ``ResidentWorker``'s.
+        pool, rank, ranks, threads, keep_device_cache, freeze_heap: ``ResidentWorker``'s.
     """
 
     role: ClassVar[str] = "reference"
     programs: ClassVar[tuple[str, ...]] = ("ref_logprobs",)
 
     def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None,
-                 keep_device_cache: bool = True) -> None:
-        super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache)
+                 keep_device_cache: bool = True, freeze_heap: bool = False) -> None:
+        super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache,
+                         freeze_heap=freeze_heap)
         self.model: torch.nn.Module | None = None
         self.model_dtype: str | None = None
 

@@ -55,7 +55,7 @@ class RolloutWorker(ResidentWorker):
     sync is landing or after one failed (then the next request syncs again).
 
     Args:
-        pool, rank, ranks, threads, keep_device_cache: ``ResidentWorker``'s.
+        pool, rank, ranks, threads, keep_device_cache, freeze_heap: ``ResidentWorker``'s.
         sync_timeout_s, sync_bucket_mb: the weight-sync transaction's limits.
         policy_ranks: the size of the policy trainer's gang (DeepSpeed ranks): every rank takes
             part in a sync (a ZeRO-3 gather and a rebuild are collectives), rank 0 sends.
@@ -68,10 +68,11 @@ class RolloutWorker(ResidentWorker):
     programs: ClassVar[tuple[str, ...]] = ("rollout", "actor_logprobs")
 
     def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None,
-                 keep_device_cache: bool = True,
+                 keep_device_cache: bool = True, freeze_heap: bool = False,
                  sync_timeout_s: float = 300.0, sync_bucket_mb: int = 256, policy_ranks: int = 1,
                  rollout_versions: int = 1, peer: PolicyWorker | None = None) -> None:
-        super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache)
+        super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache,
+                         freeze_heap=freeze_heap)
         self.sync_timeout_s, self.sync_bucket_mb = sync_timeout_s, sync_bucket_mb
         self.policy_ranks, self.rollout_versions = policy_ranks, rollout_versions
         self._peer = peer

@@ -15,7 +15,7 @@ class TeacherWorker(ReferenceWorker):
     from; None before the first pass.
 
     Args:
-        pool, rank, ranks, threads, keep_device_cache: ``ResidentWorker``'s.
+        pool, rank, ranks, threads, keep_device_cache, freeze_heap: ``ResidentWorker``'s.
     """
 
     role: ClassVar[str] = "teacher"

@@ -3,6 +3,7 @@ and valid, the policy changed; then a crash in the update and a resume that reus
 committed stages without touching their files."""
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import zlib
@@ -27,6 +28,7 @@ def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
 def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path, fake_rewards, monkeypatch):
     import prefect.flow_engine
 
+    import flows.train
     from flows.train import train
 
     heartbeats, send = [], prefect.flow_engine._send_heartbeats  # what each flow run's engine was set to send
@@ -36,11 +38,19 @@ def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path,
         return send(engine, *args, **kwargs)
 
     monkeypatch.setattr(prefect.flow_engine, "_send_heartbeats", recording)
+    frozen, freeze = [], flows.train.freeze_grown_heap  # what each iteration's end froze (rft_core/heap.py)
+    monkeypatch.setattr(flows.train, "freeze_grown_heap", lambda: frozen.append((freeze(), gc.get_freeze_count())))
     cfg = flow_cfg(tiny_model, tmp_path / "run")
     result = train(cfg)
     assert [m["iteration"] for m in result.metrics] == [1, 2]
     # the training flow sends heartbeats (Prefect's default every 180 s); its iterations none (flows/train.py)
     assert heartbeats == [("rft-train", 180), ("rl-iteration", None), ("rl-iteration", None)]
+    # the first iteration's end froze this process's heap (torch, transformers, Prefect: over 100,000 objects), the
+    # second found too little grown to freeze again (frozen objects freed by their reference counts leave the count);
+    # the run's end thawed it
+    assert frozen[0][0] > 100_000 and frozen[0][1] >= frozen[0][0], frozen
+    assert frozen[1][0] == 0 and frozen[1][1] > 100_000, frozen
+    assert gc.get_freeze_count() == 0
     for it in (1, 2):
         for stage in STAGES:
             uri = f"{cfg.run_root}/iter={it:06d}/{stage}"

@@ -1,0 +1,86 @@
+"""``rft_core.heap``: a grown heap is frozen (garbage collected first, never frozen), a small one
+is left alone, a reference cycle frozen while alive is freed by ``collect_all`` (which plain
+collections no longer reach) and the heap is frozen again after it; resident workers freeze only
+in a process of their own (a Ray actor)."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from rft_core.config import WorkersConfig
+from rft_core.heap import collect_all, freeze_grown_heap, thaw_heap
+from rft_core.workers.policy import PolicyWorker
+from rft_core.workers.reference import ReferenceWorker
+from rft_core.workers.rollout import RolloutWorker
+
+
+class Node:
+    """A weak-referenceable object to build reference cycles from."""
+
+    other: "Node | None" = None
+
+
+def _cycle() -> weakref.ref:
+    """A two-node reference cycle nothing else refers to once this returns; a weak reference to it."""
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+
+
+@pytest.fixture
+def thawed():
+    """The heap thawed and the collector on again after the test, whatever it did."""
+    enabled = gc.isenabled()
+    thaw_heap()
+    yield
+    thaw_heap()
+    if enabled:
+        gc.enable()
+
+
+def test_a_heap_under_the_threshold_is_left_alone(thawed):
+    assert gc.get_freeze_count() == 0
+    assert freeze_grown_heap(min_objects=len(gc.get_objects()) + 10**6) == 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_grown_heap_is_collected_then_frozen(thawed):
+    gc.disable()  # so that only freeze_grown_heap's own collection can free the cycle below
+    garbage = _cycle()
+    assert garbage() is not None  # unreachable, not collected yet
+    frozen = freeze_grown_heap(min_objects=1)
+    assert garbage() is None  # collected before the freeze, not frozen with the rest
+    assert frozen == gc.get_freeze_count() > 1000
+    assert len(gc.get_objects()) < 1000  # what is left for later collections to walk
+    assert freeze_grown_heap() == 0  # nothing grew since
+
+
+def test_collect_all_frees_a_cycle_frozen_while_alive_and_freezes_again(thawed):
+    alive = Node()
+    alive.other = Node()
+    alive.other.other = alive
+    ref = weakref.ref(alive)
+    assert freeze_grown_heap(min_objects=1) > 0
+    del alive  # now garbage, in the permanent generation
+    gc.collect()
+    assert ref() is not None  # out of a plain collection's reach: the reason collect_all exists
+    collect_all()
+    assert ref() is None
+    assert gc.get_freeze_count() > 1000  # the rest frozen again
+
+
+def test_collect_all_on_a_thawed_heap_is_a_plain_collection(thawed):
+    gc.disable()
+    garbage = _cycle()
+    collect_all()
+    assert garbage() is None and gc.get_freeze_count() == 0
+
+
+def test_resident_workers_freeze_only_as_actors():
+    workers = WorkersConfig(pool="test")
+    for cls in (PolicyWorker, RolloutWorker, ReferenceWorker):
+        assert cls.kwargs_from(workers)["freeze_heap"] is True  # the pool's Ray actors (rft_core.workers.pool)
+        assert cls("test", **{**cls.kwargs_from(workers), "threads": None}).freeze_heap is True
+        assert cls("test").freeze_heap is False  # one made in the caller's process (tests, benchmarks)
