@@ -13,6 +13,7 @@ from flows.iteration import train_on
 from rft_core.api import (
     check_run_root,
     format_metrics_line,
+    freeze_grown_heap,
     iteration_metrics,
     next_state,
     policy_checkpoint_folder,
@@ -74,6 +75,7 @@ def replay(source_run_root: str, cfg: TrainConfig) -> ReplayResult:
             rows.append(m)
             write_metrics(cfg.run_root, rows)
             logger.info("replay " + format_metrics_line(m))
+            freeze_grown_heap()  # as the training flow (rft_core/heap.py); release_run thaws it
         wait_for_optimizer_writes()  # the last update's weights, when written in the background (checkpoint.async_weights)
     finally:
         release_run(None)  # the models kept between stages
