@@ -164,8 +164,10 @@ def train(cfg: TrainConfig) -> TrainResult:
         # the last iteration's optimizer state may still be being written (checkpoint.async_optimizer)
         wait_for_optimizer_writes()
     finally:
-        recorder.close()  # the last iteration's files, also when the run failed
-        release_run(cfg.resident_pool)  # the workers (after their pending writes) and stage mode's kept models
+        try:
+            recorder.close()  # the last iteration's files, also when the run failed
+        finally:  # the workers (after their pending writes), stage mode's kept models, the frozen heap
+            release_run(cfg.resident_pool)
     prune(cfg.iterations)  # the last pass again, now that every write landed (it ran while they were pending)
     metrics_uri, curve = recorder.result()
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")

@@ -73,8 +73,8 @@ def release_run(pool: str | None) -> None:
     workers (``pool``, None: none; ``stop_workers``, after their pending writes), the models
     stage mode kept between stages (``rft_core.stages.memo``), the page-locked copy of its
     last optimizer state (``release_host_staging``) and the frozen heap (``thaw_heap``: what the
-    run froze is collected again), so a process that runs several flows holds nothing of an
-    earlier one.
+    run froze is in the collector's reach again, as before the run), so a process that runs
+    several flows holds nothing of an earlier one.
 
     Raises:
         OptimizerStateError: a worker's pending write failed (see ``stop_workers``); the kept
@@ -84,7 +84,7 @@ def release_run(pool: str | None) -> None:
         if pool:
             stop_workers(pool)
     finally:
-        thaw_heap()  # first: the kept models' release then collects whatever they leave
+        thaw_heap()  # the next collections reach what the run froze
         _release_kept_models()
         release_host_staging()
 

@@ -12,16 +12,19 @@ vLLM freezes its heap once warm for the same reason (``freeze_gc_heap``, vllm/ut
 called at the end of ``compile_or_warm_up_model``: a full collection, then ``gc.freeze()``);
 SGLang has ``freeze_gc``.
 
-``freeze_grown_heap`` is called after each iteration (the training flow, ``tests.drive``) and
-after each stage a resident worker runs in a process of its own (a Ray actor): when the objects
-outside the permanent generation number ``FREEZE_MIN_OBJECTS`` or more (the first iteration's
-imports and models; a resumed run's first iteration that ran; rarely later), it collects once
-and freezes what is left. Frozen objects are still freed by reference counting (a dropped HF
-model is: it holds no reference cycle); garbage in reference cycles among them is not, until
-``collect_all`` (unfreeze, collect, freeze again), which the places that drop models and must see
-their memory free call (``release_device_memory``, a resident trainer rebuilt), and
-``thaw_heap``, which ends a run (``rft_core.api.release_run``), so a process that runs several
-flows keeps nothing of an earlier one frozen.
+``freeze_grown_heap`` is called after each iteration (the training and replay flows,
+``tests.drive(freeze_heap=True)``) and after each program a resident worker runs in a process of
+its own (a Ray actor): when the objects outside the permanent generation number
+``FREEZE_MIN_OBJECTS`` or more (the first iteration's imports and models; a resumed run's first
+iteration that ran; rarely later), it collects once and freezes what is left. Frozen objects are
+still freed by reference counting: a policy trainer (model, AdamW state, float32 masters; full or
+LoRA) dropped after the freeze is freed at once (``tests/rft_core/test_heap.py``), which is what
+stage mode's kept models (``rft_core.stages.memo``) and a rollout worker's reloaded model rely
+on. Garbage in reference cycles among frozen objects waits for ``collect_all`` (unfreeze,
+collect, freeze again), which the places that must see a dropped model's memory free at once
+call (``release_device_memory``, a resident trainer or critic rebuilt), or for ``thaw_heap``,
+which ends a run (``rft_core.api.release_run``): a process that runs several flows keeps nothing
+of an earlier one frozen.
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ FREEZE_MIN_OBJECTS = 100_000
 def freeze_grown_heap(min_objects: int = FREEZE_MIN_OBJECTS) -> int:
     """When at least ``min_objects`` objects tracked by the collector lie outside its permanent
     generation (``len(gc.get_objects())``, which leaves the frozen ones out: about 13 ms per
-    100,000 objects on this CPU, next to nothing once the heap is frozen), collect garbage (so that none is frozen) and freeze the rest.
+    100,000 objects on this CPU, next to nothing once the heap is frozen), collect garbage (so that
+    none of it is frozen; garbage another thread makes in between may be) and freeze the rest.
 
     Returns:
         The number of objects moved into the permanent generation now (0: none).
