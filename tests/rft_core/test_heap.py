@@ -58,7 +58,8 @@ def test_a_grown_heap_is_collected_then_frozen(thawed):
     assert garbage() is not None  # unreachable, not collected yet
     frozen = freeze_grown_heap(min_objects=1)
     assert garbage() is None  # collected before the freeze, not frozen with the rest
-    assert frozen == gc.get_freeze_count() > 1000
+    # (other threads of a test process may free a few frozen objects by reference count meanwhile)
+    assert frozen > 1000 and gc.get_freeze_count() > frozen * 0.99
     assert len(gc.get_objects()) < frozen // 10  # what is left for later collections to walk
     assert freeze_grown_heap() == 0  # nothing grew since
 
