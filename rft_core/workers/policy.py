@@ -87,7 +87,7 @@ class PolicyWorker(ResidentWorker):
         if self.held is None or self.version != key:
             if self.held is not None:  # the old trainer is freed before the new one is built
                 self.held = None
-                collect_all()  # its cycles too (a DeepSpeed engine's), if it was frozen (rft_core.heap)
+                collect_all()  # any cycle in it too (a single-process trainer has none: test_heap), if frozen
             trainer, report = rebuild_trainer(ref, inp)
             count("recovered_updates", report["replayed"])
             self.held, self.version = trainer, key
