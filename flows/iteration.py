@@ -52,14 +52,21 @@ class IterationResult(BaseModel):
     metrics: dict[str, Any]
 
 
-def _prompts(cfg: TrainConfig, iteration: int, out: Out, tags: bool, attempt: int, sfx: str = "",
-             carry: ShardRef | None = None) -> ShardRef:
-    """The prompts of ``attempt`` of ``iteration`` (0: the iteration's own; >= 1: a dynamic-sampling
-    refill); with ``carry`` (partial rollouts) the carried groups' prompt rows follow them."""
-    return tasks.tagged(tasks.prompts, tags)(inp=PromptsInput(
+def _prompts_input(cfg: TrainConfig, iteration: int, out: Out, attempt: int, sfx: str = "",
+                   carry: ShardRef | None = None) -> PromptsInput:
+    """The input of the prompts of ``attempt`` of ``iteration`` (0: the iteration's own; >= 1: a
+    dynamic-sampling refill); with ``carry`` (partial rollouts) the carried groups' prompt rows
+    follow them."""
+    return PromptsInput(
         data=cfg.data, tokenizer_path=cfg.policy.path, iteration=iteration, attempt=attempt, out=out(f"prompts{sfx}"),
         data_fingerprint=dataset_fingerprint(cfg.data),  # data.source=files: an edited file makes it stale
-        answer_required=cfg.reward.needs_reference, carry=carry))
+        answer_required=cfg.reward.needs_reference, carry=carry)
+
+
+def _prompts(cfg: TrainConfig, iteration: int, out: Out, tags: bool, attempt: int, sfx: str = "",
+             carry: ShardRef | None = None) -> ShardRef:
+    """The committed prompts of ``_prompts_input``'s stage."""
+    return tasks.tagged(tasks.prompts, tags)(inp=_prompts_input(cfg, iteration, out, attempt, sfx, carry))
 
 
 def _rollout_input(cfg: TrainConfig, iteration: int, prompts: ShardRef, policy: tuple[PolicyRef, int], out: Out,
@@ -129,9 +136,6 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
     teacher log-probs (on-policy distillation: teacher.path set)."""
     temp = cfg.rollout.temperature
     futures: dict[str, PrefectFuture] = {}
-    if with_rewards:
-        futures["rewards"] = tasks.tagged(tasks.rewards, tags).submit(inp=RewardsInput(
-            rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")))
     if cfg.recomputes_old_logprobs:
         futures["actor_logprobs"] = tasks.tagged(tasks.actor_logprobs, tags).submit(inp=ActorLogprobsInput(
             rollout=rollout, model=policy, logprobs=cfg.logprobs, temperature=temp, dtype=cfg.policy.dtype,
@@ -150,19 +154,26 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
             rollout=rollout, model=cfg.teacher.path, logprobs=cfg.logprobs, temperature=cfg.teacher_temperature,
             dtype=cfg.teacher.dtype, tokenizer_path=cfg.policy.path, out=out("teacher_logprobs")),
             runner=cfg.runner("teacher_logprobs"))
-    return {name: f.result() for name, f in futures.items()}
+    if with_rewards:  # submitted last: the model stages' calls start first (a submission takes 3-14 ms)
+        futures["rewards"] = tasks.tagged(tasks.rewards, tags).submit(inp=RewardsInput(
+            rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")))
+    order = ("rewards", "actor_logprobs", "critic_values", "ref_logprobs", "teacher_logprobs")
+    return {name: futures[name].result() for name in order if name in futures}
 
 
 def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef, critic: PolicyRef | None,
              state: TrainState, kl: KLConfig, out: Out, tags: bool,
              background_optimizer: bool, save_checkpoint: bool = True,
-             policy_version: int | None = None) -> tuple[ShardRef, ShardRef, ShardRef | None]:
+             policy_version: int | None = None,
+             beside_update: Callable[[], None] | None = None) -> tuple[ShardRef, ShardRef, ShardRef | None]:
     """Advantages, then the policy update and (with a ``critic`` and critic values in ``parts``)
     the critic update, submitted together: (advantages, new policy, new critic or None).
     ``parts`` holds the rollout, rewards and whichever of actor_logprobs, ref_logprobs,
     critic_values, teacher_logprobs and baseline_rollout / baseline_rewards (remax) ran.
     ``save_checkpoint``: the update writes the new weights and AdamW state (``checkpoint.every``); ``policy_version``: the version ``policy`` is (recorded by the update; with update.seed it seeds
-    its micro-batch order and dropout masks). The iteration flow and the replay flow both train through here."""
+    its micro-batch order and dropout masks). ``beside_update``: called once the advantages
+    commit, right before the update starts (the iteration flow submits the next iteration's
+    prompts there, to run beside the update). The iteration flow and the replay flow both train through here."""
     rollout, actor, ref, values = parts["rollout"], parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
     adv = tasks.tagged(tasks.advantages, tags)(inp=AdvantagesInput(
         rollout=rollout, rewards=parts["rewards"], actor_logprobs=actor, ref_logprobs=ref, critic_values=values, kl=kl,
@@ -170,6 +181,8 @@ def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef,
         baseline_rollout=parts.get("baseline_rollout"), baseline_rewards=parts.get("baseline_rewards"),
         rollout_correction=cfg.advantage_rollout_correction, teacher_logprobs=parts.get("teacher_logprobs"),
         teacher=cfg.teacher, out=out("advantages")))
+    if beside_update is not None:
+        beside_update()
     critic_future = None
     if critic is not None and values is not None:
         critic_future = tasks.tagged(tasks.critic_update, tags).submit(inp=CriticUpdateInput(
@@ -184,6 +197,11 @@ def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef,
     return adv, new_policy, critic_future.result() if critic_future is not None else None
 
 
+def _next_uri(cfg: TrainConfig, iteration: int) -> Out:
+    """The stage folders of ``iteration + 1``."""
+    return lambda stage: stage_uri(cfg.run_root, iteration + 1, stage)
+
+
 def _prefetch(cfg: TrainConfig, iteration: int, rollout: ShardRef, next_policy: PolicyRef | None,
               tags: bool) -> PrefectFuture | None:
     """Asynchronous RL: the prompts and rollout of ``iteration + 1``, sampled with ``next_policy``
@@ -193,15 +211,26 @@ def _prefetch(cfg: TrainConfig, iteration: int, rollout: ShardRef, next_policy: 
     if next_policy is None or iteration >= cfg.iterations or cfg.dynamic_sampling.enabled \
             or cfg.runner("rollout").shards != 1:
         return None
-
-    def out_next(stage: str) -> str:
-        return stage_uri(cfg.run_root, iteration + 1, stage)
-
     carry = rollout if cfg.rollout.partial is not None else None
-    next_prompts = _prompts(cfg, iteration + 1, out_next, tags, attempt=0, carry=carry)
+    next_prompts = _prompts(cfg, iteration + 1, _next_uri(cfg, iteration), tags, attempt=0, carry=carry)
     return tasks.tagged(tasks.rollout, tags).submit(inp=_rollout_input(
         cfg, iteration + 1, next_prompts, (next_policy, cfg.rollout_policy_version(iteration + 1)),
-        out_next, attempt=0, carry=carry), runner=cfg.runner("rollout"))
+        _next_uri(cfg, iteration), attempt=0, carry=carry), runner=cfg.runner("rollout"))
+
+
+def _prompts_ahead(cfg: TrainConfig, iteration: int, rollout: ShardRef, tags: bool) -> list[PrefectFuture]:
+    """Where nothing of ``iteration + 1`` is prefetched (``_prefetch``): its prompts, submitted once
+    this iteration's advantages commit, to run beside its update ([] for the last iteration and
+    under dynamic sampling, whose attempts decide the prompts). They depend on the data, the
+    iteration and (partial rollouts) the sequences this iteration's ``rollout`` carries, never
+    on the update, and the next iteration's own call of them finds them committed (as on a
+    resume), so it starts with its rollout: its prompts cost 0.05-0.16 s on the critical path
+    before, on a 2-core CPU whose cores the weight sync ahead used too (docs/benchmarks.md)."""
+    if iteration >= cfg.iterations or cfg.dynamic_sampling.enabled:
+        return []
+    carry = rollout if cfg.rollout.partial is not None else None
+    return [tasks.tagged(tasks.prompts, tags).submit(inp=_prompts_input(cfg, iteration + 1, _next_uri(cfg, iteration),
+                                                                        0, carry=carry))]
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
@@ -217,7 +246,8 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     synchronous case), and ``next_rollout_policy`` (version ``cfg.rollout_policy_version(iteration
     + 1)``, already trained) lets the prompts and rollout of the next iteration run during this
     iteration's update: submitted before it, awaited after it. The next iteration's own call of
-    them then finds them committed. Partial rollouts (``rollout.partial``): the prompts and the
+    them then finds them committed. Otherwise the next iteration's prompts alone run beside this
+    iteration's update (``_prompts_ahead``). Partial rollouts (``rollout.partial``): the prompts and the
     rollout continue the sequences the previous iteration's rollout carried (``previous_rollout``)."""
     t0 = time.perf_counter()
     state = state or cfg.initial_state
@@ -240,14 +270,20 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
                     with_rewards=not parts)
     parts |= _greedy_baseline(cfg, iteration, prompts, behaviour, out, tags)  # remax; {} for the other estimators
     ahead = _prefetch(cfg, iteration, rollout, next_rollout_policy, tags)
+    beside: list[PrefectFuture] = []  # without a prefetch: the next iteration's prompts, beside the update
+
+    def prompts_beside() -> None:
+        beside.extend(_prompts_ahead(cfg, iteration, rollout, tags))
+
     adv, new_policy, new_critic = train_on(cfg, {"rollout": rollout, **parts}, policy=policy, critic=critic, state=state,
                                            kl=kl, out=out, tags=tags, background_optimizer=cfg.checkpoint.async_optimizer,
                                            save_checkpoint=cfg.is_checkpoint(iteration),
-                                           policy_version=iteration - 1)
+                                           policy_version=iteration - 1,
+                                           beside_update=prompts_beside if ahead is None else None)
     if cfg.syncs_rollout_ahead(iteration):  # the next rollout's weights move while this iteration commits
         sync_rollout_ahead(cfg.runner("rollout").workers, new_policy, cfg.policy.dtype)
-    if ahead is not None:
-        ahead.result()  # the next iteration's rollout, overlapped with this update (its failure surfaces here)
+    for future in ([ahead] if ahead is not None else beside):
+        future.result()  # the next iteration's rollout or prompts, overlapped with this update (its failure surfaces here)
     refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy,
             **({"critic_update": new_critic} if new_critic else {})}
     metrics = iteration_metrics(iteration, refs)

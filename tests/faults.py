@@ -32,8 +32,10 @@ from tests.varying import REWARD_YAML
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGE_ORDER = ["prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update"]
-# the stages of the same iteration whose commits let ``stage`` start (none: the previous iteration's
-# update; actor, reference and rewards start together after the rollout)
+# the stages of the same iteration whose commits let ``stage`` start (none: the prompts, which the
+# flow submits once the previous iteration's advantages commit, to run beside its update:
+# flows/iteration.py's ``_prompts_ahead``; actor, reference and rewards start together after the
+# rollout)
 PREDECESSORS = {"prompts": (), "rollout": ("prompts",), "actor_logprobs": ("rollout",), "ref_logprobs": ("rollout",),
                 "rewards": ("rollout",), "advantages": ("actor_logprobs", "ref_logprobs", "rewards"),
                 "ppo_update": ("advantages",),
@@ -458,8 +460,8 @@ class Timeline:
 
 def _waits_for(iteration: int, stage: str, present) -> list[tuple[int, str]]:
     """The (iteration, stage) commits ``stage`` of ``iteration`` waits for, among those in ``present``."""
-    if not PREDECESSORS[stage]:
-        return [(iteration - 1, "ppo_update")] if iteration > 1 else []
+    if not PREDECESSORS[stage]:  # the prompts: beside the previous iteration's update (a synchronous run)
+        return [(iteration - 1, "advantages")] if iteration > 1 else []
     same = [(iteration, p) for p in PREDECESSORS[stage] if (iteration, p) in present]
     if not same:
         raise AssertionError(f"none of the stages {stage} of iteration {iteration} waits for "

@@ -219,10 +219,17 @@ class Gang(Sequence):
         ``RayActorError``. Ranks in this process always answer."""
         if self.local:
             return True
+        return self.answered(self.start(self.cls.ping), timeout_s)
+
+    def answered(self, ping: Started, timeout_s: float) -> bool:
+        """Whether every rank answered the ``ping`` this gang started (``start``) within
+        ``timeout_s`` seconds (``answers``), e.g. a ping started right in front of a call: a rank
+        runs the calls of one caller in the order they were started, so the call then waits
+        behind nothing stuck. A dead rank raises Ray's ``RayActorError``."""
         from ray.exceptions import GetTimeoutError  # lazy: Ray is only needed when the workers are Ray actors
 
         try:
-            Gang(self.cls, self.members, timeout_s=timeout_s).call(self.cls.ping)
+            Gang(self.cls, self.members, timeout_s=timeout_s).wait(ping)
         except GetTimeoutError:
             return False
         return True

@@ -22,9 +22,9 @@ log shows. An actor that Ray cannot place within ``RFT_WORKER_PLACEMENT_TIMEOUT_
 (default 300: no node has the resources it asks for, e.g. its node died) fails with
 ``WorkerError`` naming the role, what it asks for, the live nodes and the node it last ran on.
 
-Before a stage is handed to a gang, the gang must answer a ping within ``sync_timeout_s``
-(``_answering_gang``): one that does not is stuck in a call past its limit and is ended and
-started anew. A worker that died (killed, out of memory, its node gone) is replaced once per call and the
+A stage is handed to a gang right behind a ping the gang must answer within ``sync_timeout_s``
+(``_start_answering``): one that does not is stuck in a call past its limit and is ended (the
+stage's call with it) and started anew, which then runs the stage. A worker that died (killed, out of memory, its node gone) is replaced once per call and the
 stage runs again: a committed stage is reused, an interrupted one recomputed, and the new
 worker rebuilds its model (``rft_core.stages.recovery.rebuild_trainer``); a policy rank that dies or fails ends
 its whole gang (its peers would wait in a collective), which is started anew the same way. Actors are owned by the process that
@@ -40,8 +40,7 @@ from typing import Any, Iterable
 
 from rft_core.config import TrainConfig, WorkersConfig
 from rft_core.counters import counts
-from rft_core.stages.sources import version_key
-from rft_core.workers.base import NAMESPACE, Gang, ResidentWorker, WorkerError, actor_name
+from rft_core.workers.base import NAMESPACE, Gang, ResidentWorker, Started, WorkerError, actor_name
 from rft_core.workers.critic import CriticWorker
 from rft_core.workers.policy import PolicyWorker
 from rft_core.workers.reference import ReferenceWorker
@@ -295,7 +294,7 @@ def _create_gang(ray, workers: WorkersConfig, role: str) -> tuple[Gang, dict[str
 def _kill_gang(pool: str, role: str, gang) -> None:
     """End every rank of a gang (one that died leaves the others stuck in their collectives) and
     forget its handles, so the next ``start_gang`` starts a new one. ``gang`` may be empty (the
-    gang died before ``_answering_gang`` returned it): the handles this process holds are ended."""
+    gang died before ``start_gang`` returned it): the handles this process holds are ended."""
     held = [_HANDLES.pop(key) for key in sorted(k for k in _HANDLES if k[:2] == (pool, role))]
     _CREATED.pop((pool, role), None)
     members = list(gang) or held
@@ -319,8 +318,8 @@ def run_resident(inp, workers: WorkersConfig):
     for attempt in (0, 1):
         gang: Gang | list = []
         try:
-            gang = _answering_gang(workers, role)  # an actor dying as it starts: below
-            return gang.call(ResidentWorker.run, inp)  # every rank runs it; rank 0's result (FanOut.COLLECTIVE)
+            gang, started = _start_answering(workers, role, ResidentWorker.run, inp)  # an actor dying as it starts: below
+            return gang.wait(started)  # every rank runs it; rank 0's result (FanOut.COLLECTIVE)
         except RayTaskError as exc:  # the program raised: the original exception, as the stage process would
             if len(gang) > 1:  # the other ranks may wait in a collective for the failed one
                 _kill_gang(workers.pool, role, gang)
@@ -340,39 +339,47 @@ def run_resident(inp, workers: WorkersConfig):
 def sync_rollout_ahead(workers: WorkersConfig | None, policy: PolicyRef, dtype: str) -> bool:
     """Hand the rollout worker of ``workers``'s pool the policy version ``policy`` (a committed
     update) to sync into its copy in ``dtype`` on a thread of its own (``RolloutWorker.sync_ahead``),
-    so the next rollout finds it held; returns at once. A synchronous run's flow calls it right
-    after each update but the last (``TrainConfig.syncs_rollout_ahead``). Returns whether it was
-    handed over: not without resident workers (``workers`` None), when this process has not
-    started the rollout worker, or when the worker is dead (the next rollout starts a new one, which
-    loads or syncs the version itself). Raises nothing."""
+    so the next rollout finds it held; returns at once, without waiting for the worker to take
+    the call (a round trip of 10-20 ms on a 2-core CPU, on the critical path between an update
+    and the iteration's end): the rollout worker runs it before the next rollout's call, which
+    this process starts after it. A synchronous run's flow calls it right after each update but
+    the last (``TrainConfig.syncs_rollout_ahead``). Returns whether it was handed over: not
+    without resident workers (``workers`` None) or when this process has not started the rollout
+    worker. A worker that died meanwhile fails the next rollout's call, which starts a new one
+    (it loads or syncs the version itself). Raises nothing."""
     gang = _held_gang(workers, "rollout") if workers is not None else None
     if gang is None:
         return False
-    from ray.exceptions import RayError  # lazy: Ray is optional
-
-    try:
-        gang.call(RolloutWorker.sync_ahead, policy, dtype)
-        return True
-    except RayError as exc:
-        log.warning("the rollout worker of %s did not take the sync ahead of %s (%s); the next rollout syncs it",
-                    workers.pool, version_key(policy), exc)
-        return False
+    gang.start(RolloutWorker.sync_ahead, policy, dtype)
+    return True
 
 
-def _answering_gang(workers: WorkersConfig, role: str) -> Gang:
-    """``start_gang``'s gang once it answers a ``ping`` within ``workers.sync_timeout_s``. The run of
-    a stage has no limit of its own, but it waits behind whatever call the gang is busy with; no
-    call a stage can find in front of it outlives ``sync_timeout_s`` (a weight sync; the stages of
-    one role never overlap), so a gang that does not answer is stuck (a sync in NCCL's
-    communicator setup whose peer died): it is ended and a new one started, which rebuilds its
-    model as after a crash."""
+def _start_answering(workers: WorkersConfig, role: str, method, *args: Any) -> tuple[Gang, Started]:
+    """``start_gang``'s gang of ``role`` and ``method`` started on it (``Gang.start``; ``wait``
+    takes the answer) right behind a ``ping`` the gang must answer within
+    ``workers.sync_timeout_s``. The run of a stage has no limit of its own, but it waits behind
+    whatever call the gang is busy with; no call a stage can find in front of it outlives
+    ``sync_timeout_s`` (a weight sync; the stages of one role never overlap), so a gang that does
+    not answer is stuck (a sync in NCCL's communicator setup whose peer died): it is ended, with
+    the call queued behind the ping, and a new one started, which rebuilds its model as after a
+    crash, and the call started there. A rank runs one caller's calls in the order they were
+    started, so the ping answers once every call in front of it has ended and the call then runs
+    at once: the check costs no round trip of its own (a ping answered before the call was
+    started cost 3-18 ms per stage on a 2-core CPU, docs/benchmarks.md).
+
+    Raises:
+        ray.exceptions.RayActorError: a rank is dead.
+    """
     gang = start_gang(workers, role)
-    if gang.answers(workers.sync_timeout_s):
-        return gang
+    ping = gang.start(ResidentWorker.ping)
+    started = gang.start(method, *args)
+    if gang.answered(ping, workers.sync_timeout_s):
+        return gang, started
     log.warning("the %s worker of %s did not answer within orchestration.sync_timeout_s (%g s): a call is stuck past "
                 "its limit; ending it and starting a new one", role, workers.pool, workers.sync_timeout_s)
     _kill_gang(workers.pool, role, gang)
-    return start_gang(workers, role)
+    gang = start_gang(workers, role)
+    return gang, gang.start(method, *args)
 
 
 def _live_gang(pool: str, role: str) -> Gang | None:

@@ -26,6 +26,8 @@ def _snapshot(root: Path) -> dict[str, tuple[int, str]]:
 
 
 def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path, fake_rewards, monkeypatch):
+    import logging
+
     import prefect.flow_engine
 
     import flows.train
@@ -41,8 +43,23 @@ def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path,
     frozen, freeze = [], flows.train.freeze_grown_heap  # what each iteration's end froze (rft_core/heap.py)
     monkeypatch.setattr(flows.train, "freeze_grown_heap", lambda: frozen.append((freeze(), gc.get_freeze_count())))
     cfg = flow_cfg(tiny_model, tmp_path / "run")
-    result = train(cfg)
+    said: list[str] = []  # what the stages log (Prefect's logging setup keeps it from pytest's caplog)
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("rft_core.stages").addHandler(handler)
+    try:
+        result = train(cfg)
+    finally:
+        logging.getLogger("rft_core.stages").removeHandler(handler)
     assert [m["iteration"] for m in result.metrics] == [1, 2]
+    # iteration 2's prompts ran beside iteration 1's update (flows/iteration.py's _prompts_ahead): committed after
+    # iteration 1's advantages, and iteration 2's own call of them found them committed
+    created = {(it, s): read_manifest(f"{cfg.run_root}/iter={it:06d}/{s}")[0].created_at
+               for it, s in ((1, "advantages"), (2, "prompts"), (2, "rollout"))}
+    assert created[(1, "advantages")] < created[(2, "prompts")] < created[(2, "rollout")]
+    reused = [m for m in said if "reusing committed shard" in m]
+    assert reused == [f"prompts: reusing committed shard {cfg.run_root}/iter=000002/prompts "
+                      f"(config {read_manifest(f'{cfg.run_root}/iter=000002/prompts')[0].config_hash})"], reused
     # the training flow sends heartbeats (Prefect's default every 180 s); its iterations none (flows/train.py)
     assert heartbeats == [("rft-train", 180), ("rl-iteration", None), ("rl-iteration", None)]
     # the first iteration's end froze this process's heap (torch, transformers, Prefect: over 100,000 objects), which

@@ -135,7 +135,7 @@ def test_a_gang_wait_gives_up_after_its_timeout(ray_session):
 @pytest.mark.rotation(0)  # long: one turn in 8 (tests/rotation.py); the gang's timeout test runs every time
 def test_a_gang_busy_past_a_limit_does_not_answer_and_is_killed(ray_session):
     """Issue 45, finding 2: the run of a stage has no limit of its own, so before a stage is handed
-    to a gang (``rft_core.workers.pool._answering_gang``) the gang must answer a ping within the
+    to a gang (``rft_core.workers.pool._start_answering``) the gang must answer a ping within the
     sync's limit. A rank stuck in a call (20 s here, as a sync stuck in NCCL's communicator setup)
     does not answer within it; ``kill`` ends the ranks, which Ray cannot interrupt otherwise."""
     ray = ray_session
@@ -153,6 +153,23 @@ def test_a_gang_busy_past_a_limit_does_not_answer_and_is_killed(ray_session):
         ray.get(members[0].count.remote(), timeout=30)
 
 
+def test_a_call_started_behind_a_ping_waits_for_the_call_in_front(ray_session):
+    """``rft_core.workers.pool._start_answering`` starts a stage's call right behind the ping that
+    checks the gang: a rank runs one caller's calls in the order they were started, so the ping
+    answers only once the call in front of it (busy 2 s) has ended, not within 0.5 s, and the
+    call behind it then answers with its own result."""
+    ray = ray_session
+    members = _actors(ray)
+    gang = Gang(Ranks, members, timeout_s=60)
+    gang.call(Ranks.each)  # both actors up before the clock starts
+    gang.start(Ranks.together, None, 2.0)  # both ranks busy for 2 s
+    t0 = time.perf_counter()
+    ping, started = gang.start(Ranks.ping), gang.start(Ranks.first)
+    assert not gang.answered(ping, 0.5)
+    assert gang.answered(ping, 30.0) and time.perf_counter() - t0 >= 1.9
+    assert gang.wait(started) == 10 and ray.get([m.count.remote() for m in members]) == [3, 2]
+
+
 def test_every_method_called_across_a_gang_declares_its_fan_out():
     """Issue 46: every gang call in the workers and the weight sync names the method itself
     (``gang.call(PolicyWorker.prepare_weights, ...)``), never its name in a string."""
@@ -160,7 +177,7 @@ def test_every_method_called_across_a_gang_declares_its_fan_out():
     for path in sources:
         text = path.read_text()
         assert not re.search(r"\.(?:call|start)\(\s*[\"']", text), f"string dispatch in {path.name}"
-        called |= set(re.findall(r"\.(?:call|start)\((\w+)\.(\w+)\b", text))
+        called |= set(re.findall(r"(?:\.(?:call|start)\(|_start_answering\([^()]*?,\s*)(\w+)\.(\w+)\b", text))
     assert {("ResidentWorker", m) for m in ("run", "stats", "close", "rendezvous", "join")} | {
         ("PolicyWorker", m) for m in ("prepare_weights", "send_weights", "finish_send")} <= called
     classes = {**{c.__name__: c for c in WORKER_CLASSES.values()}, "ResidentWorker": ResidentWorker}
