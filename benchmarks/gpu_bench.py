@@ -236,7 +236,7 @@ def run_ours(args, arm: str, model_dir: Path, prompts: Path) -> dict:
     """``args.steps`` iterations of ours (``arm``: resident or stage) in this process."""
     import cProfile
 
-    from resident import inprocess_runner
+    from resident import committed_before, inprocess_runner
     from tests.drive import drive
 
     run_root = scratch_dir(f"rft-bench-{arm}-", dir=args.tmp)
@@ -251,11 +251,13 @@ def run_ours(args, arm: str, model_dir: Path, prompts: Path) -> dict:
         if prof is not None:
             prof.disable()
         stages = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("seconds/") and k != "seconds/iteration"}
-        outside = m["seconds/iteration"] - sum(stages.values())
+        # the prompts, run beside the previous update (tests/drive.py), are not this step's
+        ahead = committed_before(cfg.run_root, m["iteration"], stages, time.time() - m["seconds/iteration"])
+        outside = m["seconds/iteration"] - sum(v for s, v in stages.items() if s not in ahead)
         parts = bd.of(m["iteration"])
         known = sum(v for k, v in parts.items() if k != "background")
         rows.append({"step": m["iteration"], "seconds": m["seconds/iteration"], "stage_seconds": stages,
-                     "outside_seconds": round(outside, 4),
+                     "ahead_seconds": ahead, "outside_seconds": round(outside, 4),
                      "outside": {**parts, "other_python": round(outside - known, 4)},
                      "reward_mean": m.get("reward_mean"), "grad_norm": m.get("grad_norm"), "kl": m.get("kl")})
         print(json.dumps(rows[-1]), flush=True)
@@ -438,6 +440,10 @@ def markdown(res: dict) -> str:
                                        + [f"{mean(lambda s, k=k: s['stage_seconds'].get(k, 0)):.2f}" for k in stages]
                                        + [f"**{mean(lambda s: s['outside_seconds']):.2f}**"]
                                        + [f"{mean(lambda s, k=k: s['outside'].get(k, 0)):.3f}" for k in cats]) + " |")
+        ahead = sorted({k for s in steady for k in s.get("ahead_seconds", {})})
+        if ahead:
+            lines += ["", f"({', '.join(ahead)}: run beside the previous step's update, so not subtracted from "
+                          "this step's seconds: tests/drive.py, as flows/iteration.py's `_prompts_ahead`)"]
         rebuild = arms[arm].get("rebuild")
         if rebuild and "skipped" not in rebuild:
             lines += ["", f"**{arm}**, rebuilt as a resume would (`--rebuild-probe`): the policy of step "

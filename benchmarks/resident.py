@@ -16,8 +16,8 @@ Per iteration and mode it records:
 - ``outside_seconds``: ``seconds`` less its stages' own (``stage_seconds``): the task runs, the
   resident calls, the weight sync when a rollout waits for it, the reads and writes around each
   program (issue 44's target: at most 0.5 s in a steady resident iteration). A stage committed
-  before the iteration started (flow driver: its prompts, run beside the previous iteration's
-  update, ``flows/iteration.py``'s ``_prefetch``) is not subtracted: its seconds are listed in
+  before the iteration started (its prompts, run beside the previous iteration's update,
+  ``flows/iteration.py``'s ``_prompts_ahead``, ``tests/drive.py``) is not subtracted: its seconds are listed in
   ``ahead_seconds``, and the iteration's own call of it (a Prefect task finding it committed)
   counts as outside;
 - ``step_seconds`` (flow driver): from this iteration's start to the next one's (the last: to the
@@ -79,7 +79,7 @@ def final_weights(run_root: str, iteration: int) -> dict[str, str]:
     return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/") and e.path.endswith(".safetensors")}
 
 
-def _committed_before(run_root: str, iteration: int, stages, start: float) -> dict[str, float]:
+def committed_before(run_root: str, iteration: int, stages, start: float) -> dict[str, float]:
     """Of ``stages`` (``{stage: seconds}`` of ``iteration``), those whose manifest was written
     before ``start`` (epoch seconds): work done ahead, during the previous iteration."""
     from schemas import read_manifest, stage_uri
@@ -106,7 +106,7 @@ def _rows(run_root: str, metrics: list[dict], cumulative: list[dict], steps: lis
                     "weight_sync_wait_s": round(d["weight_sync_wait_seconds"], 3), "reward_mean": m.get("reward_mean"),
                     "stage_seconds": {k.split("/", 1)[1]: v for k, v in m.items()
                                       if k.startswith("seconds/") and k != "seconds/iteration"}})
-        ahead = _committed_before(run_root, m["iteration"], out[-1]["stage_seconds"], walls[i]) if walls else {}
+        ahead = committed_before(run_root, m["iteration"], out[-1]["stage_seconds"], walls[i]) if walls else {}
         out[-1]["ahead_seconds"] = ahead
         out[-1]["outside_seconds"] = round(out[-1]["seconds"] - sum(v for s, v in out[-1]["stage_seconds"].items()
                                                                     if s not in ahead), 3)
@@ -167,11 +167,12 @@ def run_inprocess(cfg) -> list[dict]:
 
     run = inprocess_runner(cfg)
     COUNTS.clear()
-    metrics, cumulative = [], []
+    metrics, cumulative, walls = [], [], []
 
     def record(m: dict) -> None:
         metrics.append(m)
         cumulative.append(dict(COUNTS))
+        walls.append(time.time() - m["seconds/iteration"])  # the iteration's start
         print(json.dumps({k: v for k, v in m.items() if not k.startswith("seconds/") or k == "seconds/iteration"}),
               flush=True)
 
@@ -179,7 +180,7 @@ def run_inprocess(cfg) -> list[dict]:
     from rft_core.stages.writer import wait_for_optimizer_writes
 
     wait_for_optimizer_writes()
-    return _rows(cfg.run_root, metrics, cumulative)
+    return _rows(cfg.run_root, metrics, cumulative, walls=walls)
 
 
 def markdown(res: dict) -> str:

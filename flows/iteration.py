@@ -271,15 +271,11 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     parts |= _greedy_baseline(cfg, iteration, prompts, behaviour, out, tags)  # remax; {} for the other estimators
     ahead = _prefetch(cfg, iteration, rollout, next_rollout_policy, tags)
     beside: list[PrefectFuture] = []  # without a prefetch: the next iteration's prompts, beside the update
-
-    def prompts_beside() -> None:
-        beside.extend(_prompts_ahead(cfg, iteration, rollout, tags))
-
     adv, new_policy, new_critic = train_on(cfg, {"rollout": rollout, **parts}, policy=policy, critic=critic, state=state,
                                            kl=kl, out=out, tags=tags, background_optimizer=cfg.checkpoint.async_optimizer,
-                                           save_checkpoint=cfg.is_checkpoint(iteration),
-                                           policy_version=iteration - 1,
-                                           beside_update=prompts_beside if ahead is None else None)
+                                           save_checkpoint=cfg.is_checkpoint(iteration), policy_version=iteration - 1,
+                                           beside_update=None if ahead is not None else
+                                           lambda: beside.extend(_prompts_ahead(cfg, iteration, rollout, tags)))
     if cfg.syncs_rollout_ahead(iteration):  # the next rollout's weights move while this iteration commits
         sync_rollout_ahead(cfg.runner("rollout").workers, new_policy, cfg.policy.dtype)
     for future in ([ahead] if ahead is not None else beside):

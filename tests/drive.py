@@ -4,11 +4,15 @@ in this process, each through a ``run`` callable (``run_stage``, or a resident w
 For places that cannot or need not start Prefect: the GPU machines (no Prefect installed,
 ``benchmarks/gpu_demo.py``) and unit tests of the resident workers. Dynamic sampling and critics
 are not covered; ``rollout.max_staleness`` is (each rollout samples with its scheduled version),
-without the overlap, and so is ``rollout.partial`` (each rollout continues the previous one's carry). The flow stays the one place that orders stages for users.
+without the overlap, and so is ``rollout.partial`` (each rollout continues the previous one's carry).
+As in the flow (``flows/iteration.py``'s ``_prompts_ahead``), the next iteration's prompts run
+beside the update, on a thread, and its own call finds them committed. The flow stays the one
+place that orders stages for users.
 """
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from rft_core.api import (ActorLogprobsInput, AdvantagesInput, PPOUpdateInput, PromptsInput, RefLogprobsInput,
@@ -40,14 +44,22 @@ def drive(cfg, run: Callable[[Any], Any] | None = None, *, stop_after: int | Non
         def run(inp):
             return run_stage(inp, cfg.runner(inp.program))
     try:
-        return _iterations(cfg, run, stop_after, on_iteration, freeze_heap)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-drive-ahead") as ahead:
+            return _iterations(cfg, run, stop_after, on_iteration, freeze_heap, ahead)
     finally:
         if freeze_heap:
             thaw_heap()
 
 
-def _iterations(cfg, run, stop_after, on_iteration, freeze_heap) -> ShardRef:
-    """``drive``'s iterations (its arguments), before the heap is thawed."""
+def _prompts_input(cfg, it: int, carry: ShardRef | None) -> PromptsInput:
+    return PromptsInput(data=cfg.data, tokenizer_path=cfg.policy.path, iteration=it,
+                        out=stage_uri(cfg.run_root, it, "prompts"), data_fingerprint=dataset_fingerprint(cfg.data),
+                        carry=carry)
+
+
+def _iterations(cfg, run, stop_after, on_iteration, freeze_heap, ahead: ThreadPoolExecutor) -> ShardRef:
+    """``drive``'s iterations (its arguments), before the heap is thawed; ``ahead`` runs the next
+    iteration's prompts beside each update but the run's last."""
     policy, state = cfg.policy.path, cfg.initial_state
     versions = {0: policy}  # rollout.max_staleness: the rollout of iteration k samples with version v(k)
     carry = None
@@ -58,8 +70,7 @@ def _iterations(cfg, run, stop_after, on_iteration, freeze_heap) -> ShardRef:
 
         t0 = time.perf_counter()
         kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
-        prompts = run_stage(PromptsInput(data=cfg.data, tokenizer_path=cfg.policy.path, iteration=it, out=out("prompts"),
-                                         data_fingerprint=dataset_fingerprint(cfg.data), carry=carry))
+        prompts = run_stage(_prompts_input(cfg, it, carry))  # run beside the previous update: found committed
         v = cfg.rollout_policy_version(it)
         rollout = run(RolloutInput(prompts=prompts, policy=versions[v], policy_version=v, rollout=cfg.rollout,
                                    iteration=it, dtype=cfg.policy.dtype, out=out("rollout"), carry=carry))
@@ -80,12 +91,15 @@ def _iterations(cfg, run, stop_after, on_iteration, freeze_heap) -> ShardRef:
                                         ref_logprobs=parts.get("ref_logprobs"), kl=kl, advantage=cfg.advantage,
                                         shaping=cfg.shaping, state=state, max_new_tokens=cfg.rollout.max_new_tokens,
                                         rollout_correction=cfg.advantage_rollout_correction, out=out("advantages")))
+        beside = ahead.submit(run_stage, _prompts_input(cfg, it + 1, carry)) if it < cfg.iterations else None
         policy = run(PPOUpdateInput(rollout=rollout, advantages=adv, actor_logprobs=parts.get("actor_logprobs"),
                                     ref_logprobs=parts.get("ref_logprobs"), policy=policy, update=cfg.update, kl=kl,
                                     temperature=temp, dtype=cfg.policy.dtype, save_checkpoint=cfg.is_checkpoint(it),
                                     background_checkpoint=cfg.background_checkpoint,
                                     background_optimizer=cfg.checkpoint.async_optimizer,
                                     policy_version=it - 1, out=out("ppo_update")))
+        if beside is not None:
+            beside.result()
         versions[it] = policy
         state = next_state(adv)
         if on_iteration is not None:
