@@ -52,6 +52,7 @@ def drive(cfg, run: Callable[[Any], Any] | None = None, *, stop_after: int | Non
 
 
 def _prompts_input(cfg, it: int, carry: ShardRef | None) -> PromptsInput:
+    """The prompts stage of iteration ``it`` (``carry``: the partial rollout it continues)."""
     return PromptsInput(data=cfg.data, tokenizer_path=cfg.policy.path, iteration=it,
                         out=stage_uri(cfg.run_root, it, "prompts"), data_fingerprint=dataset_fingerprint(cfg.data),
                         carry=carry)
