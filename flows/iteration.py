@@ -157,8 +157,7 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
     if with_rewards:  # submitted last: the model stages' calls start first (a submission takes 3-14 ms)
         futures["rewards"] = tasks.tagged(tasks.rewards, tags).submit(inp=RewardsInput(
             rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")))
-    order = ("rewards", "actor_logprobs", "critic_values", "ref_logprobs", "teacher_logprobs")
-    return {name: futures[name].result() for name in order if name in futures}
+    return {name: f.result() for name, f in futures.items()}
 
 
 def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef, critic: PolicyRef | None,
