@@ -6,10 +6,8 @@ programs decide nothing about ordering, the flow decides nothing about math.
 """
 from __future__ import annotations
 
-import contextvars
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from prefect import flow, get_run_logger
@@ -33,7 +31,6 @@ from rft_core.api import (
     TeacherLogprobsInput,
     dataset_fingerprint,
     iteration_metrics,
-    lower_thread_priority,
     next_state,
     remote_stages_started,
     samples_markdown,
@@ -137,18 +134,6 @@ def _greedy_baseline(cfg: TrainConfig, iteration: int, prompts: ShardRef, policy
 
 # the longest a stage run here waits for a worker's stage to begin (``_after_remote_start``): a safety net
 REMOTE_START_S = 120.0
-# the low-priority threads of the stages this process runs beside a resident worker's (``_beside``)
-_BESIDE = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rft-beside", initializer=lower_thread_priority)
-
-
-def _beside(task: Callable[..., Any], **kwargs: Any) -> Future:
-    """``task(**kwargs)`` (a Prefect task: a task run of this flow run) on a low-priority thread
-    (``lower_thread_priority``: nice +10 on Linux), for a stage that runs here beside a resident
-    worker's (after ``_after_remote_start``): on a machine with few cores it takes no core from
-    the worker's start or from the flow's own work; with idle cores it runs as fast. Only beside
-    a resident worker: beside a stage computing in this process, a starved thread holding the
-    GIL would hold that stage's Python back."""
-    return _BESIDE.submit(contextvars.copy_context().run, task, **kwargs)
 
 
 def _after_remote_start(futures: list[PrefectFuture], since: int) -> None:
@@ -179,7 +164,7 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
     critic values (estimators with a critic), reference log-probs (a KL coefficient > 0),
     teacher log-probs (on-policy distillation: teacher.path set)."""
     temp = cfg.rollout.temperature
-    futures: dict[str, PrefectFuture | Future] = {}
+    futures: dict[str, PrefectFuture] = {}
     since = remote_stages_started()
     if cfg.recomputes_old_logprobs:
         futures["actor_logprobs"] = tasks.tagged(tasks.actor_logprobs, tags).submit(inp=ActorLogprobsInput(
@@ -199,12 +184,10 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
             rollout=rollout, model=cfg.teacher.path, logprobs=cfg.logprobs, temperature=cfg.teacher_temperature,
             dtype=cfg.teacher.dtype, tokenizer_path=cfg.policy.path, out=out("teacher_logprobs")),
             runner=cfg.runner("teacher_logprobs"))
-    if with_rewards:  # submitted last; beside a resident worker's model stage once it runs it (_beside)
-        inp, remote = RewardsInput(rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")), \
-            [f for name, f in futures.items() if cfg.runner(name).mode == "resident"]
-        _after_remote_start(remote, since)
-        futures["rewards"] = _beside(tasks.tagged(tasks.rewards, tags), inp=inp) if remote else \
-            tasks.tagged(tasks.rewards, tags).submit(inp=inp)
+    if with_rewards:  # submitted last, once a resident worker runs a model stage (_after_remote_start)
+        _after_remote_start([f for name, f in futures.items() if cfg.runner(name).mode == "resident"], since)
+        futures["rewards"] = tasks.tagged(tasks.rewards, tags).submit(inp=RewardsInput(
+            rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")))
     return {name: f.result() for name, f in futures.items()}
 
 
@@ -273,7 +256,7 @@ def _prefetch(cfg: TrainConfig, iteration: int, rollout: ShardRef, next_policy: 
         _next_uri(cfg, iteration), attempt=0, carry=carry), runner=cfg.runner("rollout"))
 
 
-def _prompts_ahead(cfg: TrainConfig, iteration: int, rollout: ShardRef, tags: bool) -> list[PrefectFuture | Future]:
+def _prompts_ahead(cfg: TrainConfig, iteration: int, rollout: ShardRef, tags: bool) -> list[PrefectFuture]:
     """Where nothing of ``iteration + 1`` is prefetched (``_prefetch``): its prompts, submitted once
     this iteration's advantages commit (a resident update: once its worker runs it,
     ``_after_remote_start``), to run beside its update ([] for the last iteration and
@@ -285,10 +268,8 @@ def _prompts_ahead(cfg: TrainConfig, iteration: int, rollout: ShardRef, tags: bo
     if iteration >= cfg.iterations or cfg.dynamic_sampling.enabled:
         return []
     carry = rollout if cfg.rollout.partial is not None else None
-    inp = _prompts_input(cfg, iteration + 1, _next_uri(cfg, iteration), 0, carry=carry)
-    if cfg.runner("ppo_update").mode == "resident":  # beside the update's worker (train_on waited for it to run it)
-        return [_beside(tasks.tagged(tasks.prompts, tags), inp=inp)]
-    return [tasks.tagged(tasks.prompts, tags).submit(inp=inp)]
+    return [tasks.tagged(tasks.prompts, tags).submit(inp=_prompts_input(cfg, iteration + 1, _next_uri(cfg, iteration),
+                                                                        0, carry=carry))]
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
@@ -328,7 +309,7 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
                     with_rewards=not parts)
     parts |= _greedy_baseline(cfg, iteration, prompts, behaviour, out, tags)  # remax; {} for the other estimators
     ahead = _prefetch(cfg, iteration, rollout, next_rollout_policy, tags)
-    beside: list[PrefectFuture | Future] = []  # without a prefetch: the next iteration's prompts, beside the update
+    beside: list[PrefectFuture] = []  # without a prefetch: the next iteration's prompts, beside the update
     adv, new_policy, new_critic = train_on(cfg, {"rollout": rollout, **parts}, policy=policy, critic=critic, state=state,
                                            kl=kl, out=out, tags=tags, background_optimizer=cfg.checkpoint.async_optimizer,
                                            save_checkpoint=cfg.is_checkpoint(iteration), policy_version=iteration - 1,

@@ -21,7 +21,6 @@ from rft_core.api import (
     curve_outputs,
     format_metrics_line,
     freeze_grown_heap,
-    lower_thread_priority,
     policy_checkpoint_folder,
     run_counters,
     release_run,
@@ -75,10 +74,8 @@ class _Recorder:
     With resident workers a record starts once the next iteration's flow waits for a stage a
     worker runs (``until_remote_stage``: its rollout, about 0.3 s after the iteration's start),
     at the latest after ``REMOTE_WAIT_S``, at once when it is needed (the next ``submit``,
-    ``close``), on a low-priority thread (``lower_thread_priority``): drawn beside the flow's own
-    work between two stages, the curve took the GIL in turns with it and made that boundary
-    30-100 ms longer on a 2-core CPU (issue 44), and drawn on a thread of normal priority once the
-    worker's call started, the cores from the worker's start."""
+    ``close``): drawn beside the flow's own work between two stages, the curve took the GIL in
+    turns with it and made that boundary 30-100 ms longer on a 2-core CPU (issue 44)."""
 
     REMOTE_WAIT_S = 30.0
 
@@ -94,9 +91,7 @@ class _Recorder:
         except ImportError as exc:
             get_run_logger().warning("%s", exc)
             self.wandb = None
-        # beside resident workers a low-priority thread (it then runs only while a worker computes)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-record",
-                                       initializer=lower_thread_priority if self.resident else None)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rft-record")
 
     def submit(self, rows: list[dict[str, Any]]) -> None:
         """Record ``rows`` (every iteration so far, the last one new) after the previous record."""

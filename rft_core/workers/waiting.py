@@ -12,15 +12,10 @@ iteration's prompts beside the update). ``rft_core.workers.pool.run_resident`` m
 """
 from __future__ import annotations
 
-import logging
-import os
-import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-log = logging.getLogger("rft_core.workers")
-BESIDE_NICE = 10  # how much a thread that runs beside the stages raises its nice value (``lower_thread_priority``)
 _COND = threading.Condition()
 _waiting = 0  # calls of this process now blocked on a stage a resident worker runs
 _started = 0  # such waits begun in this process so far
@@ -67,22 +62,3 @@ def wake() -> None:
     """Make every ``until_remote_stage`` look at its ``stop`` event again (after setting it)."""
     with _COND:
         _COND.notify_all()
-
-
-def lower_thread_priority(nice: int = BESIDE_NICE) -> bool:
-    """Raise the calling thread's nice value by ``nice`` (at most to 19; Linux, where nice is a per-thread attribute:
-    ``setpriority(2)``'s notes), for a thread that only runs work beside the stages (the metrics
-    record, the rewards and the next prompts while a worker computes): on a machine with few
-    cores it then takes no core from the worker or from the flow's work between two stages, and
-    with idle cores it runs as fast as before. For good: an unprivileged thread cannot raise its
-    priority again, so only a thread of its own should call this (a ``ThreadPoolExecutor``'s
-    ``initializer``). Returns whether it was set (False off Linux, or refused: logged)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as exc:
-        log.debug("could not lower the priority of thread %s: %s", threading.current_thread().name, exc)
-        return False
-    return True

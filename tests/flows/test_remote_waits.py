@@ -5,8 +5,6 @@ the update (``flows.iteration._after_remote_start``), so they never take the GIL
 turns with the flow's own work between two stages (issue 44)."""
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -140,23 +138,3 @@ def test_after_remote_start_waits_for_a_worker_stage_begun_since_or_a_future_tha
     took = _returned_after(lambda: _after_remote_start([failed], remote_stages_started()),
                            lambda: failed.inner.set_exception(RuntimeError("no worker")))
     assert 0.25 < took < REMOTE_START_S / 10
-
-
-def _nice_here() -> int:
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a per-thread nice value is Linux's")
-def test_the_threads_beside_a_resident_worker_run_at_a_lower_priority_and_the_flow_does_not(tiny_model, tmp_path):
-    from flows.iteration import _beside
-    from rft_core.workers.waiting import BESIDE_NICE
-
-    before = _nice_here()
-    assert _beside(_nice_here).result(timeout=10) == min(before + BESIDE_NICE, 19)
-    assert _nice_here() == before  # the calling thread keeps its priority
-    for workers, nice in (("resident", BESIDE_NICE), ("stage", 0)):
-        rec = _recorder(tiny_model, tmp_path / workers, workers)
-        try:
-            assert rec.pool.submit(_nice_here).result(timeout=10) == min(before + nice, 19)
-        finally:
-            rec.close()
