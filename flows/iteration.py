@@ -6,7 +6,6 @@ programs decide nothing about ordering, the flow decides nothing about math.
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any, Callable
 
@@ -32,11 +31,8 @@ from rft_core.api import (
     dataset_fingerprint,
     iteration_metrics,
     next_state,
-    remote_stages_started,
     samples_markdown,
     sync_rollout_ahead,
-    until_remote_stage,
-    wake_remote_stage_waits,
 )
 from rft_core.config import KLConfig, TrainConfig, TrainState
 from schemas import PolicyRef, ShardRef, stage_uri
@@ -132,31 +128,6 @@ def _greedy_baseline(cfg: TrainConfig, iteration: int, prompts: ShardRef, policy
     return {"baseline_rollout": rollout, "baseline_rewards": rewards}
 
 
-# the longest a stage run here waits for a worker's stage to begin (``_after_remote_start``): a safety net
-REMOTE_START_S = 120.0
-
-
-def _after_remote_start(futures: list[PrefectFuture], since: int) -> None:
-    """Block until a stage that one of ``futures`` (tasks submitted after ``since``,
-    ``remote_stages_started``) runs in a resident worker has begun (``until_remote_stage``), one
-    of them ended (it failed before its worker ran it) or ``REMOTE_START_S`` passed; at once
-    without ``futures``. What this process runs next then runs while it only waits for the worker,
-    instead of taking the GIL and the cores in turns with the work that starts the worker's call
-    (Prefect's task engine, Ray's call, the task events the Prefect server records): the rewards
-    and the next prompts made those boundaries 30-100 ms longer on a 2-core CPU (issue 44)."""
-    if not futures:
-        return
-    ended = threading.Event()
-
-    def done(_: PrefectFuture) -> None:
-        ended.set()
-        wake_remote_stage_waits()
-
-    for future in futures:
-        future.add_done_callback(done)
-    until_remote_stage(REMOTE_START_S, ended, since=since)
-
-
 def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: PolicyRef, critic: PolicyRef | None,
            kl: KLConfig, out: Out, tags: bool, with_rewards: bool) -> dict[str, ShardRef]:
     """The stages that read only the rollout, submitted together (they run concurrently): rewards
@@ -165,7 +136,6 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
     teacher log-probs (on-policy distillation: teacher.path set)."""
     temp = cfg.rollout.temperature
     futures: dict[str, PrefectFuture] = {}
-    since = remote_stages_started()
     if cfg.recomputes_old_logprobs:
         futures["actor_logprobs"] = tasks.tagged(tasks.actor_logprobs, tags).submit(inp=ActorLogprobsInput(
             rollout=rollout, model=policy, logprobs=cfg.logprobs, temperature=temp, dtype=cfg.policy.dtype,
@@ -184,8 +154,7 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
             rollout=rollout, model=cfg.teacher.path, logprobs=cfg.logprobs, temperature=cfg.teacher_temperature,
             dtype=cfg.teacher.dtype, tokenizer_path=cfg.policy.path, out=out("teacher_logprobs")),
             runner=cfg.runner("teacher_logprobs"))
-    if with_rewards:  # submitted last, once a resident worker runs a model stage (_after_remote_start)
-        _after_remote_start([f for name, f in futures.items() if cfg.runner(name).mode == "resident"], since)
+    if with_rewards:  # submitted last: the model stages' calls start first (a submission takes 3-14 ms)
         futures["rewards"] = tasks.tagged(tasks.rewards, tags).submit(inp=RewardsInput(
             rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")))
     return {name: f.result() for name, f in futures.items()}
@@ -202,8 +171,8 @@ def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef,
     critic_values, teacher_logprobs and baseline_rollout / baseline_rewards (remax) ran.
     ``save_checkpoint``: the update writes the new weights and AdamW state (``checkpoint.every``); ``policy_version``: the version ``policy`` is (recorded by the update; with update.seed it seeds
     its micro-batch order and dropout masks). ``beside_update``: called once the advantages
-    commit, right before the update starts or, with a resident update, once its worker runs it
-    (the iteration flow submits the next iteration's prompts there, to run beside the update). The iteration flow and the replay flow both train through here."""
+    commit, right before the update starts (the iteration flow submits the next iteration's
+    prompts there, to run beside the update). The iteration flow and the replay flow both train through here."""
     rollout, actor, ref, values = parts["rollout"], parts.get("actor_logprobs"), parts.get("ref_logprobs"), parts.get("critic_values")
     adv = tasks.tagged(tasks.advantages, tags)(inp=AdvantagesInput(
         rollout=rollout, rewards=parts["rewards"], actor_logprobs=actor, ref_logprobs=ref, critic_values=values, kl=kl,
@@ -211,27 +180,19 @@ def train_on(cfg: TrainConfig, parts: dict[str, ShardRef], *, policy: PolicyRef,
         baseline_rollout=parts.get("baseline_rollout"), baseline_rewards=parts.get("baseline_rewards"),
         rollout_correction=cfg.advantage_rollout_correction, teacher_logprobs=parts.get("teacher_logprobs"),
         teacher=cfg.teacher, out=out("advantages")))
+    if beside_update is not None:
+        beside_update()
     critic_future = None
     if critic is not None and values is not None:
         critic_future = tasks.tagged(tasks.critic_update, tags).submit(inp=CriticUpdateInput(
             rollout=rollout, advantages=adv, critic_values=values, model=critic, critic=cfg.critic,
             out=out("critic_update")), runner=cfg.runner("critic_update"))
-    inp = PPOUpdateInput(
+    new_policy = tasks.tagged(tasks.ppo_update, tags)(inp=PPOUpdateInput(
         rollout=rollout, advantages=adv, actor_logprobs=actor, ref_logprobs=ref, policy=policy, update=cfg.update, kl=kl,
         temperature=cfg.rollout.temperature, dtype=cfg.policy.dtype, background_optimizer=background_optimizer,
         save_checkpoint=save_checkpoint, policy_version=policy_version, background_checkpoint=cfg.background_checkpoint,
-        out=out("ppo_update"))
-    update, runner = tasks.tagged(tasks.ppo_update, tags), cfg.runner("ppo_update")
-    if beside_update is None or runner.mode != "resident":
-        if beside_update is not None:
-            beside_update()
-        new_policy = update(inp=inp, runner=runner)
-    else:  # a resident update: what runs beside it starts once its worker runs it (_after_remote_start)
-        since = remote_stages_started()
-        update_future = update.submit(inp=inp, runner=runner)
-        _after_remote_start([update_future], since)
-        beside_update()
-        new_policy = update_future.result()
+        out=out("ppo_update")),
+        runner=cfg.runner("ppo_update"))
     return adv, new_policy, critic_future.result() if critic_future is not None else None
 
 
@@ -258,8 +219,7 @@ def _prefetch(cfg: TrainConfig, iteration: int, rollout: ShardRef, next_policy: 
 
 def _prompts_ahead(cfg: TrainConfig, iteration: int, rollout: ShardRef, tags: bool) -> list[PrefectFuture]:
     """Where nothing of ``iteration + 1`` is prefetched (``_prefetch``): its prompts, submitted once
-    this iteration's advantages commit (a resident update: once its worker runs it,
-    ``_after_remote_start``), to run beside its update ([] for the last iteration and
+    this iteration's advantages commit, to run beside its update ([] for the last iteration and
     under dynamic sampling, whose attempts decide the prompts). They depend on the data, the
     iteration and (partial rollouts) the sequences this iteration's ``rollout`` carries, never
     on the update, and the next iteration's own call of them finds them committed (as on a

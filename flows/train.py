@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextvars
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -24,9 +23,7 @@ from rft_core.api import (
     policy_checkpoint_folder,
     run_counters,
     release_run,
-    until_remote_stage,
     wait_for_optimizer_writes,
-    wake_remote_stage_waits,
     write_metrics,
 )
 from rft_core.config import TrainConfig
@@ -69,22 +66,12 @@ class _Recorder:
     """Each iteration's metrics where a user looks (``record``), written on a thread of their own,
     in order, while the next iteration runs; a failed write fails the run at the next
     iteration's ``submit`` (or at ``result``). Opens the run's W&B run (``observe.wandb``; a
-    warning when wandb is not installed) and keeps its ``CurveSchedule``.
-
-    With resident workers a record starts once the next iteration's flow waits for a stage a
-    worker runs (``until_remote_stage``: its rollout, about 0.3 s after the iteration's start),
-    at the latest after ``REMOTE_WAIT_S``, at once when it is needed (the next ``submit``,
-    ``close``): drawn beside the flow's own work between two stages, the curve took the GIL in
-    turns with it and made that boundary 30-100 ms longer on a 2-core CPU (issue 44)."""
-
-    REMOTE_WAIT_S = 30.0
+    warning when wandb is not installed) and keeps its ``CurveSchedule``."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg, self.schedule = cfg, CurveSchedule(cfg.observe.curve_every_s)
         self.tensorboard = TensorBoardLog(cfg.run_root)
         self.recorded: Future[tuple[str, str | None]] | None = None
-        self.resident = cfg.resident_pool is not None
-        self._needed = threading.Event()  # the pending record is needed now: it waits for nothing
         try:
             self.wandb = WandbLogger.start(cfg.observe.wandb, run_root=cfg.run_root, name=cfg.name,
                                            config=cfg.model_dump(mode="json"))
@@ -96,24 +83,14 @@ class _Recorder:
     def submit(self, rows: list[dict[str, Any]]) -> None:
         """Record ``rows`` (every iteration so far, the last one new) after the previous record."""
         if self.recorded is not None:
-            self._need()
             self.recorded.result()
-        self._needed = threading.Event()
-        self.recorded = self.pool.submit(contextvars.copy_context().run, self.record, list(rows), self._needed)
+        self.recorded = self.pool.submit(contextvars.copy_context().run, self.record, list(rows))
 
-    def _need(self) -> None:
-        self._needed.set()
-        wake_remote_stage_waits()
-
-    def record(self, rows: list[dict[str, Any]], needed: threading.Event | None = None) -> tuple[str, str | None]:
+    def record(self, rows: list[dict[str, Any]]) -> tuple[str, str | None]:
         """The metrics of every iteration so far (``rows``; the last one new) where a user looks:
         metrics.jsonl, TensorBoard, W&B (the new row), and when the ``CurveSchedule`` says it is due
         the reward/KL/length curve, drawn once for metrics.png and the UI's ``metrics-curve``
-        artifact (a new version each time); with resident workers once the flow waits for one
-        of them (the class docstring; ``needed`` set: at once). Returns (metrics.jsonl's URI,
-        metrics.png's path or None)."""
-        if self.resident and needed is not None:
-            until_remote_stage(self.REMOTE_WAIT_S, needed)
+        artifact (a new version each time). Returns (metrics.jsonl's URI, metrics.png's path or None)."""
         cfg = self.cfg
         metrics_uri = write_metrics(cfg.run_root, rows)
         self.tensorboard.write(rows)
@@ -128,7 +105,6 @@ class _Recorder:
 
     def close(self) -> None:
         """Wait for the last record and finish the W&B run (also when the run failed)."""
-        self._need()
         self.pool.shutdown(wait=True)
         self.tensorboard.close()
         if self.wandb:

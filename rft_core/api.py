@@ -38,7 +38,6 @@ from rft_core.stages.writer import wait_for_optimizer_writes
 from rft_core.storage import RunRootError, check_run_root, repair as repair_stage, verify_run
 from rft_core.stages.runner import run_stage as _run_stage
 from rft_core.workers.pool import run_counters, run_resident, start_run_workers, stop_workers, sync_rollout_ahead
-from rft_core.workers.waiting import remote_stages_started, until_remote_stage, wake as wake_remote_stage_waits
 from rft_core.models.loading import load_tokenizer
 from schemas import PolicyRef, ShardError, ShardRef, local_path, stage_uri
 
@@ -62,7 +61,7 @@ __all__ = [
     "count_signal_groups", "curve_outputs", "default_eval_root", "eval_markdown", "eval_report_lines", "export_table",
     "format_metrics_line", "freeze_grown_heap", "iteration_metrics", "next_state", "prune_checkpoints", "replay_sources",
     "release_run", "resolve_checkpoint", "run_counters", "run_stage", "run_status", "sample_transcript", "start_run_workers", "stop_workers", "samples_markdown", "sync_rollout_ahead", "samples_view",
-    "wait_for_optimizer_writes", "policy_checkpoint_folder", "remote_stages_started", "until_remote_stage", "wake_remote_stage_waits",
+    "wait_for_optimizer_writes", "policy_checkpoint_folder",
     "write_metrics", "write_replay_record",
     "RunRootError", "apply_retention", "check_run_root", "repair_stage", "verify_run", "check_teacher_tokenizer",
     "RewardError", "check_judge_keys",

@@ -46,7 +46,6 @@ from rft_core.workers.policy import PolicyWorker
 from rft_core.workers.reference import ReferenceWorker
 from rft_core.workers.rollout import RolloutWorker
 from rft_core.workers.teacher import TeacherWorker
-from rft_core.workers.waiting import remote_stage
 from schemas import PolicyRef
 
 log = logging.getLogger("rft_core.workers")
@@ -320,8 +319,7 @@ def run_resident(inp, workers: WorkersConfig):
         gang: Gang | list = []
         try:
             gang, started = _start_answering(workers, role, ResidentWorker.run, inp)  # an actor dying as it starts: below
-            with remote_stage():  # this process only waits now (rft_core.workers.waiting)
-                return gang.wait(started)  # every rank runs it; rank 0's result (FanOut.COLLECTIVE)
+            return gang.wait(started)  # every rank runs it; rank 0's result (FanOut.COLLECTIVE)
         except RayTaskError as exc:  # the program raised: the original exception, as the stage process would
             if len(gang) > 1:  # the other ranks may wait in a collective for the failed one
                 _kill_gang(workers.pool, role, gang)
