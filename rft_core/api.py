@@ -69,20 +69,26 @@ __all__ = [
 
 
 def release_run(pool: str | None) -> None:
-    """End what a run holds in memory, on success, an error or Ctrl-C alike: its resident
-    workers (``pool``, None: none; ``stop_workers``, after their pending writes), the models
-    stage mode kept between stages (``rft_core.stages.memo``), the page-locked copy of its
-    last optimizer state (``release_host_staging``) and the frozen heap (``thaw_heap``: what the
-    run froze is in the collector's reach again, as before the run), so a process that runs
-    several flows holds nothing of an earlier one.
+    """End what a run holds in memory, on success, an error or Ctrl-C alike: this process's
+    background checkpoint writes (``wait_for_optimizer_writes``: a run that failed after an
+    update returns once its writes have landed, so none outlives it into the next flow of the
+    same process, or writes into a folder its caller has already removed), its resident workers
+    (``pool``, None: none; ``stop_workers``, after their pending writes), the models stage mode
+    kept between stages (``rft_core.stages.memo``), the page-locked copy of its last optimizer
+    state (``release_host_staging``) and the frozen heap (``thaw_heap``: what the run froze is
+    in the collector's reach again, as before the run), so a process that runs several flows
+    holds nothing of an earlier one.
 
     Raises:
-        OptimizerStateError: a worker's pending write failed (see ``stop_workers``); the kept
-            models are released anyway.
+        OptimizerStateError: a pending write of this process or of a worker failed (see
+            ``stop_workers``); the workers are stopped and the kept models released anyway.
     """
     try:
-        if pool:
-            stop_workers(pool)
+        try:
+            wait_for_optimizer_writes()
+        finally:
+            if pool:
+                stop_workers(pool)
     finally:
         thaw_heap()  # the next collections reach what the run froze
         _release_kept_models()

@@ -7,7 +7,8 @@ import logging
 import numpy as np
 import pytest
 
-from schemas import read_manifest, read_shard
+from rft_core.stages import writer
+from schemas import read_manifest, read_shard, stage_uri
 from tests.flows.conftest import flow_cfg
 from tests.weights import iteration_policy_files
 
@@ -75,6 +76,10 @@ def test_replay_refuses_missing_inputs(prefect_harness, tiny_model, tmp_path, fa
 
     with pytest.raises(ShardNotCommittedError, match="nothing to replay"):
         replay(src.run_root, flow_cfg(tiny_model, tmp_path / "r3", iterations=2, **{"kl.kl_coef": 0.0}))
+    # iteration 1 trained and queued its weights' background write; the failed replay returned once it
+    # had landed (rft_core.api.release_run), so no write outlives it into tmp_path's removal or the next test
+    r3 = stage_uri(str(tmp_path / "r3"), 1, "ppo_update-policy")
+    assert writer.pending([r3]) == [] and read_manifest(r3)[0].stage == "policy_checkpoint"
 
 
 @pytest.mark.rotation(1)  # long: one turn in 8 (tests/rotation.py); test_replay_refuses_missing_inputs runs every time
