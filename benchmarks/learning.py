@@ -61,13 +61,13 @@ def train_seed(cfg, *, keep_all: bool) -> tuple[list[dict], object]:
     from rft_core.metrics import format_metrics_line, write_metrics
     from rft_core.stages.retention import prune_checkpoints
 
-    policy, state, rows = cfg.policy.path, cfg.initial_state, []
+    policy, state, rows, ahead_stages = cfg.policy.path, cfg.initial_state, [], {}
     versions = {0: policy}  # as flows/train.py: version v is the policy the update of iteration v made
     try:
         for i in range(1, cfg.iterations + 1):
             ahead = versions[cfg.rollout_policy_version(i + 1)] if cfg.rollout.max_staleness and i < cfg.iterations else None
-            result = rl_iteration(cfg, i, policy, state, None, versions[cfg.rollout_policy_version(i)], ahead)
-            policy, state = result.policy, result.next_state
+            result = rl_iteration(cfg, i, policy, state, None, versions[cfg.rollout_policy_version(i)], ahead, ahead_stages)
+            policy, state, ahead_stages = result.policy, result.next_state, result.ahead_stages
             versions[i] = policy
             rows.append(result.metrics)
             write_metrics(cfg.run_root, rows)

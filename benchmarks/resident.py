@@ -18,8 +18,7 @@ Per iteration and mode it records:
   program (issue 44's target: at most 0.5 s in a steady resident iteration). A stage committed
   before the iteration started (its prompts, run beside the previous iteration's update,
   ``flows/iteration.py``'s ``_prompts_ahead``, ``tests/drive.py``) is not subtracted: its seconds are listed in
-  ``ahead_seconds``, and the iteration's own call of it (a Prefect task finding it committed)
-  counts as outside;
+  ``ahead_seconds`` (the iteration takes it as it is, without a task run of its own);
 - ``step_seconds`` (flow driver): from this iteration's start to the next one's (the last: to the
   end of the run, its workers stopped), i.e. also what the training flow does between two
   iterations (the iteration's artifacts, metrics.jsonl, TensorBoard, the curve), which

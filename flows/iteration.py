@@ -50,6 +50,10 @@ class IterationResult(BaseModel):
     next_state: TrainState
     stages: dict[str, ShardRef | None]
     metrics: dict[str, Any]
+    ahead_stages: dict[str, ShardRef] = {}
+    """The stages of ``iteration + 1`` committed during this iteration: {"prompts"} beside the
+    update (``_prompts_ahead``), {"prompts", "rollout"} when prefetched (``_prefetch``), {} for
+    none (the last iteration, dynamic sampling). The next ``rl_iteration`` takes them as they are."""
 
 
 def _prompts_input(cfg: TrainConfig, iteration: int, out: Out, attempt: int, sfx: str = "",
@@ -86,12 +90,17 @@ def previous_rollout(cfg: TrainConfig, iteration: int) -> ShardRef | None:
 
 
 def _attempt(cfg: TrainConfig, iteration: int, policy: tuple[PolicyRef, int], out: Out, tags: bool, attempt: int,
-             sfx: str = "", carry: ShardRef | None = None) -> tuple[ShardRef, ShardRef]:
+             sfx: str = "", carry: ShardRef | None = None,
+             committed: dict[str, ShardRef] | None = None) -> tuple[ShardRef, ShardRef]:
     """The prompts and rollout of ``attempt`` (0: the iteration's own; >= 1: a dynamic-sampling
-    refill), sampled with ``policy`` (the policy and its version), continuing ``carry``'s sequences."""
-    prompts = _prompts(cfg, iteration, out, tags, attempt, sfx, carry)
-    rollout = fanout.rollout(inp=_rollout_input(cfg, iteration, prompts, policy, out, attempt, sfx, carry),
-                             runner=cfg.runner("rollout"), ray=cfg.ray, tags=tags)
+    refill), sampled with ``policy`` (the policy and its version), continuing ``carry``'s sequences.
+    ``committed``: those of them the previous iteration committed ahead (its ``ahead_stages``),
+    taken as they are, without a task run that would only find them committed."""
+    committed = committed or {}
+    prompts = committed.get("prompts") or _prompts(cfg, iteration, out, tags, attempt, sfx, carry)
+    rollout = committed.get("rollout") or fanout.rollout(
+        inp=_rollout_input(cfg, iteration, prompts, policy, out, attempt, sfx, carry),
+        runner=cfg.runner("rollout"), ray=cfg.ray, tags=tags)
     return prompts, rollout
 
 
@@ -202,40 +211,43 @@ def _next_uri(cfg: TrainConfig, iteration: int) -> Out:
 
 
 def _prefetch(cfg: TrainConfig, iteration: int, rollout: ShardRef, next_policy: PolicyRef | None,
-              tags: bool) -> PrefectFuture | None:
+              tags: bool) -> dict[str, ShardRef | PrefectFuture]:
     """Asynchronous RL: the prompts and rollout of ``iteration + 1``, sampled with ``next_policy``
-    (already trained), submitted to run during this iteration's update; a partial rollout
-    continues ``rollout``'s carried sequences. None where nothing is prefetched (synchronous, the
-    last iteration, dynamic sampling, a sharded rollout)."""
+    (already trained): {"prompts": committed, "rollout": submitted to run during this iteration's
+    update}; a partial rollout continues ``rollout``'s carried sequences. {} where nothing is
+    prefetched (synchronous, the last iteration, dynamic sampling, a sharded rollout)."""
     if next_policy is None or iteration >= cfg.iterations or cfg.dynamic_sampling.enabled \
             or cfg.runner("rollout").shards != 1:
-        return None
+        return {}
     carry = rollout if cfg.rollout.partial is not None else None
     next_prompts = _prompts(cfg, iteration + 1, _next_uri(cfg, iteration), tags, attempt=0, carry=carry)
-    return tasks.tagged(tasks.rollout, tags).submit(inp=_rollout_input(
+    return {"prompts": next_prompts, "rollout": tasks.tagged(tasks.rollout, tags).submit(inp=_rollout_input(
         cfg, iteration + 1, next_prompts, (next_policy, cfg.rollout_policy_version(iteration + 1)),
-        _next_uri(cfg, iteration), attempt=0, carry=carry), runner=cfg.runner("rollout"))
+        _next_uri(cfg, iteration), attempt=0, carry=carry), runner=cfg.runner("rollout"))}
 
 
-def _prompts_ahead(cfg: TrainConfig, iteration: int, rollout: ShardRef, tags: bool) -> list[PrefectFuture]:
-    """Where nothing of ``iteration + 1`` is prefetched (``_prefetch``): its prompts, submitted once
-    this iteration's advantages commit, to run beside its update ([] for the last iteration and
-    under dynamic sampling, whose attempts decide the prompts). They depend on the data, the
-    iteration and (partial rollouts) the sequences this iteration's ``rollout`` carries, never
-    on the update, and the next iteration's own call of them finds them committed (as on a
-    resume), so it starts with its rollout: its prompts cost 0.05-0.16 s on the critical path
-    before, on a 2-core CPU whose cores the weight sync ahead used too (docs/benchmarks.md)."""
+def _prompts_ahead(cfg: TrainConfig, iteration: int, rollout: ShardRef, tags: bool) -> dict[str, PrefectFuture]:
+    """Where nothing of ``iteration + 1`` is prefetched (``_prefetch``): {"prompts": its prompts},
+    submitted once this iteration's advantages commit, to run beside its update ({} for the last
+    iteration and under dynamic sampling, whose attempts decide the prompts). They depend on the
+    data, the iteration and (partial rollouts) the sequences this iteration's ``rollout``
+    carries, never on the update, and the next iteration takes them as they are (this
+    iteration's ``ahead_stages``; on a resume its own call finds them committed), so it starts
+    with its rollout: its prompts cost 0.05-0.16 s on the critical path before, on a 2-core CPU
+    whose cores the weight sync ahead used too (docs/benchmarks.md). The Prefect UI shows that
+    prompts task under this iteration's flow run."""
     if iteration >= cfg.iterations or cfg.dynamic_sampling.enabled:
-        return []
+        return {}
     carry = rollout if cfg.rollout.partial is not None else None
-    return [tasks.tagged(tasks.prompts, tags).submit(inp=_prompts_input(cfg, iteration + 1, _next_uri(cfg, iteration),
-                                                                        0, carry=carry))]
+    return {"prompts": tasks.tagged(tasks.prompts, tags).submit(
+        inp=_prompts_input(cfg, iteration + 1, _next_uri(cfg, iteration), 0, carry=carry))}
 
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}")
 def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: TrainState | None = None,
                  critic: PolicyRef | None = None, rollout_policy: PolicyRef | None = None,
-                 next_rollout_policy: PolicyRef | None = None) -> IterationResult:
+                 next_rollout_policy: PolicyRef | None = None,
+                 ahead_stages: dict[str, ShardRef] | None = None) -> IterationResult:
     """Run (or resume) iteration ``iteration`` starting from ``policy``, ``state`` (the previous
     iteration's ``next_state``; None: ``cfg.initial_state``) and, for estimators that need
     values, ``critic`` (None: ``cfg.initial_critic``).
@@ -247,7 +259,10 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     iteration's update: submitted before it, awaited after it. The next iteration's own call of
     them then finds them committed. Otherwise the next iteration's prompts alone run beside this
     iteration's update (``_prompts_ahead``). Partial rollouts (``rollout.partial``): the prompts and the
-    rollout continue the sequences the previous iteration's rollout carried (``previous_rollout``)."""
+    rollout continue the sequences the previous iteration's rollout carried (``previous_rollout``).
+    ``ahead_stages``: this iteration's stages that the previous iteration committed (its result's
+    ``ahead_stages``), taken as they are; None: each stage's task runs, finding them committed if
+    they are (a resume, the first iteration of a process)."""
     t0 = time.perf_counter()
     state = state or cfg.initial_state
     kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
@@ -263,22 +278,22 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
         parts = {"rewards": rewards}
     else:
         prompts, rollout = _attempt(cfg, iteration, behaviour, out, tags, attempt=0,
-                                    carry=previous_rollout(cfg, iteration))
+                                    carry=previous_rollout(cfg, iteration), committed=ahead_stages)
         parts = {}
     parts |= _score(cfg, prompts=prompts, rollout=rollout, policy=policy, critic=critic, kl=kl, out=out, tags=tags,
                     with_rewards=not parts)
     parts |= _greedy_baseline(cfg, iteration, prompts, behaviour, out, tags)  # remax; {} for the other estimators
-    ahead = _prefetch(cfg, iteration, rollout, next_rollout_policy, tags)
-    beside: list[PrefectFuture] = []  # without a prefetch: the next iteration's prompts, beside the update
+    # the next iteration's prompts and rollout, prefetched; without a prefetch: its prompts, beside the update
+    ahead: dict[str, ShardRef | PrefectFuture] = _prefetch(cfg, iteration, rollout, next_rollout_policy, tags)
     adv, new_policy, new_critic = train_on(cfg, {"rollout": rollout, **parts}, policy=policy, critic=critic, state=state,
                                            kl=kl, out=out, tags=tags, background_optimizer=cfg.checkpoint.async_optimizer,
                                            save_checkpoint=cfg.is_checkpoint(iteration), policy_version=iteration - 1,
-                                           beside_update=None if ahead is not None else
-                                           lambda: beside.extend(_prompts_ahead(cfg, iteration, rollout, tags)))
+                                           beside_update=None if ahead else
+                                           lambda: ahead.update(_prompts_ahead(cfg, iteration, rollout, tags)))
     if cfg.syncs_rollout_ahead(iteration):  # the next rollout's weights move while this iteration commits
         sync_rollout_ahead(cfg.runner("rollout").workers, new_policy, cfg.policy.dtype)
-    for future in ([ahead] if ahead is not None else beside):
-        future.result()  # the next iteration's rollout or prompts, overlapped with this update (its failure surfaces here)
+    # overlapped with this update: a failure surfaces here
+    committed_ahead = {k: v.result() if isinstance(v, PrefectFuture) else v for k, v in ahead.items()}
     refs = {"prompts": prompts, "rollout": rollout, **parts, "advantages": adv, "ppo_update": new_policy,
             **({"critic_update": new_critic} if new_critic else {})}
     metrics = iteration_metrics(iteration, refs)
@@ -289,4 +304,4 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
                              description=f"Sample prompts, responses and rewards of iteration {iteration}")
     get_run_logger().info("iteration %d committed: %s", iteration, new_policy.uri)
     return IterationResult(iteration=iteration, policy=new_policy, critic=new_critic, next_state=next_state(adv),
-                           stages=refs, metrics=metrics)
+                           stages=refs, metrics=metrics, ahead_stages=committed_ahead)

@@ -148,11 +148,13 @@ def train(cfg: TrainConfig) -> TrainResult:
         if cfg.first_resident_stages:  # Ray, then the first iteration's workers' processes, starting during its prompts
             tasks.start_workers(cfg=cfg)
         versions: dict[int, PolicyRef] = {0: policy}  # version v: the policy the update of iteration v made
+        ahead_stages: dict[str, ShardRef] = {}  # the next iteration's stages committed during the last one
         with without_heartbeats():
             for i in range(1, cfg.iterations + 1):
                 ahead = versions[cfg.rollout_policy_version(i + 1)] if cfg.rollout.max_staleness else None  # trained
-                result = rl_iteration(cfg, i, policy, state, critic, versions[cfg.rollout_policy_version(i)], ahead)
-                policy, state, critic = result.policy, result.next_state, result.critic
+                result = rl_iteration(cfg, i, policy, state, critic, versions[cfg.rollout_policy_version(i)], ahead,
+                                      ahead_stages)
+                policy, state, critic, ahead_stages = result.policy, result.next_state, result.critic, result.ahead_stages
                 versions[i] = policy
                 freeze_grown_heap()  # once warm, Python's collector stops walking every import (rft_core/heap.py)
                 counters = run_counters(cfg.resident_pool)

@@ -6,8 +6,8 @@ For places that cannot or need not start Prefect: the GPU machines (no Prefect i
 are not covered; ``rollout.max_staleness`` is (each rollout samples with its scheduled version),
 without the overlap, and so is ``rollout.partial`` (each rollout continues the previous one's carry).
 As in the flow (``flows/iteration.py``'s ``_prompts_ahead``), the next iteration's prompts run
-beside the update, on a thread, and its own call finds them committed. The flow stays the one
-place that orders stages for users.
+beside the update, on a thread, and the next iteration takes them as they are (the flow's
+``IterationResult.ahead_stages``). The flow stays the one place that orders stages for users.
 """
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def _iterations(cfg, run, stop_after, on_iteration, freeze_heap, ahead: ThreadPo
     policy, state = cfg.policy.path, cfg.initial_state
     versions = {0: policy}  # rollout.max_staleness: the rollout of iteration k samples with version v(k)
     carry = None
+    next_prompts = None  # the next iteration's prompts, committed beside the update
     temp = cfg.rollout.temperature
     for it in range(1, (stop_after or cfg.iterations) + 1):
         def out(stage: str) -> str:
@@ -71,7 +72,7 @@ def _iterations(cfg, run, stop_after, on_iteration, freeze_heap, ahead: ThreadPo
 
         t0 = time.perf_counter()
         kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})
-        prompts = run_stage(_prompts_input(cfg, it, carry))  # run beside the previous update: found committed
+        prompts = next_prompts or run_stage(_prompts_input(cfg, it, carry))  # the first iteration's own
         v = cfg.rollout_policy_version(it)
         rollout = run(RolloutInput(prompts=prompts, policy=versions[v], policy_version=v, rollout=cfg.rollout,
                                    iteration=it, dtype=cfg.policy.dtype, out=out("rollout"), carry=carry))
@@ -99,8 +100,7 @@ def _iterations(cfg, run, stop_after, on_iteration, freeze_heap, ahead: ThreadPo
                                     background_checkpoint=cfg.background_checkpoint,
                                     background_optimizer=cfg.checkpoint.async_optimizer,
                                     policy_version=it - 1, out=out("ppo_update")))
-        if beside is not None:
-            beside.result()
+        next_prompts = beside.result() if beside is not None else None
         versions[it] = policy
         state = next_state(adv)
         if on_iteration is not None:

@@ -30,6 +30,7 @@ def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path,
 
     import prefect.flow_engine
 
+    import flows.iteration
     import flows.train
     from flows.train import train
 
@@ -42,6 +43,9 @@ def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path,
     monkeypatch.setattr(prefect.flow_engine, "_send_heartbeats", recording)
     frozen, freeze = [], flows.train.freeze_grown_heap  # what each iteration's end froze (rft_core/heap.py)
     monkeypatch.setattr(flows.train, "freeze_grown_heap", lambda: frozen.append((freeze(), gc.get_freeze_count())))
+    own_prompts, prompts_task = [], flows.iteration._prompts
+    monkeypatch.setattr(flows.iteration, "_prompts",
+                        lambda cfg, iteration, *a, **k: own_prompts.append(iteration) or prompts_task(cfg, iteration, *a, **k))
     cfg = flow_cfg(tiny_model, tmp_path / "run")
     said: list[str] = []  # what the stages log (Prefect's logging setup keeps it from pytest's caplog)
     handler = logging.Handler(logging.INFO)
@@ -53,13 +57,13 @@ def test_two_iterations_every_stage_valid(prefect_harness, tiny_model, tmp_path,
         logging.getLogger("rft_core.stages").removeHandler(handler)
     assert [m["iteration"] for m in result.metrics] == [1, 2]
     # iteration 2's prompts ran beside iteration 1's update (flows/iteration.py's _prompts_ahead): committed after
-    # iteration 1's advantages, and iteration 2's own call of them found them committed
+    # iteration 1's advantages, and iteration 2 took them as they were (IterationResult.ahead_stages): no task run of
+    # it found them committed, which would log "reusing committed shard"
     created = {(it, s): read_manifest(f"{cfg.run_root}/iter={it:06d}/{s}")[0].created_at
                for it, s in ((1, "advantages"), (2, "prompts"), (2, "rollout"))}
     assert created[(1, "advantages")] < created[(2, "prompts")] < created[(2, "rollout")]
-    reused = [m for m in said if "reusing committed shard" in m]
-    assert reused == [f"prompts: reusing committed shard {cfg.run_root}/iter=000002/prompts "
-                      f"(config {read_manifest(f'{cfg.run_root}/iter=000002/prompts')[0].config_hash})"], reused
+    assert [m for m in said if "reusing committed shard" in m] == []
+    assert own_prompts == [1]  # the iterations' own calls of the prompts task
     # the training flow sends heartbeats (Prefect's default every 180 s); its iterations none (flows/train.py)
     assert heartbeats == [("rft-train", 180), ("rl-iteration", None), ("rl-iteration", None)]
     # the first iteration's end froze this process's heap (torch, transformers, Prefect: over 100,000 objects), which
