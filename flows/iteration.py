@@ -256,8 +256,8 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     ``rollout_policy``, version ``cfg.rollout_policy_version(iteration)`` (None: ``policy``, the
     synchronous case), and ``next_rollout_policy`` (version ``cfg.rollout_policy_version(iteration
     + 1)``, already trained) lets the prompts and rollout of the next iteration run during this
-    iteration's update: submitted before it, awaited after it. The next iteration's own call of
-    them then finds them committed. Otherwise the next iteration's prompts alone run beside this
+    iteration's update: submitted before it, awaited after it, and handed to the next iteration
+    (``ahead_stages``). Otherwise the next iteration's prompts alone run beside this
     iteration's update (``_prompts_ahead``). Partial rollouts (``rollout.partial``): the prompts and the
     rollout continue the sequences the previous iteration's rollout carried (``previous_rollout``).
     ``ahead_stages``: this iteration's stages that the previous iteration committed (its result's

@@ -28,11 +28,16 @@ def _window(uri: str) -> tuple[float, float]:
 
 
 @pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py)
-def test_staleness_1_is_reproducible_and_records_versions(prefect_harness, tiny_model, tmp_path):
+def test_staleness_1_is_reproducible_and_records_versions(prefect_harness, tiny_model, tmp_path, monkeypatch):
+    import flows.fanout
     from flows.train import train
 
     extra = {"iterations": 3, "rollout.max_staleness": 1, **REWARD}
+    own_rollouts, rollout_task = [], flows.fanout.rollout  # the iterations' own calls of the rollout
+    monkeypatch.setattr(flows.fanout, "rollout",
+                        lambda *, inp, **kw: own_rollouts.append(inp.iteration) or rollout_task(inp=inp, **kw))
     a = train(flow_cfg(tiny_model, tmp_path / "a", **extra))
+    assert own_rollouts == [1]  # 2 and 3 took the rollouts prefetched beside the updates (IterationResult.ahead_stages)
     assert_training_signal(tmp_path / "a", (1, 2, 3))
     b = train(flow_cfg(tiny_model, tmp_path / "b", **extra))
     assert _weights(tmp_path / "a") == _weights(tmp_path / "b") and _weights(tmp_path / "a")
