@@ -402,6 +402,11 @@ command, date and machine load that produced it.
 ## SIGKILL on a local disk
 
 {sigkill}
+A run that fails (an error, not a kill) after an update returns once that update's background
+writes have landed (`rft_core.api.release_run`): none outlives the failed run into the next flow
+of the same process, and a write that fails raises there, naming its stage
+(`tests/flows/test_replay.py::test_replay_refuses_missing_inputs`).
+
 ## SIGKILL with resident workers
 
 {resident}

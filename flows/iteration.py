@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.futures import PrefectFuture
+from prefect.futures import PrefectFuture, wait
 from pydantic import BaseModel, ConfigDict
 
 import tasks
@@ -166,6 +166,7 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
     if with_rewards:  # submitted last: the model stages' calls start first (a submission takes 3-14 ms)
         futures["rewards"] = tasks.tagged(tasks.rewards, tags).submit(inp=RewardsInput(
             rollout=rollout, prompts=prompts, reward=cfg.reward, out=out("rewards")))
+    wait(list(futures.values()))  # when one fails, the others still commit (a retry reuses them), then it raises
     return {name: f.result() for name, f in futures.items()}
 
 
@@ -260,9 +261,8 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
     (``ahead_stages``). Otherwise the next iteration's prompts alone run beside this
     iteration's update (``_prompts_ahead``). Partial rollouts (``rollout.partial``): the prompts and the
     rollout continue the sequences the previous iteration's rollout carried (``previous_rollout``).
-    ``ahead_stages``: this iteration's stages that the previous iteration committed (its result's
-    ``ahead_stages``), taken as they are; None: each stage's task runs, finding them committed if
-    they are (a resume, the first iteration of a process)."""
+    ``ahead_stages``: the previous result's ``ahead_stages``, taken as they are (None: each
+    stage's task runs, finding them committed on a resume)."""
     t0 = time.perf_counter()
     state = state or cfg.initial_state
     kl = cfg.kl.model_copy(update={"kl_coef": state.kl_coef})

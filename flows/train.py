@@ -134,15 +134,13 @@ def train(cfg: TrainConfig) -> TrainResult:
     cfg = cfg.model_copy(update={"orchestration": cfg.orchestration.model_copy(update={"concurrency_tags": tags})})
     policy: PolicyRef = cfg.policy.path
     rows: list[dict[str, Any]] = []
-    state = cfg.initial_state
-    critic: PolicyRef | None = None
+    state, critic = cfg.initial_state, None  # critic: PolicyRef | None (estimators that need values)
     counters0 = run_counters(None)  # this process's model loads etc. before the run (counted from here)
     recorder = _Recorder(cfg)
 
     def prune(iteration: int) -> None:  # checkpoint retention after ``iteration`` (a task run only when it is on)
         if cfg.checkpoint.keep_last is not None and iteration:
-            tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=iteration,
-                                                        checkpoint=cfg.checkpoint)
+            tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=iteration, checkpoint=cfg.checkpoint)
 
     try:
         if cfg.first_resident_stages:  # Ray, then the first iteration's workers' processes, starting during its prompts

@@ -124,6 +124,39 @@ def test_default_skips_the_actor_stage_when_the_engine_log_probs_are_pi_old(pref
     assert upd.summary["optimizer_steps"] == 1
 
 
+def test_a_failed_scoring_stage_lets_its_siblings_commit_before_the_flow_fails(prefect_harness, tiny_model, tmp_path,
+                                                                               fake_rewards, monkeypatch):
+    """The stages that read only the rollout run together (``flows/iteration.py``'s ``_score``).
+    When one fails (the reference pass: its model folder is missing, so it fails at once) the flow
+    waits for the others before it raises: they commit, and a retry reuses them. Here the rewards
+    task starts late (its engine's ``begin_run`` held 2 s, as a loaded machine or a concurrency
+    slot can hold it); a flow that raised at once would leave Prefect's task runner to cancel it
+    before it executes (``ThreadPoolTaskRunner.__exit__``: ``CancelledError``), as
+    tests/flows/test_deployment.py saw on 2026-11-30."""
+    import time
+
+    import prefect.task_engine
+
+    from rft_core.models.hub import ModelLoadError
+    from flows.train import train
+
+    begin = prefect.task_engine.SyncTaskRunEngine.begin_run
+
+    def late_rewards(engine):
+        if engine.task.name == "rewards":
+            time.sleep(2.0)
+        return begin(engine)
+
+    monkeypatch.setattr(prefect.task_engine.SyncTaskRunEngine, "begin_run", late_rewards)
+    cfg = flow_cfg(tiny_model, tmp_path / "run", iterations=1, **{"reference.path": str(tmp_path / "missing"),
+                                                                   "logprobs.recompute_old_logprobs": False})
+    with pytest.raises(ModelLoadError, match="missing"):
+        train(cfg)
+    committed = {s: (tmp_path / "run" / "iter=000001" / s / "_MANIFEST.json").exists()
+                 for s in ("rollout", "ref_logprobs", "rewards")}
+    assert committed == {"rollout": True, "ref_logprobs": False, "rewards": True}, committed
+
+
 def test_crash_in_update_then_resume_reuses_committed_stages(prefect_harness, tiny_model, tmp_path, fake_rewards, monkeypatch):
     from flows.train import train
     from rft_core.stages.writer import wait_for_optimizer_writes
