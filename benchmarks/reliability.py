@@ -566,7 +566,7 @@ A committed file is checked against its manifest's sha256 wherever it is used:
 The error names the file and the command that repairs it, e.g. on resume:
 
 ```
-ShardCorruptError: /runs/x/iter=000001/ppo_update/policy/model.safetensors: sha256 does not match the manifest:
+ShardCorruptError: /runs/x/iter=000001/ppo_update/policy/model.safetensors: checksum does not match the manifest:
 the committed file is corrupted. To recompute this stage and the stages that depend on it (moved aside, nothing else
 touched): rft repair /runs/x --stage iter=1/ppo_update, then rerun the same training command
 ```

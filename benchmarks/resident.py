@@ -75,7 +75,7 @@ def final_weights(run_root: str, iteration: int) -> dict[str, str]:
     if stage is None:
         raise RuntimeError(f"{run_root}: iteration {iteration} committed no policy weights")
     m, _ = read_manifest(stage.uri)
-    return {e.path: e.sha256 for e in m.files if e.path.startswith("policy/") and e.path.endswith(".safetensors")}
+    return {e.path: e.checksum for e in m.files if e.path.startswith("policy/") and e.path.endswith(".safetensors")}
 
 
 def committed_before(run_root: str, iteration: int, stages, start: float) -> dict[str, float]:

@@ -170,7 +170,7 @@ def run_stages(run_root: str) -> list[StageInfo]:
 
 def verify_run(run_root: str) -> dict[str, str]:
     """{stage spec: the problem} for every committed stage of ``run_root`` whose manifest is
-    unreadable or one of whose files is missing or differs from it (sha256 of every file)."""
+    unreadable or one of whose files is missing or differs from it (the checksum of every file)."""
     bad = {}
     for st in run_stages(run_root):
         fs, path = filesystem(st.uri)

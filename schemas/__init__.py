@@ -19,13 +19,13 @@ from schemas.shards import (
     commit_files,
     committed_ref,
     config_hash,
+    file_checksum,
     filesystem,
     local_path,
     prepare_stage_dir,
     prune_files,
     pruned_files,
     read_manifest,
-    sha256_file,
 )
 from schemas.storage import describe_stage, is_object_store, storage_errors
 from schemas.tables import read_shard, read_side_table, validate_table, verify_files, write_parts, write_shard
@@ -48,6 +48,7 @@ __all__ = [
     "committed_ref",
     "config_hash",
     "describe_stage",
+    "file_checksum",
     "filesystem",
     "is_object_store",
     "iteration_uri",
@@ -60,7 +61,6 @@ __all__ = [
     "read_shard",
     "read_side_table",
     "schema_for",
-    "sha256_file",
     "split_stage_uri",
     "stage_spec",
     "stage_uri",

@@ -9,7 +9,8 @@ Write protocol (``write_shard`` / ``commit_files``):
   4. write ``_MANIFEST.json`` last: it is the commit point (local: temporary name + rename; an
      object store: a conditional PUT, ``If-None-Match: *``, so of two writers only one commits).
 
-A reader trusts only the manifest: rows, files, sizes, sha256 checksums, schema fingerprint,
+A reader trusts only the manifest: rows, files, sizes, checksums (XXH3-128 since manifest
+version 2, sha256 before: ``schemas.storage.CHECKSUMS``), schema fingerprint,
 config hash and the inputs that produced the shard; a folder whose manifest is missing is never
 accepted, whatever parts it holds. Parquet parts are written and read in ``schemas.tables``.
 
@@ -36,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Mapping, Union
 
 import fsspec
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_serializer, model_validator
 
 from schemas.columns import StageSchema
 from schemas.layout import split_stage_uri
@@ -52,14 +53,17 @@ from schemas.storage import (  # noqa: F401 - re-exported: the shard contract's 
     local_path,
     local_path_of,
     put_exclusive,
-    remember_sha256,
+    bytes_checksum,
+    checksum_algorithm,
+    file_checksum,
+    remember_checksum,
     repair_hint,
-    sha256_file,
     storage_errors,
     verified,
 )
 
-MANIFEST_VERSION = 1
+# 2: files carry an XXH3-128 checksum (FileEntry.xxh3_128), where version 1 carried sha256
+MANIFEST_VERSION = 2
 
 
 class ShardError(ValueError):
@@ -166,13 +170,41 @@ def release_stage_lock(uri: str, token: str) -> None:
 
 
 class FileEntry(BaseModel):
-    """One committed file: path relative to the shard folder, size in bytes, sha256 hex."""
+    """One committed file: path relative to the shard folder, size in bytes, its checksum (hex):
+    ``xxh3_128`` in manifests of version 2 on, ``sha256`` in those written before (exactly one of
+    the two; ``checksum`` gives either as ``"<algorithm>:<hex>"``), and its rows (Parquet parts).
+
+    Raises:
+        pydantic.ValidationError: neither or both checksums.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     path: str
     bytes: int
-    sha256: str
+    xxh3_128: str | None = None
+    sha256: str | None = None
     rows: int | None = None
+
+    @model_validator(mode="after")
+    def _one_checksum(self) -> "FileEntry":
+        if (self.xxh3_128 is None) == (self.sha256 is None):
+            raise ValueError(f"{self.path}: a file entry has exactly one checksum, xxh3_128 or sha256")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_the_other_checksum(self, handler):
+        return {k: v for k, v in handler(self).items() if not (k in ("xxh3_128", "sha256") and v is None)}
+
+    @property
+    def checksum(self) -> str:
+        """``"<algorithm>:<hex>"``: what ``schemas.storage.verified`` checks the file against."""
+        return f"xxh3_128:{self.xxh3_128}" if self.xxh3_128 is not None else f"sha256:{self.sha256}"
+
+    @classmethod
+    def of(cls, path: str, size: int, checksum: str, rows: int | None = None) -> "FileEntry":
+        """The entry of ``path`` with ``checksum`` (``"<algorithm>:<hex>"``, ``file_checksum``'s)."""
+        algorithm = checksum_algorithm(checksum)
+        return cls(path=path, bytes=size, rows=rows, **{algorithm: checksum.partition(":")[2]})
 
 
 class Manifest(BaseModel):
@@ -349,8 +381,8 @@ def committed_ref(uri: str, *, stage: str, config_hash: str, contract: str | Non
             size = fs.size(fpath)
             if size != entry.bytes:
                 raise ShardCorruptError(f"{uri}/{entry.path}: {size} bytes, manifest says {entry.bytes}{repair_hint(uri)}")
-            if entry.rows is not None and not verified(fs, fpath, entry.sha256):
-                raise ShardCorruptError(f"{uri}/{entry.path}: sha256 does not match the manifest (corrupted){repair_hint(uri)}")
+            if entry.rows is not None and not verified(fs, fpath, entry.checksum):
+                raise ShardCorruptError(f"{uri}/{entry.path}: checksum does not match the manifest (corrupted){repair_hint(uri)}")
     return _ref(uri, manifest, sha)
 
 
@@ -504,15 +536,14 @@ def _stage_files(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
 
 def _file_entries(fs: fsspec.AbstractFileSystem, path: str, files: list[str],
                   rows_per_file: Mapping[str, int]) -> list[FileEntry]:
-    """The manifest entries (size, sha256, rows) of ``files`` below ``path``; each checksum is
-    remembered for later verification (``remember_sha256``)."""
-    # hashlib releases the GIL on large buffers: a checkpoint's weights and optimizer state are
-    # hashed at the same time (0.85 -> 0.57 s for SmolLM2-135M's 1.5 GB on 2 cores)
+    """The manifest entries (size, XXH3-128 checksum, rows) of ``files`` below ``path``; each
+    checksum is remembered for later verification (``remember_checksum``)."""
+    # the files are read on a few threads: an object store's reads overlap (xxhash itself holds the GIL)
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(files)))) as pool:
-        sums = list(pool.map(lambda rel: sha256_file(fs, f"{path}/{rel}"), files))
-    for rel, (_, sha) in zip(files, sums):
-        remember_sha256(fs, f"{path}/{rel}", sha)
-    return [FileEntry(path=rel, bytes=size, sha256=sha, rows=rows_per_file.get(rel)) for rel, (size, sha) in zip(files, sums)]
+        sums = list(pool.map(lambda rel: file_checksum(fs, f"{path}/{rel}"), files))
+    for rel, (_, checksum) in zip(files, sums):
+        remember_checksum(fs, f"{path}/{rel}", checksum)
+    return [FileEntry.of(rel, size, checksum, rows_per_file.get(rel)) for rel, (size, checksum) in zip(files, sums)]
 
 
 def _put_manifest(fs: fsspec.AbstractFileSystem, mpath: str, raw: bytes, *, uri: str) -> None:

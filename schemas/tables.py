@@ -6,7 +6,6 @@ The commit protocol itself (manifest, locks, checksums) is in ``schemas.shards``
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 from typing import Any, Mapping
@@ -20,6 +19,8 @@ from schemas.shards import (
     ShardRef,
     ShardSchemaError,
     atomic_put,
+    bytes_checksum,
+    checksum_algorithm,
     commit_files,
     filesystem,
     prepare_stage_dir,
@@ -154,7 +155,7 @@ def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = 
     Args:
         ref: a ShardRef or the shard folder's URI.
         stage: the stage the caller expects (default: the manifest's).
-        verify: check every file's size and sha256 against the manifest.
+        verify: check every file's size and checksum against the manifest.
     Raises:
         ShardNotCommittedError: no manifest.
         ShardCorruptError: missing file, wrong size or checksum, unreadable Parquet, or (for a
@@ -191,7 +192,7 @@ def read_shard(ref: ShardRef | str, *, stage: str | None = None, verify: bool = 
 
 def read_side_table(ref: ShardRef | str, name: str, schema: StageSchema) -> pa.Table:
     """A side table committed with a shard (``write_shard(side_tables=...)``), checked as a part
-    is: listed in the manifest, same size and sha256, readable Parquet stamped with ``schema``'s
+    is: listed in the manifest, same size and checksum, readable Parquet stamped with ``schema``'s
     stage and version, the columns of ``schema``.
 
     Raises:
@@ -216,7 +217,7 @@ def read_side_table(ref: ShardRef | str, name: str, schema: StageSchema) -> pa.T
 
 def _read_file(fs, fpath: str, entry, *, uri: str, schema: StageSchema, verify: bool) -> pa.Table:
     """One committed Parquet file of the shard at ``uri`` (a part or a side table; ``entry`` its
-    manifest entry), checked: present, with ``verify`` of the manifest's size and sha256, readable,
+    manifest entry), checked: present, with ``verify`` of the manifest's size and checksum, readable,
     stamped with ``schema``'s stage and version (its columns are the caller's to validate).
 
     Raises:
@@ -229,8 +230,8 @@ def _read_file(fs, fpath: str, entry, *, uri: str, schema: StageSchema, verify: 
     if verify:
         if len(data) != entry.bytes:
             raise ShardCorruptError(f"{fpath}: {len(data)} bytes, manifest says {entry.bytes} (truncated?){repair_hint(uri)}")
-        if hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise ShardCorruptError(f"{fpath}: sha256 does not match the manifest (corrupted){repair_hint(uri)}")
+        if bytes_checksum(data, checksum_algorithm(entry.checksum)) != entry.checksum:
+            raise ShardCorruptError(f"{fpath}: checksum does not match the manifest (corrupted){repair_hint(uri)}")
     try:
         table = pq.read_table(pa.BufferReader(data))
     except Exception as exc:
@@ -246,7 +247,7 @@ def _read_file(fs, fpath: str, entry, *, uri: str, schema: StageSchema, verify: 
 
 def verify_files(uri: str, *, under: str = "", local_copy: str | None = None) -> list[str]:
     """Check the committed files of the stage at ``uri`` below its sub-folder ``under`` ("" for
-    all) against the manifest: present, same size, same sha256. Files pruned on purpose
+    all) against the manifest: present, same size, same checksum. Files pruned on purpose
     (``_PRUNED.json``) are skipped. A local file that this process wrote or checked before,
     unchanged since (size, mtime), is not hashed again.
 
@@ -257,7 +258,7 @@ def verify_files(uri: str, *, under: str = "", local_copy: str | None = None) ->
         the paths checked (relative to ``uri``).
     Raises:
         ShardNotCommittedError: no manifest at ``uri``.
-        ShardCorruptError: a file is missing, has another size or another sha256; the message
+        ShardCorruptError: a file is missing, has another size or another checksum; the message
             names the file and the command that recomputes the stage.
     """
     manifest, _ = read_manifest(uri)
@@ -280,8 +281,8 @@ def verify_files(uri: str, *, under: str = "", local_copy: str | None = None) ->
         if size != entry.bytes:
             raise ShardCorruptError(f"{shown}: {size} bytes, the manifest says {entry.bytes} (truncated or "
                                     f"overwritten){repair_hint(uri)}")
-        if not verified(fs, fpath, entry.sha256):
-            raise ShardCorruptError(f"{shown}: sha256 does not match the manifest: the committed file is "
+        if not verified(fs, fpath, entry.checksum):
+            raise ShardCorruptError(f"{shown}: checksum does not match the manifest: the committed file is "
                                     f"corrupted{repair_hint(uri)}")
         checked.append(entry.path)
     return checked

@@ -58,7 +58,7 @@ def test_corrupted_checkpoint_found_on_resume_and_repaired(prefect_harness, tiny
     two = write_config(tmp_path / "two.yaml", tiny_model, iterations=2)
     rc, log = _train(two, run, api)  # resume into iteration 2, which starts from iteration 1's weights
     assert rc != 0
-    assert f"{weights}: sha256 does not match the manifest: the committed file is corrupted" in log, log[-4000:]
+    assert f"{weights}: checksum does not match the manifest: the committed file is corrupted" in log, log[-4000:]
     assert f"rft repair {run} --stage iter=1/ppo_update-policy" in log
     assert not (run / "iter=000002/rollout/_MANIFEST.json").exists()  # nothing was trained on the damaged weights
 
@@ -78,7 +78,7 @@ def test_corrupted_checkpoint_found_on_resume_and_repaired(prefect_harness, tiny
     aside = sorted((run / "_repaired").iterdir())
     assert len(aside) == 1 and (aside[0] / "iter=000001/ppo_update-policy/policy/model.safetensors").exists()
     record = json.loads((aside[0] / "_REPAIR.json").read_text())
-    assert record["stage"] == "iter=1/ppo_update-policy" and "model.safetensors: sha256 does not match" in record["problem"]
+    assert record["stage"] == "iter=1/ppo_update-policy" and "model.safetensors: checksum does not match" in record["problem"]
 
     rc, log = _train(two, run, api)  # the same command recomputes the moved stage (the update again) and goes on
     assert rc == 0, log[-3000:]
@@ -99,11 +99,11 @@ def test_corrupted_checkpoint_found_on_resume_and_repaired(prefect_harness, tiny
     part = run / "iter=000001/rollout/part-00000.parquet"
     _flip(part, 100)
     m, _ = read_manifest(str(part.parent))
-    with pytest.raises(ShardCorruptError, match=rf"{part}: sha256 does not match the manifest .* repair {run} --stage "
+    with pytest.raises(ShardCorruptError, match=rf"{part}: checksum does not match the manifest .* repair {run} --stage "
                                                 r"iter=1/rollout"):
         committed_ref(str(part.parent), stage="rollout", config_hash=m.config_hash, contract=m.contract)
     plan = plan_repair(str(run), "iter=1/rollout")
-    assert "sha256 does not match" in plan.problem
+    assert "checksum does not match" in plan.problem
     downstream = ["rollout", "actor_logprobs", "ref_logprobs", "rewards", "advantages", "ppo_update", "ppo_update-optimizer",
                   "ppo_update-policy"]
     assert set(plan.moves) == {f"iter={i}/{s}" for i in (1, 2) for s in downstream}  # not the prompts of either

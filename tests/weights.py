@@ -17,7 +17,7 @@ def policy_files(ref: ShardRef, *, suffix: str = "") -> dict[str, str]:
     Raises:
         AssertionError: ``ref``'s weights are not on storage.
     """
-    return {e.path: e.sha256 for e in read_manifest(_held(ref).uri)[0].files
+    return {e.path: e.checksum for e in read_manifest(_held(ref).uri)[0].files
             if e.path.startswith("policy/") and e.path.endswith(suffix)}
 
 

@@ -61,7 +61,7 @@ from rft_core.training.update import (
 )
 import rft_core.stages.memo as memo
 from rft_core.stages.sources import current_source, version_key
-from schemas import PolicyRef, ShardRef, read_manifest, read_shard, sha256_file
+from schemas import PolicyRef, ShardRef, file_checksum, read_manifest, read_shard
 from schemas.batch import align_on_sample_id
 from schemas.columns import PPO_UPDATE, token_versions_of
 
@@ -98,15 +98,16 @@ def load_trainable_policy(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str):
 
 
 def _weights_match(model, update: ShardRef) -> bool:
-    """Whether ``model`` saved now gives the weight files (same names, same sha256) that the
-    committed ``update`` lists under ``policy/``."""
+    """Whether ``model`` saved now gives the weight files (same names, same checksums, in the
+    algorithm the manifest recorded) that the committed ``update`` lists under ``policy/``."""
     manifest, _ = read_manifest(update.uri)
-    want = {e.path.rpartition("/")[2]: e.sha256 for e in manifest.files
+    want = {e.path.rpartition("/")[2]: e.checksum for e in manifest.files
             if e.path.startswith(f"{POLICY_SUBDIR}/") and e.path.endswith(WEIGHT_SUFFIXES)}
     with tempfile.TemporaryDirectory(prefix="rft-recheck-") as tmp:
         model.save_pretrained(tmp)
         fs = fsspec.filesystem("file")
-        got = {p.name: sha256_file(fs, str(p))[1] for p in Path(tmp).iterdir() if p.name.endswith(WEIGHT_SUFFIXES)}
+        got = {p.name: file_checksum(fs, str(p), want[p.name].partition(":")[0])[1] if p.name in want else None
+               for p in Path(tmp).iterdir() if p.name.endswith(WEIGHT_SUFFIXES)}
     return bool(want) and got == want
 
 

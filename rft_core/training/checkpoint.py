@@ -48,7 +48,7 @@ def save_checkpoint(model, tokenizer, optimizer: torch.optim.Optimizer | None, o
 def save_optimizer_state(state: dict, path: str | Path) -> None:
     """``torch.save`` of an optimizer state dict (``OPTIMIZER_FILE``) without the zip records'
     CRC-32 (``torch.utils.serialization.config.save.compute_crc32``, torch >= 2.6): the stage's
-    manifest holds the file's sha256, checked before every read (``schemas.verify_files``), so
+    manifest holds the file's checksum, checked before every read (``schemas.verify_files``), so
     the CRC only cost time, 1.7 of 2.8 s for a 1.26 GB state on this project's 2-core CPU
     (``torch.load`` reads either kind). The config is torch's process-wide one, patched for the
     call (``rft_core.stages.optimizer_state``'s writer thread writes one state at a time).

@@ -100,7 +100,7 @@ def test_staleness_2_resident_keeps_two_versions_and_equals_stage_mode(prefect_h
     last = lambda run: iteration_policy_files(tmp_path / run, 4)  # noqa: E731
     assert last("resident") == last("stage") and last("stage")
     for k in (1, 2, 3, 4):
-        parts = [{e.path: e.sha256 for e in read_manifest(stage_uri(str(tmp_path / run), k, "rollout"))[0].files}
+        parts = [{e.path: e.checksum for e in read_manifest(stage_uri(str(tmp_path / run), k, "rollout"))[0].files}
                  for run in ("stage", "resident")]
         assert parts[0] == parts[1], k
     # versions 1, 2 and 3 reached the rollout worker once each (the actor passes of iterations 2-4)

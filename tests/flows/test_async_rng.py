@@ -110,7 +110,7 @@ def test_two_staleness_1_runs_with_lora_dropout_and_checkpointing_end_equal(pref
         assert ahead[0] < update[1], (k, ahead, update)
     train(varying_config(tiny_model, roots[1], *ASYNC_LORA, iterations=ITERATIONS))
     for k in range(1, ITERATIONS + 1):  # every rollout the same tokens, then the same weights
-        rollouts = [{e.path: e.sha256 for e in read_manifest(stage_uri(str(r), k, "rollout"))[0].files} for r in roots]
+        rollouts = [{e.path: e.checksum for e in read_manifest(stage_uri(str(r), k, "rollout"))[0].files} for r in roots]
         assert rollouts[0] == rollouts[1], k
     assert _weights(roots[0]) == _weights(roots[1]) and _weights(roots[0])
 

@@ -51,7 +51,7 @@ def test_verify_lists_a_corrupt_stage_and_repair_moves_it_and_its_dependents(tmp
     part.write_bytes(bytes(data))
 
     code, out = _rft("verify", str(root))
-    assert code == 1 and "CORRUPT iter=1/actor_logprobs:" in out and "sha256 does not match" in out
+    assert code == 1 and "CORRUPT iter=1/actor_logprobs:" in out and "checksum does not match" in out
     assert f"repair: rft repair {root} --stage iter=1/actor_logprobs" in out and "1 corrupt stage(s)" in out
 
     code, out = _rft("repair", str(root), "--stage", "iter=1/actor_logprobs", "--dry-run")

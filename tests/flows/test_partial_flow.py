@@ -32,7 +32,7 @@ def _demo(model: str, root, *extra: str):
 
 def _files(root, stage: str, iteration: int = ITERATIONS, prefix: str = "") -> dict[str, str]:
     m, _ = read_manifest(stage_uri(str(root), iteration, stage))
-    return {e.path: e.sha256 for e in m.files if e.path.startswith(prefix)}
+    return {e.path: e.checksum for e in m.files if e.path.startswith(prefix)}
 
 
 @pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py)

@@ -37,7 +37,7 @@ def test_two_ray_shards_union_equals_single_worker_rollout(prefect_harness, tiny
     assert merged.config_hash == single.config_hash and merged.num_rows == single.num_rows == 8
     want, _ = read_manifest(single.uri)
     got, _ = read_manifest(merged.uri)
-    assert [(f.path, f.sha256) for f in got.files] == [(f.path, f.sha256) for f in want.files]
+    assert [(f.path, f.checksum) for f in got.files] == [(f.path, f.checksum) for f in want.files]
     # the merged manifest keeps what the iteration's metrics read from the rollout (issue 39)
     versions = ("policy_version", "staleness")
     assert {k: got.summary[k] for k in versions} == {k: want.summary[k] for k in versions} == {"policy_version": 0,

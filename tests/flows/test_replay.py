@@ -56,8 +56,8 @@ def test_replay_with_other_estimator_matches_direct_run(prefect_harness, tiny_mo
     # same metrics rows and weights, byte for byte (the config hashes differ: each chains its own
     # advantages manifest, whose timestamp differs); in process the weights were written in the
     # background (ppo_update-policy), the subprocess wrote them in its ppo_update
-    assert [(f.path, f.sha256) for f in got.files if not f.path.startswith("policy/")] == \
-        [(f.path, f.sha256) for f in want.files]
+    assert [(f.path, f.checksum) for f in got.files if not f.path.startswith("policy/")] == \
+        [(f.path, f.checksum) for f in want.files]
     assert iteration_policy_files(tmp_path / "replay-sub", 1) == iteration_policy_files(root, 1)
     assert any(f.path.startswith("policy/") for f in got.files)
 

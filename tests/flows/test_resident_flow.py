@@ -74,7 +74,7 @@ def test_resident_critic_keeps_its_model_and_commits_stage_modes_files(prefect_h
 
     def files(root, it, stage_name):
         m, _ = read_manifest(stage_uri(root, it, stage_name))
-        return {e.path: e.sha256 for e in m.files}
+        return {e.path: e.checksum for e in m.files}
 
     for it in (1, 2, 3):
         for name in ("critic_values", "critic_update"):
@@ -105,7 +105,7 @@ def test_resident_teacher_equals_stage_mode(prefect_harness, tiny_model, tmp_pat
 
     def files(root, it, stage_name):
         m, _ = read_manifest(stage_uri(str(root), it, stage_name))
-        return {e.path: e.sha256 for e in m.files}
+        return {e.path: e.checksum for e in m.files}
 
     for it in (1, 2):
         for name in ("teacher_logprobs", "advantages"):

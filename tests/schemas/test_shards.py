@@ -38,7 +38,7 @@ def test_write_read_and_manifest(tmp_path):
     ref = write_shard(_table(), uri, schema=ACTOR_LOGPROBS, config_hash="abc", summary={"seconds": 1.5})
     m, sha = read_manifest(uri)
     assert (m.stage, m.num_rows, m.config_hash, m.schema_version) == ("actor_logprobs", 3, "abc", 1)
-    assert m.files[0].path == "part-00000.parquet" and len(m.files[0].sha256) == 64
+    assert m.files[0].path == "part-00000.parquet" and len(m.files[0].xxh3_128) == 32 and m.files[0].sha256 is None
     assert ref.manifest_sha256 == sha and m.summary["seconds"] == 1.5
     assert read_shard(ref).equals(_table().cast(ACTOR_LOGPROBS.arrow))
     # schema metadata is stamped in the file itself
@@ -83,7 +83,7 @@ def test_flipped_byte_is_refused(tmp_path):
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
-    with pytest.raises(ShardCorruptError, match="part-00000.parquet: sha256"):
+    with pytest.raises(ShardCorruptError, match="part-00000.parquet: checksum does not match"):
         read_shard(ref)
 
 
@@ -113,6 +113,7 @@ def _rewrite_part(tmp_path, table, *, metadata=None):
     (tmp_path / "a" / "part-00000.parquet").write_bytes(data)
     mpath = tmp_path / "a" / "_MANIFEST.json"
     m = json.loads(mpath.read_text())
+    m["files"][0].pop("xxh3_128", None)  # recorded as a manifest of version 1 would: its sha256, still checked
     m["files"][0].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     mpath.write_text(json.dumps(m))
 

@@ -71,8 +71,8 @@ def _checkpoint(run_root: str, iteration: int = 1) -> str:
 def test_verify_files_finds_a_flipped_byte_and_names_the_file_and_the_repair(tmp_path, monkeypatch):
     uri = _checkpoint(str(tmp_path / "run"))
     calls = []
-    real = storage.sha256_file
-    monkeypatch.setattr(storage, "sha256_file", lambda fs, p: calls.append(p) or real(fs, p))
+    real = storage.file_checksum
+    monkeypatch.setattr(storage, "file_checksum", lambda fs, p, *a: calls.append(p) or real(fs, p, *a))
     assert verify_files(uri, under="policy") == ["policy/config.json", "policy/model.safetensors"]
     assert calls == []  # committed by this process: known hashes, nothing read again
     w = Path(uri, "policy/model.safetensors")
@@ -82,7 +82,7 @@ def test_verify_files_finds_a_flipped_byte_and_names_the_file_and_the_repair(tmp
     with pytest.raises(ShardCorruptError) as info:
         verify_files(uri, under="policy")
     msg = str(info.value)
-    assert msg.startswith(f"{uri}/policy/model.safetensors: sha256 does not match the manifest")
+    assert msg.startswith(f"{uri}/policy/model.safetensors: checksum does not match the manifest")
     assert f"rft repair {tmp_path / 'run'} --stage iter=1/ppo_update" in msg
     assert calls == [str(w)]  # changed since committed: hashed again
     w.write_bytes(bytes(data[:-1]))
@@ -101,8 +101,69 @@ def test_verify_files_checks_a_downloaded_copy(tmp_path):
         (copy / name).write_bytes(Path(uri, "policy", name).read_bytes())
     assert verify_files(uri, under="policy", local_copy=str(copy)) == ["policy/config.json", "policy/model.safetensors"]
     (copy / "config.json").write_text(json.dumps({"a": 2}))
-    with pytest.raises(ShardCorruptError, match="policy/config.json: sha256 does not match"):
+    with pytest.raises(ShardCorruptError, match="policy/config.json: checksum does not match"):
         verify_files(uri, under="policy", local_copy=str(copy))
+
+
+def test_file_checksums_are_xxh3_128_and_an_entry_holds_exactly_one(tmp_path):
+    import hashlib
+
+    import fsspec
+    from pydantic import ValidationError
+
+    from schemas.shards import FileEntry
+
+    fs = fsspec.filesystem("file")
+    empty, abc = tmp_path / "empty", tmp_path / "abc"
+    empty.write_bytes(b"")
+    abc.write_bytes(b"abc")
+    # XXH3-128 of the empty input, from xxHash's own sanity table (tests/sanity_test_vectors.h)
+    assert storage.file_checksum(fs, str(empty)) == (0, "xxh3_128:99aa06d3014798d86001c324468d497f")
+    assert storage.file_checksum(fs, str(abc), "sha256") == (3, "sha256:" + hashlib.sha256(b"abc").hexdigest())
+    assert storage.bytes_checksum(b"abc") == storage.file_checksum(fs, str(abc))[1]
+    with pytest.raises(ValueError, match="'md5': not a file checksum algorithm"):
+        storage.file_checksum(fs, str(abc), "md5")
+    with pytest.raises(ValueError, match="not a file checksum '<algorithm>:<hex>'"):
+        storage.verified(fs, str(abc), "0123")
+
+    entry = FileEntry.of("part-00000.parquet", 0, "xxh3_128:99aa06d3014798d86001c324468d497f", rows=0)
+    assert entry.checksum == "xxh3_128:99aa06d3014798d86001c324468d497f" and entry.sha256 is None
+    assert json.loads(entry.model_dump_json()) == {"path": "part-00000.parquet", "bytes": 0, "rows": 0,
+                                                   "xxh3_128": "99aa06d3014798d86001c324468d497f"}
+    legacy = FileEntry.model_validate({"path": "a", "bytes": 3, "sha256": hashlib.sha256(b"abc").hexdigest()})
+    assert storage.verified(fs, str(abc), legacy.checksum) and not storage.verified(fs, str(empty), legacy.checksum)
+    with pytest.raises(ValidationError, match="exactly one checksum"):
+        FileEntry(path="a", bytes=3)
+    with pytest.raises(ValidationError, match="exactly one checksum"):
+        FileEntry(path="a", bytes=3, sha256="00", xxh3_128="00")
+
+
+def test_a_manifest_of_version_1_with_sha256_checksums_is_still_checked(tmp_path):
+    """Manifests written before version 2 recorded each file's sha256: their stages stay readable,
+    and a file that no longer matches its sha256 is refused as before."""
+    import hashlib
+
+    from schemas import committed_ref, read_manifest
+
+    uri = _checkpoint(str(tmp_path / "run"))
+    mpath = Path(uri, "_MANIFEST.json")
+    m = json.loads(mpath.read_text())
+    assert m["manifest_version"] == 2 and all(set(f) & {"xxh3_128", "sha256"} == {"xxh3_128"} for f in m["files"])
+    m["manifest_version"] = 1
+    for f in m["files"]:
+        del f["xxh3_128"]
+        f["sha256"] = hashlib.sha256(Path(uri, f["path"]).read_bytes()).hexdigest()
+    mpath.write_text(json.dumps(m))
+    storage._VERIFIED.clear()  # this process hashed them when it committed: check them again, by sha256
+    assert [e.checksum.split(":")[0] for e in read_manifest(uri)[0].files] == ["sha256"] * 3
+    assert verify_files(uri) == ["part-00000.parquet", "policy/config.json", "policy/model.safetensors"]
+    committed_ref(uri, stage="ppo_update", config_hash="h", check_files=True)
+    w = Path(uri, "policy/model.safetensors")
+    data = bytearray(w.read_bytes())
+    data[7] ^= 0x10
+    w.write_bytes(bytes(data))
+    with pytest.raises(ShardCorruptError, match="policy/model.safetensors: checksum does not match the manifest"):
+        verify_files(uri, under="policy")
 
 
 def test_a_half_written_lock_left_by_a_killed_writer_is_taken_over(tmp_path):

@@ -56,4 +56,4 @@ def test_a_runner_moves_the_program_into_a_subprocess(cfg, tiny_model, tmp_path)
     here = tasks.rollout.fn(inp=inp)
     there = tasks.rollout.fn(inp=inp.model_copy(update={"out": str(tmp_path / "b")}), runner=RunnerConfig(mode="subprocess"))
     assert there.config_hash == here.config_hash
-    assert [f.sha256 for f in read_manifest(there.uri)[0].files] == [f.sha256 for f in read_manifest(here.uri)[0].files]
+    assert [f.checksum for f in read_manifest(there.uri)[0].files] == [f.checksum for f in read_manifest(here.uri)[0].files]

@@ -202,8 +202,8 @@ def test_the_next_update_trains_during_the_write_and_steps_after_it(cfg, tmp_pat
     inp2 = PPOUpdateInput(**_experience(cfg, root, 2, u1), policy=u1)  # its committed inputs, reused
     assert u2.config_hash == inp2.config_hash(optimizer=read_manifest(manifest.parent.as_posix())[0].config_hash)
     m1, m2 = read_manifest(r1.uri)[0], read_manifest(r2.uri)[0]
-    assert m2.summary["grad_norm"] > 0 and {f.sha256 for f in m1.files} != {f.sha256 for f in m2.files}  # it moved
-    assert {f.path: f.sha256 for f in read_manifest(u2.uri)[0].files} == {f.path: f.sha256 for f in m2.files}
+    assert m2.summary["grad_norm"] > 0 and {f.checksum for f in m1.files} != {f.checksum for f in m2.files}  # it moved
+    assert {f.path: f.checksum for f in read_manifest(u2.uri)[0].files} == {f.path: f.checksum for f in m2.files}
     writer.wait_for_optimizer_writes()
     _assert_same_state(_state(opt_state.optimizer_state_uri(u1)), _state(opt_state.optimizer_state_uri(r1)))
     _assert_same_state(_state(opt_state.optimizer_state_uri(u2)), _state(opt_state.optimizer_state_uri(r2)))

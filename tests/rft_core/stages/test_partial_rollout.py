@@ -119,7 +119,7 @@ def test_a_recomputed_partial_rollout_is_bit_identical(chain):
     committed inputs (prompts, carry, policy) and writes the same parts and carry, byte for byte."""
     root, _, refs, inputs = chain
     again = rollout_stage.run(inputs[1].model_copy(update={"out": str(root / "rollout2-again")}))
-    files = [{e.path: e.sha256 for e in read_manifest(ref.uri)[0].files} for ref in (refs[1], again)]
+    files = [{e.path: e.checksum for e in read_manifest(ref.uri)[0].files} for ref in (refs[1], again)]
     assert files[0] == files[1] and CARRY_ROLLOUT in files[0]
     assert read_carry(refs[1])[0].num_rows == 8  # 4 continued + 4 started: not an empty thing compared
 

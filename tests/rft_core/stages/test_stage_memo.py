@@ -33,7 +33,7 @@ def _cfg(model: str, root, keep: bool, *extra: str):
 
 
 def _parts(root, it: int, stage: str) -> dict[str, str]:
-    return {e.path: e.sha256 for e in read_manifest(stage_uri(str(root), it, stage))[0].files}
+    return {e.path: e.checksum for e in read_manifest(stage_uri(str(root), it, stage))[0].files}
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ def _cfg(tiny_model, tmp_path):
 
 def _files(uri):
     m, _ = read_manifest(uri)
-    return m.config_hash, [(f.path, f.bytes, f.sha256) for f in m.files]
+    return m.config_hash, [(f.path, f.bytes, f.checksum) for f in m.files]
 
 
 @pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py)

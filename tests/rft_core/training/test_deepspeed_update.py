@@ -90,7 +90,7 @@ def test_a_lost_deepspeed_state_is_recomputed_when_its_update_is_resumed(update_
     refs, _ = ds_chain(2)
     u1 = refs[0]
     folder = Path(opt_state.optimizer_state_uri(u1))
-    committed = {f.path: f.sha256 for f in read_manifest(str(folder))[0].files}
+    committed = {f.path: f.checksum for f in read_manifest(str(folder))[0].files}
     (folder / "_MANIFEST.json").unlink()  # the job died before rank 0 committed the partitions
     assert opt_state.optimizer_state_missing(u1)
     with pytest.raises(writer.OptimizerStateError, match=f"{folder}.*never committed.*Rerun the training flow"):
@@ -99,7 +99,7 @@ def test_a_lost_deepspeed_state_is_recomputed_when_its_update_is_resumed(update_
     assert again == u1  # the committed update is reused, untouched
     manifest, _ = read_manifest(str(folder))
     assert manifest.summary["recovered"] is True and manifest.summary["weights_match"] is True
-    assert {f.path: f.sha256 for f in manifest.files} == committed  # every partition bit-identical
+    assert {f.path: f.checksum for f in manifest.files} == committed  # every partition bit-identical
     assert len(committed) >= 4  # the two partitions, the module states, `latest`, ...
 
 

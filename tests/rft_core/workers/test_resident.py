@@ -89,7 +89,7 @@ def test_resident_every_3_ends_with_the_stage_mode_weights(stage_run, tiny_model
     for it in (1, 2, 3):
         for stage in ("rollout", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update"):
             a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg_s, cfg))
-            parts = lambda m: {e.path: e.sha256 for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
+            parts = lambda m: {e.path: e.checksum for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
             assert parts(a) == parts(b), (it, stage)
 
 
@@ -123,8 +123,8 @@ def test_a_sync_ahead_lands_each_update_before_the_next_rollout_and_changes_no_b
     for it in (2, 3):
         for stage in ("rollout", "actor_logprobs", "ppo_update"):
             a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg_s, cfg))
-            assert {e.path: e.sha256 for e in a.files if e.path.endswith(".parquet")} == \
-                {e.path: e.sha256 for e in b.files if e.path.endswith(".parquet")}, (it, stage)
+            assert {e.path: e.checksum for e in a.files if e.path.endswith(".parquet")} == \
+                {e.path: e.checksum for e in b.files if e.path.endswith(".parquet")}, (it, stage)
 
 
 def test_a_sync_ahead_is_waited_for_by_the_next_call_and_a_failed_one_raises_nothing(monkeypatch, caplog):
@@ -286,7 +286,7 @@ def test_lora_resident_every_3_equals_stage_mode(tiny_model, tmp_path):
     for it in (1, 2, 3):
         for stage in ("rollout", "actor_logprobs", "advantages", "ppo_update"):
             a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg_s, cfg))
-            parts = lambda m: {e.path: e.sha256 for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
+            parts = lambda m: {e.path: e.checksum for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
             assert parts(a) == parts(b), (it, stage)
 
 
@@ -330,7 +330,7 @@ def test_background_checkpoints_commit_after_their_update_with_the_stage_mode_fi
         assert not any(e.path.startswith("policy/") for e in m.files) and method_of(m.summary[WEIGHTS_DIGEST_KEY]) == "xxh3"
         held = weights_stage(ref)
         assert held.uri == ref.uri + "-policy" and read_manifest(held.uri)[0].inputs == {"ppo_update": ref.manifest_sha256}
-        files = lambda r: {e.path: e.sha256 for e in read_manifest(r.uri)[0].files if e.path.startswith("policy/")}  # noqa: E731
+        files = lambda r: {e.path: e.checksum for e in read_manifest(r.uri)[0].files if e.path.startswith("policy/")}  # noqa: E731
         assert files(held) == files(weights_stage(stage_ref)) and files(held), it  # weights, config and tokenizer files
         opt = [json.loads(Path(stage_uri(c.run_root, it, "ppo_update-optimizer"), "_MANIFEST.json").read_text())["files"]
                for c in (cfg_s, cfg)]
