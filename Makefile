@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 
 .PHONY: install demo test test-fast bench bench-trl bench-learning bench-resident bench-async bench-validate gpu-smoke clean bench-distill
-.PHONY: bench-gpu bench-fsdp-demo gpu-kit
+.PHONY: bench-gpu bench-fsdp-demo gpu-kit bench-checksums
 .PHONY: install-gpu check-gpu-deps
 
 $(STAMP): pyproject.toml constraints-cpu.txt
@@ -131,6 +131,11 @@ bench-fsdp-demo: $(STAMP)
 # (docs/benchmarks.md, docs/raw/async.json); ~8 min. Run on a quiet machine.
 bench-async: $(STAMP)
 	$(BIN)/python benchmarks/async_rl.py --iterations 4
+
+# What a checkpoint's file checksums cost (manifest version 2: XXH3-128 against the sha256 of version 1) for the
+# 0.4B shape's 5.6 GB, hashing and commit_files/verify_files end to end (docs/benchmarks.md, docs/raw/checksums.json); ~1 min.
+bench-checksums: $(STAMP)
+	$(BIN)/python benchmarks/checksums.py --json docs/raw/checksums.json
 
 # Whole-dataset validation before a run (issue 30): 1,000,000-row JSON Lines and Parquet files, seconds and
 # peak memory, and the per-row Python scan for comparison (docs/benchmarks.md, docs/raw/validate.json); ~2 min.

@@ -17,8 +17,8 @@
 #                                             # then the staging's checks, the optimizer tests and the stage arm with
 #                                             # checkpoint.async_weights=false (the weights written by the update), profiled (~10 min)
 #   bash benchmarks/gpu_session.sh every      # the whole bench, then the stage arm with checkpoint.every=4 (stage mode
-#                                             # keeping the policy between checkpoints), the staging's checks and the
-#                                             # optimizer tests (~6 min; limits 555 s in all)
+#                                             # keeping the policy between checkpoints), the checksums' rates, the
+#                                             # staging's checks and the optimizer tests (~6 min; limits 570 s in all)
 set -u
 PART=${1:-bench}
 OUT=${OUT:-$PWD/gpu-out}
@@ -51,9 +51,11 @@ step bench_gpu 330 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --json "$O
     --doc "$OUT/benchmarks_gpu.md"
 step stage_every4 120 python3 benchmarks/gpu_bench.py --tokenizer "$TOK" --arms stage --steps 4 \
     --set checkpoint.every=4 --rebuild-probe --json "$OUT/bench_stage_every4.json"
+# the GPU host's own rates for a 0.4B checkpoint's file checksums (manifest v2: XXH3-128, against sha256 before)
+step checksums 30 python3 benchmarks/checksums.py --repeats 1 --json "$OUT/checksums.json"
 step staging_cuda 45 python3 benchmarks/gpu_staging.py --json "$OUT/gpu_staging.json"
-step optimizer_state_cuda 60 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m pytest -q -p no:cacheprovider -rs \
-    tests/rft_core/stages/test_optimizer_state.py --timeout 55
+step optimizer_state_cuda 45 env RFT_CACHE_DIR="$PWD/.carry/default" python3 -m pytest -q -p no:cacheprovider -rs \
+    tests/rft_core/stages/test_optimizer_state.py --timeout 40
 elif [ "$PART" = overlap ]; then
 # issue 44: the whole table after the next update learned to train during the optimizer-state write (staged in
 # page-locked host memory first); then the staging's checks and cost on the GPU (benchmarks/gpu_staging.py) and the

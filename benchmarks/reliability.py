@@ -347,8 +347,9 @@ PARTIAL_INTRO = [
 ]
 SIGKILL_OUTRO = [
     "Why it holds: a stage writes its parts (and checkpoint files) first and its `_MANIFEST.json`",
-    "last; a reader accepts only what a manifest lists, with matching sizes and sha256. A rerun",
-    "returns a committed stage whose config hash matches without recomputing it, takes over the",
+    "last; a reader accepts only what a manifest lists, with matching sizes and checksums (XXH3-128;",
+    "sha256 in manifests written before 2026-11-30). A rerun returns a committed stage whose config",
+    "hash matches without recomputing it, takes over the",
     "writer lock of a dead worker (also a lock file it had created but not yet written), clears the",
     "interrupted stage's leftovers and redoes it. Seeds are fixed per iteration and stage; optimizer",
     "state, the KL coefficient and reward statistics are restored from the committed checkpoint and",
