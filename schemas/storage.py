@@ -118,11 +118,12 @@ def _named(exc: BaseException, path: str) -> BaseException:
 
 
 # The file checksums a manifest records (``FileEntry``), by the name of its field: XXH3-128 since
-# manifest version 2 (the ``xxhash`` package, https://github.com/Cyan4973/xxHash, ~13 GB/s on one
-# core of this project's CPU where sha256 runs at 1.5 GB/s with the SHA extensions: 0.4 against 3.7 s
-# for a 0.4B model's 5.6 GB checkpoint, on the writer's and the loading stage's path), sha256 in the
-# manifests written before. Both detect a corrupted or truncated file; neither is a signature (a
-# manifest is not signed, so whoever can rewrite a file can rewrite its manifest).
+# manifest version 2 (the ``xxhash`` package, https://github.com/Cyan4973/xxHash), sha256 in the
+# manifests written before. On this project's 2-core CPU XXH3-128 hashes a 0.4B model's 5.6 GB
+# checkpoint in 0.5-0.9 s where sha256 (1.4 GB/s with the SHA extensions) took 3.8-5.4 s
+# (benchmarks/checksums.py): time on the background writer's and on a loading stage's path. Both
+# detect a corrupted or truncated file; neither is a signature (a manifest is not signed, so
+# whoever can rewrite a file can rewrite its manifest).
 CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 CHECKSUM = "xxh3_128"  # what new manifests record
 
