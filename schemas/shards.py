@@ -46,16 +46,16 @@ from schemas.storage import (  # noqa: F401 - re-exported: the shard contract's 
     OBJECT_STORE_PROTOCOLS,
     StorageError,
     atomic_put,
+    bytes_checksum,
+    checksum_algorithm,
     describe_stage,
+    file_checksum,
     filesystem,
     fresh_listing,
     is_object_store,
     local_path,
     local_path_of,
     put_exclusive,
-    bytes_checksum,
-    checksum_algorithm,
-    file_checksum,
     remember_checksum,
     repair_hint,
     storage_errors,
@@ -538,7 +538,8 @@ def _file_entries(fs: fsspec.AbstractFileSystem, path: str, files: list[str],
                   rows_per_file: Mapping[str, int]) -> list[FileEntry]:
     """The manifest entries (size, XXH3-128 checksum, rows) of ``files`` below ``path``; each
     checksum is remembered for later verification (``remember_checksum``)."""
-    # the files are read on a few threads: an object store's reads overlap (xxhash itself holds the GIL)
+    # hashed on a few threads: xxhash (>= 3.0) and hashlib release the GIL while they hash, and an object store's
+    # reads overlap
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(files)))) as pool:
         sums = list(pool.map(lambda rel: file_checksum(fs, f"{path}/{rel}"), files))
     for rel, (_, checksum) in zip(files, sums):

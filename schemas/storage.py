@@ -13,7 +13,7 @@ import re
 import shutil
 import threading
 import uuid
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import fsspec
 import xxhash
@@ -124,7 +124,7 @@ def _named(exc: BaseException, path: str) -> BaseException:
 # (benchmarks/checksums.py): time on the background writer's and on a loading stage's path. Both
 # detect a corrupted or truncated file; neither is a signature (a manifest is not signed, so
 # whoever can rewrite a file can rewrite its manifest).
-CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+CHECKSUMS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 CHECKSUM = "xxh3_128"  # what new manifests record
 
 
