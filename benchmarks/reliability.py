@@ -553,7 +553,8 @@ between the two) is removed, and one left by a killed writer is taken over.
 
 ## Corrupted files
 
-A committed file is checked against its manifest's sha256 wherever it is used:
+A committed file is checked against its manifest's checksum (XXH3-128; sha256 in manifests
+written before 2026-11-30) wherever it is used:
 
 - a Parquet part, by every `read_shard`, and when a committed stage is reused on resume
   (`committed_ref`; parts are small);
@@ -562,7 +563,7 @@ A committed file is checked against its manifest's sha256 wherever it is used:
   `policy/model.safetensors` went unnoticed and iteration 2 trained on from damaged weights. A
   file that this process committed or checked before, unchanged since (size, mtime), is not
   hashed again, so a run pays for the check only when it resumes or loads a checkpoint written by
-  another process: about 0.5 s per GB.
+  another process: about 0.1 s per GB (0.7-1 s per GB with sha256; `make bench-checksums`).
 
 The error names the file and the command that repairs it, e.g. on resume:
 

@@ -78,7 +78,7 @@ def check(run_root: str = typer.Argument(..., help="Run folder (any fsspec URI),
 
 @app.command()
 def verify(run_root: str = typer.Argument(..., help="Run folder (any fsspec URI).")) -> None:
-    """Check every committed file of a run against its manifest (size and sha256)."""
+    """Check every committed file of a run against its manifest (size and checksum)."""
     from rft_core.api import verify_run
 
     try:
