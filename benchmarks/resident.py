@@ -61,7 +61,7 @@ def bytes_written(run_root: str, iteration: int) -> int:
 
 
 def final_weights(run_root: str, iteration: int) -> dict[str, str]:
-    """sha256 of each weight file of the last update's checkpoint, wherever it committed them
+    """The manifest checksum of each weight file of the last update's checkpoint, wherever it committed them
     (``rft_core.stages.lineage.weights_stage``: the ``ppo_update`` stage, or for a resident
     checkpoint iteration the ``ppo_update-policy`` sibling its policy worker wrote in the background).
 
@@ -203,7 +203,7 @@ def markdown(res: dict) -> str:
             lines.append(f"- {mode}, iterations 2-{res['iterations']}: mean {sum(r['seconds'] for r in its) / len(its):.1f} s, "
                          f"{sum(r['bytes_written'] for r in its) / len(its) / 1e6:.1f} MB written and "
                          f"{sum(r['bytes_read'] for r in its) / len(its) / 1e6:.1f} MB read per iteration.")
-    lines.append(f"- final weights of the two modes identical (sha256): {'yes' if res.get('final_weights_equal') else 'no'} "
+    lines.append(f"- final weights of the two modes identical (file checksums): {'yes' if res.get('final_weights_equal') else 'no'} "
                  "(on the tiny model in CI: `tests/flows/test_resident_flow.py`).")
     syncs = [r for r in res["resident"]["iterations"] if r["weight_syncs"]]
     if syncs:

@@ -145,7 +145,7 @@ def _instrument(rec: _Recorder) -> None:
                 setattr(mod, fn_name, rec.wrap(kind, getattr(mod, fn_name)))
     common.save_checkpoint = rec.wrap("checkpoint_save", common.save_checkpoint)
     common.write_parts = rec.wrap("shard_write", common.write_parts)
-    common.commit_files = rec.wrap("checkpoint_commit", common.commit_files)  # sha256 of every checkpoint file
+    common.commit_files = rec.wrap("checkpoint_commit", common.commit_files)  # the checksum of every checkpoint file
     # the AdamW state (checkpoint.async_optimizer): the writer thread's seconds, off the critical path, and the
     # seconds a ppo_update waited for the previous iteration's write (on it)
     from rft_core.stages import optimizer_state as opt_state

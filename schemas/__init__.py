@@ -6,6 +6,7 @@ from schemas.columns import STAGE_SCHEMAS, StageSchema, schema_for
 from schemas.layout import iteration_uri, parse_stage_spec, split_stage_uri, stage_spec, stage_uri
 from schemas.shards import (
     Manifest,
+    NewerManifestError,
     OlderVersionError,
     PolicyRef,
     ShardCorruptError,
@@ -33,6 +34,7 @@ from schemas.tables import read_shard, read_side_table, validate_table, verify_f
 __all__ = [
     "STAGE_SCHEMAS",
     "Manifest",
+    "NewerManifestError",
     "OlderVersionError",
     "PolicyRef",
     "ShardCorruptError",

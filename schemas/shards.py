@@ -70,6 +70,12 @@ class ShardError(ValueError):
     """Base class: a shard cannot be used. The message names the URI and what is wrong."""
 
 
+class NewerManifestError(ShardError):
+    """A manifest of a newer manifest version than this code reads (``MANIFEST_VERSION``): written
+    by a newer version of this project, which this one cannot check (version 2, for instance,
+    records XXH3-128 checksums where version 1 recorded sha256)."""
+
+
 class ShardNotCommittedError(ShardError):
     """No manifest: the stage never finished (or was interrupted before its commit)."""
 
@@ -285,6 +291,7 @@ def read_manifest(uri: str) -> tuple[Manifest, str]:
         (manifest, sha256 of the manifest bytes).
     Raises:
         ShardNotCommittedError: no manifest at ``uri``.
+        NewerManifestError: the manifest's ``manifest_version`` is newer than ``MANIFEST_VERSION``.
         ShardCorruptError: the manifest is not valid JSON or not a manifest.
     """
     fs, path = filesystem(uri)
@@ -299,8 +306,26 @@ def read_manifest(uri: str) -> tuple[Manifest, str]:
     try:
         manifest = Manifest.model_validate_json(raw)
     except Exception as exc:  # pydantic.ValidationError or JSON error
+        _refuse_newer(uri, _peek_version(raw))
         raise ShardCorruptError(f"{uri}/{MANIFEST_NAME}: not a valid manifest: {exc}") from exc
+    _refuse_newer(uri, manifest.manifest_version)
     return manifest, hashlib.sha256(raw).hexdigest()
+
+
+def _peek_version(raw: bytes) -> Any:
+    """The ``manifest_version`` of manifest bytes that did not validate (None: not a JSON object)."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data.get("manifest_version") if isinstance(data, dict) else None
+
+
+def _refuse_newer(uri: str, version: Any) -> None:
+    if isinstance(version, int) and version > MANIFEST_VERSION:
+        raise NewerManifestError(
+            f"{uri}/{MANIFEST_NAME}: manifest version {version}, written by a newer version of prefect-rft; this one "
+            f"reads versions up to {MANIFEST_VERSION}. Use the newer version for this run root.")
 
 
 def _ref(uri: str, manifest: Manifest, sha: str) -> ShardRef:
@@ -354,7 +379,7 @@ def committed_ref(uri: str, *, stage: str, config_hash: str, contract: str | Non
         StaleShardError: a manifest exists with another config hash or stage; a committed
             result is never silently overwritten (use a new run root).
         ShardCorruptError: with ``check_files``, a committed file is missing or has another size,
-            or a Parquet part's sha256 differs from the manifest's (the parts are small; the
+            or a Parquet part's checksum differs from the manifest's (the parts are small; the
             checkpoint files are checked when they are loaded, ``schemas.tables.verify_files``).
     """
     try:

@@ -12,7 +12,7 @@ from schemas import ShardRef, read_manifest, stage_uri
 
 
 def policy_files(ref: ShardRef, *, suffix: str = "") -> dict[str, str]:
-    """{path: sha256} of the ``policy/`` files (ending with ``suffix``) holding ``ref``'s weights.
+    """{path: manifest checksum} of the ``policy/`` files (ending with ``suffix``) holding ``ref``'s weights.
 
     Raises:
         AssertionError: ``ref``'s weights are not on storage.

@@ -3,7 +3,7 @@ by a ``PolicyRef`` (an initial model path, or a committed training stage whose s
 HF checkpoint), as a local folder ``from_pretrained`` can load.
 
 Every checkpoint folder handed out is checked against its stage's manifest first (each file
-present, same size, same sha256; ``schemas.verify_files``): a flipped byte in a committed
+present, same size, same checksum; ``schemas.verify_files``): a flipped byte in a committed
 ``model.safetensors`` or ``optimizer.pt`` stops the stage with an error that names the file and
 the command that recomputes it (``rft repair``), instead of training on
 from damaged weights. A local file hashed before by this process (the process that committed
@@ -117,7 +117,7 @@ def _checkpoint_folder(policy: ShardRef, subdir: str) -> str:
     damaged copy; a cached copy is not checked again).
 
     Raises:
-        ShardCorruptError: a file is missing or its size or sha256 differs from the manifest.
+        ShardCorruptError: a file is missing or its size or checksum differs from the manifest.
     """
     uri = f"{policy.uri.rstrip('/')}/{subdir}" if subdir else policy.uri
     local = local_path(uri)

@@ -29,7 +29,7 @@ A DeepSpeed update (ZeRO over the ranks of a torchrun job) writes the same stage
 own sharded format instead of ``optimizer.pt`` (``commit_sharded_optimizer_state``): every
 rank writes its partition of the AdamW moments and float32 master weights with
 ``engine.save_checkpoint`` (tag ``DEEPSPEED_TAG``), and after a barrier rank 0 lists every file
-with its sha256 in ``_MANIFEST.json``, written last; the manifest's summary says
+with its checksum in ``_MANIFEST.json``, written last; the manifest's summary says
 ``format: deepspeed`` with the world size, ZeRO stage and dtype the next update must match
 (``deepspeed_checkpoint``, ``rft_core.training.strategy.check_deepspeed_state``). It is written
 synchronously (each rank holds its partition only until it exits).
@@ -346,7 +346,7 @@ def commit_sharded_optimizer_state(update: ShardRef, strategy: DeepSpeedStrategy
     master weights: DeepSpeed's ``engine.save_checkpoint``, tag ``DEEPSPEED_TAG``), under FSDP2
     the ``torch.distributed.checkpoint`` of the float32 master shards and AdamW state (folder
     ``FSDP_TAG``, every rank its shards); then, after every rank has written, rank 0 lists
-    every file with its size and sha256 in ``_MANIFEST.json`` (``commit_files``), written last.
+    every file with its size and checksum in ``_MANIFEST.json`` (``commit_files``), written last.
     A collective: call it on every rank. On a non-local run root each rank saves into a local
     temporary folder and uploads what it wrote.
 

@@ -15,7 +15,7 @@ from tests.weights import iteration_policy_files, iteration_policy_folder
 
 
 def _parts(root: Path, stage: str) -> dict[str, str]:
-    """{path: sha256} of the Parquet parts of iteration 1's ``stage``."""
+    """{path: manifest checksum} of the Parquet parts of iteration 1's ``stage``."""
     m, _ = read_manifest(str(root / "iter=000001" / stage))
     return {f.path: f.checksum for f in m.files if not f.path.startswith("policy/")}
 

@@ -115,6 +115,7 @@ def _rewrite_part(tmp_path, table, *, metadata=None):
     m = json.loads(mpath.read_text())
     m["files"][0].pop("xxh3_128", None)  # recorded as a manifest of version 1 would: its sha256, still checked
     m["files"][0].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    m["manifest_version"] = 1
     mpath.write_text(json.dumps(m))
 
 

@@ -143,7 +143,7 @@ def test_a_manifest_of_version_1_with_sha256_checksums_is_still_checked(tmp_path
     and a file that no longer matches its sha256 is refused as before."""
     import hashlib
 
-    from schemas import committed_ref, read_manifest
+    from schemas import committed_ref, read_manifest, read_shard
 
     uri = _checkpoint(str(tmp_path / "run"))
     mpath = Path(uri, "_MANIFEST.json")
@@ -164,6 +164,34 @@ def test_a_manifest_of_version_1_with_sha256_checksums_is_still_checked(tmp_path
     w.write_bytes(bytes(data))
     with pytest.raises(ShardCorruptError, match="policy/model.safetensors: checksum does not match the manifest"):
         verify_files(uri, under="policy")
+    part = Path(uri, "part-00000.parquet")
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    part.write_bytes(bytes(data))
+    with pytest.raises(ShardCorruptError, match="part-00000.parquet: checksum does not match the manifest"):
+        committed_ref(uri, stage="ppo_update", config_hash="h", check_files=True)
+    with pytest.raises(ShardCorruptError, match="part-00000.parquet: checksum does not match the manifest"):
+        read_shard(uri)
+
+
+def test_a_manifest_of_a_newer_version_is_refused_as_newer_not_as_corrupt(tmp_path):
+    from schemas import NewerManifestError, read_manifest
+    from schemas.shards import MANIFEST_VERSION
+    from rft_core.storage import verify_run
+
+    uri = _checkpoint(str(tmp_path / "run"))
+    mpath = Path(uri, "_MANIFEST.json")
+    m = json.loads(mpath.read_text())
+    for extra in ({}, {"files_digest": "x"}):  # valid under this version's model, and with a field it does not know
+        mpath.write_text(json.dumps({**m, **extra, "manifest_version": MANIFEST_VERSION + 1}))
+        with pytest.raises(NewerManifestError, match=rf"manifest version {MANIFEST_VERSION + 1}, written by a newer "
+                                                     rf"version of prefect-rft; this one reads versions up to {MANIFEST_VERSION}"):
+            read_manifest(uri)
+        assert "written by a newer version" in verify_run(str(tmp_path / "run"))["iter=1/ppo_update"]
+    mpath.write_text(json.dumps({**m, "files_digest": "x"}))  # this version, an unknown field: corrupt, as before
+    with pytest.raises(ShardCorruptError, match="not a valid manifest") as info:
+        read_manifest(uri)
+    assert not isinstance(info.value, NewerManifestError)
 
 
 def test_a_half_written_lock_left_by_a_killed_writer_is_taken_over(tmp_path):

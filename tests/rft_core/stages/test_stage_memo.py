@@ -219,7 +219,7 @@ def test_keep_models_auto_follows_the_engine(tiny_model, tmp_path):
 
 
 def test_the_optimizer_state_file_has_no_crc_and_loads_exactly(tmp_path):
-    """``save_optimizer_state`` skips the zip records' CRC-32 (the manifest's sha256 checks the
+    """``save_optimizer_state`` skips the zip records' CRC-32 (the manifest's checksum checks the
     file): the records' CRC fields are 0 and ``read_optimizer_state`` gives the tensors back exactly."""
     import zipfile
 

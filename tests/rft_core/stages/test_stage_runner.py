@@ -35,7 +35,7 @@ def test_subprocess_stage_commits_the_same_shard_as_in_process(tiny_model, tmp_p
     b = run_stage(inp.model_copy(update={"out": str(tmp_path / "b")}), RunnerConfig(mode="subprocess"), log=lines.append)
     assert isinstance(b, ShardRef) and b.uri == str(tmp_path / "b") and b.num_rows == a.num_rows == 4
     assert b.config_hash == a.config_hash
-    assert _files(b.uri) == _files(a.uri)  # byte-identical parts: same sizes and sha256
+    assert _files(b.uri) == _files(a.uri)  # byte-identical parts: same sizes and checksums
     assert any("rollout committed" in line for line in lines), lines
     # the actor log-prob stage through the CLI with --config and a stage URI instead of ShardRef JSON
     want = run_stage(ActorLogprobsInput(rollout=a, model=tiny_model, logprobs=cfg.logprobs, temperature=1.0,

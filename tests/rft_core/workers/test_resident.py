@@ -244,7 +244,7 @@ TIMINGS = {"seconds", "tokens_per_second", "checkpoint_seconds"}
 
 def test_every_1_commits_the_same_files_and_manifests_as_stage_mode(stage_run, tiny_model, tmp_path):
     """checkpoint.every=1, both modes writing their checkpoints in the background (the default):
-    every file (Parquet parts, weights, tokenizer, optimizer state) has the stage-mode sha256;
+    every file (Parquet parts, weights, tokenizer, optimizer state) has the stage-mode checksum;
     manifests differ only in timings and dates, and in the config hashes and input checksums that
     follow from them (an input's manifest checksum covers its timings)."""
     cfg_s, _ = stage_run
