@@ -135,14 +135,16 @@ def trl_config(cfg, out_dir: str, steps: int, cuda: bool) -> dict:
 class Breakdown:
     """Seconds of instrumented calls outside the stage programs' own timers, per iteration and
     category, exclusive (a call's seconds less those of the instrumented calls inside it), in the
-    driver's thread; calls in other threads (the background optimizer-state write) are counted
-    under ``background``. A stage program's timed block is ``rft_core.stages.common.Timer``: the
+    driver's thread; calls in other threads (the background checkpoint writes) are counted
+    under ``background``, and by category in ``background_of`` (the writer's saves under
+    ``checkpoint``, its manifests' file checksums under ``file_checksums``). A stage program's timed block is ``rft_core.stages.common.Timer``: the
     seconds its manifest records; calls inside it are part of the stage's own seconds."""
 
     def __init__(self) -> None:
         self.iteration = 1
         self.seconds: dict[tuple[int, str], float] = defaultdict(float)
         self.calls: dict[tuple[int, str], int] = defaultdict(int)
+        self.background: dict[tuple[int, str], float] = defaultdict(float)
         self._local = threading.local()
         self._main = threading.get_ident()
 
@@ -171,6 +173,8 @@ class Breakdown:
                     stack[-1] += dt
                 cat = category if threading.get_ident() == self._main else "background"
                 self.seconds[(self.iteration, cat)] += dt - inner
+                if cat == "background":
+                    self.background[(self.iteration, category)] += dt - inner
                 self.calls[(self.iteration, cat)] += 1
         timed.__wrapped_by_breakdown__ = True
         return timed
@@ -212,6 +216,11 @@ class Breakdown:
     def of(self, iteration: int) -> dict[str, float]:
         """``{category: seconds}`` of ``iteration``."""
         return {c: round(s, 4) for (i, c), s in sorted(self.seconds.items()) if i == iteration}
+
+    def background_of(self, iteration: int) -> dict[str, float]:
+        """``{category: seconds}`` of the calls in other threads during ``iteration`` (their sum is
+        ``of(iteration)["background"]``)."""
+        return {c: round(s, 4) for (i, c), s in sorted(self.background.items()) if i == iteration}
 
 
 # category -> "module:function" or "module:Class.method" (the first module that defines it)
@@ -259,6 +268,7 @@ def run_ours(args, arm: str, model_dir: Path, prompts: Path) -> dict:
         rows.append({"step": m["iteration"], "seconds": m["seconds/iteration"], "stage_seconds": stages,
                      "ahead_seconds": ahead, "outside_seconds": round(outside, 4),
                      "outside": {**parts, "other_python": round(outside - known, 4)},
+                     "background": bd.background_of(m["iteration"]),
                      "reward_mean": m.get("reward_mean"), "grad_norm": m.get("grad_norm"), "kl": m.get("kl")})
         print(json.dumps(rows[-1]), flush=True)
         bd.iteration = m["iteration"] + 1
@@ -440,6 +450,10 @@ def markdown(res: dict) -> str:
                                        + [f"{mean(lambda s, k=k: s['stage_seconds'].get(k, 0)):.2f}" for k in stages]
                                        + [f"**{mean(lambda s: s['outside_seconds']):.2f}**"]
                                        + [f"{mean(lambda s, k=k: s['outside'].get(k, 0)):.3f}" for k in cats]) + " |")
+        writer = sorted({k for s in steady for k in s.get("background", {})})
+        if writer:
+            lines += ["", "(background: the writer thread's " + ", ".join(
+                f"{k} {mean(lambda s, k=k: s.get('background', {}).get(k, 0)):.3f}" for k in writer) + " s per step)"]
         ahead = sorted({k for s in steady for k in s.get("ahead_seconds", {})})
         if ahead:
             lines += ["", f"({', '.join(ahead)}: run beside the previous step's update, so not subtracted from "
