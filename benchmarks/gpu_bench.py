@@ -137,8 +137,9 @@ class Breakdown:
     category, exclusive (a call's seconds less those of the instrumented calls inside it), in the
     driver's thread; calls in other threads (the background checkpoint writes) are counted
     under ``background``, and by category in ``background_of`` (the writer's saves under
-    ``checkpoint``, its manifests' file checksums under ``file_checksums``). A stage program's timed block is ``rft_core.stages.common.Timer``: the
-    seconds its manifest records; calls inside it are part of the stage's own seconds."""
+    ``checkpoint``, its manifests' file checksums under ``file_checksums``). A stage program's
+    timed block is ``rft_core.stages.common.Timer``: the seconds its manifest records; calls
+    inside it are part of the stage's own seconds."""
 
     def __init__(self) -> None:
         self.iteration = 1
