@@ -115,6 +115,14 @@ class _Recorder:
         return self.recorded.result() if self.recorded is not None else ("", None)
 
 
+def _prune(cfg: TrainConfig, iteration: int) -> None:
+    """Checkpoint retention after ``iteration`` (a task run only when it is on)."""
+    if cfg.checkpoint.keep_last is not None and iteration:
+        tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)  # resolved by train: as it is
+        tasks.tagged(tasks.prune_checkpoints, tags)(
+            run_root=cfg.run_root, iteration=iteration, checkpoint=cfg.checkpoint)
+
+
 @flow(name="rft-train", flow_run_name="{cfg.name}")
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) ``cfg.iterations`` iterations under ``cfg.run_root``.
@@ -134,14 +142,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     cfg = cfg.model_copy(update={"orchestration": cfg.orchestration.model_copy(update={"concurrency_tags": tags})})
     policy: PolicyRef = cfg.policy.path
     rows: list[dict[str, Any]] = []
-    state, critic = cfg.initial_state, None  # critic: PolicyRef | None (estimators that need values)
+    state = cfg.initial_state
+    critic: PolicyRef | None = None
     counters0 = run_counters(None)  # this process's model loads etc. before the run (counted from here)
     recorder = _Recorder(cfg)
-
-    def prune(iteration: int) -> None:  # checkpoint retention after ``iteration`` (a task run only when it is on)
-        if cfg.checkpoint.keep_last is not None and iteration:
-            tasks.tagged(tasks.prune_checkpoints, tags)(run_root=cfg.run_root, iteration=iteration, checkpoint=cfg.checkpoint)
-
     try:
         if cfg.first_resident_stages:  # Ray, then the first iteration's workers' processes, starting during its prompts
             tasks.start_workers(cfg=cfg)
@@ -157,7 +161,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                 freeze_grown_heap()  # once warm, Python's collector stops walking every import (rft_core/heap.py)
                 counters = run_counters(cfg.resident_pool)
                 result.metrics.update({f"run/{k}": v - counters0.get(k, 0) for k, v in counters.items()})
-                prune(i)
+                _prune(cfg, i)
                 rows.append(result.metrics)
                 recorder.submit(rows)
                 logger.info(format_metrics_line(result.metrics))  # shown in the terminal and the Prefect UI
@@ -168,7 +172,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             recorder.close()  # the last iteration's files, also when the run failed
         finally:  # the workers (after their pending writes), stage mode's kept models, the frozen heap
             release_run(cfg.resident_pool)
-    prune(cfg.iterations)  # the last pass again, now that every write landed (it ran while they were pending)
+    _prune(cfg, cfg.iterations)  # the last pass again, now that every write landed (it ran while they were pending)
     metrics_uri, curve = recorder.result()
     create_table_artifact(key="training-metrics", table=rows, description=f"Metrics of {cfg.run_root}")
     if curve:

@@ -62,6 +62,7 @@ from rft_core.training.update import (
 import rft_core.stages.memo as memo
 from rft_core.stages.sources import current_source, version_key
 from schemas import PolicyRef, ShardRef, file_checksum, read_manifest, read_shard
+from schemas.storage import CHECKSUM, checksum_algorithm
 from schemas.batch import align_on_sample_id
 from schemas.columns import PPO_UPDATE, token_versions_of
 
@@ -106,7 +107,8 @@ def _weights_match(model, update: ShardRef) -> bool:
     with tempfile.TemporaryDirectory(prefix="rft-recheck-") as tmp:
         model.save_pretrained(tmp)
         fs = fsspec.filesystem("file")
-        got = {p.name: file_checksum(fs, str(p), want[p.name].partition(":")[0])[1] if p.name in want else None
+        algorithm = checksum_algorithm(next(iter(want.values()))) if want else CHECKSUM  # one per manifest
+        got = {p.name: file_checksum(fs, str(p), algorithm)[1]
                for p in Path(tmp).iterdir() if p.name.endswith(WEIGHT_SUFFIXES)}
     return bool(want) and got == want
 
