@@ -137,18 +137,18 @@ def _greedy_baseline(cfg: TrainConfig, iteration: int, prompts: ShardRef, policy
     return {"baseline_rollout": rollout, "baseline_rewards": rewards}
 
 
-def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: PolicyRef, critic: PolicyRef | None,
-           kl: KLConfig, out: Out, tags: bool, with_rewards: bool) -> dict[str, ShardRef]:
+def _score(cfg: TrainConfig, iteration: int, *, prompts: ShardRef, rollout: ShardRef, policy: PolicyRef,
+           critic: PolicyRef | None, kl: KLConfig, out: Out, tags: bool, with_rewards: bool) -> dict[str, ShardRef]:
     """The stages that read only the rollout, submitted together (they run concurrently): rewards
     (unless dynamic sampling wrote them), actor log-probs (when old log-probs are recomputed),
     critic values (estimators with a critic), reference log-probs (a KL coefficient > 0),
     teacher log-probs (on-policy distillation: teacher.path set)."""
-    temp = cfg.rollout.temperature
+    temp, grouping = cfg.rollout.temperature, cfg.logprob_grouping_at(iteration)  # below float32: the update's rows
     futures: dict[str, PrefectFuture] = {}
     if cfg.recomputes_old_logprobs:
         futures["actor_logprobs"] = tasks.tagged(tasks.actor_logprobs, tags).submit(inp=ActorLogprobsInput(
             rollout=rollout, model=policy, logprobs=cfg.logprobs, temperature=temp, dtype=cfg.policy.dtype,
-            grouping=cfg.logprob_grouping, with_sum_pi_squared=cfg.needs_sum_pi_squared, out=out("actor_logprobs")),
+            grouping=grouping, with_sum_pi_squared=cfg.needs_sum_pi_squared, out=out("actor_logprobs")),
             runner=cfg.runner("actor_logprobs"))
     if critic is not None:
         futures["critic_values"] = tasks.tagged(tasks.critic_values, tags).submit(inp=CriticValuesInput(
@@ -156,7 +156,7 @@ def _score(cfg: TrainConfig, *, prompts: ShardRef, rollout: ShardRef, policy: Po
     if kl.needs_reference:
         futures["ref_logprobs"] = tasks.tagged(tasks.ref_logprobs, tags).submit(inp=RefLogprobsInput(
             rollout=rollout, model=cfg.reference_model.path, logprobs=cfg.logprobs, temperature=temp,
-            dtype=cfg.reference_model.dtype, grouping=cfg.logprob_grouping, out=out("ref_logprobs")),
+            dtype=cfg.reference_model.dtype, grouping=grouping, out=out("ref_logprobs")),
             runner=cfg.runner("ref_logprobs"))
     if cfg.teacher.path is not None:  # on-policy distillation: the teacher scores the student's tokens
         futures["teacher_logprobs"] = tasks.tagged(tasks.teacher_logprobs, tags).submit(inp=TeacherLogprobsInput(
@@ -280,7 +280,7 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
         prompts, rollout = _attempt(cfg, iteration, behaviour, out, tags, attempt=0,
                                     carry=previous_rollout(cfg, iteration), committed=ahead_stages)
         parts = {}
-    parts |= _score(cfg, prompts=prompts, rollout=rollout, policy=policy, critic=critic, kl=kl, out=out, tags=tags,
+    parts |= _score(cfg, iteration, prompts=prompts, rollout=rollout, policy=policy, critic=critic, kl=kl, out=out, tags=tags,
                     with_rewards=not parts)
     parts |= _greedy_baseline(cfg, iteration, prompts, behaviour, out, tags)  # remax; {} for the other estimators
     # the next iteration's prompts and rollout, prefetched; without a prefetch: its prompts, beside the update

@@ -81,13 +81,13 @@ def _iterations(cfg, run, stop_after, on_iteration, freeze_heap, ahead: ThreadPo
         if cfg.recomputes_old_logprobs:
             parts["actor_logprobs"] = run(ActorLogprobsInput(rollout=rollout, model=policy, logprobs=cfg.logprobs,
                                                              temperature=temp, dtype=cfg.policy.dtype,
-                                                             grouping=cfg.logprob_grouping,
+                                                             grouping=cfg.logprob_grouping_at(it),
                                                              with_sum_pi_squared=cfg.needs_sum_pi_squared,
                                                              out=out("actor_logprobs")))
         if kl.needs_reference:
             parts["ref_logprobs"] = run(RefLogprobsInput(rollout=rollout, model=cfg.reference_model.path,
                                                          logprobs=cfg.logprobs, temperature=temp,
-                                                         dtype=cfg.reference_model.dtype, grouping=cfg.logprob_grouping,
+                                                         dtype=cfg.reference_model.dtype, grouping=cfg.logprob_grouping_at(it),
                                                          out=out("ref_logprobs")))
         adv = run_stage(AdvantagesInput(rollout=rollout, rewards=parts["rewards"], actor_logprobs=parts.get("actor_logprobs"),
                                         ref_logprobs=parts.get("ref_logprobs"), kl=kl, advantage=cfg.advantage,

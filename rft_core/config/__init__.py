@@ -504,19 +504,32 @@ class TrainConfig(_Frozen):
 
     @property
     def logprob_grouping(self) -> UpdateGrouping | None:
-        """Below float32 (``policy.dtype`` bfloat16 or auto): the update's first-epoch grouping,
-        which the actor and reference passes then use instead of their own length-sorted
-        micro-batches of ``logprobs.micro_batch_size``. bfloat16 kernels (attention blocks sized by
-        the packed row's length, sums over its keys) round differently for the same sequence in
-        another row; with the same rows the update's first step sees the passes' log-probs
-        exactly (approx_kl 0 and KL loss 0 between a policy and itself; 7.4e-4 on SmolLM2-135M
-        with the demo's 8-per-row passes and 4-per-row update). None in float32, where the
-        groupings agree to rounding (1e-6) and the passes keep their faster length-sorted rows."""
+        """``logprob_grouping_at(1)``: the grouping of iteration 1's passes (what ``python -m
+        rft_core.stages <pass> --config`` fills in; the flow gives each iteration its own)."""
+        return self.logprob_grouping_at(1)
+
+    def logprob_grouping_at(self, iteration: int) -> UpdateGrouping | None:
+        """Below float32 (``policy.dtype`` bfloat16 or auto): the first-epoch grouping of the update
+        of ``iteration`` (which starts from policy version ``iteration - 1``, whose shuffle seed it
+        mixes in: ``update_seeds``), which that iteration's actor and reference passes then use
+        instead of their own length-sorted micro-batches of ``logprobs.micro_batch_size``.
+        bfloat16 kernels (attention blocks sized by the packed row's length, sums over its keys)
+        round differently for the same sequence in another row; with the same rows the update's
+        first step sees the passes' log-probs exactly (approx_kl 0 and KL loss 0 between a policy
+        and itself; 7.4e-4 on SmolLM2-135M with the demo's 8-per-row passes and 4-per-row update).
+        None in float32, where the groupings agree to rounding (1e-6) and the passes keep their
+        faster length-sorted rows.
+
+        Raises:
+            ValueError: ``iteration`` < 1.
+        """
+        if iteration < 1:
+            raise ValueError(f"logprob_grouping_at: iteration {iteration} is not >= 1")
         if self.policy.dtype == "float32":
             return None
         u = self.update
         return UpdateGrouping(train_batch_size=u.train_batch_size, micro_batch_size=u.micro_batch_size, seed=u.seed,
-                              packing=u.packing)
+                              packing=u.packing, policy_version=iteration - 1)
 
     @property
     def recomputes_old_logprobs(self) -> bool:

@@ -118,6 +118,8 @@ class UpdateGrouping(_Frozen):
     micro_batch_size: int = Field(gt=0)
     seed: int = 0
     packing: bool = True
+    policy_version: int = Field(0, ge=0, description="the policy version the update starts from (iteration - 1): "
+                                "with seed it orders the update's micro-batches (rft_core.training.update.update_seeds)")
 
 
 class LogprobConfig(_Frozen):

@@ -12,6 +12,7 @@ from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput, Teac
 from rft_core.stages.sources import config_folder, inference_model
 from rft_core.stages.teacher import check_teacher_tokenizer
 from rft_core.training.loop import epoch_micro_batches
+from rft_core.training.update import update_seeds
 from schemas import ShardRef, read_shard
 from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS, TEACHER_LOGPROBS
 
@@ -30,8 +31,9 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
     divided by ``inp.temperature``, the rollout's sampling temperature (for the teacher
     ``TrainConfig.teacher_temperature``: the rollout's unless ``teacher.temperature`` is set);
     ``logprobs.chunk_size`` bounds the float32 (chunk, vocab) slices of the log-prob computation.
-    ``inp.grouping`` (below float32): the samples go into the update's first-epoch micro-batches, packed as it packs them, so that
-    its first step computes these very log-probs. A vision-language model gets each
+    ``inp.grouping`` (below float32): the samples go into the first-epoch micro-batches of the update that starts
+    from policy version ``inp.grouping.policy_version`` (its shuffle seed: ``update_seeds``), packed as it packs
+    them, so that its first step computes these very log-probs. A vision-language model gets each
     sample's images and videos (processor from the model folder), padded or packed
     (``logprobs.packing``). In a resident worker the model is the worker's copy
     (``rft_core.workers.memory.inference_model``). The model's GPU memory is handed
@@ -61,7 +63,8 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
         spi2 = actor and bool(getattr(inp, "with_sum_pi_squared", False))
         g = inp.grouping  # below float32: the update's micro-batches, so its first step sees these log-probs exactly
         groups = None if g is None else epoch_micro_batches(table.num_rows, train_batch_size=g.train_batch_size,
-                                                            micro_batch_size=g.micro_batch_size, seed=g.seed)
+                                                            micro_batch_size=g.micro_batch_size,
+                                                            seed=update_seeds(g.seed, g.policy_version)[0])
         with Timer() as t, progress_reporter(stage, unit="sequences") as progress:
             res = batched_response_logprobs(lm, table.column("prompt_token_ids").to_pylist(),
                                             table.column("response_token_ids").to_pylist(), pad_token_id=pad_id,

@@ -31,6 +31,9 @@ to the passes' 2.0e-3). Only the same grouping in both passes, or batch-invarian
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -244,7 +247,38 @@ def test_a_resumed_update_continues_the_in_memory_one_bit_for_bit(sharp16, rollo
     assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) and float(sa[i]["step"]) == 4.0 for i in sa)
 
 
-def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_weights(sharp16, tmp_path):
+@contextlib.contextmanager
+def _spy_on_rows(monkeypatch) -> Iterator[list[dict[str, list[list[int]]]]]:
+    """Per update, in order: the micro-batches (sample indices) of the actor and reference passes
+    before it (``batched_response_logprobs``' ``groups``, as the log-prob stage hands them) and
+    those its first epoch trains on (``_PPOLoss.micro_step``' ``idx``; epochs 1, one mini-batch)."""
+    import rft_core.stages.logprobs as stage
+    from rft_core.training.update import _PPOLoss
+
+    rows: list[dict[str, list[list[int]]]] = []
+    passes = iter(["actor_logprobs", "ref_logprobs"] * 100)
+    current: dict[str, list[list[int]]] = {}
+
+    def batched(*args, groups=None, **kwargs):
+        if "update" in current:  # the previous update is done: a new iteration's passes
+            rows.append(current.copy())
+            current.clear()
+        current[next(passes)] = [list(g) for g in groups]
+        return real_batched(*args, groups=groups, **kwargs)
+
+    def micro_step(self, idx, norm):
+        current.setdefault("update", []).append(list(idx))
+        return real_step(self, idx, norm)
+
+    real_batched, real_step = stage.batched_response_logprobs, _PPOLoss.micro_step
+    monkeypatch.setattr(stage, "batched_response_logprobs", batched)
+    monkeypatch.setattr(_PPOLoss, "micro_step", micro_step)
+    yield rows
+    rows.append(current.copy())
+    monkeypatch.undo()
+
+
+def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_weights(sharp16, tmp_path, monkeypatch):
     """Three bfloat16 iterations of the demo's stages (hf rollout, actor and reference passes,
     update), the log-prob passes grouped as the update groups the samples (``logprob_grouping``,
     whatever ``logprobs.micro_batch_size`` says): iteration 1's update starts at approx_kl 0 and
@@ -271,8 +305,13 @@ def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_w
     for mode, extra in (("stage", []), ("resident", ["orchestration.workers=resident", "checkpoint.every=3"])):
         cfg = load_config(None, [*base, *extra, f"run_root={tmp_path / mode}"])
         if mode == "stage":
-            final = drive(cfg)
+            with _spy_on_rows(monkeypatch) as rows:
+                final = drive(cfg)
             assert_training_signal(cfg.run_root, (1, 2, 3))  # what the two modes must agree on is a real update
+            # every iteration's actor and reference passes packed the rows its update's first epoch packs; the
+            # update of iteration k shuffles with policy version k - 1 (update_seeds), so the rows change
+            assert [r["update"] for r in rows] == [r["actor_logprobs"] for r in rows] == [r["ref_logprobs"] for r in rows]
+            assert len(rows) == 3 and len({str(r["update"]) for r in rows}) == 3, rows
         else:
             policy = PolicyWorker("test")
             pool = {"policy": policy, "rollout": RolloutWorker("test", peer=policy),
@@ -327,3 +366,10 @@ def test_logprob_grouping_is_the_updates_below_float32_only():
     base = dict(rollout=ref, model="m", logprobs=cfg.logprobs, temperature=0.7, out="file:///o")
     assert "grouping" not in ActorLogprobsInput(**base).hash_view()
     assert ActorLogprobsInput(**base, grouping=cfg.logprob_grouping).hash_view()["grouping"]["seed"] == 3
+    # iteration k's passes take the rows of the update that starts from policy version k - 1 (update_seeds); version 0
+    # enters no hash, so iteration 1's committed passes keep their config hash
+    assert cfg.logprob_grouping == cfg.logprob_grouping_at(1) and cfg.logprob_grouping.policy_version == 0
+    assert "policy_version" not in ActorLogprobsInput(**base, grouping=cfg.logprob_grouping).hash_view()["grouping"]
+    assert ActorLogprobsInput(**base, grouping=cfg.logprob_grouping_at(3)).hash_view()["grouping"]["policy_version"] == 2
+    with pytest.raises(ValueError, match="iteration 0 is not >= 1"):
+        cfg.logprob_grouping_at(0)
