@@ -20,7 +20,8 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_valid
 from rft_core.algorithms import ADVANTAGE_ESTIMATORS
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS, POLICY_LOSSES, check_policy_loss_aggregation
 from rft_core.algorithms.value_loss import VALUE_LOSSES
-from rft_core.config._base import TAG_KEYS, _check_name, _Frozen, _given, _tagged_union, strip_tags  # noqa: F401
+from rft_core.config._base import (  # noqa: F401
+    TAG_KEYS, _check_name, _check_token_budget, _Frozen, _given, _tagged_union, strip_tags)
 from rft_core.config.algorithms import (  # noqa: F401
     ADVANTAGE_CONFIGS, DEFAULT_KL_ESTIMATOR, PAPER_KL_MODE, POLICY_LOSS_CONFIGS, AdvantageConfig, CPGDAdvantage, CPGDLoss,
     DrGRPOAdvantage, DualClipLoss, DynamicSamplingConfig, GAEAdvantage, GRPOAdvantage, GSPOLoss, KLConfig,
@@ -96,6 +97,10 @@ class UpdateConfig(_Frozen):
     epochs: int = Field(1, gt=0)
     train_batch_size: int | None = Field(None, gt=0, description="sequences per optimizer step (None: the whole rollout)")
     micro_batch_size: int = Field(4, gt=0, description="sequences per forward/backward")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="cut each mini-batch into packed micro-batches of at most this many tokens (prompt + "
+        "response), balanced by tokens, instead of micro_batch_size sequences (verl's ppo_max_token_len_per_gpu with "
+        "use_dynamic_bsz; needs packing; rft_core.training.loop.token_budget_micro_batches). None: micro_batch_size")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight")
     entropy_top_fraction: float | None = Field(None, gt=0, le=1, description="train only on this top fraction of tokens by entropy (arXiv:2506.01939); needs the actor stage")
     entropy_filter_norm: Literal["all", "kept"] = Field(
@@ -130,6 +135,7 @@ class UpdateConfig(_Frozen):
     @model_validator(mode="after")
     def _check(self) -> "UpdateConfig":
         check_policy_loss_aggregation(self.policy_loss.name, self.loss_agg)
+        _check_token_budget("update", self.max_tokens_per_micro_batch, self.packing)
         if self.cpgd_drift_coef > 0 and self.policy_loss.name != "cpgd":
             raise ValueError("update.cpgd_drift_coef is CPGD's policy-drift term (arXiv:2505.12504): it needs "
                              f"update.policy_loss.name=cpgd, got {self.policy_loss.name!r}")
@@ -150,6 +156,9 @@ class CriticConfig(_Frozen):
     epochs: int = Field(1, gt=0)
     train_batch_size: int | None = Field(None, gt=0)
     micro_batch_size: int = Field(4, gt=0)
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="micro-batches of at most this many tokens (prompt + response) in the values pass and "
+        "the update, as update.max_tokens_per_micro_batch (needs packing). None: micro_batch_size")
     seed: int = 0
     packing: bool = Field(False, description="pack each micro-batch into one row without padding (values and update)")
     deepspeed: DeepSpeedConfig | None = Field(None, description="DeepSpeed ZeRO for the critic update (multi-rank, under torchrun)")
@@ -158,6 +167,11 @@ class CriticConfig(_Frozen):
 
     _v = field_validator("value_loss")(lambda cls, v: _check_name(VALUE_LOSSES, v))
     _a = field_validator("loss_agg")(lambda cls, v: _check_name(LOSS_AGGREGATIONS, v))
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> "CriticConfig":
+        _check_token_budget("critic", self.max_tokens_per_micro_batch, self.packing)
+        return self
 
     @property
     def dtype(self) -> str:
@@ -529,7 +543,8 @@ class TrainConfig(_Frozen):
             return None
         u = self.update
         return UpdateGrouping(train_batch_size=u.train_batch_size, micro_batch_size=u.micro_batch_size, seed=u.seed,
-                              packing=u.packing, policy_version=iteration - 1)
+                              packing=u.packing, policy_version=iteration - 1,
+                              max_tokens_per_micro_batch=u.max_tokens_per_micro_batch)
 
     @property
     def recomputes_old_logprobs(self) -> bool:

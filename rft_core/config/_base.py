@@ -21,6 +21,19 @@ def _given(section: Any) -> Any:
     return dict(section) if isinstance(section, Mapping) else section
 
 
+def _check_token_budget(section: str, max_tokens: int | None, packing: bool) -> None:
+    """``<section>.max_tokens_per_micro_batch`` counts the tokens of a packed row (each sample's
+    prompt + response): refused on padded rows, whose cost is the longest sample times the count.
+
+    Raises:
+        ValueError: a budget with ``packing`` off, naming both keys.
+    """
+    if max_tokens is not None and not packing:
+        raise ValueError(f"{section}.max_tokens_per_micro_batch={max_tokens} counts the tokens of a packed row (prompt + "
+                         f"response of each sample): it needs {section}.packing=true (or leave it out: micro-batches "
+                         f"of {section}.micro_batch_size sequences)")
+
+
 def _check_name(registry, value: str) -> str:
     if value not in registry:
         raise ValueError(f"unknown {registry.kind} {value!r}; valid names: {', '.join(registry.names())}")

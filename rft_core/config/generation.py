@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rft_core.config._base import _Frozen
+from rft_core.config._base import _check_token_budget, _Frozen
 from rft_core.config.agents import AgentConfig
 from rft_core.config.scale import SGLangConfig, VLLMConfig
 from rft_core.models.hub import DEFAULT_MODEL
@@ -120,6 +120,8 @@ class UpdateGrouping(_Frozen):
     packing: bool = True
     policy_version: int = Field(0, ge=0, description="the policy version the update starts from (iteration - 1): "
                                 "with seed it orders the update's micro-batches (rft_core.training.update.update_seeds)")
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="update.max_tokens_per_micro_batch: "
+                                                   "micro-batches cut by tokens (None: by micro_batch_size)")
 
 
 class LogprobConfig(_Frozen):
@@ -133,5 +135,14 @@ class LogprobConfig(_Frozen):
     )
     packing: bool = Field(True, description="pack each micro-batch into one row without padding (position ids restart "
                           "per sequence; False: padded rows)")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="cut the length-sorted samples into packed rows of at most this many tokens (prompt + "
+        "response) instead of micro_batch_size sequences (verl's log_prob_max_token_len_per_gpu with use_dynamic_bsz; "
+        "needs packing; below float32 the passes take the update's rows instead). None: micro_batch_size")
     chunk_size: int | None = Field(None, gt=0, description="positions per float32 (chunk, vocab) slice of the log-prob "
                                    "computation (None: about 64 MiB per slice); changes memory, not the values")
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> "LogprobConfig":
+        _check_token_budget("logprobs", self.max_tokens_per_micro_batch, self.packing)
+        return self

@@ -290,6 +290,26 @@ def _distill_alone_task_settings(cfg: Any) -> str | None:
     return None
 
 
+def _token_budget_below_longest_sample(cfg: Any) -> str | None:
+    """A micro-batch holds whole samples, so a token budget below the longest sample the run can
+    make (``data.max_prompt_tokens`` + the response budget: ``rollout.agent.max_total_tokens``
+    of a multi-turn rollout, else ``rollout.max_new_tokens``) would fail at that sample, after
+    the rollout; verl asserts the same (``rearrange_micro_batches``: max_token_len >= the
+    sequence length)."""
+    agent = cfg.rollout.agent
+    response_key, response = (("rollout.agent.max_total_tokens", agent.max_total_tokens) if agent is not None
+                              else ("rollout.max_new_tokens", cfg.rollout.max_new_tokens))
+    longest = cfg.data.max_prompt_tokens + response
+    for section in ("update", "critic", "logprobs"):
+        budget = getattr(cfg, section).max_tokens_per_micro_batch
+        if budget is not None and budget < longest:
+            return (f"{section}.max_tokens_per_micro_batch={budget} is below the longest sample this run can make, "
+                    f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {response_key}={response} = {longest} "
+                    f"tokens, and a micro-batch holds whole samples: set {section}.max_tokens_per_micro_batch >= "
+                    f"{longest} (verl's ppo_max_token_len_per_gpu is usually 2-4x it), or lower those limits")
+    return None
+
+
 def _fsdp_with_deepspeed(cfg: Any) -> str | None:
     both = [s for s in ("update", "critic") if getattr(cfg, s).fsdp is not None and getattr(cfg, s).deepspeed is not None]
     if both:
@@ -328,6 +348,10 @@ CONTRADICTIONS: tuple[Rule, ...] = (
                                  "runners.rollout.shards"), _partial_single_turn),
     Rule("fsdp-with-deepspeed", ("update.fsdp", "update.deepspeed", "critic.fsdp", "critic.deepspeed"),
          _fsdp_with_deepspeed),
+    Rule("token-budget-below-longest-sample", ("update.max_tokens_per_micro_batch", "critic.max_tokens_per_micro_batch",
+                                               "logprobs.max_tokens_per_micro_batch", "data.max_prompt_tokens",
+                                               "rollout.max_new_tokens", "rollout.agent.max_total_tokens"),
+         _token_budget_below_longest_sample),
     Rule("distill-alone-task-settings", ("teacher.use_task_rewards", "advantage.estimator", "kl.mode", "shaping",
                                          "dynamic_sampling.enabled"), _distill_alone_task_settings),
 )

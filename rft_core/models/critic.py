@@ -31,6 +31,7 @@ from rft_core.models.logprobs import (
     build_token_batch,
     model_device,
     packed_model_inputs,
+    pass_groups,
     with_vision,
 )
 from rft_core.models.vl import is_vl_model
@@ -42,8 +43,9 @@ class VLValueModel(torch.nn.Module):
     """A vision-language critic (see the module docstring): ``model`` (the multimodal backbone)
     and ``score`` (``nn.Linear(hidden_size, 1)``).
 
-    ``forward(input_ids, attention_mask, **vision)`` returns an object whose ``logits`` are the
-    values, (B, T, 1) in the head's dtype, like a token classifier's.
+    ``forward(input_ids, attention_mask, position_ids, use_cache, **vision)`` returns an object whose
+    ``logits`` are the values, (B, T, 1) in the head's dtype, like a token classifier's; it never
+    keeps a cache (``use_cache`` is accepted, as a token classifier's, and ignored).
     """
 
     def __init__(self, backbone: torch.nn.Module, score: torch.nn.Linear) -> None:
@@ -53,7 +55,7 @@ class VLValueModel(torch.nn.Module):
         self.config = backbone.config
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, **vision):
+                position_ids: torch.Tensor | None = None, use_cache: bool = False, **vision):
         from transformers.modeling_outputs import TokenClassifierOutput
 
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -151,7 +153,9 @@ def response_values(critic: torch.nn.Module, batch: TokenBatch | PackedBatch) ->
     device = model_device(critic)
     if isinstance(batch, PackedBatch):
         mask = batch.action_mask.to(device)
-        out = critic(input_ids=batch.input_ids.to(device), **packed_model_inputs(critic, batch, device))
+        # use_cache=False: with a cache transformers does not read the restarting position ids as packed
+        # sequences and lets each attend to the ones before it in the row (transformers 5.24 masking_utils)
+        out = critic(input_ids=batch.input_ids.to(device), use_cache=False, **packed_model_inputs(critic, batch, device))
         flat = out.logits[0, batch.logit_index.to(device), 0].float()
         return torch.zeros(mask.shape, device=device, dtype=flat.dtype).masked_scatter(mask, flat)
     T = batch.num_actions
@@ -159,7 +163,8 @@ def response_values(critic: torch.nn.Module, batch: TokenBatch | PackedBatch) ->
         extra = {k: v.to(device) for k, v in batch.model_inputs.items()}
     else:
         extra = {"position_ids": batch.position_ids.to(device)}
-    out = critic(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), **extra)
+    out = critic(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False,
+                 **extra)
     return out.logits[:, -T - 1:-1, 0].float()
 
 
@@ -177,16 +182,22 @@ def critic_batch(prompts: list[list[int]], responses: list[list[int]], *, pad_to
 def batched_response_values(critic: torch.nn.Module, prompts: list[list[int]], responses: list[list[int]], *,
                             pad_token_id: int, micro_batch_size: int = 8, packing: bool = False, processor=None,
                             images: list[list[bytes]] | None = None,
-                            videos: list[list[bytes]] | None = None, progress=None) -> list[list[float]]:
+                            videos: list[list[bytes]] | None = None, progress=None,
+                            groups: list[list[int]] | None = None) -> list[list[float]]:
     """Unpadded per-sample value lists (len = len(response)), in input order; ``packing``: each
     micro-batch is one packed row without padding; ``processor``, ``images``, ``videos``: a
     vision-language critic's ``VLProcessor`` and the samples' media (one list per sample);
-    ``progress``: optional callable(done, total) after each micro-batch (samples).
+    ``progress``: optional callable(done, total) after each micro-batch (samples). ``groups``:
+    the micro-batches (sample indices, each sample in exactly one; ``micro_batch_size`` is then
+    unused), e.g. by tokens (``rft_core.training.loop.pass_micro_batches``); None: the samples
+    sorted by length in chunks of ``micro_batch_size``.
+
+    Raises:
+        ValueError: ``groups`` that do not hold each sample exactly once.
     """
     out: list[list[float]] = [[] for _ in prompts]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
-    for start in range(0, len(order), micro_batch_size):
-        idx = order[start:start + micro_batch_size]
+    done = 0
+    for idx in pass_groups(prompts, responses, micro_batch_size, groups):
         batch = critic_batch([prompts[i] for i in idx], [responses[i] for i in idx], pad_token_id=pad_token_id,
                              packing=packing, processor=processor,
                              images=[images[i] for i in idx] if images is not None else None,
@@ -194,6 +205,7 @@ def batched_response_values(critic: torch.nn.Module, prompts: list[list[int]], r
         v = response_values(critic, batch).cpu()
         for row, i in enumerate(idx):
             out[i] = v[row, : len(responses[i])].tolist()
+        done += len(idx)
         if progress is not None:
-            progress(min(start + micro_batch_size, len(order)), len(order))
+            progress(done, len(prompts))
     return out

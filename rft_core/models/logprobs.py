@@ -464,6 +464,22 @@ def packed_response_logprobs(model: torch.nn.Module, batch: PackedBatch, *, temp
     return tuple(unpack(x) for x in flat)
 
 
+def pass_groups(prompts: list[list[int]], responses: list[list[int]], micro_batch_size: int,
+                groups: list[list[int]] | None) -> list[list[int]]:
+    """The micro-batches of a pass over the samples: ``groups`` as given, checked, or (None) the
+    samples sorted by prompt + response length (less padding) in chunks of ``micro_batch_size``.
+
+    Raises:
+        ValueError: ``groups`` that do not hold each sample exactly once.
+    """
+    if groups is None:
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
+        return [order[s:s + micro_batch_size] for s in range(0, len(order), micro_batch_size)]
+    if sorted(i for g in groups for i in g) != list(range(len(prompts))):
+        raise ValueError(f"groups must hold each of the {len(prompts)} samples exactly once")
+    return groups
+
+
 @torch.no_grad()
 def batched_response_logprobs(
     model: torch.nn.Module,
@@ -499,11 +515,7 @@ def batched_response_logprobs(
     videos (encoded bytes, one list per sample; either may be None) and its ``VLProcessor``
     (``with_vision``; packed or padded). ``chunk_size``: see ``token_logprobs``.
     """
-    if groups is None:
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
-        groups = [order[s:s + micro_batch_size] for s in range(0, len(order), micro_batch_size)]
-    elif sorted(i for g in groups for i in g) != list(range(len(prompts))):
-        raise ValueError(f"groups must hold each of the {len(prompts)} samples exactly once")
+    groups = pass_groups(prompts, responses, micro_batch_size, groups)
     result: list[list[float]] = [[] for _ in prompts]
     entropies: list[list[float]] = [[] for _ in prompts]
     sum_pi2: list[list[float]] = [[] for _ in prompts]

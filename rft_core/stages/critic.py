@@ -12,6 +12,7 @@ from rft_core.stages.common import Timer, commit_trained, reuse_or_compute, stag
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
 from rft_core.stages.sources import critic_model, critic_strategy, critic_trained
 from rft_core.training.critic import CriticData, critic_update
+from rft_core.training.loop import packed_lengths, pass_micro_batches
 from rft_core.training.strategy import OptimizerSettings, build_strategy
 from schemas import PolicyRef, ShardRef, read_shard
 from schemas.batch import align_on_sample_id
@@ -34,7 +35,8 @@ def _vision(path: str, rollout: pa.Table) -> tuple[VLProcessor | None, dict[str,
 
 @stage_program(CriticValuesInput)
 def run_values(inp: CriticValuesInput) -> ShardRef:
-    """V(s_t) for every response token under the critic ``inp.model``, on ``default_device()``;
+    """V(s_t) for every response token under the critic ``inp.model``, on ``default_device()``, in
+    packed rows of at most ``critic.max_tokens_per_micro_batch`` tokens when it is set;
     writes the `critic_values` column group (GPU memory handed back when it returns). A
     vision-language critic (``rft_core.models.critic.VLValueModel``) gets each sample's images
     and videos, with the processor of its model folder."""
@@ -43,15 +45,18 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
 
     def compute() -> ShardRef:
         table = read_shard(inp.rollout, stage="rollout")
+        prompts, responses = table.column("prompt_token_ids").to_pylist(), table.column("response_token_ids").to_pylist()
+        budget = cfg.max_tokens_per_micro_batch  # a sample beyond it: refused before the model loads
+        groups = None if budget is None else pass_micro_batches(packed_lengths(prompts, responses), budget,
+                                                                  key="critic.max_tokens_per_micro_batch")
         path = critic_model_path(inp.model)
         processor, media = _vision(path, table)
         pad_id = pad_token_id(path)
         model = critic_model(inp.model, dtype=cfg.dtype)
         with Timer() as t, progress_reporter("critic_values", unit="sequences") as progress:
-            values = batched_response_values(model, table.column("prompt_token_ids").to_pylist(),
-                                             table.column("response_token_ids").to_pylist(),
-                                             pad_token_id=pad_id, micro_batch_size=cfg.micro_batch_size,
-                                             packing=cfg.packing, processor=processor, progress=progress, **media)
+            values = batched_response_values(model, prompts, responses, pad_token_id=pad_id,
+                                             micro_batch_size=cfg.micro_batch_size, packing=cfg.packing,
+                                             processor=processor, progress=progress, groups=groups, **media)
         out_table = pa.table({"sample_id": table.column("sample_id"), "values": pa.array(values, pa.list_(pa.float32()))},
                              schema=CRITIC_VALUES.arrow)
         flat = [v for row in values for v in row]

@@ -11,7 +11,7 @@ from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput, TeacherLogprobsInput, stage_program
 from rft_core.stages.sources import config_folder, inference_model
 from rft_core.stages.teacher import check_teacher_tokenizer
-from rft_core.training.loop import epoch_micro_batches
+from rft_core.training.loop import MicroBatching, epoch_micro_batches, packed_lengths, pass_micro_batches
 from rft_core.training.update import update_seeds
 from schemas import ShardRef, read_shard
 from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS, TEACHER_LOGPROBS
@@ -31,9 +31,8 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
     divided by ``inp.temperature``, the rollout's sampling temperature (for the teacher
     ``TrainConfig.teacher_temperature``: the rollout's unless ``teacher.temperature`` is set);
     ``logprobs.chunk_size`` bounds the float32 (chunk, vocab) slices of the log-prob computation.
-    ``inp.grouping`` (below float32): the samples go into the first-epoch micro-batches of the update that starts
-    from policy version ``inp.grouping.policy_version`` (its shuffle seed: ``update_seeds``), packed as it packs
-    them, so that its first step computes these very log-probs. A vision-language model gets each
+    The packed rows: ``_micro_batches`` (below float32 the update's, so that its first step computes these very
+    log-probs; ``logprobs.max_tokens_per_micro_batch``: by tokens). A vision-language model gets each
     sample's images and videos (processor from the model folder), padded or packed
     (``logprobs.packing``). In a resident worker the model is the worker's copy
     (``rft_core.workers.memory.inference_model``). The model's GPU memory is handed
@@ -53,6 +52,8 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
         if isinstance(inp, TeacherLogprobsInput):  # its log-probs must be of the policy's token ids
             check_teacher_tokenizer(inp.tokenizer_path, config_folder(inp.model))
         table = read_shard(inp.rollout, stage="rollout")
+        prompts, responses = table.column("prompt_token_ids").to_pylist(), table.column("response_token_ids").to_pylist()
+        groups = _micro_batches(inp, prompts, responses)  # a sample beyond the token budget: refused before the model
         path = config_folder(inp.model)
         pad_id = pad_token_id(path)
         actor = stage == "actor_logprobs"
@@ -61,15 +62,11 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
         vision = ({"images": table.column("images").to_pylist(), "videos": table.column("videos").to_pylist(),
                    "processor": processor} if processor is not None else {})
         spi2 = actor and bool(getattr(inp, "with_sum_pi_squared", False))
-        g = inp.grouping  # below float32: the update's micro-batches, so its first step sees these log-probs exactly
-        groups = None if g is None else epoch_micro_batches(table.num_rows, train_batch_size=g.train_batch_size,
-                                                            micro_batch_size=g.micro_batch_size,
-                                                            seed=update_seeds(g.seed, g.policy_version)[0])
         with Timer() as t, progress_reporter(stage, unit="sequences") as progress:
-            res = batched_response_logprobs(lm, table.column("prompt_token_ids").to_pylist(),
-                                            table.column("response_token_ids").to_pylist(), pad_token_id=pad_id,
+            res = batched_response_logprobs(lm, prompts, responses, pad_token_id=pad_id,
                                             micro_batch_size=cfg.micro_batch_size, temperature=inp.temperature,
-                                            with_entropy=actor, packing=cfg.packing if g is None else g.packing,
+                                            with_entropy=actor,
+                                            packing=cfg.packing if inp.grouping is None else inp.grouping.packing,
                                             progress=progress, chunk_size=cfg.chunk_size, groups=groups,
                                             with_sum_pi_squared=spi2, **vision)
         f32 = pa.list_(pa.float32())
@@ -89,3 +86,26 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
         return commit.write(out_table, schema=schema, inputs={"rollout": inp.rollout}, summary=summary)
 
     return reuse_or_compute(commit, compute)
+
+
+def _micro_batches(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput, prompts: list[list[int]],
+                   responses: list[list[int]]) -> list[list[int]] | None:
+    """The pass's packed rows: below float32 (``inp.grouping``) the first-epoch micro-batches of
+    the update that starts from policy version ``grouping.policy_version`` (its shuffle seed:
+    ``update_seeds``; by tokens with the update's ``max_tokens_per_micro_batch``), so that its
+    first step computes these very log-probs; else with ``logprobs.max_tokens_per_micro_batch``
+    rows of at most that many tokens (``pass_micro_batches``); else None (length-sorted rows of
+    ``logprobs.micro_batch_size``, ``batched_response_logprobs``).
+
+    Raises:
+        ValueError: a sample longer than the token budget.
+    """
+    g, budget = inp.grouping, inp.logprobs.max_tokens_per_micro_batch
+    if g is not None:
+        micro_batching = MicroBatching(g.micro_batch_size, g.max_tokens_per_micro_batch, packed_lengths(prompts, responses),
+                                       "update.max_tokens_per_micro_batch")
+        return epoch_micro_batches(len(prompts), train_batch_size=g.train_batch_size, micro_batching=micro_batching,
+                                   seed=update_seeds(g.seed, g.policy_version)[0])
+    if budget is None:
+        return None
+    return pass_micro_batches(packed_lengths(prompts, responses), budget, key="logprobs.max_tokens_per_micro_batch")

@@ -11,7 +11,8 @@ from rft_core.algorithms.value_loss import VALUE_LOSSES
 from rft_core.config import CriticConfig
 from rft_core.models.critic import critic_batch, response_values
 from rft_core.models.logprobs import model_device
-from rft_core.training.loop import Normaliser, Strategy, check_per_token_lists, pad_float, train_steps
+from rft_core.training.loop import (MicroBatching, Normaliser, Strategy, check_per_token_lists, pad_float, packed_lengths,
+                                    train_steps)
 from rft_core.training.update import dropout_disabled
 
 
@@ -74,7 +75,8 @@ def critic_update(strategy: Strategy, data: CriticData, cfg: CriticConfig, *, pa
     Args:
         cfg: what the update reads of it: ``value_loss`` (name in VALUE_LOSSES) and its
             ``value_clip`` (None: unclipped), ``loss_agg``, ``epochs``, ``train_batch_size``,
-            ``micro_batch_size``, ``seed`` (the micro-batch shuffle) and ``packing`` (each
+            ``micro_batch_size`` or ``max_tokens_per_micro_batch`` (``MicroBatching``), ``seed`` (the
+            micro-batch shuffle) and ``packing`` (each
             micro-batch one packed row without padding); its optimizer fields are the
             strategy's.
         pad_token_id: the tokenizer's padding token (padded micro-batches).
@@ -113,7 +115,10 @@ def critic_update(strategy: Strategy, data: CriticData, cfg: CriticConfig, *, pa
     with dropout_disabled(strategy.model):
         steps = train_steps(strategy, len(data), micro_step=micro_step, stats=("value_loss", "clipped"),
                             normaliser=normaliser, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
-                            micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, progress=progress)
+                            micro_batching=MicroBatching(cfg.micro_batch_size, cfg.max_tokens_per_micro_batch,
+                                                         packed_lengths(data.prompts, data.responses),
+                                                         "critic.max_tokens_per_micro_batch"),
+                            seed=cfg.seed, progress=progress)
     return [CriticStepMetrics(step=r.step, epoch=r.epoch, value_loss=r.sums["value_loss"],
                               value_clip_frac=r.sums["clipped"] / max(r.norm.num_tokens, 1), grad_norm=r.grad_norm,
                               lr=r.lr, num_tokens=r.norm.num_tokens) for r in steps]

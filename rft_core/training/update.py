@@ -46,7 +46,8 @@ from rft_core.algorithms.masked import high_entropy_mask
 from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.config import KLConfig, UpdateConfig, policy_loss_kwargs
 from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device, response_logprobs, with_vision
-from rft_core.training.loop import Normaliser, StepResult, Strategy, check_per_token_lists, pad_float, train_steps
+from rft_core.training.loop import (MicroBatching, Normaliser, StepResult, Strategy, check_per_token_lists, pad_float,
+                                    packed_lengths, train_steps)
 
 SUM_NORM = "seq-mean-token-sum-norm"
 
@@ -272,7 +273,8 @@ class UpdateSettings:
 
     Attributes:
         update: the ``update`` section: the policy loss and its aggregation, the entropy and CPGD
-            terms, ``dropout``, ``epochs``, ``train_batch_size``, ``micro_batch_size``,
+            terms, ``dropout``, ``epochs``, ``train_batch_size``, ``micro_batch_size`` or
+            ``max_tokens_per_micro_batch`` (``MicroBatching``),
             ``packing`` and ``seed`` (docs/config.md); its optimizer fields are the strategy's
             (``rft_core.training.strategy.OptimizerSettings``), not the loss's.
         kl: the ``kl`` section: a loss term when ``kl.in_loss`` (and ``data.ref_logprobs`` is
@@ -460,7 +462,9 @@ def ppo_update(strategy: Strategy, data: UpdateData, settings: UpdateSettings, *
                     processor=processor)
     order_seed, draw_seed = update_seeds(cfg.seed, settings.policy_version, strategy.rank)
     with update_rng(draw_seed, loss.device), contextlib.nullcontext() if cfg.dropout else dropout_disabled(strategy.model):
+        micro_batching = MicroBatching(cfg.micro_batch_size, cfg.max_tokens_per_micro_batch,
+                                       packed_lengths(data.prompts, data.responses), "update.max_tokens_per_micro_batch")
         steps = train_steps(strategy, len(data), micro_step=loss.micro_step, stats=STEP_STATS,
                             normaliser=loss.normaliser, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
-                            micro_batch_size=cfg.micro_batch_size, seed=order_seed, progress=progress)
+                            micro_batching=micro_batching, seed=order_seed, progress=progress)
     return [_step_metrics(r) for r in steps]

@@ -108,6 +108,13 @@ CASES = [
     ("resident-blockers", {"orchestration.workers": "resident", "runners.ppo_update.mode": "subprocess"},
      ["runners.ppo_update sets how ppo_update starts a process of its own", "orchestration.workers=resident"],
      "remove runners.ppo_update, or set orchestration.workers=stage"),
+    ("token-budget-below-longest-sample", {"update.max_tokens_per_micro_batch": 300, "rollout.max_new_tokens": 64},
+     ["update.max_tokens_per_micro_batch=300", "data.max_prompt_tokens=256", "rollout.max_new_tokens=64", "= 320"],
+     "set update.max_tokens_per_micro_batch >= 320"),
+    ("token-budget-below-longest-sample", {"logprobs.max_tokens_per_micro_batch": 600, "data.max_prompt_tokens": 100,
+                                           "rollout.agent": {"environment": "calculator"}},
+     ["logprobs.max_tokens_per_micro_batch=600", "rollout.agent.max_total_tokens=512", "= 612"],
+     "set logprobs.max_tokens_per_micro_batch >= 612"),
     # partial rollouts (issue 48)
     ("partial-needs-staleness", {"rollout.partial.chunk_tokens": 16},
      ["rollout.partial.chunk_tokens=16", "rollout.max_staleness=0"], "set rollout.max_staleness=1"),
@@ -196,6 +203,8 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
     load_config(None, {"teacher.path": "t", "teacher.use_task_rewards": False, "kl.kl_coef": 0.1})
     load_config(None, {"teacher.path": "t", "shaping.advantage_whiten": True, "advantage": "gae"})  # with task rewards
     load_config(None, {"update.fsdp": {}, "critic.deepspeed": {}})  # FSDP2 for the policy, ZeRO for the critic
+    load_config(None, {"update.max_tokens_per_micro_batch": 320, "rollout.max_new_tokens": 64,  # exactly the longest
+                       "critic.max_tokens_per_micro_batch": 4096, "critic.packing": True})
     # stage mode keeping its models (the hf engine's default) keeps the policy between checkpoints
     assert load_config(None, {"checkpoint.every": 3}).orchestration.workers == "stage"
 

@@ -326,6 +326,35 @@ def test_bf16_iterations_start_at_kl_0_and_resident_mode_ends_with_stage_modes_w
     assert runs["stage"] and runs["stage"] == runs["resident"]
 
 
+def test_with_a_token_budget_the_passes_take_the_updates_rows_too(sharp16, tmp_path, monkeypatch):
+    """``update.max_tokens_per_micro_batch`` below float32: the update cuts each mini-batch by
+    tokens (``token_budget_micro_batches``) and the actor and reference passes take those very
+    rows (``UpdateGrouping.max_tokens_per_micro_batch``): iteration 1's first step at approx_kl 0
+    and KL loss 0, every row within the budget, rows of different sizes (the count cut's would be
+    two rows of 4)."""
+    from rft_core.config import load_config
+    from schemas import read_manifest, read_shard, stage_uri
+    from tests.drive import drive
+    from rft_core.training.loop import packed_lengths
+    from tests.varying import reward_args
+
+    cfg = load_config(None, ["data.prompts_per_iteration=2", "data.size=50", "rollout.n_samples_per_prompt=4",
+                             "rollout.max_new_tokens=12", "rollout.batch_size=8", "kl.kl_coef=0.05", "update.lr=1e-3",
+                             "iterations=2", "update.max_tokens_per_micro_batch=190", "data.max_prompt_tokens=64",
+                             "logprobs.micro_batch_size=8", "policy.dtype=bfloat16", f"policy.path={sharp16}",
+                             *reward_args(), f"run_root={tmp_path}"])
+    with _spy_on_rows(monkeypatch) as rows:
+        drive(cfg)
+    assert [r["update"] for r in rows] == [r["actor_logprobs"] for r in rows] == [r["ref_logprobs"] for r in rows]
+    for it, r in enumerate(rows, 1):
+        table = read_shard(stage_uri(cfg.run_root, it, "rollout"), stage="rollout")
+        lengths = packed_lengths(table.column("prompt_token_ids").to_pylist(), table.column("response_token_ids").to_pylist())
+        assert all(sum(lengths[i] for i in row) <= 190 for row in r["update"]), (lengths, r)
+        assert sorted(len(row) for row in r["update"]) == [2, 3, 3], (lengths, r)  # 8 responses of 59-67 tokens
+    first = read_manifest(stage_uri(cfg.run_root, 1, "ppo_update"))[0].summary
+    assert first["approx_kl"] == 0.0 and first["kl_loss"] == 0.0 and first["grad_norm"] > 0, first
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
 def test_passes_grouped_as_the_update_make_its_first_step_exact_on_the_demos_shapes(sharp16, rollout, monkeypatch,

@@ -56,3 +56,29 @@ def test_critic_update_fits_returns(tiny_model):
                           CriticConfig(value_clip=0.2, epochs=1), pad_token_id=2)
     # at the first step V == V_old token for token: the stored values and the training forward are aligned
     assert steps[0].value_clip_frac == 0.0
+
+
+def test_packed_rows_of_several_sequences_give_the_padded_values_and_update(tiny_model):
+    """A packed row holds several sequences whose position ids restart; transformers reads them as
+    separate sequences only without a cache, so the critic's forward passes ``use_cache=False``
+    (before 2026-12-01 it did not: each sequence attended to the ones before it in its row, values
+    off by up to 3.9 on this model, and ``critic.packing: true`` trained on them). Values and one
+    float64 SGD step of the critic (random head, so the backbone moves too): packed = padded."""
+    prompts = [[11, 12, 13], [21, 22, 23, 24, 25, 26], [31, 32], [41, 42, 43, 44], [51, 52, 53]]
+    responses = [[101, 102, 103, 104], [201, 202], [301, 302, 303, 304, 305], [401, 402, 403], [501, 502, 503, 504]]
+    out = {}
+    for packing in (True, False):
+        critic = load_critic(tiny_model, trainable=True).to(torch.float64)
+        with torch.no_grad():
+            critic.score.weight.normal_(generator=torch.Generator().manual_seed(0))
+        values = batched_response_values(critic, prompts, responses, pad_token_id=2, packing=packing, micro_batch_size=5)
+        base = torch.cat([p.detach().flatten() for p in critic.parameters()])
+        data = CriticData(prompts, responses, values, [[1.0] * len(r) for r in responses])
+        critic_update(SingleProcess(critic, torch.optim.SGD(critic.parameters(), lr=1.0), max_grad_norm=1e9), data,
+                      CriticConfig(value_clip=None, micro_batch_size=5, packing=packing), pad_token_id=2)
+        out[packing] = values, torch.cat([p.detach().flatten() for p in critic.parameters()]) - base
+    assert max(abs(v) for row in out[False][0] for v in row) > 0.1
+    assert all(a == pytest.approx(b, abs=1e-9) for a, b in zip(out[True][0], out[False][0]))
+    head = critic.score.weight.numel() + (critic.score.bias.numel() if critic.score.bias is not None else 0)
+    assert out[False][1][:-head].abs().max() > 1e-3  # the backbone moved, not only the head
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=0, atol=1e-10)
