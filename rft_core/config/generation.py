@@ -2,7 +2,7 @@
 ``teacher``), the rollout engine's sampling (``rollout``), the log-prob passes (``logprobs``)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -123,6 +123,14 @@ class UpdateGrouping(_Frozen):
     max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="update.max_tokens_per_micro_batch: "
                                                    "micro-batches cut by tokens (None: by micro_batch_size)")
 
+    @classmethod
+    def of(cls, update: Any, policy_version: int) -> "UpdateGrouping":
+        """The grouping of the update section ``update`` (an ``UpdateConfig``, defined in
+        ``rft_core.config`` above this module) when it starts from ``policy_version``."""
+        return cls(train_batch_size=update.train_batch_size, micro_batch_size=update.micro_batch_size, seed=update.seed,
+                   packing=update.packing, policy_version=policy_version,
+                   max_tokens_per_micro_batch=update.max_tokens_per_micro_batch)
+
 
 class LogprobConfig(_Frozen):
     """Per-token log-prob computation (actor and reference stages)."""
@@ -136,9 +144,10 @@ class LogprobConfig(_Frozen):
     packing: bool = Field(True, description="pack each micro-batch into one row without padding (position ids restart "
                           "per sequence; False: padded rows)")
     max_tokens_per_micro_batch: int | None = Field(
-        None, gt=0, description="cut the length-sorted samples into packed rows of at most this many tokens (prompt + "
-        "response) instead of micro_batch_size sequences (verl's log_prob_max_token_len_per_gpu with use_dynamic_bsz; "
-        "needs packing; below float32 the passes take the update's rows instead). None: micro_batch_size")
+        None, gt=0, description="packed rows of at most this many tokens (prompt + response), balanced by tokens "
+        "(rft_core.training.loop.pass_micro_batches), instead of micro_batch_size length-sorted sequences (verl's "
+        "log_prob_max_token_len_per_gpu with use_dynamic_bsz; needs packing; below float32 the passes take the update's "
+        "rows instead). None: micro_batch_size")
     chunk_size: int | None = Field(None, gt=0, description="positions per float32 (chunk, vocab) slice of the log-prob "
                                    "computation (None: about 64 MiB per slice); changes memory, not the values")
 

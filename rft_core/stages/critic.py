@@ -8,7 +8,7 @@ from rft_core.models.loading import leased_tokenizer, pad_token_id
 from rft_core.models.vl import VLProcessor, vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path
-from rft_core.stages.common import Timer, commit_trained, reuse_or_compute, stage_commit
+from rft_core.stages.common import Commit, Timer, commit_trained, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
 from rft_core.stages.sources import critic_model, critic_strategy, critic_trained
 from rft_core.training.critic import CriticData, critic_update
@@ -33,6 +33,15 @@ def _vision(path: str, rollout: pa.Table) -> tuple[VLProcessor | None, dict[str,
     return processor, {"images": rollout.column("images").to_pylist(), "videos": rollout.column("videos").to_pylist()}
 
 
+def _critic_commit(inp: CriticValuesInput | CriticUpdateInput) -> Commit:
+    """The stage's ``Commit``; with ``critic.packing`` its config hash also holds
+    ``packed_sequences="separate"``: before 2026-12-01 a text critic's forward kept a KV cache,
+    with which transformers reads a packed row as one sequence (each attended to those before it in
+    its row), so critic stages committed then with packing are stale, not reused; without
+    packing the hash is what it was."""
+    return stage_commit(inp, packed_sequences="separate" if inp.critic.packing else None)
+
+
 @stage_program(CriticValuesInput)
 def run_values(inp: CriticValuesInput) -> ShardRef:
     """V(s_t) for every response token under the critic ``inp.model``, on ``default_device()``, in
@@ -40,7 +49,7 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
     writes the `critic_values` column group (GPU memory handed back when it returns). A
     vision-language critic (``rft_core.models.critic.VLValueModel``) gets each sample's images
     and videos, with the processor of its model folder."""
-    commit = stage_commit(inp)
+    commit = _critic_commit(inp)
     cfg = inp.critic
 
     def compute() -> ShardRef:
@@ -79,7 +88,7 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
     checkpoint's weights in bfloat16 (``rft_core.training.strategy.build_strategy``). A
     vision-language critic trains on the samples' images and videos and its checkpoint keeps
     the processor (tokenizer, image processor, video settings), so it loads again as one."""
-    commit = stage_commit(inp)
+    commit = _critic_commit(inp)
     cfg = inp.critic
 
     def compute() -> ShardRef:

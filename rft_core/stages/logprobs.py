@@ -11,8 +11,8 @@ from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput, TeacherLogprobsInput, stage_program
 from rft_core.stages.sources import config_folder, inference_model
 from rft_core.stages.teacher import check_teacher_tokenizer
-from rft_core.training.loop import MicroBatching, epoch_micro_batches, packed_lengths, pass_micro_batches
-from rft_core.training.update import update_seeds
+from rft_core.training.loop import packed_lengths, pass_micro_batches
+from rft_core.training.update import first_epoch_rows
 from schemas import ShardRef, read_shard
 from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS, TEACHER_LOGPROBS
 
@@ -91,21 +91,17 @@ def run(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput) -> Sh
 def _micro_batches(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsInput, prompts: list[list[int]],
                    responses: list[list[int]]) -> list[list[int]] | None:
     """The pass's packed rows: below float32 (``inp.grouping``) the first-epoch micro-batches of
-    the update that starts from policy version ``grouping.policy_version`` (its shuffle seed:
-    ``update_seeds``; by tokens with the update's ``max_tokens_per_micro_batch``), so that its
-    first step computes these very log-probs; else with ``logprobs.max_tokens_per_micro_batch``
+    the update that starts from policy version ``grouping.policy_version`` (``first_epoch_rows``),
+    so that its first step computes these very log-probs; else with ``logprobs.max_tokens_per_micro_batch``
     rows of at most that many tokens (``pass_micro_batches``); else None (length-sorted rows of
     ``logprobs.micro_batch_size``, ``batched_response_logprobs``).
 
     Raises:
         ValueError: a sample longer than the token budget.
     """
-    g, budget = inp.grouping, inp.logprobs.max_tokens_per_micro_batch
-    if g is not None:
-        micro_batching = MicroBatching(g.micro_batch_size, g.max_tokens_per_micro_batch, packed_lengths(prompts, responses),
-                                       "update.max_tokens_per_micro_batch")
-        return epoch_micro_batches(len(prompts), train_batch_size=g.train_batch_size, micro_batching=micro_batching,
-                                   seed=update_seeds(g.seed, g.policy_version)[0])
+    budget = inp.logprobs.max_tokens_per_micro_batch
+    if inp.grouping is not None:
+        return first_epoch_rows(inp.grouping, prompts, responses)
     if budget is None:
         return None
     return pass_micro_batches(packed_lengths(prompts, responses), budget, key="logprobs.max_tokens_per_micro_batch")

@@ -131,18 +131,18 @@ class MicroBatching:
 
     size: int
     max_tokens: int | None = None
-    lengths: Sequence[int] = ()
+    lengths: Sequence[int] | None = None
     key: str = "max_tokens_per_micro_batch"
 
     def __post_init__(self) -> None:
         if self.size < 1 or (self.max_tokens is not None and self.max_tokens < 1):
             raise ValueError(f"MicroBatching: size {self.size} and max_tokens {self.max_tokens} must be >= 1")
-        if self.max_tokens is not None and not self.lengths:
+        if self.max_tokens is not None and self.lengths is None:
             raise ValueError("MicroBatching: max_tokens needs the samples' lengths")
 
     def cut(self, mini: Sequence[int]) -> list[list[int]]:
         """The micro-batches of ``mini``: every index in exactly one, each in ``mini``'s order."""
-        if self.max_tokens is None:
+        if self.max_tokens is None or self.lengths is None:
             return [list(mini[i:i + self.size]) for i in range(0, len(mini), self.size)]
         return token_budget_micro_batches(mini, self.lengths, self.max_tokens, key=self.key)
 
@@ -218,7 +218,10 @@ def epoch_micro_batches(n: int, *, train_batch_size: int | None, micro_batching:
     ``n`` samples: ``minibatches``' seeded permutation cut into optimizer steps of
     ``train_batch_size`` (None: all) and those by ``micro_batching``, as ``train_steps`` cuts them
     (on every rank the same). Every sample is in exactly one. The log-prob passes use them below
-    float32 (``TrainConfig.logprob_grouping_at``)."""
+    float32 (``TrainConfig.logprob_grouping_at``); none for ``n`` = 0 (a partial rollout's
+    iteration in which no group finished)."""
+    if n == 0:
+        return []
     return [chunk for _, mini in minibatches(n, epochs=1, batch_size=train_batch_size or n, seed=seed)
             for chunk in micro_batching.cut(mini)]
 

@@ -82,3 +82,17 @@ def test_packed_rows_of_several_sequences_give_the_padded_values_and_update(tiny
     head = critic.score.weight.numel() + (critic.score.bias.numel() if critic.score.bias is not None else 0)
     assert out[False][1][:-head].abs().max() > 1e-3  # the backbone moved, not only the head
     torch.testing.assert_close(out[True][1], out[False][1], rtol=0, atol=1e-10)
+
+
+def test_critic_stages_with_packing_get_a_new_config_hash_and_without_keep_theirs():
+    """Critic stages committed with ``critic.packing`` before the use_cache fix trained on values
+    whose packed sequences saw each other: their hash changes (a resume recomputes them instead of
+    reusing them); without packing nothing changed, and neither does the hash."""
+    from rft_core.stages.contracts import CriticValuesInput
+    from rft_core.stages.critic import _critic_commit
+    from schemas import ShardRef
+
+    ref = ShardRef(uri="file:///r", stage="rollout", num_rows=1, config_hash="0" * 16, manifest_sha256="0" * 64)
+    for packing in (False, True):
+        inp = CriticValuesInput(rollout=ref, model="m", critic=CriticConfig(packing=packing), out="file:///o")
+        assert (_critic_commit(inp).config_hash == inp.config_hash()) is (not packing)
