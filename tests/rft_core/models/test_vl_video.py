@@ -108,11 +108,14 @@ def test_prompt_expansion_with_images_and_videos(proc):
 
 
 def _mixed_rows(proc):
-    """Rows: text only, one image, one video, an image and two videos; 3 response tokens each."""
+    """Rows: text only, one image, one video, an image and two videos; 3 response tokens each. The
+    last video is 10 frames at 10 fps (4 kept: 0.5 s per temporal patch, Qwen2.5-VL's
+    ``second_per_grid_ts``), the others 2 fps (1.0 s), so a video given another's time spacing
+    (a wrong offset into the batch's videos) changes the positions."""
     specs = [("What is 2 + 3?", [], []),
              ("Which digit?", [_png(56, 56, 1)], []),
              ("Which digit moves?", [], [_clip(4, 56, 84, seed=2)]),
-             ("Same digit?", [_png(28, 28, 3)], [_clip(6, 56, 56, seed=4), _clip(1, 28, 28, seed=5)])]
+             ("Same digit?", [_png(28, 28, 3)], [_clip(6, 56, 56, seed=4), _clip(10, 28, 28, fps=10.0, seed=5)])]
     rng = np.random.default_rng(0)
     seqs = [proc.prompt_ids(proc.render_prompt(q, len(i), n_videos=len(v)), i, v) + [int(t) for t in rng.integers(100, 5000, 3)]
             for q, i, v in specs]
@@ -144,13 +147,14 @@ def test_mixed_batch_gives_each_row_its_own_logits(proc, tiny_vl):
     model = load_vl_model(tiny_vl)
     ids, _, batch = _check_rows_alone(model, proc, seqs, images, videos)
     # images and videos in row order: row 1's 56x56 image, row 3's 28x28 image (-> 56x56);
-    # row 2's 4x56x84 clip, row 3's 6x56x56 clip (6 frames -> t = 3) and 1x28x28 clip
+    # row 2's 4x56x84 clip, row 3's 6x56x56 clip (6 frames -> t = 3) and 10x28x28 clip at 10 fps (4 frames
+    # kept at 2 fps -> t = 2; 28x28 -> 56x56)
     assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]
-    assert batch["video_grid_thw"].tolist() == [[2, 4, 6], [3, 4, 4], [1, 4, 4]]
-    assert batch["pixel_values"].shape[0] == 32 and batch["pixel_values_videos"].shape[0] == 48 + 48 + 16
+    assert batch["video_grid_thw"].tolist() == [[2, 4, 6], [3, 4, 4], [2, 4, 4]]
+    assert batch["pixel_values"].shape[0] == 32 and batch["pixel_values_videos"].shape[0] == 48 + 48 + 32
     types = batch["mm_token_type_ids"]
     assert types.dtype == torch.int32
-    assert (types == 1).sum(1).tolist() == [0, 4, 0, 4] and (types == 2).sum(1).tolist() == [0, 0, 12, 12 + 4]
+    assert (types == 1).sum(1).tolist() == [0, 4, 0, 4] and (types == 2).sum(1).tolist() == [0, 0, 12, 12 + 8]
     with pytest.raises(VLError, match=r"batch row 1: 0 video tokens in the ids but its 1 video\(s\) need 12"):
         proc.batch_inputs(images, ids, [[], videos[2], [], videos[3]])
     with pytest.raises(VLError, match="batch of 4 rows got 4 image lists and 3 video lists"):
@@ -208,7 +212,7 @@ def test_qwen25_vl_gets_second_per_grid_ts(tiny_vl, tmp_path):
     seqs, images, videos = _mixed_rows(proc)
     model = load_vl_model(path)
     ids, mask, batch = _check_rows_alone(model, proc, seqs, images, videos)
-    assert batch["second_per_grid_ts"].tolist() == [1.0, 1.0, 1.0]  # 4 @ 2 fps, 6 @ 2 fps, 1 @ 2 fps
+    assert batch["second_per_grid_ts"].tolist() == [1.0, 1.0, 0.5]  # 4 @ 2 fps, 6 @ 2 fps, 10 @ 10 fps
     with torch.no_grad():  # the time spacing reaches the model's M-RoPE: another spacing, other logits
         base = model(input_ids=ids, attention_mask=mask, **batch).logits
         other = model(input_ids=ids, attention_mask=mask, **{**batch, "second_per_grid_ts": batch["second_per_grid_ts"] * 3}).logits

@@ -97,3 +97,27 @@ def ds(cfg: UpdateConfig, zero_stage: int) -> UpdateConfig:
 def fsdp(cfg: UpdateConfig, **kw) -> UpdateConfig:
     """``cfg`` under FSDP2 (``FSDPConfig(**kw)``)."""
     return cfg.model_copy(update={"fsdp": FSDPConfig(**kw)})
+
+
+def random_head_critic(tiny_model: str, rollout, root: Path) -> tuple[str, object, dict[str, torch.Tensor]]:
+    """(folder, values ref, its weights): a critic of the tiny model with a random value head
+    (a fresh critic's head is zero, so its backbone's first gradient is exactly 0 and every value
+    0 whatever the sharding or the alignment) and the ``critic_values`` shard of its own values on
+    ``rollout``: the multi-rank critic tests train a critic whose every weight has a gradient."""
+    from rft_core.models.critic import batched_response_values, load_critic
+    from rft_core.models.loading import load_tokenizer
+    from schemas import read_shard
+    from schemas.columns import CRITIC_VALUES
+
+    critic = load_critic(tiny_model)
+    with torch.no_grad():
+        critic.score.weight.normal_(std=0.5, generator=torch.Generator().manual_seed(0))
+    folder = root / "random-head-critic"
+    critic.save_pretrained(folder)
+    load_tokenizer(tiny_model).save_pretrained(folder)
+    rows = read_shard(rollout).to_pydict()
+    values = batched_response_values(critic, rows["prompt_token_ids"], rows["response_token_ids"], pad_token_id=2)
+    assert max(abs(v) for row in values for v in row) > 0.1
+    ref = write_shard(pa.table({"sample_id": rows["sample_id"], "values": values}, schema=CRITIC_VALUES.arrow),
+                      str(root / "random-head-values"), schema=CRITIC_VALUES, config_hash="v")
+    return str(folder), ref, {k: v.clone() for k, v in critic.state_dict().items()}

@@ -49,13 +49,22 @@ def test_critic_update_fits_returns(tiny_model):
     with torch.no_grad():
         v = response_values(critic, b)[b.action_mask]
     assert (v - 1.0).abs().max() < 0.35
-    # with clipping, one step cannot move any value further than value_clip from the old one
+    # at the first step V == V_old token for token: the stored values and the training forward are aligned. A
+    # random head (values of about +-1, varying along the sequence), so that a forward one column off would put
+    # most tokens outside value_clip; the padded and the packed forward alike
     critic2 = load_critic(tiny_model, trainable=True)
-    steps = critic_update(SingleProcess(critic2, make_optimizer(critic2, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0),
-                                        max_grad_norm=1.0), data,
-                          CriticConfig(value_clip=0.2, epochs=1), pad_token_id=2)
-    # at the first step V == V_old token for token: the stored values and the training forward are aligned
-    assert steps[0].value_clip_frac == 0.0
+    with torch.no_grad():
+        critic2.score.weight.normal_(std=0.5, generator=torch.Generator().manual_seed(0))
+    old2 = batched_response_values(critic2, prompts, responses, pad_token_id=2)
+    shifted = [abs(a - b) > 0.2 for row in old2 for a, b in zip(row[1:], row[:-1])]
+    assert sum(shifted) >= len(shifted) / 2  # one column off would clip these
+    for packing in (False, True):
+        trained = load_critic(tiny_model, trainable=True)
+        trained.load_state_dict(critic2.state_dict())
+        steps = critic_update(SingleProcess(trained, make_optimizer(trained, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0),
+                                            max_grad_norm=1.0), CriticData(prompts, responses, old2, returns),
+                              CriticConfig(value_clip=0.2, epochs=1, packing=packing), pad_token_id=2)
+        assert steps[0].value_clip_frac == 0.0 and steps[0].value_loss > 0.01, packing
 
 
 def test_packed_rows_of_several_sequences_give_the_padded_values_and_update(tiny_model):

@@ -32,7 +32,8 @@ from rft_core.training.strategy import (  # noqa: E402
 )
 from schemas import commit_files, read_manifest, read_shard, write_shard  # noqa: E402
 from schemas.columns import CRITIC_VALUES, OPTIMIZER_STATE  # noqa: E402
-from tests.rft_core.training.chain import ITERATIONS, RUNNER, ds, max_diff, one_thread, run_update, weights  # noqa: E402
+from tests.rft_core.training.chain import (  # noqa: E402
+    ITERATIONS, RUNNER, ds, max_diff, one_thread, random_head_critic, run_update, weights)
 
 # Each ZeRO stage (each test with its resident twin: they share the chain of updates) takes its
 # turn in the rotation (tests/rotation.py, ~95 s each on 2 cores); stage 3 with the crashed ZeRO-3
@@ -180,21 +181,22 @@ def test_critic_update_under_zero2_on_two_ranks_matches_one_process(update_input
     """The critic trains through the same loop and strategies as the policy: ZeRO-2 over 2 ranks
     gives the single-process critic's losses and weights."""
     root, r, a, _, _ = update_inputs
-    rows = read_shard(r).to_pydict()
-    # old values: a fresh critic's (zero head); targets: the advantage shard's returns (+-1)
-    values = write_shard(pa.table({"sample_id": rows["sample_id"], "values": [[0.0] * len(x) for x in rows["response_token_ids"]]},
-                                  schema=CRITIC_VALUES.arrow), str(root / "values"), schema=CRITIC_VALUES, config_hash="v")
+    # a random value head and its own old values (a fresh critic's zero head gives the backbone no first
+    # gradient); targets: the advantage shard's returns (+-1)
+    critic, values, start = random_head_critic(tiny_model, r, root)
     cfg = CriticConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, value_clip=None)
-    inp = CriticUpdateInput(rollout=r, advantages=a, critic_values=values, model=tiny_model, critic=cfg, out=str(root / "c1"))
-    single = run_stage(inp)
+    inp = CriticUpdateInput(rollout=r, advantages=a, critic_values=values, model=critic, critic=cfg, out=str(root / "c1"))
+    with one_thread():
+        single = run_stage(inp)
     ds = run_stage(CriticUpdateInput(**{**dict(inp), "critic": cfg.model_copy(update={"deepspeed": DeepSpeedConfig(zero_stage=2)}),
                                         "out": str(root / "c2")}), RUNNER)
     assert read_manifest(ds.uri)[0].summary["world_size"] == 2
     want, got = read_shard(single.uri).to_pydict(), read_shard(ds.uri).to_pydict()
     assert len(got["step"]) == 4 and got["num_tokens"] == want["num_tokens"]
     assert got["value_loss"] == pytest.approx(want["value_loss"], abs=1e-6)
-    assert want["value_loss"][0] == pytest.approx(0.5)  # V = 0 against returns +-1: 0.5 (V - R)^2 = 0.5 on every token
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5) and min(want["grad_norm"]) > 1e-3
     w0, w1 = load_critic(f"{single.uri}/critic").state_dict(), load_critic(f"{ds.uri}/critic").state_dict()
+    assert max((w0[k] - start[k]).abs().max().item() for k in w0 if not k.startswith("score")) > 1e-4  # the backbone moved
     assert max((w1[k] - w0[k]).abs().max().item() for k in w0) < 1e-5
 
 
