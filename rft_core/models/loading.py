@@ -35,15 +35,21 @@ __all__ = ["DEFAULT_MODEL", "LOAD_LOCK", "ModelLoadError", "attn_implementation"
            "set_trainable", "torch_dtype"]
 
 
-def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False):
+def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False, merge_adapter: bool | None = None):
     """Load a causal LM (policy or reference) on CPU: a LoRA checkpoint as its base model with
-    the adapter merged in, a Qwen2-VL / Qwen2.5-VL folder with the image-text-to-text class,
-    anything else with ``AutoModelForCausalLM``.
+    the adapter (in float32 the adapter merged in; below float32 the float32 adapters kept on
+    top of the bfloat16 base, computing as the trainer does: merged into bfloat16 weights, an
+    update smaller than half a bfloat16 step would round away, docs/scale.md "LoRA in
+    bfloat16"), a Qwen2-VL / Qwen2.5-VL folder with the image-text-to-text class, anything else
+    with ``AutoModelForCausalLM``.
 
     Args:
         path: see ``resolve_model_path``.
         dtype: "float32" or "bfloat16".
         trainable: False puts the model in eval mode with gradients off.
+        merge_adapter: a LoRA checkpoint merged (True: always, e.g. a copy that receives the
+            trainer's merged weights, ``rft_core.weightsync.trained.inference_tensors``; False:
+            never); None: in float32 only.
     Counts a model load and the bytes of its weight files (``rft_core.counters.counts``).
     Raises:
         ModelLoadError: unreadable path or weights, named in the message.
@@ -53,7 +59,8 @@ def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False
     count("model_loads")
     count_bytes_read(resolve_model_path(path))
     if is_adapter_dir(path):
-        return load_adapter_policy(path, dtype=dtype, trainable=trainable, merge=True)
+        merge = dtype == "float32" if merge_adapter is None else merge_adapter
+        return load_adapter_policy(path, dtype=dtype, trainable=trainable, merge=merge)
     if is_vl_model(path):
         return load_vl_model(path, dtype=dtype, trainable=trainable)
     return load_pretrained(AutoModelForCausalLM, path, dtype=dtype, trainable=trainable,

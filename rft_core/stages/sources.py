@@ -129,7 +129,7 @@ def release_models() -> bool:
     return release_device_memory()
 
 
-def load_from_storage(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
+def load_from_storage(ref: PolicyRef, *, dtype: str, merge_adapter: bool | None = None) -> "torch.nn.Module":
     """The model of ``ref`` read from storage in ``dtype`` onto ``default_device()``, in eval
     mode: what a stage-mode inference pass loads, and a resident worker's frozen copy (the
     reference, the teacher, the rollout worker's policy) before it stays in memory. Inside
@@ -144,11 +144,19 @@ def load_from_storage(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
     (``memo.rebuild``: the committed updates re-applied to the last checkpoint, each checked against
     its recorded digest, ``rft_core.stages.recovery``); nothing on storage is checked for it.
 
+    ``merge_adapter``: ``load_causal_lm``'s (None: a LoRA policy merged in float32 only, as the
+    trainer computes; True: merged, read from storage, never the memo's copy: the resident
+    rollout worker, whose syncs land the trainer's merged weights).
+
     Raises:
         CheckpointPrunedError, ShardCorruptError, WeightlessPolicyError: see ``inference_model``.
     """
     def read(model: PolicyRef) -> "torch.nn.Module":
-        return load_causal_lm(policy_model_path(model), dtype=dtype).to(default_device()).eval()
+        return load_causal_lm(policy_model_path(model), dtype=dtype, merge_adapter=merge_adapter).to(
+            default_device()).eval()
+
+    if merge_adapter:  # a LoRA policy merged whatever the dtype: never the memo's copy (unmerged below float32)
+        return read(ref)
 
     if kept_in_memory(ref):
         key = _memo_key(ref)

@@ -20,10 +20,12 @@ SHARDED = (DeepSpeedStrategy, FSDPStrategy)
 def inference_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights of the trained ``model`` as an inference copy of the policy holds them: its
     ``state_tensors``; for a peft LoRA model, the base weights with the adapters merged in, by
-    peft's own ``merge_and_unload`` on a copy (the trainer keeps its adapters), which is what a
-    stage-mode inference pass computes from the adapter checkpoint (``load_causal_lm`` merges on
-    load; the float32 adapters round-trip the checkpoint exactly), so a resident LoRA run is
-    bit-identical to a stage-mode one. The copy costs one more model in memory during a sync.
+    peft's own ``merge_and_unload`` on a copy (the trainer keeps its adapters), which in float32
+    is what a stage-mode inference pass computes from the adapter checkpoint (``load_causal_lm``
+    merges on load in float32; the float32 adapters round-trip the checkpoint exactly), so a
+    float32 resident LoRA run is bit-identical to a stage-mode one; below float32 stage mode keeps
+    the adapters unmerged and the resident rollout worker's merged copy differs by the rounding
+    (docs/scale.md, "LoRA in bfloat16"). The copy costs one more model in memory during a sync.
     A process that never imported peft holds no peft model, so peft (~0.4 s to import) is not
     imported to ask."""
     peft = sys.modules.get("peft")

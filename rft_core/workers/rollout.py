@@ -164,7 +164,9 @@ class RolloutWorker(ResidentWorker):
         if self.model is None or self.model_dtype != dtype:
             base = weights_base(ref)
             self._kept.clear()
-            self.model, self.model_dtype, self.version = load_from_storage(base, dtype=dtype), dtype, version_key(base)
+            # merged: the syncs land the trainer's merged weights (inference_tensors) in this copy's tensors
+            self.model = load_from_storage(base, dtype=dtype, merge_adapter=True)
+            self.model_dtype, self.version = dtype, version_key(base)
             self._arrived = {self.version: 0}
             count("engine_builds")
         if self.version != key:
@@ -212,7 +214,7 @@ class RolloutWorker(ResidentWorker):
         got = pull(PolicySendLeg(self.policy(), ref), landing, version=key, timeout_s=self.sync_timeout_s,
                    bucket_mb=self.sync_bucket_mb)
         if got is None:
-            self.model = load_from_storage(ref, dtype=self.model_dtype)
+            self.model = load_from_storage(ref, dtype=self.model_dtype, merge_adapter=True)
         self.version = key
         self._landed()
         if got is not None:

@@ -355,6 +355,38 @@ def test_with_a_token_budget_the_passes_take_the_updates_rows_too(sharp16, tmp_p
     assert first["approx_kl"] == 0.0 and first["kl_loss"] == 0.0 and first["grad_norm"] > 0, first
 
 
+def test_a_bf16_lora_policy_is_scored_as_the_trainer_computes_it(sharp16, tmp_path):
+    """LoRA on a bfloat16 base: the trainer computes with float32 adapters on top of the bfloat16
+    weights; the log-prob passes (and the hf engine) load the adapter checkpoint the same way
+    (``load_causal_lm``: unmerged below float32), so every iteration's first update step starts at
+    approx_kl 0. Merged into bfloat16 weights the same adapter scores otherwise (an update below
+    half a bfloat16 step rounds away): what the passes computed before 2026-12-01 (approx_kl
+    6.2e-7 and 1.5e-6 in iterations 2 and 3 of this run)."""
+    from rft_core.config import load_config
+    from rft_core.stages.checkpoints import policy_model_path
+    from schemas import read_manifest, read_shard, stage_uri
+    from tests.drive import drive
+    from tests.varying import reward_args
+
+    cfg = load_config(None, ["data.prompts_per_iteration=2", "data.size=50", "rollout.n_samples_per_prompt=4",
+                             "rollout.max_new_tokens=12", "rollout.batch_size=8", "kl.kl_coef=0.05", "update.lr=1e-3",
+                             "iterations=3", "update.micro_batch_size=3", "policy.dtype=bfloat16",
+                             f"policy.path={sharp16}", "update.lora.rank=8", "update.lora.alpha=16", *reward_args(),
+                             f"run_root={tmp_path}"])
+    final = drive(cfg)
+    summaries = [read_manifest(stage_uri(cfg.run_root, it, "ppo_update"))[0].summary for it in (1, 2, 3)]
+    assert all(s["approx_kl"] == 0.0 for s in summaries), summaries
+    assert summaries[1]["kl_loss"] > 1e-4 and summaries[2]["kl_loss"] > 1e-4, summaries  # the adapters moved
+    adapter = policy_model_path(final)
+    rows = read_shard(stage_uri(cfg.run_root, 3, "rollout"), stage="rollout").to_pydict()
+    kw = dict(pad_token_id=2, packing=True, micro_batch_size=8)
+    kept = batched_response_logprobs(load_causal_lm(adapter, dtype="bfloat16"), rows["prompt_token_ids"],
+                                     rows["response_token_ids"], **kw)
+    merged = batched_response_logprobs(load_causal_lm(adapter, dtype="bfloat16", merge_adapter=True),
+                                       rows["prompt_token_ids"], rows["response_token_ids"], **kw)
+    assert max(abs(a - b) for x, y in zip(kept, merged) for a, b in zip(x, y)) > 1e-3
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
 def test_passes_grouped_as_the_update_make_its_first_step_exact_on_the_demos_shapes(sharp16, rollout, monkeypatch,
