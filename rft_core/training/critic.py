@@ -84,7 +84,8 @@ def critic_update(strategy: Strategy, data: CriticData, cfg: CriticConfig, *, pa
         processor: a vision-language critic's ``VLProcessor``: each micro-batch gets the vision
             inputs of ``data.images`` / ``data.videos`` (``rft_core.models.critic.critic_batch``).
     Raises:
-        ValueError: empty ``data``.
+        ValueError: empty ``data``, or a sample longer than ``critic.max_tokens_per_micro_batch``
+            (before any step).
     """
     if len(data) == 0:
         raise ValueError("critic_update got no samples")

@@ -141,7 +141,11 @@ class MicroBatching:
             raise ValueError("MicroBatching: max_tokens needs the samples' lengths")
 
     def cut(self, mini: Sequence[int]) -> list[list[int]]:
-        """The micro-batches of ``mini``: every index in exactly one, each in ``mini``'s order."""
+        """The micro-batches of ``mini``: every index in exactly one, each in ``mini``'s order.
+
+        Raises:
+            ValueError: by tokens, a sample longer than ``max_tokens`` (``key`` named).
+        """
         if self.max_tokens is None or self.lengths is None:
             return [list(mini[i:i + self.size]) for i in range(0, len(mini), self.size)]
         return token_budget_micro_batches(mini, self.lengths, self.max_tokens, key=self.key)

@@ -469,8 +469,9 @@ def ppo_update(strategy: Strategy, data: UpdateData, settings: UpdateSettings, *
     Returns:
         One StepMetrics per optimizer step (the same on every rank).
     Raises:
-        ValueError: empty ``data``, entropy filtering without ``data.entropies``, or a
-            correction or exclusion list of another length than ``data``.
+        ValueError: empty ``data``, entropy filtering without ``data.entropies``, a
+            correction or exclusion list of another length than ``data``, or a sample longer
+            than ``update.max_tokens_per_micro_batch`` (before any step).
     """
     if len(data) == 0:
         raise ValueError("ppo_update got no samples")
