@@ -458,14 +458,22 @@ class Timeline:
         return {s: self.seconds(it, s) for it, s in self.stages if it == iteration}
 
 
-def _waits_for(iteration: int, stage: str, present) -> list[tuple[int, str]]:
-    """The (iteration, stage) commits ``stage`` of ``iteration`` waits for, among those in ``present``."""
+def _waits_for(iteration: int, stage: str, present: dict[tuple[int, str], tuple[float, float]]) -> list[tuple[int, str]]:
+    """The (iteration, stage) commits ``stage`` of ``iteration`` waits for, among those in ``present``
+    (the uninterrupted run's ``Timeline.stages``): its predecessors of the same iteration, and the
+    previous iteration's update where that run started ``stage`` only after the update committed
+    (a synchronous run: the rollout samples with the update's policy; the prompts, committed beside
+    that update, are no sign that it has ended, so a kill timed from them alone could land in it)."""
     if not PREDECESSORS[stage]:  # the prompts: beside the previous iteration's update (a synchronous run)
         return [(iteration - 1, "advantages")] if iteration > 1 else []
     same = [(iteration, p) for p in PREDECESSORS[stage] if (iteration, p) in present]
     if not same:
         raise AssertionError(f"none of the stages {stage} of iteration {iteration} waits for "
                              f"({PREDECESSORS[stage]}) ran in the uninterrupted run")
+    update = (iteration - 1, "ppo_update")
+    if stage in STAGE_ORDER and update in present and (iteration, stage) in present and \
+            present[update][1] <= present[(iteration, stage)][0]:
+        same.append(update)
     return same
 
 
