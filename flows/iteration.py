@@ -280,8 +280,8 @@ def rl_iteration(cfg: TrainConfig, iteration: int, policy: PolicyRef, state: Tra
         prompts, rollout = _attempt(cfg, iteration, behaviour, out, tags, attempt=0,
                                     carry=previous_rollout(cfg, iteration), committed=ahead_stages)
         parts = {}
-    parts |= _score(cfg, iteration, prompts=prompts, rollout=rollout, policy=policy, critic=critic, kl=kl, out=out, tags=tags,
-                    with_rewards=not parts)
+    parts |= _score(cfg, iteration, prompts=prompts, rollout=rollout, policy=policy, critic=critic, kl=kl, out=out,
+                    tags=tags, with_rewards=not parts)
     parts |= _greedy_baseline(cfg, iteration, prompts, behaviour, out, tags)  # remax; {} for the other estimators
     # the next iteration's prompts and rollout, prefetched; without a prefetch: its prompts, beside the update
     ahead: dict[str, ShardRef | PrefectFuture] = _prefetch(cfg, iteration, rollout, next_rollout_policy, tags)

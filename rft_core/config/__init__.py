@@ -541,7 +541,10 @@ class TrainConfig(_Frozen):
             raise ValueError(f"logprob_grouping_at: iteration {iteration} is not >= 1")
         if self.policy.dtype == "float32":
             return None
-        return UpdateGrouping.of(self.update, iteration - 1)
+        u = self.update
+        return UpdateGrouping(train_batch_size=u.train_batch_size, micro_batch_size=u.micro_batch_size, seed=u.seed,
+                              packing=u.packing, policy_version=iteration - 1,
+                              max_tokens_per_micro_batch=u.max_tokens_per_micro_batch)
 
     @property
     def recomputes_old_logprobs(self) -> bool:

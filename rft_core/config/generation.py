@@ -2,7 +2,7 @@
 ``teacher``), the rollout engine's sampling (``rollout``), the log-prob passes (``logprobs``)."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -122,14 +122,6 @@ class UpdateGrouping(_Frozen):
                                 "with seed it orders the update's micro-batches (rft_core.training.update.update_seeds)")
     max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="update.max_tokens_per_micro_batch: "
                                                    "micro-batches cut by tokens (None: by micro_batch_size)")
-
-    @classmethod
-    def of(cls, update: Any, policy_version: int) -> "UpdateGrouping":
-        """The grouping of the update section ``update`` (an ``UpdateConfig``, defined in
-        ``rft_core.config`` above this module) when it starts from ``policy_version``."""
-        return cls(train_batch_size=update.train_batch_size, micro_batch_size=update.micro_batch_size, seed=update.seed,
-                   packing=update.packing, policy_version=policy_version,
-                   max_tokens_per_micro_batch=update.max_tokens_per_micro_batch)
 
 
 class LogprobConfig(_Frozen):

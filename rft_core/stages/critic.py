@@ -12,7 +12,7 @@ from rft_core.stages.common import Commit, Timer, commit_trained, reuse_or_compu
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
 from rft_core.stages.sources import critic_model, critic_strategy, critic_trained
 from rft_core.training.critic import CriticData, critic_update
-from rft_core.training.loop import packed_lengths, pass_micro_batches
+from rft_core.training.loop import pass_micro_batches
 from rft_core.training.strategy import OptimizerSettings, build_strategy
 from schemas import PolicyRef, ShardRef, read_shard
 from schemas.batch import align_on_sample_id
@@ -56,7 +56,7 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
         table = read_shard(inp.rollout, stage="rollout")
         prompts, responses = table.column("prompt_token_ids").to_pylist(), table.column("response_token_ids").to_pylist()
         budget = cfg.max_tokens_per_micro_batch  # a sample beyond it: refused before the model loads
-        groups = None if budget is None else pass_micro_batches(packed_lengths(prompts, responses), budget,
+        groups = None if budget is None else pass_micro_batches(prompts, responses, budget,
                                                                   key="critic.max_tokens_per_micro_batch")
         path = critic_model_path(inp.model)
         processor, media = _vision(path, table)

@@ -11,7 +11,7 @@ from rft_core.stages.common import Timer, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import ActorLogprobsInput, RefLogprobsInput, TeacherLogprobsInput, stage_program
 from rft_core.stages.sources import config_folder, inference_model
 from rft_core.stages.teacher import check_teacher_tokenizer
-from rft_core.training.loop import packed_lengths, pass_micro_batches
+from rft_core.training.loop import pass_micro_batches
 from rft_core.training.update import first_epoch_rows
 from schemas import ShardRef, read_shard
 from schemas.columns import ACTOR_LOGPROBS, REF_LOGPROBS, TEACHER_LOGPROBS
@@ -104,4 +104,4 @@ def _micro_batches(inp: ActorLogprobsInput | RefLogprobsInput | TeacherLogprobsI
         return first_epoch_rows(inp.grouping, prompts, responses)
     if budget is None:
         return None
-    return pass_micro_batches(packed_lengths(prompts, responses), budget, key="logprobs.max_tokens_per_micro_batch")
+    return pass_micro_batches(prompts, responses, budget, key="logprobs.max_tokens_per_micro_batch")

@@ -62,9 +62,9 @@ from rft_core.training.update import (
 import rft_core.stages.memo as memo
 from rft_core.stages.sources import current_source, version_key
 from schemas import PolicyRef, ShardRef, file_checksum, read_manifest, read_shard
-from schemas.storage import CHECKSUM, checksum_algorithm
 from schemas.batch import align_on_sample_id
 from schemas.columns import PPO_UPDATE, token_versions_of
+from schemas.storage import CHECKSUM, checksum_algorithm
 
 log = logging.getLogger("rft_core.stages")
 

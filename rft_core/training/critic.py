@@ -11,8 +11,7 @@ from rft_core.algorithms.value_loss import VALUE_LOSSES
 from rft_core.config import CriticConfig
 from rft_core.models.critic import critic_batch, response_values
 from rft_core.models.logprobs import model_device
-from rft_core.training.loop import (MicroBatching, Normaliser, Strategy, check_per_token_lists, pad_float, packed_lengths,
-                                    train_steps)
+from rft_core.training.loop import MicroBatching, Normaliser, Strategy, check_per_token_lists, pad_float, train_steps
 from rft_core.training.update import dropout_disabled
 
 
@@ -116,9 +115,7 @@ def critic_update(strategy: Strategy, data: CriticData, cfg: CriticConfig, *, pa
     with dropout_disabled(strategy.model):
         steps = train_steps(strategy, len(data), micro_step=micro_step, stats=("value_loss", "clipped"),
                             normaliser=normaliser, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
-                            micro_batching=MicroBatching(cfg.micro_batch_size, cfg.max_tokens_per_micro_batch,
-                                                         packed_lengths(data.prompts, data.responses),
-                                                         "critic.max_tokens_per_micro_batch"),
+                            micro_batching=MicroBatching.of("critic", cfg, data.prompts, data.responses),
                             seed=cfg.seed, progress=progress)
     return [CriticStepMetrics(step=r.step, epoch=r.epoch, value_loss=r.sums["value_loss"],
                               value_clip_frac=r.sums["clipped"] / max(r.norm.num_tokens, 1), grad_norm=r.grad_norm,

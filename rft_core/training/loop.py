@@ -140,6 +140,16 @@ class MicroBatching:
         if self.max_tokens is not None and self.lengths is None:
             raise ValueError("MicroBatching: max_tokens needs the samples' lengths")
 
+    @classmethod
+    def of(cls, section: str, cfg: Any, prompts: Sequence[Sequence[int]],
+           responses: Sequence[Sequence[int]]) -> "MicroBatching":
+        """The cut of config section ``section`` ("update" or "critic"; ``cfg`` has its
+        ``micro_batch_size`` and ``max_tokens_per_micro_batch``: the section itself or an
+        ``UpdateGrouping``) over these samples; their lengths are counted only for a budget."""
+        budget = cfg.max_tokens_per_micro_batch
+        return cls(cfg.micro_batch_size, budget, None if budget is None else packed_lengths(prompts, responses),
+                   f"{section}.max_tokens_per_micro_batch")
+
     def cut(self, mini: Sequence[int]) -> list[list[int]]:
         """The micro-batches of ``mini``: every index in exactly one, each in ``mini``'s order.
 
@@ -205,15 +215,17 @@ def packed_lengths(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
     return [len(p) + len(r) for p, r in zip(prompts, responses)]
 
 
-def pass_micro_batches(lengths: Sequence[int], max_tokens: int, *, key: str) -> list[list[int]]:
-    """The packed rows of a log-prob or value pass over samples of ``lengths`` tokens with a token
-    budget (``logprobs.max_tokens_per_micro_batch``, ``critic.max_tokens_per_micro_batch``):
-    ``token_budget_micro_batches`` of all samples in index order (``key``: the budget's config key).
+def pass_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], max_tokens: int, *,
+                       key: str) -> list[list[int]]:
+    """The packed rows of a log-prob or value pass over these samples with a token budget
+    (``logprobs.max_tokens_per_micro_batch``, ``critic.max_tokens_per_micro_batch``):
+    ``token_budget_micro_batches`` of all samples in index order over their ``packed_lengths``
+    (``key``: the budget's config key).
 
     Raises:
         ValueError: a sample longer than ``max_tokens``.
     """
-    return token_budget_micro_batches(range(len(lengths)), lengths, max_tokens, key=key)
+    return token_budget_micro_batches(range(len(prompts)), packed_lengths(prompts, responses), max_tokens, key=key)
 
 
 def epoch_micro_batches(n: int, *, train_batch_size: int | None, micro_batching: MicroBatching,

@@ -47,7 +47,7 @@ from rft_core.algorithms.policy_loss import LOSS_AGGREGATIONS
 from rft_core.config import KLConfig, UpdateConfig, UpdateGrouping, policy_loss_kwargs
 from rft_core.models.logprobs import build_packed_batch, build_token_batch, model_device, response_logprobs, with_vision
 from rft_core.training.loop import (MicroBatching, Normaliser, StepResult, Strategy, check_per_token_lists,
-                                    epoch_micro_batches, pad_float, packed_lengths, train_steps)
+                                    epoch_micro_batches, pad_float, train_steps)
 
 SUM_NORM = "seq-mean-token-sum-norm"
 
@@ -265,24 +265,17 @@ def update_seeds(seed: int, policy_version: int, rank: int = 0) -> tuple[int, in
     return order, order + RANK_STRIDE * rank
 
 
-def update_micro_batching(grouping: UpdateGrouping, prompts: list[list[int]], responses: list[list[int]]) -> MicroBatching:
-    """How the update of ``grouping`` cuts each mini-batch: ``micro_batch_size`` samples, or
-    packed rows of at most ``max_tokens_per_micro_batch`` prompt + response tokens."""
-    return MicroBatching(grouping.micro_batch_size, grouping.max_tokens_per_micro_batch, packed_lengths(prompts, responses),
-                         "update.max_tokens_per_micro_batch")
-
-
 def first_epoch_rows(grouping: UpdateGrouping, prompts: list[list[int]], responses: list[list[int]]) -> list[list[int]]:
     """The micro-batches (sample indices) of the first epoch of the update of ``grouping``, the
     rows ``ppo_update`` trains on first: its shuffle (``update_seeds`` of ``grouping.seed`` and
-    ``grouping.policy_version``) cut by ``update_micro_batching``; the log-prob passes take them
+    ``grouping.policy_version``) cut as ``ppo_update`` cuts it (``MicroBatching.of``); the log-prob passes take them
     below float32 (``TrainConfig.logprob_grouping_at``).
 
     Raises:
         ValueError: a sample longer than ``grouping.max_tokens_per_micro_batch``.
     """
     return epoch_micro_batches(len(prompts), train_batch_size=grouping.train_batch_size,
-                               micro_batching=update_micro_batching(grouping, prompts, responses),
+                               micro_batching=MicroBatching.of("update", grouping, prompts, responses),
                                seed=update_seeds(grouping.seed, grouping.policy_version)[0])
 
 
@@ -484,8 +477,7 @@ def ppo_update(strategy: Strategy, data: UpdateData, settings: UpdateSettings, *
                     processor=processor)
     order_seed, draw_seed = update_seeds(cfg.seed, settings.policy_version, strategy.rank)
     with update_rng(draw_seed, loss.device), contextlib.nullcontext() if cfg.dropout else dropout_disabled(strategy.model):
-        micro_batching = update_micro_batching(UpdateGrouping.of(cfg, settings.policy_version), data.prompts,
-                                               data.responses)
+        micro_batching = MicroBatching.of("update", cfg, data.prompts, data.responses)
         steps = train_steps(strategy, len(data), micro_step=loss.micro_step, stats=STEP_STATS,
                             normaliser=loss.normaliser, epochs=cfg.epochs, train_batch_size=cfg.train_batch_size,
                             micro_batching=micro_batching, seed=order_seed, progress=progress)

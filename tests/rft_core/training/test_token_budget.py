@@ -114,7 +114,7 @@ def test_an_iteration_with_no_sample_has_no_rows():
     for budget in (None, 64):
         grouping = UpdateGrouping(micro_batch_size=4, policy_version=3, max_tokens_per_micro_batch=budget)
         assert first_epoch_rows(grouping, [], []) == []
-    assert pass_micro_batches([], 64, key="critic.max_tokens_per_micro_batch") == []
+    assert pass_micro_batches([], [], 64, key="critic.max_tokens_per_micro_batch") == []
 
 
 def test_a_token_budget_needs_packed_rows():
@@ -205,7 +205,7 @@ def test_the_passes_by_tokens_give_the_values_of_the_passes_by_count(tiny_model)
     """The log-prob and value passes in packed rows of at most 20 tokens give what one row of all 7
     sequences gives (packed = packed, to float32 rounding), each row within the budget."""
     lengths = packed_lengths(PROMPTS, RESPONSES)
-    groups = pass_micro_batches(lengths, 20, key="logprobs.max_tokens_per_micro_batch")
+    groups = pass_micro_batches(PROMPTS, RESPONSES, 20, key="logprobs.max_tokens_per_micro_batch")
     assert len(groups) == 4 and all(sum(lengths[i] for i in g) <= 20 for g in groups)
     model = load_causal_lm(tiny_model)
     a = batched_response_logprobs(model, PROMPTS, RESPONSES, pad_token_id=2, packing=True, groups=groups)
