@@ -150,7 +150,7 @@ def inprocess_runner(cfg):
     if cfg.orchestration.workers != "resident":
         return lambda inp: run_stage(inp, cfg.runner(inp.program))
     policy = PolicyWorker(cfg.run_root)
-    pool = {"policy": policy, "rollout": RolloutWorker(cfg.run_root, peer=policy),
+    pool = {"policy": policy, "rollout": RolloutWorker(cfg.run_root, peer=policy, lora=cfg.update.lora),
             "reference": ReferenceWorker(cfg.run_root)}
 
     def run(inp):

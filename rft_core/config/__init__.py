@@ -254,7 +254,7 @@ class TrainConfig(_Frozen):
                 threads=o.worker_threads, policy_ranks=o.policy_ranks,
                 rollout_versions=max(1, self.rollout.max_staleness),
                 rollout_gpus=getattr(getattr(self.rollout, self.rollout.engine, None), "tensor_parallel_size", 1),
-                keep_device_cache=self.rollout.engine == "hf"))
+                keep_device_cache=self.rollout.engine == "hf", lora=self.update.lora))
         return RunnerConfig(keep_models=self.keeps_models)
 
     @property
@@ -342,11 +342,13 @@ class TrainConfig(_Frozen):
         covers it). Each is refused when the config loads."""
         reasons = []
         if self.update.deepspeed is not None and self.update.lora is not None:
-            reasons.append("update.deepspeed with update.lora: the resident DeepSpeed trainer syncs full weights, not "
-                           "merged LoRA adapters, so far (LoRA alone, or DeepSpeed alone, is covered)")
+            reasons.append("update.deepspeed with update.lora: the resident DeepSpeed trainer gathers full weights for a "
+                           "sync, not a LoRA policy's merged weights or adapters, so far (LoRA alone, or DeepSpeed "
+                           "alone, is covered)")
         if self.update.fsdp is not None and self.update.lora is not None:
-            reasons.append("update.fsdp with update.lora: the resident FSDP2 trainer syncs full weights, not merged "
-                           "LoRA adapters, so far (FSDP2 with LoRA runs in stage mode under torchrun)")
+            reasons.append("update.fsdp with update.lora: the resident FSDP2 trainer gathers full weights for a sync, "
+                           "not a LoRA policy's merged weights or adapters, so far (FSDP2 with LoRA runs in stage "
+                           "mode under torchrun)")
         for key in ("deepspeed", "fsdp"):
             if getattr(self.critic, key) is not None:
                 reasons.append(f"critic.{key}: the resident critic worker trains in one process so far (the policy's "

@@ -135,6 +135,10 @@ class WorkersConfig(_Frozen):
                               "starts the worker (the rollout, or the actor pass of a resumed run)")
     keep_device_cache: bool = Field(True, description="each worker keeps its CUDA cache between stages (False: a vLLM or "
                                     "SGLang engine shares the GPUs and must find their memory free: rollout.engine != hf)")
+    lora: LoraConfig | None = Field(None, description="update.lora: the rollout worker's copy of a LoRA policy below "
+                                    "float32 keeps the adapters on its base, as the trainer computes, and its syncs "
+                                    "move the adapters only (rft_core.models.lora.keeps_adapters); in float32 it "
+                                    "receives the merged weights")
 
 
 class RunnerConfig(_Frozen):

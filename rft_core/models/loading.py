@@ -19,7 +19,7 @@ from rft_core.models.hub import (
     set_trainable,
     torch_dtype,
 )
-from rft_core.models.lora import is_adapter_dir, load_adapter_policy
+from rft_core.models.lora import is_adapter_dir, keeps_adapters, load_adapter_policy
 from rft_core.models.pretrained import (
     leased_tokenizer,
     load_pretrained,
@@ -37,10 +37,8 @@ __all__ = ["DEFAULT_MODEL", "LOAD_LOCK", "ModelLoadError", "attn_implementation"
 
 def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False, merge_adapter: bool | None = None):
     """Load a causal LM (policy or reference) on CPU: a LoRA checkpoint as its base model with
-    the adapter (in float32 the adapter merged in; below float32 the float32 adapters kept on
-    top of the bfloat16 base, computing as the trainer does: merged into bfloat16 weights, an
-    update smaller than half a bfloat16 step would round away, docs/scale.md "LoRA in
-    bfloat16"), a Qwen2-VL / Qwen2.5-VL folder with the image-text-to-text class, anything else
+    the adapter (merged in float32; below float32 the float32 adapters kept on top of the
+    bfloat16 base, computing as the trainer does: ``rft_core.models.lora.keeps_adapters``), a Qwen2-VL / Qwen2.5-VL folder with the image-text-to-text class, anything else
     with ``AutoModelForCausalLM``.
 
     Args:
@@ -49,7 +47,8 @@ def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False
         trainable: False puts the model in eval mode with gradients off.
         merge_adapter: a LoRA checkpoint merged (True: always, e.g. a copy that receives the
             trainer's merged weights, ``rft_core.weightsync.trained.inference_tensors``; False:
-            never); None: in float32 only.
+            never, e.g. a copy that receives the trainer's adapters); None: as
+            ``keeps_adapters(dtype)`` says (in float32 only).
     Counts a model load and the bytes of its weight files (``rft_core.counters.counts``).
     Raises:
         ModelLoadError: unreadable path or weights, named in the message.
@@ -59,7 +58,7 @@ def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False
     count("model_loads")
     count_bytes_read(resolve_model_path(path))
     if is_adapter_dir(path):
-        merge = dtype == "float32" if merge_adapter is None else merge_adapter
+        merge = not keeps_adapters(dtype) if merge_adapter is None else merge_adapter
         return load_adapter_policy(path, dtype=dtype, trainable=trainable, merge=merge)
     if is_vl_model(path):
         return load_vl_model(path, dtype=dtype, trainable=trainable)

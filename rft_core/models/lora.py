@@ -44,6 +44,24 @@ def adapter_base_path(adapter_dir: str | Path) -> str:
     return base
 
 
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel`` (a LoRA policy). A process that never imported
+    peft holds none, so peft (~0.4 s to import) is not imported to ask."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def keeps_adapters(dtype: str) -> bool:
+    """Whether an inference copy of a LoRA policy in ``dtype`` keeps the float32 adapters on top
+    of its base weights instead of merging them: below float32, where W + s·BA rounded to the
+    base's dtype loses an update smaller than half a step of it and the copy would compute other
+    log-probs than the trainer (docs/scale.md, "LoRA in bfloat16"). In float32 the merge equals
+    the trainer's computation up to rounding, and a merged copy decodes faster. The one rule of
+    ``rft_core.models.loading.load_causal_lm`` (stage mode's copies) and of the resident rollout
+    worker (``rft_core.workers.rollout``: its syncs then carry the adapters only)."""
+    return dtype != "float32"
+
+
 def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: float, target_modules, base_path: str,
                seed: int | None = None):
     """Wrap ``model`` in a peft LoRA model whose adapters are the only trainable parameters.

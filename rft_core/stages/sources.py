@@ -145,8 +145,9 @@ def load_from_storage(ref: PolicyRef, *, dtype: str, merge_adapter: bool | None 
     its recorded digest, ``rft_core.stages.recovery``); nothing on storage is checked for it.
 
     ``merge_adapter``: ``load_causal_lm``'s (None: a LoRA policy merged in float32 only, as the
-    trainer computes; True: merged, read from storage, never the memo's copy: the resident
-    rollout worker, whose syncs land the trainer's merged weights).
+    trainer computes); True or False: merged or not whatever the dtype, read from storage, never
+    the memo's copy (the resident rollout worker, whose syncs land the trainer's merged weights
+    or its adapters).
 
     Raises:
         CheckpointPrunedError, ShardCorruptError, WeightlessPolicyError: see ``inference_model``.
@@ -155,7 +156,7 @@ def load_from_storage(ref: PolicyRef, *, dtype: str, merge_adapter: bool | None 
         return load_causal_lm(policy_model_path(model), dtype=dtype, merge_adapter=merge_adapter).to(
             default_device()).eval()
 
-    if merge_adapter:  # a LoRA policy merged whatever the dtype: never the memo's copy (unmerged below float32)
+    if merge_adapter is not None:  # merged or not whatever the dtype: never the memo's copy (keeps_adapters)
         return read(ref)
 
     if kept_in_memory(ref):

@@ -60,6 +60,10 @@ class Meet:
         addr, port: where rank 0 hosts the rendezvous of a collective transport.
         world_size: 1 + the receiving ranks (an engine's tensor-parallel workers; 2 otherwise).
         handoff: a handoff transport's ``extra["handoff"]`` of the send (set by the session).
+        adapters: the receiver keeps a LoRA policy's adapters on a base of its own
+            (``Landing.adapters``): the sender sends its adapters only
+            (``rft_core.weightsync.trained.adapter_tensors``), in their own dtype (``dtype`` is
+            then theirs, float32).
     """
 
     transport: str
@@ -70,6 +74,7 @@ class Meet:
     port: int = 0
     world_size: int = 2
     handoff: Any = None
+    adapters: bool = False
 
 
 def refuse_other_layout(plan: SyncPlan, handoff: Mapping[str, Any], *, buckets: bool = True) -> None:

@@ -33,6 +33,7 @@ class Landing(ABC):
         offer_dtype: the dtype in which the sender must offer its plan (a receiver without
             HF-named tensors of its own to plan from: an engine), or None.
         what: the landing in messages.
+        adapters: it takes a LoRA policy's adapters only (``Meet.adapters``), not every weight.
     """
 
     dtype: str
@@ -41,6 +42,7 @@ class Landing(ABC):
     engine_kind: str | None = None
     offer_dtype: str | None = None
     what: str = ""
+    adapters: bool = False
 
     @abstractmethod
     def plan(self, offered: str | None, bucket_mb: float) -> SyncPlan:
@@ -63,15 +65,18 @@ class IntoTensors(Landing):
         dtype: the model's dtype name (the meet's: what the sender casts floating weights to);
             None: its first floating tensor's.
         on_invalid: called by ``invalidate`` (the worker forgets the version its copy holds).
+        adapters: ``target`` is a LoRA model's adapters (``rft_core.weightsync.trained.adapter_tensors``),
+            the sender's adapters are asked for (``Meet.adapters``).
     """
 
     def __init__(self, target: Mapping[str, torch.Tensor], dtype: str | None = None, *,
-                 on_invalid: Callable[[], None] | None = None) -> None:
+                 on_invalid: Callable[[], None] | None = None, adapters: bool = False) -> None:
         if not target:
             raise ValueError("a sync lands in a model with at least one tensor")
         floating = [t.dtype for t in target.values() if t.is_floating_point()]
         self.dtype = dtype or str(floating[0] if floating else torch.float32).removeprefix("torch.")
-        self.target, self._on_invalid = target, on_invalid
+        self.target, self._on_invalid, self.adapters = target, on_invalid, adapters
+        self.what = " of the LoRA adapters" if adapters else ""
         self.device = next(iter(target.values())).device
 
     def plan(self, offered: str | None, bucket_mb: float) -> SyncPlan:

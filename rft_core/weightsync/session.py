@@ -175,7 +175,7 @@ def pull(leg: SendLeg, landing: Landing, *, version: str, timeout_s: float, buck
                             shm_free=offer.shm_free, nbytes=segment_layout(plan)[1])
     link = transport(name, timeout_s=timeout_s)
     meet = Meet(transport=name, dtype=landing.dtype, version=version, backend=offer.backend, addr=offer.addr,
-                port=offer.port, world_size=landing.world_size)
+                port=offer.port, world_size=landing.world_size, adapters=landing.adapters)
     link.check(landing, what)
     landing.invalidate()
     try:

@@ -6,12 +6,12 @@ resident workers alike (no Ray, no Prefect)."""
 from __future__ import annotations
 
 import copy
-import sys
 
 import torch
 
+from rft_core.models.lora import is_peft_model
 from rft_core.training.strategy import DeepSpeedStrategy, FSDPStrategy
-from rft_core.weightsync.plan import state_tensors
+from rft_core.weightsync.plan import WeightSyncError, state_tensors
 
 # the strategies whose weights are sharded over ranks: gathered to rank 0 (``full_state_dict``, a collective)
 SHARDED = (DeepSpeedStrategy, FSDPStrategy)
@@ -25,15 +25,37 @@ def inference_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     merges on load in float32; the float32 adapters round-trip the checkpoint exactly), so a
     float32 resident LoRA run is bit-identical to a stage-mode one; below float32 stage mode keeps
     the adapters unmerged and the resident rollout worker's merged copy differs by the rounding
-    (docs/scale.md, "LoRA in bfloat16"). The copy costs one more model in memory during a sync.
-    A process that never imported peft holds no peft model, so peft (~0.4 s to import) is not
-    imported to ask."""
-    peft = sys.modules.get("peft")
-    if peft is None or not isinstance(model, peft.PeftModel):
+    (docs/scale.md, "LoRA in bfloat16"). The copy costs one more model in memory during a sync."""
+    if not is_peft_model(model):
         return state_tensors(model)
     with torch.no_grad():
         merged = copy.deepcopy(model).merge_and_unload()
     return state_tensors(merged)
+
+
+def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA adapters of the peft ``model``: its ``state_tensors`` under the adapter layers
+    of its tuner layers (each ``BaseTunerLayer``'s ``adapter_layer_names``: ``lora_A``,
+    ``lora_B``, and ``lora_embedding_A/B`` for an adapted embedding), found structurally as peft's
+    own ``BaseTuner._mark_only_adapters_as_trainable`` finds them (peft/tuners/tuners_utils.py,
+    0.21.2), under the model's state-dict names and as views of its parameters, so that a sync
+    lands in them in place: what an adapter sync moves (``Meet.adapters``) when the receiving copy
+    keeps the adapters on a base of its own (``rft_core.models.lora.keeps_adapters``). The
+    trainer's are float32 (peft's ``autocast_adapter_dtype``), whatever the base's dtype.
+
+    Raises:
+        WeightSyncError: ``model`` holds no LoRA adapter (not a peft model)."""
+    prefixes: tuple[str, ...] = ()
+    if is_peft_model(model):
+        from peft.tuners.tuners_utils import BaseTunerLayer  # imported (is_peft_model): a lookup, no import cost
+
+        prefixes = tuple(f"{name}.{layer}." for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)
+                         for layer in m.adapter_layer_names)
+    tensors = {n: t for n, t in state_tensors(model).items() if n.startswith(prefixes)} if prefixes else {}
+    if not tensors:
+        raise WeightSyncError(f"an adapter sync was asked of a {type(model).__name__}, which holds no LoRA adapter "
+                              "(update.lora is not set for this policy)")
+    return tensors
 
 
 def strategy_device(strategy) -> torch.device:

@@ -32,7 +32,7 @@ from rft_core.weightsync.collective import host_address
 from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
 from rft_core.weightsync.session import Offer
 from rft_core.weightsync.shm import Shm, host_id
-from rft_core.weightsync.trained import strategy_device, trained_tensors
+from rft_core.weightsync.trained import adapter_tensors, strategy_device, trained_tensors
 from rft_core.workers.base import FanOut, Gang, ResidentWorker, Started, fan_out
 from schemas import PolicyRef
 
@@ -163,14 +163,18 @@ class PolicyWorker(ResidentWorker):
         weights in ``meet.dtype`` (``SyncPlan.of`` them, buckets of ``sync_bucket_mb``) over
         ``meet.transport``'s ``send`` and returns its report (the digest of the weights as sent; a
         handoff transport's ``extra["handoff"]``); the other ranks of a DeepSpeed gang take part
-        in the gather and return None.
+        in the gather and return None. With ``meet.adapters`` (a receiver that keeps a LoRA
+        policy's adapters on a base of its own) it sends the LoRA adapters only
+        (``adapter_tensors``: a single-process trainer's; ``resident_blockers`` refuses LoRA on
+        a sharded one).
 
         Raises:
-            WeightSyncError: this worker does not hold ``ref``, or the send failed.
+            WeightSyncError: this worker does not hold ``ref``, the send failed, or adapters were
+                asked of a trainer without them.
         """
         if self.version != version_key(ref):
             raise WeightSyncError(f"the policy worker holds {self.version}, not {version_key(ref)}")
-        tensors = self._send_tensors()
+        tensors = adapter_tensors(self.held.strategy.model) if meet.adapters else self._send_tensors()
         if tensors is None:  # a rank above 0: it took part in the gather, rank 0 sends
             return None
         plan = SyncPlan.of(tensors, dtype=meet.dtype, bucket_mb=self.sync_bucket_mb)

@@ -31,15 +31,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from rft_core.config import WorkersConfig
+from rft_core.config import LoraConfig, WorkersConfig
 from rft_core.counters import count
-from rft_core.models.lora import is_adapter_dir, merge_adapter
+from rft_core.models.hub import set_trainable
+from rft_core.models.lora import apply_lora, is_adapter_dir, is_peft_model, keeps_adapters, merge_adapter
 from rft_core.models.pretrained import resolve_model_path
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.lineage import has_weights, weights_base
 from rft_core.stages.sources import load_from_storage, version_key
 from rft_core.weightsync.landing import IntoEngine, IntoTensors
 from rft_core.weightsync.plan import SyncReport, state_tensors
+from rft_core.weightsync.trained import adapter_tensors
 from rft_core.weightsync.session import pull
 from rft_core.workers.base import FanOut, Gang, ResidentWorker, WorkerError, fan_out
 from rft_core.workers.policy import PolicySendLeg, PolicyWorker
@@ -61,6 +63,11 @@ class RolloutWorker(ResidentWorker):
             part in a sync (a ZeRO-3 gather and a rebuild are collectives), rank 0 sends.
         rollout_versions: policy versions kept (``rollout.max_staleness`` s > 1 samples with
             version i-s while the actor pass needs i-1: s copies).
+        lora: the run's ``update.lora`` (``WorkersConfig.lora``): below float32
+            (``keeps_adapters``) each copy keeps the policy's float32 adapters on its base, as the
+            trainer and stage mode's passes compute, and a sync moves the adapters only
+            (``adapter_tensors``, ``Meet.adapters``); None, or in float32: full weights, a LoRA
+            policy's merged.
         peer: for tests without Ray: the policy worker object itself (else its Ray actors, by name).
     """
 
@@ -70,11 +77,12 @@ class RolloutWorker(ResidentWorker):
     def __init__(self, pool: str, *, rank: int = 0, ranks: int = 1, threads: int | None = None,
                  keep_device_cache: bool = True, freeze_heap: bool = False,
                  sync_timeout_s: float = 300.0, sync_bucket_mb: int = 256, policy_ranks: int = 1,
-                 rollout_versions: int = 1, peer: PolicyWorker | None = None) -> None:
+                 rollout_versions: int = 1, lora: LoraConfig | None = None,
+                 peer: PolicyWorker | None = None) -> None:
         super().__init__(pool, rank=rank, ranks=ranks, threads=threads, keep_device_cache=keep_device_cache,
                          freeze_heap=freeze_heap)
         self.sync_timeout_s, self.sync_bucket_mb = sync_timeout_s, sync_bucket_mb
-        self.policy_ranks, self.rollout_versions = policy_ranks, rollout_versions
+        self.policy_ranks, self.rollout_versions, self.lora = policy_ranks, rollout_versions, lora
         self._peer = peer
         self.model: torch.nn.Module | None = None  # the inference copy of the policy
         self.model_dtype: str | None = None
@@ -86,10 +94,11 @@ class RolloutWorker(ResidentWorker):
 
     @classmethod
     def kwargs_from(cls, workers: WorkersConfig) -> dict[str, Any]:
-        """``ResidentWorker.kwargs_from``, the sync's limits, the policy gang's size and the versions kept."""
+        """``ResidentWorker.kwargs_from``, the sync's limits, the policy gang's size, the versions
+        kept and the policy's LoRA adapters."""
         return {**super().kwargs_from(workers), "sync_timeout_s": workers.sync_timeout_s,
                 "sync_bucket_mb": workers.sync_bucket_mb, "policy_ranks": workers.policy_ranks,
-                "rollout_versions": workers.rollout_versions}
+                "rollout_versions": workers.rollout_versions, "lora": workers.lora}
 
     def policy(self) -> Gang:
         """The pool's policy trainer: its gang of Ray actors (every rank, rank 0 first), or the
@@ -164,8 +173,7 @@ class RolloutWorker(ResidentWorker):
         if self.model is None or self.model_dtype != dtype:
             base = weights_base(ref)
             self._kept.clear()
-            # merged: the syncs land the trainer's merged weights (inference_tensors) in this copy's tensors
-            self.model = load_from_storage(base, dtype=dtype, merge_adapter=True)
+            self.model = load_from_storage(base, dtype=dtype, merge_adapter=not self._adapters(dtype))
             self.model_dtype, self.version = dtype, version_key(base)
             self._arrived = {self.version: 0}
             count("engine_builds")
@@ -204,17 +212,35 @@ class RolloutWorker(ResidentWorker):
         the copy whose version arrived first)."""
         self._arrived[self.version] = max(self._arrived.values(), default=-1) + 1
 
+    def _adapters(self, dtype: str) -> bool:
+        """Whether this worker's copy in ``dtype`` keeps a LoRA policy's adapters (``keeps_adapters``)
+        and its syncs move them only; else it is a plain model receiving full (merged) weights."""
+        return self.lora is not None and keeps_adapters(dtype)
+
+    def _landing(self) -> IntoTensors:
+        """Where a sync lands in this worker's copy: its tensors, or with ``_adapters`` its LoRA
+        adapters, on a copy that has them: a plain model (the initial policy, before the first
+        update) gets the adapters of ``lora`` first (``apply_lora``, drawn under a fixed seed that
+        leaves the process's generator as it was; the sync overwrites them)."""
+        if not self._adapters(self.model_dtype):
+            return IntoTensors(state_tensors(self.model), self.model_dtype, on_invalid=self._forget)
+        if not is_peft_model(self.model):
+            self.model = set_trainable(apply_lora(self.model, rank=self.lora.rank, alpha=self.lora.alpha,
+                                                  dropout=self.lora.dropout, target_modules=self.lora.target_modules,
+                                                  base_path="", seed=0), False)
+        return IntoTensors(adapter_tensors(self.model), on_invalid=self._forget, adapters=True)
+
     def _pull(self, ref: PolicyRef) -> None:
         """Make this worker's copy hold ``ref``: a verified weight sync from the policy gang into
-        its tensors (``pull``; the copy holds no version from when bytes may move until the sync
-        is verified), or from storage when the trainer does not hold ``ref`` and it is stored (a
-        resume)."""
+        its tensors or, keeping a LoRA policy's adapters, into its adapters (``_landing``; ``pull``:
+        the copy holds no version from when bytes may move until the sync is verified), or from
+        storage when the trainer does not hold ``ref`` and it is stored (a resume)."""
         key = version_key(ref)
-        landing = IntoTensors(state_tensors(self.model), self.model_dtype, on_invalid=self._forget)
-        got = pull(PolicySendLeg(self.policy(), ref), landing, version=key, timeout_s=self.sync_timeout_s,
+        got = pull(PolicySendLeg(self.policy(), ref), self._landing(), version=key, timeout_s=self.sync_timeout_s,
                    bucket_mb=self.sync_bucket_mb)
         if got is None:
-            self.model = load_from_storage(ref, dtype=self.model_dtype, merge_adapter=True)
+            self.model = load_from_storage(ref, dtype=self.model_dtype,
+                                           merge_adapter=not self._adapters(self.model_dtype))
         self.version = key
         self._landed()
         if got is not None:

@@ -355,25 +355,35 @@ def test_with_a_token_budget_the_passes_take_the_updates_rows_too(sharp16, tmp_p
     assert first["approx_kl"] == 0.0 and first["kl_loss"] == 0.0 and first["grad_norm"] > 0, first
 
 
-def test_a_bf16_lora_policy_is_scored_as_the_trainer_computes_it(sharp16, tmp_path):
+def test_a_bf16_lora_policy_is_scored_as_the_trainer_computes_it_in_stage_and_resident_mode(sharp16, tmp_path):
     """LoRA on a bfloat16 base: the trainer computes with float32 adapters on top of the bfloat16
     weights; the log-prob passes (and the hf engine) load the adapter checkpoint the same way
     (``load_causal_lm``: unmerged below float32), so every iteration's first update step starts at
     approx_kl 0. Merged into bfloat16 weights the same adapter scores otherwise (an update below
     half a bfloat16 step rounds away): what the passes computed before 2026-12-01 (approx_kl
-    6.2e-7 and 1.5e-6 in iterations 2 and 3 of this run)."""
+    6.2e-7 and 1.5e-6 in iterations 2 and 3 of this run). Under resident workers (checkpoint
+    every 3) the rollout worker keeps the adapters too: each sync moves the trainer's float32
+    adapters only (``WorkersConfig.lora``), onto the bfloat16 base it loaded, and every shard of
+    every iteration and the final adapter equal stage mode's bit for bit (with the merged sync of
+    before 2026-12-01 the rollouts of iterations 2 and 3 differed)."""
     from rft_core.config import load_config
     from rft_core.stages.checkpoints import policy_model_path
+    from rft_core.weightsync.trained import adapter_tensors
+    from rft_core.workers.policy import PolicyWorker
+    from rft_core.workers.pool import ROLE_OF_PROGRAM
+    from rft_core.workers.reference import ReferenceWorker
+    from rft_core.workers.rollout import RolloutWorker
     from schemas import read_manifest, read_shard, stage_uri
     from tests.drive import drive
-    from tests.varying import reward_args
+    from tests.varying import assert_training_signal, reward_args
 
-    cfg = load_config(None, ["data.prompts_per_iteration=2", "data.size=50", "rollout.n_samples_per_prompt=4",
-                             "rollout.max_new_tokens=12", "rollout.batch_size=8", "kl.kl_coef=0.05", "update.lr=1e-3",
-                             "iterations=3", "update.micro_batch_size=3", "policy.dtype=bfloat16",
-                             f"policy.path={sharp16}", "update.lora.rank=8", "update.lora.alpha=16", *reward_args(),
-                             f"run_root={tmp_path}"])
+    base = ["data.prompts_per_iteration=2", "data.size=50", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=12",
+            "rollout.batch_size=8", "kl.kl_coef=0.05", "update.lr=1e-3", "iterations=3", "update.micro_batch_size=3",
+            "policy.dtype=bfloat16", f"policy.path={sharp16}", "update.lora.rank=8", "update.lora.alpha=16",
+            *reward_args()]
+    cfg = load_config(None, [*base, f"run_root={tmp_path / 'stage'}"])
     final = drive(cfg)
+    assert_training_signal(cfg.run_root, (1, 2, 3))
     summaries = [read_manifest(stage_uri(cfg.run_root, it, "ppo_update"))[0].summary for it in (1, 2, 3)]
     assert all(s["approx_kl"] == 0.0 for s in summaries), summaries
     assert summaries[1]["kl_loss"] > 1e-4 and summaries[2]["kl_loss"] > 1e-4, summaries  # the adapters moved
@@ -385,6 +395,25 @@ def test_a_bf16_lora_policy_is_scored_as_the_trainer_computes_it(sharp16, tmp_pa
     merged = batched_response_logprobs(load_causal_lm(adapter, dtype="bfloat16", merge_adapter=True),
                                        rows["prompt_token_ids"], rows["response_token_ids"], **kw)
     assert max(abs(a - b) for x, y in zip(kept, merged) for a, b in zip(x, y)) > 1e-3
+
+    res = load_config(None, [*base, "orchestration.workers=resident", "checkpoint.every=3",
+                             f"run_root={tmp_path / 'resident'}"])
+    workers = res.runner("rollout").workers
+    assert workers.lora == res.update.lora
+    policy = PolicyWorker("test")
+    pool = {"policy": policy, "rollout": RolloutWorker("test", peer=policy, lora=workers.lora),
+            "reference": ReferenceWorker("test")}
+    final_r = drive(res, lambda inp: pool[ROLE_OF_PROGRAM[inp.program]].run(inp))
+    adapters = adapter_tensors(policy.held.strategy.model)
+    assert adapters and {t.dtype for t in adapters.values()} == {torch.float32}
+    assert [s["bytes"] for s in pool["rollout"].syncs] == [sum(t.numel() * 4 for t in adapters.values())] * 2
+    assert policy_files(final_r, suffix=".safetensors") == policy_files(final, suffix=".safetensors")
+    for it in (1, 2, 3):
+        assert read_manifest(stage_uri(res.run_root, it, "ppo_update"))[0].summary["approx_kl"] == 0.0
+        for stage in ("rollout", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update"):
+            a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg, res))
+            parts = lambda m: {e.path: e.checksum for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
+            assert parts(a) == parts(b), (it, stage)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

@@ -25,6 +25,7 @@ from rft_core.workers.pool import ROLE_OF_PROGRAM
 from rft_core.workers.reference import ReferenceWorker
 from rft_core.workers.rollout import RolloutWorker
 from rft_core.weightsync.plan import WeightSyncError
+from rft_core.weightsync.trained import inference_tensors
 from schemas import ShardRef, read_manifest, stage_uri
 from tests.drive import drive
 from tests.varying import assert_training_signal, reward_args
@@ -39,9 +40,9 @@ def _cfg(model: str, root, *extra: str):
     return load_config(None, [*BASE, f"policy.path={model}", f"run_root={root}", *extra])
 
 
-def _pool() -> dict:
+def _pool(**rollout) -> dict:
     policy = PolicyWorker("test")
-    return {"policy": policy, "rollout": RolloutWorker("test", peer=policy),
+    return {"policy": policy, "rollout": RolloutWorker("test", peer=policy, **rollout),
             "reference": ReferenceWorker("test")}
 
 
@@ -270,19 +271,24 @@ def test_every_1_commits_the_same_files_and_manifests_as_stage_mode(stage_run, t
 
 @pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py); the full-weight every_3 test runs every time
 def test_lora_resident_every_3_equals_stage_mode(tiny_model, tmp_path):
-    """A LoRA policy: the trainer keeps its adapters, the rollout worker gets the merged weights
-    (peft's merge_and_unload on a copy, as a stage-mode pass merges the adapter checkpoint on
-    load); every shard of every iteration and the final adapter equal stage mode's bit for bit."""
+    """A float32 LoRA policy: the trainer keeps its adapters, the rollout worker (given the run's
+    ``update.lora``, ``WorkersConfig.lora``) gets the merged weights (peft's merge_and_unload on a
+    copy, as a stage-mode pass merges the adapter checkpoint on load in float32,
+    ``keeps_adapters``); every shard of every iteration and the final adapter equal stage mode's
+    bit for bit. Below float32 the copy keeps the adapters: test_bf16_logprob_agreement.py."""
     lora = ["update.lora.rank=4", "update.lora.alpha=8"]
     cfg_s = _cfg(tiny_model, tmp_path / "stage", *lora)
     final_s = drive(cfg_s)
     assert_training_signal(cfg_s.run_root, (1, 2, 3))
     cfg = _cfg(tiny_model, tmp_path / "resident", *lora, "orchestration.workers=resident", "checkpoint.every=3")
-    pool = _pool()
+    pool = _pool(lora=cfg.runner("rollout").workers.lora)
+    assert pool["rollout"].lora.rank == 4
     final = drive(cfg, _runner(pool))
     files = _weight_files(final)
     assert files == _weight_files(final_s) and "policy/adapter_model.safetensors" in files
-    assert len(pool["rollout"].syncs) == 2  # iterations 2 and 3 rolled out on synced, merged weights
+    model = pool["policy"].held.strategy.model
+    assert [s["bytes"] for s in pool["rollout"].syncs] == [sum(t.numel() * 4 for t in inference_tensors(model).values())] * 2
+    # iterations 2 and 3 rolled out on synced, merged weights
     for it in (1, 2, 3):
         for stage in ("rollout", "actor_logprobs", "advantages", "ppo_update"):
             a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg_s, cfg))

@@ -97,6 +97,43 @@ def test_layout_mismatch_fails_both_sides_before_any_tensor_is_written():
     assert all(float(t.abs().sum()) == 0 for t in dst.values())
 
 
+def test_an_adapter_sync_lands_the_trainers_lora_adapters_on_the_receivers_own_base(tiny_model):
+    """``adapter_tensors`` over gloo (``Meet.adapters``, what the rollout worker asks below
+    float32): the trainer's float32 adapters land in place in a bfloat16 copy that holds the same
+    base and other adapters, which then computes the trainer's logits bit for bit; only the
+    adapters' bytes moved. A model without adapters is refused by name."""
+    from rft_core.models.loading import load_causal_lm
+    from rft_core.models.lora import apply_lora
+    from rft_core.weightsync.trained import adapter_tensors
+
+    def lora(seed):
+        model = apply_lora(load_causal_lm(tiny_model, dtype="bfloat16"), rank=4, alpha=8, dropout=0.0,
+                           target_modules="all-linear", base_path=tiny_model, seed=seed)
+        return model.eval()
+
+    trainer, copy = lora(0), lora(1)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # moved adapters: lora_B is 0 on a fresh adapter
+        for name, t in adapter_tensors(trainer).items():
+            t.copy_(torch.randn(t.shape, generator=g) * (0.05 if "lora_B" in name else 1.0))
+    ids = torch.tensor([[5, 17, 300, 42, 9, 1000, 7, 3]])
+
+    def logits(m):
+        with torch.no_grad():
+            return m(input_ids=ids).logits
+
+    assert not torch.equal(logits(trainer), logits(copy))
+    src, dst = adapter_tensors(trainer), adapter_tensors(copy)
+    assert sorted(src) == sorted(dst) and {t.dtype for t in src.values()} == {torch.float32}
+    assert sorted(src) == sorted(n for n, p in trainer.named_parameters() if p.requires_grad)  # peft's trainables
+    sent, got = _sync(src, dst, dtype="float32")
+    assert sent.digest == got.digest and got.bytes == sum(t.numel() * 4 for t in src.values())
+    assert got.bytes * 20 < sum(t.numel() * t.element_size() for t in state_tensors(trainer).values())
+    assert torch.equal(logits(trainer), logits(copy))
+    with pytest.raises(WeightSyncError, match="LlamaForCausalLM, which holds no LoRA adapter"):
+        adapter_tensors(load_causal_lm(tiny_model))
+
+
 def test_sender_without_receiver_fails_within_the_timeout():
     t0 = time.perf_counter()
     with pytest.raises(WeightSyncError, match="rendezvous"):
