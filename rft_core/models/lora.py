@@ -13,8 +13,10 @@ Export a merged, plain HF model (what vLLM or any HF tool loads)::
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -49,6 +51,26 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     peft holds none, so peft (~0.4 s to import) is not imported to ask."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(model, peft.PeftModel)
+
+
+@contextlib.contextmanager
+def sorted_target_modules(model) -> Iterator[None]:
+    """Within it, the peft configs of ``model`` (a ``PeftModel``, or an object whose ``model`` is
+    one: a saver of gathered weights) hold their ``target_modules`` as a sorted list instead of
+    a set, so that ``save_pretrained`` writes the same ``adapter_config.json`` in every process:
+    peft writes a set as ``list(value)`` (``PeftConfigMixin.save_pretrained``,
+    peft/config.py 0.21.2), whose order follows the process's string hashes (``PYTHONHASHSEED``),
+    and ``all-linear`` is resolved to a set of module names; the same adapter saved in a Ray
+    actor and in the driver got two checksums. peft reads a list back as the same set."""
+    configs = getattr(model, "peft_config", None) or getattr(getattr(model, "model", None), "peft_config", None) or {}
+    kept = {name: c.target_modules for name, c in configs.items() if isinstance(getattr(c, "target_modules", None), set)}
+    for name, modules in kept.items():
+        configs[name].target_modules = sorted(modules)
+    try:
+        yield
+    finally:
+        for name, modules in kept.items():
+            configs[name].target_modules = modules
 
 
 def keeps_adapters(dtype: str) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from rft_core.counters import count_bytes_read
+from rft_core.models.lora import sorted_target_modules
 
 OPTIMIZER_FILE = "optimizer.pt"
 # the policy's optimizer state is the stage "{ppo_update folder}-optimizer" (rft_core.stages.optimizer_state)
@@ -39,7 +40,8 @@ def save_checkpoint(model, tokenizer, optimizer: torch.optim.Optimizer | None, o
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, **({} if state_dict is None else {"state_dict": state_dict}))
+    with sorted_target_modules(model):  # a LoRA adapter's config, the same bytes in every process
+        model.save_pretrained(out, **({} if state_dict is None else {"state_dict": state_dict}))
     tokenizer.save_pretrained(out)
     if optimizer is not None:
         save_optimizer_state(optimizer.state_dict(), out / OPTIMIZER_FILE)

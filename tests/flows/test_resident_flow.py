@@ -57,6 +57,37 @@ def test_resident_every_3_equals_stage_every_1(prefect_harness, tiny_model, tmp_
     assert ShardRef.from_manifest(stage_uri(cfg.run_root, 3, "ppo_update-optimizer")).stage == "optimizer_state"
 
 
+@pytest.mark.rotation(5)  # long: one turn in 8 (tests/rotation.py); every run checks the same equality in one
+# process (tests/rft_core/training/test_bf16_logprob_agreement.py)
+def test_resident_bf16_lora_syncs_the_adapters_and_equals_stage_mode(prefect_harness, tiny_model, tmp_path):
+    """A bfloat16 LoRA policy through the flow on a local Ray: the rollout worker (a Ray actor,
+    given ``update.lora`` by ``WorkersConfig``) keeps the float32 adapters on its bfloat16 base
+    and its syncs move the adapters only (``run/weight_sync_bytes``: 28 float32 matrices of rank 4
+    per sync, between Ray actors over the shared-memory transport); the run commits stage mode's
+    rollouts, advantages and final adapter, its adapter_config.json included (peft's set of
+    target modules written sorted in every process: ``sorted_target_modules``)."""
+    from flows.train import train
+
+    lora = {"policy.dtype": "bfloat16", "update.lora.rank": 4, "update.lora.alpha": 8, **REWARD}
+    stage = train(flow_cfg(tiny_model, tmp_path / "stage", iterations=3, **lora))
+    assert_training_signal(tmp_path / "stage", (1, 2, 3))
+    cfg = flow_cfg(tiny_model, tmp_path / "resident", iterations=3, **lora,
+                   **{"orchestration.workers": "resident", "checkpoint.every": 3})
+    resident = train(cfg)
+    assert _final_files(resident) == _final_files(stage) and "policy/adapter_model.safetensors" in _final_files(stage)
+    # the run's counters so far, per iteration: the syncs of updates 1 and 2 (the last update's weights are not synced)
+    assert [r.get("run/weight_syncs", 0) for r in resident.metrics] == [1, 2, 2]
+    # tests/tiny.py's Llama: 2 layers, hidden 32, MLP 64, 2 kv heads of 8; lora_A and lora_B of rank 4 on q, k, v, o
+    # (32 -> 32, 16, 16, 32) and gate, up, down (32 -> 64, 64; 64 -> 32): 4 * (64 + 48 + 48 + 64 + 96 * 3) per layer
+    adapter_bytes = 2 * 4 * (64 + 48 + 48 + 64 + 96 * 3) * 4
+    assert [r.get("run/weight_sync_bytes", 0) for r in resident.metrics] == [adapter_bytes, 2 * adapter_bytes,
+                                                                             2 * adapter_bytes]
+    for it in (1, 2, 3):
+        for name in ("rollout", "advantages"):
+            a, b = (read_manifest(stage_uri(str(root), it, name))[0] for root in (tmp_path / "stage", cfg.run_root))
+            assert {e.path: e.checksum for e in a.files} == {e.path: e.checksum for e in b.files}, (it, name)
+
+
 @pytest.mark.rotation(7)  # long: one turn in 8 (tests/rotation.py; out of group 6, measured at 1042 s with it)
 def test_resident_critic_keeps_its_model_and_commits_stage_modes_files(prefect_harness, tiny_model, tmp_path):
     """PPO with a critic (gae), 3 iterations: the resident critic worker computes the values on

@@ -79,6 +79,25 @@ def test_merged_model_logits_equal_adapter_logits_and_checkpoint_round_trip(tiny
     torch.testing.assert_close(_logits(load_causal_lm(str(tmp_path / "merged")), ids), want, atol=1e-5, rtol=0)
 
 
+def test_an_adapter_checkpoint_lists_its_target_modules_in_one_order_in_every_process(tiny_model, tmp_path):
+    """peft resolves ``all-linear`` to a set of module names and writes it as ``list(set)``, in an
+    order that follows the process's string hashes (a resident trainer in a Ray actor and stage
+    mode in the driver wrote two adapter_config.json files for one adapter); ``save_checkpoint``
+    writes them sorted (``sorted_target_modules``), the model keeps its set, and peft reads the
+    file back as the same set."""
+    from rft_core.training.checkpoint import save_checkpoint
+    from rft_core.models.loading import load_tokenizer
+
+    model = apply_lora(load_causal_lm(tiny_model), rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear",
+                       base_path=tiny_model)
+    modules = model.peft_config["default"].target_modules
+    assert isinstance(modules, set) and len(modules) == 14  # 2 layers x 7 projections, by full name
+    save_checkpoint(model, load_tokenizer(tiny_model), None, tmp_path / "policy")
+    written = json.loads((tmp_path / "policy" / "adapter_config.json").read_text())["target_modules"]
+    assert written == sorted(modules) and model.peft_config["default"].target_modules is modules
+    assert load_adapter_policy(tmp_path / "policy").peft_config["default"].target_modules == modules
+
+
 def test_update_stage_continues_an_adapter_checkpoint(tiny_model, tmp_path):
     cfg = UpdateConfig(lora=LoraConfig(rank=4, alpha=8.0))
     model = load_trainable_policy(tiny_model, cfg, dtype="float32")
