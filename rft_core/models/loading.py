@@ -38,8 +38,9 @@ __all__ = ["DEFAULT_MODEL", "LOAD_LOCK", "ModelLoadError", "attn_implementation"
 def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False, merge_adapter: bool | None = None):
     """Load a causal LM (policy or reference) on CPU: a LoRA checkpoint as its base model with
     the adapter (merged in float32; below float32 the float32 adapters kept on top of the
-    bfloat16 base, computing as the trainer does: ``rft_core.models.lora.keeps_adapters``), a Qwen2-VL / Qwen2.5-VL folder with the image-text-to-text class, anything else
-    with ``AutoModelForCausalLM``.
+    bfloat16 base, computing as the trainer does: ``rft_core.models.lora.keeps_adapters``), a
+    Qwen2-VL / Qwen2.5-VL folder with the image-text-to-text class, anything else with
+    ``AutoModelForCausalLM``.
 
     Args:
         path: see ``resolve_model_path``.

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rft_core.counters import count
+from rft_core.models.lora import keeps_adapters
 from rft_core.weightsync.base import Meet, Transport, verify_digest
 from rft_core.weightsync.choose import choose_transport, transport
 from rft_core.weightsync.landing import Landing
@@ -56,6 +57,7 @@ class Offer:
         addr, port: where it hosts a collective's rendezvous.
         shm_free: bytes its ``/dev/shm`` has for a segment (``Shm.capacity``; 0 from a GPU).
         plan: its plan in the dtype asked for (``SyncPlan.to_json``), when one was asked for.
+        lora: its policy is a peft LoRA model (it can send its adapters: ``Meet.adapters``).
     """
 
     backend: str
@@ -65,6 +67,7 @@ class Offer:
     port: int
     shm_free: int = 0
     plan: str | None = None
+    lora: bool = False
 
 
 class SendLeg(Protocol):
@@ -144,6 +147,27 @@ def _handoff(link: Transport, leg: SendLeg, plan: SyncPlan, meet: Meet, landing:
     return got, sent
 
 
+def check_adapters(offer: Offer, landing: Landing, what: str) -> None:
+    """Refuse, before anything moves, a sync whose two ends disagree on a LoRA policy's adapters:
+    a landing that asks for adapters from a sender without them, and an HF copy below float32
+    that would take a LoRA policy's merged weights where stage mode's passes keep the adapters
+    (``rft_core.models.lora.keeps_adapters``: its rollouts would differ from stage mode's; the
+    rollout worker is given the run's ``update.lora`` by ``WorkersConfig.lora``). An engine
+    (vLLM, SGLang) takes the merged weights in any dtype.
+
+    Raises:
+        WeightSyncError: as above.
+    """
+    if landing.adapters and not offer.lora:
+        raise WeightSyncError(f"{what}: the receiving copy keeps LoRA adapters but the policy worker holds a policy "
+                              "without them (update.lora differs between the two)")
+    if offer.lora and not landing.adapters and landing.engine_kind is None and keeps_adapters(landing.dtype):
+        raise WeightSyncError(f"{what}: the policy is a LoRA model and the receiving copy is {landing.dtype}, below "
+                              "float32, where it keeps the float32 adapters on its base as the trainer computes; it "
+                              "was not given the run's update.lora (RolloutWorker(lora=...), WorkersConfig.lora), so "
+                              "it would take the merged weights and sample from another policy than stage mode's")
+
+
 def pull(leg: SendLeg, landing: Landing, *, version: str, timeout_s: float, bucket_mb: float) -> SyncReport | None:
     """Make ``landing`` hold the sender's ``version`` by a verified transaction (the module docstring).
 
@@ -160,7 +184,8 @@ def pull(leg: SendLeg, landing: Landing, *, version: str, timeout_s: float, buck
         when the sender does not hold ``version`` and it is on storage (nothing moved).
     Raises:
         ValueError: a LoRA engine (``IntoEngine``, before anything starts).
-        WeightSyncError: the transfer failed or timed out, a side refused the other's layout, the
+        WeightSyncError: the two ends disagree on a LoRA policy's adapters (``check_adapters``,
+            before anything moves), the transfer failed or timed out, a side refused the other's layout, the
             sender failed, or the digests differ; the landing is then invalid.
         Whatever ``leg.offer`` raises (the sender's gang is not running: ``WorkerError``).
     """
@@ -169,6 +194,7 @@ def pull(leg: SendLeg, landing: Landing, *, version: str, timeout_s: float, buck
     offer = leg.offer(landing.offer_dtype)
     if offer is None:
         return None
+    check_adapters(offer, landing, what)
     plan = landing.plan(offer.plan, bucket_mb)
     name = choose_transport(backend=offer.backend, sender_device=offer.device, receiver_device=landing.device,
                             same_process=leg.local, engine=landing.engine_kind, sender_host=offer.host,

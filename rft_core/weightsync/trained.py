@@ -44,7 +44,11 @@ def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     trainer's are float32 (peft's ``autocast_adapter_dtype``), whatever the base's dtype.
 
     Raises:
-        WeightSyncError: ``model`` holds no LoRA adapter (not a peft model)."""
+        WeightSyncError: ``model`` holds no LoRA adapter (not a peft model), or it trains a
+            parameter outside them (peft's ``modules_to_save``, a bias with ``bias`` other than
+            "none", trainable tokens: an adapter from elsewhere given as ``policy.path``), which an
+            adapter sync would leave behind in the receiving copy; a copy (no parameter trains)
+            has none."""
     prefixes: tuple[str, ...] = ()
     if is_peft_model(model):
         from peft.tuners.tuners_utils import BaseTunerLayer  # imported (is_peft_model): a lookup, no import cost
@@ -55,6 +59,12 @@ def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if not tensors:
         raise WeightSyncError(f"an adapter sync was asked of a {type(model).__name__}, which holds no LoRA adapter "
                               "(update.lora is not set for this policy)")
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and n not in tensors]
+    if outside:
+        raise WeightSyncError(f"the policy trains {len(outside)} parameter(s) outside its LoRA layers ({outside[:3]}: "
+                              "peft's modules_to_save, a trained bias or trainable tokens), which a sync of the "
+                              "adapters would not carry; train in float32, or in stage mode, or with an adapter of "
+                              "LoRA layers only")
     return tensors
 
 

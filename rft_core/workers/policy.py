@@ -20,6 +20,7 @@ import torch
 from rft_core.config import WorkersConfig
 from rft_core.counters import count
 from rft_core.heap import collect_all
+from rft_core.models.lora import is_peft_model
 from rft_core.network import free_port
 from rft_core.stages.lineage import has_weights
 from rft_core.stages.writer import wait_for_optimizer_writes
@@ -127,7 +128,7 @@ class PolicyWorker(ResidentWorker):
         CUDA IPC instead of a process group), host and room in ``/dev/shm`` (same host on the CPU
         means shared memory). With ``dtype`` (a receiver without an HF-named copy of the model of
         its own: a vLLM or SGLang engine) the offer also has ``plan``: the sync plan in that dtype
-        (``SyncPlan.to_json``)."""
+        (``SyncPlan.to_json``), and ``lora``: whether the policy is a peft LoRA model."""
         if (self.held is None or self.version != version_key(ref)) and (
                 isinstance(ref, str) or has_weights(ref)):
             return None
@@ -140,7 +141,8 @@ class PolicyWorker(ResidentWorker):
                 plan = SyncPlan.of(tensors, dtype=dtype, bucket_mb=self.sync_bucket_mb).to_json()
         shm = self._link("shm")  # its capacity counts the segment it keeps
         return Offer(backend=backend, device=device_id(device), host=host_id(), addr=host_address(), port=free_port(),
-                     shm_free=shm.capacity() if isinstance(shm, Shm) and backend == "gloo" else 0, plan=plan)
+                     shm_free=shm.capacity() if isinstance(shm, Shm) and backend == "gloo" else 0, plan=plan,
+                     lora=is_peft_model(getattr(trainer.strategy, "module", trainer.strategy.model)))
 
     def _send_tensors(self, *, keep: bool = False) -> dict[str, torch.Tensor] | None:
         """The policy's weights as an inference copy holds them (``inference_tensors``); under

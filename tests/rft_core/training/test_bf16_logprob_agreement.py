@@ -365,9 +365,11 @@ def test_a_bf16_lora_policy_is_scored_as_the_trainer_computes_it_in_stage_and_re
     every 3) the rollout worker keeps the adapters too: each sync moves the trainer's float32
     adapters only (``WorkersConfig.lora``), onto the bfloat16 base it loaded, and every shard of
     every iteration and the final adapter equal stage mode's bit for bit (with the merged sync of
-    before 2026-12-01 the rollouts of iterations 2 and 3 differed)."""
+    before 2026-12-01 the final adapter differed); so do those of a resident run resumed with new
+    workers, whose rollout worker loads the stored adapter unmerged and syncs into it."""
     from rft_core.config import load_config
     from rft_core.stages.checkpoints import policy_model_path
+    from rft_core.stages.writer import wait_for_optimizer_writes
     from rft_core.weightsync.trained import adapter_tensors
     from rft_core.workers.policy import PolicyWorker
     from rft_core.workers.pool import ROLE_OF_PROGRAM
@@ -396,24 +398,40 @@ def test_a_bf16_lora_policy_is_scored_as_the_trainer_computes_it_in_stage_and_re
                                        rows["prompt_token_ids"], rows["response_token_ids"], **kw)
     assert max(abs(a - b) for x, y in zip(kept, merged) for a, b in zip(x, y)) > 1e-3
 
+    def pool_of(res):
+        workers = res.runner("rollout").workers
+        assert workers.lora == res.update.lora
+        policy = PolicyWorker("test")
+        return {"policy": policy, "rollout": RolloutWorker("test", peer=policy, lora=workers.lora),
+                "reference": ReferenceWorker("test")}
+
+    def run(res, pool, **kw):
+        return drive(res, lambda inp: pool[ROLE_OF_PROGRAM[inp.program]].run(inp), **kw)
+
     res = load_config(None, [*base, "orchestration.workers=resident", "checkpoint.every=3",
                              f"run_root={tmp_path / 'resident'}"])
-    workers = res.runner("rollout").workers
-    assert workers.lora == res.update.lora
-    policy = PolicyWorker("test")
-    pool = {"policy": policy, "rollout": RolloutWorker("test", peer=policy, lora=workers.lora),
-            "reference": ReferenceWorker("test")}
-    final_r = drive(res, lambda inp: pool[ROLE_OF_PROGRAM[inp.program]].run(inp))
-    adapters = adapter_tensors(policy.held.strategy.model)
+    pool = pool_of(res)
+    final_r = run(res, pool)
+    adapters = adapter_tensors(pool["policy"].held.strategy.model)
     assert adapters and {t.dtype for t in adapters.values()} == {torch.float32}
     assert [s["bytes"] for s in pool["rollout"].syncs] == [sum(t.numel() * 4 for t in adapters.values())] * 2
-    assert policy_files(final_r, suffix=".safetensors") == policy_files(final, suffix=".safetensors")
+    # a resumed resident run (new workers after iteration 1, checkpoint every iteration): the new rollout worker
+    # loads iteration 1's adapter checkpoint unmerged, and iteration 2's sync lands in that copy's adapters
+    resumed = load_config(None, [*base, "orchestration.workers=resident", f"run_root={tmp_path / 'resumed'}"])
+    run(resumed, pool_of(resumed), stop_after=1)
+    wait_for_optimizer_writes()
+    pool = pool_of(resumed)
+    final_resumed = run(resumed, pool)
+    assert len(pool["rollout"].syncs) == 1 and type(pool["rollout"].model).__name__ == "PeftModelForCausalLM"
+    for done in (final_r, final_resumed):
+        assert policy_files(done, suffix=".safetensors") == policy_files(final, suffix=".safetensors")
     for it in (1, 2, 3):
-        assert read_manifest(stage_uri(res.run_root, it, "ppo_update"))[0].summary["approx_kl"] == 0.0
-        for stage in ("rollout", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update"):
-            a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg, res))
-            parts = lambda m: {e.path: e.checksum for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
-            assert parts(a) == parts(b), (it, stage)
+        for res in (res, resumed):
+            assert read_manifest(stage_uri(res.run_root, it, "ppo_update"))[0].summary["approx_kl"] == 0.0
+            for stage in ("rollout", "actor_logprobs", "ref_logprobs", "advantages", "ppo_update"):
+                a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg, res))
+                parts = lambda m: {e.path: e.checksum for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
+                assert parts(a) == parts(b), (it, stage, res.run_root)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

@@ -255,6 +255,63 @@ def test_the_in_process_policy_worker_sends_through_the_same_transaction(tiny_mo
         _pull(leg, target)
 
 
+def test_a_lora_policy_below_float32_syncs_its_adapters_and_a_copy_that_would_merge_is_refused(tiny_model):
+    """The real policy worker holding a bfloat16 LoRA policy (moved adapters): a landing of the
+    receiver's adapters (``IntoTensors(adapters=True)``, what the rollout worker builds with
+    ``lora``) gets the trainer's float32 adapters through the session (``Meet.adapters`` ->
+    ``send_weights`` -> ``adapter_tensors``), and the copy then computes the trainer's logits bit
+    for bit; the ends disagreeing is refused before anything moves or the copy is invalidated
+    (``check_adapters``): a bfloat16 copy of every weight (no ``lora`` given), adapters asked of a
+    full-weight policy, and a policy training a module outside its LoRA layers."""
+    from peft import LoraConfig, get_peft_model
+
+    from rft_core.models.loading import load_causal_lm
+    from rft_core.models.lora import apply_lora
+    from rft_core.weightsync.plan import state_tensors
+    from rft_core.weightsync.trained import adapter_tensors
+    from rft_core.workers.base import Gang
+    from rft_core.workers.policy import PolicySendLeg, PolicyWorker
+
+    def lora(seed):
+        return apply_lora(load_causal_lm(tiny_model, dtype="bfloat16"), rank=4, alpha=8, dropout=0.0,
+                          target_modules="all-linear", base_path=tiny_model, seed=seed).eval()
+
+    def worker_holding(model):
+        worker = PolicyWorker("pool")
+        worker.held = SimpleNamespace(strategy=SimpleNamespace(model=model))
+        worker.trained("/policies/v2")
+        return PolicySendLeg(Gang(PolicyWorker, [worker]), "/policies/v2")
+
+    trainer, copy = lora(0), lora(1)
+    with torch.no_grad():
+        for t in adapter_tensors(trainer).values():
+            t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())) * 0.05)
+    ids = torch.tensor([[5, 17, 300, 42, 9]])
+    logits = lambda m: m(input_ids=ids).logits.detach()  # noqa: E731
+    assert not torch.equal(logits(trainer), logits(copy))
+    invalid = []
+    got = pull(worker_holding(trainer), IntoTensors(adapter_tensors(copy), on_invalid=lambda: invalid.append(1),
+                                                     adapters=True), version="v2", timeout_s=10, bucket_mb=BUCKET_MB)
+    assert got.bytes == sum(t.numel() * 4 for t in adapter_tensors(trainer).values()) and invalid == [1]
+    assert torch.equal(logits(trainer), logits(copy))
+
+    bf16_copy, base = state_tensors(load_causal_lm(tiny_model, dtype="bfloat16")), load_causal_lm(tiny_model, dtype="bfloat16")
+    refused = [(trainer, lambda seen: IntoTensors(bf16_copy, "bfloat16", on_invalid=seen), "was not given the run's update.lora"),
+               (base, lambda seen: IntoTensors(adapter_tensors(copy), on_invalid=seen, adapters=True),
+                "holds a policy without them")]
+    for model, landing, message in refused:
+        seen = []
+        with pytest.raises(WeightSyncError, match=message):
+            pull(worker_holding(model), landing(lambda: seen.append(1)), version="v2", timeout_s=10, bucket_mb=BUCKET_MB)
+        assert seen == []  # refused at the offer: the landing was never invalidated, nothing moved
+    pull(worker_holding(trainer), IntoTensors(state_tensors(load_causal_lm(tiny_model)), "float32"), version="v2",
+         timeout_s=10, bucket_mb=BUCKET_MB)  # float32: the merged weights, as stage mode's passes merge
+    saving = get_peft_model(load_causal_lm(tiny_model, dtype="bfloat16"),
+                            LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    with pytest.raises(WeightSyncError, match=r"trains 1 parameter\(s\) outside its LoRA layers"):
+        adapter_tensors(saving)
+
+
 # -- the one weight digest -----------------------------------------------------------------------
 
 
