@@ -11,6 +11,10 @@ manifest), with the program's stage input model (``rft_core.stages.contracts``) 
                      from it (the model's ``config_paths``: e.g. ``rollout`` of the rollout
                      program is the config's ``rollout`` section).
   --set KEY=VALUE    dotted override of --config (repeatable).
+  --iteration K      the iteration the stage belongs to: the input's ``iteration`` field if it
+                     has one, and what --config fills in per iteration: below float32 an actor or
+                     reference pass packs the rows of iteration K's update
+                     (``TrainConfig.logprob_grouping_at``), so there a pass given --config needs it.
   --out URI          the stage's output folder (the ``out`` field).
   --result FILE      write the program's return value (ShardRef JSON) there; under torchrun only
                      rank 0 writes it.
@@ -56,13 +60,16 @@ def _parser(stages: list[str]) -> argparse.ArgumentParser:
     p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="a program argument (repeatable)")
     p.add_argument("--config", help="training config file (YAML) supplying the arguments not given")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override of --config (repeatable)")
+    p.add_argument("--iteration", type=int, help="the iteration the stage belongs to (fills the input's iteration "
+                   "and, below float32, a log-prob pass's grouping from --config)")
     p.add_argument("--out", help="output URI of the stage")
     p.add_argument("--result", help="file to write the returned ShardRef(s) to as JSON")
     return p
 
 
 def _raw_input(ns: argparse.Namespace, config_paths: dict[str, str]) -> dict[str, Any] | None:
-    """The input fields from --input / --arg / --out / --config; None after printing a usage error."""
+    """The input fields from --input / --arg / --out / --iteration / --config; None after
+    printing a usage error."""
     raw: dict[str, Any] = json.loads(Path(ns.input).read_text()) if ns.input else {}
     for item in ns.arg:
         if "=" not in item:
@@ -72,12 +79,23 @@ def _raw_input(ns: argparse.Namespace, config_paths: dict[str, str]) -> dict[str
         raw[name.strip()] = _parse_value(value)
     if ns.out is not None:
         raw["out"] = ns.out
+    if ns.iteration is not None and "iteration" in INPUTS[ns.stage].model_fields:
+        raw.setdefault("iteration", ns.iteration)
     if ns.config is not None or ns.set:
         cfg = load_config(ns.config, ns.set)
         for name, path in config_paths.items():
-            if name not in raw:
+            if name in raw:
+                continue
+            if path == "logprob_grouping":  # per iteration: the rows of that iteration's update
+                if ns.iteration is None and cfg.logprob_grouping is not None:
+                    print(f"{ns.stage}: policy.dtype is {cfg.policy.dtype}: give --iteration K (below float32 the "
+                          "pass packs the rows of iteration K's update, which shuffles with its policy version), "
+                          "or --arg grouping=...", file=sys.stderr)
+                    return None
+                value = cfg.logprob_grouping_at(ns.iteration or 1)
+            else:
                 value = operator.attrgetter(path)(cfg)
-                raw[name] = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+            raw[name] = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
     return raw
 
 

@@ -51,6 +51,33 @@ def test_subprocess_stage_commits_the_same_shard_as_in_process(tiny_model, tmp_p
     assert got.config_hash == want.config_hash and _files(got.uri) == _files(want.uri)
 
 
+def test_a_log_prob_pass_from_the_command_line_takes_its_iterations_grouping(tmp_path, capsys):
+    """``python -m rft_core.stages actor_logprobs --config ... --iteration K``: below float32 the
+    pass packs the rows of iteration K's update (``logprob_grouping_at(K)``: policy version K - 1
+    in its shuffle seed), which the flow hands each iteration; without --iteration such a config
+    is a usage error (iteration 1's rows would be packed silently); in float32 nothing is needed.
+    ``--iteration`` also fills a program's own ``iteration`` field."""
+    from rft_core.stages.__main__ import _parser, _raw_input
+    from rft_core.stages.runner import INPUTS, PROGRAMS
+
+    def raw(stage, *args, dtype="bfloat16"):
+        cfg = tmp_path / f"{dtype}.yaml"
+        cfg.write_text(f"policy:\n  dtype: {dtype}\nupdate:\n  micro_batch_size: 3\n")
+        ns = _parser(list(PROGRAMS)).parse_args([stage, "--config", str(cfg), "--arg", "rollout=r", *args])
+        return _raw_input(ns, dict(INPUTS[stage].config_paths))
+
+    bf16 = load_config(None, ["policy.dtype=bfloat16", "update.micro_batch_size=3"])
+    for stage in ("actor_logprobs", "ref_logprobs"):
+        got = raw(stage, "--iteration", "3")["grouping"]
+        assert got == bf16.logprob_grouping_at(3).model_dump(mode="json") and got["policy_version"] == 2
+        assert got != bf16.logprob_grouping_at(1).model_dump(mode="json")
+        assert raw(stage) is None and "give --iteration K" in capsys.readouterr().err
+        assert raw(stage, "--arg", 'grouping={"not": 1}')["grouping"] == {"not": 1}  # given by hand: taken as is
+    assert raw("actor_logprobs", dtype="float32")["grouping"] is None
+    ns = _parser(list(PROGRAMS)).parse_args(["rollout", "--iteration", "4"])
+    assert _raw_input(ns, dict(INPUTS["rollout"].config_paths))["iteration"] == 4
+
+
 def test_failing_subprocess_raises_with_exit_code_and_last_lines(tiny_model, tmp_path):
     cfg = _cfg(tiny_model, tmp_path)
     ghost = ShardRef(uri=str(tmp_path / "nowhere"), stage="prompts", num_rows=1, config_hash="x", manifest_sha256="y")
