@@ -51,6 +51,20 @@ def test_staleness_1_is_reproducible_and_records_versions(prefect_harness, tiny_
     assert rollout3.inputs["policy"] == read_manifest(stage_uri(root, 1, "ppo_update"))[1]  # its manifest checksum
     for m in a.metrics[1:]:  # stale rows are corrected: the behaviour weights and the behaviour-proximal KL
         assert 0 < m["rollout_is_weight_mean"] <= m["rollout_is_weight_max"] <= 2.0 and "rollout_kl" in m
+    # iteration 2's actor pass scored its rollout (sampled by version 0) with version 1, the proximal policy that
+    # iteration 2's update starts from: its old_logprobs are version 1's log-probs, not the rollout's own
+    from rft_core.models.loading import load_causal_lm
+    from rft_core.models.logprobs import batched_response_logprobs
+    from tests.weights import iteration_policy_folder
+
+    rows = read_shard(stage_uri(root, 2, "rollout"), stage="rollout").to_pydict()
+    actor = read_shard(stage_uri(root, 2, "actor_logprobs"), stage="actor_logprobs").to_pydict()
+    old = dict(zip(actor["sample_id"], actor["old_logprobs"]))
+    version_1 = batched_response_logprobs(load_causal_lm(str(iteration_policy_folder(root, 1))), rows["prompt_token_ids"],
+                                          rows["response_token_ids"], pad_token_id=2)
+    gaps = [(abs(a - b), abs(a - c)) for sid, mine, behaviour in zip(rows["sample_id"], version_1, rows["rollout_logprobs"])
+            for a, b, c in zip(mine, old[sid], behaviour)]
+    assert max(g[0] for g in gaps) < 1e-5 and max(g[1] for g in gaps) > 1e-4, (max(gaps), max(g[1] for g in gaps))
     # the rollout of iteration k+1 ran while the update of iteration k trained (submitted before it)
     r2, u1 = _window(stage_uri(root, 2, "rollout")), _window(stage_uri(root, 1, "ppo_update"))
     assert r2[0] < u1[1], (r2, u1)
