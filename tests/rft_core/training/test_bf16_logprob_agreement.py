@@ -434,6 +434,49 @@ def test_a_bf16_lora_policy_is_scored_as_the_trainer_computes_it_in_stage_and_re
                 assert parts(a) == parts(b), (it, stage, res.run_root)
 
 
+@pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
+def test_an_asynchronous_resident_bf16_lora_run_keeps_two_versions_of_the_adapters(sharp16, tmp_path):
+    """``rollout.max_staleness=2`` on a bfloat16 LoRA policy: the rollout of iteration k samples
+    with version k - 3 while the actor pass scores with version k - 1, so the resident rollout
+    worker keeps two copies (``rollout_versions``), each a deep copy that gets the adapters at its
+    first sync (``_landing``) and takes adapter syncs after; 4 iterations commit stage mode's
+    rollout, actor and update shards bit for bit."""
+    from rft_core.config import load_config
+    from rft_core.workers.policy import PolicyWorker
+    from rft_core.workers.pool import ROLE_OF_PROGRAM
+    from rft_core.workers.reference import ReferenceWorker
+    from rft_core.workers.rollout import RolloutWorker
+    from schemas import read_manifest, read_shard, stage_uri
+    from tests.drive import drive
+    from tests.varying import assert_training_signal, reward_args
+
+    base = ["data.prompts_per_iteration=2", "data.size=50", "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=8",
+            "rollout.batch_size=8", "kl.kl_coef=0.05", "update.lr=1e-3", "iterations=4", "update.micro_batch_size=4",
+            "policy.dtype=bfloat16", f"policy.path={sharp16}", "update.lora.rank=4", "update.lora.alpha=8",
+            "rollout.max_staleness=2", *reward_args()]
+    cfg = load_config(None, [*base, f"run_root={tmp_path / 'stage'}"])
+    drive(cfg)
+    assert_training_signal(cfg.run_root, (1, 2, 3, 4))
+    res = load_config(None, [*base, "orchestration.workers=resident", "checkpoint.every=4",
+                             f"run_root={tmp_path / 'resident'}"])
+    workers = res.runner("rollout").workers
+    assert workers.rollout_versions == 2
+    policy = PolicyWorker("test")
+    rollout = RolloutWorker("test", peer=policy, lora=workers.lora, rollout_versions=workers.rollout_versions)
+    pool = {"policy": policy, "rollout": rollout, "reference": ReferenceWorker("test")}
+    drive(res, lambda inp: pool[ROLE_OF_PROGRAM[inp.program]].run(inp))
+    versions = [set(read_shard(stage_uri(res.run_root, k, "rollout"), stage="rollout").column("policy_version")
+                    .to_pylist()) for k in (1, 2, 3, 4)]
+    assert versions == [{0}, {0}, {0}, {1}]
+    assert len(rollout.syncs) == 3 and len(rollout._kept) == 1  # versions 1, 2, 3 for the actor passes; two copies
+    assert {type(m).__name__ for m in (rollout.model, *rollout._kept.values())} == {"PeftModelForCausalLM"}
+    for it in (1, 2, 3, 4):
+        for stage in ("rollout", "actor_logprobs", "ppo_update"):
+            a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg, res))
+            parts = lambda m: {e.path: e.checksum for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
+            assert parts(a) == parts(b), (it, stage)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.rotation(4)  # long: one turn in 8 (tests/rotation.py)
 def test_passes_grouped_as_the_update_make_its_first_step_exact_on_the_demos_shapes(sharp16, rollout, monkeypatch,
