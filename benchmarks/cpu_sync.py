@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         ray.shutdown()
     steady = [r["seconds"] for r in rounds[1:]] or [rounds[0]["seconds"]]
-    out = {"model": path, "dtype": args.dtype, "lora_rank": args.lora_rank, "rounds": rounds, "median_s": round(statistics.median(steady), 3),
-           "min_s": round(min(steady), 3), "load_avg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
+    out = {"model": path, "dtype": args.dtype, "lora_rank": args.lora_rank, "rounds": rounds,
+           "median_s": round(statistics.median(steady), 3), "min_s": round(min(steady), 3), "load_avg": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
     print(json.dumps({k: v for k, v in out.items() if k != "rounds"}))
     if args.json:
         with open(args.json, "w") as f:

@@ -128,7 +128,8 @@ class PolicyWorker(ResidentWorker):
         CUDA IPC instead of a process group), host and room in ``/dev/shm`` (same host on the CPU
         means shared memory). With ``dtype`` (a receiver without an HF-named copy of the model of
         its own: a vLLM or SGLang engine) the offer also has ``plan``: the sync plan in that dtype
-        (``SyncPlan.to_json``), and ``lora``: whether the policy is a peft LoRA model."""
+        (``SyncPlan.to_json``). Its ``lora`` says whether the policy is a peft LoRA model (the
+        receiver's session checks it against its landing: ``check_adapters``)."""
         if (self.held is None or self.version != version_key(ref)) and (
                 isinstance(ref, str) or has_weights(ref)):
             return None
