@@ -120,7 +120,8 @@ def _prune(cfg: TrainConfig, iteration: int) -> None:
     if cfg.checkpoint.keep_last is not None and iteration:
         tags = tasks.resolve_concurrency_tags(cfg.orchestration.concurrency_tags)  # resolved by train: as it is
         tasks.tagged(tasks.prune_checkpoints, tags)(
-            run_root=cfg.run_root, iteration=iteration, checkpoint=cfg.checkpoint)
+            run_root=cfg.run_root, iteration=iteration, checkpoint=cfg.checkpoint,
+            max_staleness=cfg.rollout.max_staleness)
 
 
 @flow(name="rft-train", flow_run_name="{cfg.name}")

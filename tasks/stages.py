@@ -162,10 +162,12 @@ def eval_summary(*, inp: EvalSummaryInput) -> ShardRef:
 
 
 @_stage_task("prune_checkpoints")
-def prune_checkpoints(*, run_root: str, iteration: int, checkpoint: CheckpointConfig) -> dict[str, list[str]]:
+def prune_checkpoints(*, run_root: str, iteration: int, checkpoint: CheckpointConfig,
+                      max_staleness: int = 0) -> dict[str, list[str]]:
     """Checkpoint retention after ``iteration`` (``checkpoint.keep_last``, ``prune``,
-    ``keep_weights_last``, ``keep_weights_every``; nothing when keep_last is None)."""
-    return apply_retention(run_root, iteration, checkpoint)
+    ``keep_weights_last``, ``keep_weights_every``, keeping what the rollouts of the next
+    ``max_staleness`` iterations sample with; nothing when keep_last is None)."""
+    return apply_retention(run_root, iteration, checkpoint, max_staleness=max_staleness)
 
 
 @_stage_task("validate_data")

@@ -236,20 +236,6 @@ def _partial_needs_staleness(cfg: Any) -> str | None:
     return None
 
 
-def _staleness_beyond_kept_weights(cfg: Any) -> str | None:
-    """The rollout of iteration i + 1, started during iteration i (``rollout_policy_version``),
-    reads the weights of version i - s after the retention pass of iteration i - 1 has run, which
-    keeps the last ``keep_weights_last`` = K iterations' weights (``keeps_weights``: those after
-    i - 1 - K): version i - s survives when s <= K."""
-    c, s = cfg.checkpoint, cfg.rollout.max_staleness
-    if c.keep_last is None or c.prune != "weights" or c.keep_weights_every == 1 or s <= c.keep_weights_last:
-        return None
-    return (f"rollout.max_staleness={s} samples with the weights of {s} iterations back, but checkpoint.prune=weights "
-            f"keeps the last checkpoint.keep_weights_last={c.keep_weights_last} iterations' weights: the rollout would "
-            f"find them pruned (CheckpointPrunedError) in iteration {s + 1} (the prefetch of rollout {s + 2}): set "
-            f"checkpoint.keep_weights_last >= {s}, or checkpoint.prune=optimizer")
-
-
 def _partial_chunk_covers_response(cfg: Any) -> str | None:
     r = cfg.rollout
     if r.partial is not None and r.partial.chunk_tokens >= r.max_new_tokens:
@@ -356,9 +342,6 @@ CONTRADICTIONS: tuple[Rule, ...] = (
     Rule("staleness-untruncated-weights", ("rollout.max_staleness", "update.rollout_correction.mode"),
          _stale_untruncated_weights),
     Rule("partial-needs-staleness", ("rollout.partial.chunk_tokens", "rollout.max_staleness"), _partial_needs_staleness),
-    Rule("staleness-beyond-kept-weights", ("rollout.max_staleness", "checkpoint.keep_weights_last", "checkpoint.prune",
-                                           "checkpoint.keep_last", "checkpoint.keep_weights_every"),
-         _staleness_beyond_kept_weights),
     Rule("partial-chunk-covers-response", ("rollout.partial.chunk_tokens", "rollout.max_new_tokens"),
          _partial_chunk_covers_response),
     Rule("partial-single-turn", ("rollout.partial", "rollout.agent", "dynamic_sampling.enabled", "advantage.estimator",

@@ -60,11 +60,18 @@ def _parser(stages: list[str]) -> argparse.ArgumentParser:
     p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="a program argument (repeatable)")
     p.add_argument("--config", help="training config file (YAML) supplying the arguments not given")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override of --config (repeatable)")
-    p.add_argument("--iteration", type=int, help="the iteration the stage belongs to (fills the input's iteration "
-                   "and, below float32, a log-prob pass's grouping from --config)")
+    p.add_argument("--iteration", type=_iteration, help="the iteration the stage belongs to (fills the input's "
+                   "iteration and, below float32, a log-prob pass's grouping from --config)")
     p.add_argument("--out", help="output URI of the stage")
     p.add_argument("--result", help="file to write the returned ShardRef(s) to as JSON")
     return p
+
+
+def _iteration(text: str) -> int:
+    """``--iteration``'s value: an integer >= 1 (argparse reports anything else as a usage error)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an iteration (an integer >= 1)")
+    return int(text)
 
 
 def _raw_input(ns: argparse.Namespace, config_paths: dict[str, str]) -> dict[str, Any] | None:
@@ -79,8 +86,13 @@ def _raw_input(ns: argparse.Namespace, config_paths: dict[str, str]) -> dict[str
         raw[name.strip()] = _parse_value(value)
     if ns.out is not None:
         raw["out"] = ns.out
-    if ns.iteration is not None and "iteration" in INPUTS[ns.stage].model_fields:
-        raw.setdefault("iteration", ns.iteration)
+    if ns.iteration is not None:
+        if "iteration" not in INPUTS[ns.stage].model_fields and "logprob_grouping" not in config_paths.values():
+            print(f"--iteration: {ns.stage} does not take it (no iteration field, nothing per iteration in --config); "
+                  "give its fields with --arg (e.g. ppo_update's policy_version)", file=sys.stderr)
+            return None
+        if "iteration" in INPUTS[ns.stage].model_fields:
+            raw.setdefault("iteration", ns.iteration)
     if ns.config is not None or ns.set:
         cfg = load_config(ns.config, ns.set)
         for name, path in config_paths.items():
@@ -92,7 +104,7 @@ def _raw_input(ns: argparse.Namespace, config_paths: dict[str, str]) -> dict[str
                           "pass packs the rows of iteration K's update, which shuffles with its policy version), "
                           "or --arg grouping=...", file=sys.stderr)
                     return None
-                value = cfg.logprob_grouping_at(ns.iteration or 1)
+                value = cfg.logprob_grouping_at(1 if ns.iteration is None else ns.iteration)
             else:
                 value = operator.attrgetter(path)(cfg)
             raw[name] = value.model_dump(mode="json") if hasattr(value, "model_dump") else value

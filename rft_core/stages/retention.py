@@ -16,7 +16,9 @@ A pruned folder keeps its config and tokenizer, and the stage keeps its metrics 
 manifest; the shards of every stage are never pruned (metrics, inspect, DuckDB, replay).
 
 Resuming never needs a pruned file: iteration ``i + 1`` starts from iteration ``i``, which is
-kept whole until ``i + 1`` has committed (``keep_last >= 1``). With ``checkpoint.every`` > 1
+kept whole until ``i + 1`` has committed (``keep_last >= 1``). With ``rollout.max_staleness`` s,
+the checkpoints the next rollouts sample with (versions ``>= i - s``) keep their weights, and
+between checkpoints the one they are rebuilt from its optimizer state too (``staleness_floor``). With ``checkpoint.every`` > 1
 the last checkpoint (``latest_policy_checkpoint``) is also kept whole, whatever its age: a
 resume rebuilds the policies after it from it; a checkpoint whose weights a background write
 has not committed yet is not that one (``has_weights``), so its predecessor stays whole until a
@@ -93,14 +95,34 @@ def keeps_weights(old: int, iteration: int, *, keep_weights_last: int, keep_weig
     return old > iteration - keep_weights_last or (keep_weights_every is not None and old % keep_weights_every == 0)
 
 
+def staleness_floor(run_root: str, iteration: int, max_staleness: int) -> int | None:
+    """With ``rollout.max_staleness`` s > 0: the oldest policy checkpoint a rollout may still
+    need after ``iteration`` (None: s = 0). The rollouts still to come sample with versions
+    ``>= iteration - s`` (``TrainConfig.rollout_policy_version``; the one of iteration
+    ``iteration + 1``, prefetched or not, and after a resume with more iterations), each read from
+    its checkpoint or rebuilt from the last checkpoint before it (``checkpoint.every`` > 1):
+    ``latest_policy_checkpoint(iteration - s)``, or 1 (every checkpoint) when there is none yet."""
+    if max_staleness <= 0:
+        return None
+    base = iteration - max_staleness
+    return (latest_policy_checkpoint(run_root, base) if base >= 1 else None) or 1
+
+
 def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
                       prune: Literal["optimizer", "weights"] = _DEFAULTS.prune,
                       keep_weights_last: int = _DEFAULTS.keep_weights_last,
-                      keep_weights_every: int | None = _DEFAULTS.keep_weights_every) -> dict[str, list[str]]:
+                      keep_weights_every: int | None = _DEFAULTS.keep_weights_every,
+                      max_staleness: int = 0, every: int = 1) -> dict[str, list[str]]:
     """After ``iteration`` has committed, prune the checkpoints of iterations ``1 .. iteration -
     keep_last``: their optimizer state, and with ``prune="weights"`` their weights unless
     ``keeps_weights`` (idempotent: already-pruned files are skipped; uncommitted stages are left
-    alone).
+    alone). With ``max_staleness`` s > 0 (asynchronous RL) the policy checkpoints from
+    ``staleness_floor`` on keep their weights whatever ``keep_weights_last`` says, and with
+    ``every`` (``checkpoint.every``) > 1 their optimizer state too (a version between checkpoints
+    is rebuilt from the checkpoint before it): the rollouts of the next s iterations sample with
+    them. Without it, s above ``keep_weights_last`` made a prefetched rollout find its weights
+    pruned (``CheckpointPrunedError`` in iteration s + 1, measured with s = 2 and
+    ``keep_weights_last=1``).
 
     Returns:
         {stage URI: paths deleted now}, only for stages where something was deleted.
@@ -115,17 +137,19 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
                          f"{keep_weights_every}")
     done: dict[str, list[str]] = {}
     keep = latest_policy_checkpoint(run_root, iteration)  # what a resume rebuilds the policy from
+    floor = staleness_floor(run_root, iteration, max_staleness)  # what the next rollouts sample with
     why_opt = f"checkpoint.keep_last={keep_last} after iteration {iteration}"
     why_weights = (f"checkpoint.prune=weights (keep_weights_last={keep_weights_last}, keep_weights_every="
                    f"{keep_weights_every}) after iteration {iteration}")
-    memo = (run_root.rstrip("/"), keep_last, prune, keep_weights_last, keep_weights_every)
+    memo = (run_root.rstrip("/"), keep_last, prune, keep_weights_last, keep_weights_every, max_staleness, every)
     settled, settled_sha = _settled(run_root, memo)
     for old in range(settled + 1, iteration - keep_last + 1):
         update_sha = None
-        drop_weights = prune == "weights" and not keeps_weights(old, iteration, keep_weights_last=keep_weights_last,
-                                                                keep_weights_every=keep_weights_every)
+        sampled = floor is not None and old >= floor  # a later rollout may sample with it (max_staleness)
+        drop_weights = prune == "weights" and not sampled and not keeps_weights(
+            old, iteration, keep_weights_last=keep_weights_last, keep_weights_every=keep_weights_every)
         for stage, subdir in CHECKPOINT_STAGES.items():
-            if old == keep and stage != "critic_update":
+            if (old == keep or (sampled and every > 1)) and stage != "critic_update":
                 continue
             uri = stage_uri(run_root, old, stage)
             try:
@@ -144,7 +168,7 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
                 log.info("pruned %d checkpoint file(s) of %s (%s)", len(removed), uri,
                          why_weights if weights else why_opt)
         if settled == old - 1 and update_sha is not None and _final(
-                old, iteration, keep, prune=prune, keep_weights_last=keep_weights_last,
+                old, iteration, keep if floor is None else min(keep or floor, floor), prune=prune, keep_weights_last=keep_weights_last,
                 keep_weights_every=keep_weights_every):
             settled, settled_sha = old, update_sha
     _SETTLED[memo] = (settled, settled_sha)
@@ -206,9 +230,11 @@ def latest_policy_checkpoint(run_root: str, iteration: int) -> int | None:
     return None
 
 
-def apply_retention(run_root: str, iteration: int, checkpoint: CheckpointConfig) -> dict[str, list[str]]:
-    """``prune_checkpoints`` with every setting of ``checkpoint`` (nothing when ``keep_last`` is
-    None); what the flow runs after each iteration.
+def apply_retention(run_root: str, iteration: int, checkpoint: CheckpointConfig, *,
+                    max_staleness: int = 0) -> dict[str, list[str]]:
+    """``prune_checkpoints`` with every setting of ``checkpoint`` and the run's
+    ``rollout.max_staleness`` (nothing when ``keep_last`` is None); what the flow runs after each
+    iteration.
 
     Returns:
         {stage URI: paths deleted now}.
@@ -217,7 +243,8 @@ def apply_retention(run_root: str, iteration: int, checkpoint: CheckpointConfig)
         return {}
     return prune_checkpoints(run_root, iteration, keep_last=checkpoint.keep_last, prune=checkpoint.prune,
                              keep_weights_last=checkpoint.keep_weights_last,
-                             keep_weights_every=checkpoint.keep_weights_every)
+                             keep_weights_every=checkpoint.keep_weights_every, max_staleness=max_staleness,
+                             every=checkpoint.every)
 
 
 def require_unpruned(policy: ShardRef, subdir: str, *, optimizer: bool) -> None:

@@ -153,7 +153,9 @@ def check_adapters(offer: Offer, landing: Landing, what: str) -> None:
     that would take a LoRA policy's merged weights where stage mode's passes keep the adapters
     (``rft_core.models.lora.keeps_adapters``: its rollouts would differ from stage mode's; the
     rollout worker is given the run's ``update.lora`` by ``WorkersConfig.lora``). An engine
-    (vLLM, SGLang) takes the merged weights in any dtype.
+    (vLLM, SGLang) takes the merged weights in any dtype, so in bfloat16 its resident rollouts
+    still differ from stage mode's, whose engine serves the adapter checkpoint unmerged
+    (``LoRARequest``; an adapter sync into an engine is not built: docs/scale.md).
 
     Raises:
         WeightSyncError: as above.

@@ -82,6 +82,27 @@ def test_staleness_1_is_reproducible_and_records_versions(prefect_harness, tiny_
     assert _weights(tmp_path / "resident") == _weights(tmp_path / "a")
 
 
+@pytest.mark.rotation(6)  # long: one turn in 8 (tests/rotation.py)
+def test_retention_keeps_what_a_stale_rollout_samples_with(prefect_harness, tiny_model, tmp_path):
+    """rollout.max_staleness=2 with checkpoint.keep_weights_last=1: the rollout of iteration i + 1,
+    prefetched during iteration i, samples with version i - 2, which the retention pass of
+    iteration i - 1 would have pruned (the run failed with CheckpointPrunedError in iteration 3,
+    2026-12-01); the flow's retention keeps the versions the next rollouts sample with
+    (``staleness_floor``), so 5 iterations finish, and what no rollout needs any more is pruned."""
+    from flows.train import train
+    from schemas import pruned_files
+    from tests.weights import iteration_policy_folder
+
+    cfg = flow_cfg(tiny_model, tmp_path, iterations=5, **REWARD, **{
+        "rollout.max_staleness": 2, "checkpoint.keep_weights_last": 1, "checkpoint.keep_weights_every": None})
+    train(cfg)
+    for it in (1, 2):  # versions no later rollout samples with: their weights went
+        pruned = pruned_files(f"{stage_uri(str(tmp_path), it, 'ppo_update')}-policy")
+        assert "policy/model.safetensors" in pruned, (it, pruned)
+    for it in (3, 4, 5):  # versions 3-5 are what the rollouts of iterations 6-8 would sample with (a longer run)
+        assert (iteration_policy_folder(tmp_path, it) / "model.safetensors").exists()
+
+
 def test_staleness_0_records_the_previous_iteration_as_the_version(prefect_harness, tiny_model, tmp_path):
     from flows.train import train
 

@@ -79,11 +79,6 @@ CASES = [
      ["rollout.max_staleness=1", "logprobs.recompute_old_logprobs"], "recompute_old_logprobs=true"),
     ("staleness-needs-correction", {"rollout.max_staleness": 1, "update.rollout_correction.enabled": False},
      ["rollout.max_staleness=1", "update.rollout_correction.enabled=true"], "update.rollout_correction.enabled=true"),
-    ("staleness-beyond-kept-weights", {"rollout.max_staleness": 4},
-     ["rollout.max_staleness=4", "checkpoint.keep_weights_last=3", "CheckpointPrunedError", "in iteration 5"],
-     "set checkpoint.keep_weights_last >= 4, or checkpoint.prune=optimizer"),
-    ("staleness-beyond-kept-weights", {"rollout.max_staleness": 2, "checkpoint.keep_weights_last": 1},
-     ["rollout.max_staleness=2", "checkpoint.keep_weights_last=1"], "set checkpoint.keep_weights_last >= 2"),
     ("staleness-untruncated-weights", {"rollout.max_staleness": 1, "update.rollout_correction.mode": "seq-mask-tis"},
      ["rollout.max_staleness=1", "update.rollout_correction.mode=seq-mask-tis"],
      "update.rollout_correction.mode=tis with update.rollout_correction.rejection=seq_mean_k1 and rejection_cap=2"),
@@ -201,9 +196,6 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
     load_config(None, {"update.rollout_correction.mode": "seq-mask-tis"})  # s = 0: the engine mismatch alone
     load_config(None, {"rollout.max_staleness": 1, "update.rollout_correction.mode": "sequence_mask"})  # docs/algorithms.md
     load_config(None, {"rollout.partial.chunk_tokens": 16, "rollout.max_staleness": 1})  # partial rollouts
-    for kept in ({"checkpoint.keep_weights_last": 4}, {"checkpoint.prune": "optimizer"}, {"checkpoint.keep_last": None},
-                 {"checkpoint.keep_weights_every": 1}):  # version i - 4 stays on storage
-        load_config(None, {"rollout.max_staleness": 4, **kept})
     load_config(None, {"rollout.partial.chunk_tokens": 16, "rollout.max_staleness": 1,
                        "orchestration.workers": "resident"})  # resident workers continue the carry too
     # distillation alone needs no group: one sample per prompt loads, and so does the KL as a loss term

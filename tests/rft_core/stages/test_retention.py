@@ -213,6 +213,41 @@ def test_the_last_checkpoint_stays_whole_between_checkpoints(tmp_path):
     assert all(pruned_files(refs[i].uri) == {} for i in (1, 2, 3, 5, 6, 7, 9, 10))  # nothing to prune there
 
 
+def test_what_the_next_rollouts_sample_with_keeps_its_weights_under_staleness(tmp_path):
+    """rollout.max_staleness s = 4 with the default retention (keep_last 1, keep_weights_last 3,
+    keep_weights_every 10): after every iteration i the checkpoints of versions i - 4 .. i, which
+    the rollouts of the next iterations sample with, still have their weights (before, versions
+    i - 4 and i - 3 lost them: a prefetched rollout failed with CheckpointPrunedError); older ones
+    and every optimizer state but the last are pruned as without staleness. Between checkpoints
+    (checkpoint.every 3, s = 2) the checkpoint the sampled versions are rebuilt from stays whole."""
+    from rft_core.stages.retention import staleness_floor
+
+    root = str(tmp_path / "run")
+    refs = {}
+    for i in range(1, 13):
+        refs[i] = _checkpoint_stage(root, i)
+        apply_retention(root, i, CheckpointConfig(), max_staleness=4)
+        assert staleness_floor(root, i, 4) == max(1, i - 4)
+        for v in range(max(1, i - 4), i + 1):  # the versions the next rollouts sample with: readable
+            assert policy_model_path(refs[v]) == f"{refs[v].uri}/policy", (i, v)
+        if i >= 8:  # outside that window the default retention applies (keep_weights_last 3 alone would drop i - 3)
+            with pytest.raises(CheckpointPrunedError, match="keep_weights_last=3"):
+                policy_model_path(refs[i - 5])
+    assert [v for v in range(1, 13) if "policy/optimizer.pt" not in pruned_files(refs[v].uri)] == [12]
+    with_weights = [v for v in range(1, 13) if Path(refs[v].uri, "policy/model.safetensors").exists()]
+    assert with_weights == [8, 9, 10, 11, 12]  # 8-12: the window; 10 also every 10th
+    # checkpoint.every=3 (stored weights at 3, 6, 9), s = 2: after iteration 9 the versions 7-9 are sampled next,
+    # rebuilt from checkpoint 6, which keeps its weights and optimizer state; checkpoint 3 is pruned
+    root = str(tmp_path / "every3")
+    cfg = CheckpointConfig(every=3, keep_last=1, keep_weights_last=1, keep_weights_every=None)
+    refs = {i: _checkpoint_stage(root, i) if i % 3 == 0 else _weightless_stage(root, i) for i in range(1, 10)}
+    for i in range(1, 10):
+        apply_retention(root, i, cfg, max_staleness=2)
+    assert staleness_floor(root, 9, 2) == 6 and pruned_files(refs[6].uri) == {}
+    assert set(pruned_files(refs[3].uri)) == {"policy/model.safetensors", "policy/optimizer.pt"}
+    assert staleness_floor(root, 9, 0) is None and staleness_floor(root, 1, 2) == 1
+
+
 def test_a_deepspeed_optimizer_stage_is_pruned_whole(tmp_path):
     """DeepSpeed's optimizer stage holds partitions, not optimizer.pt: past keep_last all of it goes,
     and loading it afterwards names it as pruned."""

@@ -76,6 +76,13 @@ def test_a_log_prob_pass_from_the_command_line_takes_its_iterations_grouping(tmp
     assert raw("actor_logprobs", dtype="float32")["grouping"] is None
     ns = _parser(list(PROGRAMS)).parse_args(["rollout", "--iteration", "4"])
     assert _raw_input(ns, dict(INPUTS["rollout"].config_paths))["iteration"] == 4
+    # a stage it would not change is a usage error, and so is an iteration below 1
+    ns = _parser(list(PROGRAMS)).parse_args(["ppo_update", "--iteration", "3"])
+    assert _raw_input(ns, dict(INPUTS["ppo_update"].config_paths)) is None
+    assert "ppo_update does not take it" in capsys.readouterr().err
+    for bad in ("0", "-2", "x"):
+        with pytest.raises(SystemExit):
+            _parser(list(PROGRAMS)).parse_args(["rollout", "--iteration", bad])
 
 
 def test_failing_subprocess_raises_with_exit_code_and_last_lines(tiny_model, tmp_path):

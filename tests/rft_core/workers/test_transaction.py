@@ -308,8 +308,10 @@ def test_a_lora_policy_below_float32_syncs_its_adapters_and_a_copy_that_would_me
          timeout_s=10, bucket_mb=BUCKET_MB)  # float32: the merged weights, as stage mode's passes merge
     saving = get_peft_model(load_causal_lm(tiny_model, dtype="bfloat16"),
                             LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
-    with pytest.raises(WeightSyncError, match=r"trains 1 parameter\(s\) outside its LoRA layers"):
-        adapter_tensors(saving)
+    with pytest.raises(WeightSyncError, match=r"the policy worker failed: the policy trains 1 parameter\(s\) outside its "
+                                              "LoRA layers"):  # refused at its send: adapter_tensors
+        pull(worker_holding(saving), IntoTensors(adapter_tensors(copy), adapters=True), version="v2", timeout_s=10,
+             bucket_mb=BUCKET_MB)
 
 
 # -- the one weight digest -----------------------------------------------------------------------
