@@ -87,11 +87,12 @@ def _raw_input(ns: argparse.Namespace, config_paths: dict[str, str]) -> dict[str
     if ns.out is not None:
         raw["out"] = ns.out
     if ns.iteration is not None:
-        if "iteration" not in INPUTS[ns.stage].model_fields and "logprob_grouping" not in config_paths.values():
+        has_field = "iteration" in INPUTS[ns.stage].model_fields
+        if not has_field and "logprob_grouping" not in config_paths.values():
             print(f"--iteration: {ns.stage} does not take it (no iteration field, nothing per iteration in --config); "
                   "give its fields with --arg (e.g. ppo_update's policy_version)", file=sys.stderr)
             return None
-        if "iteration" in INPUTS[ns.stage].model_fields:
+        if has_field:
             raw.setdefault("iteration", ns.iteration)
     if ns.config is not None or ns.set:
         cfg = load_config(ns.config, ns.set)

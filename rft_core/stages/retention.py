@@ -18,8 +18,8 @@ manifest; the shards of every stage are never pruned (metrics, inspect, DuckDB, 
 Resuming never needs a pruned file: iteration ``i + 1`` starts from iteration ``i``, which is
 kept whole until ``i + 1`` has committed (``keep_last >= 1``). With ``rollout.max_staleness`` s,
 the checkpoints the next rollouts sample with (versions ``>= i - s``) keep their weights, and
-between checkpoints the one they are rebuilt from its optimizer state too (``staleness_floor``). With ``checkpoint.every`` > 1
-the last checkpoint (``latest_policy_checkpoint``) is also kept whole, whatever its age: a
+between checkpoints the one they are rebuilt from its optimizer state too (``staleness_floor``).
+With ``checkpoint.every`` > 1 the last checkpoint (``latest_policy_checkpoint``) is also kept whole, whatever its age: a
 resume rebuilds the policies after it from it; a checkpoint whose weights a background write
 has not committed yet is not that one (``has_weights``), so its predecessor stays whole until a
 later pass (the training flow runs the run's last pass again once its writes have landed).
@@ -138,6 +138,7 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
     done: dict[str, list[str]] = {}
     keep = latest_policy_checkpoint(run_root, iteration)  # what a resume rebuilds the policy from
     floor = staleness_floor(run_root, iteration, max_staleness)  # what the next rollouts sample with
+    oldest_kept = keep if floor is None else min(floor, keep or floor)  # no iteration from here on is settled
     why_opt = f"checkpoint.keep_last={keep_last} after iteration {iteration}"
     why_weights = (f"checkpoint.prune=weights (keep_weights_last={keep_weights_last}, keep_weights_every="
                    f"{keep_weights_every}) after iteration {iteration}")
@@ -168,7 +169,7 @@ def prune_checkpoints(run_root: str, iteration: int, *, keep_last: int,
                 log.info("pruned %d checkpoint file(s) of %s (%s)", len(removed), uri,
                          why_weights if weights else why_opt)
         if settled == old - 1 and update_sha is not None and _final(
-                old, iteration, keep if floor is None else min(keep or floor, floor), prune=prune, keep_weights_last=keep_weights_last,
+                old, iteration, oldest_kept, prune=prune, keep_weights_last=keep_weights_last,
                 keep_weights_every=keep_weights_every):
             settled, settled_sha = old, update_sha
     _SETTLED[memo] = (settled, settled_sha)

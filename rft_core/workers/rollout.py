@@ -173,8 +173,7 @@ class RolloutWorker(ResidentWorker):
         if self.model is None or self.model_dtype != dtype:
             base = weights_base(ref)
             self._kept.clear()
-            self.model = load_from_storage(base, dtype=dtype, merge_adapter=not self._adapters(dtype))
-            self.model_dtype, self.version = dtype, version_key(base)
+            self.model, self.model_dtype, self.version = self._read(base, dtype), dtype, version_key(base)
             self._arrived = {self.version: 0}
             count("engine_builds")
         if self.version != key:
@@ -217,6 +216,11 @@ class RolloutWorker(ResidentWorker):
         and its syncs move them only; else it is a plain model receiving full (merged) weights."""
         return self.lora is not None and keeps_adapters(dtype)
 
+    def _read(self, ref: PolicyRef, dtype: str) -> torch.nn.Module:
+        """``ref``'s model from storage as this worker's copy holds it: a LoRA checkpoint merged,
+        or with ``_adapters`` its adapters kept (``load_from_storage``, never the memo's copy)."""
+        return load_from_storage(ref, dtype=dtype, merge_adapter=not self._adapters(dtype))
+
     def _landing(self) -> IntoTensors:
         """Where a sync lands in this worker's copy: its tensors, or with ``_adapters`` its LoRA
         adapters, on a copy that has them: a plain model (the initial policy, before the first
@@ -239,8 +243,7 @@ class RolloutWorker(ResidentWorker):
         got = pull(PolicySendLeg(self.policy(), ref), self._landing(), version=key, timeout_s=self.sync_timeout_s,
                    bucket_mb=self.sync_bucket_mb)
         if got is None:
-            self.model = load_from_storage(ref, dtype=self.model_dtype,
-                                           merge_adapter=not self._adapters(self.model_dtype))
+            self.model = self._read(ref, self.model_dtype)
         self.version = key
         self._landed()
         if got is not None:
