@@ -243,16 +243,19 @@ class FSDPStrategy:
         """Learning rate of the first parameter group."""
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, *, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
         """Every weight of the model gathered on rank 0's CPU (``DTensor.full_tensor`` through
         ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``; a collective: call it on
         every rank), each in the dtype it was loaded in (the float32 masters rounded to bfloat16 in
         mixed precision); None on the other ranks. Tied weights (an embedding and the LM head) are
         one tensor under both names, as in the unsharded model, so ``save_pretrained`` writes it
-        once, as it does for that model."""
+        once, as it does for that model. ``trainable_only``: the weights that train (a LoRA
+        model's adapters: what an adapter sync moves), gathered alone (``ignore_frozen_params``;
+        a frozen weight tied to another may come along, as in ``_sharded_state``)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+        full = get_model_state_dict(self.model, options=options)
         if self.rank != 0:
             return None
         first: dict[int, str] = {}

@@ -33,8 +33,9 @@ def inference_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state_tensors(merged)
 
 
-def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The LoRA adapters of the peft ``model``: its ``state_tensors`` under the adapter layers
+def adapter_tensors(model: torch.nn.Module, gathered: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The LoRA adapters of the peft ``model``: its ``state_tensors`` (or of ``gathered``: its
+    state-dict tensors gathered from the ranks of a sharded trainer) under the adapter layers
     of its tuner layers (each ``BaseTunerLayer``'s ``adapter_layer_names``: ``lora_A``,
     ``lora_B``, and ``lora_embedding_A/B`` for an adapted embedding), found structurally as peft's
     own ``BaseTuner._mark_only_adapters_as_trainable`` finds them (peft/tuners/tuners_utils.py,
@@ -55,7 +56,8 @@ def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
         prefixes = tuple(f"{name}.{layer}." for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)
                          for layer in m.adapter_layer_names)
-    tensors = {n: t for n, t in state_tensors(model).items() if n.startswith(prefixes)} if prefixes else {}
+    source = state_tensors(model) if gathered is None else gathered
+    tensors = {n: t for n, t in source.items() if n.startswith(prefixes)} if prefixes else {}
     if not tensors:
         raise WeightSyncError(f"an adapter sync was asked of a {type(model).__name__}, which holds no LoRA adapter "
                               "(update.lora is not set for this policy)")
@@ -66,6 +68,25 @@ def adapter_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                               "adapters would not carry; train in float32, or in stage mode, or with an adapter of "
                               "LoRA layers only")
     return tensors
+
+
+def trained_adapters(strategy) -> dict[str, torch.Tensor] | None:
+    """The trained LoRA adapters (``adapter_tensors``) of a single-process or FSDP2 trainer, what
+    an adapter sync moves: under FSDP2 gathered alone onto rank 0's CPU
+    (``FSDPStrategy.full_state_dict(trainable_only=True)``, a collective: every rank calls it;
+    None on the ranks above 0), under the names of the unsharded peft model (FSDP2 keeps them).
+
+    Raises:
+        WeightSyncError: ``adapter_tensors``'s; a DeepSpeed trainer (its bf16 mode casts every
+            parameter, the adapters too, to bfloat16: ``_cast_module_mixed_precision``,
+            deepspeed/runtime/engine.py 0.19.8; ``resident_blockers`` refuses the config first)."""
+    if isinstance(strategy, DeepSpeedStrategy):
+        raise WeightSyncError("an adapter sync from a DeepSpeed trainer is not implemented (update.deepspeed with "
+                              "update.lora under resident workers is refused: TrainConfig.resident_blockers)")
+    if not isinstance(strategy, FSDPStrategy):
+        return adapter_tensors(strategy.model)
+    gathered = strategy.full_state_dict(trainable_only=True)
+    return None if gathered is None else adapter_tensors(strategy.module, gathered)
 
 
 def strategy_device(strategy) -> torch.device:

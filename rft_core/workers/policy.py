@@ -33,7 +33,7 @@ from rft_core.weightsync.collective import host_address
 from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
 from rft_core.weightsync.session import Offer
 from rft_core.weightsync.shm import Shm, host_id
-from rft_core.weightsync.trained import adapter_tensors, strategy_device, trained_tensors
+from rft_core.weightsync.trained import SHARDED, strategy_device, trained_adapters, trained_tensors
 from rft_core.workers.base import FanOut, Gang, ResidentWorker, Started, fan_out
 from schemas import PolicyRef
 
@@ -150,10 +150,18 @@ class PolicyWorker(ResidentWorker):
         DeepSpeed gathered from the ranks (a collective: every rank calls it), on rank 0 only
         (None on the others). ``keep``: hold them for the next call (a ``prepare_weights`` whose
         plan needs them, then its ``send_weights``), which takes them; a ZeRO-3 gather or a LoRA
-        merge then runs once per sync."""
+        merge then runs once per sync.
+
+        Raises:
+            WeightSyncError: the trainer is a sharded LoRA model, which sends its adapters only
+                (``trained_adapters``), never merged weights."""
         kept, self._prepared = self._prepared, None
         if kept is not None and kept[0] == self.version:
             tensors = kept[1]
+        elif isinstance(self.held.strategy, SHARDED) and is_peft_model(self.held.strategy.module):
+            raise WeightSyncError("a sharded LoRA trainer sends its adapters only (to a copy that keeps them: the hf "
+                                  "engine below float32, rft_core.models.lora.keeps_adapters), not merged weights; "
+                                  "set policy.dtype: bfloat16 with rollout.engine: hf")
         else:
             tensors = trained_tensors(self.held.strategy)
         if keep:
@@ -168,8 +176,8 @@ class PolicyWorker(ResidentWorker):
         handoff transport's ``extra["handoff"]``); the other ranks of a DeepSpeed gang take part
         in the gather and return None. With ``meet.adapters`` (a receiver that keeps a LoRA
         policy's adapters on a base of its own) it sends the LoRA adapters only
-        (``adapter_tensors``: a single-process trainer's; ``resident_blockers`` refuses LoRA on
-        a sharded one).
+        (``trained_adapters``: a single-process trainer's, or gathered alone from an FSDP2 gang
+        onto rank 0; ``resident_blockers`` refuses LoRA under DeepSpeed).
 
         Raises:
             WeightSyncError: this worker does not hold ``ref``, the send failed, or adapters were
@@ -177,7 +185,7 @@ class PolicyWorker(ResidentWorker):
         """
         if self.version != version_key(ref):
             raise WeightSyncError(f"the policy worker holds {self.version}, not {version_key(ref)}")
-        tensors = adapter_tensors(self.held.strategy.model) if meet.adapters else self._send_tensors()
+        tensors = trained_adapters(self.held.strategy) if meet.adapters else self._send_tensors()
         if tensors is None:  # a rank above 0: it took part in the gather, rank 0 sends
             return None
         plan = SyncPlan.of(tensors, dtype=meet.dtype, bucket_mb=self.sync_bucket_mb)

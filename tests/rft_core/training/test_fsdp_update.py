@@ -205,6 +205,59 @@ def test_resident_fsdp_gang_keeps_its_state_and_equals_the_torchrun_updates(upda
     assert read_manifest(opt_state.optimizer_state_uri(refs[-1]))[0].summary["format"] == "fsdp"
 
 
+@pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py; with the resident FSDP2 gang test above)
+def test_a_resident_fsdp_lora_gang_in_bfloat16_syncs_its_adapters_alone(update_inputs, tiny_model, tmp_path):
+    """orchestration.policy_ranks=2 with update.fsdp and update.lora on a bfloat16 base: 2 updates,
+    the first weightless (checkpoint.every=2). The rollout worker (``WorkersConfig.lora``) pulls
+    each version's float32 adapters alone, gathered from both ranks onto rank 0
+    (``trained_adapters``): 16384 bytes a sync (2 layers x rank 4 x 512 in+out features x 4
+    bytes), not the model. Version 1, on no storage, equals the single-process update within 1e-6
+    (the adapters moved); version 2 equals the committed adapter checkpoint loaded as stage mode
+    loads it (adapters kept on the bfloat16 base) bit for bit, base included."""
+    pytest.importorskip("ray")
+    import ray
+
+    from rft_core.config import RayConfig, WorkersConfig
+    from rft_core.stages.lineage import has_weights
+    from rft_core.workers.pool import run_resident, start_worker, stop_workers
+
+    lora = LoraConfig(rank=4, alpha=8.0)
+    cfg = update_inputs[3].model_copy(update={"lora": lora})
+    with one_thread():
+        single = [run_update(update_inputs, tiny_model, cfg, "lora16-single-1", dtype="bfloat16")]
+        single.append(run_update(update_inputs, single[0], cfg, "lora16-single-2", dtype="bfloat16"))
+    env = {"OMP_NUM_THREADS": "1"}
+    workers = WorkersConfig(pool=str(tmp_path), threads=1, policy_ranks=2, lora=lora,
+                            ray=RayConfig(options={"policy": {"runtime_env": {"env_vars": env}}}))
+    root, r, a = update_inputs[:3]
+    refs, synced, sent, policy = [], [], [], tiny_model
+    try:
+        rollout = start_worker(workers, "rollout")
+        ray.get(rollout.inference_model.remote(tiny_model, dtype="bfloat16", role="policy"))
+        for i in (1, 2):
+            inp = PPOUpdateInput(rollout=r, advantages=a, policy=policy, update=fsdp(cfg), kl=KLConfig(),
+                                 temperature=1.0, out=str(root / f"resident-fsdp-lora16-{i}"), save_checkpoint=i == 2,
+                                 dtype="bfloat16")
+            policy = run_resident(inp, workers)
+            refs.append(policy)
+            model = ray.get(rollout.inference_model.remote(policy, dtype="bfloat16", role="policy"))
+            synced.append({k: v.clone() for k, v in model.state_dict().items()})
+            sent.append(ray.get(rollout.stats.remote())["weight_sync_bytes"])
+    finally:
+        stop_workers(workers.pool)
+    assert [has_weights(x) for x in refs] == [False, True]
+    assert sent == [16384, 2 * 16384]
+    want = [load_causal_lm(f"{u.uri}/policy", dtype="bfloat16").state_dict() for u in single]
+    stored = load_causal_lm(f"{refs[1].uri}/policy", dtype="bfloat16").state_dict()
+    adapters = [k for k in stored if ".lora_" in k]
+    assert adapters and stored[adapters[0]].dtype == torch.float32 and synced[0].keys() == stored.keys()
+    assert max(synced[0][k].abs().max().item() for k in adapters if "lora_B" in k) > 1e-4  # moved from 0
+    assert max_diff({k: synced[0][k] for k in adapters}, {k: want[0][k] for k in adapters}) < 1e-6
+    assert max_diff({k: synced[1][k] for k in adapters}, {k: want[1][k] for k in adapters}) < 1e-6
+    assert max_diff({k: synced[1][k] for k in adapters}, {k: synced[0][k] for k in adapters}) > 1e-5  # a new version
+    assert all(torch.equal(synced[1][k], v) for k, v in stored.items())
+
+
 @pytest.fixture
 def own_process_group():
     """A world of one rank in this process for the test (FSDP2 needs a process group), removed
