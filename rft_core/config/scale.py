@@ -138,7 +138,8 @@ class WorkersConfig(_Frozen):
     lora: LoraConfig | None = Field(None, description="update.lora: the rollout worker's copy of a LoRA policy below "
                                     "float32 keeps the adapters on its base, as the trainer computes, and its syncs "
                                     "move the adapters only (rft_core.models.lora.keeps_adapters); in float32 it "
-                                    "receives the merged weights")
+                                    "receives the merged weights; a vLLM or SGLang engine serves the adapters in any "
+                                    "dtype, as an adapter folder")
 
 
 class RunnerConfig(_Frozen):

@@ -99,6 +99,9 @@ class SGLangEngine(SyncedWeights):
             when ``lora_path`` is given.
         eos_ids: token ids that end a response.
         lora_path: a peft adapter folder to apply.
+        enable_lora: build a LoRA engine without an adapter to serve yet (a resident LoRA run:
+            it serves the base, its initial policy, until ``load_policy`` gives it an adapter
+            landed from a sync); implied by ``lora_path``.
         tensor_parallel_size: SGLang ``tp_size``.
         mem_fraction_static: SGLang's fraction of GPU memory for weights and KV cache.
         dtype: the policy dtype; the engine runs in ``engine_dtype(dtype)``.
@@ -116,7 +119,7 @@ class SGLangEngine(SyncedWeights):
     def __init__(self, model_path: str, *, eos_ids: set[int], lora_path: str | None = None, tensor_parallel_size: int = 1,
                  mem_fraction_static: float = 0.5, dtype: str = "auto", max_model_len: int | None = None,
                  enable_memory_saver: bool = False, max_lora_rank: int = 64, deterministic: bool = True,
-                 engine: Any = None) -> None:
+                 enable_lora: bool = False, engine: Any = None) -> None:
         _refuse_original_logprobs()
         self.eos_ids = set(eos_ids)
         self.deterministic = deterministic
@@ -130,7 +133,7 @@ class SGLangEngine(SyncedWeights):
                 "enable_deterministic_inference": deterministic}
             if max_model_len is not None:
                 kwargs["context_length"] = max_model_len
-            if lora_path is not None:
+            if lora_path is not None or enable_lora:
                 kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, lora_target_modules=["all"])
             engine = build_engine(**kwargs)
         self.engine = engine
@@ -141,25 +144,30 @@ class SGLangEngine(SyncedWeights):
         self._loaded_path: str | None = model_path  # the checkpoint the GPU weights hold
         self.weights_version: str | None = None  # the synced version the GPU weights hold (receive_weights)
         self._released = False
-        self._lora = lora_path is not None
-        self._lora_path = lora_path  # the adapter to serve
+        self._lora = lora_path is not None or enable_lora  # a LoRA engine: it serves adapters on its base
+        self._lora_path = lora_path  # the adapter to serve (None on a LoRA engine: its base alone)
         self._lora_loaded: str | None = None  # the adapter folder loaded now
         self._lora_name: str | None = None
         self._lora_names = itertools.count(1)
 
-    def load_policy(self, model_path: str, lora_path: str | None = None) -> None:
+    def load_policy(self, model_path: str, lora_path: str | None = None, *, version: str | None = None) -> None:
         """Serve another checkpoint of the same model from the next ``generate`` on (weights from
-        disk in place; a LoRA adapter under a new name).
+        disk in place; a LoRA adapter under a new name; on a LoRA engine, its base itself without
+        an adapter for ``lora_path`` None: a LoRA run's initial policy).
 
+        Args:
+            version: what the adapter folder holds when it was landed by a sync (a resident
+                rollout worker's key of the policy version: ``weights_version``), else None.
         Raises:
-            ValueError: LoRA/full mismatch with how the engine was built, or another LoRA base.
+            ValueError: LoRA/full mismatch with how the engine was built (another full checkpoint
+                than its base on a LoRA engine), or another LoRA base.
         """
-        if (lora_path is not None) != self._lora:
+        if lora_path is not None and not self._lora or lora_path is None and self._lora and model_path != self.weights_path:
             raise ValueError(f"the cached SGLang engine was built {'with' if self._lora else 'without'} LoRA; "
                              f"cannot serve {lora_path or model_path} on it (release it first)")
         if lora_path is not None and model_path != self.weights_path:
             raise ValueError(f"LoRA adapter {lora_path} has base {model_path}, the engine serves {self.weights_path}")
-        self.weights_path, self.weights_version = model_path, None
+        self.weights_path, self.weights_version = model_path, version if self._lora else None
         self._lora_path = lora_path
 
     def _resume(self) -> None:
@@ -189,9 +197,11 @@ class SGLangEngine(SyncedWeights):
         if self._lora and self._lora_loaded != self._lora_path:
             if self._lora_name is not None:
                 _check_ok(self.engine.unload_lora_adapter(self._lora_name), f"unload_lora_adapter({self._lora_name})")
-            name = f"policy-{next(self._lora_names)}"
-            _check_ok(self.engine.load_lora_adapter(name, self._lora_path), f"load_lora_adapter({self._lora_path})")
-            self._lora_name, self._lora_loaded = name, self._lora_path
+                self._lora_name = self._lora_loaded = None
+            if self._lora_path is not None:
+                name = f"policy-{next(self._lora_names)}"
+                _check_ok(self.engine.load_lora_adapter(name, self._lora_path), f"load_lora_adapter({self._lora_path})")
+                self._lora_name, self._lora_loaded = name, self._lora_path
 
     @property
     def sync_world_size(self) -> int:
@@ -335,7 +345,7 @@ class SGLangEngine(SyncedWeights):
             self._ensure_ready()
             params = [self._sampling_params(p, k, n, seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
                                             top_p=top_p) for p, k in keys]
-            extra = {"lora_path": [self._lora_name] * len(keys)} if self._lora else {}
+            extra = {"lora_path": [self._lora_name] * len(keys)} if self._lora_name is not None else {}
             outs = self.engine.generate(input_ids=[list(prompts[p]) for p, _ in keys], sampling_params=params,
                                         return_logprob=True, **extra)
             outs = [outs] if isinstance(outs, dict) else list(outs)
@@ -374,13 +384,15 @@ class SGLangEngine(SyncedWeights):
     def sleep(self) -> None:
         """Release the GPU memory of weights and KV cache (``release_memory_occupation``; needs
         ``enable_memory_saver``); the weights are reloaded on the next ``generate`` (synced
-        weights are not kept: the engine is invalid until the next sync)."""
+        weights are not kept: the engine is invalid until the next sync; a LoRA engine reloads its
+        base from disk and its adapter from its folder, so it still holds its version)."""
         if self._released:
             return
         self.engine.release_memory_occupation()
         self._released = True
-        self._loaded_path = self.weights_version = None
-        self._lora_loaded = None
+        self._loaded_path = self._lora_loaded = None
+        if not self._lora:
+            self.weights_version = None
 
     def wake_up(self) -> None:
         """Take the GPU memory back and reload what ``sleep`` released."""

@@ -216,6 +216,9 @@ class VLLMEngine(SyncedWeights):
             when ``lora_path`` is given.
         eos_ids: token ids that end a response (the tokenizer's and the generation config's EOS).
         lora_path: a peft adapter folder to apply (vLLM LoRA).
+        enable_lora: build a LoRA engine without an adapter to serve yet (a resident LoRA run:
+            it serves the base, its initial policy, until ``load_policy`` gives it an adapter
+            landed from a sync); implied by ``lora_path``.
         dtype: the policy dtype; the engine runs in ``engine_dtype(dtype)``.
         enable_sleep_mode: build the engine with sleep mode and sleep after every ``generate``.
         llm: an object with vllm.LLM's ``generate(prompts, sampling_params, use_tqdm=..., lora_request=...)``
@@ -231,7 +234,7 @@ class VLLMEngine(SyncedWeights):
 
     def __init__(self, model_path: str, *, eos_ids: set[int], lora_path: str | None = None, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, dtype: str = "auto", max_model_len: int | None = None,
-                 enable_sleep_mode: bool = False, max_lora_rank: int = 64, llm: Any = None,
+                 enable_sleep_mode: bool = False, max_lora_rank: int = 64, enable_lora: bool = False, llm: Any = None,
                  sampling_params: Callable[..., Any] | None = None, reload_timeout_s: float = RELOAD_TIMEOUT_S) -> None:
         self.eos_ids = set(eos_ids)
         self.reload_timeout_s = reload_timeout_s
@@ -247,7 +250,7 @@ class VLLMEngine(SyncedWeights):
                 "enable_prefix_caching": True, "worker_extension_cls": WORKER_EXTENSION}
             if max_model_len is not None:
                 kwargs["max_model_len"] = max_model_len
-            if lora_path is not None:
+            if lora_path is not None or enable_lora:
                 kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank)
             llm = build_llm(**kwargs)
         self.llm = llm
@@ -258,27 +261,34 @@ class VLLMEngine(SyncedWeights):
         self._sleep_level = 0
         self._weights_awake = False  # the weights were woken while the KV cache still sleeps
         self._lora_ids = itertools.count(1)
+        self.lora = lora_path is not None or enable_lora  # a LoRA engine: it serves adapters on its base
         self.lora_request = lora_request(lora_path, next(self._lora_ids)) if lora_path is not None else None
         self._lora_path = lora_path
 
-    def load_policy(self, model_path: str, lora_path: str | None = None) -> None:
+    def load_policy(self, model_path: str, lora_path: str | None = None, *, version: str | None = None) -> None:
         """Serve another checkpoint of the same model from now on: a full checkpoint's weights
         are reloaded in place before the next ``generate``; a LoRA checkpoint (``lora_path``, on
-        the same base ``model_path``) gets a new ``LoRARequest``.
+        the same base ``model_path``) gets a new ``LoRARequest``; on a LoRA engine, its base
+        itself (``lora_path`` None) is served without an adapter (a LoRA run's initial policy).
 
+        Args:
+            version: what the adapter folder holds when it was landed by a sync (a resident
+                rollout worker's key of the policy version: ``weights_version``), else None.
         Raises:
-            ValueError: a LoRA checkpoint on an engine built without LoRA, a full one on a LoRA
-                engine, or a LoRA checkpoint on another base model.
+            ValueError: a LoRA checkpoint on an engine built without LoRA, another full checkpoint
+                than its base on a LoRA engine, or a LoRA checkpoint on another base model.
         """
-        if (lora_path is None) != (self.lora_request is None):
-            raise ValueError(f"the cached vLLM engine was built {'with' if self.lora_request else 'without'} LoRA; "
+        if lora_path is not None and not self.lora or lora_path is None and self.lora and model_path != self.weights_path:
+            raise ValueError(f"the cached vLLM engine was built {'with' if self.lora else 'without'} LoRA; "
                              f"cannot serve {lora_path or model_path} on it (release it first)")
-        if lora_path is not None:
+        if self.lora:
             if model_path != self.weights_path:
                 raise ValueError(f"LoRA adapter {lora_path} has base {model_path}, the engine serves {self.weights_path}")
-            if lora_path != self._lora_path:
+            if lora_path is None:
+                self.lora_request = None
+            elif lora_path != self._lora_path or self.lora_request is None:
                 self.lora_request = lora_request(lora_path, next(self._lora_ids))
-                self._lora_path = lora_path
+            self._lora_path, self.weights_version = lora_path, version
             return
         self.weights_path, self.weights_version = model_path, None
 
@@ -332,7 +342,7 @@ class VLLMEngine(SyncedWeights):
         Raises:
             ValueError: a LoRA engine (it serves adapters; a sync moves full weights).
         """
-        if self.lora_request is not None:
+        if self.lora:
             raise ValueError("a vLLM engine built with LoRA serves adapters; an in-memory weight sync needs an engine "
                              "built on the full model (lora_path=None)")
         return 1 + self.tensor_parallel_size
@@ -472,7 +482,7 @@ class VLLMEngine(SyncedWeights):
         Needs ``enable_sleep_mode``."""
         if self._sleep_level:
             return
-        level = level if level is not None else (1 if self.lora_request is not None or self.weights_version else 2)
+        level = level if level is not None else (1 if self.lora or self.weights_version else 2)
         self.llm.sleep(level=level)
         self._sleep_level, self._weights_awake = level, False
         if level >= 2:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from rft_core.models.hub import ModelLoadError, attn_implementation, set_trainable
-from rft_core.models.pretrained import load_pretrained, load_tokenizer
+from rft_core.models.pretrained import load_pretrained, load_tokenizer, resolve_model_path
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -114,6 +114,38 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: floa
         peft_model = get_peft_model(model, cfg)
     peft_model.peft_config["default"].base_model_name_or_path = base_path
     return peft_model
+
+
+def adapter_shell(base_path: str, *, rank: int, alpha: float, dropout: float, target_modules):
+    """A peft LoRA model of ``base_path``'s architecture on the meta device (``from_config`` under
+    ``torch.device("meta")``: no weights read, no memory; its adapters float32, as a trainer's):
+    the names, shapes and adapter config of a LoRA policy's adapters without its weights. What a
+    receiver that holds no HF copy of the policy (a resident vLLM or SGLang engine) lands a sync of
+    the adapters against and writes them back out with (``save_adapter``).
+
+    Raises:
+        OSError, ValueError: transformers cannot read the config of ``base_path``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(resolve_model_path(base_path))
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return apply_lora(base, rank=rank, alpha=alpha, dropout=dropout, target_modules=target_modules, base_path=base_path)
+
+
+def save_adapter(shell, adapters: dict[str, torch.Tensor], out_dir: str | Path) -> str:
+    """Write ``adapters`` (the peft model ``shell``'s adapter tensors under its state-dict names,
+    e.g. landed by a sync: ``rft_core.weightsync.trained.adapter_tensors``) as a peft adapter
+    folder, as a checkpoint's (``adapter_config.json`` with sorted target modules,
+    ``adapter_model.safetensors``; peft's own ``save_pretrained(state_dict=...)``, which drops
+    the adapter name from the keys): what vLLM's ``LoRARequest`` and SGLang's
+    ``load_lora_adapter`` load. Returns ``out_dir`` as a string."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with sorted_target_modules(shell):
+        shell.save_pretrained(out, state_dict=adapters)
+    return str(out)
 
 
 def load_adapter_policy(adapter_dir: str | Path, *, dtype: str = "float32", trainable: bool = False,

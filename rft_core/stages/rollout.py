@@ -102,9 +102,10 @@ def make_engine(cfg: RolloutConfig, policy: PolicyRef, *, dtype: str):
     Inside a resident worker (``rft_core.stages.sources.current_source``), a vLLM/SGLang engine is built (or reused
     without reloading) from ``config_folder(policy)``, the checkpoint ``policy``'s weights
     descend from (an update that kept its weights in memory has no weights on storage:
-    ``policy_model_path`` raises ``WeightlessPolicyError``), as a full model (a LoRA policy's
-    synced weights are merged), and gets ``policy``'s weights from ``source.engine_policy``
-    (``ModelSource.engine_policy``: an in-memory sync, ``rft_core.weightsync``).
+    ``policy_model_path`` raises ``WeightlessPolicyError``), as a full model, or for a LoRA run
+    (``ModelSource.engine_lora``) as a LoRA engine on the base, and gets ``policy``'s weights (a
+    LoRA policy's adapters) from ``source.engine_policy`` (``ModelSource.engine_policy``: an
+    in-memory sync, ``rft_core.weightsync``).
     """
     path = config_folder(policy)
     tok = load_tokenizer(path)
@@ -118,21 +119,23 @@ def make_engine(cfg: RolloutConfig, policy: PolicyRef, *, dtype: str):
         path = policy_model_path(policy)
     lora = path if is_adapter_dir(path) else None
     base = resolve_model_path(adapter_base_path(path) if lora else path)
+    adapters = synced and getattr(source, "engine_lora", False)  # a LoRA run: the worker lands each version's adapters
     if synced:
-        lora = None  # a LoRA policy's synced weights are merged: the engine serves the full model
+        lora = None  # the engine is built on the base; the worker's sync gives it what to serve
     eos = engine_eos_ids(tok, base)
     if cfg.engine == "vllm":
         v = cfg.vllm or VLLMConfig()
         engine = get_vllm_engine(base, eos_ids=eos, lora_path=lora, tensor_parallel_size=v.tensor_parallel_size,
                                  gpu_memory_utilization=v.gpu_memory_utilization, dtype=dtype,
                                  max_model_len=v.max_model_len, enable_sleep_mode=v.enable_sleep_mode,
-                                 max_lora_rank=v.max_lora_rank, reload=not synced)
+                                 max_lora_rank=v.max_lora_rank, enable_lora=adapters, reload=not synced)
     else:
         sg = cfg.sglang or SGLangConfig()
         engine = get_sglang_engine(base, eos_ids=eos, lora_path=lora, tensor_parallel_size=sg.tensor_parallel_size,
                                    mem_fraction_static=sg.mem_fraction_static, dtype=dtype,
                                    max_model_len=sg.max_model_len, enable_memory_saver=sg.enable_memory_saver,
-                                   max_lora_rank=sg.max_lora_rank, deterministic=sg.deterministic, reload=not synced)
+                                   max_lora_rank=sg.max_lora_rank, deterministic=sg.deterministic, enable_lora=adapters,
+                                   reload=not synced)
     if synced:
         source.engine_policy(engine, policy)
     return engine, tok

@@ -60,6 +60,10 @@ class ModelSource(Protocol):
     """Whether the worker keeps the CUDA caching allocator's blocks after a program: a resident
     worker runs the same passes every iteration and reuses them (``release_models``)."""
 
+    engine_lora: bool
+    """Whether the rollout's GPU engine serves a LoRA policy's adapters (the run's ``update.lora``):
+    built with LoRA on the base, it gets each version's adapters from ``engine_policy``."""
+
     def engine_policy(self, engine: Any, ref: PolicyRef) -> None:
         """Make the rollout's GPU engine (``VLLMEngine``, ``SGLangEngine``, built once per run by
         ``rft_core.stages.rollout.make_engine``) hold exactly ``ref``: an in-memory weight sync

@@ -14,5 +14,6 @@ it imports neither (docs/architecture.md, "Weight sync", tables its transports).
 - the backends: ``local`` (one process), ``shm`` (two processes on one host's CPU),
   ``collective`` (gloo, NCCL), ``cuda_ipc`` (one GPU, two processes), ``engine`` (into vLLM's
   workers, into SGLang);
-- ``trained``: what a trainer sends (LoRA merged, ZeRO gathered) and the digest commits record.
+- ``trained``: what a trainer sends (LoRA merged or its adapters alone, ZeRO and FSDP2 gathered)
+  and the digest commits record.
 """

@@ -152,10 +152,10 @@ def check_adapters(offer: Offer, landing: Landing, what: str) -> None:
     a landing that asks for adapters from a sender without them, and an HF copy below float32
     that would take a LoRA policy's merged weights where stage mode's passes keep the adapters
     (``rft_core.models.lora.keeps_adapters``: its rollouts would differ from stage mode's; the
-    rollout worker is given the run's ``update.lora`` by ``WorkersConfig.lora``). An engine
-    (vLLM, SGLang) takes the merged weights in any dtype, so in bfloat16 its resident rollouts
-    still differ from stage mode's, whose engine serves the adapter checkpoint unmerged
-    (``LoRARequest``; an adapter sync into an engine is not built: docs/scale.md).
+    rollout worker is given the run's ``update.lora`` by ``WorkersConfig.lora``), and an engine
+    (vLLM, SGLang) that would take them merged in any dtype, where stage mode's engine serves the
+    adapter checkpoint unmerged (``LoRARequest``, ``load_lora_adapter``): a LoRA run's rollout
+    worker lands the adapters for its engine instead (``RolloutWorker._engine_adapters``).
 
     Raises:
         WeightSyncError: as above.
@@ -163,7 +163,12 @@ def check_adapters(offer: Offer, landing: Landing, what: str) -> None:
     if landing.adapters and not offer.lora:
         raise WeightSyncError(f"{what}: the receiving copy keeps LoRA adapters but the policy worker holds a policy "
                               "without them (update.lora differs between the two)")
-    if offer.lora and not landing.adapters and landing.engine_kind is None and keeps_adapters(landing.dtype):
+    if offer.lora and not landing.adapters and landing.engine_kind is not None:
+        raise WeightSyncError(f"{what}: the policy is a LoRA model and the {landing.engine_kind} engine would take its "
+                              "merged weights, where stage mode's engine serves the adapter on the base; the rollout "
+                              "worker was not given the run's update.lora (WorkersConfig.lora), which has it land the "
+                              "adapters for its engine")
+    if offer.lora and not landing.adapters and keeps_adapters(landing.dtype):
         raise WeightSyncError(f"{what}: the policy is a LoRA model and the receiving copy is {landing.dtype}, below "
                               "float32, where it keeps the float32 adapters on its base as the trainer computes; it "
                               "was not given the run's update.lora (RolloutWorker(lora=...), WorkersConfig.lora), so "

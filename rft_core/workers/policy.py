@@ -160,8 +160,8 @@ class PolicyWorker(ResidentWorker):
             tensors = kept[1]
         elif isinstance(self.held.strategy, SHARDED) and is_peft_model(self.held.strategy.module):
             raise WeightSyncError("a sharded LoRA trainer sends its adapters only (to a copy that keeps them: the hf "
-                                  "engine below float32, rft_core.models.lora.keeps_adapters), not merged weights; "
-                                  "set policy.dtype: bfloat16 with rollout.engine: hf")
+                                  "engine's below float32, rft_core.models.lora.keeps_adapters, or a vLLM or SGLang "
+                                  "engine), not merged weights; set policy.dtype: bfloat16")
         else:
             tensors = trained_tensors(self.held.strategy)
         if keep:

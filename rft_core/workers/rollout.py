@@ -9,8 +9,11 @@ A GPU engine (vLLM, SGLang) gets the trainer's weights the same way, into the en
 loader (``IntoEngine``); the engine counts as invalid until they land (an engine that failed a
 sync serves nothing: its ``generate`` raises ``WeightSyncError``, until a sync or a checkpoint
 load succeeds). When the trainer does not hold the version, the copy or the engine loads it
-from storage (``full_checkpoint`` for an engine). What is this worker's own: which copy holds
-which version (``_switch``), and which engine serves.
+from storage (``full_checkpoint`` for an engine). In a LoRA run the engine is built with LoRA on
+the base and serves each version's adapters, as stage mode's engine serves an adapter checkpoint:
+a sync lands the trainer's adapters in host tensors, which become an adapter folder the engine
+loads (``_engine_adapters``). What is this worker's own: which copy holds which version
+(``_switch``), and which engine serves.
 
 A synchronous run hands this worker the new policy right after each update (``sync_ahead``, which
 the flow calls through ``rft_core.workers.pool.sync_rollout_ahead``): the same pull into its copy
@@ -34,7 +37,8 @@ import torch
 from rft_core.config import LoraConfig, WorkersConfig
 from rft_core.counters import count
 from rft_core.models.hub import set_trainable
-from rft_core.models.lora import apply_lora, is_adapter_dir, is_peft_model, keeps_adapters, merge_adapter
+from rft_core.models.lora import (adapter_base_path, adapter_shell, apply_lora, is_adapter_dir, is_peft_model,
+                                  keeps_adapters, merge_adapter, save_adapter)
 from rft_core.models.pretrained import resolve_model_path
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.lineage import has_weights, weights_base
@@ -67,7 +71,8 @@ class RolloutWorker(ResidentWorker):
             (``keeps_adapters``) each copy keeps the policy's float32 adapters on its base, as the
             trainer and stage mode's passes compute, and a sync moves the adapters only
             (``adapter_tensors``, ``Meet.adapters``); None, or in float32: full weights, a LoRA
-            policy's merged.
+            policy's merged. A GPU engine of a LoRA run serves the adapters in any dtype
+            (``_engine_adapters``).
         peer: for tests without Ray: the policy worker object itself (else its Ray actors, by name).
     """
 
@@ -89,6 +94,8 @@ class RolloutWorker(ResidentWorker):
         self._kept: dict[str, torch.nn.Module] = {}  # the copies of other policy versions
         self._arrived: dict[str, int] = {}  # version -> the order it arrived in (load or sync)
         self._merged: str | None = None  # a LoRA checkpoint merged for a GPU engine (engine_policy)
+        self._shell: tuple[str, Any, dict[str, torch.Tensor]] | None = None  # (base, adapter_shell, host adapters)
+        self._served: str | None = None  # the adapter folder a LoRA engine serves, landed by a sync
         self.syncs: list[dict[str, Any]] = []
         self._ahead: threading.Thread | None = None  # a sync ahead still landing (sync_ahead)
 
@@ -154,8 +161,12 @@ class RolloutWorker(ResidentWorker):
 
     @fan_out(FanOut.EACH)
     def close(self) -> None:
-        """Wait for a sync ahead (``settle``) before the worker is stopped."""
+        """Wait for a sync ahead (``settle``) before the worker is stopped, and remove the adapter
+        folder its engine served (``_engine_adapters``)."""
         self.settle()
+        served, self._served = self._served, None
+        if served:
+            shutil.rmtree(served, ignore_errors=True)
         super().close()
 
     # -- ModelSource ------------------------------------------------------------------------
@@ -258,6 +269,11 @@ class RolloutWorker(ResidentWorker):
         self.syncs.append({"version": version, "bytes": got.bytes, "seconds": got.seconds, "backend": got.backend,
                            "buckets": got.buckets, **got.extra, **extra})
 
+    @property
+    def engine_lora(self) -> bool:
+        """``ModelSource.engine_lora``: a LoRA run (``lora``) has its GPU engine serve the adapters."""
+        return self.lora is not None
+
     def engine_policy(self, engine, ref: PolicyRef) -> None:
         """``ModelSource.engine_policy``: make this worker's GPU engine (``VLLMEngine``,
         ``SGLangEngine``, built once per run by ``make_engine``) hold ``ref``: an in-memory sync
@@ -268,10 +284,11 @@ class RolloutWorker(ResidentWorker):
         (``full_checkpoint``: a LoRA adapter merged first). No policy gang runs yet before the
         first update (iteration 1's rollout, or a resumed run's first rollout): a ``ref`` on
         storage is then its checkpoint, which a fresh engine built from it already holds (nothing
-        reloads). A sync is counted and recorded in ``syncs``.
+        reloads). A sync is counted and recorded in ``syncs``. In a LoRA run (``lora``) the
+        engine serves adapters instead (``_engine_adapters``).
 
         Raises:
-            ValueError: a LoRA engine (a sync moves full weights).
+            ValueError: a LoRA engine outside a LoRA run (a sync moves full weights).
             WeightSyncError: the sync failed or its digests differ.
             WorkerError: the policy worker is not a Ray actor (an engine sync crosses processes),
                 or it is not running and ``ref`` is not on storage (an update that kept its
@@ -279,6 +296,9 @@ class RolloutWorker(ResidentWorker):
         """
         key = version_key(ref)
         if engine.weights_version == key:  # already holds it: no policy lookup on this path
+            return
+        if self.lora is not None:
+            self._engine_adapters(engine, ref, key)
             return
         policy = self._running_policy(ref)
         got = None
@@ -293,6 +313,48 @@ class RolloutWorker(ResidentWorker):
             engine.load_policy(path)
             return
         self._record(key, got, engine=type(engine).__name__)
+
+    def _engine_adapters(self, engine, ref: PolicyRef, key: str) -> None:
+        """A LoRA run's engine (built with LoRA on the base, ``make_engine``) serves ``ref`` as
+        stage mode's engine serves an adapter checkpoint (``LoRARequest``, ``load_lora_adapter``):
+        the trainer's float32 adapters are pulled into host tensors shaped by an adapter shell of
+        the engine's base (``adapter_shell``: the meta device; any transport between processes or
+        in one, the digest verified), written as a peft adapter folder (``save_adapter``, a new
+        local temporary folder; the previous one removed) and served from it with ``version``
+        recorded; a version on storage and not held by the trainer is served from its checkpoint:
+        the adapter folder itself, or the base alone (the initial policy). The engine keeps
+        serving what it served until the new adapter is handed to it; its ``weights_version`` is
+        cleared first, so a failed sync leaves it holding no version (the next rollout syncs again)."""
+        policy = self._running_policy(ref)
+        base = engine.weights_path
+        got, target = None, None
+        if policy is not None:
+            target = self._adapter_target(base)
+            engine.weights_version = None
+            got = pull(PolicySendLeg(policy, ref), IntoTensors(target, adapters=True), version=key,
+                       timeout_s=self.sync_timeout_s, bucket_mb=self.sync_bucket_mb)
+        if got is None:
+            path = policy_model_path(ref)
+            if is_adapter_dir(path):
+                engine.load_policy(resolve_model_path(adapter_base_path(path)), path)
+            else:
+                engine.load_policy(resolve_model_path(path))
+            return
+        old, self._served = self._served, tempfile.mkdtemp(prefix="rft-synced-adapter-")
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        engine.load_policy(base, save_adapter(self._shell[1], target, self._served), version=key)
+        self._record(key, got, engine=type(engine).__name__)
+
+    def _adapter_target(self, base: str) -> dict[str, torch.Tensor]:
+        """The host tensors a LoRA engine's adapters land in: one float32 tensor per adapter of
+        ``lora`` on ``base`` (``adapter_shell``, ``adapter_tensors``), made once per base."""
+        if self._shell is None or self._shell[0] != base:
+            shell = adapter_shell(base, rank=self.lora.rank, alpha=self.lora.alpha, dropout=self.lora.dropout,
+                                  target_modules=self.lora.target_modules)
+            target = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in adapter_tensors(shell).items()}
+            self._shell = (base, shell, target)
+        return self._shell[2]
 
     def _running_policy(self, ref: PolicyRef) -> Gang | None:
         """The policy gang (``policy``), or None when it is not running and ``ref`` is on storage.

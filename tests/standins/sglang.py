@@ -48,7 +48,10 @@ Copied behaviour, refusals included:
   ``lora/lora_manager.py`` ``_load_lora_adapter`` / ``validate_new_adapter``,
   ``lora/lora_config.py``): answers ``LoRAUpdateOutput(success, error_message)``; failure without
   ``enable_lora``, for a path that is no adapter folder, a name already loaded, or a rank above
-  ``max_lora_rank``. Unloading an unknown name fails likewise.
+  ``max_lora_rank``. Unloading an unknown name fails likewise. A request naming a loaded adapter
+  (``generate``'s ``lora_path``, one name per request; None: the base) samples from the base
+  weights with that adapter applied (here: merged by peft into a copy of the HF model, as the
+  vLLM stand-in serves a ``LoRARequest``).
 - ``update_weights_from_disk(model_path, load_format=None)`` answers (success, message,
   num_paused_requests); memory release / resume.
 
@@ -56,10 +59,12 @@ Copied behaviour, refusals included:
 
 Not modelled: the scheduler processes (shards live in this process), CUDA IPC of the tensors
 (``MultiprocessingSerializer``), the forward pass (generation runs through the HF engine on an
-HF model holding what the shards hold; its dtype is the HF model's), LoRA in generation.
+HF model holding what the shards hold; its dtype is the HF model's), LoRA kernels (an adapter is
+merged into a copy of that model).
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -208,16 +213,26 @@ class Engine:
         assert return_logprob is True and len(input_ids) == len(params) and not stream
         self.calls.append((input_ids, raw, lora_path))
         self.events.append(("generate", len(input_ids)))
-        if lora_path is None:
-            load_hf_into(self.hf.model, self.shards)
-        outs = [self._one(i, ids, sp) for i, (ids, sp) in enumerate(zip(input_ids, params))]
+        load_hf_into(self.hf.model, self.shards)
+        engines = {name: self._lora_engine(name) for name in set(names) if name is not None}
+        outs = [self._one(i, ids, sp, self.hf if name is None else engines[name])
+                for i, (ids, sp, name) in enumerate(zip(input_ids, params, names))]
         return outs[0] if single else outs
 
-    def _one(self, i: int, ids: list[int], sp: dict[str, Any]) -> dict:
-        """One request's answer (the module docstring's dict)."""
+    def _lora_engine(self, name: str):
+        """An HF engine of the base weights with the adapter loaded as ``name`` merged in."""
+        from peft import PeftModel
+
+        from rft_core.engines.hf import HFEngine
+
+        return HFEngine(PeftModel.from_pretrained(copy.deepcopy(self.hf.model), self.adapters[name])
+                        .merge_and_unload().eval(), self.hf.tokenizer)
+
+    def _one(self, i: int, ids: list[int], sp: dict[str, Any], engine) -> dict:
+        """One request's answer (the module docstring's dict), sampled by ``engine``."""
         assert sp["n"] == 1 and sp["no_stop_trim"] is True and sp["stop_token_ids"] == sorted(self.hf.eos_ids)
         greedy = sp["temperature"] == 0
-        g = self.hf.generate([ids], n_samples_per_prompt=1, max_new_tokens=sp["max_new_tokens"],
+        g = engine.generate([ids], n_samples_per_prompt=1, max_new_tokens=sp["max_new_tokens"],
                              temperature=1.0 if greedy else sp["temperature"], top_p=sp["top_p"], seed=self._seed(sp),
                              batch_size=1, greedy=greedy)[0]
         tokens, lps, finish = list(g.response_token_ids), list(g.logprobs), g.finish_reason

@@ -126,7 +126,10 @@ def test_lora_adapters_are_loaded_by_name_and_replaced(parts, tiny_model, tmp_pa
                                                           ("unload_lora_adapter", "policy-1"),
                                                           ("load_lora_adapter", "policy-2", a2)]
     with pytest.raises(ValueError, match="built with LoRA"):
-        eng.load_policy(tiny_model)
+        eng.load_policy(str(tmp_path / "another-full-checkpoint"))
+    eng.load_policy(tiny_model)  # its base itself: served without an adapter (a LoRA run's initial policy)
+    eng.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    assert fake.calls[-1][2] is None and ("unload_lora_adapter", "policy-2") in fake.events[-3:]
 
 
 def _perturbed_checkpoint(tiny_model, out, seed=0):

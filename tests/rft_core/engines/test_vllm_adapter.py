@@ -255,9 +255,12 @@ def test_cached_lora_engine_gets_a_new_request_id_per_adapter(parts, tiny_model,
     # LoRA keeps its base weights through a level-1 sleep: no reload
     assert ("sleep", 1) in engine.llm.events and not any(e[0] == "collective_rpc" for e in engine.llm.events)
     with pytest.raises(ValueError, match="built with LoRA"):
-        engine.load_policy(tiny_model)
+        engine.load_policy(str(tmp_path / "another-full-checkpoint"))
     with pytest.raises(ValueError, match="has base /elsewhere"):
         engine.load_policy("/elsewhere", a2)
+    engine.load_policy(tiny_model)  # its base itself: served without an adapter (a LoRA run's initial policy)
+    engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    assert engine.llm.calls[-1][2] is None and engine.lora_request is None
 
 
 class _NewRunner:

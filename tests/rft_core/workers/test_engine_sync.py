@@ -382,7 +382,7 @@ def test_storage_answer_and_lora_engines_move_nothing(tiny_model, tok):
             raise AssertionError("nothing may be sent")
 
     assert Never({}).pull(engine) is None and engine.weights_path == tiny_model
-    engine.lora_request = ("lora", "/adapter", 1)
+    engine.lora = True  # built with LoRA
     with pytest.raises(ValueError, match="LoRA"):
         Sender({}).pull(engine)
 
@@ -794,3 +794,65 @@ def test_digest_methods_follow_the_transport_and_refuse_out_of_order_tensors():
     flipped = t["a"].clone()
     flipped.view(torch.int32)[3] ^= 1
     assert weights_digest({**t, "a": flipped}, "xxh3") != weights_digest(t, "xxh3")
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_resident_lora_run_serves_each_versions_adapters_on_its_engine_as_stage_mode_does(kind, tiny_model, tmp_path,
+                                                                                           monkeypatch):
+    """A LoRA run on a vLLM or SGLang engine (the stand-ins; ``import vllm`` / ``import sglang``
+    find them, so the project's own builders pass them their arguments): stage mode's engine
+    serves each update's adapter checkpoint on the base (``LoRARequest``, ``load_lora_adapter``).
+    Under resident workers the engine is built with LoRA on the base from iteration 1 on (its
+    initial policy served without an adapter), and each version's float32 adapters move alone
+    from the trainer, 16384 bytes (2 layers x rank 4 x 512 in+out features x 4 bytes), into host
+    tensors that become an adapter folder the engine serves (``RolloutWorker._engine_adapters``;
+    the trainer keeps its versions in memory: weights written in the background). Every rollout,
+    log-prob and update shard of 3 iterations equals stage mode's, and the folder served last
+    holds the adapter committed for that version, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from rft_core.engines import release_engine
+    from rft_core.stages.runner import run_stage
+    from rft_core.stages.writer import wait_for_optimizer_writes
+    from rft_core.workers.policy import PolicyWorker
+    from rft_core.workers.rollout import RolloutWorker
+    from schemas import read_manifest, stage_uri
+    from tests.drive import drive
+    from tests.varying import assert_training_signal, varying_config
+
+    (vllm_standin if kind == "vllm" else sglang_standin).install(monkeypatch)
+    lora = ["update.lora.rank=4", "update.lora.alpha=8", f"rollout.engine={kind}", "kl.kl_coef=0"]
+    cfg = varying_config(tiny_model, tmp_path / "stage", *lora, iterations=3)
+    release_engine()
+    try:
+        drive(cfg)
+    finally:
+        release_engine()
+    assert_training_signal(cfg.run_root, (1, 2, 3))
+    res = varying_config(tiny_model, tmp_path / "resident", *lora, "orchestration.workers=resident", iterations=3)
+    assert res.runner("rollout").workers.lora == res.update.lora
+    policy = PolicyWorker("test")
+    rollout = RolloutWorker("test", peer=policy, lora=res.update.lora)
+    served = []
+    try:
+        drive(res, lambda inp: policy.run(inp) if inp.program == "ppo_update" else
+                      rollout.run(inp) if inp.program in ("rollout", "actor_logprobs") else run_stage(inp))
+        engine = ENGINE_CACHE.peek()
+        served = load_file(f"{rollout._served}/adapter_model.safetensors")
+        wait_for_optimizer_writes()
+    finally:
+        release_engine()
+        rollout.close()
+    assert engine.lora is True if kind == "vllm" else engine._lora is True
+    engine_syncs = [s for s in rollout.syncs if s.get("engine")]
+    assert [s["bytes"] for s in engine_syncs] == [16384, 16384]  # versions 1 and 2, for the rollouts of 2 and 3
+    # version 2, served by iteration 3's rollout: its weights written in the background (ppo_update-policy)
+    stored = load_file(f"{stage_uri(res.run_root, 2, 'ppo_update-policy')}/policy/adapter_model.safetensors")
+    assert served.keys() == stored.keys() and all(torch.equal(served[k], stored[k]) for k in stored)
+    assert max(v.abs().max().item() for k, v in served.items() if "lora_B" in k) > 1e-4  # the adapters moved from 0
+    for it in (1, 2, 3):
+        for stage in ("rollout", "actor_logprobs", "advantages", "ppo_update"):
+            a, b = (read_manifest(stage_uri(c.run_root, it, stage))[0] for c in (cfg, res))
+            parts = lambda m: {e.path: e.checksum for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
+            assert parts(a) == parts(b), (it, stage)
+
