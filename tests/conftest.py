@@ -36,6 +36,20 @@ def prefect_harness():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Each test starts with the thread count the session started with: a worker made in the
+    test's process with ``threads`` (``ResidentWorker``) sets it for the whole process, and CPU
+    kernels round differently with another count, so a later test comparing two runs bit for bit
+    would compare one computed with it against one computed without (a subprocess)."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """Folder of a tiny random Llama (2 layers, width 32) with the SmolLM2 tokenizer."""
