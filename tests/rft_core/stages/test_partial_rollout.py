@@ -4,7 +4,8 @@ level, on the tiny model (which never emits EOS within these budgets, so every s
 are committed whole in the rollout shard's carry and continued by the next rollout from their
 tokens under the next policy; each token keeps the version and the log-prob of the policy that
 sampled it; a group enters the shard's rows when its last sample finishes; a recomputed rollout
-is bit-identical (a resume of a run killed mid-chunk continues the same sequences)."""
+is bit-identical (a resume of a run killed mid-chunk continues the same sequences). Samples that
+stop at an EOS inside a carried group are given to ``continue_carried`` by a scripted engine."""
 from __future__ import annotations
 
 import pyarrow as pa
@@ -158,6 +159,70 @@ def test_a_group_enters_training_when_its_last_sample_finishes():
         "version_span_tokens_mean": 10 / 5,  # runs 2, 2, 2, 2 (b@2#0) and 2 (b@2#1)
         "token_staleness_mean": (2 * 2 + 2 * 1 + 2 * 0 + 2 * -1 + 2 * 2) / 10,  # (4 - 1) - version
         "token_staleness_max": 2, "tokens_by_staleness": {"-1": 2, "0": 2, "1": 2, "2": 4}}
+
+
+class _ScriptedEngine:
+    """The engines' ``generate`` contract (``rft_core.engines.hf.HFEngine``), scripted: prefix i
+    of a call answers the tokens ``script[first token after the prompt]`` up to and including the
+    first EOS (``EOS``), "stop", or cut at the call's budget, "length"; every call is recorded
+    (prefixes, budget, seed)."""
+
+    EOS = 0
+
+    def __init__(self, script: dict[int, list[int]]) -> None:
+        self.script, self.calls = script, []
+
+    def generate(self, prompts, *, n_samples_per_prompt, max_new_tokens, seed, **_):
+        from rft_core.engines.hf import Generation
+
+        assert n_samples_per_prompt == 1
+        self.calls.append(([list(p) for p in prompts], max_new_tokens, seed))
+        out = []
+        for i, prefix in enumerate(prompts):
+            tokens = self.script[prefix[2]][:max_new_tokens]  # prefix: the 2 prompt tokens, then the response
+            stop = self.EOS in tokens
+            tokens = tokens[:tokens.index(self.EOS) + 1] if stop else tokens
+            out.append(Generation(i, 0, tokens, [-0.5 - 0.1 * t for t in tokens], "stop" if stop else "length"))
+        return out
+
+
+def test_only_unfinished_samples_of_a_carried_group_are_continued_and_an_early_stop_is_kept():
+    """``continue_carried`` on carried groups whose samples stopped at an EOS in an earlier chunk
+    or still run: only the running ones are given a chunk (budget min(chunk, max_new - tokens so
+    far); one call per budget, in increasing order, seeded ``seed + CONTINUE_OFFSET +
+    BUDGET_STRIDE * budget``), a stopped sample keeps its tokens, versions and "stop"; a sample
+    that stops inside this chunk ends "stop" with its tokens up to the EOS; one that reaches
+    ``max_new_tokens`` ends "length", one below it runs on. Then the groups whose samples have all
+    finished enter training and the other is carried again, whole."""
+    from types import SimpleNamespace
+
+    from rft_core.engines.continuation import BUDGET_STRIDE
+    from rft_core.stages.partial import continue_carried
+
+    eos = _ScriptedEngine.EOS
+    seqs = [Sequence("a@1", 0, [1, 2], [5, eos], [-1.0, -1.0], [1, 1], "stop"),  # stopped in its first chunk
+            Sequence("a@1", 1, [1, 2], [6] * 4, [-1.0] * 4, [1] * 4),  # 4 of 8 tokens: budget 4, ends "length"
+            Sequence("b@1", 0, [1, 2], [7] * 6, [-1.0] * 6, [1] * 6),  # 6 of 8: budget 2, ends "length"
+            Sequence("b@1", 1, [1, 2], [8], [-1.0], [1]),  # 1 of 8: budget 4, 5 of 8 after it: runs on
+            Sequence("c@1", 0, [1, 2], [10, 10], [-1.0] * 2, [1] * 2),  # stops inside this chunk
+            Sequence("c@1", 1, [1, 2], [11, eos], [-1.0] * 2, [1] * 2, "stop")]
+    engine = _ScriptedEngine({6: [9] * 5, 7: [9] * 3, 8: [9] * 5, 10: [9, eos, 9]})
+    cfg = SimpleNamespace(partial=SimpleNamespace(chunk_tokens=4), max_new_tokens=8, temperature=1.0, top_p=1.0,
+                          batch_size=8)
+    assert continue_carried(engine, seqs, cfg=cfg, version=2, seed=100) == 4
+    base = 100 + CONTINUE_OFFSET
+    assert [(c[1], c[2], [p[2:] for p in c[0]]) for c in engine.calls] == [
+        (2, base + BUDGET_STRIDE * 2, [[7] * 6]), (4, base + BUDGET_STRIDE * 4, [[6] * 4, [8], [10, 10]])]
+    assert [(s.tokens, s.versions, s.finish) for s in (seqs[0], seqs[5])] == [  # untouched
+        ([5, eos], [1, 1], "stop"), ([11, eos], [1, 1], "stop")]
+    assert (seqs[1].tokens, seqs[1].versions, seqs[1].finish) == ([6] * 4 + [9] * 4, [1] * 4 + [2] * 4, "length")
+    assert (seqs[2].tokens, seqs[2].finish) == ([7] * 6 + [9] * 2, "length")
+    assert (seqs[3].tokens, seqs[3].versions, seqs[3].finish) == ([8] + [9] * 4, [1] + [2] * 4, UNFINISHED)
+    assert (seqs[4].tokens, seqs[4].versions, seqs[4].finish) == ([10, 10, 9, eos], [1, 1, 2, 2], "stop")
+    assert seqs[4].logprobs == [-1.0, -1.0, -0.5 - 0.9, -0.5]
+    done, waiting = split_groups(seqs, iteration=2)
+    assert [(s.group, s.sample_index) for s in done] == [("a@1", 0), ("a@1", 1), ("c@1", 0), ("c@1", 1)]
+    assert [(s.group, s.sample_index, s.finish) for s in waiting] == [("b@1", 0, "length"), ("b@1", 1, UNFINISHED)]
 
 
 def test_token_versions_of_a_rollout_without_the_column_repeat_the_row_version():
