@@ -345,13 +345,13 @@ class TrainConfig(_Frozen):
             reasons.append("update.deepspeed with update.lora: the resident DeepSpeed trainer gathers full weights for a "
                            "sync, not a LoRA policy's merged weights or adapters, so far (LoRA alone, or DeepSpeed "
                            "alone, is covered)")
-        if (self.update.fsdp is not None and self.update.lora is not None and self.policy.dtype == "float32"
-                and self.rollout.engine == "hf"):
-            reasons.append("update.fsdp with update.lora and policy.dtype=float32 on the hf engine: the rollout's "
-                           "copy then takes merged weights, which the resident FSDP2 trainer does not make from its "
-                           "shards, so far; it sends the adapters alone to the hf engine's copy below float32 "
-                           "(policy.dtype: bfloat16) and to a vLLM or SGLang engine, and FSDP2 with LoRA runs in "
-                           "stage mode under torchrun")
+        if self.update.fsdp is not None and self.update.lora is not None and self.policy.dtype != "bfloat16":
+            reasons.append(f"update.fsdp with update.lora and policy.dtype={self.policy.dtype}: the rollout worker's "
+                           "copy (the hf engine's, and the actor pass's with any engine) takes merged weights in "
+                           "float32 (auto: where no bfloat16 GPU is), which the resident FSDP2 trainer does not make "
+                           "from its shards, so far; it sends the adapters alone to a copy in bfloat16 and to a vLLM "
+                           "or SGLang engine: set policy.dtype: bfloat16 (FSDP2 with LoRA also runs in stage mode "
+                           "under torchrun)")
         for key in ("deepspeed", "fsdp"):
             if getattr(self.critic, key) is not None:
                 reasons.append(f"critic.{key}: the resident critic worker trains in one process so far (the policy's "

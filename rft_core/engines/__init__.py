@@ -188,12 +188,13 @@ def sample_seed(seed: int, prompt_index: int, sample_index: int, n_samples_per_p
     return (seed_base(seed, bits=bits) + offset) % (1 << bits)
 
 
-def checkpoint_key(model_path: str, lora_path: str | None) -> tuple:
+def checkpoint_key(model_path: str, lora_path: str | None, *, lora: bool = False) -> tuple:
     """What must stay the same for a cached engine to serve a new checkpoint in place: the base
-    model for a LoRA checkpoint; for a full checkpoint its architecture (``config.json`` without
+    model for a LoRA checkpoint or a LoRA engine (``lora``: built with LoRA on ``model_path``,
+    which no adapter replaces); for a full checkpoint its architecture (``config.json`` without
     its ``_name_or_path``, ``transformers_version`` and dtype entries), or the path itself for a
     hub id (no local config.json)."""
-    if lora_path is not None:
+    if lora_path is not None or lora:
         return ("lora", model_path)
     config = Path(model_path) / "config.json"
     if not config.is_file():
@@ -269,7 +270,8 @@ def cached_engine(engine_cls: type, model_path: str, *, eos_ids: set[int], lora_
     per rollout (``make_engine``), so a long-lived process keeps one engine across iterations.
     ``reload=False``: a reused engine keeps the weights it holds (the caller gives it its
     weights: a resident rollout worker's in-memory sync)."""
-    key = (engine_cls.__name__, checkpoint_key(model_path, lora_path), tuple(sorted(settings.items())))
+    key = (engine_cls.__name__, checkpoint_key(model_path, lora_path, lora=settings.get("enable_lora", False)),
+           tuple(sorted(settings.items())))
     engine, reused = ENGINE_CACHE.get(key, lambda: engine_cls(model_path, eos_ids=eos_ids, lora_path=lora_path,
                                                               **settings))
     if reused:

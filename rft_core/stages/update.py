@@ -75,16 +75,21 @@ def load_trainable_policy(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str):
     iteration's adapter checkpoint continued).
 
     Raises:
-        ValueError: a LoRA checkpoint without ``cfg.lora``, or one of another rank.
+        ValueError: a LoRA checkpoint without ``cfg.lora``, or one of another rank or alpha (it
+            keeps the scaling alpha / rank it was trained with, which every copy of it applies:
+            stage mode's from its adapter_config.json, a resident engine's from ``update.lora``).
     """
     path = policy_model_path(policy)
     if is_adapter_dir(path):
         if cfg.lora is None:
             raise ValueError(f"policy {path} is a LoRA adapter checkpoint but update.lora is not set")
         model = load_adapter_policy(path, dtype=dtype, trainable=True)
-        rank = model.peft_config["default"].r
+        rank, alpha = model.peft_config["default"].r, model.peft_config["default"].lora_alpha
         if rank != cfg.lora.rank:
             raise ValueError(f"policy {path} has LoRA rank {rank} but update.lora.rank is {cfg.lora.rank}")
+        if alpha != cfg.lora.alpha:
+            raise ValueError(f"policy {path} has LoRA alpha {alpha} but update.lora.alpha is {cfg.lora.alpha}: set "
+                             f"update.lora.alpha: {alpha} (the adapter was trained with that scaling)")
         base = adapter_base_path(path)
     else:
         model = load_causal_lm(path, dtype=dtype, trainable=True)

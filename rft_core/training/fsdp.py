@@ -193,7 +193,7 @@ class FSDPStrategy:
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.layers = shard_model(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward,
                                   bf16_compute=trainable_bf16, cpu_offload=cpu_offload)
-        self.model, self.max_grad_norm = model, max_grad_norm
+        self.model, self.max_grad_norm, self.cpu_offload = model, max_grad_norm, cpu_offload
         self.params = [p for p in model.parameters() if p.requires_grad]
         # foreach AdamW: torch's fused CPU kernel has no DTensor rule on every backend
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay)
@@ -249,11 +249,20 @@ class FSDPStrategy:
         every rank), each in the dtype it was loaded in (the float32 masters rounded to bfloat16 in
         mixed precision); None on the other ranks. Tied weights (an embedding and the LM head) are
         one tensor under both names, as in the unsharded model, so ``save_pretrained`` writes it
-        once, as it does for that model. ``trainable_only``: the weights that train (a LoRA
-        model's adapters: what an adapter sync moves), gathered alone (``ignore_frozen_params``;
-        a frozen weight tied to another may come along, as in ``_sharded_state``)."""
+        once, as it does for that model. ``trainable_only``: the parameters that train (a LoRA
+        model's adapters: what an adapter sync moves), gathered alone, each by its
+        ``DTensor.full_tensor()`` in ``named_parameters`` order on every rank (``get_model_state_dict``
+        with ``ignore_frozen_params`` of shards on the device also gathers a frozen weight tied to
+        another, such as a LoRA base's tied LM head: the note in ``_sharded_state``); with
+        ``cpu_offload`` (shards in host memory, which NCCL does not take) through
+        ``get_model_state_dict`` with ``ignore_frozen_params``, which leaves that head out on that
+        path (torch 2.13; ``test_an_adapter_gather_takes_the_adapters_alone_not_the_tied_head``)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if trainable_only and not self.cpu_offload:
+            gathered = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                        for n, p in self.model.named_parameters() if p.requires_grad}
+            return {n: t.detach().cpu() for n, t in gathered.items()} if self.rank == 0 else None
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
         full = get_model_state_dict(self.model, options=options)
         if self.rank != 0:

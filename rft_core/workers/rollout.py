@@ -24,6 +24,7 @@ copy holding no version, and the rollout syncs again itself (issue 44).
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import shutil
@@ -39,12 +40,13 @@ from rft_core.counters import count
 from rft_core.models.hub import set_trainable
 from rft_core.models.lora import (adapter_base_path, adapter_shell, apply_lora, is_adapter_dir, is_peft_model,
                                   keeps_adapters, merge_adapter, save_adapter)
+from rft_core.models.logprobs import default_device
 from rft_core.models.pretrained import resolve_model_path
 from rft_core.stages.checkpoints import policy_model_path
 from rft_core.stages.lineage import has_weights, weights_base
 from rft_core.stages.sources import load_from_storage, version_key
 from rft_core.weightsync.landing import IntoEngine, IntoTensors
-from rft_core.weightsync.plan import SyncReport, state_tensors
+from rft_core.weightsync.plan import SyncReport, WeightSyncError, state_tensors
 from rft_core.weightsync.trained import adapter_tensors
 from rft_core.weightsync.session import pull
 from rft_core.workers.base import FanOut, Gang, ResidentWorker, WorkerError, fan_out
@@ -96,6 +98,7 @@ class RolloutWorker(ResidentWorker):
         self._merged: str | None = None  # a LoRA checkpoint merged for a GPU engine (engine_policy)
         self._shell: tuple[str, Any, dict[str, torch.Tensor]] | None = None  # (base, adapter_shell, host adapters)
         self._served: str | None = None  # the adapter folder a LoRA engine serves, landed by a sync
+        self._adapter_root: str | None = None  # where those folders are written (removed at process exit)
         self.syncs: list[dict[str, Any]] = []
         self._ahead: threading.Thread | None = None  # a sync ahead still landing (sync_ahead)
 
@@ -161,12 +164,8 @@ class RolloutWorker(ResidentWorker):
 
     @fan_out(FanOut.EACH)
     def close(self) -> None:
-        """Wait for a sync ahead (``settle``) before the worker is stopped, and remove the adapter
-        folder its engine served (``_engine_adapters``)."""
+        """Wait for a sync ahead (``settle``) before the worker is stopped."""
         self.settle()
-        served, self._served = self._served, None
-        if served:
-            shutil.rmtree(served, ignore_errors=True)
         super().close()
 
     # -- ModelSource ------------------------------------------------------------------------
@@ -317,16 +316,25 @@ class RolloutWorker(ResidentWorker):
     def _engine_adapters(self, engine, ref: PolicyRef, key: str) -> None:
         """A LoRA run's engine (built with LoRA on the base, ``make_engine``) serves ``ref`` as
         stage mode's engine serves an adapter checkpoint (``LoRARequest``, ``load_lora_adapter``):
-        the trainer's float32 adapters are pulled into host tensors shaped by an adapter shell of
-        the engine's base (``adapter_shell``: the meta device; any transport between processes or
-        in one, the digest verified), written as a peft adapter folder (``save_adapter``, a new
-        local temporary folder; the previous one removed) and served from it with ``version``
-        recorded; a version on storage and not held by the trainer is served from its checkpoint:
-        the adapter folder itself, or the base alone (the initial policy). The engine keeps
-        serving what it served until the new adapter is handed to it; its ``weights_version`` is
-        cleared first, so a failed sync leaves it holding no version (the next rollout syncs again)."""
-        policy = self._running_policy(ref)
+        the trainer's float32 adapters are pulled into tensors on this worker's device
+        (``default_device``: a GPU's, so that a trainer on a GPU sends over CUDA IPC or NCCL),
+        shaped by an adapter shell of the engine's base (``adapter_shell``: the meta device; the
+        digest verified), written as a peft adapter folder (``save_adapter``, a new folder under
+        this worker's temporary folder; the one served before removed once the engine took the
+        new one) and served from it with ``version`` recorded; a version on storage and not held
+        by the trainer is served from its checkpoint: the adapter folder itself, or the base alone
+        (the initial policy). The engine keeps serving what it served until the new adapter is
+        handed to it; its ``weights_version`` is cleared first, so a failed sync leaves it holding
+        no version (the next rollout syncs again).
+
+        Raises:
+            WeightSyncError: the engine holds no base (it died), or the sync failed.
+        """
         base = engine.weights_path
+        if base is None:
+            raise WeightSyncError(f"the {type(engine).__name__} holds no base model to serve LoRA adapters on "
+                                  f"({engine.dead or 'its weights are invalid'}): the next rollout builds a new one")
+        policy = self._running_policy(ref)
         got, target = None, None
         if policy is not None:
             target = self._adapter_target(base)
@@ -340,19 +348,26 @@ class RolloutWorker(ResidentWorker):
             else:
                 engine.load_policy(resolve_model_path(path))
             return
-        old, self._served = self._served, tempfile.mkdtemp(prefix="rft-synced-adapter-")
+        if self._adapter_root is None:  # removed when the process ends; the engine may outlive this worker
+            self._adapter_root = tempfile.mkdtemp(prefix="rft-synced-adapters-")
+            atexit.register(shutil.rmtree, self._adapter_root, ignore_errors=True)
+        old, folder = self._served, tempfile.mkdtemp(dir=self._adapter_root)
+        engine.load_policy(base, save_adapter(self._shell[1], {n: t.cpu() for n, t in target.items()}, folder),
+                           version=key)
+        self._served = folder
         if old:
             shutil.rmtree(old, ignore_errors=True)
-        engine.load_policy(base, save_adapter(self._shell[1], target, self._served), version=key)
         self._record(key, got, engine=type(engine).__name__)
 
     def _adapter_target(self, base: str) -> dict[str, torch.Tensor]:
-        """The host tensors a LoRA engine's adapters land in: one float32 tensor per adapter of
-        ``lora`` on ``base`` (``adapter_shell``, ``adapter_tensors``), made once per base."""
+        """The tensors a LoRA engine's adapters land in, on this worker's device
+        (``default_device``): one float32 tensor per adapter of ``lora`` on ``base``
+        (``adapter_shell``, ``adapter_tensors``), made once per base."""
         if self._shell is None or self._shell[0] != base:
             shell = adapter_shell(base, rank=self.lora.rank, alpha=self.lora.alpha, dropout=self.lora.dropout,
                                   target_modules=self.lora.target_modules)
-            target = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in adapter_tensors(shell).items()}
+            device = default_device()
+            target = {n: torch.empty(t.shape, dtype=t.dtype, device=device) for n, t in adapter_tensors(shell).items()}
             self._shell = (base, shell, target)
         return self._shell[2]
 

@@ -110,8 +110,10 @@ CASES = [
      "remove runners.ppo_update, or set orchestration.workers=stage"),
     # a resident FSDP2 LoRA trainer sends its adapters alone: to a copy that keeps them (hf, below float32)
     ("resident-blockers", {"orchestration.workers": "resident", "update.fsdp": {}, "update.lora": {}},
-     ["update.fsdp with update.lora and policy.dtype=float32 on the hf engine", "adapters alone"],
-     "policy.dtype: bfloat16"),
+     ["update.fsdp with update.lora and policy.dtype=float32", "adapters alone"], "policy.dtype: bfloat16"),
+    ("resident-blockers", {"orchestration.workers": "resident", "update.fsdp": {}, "update.lora": {},
+                           "policy.dtype": "auto", "rollout.engine": "vllm"},  # its actor pass's copy: float32 on a CPU
+     ["update.fsdp with update.lora and policy.dtype=auto", "actor pass"], "policy.dtype: bfloat16"),
     ("resident-blockers", {"orchestration.workers": "resident", "update.deepspeed.zero_stage": 2, "update.lora": {},
                            "policy.dtype": "bfloat16"}, ["update.deepspeed with update.lora"], "DeepSpeed alone"),
     ("token-budget-below-longest-sample", {"update.max_tokens_per_micro_batch": 300, "rollout.max_new_tokens": 64},
@@ -212,7 +214,7 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
     load_config(None, {"orchestration.workers": "resident", "update.fsdp": {}, "update.lora": {},
                        "policy.dtype": "bfloat16"})  # its syncs move the adapters alone (test_fsdp_update.py)
     load_config(None, {"orchestration.workers": "resident", "update.fsdp": {}, "update.lora": {},
-                       "rollout.engine": "vllm"})  # into the engine's LoRA adapters too (test_engine_sync.py)
+                       "policy.dtype": "bfloat16", "rollout.engine": "vllm"})  # into the engine's adapters too
     load_config(None, {"update.max_tokens_per_micro_batch": 320, "rollout.max_new_tokens": 64,  # exactly the longest
                        "critic.max_tokens_per_micro_batch": 4096, "critic.packing": True})
     # stage mode keeping its models (the hf engine's default) keeps the policy between checkpoints

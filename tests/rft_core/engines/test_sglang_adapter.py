@@ -132,6 +132,28 @@ def test_lora_adapters_are_loaded_by_name_and_replaced(parts, tiny_model, tmp_pa
     assert fake.calls[-1][2] is None and ("unload_lora_adapter", "policy-2") in fake.events[-3:]
 
 
+def test_a_lora_engine_built_for_a_resident_run_keeps_its_synced_adapter_through_a_release(parts, tiny_model, tmp_path,
+                                                                                         fake_sglang):
+    """``enable_lora`` without an adapter (a resident LoRA run's engine): the base is served with
+    no adapter name; an adapter folder given with the ``version`` a sync landed is loaded under a
+    name and recorded as ``weights_version``; releasing the memory keeps that version (the base
+    reloads from disk and the adapter from its folder at the next ``generate``)."""
+    model, tok = parts
+    eos = HFEngine(model, tok).eos_ids
+    a1 = lora_adapter(tiny_model, tmp_path / "a1", 1)
+    eng = get_sglang_engine(tiny_model, eos_ids=eos, enable_lora=True, max_lora_rank=8, enable_memory_saver=True)
+    assert fake_sglang[-1]["enable_lora"] is True
+    eng.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    eng.load_policy(tiny_model, a1, version="v1")
+    eng.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    assert eng.weights_version == "v1" and ("release_memory_occupation",) in eng.engine.events
+    eng.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    fake = eng.engine
+    assert [c[2] for c in fake.calls] == [None, ["policy-1"], ["policy-2"]]  # reloaded under a new name after a release
+    assert [e for e in fake.events if "lora" in e[0]][-1] == ("load_lora_adapter", "policy-2", a1)
+    assert eng.weights_version == "v1"
+
+
 def _perturbed_checkpoint(tiny_model, out, seed=0):
     model = load_causal_lm(tiny_model)
     g = torch.Generator().manual_seed(seed)

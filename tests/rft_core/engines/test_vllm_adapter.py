@@ -298,6 +298,33 @@ class _ExtendedWorker(_Worker, WeightReloadExtension):
     """How vLLM mixes ``worker_extension_cls`` into its worker class."""
 
 
+def test_a_lora_engine_built_for_a_resident_run_serves_the_base_then_synced_adapters(parts, tiny_model, tmp_path,
+                                                                                     fake_vllm):
+    """``enable_lora`` without an adapter (a resident LoRA run's engine): the base is served with
+    no LoRA request; an adapter folder given with the ``version`` a sync landed is served under a
+    new request id and recorded as ``weights_version``; a level-1 sleep (the default for a LoRA
+    engine: the base kept in host memory) keeps it; the same folder again keeps its request; the
+    base again drops the adapter and the version."""
+    model, tok = parts
+    eos = HFEngine(model, tok).eos_ids
+    a1 = lora_adapter(tiny_model, tmp_path / "a1", 1)
+    engine = get_vllm_engine(tiny_model, eos_ids=eos, enable_lora=True, enable_sleep_mode=True)
+    assert fake_vllm[-1]["enable_lora"] is True and engine.lora and engine.lora_request is None
+    engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    engine.load_policy(tiny_model, a1, version="v1")
+    assert engine.weights_version == "v1"
+    engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    assert ("sleep", 1) in engine.llm.events and engine.weights_version == "v1"
+    engine.load_policy(tiny_model, a1, version="v1")
+    engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    engine.load_policy(tiny_model)
+    engine.generate(PROMPTS[:1], n_samples_per_prompt=1, max_new_tokens=2)
+    assert [c[2] and _lora(c[2]) for c in engine.llm.calls] == [None, ("policy-1", 1, a1), ("policy-1", 1, a1), None]
+    assert engine.weights_version is None
+    with pytest.raises(ValueError, match="sync needs an engine built on the full model"):
+        engine.sync_world_size
+
+
 def test_worker_extension_reloads_from_the_new_folder_on_old_and_new_vllm():
     new = _ExtendedWorker(_NewRunner())
     assert new.rft_reload_weights("/ckpt/iter2") == {"ok": True}

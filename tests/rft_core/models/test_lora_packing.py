@@ -112,6 +112,20 @@ def test_update_stage_continues_an_adapter_checkpoint(tiny_model, tmp_path):
     assert "lora" not in hash_value(UpdateConfig()) and hash_value(cfg)["lora"]["rank"] == 4
 
 
+def test_an_adapter_checkpoint_of_another_alpha_is_refused_by_name(tiny_model, tmp_path):
+    """An update continuing a LoRA checkpoint (``policy.path`` an adapter folder) takes its alpha
+    as ``update.lora`` says, or refuses it naming the file's value and the key (its rank: the test
+    above): the adapter keeps the scaling it was trained with, and a resident engine's copy
+    applies ``update.lora``'s (``RolloutWorker._engine_adapters``)."""
+    from tests.rft_core.engines.fakes import lora_adapter
+
+    adapter = lora_adapter(tiny_model, tmp_path / "adapter", 0, rank=2)  # alpha 4.0
+    model = load_trainable_policy(adapter, UpdateConfig(lora=LoraConfig(rank=2, alpha=4.0)), dtype="float32")
+    assert model.peft_config["default"].r == 2 and model.peft_config["default"].lora_alpha == 4.0
+    with pytest.raises(ValueError, match=r"has LoRA alpha 4.0 but update.lora.alpha is 8.0: set update.lora.alpha: 4.0"):
+        load_trainable_policy(adapter, UpdateConfig(lora=LoraConfig(rank=2, alpha=8.0)), dtype="float32")
+
+
 def test_packed_batch_layout():
     b = build_packed_batch([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]])
     assert b.input_ids.tolist() == [[5, 6, 7, 1, 2, 8, 3, 4, 9]]

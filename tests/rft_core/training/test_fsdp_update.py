@@ -274,6 +274,36 @@ def own_process_group():
     os.environ.update(saved)
 
 
+def test_an_adapter_gather_takes_the_adapters_alone_not_the_tied_head(tiny_model, own_process_group):
+    """``full_state_dict(trainable_only=True)`` of a LoRA model on a bfloat16 base with a tied
+    embedding and LM head (the tiny model's), on a world of one rank, with and without
+    ``cpu_offload``: the float32 adapters and nothing else, equal to the unsharded model's, where
+    torch's ``get_model_state_dict(ignore_frozen_params=True)`` of the model with its shards on the
+    device also gathers the tied head (torch 2.13); the gather of every weight still has the base."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from rft_core.models.lora import apply_lora
+    from rft_core.weightsync.trained import adapter_tensors
+
+    def lora_model():
+        model = load_causal_lm(tiny_model, dtype="bfloat16", trainable=True)
+        return apply_lora(model, rank=4, alpha=8.0, dropout=0.0, target_modules="all-linear", base_path=tiny_model,
+                          seed=3)
+
+    want = {k: v.clone() for k, v in adapter_tensors(lora_model()).items()}
+    optim = OptimizerSettings(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
+    sharded = build_strategy(lora_model(), optim=optim, fsdp=FSDPConfig())
+    got = sharded.full_state_dict(trainable_only=True)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert {t.dtype for t in got.values()} == {torch.float32}
+    assert "base_model.model.lm_head.weight" in sharded.full_state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    assert set(get_model_state_dict(sharded.model, options=options)) - set(want) == {"base_model.model.lm_head.weight"}
+    offloaded = build_strategy(lora_model(), optim=optim, fsdp=FSDPConfig(cpu_offload=True))
+    got = offloaded.full_state_dict(trainable_only=True)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_cpu_offload_on_one_rank_matches_one_process(tiny_model, own_process_group):
     """FSDP2 on a world of one rank (outside torchrun), with and without CPUOffloadPolicy, trains
     as the single process does: same gradient norms (4 steps), weights within 1e-6; in bfloat16

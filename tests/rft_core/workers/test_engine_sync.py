@@ -856,3 +856,21 @@ def test_a_resident_lora_run_serves_each_versions_adapters_on_its_engine_as_stag
             parts = lambda m: {e.path: e.checksum for e in m.files if e.path.endswith(".parquet")}  # noqa: E731
             assert parts(a) == parts(b), (it, stage)
 
+
+
+def test_a_lora_engines_adapters_land_on_the_workers_device(tiny_model, monkeypatch):
+    """The host tensors a LoRA engine's adapters land in are on the worker's device
+    (``default_device``, made ``meta`` here to see it): a trainer on a GPU sends over CUDA IPC or
+    NCCL, which take CUDA tensors only (a landing on the CPU was refused there: "give the receiving
+    role a GPU"). One float32 tensor per adapter of the run's ``update.lora`` on the base: 28 of
+    them, 16384 bytes for the tiny model at rank 4, made once per base."""
+    from rft_core.config import LoraConfig
+    from rft_core.workers import rollout as rollout_module
+    from rft_core.workers.rollout import RolloutWorker
+
+    monkeypatch.setattr(rollout_module, "default_device", lambda: torch.device("meta"))
+    worker = RolloutWorker("pool", lora=LoraConfig(rank=4, alpha=8.0))
+    target = worker._adapter_target(tiny_model)
+    assert len(target) == 28 and {(t.device.type, t.dtype) for t in target.values()} == {("meta", torch.float32)}
+    assert sum(t.numel() * 4 for t in target.values()) == 16384 and all(".lora_" in n for n in target)
+    assert worker._adapter_target(tiny_model) is target
