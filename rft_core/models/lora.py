@@ -143,8 +143,8 @@ def save_adapter(shell, adapters: dict[str, torch.Tensor], out_dir: str | Path) 
     ``load_lora_adapter`` load. Returns ``out_dir`` as a string."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with sorted_target_modules(shell):
-        shell.save_pretrained(out, state_dict=adapters)
+    with sorted_target_modules(shell):  # no embedding layer saved: the shell's base holds no weights
+        shell.save_pretrained(out, state_dict=adapters, save_embedding_layers=False)
     return str(out)
 
 

@@ -75,16 +75,22 @@ def load_trainable_policy(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str):
     iteration's adapter checkpoint continued).
 
     Raises:
-        ValueError: a LoRA checkpoint without ``cfg.lora``, or one of another rank or alpha (it
-            keeps the scaling alpha / rank it was trained with, which every copy of it applies:
-            stage mode's from its adapter_config.json, a resident engine's from ``update.lora``).
+        ValueError: a LoRA checkpoint without ``cfg.lora``, or one of another rank or alpha, or
+            with rsLoRA or per-module ranks/alphas (it keeps the scaling it was trained with,
+            which every copy of it applies: stage mode's from its adapter_config.json, a resident
+            engine's from ``update.lora``, which holds a plain rank and alpha only).
     """
     path = policy_model_path(policy)
     if is_adapter_dir(path):
         if cfg.lora is None:
             raise ValueError(f"policy {path} is a LoRA adapter checkpoint but update.lora is not set")
         model = load_adapter_policy(path, dtype=dtype, trainable=True)
-        rank, alpha = model.peft_config["default"].r, model.peft_config["default"].lora_alpha
+        saved = model.peft_config["default"]
+        rank, alpha = saved.r, saved.lora_alpha
+        if saved.use_rslora or saved.rank_pattern or saved.alpha_pattern:
+            raise ValueError(f"policy {path} is a LoRA adapter with use_rslora, rank_pattern or alpha_pattern, which "
+                             "update.lora cannot express (its config hash and a resident engine's copy would miss "
+                             "them): continue it with peft directly, or start from a plain rank/alpha adapter")
         if rank != cfg.lora.rank:
             raise ValueError(f"policy {path} has LoRA rank {rank} but update.lora.rank is {cfg.lora.rank}")
         if alpha != cfg.lora.alpha:

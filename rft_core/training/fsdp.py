@@ -260,9 +260,14 @@ class FSDPStrategy:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if trainable_only and not self.cpu_offload:
-            gathered = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-                        for n, p in self.model.named_parameters() if p.requires_grad}
-            return {n: t.detach().cpu() for n, t in gathered.items()} if self.rank == 0 else None
+            out = {}
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    if p.requires_grad:
+                        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                        if self.rank == 0:  # the others only take part in the gather
+                            out[n] = full.cpu()
+            return out if self.rank == 0 else None
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
         full = get_model_state_dict(self.model, options=options)
         if self.rank != 0:

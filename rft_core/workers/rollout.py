@@ -11,7 +11,7 @@ sync serves nothing: its ``generate`` raises ``WeightSyncError``, until a sync o
 load succeeds). When the trainer does not hold the version, the copy or the engine loads it
 from storage (``full_checkpoint`` for an engine). In a LoRA run the engine is built with LoRA on
 the base and serves each version's adapters, as stage mode's engine serves an adapter checkpoint:
-a sync lands the trainer's adapters in host tensors, which become an adapter folder the engine
+a sync lands the trainer's adapters in tensors of this worker, which become an adapter folder the engine
 loads (``_engine_adapters``). What is this worker's own: which copy holds which version
 (``_switch``), and which engine serves.
 
@@ -37,6 +37,7 @@ import torch
 
 from rft_core.config import LoraConfig, WorkersConfig
 from rft_core.counters import count
+from rft_core.engines import release_engine
 from rft_core.models.hub import set_trainable
 from rft_core.models.lora import (adapter_base_path, adapter_shell, apply_lora, is_adapter_dir, is_peft_model,
                                   keeps_adapters, merge_adapter, save_adapter)
@@ -96,9 +97,9 @@ class RolloutWorker(ResidentWorker):
         self._kept: dict[str, torch.nn.Module] = {}  # the copies of other policy versions
         self._arrived: dict[str, int] = {}  # version -> the order it arrived in (load or sync)
         self._merged: str | None = None  # a LoRA checkpoint merged for a GPU engine (engine_policy)
-        self._shell: tuple[str, Any, dict[str, torch.Tensor]] | None = None  # (base, adapter_shell, host adapters)
+        self._shell: tuple[str, Any] | None = None  # (base, adapter_shell of it): the adapters' names and shapes
         self._served: str | None = None  # the adapter folder a LoRA engine serves, landed by a sync
-        self._adapter_root: str | None = None  # where those folders are written (removed at process exit)
+        self._adapter_root: str | None = None  # where those folders are written (removed by close())
         self.syncs: list[dict[str, Any]] = []
         self._ahead: threading.Thread | None = None  # a sync ahead still landing (sync_ahead)
 
@@ -164,8 +165,15 @@ class RolloutWorker(ResidentWorker):
 
     @fan_out(FanOut.EACH)
     def close(self) -> None:
-        """Wait for a sync ahead (``settle``) before the worker is stopped."""
+        """Wait for a sync ahead (``settle``) before the worker is stopped; a worker whose engine
+        served adapter folders it wrote (``_engine_adapters``) closes the process's cached engine,
+        which serves from them, and removes them (a Ray actor ended by ``ray.kill`` runs no
+        ``atexit`` handler)."""
         self.settle()
+        root, self._adapter_root, self._served = self._adapter_root, None, None
+        if root is not None:
+            release_engine()
+            shutil.rmtree(root, ignore_errors=True)
         super().close()
 
     # -- ModelSource ------------------------------------------------------------------------
@@ -348,12 +356,13 @@ class RolloutWorker(ResidentWorker):
             else:
                 engine.load_policy(resolve_model_path(path))
             return
-        if self._adapter_root is None:  # removed when the process ends; the engine may outlive this worker
+        if self._adapter_root is None:  # removed by close() (and at the end of the process, as a fallback)
             self._adapter_root = tempfile.mkdtemp(prefix="rft-synced-adapters-")
             atexit.register(shutil.rmtree, self._adapter_root, ignore_errors=True)
         old, folder = self._served, tempfile.mkdtemp(dir=self._adapter_root)
-        engine.load_policy(base, save_adapter(self._shell[1], {n: t.cpu() for n, t in target.items()}, folder),
-                           version=key)
+        adapters = {n: t.cpu() for n, t in target.items()}
+        del target  # the device's copy: made per sync, not kept beside the engine's memory
+        engine.load_policy(base, save_adapter(self._shell[1], adapters, folder), version=key)
         self._served = folder
         if old:
             shutil.rmtree(old, ignore_errors=True)
@@ -361,15 +370,14 @@ class RolloutWorker(ResidentWorker):
 
     def _adapter_target(self, base: str) -> dict[str, torch.Tensor]:
         """The tensors a LoRA engine's adapters land in, on this worker's device
-        (``default_device``): one float32 tensor per adapter of ``lora`` on ``base``
-        (``adapter_shell``, ``adapter_tensors``), made once per base."""
+        (``default_device``), new for each sync: one float32 tensor per adapter of ``lora`` on
+        ``base`` (``adapter_tensors`` of its ``adapter_shell``, made once per base)."""
         if self._shell is None or self._shell[0] != base:
-            shell = adapter_shell(base, rank=self.lora.rank, alpha=self.lora.alpha, dropout=self.lora.dropout,
-                                  target_modules=self.lora.target_modules)
-            device = default_device()
-            target = {n: torch.empty(t.shape, dtype=t.dtype, device=device) for n, t in adapter_tensors(shell).items()}
-            self._shell = (base, shell, target)
-        return self._shell[2]
+            self._shell = (base, adapter_shell(base, rank=self.lora.rank, alpha=self.lora.alpha,
+                                               dropout=self.lora.dropout, target_modules=self.lora.target_modules))
+        device = default_device()
+        shapes = adapter_tensors(self._shell[1])  # meta tensors: names, shapes and dtypes only
+        return {n: torch.empty(t.shape, dtype=t.dtype, device=device) for n, t in shapes.items()}
 
     def _running_policy(self, ref: PolicyRef) -> Gang | None:
         """The policy gang (``policy``), or None when it is not running and ``ref`` is on storage.

@@ -325,6 +325,22 @@ def test_a_lora_engine_built_for_a_resident_run_serves_the_base_then_synced_adap
         engine.sync_world_size
 
 
+def test_lora_engines_are_cached_per_base_and_full_engines_per_architecture(parts, tiny_model, tmp_path, fake_vllm):
+    """A cached engine is reused for a checkpoint of the same architecture (reloaded in place),
+    but a LoRA engine (``enable_lora``: a resident LoRA run's, whose base no adapter replaces)
+    only for the same base: another base of the same architecture gets an engine of its own."""
+    from tests.tiny import build_tiny_model
+
+    model, tok = parts
+    eos = HFEngine(model, tok).eos_ids
+    other = str(build_tiny_model(tmp_path / "other", seed=1))  # the same architecture, other weights
+    full = get_vllm_engine(tiny_model, eos_ids=eos)
+    assert get_vllm_engine(other, eos_ids=eos) is full and len(fake_vllm) == 1
+    lora = get_vllm_engine(tiny_model, eos_ids=eos, enable_lora=True)
+    assert lora is not full and get_vllm_engine(tiny_model, eos_ids=eos, enable_lora=True, reload=False) is lora
+    assert get_vllm_engine(other, eos_ids=eos, enable_lora=True, reload=False) is not lora and len(fake_vllm) == 3
+
+
 def test_worker_extension_reloads_from_the_new_folder_on_old_and_new_vllm():
     new = _ExtendedWorker(_NewRunner())
     assert new.rft_reload_weights("/ckpt/iter2") == {"ok": True}

@@ -115,8 +115,9 @@ def test_update_stage_continues_an_adapter_checkpoint(tiny_model, tmp_path):
 def test_an_adapter_checkpoint_of_another_alpha_is_refused_by_name(tiny_model, tmp_path):
     """An update continuing a LoRA checkpoint (``policy.path`` an adapter folder) takes its alpha
     as ``update.lora`` says, or refuses it naming the file's value and the key (its rank: the test
-    above): the adapter keeps the scaling it was trained with, and a resident engine's copy
-    applies ``update.lora``'s (``RolloutWorker._engine_adapters``)."""
+    above), and refuses an rsLoRA adapter, which ``update.lora`` cannot express: the adapter keeps
+    the scaling it was trained with, and a resident engine's copy applies ``update.lora``'s
+    (``RolloutWorker._engine_adapters``)."""
     from tests.rft_core.engines.fakes import lora_adapter
 
     adapter = lora_adapter(tiny_model, tmp_path / "adapter", 0, rank=2)  # alpha 4.0
@@ -124,6 +125,10 @@ def test_an_adapter_checkpoint_of_another_alpha_is_refused_by_name(tiny_model, t
     assert model.peft_config["default"].r == 2 and model.peft_config["default"].lora_alpha == 4.0
     with pytest.raises(ValueError, match=r"has LoRA alpha 4.0 but update.lora.alpha is 8.0: set update.lora.alpha: 4.0"):
         load_trainable_policy(adapter, UpdateConfig(lora=LoraConfig(rank=2, alpha=8.0)), dtype="float32")
+    config = tmp_path / "adapter" / "adapter_config.json"  # rsLoRA scales by alpha / sqrt(rank): not expressible
+    config.write_text(json.dumps({**json.loads(config.read_text()), "use_rslora": True}))
+    with pytest.raises(ValueError, match="use_rslora, rank_pattern or alpha_pattern, which update.lora cannot express"):
+        load_trainable_policy(adapter, UpdateConfig(lora=LoraConfig(rank=2, alpha=4.0)), dtype="float32")
 
 
 def test_packed_batch_layout():

@@ -859,11 +859,12 @@ def test_a_resident_lora_run_serves_each_versions_adapters_on_its_engine_as_stag
 
 
 def test_a_lora_engines_adapters_land_on_the_workers_device(tiny_model, monkeypatch):
-    """The host tensors a LoRA engine's adapters land in are on the worker's device
+    """The tensors a LoRA engine's adapters land in are on the worker's device
     (``default_device``, made ``meta`` here to see it): a trainer on a GPU sends over CUDA IPC or
     NCCL, which take CUDA tensors only (a landing on the CPU was refused there: "give the receiving
     role a GPU"). One float32 tensor per adapter of the run's ``update.lora`` on the base: 28 of
-    them, 16384 bytes for the tiny model at rank 4, made once per base."""
+    them, 16384 bytes for the tiny model at rank 4; new ones per sync, from a shell made once per
+    base."""
     from rft_core.config import LoraConfig
     from rft_core.workers import rollout as rollout_module
     from rft_core.workers.rollout import RolloutWorker
@@ -873,4 +874,6 @@ def test_a_lora_engines_adapters_land_on_the_workers_device(tiny_model, monkeypa
     target = worker._adapter_target(tiny_model)
     assert len(target) == 28 and {(t.device.type, t.dtype) for t in target.values()} == {("meta", torch.float32)}
     assert sum(t.numel() * 4 for t in target.values()) == 16384 and all(".lora_" in n for n in target)
-    assert worker._adapter_target(tiny_model) is target
+    shell = worker._shell[1]
+    again = worker._adapter_target(tiny_model)
+    assert again is not target and again.keys() == target.keys() and worker._shell[1] is shell
