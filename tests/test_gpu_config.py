@@ -47,3 +47,23 @@ def test_the_fsdp2_variant_of_the_7b_recipe_loads_and_fills_the_same_gpus():
     assert cfg.orchestration.policy_ranks == 5 and cfg.resident_blockers() == []
     workers = cfg.runner("ppo_update").workers
     assert actor_options(workers, "policy", cluster_gpus=8)["num_gpus"] == 1
+
+
+LORA_VARIANT = [*FSDP_VARIANT, "update.lora.rank=64", "update.lora.alpha=128", "update.lr=1.0e-5"]  # docs/gpu.md
+
+
+def test_the_lora_variant_of_the_fsdp2_recipe_loads_and_syncs_adapters_into_vllm():
+    """docs/gpu.md, "LoRA on FSDP2": the FSDP2 variant with update.lora loads under resident
+    workers (bfloat16: its syncs move the adapters alone), the rollout worker is given the LoRA
+    settings it builds its vLLM engine's adapter folders from, vLLM's max_lora_rank holds the
+    rank, and in float32 the same variant is refused."""
+    import pytest
+
+    from rft_core.config import ConfigError
+
+    cfg = load_config(CONFIG, LORA_VARIANT)
+    assert cfg.update.lora.rank == 64 and cfg.update.fsdp is not None and cfg.resident_blockers() == []
+    assert cfg.runner("rollout").workers.lora == cfg.update.lora
+    assert cfg.rollout.vllm.max_lora_rank >= cfg.update.lora.rank
+    with pytest.raises(ConfigError, match="update.fsdp with update.lora and policy.dtype=float32"):
+        load_config(CONFIG, [*LORA_VARIANT, "policy.dtype=float32"])
