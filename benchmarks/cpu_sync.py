@@ -2,7 +2,7 @@
 host, timed per sync, on the default model (SmolLM2-135M in float32, 538 MB: the demo preset).
 
 The real workers: a ``PolicyWorker`` actor holding the model's weights as its trainer would (a
-bare model in place of a trained one: the sync reads ``trained_tensors`` of its strategy) and a
+bare model in place of a trained one: the sync reads ``merged_tensors`` of its strategy) and a
 ``RolloutWorker`` actor holding its own copy; each round changes the sender's weights a little
 and asks the rollout worker for that version (``inference_model``), which pulls it through the
 transport ``choose_transport`` picks (``shm`` on one host since issue 46; ``gloo`` before) and

@@ -345,13 +345,6 @@ class TrainConfig(_Frozen):
             reasons.append("update.deepspeed with update.lora: the resident DeepSpeed trainer gathers full weights for a "
                            "sync, not a LoRA policy's merged weights or adapters, so far (LoRA alone, or DeepSpeed "
                            "alone, is covered)")
-        if self.update.fsdp is not None and self.update.lora is not None and self.policy.dtype != "bfloat16":
-            reasons.append(f"update.fsdp with update.lora and policy.dtype={self.policy.dtype}: the rollout worker's "
-                           "copy (the hf engine's, and the actor pass's with any engine) takes merged weights in "
-                           "float32 (which auto is without a bfloat16 GPU, so auto is refused too), which the "
-                           "resident FSDP2 trainer does not make from its shards, so far; it sends the adapters alone "
-                           "to a copy in bfloat16 and to a vLLM or SGLang engine: set policy.dtype: bfloat16 (FSDP2 "
-                           "with LoRA also runs in stage mode under torchrun)")
         for key in ("deepspeed", "fsdp"):
             if getattr(self.critic, key) is not None:
                 reasons.append(f"critic.{key}: the resident critic worker trains in one process so far (the policy's "

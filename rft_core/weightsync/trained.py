@@ -9,7 +9,7 @@ import copy
 
 import torch
 
-from rft_core.models.lora import is_peft_model
+from rft_core.models.lora import is_peft_model, merge_state
 from rft_core.training.strategy import DeepSpeedStrategy, FSDPStrategy
 from rft_core.weightsync.plan import WeightSyncError, state_tensors
 
@@ -87,6 +87,23 @@ def trained_adapters(strategy) -> dict[str, torch.Tensor] | None:
         return adapter_tensors(strategy.model)
     gathered = strategy.full_state_dict(trainable_only=True)
     return None if gathered is None else adapter_tensors(strategy.module, gathered)
+
+
+def merged_tensors(strategy) -> dict[str, torch.Tensor] | None:
+    """What a sync of full weights sends (an inference copy that does not keep a LoRA policy's
+    adapters): ``trained_tensors``, except for a sharded (FSDP2, DeepSpeed) peft LoRA trainer,
+    whose gathered state (``full_state_dict``, a collective: every rank calls it; base and
+    adapters under their peft names) is merged on rank 0 by ``rft_core.models.lora.merge_state``
+    (peft's ``merge_and_unload`` on a meta-device twin given the gathered tensors): what a
+    single-process trainer's ``inference_tensors`` and stage mode's merged load compute, bit for
+    bit in float32 on one device; None on the ranks above 0."""
+    module = getattr(strategy, "module", strategy.model)
+    if not isinstance(strategy, SHARDED) or not is_peft_model(module):
+        return trained_tensors(strategy)
+    full = strategy.full_state_dict()
+    if full is None:
+        return None
+    return state_tensors(merge_state(module.get_base_model().config, module.peft_config["default"], full))
 
 
 def strategy_device(strategy) -> torch.device:

@@ -33,7 +33,7 @@ from rft_core.weightsync.collective import host_address
 from rft_core.weightsync.plan import SyncPlan, SyncReport, WeightSyncError
 from rft_core.weightsync.session import Offer
 from rft_core.weightsync.shm import Shm, host_id
-from rft_core.weightsync.trained import SHARDED, strategy_device, trained_adapters, trained_tensors
+from rft_core.weightsync.trained import merged_tensors, strategy_device, trained_adapters
 from rft_core.workers.base import FanOut, Gang, ResidentWorker, Started, fan_out
 from schemas import PolicyRef
 
@@ -150,20 +150,13 @@ class PolicyWorker(ResidentWorker):
         DeepSpeed gathered from the ranks (a collective: every rank calls it), on rank 0 only
         (None on the others). ``keep``: hold them for the next call (a ``prepare_weights`` whose
         plan needs them, then its ``send_weights``), which takes them; a ZeRO-3 gather or a LoRA
-        merge then runs once per sync.
-
-        Raises:
-            WeightSyncError: the trainer is a sharded LoRA model, which sends its adapters only
-                (``trained_adapters``), never merged weights."""
+        merge then runs once per sync (``merged_tensors``: a sharded LoRA trainer's gathered
+        state merged on rank 0)."""
         kept, self._prepared = self._prepared, None
         if kept is not None and kept[0] == self.version:
             tensors = kept[1]
-        elif isinstance(self.held.strategy, SHARDED) and is_peft_model(self.held.strategy.module):
-            raise WeightSyncError("a sharded LoRA trainer sends its adapters only (to a copy that keeps them: the hf "
-                                  "engine's below float32, rft_core.models.lora.keeps_adapters, or a vLLM or SGLang "
-                                  "engine), not merged weights; set policy.dtype: bfloat16")
         else:
-            tensors = trained_tensors(self.held.strategy)
+            tensors = merged_tensors(self.held.strategy)
         if keep:
             self._prepared = (self.version, tensors)
         return tensors

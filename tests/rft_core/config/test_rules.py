@@ -108,12 +108,6 @@ CASES = [
     ("resident-blockers", {"orchestration.workers": "resident", "runners.ppo_update.mode": "subprocess"},
      ["runners.ppo_update sets how ppo_update starts a process of its own", "orchestration.workers=resident"],
      "remove runners.ppo_update, or set orchestration.workers=stage"),
-    # a resident FSDP2 LoRA trainer sends its adapters alone: to a copy that keeps them (hf, below float32)
-    ("resident-blockers", {"orchestration.workers": "resident", "update.fsdp": {}, "update.lora": {}},
-     ["update.fsdp with update.lora and policy.dtype=float32", "adapters alone"], "policy.dtype: bfloat16"),
-    ("resident-blockers", {"orchestration.workers": "resident", "update.fsdp": {}, "update.lora": {},
-                           "policy.dtype": "auto", "rollout.engine": "vllm"},  # its actor pass's copy: float32 on a CPU
-     ["update.fsdp with update.lora and policy.dtype=auto", "actor pass"], "policy.dtype: bfloat16"),
     ("resident-blockers", {"orchestration.workers": "resident", "update.deepspeed.zero_stage": 2, "update.lora": {},
                            "policy.dtype": "bfloat16"}, ["update.deepspeed with update.lora"], "DeepSpeed alone"),
     ("token-budget-below-longest-sample", {"update.max_tokens_per_micro_batch": 300, "rollout.max_new_tokens": 64},
@@ -211,10 +205,10 @@ def test_a_valid_neighbour_of_each_new_rule_loads():
     load_config(None, {"teacher.path": "t", "teacher.use_task_rewards": False, "kl.kl_coef": 0.1})
     load_config(None, {"teacher.path": "t", "shaping.advantage_whiten": True, "advantage": "gae"})  # with task rewards
     load_config(None, {"update.fsdp": {}, "critic.deepspeed": {}})  # FSDP2 for the policy, ZeRO for the critic
-    load_config(None, {"orchestration.workers": "resident", "update.fsdp": {}, "update.lora": {},
-                       "policy.dtype": "bfloat16"})  # its syncs move the adapters alone (test_fsdp_update.py)
-    load_config(None, {"orchestration.workers": "resident", "update.fsdp": {}, "update.lora": {},
-                       "policy.dtype": "bfloat16", "rollout.engine": "vllm"})  # into the engine's adapters too
+    # a resident FSDP2 LoRA trainer: adapters alone to a bfloat16 copy or an engine, merged on rank 0 in float32
+    for extra in ({"policy.dtype": "bfloat16"}, {"policy.dtype": "bfloat16", "rollout.engine": "vllm"}, {},
+                  {"policy.dtype": "auto", "rollout.engine": "sglang"}):
+        load_config(None, {"orchestration.workers": "resident", "update.fsdp": {}, "update.lora": {}, **extra})
     load_config(None, {"update.max_tokens_per_micro_batch": 320, "rollout.max_new_tokens": 64,  # exactly the longest
                        "critic.max_tokens_per_micro_batch": 4096, "critic.packing": True})
     # stage mode keeping its models (the hf engine's default) keeps the policy between checkpoints

@@ -206,14 +206,17 @@ def test_resident_fsdp_gang_keeps_its_state_and_equals_the_torchrun_updates(upda
 
 
 @pytest.mark.rotation(2)  # long: one turn in 8 (tests/rotation.py; with the resident FSDP2 gang test above)
-def test_a_resident_fsdp_lora_gang_in_bfloat16_syncs_its_adapters_alone(update_inputs, tiny_model, tmp_path):
-    """orchestration.policy_ranks=2 with update.fsdp and update.lora on a bfloat16 base: 2 updates,
-    the first weightless (checkpoint.every=2). The rollout worker (``WorkersConfig.lora``) pulls
-    each version's float32 adapters alone, gathered from both ranks onto rank 0
-    (``trained_adapters``): 16384 bytes a sync (2 layers x rank 4 x 512 in+out features x 4
-    bytes), not the model. Version 1, on no storage, equals the single-process update within 1e-6
-    (the adapters moved); version 2 equals the committed adapter checkpoint loaded as stage mode
-    loads it (adapters kept on the bfloat16 base) bit for bit, base included."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_resident_fsdp_lora_gang_syncs_its_adapters_or_its_merged_weights(update_inputs, tiny_model, tmp_path, dtype):
+    """orchestration.policy_ranks=2 with update.fsdp and update.lora: 2 updates, the first
+    weightless (checkpoint.every=2), each pulled by the rollout worker (``WorkersConfig.lora``).
+    On a bfloat16 base it keeps the adapters and each sync gathers the float32 adapters alone onto
+    rank 0 (``trained_adapters``): 16384 bytes (2 layers x rank 4 x 512 in+out features x 4
+    bytes); in float32 it takes the merged weights, the gathered base and adapters merged on rank 0
+    (``merged_tensors``: peft's merge on a meta-device twin). Version 1, on no storage, equals the
+    single-process update within 1e-6 (the adapters moved); version 2 equals the committed adapter
+    checkpoint loaded as stage mode loads it (adapters kept in bfloat16, merged in float32) bit for
+    bit, every tensor."""
     pytest.importorskip("ray")
     import ray
 
@@ -224,8 +227,8 @@ def test_a_resident_fsdp_lora_gang_in_bfloat16_syncs_its_adapters_alone(update_i
     lora = LoraConfig(rank=4, alpha=8.0)
     cfg = update_inputs[3].model_copy(update={"lora": lora})
     with one_thread():
-        single = [run_update(update_inputs, tiny_model, cfg, "lora16-single-1", dtype="bfloat16")]
-        single.append(run_update(update_inputs, single[0], cfg, "lora16-single-2", dtype="bfloat16"))
+        single = [run_update(update_inputs, tiny_model, cfg, f"lora-{dtype}-single-1", dtype=dtype)]
+        single.append(run_update(update_inputs, single[0], cfg, f"lora-{dtype}-single-2", dtype=dtype))
     env = {"OMP_NUM_THREADS": "1"}
     workers = WorkersConfig(pool=str(tmp_path), threads=1, policy_ranks=2, lora=lora,
                             ray=RayConfig(options={"policy": {"runtime_env": {"env_vars": env}}}))
@@ -233,29 +236,39 @@ def test_a_resident_fsdp_lora_gang_in_bfloat16_syncs_its_adapters_alone(update_i
     refs, synced, sent, policy = [], [], [], tiny_model
     try:
         rollout = start_worker(workers, "rollout")
-        ray.get(rollout.inference_model.remote(tiny_model, dtype="bfloat16", role="policy"))
+        ray.get(rollout.inference_model.remote(tiny_model, dtype=dtype, role="policy"))
         for i in (1, 2):
             inp = PPOUpdateInput(rollout=r, advantages=a, policy=policy, update=fsdp(cfg), kl=KLConfig(),
-                                 temperature=1.0, out=str(root / f"resident-fsdp-lora16-{i}"), save_checkpoint=i == 2,
-                                 dtype="bfloat16")
+                                 temperature=1.0, out=str(root / f"resident-fsdp-lora-{dtype}-{i}"),
+                                 save_checkpoint=i == 2, dtype=dtype)
             policy = run_resident(inp, workers)
             refs.append(policy)
-            model = ray.get(rollout.inference_model.remote(policy, dtype="bfloat16", role="policy"))
+            model = ray.get(rollout.inference_model.remote(policy, dtype=dtype, role="policy"))
             synced.append({k: v.clone() for k, v in model.state_dict().items()})
             sent.append(ray.get(rollout.stats.remote())["weight_sync_bytes"])
     finally:
         stop_workers(workers.pool)
     assert [has_weights(x) for x in refs] == [False, True]
-    assert sent == [16384, 2 * 16384]
-    want = [load_causal_lm(f"{u.uri}/policy", dtype="bfloat16").state_dict() for u in single]
-    stored = load_causal_lm(f"{refs[1].uri}/policy", dtype="bfloat16").state_dict()
-    adapters = [k for k in stored if ".lora_" in k]
-    assert adapters and stored[adapters[0]].dtype == torch.float32 and synced[0].keys() == stored.keys()
-    assert max(synced[0][k].abs().max().item() for k in adapters if "lora_B" in k) > 1e-4  # moved from 0
-    assert max_diff({k: synced[0][k] for k in adapters}, {k: want[0][k] for k in adapters}) < 1e-6
-    assert max_diff({k: synced[1][k] for k in adapters}, {k: want[1][k] for k in adapters}) < 1e-6
-    assert max_diff({k: synced[1][k] for k in adapters}, {k: synced[0][k] for k in adapters}) > 1e-5  # a new version
+    want = [load_causal_lm(f"{u.uri}/policy", dtype=dtype).state_dict() for u in single]
+    stored = load_causal_lm(f"{refs[1].uri}/policy", dtype=dtype).state_dict()
+    assert synced[0].keys() == stored.keys() == want[0].keys()
     assert all(torch.equal(synced[1][k], v) for k, v in stored.items())
+    if dtype == "bfloat16":
+        assert sent == [16384, 2 * 16384]
+        moved = [k for k in stored if ".lora_" in k]  # the adapters, float32 on the bfloat16 base
+        assert moved and stored[moved[0]].dtype == torch.float32
+        assert max(synced[0][k].abs().max().item() for k in moved if "lora_B" in k) > 1e-4  # moved from 0
+    else:
+        from rft_core.weightsync.plan import state_tensors
+
+        whole = sum(t.numel() * 4 for t in state_tensors(load_causal_lm(tiny_model)).values())  # the tied head once
+        assert sent == [whole, 2 * whole] and not any(".lora_" in k for k in stored)  # merged: a plain model
+        moved = list(stored)
+        init = load_causal_lm(tiny_model).state_dict()
+        assert max((synced[0][k] - init[k]).abs().max().item() for k in moved) > 1e-4  # the merge moved the weights
+    assert max_diff({k: synced[0][k] for k in moved}, {k: want[0][k] for k in moved}) < 1e-6
+    assert max_diff({k: synced[1][k] for k in moved}, {k: want[1][k] for k in moved}) < 1e-6
+    assert max_diff({k: synced[1][k] for k in moved}, {k: synced[0][k] for k in moved}) > 1e-5  # a new version
 
 
 @pytest.fixture

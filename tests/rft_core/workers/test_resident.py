@@ -307,8 +307,8 @@ def test_an_engine_sync_takes_the_weights_its_plan_was_made_from(tiny_model, tmp
     pool = _pool()
     drive(cfg, _runner(pool), stop_after=1)
     policy, calls = pool["policy"], []
-    real = resident_module.trained_tensors
-    monkeypatch.setattr(resident_module, "trained_tensors", lambda s: calls.append(s) or real(s))
+    real = resident_module.merged_tensors
+    monkeypatch.setattr(resident_module, "merged_tensors", lambda s: calls.append(s) or real(s))
     offer = policy.prepare_weights(ShardRef.from_manifest(stage_uri(cfg.run_root, 1, "ppo_update")), dtype="bfloat16")
     plan = SyncPlan.from_json(offer.plan)
     assert offer.backend == "gloo" and {e.dtype for e in plan.entries} == {"bfloat16"}
