@@ -148,30 +148,35 @@ def save_adapter(shell, adapters: dict[str, torch.Tensor], out_dir: str | Path) 
     return str(out)
 
 
-def merge_state(model_config, peft_config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A plain transformers model holding ``state`` (the state dict of a peft LoRA model: its base
-    and adapter tensors under their peft names, e.g. gathered from the ranks of a sharded trainer)
-    with the adapters folded in by peft's own ``merge_and_unload``: built on the meta device from
-    ``model_config`` (the base's HF config) and ``peft_config`` (a copy of the model's
-    ``LoraConfig``), then given ``state``'s tensors (``load_state_dict(assign=True)``: no copy of
-    the base; the merge adds into them). What ``load_adapter_policy(merge=True)`` computes from a
-    checkpoint of those tensors, bit for bit in float32 on one device. Its non-persistent buffers
-    (rotary frequencies) stay on the meta device: a source of weights, not a model to run.
+def merge_state(model, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain transformers model holding ``state`` (the state dict of the peft LoRA ``model``: its
+    base and adapter tensors under their peft names, e.g. gathered from the ranks of a sharded
+    trainer, whose ``model`` holds shards only) with the adapters folded in by peft's own
+    ``merge_and_unload(safe_merge=True)``: a twin of ``model``'s base class built on the meta
+    device from copies of its HF config and ``LoraConfig``, given ``state``'s tensors
+    (``load_state_dict(assign=True)``). The safe merge adds into a copy of each adapted weight, so
+    ``state``'s tensors are left as they are (on one rank they can be the trainer's own shards);
+    the sum is peft's plain merge's (``orig_weight += delta``), what
+    ``load_adapter_policy(merge=True)`` computes from a checkpoint of those tensors, bit for bit in
+    float32 on one device. Non-persistent buffers (rotary frequencies) stay on the meta device:
+    a source of weights, not a model to run.
 
     Raises:
         RuntimeError: ``state`` lacks a tensor of the model or has one it does not
             (``load_state_dict``, strict).
+        ValueError: a merged weight is not finite (peft's safe merge).
     """
     import copy
 
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
 
+    base = model.get_base_model()
     with torch.device("meta"):
-        twin = get_peft_model(AutoModelForCausalLM.from_config(model_config), copy.deepcopy(peft_config))
+        twin = get_peft_model(type(base)._from_config(copy.deepcopy(base.config)),
+                              copy.deepcopy(model.peft_config["default"]))
     twin.load_state_dict(state, assign=True)
     with torch.no_grad():
-        return twin.merge_and_unload()
+        return twin.merge_and_unload(safe_merge=True)
 
 
 def load_adapter_policy(adapter_dir: str | Path, *, dtype: str = "float32", trainable: bool = False,

@@ -91,19 +91,27 @@ def trained_adapters(strategy) -> dict[str, torch.Tensor] | None:
 
 def merged_tensors(strategy) -> dict[str, torch.Tensor] | None:
     """What a sync of full weights sends (an inference copy that does not keep a LoRA policy's
-    adapters): ``trained_tensors``, except for a sharded (FSDP2, DeepSpeed) peft LoRA trainer,
-    whose gathered state (``full_state_dict``, a collective: every rank calls it; base and
-    adapters under their peft names) is merged on rank 0 by ``rft_core.models.lora.merge_state``
-    (peft's ``merge_and_unload`` on a meta-device twin given the gathered tensors): what a
-    single-process trainer's ``inference_tensors`` and stage mode's merged load compute, bit for
-    bit in float32 on one device; None on the ranks above 0."""
+    adapters): ``trained_tensors``, except for an FSDP2 peft LoRA trainer, whose gathered state
+    (``full_state_dict``, a collective: every rank calls it; base and adapters under their peft
+    names) is merged on rank 0's CPU by ``rft_core.models.lora.merge_state`` (peft's safe merge on
+    a meta-device twin given the gathered tensors, which on one rank may be the trainer's own):
+    what a single-process trainer's ``inference_tensors`` and stage mode's merged load compute,
+    bit for bit in float32 on one device; None on the ranks above 0. Its cost on the CPU: about
+    2 x rank x (the adapted weights' elements) multiply-adds per sync.
+
+    Raises:
+        WeightSyncError: a DeepSpeed LoRA trainer (its bf16 mode casts the adapters to bfloat16:
+            ``trained_adapters``; ``resident_blockers`` refuses the config first)."""
     module = getattr(strategy, "module", strategy.model)
     if not isinstance(strategy, SHARDED) or not is_peft_model(module):
         return trained_tensors(strategy)
+    if isinstance(strategy, DeepSpeedStrategy):
+        raise WeightSyncError("a merged sync from a DeepSpeed LoRA trainer is not implemented (update.deepspeed with "
+                              "update.lora under resident workers is refused: TrainConfig.resident_blockers)")
     full = strategy.full_state_dict()
     if full is None:
         return None
-    return state_tensors(merge_state(module.get_base_model().config, module.peft_config["default"], full))
+    return state_tensors(merge_state(module, full))
 
 
 def strategy_device(strategy) -> torch.device:

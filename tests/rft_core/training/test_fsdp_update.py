@@ -317,6 +317,37 @@ def test_an_adapter_gather_takes_the_adapters_alone_not_the_tied_head(tiny_model
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_a_merged_sync_of_one_fsdp_lora_rank_leaves_the_trainers_base_as_it_was(tiny_model, own_process_group,
+                                                                                 cpu_offload):
+    """``merged_tensors`` of a float32 FSDP2 LoRA trainer on a world of one rank, whose gathered
+    tensors on the CPU are the trainer's own shards: twice the same merged weights, equal bit for
+    bit to the single-process merge (``inference_tensors``: peft's merge on a copy), which moved the
+    adapted weights, and the trainer's base unchanged (a merge into the gathered tensors added the
+    adapters into the trainer's base at every sync)."""
+    from rft_core.models.lora import apply_lora
+    from rft_core.weightsync.trained import inference_tensors, merged_tensors
+
+    model = apply_lora(load_causal_lm(tiny_model, trainable=True), rank=4, alpha=8.0, dropout=0.0,
+                       target_modules="all-linear", base_path=tiny_model, seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(generator=torch.Generator().manual_seed(1))
+    want = {k: v.clone() for k, v in inference_tensors(model).items()}
+    optim = OptimizerSettings(lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
+    sharded = build_strategy(model, optim=optim, fsdp=FSDPConfig(cpu_offload=cpu_offload))
+    before = {k: v.clone() for k, v in sharded.full_state_dict().items()}
+    first = {k: v.clone() for k, v in merged_tensors(sharded).items()}
+    second = merged_tensors(sharded)
+    assert first.keys() == want.keys() and all(torch.equal(first[k], want[k]) for k in want)
+    assert all(torch.equal(second[k], want[k]) for k in want)
+    init = load_causal_lm(tiny_model).state_dict()
+    assert max((want[k] - init[k]).abs().max().item() for k in want) > 1e-3  # the merge moved the weights
+    after = sharded.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
 def test_cpu_offload_on_one_rank_matches_one_process(tiny_model, own_process_group):
     """FSDP2 on a world of one rank (outside torchrun), with and without CPUOffloadPolicy, trains
     as the single process does: same gradient norms (4 steps), weights within 1e-6; in bfloat16
