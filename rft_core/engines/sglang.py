@@ -162,7 +162,7 @@ class SGLangEngine(SyncedWeights):
             ValueError: LoRA/full mismatch with how the engine was built (another full checkpoint
                 than its base on a LoRA engine), or another LoRA base.
         """
-        if lora_path is not None and not self._lora or lora_path is None and self._lora and model_path != self.weights_path:
+        if (lora_path is not None and not self._lora) or (lora_path is None and self._lora and model_path != self.weights_path):
             raise ValueError(f"the cached SGLang engine was built {'with' if self._lora else 'without'} LoRA; "
                              f"cannot serve {lora_path or model_path} on it (release it first)")
         if lora_path is not None and model_path != self.weights_path:

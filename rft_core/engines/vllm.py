@@ -278,7 +278,7 @@ class VLLMEngine(SyncedWeights):
             ValueError: a LoRA checkpoint on an engine built without LoRA, another full checkpoint
                 than its base on a LoRA engine, or a LoRA checkpoint on another base model.
         """
-        if lora_path is not None and not self.lora or lora_path is None and self.lora and model_path != self.weights_path:
+        if (lora_path is not None and not self.lora) or (lora_path is None and self.lora and model_path != self.weights_path):
             raise ValueError(f"the cached vLLM engine was built {'with' if self.lora else 'without'} LoRA; "
                              f"cannot serve {lora_path or model_path} on it (release it first)")
         if self.lora:
