@@ -14,6 +14,7 @@ Export a merged, plain HF model (what vLLM or any HF tool loads)::
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import sys
 from collections.abc import Iterator
@@ -166,8 +167,6 @@ def merge_state(model, state: dict[str, torch.Tensor]) -> torch.nn.Module:
             (``load_state_dict``, strict).
         ValueError: a merged weight is not finite (peft's safe merge).
     """
-    import copy
-
     from peft import get_peft_model
 
     base = model.get_base_model()
