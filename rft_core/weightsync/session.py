@@ -163,12 +163,14 @@ def check_adapters(offer: Offer, landing: Landing, what: str) -> None:
     if landing.adapters and not offer.lora:
         raise WeightSyncError(f"{what}: the receiving copy keeps LoRA adapters but the policy worker holds a policy "
                               "without them (update.lora differs between the two)")
-    if offer.lora and not landing.adapters and landing.engine_kind is not None:
+    if not offer.lora or landing.adapters:
+        return
+    if landing.engine_kind is not None:
         raise WeightSyncError(f"{what}: the policy is a LoRA model and the {landing.engine_kind} engine would take its "
                               "merged weights, where stage mode's engine serves the adapter on the base; the rollout "
                               "worker was not given the run's update.lora (WorkersConfig.lora), which has it land the "
                               "adapters for its engine")
-    if offer.lora and not landing.adapters and keeps_adapters(landing.dtype):
+    if keeps_adapters(landing.dtype):
         raise WeightSyncError(f"{what}: the policy is a LoRA model and the receiving copy is {landing.dtype}, below "
                               "float32, where it keeps the float32 adapters on its base as the trainer computes; it "
                               "was not given the run's update.lora (RolloutWorker(lora=...), WorkersConfig.lora), so "

@@ -81,8 +81,7 @@ def trained_adapters(strategy) -> dict[str, torch.Tensor] | None:
             parameter, the adapters too, to bfloat16: ``_cast_module_mixed_precision``,
             deepspeed/runtime/engine.py 0.19.8; ``resident_blockers`` refuses the config first)."""
     if isinstance(strategy, DeepSpeedStrategy):
-        raise WeightSyncError("an adapter sync from a DeepSpeed trainer is not implemented (update.deepspeed with "
-                              "update.lora under resident workers is refused: TrainConfig.resident_blockers)")
+        raise _deepspeed_lora("an adapter sync")
     if not isinstance(strategy, FSDPStrategy):
         return adapter_tensors(strategy.model)
     gathered = strategy.full_state_dict(trainable_only=True)
@@ -102,16 +101,18 @@ def merged_tensors(strategy) -> dict[str, torch.Tensor] | None:
     Raises:
         WeightSyncError: a DeepSpeed LoRA trainer (its bf16 mode casts the adapters to bfloat16:
             ``trained_adapters``; ``resident_blockers`` refuses the config first)."""
-    module = getattr(strategy, "module", strategy.model)
-    if not isinstance(strategy, SHARDED) or not is_peft_model(module):
+    if not isinstance(strategy, SHARDED) or not is_peft_model(strategy.module):
         return trained_tensors(strategy)
     if isinstance(strategy, DeepSpeedStrategy):
-        raise WeightSyncError("a merged sync from a DeepSpeed LoRA trainer is not implemented (update.deepspeed with "
-                              "update.lora under resident workers is refused: TrainConfig.resident_blockers)")
+        raise _deepspeed_lora("a merged sync")
     full = strategy.full_state_dict()
-    if full is None:
-        return None
-    return state_tensors(merge_state(module, full))
+    return None if full is None else state_tensors(merge_state(strategy.module, full))
+
+
+def _deepspeed_lora(what: str) -> WeightSyncError:
+    """The refusal of ``what`` from a DeepSpeed LoRA trainer (see ``trained_adapters``)."""
+    return WeightSyncError(f"{what} from a DeepSpeed LoRA trainer is not implemented (update.deepspeed with "
+                           "update.lora under resident workers is refused: TrainConfig.resident_blockers)")
 
 
 def strategy_device(strategy) -> torch.device:

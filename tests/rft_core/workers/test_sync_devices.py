@@ -221,3 +221,23 @@ def test_cuda_ipc_handle_opens_on_the_receivers_index_of_the_senders_gpu(on_gpu,
     physical["receiver"] = ["GPU-B", "GPU-C"]
     with pytest.raises(WeightSyncError, match="GPU-A"):
         cuda_ipc.import_cuda_ipc(handles, target, plan)
+
+
+def test_a_deepspeed_lora_trainer_is_refused_by_name_for_an_adapter_or_a_merged_sync(tiny_model):
+    """``resident_blockers`` refuses update.deepspeed with update.lora first; reached otherwise, an
+    adapter sync and a merged sync from a ZeRO trainer of a peft model are refused by name
+    (DeepSpeed's bf16 mode casts the adapters to bfloat16), and a ZeRO trainer of a plain model
+    still merges nothing (``merged_tensors`` is its gathered weights)."""
+    from rft_core.models.lora import apply_lora
+    from rft_core.weightsync.trained import merged_tensors, trained_adapters
+
+    lora = apply_lora(load_causal_lm(tiny_model, trainable=True), rank=2, alpha=4.0, dropout=0.0,
+                      target_modules="all-linear", base_path=tiny_model, seed=0)
+    strategy = zero3_strategy(lora, rank=0, world_size=1, device="cpu")
+    with pytest.raises(WeightSyncError, match="an adapter sync from a DeepSpeed LoRA trainer is not implemented"):
+        trained_adapters(strategy)
+    with pytest.raises(WeightSyncError, match="a merged sync from a DeepSpeed LoRA trainer is not implemented"):
+        merged_tensors(strategy)
+    plain = load_causal_lm(tiny_model)
+    sent = merged_tensors(zero3_strategy(plain, rank=0, world_size=1, device="cpu"))
+    assert sent.keys() == {k for k in plain.state_dict() if k != "lm_head.weight"}
