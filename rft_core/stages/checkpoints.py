@@ -23,6 +23,7 @@ from rft_core.models.loading import cache_dir
 import rft_core.stages.writer as writer
 from rft_core.stages.lineage import UPDATE_INPUT_KEY, WEIGHTS_DIGEST_KEY, policy_checkpoint_uri, weights_stage
 from rft_core.stages.retention import require_unpruned
+from rft_core.stages.sharded_state import sharded_state_folder
 from rft_core.stages.writer import wait_for_optimizer_writes
 from rft_core.training.checkpoint import OPTIMIZER_FILE
 from schemas import PolicyRef, ShardRef, local_path, read_manifest, verify_files
@@ -102,6 +103,20 @@ def require_weights(policy: ShardRef, subdir: str = POLICY_SUBDIR) -> ShardRef:
             "those of stage mode keeping its models), so they are not on storage. Resume the run with the same config "
             "(it rebuilds them from the last checkpoint), or use a checkpoint iteration (`rft inspect` lists them)")
     return policy
+
+
+def sharded_state_dir(stage: ShardRef, subdir: str) -> str:
+    """Local folder of the sharded AdamW state (DeepSpeed's partitions or FSDP2's DCP shards)
+    that the committed training stage ``stage`` holds beside its ``subdir/`` checkpoint
+    (``sharded_state_folder``: a DeepSpeed or FSDP2 critic's ``critic-optimizer/``), checked
+    against the manifest (a remote one downloaded once into the cache).
+
+    Raises:
+        CheckpointPrunedError: the state (or the weights) was pruned (``checkpoint.keep_last``).
+        ShardCorruptError: a file is missing or differs from the manifest (named).
+    """
+    require_unpruned(stage, subdir, optimizer=True)
+    return _checkpoint_folder(stage, sharded_state_folder(subdir))
 
 
 # a downloaded checkpoint folder is complete once one of these is there (full model, LoRA

@@ -15,6 +15,7 @@ import pyarrow as pa
 from rft_core.stages.contracts import StageInput
 from rft_core.stages.lineage import weights_stage
 from rft_core.stages.retention import CHECKPOINT_STAGES, latest_policy_checkpoint
+from rft_core.stages.sharded_state import raise_if_any_failed, save_partitions, sharded_format, sharded_state_folder
 from rft_core.training.checkpoint import save_checkpoint
 from rft_core.training.strategy import DeepSpeedStrategy, FSDPStrategy, SingleProcess
 from schemas import (
@@ -124,15 +125,19 @@ class Timer:
 
 
 def commit_checkpoint(commit: Commit, *, subdir: str, model, tokenizer, optimizer, steps: list, schema: StageSchema,
-                      inputs: Mapping[str, ShardRef], summary: dict, save_weights: bool = True) -> ShardRef:
+                      inputs: Mapping[str, ShardRef], summary: dict, save_weights: bool = True,
+                      lock_token: str | None = None) -> ShardRef:
     """Commit a training stage: per-step metric rows (dataclasses, one per optimizer step) as
     Parquet parts plus an HF checkpoint (with the optimizer state unless ``optimizer`` is None)
-    under ``{commit.uri}/{subdir}``, all under one manifest written last. Works on any fsspec
-    URI (remote: saved to a local temp folder, then uploaded). ``summary`` gains
+    under ``{commit.uri}/{subdir}``, all under one manifest written last (with every other file
+    in the folder: a sharded optimizer state the ranks wrote first, ``commit_trained``). Works on
+    any fsspec URI (remote: saved to a local temp folder, then uploaded). ``summary`` gains
     ``checkpoint_seconds``. ``save_weights=False``: the metrics parts only (a resident worker,
-    or stage mode keeping its models, keeps the weights in memory; ``checkpoint.every``)."""
+    or stage mode keeping its models, keeps the weights in memory; ``checkpoint.every``).
+    ``lock_token``: the caller already holds the stage's writer lock (``prepare_stage_dir``);
+    it is released when this fails, as one taken here."""
     out = commit.uri
-    token = prepare_stage_dir(out)
+    token = lock_token if lock_token is not None else prepare_stage_dir(out)
     try:
         with Timer() as t_save, storage_errors(out):
             local = local_path(out)
@@ -174,26 +179,64 @@ def commit_trained(commit: Commit, strategy: SingleProcess | DeepSpeedStrategy |
     """Commit what ``strategy`` trained (``commit_checkpoint``). One process: the model, with
     its AdamW state inside the checkpoint when ``keep_optimizer``. DeepSpeed: the weights are
     gathered on every rank (a collective), rank 0 commits them (the summary records world_size
-    and zero_stage), the other ranks wait for the commit and return the same ref; the ZeRO state
-    (partitioned over the ranks) is not part of this commit: the policy update commits it as its
-    optimizer stage (``rft_core.stages.optimizer_state.commit_sharded_optimizer_state``), and
-    ``keep_optimizer`` is ignored (the critic's ZeRO state is not kept). FSDP2 likewise: the
-    weights gathered to rank 0 (``FSDPStrategy.full_state_dict``, in the dtypes they were
-    loaded in), the summary records world_size and ``sharding: fsdp2``."""
+    and zero_stage), the other ranks wait for the commit and return the same ref. FSDP2
+    likewise: the weights gathered to rank 0 (``FSDPStrategy.full_state_dict``, in the dtypes
+    they were loaded in), the summary records world_size and ``sharding: fsdp2``. Their sharded
+    AdamW state (and float32 masters): with ``keep_optimizer`` (the critic) every rank writes its
+    part into ``{subdir}-optimizer/`` of this stage after rank 0 took the stage's lock and before
+    rank 0's manifest, which lists those files too and records their format under
+    ``summary["optimizer"]`` (``rft_core.stages.sharded_state``; the next critic update continues
+    it); without it (the policy) the caller commits it as its optimizer stage
+    (``rft_core.stages.optimizer_state.commit_sharded_optimizer_state``).
+
+    Raises:
+        OptimizerStateError: (the other ranks) taking the lock or writing the sharded state failed
+            on a peer; that rank raises its own error.
+    """
     if isinstance(strategy, SingleProcess):
         return commit_checkpoint(commit, subdir=subdir, model=strategy.model, tokenizer=tokenizer,
                                  optimizer=strategy.optimizer if keep_optimizer else None, steps=steps, schema=schema,
                                  inputs=inputs, summary=summary, save_weights=save_weights)
     state = strategy.full_state_dict() if save_weights else None
+    token, extra = None, {}
+    if keep_optimizer and save_weights:
+        token, extra = _save_sharded_state(commit.uri, strategy, subdir)
     ref = None
     if strategy.rank == 0:
         layout = ({"sharding": "fsdp2"} if isinstance(strategy, FSDPStrategy) else {"zero_stage": strategy.zero_stage})
         ref = commit_checkpoint(commit, subdir=subdir, model=_WithStateDict(strategy.module, state), tokenizer=tokenizer,
                                 optimizer=None, steps=steps, schema=schema, inputs=inputs,
-                                summary={**summary, "world_size": strategy.world_size, **layout},
-                                save_weights=save_weights)
+                                summary={**summary, "world_size": strategy.world_size, **layout, **extra},
+                                save_weights=save_weights, lock_token=token)
     strategy.barrier()
     if ref is None:
         ref = commit.committed()
         assert ref is not None, f"rank 0 did not commit {commit.uri}"
     return ref
+
+
+def _save_sharded_state(uri: str, strategy: DeepSpeedStrategy | FSDPStrategy, subdir: str) -> tuple[str | None, dict]:
+    """``commit_trained``'s sharded AdamW state, a collective: rank 0 takes the writer lock of
+    the stage folder ``uri`` (clearing an interrupted attempt's files), then every rank writes its
+    part into ``sharded_state_folder(subdir)``. Returns (rank 0's lock token, None on the others;
+    the summary entries ``{"optimizer": sharded_format}``); the lock is released on a failure.
+
+    Raises:
+        OptimizerStateError: a peer failed (this rank's own error otherwise).
+    """
+    token, err = None, None
+    if strategy.rank == 0:
+        try:
+            token = prepare_stage_dir(uri)
+        except BaseException as exc:  # noqa: BLE001 - every rank raises below
+            err = exc
+    raise_if_any_failed(strategy, err, f"{uri}: taking the writer lock")
+    try:
+        info = sharded_format(strategy)
+        err = save_partitions(strategy, f"{uri.rstrip('/')}/{sharded_state_folder(subdir)}", info["tag"])
+        raise_if_any_failed(strategy, err, f"{uri}: writing the {info['format']} optimizer state")
+    except BaseException:
+        if token is not None:
+            release_stage_lock(uri, token)
+        raise
+    return token, {"optimizer": info}

@@ -1,20 +1,25 @@
 """Critic stages: values of the rollout's responses, and the critic update on the returns."""
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
 
+from rft_core.config import CriticConfig
 from rft_core.models.critic import batched_response_values, load_critic
 from rft_core.models.loading import leased_tokenizer, pad_token_id
 from rft_core.models.vl import VLProcessor, vl_processor_or_none
 from rft_core.progress import progress_reporter
-from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path
+from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path, sharded_state_dir
 from rft_core.stages.common import Commit, Timer, commit_trained, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
+from rft_core.stages.sharded_state import DEEPSPEED_FORMAT, FSDP_FORMAT, KINDS, folder_once_per_node, sharded_checkpoint
 from rft_core.stages.sources import critic_model, critic_strategy, critic_trained
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.loop import pass_micro_batches
-from rft_core.training.strategy import OptimizerSettings, build_strategy
-from schemas import PolicyRef, ShardRef, read_shard
+from rft_core.training.fsdp import init_process_group
+from rft_core.training.strategy import DeepSpeedStateError, OptimizerSettings, build_strategy, init_distributed
+from schemas import PolicyRef, ShardRef, read_manifest, read_shard
 from schemas.batch import align_on_sample_id
 from schemas.columns import CRITIC_UPDATE, CRITIC_VALUES
 
@@ -38,8 +43,48 @@ def _critic_commit(inp: CriticValuesInput | CriticUpdateInput) -> Commit:
     ``packed_sequences="separate"``: before 2026-12-01 a text critic's forward kept a KV cache,
     with which transformers reads a packed row as one sequence (each attended to those before it in
     its row), so critic stages committed then with packing are stale, not reused; without
-    packing the hash is what it was."""
-    return stage_commit(inp, packed_sequences="separate" if inp.critic.packing else None)
+    packing the hash is what it was. A DeepSpeed or FSDP2 ``critic_update``'s also holds
+    ``sharded_optimizer="continued"``: before 2026-12-01 (second session) it started AdamW afresh
+    each update and kept no state for the next, so those stages are stale too."""
+    sharded = isinstance(inp, CriticUpdateInput) and (inp.critic.deepspeed is not None or inp.critic.fsdp is not None)
+    return stage_commit(inp, packed_sequences="separate" if inp.critic.packing else None,
+                        sharded_optimizer="continued" if sharded else None)
+
+
+def _saved_state(critic: PolicyRef, cfg: CriticConfig) -> dict[str, Any]:
+    """The keyword arguments of ``build_strategy`` that continue the AdamW state of the critic
+    ``critic``: none for an initial critic (a path: AdamW afresh); ``optimizer_state``, the folder
+    of a single-process critic's ``critic/optimizer.pt``; ``deepspeed_state`` or ``fsdp_state``
+    for a DeepSpeed or FSDP2 critic's ``critic-optimizer/`` (``rft_core.stages.sharded_state``,
+    resolved once per node: a collective over the update's ranks). An FSDP2 state continues on any
+    number of ranks; a DeepSpeed one on the same world size, ZeRO stage and dtype
+    (``check_deepspeed_state``).
+
+    Raises:
+        DeepSpeedStateError: the state was written by another kind of update than ``cfg``'s
+            (critic.deepspeed or critic.fsdp changed within a run), or by a sharded critic update
+            that kept none (committed before the state was kept).
+    """
+    if not isinstance(critic, ShardRef):
+        return {}
+    summary = read_manifest(critic.uri)[0].summary
+    info = summary.get("optimizer")
+    written = None if info is None else info.get("format")
+    now = FSDP_FORMAT if cfg.fsdp is not None else DEEPSPEED_FORMAT if cfg.deepspeed is not None else None
+    if info is None and "world_size" in summary:
+        raise DeepSpeedStateError(f"{critic.uri}: this sharded critic update kept no optimizer state (committed before "
+                                  "a DeepSpeed or FSDP2 critic's AdamW state was kept, 2026-12-01): start a new run, "
+                                  "or train the critic from its weights with critic.model.path")
+    if written != now:
+        raise DeepSpeedStateError(f"{critic.uri}: this critic's optimizer state was written by {KINDS.get(written, written)} "
+                                  f"update and cannot be continued by {KINDS[now]} update; keep critic.deepspeed and "
+                                  "critic.fsdp the same across a run")
+    if info is None:
+        return {"optimizer_state": policy_checkpoint_dir(critic, CRITIC_SUBDIR)}
+    init = init_process_group if written == FSDP_FORMAT else init_distributed
+    folder = folder_once_per_node(lambda: sharded_state_dir(critic, CRITIC_SUBDIR), source=critic.uri, init=init)
+    saved = sharded_checkpoint(info, folder, source=critic.uri)
+    return {"fsdp_state": saved} if written == FSDP_FORMAT else {"deepspeed_state": saved}
 
 
 @stage_program(CriticValuesInput)
@@ -79,10 +124,12 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
 def run_update(inp: CriticUpdateInput) -> ShardRef:
     """Train the critic on the advantage stage's returns with the shared training loop (one
     process on ``default_device()``, or DeepSpeed ZeRO with ``critic.deepspeed``, or FSDP2 with
-    ``critic.fsdp``, under torchrun; their AdamW starts afresh each update),
+    ``critic.fsdp``, under torchrun), continuing the previous critic's AdamW state
+    (``_saved_state``; a sharded one's float32 masters too),
     on the tokens the policy sampled (the rollout's ``action_mask``: not on a multi-turn
     response's observation tokens);
-    commits metrics + the ``critic/`` checkpoint (with its AdamW state in one process). A critic in
+    commits metrics + the ``critic/`` checkpoint with its AdamW state (``critic/optimizer.pt`` in
+    one process; every rank's part in ``critic-optimizer/`` under DeepSpeed or FSDP2). A critic in
     bfloat16 (``critic.model.dtype``) trains in mixed precision: float32 master weights and AdamW
     state (kept in ``critic/optimizer.pt`` for the next update), bfloat16 autocast, and the
     checkpoint's weights in bfloat16 (``rft_core.training.strategy.build_strategy``). A
@@ -103,8 +150,7 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         pad_id = pad_token_id(path)
         strategy = critic_strategy(inp.model, lambda: build_strategy(
             load_critic(path, dtype=cfg.dtype, trainable=True), optim=OptimizerSettings.of(cfg), deepspeed=cfg.deepspeed,
-            fsdp=cfg.fsdp, compute_dtype=cfg.dtype,
-            optimizer_state=None if cfg.deepspeed or cfg.fsdp else policy_checkpoint_dir(inp.model, CRITIC_SUBDIR)),
+            fsdp=cfg.fsdp, compute_dtype=cfg.dtype, keeps_deepspeed_state=True, **_saved_state(inp.model, cfg)),
             lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
         quiet = strategy.rank != 0
         with Timer() as t, progress_reporter("critic_update", unit="micro-batches", use_bar=False if quiet else None,

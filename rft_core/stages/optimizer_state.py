@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -76,9 +75,19 @@ import rft_core.stages.writer as writer
 from rft_core.stages.common import Commit, stage_commit
 from rft_core.stages.contracts import OptimizerStateInput, PolicyCheckpointInput
 from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri
+from rft_core.stages.sharded_state import (
+    DEEPSPEED_FORMAT,
+    FSDP_FORMAT,
+    KINDS,
+    folder_once_per_node,
+    raise_if_any_failed,
+    save_partitions,
+    sharded_checkpoint,
+    sharded_format,
+)
 from rft_core.stages.writer import OptimizerStateError, wait_for_optimizer_writes
 from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX, save_checkpoint, save_optimizer_state
-from rft_core.training.fsdp import FSDP_TAG, init_process_group
+from rft_core.training.fsdp import init_process_group
 from rft_core.training.strategy import (
     DeepSpeedCheckpoint,
     DeepSpeedStateError,
@@ -100,14 +109,6 @@ _LOCK = threading.Lock()
 # the name of their buffers ("optimizer": an AdamW state; "policy": a model's weights): (its layout,
 # the stager holding its buffers); a write still running may be reading them (writer.buffers_in_use)
 _STAGED: dict[str, tuple[tuple, BlockingAsyncStager]] = {}
-
-
-# manifest summary of a DeepSpeed optimizer stage: {"format": DEEPSPEED_FORMAT, "tag", "world_size",
-# "zero_stage", "bf16", "deepspeed_version", "seconds"}
-DEEPSPEED_FORMAT = "deepspeed"
-DEEPSPEED_TAG = "zero"
-# ... of an FSDP2 one: {"format": FSDP_FORMAT, "tag", "world_size", "bf16", "torch_version", "seconds"}
-FSDP_FORMAT = "fsdp"
 
 
 def optimizer_state_uri(update: ShardRef) -> str:
@@ -286,59 +287,6 @@ def commit_optimizer_state(update: ShardRef, state: dict, *, background: bool,
     return None
 
 
-def _raise_if_any_failed(strategy: DeepSpeedStrategy | FSDPStrategy, exc: BaseException | None, what: str) -> None:
-    """A collective: raise on every rank when ``exc`` is set on any (this rank's own ``exc``
-    as it is, the others an ``OptimizerStateError`` naming ``what``), so that no rank waits
-    for a peer that gave up."""
-    failed = int(strategy.all_reduce_sum([0.0 if exc is None else 1.0])[0])
-    if exc is not None:
-        raise exc
-    if failed:
-        raise OptimizerStateError(f"{what} failed on {failed} other rank(s) (see their log lines)")
-
-
-def _save_partitions(strategy: DeepSpeedStrategy | FSDPStrategy, uri: str, tag: str) -> BaseException | None:
-    """Every rank writes its ZeRO partitions (``strategy.save_state``, a collective) into the
-    stage folder ``uri``: directly where it is a local folder, else into a local temporary
-    folder that it then uploads. Returns the upload's error on this rank (None: uploaded), for
-    ``_raise_if_any_failed``; a failed save raises here (a collective every rank is in).
-
-    Raises:
-        StorageError: the save refused a write (named stage and cause).
-    """
-    local = local_path(uri)
-    if local is not None:
-        with storage_errors(uri):
-            strategy.save_state(local, tag)  # a collective; every rank writes into the stage folder
-        return None
-    err: BaseException | None = None
-    tmp = tempfile.mkdtemp(prefix="rft-ds-opt-")
-    try:
-        with storage_errors(uri):
-            strategy.save_state(tmp, tag)  # each rank's folder holds what this rank wrote
-        try:
-            with storage_errors(uri):
-                fs, path = fsspec.core.url_to_fs(uri)
-                fs.put(tmp.rstrip("/") + "/", path.rstrip("/"), recursive=True)
-        except BaseException as exc:  # noqa: BLE001 - every rank raises in _raise_if_any_failed
-            err = exc
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return err
-
-
-def _sharded_format(strategy: DeepSpeedStrategy | FSDPStrategy) -> dict[str, Any]:
-    """The manifest summary that says what wrote a sharded optimizer stage and what the next
-    update must match (``deepspeed_checkpoint``, ``fsdp_checkpoint``)."""
-    if isinstance(strategy, FSDPStrategy):
-        return {"format": FSDP_FORMAT, "tag": FSDP_TAG, "world_size": strategy.world_size, "bf16": strategy.bf16,
-                "torch_version": torch.__version__}
-    import deepspeed
-
-    return {"format": DEEPSPEED_FORMAT, "tag": DEEPSPEED_TAG, "world_size": strategy.world_size,
-            "zero_stage": strategy.zero_stage, "bf16": strategy.bf16, "deepspeed_version": deepspeed.__version__}
-
-
 def commit_sharded_optimizer_state(update: ShardRef, strategy: DeepSpeedStrategy | FSDPStrategy, *,
                                    summary: dict | None = None) -> ShardRef:
     """Write the sharded state of ``strategy`` as the optimizer stage of ``update`` and commit
@@ -369,11 +317,11 @@ def commit_sharded_optimizer_state(update: ShardRef, strategy: DeepSpeedStrategy
             token = prepare_stage_dir(uri)  # the lock, leftovers of an interrupted attempt cleared
         except BaseException as exc:  # noqa: BLE001 - every rank raises below
             err = exc
-    _raise_if_any_failed(strategy, err, f"{uri}: taking the writer lock")
+    raise_if_any_failed(strategy, err, f"{uri}: taking the writer lock")
     try:
-        info = _sharded_format(strategy)
-        err = _save_partitions(strategy, uri, info["tag"])
-        _raise_if_any_failed(strategy, err, f"{uri}: uploading the {info['format']} shards")
+        info = sharded_format(strategy)
+        err = save_partitions(strategy, uri, info["tag"])
+        raise_if_any_failed(strategy, err, f"{uri}: uploading the {info['format']} shards")
         ref: ShardRef | None = None
         if strategy.rank == 0:
             try:
@@ -382,7 +330,7 @@ def commit_sharded_optimizer_state(update: ShardRef, strategy: DeepSpeedStrategy
                                    schema=OPTIMIZER_STATE, lock_token=token, contract=commit.contract)
             except BaseException as exc:  # noqa: BLE001 - every rank raises below
                 err = exc
-        _raise_if_any_failed(strategy, err, f"{uri}: committing the manifest")
+        raise_if_any_failed(strategy, err, f"{uri}: committing the manifest")
     except BaseException:
         if token is not None:
             release_stage_lock(uri, token)
@@ -548,68 +496,22 @@ def optimizer_state_dir(ref: ShardRef) -> str:
 def deepspeed_checkpoint(ref: ShardRef, folder: str) -> DeepSpeedCheckpoint | None:
     """The saved ZeRO state of the committed optimizer stage ``ref`` whose files are in the
     local ``folder``, as its manifest describes it; None for a single-process stage
-    (``optimizer.pt``)."""
-    info = read_manifest(ref.uri)[0].summary
-    if info.get("format") != DEEPSPEED_FORMAT:
-        return None
-    return DeepSpeedCheckpoint(folder=folder, tag=str(info["tag"]), world_size=int(info["world_size"]),
-                               zero_stage=int(info["zero_stage"]), bf16=bool(info["bf16"]), source=ref.uri)
+    (``optimizer.pt``) or an FSDP2 one."""
+    saved = sharded_checkpoint(read_manifest(ref.uri)[0].summary, folder, source=ref.uri)
+    return saved if isinstance(saved, DeepSpeedCheckpoint) else None
 
 
 def fsdp_checkpoint(ref: ShardRef, folder: str) -> FSDPCheckpoint | None:
     """The saved FSDP2 state of the committed optimizer stage ``ref`` whose files are in the
     local ``folder`` (its DCP folder ``folder/{tag}``), as its manifest describes it; None for
     another format."""
-    info = read_manifest(ref.uri)[0].summary
-    if info.get("format") != FSDP_FORMAT:
-        return None
-    return FSDPCheckpoint(folder=os.path.join(folder, str(info["tag"])), world_size=int(info["world_size"]),
-                          bf16=bool(info["bf16"]), source=ref.uri)
+    saved = sharded_checkpoint(read_manifest(ref.uri)[0].summary, folder, source=ref.uri)
+    return saved if isinstance(saved, FSDPCheckpoint) else None
 
 
 def _folder_once_per_node(ref: ShardRef, init: Callable[[], tuple[int, int]] = init_distributed) -> str:
-    """``optimizer_state_dir(ref)`` resolved (checked against the manifest, downloaded into the
-    cache when remote) by local rank 0 of each node and shared with that node's other ranks, so
-    that a node hashes and downloads the ZeRO state once. A collective over the job's ranks.
-
-    Raises:
-        the error of ``optimizer_state_dir`` on local rank 0 (``CheckpointPrunedError``,
-        ``ShardCorruptError``); ``OptimizerStateError`` naming it on the node's other ranks.
-    """
-    import socket
-
-    import torch.distributed as dist
-
-    _, world = init()  # the process group of the strategy that loads it (DeepSpeed's, or FSDP2's)
-    host = socket.gethostname()
-    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    folder, err = None, None
-    if first:
-        try:
-            folder = optimizer_state_dir(ref)
-        except BaseException as exc:  # noqa: BLE001 - shared below, re-raised here
-            err = exc
-    if world == 1:
-        if err is not None:
-            raise err
-        assert folder is not None
-        return folder
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (host, first, folder, None if err is None else f"{type(err).__name__}: {err}"))
-    if err is not None:
-        raise err
-    if first:
-        assert folder is not None
-        return folder
-    for g_host, g_first, g_folder, g_err in gathered:
-        if g_first and g_host == host:
-            if g_err is not None:
-                raise OptimizerStateError(f"{ref.uri}: local rank 0 on {host} could not open the optimizer state: {g_err}")
-            return g_folder
-    raise OptimizerStateError(f"{ref.uri}: no rank with LOCAL_RANK=0 on {host} to open the optimizer state")
-
-
-_KINDS = {DEEPSPEED_FORMAT: "a DeepSpeed", FSDP_FORMAT: "an FSDP2", None: "a single-process"}
+    """``optimizer_state_dir(ref)`` resolved once per node (``folder_once_per_node``)."""
+    return folder_once_per_node(lambda: optimizer_state_dir(ref), source=ref.uri, init=init)
 
 
 def saved_optimizer_state(opt_ref: ShardRef | None, *, deepspeed: bool, fsdp: bool = False
@@ -630,8 +532,8 @@ def saved_optimizer_state(opt_ref: ShardRef | None, *, deepspeed: bool, fsdp: bo
     written = read_manifest(opt_ref.uri)[0].summary.get("format")
     now = FSDP_FORMAT if fsdp else DEEPSPEED_FORMAT if deepspeed else None
     if written != now:
-        raise DeepSpeedStateError(f"{opt_ref.uri}: this optimizer state was written by {_KINDS.get(written, written)} "
-                                  f"update and cannot be continued by {_KINDS[now]} update; keep update.deepspeed and "
+        raise DeepSpeedStateError(f"{opt_ref.uri}: this optimizer state was written by {KINDS.get(written, written)} "
+                                  f"update and cannot be continued by {KINDS[now]} update; keep update.deepspeed and "
                                   "update.fsdp the same across a run")
     if now is None:
         return optimizer_state_dir(opt_ref), None

@@ -69,7 +69,9 @@ def _is_weights(name: str) -> bool:
 
 def prunable_files(files: list[str], subdir: str, prune: Literal["optimizer", "weights"]) -> list[str]:
     """The paths among ``files`` (relative to a stage folder) that ``prune`` removes from the
-    checkpoint folder ``subdir``: its optimizer state, and with ``weights`` its weight files.
+    checkpoint folder ``subdir``: its optimizer state (``optimizer.pt``, or every file of a sharded
+    trainer's state in the sibling folder ``{subdir}-optimizer/``: a DeepSpeed or FSDP2 critic's,
+    ``rft_core.stages.sharded_state``), and with ``weights`` its weight files.
 
     Raises:
         ValueError: an unknown ``prune`` mode.
@@ -77,7 +79,11 @@ def prunable_files(files: list[str], subdir: str, prune: Literal["optimizer", "w
     if prune not in ("optimizer", "weights"):
         raise ValueError(f"prune must be 'optimizer' or 'weights', got {prune!r}")
     out = []
+    sharded = f"{subdir}{OPTIMIZER_FOLDER_SUFFIX}/" if subdir else None
     for rel in files:
+        if sharded is not None and rel.startswith(sharded):
+            out.append(rel)
+            continue
         folder, _, name = rel.rpartition("/")
         if folder != subdir:
             continue
@@ -258,8 +264,8 @@ def require_unpruned(policy: ShardRef, subdir: str, *, optimizer: bool) -> None:
     if optimizer and not subdir:  # an optimizer stage: any pruned file is its state gone
         gone = list(pruned)
     else:
-        gone = [rel for rel in prunable_files(list(pruned), subdir, "weights")
-                if optimizer or not _is_optimizer(rel.rpartition("/")[2])]
+        state = set(prunable_files(list(pruned), subdir, "optimizer"))
+        gone = [rel for rel in prunable_files(list(pruned), subdir, "weights") if optimizer or rel not in state]
     if gone:
         reasons = "; ".join(dict.fromkeys(pruned[rel] for rel in sorted(gone)))
         raise CheckpointPrunedError(

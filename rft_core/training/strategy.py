@@ -320,7 +320,7 @@ def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspee
             without 16-bit weights is plain automatic mixed precision (float32 weights, bfloat16
             autocast).
         keeps_deepspeed_state: the caller saves this DeepSpeed update's state for the next one
-            (``DeepSpeedStrategy.save_state``; the policy update does). False (the critic): a
+            (``DeepSpeedStrategy.save_state``; the policy and critic updates do). False: a
             bfloat16 model gets a warning that its float32 masters end with this update.
     Raises:
         ValueError: float16 compute, a 16-bit model with another compute dtype, or saved master

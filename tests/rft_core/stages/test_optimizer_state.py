@@ -352,3 +352,33 @@ def test_an_optimizer_state_is_continued_only_by_the_kind_of_update_that_wrote_i
     assert (saved.folder, saved.tag, saved.world_size, saved.zero_stage, saved.bf16, saved.source) == (
         "/local/copy", "zero", 2, 3, False, zero_state.uri)
     assert opt_state.deepspeed_checkpoint(torch_state, "/x") is None
+
+
+def test_a_critics_state_is_continued_only_by_the_kind_of_critic_update_that_wrote_it(tmp_path):
+    """The critic's AdamW state (``rft_core.stages.critic._saved_state``): a single-process
+    critic's ``critic/optimizer.pt`` and a sharded critic's ``critic-optimizer/`` are each
+    continued by their own kind of update only, and a sharded critic update committed before its
+    state was kept is refused instead of restarting AdamW silently (the checks come before any
+    process group or download)."""
+    from rft_core.config import CriticConfig, DeepSpeedConfig, FSDPConfig
+    from rft_core.stages.critic import _saved_state
+
+    single, zero, fsdp = CriticConfig(), CriticConfig(deepspeed=DeepSpeedConfig(zero_stage=2)), CriticConfig(fsdp=FSDPConfig())
+    one = _committed_stage(str(tmp_path / "one"), "critic_update", {"seconds": 1.0})
+    sharded = _committed_stage(str(tmp_path / "zero"), "critic_update", {"world_size": 2, "zero_stage": 2, "optimizer": {
+        "format": "deepspeed", "tag": "zero", "world_size": 2, "zero_stage": 2, "bf16": False}})
+    before = _committed_stage(str(tmp_path / "before"), "critic_update", {"world_size": 2, "sharding": "fsdp2"})
+    assert _saved_state("/initial/critic", fsdp) == {}  # an initial critic: AdamW afresh
+    with pytest.raises(DeepSpeedStateError, match=f"{tmp_path}/one: .*written by a single-process update and cannot be "
+                                                  "continued by an FSDP2 update; keep critic.deepspeed and critic.fsdp"):
+        _saved_state(one, fsdp)
+    with pytest.raises(DeepSpeedStateError, match=f"{tmp_path}/zero: .*written by a DeepSpeed update and cannot be "
+                                                  "continued by a single-process update"):
+        _saved_state(sharded, single)
+    with pytest.raises(DeepSpeedStateError, match=f"{tmp_path}/zero: .*written by a DeepSpeed update and cannot be "
+                                                  "continued by an FSDP2 update"):
+        _saved_state(sharded, fsdp)
+    for cfg in (zero, fsdp, single):
+        with pytest.raises(DeepSpeedStateError, match=f"{tmp_path}/before: this sharded critic update kept no optimizer "
+                                                      "state"):
+            _saved_state(before, cfg)

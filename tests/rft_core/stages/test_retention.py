@@ -106,6 +106,43 @@ def test_prunable_files_by_mode():
         prunable_files(files, "policy", "all")
 
 
+def test_a_sharded_critics_state_is_its_optimizer_state_for_retention(tmp_path):
+    """A DeepSpeed or FSDP2 critic keeps its AdamW state in ``critic-optimizer/`` beside its
+    weights (``rft_core.stages.common.commit_trained``): pruning the optimizer state removes that
+    folder's every file and leaves the weights loadable; the next update asking for the state
+    is refused, naming the files."""
+    from rft_core.stages.checkpoints import sharded_state_dir
+
+    files = ["part-00000.parquet", "critic/config.json", "critic/model.safetensors", "critic-optimizer/latest",
+             "critic-optimizer/zero/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "critic-optimizer/dcp/.metadata"]
+    state = ["critic-optimizer/dcp/.metadata", "critic-optimizer/latest",
+             "critic-optimizer/zero/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert prunable_files(files, "critic", "optimizer") == state
+    assert prunable_files(files, "critic", "weights") == sorted(state + ["critic/model.safetensors"])
+    assert prunable_files(files, "policy", "optimizer") == []  # another checkpoint's state is not this one's
+
+    for i in (1, 2):  # a critic_update stage at iterations 1 and 2 with its sharded state
+        uri = stage_uri(str(tmp_path), i, "critic_update")
+        for rel, data in {"critic/config.json": b"{}", "critic/model.safetensors": b"w" * 1000,
+                          "critic-optimizer/latest": b"zero",
+                          "critic-optimizer/zero/rank_0_optim_states.pt": b"s" * 500}.items():
+            Path(uri, rel).parent.mkdir(parents=True, exist_ok=True)
+            Path(uri, rel).write_bytes(data)
+        commit_files(uri, stage="critic_update", config_hash=f"h{i}")
+    one = stage_uri(str(tmp_path), 1, "critic_update")
+    assert sorted(p.relative_to(one).as_posix() for p in Path(one, "critic-optimizer").rglob("*") if p.is_file()) == [
+        "critic-optimizer/latest", "critic-optimizer/zero/rank_0_optim_states.pt"]
+    ref = committed_ref(one, stage="critic_update", config_hash="h1")
+    assert Path(sharded_state_dir(ref, "critic")) == Path(one, "critic-optimizer")  # whole: handed out
+    done = prune_checkpoints(str(tmp_path), 2, keep_last=1, prune="optimizer")
+    assert done == {one: ["critic-optimizer/latest", "critic-optimizer/zero/rank_0_optim_states.pt"]}
+    assert not Path(one, "critic-optimizer/latest").exists() and Path(one, "critic/model.safetensors").exists()
+    assert policy_model_path(ref, "critic") == f"{one}/critic"  # the weights still load
+    with pytest.raises(CheckpointPrunedError, match=r"critic-optimizer/latest, critic-optimizer/zero/rank_0_optim"
+                                                    r"_states.pt were pruned \(checkpoint.keep_last=1 after iteration 2"):
+        sharded_state_dir(ref, "critic")
+
+
 @pytest.mark.parametrize("prune", ["optimizer", "weights"])
 def test_prune_checkpoints_keeps_the_last_n_iterations_whole(tmp_path, prune):
     root = str(tmp_path / "run")

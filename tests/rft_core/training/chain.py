@@ -7,6 +7,7 @@ import contextlib
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 import torch
 
 from rft_core.config import DeepSpeedConfig, FSDPConfig, KLConfig, RunnerConfig, UpdateConfig
@@ -121,3 +122,53 @@ def random_head_critic(tiny_model: str, rollout, root: Path) -> tuple[str, objec
     ref = write_shard(pa.table({"sample_id": rows["sample_id"], "values": values}, schema=CRITIC_VALUES.arrow),
                       str(root / "random-head-values"), schema=CRITIC_VALUES, config_hash="v")
     return str(folder), ref, {k: v.clone() for k, v in critic.state_dict().items()}
+
+
+def critic_chain(update_inputs, critic: str, values, cfg, prefix: str, runner: RunnerConfig | None = None,
+                 iterations: int = 2) -> list:
+    """``iterations`` critic updates on the shared inputs, each continuing the previous one's
+    committed critic (its weights and AdamW state), into ``{root}/{prefix}{i}``; one process
+    (``runner`` None: on one thread, as the ranks) or ``runner``'s torchrun job."""
+    from rft_core.stages.contracts import CriticUpdateInput
+
+    root, r, a = update_inputs[:3]
+    refs, model = [], critic
+    for i in range(1, iterations + 1):
+        inp = CriticUpdateInput(rollout=r, advantages=a, critic_values=values, model=model, critic=cfg,
+                                out=str(root / f"{prefix}{i}"))
+        if runner is None:
+            with one_thread():
+                model = run_stage(inp)
+        else:
+            model = run_stage(inp, runner)
+        refs.append(model)
+    return refs
+
+
+def assert_critic_chain_continues(single: list, sharded: list, *, start: dict, restarted, files: list[str],
+                                  state: dict, tol: float) -> None:
+    """``sharded`` (a DeepSpeed or FSDP2 ``critic_chain``) gives the single-process chain's losses,
+    gradient norms and weights (within ``tol``) at every update, its every update but the first
+    continued the previous one's sharded AdamW state (``critic-optimizer/``: ``files``, and the
+    manifest's ``optimizer`` summary holding ``state``), and ``restarted`` (the second update
+    with AdamW afresh) differs from it by more than ``tol``: the state carried over mattered."""
+    from rft_core.models.critic import load_critic
+    from schemas import read_manifest, read_shard
+
+    def critic_weights(ref):
+        return load_critic(f"{ref.uri}/critic").state_dict()
+
+    for i, (want_ref, got_ref) in enumerate(zip(single, sharded), start=1):
+        want, got = read_shard(want_ref.uri).to_pydict(), read_shard(got_ref.uri).to_pydict()
+        assert len(got["step"]) == 4 and got["num_tokens"] == want["num_tokens"], i
+        assert min(want["grad_norm"]) > 1e-3, i
+        assert got["value_loss"] == pytest.approx(want["value_loss"], abs=1e-6), i
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), i
+        manifest = read_manifest(got_ref.uri)[0]
+        assert {k: manifest.summary["optimizer"][k] for k in state} == state, i
+        assert sorted(f.path for f in manifest.files if f.path.startswith("critic-optimizer/")) == files, i
+        assert max_diff(critic_weights(got_ref), critic_weights(want_ref)) < tol, i
+    w1, w2 = critic_weights(single[0]), critic_weights(single[1])
+    assert max((w1[k] - start[k]).abs().max().item() for k in w1 if not k.startswith("score")) > 1e-4  # backbone moved
+    assert max_diff(w2, w1) > 1e-4  # the second update trained on
+    assert max_diff(critic_weights(restarted), w2) > 10 * tol  # AdamW afresh would have ended elsewhere

@@ -10,19 +10,17 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 import torch
 
 pytest.importorskip("deepspeed")
 
 from rft_core.config import CriticConfig, DeepSpeedConfig, KLConfig  # noqa: E402
-from rft_core.models.critic import load_critic  # noqa: E402
 from rft_core.models.loading import load_causal_lm  # noqa: E402
 from rft_core.stages import optimizer_state as opt_state  # noqa: E402
 from rft_core.stages import writer  # noqa: E402
-from rft_core.stages.contracts import CriticUpdateInput, PPOUpdateInput  # noqa: E402
-from rft_core.stages.runner import StageProcessError, run_stage  # noqa: E402
+from rft_core.stages.contracts import PPOUpdateInput  # noqa: E402
+from rft_core.stages.runner import StageProcessError  # noqa: E402
 from rft_core.training.strategy import (  # noqa: E402
     DeepSpeedCheckpoint,
     DeepSpeedStateError,
@@ -30,10 +28,11 @@ from rft_core.training.strategy import (  # noqa: E402
     build_strategy,
     check_deepspeed_state,
 )
-from schemas import commit_files, read_manifest, read_shard, write_shard  # noqa: E402
-from schemas.columns import CRITIC_VALUES, OPTIMIZER_STATE  # noqa: E402
+from schemas import commit_files, read_manifest, read_shard  # noqa: E402
+from schemas.columns import OPTIMIZER_STATE  # noqa: E402
 from tests.rft_core.training.chain import (  # noqa: E402
-    ITERATIONS, RUNNER, ds, max_diff, one_thread, random_head_critic, run_update, weights)
+    ITERATIONS, RUNNER, assert_critic_chain_continues, critic_chain, ds, max_diff, one_thread, random_head_critic, run_update,
+    weights)
 
 # Each ZeRO stage (each test with its resident twin: they share the chain of updates) takes its
 # turn in the rotation (tests/rotation.py, ~95 s each on 2 cores); stage 3 with the crashed ZeRO-3
@@ -179,25 +178,25 @@ def test_bf16_masters_are_continued_not_rounded(update_inputs, tiny_model):
 @pytest.mark.rotation(7)  # long: one turn in 8 (tests/rotation.py; out of group 6, measured at 941 s with it)
 def test_critic_update_under_zero2_on_two_ranks_matches_one_process(update_inputs, tiny_model):
     """The critic trains through the same loop and strategies as the policy: ZeRO-2 over 2 ranks
-    gives the single-process critic's losses and weights."""
+    gives the single-process critic's losses and weights over two updates, the second continuing
+    the first's ZeRO state (``critic-optimizer/``: AdamW moments and float32 master partitions)."""
     root, r, a, _, _ = update_inputs
     # a random value head and its own old values (a fresh critic's zero head gives the backbone no first
     # gradient); targets: the advantage shard's returns (+-1)
     critic, values, start = random_head_critic(tiny_model, r, root)
     cfg = CriticConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, value_clip=None)
-    inp = CriticUpdateInput(rollout=r, advantages=a, critic_values=values, model=critic, critic=cfg, out=str(root / "c1"))
-    with one_thread():
-        single = run_stage(inp)
-    ds = run_stage(CriticUpdateInput(**{**dict(inp), "critic": cfg.model_copy(update={"deepspeed": DeepSpeedConfig(zero_stage=2)}),
-                                        "out": str(root / "c2")}), RUNNER)
-    assert read_manifest(ds.uri)[0].summary["world_size"] == 2
-    want, got = read_shard(single.uri).to_pydict(), read_shard(ds.uri).to_pydict()
-    assert len(got["step"]) == 4 and got["num_tokens"] == want["num_tokens"]
-    assert got["value_loss"] == pytest.approx(want["value_loss"], abs=1e-6)
-    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5) and min(want["grad_norm"]) > 1e-3
-    w0, w1 = load_critic(f"{single.uri}/critic").state_dict(), load_critic(f"{ds.uri}/critic").state_dict()
-    assert max((w0[k] - start[k]).abs().max().item() for k in w0 if not k.startswith("score")) > 1e-4  # the backbone moved
-    assert max((w1[k] - w0[k]).abs().max().item() for k in w0) < 1e-5
+    single = critic_chain(update_inputs, critic, values, cfg, "c")
+    sharded = critic_chain(update_inputs, critic, values, cfg.model_copy(update={"deepspeed": DeepSpeedConfig(zero_stage=2)}),
+                           "zero2-c", RUNNER)
+    assert read_manifest(sharded[0].uri)[0].summary["world_size"] == 2
+    restarted, = critic_chain(update_inputs, f"{single[0].uri}/critic", values, cfg, "c-restart", iterations=1)
+    assert_critic_chain_continues(
+        single, sharded, start=start, restarted=restarted, tol=1e-5,
+        files=["critic-optimizer/latest", "critic-optimizer/zero/mp_rank_00_model_states.pt",
+               "critic-optimizer/zero/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+               "critic-optimizer/zero/zero_pp_rank_1_mp_rank_00_optim_states.pt", "critic-optimizer/zero_to_fp32.py",
+               "critic-optimizer/zero_to_torch.py"],
+        state={"format": "deepspeed", "tag": "zero", "world_size": 2, "zero_stage": 2, "bf16": False})
 
 
 # -- the resident DeepSpeed trainer (issue 27): ranks as Ray actors that keep ZeRO's state -----------

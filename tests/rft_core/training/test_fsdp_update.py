@@ -18,8 +18,8 @@ from rft_core.stages.contracts import PPOUpdateInput
 from rft_core.training.fsdp import FSDPCheckpoint, FSDPStateError, check_fsdp_state, layer_classes
 from rft_core.training.strategy import DeepSpeedCheckpoint, OptimizerSettings, build_strategy
 from schemas import read_manifest, read_shard
-from tests.rft_core.training.chain import (ITERATIONS, RUNNER, fsdp, max_diff, one_thread, random_head_critic, run_update,
-                                          weights)
+from tests.rft_core.training.chain import (ITERATIONS, RUNNER, assert_critic_chain_continues, critic_chain, fsdp, max_diff,
+                                          one_thread, random_head_critic, run_update, weights)
 from tests.update_settings import update_settings
 from tests.varying import assert_shard_advantages_nonzero, assert_update_signal
 
@@ -382,25 +382,20 @@ def test_cpu_offload_on_one_rank_matches_one_process(tiny_model, own_process_gro
 @pytest.mark.rotation(7)  # long: one turn in 8 (tests/rotation.py)
 def test_critic_update_under_fsdp_on_two_ranks_matches_one_process(update_inputs, tiny_model):
     """critic.fsdp: the critic trains through the same loop and FSDP2 strategy, and 2 ranks give the
-    single-process critic's losses and weights (its value head sharded with the root)."""
+    single-process critic's losses and weights (its value head sharded with the root) over two
+    updates, the second continuing the first's sharded AdamW state (``critic-optimizer/dcp``) as
+    one process continues its ``critic/optimizer.pt``."""
     from rft_core.config import CriticConfig
-    from rft_core.models.critic import load_critic
-    from rft_core.stages.contracts import CriticUpdateInput
-    from rft_core.stages.runner import run_stage
 
     root, r, a, _, _ = update_inputs
     critic, values, start = random_head_critic(tiny_model, r, root / "fsdp")  # every weight gets a gradient
     cfg = CriticConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, value_clip=None)
-    inp = CriticUpdateInput(rollout=r, advantages=a, critic_values=values, model=critic, critic=cfg,
-                            out=str(root / "fsdp-c1"))
-    with one_thread():
-        single = run_stage(inp)
-    sharded = run_stage(CriticUpdateInput(**{**dict(inp), "critic": cfg.model_copy(update={"fsdp": FSDPConfig()}),
-                                             "out": str(root / "fsdp-c2")}), RUNNER)
-    assert read_manifest(sharded.uri)[0].summary["sharding"] == "fsdp2"
-    want, got = read_shard(single.uri).to_pydict(), read_shard(sharded.uri).to_pydict()
-    assert got["value_loss"] == pytest.approx(want["value_loss"], abs=1e-6)
-    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5) and min(want["grad_norm"]) > 1e-3
-    w0, w1 = load_critic(f"{single.uri}/critic").state_dict(), load_critic(f"{sharded.uri}/critic").state_dict()
-    assert max((w0[k] - start[k]).abs().max().item() for k in w0 if not k.startswith("score")) > 1e-4  # backbone moved
-    assert max_diff(w0, w1) < 1e-6
+    single = critic_chain(update_inputs, critic, values, cfg, "fsdp-c")
+    sharded = critic_chain(update_inputs, critic, values, cfg.model_copy(update={"fsdp": FSDPConfig()}), "fsdp-s",
+                           RUNNER)
+    assert read_manifest(sharded[0].uri)[0].summary["sharding"] == "fsdp2"
+    restarted, = critic_chain(update_inputs, f"{single[0].uri}/critic", values, cfg, "fsdp-restart", iterations=1)
+    assert_critic_chain_continues(single, sharded, start=start, restarted=restarted, tol=1e-6,
+                                  files=["critic-optimizer/dcp/.metadata", "critic-optimizer/dcp/__0_0.distcp",
+                                         "critic-optimizer/dcp/__1_0.distcp"],
+                                  state={"format": "fsdp", "tag": "dcp", "world_size": 2, "bf16": False})
