@@ -240,7 +240,7 @@ class TrainConfig(_Frozen):
 
     def runner(self, stage: str) -> RunnerConfig:
         """The runner of ``stage``: ``runners[stage]`` when configured; with
-        ``orchestration.workers: resident`` a stage of ``RESIDENT_STAGES`` runs in its resident
+        ``orchestration.workers: resident`` a stage of ``resident_stages`` runs in its resident
         worker (the pool named after the run root, on the Ray cluster of ``ray``); otherwise in
         the task's process, keeping its models in memory between stages when ``keeps_models``
         (``RunnerConfig.keep_models``)."""
@@ -248,7 +248,7 @@ class TrainConfig(_Frozen):
             r = self.runners[stage]
             return r.model_copy(update={"keep_models": self.keeps_models}) if r.mode == "inprocess" else r
         o = self.orchestration
-        if o.workers == "resident" and stage in RESIDENT_STAGES:
+        if o.workers == "resident" and stage in self.resident_stages:
             return RunnerConfig(mode="resident", workers=WorkersConfig(
                 pool=self.run_root, ray=self.ray, sync_timeout_s=o.sync_timeout_s, sync_bucket_mb=o.sync_bucket_mb,
                 threads=o.worker_threads, policy_ranks=o.policy_ranks,
@@ -256,6 +256,18 @@ class TrainConfig(_Frozen):
                 rollout_gpus=getattr(getattr(self.rollout, self.rollout.engine, None), "tensor_parallel_size", 1),
                 keep_device_cache=self.rollout.engine == "hf", lora=self.update.lora))
         return RunnerConfig(keep_models=self.keeps_models)
+
+    @property
+    def resident_stages(self) -> tuple[str, ...]:
+        """The stages of ``RESIDENT_STAGES`` that ``orchestration.workers: resident`` runs in a
+        resident worker: all of them, except a DeepSpeed or FSDP2 critic's (``critic_values``,
+        ``critic_update``), which run as in stage mode (in the task's process, or as
+        ``runners.<stage>`` says: torchrun for its ranks), since the resident critic worker trains
+        in one process. They meet the resident stages through committed shards and the critic's
+        checkpoint only, so the run commits stage mode's files either way."""
+        if self.critic.deepspeed is None and self.critic.fsdp is None:
+            return RESIDENT_STAGES
+        return tuple(s for s in RESIDENT_STAGES if s not in ("critic_values", "critic_update"))
 
     @property
     def first_resident_stages(self) -> tuple[str, ...]:
@@ -345,10 +357,6 @@ class TrainConfig(_Frozen):
             reasons.append("update.deepspeed with update.lora: the resident DeepSpeed trainer gathers full weights for a "
                            "sync, not a LoRA policy's merged weights or adapters, so far (LoRA alone, or DeepSpeed "
                            "alone, is covered)")
-        for key in ("deepspeed", "fsdp"):
-            if getattr(self.critic, key) is not None:
-                reasons.append(f"critic.{key}: the resident critic worker trains in one process so far (the policy's "
-                               "data-parallel ranks are covered: orchestration.policy_ranks)")
         if self.orchestration.policy_ranks > 1 and self.update.deepspeed is None and self.update.fsdp is None:
             reasons.append(f"orchestration.policy_ranks={self.orchestration.policy_ranks}: several policy ranks are "
                            "DeepSpeed or FSDP2 data parallelism; set update.deepspeed.zero_stage (1, 2 or 3) or "
@@ -357,7 +365,7 @@ class TrainConfig(_Frozen):
             reasons.append(f"rollout.max_staleness={self.rollout.max_staleness} with rollout.engine={self.rollout.engine}: "
                            "a resident GPU engine holds one policy version (the hf engine's rollout worker keeps one "
                            "copy per version)")
-        clash = sorted(s for s in RESIDENT_STAGES if s in self.runners)
+        clash = sorted(s for s in self.resident_stages if s in self.runners)
         if clash:
             reasons.append(f"runners.{clash[0]} sets how {clash[0]} starts a process of its own, but "
                            "orchestration.workers=resident runs it in its resident worker: remove "

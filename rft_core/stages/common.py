@@ -219,7 +219,8 @@ def _save_sharded_state(uri: str, strategy: DeepSpeedStrategy | FSDPStrategy, su
     """``commit_trained``'s sharded AdamW state, a collective: rank 0 takes the writer lock of
     the stage folder ``uri`` (clearing an interrupted attempt's files), then every rank writes its
     part into ``sharded_state_folder(subdir)``. Returns (rank 0's lock token, None on the others;
-    the summary entries ``{"optimizer": sharded_format}``); the lock is released on a failure.
+    the summary entries ``{"optimizer": sharded_format, "optimizer_seconds": the write's seconds}``);
+    the lock is released on a failure.
 
     Raises:
         OptimizerStateError: a peer failed (this rank's own error otherwise).
@@ -230,8 +231,9 @@ def _save_sharded_state(uri: str, strategy: DeepSpeedStrategy | FSDPStrategy, su
             token = prepare_stage_dir(uri)
         except BaseException as exc:  # noqa: BLE001 - every rank raises below
             err = exc
-    raise_if_any_failed(strategy, err, f"{uri}: taking the writer lock")
+    t0 = time.perf_counter()
     try:
+        raise_if_any_failed(strategy, err, f"{uri}: taking the writer lock")
         info = sharded_format(strategy)
         err = save_partitions(strategy, f"{uri.rstrip('/')}/{sharded_state_folder(subdir)}", info["tag"])
         raise_if_any_failed(strategy, err, f"{uri}: writing the {info['format']} optimizer state")
@@ -239,4 +241,4 @@ def _save_sharded_state(uri: str, strategy: DeepSpeedStrategy | FSDPStrategy, su
         if token is not None:
             release_stage_lock(uri, token)
         raise
-    return token, {"optimizer": info}
+    return token, {"optimizer": info, "optimizer_seconds": time.perf_counter() - t0}

@@ -83,7 +83,7 @@ def _saved_state(critic: PolicyRef, cfg: CriticConfig) -> dict[str, Any]:
         return {"optimizer_state": policy_checkpoint_dir(critic, CRITIC_SUBDIR)}
     init = init_process_group if written == FSDP_FORMAT else init_distributed
     folder = folder_once_per_node(lambda: sharded_state_dir(critic, CRITIC_SUBDIR), source=critic.uri, init=init)
-    saved = sharded_checkpoint(info, folder, source=critic.uri)
+    saved = sharded_checkpoint(info, folder, source=critic.uri, role="critic")
     return {"fsdp_state": saved} if written == FSDP_FORMAT else {"deepspeed_state": saved}
 
 
@@ -131,7 +131,8 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
     commits metrics + the ``critic/`` checkpoint with its AdamW state (``critic/optimizer.pt`` in
     one process; every rank's part in ``critic-optimizer/`` under DeepSpeed or FSDP2). A critic in
     bfloat16 (``critic.model.dtype``) trains in mixed precision: float32 master weights and AdamW
-    state (kept in ``critic/optimizer.pt`` for the next update), bfloat16 autocast, and the
+    state (kept in ``critic/optimizer.pt`` for the next update; a sharded critic's in
+    ``critic-optimizer/``), bfloat16 autocast, and the
     checkpoint's weights in bfloat16 (``rft_core.training.strategy.build_strategy``). A
     vision-language critic trains on the samples' images and videos and its checkpoint keeps
     the processor (tokenizer, image processor, video settings), so it loads again as one."""

@@ -317,8 +317,8 @@ def commit_sharded_optimizer_state(update: ShardRef, strategy: DeepSpeedStrategy
             token = prepare_stage_dir(uri)  # the lock, leftovers of an interrupted attempt cleared
         except BaseException as exc:  # noqa: BLE001 - every rank raises below
             err = exc
-    raise_if_any_failed(strategy, err, f"{uri}: taking the writer lock")
     try:
+        raise_if_any_failed(strategy, err, f"{uri}: taking the writer lock")
         info = sharded_format(strategy)
         err = save_partitions(strategy, uri, info["tag"])
         raise_if_any_failed(strategy, err, f"{uri}: uploading the {info['format']} shards")

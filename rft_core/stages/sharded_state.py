@@ -99,17 +99,19 @@ def sharded_format(strategy: DeepSpeedStrategy | FSDPStrategy) -> dict[str, Any]
             "zero_stage": strategy.zero_stage, "bf16": strategy.bf16, "deepspeed_version": deepspeed.__version__}
 
 
-def sharded_checkpoint(info: dict[str, Any], folder: str, *, source: str) -> DeepSpeedCheckpoint | FSDPCheckpoint | None:
+def sharded_checkpoint(info: dict[str, Any], folder: str, *, source: str,
+                       role: str = "policy") -> DeepSpeedCheckpoint | FSDPCheckpoint | None:
     """The saved state that ``info`` (a ``sharded_format`` summary) describes, whose files are in
     the local ``folder`` (DeepSpeed: ``folder/latest`` and ``folder/{tag}/``; FSDP2: its DCP folder
     ``folder/{tag}``), named ``source`` in errors; None for another format (a single-process
-    ``optimizer.pt``)."""
+    ``optimizer.pt``). ``role``: ``"policy"`` or ``"critic"``, whose settings a refusal names."""
     if info.get("format") == DEEPSPEED_FORMAT:
         return DeepSpeedCheckpoint(folder=folder, tag=str(info["tag"]), world_size=int(info["world_size"]),
-                                   zero_stage=int(info["zero_stage"]), bf16=bool(info["bf16"]), source=source)
+                                   zero_stage=int(info["zero_stage"]), bf16=bool(info["bf16"]), source=source,
+                                   role=role)
     if info.get("format") == FSDP_FORMAT:
         return FSDPCheckpoint(folder=os.path.join(folder, str(info["tag"])), world_size=int(info["world_size"]),
-                              bf16=bool(info["bf16"]), source=source)
+                              bf16=bool(info["bf16"]), source=source, role=role)
     return None
 
 

@@ -69,12 +69,14 @@ class FSDPCheckpoint:
         world_size: ranks that wrote it (DCP reshards it onto any other number).
         bf16: whether its model state is the float32 masters of a bfloat16 model.
         source: what to name in errors and logs (the optimizer stage's URI).
+        role: whose state it is, ``"policy"`` or ``"critic"`` (the dtype key an error names).
     """
 
     folder: str
     world_size: int
     bf16: bool
     source: str
+    role: str = "policy"
 
 
 class FSDPStateError(ValueError):
@@ -91,9 +93,10 @@ def check_fsdp_state(state: FSDPCheckpoint, *, bf16: bool) -> None:
     """
     if state.bf16 != bf16:
         saved, now = ("bfloat16" if state.bf16 else "float32"), ("bfloat16" if bf16 else "float32")
+        key = "critic.model.dtype" if state.role == "critic" else "policy.dtype"
         raise FSDPStateError(f"{state.source}: this FSDP2 optimizer state was saved by a {saved} model but this "
-                             f"update trains a {now} model (policy.dtype changed); keep policy.dtype as it was for "
-                             "this run, or start a new run root from this checkpoint's weights")
+                             f"update trains a {now} model ({key} changed); keep {key} as it was for this run, or start "
+                             "a new run root from this checkpoint's weights")
 
 
 def init_process_group() -> tuple[int, int]:

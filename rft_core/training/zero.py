@@ -27,6 +27,8 @@ class DeepSpeedCheckpoint:
         bf16: whether it was written in DeepSpeed's bf16 mode (float32 master partitions of
             bfloat16 weights).
         source: what to name in errors (the optimizer stage's URI).
+        role: whose state it is, ``"policy"`` or ``"critic"``: the settings an error names
+            (``RESUME_SETTINGS``).
     """
 
     folder: str
@@ -35,6 +37,14 @@ class DeepSpeedCheckpoint:
     zero_stage: int
     bf16: bool
     source: str
+    role: str = "policy"
+
+
+# the settings a refused state's error names, by role: (its runner, its sharding key, its dtype key, the
+# checkpoint folder a new run can start from and the key that takes it)
+RESUME_SETTINGS = {"policy": ("runners.ppo_update", "update.deepspeed", "policy.dtype", "its policy/ folder as policy.path"),
+                   "critic": ("runners.critic_update", "critic.deepspeed", "critic.model.dtype",
+                              "its critic/ folder as critic.model.path")}
 
 
 class DeepSpeedStateError(ValueError):
@@ -52,8 +62,9 @@ def check_deepspeed_state(state: DeepSpeedCheckpoint, *, world_size: int, zero_s
         DeepSpeedStateError: names ``state.source``, the saved and the current value, and how
             to go on.
     """
-    how = ("keep runners.ppo_update.nproc_per_node (and --nnodes) and update.deepspeed as they were for this run, or "
-           "start a new run root from this checkpoint's weights (its policy/ folder as policy.path)")
+    runner, key, dtype_key, folder = RESUME_SETTINGS[state.role]
+    how = (f"keep {runner}.nproc_per_node (and --nnodes) and {key} as they were for this run, or "
+           f"start a new run root from this checkpoint's weights ({folder})")
     if state.world_size != world_size:
         raise DeepSpeedStateError(f"{state.source}: this DeepSpeed optimizer state was saved by {state.world_size} "
                                   f"ranks but this update runs on {world_size}: ZeRO partitions cannot be re-split "
@@ -64,7 +75,7 @@ def check_deepspeed_state(state: DeepSpeedCheckpoint, *, world_size: int, zero_s
     if state.bf16 != bf16:
         saved, now = ("bfloat16" if state.bf16 else "float32"), ("bfloat16" if bf16 else "float32")
         raise DeepSpeedStateError(f"{state.source}: this DeepSpeed optimizer state was saved by a {saved} model but "
-                                  f"this update trains a {now} model (policy.dtype changed); {how}")
+                                  f"this update trains a {now} model ({dtype_key} changed); {how}")
 
 
 def collective_device(backend: str) -> torch.device:

@@ -115,6 +115,43 @@ def test_resident_critic_keeps_its_model_and_commits_stage_modes_files(prefect_h
     assert loads[1:] == [loads[0]] * 2, loads
 
 
+@pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py)
+def test_a_sharded_critic_runs_beside_the_resident_workers_and_equals_stage_mode(prefect_harness, tiny_model, tmp_path):
+    """PPO with an FSDP2 critic (critic.fsdp, one rank in the flow's process), 2 iterations: under
+    ``orchestration.workers=resident`` the critic's stages run as in stage mode beside the resident
+    policy, rollout and reference workers (no critic worker is started) and the run commits stage
+    mode's critic files, values and final policy; the second critic update continued the first's
+    sharded AdamW state (``critic-optimizer/dcp``)."""
+    import ray
+
+    from flows.train import train
+    from rft_core.workers.pool import NAMESPACE, actor_name
+
+    gae = {"advantage.estimator": "gae", "advantage.gae_lambda": 0.9, "critic.lr": 1e-2,
+           "critic.fsdp.cpu_offload": False, **REWARD}
+    stage = train(flow_cfg(tiny_model, tmp_path / "stage", iterations=2, **gae))
+    assert_training_signal(tmp_path / "stage", (1, 2))
+    cfg = flow_cfg(tiny_model, tmp_path / "resident", iterations=2, **gae, **{"orchestration.workers": "resident"})
+    assert cfg.runner("critic_update").mode == "inprocess" and cfg.runner("ppo_update").mode == "resident"
+    resident = train(cfg)
+    assert _final_files(resident) == _final_files(stage)
+
+    def files(root, it, stage_name):
+        m, _ = read_manifest(stage_uri(root, it, stage_name))
+        # DCP's .metadata holds its folder's path and a random save id (torch.distributed.checkpoint StorageMeta)
+        return {e.path: e.checksum for e in m.files if e.path != "critic-optimizer/dcp/.metadata"}
+
+    for it in (1, 2):
+        for name in ("critic_values", "critic_update"):
+            assert files(str(tmp_path / "stage"), it, name) == files(cfg.run_root, it, name), (it, name)
+    assert "critic-optimizer/dcp/__0_0.distcp" in files(cfg.run_root, 2, "critic_update")
+    m, _ = read_manifest(stage_uri(cfg.run_root, 2, "critic_update"))
+    assert m.summary["sharding"] == "fsdp2" and m.summary["optimizer"]["format"] == "fsdp"
+    assert m.inputs["critic"] == read_manifest(stage_uri(cfg.run_root, 1, "critic_update"))[1]  # it continued update 1
+    with pytest.raises(ValueError):  # no critic worker was started
+        ray.get_actor(actor_name(cfg.run_root, "critic"), namespace=NAMESPACE)
+
+
 @pytest.mark.rotation(1)  # long: one turn in 8 (tests/rotation.py)
 def test_resident_teacher_equals_stage_mode(prefect_harness, tiny_model, tmp_path):
     """On-policy distillation (a teacher: another tiny model with the policy's tokenizer) with the

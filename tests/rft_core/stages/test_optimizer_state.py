@@ -382,3 +382,17 @@ def test_a_critics_state_is_continued_only_by_the_kind_of_critic_update_that_wro
         with pytest.raises(DeepSpeedStateError, match=f"{tmp_path}/before: this sharded critic update kept no optimizer "
                                                       "state"):
             _saved_state(before, cfg)
+    # the hash: a sharded critic update's holds sharded_optimizer (its stages of before are stale), a
+    # single-process one's and every critic_values stage's are what they were
+    from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput
+    from rft_core.stages.critic import _critic_commit
+
+    kw = {"rollout": one, "model": "/initial/critic", "out": str(tmp_path / "c")}
+    upd = {c: CriticUpdateInput(advantages=one, critic_values=one, critic=cfg, **kw) for c, cfg in
+           (("single", single), ("zero", zero), ("fsdp", fsdp))}
+    assert _critic_commit(upd["single"]).config_hash == upd["single"].config_hash()
+    for c in ("zero", "fsdp"):
+        assert _critic_commit(upd[c]).config_hash == upd[c].config_hash(sharded_optimizer="continued") != \
+            upd[c].config_hash()
+    values = CriticValuesInput(critic=fsdp, **kw)
+    assert _critic_commit(values).config_hash == values.config_hash()

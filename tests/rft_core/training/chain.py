@@ -166,7 +166,9 @@ def assert_critic_chain_continues(single: list, sharded: list, *, start: dict, r
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), i
         manifest = read_manifest(got_ref.uri)[0]
         assert {k: manifest.summary["optimizer"][k] for k in state} == state, i
-        assert sorted(f.path for f in manifest.files if f.path.startswith("critic-optimizer/")) == files, i
+        # (DeepSpeed also writes its conversion scripts, zero_to_*.py, which vary with its version)
+        assert sorted(f.path for f in manifest.files if f.path.startswith("critic-optimizer/")
+                      and not f.path.rpartition("/")[2].startswith("zero_to_")) == files, i
         assert max_diff(critic_weights(got_ref), critic_weights(want_ref)) < tol, i
     w1, w2 = critic_weights(single[0]), critic_weights(single[1])
     assert max((w1[k] - start[k]).abs().max().item() for k in w1 if not k.startswith("score")) > 1e-4  # backbone moved

@@ -227,8 +227,19 @@ def test_config_refuses_what_resident_workers_do_not_cover(tiny_model, tmp_path)
         _cfg(tiny_model, tmp_path, "checkpoint.every=3", "orchestration.keep_models=false")
     with pytest.raises(ConfigError, match="orchestration.policy_ranks=2: several policy ranks are DeepSpeed"):
         _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "orchestration.policy_ranks=2")
-    with pytest.raises(ConfigError, match="critic.deepspeed: the resident critic worker trains in one process"):
-        _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "critic.deepspeed.zero_stage=2")
+    # a DeepSpeed or FSDP2 critic's stages run as in stage mode beside the resident workers, as runners.<stage> says
+    # (the resident critic worker trains in one process); the other stages stay resident
+    for sharded in ("critic.deepspeed.zero_stage=2", "critic.fsdp.cpu_offload=false"):
+        cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "advantage.estimator=gae", sharded,
+                   "runners.critic_update.launcher=torchrun", "runners.critic_update.mode=subprocess",
+                   "runners.critic_update.nproc_per_node=2")
+        assert cfg.resident_stages == ("rollout", "actor_logprobs", "ref_logprobs", "ppo_update", "teacher_logprobs")
+        assert (cfg.runner("critic_update").mode, cfg.runner("critic_update").launcher) == ("subprocess", "torchrun")
+        assert cfg.runner("critic_values").mode == "inprocess" and cfg.runner("ppo_update").mode == "resident"
+        assert "critic_values" not in cfg.first_resident_stages and "ppo_update" in cfg.first_resident_stages
+    with pytest.raises(ConfigError, match="runners.critic_update sets how critic_update starts a process of its own"):
+        _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "advantage.estimator=gae",
+             "runners.critic_update.mode=subprocess")  # a one-process critic runs in its resident worker
     for engine in ("vllm", "sglang"):  # in-memory sync into the GPU engines; one version held
         _cfg(tiny_model, tmp_path, "orchestration.workers=resident", f"rollout.engine={engine}")
         with pytest.raises(ConfigError, match=f"rollout.max_staleness=2 with rollout.engine={engine}"):
