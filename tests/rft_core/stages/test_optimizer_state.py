@@ -396,3 +396,29 @@ def test_a_critics_state_is_continued_only_by_the_kind_of_critic_update_that_wro
             upd[c].config_hash()
     values = CriticValuesInput(critic=fsdp, **kw)
     assert _critic_commit(values).config_hash == values.config_hash()
+
+
+def test_a_refused_critic_state_names_the_critics_settings(tmp_path):
+    """A DeepSpeed critic state resumed on another world size, or an FSDP2 one in another dtype,
+    is refused naming the critic's keys (runners.critic_update, critic.model.dtype, its critic/
+    folder), not the policy's; the policy's refusals are what they were."""
+    from rft_core.stages.sharded_state import sharded_checkpoint
+    from rft_core.training.fsdp import FSDPStateError, check_fsdp_state
+    from rft_core.training.zero import check_deepspeed_state
+
+    zero = {"format": "deepspeed", "tag": "zero", "world_size": 2, "zero_stage": 2, "bf16": False}
+    critic = sharded_checkpoint(zero, "/f", source="iter=1/critic_update", role="critic")
+    with pytest.raises(DeepSpeedStateError, match=r"saved by 2 ranks but this update runs on 4.*keep "
+                                                  r"runners.critic_update.nproc_per_node .* and critic.deepspeed .*its "
+                                                  r"critic/ folder as critic.model.path"):
+        check_deepspeed_state(critic, world_size=4, zero_stage=2, bf16=False)
+    with pytest.raises(DeepSpeedStateError, match=r"\(critic.model.dtype changed\)"):
+        check_deepspeed_state(critic, world_size=2, zero_stage=2, bf16=True)
+    policy = sharded_checkpoint(zero, "/f", source="iter=1/ppo_update-optimizer")
+    with pytest.raises(DeepSpeedStateError, match=r"keep runners.ppo_update.nproc_per_node .*policy.path"):
+        check_deepspeed_state(policy, world_size=4, zero_stage=2, bf16=False)
+    fsdp = {"format": "fsdp", "tag": "dcp", "world_size": 2, "bf16": True}
+    with pytest.raises(FSDPStateError, match=r"\(critic.model.dtype changed\); keep critic.model.dtype"):
+        check_fsdp_state(sharded_checkpoint(fsdp, "/f", source="c", role="critic"), bf16=False)
+    with pytest.raises(FSDPStateError, match=r"\(policy.dtype changed\)"):
+        check_fsdp_state(sharded_checkpoint(fsdp, "/f", source="p"), bf16=False)
