@@ -117,6 +117,36 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: floa
     return peft_model
 
 
+def adapted_modules_differ(model, target_modules) -> str | None:
+    """Why the peft LoRA ``model`` (a loaded adapter checkpoint) does not adapt the modules that
+    ``target_modules`` (``update.lora.target_modules``) would on its base, or None when it does:
+    a list is compared with the list its adapter config recorded; ``"all-linear"`` (recorded by
+    peft as the module paths it found) with the model's own ``nn.Linear`` layers, each adapted but
+    the output layer (peft's ``_maybe_include_all_linear_layers``, peft/tuners/tuners_utils.py
+    0.21.2: every ``Linear`` except the output embedding), read from the loaded model without
+    building another. A sentence naming the modules that differ."""
+    from peft.tuners.tuners_utils import BaseTunerLayer  # the caller holds a peft model: peft is imported
+
+    saved = model.peft_config["default"].target_modules
+    saved = {saved} if isinstance(saved, str) else set(saved)
+    if target_modules != "all-linear":
+        if saved == set(target_modules):
+            return None
+        return f"its adapter config targets {sorted(saved)}, update.lora.target_modules is {sorted(target_modules)}"
+    adapted = {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+    inside = tuple(f"{name}." for name in adapted)
+    output = model.get_output_embeddings()
+    missing = sorted(name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not output
+                     and not name.startswith(inside) and name not in adapted)
+    extra = sorted(name for name, m in adapted.items()
+                   if not isinstance(m.get_base_layer(), torch.nn.Linear) or m.get_base_layer() is output)
+    if not missing and not extra:
+        return None
+    parts = ([f"leaves {len(missing)} linear layer(s) without LoRA ({missing[:3]})"] if missing else []) + (
+        [f"adapts {len(extra)} module(s) that all-linear leaves alone ({extra[:3]})"] if extra else [])
+    return f"update.lora.target_modules is all-linear, but the adapter {' and '.join(parts)}"
+
+
 def adapter_shell(base_path: str, *, rank: int, alpha: float, dropout: float, target_modules):
     """A peft LoRA model of ``base_path``'s architecture on the meta device (``from_config`` under
     ``torch.device("meta")``: no weights read, no memory; its adapters float32, as a trainer's):

@@ -11,7 +11,7 @@ import fsspec
 
 from rft_core.config import UpdateConfig
 from rft_core.models.loading import load_causal_lm, load_tokenizer
-from rft_core.models.lora import adapter_base_path, apply_lora, is_adapter_dir, load_adapter_policy
+from rft_core.models.lora import adapted_modules_differ, adapter_base_path, apply_lora, is_adapter_dir, load_adapter_policy
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.advantages import overlong_filtered
@@ -75,7 +75,8 @@ def load_trainable_policy(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str):
     iteration's adapter checkpoint continued).
 
     Raises:
-        ValueError: a LoRA checkpoint without ``cfg.lora``, or one of another rank or alpha, or
+        ValueError: a LoRA checkpoint without ``cfg.lora``, or one of another rank, alpha or target
+            modules (``adapted_modules_differ``), or
             with rsLoRA or per-module ranks/alphas (it keeps the scaling it was trained with,
             which every copy of it applies: stage mode's from its adapter_config.json, a resident
             engine's from ``update.lora``, which holds a plain rank and alpha only).
@@ -96,6 +97,10 @@ def load_trainable_policy(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str):
         if alpha != cfg.lora.alpha:
             raise ValueError(f"policy {path} has LoRA alpha {alpha} but update.lora.alpha is {cfg.lora.alpha}: set "
                              f"update.lora.alpha: {alpha} (the adapter was trained with that scaling)")
+        differ = adapted_modules_differ(model, cfg.lora.target_modules)
+        if differ:
+            raise ValueError(f"policy {path} is a LoRA adapter on other modules than update.lora asks for: {differ}; "
+                             "set update.lora.target_modules to the adapter's (its adapter_config.json)")
         base = adapter_base_path(path)
     else:
         model = load_causal_lm(path, dtype=dtype, trainable=True)
