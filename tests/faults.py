@@ -27,6 +27,7 @@ from rft_core.agents.calculator import CalculatorEnv
 from rft_core.config import load_config
 from rft_core.network import free_port
 from rft_core.workers.pool import WORKER_CLASSES
+from rft_core.stages.partial import CONTINUING_LINE
 from tests.rotation import GROUPS, assign, caller_module
 from tests.varying import REWARD_YAML
 
@@ -283,6 +284,7 @@ class Outcome:
     attempts: int = 0
     write_paused: bool = False
     kill_time: float = 0.0
+    line_at: float | None = None  # when the driver printed ``after_line`` (run_scenario), before the kill
     committed_at_kill: set = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
     missed: list[str] = field(default_factory=list)  # the notes of the tries before this one: why they missed
@@ -480,7 +482,8 @@ def _waits_for(iteration: int, stage: str, present: dict[tuple[int, str], tuple[
 def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int, timeline: Timeline,
                  baseline: torch.Tensor, api_url: str | None, rng: random.Random, timeout: float = 300,
                  phase: str = "compute", env: dict[str, str] | None = None, kill: str = "driver",
-                 final_iteration: int = 2, also: tuple[str, int] | None = None, attempts: int = 3) -> Outcome:
+                 final_iteration: int = 2, also: tuple[str, int] | None = None, attempts: int = 3,
+                 after_line: str | None = None) -> Outcome:
     """Kill the training inside ``target`` of ``iteration``, rerun, check (``Outcome`` says what).
 
     ``kill="driver"``: SIGKILL the training process's group (the flow and its local Ray) and its
@@ -491,7 +494,11 @@ def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int
     stage). ``final_iteration``: the run's last iteration (its weights are compared with
     ``baseline``). ``also``: (stage, iteration) that must be running too at the kill (an overlap
     row of ``rollout.max_staleness`` >= 1); the kill then waits for the predecessors of both and
-    lands inside the stretch where both ran in the uninterrupted run.
+    lands inside the stretch where both ran in the uninterrupted run. ``after_line``: the kill
+    also waits until the driver has printed a line containing it (a stage's own log line, e.g.
+    where it starts generating), then a random part (up to 30%) of the stage's duration in the
+    uninterrupted run; ``Outcome.line_at`` says when it came (a row that must land inside that
+    part of the stage asserts it is before ``kill_time``).
 
     ``phase="compute"``: once the stage can start (its predecessors committed), wait as long as
     it waited to start in the uninterrupted run (``timeline``, the same iteration) plus a random
@@ -506,7 +513,8 @@ def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int
     scale, out, missed = 1.0, None, []
     for attempt in range(1, attempts + 1):
         root = str(run_root).rstrip("/") + ("" if attempt == 1 else f"-retry{attempt}")
-        out = _kill_once(config, root, target, iteration, timeline, api_url, rng, timeout, phase, env, kill, also, scale)
+        out = _kill_once(config, root, target, iteration, timeline, api_url, rng, timeout, phase, env, kill, also, scale,
+                         after_line)
         out.attempts, out.run_root, out.kill, out.also = attempt, root, kill, also
         out.missed, missed = missed, missed + out.notes
         if out.landed:
@@ -523,7 +531,7 @@ def run_scenario(config: Path, run_root: Path | str, target: str, iteration: int
 
 
 def _kill_once(config, root: str, target: str, iteration: int, timeline: Timeline, api_url, rng, timeout, phase, env,
-               kill: str, also, scale: float) -> Outcome:
+               kill: str, also, scale: float, after_line: str | None = None) -> Outcome:
     """One try of ``run_scenario``'s kill; ``out.landed`` says whether it landed where it should."""
     pending = [(iteration, target)] + ([(also[1], also[0])] if also else [])
     waits = sorted({w for it, s in pending for w in _waits_for(it, s, timeline.stages)})
@@ -559,6 +567,12 @@ def _kill_once(config, root: str, target: str, iteration: int, timeline: Timelin
         if resident and time.time() - listed > 0.5:
             workers, listed = [pid for pid, _ in resident_workers(proc.pid)], time.time()
         time.sleep(poll)
+    if after_line is not None:  # then the stage's own line, and a random part of its duration after it
+        while (proc.poll() is None and output.first(after_line) is None and time.time() - t0 < timeout
+               and not any(exists(f"{root}/iter={p[0]:06d}/{p[1]}/_MANIFEST.json") for p in pending)):
+            time.sleep(poll)
+        stage = timeline.stages[(iteration, target)]
+        delay = rng.uniform(0.0, 0.3) * (stage[1] - stage[0]) * scale
     time.sleep(delay)
     out = Outcome(target=target, iteration=iteration, phase=phase, delay=round(delay, 3), killed=False,
                   write_paused=paused)
@@ -597,6 +611,7 @@ def _kill_once(config, root: str, target: str, iteration: int, timeline: Timelin
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
     out.kill_time, out.killed = time.time(), True
+    out.line_at = None if after_line is None else output.first(after_line)
     out.committed_at_kill = committed(root)
     _interrupted(root, target, iteration, out)
     out.overlap_live = None if also is None else not any(p in out.committed_at_kill for p in pending)
@@ -872,8 +887,9 @@ def partial_baseline(d: Path, model: str, api_url: str | None) -> Baseline:
 
 def partial_row(b: Baseline) -> Outcome:
     """tests/test_faults_async.py: kill the driver in iteration 2's rollout, while it continues the
-    sequences iteration 1 carried (mid-chunk)."""
-    return b.kill("run-rollout-2", "rollout", 2, "partial-rollout-2")
+    sequences iteration 1 carried (mid-chunk): after the rollout logged that it starts generating
+    (``CONTINUING_LINE``), within 30% of its duration in the uninterrupted run."""
+    return b.kill("run-rollout-2", "rollout", 2, "partial-rollout-2", after_line=CONTINUING_LINE)
 
 
 def async_row(b: Baseline, target: str, iteration: int, other: tuple[str, int]) -> Outcome:

@@ -7,8 +7,8 @@ and ended with the uninterrupted run's weights. The rewards vary inside each gro
 (tests/varying.py).
 
 With partial rollouts (``rollout.partial``, issue 48) the kill lands in iteration 2's rollout
-while it continues the sequences iteration 1 carried (mid-chunk: nothing of the chunk is
-committed); the rerun continues the same carried sequences from the committed carry and ends
+while it continues the sequences iteration 1 carried (mid-chunk: after the rollout's log line
+that it starts generating, and nothing of the chunk is committed); the rerun continues the same carried sequences from the committed carry and ends
 with the uninterrupted run's weights (iteration 3 trains the groups iteration 1 started)."""
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ def test_sigkill_mid_chunk_of_a_partial_rollout_then_rerun(partial):
     from schemas import read_manifest
 
     out = partial_row(partial)
+    # the kill came after the rollout said it starts generating (rft_core.stages.rollout), and nothing of it committed
+    assert out.line_at is not None and out.line_at < out.kill_time, out.notes
     assert_row(out)
     summary = read_manifest(f"{out.run_root}/iter=000002/rollout")[0].summary
     assert summary["partial_continued_sequences"] == 16 and summary["partial_carried_groups"] == 8  # what was redone

@@ -47,6 +47,9 @@ from schemas.columns import PROMPTS, ROLLOUT, single_turn_columns
 CARRY_ROLLOUT = "carry/rollout.parquet"
 CARRY_PROMPTS = "carry/prompts.parquet"
 UNFINISHED = "partial"  # finish_reason of a carried sequence whose last chunk reached its token budget
+# the start of the log line a partial rollout writes right before it generates (its carried sequences'
+# next chunks, then the new groups' first): what a fault row waits for (tests/test_faults_async.py)
+CONTINUING_LINE = "rollout: continuing"
 CONTINUE_OFFSET = 50_021  # the continued sequences' seed: rollout_seed + CONTINUE_OFFSET
 
 

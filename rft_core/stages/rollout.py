@@ -1,6 +1,8 @@
 """Rollout stage: sample a group of responses per prompt with the current policy."""
 from __future__ import annotations
 
+import logging
+
 import os
 import socket
 
@@ -25,6 +27,8 @@ from rft_core.stages.contracts import RolloutInput, RolloutMergeInput, stage_pro
 from rft_core.stages.partial import (
     CARRY_PROMPTS,
     CARRY_ROLLOUT,
+    CONTINUING_LINE,
+    UNFINISHED,
     carried_prompt_rows,
     carried_sequences,
     continue_carried,
@@ -40,6 +44,8 @@ from schemas.columns import PROMPTS, ROLLOUT, policy_version_column, single_turn
 
 SEED_STRIDE = 100_003  # iteration i samples with seed + i * stride: distinct, reproducible streams
 ATTEMPT_STRIDE = 7_919  # dynamic-sampling refill attempts: another offset
+
+log = logging.getLogger("rft_core.stages")
 
 
 def rollout_summary(table: pa.Table, *, agent: bool = False) -> dict[str, float]:
@@ -236,6 +242,10 @@ def _commit_partial_rollout(inp: RolloutInput, commit: Commit, prompts: pa.Table
     engine, tok = make_engine(cfg, inp.policy, dtype=inp.dtype)
     version, seed = inp.policy_version, rollout_seed(inp)
     before = sum(len(s.tokens) for s in carried)  # tokens the carried sequences had: not generated here
+    unfinished = sum(s.finish == UNFINISHED for s in carried)
+    # the line a fault row waits for before it kills a run inside this generation (tests/test_faults_async.py)
+    log.info("%s %d carried sequence(s) of %d group(s), then %d new group(s) (policy version %d)", CONTINUING_LINE,
+             unfinished, len(groups), len(fresh), version)
     with Timer() as t, progress_reporter("rollout", unit="sequences") as progress:
         continued = continue_carried(engine, carried, cfg=cfg, version=version, seed=seed, progress=progress)
         gens = engine.generate(prompt_ids, n_samples_per_prompt=cfg.n_samples_per_prompt,
