@@ -379,6 +379,24 @@ def test_cpu_offload_on_one_rank_matches_one_process(tiny_model, own_process_gro
     assert got["bf16"][0] == pytest.approx(norms, rel=2e-2)  # bfloat16 compute: close, not equal
 
 
+def test_a_one_rank_fsdp_critic_continues_its_state_in_process(update_inputs, tiny_model):
+    """The sharded critic's state path in every run (the 2-rank tests are in the rotation): an
+    FSDP2 critic on one rank in this process (no torchrun) commits its DCP state in
+    ``critic-optimizer/`` and the next update continues it, ending with the single-process
+    critic's weights (each continuing its own AdamW state) within 1e-6."""
+    from rft_core.config import CriticConfig
+
+    root, r, a, _, _ = update_inputs
+    critic, values, start = random_head_critic(tiny_model, r, root / "fsdp1")
+    cfg = CriticConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, value_clip=None)
+    single = critic_chain(update_inputs, critic, values, cfg, "fsdp1-c")
+    sharded = critic_chain(update_inputs, critic, values, cfg.model_copy(update={"fsdp": FSDPConfig()}), "fsdp1-s")
+    restarted, = critic_chain(update_inputs, f"{single[0].uri}/critic", values, cfg, "fsdp1-restart", iterations=1)
+    assert_critic_chain_continues(single, sharded, start=start, restarted=restarted, tol=1e-6,
+                                  files=["critic-optimizer/dcp/.metadata", "critic-optimizer/dcp/__0_0.distcp"],
+                                  state={"format": "fsdp", "tag": "dcp", "world_size": 1, "bf16": False})
+
+
 @pytest.mark.rotation(7)  # long: one turn in 8 (tests/rotation.py)
 def test_critic_update_under_fsdp_on_two_ranks_matches_one_process(update_inputs, tiny_model):
     """critic.fsdp: the critic trains through the same loop and FSDP2 strategy, and 2 ranks give the
