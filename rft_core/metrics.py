@@ -102,7 +102,8 @@ def iteration_metrics(iteration: int, refs: Mapping[str, ShardRef | None]) -> di
             out[key] = value
     for stage, s in summaries.items():
         if "seconds" in s:
-            out[f"seconds/{stage}"] = round(float(s["seconds"]) + float(s.get("checkpoint_seconds", 0.0)), 3)
+            out[f"seconds/{stage}"] = round(float(s["seconds"]) + float(s.get("checkpoint_seconds", 0.0))
+                                            + float(s.get("optimizer_seconds", 0.0)), 3)  # a sharded critic's state
     return out
 
 

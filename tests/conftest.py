@@ -192,3 +192,20 @@ def _record_durations(session) -> None:
                     {"commit": head.stdout.strip() if head.returncode == 0 else "(no git)",
                      "command": "python -m pytest " + " ".join(session.config.invocation_params.args),
                      "rotation": choice().describe()})
+
+
+@pytest.fixture
+def own_process_group():
+    """A world of one rank in this process for the test (an in-process FSDP2 strategy forms one: the
+    tests of tests/rft_core/training/test_fsdp_update.py, a flow with an in-process FSDP2 critic), removed
+    after it with the environment it set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK)."""
+    import os
+
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)

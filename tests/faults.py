@@ -26,8 +26,8 @@ from rft_core.agents import StepResult
 from rft_core.agents.calculator import CalculatorEnv
 from rft_core.config import load_config
 from rft_core.network import free_port
-from rft_core.workers.pool import WORKER_CLASSES
 from rft_core.stages.partial import CONTINUING_LINE
+from rft_core.workers.pool import WORKER_CLASSES
 from tests.rotation import GROUPS, assign, caller_module
 from tests.varying import REWARD_YAML
 

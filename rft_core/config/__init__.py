@@ -195,7 +195,12 @@ def auto_workers(cfg: "TrainConfig") -> tuple[str, str]:
     blockers = cfg.resident_blockers()
     if blockers:
         return "stage", "resident workers do not cover this config: " + "; ".join(blockers)
-    return "resident", f"{where} and Ray is installed"
+    beside = ""
+    if cfg.needs_critic and "critic_update" not in cfg.resident_stages:
+        beside = ("; the DeepSpeed or FSDP2 critic's stages run beside the workers as in stage mode (this process, or "
+                  "runners.critic_values / runners.critic_update): give them GPUs Ray does not take (docs/scale.md, "
+                  "'Resident workers')")
+    return "resident", f"{where} and Ray is installed{beside}"
 
 
 class TrainConfig(_Frozen):
@@ -243,11 +248,14 @@ class TrainConfig(_Frozen):
         ``orchestration.workers: resident`` a stage of ``resident_stages`` runs in its resident
         worker (the pool named after the run root, on the Ray cluster of ``ray``); otherwise in
         the task's process, keeping its models in memory between stages when ``keeps_models``
-        (``RunnerConfig.keep_models``)."""
+        (``RunnerConfig.keep_models``) in stage mode (beside resident workers it keeps none)."""
+        o = self.orchestration
+        # beside resident workers the task's process keeps no model (a sharded critic's stages): it would hold
+        # their GPU memory for nothing, since no stage after them in this process reuses it
+        keep = self.keeps_models and o.workers != "resident"
         if stage in self.runners:
             r = self.runners[stage]
-            return r.model_copy(update={"keep_models": self.keeps_models}) if r.mode == "inprocess" else r
-        o = self.orchestration
+            return r.model_copy(update={"keep_models": keep}) if r.mode == "inprocess" else r
         if o.workers == "resident" and stage in self.resident_stages:
             return RunnerConfig(mode="resident", workers=WorkersConfig(
                 pool=self.run_root, ray=self.ray, sync_timeout_s=o.sync_timeout_s, sync_bucket_mb=o.sync_bucket_mb,
@@ -255,7 +263,7 @@ class TrainConfig(_Frozen):
                 rollout_versions=max(1, self.rollout.max_staleness),
                 rollout_gpus=getattr(getattr(self.rollout, self.rollout.engine, None), "tensor_parallel_size", 1),
                 keep_device_cache=self.rollout.engine == "hf", lora=self.update.lora))
-        return RunnerConfig(keep_models=self.keeps_models)
+        return RunnerConfig(keep_models=keep)
 
     @property
     def resident_stages(self) -> tuple[str, ...]:

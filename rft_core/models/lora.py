@@ -119,32 +119,36 @@ def apply_lora(model: torch.nn.Module, *, rank: int, alpha: float, dropout: floa
 
 def adapted_modules_differ(model, target_modules) -> str | None:
     """Why the peft LoRA ``model`` (a loaded adapter checkpoint) does not adapt the modules that
-    ``target_modules`` (``update.lora.target_modules``) would on its base, or None when it does:
-    a list is compared with the list its adapter config recorded; ``"all-linear"`` (recorded by
-    peft as the module paths it found) with the model's own ``nn.Linear`` layers, each adapted but
-    the output layer (peft's ``_maybe_include_all_linear_layers``, peft/tuners/tuners_utils.py
-    0.21.2: every ``Linear`` except the output embedding), read from the loaded model without
-    building another. A sentence naming the modules that differ."""
-    from peft.tuners.tuners_utils import BaseTunerLayer  # the caller holds a peft model: peft is imported
+    ``target_modules`` (``update.lora.target_modules``) selects on its base, or None when it does:
+    the modules it adapts against those peft would adapt on the same base, by peft's own matching
+    (``check_target_module_exists`` for a list: a name equal to an entry or ending in ``.entry``;
+    for ``"all-linear"`` every ``nn.Linear`` and ``Conv1D`` but the output layer, as
+    ``_maybe_include_all_linear_layers``; peft/tuners/tuners_utils.py 0.21.2), read from the
+    loaded model without building another: an adapter whose config spells the same modules
+    otherwise (peft records all-linear as the paths it found) is not refused. A sentence naming
+    the modules that differ."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists  # the caller holds a peft model
+    from transformers.pytorch_utils import Conv1D
 
-    saved = model.peft_config["default"].target_modules
-    saved = {saved} if isinstance(saved, str) else set(saved)
-    if target_modules != "all-linear":
-        if saved == set(target_modules):
-            return None
-        return f"its adapter config targets {sorted(saved)}, update.lora.target_modules is {sorted(target_modules)}"
-    adapted = {name: m for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)}
+    base = model.get_base_model()  # names as peft matches them
+    adapted = {name for name, m in base.named_modules() if isinstance(m, BaseTunerLayer)}
     inside = tuple(f"{name}." for name in adapted)
-    output = model.get_output_embeddings()
-    missing = sorted(name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not output
-                     and not name.startswith(inside) and name not in adapted)
-    extra = sorted(name for name, m in adapted.items()
-                   if not isinstance(m.get_base_layer(), torch.nn.Linear) or m.get_base_layer() is output)
+    layers = {name: (m.get_base_layer() if name in adapted else m) for name, m in base.named_modules()
+              if name and not name.startswith(inside)}
+    output = base.get_output_embeddings()
+    output = output.get_base_layer() if isinstance(output, BaseTunerLayer) else output
+    if target_modules == "all-linear":
+        wanted = {name for name, m in layers.items() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not output}
+    else:
+        selects = LoraConfig(target_modules=list(target_modules))
+        wanted = {name for name in layers if check_target_module_exists(selects, name)}
+    missing, extra = sorted(wanted - adapted), sorted(adapted - wanted)
     if not missing and not extra:
         return None
-    parts = ([f"leaves {len(missing)} linear layer(s) without LoRA ({missing[:3]})"] if missing else []) + (
-        [f"adapts {len(extra)} module(s) that all-linear leaves alone ({extra[:3]})"] if extra else [])
-    return f"update.lora.target_modules is all-linear, but the adapter {' and '.join(parts)}"
+    said = ([f"selects {len(missing)} module(s) the adapter leaves without LoRA ({missing[:3]})"] if missing else []) + (
+        [f"leaves out {len(extra)} module(s) the adapter adapts ({extra[:3]})"] if extra else [])
+    return f"update.lora.target_modules ({target_modules}) {' and '.join(said)}"
 
 
 def adapter_shell(base_path: str, *, rank: int, alpha: float, dropout: float, target_modules):

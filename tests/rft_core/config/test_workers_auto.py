@@ -94,3 +94,20 @@ def test_a_config_auto_chose_for_dumps_auto_and_is_chosen_again_where_it_loads(m
     assert config_module.TrainConfig.model_validate(dumped).orchestration.workers == "resident"
     explicit = load_config(None, [*BASE, "orchestration.workers=stage"])
     assert explicit.model_dump(mode="json")["orchestration"]["workers"] == "stage"
+
+
+def test_auto_picks_resident_with_a_sharded_critic_and_says_where_its_stages_run(machine):
+    """A DeepSpeed or FSDP2 critic used to keep auto on stage mode (the resident critic worker
+    trains in one process); now its stages run beside the resident workers as in stage mode, the
+    run's first line says so, and the task's process keeps no model beside the workers."""
+    machine(cuda=True, ray=True)
+    for sharded in ("critic.fsdp.cpu_offload=false", "critic.deepspeed.zero_stage=2"):
+        cfg = load_config(None, [*BASE, "advantage.estimator=gae", sharded])
+        assert cfg.orchestration.workers == "resident"
+        assert cfg.workers_choice.startswith("orchestration.workers=auto chose resident: a CUDA device is visible and "
+                                             "Ray is installed; the DeepSpeed or FSDP2 critic's stages run beside")
+        assert [cfg.runner(s).mode for s in ("critic_values", "critic_update", "ppo_update")] == [
+            "inprocess", "inprocess", "resident"]
+        assert not cfg.runner("critic_values").keep_models and cfg.keeps_models
+    plain = load_config(None, [*BASE, "advantage.estimator=gae"])  # a one-process critic has its resident worker
+    assert plain.runner("critic_update").mode == "resident" and "critic's stages" not in plain.workers_choice

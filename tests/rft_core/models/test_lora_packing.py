@@ -132,9 +132,9 @@ def test_an_adapter_checkpoint_of_another_alpha_is_refused_by_name(tiny_model, t
 
 
 def test_an_adapter_checkpoint_on_other_modules_is_refused_by_name(tiny_model, tmp_path):
-    """Continuing a LoRA checkpoint takes its target modules as update.lora says (a list as
-    recorded; all-linear: every Linear but the LM head adapted), or refuses it at load naming the
-    modules, instead of training other modules than the config (and its hash) says and failing
+    """Continuing a LoRA checkpoint takes its target modules as update.lora selects them on its
+    base (peft's matching; all-linear: every Linear but the LM head), however they are spelled,
+    or refuses it at load naming the modules, instead of training other modules than the config (and its hash) says and failing
     only at a resident sync's plan check."""
     qv = UpdateConfig(lora=LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"]))
     every = UpdateConfig(lora=LoraConfig(rank=4, alpha=8.0))  # all-linear
@@ -142,14 +142,18 @@ def test_an_adapter_checkpoint_on_other_modules_is_refused_by_name(tiny_model, t
         load_trainable_policy(tiny_model, cfg, dtype="float32").save_pretrained(tmp_path / name)
     assert load_trainable_policy(str(tmp_path / "qv"), qv, dtype="float32").peft_config["default"].r == 4
     assert load_trainable_policy(str(tmp_path / "all"), every, dtype="float32").peft_config["default"].r == 4
-    with pytest.raises(ValueError, match=r"other modules than update.lora asks for: update.lora.target_modules is "
-                                         r"all-linear, but the adapter leaves 10 linear layer\(s\) without LoRA "
-                                         r"\(\['base_model.model.model.layers.0.mlp.down_proj', .*\]\); set"):
+    with pytest.raises(ValueError, match=r"other modules than update.lora asks for: update.lora.target_modules "
+                                         r"\(all-linear\) selects 10 module\(s\) the adapter leaves without LoRA "
+                                         r"\(\['model.layers.0.mlp.down_proj', .*\]\); set"):
         load_trainable_policy(str(tmp_path / "qv"), every, dtype="float32")  # 2 layers x (k, o, gate, up, down)
-    with pytest.raises(ValueError, match=r"its adapter config targets \['model.layers.0.mlp.down_proj', .*"
-                                         r"update.lora.target_modules is \['q_proj', 'v_proj'\]; set "
+    with pytest.raises(ValueError, match=r"target_modules \(\['q_proj', 'v_proj'\]\) leaves out 10 module\(s\) "
+                                         r"the adapter adapts \(\['model.layers.0.mlp.down_proj', .*; set "
                                          r"update.lora.target_modules to the adapter's"):
         load_trainable_policy(str(tmp_path / "all"), qv, dtype="float32")
+    # the same modules spelled otherwise: peft recorded all-linear as paths, the list names them by suffix
+    spelled = UpdateConfig(lora=LoraConfig(rank=4, alpha=8.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    assert load_trainable_policy(str(tmp_path / "all"), spelled, dtype="float32").peft_config["default"].r == 4
 
 
 def test_packed_batch_layout():

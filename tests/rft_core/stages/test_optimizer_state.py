@@ -422,3 +422,46 @@ def test_a_refused_critic_state_names_the_critics_settings(tmp_path):
         check_fsdp_state(sharded_checkpoint(fsdp, "/f", source="c", role="critic"), bf16=False)
     with pytest.raises(FSDPStateError, match=r"\(policy.dtype changed\)"):
         check_fsdp_state(sharded_checkpoint(fsdp, "/f", source="p"), bf16=False)
+
+
+def test_a_sharded_critics_state_is_handed_over_as_the_critics(tmp_path, monkeypatch):
+    """``_saved_state`` of a DeepSpeed or FSDP2 critic update: the state in its
+    ``critic-optimizer/`` folder (resolved once per node), marked as the critic's, so a refusal
+    names the critic's settings."""
+    from rft_core.config import CriticConfig, DeepSpeedConfig, FSDPConfig
+    from rft_core.stages import critic as critic_stage
+
+    seen = []
+    monkeypatch.setattr(critic_stage, "folder_once_per_node",
+                        lambda resolve, *, source, init: seen.append((source, init)) or "/node/copy")
+    zero = _committed_stage(str(tmp_path / "zero"), "critic_update", {"world_size": 2, "zero_stage": 2, "optimizer": {
+        "format": "deepspeed", "tag": "zero", "world_size": 2, "zero_stage": 2, "bf16": True}})
+    fsdp = _committed_stage(str(tmp_path / "fsdp"), "critic_update", {"world_size": 2, "sharding": "fsdp2", "optimizer": {
+        "format": "fsdp", "tag": "dcp", "world_size": 2, "bf16": False}})
+    ds_state = critic_stage._saved_state(zero, CriticConfig(deepspeed=DeepSpeedConfig(zero_stage=2)))["deepspeed_state"]
+    assert (ds_state.folder, ds_state.tag, ds_state.world_size, ds_state.bf16, ds_state.role) == (
+        "/node/copy", "zero", 2, True, "critic")
+    fsdp_state = critic_stage._saved_state(fsdp, CriticConfig(fsdp=FSDPConfig()))["fsdp_state"]
+    assert (fsdp_state.folder, fsdp_state.world_size, fsdp_state.role) == ("/node/copy/dcp", 2, "critic")
+    assert [s for s, _ in seen] == [zero.uri, fsdp.uri]
+    assert [init.__name__ for _, init in seen] == ["init_distributed", "init_process_group"]
+
+
+def test_a_failed_peer_releases_the_critics_writer_lock(tmp_path):
+    """``commit_trained``'s sharded state (``_save_sharded_state``): when a peer fails while rank 0
+    holds the stage's writer lock (here: the all-reduce after the lock reports a failed rank),
+    every rank raises and the lock is released, so a rerun takes the stage at once."""
+    from rft_core.stages.common import _save_sharded_state
+    from rft_core.training.strategy import DeepSpeedStrategy
+
+    class PeerFailed(DeepSpeedStrategy):  # rank 0 of 2, its peer failed; nothing of DeepSpeed is started
+        def __init__(self):
+            self.rank, self.world_size = 0, 2
+
+        def all_reduce_sum(self, values):
+            return [v + 1.0 for v in values]
+
+    uri = str(tmp_path / "iter=000001" / "critic_update")
+    with pytest.raises(writer.OptimizerStateError, match=r"taking the writer lock failed on 1 other rank"):
+        _save_sharded_state(uri, PeerFailed(), "critic")
+    assert not Path(uri, ".writer.lock").exists() and not Path(uri, "critic-optimizer").exists()

@@ -271,22 +271,6 @@ def test_a_resident_fsdp_lora_gang_syncs_its_adapters_or_its_merged_weights(upda
     assert max_diff({k: synced[1][k] for k in moved}, {k: synced[0][k] for k in moved}) > 1e-5  # a new version
 
 
-@pytest.fixture
-def own_process_group():
-    """A world of one rank in this process for the test (FSDP2 needs a process group), removed
-    after it with the environment it set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK)."""
-    import os
-
-    import torch.distributed as dist
-
-    saved = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def test_an_adapter_gather_takes_the_adapters_alone_not_the_tied_head(tiny_model, own_process_group):
     """``full_state_dict(trainable_only=True)`` of a LoRA model on a bfloat16 base with a tied
     embedding and LM head (the tiny model's), on a world of one rank, with and without
@@ -379,7 +363,7 @@ def test_cpu_offload_on_one_rank_matches_one_process(tiny_model, own_process_gro
     assert got["bf16"][0] == pytest.approx(norms, rel=2e-2)  # bfloat16 compute: close, not equal
 
 
-def test_a_one_rank_fsdp_critic_continues_its_state_in_process(update_inputs, tiny_model):
+def test_a_one_rank_fsdp_critic_continues_its_state_in_process(update_inputs, tiny_model, own_process_group):
     """The sharded critic's state path in every run (the 2-rank tests are in the rotation): an
     FSDP2 critic on one rank in this process (no torchrun) commits its DCP state in
     ``critic-optimizer/`` and the next update continues it, ending with the single-process
