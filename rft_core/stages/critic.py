@@ -13,12 +13,11 @@ from rft_core.progress import progress_reporter
 from rft_core.stages.checkpoints import CRITIC_SUBDIR, policy_checkpoint_dir, policy_model_path, sharded_state_dir
 from rft_core.stages.common import Commit, Timer, commit_trained, reuse_or_compute, stage_commit
 from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput, stage_program
-from rft_core.stages.sharded_state import DEEPSPEED_FORMAT, FSDP_FORMAT, KINDS, folder_once_per_node, sharded_checkpoint
+from rft_core.stages.sharded_state import DEEPSPEED_FORMAT, FSDP_FORMAT, check_kind, continued_state
 from rft_core.stages.sources import critic_model, critic_strategy, critic_trained
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.loop import pass_micro_batches
-from rft_core.training.fsdp import init_process_group
-from rft_core.training.strategy import DeepSpeedStateError, OptimizerSettings, build_strategy, init_distributed
+from rft_core.training.strategy import DeepSpeedStateError, OptimizerSettings, build_strategy
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard
 from schemas.batch import align_on_sample_id
 from schemas.columns import CRITIC_UPDATE, CRITIC_VALUES
@@ -69,22 +68,16 @@ def _saved_state(critic: PolicyRef, cfg: CriticConfig) -> dict[str, Any]:
         return {}
     summary = read_manifest(critic.uri)[0].summary
     info = summary.get("optimizer")
-    written = None if info is None else info.get("format")
-    now = FSDP_FORMAT if cfg.fsdp is not None else DEEPSPEED_FORMAT if cfg.deepspeed is not None else None
     if info is None and "world_size" in summary:
         raise DeepSpeedStateError(f"{critic.uri}: this sharded critic update kept no optimizer state (committed before "
                                   "a DeepSpeed or FSDP2 critic's AdamW state was kept, 2026-12-01): start a new run, "
                                   "or train the critic from its weights with critic.model.path")
-    if written != now:
-        raise DeepSpeedStateError(f"{critic.uri}: this critic's optimizer state was written by {KINDS.get(written, written)} "
-                                  f"update and cannot be continued by {KINDS[now]} update; keep critic.deepspeed and "
-                                  "critic.fsdp the same across a run")
+    now = FSDP_FORMAT if cfg.fsdp is not None else DEEPSPEED_FORMAT if cfg.deepspeed is not None else None
+    check_kind(info, now, source=critic.uri, keys="critic.deepspeed and critic.fsdp")
     if info is None:
         return {"optimizer_state": policy_checkpoint_dir(critic, CRITIC_SUBDIR)}
-    init = init_process_group if written == FSDP_FORMAT else init_distributed
-    folder = folder_once_per_node(lambda: sharded_state_dir(critic, CRITIC_SUBDIR), source=critic.uri, init=init)
-    saved = sharded_checkpoint(info, folder, source=critic.uri, role="critic")
-    return {"fsdp_state": saved} if written == FSDP_FORMAT else {"deepspeed_state": saved}
+    saved = continued_state(info, lambda: sharded_state_dir(critic, CRITIC_SUBDIR), source=critic.uri, role="critic")
+    return {"fsdp_state": saved} if now == FSDP_FORMAT else {"deepspeed_state": saved}
 
 
 @stage_program(CriticValuesInput)

@@ -78,23 +78,19 @@ from rft_core.stages.lineage import WEIGHTS_DIGEST_KEY, policy_checkpoint_uri
 from rft_core.stages.sharded_state import (
     DEEPSPEED_FORMAT,
     FSDP_FORMAT,
-    KINDS,
-    folder_once_per_node,
+    check_kind,
+    continued_state,
     raise_if_any_failed,
     save_partitions,
-    sharded_checkpoint,
     sharded_format,
 )
 from rft_core.stages.writer import OptimizerStateError, wait_for_optimizer_writes
 from rft_core.training.checkpoint import OPTIMIZER_FILE, OPTIMIZER_FOLDER_SUFFIX, save_checkpoint, save_optimizer_state
-from rft_core.training.fsdp import init_process_group
 from rft_core.training.strategy import (
     DeepSpeedCheckpoint,
-    DeepSpeedStateError,
     DeepSpeedStrategy,
     FSDPCheckpoint,
     FSDPStrategy,
-    init_distributed,
 )
 from schemas import ShardRef, commit_files, local_path, prepare_stage_dir, read_manifest, storage_errors
 from schemas.columns import OPTIMIZER_STATE, POLICY_CHECKPOINT
@@ -493,27 +489,6 @@ def optimizer_state_dir(ref: ShardRef) -> str:
     return policy_checkpoint_dir(ref, subdir="")
 
 
-def deepspeed_checkpoint(ref: ShardRef, folder: str) -> DeepSpeedCheckpoint | None:
-    """The saved ZeRO state of the committed optimizer stage ``ref`` whose files are in the
-    local ``folder``, as its manifest describes it; None for a single-process stage
-    (``optimizer.pt``) or an FSDP2 one."""
-    saved = sharded_checkpoint(read_manifest(ref.uri)[0].summary, folder, source=ref.uri)
-    return saved if isinstance(saved, DeepSpeedCheckpoint) else None
-
-
-def fsdp_checkpoint(ref: ShardRef, folder: str) -> FSDPCheckpoint | None:
-    """The saved FSDP2 state of the committed optimizer stage ``ref`` whose files are in the
-    local ``folder`` (its DCP folder ``folder/{tag}``), as its manifest describes it; None for
-    another format."""
-    saved = sharded_checkpoint(read_manifest(ref.uri)[0].summary, folder, source=ref.uri)
-    return saved if isinstance(saved, FSDPCheckpoint) else None
-
-
-def _folder_once_per_node(ref: ShardRef, init: Callable[[], tuple[int, int]] = init_distributed) -> str:
-    """``optimizer_state_dir(ref)`` resolved once per node (``folder_once_per_node``)."""
-    return folder_once_per_node(lambda: optimizer_state_dir(ref), source=ref.uri, init=init)
-
-
 def saved_optimizer_state(opt_ref: ShardRef | None, *, deepspeed: bool, fsdp: bool = False
                           ) -> tuple[str | None, DeepSpeedCheckpoint | FSDPCheckpoint | None]:
     """What ``build_strategy`` continues from the committed optimizer stage ``opt_ref``:
@@ -529,14 +504,9 @@ def saved_optimizer_state(opt_ref: ShardRef | None, *, deepspeed: bool, fsdp: bo
     """
     if opt_ref is None:
         return None, None
-    written = read_manifest(opt_ref.uri)[0].summary.get("format")
+    info = read_manifest(opt_ref.uri)[0].summary
     now = FSDP_FORMAT if fsdp else DEEPSPEED_FORMAT if deepspeed else None
-    if written != now:
-        raise DeepSpeedStateError(f"{opt_ref.uri}: this optimizer state was written by {KINDS.get(written, written)} "
-                                  f"update and cannot be continued by {KINDS[now]} update; keep update.deepspeed and "
-                                  "update.fsdp the same across a run")
+    check_kind(info if "format" in info else None, now, source=opt_ref.uri, keys="update.deepspeed and update.fsdp")
     if now is None:
         return optimizer_state_dir(opt_ref), None
-    if now == FSDP_FORMAT:
-        return None, fsdp_checkpoint(opt_ref, _folder_once_per_node(opt_ref, init_process_group))
-    return None, deepspeed_checkpoint(opt_ref, _folder_once_per_node(opt_ref))
+    return None, continued_state(info, lambda: optimizer_state_dir(opt_ref), source=opt_ref.uri)

@@ -25,8 +25,15 @@ import torch
 
 from rft_core.stages.writer import OptimizerStateError
 from rft_core.training.checkpoint import OPTIMIZER_FOLDER_SUFFIX
-from rft_core.training.fsdp import FSDP_TAG
-from rft_core.training.strategy import DeepSpeedCheckpoint, DeepSpeedStrategy, FSDPCheckpoint, FSDPStrategy
+from rft_core.training.fsdp import FSDP_TAG, init_process_group
+from rft_core.training.strategy import (
+    DeepSpeedCheckpoint,
+    DeepSpeedStateError,
+    DeepSpeedStrategy,
+    FSDPCheckpoint,
+    FSDPStrategy,
+    init_distributed,
+)
 from schemas import local_path, storage_errors
 
 # manifest summary of a DeepSpeed state: {"format": DEEPSPEED_FORMAT, "tag", "world_size", "zero_stage",
@@ -155,3 +162,27 @@ def folder_once_per_node(resolve: Callable[[], str], *, source: str, init: Calla
                 raise OptimizerStateError(f"{source}: local rank 0 on {host} could not open the optimizer state: {g_err}")
             return g_folder
     raise OptimizerStateError(f"{source}: no rank with LOCAL_RANK=0 on {host} to open the optimizer state")
+
+
+def check_kind(info: dict[str, Any] | None, now: str | None, *, source: str, keys: str) -> None:
+    """Refuse to continue the state ``info`` describes (a ``sharded_format`` summary; None: a
+    single process's ``optimizer.pt``) by an update of another kind ``now`` (``DEEPSPEED_FORMAT``,
+    ``FSDP_FORMAT`` or None).
+
+    Raises:
+        DeepSpeedStateError: naming ``source``, both kinds, and the settings ``keys`` to keep.
+    """
+    written = None if info is None else info.get("format")
+    if written != now:
+        raise DeepSpeedStateError(f"{source}: this optimizer state was written by {KINDS.get(written, written)} "
+                                  f"update and cannot be continued by {KINDS[now]} update; keep {keys} the same across "
+                                  "a run")
+
+
+def continued_state(info: dict[str, Any], resolve: Callable[[], str], *, source: str,
+                    role: str = "policy") -> DeepSpeedCheckpoint | FSDPCheckpoint | None:
+    """The sharded state ``info`` describes, its files in the folder ``resolve()`` gives (resolved
+    once per node in the process group of the strategy that loads it: ``folder_once_per_node``,
+    a collective), as ``sharded_checkpoint`` hands it to ``build_strategy``."""
+    init = init_process_group if info.get("format") == FSDP_FORMAT else init_distributed
+    return sharded_checkpoint(info, folder_once_per_node(resolve, source=source, init=init), source=source, role=role)

@@ -348,10 +348,12 @@ def test_an_optimizer_state_is_continued_only_by_the_kind_of_update_that_wrote_i
                                                   "cannot be continued by a single-process update"):
         opt_state.saved_optimizer_state(zero_state, deepspeed=False)
     assert opt_state.saved_optimizer_state(None, deepspeed=True) == (None, None)
-    saved = opt_state.deepspeed_checkpoint(zero_state, "/local/copy")
+    from rft_core.stages.sharded_state import sharded_checkpoint
+
+    saved = sharded_checkpoint(read_manifest(zero_state.uri)[0].summary, "/local/copy", source=zero_state.uri)
     assert (saved.folder, saved.tag, saved.world_size, saved.zero_stage, saved.bf16, saved.source) == (
         "/local/copy", "zero", 2, 3, False, zero_state.uri)
-    assert opt_state.deepspeed_checkpoint(torch_state, "/x") is None
+    assert sharded_checkpoint(read_manifest(torch_state.uri)[0].summary, "/x", source=torch_state.uri) is None
 
 
 def test_a_critics_state_is_continued_only_by_the_kind_of_critic_update_that_wrote_it(tmp_path):
@@ -430,9 +432,10 @@ def test_a_sharded_critics_state_is_handed_over_as_the_critics(tmp_path, monkeyp
     names the critic's settings."""
     from rft_core.config import CriticConfig, DeepSpeedConfig, FSDPConfig
     from rft_core.stages import critic as critic_stage
+    from rft_core.stages import sharded_state
 
     seen = []
-    monkeypatch.setattr(critic_stage, "folder_once_per_node",
+    monkeypatch.setattr(sharded_state, "folder_once_per_node",
                         lambda resolve, *, source, init: seen.append((source, init)) or "/node/copy")
     zero = _committed_stage(str(tmp_path / "zero"), "critic_update", {"world_size": 2, "zero_stage": 2, "optimizer": {
         "format": "deepspeed", "tag": "zero", "world_size": 2, "zero_stage": 2, "bf16": True}})
