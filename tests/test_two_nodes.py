@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -200,7 +201,9 @@ def test_killing_the_rollout_node_mid_iteration_then_rerun(two_nodes, stage_root
 
     def killer() -> None:
         """Once iteration 2 has started (its prompts committed) and the rollout worker runs a
-        stage (its rollout: the sync of iteration 1's weights, then generation), SIGKILL node_b."""
+        stage (its rollout: the sync of iteration 1's weights, then generation), SIGKILL node_b:
+        the worker's process first (``remove_node`` kills the raylet, whose workers notice only
+        later: a tiny model's rollout then still committed, CI 2026-12-01), then the node."""
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not kill:
             pid = placements(cfg.run_root).get("rollout", {}).get("pid")
@@ -209,6 +212,7 @@ def test_killing_the_rollout_node_mid_iteration_then_rerun(two_nodes, stage_root
                 if title.startswith("ray::RolloutWorker.run"):
                     # the replacement the run then asks for cannot be placed (no node_b): fail in 5 s, not 120
                     os.environ["RFT_WORKER_PLACEMENT_TIMEOUT_S"] = "5"
+                    os.kill(pid, signal.SIGKILL)
                     cluster.remove_node(node_b, allow_graceful=False)
                     kill.update(title=title, rollout_committed=exists(f"{rollout_2}/_MANIFEST.json"),
                                 node=placements(cfg.run_root)["rollout"]["node_id"])
