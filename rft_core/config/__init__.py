@@ -161,9 +161,10 @@ class CriticConfig(_Frozen):
         "the update, as update.max_tokens_per_micro_batch (needs packing). None: micro_batch_size")
     seed: int = 0
     packing: bool = Field(False, description="pack each micro-batch into one row without padding (values and update)")
-    deepspeed: DeepSpeedConfig | None = Field(None, description="DeepSpeed ZeRO for the critic update (multi-rank, under torchrun)")
-    fsdp: FSDPConfig | None = Field(None, description="torch FSDP2 for the critic update (multi-rank, under torchrun; "
-                                    "not with deepspeed)")
+    deepspeed: DeepSpeedConfig | None = Field(None, description="DeepSpeed ZeRO for the critic (multi-rank: under "
+                                              "torchrun, or orchestration.critic_ranks resident)")
+    fsdp: FSDPConfig | None = Field(None, description="torch FSDP2 for the critic (multi-rank: under torchrun, or "
+                                    "orchestration.critic_ranks resident; not with deepspeed)")
 
     _v = field_validator("value_loss")(lambda cls, v: _check_name(VALUE_LOSSES, v))
     _a = field_validator("loss_agg")(lambda cls, v: _check_name(LOSS_AGGREGATIONS, v))
@@ -197,9 +198,8 @@ def auto_workers(cfg: "TrainConfig") -> tuple[str, str]:
         return "stage", "resident workers do not cover this config: " + "; ".join(blockers)
     beside = ""
     if cfg.needs_critic and "critic_update" not in cfg.resident_stages:
-        beside = ("; the DeepSpeed or FSDP2 critic's stages run beside the workers as in stage mode (this process, or "
-                  "runners.critic_values / runners.critic_update): give them GPUs Ray does not take (docs/scale.md, "
-                  "'Resident workers')")
+        beside = ("; the DeepSpeed or FSDP2 critic's stages run beside the workers as runners.critic_values / "
+                  "runners.critic_update say: give them GPUs Ray does not take (docs/scale.md, 'Resident workers')")
     return "resident", f"{where} and Ray is installed{beside}"
 
 
@@ -259,7 +259,7 @@ class TrainConfig(_Frozen):
         if o.workers == "resident" and stage in self.resident_stages:
             return RunnerConfig(mode="resident", workers=WorkersConfig(
                 pool=self.run_root, ray=self.ray, sync_timeout_s=o.sync_timeout_s, sync_bucket_mb=o.sync_bucket_mb,
-                threads=o.worker_threads, policy_ranks=o.policy_ranks,
+                threads=o.worker_threads, policy_ranks=o.policy_ranks, critic_ranks=o.critic_ranks,
                 rollout_versions=max(1, self.rollout.max_staleness),
                 rollout_gpus=getattr(getattr(self.rollout, self.rollout.engine, None), "tensor_parallel_size", 1),
                 keep_device_cache=self.rollout.engine == "hf", lora=self.update.lora))
@@ -269,11 +269,14 @@ class TrainConfig(_Frozen):
     def resident_stages(self) -> tuple[str, ...]:
         """The stages of ``RESIDENT_STAGES`` that ``orchestration.workers: resident`` runs in a
         resident worker: all of them, except a DeepSpeed or FSDP2 critic's (``critic_values``,
-        ``critic_update``), which run as in stage mode (in the task's process, or as
-        ``runners.<stage>`` says: torchrun for its ranks), since the resident critic worker trains
-        in one process. They meet the resident stages through committed shards and the critic's
-        checkpoint only, so the run commits stage mode's files either way."""
-        if self.critic.deepspeed is None and self.critic.fsdp is None:
+        ``critic_update``) when ``runners.critic_values`` or ``runners.critic_update`` is given:
+        those two then run as the runners say (torchrun for its ranks, a GPU of their own), beside
+        the workers, meeting them through committed shards and the critic's checkpoint only, so
+        the run commits stage mode's files either way. Without such a runner a sharded critic
+        runs in the resident critic gang (``orchestration.critic_ranks`` ranks), which keeps its
+        shards and AdamW state across iterations."""
+        sharded = self.critic.deepspeed is not None or self.critic.fsdp is not None
+        if not (sharded and ({"critic_values", "critic_update"} & set(self.runners))):
             return RESIDENT_STAGES
         return tuple(s for s in RESIDENT_STAGES if s not in ("critic_values", "critic_update"))
 
@@ -369,6 +372,10 @@ class TrainConfig(_Frozen):
             reasons.append(f"orchestration.policy_ranks={self.orchestration.policy_ranks}: several policy ranks are "
                            "DeepSpeed or FSDP2 data parallelism; set update.deepspeed.zero_stage (1, 2 or 3) or "
                            "update.fsdp")
+        if self.orchestration.critic_ranks > 1 and self.critic.deepspeed is None and self.critic.fsdp is None:
+            reasons.append(f"orchestration.critic_ranks={self.orchestration.critic_ranks}: several critic ranks are "
+                           "DeepSpeed or FSDP2 data parallelism; set critic.deepspeed.zero_stage (1, 2 or 3) or "
+                           "critic.fsdp")
         if self.rollout.max_staleness > 1 and self.rollout.engine != "hf":
             reasons.append(f"rollout.max_staleness={self.rollout.max_staleness} with rollout.engine={self.rollout.engine}: "
                            "a resident GPU engine holds one policy version (the hf engine's rollout worker keeps one "

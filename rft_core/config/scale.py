@@ -128,6 +128,7 @@ class WorkersConfig(_Frozen):
     sync_bucket_mb: int = Field(256, gt=0, description="orchestration.sync_bucket_mb")
     threads: int | None = Field(None, gt=0, description="orchestration.worker_threads (None: the caller's count)")
     policy_ranks: int = Field(1, gt=0, description="orchestration.policy_ranks")
+    critic_ranks: int = Field(1, gt=0, description="orchestration.critic_ranks")
     rollout_versions: int = Field(1, gt=0, description="policy versions the rollout worker keeps a copy of "
                                   "(rollout.max_staleness s > 1: s)")
     rollout_gpus: int = Field(1, gt=0, description="GPUs of the rollout worker on a cluster with GPUs: the "
@@ -203,3 +204,8 @@ class OrchestrationConfig(_Frozen):
     policy_ranks: int = Field(1, gt=0, description="workers=resident: data-parallel ranks of the policy trainer "
                               "(update.deepspeed, ZeRO 1/2/3, or update.fsdp), one Ray actor each with its own GPU on a cluster "
                               "with GPUs (under workers=stage: runners.ppo_update with torchrun)")
+    critic_ranks: int = Field(1, gt=0, description="workers=resident: data-parallel ranks of a DeepSpeed or FSDP2 "
+                              "critic (critic.deepspeed or critic.fsdp), one Ray actor each, that keep its shards "
+                              "and AdamW state across iterations (under workers=stage, or with runners.critic_values "
+                              "or runners.critic_update given: those stages run as the runners say, beside the "
+                              "resident workers)")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from rft_core.counters import count, count_bytes_read
 from rft_core.models.loading import attn_implementation, load_pretrained, resolve_model_path, set_trainable
 from rft_core.models.logprobs import (
     PackedBatch,
@@ -112,11 +113,16 @@ def load_critic(path: str, *, dtype: str = "float32", trainable: bool = False):
     """Load a critic from a critic checkpoint, or start one from a policy (causal LM or
     vision-language) checkpoint; a VL folder gives a ``VLValueModel``.
 
+    Counts a model load and the bytes of its weight files (``rft_core.counters.counts``), as
+    ``load_causal_lm`` does.
+
     Raises:
         ModelLoadError: unreadable path or weights, named in the message.
     """
     from transformers import AutoModelForTokenClassification
 
+    count("model_loads")
+    count_bytes_read(resolve_model_path(path))
     if is_vl_model(path):
         return load_vl_critic(path, dtype=dtype, trainable=trainable)
     seen: dict[str, bool] = {}

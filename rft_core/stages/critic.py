@@ -81,16 +81,18 @@ def _saved_state(critic: PolicyRef, cfg: CriticConfig) -> dict[str, Any]:
 
 
 @stage_program(CriticValuesInput)
-def run_values(inp: CriticValuesInput) -> ShardRef:
+def run_values(inp: CriticValuesInput) -> ShardRef | None:
     """V(s_t) for every response token under the critic ``inp.model``, on ``default_device()``, in
     packed rows of at most ``critic.max_tokens_per_micro_batch`` tokens when it is set;
     writes the `critic_values` column group (GPU memory handed back when it returns). A
     vision-language critic (``rft_core.models.critic.VLValueModel``) gets each sample's images
-    and videos, with the processor of its model folder."""
+    and videos, with the processor of its model folder. In the resident gang of a sharded
+    critic (``orchestration.critic_ranks``) rank 0 computes and commits it alone, on the critic
+    loaded from storage (``rft_core.workers.critic``); the other ranks return None."""
     commit = _critic_commit(inp)
     cfg = inp.critic
 
-    def compute() -> ShardRef:
+    def compute() -> ShardRef | None:
         table = read_shard(inp.rollout, stage="rollout")
         prompts, responses = table.column("prompt_token_ids").to_pylist(), table.column("response_token_ids").to_pylist()
         budget = cfg.max_tokens_per_micro_batch  # a sample beyond it: refused before the model loads
@@ -100,6 +102,8 @@ def run_values(inp: CriticValuesInput) -> ShardRef:
         processor, media = _vision(path, table)
         pad_id = pad_token_id(path)
         model = critic_model(inp.model, dtype=cfg.dtype)
+        if model is None:  # a rank above 0 of a sharded critic's gang: rank 0 computes alone
+            return None
         with Timer() as t, progress_reporter("critic_values", unit="sequences") as progress:
             values = batched_response_values(model, prompts, responses, pad_token_id=pad_id,
                                              micro_batch_size=cfg.micro_batch_size, packing=cfg.packing,

@@ -47,8 +47,9 @@ class ModelSource(Protocol):
     def trained(self, ref: PolicyRef) -> None:
         """The trainer now holds the policy committed as ``ref``."""
 
-    def critic_model(self, ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
-        """The critic of ``ref`` in ``dtype``, in eval mode (the values pass)."""
+    def critic_model(self, ref: PolicyRef, *, dtype: str) -> "torch.nn.Module | None":
+        """The critic of ``ref`` in ``dtype``, in eval mode (the values pass); None on a rank
+        above 0 of a sharded critic's gang (rank 0 runs the pass alone, from storage)."""
 
     def critic_strategy(self, ref: PolicyRef, build: Callable[[], Any], *, lr: float, max_grad_norm: float) -> Any:
         """The critic's strategy holding ``ref`` (``build()`` when not held)."""
@@ -186,10 +187,11 @@ def _memo_key(ref: PolicyRef) -> str | None:
     return f"path:{folder.resolve()}:{files}" if files else None
 
 
-def critic_model(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module":
+def critic_model(ref: PolicyRef, *, dtype: str) -> "torch.nn.Module | None":
     """The critic of ``ref`` (an initial model path or a committed ``critic_update``) for the
     values pass: the resident critic worker's trained model when it holds ``ref``, else loaded
-    from storage onto ``default_device()``.
+    from storage onto ``default_device()``; None on a rank above 0 of the resident sharded critic's
+    gang (``ModelSource.critic_model``: rank 0 runs the pass alone).
 
     Raises:
         CheckpointPrunedError, ShardCorruptError: (from storage) see ``policy_model_path``.

@@ -187,12 +187,21 @@ class DeepSpeedStrategy:
 
     def _local_fingerprint(self) -> torch.Tensor:
         """(number of trainable parameters, 2) float64: sum and sum of squares of this rank's
-        copy of each trainable weight (its partition under ZeRO-3)."""
+        copy of each trainable weight (under ZeRO-3 its partition without the padding that makes
+        every rank's partition ``ds_tensor.ds_numel`` long: a weight of fewer elements than ranks,
+        like a critic head's bias, is all padding on the last ranks, and ``load_checkpoint`` need
+        not restore padding; the valid length as in DeepSpeed 0.19's
+        ``runtime/zero/partition_parameters.py``, ``AllGatherHandle.wait``)."""
         rows = []
         for p in self.model.module.parameters():
             if not p.requires_grad:
                 continue
-            t = (p.ds_tensor if hasattr(p, "ds_tensor") else p).detach().double()
+            if hasattr(p, "ds_tensor"):
+                size = p.ds_tensor.ds_numel
+                t = p.ds_tensor.detach().flatten()[:max(0, min(p.ds_numel - self.rank * size, size))]
+            else:
+                t = p.detach()
+            t = t.double()
             rows.append(torch.stack([t.sum(), t.square().sum()]))
         return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
 

@@ -2,7 +2,16 @@
 it holds and ``critic_update`` by continuing its training strategy (model and AdamW state) in
 memory. The critic still commits its weights and AdamW state every iteration
 (``checkpoint.every`` concerns the policy), so its files equal stage mode's; what it saves is
-the two loads per iteration."""
+the two loads per iteration (and for a sharded critic the load of its sharded AdamW state).
+
+A DeepSpeed or FSDP2 critic (``critic.deepspeed``, ``critic.fsdp``) is a gang of
+``orchestration.critic_ranks`` ranks, one Ray actor each, as the policy trainer's: every rank
+runs both programs. The update is the sharded update stage mode runs under torchrun. The values
+pass runs on rank 0 alone, on the critic loaded from storage as stage mode does (the other ranks
+return None): a forward through the held FSDP2 module gathers its shards into buffers laid out
+apart from a loaded model's, and its values differed from stage mode's in the last float32 bit
+(2.4e-7 on the tiny test critic), so the gang keeps stage mode's values exact and pays one load
+per values pass (``tests/rft_core/training/chain.py::resident_critic_gang``)."""
 from __future__ import annotations
 
 from typing import Any, Callable, ClassVar
@@ -12,7 +21,7 @@ import torch
 from rft_core.heap import collect_all
 from rft_core.models.hub import torch_dtype
 from rft_core.stages.sources import critic_model, models_from, version_key
-from rft_core.training.strategy import continue_with
+from rft_core.training.strategy import SingleProcess, continue_with
 from rft_core.workers.base import ResidentWorker
 from schemas import PolicyRef
 
@@ -36,14 +45,17 @@ class CriticWorker(ResidentWorker):
                          freeze_heap=freeze_heap)
         self.held: Any = None  # its training strategy (model and AdamW state)
 
-    def critic_model(self, ref: PolicyRef, *, dtype: str) -> torch.nn.Module:
+    def critic_model(self, ref: PolicyRef, *, dtype: str) -> torch.nn.Module | None:
         """``ModelSource.critic_model``: the trained critic this worker holds when it holds
-        ``ref`` in ``dtype`` (eval mode), else the critic loaded from storage (not kept: the
-        update builds its own strategy)."""
+        ``ref`` in ``dtype`` in one process (eval mode), else on rank 0 the critic loaded from
+        storage (not kept: the update builds its own strategy; a sharded critic's gang always
+        loads, see the module's docstring) and None on the other ranks (they take no part)."""
         held = self.held
-        if held is not None and self.version == version_key(ref) and \
+        if isinstance(held, SingleProcess) and self.version == version_key(ref) and \
                 next(held.model.parameters()).dtype == torch_dtype(dtype):
             return held.model.eval()
+        if self.rank:
+            return None
         with models_from(None):  # storage
             return critic_model(ref, dtype=dtype)
 

@@ -9,8 +9,9 @@ the one place a role's worker class is picked. The Prefect task and
 the flow are unchanged: they still decide only where a program runs.
 
 Workers are Ray actors named ``<role>-<sha of the pool name>`` (``-rank<r>`` after it for the
-policy trainer's ranks above 0: ``orchestration.policy_ranks``, DeepSpeed data parallelism, every
-rank runs each update and rank 0's result is the stage's) in the namespace ``prefect-rft``
+ranks above 0 of the policy trainer, ``orchestration.policy_ranks``, and of a DeepSpeed or FSDP2
+critic, ``orchestration.critic_ranks``: data parallelism, every rank runs each of the role's
+stages and rank 0's result is the stage's) in the namespace ``prefect-rft``
 (a local Ray started on first use, or ``ray.address``), with the caller's torch thread count
 and the Ray options of ``actor_options``: ``num_cpus=0`` (they run one stage at a time, as the
 flow orders them) and, when the cluster has GPUs (``ray.cluster_resources()["GPU"]``), GPUs for
@@ -26,7 +27,7 @@ A stage is handed to a gang right behind a ping the gang must answer within ``sy
 (``_start_answering``): one that does not is stuck in a call past its limit and is ended (the
 stage's call with it) and started anew, which then runs the stage. A worker that died (killed, out of memory, its node gone) is replaced once per call and the
 stage runs again: a committed stage is reused, an interrupted one recomputed, and the new
-worker rebuilds its model (``rft_core.stages.recovery.rebuild_trainer``); a policy rank that dies or fails ends
+worker rebuilds its model (``rft_core.stages.recovery.rebuild_trainer``); a rank of a gang that dies or fails ends
 its whole gang (its peers would wait in a collective), which is started anew the same way. Actors are owned by the process that
 created them, so they end with it (Ctrl-C, SIGTERM, a crash); ``stop_workers`` ends them at the
 end of a run.
@@ -202,8 +203,14 @@ def placements(pool: str) -> dict[str, dict[str, Any]]:
             if p == pool}
 
 
+# the roles whose workers may form a torch.distributed group (DeepSpeed or FSDP2 data parallelism)
+TRAINER_ROLES = ("policy", "critic")
+
+
 def _gang_size(workers: WorkersConfig, role: str) -> int:
-    return workers.policy_ranks if role == "policy" else 1
+    """How many ranks the gang of ``role`` has: ``policy_ranks`` for the policy trainer,
+    ``critic_ranks`` for the critic (both DeepSpeed or FSDP2 data parallelism), 1 for the others."""
+    return {"policy": workers.policy_ranks, "critic": workers.critic_ranks}.get(role, 1)
 
 
 def _held_gang(workers: WorkersConfig, role: str) -> Gang | None:
@@ -217,15 +224,16 @@ def _held_gang(workers: WorkersConfig, role: str) -> Gang | None:
 
 def start_gang(workers: WorkersConfig, role: str) -> Gang:
     """Every rank's actor of ``role`` (its class: ``WORKER_CLASSES``): one for the rollout,
-    reference, critic and teacher workers, and ``workers.policy_ranks`` for the policy trainer (DeepSpeed
-    data parallelism), with the Ray options of ``actor_options``: the gang this process holds, or
-    the one ``create_workers`` created (its processes started with the others), or a new one. A
-    gang not held yet is placed (``_place``: logged, or ``WorkerError`` when Ray cannot place it),
-    then its ranks are given one rendezvous (``ResidentWorker.rendezvous`` on rank 0, ``join`` on
-    every rank: ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) before any program
-    runs; DeepSpeed's process group is then formed on the first update and kept for the run. One
-    thread starts a gang at a time (``_STARTING``): stages that ask for the same role at once get
-    the same gang."""
+    reference and teacher workers, ``workers.policy_ranks`` for the policy trainer and
+    ``workers.critic_ranks`` for the critic (DeepSpeed or FSDP2 data parallelism), with the Ray
+    options of ``actor_options``: the gang this process holds, or the one ``create_workers``
+    created (its processes started with the others), or a new one. A gang not held yet is placed
+    (``_place``: logged, or ``WorkerError`` when Ray cannot place it), then the ranks of a
+    trainer's gang (``TRAINER_ROLES``, one rank too) are given one rendezvous
+    (``ResidentWorker.rendezvous`` on rank 0, ``join`` on every rank: ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) before any program runs; the DeepSpeed or FSDP2
+    process group is then formed on the first update and kept for the run. One thread starts a
+    gang at a time (``_STARTING``): stages that ask for the same role at once get the same gang."""
     held = _held_gang(workers, role)
     if held is not None:
         return held
@@ -236,7 +244,8 @@ def start_gang(workers: WorkersConfig, role: str) -> Gang:
             return held
         gang, options = _CREATED.pop((workers.pool, role), None) or _create_gang(ray, workers, role)
         _place(ray, workers, role, gang, options)
-        if len(gang) > 1:
+        if role in TRAINER_ROLES:  # one rank too: an actor inherits the driver's environment, whose
+            # MASTER_PORT (the driver's own process group, a torchrun launch) would be taken
             gang.call(ResidentWorker.join, **gang.call(ResidentWorker.rendezvous))
         for r, a in enumerate(gang):
             _HANDLES[(workers.pool, role, r)] = a

@@ -116,13 +116,20 @@ def test_resident_critic_keeps_its_model_and_commits_stage_modes_files(prefect_h
 
 
 @pytest.mark.rotation(3)  # long: one turn in 8 (tests/rotation.py)
-def test_a_sharded_critic_runs_beside_the_resident_workers_and_equals_stage_mode(prefect_harness, tiny_model, tmp_path,
-                                                                                 own_process_group):
-    """PPO with an FSDP2 critic (critic.fsdp, one rank in the flow's process), 2 iterations: under
-    ``orchestration.workers=resident`` the critic's stages run as in stage mode beside the resident
-    policy, rollout and reference workers (no critic worker is started) and the run commits stage
-    mode's critic files, values and final policy; the second critic update continued the first's
-    sharded AdamW state (``critic-optimizer/dcp``)."""
+@pytest.mark.parametrize("where", ["gang", "beside"])
+def test_a_sharded_critic_runs_in_its_gang_or_beside_the_workers_and_equals_stage_mode(prefect_harness, tiny_model,
+                                                                                       tmp_path, own_process_group,
+                                                                                       where):
+    """PPO with an FSDP2 critic (critic.fsdp, one rank), 2 iterations under
+    ``orchestration.workers=resident``: in its resident gang (``gang``: a critic worker of
+    ``orchestration.critic_ranks`` 1 keeps the sharded critic and its AdamW state, so after
+    iteration 1 the only model loaded is the critic of the values pass, which runs from storage:
+    ``rft_core.workers.critic``) or, with ``runners.critic_values`` and
+    ``runners.critic_update`` given, as those runners say beside the resident policy, rollout and
+    reference workers (``beside``: in the flow's process, which keeps no model; no critic worker
+    is started). Either way the run commits stage mode's critic files, values and final policy,
+    and the second critic update continued the first's sharded AdamW state
+    (``critic-optimizer/dcp``)."""
     from flows.train import train
     from rft_core.workers.pool import placements
 
@@ -130,8 +137,11 @@ def test_a_sharded_critic_runs_beside_the_resident_workers_and_equals_stage_mode
            "critic.fsdp.cpu_offload": False, **REWARD}
     stage = train(flow_cfg(tiny_model, tmp_path / "stage", iterations=2, **gae))
     assert_training_signal(tmp_path / "stage", (1, 2))
-    cfg = flow_cfg(tiny_model, tmp_path / "resident", iterations=2, **gae, **{"orchestration.workers": "resident"})
-    assert cfg.runner("critic_update").mode == "inprocess" and cfg.runner("ppo_update").mode == "resident"
+    beside = {"runners.critic_values.mode": "inprocess", "runners.critic_update.mode": "inprocess"}
+    cfg = flow_cfg(tiny_model, tmp_path / "resident", iterations=2, **gae, **{"orchestration.workers": "resident"},
+                   **(beside if where == "beside" else {}))
+    assert cfg.runner("ppo_update").mode == "resident"
+    assert cfg.runner("critic_update").mode == ("resident" if where == "gang" else "inprocess")
     assert not cfg.runner("critic_values").keep_models  # the flow's process holds no critic beside the workers
     resident = train(cfg)
     assert _final_files(resident) == _final_files(stage)
@@ -149,7 +159,10 @@ def test_a_sharded_critic_runs_beside_the_resident_workers_and_equals_stage_mode
     assert m.summary["sharding"] == "fsdp2" and m.summary["optimizer"]["format"] == "fsdp"
     assert m.inputs["critic"] == read_manifest(stage_uri(cfg.run_root, 1, "critic_update"))[1]  # it continued update 1
     started = placements(cfg.run_root)  # every worker this process started, kept after the run stopped them
-    assert {"policy", "rollout"} <= set(started) and "critic" not in started, started
+    assert {"policy", "rollout"} <= set(started) and ("critic" in started) == (where == "gang"), started
+    loads = [r["run/model_loads"] for r in resident.metrics]
+    if where == "gang":  # iteration 1: engine, reference, trainer, and the critic twice (values, then its update);
+        assert loads == [5, 6], loads  # iteration 2: the critic of the values pass only
 
 
 @pytest.mark.rotation(1)  # long: one turn in 8 (tests/rotation.py)

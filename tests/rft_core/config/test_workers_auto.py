@@ -98,16 +98,25 @@ def test_a_config_auto_chose_for_dumps_auto_and_is_chosen_again_where_it_loads(m
 
 def test_auto_picks_resident_with_a_sharded_critic_and_says_where_its_stages_run(machine):
     """A DeepSpeed or FSDP2 critic used to keep auto on stage mode (the resident critic worker
-    trains in one process); now its stages run beside the resident workers as in stage mode, the
-    run's first line says so, and the task's process keeps no model beside the workers."""
+    trained in one process). Now it runs in the resident critic gang of
+    ``orchestration.critic_ranks`` ranks; with ``runners.critic_values`` / ``runners.critic_update``
+    given, those stages run as the runners say beside the resident workers, the run's first line
+    says so, and the task's process keeps no model beside the workers."""
     machine(cuda=True, ray=True)
     for sharded in ("critic.fsdp.cpu_offload=false", "critic.deepspeed.zero_stage=2"):
-        cfg = load_config(None, [*BASE, "advantage.estimator=gae", sharded])
+        gang = load_config(None, [*BASE, "advantage.estimator=gae", sharded, "orchestration.critic_ranks=2"])
+        assert gang.orchestration.workers == "resident" and "critic's stages" not in gang.workers_choice
+        assert [gang.runner(s).mode for s in ("critic_values", "critic_update", "ppo_update")] == ["resident"] * 3
+        assert gang.runner("critic_update").workers.critic_ranks == 2 and gang.first_resident_stages[-2:] == (
+            "critic_values", "critic_update")
+        cfg = load_config(None, [*BASE, "advantage.estimator=gae", sharded, "runners.critic_update.mode=subprocess",
+                                 "runners.critic_update.launcher=torchrun", "runners.critic_update.nproc_per_node=2"])
         assert cfg.orchestration.workers == "resident"
         assert cfg.workers_choice.startswith("orchestration.workers=auto chose resident: a CUDA device is visible and "
                                              "Ray is installed; the DeepSpeed or FSDP2 critic's stages run beside")
         assert [cfg.runner(s).mode for s in ("critic_values", "critic_update", "ppo_update")] == [
-            "inprocess", "inprocess", "resident"]
+            "inprocess", "subprocess", "resident"]
+        assert cfg.runner("critic_update").nproc_per_node == 2
         assert not cfg.runner("critic_values").keep_models and cfg.keeps_models
     plain = load_config(None, [*BASE, "advantage.estimator=gae"])  # a one-process critic has its resident worker
     assert plain.runner("critic_update").mode == "resident" and "critic's stages" not in plain.workers_choice

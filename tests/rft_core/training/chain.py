@@ -174,3 +174,57 @@ def assert_critic_chain_continues(single: list, sharded: list, *, start: dict, r
     assert max((w1[k] - start[k]).abs().max().item() for k in w1 if not k.startswith("score")) > 1e-4  # backbone moved
     assert max_diff(w2, w1) > 1e-4  # the second update trained on
     assert max_diff(critic_weights(restarted), w2) > 10 * tol  # AdamW afresh would have ended elsewhere
+
+
+def resident_critic_gang(update_inputs, tiny_model: str, tmp_path: Path, cfg, prefix: str) -> tuple[list, list]:
+    """(the gang's refs, the torchrun chain's refs): two updates of a random-head critic
+    (``random_head_critic``) under ``cfg`` (a DeepSpeed or FSDP2 ``CriticConfig``) by ``RUNNER``'s
+    torchrun jobs, and by a resident critic gang of 2 ranks (``orchestration.critic_ranks=2``, Ray
+    actors on one thread each), with a values pass on the gang between its two updates. Asserts
+    what holds for any sharding: equal losses and critic weights at each update, bit for bit; the
+    gang's values pass (rank 0 alone, from storage) equal to one process's values from the first
+    torchrun update's checkpoint, bit for bit, and not the start's; after the first update no
+    model load but rank 0's one for the values pass (``model_loads``: the second update
+    continued the held shards), both ranks holding the second update; update 2 continued
+    update 1."""
+    pytest.importorskip("ray")
+    from rft_core.config import RayConfig, WorkersConfig
+    from rft_core.models.critic import load_critic
+    from rft_core.stages.contracts import CriticUpdateInput, CriticValuesInput
+    from rft_core.workers.base import Gang, ResidentWorker
+    from rft_core.workers.critic import CriticWorker
+    from rft_core.workers.pool import run_resident, stop_workers
+    from schemas import read_manifest, read_shard
+
+    root, r, a = update_inputs[:3]
+    critic, values, _ = random_head_critic(tiny_model, r, root / prefix)
+    staged = critic_chain(update_inputs, critic, values, cfg, f"{prefix}-s", RUNNER)
+    workers = WorkersConfig(pool=str(tmp_path), threads=1, critic_ranks=2,
+                            ray=RayConfig(options={"critic": {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}}))
+    refs, model = [], critic
+    try:
+        for i in (1, 2):
+            model = run_resident(CriticUpdateInput(rollout=r, advantages=a, critic_values=values, model=model, critic=cfg,
+                                                   out=str(root / f"{prefix}-r{i}")), workers)
+            refs.append(model)
+            if i == 1:
+                loads = [s["model_loads"] for s in Gang.named(CriticWorker, workers.pool, 2).call(ResidentWorker.stats)]
+                held = run_resident(CriticValuesInput(rollout=r, model=model, critic=cfg, out=str(root / f"{prefix}-v")),
+                                    workers)
+        stats = Gang.named(CriticWorker, workers.pool, 2).call(ResidentWorker.stats)
+    finally:
+        stop_workers(workers.pool)
+    assert min(loads) >= 1 and [s["model_loads"] for s in stats] == [loads[0] + 1, loads[1]], (loads, stats)
+    assert [s["version"] for s in stats] == [f"{refs[1].uri}@{refs[1].manifest_sha256}"] * 2
+    for got, want in zip(refs, staged):
+        assert read_shard(got.uri).to_pydict()["value_loss"] == read_shard(want.uri).to_pydict()["value_loss"]
+        w_got, w_want = (load_critic(f"{ref.uri}/critic").state_dict() for ref in (got, want))
+        assert all(torch.equal(w_got[k], w_want[k]) for k in w_want), max_diff(w_got, w_want)
+    assert read_manifest(refs[1].uri)[0].inputs["critic"] == read_manifest(refs[0].uri)[1]  # it continued update 1
+    with one_thread():
+        stored = run_stage(CriticValuesInput(rollout=r, model=staged[0], critic=cfg, out=str(root / f"{prefix}-v-stage")))
+    got, want = read_shard(held.uri).to_pydict()["values"], read_shard(stored.uri).to_pydict()["values"]
+    diff = max(abs(x - y) for g, w in zip(got, want) for x, y in zip(g, w))
+    assert got == want, diff
+    assert got != read_shard(values.uri).to_pydict()["values"]  # the trained critic's, not the start's
+    return refs, staged

@@ -31,8 +31,8 @@ from rft_core.training.strategy import (  # noqa: E402
 from schemas import commit_files, read_manifest, read_shard  # noqa: E402
 from schemas.columns import OPTIMIZER_STATE  # noqa: E402
 from tests.rft_core.training.chain import (  # noqa: E402
-    ITERATIONS, RUNNER, assert_critic_chain_continues, critic_chain, ds, max_diff, one_thread, random_head_critic, run_update,
-    weights)
+    ITERATIONS, RUNNER, assert_critic_chain_continues, critic_chain, ds, max_diff, one_thread, random_head_critic,
+    resident_critic_gang, run_update, weights)
 
 # Each ZeRO stage (each test with its resident twin: they share the chain of updates) takes its
 # turn in the rotation (tests/rotation.py, ~95 s each on 2 cores); stage 3 with the crashed ZeRO-3
@@ -196,6 +196,24 @@ def test_critic_update_under_zero2_on_two_ranks_matches_one_process(update_input
                "critic-optimizer/zero/zero_pp_rank_0_mp_rank_00_optim_states.pt",
                "critic-optimizer/zero/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
         state={"format": "deepspeed", "tag": "zero", "world_size": 2, "zero_stage": 2, "bf16": False})
+
+
+@pytest.mark.rotation(7)  # long: one turn in 8 (tests/rotation.py; with the critic chain above)
+def test_a_resident_zero3_critic_gang_keeps_its_state_and_equals_the_torchrun_updates(update_inputs, tiny_model,
+                                                                                    tmp_path):
+    """orchestration.critic_ranks=2 with critic.deepspeed ZeRO-3: the gang (Ray actors keeping the
+    critic's partitions and ZeRO state) gives the torchrun updates' losses and weights bit for bit,
+    and its values pass (rank 0 alone, from storage) one process's values from the checkpoint
+    (``resident_critic_gang``); each
+    update commits every rank's ZeRO partition."""
+    cfg = CriticConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, value_clip=None,
+                       deepspeed=DeepSpeedConfig(zero_stage=3))
+    refs, staged = resident_critic_gang(update_inputs, tiny_model, tmp_path, cfg, "zero3-gang")
+    for ref in (*refs, *staged):
+        m, _ = read_manifest(ref.uri)
+        assert m.summary["optimizer"]["zero_stage"] == 3 and m.summary["optimizer"]["world_size"] == 2
+        assert {"critic-optimizer/zero/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                "critic-optimizer/zero/zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= {e.path for e in m.files}
 
 
 # -- the resident DeepSpeed trainer (issue 27): ranks as Ray actors that keep ZeRO's state -----------

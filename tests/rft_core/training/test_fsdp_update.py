@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rft_core.config import FSDPConfig, KLConfig, LoraConfig
+from rft_core.config import CriticConfig, FSDPConfig, KLConfig, LoraConfig
 from rft_core.models.loading import load_causal_lm
 from rft_core.stages import optimizer_state as opt_state
 from rft_core.stages.contracts import PPOUpdateInput
@@ -19,7 +19,7 @@ from rft_core.training.fsdp import FSDPCheckpoint, FSDPStateError, check_fsdp_st
 from rft_core.training.strategy import DeepSpeedCheckpoint, OptimizerSettings, build_strategy
 from schemas import read_manifest, read_shard
 from tests.rft_core.training.chain import (ITERATIONS, RUNNER, assert_critic_chain_continues, critic_chain, fsdp, max_diff,
-                                          one_thread, random_head_critic, run_update, weights)
+                                          one_thread, random_head_critic, resident_critic_gang, run_update, weights)
 from tests.update_settings import update_settings
 from tests.varying import assert_shard_advantages_nonzero, assert_update_signal
 
@@ -401,3 +401,26 @@ def test_critic_update_under_fsdp_on_two_ranks_matches_one_process(update_inputs
                                   files=["critic-optimizer/dcp/.metadata", "critic-optimizer/dcp/__0_0.distcp",
                                          "critic-optimizer/dcp/__1_0.distcp"],
                                   state={"format": "fsdp", "tag": "dcp", "world_size": 2, "bf16": False})
+
+
+
+@pytest.mark.rotation(7)  # long: one turn in 8 (tests/rotation.py; with the critic chain above)
+def test_a_resident_fsdp_critic_gang_keeps_its_state_and_equals_the_torchrun_updates(update_inputs, tiny_model,
+                                                                                   tmp_path):
+    """orchestration.critic_ranks=2 with critic.fsdp: two critic updates, and the values pass
+    between them, run in a resident gang of 2 ranks (Ray actors) that keeps the critic's shards
+    and AdamW state (``resident_critic_gang``). Each update's losses, weights and DCP state files
+    equal the torchrun chain's (whose second update restored the DCP state from storage) bit for
+    bit; the values pass (rank 0 alone, from storage) equals one process's values from the
+    committed checkpoint bit for bit; after the first update no rank loaded a model but rank 0
+    for that values pass."""
+    cfg = CriticConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, value_clip=None, fsdp=FSDPConfig())
+    refs, staged = resident_critic_gang(update_inputs, tiny_model, tmp_path, cfg, "fsdp-gang")
+
+    def files(ref):
+        m, _ = read_manifest(ref.uri)
+        # DCP's .metadata holds its folder's path and a random save id (torch.distributed.checkpoint StorageMeta)
+        return {e.path: e.checksum for e in m.files if e.path != "critic-optimizer/dcp/.metadata"}
+
+    for got, want in zip(refs, staged):
+        assert files(got) == files(want) and "critic-optimizer/dcp/__1_0.distcp" in files(got)

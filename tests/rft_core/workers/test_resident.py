@@ -227,9 +227,14 @@ def test_config_refuses_what_resident_workers_do_not_cover(tiny_model, tmp_path)
         _cfg(tiny_model, tmp_path, "checkpoint.every=3", "orchestration.keep_models=false")
     with pytest.raises(ConfigError, match="orchestration.policy_ranks=2: several policy ranks are DeepSpeed"):
         _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "orchestration.policy_ranks=2")
-    # a DeepSpeed or FSDP2 critic's stages run as in stage mode beside the resident workers, as runners.<stage> says
-    # (the resident critic worker trains in one process); the other stages stay resident
+    with pytest.raises(ConfigError, match="orchestration.critic_ranks=2: several critic ranks are DeepSpeed"):
+        _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "advantage.estimator=gae",
+             "orchestration.critic_ranks=2")
+    # a DeepSpeed or FSDP2 critic runs in its resident gang, or with runners.critic_* given as they say beside the
+    # resident workers; the other stages stay resident
     for sharded in ("critic.deepspeed.zero_stage=2", "critic.fsdp.cpu_offload=false"):
+        gang = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "advantage.estimator=gae", sharded)
+        assert "critic_update" in gang.resident_stages and gang.runner("critic_values").mode == "resident"
         cfg = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "advantage.estimator=gae", sharded,
                    "runners.critic_update.launcher=torchrun", "runners.critic_update.mode=subprocess",
                    "runners.critic_update.nproc_per_node=2")
