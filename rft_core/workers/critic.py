@@ -2,7 +2,8 @@
 it holds and ``critic_update`` by continuing its training strategy (model and AdamW state) in
 memory. The critic still commits its weights and AdamW state every iteration
 (``checkpoint.every`` concerns the policy), so its files equal stage mode's; what it saves is
-the two loads per iteration (and for a sharded critic the load of its sharded AdamW state).
+the two loads per iteration (a sharded critic's gang saves the update's load of its weights and
+sharded AdamW state; its values pass still loads, below).
 
 A DeepSpeed or FSDP2 critic (``critic.deepspeed``, ``critic.fsdp``) is a gang of
 ``orchestration.critic_ranks`` ranks, one Ray actor each, as the policy trainer's: every rank
