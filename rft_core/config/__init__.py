@@ -372,10 +372,15 @@ class TrainConfig(_Frozen):
             reasons.append(f"orchestration.policy_ranks={self.orchestration.policy_ranks}: several policy ranks are "
                            "DeepSpeed or FSDP2 data parallelism; set update.deepspeed.zero_stage (1, 2 or 3) or "
                            "update.fsdp")
-        if self.orchestration.critic_ranks > 1 and self.critic.deepspeed is None and self.critic.fsdp is None:
-            reasons.append(f"orchestration.critic_ranks={self.orchestration.critic_ranks}: several critic ranks are "
-                           "DeepSpeed or FSDP2 data parallelism; set critic.deepspeed.zero_stage (1, 2 or 3) or "
-                           "critic.fsdp")
+        critic_ranks = self.orchestration.critic_ranks
+        if critic_ranks > 1 and self.needs_critic and self.critic.deepspeed is None and self.critic.fsdp is None:
+            reasons.append(f"orchestration.critic_ranks={critic_ranks}: several critic ranks are DeepSpeed or FSDP2 "
+                           "data parallelism; set critic.deepspeed.zero_stage (1, 2 or 3) or critic.fsdp")
+        critic_runners = sorted({"critic_values", "critic_update"} & set(self.runners))
+        if critic_ranks > 1 and self.needs_critic and critic_runners:
+            reasons.append(f"orchestration.critic_ranks={critic_ranks} with runners.{critic_runners[0]}: the critic's "
+                           "stages then run as its runners say, beside the resident workers (torchrun's "
+                           "nproc_per_node sets their ranks); drop one of the two")
         if self.rollout.max_staleness > 1 and self.rollout.engine != "hf":
             reasons.append(f"rollout.max_staleness={self.rollout.max_staleness} with rollout.engine={self.rollout.engine}: "
                            "a resident GPU engine holds one policy version (the hf engine's rollout worker keeps one "

@@ -206,6 +206,6 @@ class OrchestrationConfig(_Frozen):
                               "with GPUs (under workers=stage: runners.ppo_update with torchrun)")
     critic_ranks: int = Field(1, gt=0, description="workers=resident: data-parallel ranks of a DeepSpeed or FSDP2 "
                               "critic (critic.deepspeed or critic.fsdp), one Ray actor each, that keep its shards "
-                              "and AdamW state across iterations (under workers=stage, or with runners.critic_values "
-                              "or runners.critic_update given: those stages run as the runners say, beside the "
-                              "resident workers)")
+                              "and AdamW state across iterations (under workers=stage: runners.critic_update with "
+                              "torchrun; refused above 1 with runners.critic_values or runners.critic_update, "
+                              "which run those stages beside the resident workers)")

@@ -99,7 +99,7 @@ def stage_commit(inp: StageInput, *, uri: str | None = None, stage: str | None =
                   contract=inp.contract)
 
 
-def reuse_or_compute(commit: Commit, compute: Callable[[], ShardRef]) -> ShardRef:
+def reuse_or_compute(commit: Commit, compute: Callable[[], ShardRef | None]) -> ShardRef | None:
     """The committed ShardRef of ``commit`` when it exists, else ``compute()``.
 
     Raises:

@@ -40,11 +40,12 @@ class DeepSpeedCheckpoint:
     role: str = "policy"
 
 
-# the settings a refused state's error names, by role: (its runner, its sharding key, its dtype key, the
+# the settings a refused state's error names, by role: (what sets its ranks, its sharding key, its dtype key, the
 # checkpoint folder a new run can start from and the key that takes it)
-RESUME_SETTINGS = {"policy": ("runners.ppo_update", "update.deepspeed", "policy.dtype", "its policy/ folder as policy.path"),
-                   "critic": ("runners.critic_update", "critic.deepspeed", "critic.model.dtype",
-                              "its critic/ folder as critic.model.path")}
+RESUME_SETTINGS = {"policy": ("runners.ppo_update.nproc_per_node (and --nnodes) or orchestration.policy_ranks",
+                              "update.deepspeed", "policy.dtype", "its policy/ folder as policy.path"),
+                   "critic": ("runners.critic_update.nproc_per_node (and --nnodes) or orchestration.critic_ranks",
+                              "critic.deepspeed", "critic.model.dtype", "its critic/ folder as critic.model.path")}
 
 
 class DeepSpeedStateError(ValueError):
@@ -62,8 +63,8 @@ def check_deepspeed_state(state: DeepSpeedCheckpoint, *, world_size: int, zero_s
         DeepSpeedStateError: names ``state.source``, the saved and the current value, and how
             to go on.
     """
-    runner, key, dtype_key, folder = RESUME_SETTINGS[state.role]
-    how = (f"keep {runner}.nproc_per_node (and --nnodes) and {key} as they were for this run, or "
+    ranks, key, dtype_key, folder = RESUME_SETTINGS[state.role]
+    how = (f"keep {ranks} and {key} as they were for this run, or "
            f"start a new run root from this checkpoint's weights ({folder})")
     if state.world_size != world_size:
         raise DeepSpeedStateError(f"{state.source}: this DeepSpeed optimizer state was saved by {state.world_size} "

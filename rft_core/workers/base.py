@@ -3,7 +3,8 @@ program, stats, close, a gang's rendezvous) and the fan-out of a call across the
 declared once per method (``fan_out``) and carried out by one dispatcher (``Gang``).
 
 A role's worker is one Ray actor per rank of its gang: the policy trainer has
-``orchestration.policy_ranks`` ranks (DeepSpeed data parallelism), the other roles one. How a
+``orchestration.policy_ranks`` ranks and a DeepSpeed or FSDP2 critic ``orchestration.critic_ranks``
+(data parallelism), the other roles one. How a
 call to a gang reaches its ranks is a property of the method, not of the caller, so each method
 that is called across a gang says it with ``@fan_out(...)``:
 
@@ -55,9 +56,12 @@ class WorkerError(RuntimeError):
     peer that is not running)."""
 
 
+# torch.distributed's env:// rendezvous: set on each rank of a gang by ``ResidentWorker.join``
+RENDEZVOUS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
 def actor_name(pool: str, role: str, rank: int = 0) -> str:
-    """The Ray actor name of ``role`` (its rank ``rank``: the policy trainer's data-parallel
-    ranks) in the pool ``pool`` (the run root)."""
+    """The Ray actor name of ``role`` (its rank ``rank``: the policy trainer's or the sharded
+    critic's data-parallel ranks) in the pool ``pool`` (the run root)."""
     name = f"{role}-{hashlib.sha256(pool.encode()).hexdigest()[:16]}"
     return name if rank == 0 else f"{name}-rank{rank}"
 
@@ -284,7 +288,7 @@ class ResidentWorker:
     Args:
         pool: the pool's name (the run root).
         rank, ranks: this worker's rank in its role's gang and the gang's size (the policy
-            trainer's DeepSpeed ranks; 1 for the other roles).
+            trainer's and a sharded critic's ranks; 1 for the other roles).
         threads: torch threads (None: leave torch's setting). The same count as a stage-mode run
             keeps CPU results bit-identical.
         keep_device_cache: keep the CUDA caching allocator's blocks between programs
@@ -304,6 +308,8 @@ class ResidentWorker:
                  keep_device_cache: bool = True, freeze_heap: bool = False) -> None:
         if threads:
             torch.set_num_threads(threads)
+        for name in RENDEZVOUS_ENV:  # the driver's (its own process group, a torchrun launch), inherited through
+            os.environ.pop(name, None)  # Ray: a one-rank trainer forms its own world (``prepare_rank``), a gang ``join``s
         self.pool, self.rank, self.ranks = pool, rank, ranks
         self.keeps_device_cache, self.freeze_heap = keep_device_cache, freeze_heap
         self.version: str | None = None

@@ -124,13 +124,13 @@ _PLACEMENT: dict[tuple[str, str, int], dict[str, Any]] = {}
 
 
 def start_worker(workers: WorkersConfig, role: str):
-    """The actor of ``role`` in the pool of ``workers`` (rank 0 of the policy's ranks): the live
+    """The actor of ``role`` in the pool of ``workers`` (rank 0 of a gang of several ranks): the live
     one, or a new one (owned, and kept alive, by this process)."""
     return start_gang(workers, role)[0]
 
 
 def actor_options(workers: WorkersConfig, role: str, *, cluster_gpus: float) -> dict[str, Any]:
-    """The Ray actor options of each actor of ``role`` (every policy rank gets the same).
+    """The Ray actor options of each actor of ``role`` (every rank of a gang gets the same).
 
     Args:
         workers: the pool's settings; ``workers.ray.options[role]`` (``ray.options``)
@@ -203,10 +203,6 @@ def placements(pool: str) -> dict[str, dict[str, Any]]:
             if p == pool}
 
 
-# the roles whose workers may form a torch.distributed group (DeepSpeed or FSDP2 data parallelism)
-TRAINER_ROLES = ("policy", "critic")
-
-
 def _gang_size(workers: WorkersConfig, role: str) -> int:
     """How many ranks the gang of ``role`` has: ``policy_ranks`` for the policy trainer,
     ``critic_ranks`` for the critic (both DeepSpeed or FSDP2 data parallelism), 1 for the others."""
@@ -229,7 +225,7 @@ def start_gang(workers: WorkersConfig, role: str) -> Gang:
     options of ``actor_options``: the gang this process holds, or the one ``create_workers``
     created (its processes started with the others), or a new one. A gang not held yet is placed
     (``_place``: logged, or ``WorkerError`` when Ray cannot place it), then the ranks of a
-    trainer's gang (``TRAINER_ROLES``, one rank too) are given one rendezvous
+    gang of several are given one rendezvous
     (``ResidentWorker.rendezvous`` on rank 0, ``join`` on every rank: ``MASTER_ADDR``,
     ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) before any program runs; the DeepSpeed or FSDP2
     process group is then formed on the first update and kept for the run. One thread starts a
@@ -244,8 +240,7 @@ def start_gang(workers: WorkersConfig, role: str) -> Gang:
             return held
         gang, options = _CREATED.pop((workers.pool, role), None) or _create_gang(ray, workers, role)
         _place(ray, workers, role, gang, options)
-        if role in TRAINER_ROLES:  # one rank too: an actor inherits the driver's environment, whose
-            # MASTER_PORT (the driver's own process group, a torchrun launch) would be taken
+        if len(gang) > 1:
             gang.call(ResidentWorker.join, **gang.call(ResidentWorker.rendezvous))
         for r, a in enumerate(gang):
             _HANDLES[(workers.pool, role, r)] = a

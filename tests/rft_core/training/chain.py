@@ -200,7 +200,7 @@ def resident_critic_gang(update_inputs, tiny_model: str, tmp_path: Path, cfg, pr
     critic, values, _ = random_head_critic(tiny_model, r, root / prefix)
     staged = critic_chain(update_inputs, critic, values, cfg, f"{prefix}-s", RUNNER)
     workers = WorkersConfig(pool=str(tmp_path), threads=1, critic_ranks=2,
-                            ray=RayConfig(options={"critic": {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}}))
+                            ray=RayConfig(options={"critic": {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}}}}))
     refs, model = [], critic
     try:
         for i in (1, 2):

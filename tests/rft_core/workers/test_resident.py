@@ -230,6 +230,12 @@ def test_config_refuses_what_resident_workers_do_not_cover(tiny_model, tmp_path)
     with pytest.raises(ConfigError, match="orchestration.critic_ranks=2: several critic ranks are DeepSpeed"):
         _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "advantage.estimator=gae",
              "orchestration.critic_ranks=2")
+    with pytest.raises(ConfigError, match="orchestration.critic_ranks=2 with runners.critic_update: the critic's stages"):
+        _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "advantage.estimator=gae",
+             "critic.fsdp.cpu_offload=false", "orchestration.critic_ranks=2", "runners.critic_update.launcher=torchrun",
+             "runners.critic_update.mode=subprocess", "runners.critic_update.nproc_per_node=2")
+    no_critic = _cfg(tiny_model, tmp_path, "orchestration.workers=resident", "orchestration.critic_ranks=2")
+    assert not no_critic.needs_critic and not no_critic.resident_blockers()  # nothing to refuse without a critic
     # a DeepSpeed or FSDP2 critic runs in its resident gang, or with runners.critic_* given as they say beside the
     # resident workers; the other stages stay resident
     for sharded in ("critic.deepspeed.zero_stage=2", "critic.fsdp.cpu_offload=false"):
