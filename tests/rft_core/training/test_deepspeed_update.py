@@ -198,7 +198,7 @@ def test_critic_update_under_zero2_on_two_ranks_matches_one_process(update_input
         state={"format": "deepspeed", "tag": "zero", "world_size": 2, "zero_stage": 2, "bf16": False})
 
 
-@pytest.mark.rotation(7)  # long: one turn in 8 (tests/rotation.py; with the critic chain above)
+@pytest.mark.rotation(0)  # long (~55 s, its own torchrun chain): one turn in 8 (tests/rotation.py)
 def test_a_resident_zero3_critic_gang_keeps_its_state_and_equals_the_torchrun_updates(update_inputs, tiny_model,
                                                                                     tmp_path):
     """orchestration.critic_ranks=2 with critic.deepspeed ZeRO-3: the gang (Ray actors keeping the

@@ -403,8 +403,7 @@ def test_critic_update_under_fsdp_on_two_ranks_matches_one_process(update_inputs
                                   state={"format": "fsdp", "tag": "dcp", "world_size": 2, "bf16": False})
 
 
-
-@pytest.mark.rotation(7)  # long: one turn in 8 (tests/rotation.py; with the critic chain above)
+@pytest.mark.rotation(7)  # long (~45 s, its own torchrun chain): one turn in 8 (tests/rotation.py)
 def test_a_resident_fsdp_critic_gang_keeps_its_state_and_equals_the_torchrun_updates(update_inputs, tiny_model,
                                                                                    tmp_path):
     """orchestration.critic_ranks=2 with critic.fsdp: two critic updates, and the values pass
