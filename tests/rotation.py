@@ -66,8 +66,8 @@ ROW_PREFIX = "test_sigkill"
 # kill that misses a short stage is tried again from a fresh run), a stage row 35-85 s: one
 # landing takes ~616 + ~770-930 s, 23-26 min here and ~27-31 min in CI (CI against here: 1.27x for
 # group 5's landing of 2026-11-29, 1.13x for group 7's; 1.19x before). On 2026-12-02 the resident
-# critic gang's tests joined groups 0 (ZeRO-3, ~55 s), 7 (FSDP2, ~45 s) and 3 (the flow's [gang],
-# ~37 s): 0 ~895, 3 ~930, 7 ~975.
+# critic gang's tests joined groups 0 (ZeRO-3, ~77 s), 7 (FSDP2, ~62 s) and 3 (the flow's [gang],
+# ~37 s): 0 ~917, 3 ~930, 7 ~992.
 OFFSETS = {"tests.test_faults": 0}
 _next: dict[str, int] = {}
 

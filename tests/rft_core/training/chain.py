@@ -177,16 +177,18 @@ def assert_critic_chain_continues(single: list, sharded: list, *, start: dict, r
 
 
 def resident_critic_gang(update_inputs, tiny_model: str, tmp_path: Path, cfg, prefix: str) -> tuple[list, list]:
-    """(the gang's refs, the torchrun chain's refs): two updates of a random-head critic
+    """(the gang's refs, the torchrun chain's refs): three updates of a random-head critic
     (``random_head_critic``) under ``cfg`` (a DeepSpeed or FSDP2 ``CriticConfig``) by ``RUNNER``'s
     torchrun jobs, and by a resident critic gang of 2 ranks (``orchestration.critic_ranks=2``, Ray
-    actors on one thread each), with a values pass on the gang between its two updates. Asserts
+    actors on one thread each), with a values pass on the gang between its first two updates,
+    and the third on a new gang (the old one stopped, as after a rank died), which continues
+    from the committed critic and its sharded AdamW state (``critic-optimizer/``). Asserts
     what holds for any sharding: equal losses and critic weights at each update, bit for bit; the
     gang's values pass (rank 0 alone, from storage) equal to one process's values from the first
     torchrun update's checkpoint, bit for bit, and not the start's; after the first update no
     model load but rank 0's one for the values pass (``model_loads``: the second update
-    continued the held shards), both ranks holding the second update; update 2 continued
-    update 1."""
+    continued the held shards), both ranks holding the second update; each update continued the
+    one before; the new gang's ranks each loaded the critic once."""
     pytest.importorskip("ray")
     from rft_core.config import RayConfig, WorkersConfig
     from rft_core.models.critic import load_critic
@@ -198,12 +200,16 @@ def resident_critic_gang(update_inputs, tiny_model: str, tmp_path: Path, cfg, pr
 
     root, r, a = update_inputs[:3]
     critic, values, _ = random_head_critic(tiny_model, r, root / prefix)
-    staged = critic_chain(update_inputs, critic, values, cfg, f"{prefix}-s", RUNNER)
+    staged = critic_chain(update_inputs, critic, values, cfg, f"{prefix}-s", RUNNER, iterations=3)
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}  # as RUNNER's ranks
     workers = WorkersConfig(pool=str(tmp_path), threads=1, critic_ranks=2,
-                            ray=RayConfig(options={"critic": {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}}}}))
+                            ray=RayConfig(options={"critic": {"runtime_env": {"env_vars": env}}}))
     refs, model = [], critic
     try:
-        for i in (1, 2):
+        for i in (1, 2, 3):
+            if i == 3:  # a new gang: the held shards and AdamW state are gone with the old one
+                stats = Gang.named(CriticWorker, workers.pool, 2).call(ResidentWorker.stats)
+                stop_workers(workers.pool)
             model = run_resident(CriticUpdateInput(rollout=r, advantages=a, critic_values=values, model=model, critic=cfg,
                                                    out=str(root / f"{prefix}-r{i}")), workers)
             refs.append(model)
@@ -211,7 +217,7 @@ def resident_critic_gang(update_inputs, tiny_model: str, tmp_path: Path, cfg, pr
                 loads = [s["model_loads"] for s in Gang.named(CriticWorker, workers.pool, 2).call(ResidentWorker.stats)]
                 held = run_resident(CriticValuesInput(rollout=r, model=model, critic=cfg, out=str(root / f"{prefix}-v")),
                                     workers)
-        stats = Gang.named(CriticWorker, workers.pool, 2).call(ResidentWorker.stats)
+        renewed = Gang.named(CriticWorker, workers.pool, 2).call(ResidentWorker.stats)
     finally:
         stop_workers(workers.pool)
     assert min(loads) >= 1 and [s["model_loads"] for s in stats] == [loads[0] + 1, loads[1]], (loads, stats)
@@ -220,7 +226,9 @@ def resident_critic_gang(update_inputs, tiny_model: str, tmp_path: Path, cfg, pr
         assert read_shard(got.uri).to_pydict()["value_loss"] == read_shard(want.uri).to_pydict()["value_loss"]
         w_got, w_want = (load_critic(f"{ref.uri}/critic").state_dict() for ref in (got, want))
         assert all(torch.equal(w_got[k], w_want[k]) for k in w_want), max_diff(w_got, w_want)
-    assert read_manifest(refs[1].uri)[0].inputs["critic"] == read_manifest(refs[0].uri)[1]  # it continued update 1
+    for before, after in zip(refs, refs[1:]):  # each update continued the one before
+        assert read_manifest(after.uri)[0].inputs["critic"] == read_manifest(before.uri)[1]
+    assert [s["model_loads"] for s in renewed] == [1, 1] and not {s["pid"] for s in renewed} & {s["pid"] for s in stats}
     with one_thread():
         stored = run_stage(CriticValuesInput(rollout=r, model=staged[0], critic=cfg, out=str(root / f"{prefix}-v-stage")))
     got, want = read_shard(held.uri).to_pydict()["values"], read_shard(stored.uri).to_pydict()["values"]

@@ -198,14 +198,14 @@ def test_critic_update_under_zero2_on_two_ranks_matches_one_process(update_input
         state={"format": "deepspeed", "tag": "zero", "world_size": 2, "zero_stage": 2, "bf16": False})
 
 
-@pytest.mark.rotation(0)  # long (~55 s, its own torchrun chain): one turn in 8 (tests/rotation.py)
+@pytest.mark.rotation(0)  # long (~77 s, its own torchrun chain): one turn in 8 (tests/rotation.py)
 def test_a_resident_zero3_critic_gang_keeps_its_state_and_equals_the_torchrun_updates(update_inputs, tiny_model,
                                                                                     tmp_path):
     """orchestration.critic_ranks=2 with critic.deepspeed ZeRO-3: the gang (Ray actors keeping the
-    critic's partitions and ZeRO state) gives the torchrun updates' losses and weights bit for bit,
-    and its values pass (rank 0 alone, from storage) one process's values from the checkpoint
-    (``resident_critic_gang``); each
-    update commits every rank's ZeRO partition."""
+    critic's partitions and ZeRO state; a new gang for the third update, restoring them from
+    storage) gives the torchrun updates' losses and weights bit for bit, and its values pass
+    (rank 0 alone, from storage) one process's values from the checkpoint
+    (``resident_critic_gang``); each update commits every rank's ZeRO partition."""
     cfg = CriticConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, value_clip=None,
                        deepspeed=DeepSpeedConfig(zero_stage=3))
     refs, staged = resident_critic_gang(update_inputs, tiny_model, tmp_path, cfg, "zero3-gang")

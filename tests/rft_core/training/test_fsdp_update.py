@@ -403,16 +403,16 @@ def test_critic_update_under_fsdp_on_two_ranks_matches_one_process(update_inputs
                                   state={"format": "fsdp", "tag": "dcp", "world_size": 2, "bf16": False})
 
 
-@pytest.mark.rotation(7)  # long (~45 s, its own torchrun chain): one turn in 8 (tests/rotation.py)
+@pytest.mark.rotation(7)  # long (~62 s, its own torchrun chain): one turn in 8 (tests/rotation.py)
 def test_a_resident_fsdp_critic_gang_keeps_its_state_and_equals_the_torchrun_updates(update_inputs, tiny_model,
                                                                                    tmp_path):
     """orchestration.critic_ranks=2 with critic.fsdp: two critic updates, and the values pass
     between them, run in a resident gang of 2 ranks (Ray actors) that keeps the critic's shards
-    and AdamW state (``resident_critic_gang``). Each update's losses, weights and DCP state files
-    equal the torchrun chain's (whose second update restored the DCP state from storage) bit for
-    bit; the values pass (rank 0 alone, from storage) equals one process's values from the
-    committed checkpoint bit for bit; after the first update no rank loaded a model but rank 0
-    for that values pass."""
+    and AdamW state, and a third on a new gang that restores them from storage
+    (``resident_critic_gang``). Each update's losses, weights and DCP state files equal the
+    torchrun chain's (whose updates restored the DCP state from storage) bit for bit; the values
+    pass (rank 0 alone, from storage) equals one process's values from the committed checkpoint
+    bit for bit; after the first update no rank loaded a model but rank 0 for that values pass."""
     cfg = CriticConfig(lr=1e-3, micro_batch_size=2, train_batch_size=5, epochs=2, value_clip=None, fsdp=FSDPConfig())
     refs, staged = resident_critic_gang(update_inputs, tiny_model, tmp_path, cfg, "fsdp-gang")
 
