@@ -175,6 +175,11 @@ class CriticConfig(_Frozen):
         return self
 
     @property
+    def sharded(self) -> bool:
+        """Whether the critic trains sharded over ranks (``deepspeed`` or ``fsdp``)."""
+        return self.deepspeed is not None or self.fsdp is not None
+
+    @property
     def dtype(self) -> str:
         """dtype of the critic weights."""
         return self.model.dtype if self.model else "float32"
@@ -275,8 +280,7 @@ class TrainConfig(_Frozen):
         the run commits stage mode's files either way. Without such a runner a sharded critic
         runs in the resident critic gang (``orchestration.critic_ranks`` ranks), which keeps its
         shards and AdamW state across iterations."""
-        sharded = self.critic.deepspeed is not None or self.critic.fsdp is not None
-        if not (sharded and ({"critic_values", "critic_update"} & set(self.runners))):
+        if not (self.critic.sharded and ({"critic_values", "critic_update"} & set(self.runners))):
             return RESIDENT_STAGES
         return tuple(s for s in RESIDENT_STAGES if s not in ("critic_values", "critic_update"))
 
@@ -373,11 +377,11 @@ class TrainConfig(_Frozen):
                            "DeepSpeed or FSDP2 data parallelism; set update.deepspeed.zero_stage (1, 2 or 3) or "
                            "update.fsdp")
         critic_ranks = self.orchestration.critic_ranks
-        if critic_ranks > 1 and self.needs_critic and self.critic.deepspeed is None and self.critic.fsdp is None:
+        critic_runners = sorted({"critic_values", "critic_update"} & set(self.runners))
+        if critic_ranks > 1 and self.needs_critic and not self.critic.sharded:
             reasons.append(f"orchestration.critic_ranks={critic_ranks}: several critic ranks are DeepSpeed or FSDP2 "
                            "data parallelism; set critic.deepspeed.zero_stage (1, 2 or 3) or critic.fsdp")
-        critic_runners = sorted({"critic_values", "critic_update"} & set(self.runners))
-        if critic_ranks > 1 and self.needs_critic and critic_runners:
+        elif critic_ranks > 1 and self.needs_critic and critic_runners:
             reasons.append(f"orchestration.critic_ranks={critic_ranks} with runners.{critic_runners[0]}: the critic's "
                            "stages then run as its runners say, beside the resident workers (torchrun's "
                            "nproc_per_node sets their ranks); drop one of the two")

@@ -45,7 +45,7 @@ def _critic_commit(inp: CriticValuesInput | CriticUpdateInput) -> Commit:
     packing the hash is what it was. A DeepSpeed or FSDP2 ``critic_update``'s also holds
     ``sharded_optimizer="continued"``: before 2026-12-01 (second session) it started AdamW afresh
     each update and kept no state for the next, so those stages are stale too."""
-    sharded = isinstance(inp, CriticUpdateInput) and (inp.critic.deepspeed is not None or inp.critic.fsdp is not None)
+    sharded = isinstance(inp, CriticUpdateInput) and inp.critic.sharded
     return stage_commit(inp, packed_sequences="separate" if inp.critic.packing else None,
                         sharded_optimizer="continued" if sharded else None)
 
@@ -98,12 +98,12 @@ def run_values(inp: CriticValuesInput) -> ShardRef | None:
         budget = cfg.max_tokens_per_micro_batch  # a sample beyond it: refused before the model loads
         groups = None if budget is None else pass_micro_batches(prompts, responses, budget,
                                                                   key="critic.max_tokens_per_micro_batch")
-        path = critic_model_path(inp.model)
-        processor, media = _vision(path, table)
-        pad_id = pad_token_id(path)
         model = critic_model(inp.model, dtype=cfg.dtype)
         if model is None:  # a rank above 0 of a sharded critic's gang: rank 0 computes alone
             return None
+        path = critic_model_path(inp.model)
+        processor, media = _vision(path, table)
+        pad_id = pad_token_id(path)
         with Timer() as t, progress_reporter("critic_values", unit="sequences") as progress:
             values = batched_response_values(model, prompts, responses, pad_token_id=pad_id,
                                              micro_batch_size=cfg.micro_batch_size, packing=cfg.packing,

@@ -59,6 +59,7 @@ class WorkerError(RuntimeError):
 # torch.distributed's env:// rendezvous: set on each rank of a gang by ``ResidentWorker.join``
 RENDEZVOUS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
+
 def actor_name(pool: str, role: str, rank: int = 0) -> str:
     """The Ray actor name of ``role`` (its rank ``rank``: the policy trainer's or the sharded
     critic's data-parallel ranks) in the pool ``pool`` (the run root)."""
