@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from rft_core.counters import count, count_bytes_read
 from rft_core.models.loading import attn_implementation, load_pretrained, resolve_model_path, set_trainable
+from rft_core.models.pretrained import count_model_load
 from rft_core.models.logprobs import (
     PackedBatch,
     TokenBatch,
@@ -121,8 +121,7 @@ def load_critic(path: str, *, dtype: str = "float32", trainable: bool = False):
     """
     from transformers import AutoModelForTokenClassification
 
-    count("model_loads")
-    count_bytes_read(resolve_model_path(path))
+    count_model_load(path)
     if is_vl_model(path):
         return load_vl_critic(path, dtype=dtype, trainable=trainable)
     seen: dict[str, bool] = {}

@@ -7,7 +7,6 @@ tokenizer, ``from_pretrained`` under the lock), re-exported here as the public s
 """
 from __future__ import annotations
 
-from rft_core.counters import count, count_bytes_read
 from rft_core.models.hub import (
     DEFAULT_MODEL,
     LOAD_LOCK,
@@ -21,6 +20,7 @@ from rft_core.models.hub import (
 )
 from rft_core.models.lora import is_adapter_dir, keeps_adapters, load_adapter_policy
 from rft_core.models.pretrained import (
+    count_model_load,
     leased_tokenizer,
     load_pretrained,
     load_tokenizer,
@@ -56,8 +56,7 @@ def load_causal_lm(path: str, *, dtype: str = "float32", trainable: bool = False
     """
     from transformers import AutoModelForCausalLM
 
-    count("model_loads")
-    count_bytes_read(resolve_model_path(path))
+    count_model_load(path)
     if is_adapter_dir(path):
         merge = not keeps_adapters(dtype) if merge_adapter is None else merge_adapter
         return load_adapter_policy(path, dtype=dtype, trainable=trainable, merge=merge)

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import hashlib
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
+
+from rft_core.counters import count, count_bytes_read
 from rft_core.models.hub import (
     DEFAULT_MODEL,
     LOAD_LOCK,
@@ -166,9 +171,47 @@ def pad_token_id(path: str) -> int | None:
         return tok.pad_token_id
 
 
+_SHELL: contextvars.ContextVar[bool] = contextvars.ContextVar("rft_meta_shell", default=False)
+
+
+@contextlib.contextmanager
+def meta_shell() -> Iterator[None]:
+    """Within it, ``load_pretrained`` reads a model's config but not its weights: it builds the
+    same class from the config on the meta device (``with torch.device("meta"): from_config``,
+    the context transformers 5.24's own ``from_pretrained`` builds in, so tied weights stay one
+    parameter), and the loaders built on it (``load_causal_lm``, ``load_critic``, a LoRA
+    policy's base) count no model load. What the loaders do after it (peft's adapters, a critic's
+    value head, ``set_trainable``) runs on the meta tensors as on real ones. For the ranks of an
+    FSDP2 job that receive their shards from rank 0 (``rft_core.training.fsdp.load_on_rank0``);
+    torch's warning for each checkpoint tensor copied into a meta one (a LoRA checkpoint's
+    adapters: the copy is the no-op wanted here) is silenced inside it."""
+    token = _SHELL.set(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter in the checkpoint to a meta",
+                                    category=UserWarning)
+            yield
+    finally:
+        _SHELL.reset(token)
+
+
+def building_shell() -> bool:
+    """Whether this thread is inside ``meta_shell`` (no weight file is read)."""
+    return _SHELL.get()
+
+
+def count_model_load(path: str) -> None:
+    """Count a model load of ``path`` and the bytes of its weight files
+    (``rft_core.counters.counts``), unless inside ``meta_shell`` (nothing is read)."""
+    if not building_shell():
+        count("model_loads")
+        count_bytes_read(resolve_model_path(path))
+
+
 def load_pretrained(auto_cls, path: str, *, dtype: str = "float32", trainable: bool = False, what: str = "model",
                     adjust_config=None, model_kwargs: dict | None = None):
-    """Load ``auto_cls.from_pretrained(path)`` under the process-wide load lock.
+    """Load ``auto_cls.from_pretrained(path)`` under the process-wide load lock; inside
+    ``meta_shell``, ``auto_cls.from_config`` of its config on the meta device instead.
 
     Args:
         auto_cls: a transformers Auto class (AutoModelForCausalLM, AutoModelForTokenClassification).
@@ -184,10 +227,16 @@ def load_pretrained(auto_cls, path: str, *, dtype: str = "float32", trainable: b
     with LOAD_LOCK:
         resolved = resolve_model_path(path)
         try:
-            kwargs = {}
-            if adjust_config is not None:
-                kwargs["config"] = adjust_config(AutoConfig.from_pretrained(resolved))
-            model = auto_cls.from_pretrained(resolved, dtype=torch_dtype(dtype), **kwargs, **(model_kwargs or {}))
+            if building_shell():
+                config = AutoConfig.from_pretrained(resolved)
+                with torch.device("meta"):
+                    model = auto_cls.from_config(adjust_config(config) if adjust_config else config,
+                                                 dtype=torch_dtype(dtype), **(model_kwargs or {}))
+            else:
+                kwargs = {}
+                if adjust_config is not None:
+                    kwargs["config"] = adjust_config(AutoConfig.from_pretrained(resolved))
+                model = auto_cls.from_pretrained(resolved, dtype=torch_dtype(dtype), **kwargs, **(model_kwargs or {}))
         except Exception as exc:
             raise ModelLoadError(f"cannot load {what} from {path!r} ({resolved}): {exc}") from exc
     return set_trainable(model, trainable)

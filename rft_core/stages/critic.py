@@ -17,7 +17,7 @@ from rft_core.stages.sharded_state import DEEPSPEED_FORMAT, FSDP_FORMAT, check_k
 from rft_core.stages.sources import critic_model, critic_strategy, critic_trained
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.loop import pass_micro_batches
-from rft_core.training.strategy import DeepSpeedStateError, OptimizerSettings, build_strategy
+from rft_core.training.strategy import DeepSpeedStateError, OptimizerSettings, build_strategy, trainable_model
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard
 from schemas.batch import align_on_sample_id
 from schemas.columns import CRITIC_UPDATE, CRITIC_VALUES
@@ -147,7 +147,8 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
                           action_masks=r.column("action_mask").to_pylist())
         pad_id = pad_token_id(path)
         strategy = critic_strategy(inp.model, lambda: build_strategy(
-            load_critic(path, dtype=cfg.dtype, trainable=True), optim=OptimizerSettings.of(cfg), deepspeed=cfg.deepspeed,
+            trainable_model(lambda: load_critic(path, dtype=cfg.dtype, trainable=True), fsdp=cfg.fsdp),
+            optim=OptimizerSettings.of(cfg), deepspeed=cfg.deepspeed,
             fsdp=cfg.fsdp, compute_dtype=cfg.dtype, keeps_deepspeed_state=True, **_saved_state(inp.model, cfg)),
             lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
         quiet = strategy.rank != 0

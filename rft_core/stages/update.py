@@ -11,7 +11,7 @@ import fsspec
 
 from rft_core.config import UpdateConfig
 from rft_core.models.loading import load_causal_lm, load_tokenizer
-from rft_core.models.lora import adapted_modules_differ, adapter_base_path, apply_lora, is_adapter_dir, load_adapter_policy
+from rft_core.models.lora import adapted_modules_differ, adapter_base_path, apply_lora, is_adapter_dir
 from rft_core.models.vl import vl_processor_or_none
 from rft_core.progress import progress_reporter
 from rft_core.stages.advantages import overlong_filtered
@@ -50,6 +50,7 @@ from rft_core.training.strategy import (
     SingleProcess,
     build_strategy,
     continue_with,
+    trainable_model,
 )
 from rft_core.training.update import (
     SampleCorrection,
@@ -85,7 +86,7 @@ def load_trainable_policy(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str):
     if is_adapter_dir(path):
         if cfg.lora is None:
             raise ValueError(f"policy {path} is a LoRA adapter checkpoint but update.lora is not set")
-        model = load_adapter_policy(path, dtype=dtype, trainable=True)
+        model = load_causal_lm(path, dtype=dtype, trainable=True, merge_adapter=False)  # counted as a model load
         saved = model.peft_config["default"]
         rank, alpha = saved.r, saved.lora_alpha
         if saved.use_rslora or saved.rank_pattern or saved.alpha_pattern:
@@ -211,7 +212,8 @@ def build_trainer(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str, opt_ref: 
     path = policy_model_path(policy)
     opt_dir, sharded = saved_optimizer_state(opt_ref, deepspeed=cfg.deepspeed is not None, fsdp=cfg.fsdp is not None)
     fsdp_state = sharded if isinstance(sharded, FSDPCheckpoint) else None
-    strategy = build_strategy(load_trainable_policy(policy, cfg, dtype=dtype), optim=OptimizerSettings.of(cfg),
+    model = trainable_model(lambda: load_trainable_policy(policy, cfg, dtype=dtype), fsdp=cfg.fsdp)
+    strategy = build_strategy(model, optim=OptimizerSettings.of(cfg),
                               deepspeed=cfg.deepspeed, optimizer_state=opt_dir,
                               deepspeed_state=None if fsdp_state is not None else sharded,  # type: ignore[arg-type]
                               keeps_deepspeed_state=True, fsdp=cfg.fsdp, fsdp_state=fsdp_state)

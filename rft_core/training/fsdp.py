@@ -47,10 +47,11 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import ContextManager
+from typing import Callable, ContextManager
 
 import torch
 
+from rft_core.models.pretrained import meta_shell
 from rft_core.training.zero import collective_device, prepare_rank
 
 log = logging.getLogger(__name__)
@@ -189,13 +190,19 @@ class FSDPStrategy:
         self.bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        if not cpu_offload:  # first, so that the float32 copy is made on the device, not in host memory
+        # several ranks: rank 0's weights, before the upcast (a bfloat16 model's travel in bfloat16)
+        full = _rank0_weights(model, self.rank) if self.world_size > 1 else None
+        if not cpu_offload and full is None:  # first, so that the float32 copy is made on the device
             model.to(self.device)
         if trainable_bf16:  # the float32 masters: an exact upcast of the loaded bfloat16 weights
             model.to(torch.float32)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.layers = shard_model(model, mesh=self.mesh, reshard_after_forward=reshard_after_forward,
                                   bf16_compute=trainable_bf16, cpu_offload=cpu_offload)
+        if full is not None:
+            _fill_from_rank0(model, full, rank=self.rank, shards_on=torch.device("cpu") if cpu_offload else self.device,
+                             buffers_on=self.device, cpu_offload=cpu_offload)
+            del full
         self.model, self.max_grad_norm, self.cpu_offload = model, max_grad_norm, cpu_offload
         self.params = [p for p in model.parameters() if p.requires_grad]
         # foreach AdamW: torch's fused CPU kernel has no DTensor rule on every backend
@@ -339,6 +346,93 @@ class FSDPStrategy:
     def barrier(self) -> None:
         """Wait for every rank."""
         self._dist.barrier()
+
+
+def load_on_rank0(load: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """The model an FSDP2 job shards, its weights read from storage by rank 0 alone: rank 0
+    calls ``load`` (the weights in its host memory), every other rank calls it inside
+    ``rft_core.models.pretrained.meta_shell`` (the same modules on the meta device, no weight
+    file read); ``FSDPStrategy`` then gives every rank its shards of rank 0's weights
+    (``_fill_from_rank0``). One rank: ``load()``. Joins the process group first (a collective
+    under torchrun: call it on every rank). The weights cross the ranks' interconnect once
+    instead of being read from the run root by every rank, and no rank holds the whole model
+    on its GPU (accelerate's ``cpu_ram_efficient_loading`` and verl's ``fsdp2_load_full_state_dict``
+    do the same: accelerate/utils/fsdp_utils.py, verl/utils/fsdp_utils.py).
+    """
+    rank, world_size = init_process_group()
+    if world_size == 1 or rank == 0:
+        return load()
+    with meta_shell():
+        return load()
+
+
+def _rank0_weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """Rank 0's ``model.state_dict()`` (every name, a tied weight under both; empty on the other
+    ranks), after checking that every rank holds the same modules: the same names, shapes,
+    dtypes and trainable flags, the same tied weights and the same buffers (a collective).
+
+    Raises:
+        ValueError: on every rank, naming the first names that differ from rank 0's (a model
+            another rank built otherwise, e.g. other code or another transformers version).
+    """
+    import torch.distributed as dist
+
+    mine = _layout(model)
+    layouts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(layouts, mine)
+    odd = [(r, sorted(set(layouts[0]) ^ set(other))[:4]) for r, other in enumerate(layouts) if other != layouts[0]]
+    if odd:
+        raise ValueError(f"FSDP2: rank {odd[0][0]} built another model than rank 0 (first differences: {odd[0][1]}); "
+                         "every rank must run the same code and transformers version on the same checkpoint")
+    return model.state_dict() if rank == 0 else {}
+
+
+def _layout(model: torch.nn.Module) -> list[tuple]:
+    """What ranks must agree on before rank 0's weights are shared: (name, shape, dtype,
+    requires_grad) of every parameter (tied ones under each name, with the first name they
+    share), and (name, shape, dtype) of every buffer."""
+    first: dict[int, str] = {}
+    params = []
+    for n, p in model.named_parameters(remove_duplicate=False):
+        params.append(("param", n, tuple(p.shape), str(p.dtype), p.requires_grad, first.setdefault(id(p), n)))
+    buffers = [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers(remove_duplicate=False)]
+    return params + buffers
+
+
+def _fill_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], *, rank: int, shards_on: torch.device,
+                     buffers_on: torch.device, cpu_offload: bool) -> None:
+    """Give every rank of the sharded ``model`` its shards of rank 0's weights ``full`` and rank
+    0's buffers (a collective). The other ranks' tensors (meta, from ``load_on_rank0``) are first
+    made real on ``shards_on`` (``to_empty``), so that torch copies each shard in place, which
+    keeps the parameters' dtypes (a bfloat16 weight into its float32 master, exactly) and a tied
+    embedding and LM head one parameter; then ``set_model_state_dict(full_state_dict=True,
+    broadcast_from_rank0=True)`` (torch/distributed/checkpoint/state_dict.py, 2.13: one tensor
+    at a time over the group's device, each rank keeping its slice; it refuses tensors on several
+    devices, so the buffers wait on ``shards_on``); then every buffer from rank 0, since the
+    non-persistent ones (a rotary embedding's ``inv_freq``) are in no state dict (verl's
+    ``fsdp2_load_full_state_dict`` does the same), ending on ``buffers_on`` (where ``fully_shard``
+    put rank 0's).
+
+    Raises:
+        RuntimeError: a tensor still on the meta device afterwards (a name rank 0's weights lack).
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if rank != 0:
+        model.to_empty(device=shards_on)
+    buffers = list(model.buffers())
+    for b in buffers:
+        b.data = b.data.to(shards_on)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               cpu_offload=cpu_offload, strict=True))
+    on = collective_device(dist.get_backend())
+    for b in buffers:
+        t = b.data.to(on)
+        dist.broadcast(t, src=0)
+        b.data = t.to(buffers_on)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise RuntimeError("FSDP2: a weight is still on the meta device after rank 0's weights were shared")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
