@@ -9,6 +9,10 @@ same synthetic update (``--samples`` random prompts and responses, +-1 advantage
 to warm up (kernels, lazy allocations, FSDP2's lazy init, DeepSpeed's partitioning) and once
 measured, and prints one JSON line; the parent prints one JSON line per backend and a summary.
 
+FSDP2's ranks load as the update stage does: rank 0 reads the weights and sends each rank its
+shards (``rft_core.training.fsdp.load_on_rank0``); ``--load-every-rank``: every rank reads them,
+as before 2026-12-02 (the sharded weights are the same).
+
 Per backend: ``setup_s`` (load, wrap, optimizer), ``update_s`` (the measured update: forward,
 backward, clipping and AdamW over ``--samples`` samples in ``--steps`` optimizer steps),
 ``peak_gib`` (``torch.cuda.max_memory_allocated`` of rank 0; on the CPU the ranks' summed peak
@@ -63,15 +67,21 @@ def _strategy(args, backend: str, model_path: str):
     """The model loaded in ``args.dtype`` and the strategy of ``backend`` over it."""
     from rft_core.config import DeepSpeedConfig, FSDPConfig
     from rft_core.models.loading import load_causal_lm
-    from rft_core.training.strategy import OptimizerSettings, build_strategy
+    from rft_core.training.strategy import OptimizerSettings, build_strategy, trainable_model
 
-    model = load_causal_lm(model_path, dtype=args.dtype, trainable=True)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    def load():
+        model = load_causal_lm(model_path, dtype=args.dtype, trainable=True)
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
     optim = OptimizerSettings(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
     if backend == "fsdp":
-        return build_strategy(model, optim=optim, fsdp=FSDPConfig(reshard_after_forward=True))
-    return build_strategy(model, optim=optim, deepspeed=DeepSpeedConfig(zero_stage=3), keeps_deepspeed_state=True)
+        fsdp = FSDPConfig(reshard_after_forward=True)
+        # as the update stage loads it (rank 0 reads the weights), or every rank reading them (before 2026-12-02)
+        model = load() if args.load_every_rank else trainable_model(load, fsdp=fsdp)
+        return build_strategy(model, optim=optim, fsdp=fsdp)
+    return build_strategy(load(), optim=optim, deepspeed=DeepSpeedConfig(zero_stage=3), keeps_deepspeed_state=True)
 
 
 def one(args) -> int:
@@ -153,6 +163,8 @@ def main() -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps of the update")
     ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--load-every-rank", action="store_true",
+                    help="FSDP2: every rank reads the weights (as before 2026-12-02), not rank 0 alone")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--nproc", type=int, default=1, help="ranks (torch.distributed.run) per backend")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (gloo)")
@@ -179,6 +191,7 @@ def main() -> int:
                         f"--prompt-len={args.prompt_len}", f"--response-len={args.response_len}",
                         f"--micro-batch={args.micro_batch}", f"--steps={args.steps}",
                         *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
+                        *(["--load-every-rank"] if args.load_every_rank else []),
                         *(["--cpu"] if args.cpu else [])]
     device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
     rows = []

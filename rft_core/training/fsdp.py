@@ -165,12 +165,15 @@ class FSDPStrategy:
 
     Args:
         model: the loaded model (its weights on the CPU or any device; float32, bfloat16, or a
-            LoRA model's float32 adapters on a bfloat16 base).
+            LoRA model's float32 adapters on a bfloat16 base). With several ranks every rank
+            trains on rank 0's weights: the other ranks' model may be on the meta device
+            (``load_on_rank0``), and each receives its shards from rank 0 (``_fill_from_rank0``).
         lr, betas, weight_decay, max_grad_norm: AdamW and clipping (``OptimizerSettings``).
         reshard_after_forward, cpu_offload: ``FSDPConfig``'s.
         state: a saved sharded state to continue (None: AdamW afresh, masters from the weights).
     Raises:
-        ValueError: float16 weights (no loss scaling), or a model without decoder layer classes.
+        ValueError: float16 weights (no loss scaling), a model without decoder layer classes, or
+            (on every rank) a rank that built another model than rank 0 (``_rank0_weights``).
         FSDPStateError: ``state`` cannot be continued here (``load_state``).
     """
 
