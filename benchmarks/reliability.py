@@ -1,14 +1,14 @@
 """Reliability report: every SIGKILL row of the tests (stage mode on a local disk and the
-multi-turn rollout, resident workers, resident FSDP2 ranks, asynchronous RL and partial
-rollouts, an S3 bucket on a moto server), each run
+multi-turn rollout, resident workers, resident FSDP2 ranks, a resident FSDP2 critic gang,
+asynchronous RL and partial rollouts, an S3 bucket on a moto server), each run
 by the same row function and seed as its test (``tests/faults.py``), tabulated with where the kill
 landed and what the rerun redid; and the disk a 20-iteration run keeps under the default
 checkpoint retention. Writes the measured sections of docs/reliability.md.
 
-    .venv/bin/python benchmarks/reliability.py [--seed 0] [--repeats 1] [--parts sigkill,resident,fsdp,async,s3,disk]
+    .venv/bin/python benchmarks/reliability.py [--seed 0] [--repeats 1] [--parts sigkill,resident,fsdp,critic,async,s3,disk]
 
 All parts take about 75 min on 2 quiet cores (measured 2026-11-28, one part per invocation:
-resident 31 min, sigkill 18, fsdp 7, s3 6, async 4; disk ~10 on 2026-11-22). A part left out keeps its section of the current docs/reliability.md
+resident 31 min, sigkill 18, fsdp 7, s3 6, async 4; disk ~10 on 2026-11-22; critic 2 on 2026-12-02). A part left out keeps its section of the current docs/reliability.md
 as it is (``--parts ''`` rewrites only the prose); the prose sections (object storage, the
 Prefect server, full disks, corruption) are written from here.
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from _env import ROOT, scratch_dir  # noqa: E402  (repository on sys.path, offline environment)
 
-PARTS = ("sigkill", "resident", "fsdp", "async", "s3", "disk")
-SIGKILL_PARTS = ("sigkill", "resident", "fsdp", "async", "s3")  # their tables have a landed column (tests/test_reliability_doc.py)
+PARTS = ("sigkill", "resident", "fsdp", "critic", "async", "s3", "disk")
+SIGKILL_PARTS = ("sigkill", "resident", "fsdp", "critic", "async", "s3")  # their tables have a landed column (tests/test_reliability_doc.py)
 
 
 def landed_where(o) -> str:
@@ -117,6 +117,13 @@ def fsdp(d: Path, model: str, api: str, args) -> list[str]:
 
     rows = _run_rows("fsdp", fsdp_baseline(d, model, api), fsdp_row, test_faults_fsdp.ROWS, args)
     return [*FSDP_INTRO, *_table(rows), ""]
+
+
+def critic(d: Path, model: str, api: str, args) -> list[str]:
+    from tests.faults import critic_gang_baseline, critic_gang_row
+
+    rows = _run_rows("critic", critic_gang_baseline(d, model, api), critic_gang_row, [()], args)
+    return [*CRITIC_INTRO, *_table(rows), ""]
 
 
 
@@ -230,7 +237,8 @@ def _sections(text: str) -> dict[str, str]:
     return {k: re.sub(r"^_Measured .*?\._\n\n", "", v) for k, v in out.items()}
 
 
-PART_FUNCTIONS = {"sigkill": sigkill, "resident": resident, "fsdp": fsdp, "async": async_part, "s3": s3, "disk": disk}
+PART_FUNCTIONS = {"sigkill": sigkill, "resident": resident, "fsdp": fsdp, "critic": critic, "async": async_part, "s3": s3,
+                  "disk": disk}
 
 
 def main() -> None:
@@ -330,6 +338,16 @@ FSDP_INTRO = [
     "FSDP2 run (`tests/faults.py` `fsdp_row`, `tests/test_faults_fsdp.py`).",
     "",
 ]
+CRITIC_INTRO = [
+    "PPO with GAE and an FSDP2 critic held by a resident gang of 2 ranks (`critic.fsdp`,",
+    "`orchestration.critic_ranks: 2`, 16 new tokens, `checkpoint.every: 3`): the gang's rank 0 is",
+    "killed inside iteration 2's critic update, while the gang holds the shards and AdamW state of",
+    "update 1 (the gang then fails as a whole); the run replaces the gang, whose new ranks restore",
+    "them from iteration 1's committed critic and `critic-optimizer/`, and *same weights* compares the",
+    "final policy with the uninterrupted run's: iteration 3's values, advantages and update come from",
+    "the critic update 2 trained (`tests/faults.py` `critic_gang_row`, `tests/test_faults_critic.py`).",
+    "",
+]
 ASYNC_INTRO = [
     "`rollout.max_staleness: 1`: the rollout of iteration 2 samples with the initial policy and runs",
     "while the update of iteration 1 trains. Each row waits until both can run (the advantages of",
@@ -383,7 +401,7 @@ asserts that the kill was sent, that it landed in the stage and iteration the ro
 the committed manifests at the kill), and that the interrupted stage was redone. The measured
 sections (tables) are written by `benchmarks/reliability.py`, which runs the tests' own rows
 (`tests/faults.py` `stage_row`, `agent_row`, `resident_row`, `resident_checkpoint_row`, `fsdp_row`,
-`async_row`, `partial_row`, `s3_row`), each with the
+`critic_gang_row`, `async_row`, `partial_row`, `s3_row`), each with the
 command, date and machine load that produced it.
 
 | scenario | CI test | what must hold |
@@ -396,8 +414,9 @@ command, date and machine load that produced it.
 | a flipped bit in a committed checkpoint or shard | `tests/test_corruption.py`, `tests/schemas/test_storage.py` | refused on resume naming the file; `repair` recomputes exactly that stage and what depends on it |
 | SIGKILL of the driver (in each of the 7 stages) or of a resident worker (in each of the 4 model stages: rollout, actor, reference, update; the driver's log must name the killed worker and the stage), `orchestration.workers: resident`, `checkpoint.every: 3`, in iteration 2 (whose policy exists only in memory), and of the driver (its workers with it) while the policy worker writes iteration 3's checkpoint in the background (12 rows, in the rotation) | `tests/test_faults_resident.py` | the rerun (or, for a worker, the run itself, which replaces it) rebuilds the policy from the last checkpoint by re-applying the committed updates; the interrupted stage redone; committed files untouched; final weights bit-identical to stage mode's (an uninterrupted run with a checkpoint every iteration) |
 | SIGKILL of the policy worker's rank 0 or of the driver inside iteration 2's update of a resident FSDP2 run (`update.fsdp`, `orchestration.policy_ranks: 2`, `checkpoint.every: 3`; 2 rows, in the rotation) | `tests/test_faults_fsdp.py` | the run (worker kill: it replaces the 2-rank gang) or its rerun rebuilds the policy on two new ranks from the initial model by re-applying iteration 1's committed update; the interrupted stage redone; committed files untouched; final weights bit-identical to the uninterrupted FSDP2 run's |
+| SIGKILL of the critic gang's rank 0 inside iteration 2's critic update of a PPO run with GAE and an FSDP2 critic held by a resident gang (`critic.fsdp`, `orchestration.critic_ranks: 2`, `checkpoint.every: 3`; 1 row, in the rotation) | `tests/test_faults_critic.py` | the run replaces the 2-rank gang, whose new ranks restore the critic's shards and AdamW state from iteration 1's committed critic and `critic-optimizer/` and redo the update; committed files untouched; final policy bit-identical to the uninterrupted run's |
 | SIGKILL while the rollout of iteration 2 and the update of iteration 1 run side by side (`rollout.max_staleness: 1`; 2 rows, in the rotation) | `tests/test_faults_async.py` | the kill landed while both were in flight (both could start, neither had committed); rerun reuses every committed stage and redoes both; the rollout samples with the scheduled policy whatever had finished; final weights bit-identical to an uninterrupted run |
-| SIGKILL in the rollout of iteration 2 of a run with partial rollouts (`rollout.partial.chunk_tokens: 16` of 48 tokens, `rollout.max_staleness: 1`), while it continues the sequences iteration 1 carried (mid-chunk; in the rotation) | `tests/test_faults_async.py` | the rerun continues the same carried sequences from the committed carry (nothing lives only in memory) and redoes the rollout; committed files untouched; final weights bit-identical to an uninterrupted run (iteration 3 trains the groups iteration 1 started) |
+| SIGKILL in the rollout of iteration 2 of a run with partial rollouts (`rollout.partial.chunk_tokens: 16` of 48 tokens, `rollout.max_staleness: 1`), while it continues the sequences iteration 1 carried (mid-chunk: after the rollout's log line `rollout: continuing ...` that it starts generating, which the row asserts came before the kill; in the rotation) | `tests/test_faults_async.py` | the rerun continues the same carried sequences from the committed carry (nothing lives only in memory) and redoes the rollout; committed files untouched; final weights bit-identical to an uninterrupted run (iteration 3 trains the groups iteration 1 started) |
 | bounded disk by default | `tests/rft_core/stages/test_retention.py`, `tests/flows/test_retention_flow.py` | optimizer state of the last iteration, weights of the last 3 and every 10th; resume and replay never need a pruned file |
 
 ## SIGKILL on a local disk
@@ -414,6 +433,9 @@ of the same process, and a write that fails raises there, naming its stage
 ## SIGKILL with resident FSDP2 ranks
 
 {fsdp}
+## SIGKILL in a resident critic gang
+
+{critic}
 ## SIGKILL during asynchronous RL
 
 {async}
@@ -597,7 +619,8 @@ on CPU) and every other committed file of the run keeps its mtime and checksum.
 iterations (`keep_weights_last: 3`) and every 10th (`keep_weights_every: 10`); configs,
 tokenizers, shards and manifests are always kept. `checkpoint.keep_last: null` keeps everything.
 A resume never needs a pruned file (iteration i+1 starts from iteration i, pruned only after
-i+1 committed); replay reads only shards; evaluating a pruned checkpoint says what is missing:
+i+1 committed; with `rollout.max_staleness` s the versions i-s .. i the next rollouts sample with
+keep their weights: `rft_core.stages.retention.staleness_floor`); replay reads only shards; evaluating a pruned checkpoint says what is missing:
 `.../iter=000001/ppo_update: checkpoint file(s) policy/model.safetensors were pruned
 (checkpoint.prune=weights (keep_weights_last=3, keep_weights_every=10) after iteration 4)`.
 

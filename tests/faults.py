@@ -38,8 +38,10 @@ STAGE_ORDER = ["prompts", "rollout", "actor_logprobs", "ref_logprobs", "rewards"
 # flows/iteration.py's ``_prompts_ahead``; actor, reference and rewards start together after the
 # rollout)
 PREDECESSORS = {"prompts": (), "rollout": ("prompts",), "actor_logprobs": ("rollout",), "ref_logprobs": ("rollout",),
-                "rewards": ("rollout",), "advantages": ("actor_logprobs", "ref_logprobs", "rewards"),
+                "rewards": ("rollout",), "advantages": ("actor_logprobs", "ref_logprobs", "rewards", "critic_values"),
                 "ppo_update": ("advantages",),
+                # a GAE run's critic: its values beside the log-prob passes, its update after the advantages
+                "critic_values": ("rollout",), "critic_update": ("advantages",),
                 # the policy's AdamW state, written in the background after ppo_update commits
                 "ppo_update-optimizer": ("ppo_update",),
                 # a resident checkpoint iteration's weights, written in the background after that state
@@ -50,7 +52,8 @@ PREDECESSORS = {"prompts": (), "rollout": ("prompts",), "actor_logprobs": ("roll
 # a stage program, and then checks the driver's own log line ("the <role> worker died during
 # <program>", rft_core/workers/pool.py), so a wrong pick fails the row. The run starts its workers
 # together (rft_core.workers.pool.start_run_workers): their start order says nothing.
-ROLE_OF_STAGE = {"rollout": "rollout", "actor_logprobs": "rollout", "ref_logprobs": "reference", "ppo_update": "policy"}
+ROLE_OF_STAGE = {"rollout": "rollout", "actor_logprobs": "rollout", "ref_logprobs": "reference", "ppo_update": "policy",
+                 "critic_values": "critic", "critic_update": "critic"}
 
 
 def write_config(path: Path, model: str, iterations: int = 2) -> Path:
@@ -355,6 +358,22 @@ def write_fsdp_config(path: Path, model: str) -> Path:
                                  "update: {lr: 1.0e-3, micro_batch_size: 2, epochs: 2, fsdp: {reshard_after_forward: true}}")
                     .replace("orchestration: {workers: resident}", "orchestration: {workers: resident, policy_ranks: 2}")
                     .replace("name: faults-resident", "name: faults-fsdp")
+                    .replace("max_new_tokens: 48", "max_new_tokens: 16"))
+    return path
+
+
+def write_critic_gang_config(path: Path, model: str) -> Path:
+    """``write_resident_config``'s run as PPO with GAE and an FSDP2 critic held by a resident gang of
+    2 ranks (``orchestration.critic_ranks: 2``), 16 new tokens instead of 48 (as
+    ``write_fsdp_config``): the critic's shards and AdamW state live in the gang between updates."""
+    write_resident_config(path, model)
+    text = path.read_text()
+    assert "orchestration: {workers: resident}" in text and "max_new_tokens: 48" in text
+    path.write_text(text.replace("orchestration: {workers: resident}",
+                                 "orchestration: {workers: resident, critic_ranks: 2}\n"
+                                 "advantage: {estimator: gae, gae_lambda: 0.9}\n"
+                                 "critic: {lr: 1.0e-2, fsdp: {reshard_after_forward: true}}")
+                    .replace("name: faults-resident", "name: faults-critic-gang")
                     .replace("max_new_tokens: 48", "max_new_tokens: 16"))
     return path
 
@@ -876,6 +895,20 @@ def fsdp_row(b: Baseline, target: str, kill: str) -> Outcome:
     """tests/test_faults_fsdp.py: kill the driver, or the policy worker's rank 0, in ``target`` of
     iteration 2 (15 min allowed: two ranks rebuilt per rerun)."""
     return b.kill(f"run-{target}-{kill}", target, 2, f"fsdp-{target}-{kill}", kill=kill, timeout=900)
+
+
+def critic_gang_baseline(d: Path, model: str, api_url: str | None) -> Baseline:
+    """The resident critic gang scenario (``write_critic_gang_config``): 3 iterations, the weights the
+    uninterrupted run's (iteration 3's advantages come from the critic that update 2 trained)."""
+    config = write_critic_gang_config(d / "critic-gang.yaml", model)
+    weights, timeline = baseline_run(config, d / "baseline", api_url, final_iteration=3)
+    return Baseline(config, weights, timeline, api_url, str(d), final_iteration=3)
+
+
+def critic_gang_row(b: Baseline) -> Outcome:
+    """tests/test_faults_critic.py: kill the critic gang's rank 0 in iteration 2's ``critic_update``
+    (15 min allowed: a new gang of two ranks, as ``fsdp_row``)."""
+    return b.kill("run-critic_update-worker", "critic_update", 2, "critic-gang-worker", kill="worker", timeout=900)
 
 
 def partial_baseline(d: Path, model: str, api_url: str | None) -> Baseline:

@@ -44,7 +44,7 @@ ROW_PREFIX = "test_sigkill"
 # rows are placed so (2 or 3 per group, ~55 s each on 2 cores). The rows that share an expensive
 # baseline name their groups (``row(..., group=k)``), so fewer groups pay for it: the resident
 # rows (baseline ~85-110 s, a row ~85-175 s) groups 5, 6, 7 and 0, the FSDP2 rows (baseline ~3 min,
-# a row ~4 min) 1 and 2, the S3 rows 3 and 4, the asynchronous rows 4 and the partial-rollout row 7;
+# a row ~4 min) 1 and 2, the resident critic gang's row (with its baseline ~2 min) 0, the S3 rows 3 and 4, the asynchronous rows 4 and the partial-rollout row 7;
 # the long tests marked ``rotation(k)`` fill the groups with the fewest. Each group's seconds on
 # 2 cores, measured (tests/durations.txt's history; groups alone with ``RFT_ROTATION=k -m
 # rotation``: 4 and 5 on 2026-11-28/29, 5, 6 and 7 again on 2026-11-29 after the resident runs
