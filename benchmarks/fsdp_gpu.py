@@ -10,8 +10,7 @@ to warm up (kernels, lazy allocations, FSDP2's lazy init, DeepSpeed's partitioni
 measured, and prints one JSON line; the parent prints one JSON line per backend and a summary.
 
 FSDP2's ranks load as the update stage does: rank 0 reads the weights and sends each rank its
-shards (``rft_core.training.fsdp.load_on_rank0``); ``--load-every-rank``: every rank reads them,
-as before 2026-12-02 (the sharded weights are the same).
+shards (``rft_core.training.fsdp.weights_on_rank0``, since 2026-12-02).
 
 Per backend: ``setup_s`` (load, wrap, optimizer), ``update_s`` (the measured update: forward,
 backward, clipping and AdamW over ``--samples`` samples in ``--steps`` optimizer steps),
@@ -67,21 +66,16 @@ def _strategy(args, backend: str, model_path: str):
     """The model loaded in ``args.dtype`` and the strategy of ``backend`` over it."""
     from rft_core.config import DeepSpeedConfig, FSDPConfig
     from rft_core.models.loading import load_causal_lm
-    from rft_core.training.strategy import OptimizerSettings, build_strategy, trainable_model
+    from rft_core.training.strategy import OptimizerSettings, build_strategy, weights_on_rank0
 
-    def load():
+    with weights_on_rank0(backend == "fsdp"):  # as the update stage loads it: FSDP2's rank 0 alone reads the weights
         model = load_causal_lm(model_path, dtype=args.dtype, trainable=True)
-        if args.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
-
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optim = OptimizerSettings(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
     if backend == "fsdp":
-        fsdp = FSDPConfig(reshard_after_forward=True)
-        # as the update stage loads it (rank 0 reads the weights), or every rank reading them (before 2026-12-02)
-        model = load() if args.load_every_rank else trainable_model(load, fsdp=fsdp)
-        return build_strategy(model, optim=optim, fsdp=fsdp)
-    return build_strategy(load(), optim=optim, deepspeed=DeepSpeedConfig(zero_stage=3), keeps_deepspeed_state=True)
+        return build_strategy(model, optim=optim, fsdp=FSDPConfig(reshard_after_forward=True))
+    return build_strategy(model, optim=optim, deepspeed=DeepSpeedConfig(zero_stage=3), keeps_deepspeed_state=True)
 
 
 def one(args) -> int:
@@ -101,6 +95,8 @@ def one(args) -> int:
     strategy = _strategy(args, args.backend, args.model)
     tok = load_tokenizer(args.model)
     setup_s = time.perf_counter() - t0
+    setup_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB: this rank's peak while loading
+    setup_gpu = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     data = _data(args, min(len(tok), 32000))
     settings = UpdateSettings(UpdateConfig(micro_batch_size=args.micro_batch,
                                            train_batch_size=max(1, args.samples // args.steps), packing=True))
@@ -119,7 +115,8 @@ def one(args) -> int:
         torch.cuda.reset_peak_memory_stats()
     steps, update_s = update()
     row = {"backend": args.backend, "rank": strategy.rank, "world_size": strategy.world_size,
-           "setup_s": round(setup_s, 2), "warmup_s": round(warm_s, 2), "update_s": round(update_s, 2),
+           "setup_s": round(setup_s, 2), "setup_peak_rss_gib": round(setup_rss, 3),
+           "setup_peak_gib": None if setup_gpu is None else round(setup_gpu, 3), "warmup_s": round(warm_s, 2), "update_s": round(update_s, 2),
            "optimizer_steps": len(steps), "grad_norm": steps[-1].grad_norm, "policy_loss": steps[-1].policy_loss,
            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
@@ -149,7 +146,8 @@ def _child(args, backend: str) -> dict | None:
         raise SystemExit(f"{backend}: the child failed with exit code {proc.returncode}")
     first = min(rows, key=lambda r: r["rank"])
     return {**first, "update_s": max(r["update_s"] for r in rows), "ranks": len(rows),
-            "peak_rss_gib": round(sum(r["peak_rss_gib"] for r in rows), 3), "wall_s": round(time.perf_counter() - t0, 1)}
+            "peak_rss_gib": round(sum(r["peak_rss_gib"] for r in rows), 3), "wall_s": round(time.perf_counter() - t0, 1),
+            "setup_peak_rss_gib_by_rank": [r["setup_peak_rss_gib"] for r in sorted(rows, key=lambda r: r["rank"])]}
 
 
 def main() -> int:
@@ -163,8 +161,6 @@ def main() -> int:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps of the update")
     ap.add_argument("--gradient-checkpointing", action="store_true")
-    ap.add_argument("--load-every-rank", action="store_true",
-                    help="FSDP2: every rank reads the weights (as before 2026-12-02), not rank 0 alone")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--nproc", type=int, default=1, help="ranks (torch.distributed.run) per backend")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (gloo)")
@@ -191,7 +187,6 @@ def main() -> int:
                         f"--prompt-len={args.prompt_len}", f"--response-len={args.response_len}",
                         f"--micro-batch={args.micro_batch}", f"--steps={args.steps}",
                         *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
-                        *(["--load-every-rank"] if args.load_every_rank else []),
                         *(["--cpu"] if args.cpu else [])]
     device = "cpu" if args.cpu else torch.cuda.get_device_name(0)
     rows = []

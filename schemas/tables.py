@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -245,10 +245,12 @@ def _read_file(fs, fpath: str, entry, *, uri: str, schema: StageSchema, verify: 
     return table
 
 
-def verify_files(uri: str, *, under: str = "", local_copy: str | None = None) -> list[str]:
+def verify_files(uri: str, *, under: str = "", local_copy: str | None = None,
+                 skip: Callable[[str], bool] | None = None) -> list[str]:
     """Check the committed files of the stage at ``uri`` below its sub-folder ``under`` ("" for
     all) against the manifest: present, same size, same checksum. Files pruned on purpose
-    (``_PRUNED.json``) are skipped. A local file that this process wrote or checked before,
+    (``_PRUNED.json``) are skipped, and those ``skip`` (called with the path relative to ``uri``)
+    says the caller will not read. A local file that this process wrote or checked before,
     unchanged since (size, mtime), is not hashed again.
 
     Args:
@@ -271,7 +273,7 @@ def verify_files(uri: str, *, under: str = "", local_copy: str | None = None) ->
         fs = LocalFileSystem()
     checked = []
     for entry in manifest.files:
-        if not entry.path.startswith(prefix) or entry.path in pruned:
+        if not entry.path.startswith(prefix) or entry.path in pruned or (skip is not None and skip(entry.path)):
             continue
         fpath = os.path.join(local_copy, entry.path[len(prefix):]) if local_copy is not None else f"{path}/{entry.path}"
         shown = f"{uri.rstrip('/')}/{entry.path}"

@@ -3,7 +3,7 @@ and an FSDP2 critic held by ``orchestration.critic_ranks: 2`` Ray actors, 3 iter
 ``checkpoint.every: 3``. The gang's rank 0 is SIGKILLed inside iteration 2's ``critic_update``,
 while the gang holds the shards and AdamW state the first update left; the run replaces the gang,
 whose two new ranks restore them from iteration 1's committed critic and ``critic-optimizer/``
-(rank 0 reading the weights: ``rft_core.training.fsdp.load_on_rank0``) and run the update again;
+(rank 0 reading the weights: ``rft_core.training.fsdp.weights_on_rank0``) and run the update again;
 the rerun reuses every committed stage, and the final policy equals the uninterrupted run's bit for
 bit: iteration 3's values, and so its advantages and update, come from the critic update 2 trained.
 The rewards vary inside each group (tests/varying.py).

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from rft_core.models.hub import ModelLoadError, attn_implementation, set_trainable
-from rft_core.models.pretrained import load_pretrained, load_tokenizer, resolve_model_path
+from rft_core.models.pretrained import building_shell, load_pretrained, load_tokenizer, resolve_model_path
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -230,7 +230,9 @@ def load_adapter_policy(adapter_dir: str | Path, *, dtype: str = "float32", trai
     base = load_pretrained(AutoModelForCausalLM, base_path, dtype=dtype, trainable=False, what="LoRA base model",
                            model_kwargs={"attn_implementation": attn_implementation(dtype)})
     try:
-        model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable and not merge)
+        # on a meta base (meta_shell) the adapters are assigned, not copied into meta tensors (a no-op torch warns of)
+        model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable and not merge,
+                                          low_cpu_mem_usage=building_shell())
     except Exception as exc:
         raise ModelLoadError(f"cannot load the LoRA adapter {adapter_dir} on {base_path!r}: {exc}") from exc
     if merge:

@@ -8,7 +8,6 @@ import contextlib
 import contextvars
 import hashlib
 import threading
-import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -182,15 +181,12 @@ def meta_shell() -> Iterator[None]:
     parameter), and the loaders built on it (``load_causal_lm``, ``load_critic``, a LoRA
     policy's base) count no model load. What the loaders do after it (peft's adapters, a critic's
     value head, ``set_trainable``) runs on the meta tensors as on real ones. For the ranks of an
-    FSDP2 job that receive their shards from rank 0 (``rft_core.training.fsdp.load_on_rank0``);
-    torch's warning for each checkpoint tensor copied into a meta one (a LoRA checkpoint's
-    adapters: the copy is the no-op wanted here) is silenced inside it."""
+    FSDP2 job that receive their shards from rank 0 (``rft_core.training.fsdp.weights_on_rank0``);
+    the checkpoint folders of a run are then resolved without their weight files
+    (``rft_core.stages.checkpoints``)."""
     token = _SHELL.set(True)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter in the checkpoint to a meta",
-                                    category=UserWarning)
-            yield
+        yield
     finally:
         _SHELL.reset(token)
 

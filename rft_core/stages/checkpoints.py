@@ -20,9 +20,10 @@ from pathlib import Path
 import fsspec
 
 from rft_core.models.loading import cache_dir
+from rft_core.models.pretrained import building_shell
 import rft_core.stages.writer as writer
 from rft_core.stages.lineage import UPDATE_INPUT_KEY, WEIGHTS_DIGEST_KEY, policy_checkpoint_uri, weights_stage
-from rft_core.stages.retention import require_unpruned
+from rft_core.stages.retention import WEIGHT_SUFFIXES, require_unpruned
 from rft_core.stages.sharded_state import sharded_state_folder
 from rft_core.stages.writer import wait_for_optimizer_writes
 from rft_core.training.checkpoint import OPTIMIZER_FILE
@@ -125,28 +126,48 @@ _COMPLETE_MARKERS = ("config.json", "adapter_config.json", OPTIMIZER_FILE, "late
                      "dcp/.metadata")  # an FSDP2 state (torch.distributed.checkpoint)
 
 
+def _needs_no_weights(path: str) -> bool:
+    """A file of a checkpoint that a load inside ``meta_shell`` does not read: the model's weight
+    files (``model*.safetensors``, ``pytorch_model*.bin``, a critic's value head); a LoRA
+    adapter's weights stay (peft opens them on the meta base, small)."""
+    name = path.rsplit("/", 1)[-1]
+    return name.endswith(WEIGHT_SUFFIXES) and not name.startswith("adapter_model")
+
+
 def _checkpoint_folder(policy: ShardRef, subdir: str) -> str:
     """Local folder of ``{policy.uri}/{subdir}`` (``subdir=""``: the stage folder itself),
     checked against the manifest: the folder itself, or a download into the cache keyed by the
     manifest checksum (checked before it is renamed into place, so the cache never holds a
-    damaged copy; a cached copy is not checked again).
+    damaged copy; a cached copy is not checked again). Inside ``meta_shell`` (a rank of an FSDP2
+    job that receives its shards from rank 0: ``rft_core.training.fsdp.weights_on_rank0``) the
+    weight files (``_needs_no_weights``) are neither checked nor downloaded: a remote folder
+    comes without them, into a cache folder of its own.
 
     Raises:
         ShardCorruptError: a file is missing or its size or checksum differs from the manifest.
     """
     uri = f"{policy.uri.rstrip('/')}/{subdir}" if subdir else policy.uri
+    skip = _needs_no_weights if building_shell() else None
     local = local_path(uri)
     if local is not None:
-        verify_files(policy.uri, under=subdir)
+        verify_files(policy.uri, under=subdir, skip=skip)
         return local
-    target = cache_dir() / "checkpoints" / f"{policy.manifest_sha256}-{subdir or policy.stage}"
+    target = cache_dir() / "checkpoints" / f"{policy.manifest_sha256}-{subdir or policy.stage}{'-shell' if skip else ''}"
     if not any((target / name).exists() for name in _COMPLETE_MARKERS):
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".dl-", dir=target.parent))
         try:
             fs, path = fsspec.core.url_to_fs(uri)
-            fs.get(path.rstrip("/") + "/", str(tmp), recursive=True)
-            verify_files(policy.uri, under=subdir, local_copy=str(tmp))
+            if skip is None:
+                fs.get(path.rstrip("/") + "/", str(tmp), recursive=True)
+            else:
+                prefix = f"{subdir.strip('/')}/" if subdir.strip("/") else ""
+                names = [e.path[len(prefix):] for e in read_manifest(policy.uri)[0].files
+                         if e.path.startswith(prefix) and not skip(e.path)]
+                for name in names:
+                    (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                fs.get([f"{path.rstrip('/')}/{n}" for n in names], [str(tmp / n) for n in names])
+            verify_files(policy.uri, under=subdir, local_copy=str(tmp), skip=skip)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -17,7 +17,7 @@ from rft_core.stages.sharded_state import DEEPSPEED_FORMAT, FSDP_FORMAT, check_k
 from rft_core.stages.sources import critic_model, critic_strategy, critic_trained
 from rft_core.training.critic import CriticData, critic_update
 from rft_core.training.loop import pass_micro_batches
-from rft_core.training.strategy import DeepSpeedStateError, OptimizerSettings, build_strategy, trainable_model
+from rft_core.training.strategy import DeepSpeedStateError, OptimizerSettings, build_strategy, weights_on_rank0
 from schemas import PolicyRef, ShardRef, read_manifest, read_shard
 from schemas.batch import align_on_sample_id
 from schemas.columns import CRITIC_UPDATE, CRITIC_VALUES
@@ -140,17 +140,22 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         r = read_shard(inp.rollout, stage="rollout")
         a = align_on_sample_id(r, read_shard(inp.advantages, stage="advantages"), name="advantages")
         v = align_on_sample_id(r, read_shard(inp.critic_values, stage="critic_values"), name="critic_values")
-        path = critic_model_path(inp.model)
-        processor, media = _vision(path, r)
+        with weights_on_rank0(cfg.fsdp is not None):  # FSDP2: the other ranks read no weight file
+            path = critic_model_path(inp.model)
+            processor, media = _vision(path, r)
         data = CriticData(r.column("prompt_token_ids").to_pylist(), r.column("response_token_ids").to_pylist(),
                           v.column("values").to_pylist(), a.column("returns").to_pylist(), **media,
                           action_masks=r.column("action_mask").to_pylist())
         pad_id = pad_token_id(path)
-        strategy = critic_strategy(inp.model, lambda: build_strategy(
-            trainable_model(lambda: load_critic(path, dtype=cfg.dtype, trainable=True), fsdp=cfg.fsdp),
-            optim=OptimizerSettings.of(cfg), deepspeed=cfg.deepspeed,
-            fsdp=cfg.fsdp, compute_dtype=cfg.dtype, keeps_deepspeed_state=True, **_saved_state(inp.model, cfg)),
-            lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
+
+        def build():
+            saved = _saved_state(inp.model, cfg)
+            with weights_on_rank0(cfg.fsdp is not None):
+                model = load_critic(path, dtype=cfg.dtype, trainable=True)
+            return build_strategy(model, optim=OptimizerSettings.of(cfg), deepspeed=cfg.deepspeed, fsdp=cfg.fsdp,
+                                  compute_dtype=cfg.dtype, keeps_deepspeed_state=True, **saved)
+
+        strategy = critic_strategy(inp.model, build, lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
         quiet = strategy.rank != 0
         with Timer() as t, progress_reporter("critic_update", unit="micro-batches", use_bar=False if quiet else None,
                                              log_fn=(lambda line: None) if quiet else None) as progress:

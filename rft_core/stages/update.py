@@ -50,7 +50,7 @@ from rft_core.training.strategy import (
     SingleProcess,
     build_strategy,
     continue_with,
-    trainable_model,
+    weights_on_rank0,
 )
 from rft_core.training.update import (
     SampleCorrection,
@@ -209,15 +209,17 @@ def build_trainer(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str, opt_ref: 
             update.fsdp, the world size, ZeRO stage or dtype changed; named).
         FSDPStateError: an FSDP2 state of another dtype or of other weights (named).
     """
-    path = policy_model_path(policy)
     opt_dir, sharded = saved_optimizer_state(opt_ref, deepspeed=cfg.deepspeed is not None, fsdp=cfg.fsdp is not None)
     fsdp_state = sharded if isinstance(sharded, FSDPCheckpoint) else None
-    model = trainable_model(lambda: load_trainable_policy(policy, cfg, dtype=dtype), fsdp=cfg.fsdp)
+    with weights_on_rank0(cfg.fsdp is not None):  # FSDP2: the other ranks read no weight file
+        path = policy_model_path(policy)
+        model = load_trainable_policy(policy, cfg, dtype=dtype)
+        tokenizer, processor = load_tokenizer(path), vl_processor_or_none(path)
     strategy = build_strategy(model, optim=OptimizerSettings.of(cfg),
                               deepspeed=cfg.deepspeed, optimizer_state=opt_dir,
                               deepspeed_state=None if fsdp_state is not None else sharded,  # type: ignore[arg-type]
                               keeps_deepspeed_state=True, fsdp=cfg.fsdp, fsdp_state=fsdp_state)
-    return PolicyTrainer(strategy, load_tokenizer(path), vl_processor_or_none(path))
+    return PolicyTrainer(strategy, tokenizer, processor)
 
 
 def configure_trainer(trainer: PolicyTrainer, cfg: UpdateConfig) -> None:

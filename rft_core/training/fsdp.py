@@ -44,10 +44,11 @@ only from the weights it was saved with (every loaded master must round to the l
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import ContextManager, Iterator
 
 import torch
 
@@ -167,7 +168,7 @@ class FSDPStrategy:
         model: the loaded model (its weights on the CPU or any device; float32, bfloat16, or a
             LoRA model's float32 adapters on a bfloat16 base). With several ranks every rank
             trains on rank 0's weights: the other ranks' model may be on the meta device
-            (``load_on_rank0``), and each receives its shards from rank 0 (``_fill_from_rank0``).
+            (``weights_on_rank0``), and each receives its shards from rank 0 (``_fill_from_rank0``).
         lr, betas, weight_decay, max_grad_norm: AdamW and clipping (``OptimizerSettings``).
         reshard_after_forward, cpu_offload: ``FSDPConfig``'s.
         state: a saved sharded state to continue (None: AdamW afresh, masters from the weights).
@@ -193,9 +194,10 @@ class FSDPStrategy:
         self.bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        # several ranks: rank 0's weights, before the upcast (a bfloat16 model's travel in bfloat16)
+        # several ranks: rank 0's weights, before the upcast (a bfloat16 model's travel in bfloat16);
+        # rank 0 then upcasts in host memory and fully_shard moves one wrapped group at a time to the device
         full = _rank0_weights(model, self.rank) if self.world_size > 1 else None
-        if not cpu_offload and full is None:  # first, so that the float32 copy is made on the device
+        if not cpu_offload and full is None:  # one rank: first, so that the float32 copy is made on the device
             model.to(self.device)
         if trainable_bf16:  # the float32 masters: an exact upcast of the loaded bfloat16 weights
             model.to(torch.float32)
@@ -351,42 +353,74 @@ class FSDPStrategy:
         self._dist.barrier()
 
 
-def load_on_rank0(load: Callable[[], torch.nn.Module]) -> torch.nn.Module:
-    """The model an FSDP2 job shards, its weights read from storage by rank 0 alone: rank 0
-    calls ``load`` (the weights in its host memory), every other rank calls it inside
-    ``rft_core.models.pretrained.meta_shell`` (the same modules on the meta device, no weight
-    file read); ``FSDPStrategy`` then gives every rank its shards of rank 0's weights
-    (``_fill_from_rank0``). One rank: ``load()``. Joins the process group first (a collective
-    under torchrun: call it on every rank). The weights cross the ranks' interconnect once
-    instead of being read from the run root by every rank, and no rank holds the whole model
-    on its GPU (accelerate's ``cpu_ram_efficient_loading`` and verl's ``fsdp2_load_full_state_dict``
-    do the same: accelerate/utils/fsdp_utils.py, verl/utils/fsdp_utils.py).
+@contextlib.contextmanager
+def weights_on_rank0(sharded: bool) -> Iterator[None]:
+    """Where an FSDP2 job (``sharded``) loads the model it shards, so that rank 0 alone reads
+    its weights: on rank 0 (and on one rank, or without ``sharded``) as it stands; on every
+    other rank inside ``rft_core.models.pretrained.meta_shell``, where the loaders build the same
+    modules on the meta device and the checkpoint folders are resolved without their weight
+    files (``rft_core.stages.checkpoints``: not hashed, not downloaded); the tokenizer and config
+    files are read as before. ``FSDPStrategy`` then gives every rank its shards of rank 0's
+    weights (``_fill_from_rank0``). Joins the process group first (call it on every rank). The
+    weights cross the ranks' interconnect once instead of being read from the run root by every
+    rank, and no rank holds the whole model on its GPU (accelerate's ``cpu_ram_efficient_loading``
+    and verl's ``fsdp2_load_full_state_dict`` do the same: accelerate/utils/fsdp_utils.py,
+    verl/utils/fsdp_utils.py).
     """
-    rank, world_size = init_process_group()
-    if world_size == 1 or rank == 0:
-        return load()
-    with meta_shell():
-        return load()
+    if sharded:
+        rank, world_size = init_process_group()
+        if world_size > 1 and rank != 0:
+            with meta_shell():
+                yield
+            return
+    yield
+
+
+# how long the other ranks wait for rank 0 to load the model (NCCL's own default is 10 minutes)
+LOAD_WAIT = datetime.timedelta(hours=2)
+_WAIT_GROUPS: dict[int, object] = {}
+
+
+def _wait_group():
+    """A gloo group of every rank with ``LOAD_WAIT`` as its timeout, made once per world (a
+    collective the first time): the ranks that built a meta model wait in it for rank 0's load,
+    which may take longer than the default group's timeout, without holding an NCCL collective."""
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD)
+    if key not in _WAIT_GROUPS:
+        _WAIT_GROUPS.clear()
+        _WAIT_GROUPS[key] = dist.new_group(backend="gloo", timeout=LOAD_WAIT)
+    return _WAIT_GROUPS[key]
 
 
 def _rank0_weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
     """Rank 0's ``model.state_dict()`` (every name, a tied weight under both; empty on the other
     ranks), after checking that every rank holds the same modules: the same names, shapes,
-    dtypes and trainable flags, the same tied weights and the same buffers (a collective).
+    dtypes and trainable flags, the same tied weights and the same buffers (a collective over
+    ``_wait_group``).
 
     Raises:
-        ValueError: on every rank, naming the first names that differ from rank 0's (a model
-            another rank built otherwise, e.g. other code or another transformers version).
+        ValueError: on every rank, naming the names that differ from rank 0's (a model another
+            rank built otherwise, e.g. other code or another transformers version; or a
+            checkpoint whose LM head differs from its embedding although its config ties them,
+            which transformers loads untied on rank 0 while the other ranks build them tied).
     """
     import torch.distributed as dist
 
-    mine = _layout(model)
+    group = _wait_group()
     layouts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(layouts, mine)
-    odd = [(r, sorted(set(layouts[0]) ^ set(other))[:4]) for r, other in enumerate(layouts) if other != layouts[0]]
-    if odd:
-        raise ValueError(f"FSDP2: rank {odd[0][0]} built another model than rank 0 (first differences: {odd[0][1]}); "
-                         "every rank must run the same code and transformers version on the same checkpoint")
+    dist.all_gather_object(layouts, _layout(model), group=group)
+    odd = next(((r, other) for r, other in enumerate(layouts) if other != layouts[0]), None)
+    if odd is not None:
+        r, other = odd
+        only0, only_r = sorted(set(layouts[0]) - set(other))[:3], sorted(set(other) - set(layouts[0]))[:3]
+        ties = {e[:5] for e in only0} == {e[:5] for e in only_r}  # the same weights, tied otherwise
+        why = ("rank 0 loaded weights untied that the config ties (the checkpoint holds other values for them: "
+               "transformers unties them); set tie_word_embeddings: false in its config.json"
+               if ties else "every rank must run the same code and transformers version on the same checkpoint")
+        raise ValueError(f"FSDP2: rank {r} built another model than rank 0: rank 0 has {only0}, rank {r} has "
+                         f"{only_r}; {why}")
     return model.state_dict() if rank == 0 else {}
 
 
@@ -405,13 +439,14 @@ def _layout(model: torch.nn.Module) -> list[tuple]:
 def _fill_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], *, rank: int, shards_on: torch.device,
                      buffers_on: torch.device, cpu_offload: bool) -> None:
     """Give every rank of the sharded ``model`` its shards of rank 0's weights ``full`` and rank
-    0's buffers (a collective). The other ranks' tensors (meta, from ``load_on_rank0``) are first
-    made real on ``shards_on`` (``to_empty``), so that torch copies each shard in place, which
-    keeps the parameters' dtypes (a bfloat16 weight into its float32 master, exactly) and a tied
-    embedding and LM head one parameter; then ``set_model_state_dict(full_state_dict=True,
-    broadcast_from_rank0=True)`` (torch/distributed/checkpoint/state_dict.py, 2.13: one tensor
-    at a time over the group's device, each rank keeping its slice; it refuses tensors on several
-    devices, so the buffers wait on ``shards_on``); then every buffer from rank 0, since the
+    0's buffers (a collective). The other ranks' tensors (meta, from ``weights_on_rank0``) are
+    first made real on ``shards_on`` (``to_empty``), so that torch copies each shard in place,
+    which keeps the parameters' dtypes (a bfloat16 weight into its float32 master, exactly) and a
+    tied embedding and LM head one parameter; then ``set_model_state_dict(full_state_dict=True,
+    broadcast_from_rank0=True)`` (torch/distributed/checkpoint/state_dict.py, 2.13: one whole
+    tensor at a time over the group's device, each rank keeping its slice; it refuses tensors on
+    several devices, so the buffers wait on ``shards_on``); then every buffer from rank 0 by name
+    (a buffer two modules share is one tensor on rank 0 but two after ``to_empty``), since the
     non-persistent ones (a rotary embedding's ``inv_freq``) are in no state dict (verl's
     ``fsdp2_load_full_state_dict`` does the same), ending on ``buffers_on`` (where ``fully_shard``
     put rank 0's).
@@ -424,16 +459,16 @@ def _fill_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], *, r
 
     if rank != 0:
         model.to_empty(device=shards_on)
-    buffers = list(model.buffers())
-    for b in buffers:
-        b.data = b.data.to(shards_on)
+    named = [(m, name) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    for m, name in named:
+        m._buffers[name] = m._buffers[name].to(shards_on)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                cpu_offload=cpu_offload, strict=True))
     on = collective_device(dist.get_backend())
-    for b in buffers:
-        t = b.data.to(on)
+    for m, name in named:  # the same order on every rank: modules() and each module's buffers are ordered
+        t = m._buffers[name].to(on)
         dist.broadcast(t, src=0)
-        b.data = t.to(buffers_on)
+        m._buffers[name] = t.to(buffers_on)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         raise RuntimeError("FSDP2: a weight is still on the meta device after rank 0's weights were shared")
 

@@ -81,7 +81,7 @@ from rft_core.training.fsdp import (  # noqa: F401 - re-exported beside DeepSpee
     FSDPStateError,
     FSDPStrategy,
     check_fsdp_state,
-    load_on_rank0,
+    weights_on_rank0,
 )
 from rft_core.training.zero import (  # noqa: F401 - re-exported: the strategy module is their public home
     DeepSpeedCheckpoint,
@@ -287,14 +287,6 @@ def check_master_weights(params: dict[str, torch.Tensor], saved: dict[str, torch
         if not torch.equal(rounded, p.data):
             raise ValueError(f"{source}: master weight {name!r} does not round to the loaded checkpoint's weight: "
                              "this optimizer state belongs to another checkpoint")
-
-
-def trainable_model(load: Callable[[], torch.nn.Module], *, fsdp: FSDPConfig | None) -> torch.nn.Module:
-    """The model ``build_strategy`` will train: ``load()``, or under FSDP2 (``fsdp`` set) its
-    weights read by rank 0 alone and the same modules on the meta device on the other ranks
-    (``rft_core.training.fsdp.load_on_rank0``; ``FSDPStrategy`` gives each rank its shards of
-    rank 0's weights). DeepSpeed's ranks each load the model (``build_strategy``)."""
-    return load_on_rank0(load) if fsdp is not None else load()
 
 
 def build_strategy(model: torch.nn.Module, *, optim: OptimizerSettings, deepspeed: DeepSpeedConfig | None = None,

@@ -189,7 +189,7 @@ def resident_critic_gang(update_inputs, tiny_model: str, tmp_path: Path, cfg, pr
     model load but rank 0's one for the values pass (``model_loads``: the second update
     continued the held shards), both ranks holding the second update; each update continued the
     one before; the new gang loaded the critic once on each rank under DeepSpeed, on rank 0 alone
-    under FSDP2 (``rft_core.training.fsdp.load_on_rank0``), as the first gang did."""
+    under FSDP2 (``rft_core.training.fsdp.weights_on_rank0``), as the first gang did."""
     pytest.importorskip("ray")
     from rft_core.config import RayConfig, WorkersConfig
     from rft_core.models.critic import load_critic
@@ -221,7 +221,7 @@ def resident_critic_gang(update_inputs, tiny_model: str, tmp_path: Path, cfg, pr
         renewed = Gang.named(CriticWorker, workers.pool, 2).call(ResidentWorker.stats)
     finally:
         stop_workers(workers.pool)
-    once = [1, 0] if cfg.fsdp is not None else [1, 1]  # FSDP2: rank 0 alone reads the weights (load_on_rank0)
+    once = [1, 0] if cfg.fsdp is not None else [1, 1]  # FSDP2: rank 0 alone reads the weights (weights_on_rank0)
     assert loads == once and [s.get("model_loads", 0) for s in stats] == [loads[0] + 1, loads[1]], (loads, stats)
     assert [s["version"] for s in stats] == [f"{refs[1].uri}@{refs[1].manifest_sha256}"] * 2
     for got, want in zip(refs, staged):

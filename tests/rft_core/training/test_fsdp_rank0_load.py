@@ -1,8 +1,8 @@
-"""FSDP2 reads a model's weights on rank 0 alone (``rft_core.training.fsdp.load_on_rank0``): the
+"""FSDP2 reads a model's weights on rank 0 alone (``rft_core.training.fsdp.weights_on_rank0``): the
 other ranks build the same modules on the meta device and receive their shards from rank 0. On 2
 ranks (spawned processes, gloo, one thread each), for a bfloat16 policy (float32 masters, tied
-embedding and LM head), a float32 policy with new LoRA adapters, a LoRA checkpoint continued
-with gradient checkpointing and a critic: every rank's shards
+embedding and LM head; also with CPU offload), a float32 policy with new LoRA adapters, a LoRA
+checkpoint continued with gradient checkpointing and a critic: every rank's shards
 gather to exactly the weights a full load gives (the masters exactly upcast), the rotary buffers
 (in no state dict) are rank 0's, the tie holds, the sharded forward equals the full model's, and
 rank 1 counted no model load and read no weight bytes while rank 0 did. A rank that built another
@@ -22,7 +22,7 @@ from rft_core.models.critic import load_critic
 from rft_core.models.lora import apply_lora
 from rft_core.models.loading import load_causal_lm
 from rft_core.network import free_port
-from rft_core.training.fsdp import FSDPStrategy, load_on_rank0
+from rft_core.training.fsdp import FSDPStrategy, weights_on_rank0
 
 WORLD = 2
 IDS = torch.tensor([[5, 17, 42, 7, 99, 3, 250, 11]])
@@ -61,16 +61,20 @@ def _critic(folder: str):
     return model
 
 
-CASES = {"policy-bf16": _policy_bf16, "policy-lora": _policy_lora, "policy-adapter": _policy_adapter, "critic": _critic}
+# name -> (what every rank loads, FSDP2's CPU offload)
+CASES = {"policy-bf16": (_policy_bf16, False), "policy-bf16-offload": (_policy_bf16, True),
+         "policy-lora": (_policy_lora, False), "policy-adapter": (_policy_adapter, False), "critic": (_critic, False)}
 
 
 def _case(name: str, folder: str, rank: int) -> dict:
-    build = CASES[name]
+    build, offload = CASES[name]
     before = dict(counts())
-    model = load_on_rank0(lambda: build(folder))
+    with weights_on_rank0(True):
+        model = build(folder)
     read = {k: counts().get(k, 0) - before.get(k, 0) for k in ("model_loads", "bytes_read")}
     meta_before = any(p.is_meta for p in model.parameters())
-    strategy = FSDPStrategy(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
+    strategy = FSDPStrategy(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0,
+                            cpu_offload=offload)
     reference = build(folder)  # what every rank would have loaded itself
     want = {n: p.detach().float() for n, p in reference.named_parameters()}
     got, diffs = {}, []
@@ -101,12 +105,41 @@ def _mismatch(folder: str, rank: int) -> str:
     return ""
 
 
+def _save_untied(folder: str) -> None:
+    """A checkpoint holding an LM head other than its embedding under a config that ties them:
+    transformers 5.24 loads it untied on rank 0 (``modeling_utils.py``: "both are present in the
+    checkpoints with different values, so we will NOT tie them"); a model built from the config ties."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(folder)
+    cfg.tie_word_embeddings = False
+    torch.manual_seed(5)
+    out = os.path.join(os.path.dirname(folder), "untied")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        saved = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**saved, "tie_word_embeddings": True}, f)
+
+
+def _untied(folder: str, rank: int) -> str:
+    try:
+        with weights_on_rank0(True):
+            model = load_causal_lm(os.path.join(os.path.dirname(folder), "untied"), trainable=True)
+        FSDPStrategy(model, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def _rank(rank: int, folder: str, port: int, out: str) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
     results = {name: _case(name, folder, rank) for name in CASES}
     results["mismatch"] = _mismatch(folder, rank)
+    results["untied"] = _untied(folder, rank)
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(results, f)
 
@@ -116,6 +149,7 @@ def ranks(tiny_model, tmp_path_factory) -> list[dict]:
     out = str(tmp_path_factory.mktemp("rank0-load"))
     folder = shutil.copytree(tiny_model, os.path.join(out, "model"))
     _save_adapter(folder)
+    _save_untied(folder)
     mp.start_processes(_rank, args=(folder, free_port(), out), nprocs=WORLD, start_method="spawn")
     results = []
     for r in range(WORLD):
@@ -144,3 +178,9 @@ def test_a_rank_that_built_another_model_is_refused_on_every_rank(ranks):
     for r in ranks:
         assert "rank 1 built another model than rank 0" in r["mismatch"], r["mismatch"]
         assert "torch.float32" in r["mismatch"] and "torch.bfloat16" in r["mismatch"]
+
+
+def test_a_checkpoint_loaded_untied_against_its_config_is_refused_saying_so(ranks):
+    for r in ranks:
+        assert "rank 1 built another model than rank 0" in r["untied"], r["untied"]
+        assert "set tie_word_embeddings: false in its config.json" in r["untied"], r["untied"]
