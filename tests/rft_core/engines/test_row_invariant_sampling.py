@@ -6,6 +6,8 @@ ranks) shifted every other row's draws: in the demo preset's FSDP2 run 25 of 32 
 iteration 2 diverged from one changed token (docs/scale.md, "FSDP2 or DeepSpeed")."""
 from __future__ import annotations
 
+import pytest
+
 from rft_core.engines.hf import HFEngine
 
 PROMPTS = [[1, 20, 30, 31], [1, 40, 41, 42]]  # the same length: no padding differs between the runs
@@ -32,4 +34,8 @@ def test_a_row_that_ends_early_leaves_the_other_rows_draws_alone(parts):
     assert early[1].response_token_ids == b[:end + 1]  # row b ended there
     # row a: the same tokens and log-probs as when b ran to the end (its draws did not shift)
     assert early[0].response_token_ids == a
-    assert early[0].logprobs == full[0].logprobs
+    # while both rows decode, row a's log-probs are computed exactly as before; after b ended, the
+    # steps run on a batch of one row, whose other matmul shapes may round otherwise (1e-6 at the
+    # last step on an AVX-512 CPU, 2026-12-02)
+    assert early[0].logprobs[:end + 1] == full[0].logprobs[:end + 1]
+    assert early[0].logprobs == pytest.approx(full[0].logprobs, abs=1e-5, rel=0)
