@@ -140,7 +140,7 @@ def run_update(inp: CriticUpdateInput) -> ShardRef:
         r = read_shard(inp.rollout, stage="rollout")
         a = align_on_sample_id(r, read_shard(inp.advantages, stage="advantages"), name="advantages")
         v = align_on_sample_id(r, read_shard(inp.critic_values, stage="critic_values"), name="critic_values")
-        with weights_on_rank0(cfg.fsdp is not None):  # FSDP2: the other ranks read no weight file
+        with weights_on_rank0(cfg.fsdp is not None):  # FSDP2: the other ranks read no model weights
             path = critic_model_path(inp.model)
             processor, media = _vision(path, r)
         data = CriticData(r.column("prompt_token_ids").to_pylist(), r.column("response_token_ids").to_pylist(),

@@ -211,7 +211,7 @@ def build_trainer(policy: PolicyRef, cfg: UpdateConfig, *, dtype: str, opt_ref: 
     """
     opt_dir, sharded = saved_optimizer_state(opt_ref, deepspeed=cfg.deepspeed is not None, fsdp=cfg.fsdp is not None)
     fsdp_state = sharded if isinstance(sharded, FSDPCheckpoint) else None
-    with weights_on_rank0(cfg.fsdp is not None):  # FSDP2: the other ranks read no weight file
+    with weights_on_rank0(cfg.fsdp is not None):  # FSDP2: the other ranks read no model weights
         path = policy_model_path(policy)
         model = load_trainable_policy(policy, cfg, dtype=dtype)
         tokenizer, processor = load_tokenizer(path), vl_processor_or_none(path)
