@@ -2,7 +2,8 @@
 other ranks build the same modules on the meta device and receive their shards from rank 0. On 2
 ranks (spawned processes, gloo, one thread each), for a bfloat16 policy (float32 masters, tied
 embedding and LM head; also with CPU offload), a float32 policy with new LoRA adapters, a LoRA
-checkpoint continued with gradient checkpointing and a critic: every rank's shards
+checkpoint continued with gradient checkpointing, a critic and the tiny Qwen2-VL (vision blocks,
+mrope buffers): every rank's shards
 gather to exactly the weights a full load gives (the masters exactly upcast), the rotary buffers
 (in no state dict) are rank 0's, the tie holds, the sharded forward equals the full model's, and
 rank 1 counted no model load and read no weight bytes while rank 0 did. A rank that built another
@@ -21,6 +22,7 @@ from rft_core.counters import counts
 from rft_core.models.critic import load_critic
 from rft_core.models.lora import apply_lora
 from rft_core.models.loading import load_causal_lm
+from rft_core.models.tiny_vl import TINY_VL_MODEL, ensure_tiny_vl_model
 from rft_core.network import free_port
 from rft_core.training.fsdp import FSDPStrategy, weights_on_rank0
 
@@ -54,6 +56,11 @@ def _save_adapter(folder: str) -> None:
     model.save_pretrained(os.path.join(os.path.dirname(folder), "adapter"))
 
 
+def _policy_vl(folder: str):
+    """The tiny Qwen2-VL (``tiny-qwen2-vl``): vision blocks and decoder layers, mrope buffers."""
+    return load_causal_lm(TINY_VL_MODEL, dtype="bfloat16", trainable=True)
+
+
 def _critic(folder: str):
     model = load_critic(folder, trainable=True)
     with torch.no_grad():  # a fresh head is zero: give it values that show where they came from
@@ -63,7 +70,13 @@ def _critic(folder: str):
 
 # name -> (what every rank loads, FSDP2's CPU offload)
 CASES = {"policy-bf16": (_policy_bf16, False), "policy-bf16-offload": (_policy_bf16, True),
-         "policy-lora": (_policy_lora, False), "policy-adapter": (_policy_adapter, False), "critic": (_critic, False)}
+         "policy-lora": (_policy_lora, False), "policy-adapter": (_policy_adapter, False), "critic": (_critic, False),
+         "policy-vl": (_policy_vl, False)}
+
+
+def _inner(model):
+    """A peft model's base, or the model."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _case(name: str, folder: str, rank: int) -> dict:
@@ -85,13 +98,14 @@ def _case(name: str, folder: str, rank: int) -> dict:
                 diffs.append(n)
         buffers = {n: b for n, b in strategy.model.named_buffers()}
         buffer_diffs = [n for n, b in reference.named_buffers() if not torch.equal(buffers[n], b)]
-        inner = strategy.model.get_base_model() if hasattr(strategy.model, "get_base_model") else strategy.model
-        tied = (inner.lm_head.weight is inner.model.embed_tokens.weight) if hasattr(inner, "lm_head") else None
+        inner = _inner(strategy.model)
+        tied, ref_tied = (None if not hasattr(m, "lm_head") else m.get_output_embeddings().weight is
+                          m.get_input_embeddings().weight for m in (inner, _inner(reference)))
         logits = strategy.model(input_ids=IDS).logits.float()
         # bfloat16 compute from the float32 masters: the reference computes on its bfloat16 weights
         ref_logits = reference(input_ids=IDS).logits.float()
     return {"read": read, "meta_before": meta_before, "diffs": diffs, "buffer_diffs": buffer_diffs,
-            "buffers": sorted(buffers), "tied": tied, "masters": sorted({str(t.dtype) for t in got.values()}),
+            "buffers": sorted(buffers), "tied": tied, "ref_tied": ref_tied, "masters": sorted({str(t.dtype) for t in got.values()}),
             "logits_diff": float((logits - ref_logits).abs().max()), "logits_max": float(ref_logits.abs().max())}
 
 
@@ -150,6 +164,7 @@ def ranks(tiny_model, tmp_path_factory) -> list[dict]:
     folder = shutil.copytree(tiny_model, os.path.join(out, "model"))
     _save_adapter(folder)
     _save_untied(folder)
+    ensure_tiny_vl_model()  # built once here, not by both ranks at once
     mp.start_processes(_rank, args=(folder, free_port(), out), nprocs=WORLD, start_method="spawn")
     results = []
     for r in range(WORLD):
@@ -166,9 +181,9 @@ def test_rank0_alone_reads_the_weights_and_every_rank_gets_its_shards_of_them(ra
     for r in (zero, one):
         assert r["diffs"] == [] and r["buffer_diffs"] == []  # bit for bit, every parameter and buffer
         assert r["masters"] == ["torch.float32"]  # a bfloat16 policy's masters: its weights exactly upcast
-    if case != "critic":
-        assert "model.rotary_emb.inv_freq" in {b.removeprefix("base_model.model.") for b in zero["buffers"]}
-        assert zero["tied"] is True and one["tied"] is True
+    if case != "critic":  # the rotary embedding's inv_freq: in no state dict, rank 0's on every rank (above)
+        assert any(b.endswith("rotary_emb.inv_freq") for b in zero["buffers"]), zero["buffers"]
+        assert zero["tied"] is one["tied"] is zero["ref_tied"] is True  # both tiny models tie their head
     # the sharded forward computes what the full model computes (bfloat16: on the same rounded weights)
     assert zero["logits_max"] > 1e-3
     assert zero["logits_diff"] <= 1e-5 and one["logits_diff"] <= 1e-5, (zero["logits_diff"], one["logits_diff"])
