@@ -230,7 +230,8 @@ def load_adapter_policy(adapter_dir: str | Path, *, dtype: str = "float32", trai
     base = load_pretrained(AutoModelForCausalLM, base_path, dtype=dtype, trainable=False, what="LoRA base model",
                            model_kwargs={"attn_implementation": attn_implementation(dtype)})
     try:
-        # on a meta base (meta_shell) the adapters are assigned, not copied into meta tensors (a no-op torch warns of)
+        # on a meta base (meta_shell) peft loads the adapters with assign=True (they stay on meta with the base),
+        # where a copy into meta tensors would be a no-op torch warns of once per tensor
         model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable and not merge,
                                           low_cpu_mem_usage=building_shell())
     except Exception as exc:

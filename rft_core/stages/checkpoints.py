@@ -27,7 +27,7 @@ from rft_core.stages.retention import WEIGHT_SUFFIXES, require_unpruned
 from rft_core.stages.sharded_state import sharded_state_folder
 from rft_core.stages.writer import wait_for_optimizer_writes
 from rft_core.training.checkpoint import OPTIMIZER_FILE
-from schemas import PolicyRef, ShardRef, local_path, read_manifest, verify_files
+from schemas import PolicyRef, ShardRef, local_path, pruned_files, read_manifest, verify_files
 
 POLICY_SUBDIR = "policy"
 CRITIC_SUBDIR = "critic"
@@ -126,12 +126,13 @@ _COMPLETE_MARKERS = ("config.json", "adapter_config.json", OPTIMIZER_FILE, "late
                      "dcp/.metadata")  # an FSDP2 state (torch.distributed.checkpoint)
 
 
-def _needs_no_weights(path: str) -> bool:
+def _shell_skips(path: str) -> bool:
     """A file of a checkpoint that a load inside ``meta_shell`` does not read: the model's weight
-    files (``model*.safetensors``, ``pytorch_model*.bin``, a critic's value head); a LoRA
-    adapter's weights stay (peft opens them on the meta base, small)."""
+    files (``model*.safetensors``, ``pytorch_model*.bin``, a critic's value head) and a single
+    process's AdamW state (``optimizer.pt``); a LoRA adapter's weights stay (peft opens them on
+    the meta base, small)."""
     name = path.rsplit("/", 1)[-1]
-    return name.endswith(WEIGHT_SUFFIXES) and not name.startswith("adapter_model")
+    return name == OPTIMIZER_FILE or (name.endswith(WEIGHT_SUFFIXES) and not name.startswith("adapter_model"))
 
 
 def _checkpoint_folder(policy: ShardRef, subdir: str) -> str:
@@ -140,14 +141,14 @@ def _checkpoint_folder(policy: ShardRef, subdir: str) -> str:
     manifest checksum (checked before it is renamed into place, so the cache never holds a
     damaged copy; a cached copy is not checked again). Inside ``meta_shell`` (a rank of an FSDP2
     job that receives its shards from rank 0: ``rft_core.training.fsdp.weights_on_rank0``) the
-    weight files (``_needs_no_weights``) are neither checked nor downloaded: a remote folder
+    weight files (``_shell_skips``) are neither checked nor downloaded: a remote folder
     comes without them, into a cache folder of its own.
 
     Raises:
         ShardCorruptError: a file is missing or its size or checksum differs from the manifest.
     """
     uri = f"{policy.uri.rstrip('/')}/{subdir}" if subdir else policy.uri
-    skip = _needs_no_weights if building_shell() else None
+    skip = _shell_skips if building_shell() else None
     local = local_path(uri)
     if local is not None:
         verify_files(policy.uri, under=subdir, skip=skip)
@@ -161,9 +162,9 @@ def _checkpoint_folder(policy: ShardRef, subdir: str) -> str:
             if skip is None:
                 fs.get(path.rstrip("/") + "/", str(tmp), recursive=True)
             else:
-                prefix = f"{subdir.strip('/')}/" if subdir.strip("/") else ""
+                prefix, pruned = (f"{subdir.strip('/')}/" if subdir.strip("/") else ""), pruned_files(policy.uri)
                 names = [e.path[len(prefix):] for e in read_manifest(policy.uri)[0].files
-                         if e.path.startswith(prefix) and not skip(e.path)]
+                         if e.path.startswith(prefix) and not skip(e.path) and e.path not in pruned]
                 for name in names:
                     (tmp / name).parent.mkdir(parents=True, exist_ok=True)
                 fs.get([f"{path.rstrip('/')}/{n}" for n in names], [str(tmp / n) for n in names])
@@ -171,10 +172,12 @@ def _checkpoint_folder(policy: ShardRef, subdir: str) -> str:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if target.exists():
-            shutil.rmtree(tmp)
-        else:
+        try:
             os.replace(tmp, target)
+        except OSError:  # another process (a rank on this node) put its download there first
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not any((target / name).exists() for name in _COMPLETE_MARKERS):
+                raise
     return str(target)
 
 

@@ -369,29 +369,31 @@ def weights_on_rank0(sharded: bool) -> Iterator[None]:
     """
     if sharded:
         rank, world_size = init_process_group()
-        if world_size > 1 and rank != 0:
-            with meta_shell():
-                yield
-            return
+        if world_size > 1:
+            _wait_group()  # made now, while every rank is here, not after rank 0's load
+            if rank != 0:
+                with meta_shell():
+                    yield
+                return
     yield
 
 
 # how long the other ranks wait for rank 0 to load the model (NCCL's own default is 10 minutes)
 LOAD_WAIT = datetime.timedelta(hours=2)
-_WAIT_GROUPS: dict[int, object] = {}
+_WAIT_GROUP: list = []  # [(the default group it was made in, the gloo group)]
 
 
 def _wait_group():
-    """A gloo group of every rank with ``LOAD_WAIT`` as its timeout, made once per world (a
-    collective the first time): the ranks that built a meta model wait in it for rank 0's load,
-    which may take longer than the default group's timeout, without holding an NCCL collective."""
+    """A gloo group of every rank with ``LOAD_WAIT`` as its timeout, made once per default group
+    (a collective the first time; a default group destroyed and made again gets a new one): the
+    ranks that built a meta model wait in it for rank 0's load, which may take longer than the
+    default group's timeout, without holding an NCCL collective."""
     import torch.distributed as dist
 
-    key = id(dist.group.WORLD)
-    if key not in _WAIT_GROUPS:
-        _WAIT_GROUPS.clear()
-        _WAIT_GROUPS[key] = dist.new_group(backend="gloo", timeout=LOAD_WAIT)
-    return _WAIT_GROUPS[key]
+    world = dist.group.WORLD
+    if not _WAIT_GROUP or _WAIT_GROUP[0][0] is not world:  # the old world object is held: no reused id
+        _WAIT_GROUP[:] = [(world, dist.new_group(backend="gloo", timeout=LOAD_WAIT))]
+    return _WAIT_GROUP[0][1]
 
 
 def _rank0_weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:

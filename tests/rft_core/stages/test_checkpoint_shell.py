@@ -44,6 +44,6 @@ def test_a_shell_load_downloads_a_remote_checkpoint_without_its_weights(tmp_path
     ref = ShardRef(**{**local.model_dump(), "uri": remote})
     with meta_shell():
         shell = policy_model_path(ref)
-    assert sorted(os.listdir(shell)) == ["config.json", "optimizer.pt", "tokenizer.json"]  # all but the weights
+    assert sorted(os.listdir(shell)) == ["config.json", "tokenizer.json"]  # no weights, no AdamW state
     full = policy_model_path(ref)
     assert full != shell and "model.safetensors" in os.listdir(full)  # rank 0 on the same machine still gets them
