@@ -287,11 +287,7 @@ class FSDPStrategy:
         full = get_model_state_dict(self.model, options=options)
         if self.rank != 0:
             return None
-        first: dict[int, str] = {}
-        tied = {}  # a later name of a parameter -> its first name
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            tied.update({name: first[id(p)]} if id(p) in first else {})
-            first.setdefault(id(p), name)
+        tied = {n: src for n, src in _first_names(self.model).items() if n != src}  # a later name -> the first
         out = {n: t.to(self._saved_dtypes.get(n, t.dtype)) for n, t in full.items() if n not in tied}
         out.update({n: out[src] for n, src in tied.items() if n in full and src in out})
         return out
@@ -430,12 +426,18 @@ def _layout(model: torch.nn.Module) -> list[tuple]:
     """What ranks must agree on before rank 0's weights are shared: (name, shape, dtype,
     requires_grad) of every parameter (tied ones under each name, with the first name they
     share), and (name, shape, dtype) of every buffer."""
-    first: dict[int, str] = {}
-    params = []
-    for n, p in model.named_parameters(remove_duplicate=False):
-        params.append(("param", n, tuple(p.shape), str(p.dtype), p.requires_grad, first.setdefault(id(p), n)))
+    first = _first_names(model)
+    params = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad, first[n])
+              for n, p in model.named_parameters(remove_duplicate=False)]
     buffers = [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers(remove_duplicate=False)]
     return params + buffers
+
+
+def _first_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every parameter name of ``model`` (a tied weight under each of its names) -> the first
+    name of the same parameter in ``named_parameters`` order (itself unless tied to an earlier one)."""
+    first: dict[int, str] = {}
+    return {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _fill_from_rank0(model: torch.nn.Module, full: dict[str, torch.Tensor], *, rank: int, shards_on: torch.device,
